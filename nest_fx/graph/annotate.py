@@ -1,0 +1,225 @@
+"""Run a captured graph on fake tensors and record per-node shapes, FLOPs and memory.
+
+Nothing is allocated: parameters and inputs become FakeTensors (shape, dtype and device with
+no storage, so device-specific constants baked in by torch.export still match), FLOPs come from
+``torch.utils.flop_counter.FlopCounterMode`` read before and after each node, and the bytes
+saved for backward come from ``torch.autograd.graph.saved_tensors_hooks`` (deduplicated by
+storage, parameters and buffers excluded), so they are what autograd would really keep.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from nest_fx.graph.capture import clean_fqn
+
+MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "einsum"}
+# Ops that move or re-type a tensor without computing on it: a parameter seen through them is
+# still "the weight" of the matmul that consumes it.
+VIEW_OPS = {"view", "t", "transpose", "permute", "reshape", "expand", "contiguous", "to", "_to_copy",
+            "unsqueeze", "squeeze", "select", "slice", "index", "getitem", "alias", "type_as", "float",
+            "half", "bfloat16", "detach", "clone", "_unsafe_view", "chunk", "split", "unbind"}
+
+
+def op_kind(node: fx.Node, gm: fx.GraphModule) -> str:
+    """Short, stable op name: module class for call_module, function/method name otherwise."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__.lower()
+    if node.op in ("call_method", "get_attr", "placeholder", "output"):
+        return str(node.target) if node.op == "call_method" else node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def module_of(node: fx.Node) -> str:
+    """FQN of the innermost module the node ran in."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return clean_fqn(path)
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+class _FakeInterpreter(fx.Interpreter):
+    """Interpreter over fake copies of the module's state; records per-node facts."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.meta_of: Dict[int, torch.Tensor] = {}
+        self.state_keys: Set[int] = set()
+        for t in list(gm.parameters()) + list(gm.buffers()):
+            fake = self.fake_mode.from_tensor(t.detach()).requires_grad_(t.requires_grad)
+            self.meta_of[id(t)] = fake
+            self.state_keys.add(_storage_key(fake))
+        self.records: Dict[str, dict] = {}
+        self.current: Optional[str] = None
+        self.saved_seen: Set[int] = set()
+        self.counter = FlopCounterMode(display=False)
+        self.seen_params: Set[int] = set()
+        self.param_fqn: Dict[int, str] = {}
+        for name, p in gm.named_parameters(remove_duplicate=True):
+            self.param_fqn[id(p)] = name
+
+    # -- state substitution ---------------------------------------------------------------
+    def fetch_attr(self, target: str):
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor):
+            return self.meta_of.get(id(value), value)
+        return value
+
+    def call_module(self, target, args, kwargs):
+        mod = self.module.get_submodule(target)
+        state = {k: self.meta_of[id(v)] for k, v in
+                 list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))}
+        return functional_call(mod, state, tuple(args), dict(kwargs), tie_weights=False)
+
+    # -- recording ------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in self.state_keys and key not in self.saved_seen and self.current is not None:
+            self.saved_seen.add(key)
+            self.records[self.current]["saved_bytes"] += _storage_bytes(t)
+        return t
+
+    def _params_of(self, node: fx.Node) -> List[Tuple[str, torch.Tensor]]:
+        """(FQN, tensor) of parameters this node uses directly."""
+        found = []
+        if node.op == "call_module":
+            mod = self.module.get_submodule(node.target)
+            for name, p in mod.named_parameters(remove_duplicate=False):
+                found.append((f"{node.target}.{name}", p))
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = super().fetch_attr(arg.target)
+                if isinstance(value, torch.nn.Parameter):
+                    found.append((str(arg.target), value))
+        return found
+
+    def run_node(self, n: fx.Node):
+        if n.op in ("get_attr",):
+            return super().run_node(n)
+        rec = {"saved_bytes": 0}
+        self.records[n.name] = rec
+        self.current = n.name
+        before = self.counter.get_total_flops()
+        result = super().run_node(n)
+        self.current = None
+        rec["flops"] = float(self.counter.get_total_flops() - before)
+        inputs = [self.env[a] for a in n.all_input_nodes if a in self.env]
+        in_t = _tensors(inputs)
+        out_t = _tensors(result)
+        rec["in_shapes"] = [list(t.shape) for t in in_t]
+        rec["in_dtypes"] = [_dtype_name(t.dtype) for t in in_t]
+        rec["out_shapes"] = [list(t.shape) for t in out_t]
+        rec["out_dtypes"] = [_dtype_name(t.dtype) for t in out_t]
+        rec["out_bytes"] = float(sum(t.numel() * t.element_size() for t in out_t))
+        pbytes, pnames, pcount = 0, [], 0
+        for name, p in self._params_of(n):
+            if id(p) in self.seen_params:
+                continue
+            self.seen_params.add(id(p))
+            pbytes += p.numel() * p.element_size()
+            pcount += p.numel()
+            pnames.append(self.param_fqn.get(id(p), name))
+        rec["param_bytes"], rec["params"], rec["num_params"] = float(pbytes), pnames, pcount
+        return result
+
+    def fake(self, value: Any) -> Any:
+        """Fake copies (same shape, dtype, device) of the tensors in a nested structure."""
+        return tree_map(lambda t: self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, value)
+
+    def execute(self, *args):
+        with self.fake_mode, self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with torch.enable_grad():
+                return self.run(*args)
+
+
+def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] = None) -> nx.DiGraph:
+    """Execute ``gm`` on fake copies of the inputs; return the OpGraph's DiGraph with node attributes."""
+    interp = _FakeInterpreter(gm)
+    args, kwargs = interp.fake(tuple(args)), interp.fake(dict(kwargs or {}))
+    in_spec = getattr(gm, "_in_spec", None)
+    flat_args = fx_pytree.tree_flatten_spec((args, kwargs), in_spec) if in_spec is not None else args
+    interp.execute(*flat_args)
+    graph = nx.DiGraph()
+    param_source: Dict[str, str] = {}
+    param_rank: Dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = fx.Interpreter.fetch_attr(interp, node.target)
+            if isinstance(value, torch.nn.Parameter):
+                fqn = interp.param_fqn.get(id(value), str(node.target))
+                param_source[node.name], param_rank[fqn] = fqn, value.dim()
+            continue
+        rec = interp.records.get(node.name)
+        if rec is None or (node.op == "call_module" and str(node.target).startswith("_guards")):
+            continue
+        kind = op_kind(node, gm)
+        attrs = dict(rec, op=kind, target=_target_str(node), module=module_of(node), fx_op=node.op)
+        weight = _weight_of(node, kind, gm, param_source, param_rank)
+        if weight:
+            attrs["weight"] = weight
+        if kind in VIEW_OPS:
+            src = next((param_source[a.name] for a in node.all_input_nodes if a.name in param_source), None)
+            if src:
+                param_source[node.name] = src
+        graph.add_node(node.name, **attrs)
+        for arg in node.all_input_nodes:
+            if arg.name in graph:
+                graph.add_edge(arg.name, node.name)
+    return graph
+
+
+def _weight_of(node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[str, str],
+               param_rank: Dict[str, int]) -> str:
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+        return f"{node.target}.weight"
+    if kind in MATMUL_OPS:
+        # The weight is the highest-rank parameter input (addmm(bias, x, weight) has two).
+        sources = [param_source[a.name] for a in node.all_input_nodes if a.name in param_source]
+        if sources:
+            return max(sources, key=lambda s: param_rank.get(s, 0))
+    return ""
+
+
+def _target_str(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__qualname__", None) or str(t)
+

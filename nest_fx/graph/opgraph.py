@@ -1,0 +1,145 @@
+"""OpGraph: the operator graph the rest of nest-fx consumes.
+
+A ``networkx.DiGraph`` whose nodes are fx node names with these attributes (SI units):
+
+    op            op kind: "linear", "scaled_dot_product_attention", "add", "mm", ...
+    target        the fx target as a string
+    module        fully-qualified name of the innermost module the op ran in ("" = root)
+    in_shapes     list of input tensor shapes;  in_dtypes: list of dtype names
+    out_shapes    list of output tensor shapes; out_dtypes: list of dtype names
+    flops         forward FLOPs (torch.utils.flop_counter)
+    param_bytes   bytes of parameters first used by this node
+    params        FQNs of those parameters
+    weight        FQN of the weight when the node is a parameterised matmul (linear-like)
+    out_bytes     bytes of the outputs
+    saved_bytes   bytes this node saved for backward that no earlier node saved (activations
+                  only; parameters are excluded)
+    block         index into ``OpGraph.blocks``
+
+Edges follow data flow (producer -> consumer).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional
+
+import networkx as nx
+
+SUMMARY_FORMAT = "nest-fx-opgraph/1"
+
+
+@dataclass
+class Block:
+    """A contiguous group of nodes: the head, one repeated layer, or the tail."""
+
+    index: int
+    name: str  # "head", "layers.0", ..., "tail"
+    kind: str  # "head" | "block" | "tail"
+    nodes: List[str] = field(default_factory=list)
+    signature: str = ""  # equal signatures = identical blocks (cost one, reuse)
+    flops: float = 0.0
+    param_bytes: float = 0.0
+    num_params: int = 0
+    saved_bytes: float = 0.0
+    out_bytes: float = 0.0  # bytes leaving this block for later blocks (stage boundary)
+    is_moe: bool = False
+
+
+@dataclass
+class TPPair:
+    """Linears that tensor parallelism shards together: columns then one row linear.
+
+    ``kind`` is "attention", "mlp" or "expert"; FQNs are relative to the block module, so one
+    pair describes every identical block.
+    """
+
+    kind: str
+    column: List[str]
+    row: str
+
+
+@dataclass
+class BlockPattern:
+    """Tensor-parallel structure shared by all blocks of one signature."""
+
+    signature: str
+    tp_pairs: List[TPPair] = field(default_factory=list)
+    routers: List[str] = field(default_factory=list)
+
+
+class OpGraph:
+    """Operator graph plus blocks and tensor-parallel patterns (see module docstring)."""
+
+    def __init__(self, graph: nx.DiGraph, *, model_name: str = "", method: str = "",
+                 input_shapes: Optional[List[list]] = None, block_container: str = ""):
+        self.graph = graph
+        self.model_name = model_name
+        self.method = method
+        self.input_shapes = input_shapes or []
+        self.block_container = block_container
+        self.blocks: List[Block] = []
+        self.patterns: Dict[str, BlockPattern] = {}
+
+    # -- access ---------------------------------------------------------------------------
+    def nodes(self, block: Optional[int] = None) -> Iterable[dict]:
+        """Node attribute dicts in topological order, optionally of one block."""
+        names = self.blocks[block].nodes if block is not None else list(self.graph.nodes)
+        for name in names:
+            yield dict(self.graph.nodes[name], name=name)
+
+    def __len__(self) -> int:
+        return self.graph.number_of_nodes()
+
+    @property
+    def layer_blocks(self) -> List[Block]:
+        return [b for b in self.blocks if b.kind == "block"]
+
+    def total(self, key: str) -> float:
+        return float(sum(d.get(key, 0) for _, d in self.graph.nodes(data=True)))
+
+    @property
+    def total_flops(self) -> float:
+        return self.total("flops")
+
+    @property
+    def total_param_bytes(self) -> float:
+        return self.total("param_bytes")
+
+    @property
+    def num_params(self) -> int:
+        return int(sum(b.num_params for b in self.blocks))
+
+    def pattern_of(self, block: Block) -> BlockPattern:
+        return self.patterns.get(block.signature, BlockPattern(block.signature))
+
+    def distinct_blocks(self) -> Dict[str, List[int]]:
+        """Signature -> indices of the layer blocks that share it."""
+        out: Dict[str, List[int]] = {}
+        for b in self.layer_blocks:
+            out.setdefault(b.signature, []).append(b.index)
+        return out
+
+    # -- export ---------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """JSON-ready summary: totals, blocks (without node lists) and TP patterns."""
+        blocks = []
+        for b in self.blocks:
+            d = asdict(b)
+            d["num_nodes"] = len(d.pop("nodes"))
+            blocks.append(d)
+        return {
+            "format": SUMMARY_FORMAT,
+            "model": self.model_name,
+            "method": self.method,
+            "input_shapes": self.input_shapes,
+            "block_container": self.block_container,
+            "num_nodes": len(self),
+            "totals": {
+                "flops": self.total_flops,
+                "param_bytes": self.total_param_bytes,
+                "num_params": self.num_params,
+                "saved_bytes": self.total("saved_bytes"),
+            },
+            "blocks": blocks,
+            "patterns": {sig: asdict(p) for sig, p in self.patterns.items()},
+        }

@@ -1,0 +1,59 @@
+"""``trace(model, example_inputs) -> OpGraph``: capture, annotate, group into blocks, find TP pairs."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+from torch.utils._pytree import tree_map
+
+from nest_fx.graph.annotate import annotate
+from nest_fx.graph.blocks import detect_blocks
+from nest_fx.graph.capture import TraceError, capture
+from nest_fx.graph.opgraph import OpGraph
+from nest_fx.graph.tp_pairs import find_patterns
+
+
+def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[Any]] = (),
+          example_kwargs: Optional[Dict[str, Any]] = None, *, method: str = "auto",
+          leaf_modules: Sequence[Any] = (), name: str = "") -> OpGraph:
+    """Trace ``model`` on meta tensors into an :class:`OpGraph`.
+
+    ``example_inputs`` (a tensor or a tuple) and ``example_kwargs`` only provide shapes and
+    dtypes. Nothing is computed: the graph runs on fake tensors, so a 175B-parameter model
+    built on ``torch.device("meta")`` traces on a laptop. Inputs are moved (as empty tensors
+    when they are meta) to the model's device, since torch.export bakes that device in.
+
+    ``method``: "fx" (torch.fx.symbolic_trace), "export" (non-strict torch.export, for
+    ``**kwargs`` forwards and data-dependent Python control flow), or "auto" (fx, then export).
+    ``leaf_modules``: module FQNs or classes that fx should keep as single ops.
+    Raises :class:`TraceError` naming the module and op that broke both tracers.
+    """
+    args: Tuple = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    args, kwargs = on_device(args, device), on_device(dict(example_kwargs or {}), device)
+    gm, used = capture(model, args, kwargs, method=method, leaf_modules=leaf_modules)
+    try:
+        graph = annotate(gm, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - report the failing op, not a raw interpreter trace
+        raise TraceError(f"captured the model with {used} but running it on fake tensors failed: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+                         "  fix: make the failing op's module a leaf (leaf_modules=[...]) or give it "
+                         "a meta kernel") from exc
+    shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
+    shapes += [list(t.shape) for t in kwargs.values() if isinstance(t, torch.Tensor)]
+    opgraph = OpGraph(graph, model_name=name or type(model).__name__, method=used, input_shapes=shapes)
+    opgraph.block_container, opgraph.blocks = detect_blocks(graph)
+    opgraph.patterns = find_patterns(graph, opgraph.blocks)
+    return opgraph
+
+
+def on_device(value: Any, device: torch.device) -> Any:
+    """Inputs on ``device``: meta tensors become empty (uninitialised) tensors of that shape."""
+    def move(t):
+        if not isinstance(t, torch.Tensor) or t.device == device:
+            return t
+        if t.device.type == "meta":
+            return torch.zeros(t.shape, dtype=t.dtype, device=device)
+        return t.to(device)
+    return tree_map(move, value)

@@ -1,0 +1,128 @@
+"""Named model configs from the literature and the ``gpt:key=value,...`` spec parser.
+
+Sources for the shapes:
+    gpt2-small    Radford et al. 2019 (124M): 12 layers, 768 hidden, 12 heads, 1024 ctx
+    bert-large    Devlin et al. 2019 (340M): 24 layers, 1024 hidden, 16 heads, 512 ctx
+                  (modelled as a pre-norm bidirectional encoder with an LM head)
+    llama2-7b     Touvron et al. 2023: 32 layers, 4096 hidden, 32 heads, FFN 11008, 4096 ctx
+    llama3-70b    Llama 3 report 2024: 80 layers, 8192 hidden, 64 heads / 8 KV, FFN 28672
+    mixtral-8x7b  Jiang et al. 2024: 32 layers, 4096 hidden, 32/8 heads, 8 experts top-2
+    gpt3-175b     Brown et al. 2020: 96 layers, 12288 hidden, 96 heads, 2048 ctx
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import fields, replace
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from nest_fx.models.transformer import Transformer, TransformerConfig
+
+_GPT = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
+_LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
+
+NAMED_CONFIGS: Dict[str, TransformerConfig] = {
+    "gpt2-small": TransformerConfig(
+        name="gpt2-small", vocab_size=50257, hidden=768, layers=12, heads=12, seq_len=1024,
+        tie_embeddings=True, **_GPT),
+    "bert-large": TransformerConfig(
+        name="bert-large", vocab_size=30522, hidden=1024, layers=24, heads=16, seq_len=512,
+        causal=False, tie_embeddings=True, norm_eps=1e-12, **_GPT),
+    "llama2-7b": TransformerConfig(
+        name="llama2-7b", vocab_size=32000, hidden=4096, layers=32, heads=32, ffn_hidden=11008,
+        seq_len=4096, **_LLAMA),
+    "llama3-70b": TransformerConfig(
+        name="llama3-70b", vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8,
+        ffn_hidden=28672, seq_len=8192, rope_theta=500000.0, **_LLAMA),
+    "mixtral-8x7b": TransformerConfig(
+        name="mixtral-8x7b", vocab_size=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
+        ffn_hidden=14336, seq_len=4096, num_experts=8, top_k=2, rope_theta=1e6, **_LLAMA),
+    "gpt3-175b": TransformerConfig(
+        name="gpt3-175b", vocab_size=50257, hidden=12288, layers=96, heads=96, seq_len=2048,
+        **_GPT),
+}
+
+_SPEC_ALIASES = {"vocab": "vocab_size", "seq": "seq_len", "ffn": "ffn_hidden", "experts": "num_experts",
+                 "kv": "kv_heads", "topk": "top_k"}
+
+
+def parse_spec(spec: str) -> TransformerConfig:
+    """Parse ``gpt:hidden=..,layers=..,heads=..,seq=..,vocab=..`` (or ``llama:``/``moe:``).
+
+    ``gpt:`` starts from GPT-2 style defaults (LayerNorm, GELU, learned positions), ``llama:``
+    from Llama defaults (RMSNorm, SwiGLU, RoPE), ``moe:`` from Llama defaults with 8 experts.
+    Any ``TransformerConfig`` field may be given; short aliases: vocab, seq, ffn, experts, kv, topk.
+    """
+    family, _, body = spec.partition(":")
+    base = {"gpt": _GPT, "llama": _LLAMA, "moe": dict(_LLAMA, num_experts=8, top_k=2)}.get(family)
+    if base is None:
+        raise ValueError(f"unknown model family {family!r} in {spec!r}: use gpt:, llama: or moe:")
+    valid = {f.name: f.type for f in fields(TransformerConfig)}
+    kwargs = dict(base)
+    for item in filter(None, (s.strip() for s in body.split(","))):
+        key, eq, value = item.partition("=")
+        key = _SPEC_ALIASES.get(key.strip(), key.strip())
+        if not eq or key not in valid or key == "name":
+            raise ValueError(
+                f"bad field {item!r} in model spec {spec!r}: expected key=value with key one of "
+                f"{sorted(set(valid) - {'name'} | set(_SPEC_ALIASES))}")
+        kwargs[key] = _coerce(value.strip(), kwargs.get(key, getattr(TransformerConfig, key, None)), item)
+    return TransformerConfig(name=spec, **kwargs)
+
+
+def _coerce(value: str, default, item: str):
+    try:
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, str):
+            return value
+        return int(value)
+    except ValueError:
+        raise ValueError(f"cannot parse {item!r}: value {value!r} has the wrong type") from None
+
+
+def get_config(name: str, **overrides) -> TransformerConfig:
+    """A named config (see ``NAMED_CONFIGS``) or a ``gpt:...`` spec, with field overrides."""
+    if name in NAMED_CONFIGS:
+        cfg = NAMED_CONFIGS[name]
+    elif ":" in name and not name.startswith("hf:"):
+        cfg = parse_spec(name)
+    else:
+        raise ValueError(
+            f"unknown model {name!r}: use one of {sorted(NAMED_CONFIGS)}, a spec like "
+            "'gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=50257', or 'hf:gpt2|llama|mixtral|bert'")
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+def build_model(name: str, *, device: str | torch.device = "meta", dtype: Optional[torch.dtype] = None,
+                **overrides) -> Tuple[torch.nn.Module, TransformerConfig]:
+    """Build a zoo model; on ``meta`` no memory is allocated (a 175B model builds in seconds)."""
+    cfg = get_config(name, **overrides)
+    with torch.device(device), _default_dtype(dtype):
+        model = Transformer(cfg)
+    return model, cfg
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: Optional[torch.dtype]):
+    if dtype is None:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def example_tokens(batch: int, seq: int, vocab: int, device: str | torch.device = "meta") -> torch.Tensor:
+    """Token ids of shape [batch, seq] (random on real devices, uninitialised on meta)."""
+    if torch.device(device).type == "meta":
+        return torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return torch.randint(0, vocab, (batch, seq), device=device)
