@@ -1,0 +1,58 @@
+"""Glue shared by the CLI and the Python API: names and files -> Cluster, OpGraph, Workload."""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from nest_fx.cost.compute import AnalyticalCompute
+from nest_fx.graph import OpGraph, trace
+from nest_fx.workload import Workload, dims_from_config, workload_from_graph
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def load_cluster(spec: str, devices: Optional[int] = None):
+    """A preset name (``dgx-a100``), ``name:devices`` (``dgx-a100:1024``) or a YAML/JSON file."""
+    from nest_fx.cluster import Cluster
+
+    if os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json")):
+        cluster = Cluster.load(spec)
+        if devices is not None and devices != cluster.num_devices:
+            raise ValueError(f"--devices {devices} differs from num_devices={cluster.num_devices} in {spec}")
+        return cluster
+    name, _, count = spec.partition(":")
+    if count:
+        try:
+            devices = int(count)
+        except ValueError:
+            raise ValueError(f"cluster {spec!r}: expected NAME:DEVICES with an integer device count") from None
+    if devices is None:
+        raise ValueError(f"cluster preset {name!r} needs a device count: --cluster {name}:1024 or --devices 1024")
+    return Cluster.preset(name, devices)
+
+
+def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None,
+                dtype: torch.dtype = torch.bfloat16) -> Tuple[OpGraph, object]:
+    """Trace a zoo/spec/hf model on meta tensors; returns (OpGraph, config)."""
+    from nest_fx.models import build_any
+
+    model, cfg, args, kwargs = build_any(name, batch=batch, seq=seq, dtype=dtype)
+    return trace(model, args, kwargs, name=name), cfg
+
+
+def workload_for_model(name: str, cluster, *, seq: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                       attention: Optional[str] = None) -> Workload:
+    """Trace ``name`` and cost its layers for ``cluster``'s device with the analytical roofline.
+
+    ``attention``: "flash" (GPU default: fused attention keeps O(s) bytes) or "traced"."""
+    graph, cfg = trace_model(name, seq=seq, dtype=dtype)
+    timing = AnalyticalCompute.for_device(cluster.device, _DTYPE_NAMES.get(dtype, "fp32"))
+    provenance = f"analytical roofline for {cluster.device.name}"
+    if attention is None:
+        attention = "traced" if cluster.device.name.startswith("cpu") else "flash"
+    dims = dims_from_config(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    if seq:
+        dims.seq_len = seq
+    return workload_from_graph(graph, timing, dims, attention=attention, provenance=provenance)

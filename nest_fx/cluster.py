@@ -1,0 +1,519 @@
+"""Cluster description: one device type and a hierarchy of network levels (``format: nest-fx-cluster/1``).
+
+The hierarchy follows NEST (Wang et al., "NEST: Network- and Memory-Aware Device Placement for
+Distributed Deep Learning"): levels are listed innermost first (e.g. node, rack, spine); a
+level's ``group_size`` is the cumulative number of devices in one group at that level, so with
+``node=8, rack=32`` a rack holds 4 nodes. Rank ``r`` is device ``r`` of the hierarchy: at level
+``i`` it belongs to group ``r // levels[i].group_size``.
+
+Units are SI throughout: bytes, seconds, bytes/s, FLOP/s. ``bandwidth`` is bytes/s per device
+per direction through that level's fabric; ``latency`` is the per-message start-up time (the
+alpha of the alpha-beta model). File values may be numbers or strings such as ``"80GiB"``,
+``"300GB/s"``, ``"200Gb/s"``, ``"5us"`` or ``"312TFLOPS"`` (see :func:`parse_quantity`).
+See docs/cluster_format.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
+
+CLUSTER_FORMAT = "nest-fx-cluster/1"
+GiB = 2**30
+
+T = TypeVar("T")
+
+
+class ClusterError(ValueError):
+    """A malformed cluster description; the message names the field path and what is expected."""
+
+
+# -- quantities ----------------------------------------------------------------------------
+
+UNITS = ("B", "B/s", "s", "FLOP/s")
+_DECIMAL = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ns": 1e-9}
+_NUMBER = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(.*?)\s*$")
+_EXPECTED = {
+    "B": "bytes: a number or e.g. '80GiB', '80GB', '512MiB' (B = 1e3 powers, iB = 2**10 powers)",
+    "B/s": "bytes/s: a number or e.g. '300GB/s', '25e9', '200Gb/s' (lower-case b = bits)",
+    "s": "seconds: a number or e.g. '5us', '1.5ms', '2e-6s'",
+    "FLOP/s": "FLOP/s: a number or e.g. '312T', '312e12', '312TFLOPS', '312 TFLOP/s'",
+}
+
+
+def _size_factor(suffix: str) -> Optional[float]:
+    """Multiplier of a size suffix such as 'GiB', 'MB', 'Gb' (bits: /8); None if not one."""
+    m = re.fullmatch(r"([kKMGTPE]?i?)([Bb])", suffix)
+    if not m or (m.group(1).endswith("i") and m.group(1)[:-1].upper() + "i" not in _BINARY):
+        return None
+    prefix = m.group(1)
+    scale = _BINARY[prefix[:-1].upper() + "i"] if prefix.endswith("i") else _DECIMAL[prefix]
+    return scale / 8.0 if m.group(2) == "b" else scale
+
+
+def parse_quantity(text: Union[str, int, float], unit: str, path: str = "value") -> float:
+    """Parse a number or a human-friendly quantity string into SI units.
+
+    ``unit`` is one of ``"B"`` (bytes), ``"B/s"`` (bytes per second), ``"s"`` (seconds) or
+    ``"FLOP/s"``. Decimal prefixes k/K, M, G, T, P, E are powers of 1e3; binary prefixes Ki, Mi,
+    Gi, Ti, Pi are powers of 2**10; a lower-case ``b`` means bits (value / 8), so
+    ``"200Gb/s"`` is 25e9 bytes/s. Plain numbers (or numeric strings like ``"25e9"``) are taken
+    as already in SI units. Raises :class:`ClusterError` naming ``path`` (the field) and the
+    accepted forms.
+    """
+    if unit not in UNITS:
+        raise ValueError(f"parse_quantity: unit must be one of {UNITS}, got {unit!r}")
+    if isinstance(text, bool):
+        raise ClusterError(f"{path}: expected {_EXPECTED[unit]}; got {text!r}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    elif isinstance(text, str) and (m := _NUMBER.match(text)):
+        number, suffix = float(m.group(1)), m.group(2)
+        factor = _suffix_factor(suffix, unit)
+        if factor is None:
+            raise ClusterError(f"{path}: cannot read unit {suffix!r} in {text!r}; expected {_EXPECTED[unit]}")
+        value = number * factor
+    else:
+        raise ClusterError(f"{path}: expected {_EXPECTED[unit]}; got {text!r}")
+    if not math.isfinite(value):
+        raise ClusterError(f"{path}: must be finite, got {text!r}")
+    return value
+
+
+def _suffix_factor(suffix: str, unit: str) -> Optional[float]:
+    """Multiplier for a quantity suffix in ``unit``; '' is always 1; None when not understood."""
+    if suffix == "":
+        return 1.0
+    if unit == "B":
+        return _size_factor(suffix)
+    if unit == "B/s":
+        for tail in ("/s", "ps"):
+            if suffix.endswith(tail):
+                return _size_factor(suffix[: -len(tail)])
+        return None
+    if unit == "s":
+        return _TIME.get(suffix)
+    # FLOP/s: a bare decimal prefix, optionally followed by FLOPS / FLOP/s / FLOPs.
+    m = re.fullmatch(r"([kKMGTPE]?)\s*(?:FLOPS|FLOP/s|FLOPs|flops|flop/s)?", suffix)
+    return _DECIMAL[m.group(1)] if m else None
+
+
+# -- hardware ------------------------------------------------------------------------------
+
+
+def _positive(value: object, path: str) -> None:
+    """Raise ClusterError unless ``value`` is a finite real number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ClusterError(f"{path}: must be a finite number > 0, got {value!r}")
+    if value <= 0:
+        raise ClusterError(f"{path}: must be > 0, got {value!r}")
+
+
+def _non_negative(value: object, path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ClusterError(f"{path}: must be a finite number >= 0, got {value!r}")
+    if value < 0:
+        raise ClusterError(f"{path}: must be >= 0, got {value!r}")
+
+
+def _positive_int(value: object, path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClusterError(f"{path}: must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ClusterError(f"{path}: must be >= 1, got {value!r}")
+
+
+def _name(value: object, path: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ClusterError(f"{path}: must be a non-empty string, got {value!r}")
+
+
+@dataclass
+class DeviceSpec:
+    """One accelerator: memory capacity (bytes), peak FLOP/s per dtype name, HBM bandwidth (bytes/s)."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: Dict[str, float]
+    mem_bandwidth: float
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "") -> None:
+        """Check every field; errors name the field as ``{prefix}{field}``."""
+        _name(self.name, f"{prefix}name")
+        _positive(self.memory_bytes, f"{prefix}memory_bytes")
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
+            raise ClusterError(f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
+                               f"(e.g. {{'bf16': 312e12}}), got {self.peak_flops!r}")
+        for dtype, flops in self.peak_flops.items():
+            _name(dtype, f"{prefix}peak_flops key")
+            _positive(flops, f"{prefix}peak_flops.{dtype}")
+        _positive(self.mem_bandwidth, f"{prefix}mem_bandwidth")
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (e.g. "bf16"); ClusterError listing the known dtypes otherwise."""
+        try:
+            return float(self.peak_flops[dtype])
+        except KeyError:
+            raise ClusterError(f"device {self.name!r} has no peak_flops entry for dtype {dtype!r}; "
+                               f"known: {sorted(self.peak_flops)}") from None
+
+
+@dataclass
+class NetworkLevel:
+    """One level of the network hierarchy (see module docstring for ``group_size``)."""
+
+    name: str
+    group_size: int
+    bandwidth: float  # bytes/s per device per direction
+    latency: float  # seconds per message
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "") -> None:
+        """Check every field; errors name the field as ``{prefix}{field}``."""
+        _name(self.name, f"{prefix}name")
+        _positive_int(self.group_size, f"{prefix}group_size")
+        _positive(self.bandwidth, f"{prefix}bandwidth")
+        _non_negative(self.latency, f"{prefix}latency")
+
+
+class LevelSpan(NamedTuple):
+    """How a rank set spreads over one level (see :meth:`Cluster.span`).
+
+    ``fanout``: the most distinct level-(i-1) groups found inside one level-i group that holds
+    ranks of the set. ``max_ranks``/``min_ranks``: the most/fewest ranks of the set inside one
+    such level-i group.
+    """
+
+    level: NetworkLevel
+    fanout: int
+    max_ranks: int
+    min_ranks: int
+
+
+def _prefixed(prefix: str, build: Callable[[], T]) -> T:
+    """Run ``build`` and prepend ``prefix`` to the field path of any ClusterError it raises."""
+    try:
+        return build()
+    except ClusterError as exc:
+        raise ClusterError(f"{prefix}{exc}") from None
+
+
+@dataclass
+class Cluster:
+    """``num_devices`` identical devices on a hierarchy of network levels (innermost first)."""
+
+    name: str
+    device: DeviceSpec
+    num_devices: int
+    levels: List[NetworkLevel]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check fields and the hierarchy: group sizes strictly increasing, each dividing the next,
+        the outermost one >= num_devices. Errors name the field path."""
+        _name(self.name, "name")
+        if not isinstance(self.device, DeviceSpec):
+            raise ClusterError(f"device: must be a DeviceSpec, got {type(self.device).__name__}")
+        self.device.validate("device.")
+        _positive_int(self.num_devices, "num_devices")
+        if not isinstance(self.levels, list) or not self.levels:
+            raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
+        for i, level in enumerate(self.levels):
+            if not isinstance(level, NetworkLevel):
+                raise ClusterError(f"levels[{i}]: must be a NetworkLevel, got {type(level).__name__}")
+            level.validate(f"levels[{i}].")
+        for i in range(1, len(self.levels)):
+            inner, outer = self.levels[i - 1].group_size, self.levels[i].group_size
+            if outer <= inner:
+                raise ClusterError(f"levels[{i}].group_size: must be greater than levels[{i - 1}].group_size "
+                                   f"({inner}), got {outer} (group sizes are cumulative device counts)")
+            if outer % inner:
+                raise ClusterError(f"levels[{i}].group_size: must be a multiple of levels[{i - 1}].group_size "
+                                   f"({inner}), got {outer}")
+        top = len(self.levels) - 1
+        if self.levels[top].group_size < self.num_devices:
+            raise ClusterError(f"levels[{top}].group_size: the outermost level must hold all "
+                               f"{self.num_devices} devices (num_devices), got {self.levels[top].group_size}")
+
+    # -- placement -------------------------------------------------------------------------
+    def _check_ranks(self, ranks: Sequence[int]) -> List[int]:
+        rs = list(ranks)
+        if not rs:
+            raise ClusterError("ranks: must be a non-empty sequence of device ranks")
+        for r in rs:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.num_devices:
+                raise ClusterError(f"ranks: {r!r} is not a rank of this cluster (integers 0..{self.num_devices - 1})")
+        if len(set(rs)) != len(rs):
+            raise ClusterError(f"ranks: duplicate rank(s) in {rs}")
+        return rs
+
+    def level_index_of_group(self, ranks: Sequence[int]) -> int:
+        """Index of the innermost level one of whose groups holds all ``ranks``.
+
+        Rank r belongs to group ``r // levels[i].group_size`` at level i; a single rank is
+        inside the innermost level (index 0).
+        """
+        rs = self._check_ranks(ranks)
+        for i, level in enumerate(self.levels):
+            if len({r // level.group_size for r in rs}) == 1:
+                return i
+        raise AssertionError("unreachable: the outermost level holds every rank (validated)")
+
+    def span(self, ranks: Sequence[int]) -> List[LevelSpan]:
+        """Per-level spread of ``ranks``, for levels 0 .. :meth:`level_index_of_group` inclusive.
+
+        Let ``g_i(r) = r // levels[i].group_size`` and ``g_{-1}(r) = r`` (each device its own
+        group). For level i, consider each level-i group G holding ranks of the set; its fan-out
+        is the number of distinct ``g_{i-1}`` values among those ranks. ``fanout`` is the largest
+        fan-out over such G; ``max_ranks``/``min_ranks`` are the largest/smallest number of ranks
+        of the set in one such G. For a *balanced* set (every group at a level holds the same
+        number of ranks, as in the plan placements when degrees divide the group sizes)
+        ``max_ranks == min_ranks`` and the product of fan-outs up to level i is ``max_ranks``.
+        """
+        rs = self._check_ranks(ranks)
+        top = self.level_index_of_group(rs)
+        spans: List[LevelSpan] = []
+        inner_size = 1  # g_{-1}(r) = r // 1 = r
+        for level in self.levels[: top + 1]:
+            members: Dict[int, List[int]] = {}
+            for r in rs:
+                members.setdefault(r // level.group_size, []).append(r)
+            fanouts = [len({r // inner_size for r in group}) for group in members.values()]
+            sizes = [len(group) for group in members.values()]
+            spans.append(LevelSpan(level, max(fanouts), max(sizes), min(sizes)))
+            inner_size = level.group_size
+        return spans
+
+    def levels_spanned(self, ranks: Sequence[int]) -> List[Tuple[NetworkLevel, int]]:
+        """``(level, fan-out)`` for levels 0 .. :meth:`level_index_of_group`, innermost first.
+
+        The fan-out at level i is the number of distinct level-(i-1) groups (devices, for i = 0)
+        that the ranks occupy inside one level-i group, maximised over the level-i groups the
+        ranks touch (the bottleneck group; see :meth:`span`). Examples on a node=8/rack=32
+        hierarchy: ranks 0..15 -> node 8, rack 2; ranks {0, 8, 16, 24} -> node 1, rack 4. A
+        hierarchical collective runs one step per level with that many participants; levels
+        with fan-out 1 cost nothing.
+        """
+        return [(s.level, s.fanout) for s in self.span(ranks)]
+
+    # -- presets ---------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, devices: int) -> "Cluster":
+        """A named cluster of ``devices`` devices; ValueError listing the names when unknown.
+
+        GPU presets use NEST's hierarchy: 8 devices per node, 4 nodes (32 devices) per rack, and a
+        spine level spanning all racks (``group_size`` = devices rounded up to a multiple of
+        32). The spine level is omitted when ``devices <= 32`` (it would equal the rack).
+        Hardware figures are in :data:`PRESETS`' builders; see docs/cluster_format.md.
+        """
+        try:
+            build = PRESETS[name]
+        except KeyError:
+            raise ClusterError(f"unknown cluster preset {name!r}; valid names: {sorted(PRESETS)}") from None
+        _positive_int(devices, "devices")
+        return build(devices)
+
+    # -- io --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The file form (``format: nest-fx-cluster/1``), numbers in SI units."""
+        return {
+            "format": CLUSTER_FORMAT,
+            "name": self.name,
+            "num_devices": self.num_devices,
+            "device": {
+                "name": self.device.name,
+                "memory_bytes": self.device.memory_bytes,
+                "peak_flops": dict(self.device.peak_flops),
+                "mem_bandwidth": self.device.mem_bandwidth,
+            },
+            "levels": [{"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth,
+                        "latency": lv.latency} for lv in self.levels],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "") -> "Cluster":
+        """Build from the file form; quantities may be strings (see :func:`parse_quantity`).
+
+        ``where`` (e.g. a file name) prefixes error messages.
+        """
+        pre = f"{where}: " if where else ""
+        return _prefixed(pre, lambda: _cluster_from_dict(data))
+
+    @classmethod
+    def load(cls, path: str) -> "Cluster":
+        """Read a cluster file: YAML for .yaml/.yml, JSON for .json."""
+        if not path.endswith((".yaml", ".yml", ".json")):
+            raise ClusterError(f"{path}: cluster files must end in .yaml, .yml or .json")
+        text = _read(path)
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ClusterError(f"{path}: not valid YAML ({exc})") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ClusterError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_dict(data, where=path)
+
+    def save(self, path: str) -> None:
+        """Write :meth:`to_dict` as YAML (.yaml/.yml) or JSON (.json)."""
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        elif path.endswith(".json"):
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            raise ClusterError(f"{path}: cluster files must end in .yaml, .yml or .json")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ClusterError(f"cannot read cluster file {path!r}: {exc.strerror}") from None
+
+
+def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> dict:
+    """``data`` must be a mapping with all ``required`` keys and nothing unknown."""
+    where = path or "cluster"
+    if not isinstance(data, dict):
+        raise ClusterError(f"{where}: expected a mapping with keys {list(required)}, got {type(data).__name__}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ClusterError(f"{where}: missing key(s) {missing}")
+    unknown = sorted(set(data) - set(required) - set(optional))
+    if unknown:
+        raise ClusterError(f"{where}: unknown key(s) {unknown}; expected {list(required + optional)}")
+    return data
+
+
+def _cluster_from_dict(data: object) -> Cluster:
+    d = _check_keys(data, "", ("format", "name", "num_devices", "device", "levels"))
+    if d["format"] != CLUSTER_FORMAT:
+        raise ClusterError(f"format: must be {CLUSTER_FORMAT!r}, got {d['format']!r}")
+    dev = _check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"))
+    flops = dev["peak_flops"]
+    if not isinstance(flops, dict) or not flops:
+        raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {flops!r}")
+    device = _prefixed("device.", lambda: DeviceSpec(
+        name=dev["name"],
+        memory_bytes=parse_quantity(dev["memory_bytes"], "B", "memory_bytes"),
+        peak_flops={str(k): parse_quantity(v, "FLOP/s", f"peak_flops.{k}") for k, v in flops.items()},
+        mem_bandwidth=parse_quantity(dev["mem_bandwidth"], "B/s", "mem_bandwidth"),
+    ))
+    if not isinstance(d["levels"], list) or not d["levels"]:
+        raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
+    levels = []
+    for i, raw in enumerate(d["levels"]):
+        lv = _check_keys(raw, f"levels[{i}]", ("name", "group_size", "bandwidth", "latency"))
+        levels.append(_prefixed(f"levels[{i}].", lambda lv=lv: NetworkLevel(
+            name=lv["name"],
+            group_size=lv["group_size"],
+            bandwidth=parse_quantity(lv["bandwidth"], "B/s", "bandwidth"),
+            latency=parse_quantity(lv["latency"], "s", "latency"),
+        )))
+    return Cluster(name=d["name"], device=device, num_devices=d["num_devices"], levels=levels)
+
+
+# -- presets -------------------------------------------------------------------------------
+
+NODE, RACK = 8, 32  # NEST's hierarchy: 8 devices per node, 4 nodes per rack
+
+
+def _gpu_levels(devices: int, node: Tuple[float, float], rack: Tuple[float, float],
+                spine: Tuple[float, float]) -> List[NetworkLevel]:
+    """node (8) / rack (32) / spine (devices rounded up to 32; omitted when <= 32) levels.
+
+    Each tuple is (bandwidth bytes/s per device per direction, latency s). Latencies are
+    assumptions of the usual order: ~5 us for an NVLink/intra-node message, ~10 us for one
+    InfiniBand hop through a leaf switch, ~15 us through the spine.
+    """
+    levels = [NetworkLevel("node", NODE, *node), NetworkLevel("rack", RACK, *rack)]
+    spine_size = max(-(-devices // RACK) * RACK, RACK)
+    if spine_size > RACK:
+        levels.append(NetworkLevel("spine", spine_size, *spine))
+    return levels
+
+
+A100_80GB = DeviceSpec(
+    # A100-SXM4-80GB datasheet: dense tensor-core peaks; "80GB" is taken as 80 GiB of HBM2e.
+    name="A100-SXM4-80GB", memory_bytes=80 * GiB,
+    peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    mem_bandwidth=2.039e12,
+)
+H100_SXM = DeviceSpec(
+    # H100-SXM5 datasheet, dense (no sparsity) peaks; 80 GiB HBM3 at 3.35 TB/s.
+    name="H100-SXM5-80GB", memory_bytes=80 * GiB,
+    peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    mem_bandwidth=3.35e12,
+)
+
+
+def _dgx_a100(devices: int) -> Cluster:
+    """DGX A100: NVLink3 300 GB/s per GPU per direction inside a node; 8x HDR 200 Gb/s IB per node
+    = 25 GB/s per GPU across nodes on a non-blocking fat tree (same rate at rack and spine)."""
+    return Cluster("dgx-a100", _copy(A100_80GB), devices,
+                   _gpu_levels(devices, (300e9, 5e-6), (25e9, 1e-5), (25e9, 1.5e-5)))
+
+
+def _dgx_h100(devices: int) -> Cluster:
+    """DGX H100: NVLink4 450 GB/s per GPU per direction; 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
+    return Cluster("dgx-h100", _copy(H100_SXM), devices,
+                   _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+
+
+def _h100_spine_leaf(devices: int) -> Cluster:
+    """The NEST paper's H100 spine-leaf cluster, figures as the paper states them: node 900 GB/s,
+    leaf (rack) 12.5 GB/s, spine 50 GB/s, 90 GiB per device. The spine is faster than the leaf
+    in the paper's figures; they are kept as given, not "corrected"."""
+    device = DeviceSpec("H100 (NEST spine-leaf)", 90 * GiB, dict(H100_SXM.peak_flops), H100_SXM.mem_bandwidth)
+    return Cluster("h100-spine-leaf", device, devices,
+                   _gpu_levels(devices, (900e9, 5e-6), (12.5e9, 1e-5), (50e9, 1.5e-5)))
+
+
+def _tpuv4_fat_tree(devices: int) -> Cluster:
+    """TPUv4 on a fat tree, NEST figures: 900/100/400 GB/s (node/rack/spine), 64 GiB per device,
+    bf16 275 TFLOP/s, HBM 1.2 TB/s. Only bf16 is listed: the MXUs have no native fp32 rate."""
+    device = DeviceSpec("TPUv4", 64 * GiB, {"bf16": 275e12}, 1.2e12)
+    return Cluster("tpuv4-fat-tree", device, devices,
+                   _gpu_levels(devices, (900e9, 5e-6), (100e9, 1e-5), (400e9, 1.5e-5)))
+
+
+def _cpu_gloo(devices: int) -> Cluster:
+    """The test machine: a device is one CPU process under gloo. 8 GiB, ~50 GFLOP/s, 10 GB/s memory,
+    one "host" level (shared-memory/loopback TCP) at ~2 GB/s, 50 us per message. Rough figures;
+    bf16/fp16 are listed at the fp32 rate so plans for this machine do not depend on the dtype."""
+    device = DeviceSpec("cpu", 8 * GiB, {"fp32": 50e9, "bf16": 50e9, "fp16": 50e9}, 10e9)
+    return Cluster("cpu-gloo", device, devices, [NetworkLevel("host", devices, 2e9, 5e-5)])
+
+
+def _copy(device: DeviceSpec) -> DeviceSpec:
+    return DeviceSpec(device.name, device.memory_bytes, dict(device.peak_flops), device.mem_bandwidth)
+
+
+PRESETS: Dict[str, Callable[[int], Cluster]] = {
+    "dgx-a100": _dgx_a100,
+    "dgx-h100": _dgx_h100,
+    "h100-spine-leaf": _h100_spine_leaf,
+    "tpuv4-fat-tree": _tpuv4_fat_tree,
+    "cpu-gloo": _cpu_gloo,
+}

@@ -1,0 +1,1 @@
+"""Cost model: compute, collective, memory and step-time estimates (SI units throughout)."""

@@ -1,0 +1,197 @@
+"""Per-device training memory: model states, transformer activations, pipeline in-flight factor.
+
+Pure functions on numbers (bytes). Sources:
+    Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+        Models" (SC'20) -- model states and their sharding over data parallelism.
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+        (MLSys'23) -- activation bytes per transformer layer, Table 2.
+    Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+        Megatron-LM" (SC'21) -- pipeline schedules (GPipe, 1F1B, interleaved 1F1B).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Optional, Tuple
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _require_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _require_number(value: object, name: str, *, positive: bool = False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+# -- model states ---------------------------------------------------------------------------
+
+
+def optimizer_bytes_per_param(optimizer: str = "adam", master_weights: bool = True) -> int:
+    """Optimizer-state bytes per parameter (the ZeRO paper's K): fp32 state tensors.
+
+    Adam/AdamW: fp32 momentum m (4) + variance v (4), plus an fp32 master copy of the weights
+    (4) in mixed precision: K = 12 (Rajbhandari et al. 2020, sec. 3.1), 8 without master
+    weights. "sgd" means SGD *with momentum*: momentum (4) + master copy (4) = 8, 4 without.
+    """
+    _choice(optimizer, "optimizer", OPTIMIZERS)
+    states = 4 if optimizer == "sgd" else 8
+    return states + (4 if master_weights else 0)
+
+
+def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, optimizer: str = "adam",
+                      param_dtype_bytes: float = 2, grad_dtype_bytes: float = 2,
+                      master_weights: bool = True) -> Dict[str, float]:
+    """Bytes per device of weights, gradients and optimizer states (keys weights, grads, optimizer, total).
+
+    Per parameter: ``param_dtype_bytes`` of weights, ``grad_dtype_bytes`` of gradients and
+    K = :func:`optimizer_bytes_per_param` of optimizer states. Mixed-precision Adam is the ZeRO
+    paper's 2 + 2 + 12 = 16 bytes/param; fp32 Adam (``param_dtype_bytes=4,
+    grad_dtype_bytes=4, master_weights=False``) is 4 + 4 + 8. ZeRO (Rajbhandari et al. 2020,
+    sec. 5, Figure 1) divides by the data-parallel degree ``dp``: stage 1 the optimizer states,
+    stage 2 also the gradients, stage 3 also the weights:
+
+        ZeRO-0: (2 + 2 + K) psi    ZeRO-1: (2 + 2) psi + K psi / dp
+        ZeRO-2: 2 psi + (2 + K) psi / dp    ZeRO-3: (2 + 2 + K) psi / dp
+
+    ``num_params`` is the parameter count held by this device before ZeRO sharding (i.e. after
+    tensor/pipeline partitioning, Narayanan et al. 2021).
+    """
+    psi = _require_number(num_params, "num_params")
+    _require_int(dp, "dp", 1)
+    if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage: must be one of [0, 1, 2, 3], got {zero_stage!r}")
+    pbytes = _require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
+    gbytes = _require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
+    k = optimizer_bytes_per_param(optimizer, master_weights)
+    out = {
+        "weights": psi * pbytes / (dp if zero_stage >= 3 else 1),
+        "grads": psi * gbytes / (dp if zero_stage >= 2 else 1),
+        "optimizer": psi * k / (dp if zero_stage >= 1 else 1),
+    }
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
+    return out
+
+
+# -- activations ----------------------------------------------------------------------------
+
+
+def korthikanti_activation_bytes(seq: int, microbatch: int, hidden: int, heads: int, *, tp: int = 1,
+                                 sequence_parallel: bool = False, recompute: str = "none",
+                                 dtype_bytes: float = 2) -> float:
+    """Activation bytes one transformer layer keeps for backward, per device (Korthikanti 2022, Table 2).
+
+    With s = ``seq``, b = ``microbatch``, h = ``hidden``, a = ``heads``, t = ``tp``:
+
+        none       no SP: sbh (10 + 24/t + 5as/(ht))   (t = 1: sbh (34 + 5as/h), eq. 1)
+                   SP:    sbh/t (34 + 5as/h)
+        selective  no SP: sbh (10 + 24/t)               (the 5as/h attention-core term is recomputed)
+                   SP:    sbh (34/t)
+        full       no SP: 2sbh                          (only the layer input is kept)
+                   SP:    2sbh/t
+
+    The paper's constants count 2-byte (fp16/bf16) activations and 1-byte dropout masks; the
+    result is scaled by ``dtype_bytes / 2`` (approximate for the masks when dtype_bytes != 2).
+    The "10" is the part plain tensor parallelism leaves replicated (layer-norm inputs, dropout
+    outputs and masks); sequence parallelism shards it too.
+    """
+    s = _require_int(seq, "seq", 1)
+    b = _require_int(microbatch, "microbatch", 1)
+    h = _require_int(hidden, "hidden", 1)
+    a = _require_int(heads, "heads", 1)
+    t = _require_int(tp, "tp", 1)
+    _choice(recompute, "recompute", RECOMPUTE_MODES)
+    scale = _require_number(dtype_bytes, "dtype_bytes", positive=True) / 2
+    sbh = s * b * h
+    attention = 5 * a * s / h  # the 5as/h term: attention scores, softmax, its dropout
+    if recompute == "full":
+        per_layer = 2 * sbh / (t if sequence_parallel else 1)
+    else:
+        core = 0.0 if recompute == "selective" else attention
+        if sequence_parallel:
+            per_layer = sbh / t * (34 + core)
+        else:
+            per_layer = sbh * (10 + 24 / t + core / t)
+    return per_layer * scale
+
+
+# -- pipeline schedules ---------------------------------------------------------------------
+
+
+def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int,
+                                   virtual_stages: int = 1) -> float:
+    """Microbatches whose activations pipeline stage ``stage`` (0-based) holds at its peak.
+
+    The unit is one microbatch's activations of *all* the layers on the stage's device, so
+    stage activation memory = this x per-microbatch activations of those layers. With p =
+    ``num_stages``, m = ``num_microbatches``, v = ``virtual_stages``:
+
+        gpipe        m                     all forwards run before any backward (Huang et al.
+                                           2019, as described in Narayanan et al. 2021 sec. 2.2)
+        1f1b         min(p - stage, m)     PipeDream-Flush warm-up depth + 1 (Narayanan 2021 sec. 2.2.1)
+        interleaved  min(2(p - stage - 1) + (v - 1) p + 1, m v) / v
+                                           v model chunks per device, each 1/v of its layers
+                                           (Narayanan 2021 sec. 2.2.2): the warm-up runs
+                                           2(p - stage - 1) + (v - 1) p chunk-forwards, plus
+                                           one in steady state. For stage 0 this is
+                                           p (1 + (p-1)/(p v)), the factor Korthikanti et al.
+                                           2022 sec. 4.2.3 give for the first stage.
+
+    ``interleaved`` with v = 1 is plain 1F1B. The counts never exceed GPipe's m.
+    """
+    _choice(schedule, "schedule", SCHEDULES)
+    p = _require_int(num_stages, "num_stages", 1)
+    m = _require_int(num_microbatches, "num_microbatches", 1)
+    v = _require_int(virtual_stages, "virtual_stages", 1)
+    _require_int(stage, "stage", 0)
+    if stage >= p:
+        raise ValueError(f"stage: must be < num_stages ({p}), got {stage}")
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b" or v == 1:
+        return float(min(p - stage, m))
+    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return chunks / v
+
+
+def stage_activation_bytes(per_microbatch_bytes: float, schedule: str, stage: int, num_stages: int,
+                           num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Peak activation bytes of a pipeline stage: per-microbatch activations of its layers x
+    :func:`pipeline_inflight_microbatches` (Narayanan et al. 2021; Korthikanti et al. 2022 sec. 4.2.3)."""
+    per_mb = _require_number(per_microbatch_bytes, "per_microbatch_bytes")
+    return per_mb * pipeline_inflight_microbatches(schedule, stage, num_stages, num_microbatches, virtual_stages)
+
+
+# -- capacity -------------------------------------------------------------------------------
+
+
+def check_fits(breakdown: Mapping[str, float], capacity_bytes: float) -> Tuple[bool, Optional[str]]:
+    """``(total <= capacity_bytes, binding term)``: the binding term is the largest entry when the
+    breakdown does not fit, else None.
+
+    ``breakdown`` maps term names to bytes; a ``"total"`` entry, if present, is not a term and
+    must equal the sum of the others (a stale total raises ValueError).
+    """
+    capacity = _require_number(capacity_bytes, "capacity_bytes")
+    terms = {k: _require_number(v, f"breakdown[{k!r}]") for k, v in breakdown.items() if k != "total"}
+    if not terms:
+        raise ValueError("breakdown: needs at least one term besides 'total'")
+    total = sum(terms.values())
+    if "total" in breakdown and not math.isclose(breakdown["total"], total, rel_tol=1e-9, abs_tol=1.0):
+        raise ValueError(f"breakdown['total']: {breakdown['total']!r} is not the sum of the terms ({total!r})")
+    if total <= capacity:
+        return True, None
+    return False, max(terms, key=terms.__getitem__)

@@ -1,0 +1,266 @@
+"""Step time and per-device memory of a plan: the one cost model every planner uses.
+
+Per stage i (per microbatch, per device), from the workload's layer costs at the stage's TP
+degree:
+
+    F_i = sum_l fwd_s(l) + TP/EP collectives of the forward
+    B_i = sum_l bwd_s(l) + recompute_s(l, mode) + TP/EP collectives of the backward
+          (+ the forward collectives again under full recompute)
+    P_i = p2p(boundary bytes / tp_i) to stage i+1 at the network level the two stages span,
+          then an all-gather inside stage i+1's TP group (scatter/gather optimisation,
+          Narayanan et al. 2021, sec. 4.1)
+
+Pipeline (t_i = F_i + B_i + 2 P_i; m microbatches; v model chunks per device):
+
+    1F1B, GPipe:      T_pipe = (m - 1) max_i t_i + sum_i t_i          (Narayanan et al. 2021, eq. 1
+                                                                      generalised to unequal stages)
+    interleaved 1F1B: T_pipe = m max_i t_i + (sum_i t_i - max_i t_i) / v,  p2p counted v times
+    bubble = T_pipe - m max_i t_i
+
+Data-parallel gradient synchronisation of stage i over its DP group (ZeRO-0/1: all-reduce;
+ZeRO-2: reduce-scatter + all-gather of parameters; ZeRO-3: reduce-scatter once and two
+parameter all-gathers per microbatch, prefetched under compute). With overlap, the sync
+starts with the last microbatch's backward; stage i finishes that backward
+``slack_i = sum_{j<i} (B_j + P_j)`` before stage 0 does, so
+
+    exposed_sync = max_i max(0, sync_i - B_i - slack_i)      (without overlap: max_i sync_i)
+
+Optimizer step: memory-bound, ``bytes_per_param_update`` bytes per locally updated parameter.
+
+    T_step = T_pipe + exposed_sync + T_opt
+
+Memory per device of stage i: model states (``memory.model_state_bytes``) + activations of
+the stage's layers for one microbatch x in-flight microbatches of the schedule
+(``memory.pipeline_inflight_microbatches``) + under full recompute one layer's full
+activations (rebuilt during backward) + two boundary buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from nest_fx.cost import collectives, memory
+from nest_fx.plan import Plan
+from nest_fx.workload import Comm, Workload
+
+USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
+
+
+@dataclass
+class CostOptions:
+    """Knobs of the cost model that are not part of the plan."""
+
+    optimizer: str = "adam"
+    param_bytes: int = 2  # training dtype (bf16)
+    grad_bytes: int = 2
+    overlap_grad_sync: bool = True
+    bytes_per_param_update: float = 36.0  # Adam, mixed precision: read/write fp32 p, m, v + grads + bf16 copy
+    optimizer_mem_efficiency: float = 0.7
+    usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+
+
+@dataclass
+class StageCost:
+    """Per-microbatch time and per-device memory of one stage."""
+
+    index: int
+    layers: Tuple[int, int]
+    tp: int
+    recompute: str
+    fwd_compute: float = 0.0
+    bwd_compute: float = 0.0
+    recompute_s: float = 0.0
+    tp_comm: float = 0.0
+    ep_comm: float = 0.0
+    p2p: float = 0.0
+    dp_sync: float = 0.0
+    num_params: float = 0.0
+    memory: Dict[str, float] = field(default_factory=dict)
+    fits: bool = True
+    binding: str = ""
+
+    def per_microbatch(self, v: int = 1) -> float:
+        """t_i: forward + backward + recompute + collectives + both p2p directions (v chunks)."""
+        return self.fwd_compute + self.bwd_compute + self.recompute_s + self.tp_comm + self.ep_comm + 2 * self.p2p * v
+
+
+@dataclass
+class SimResult:
+    """Step-time breakdown, throughput and memory of one plan."""
+
+    step_s: float
+    breakdown: Dict[str, float]
+    tokens_per_s: float
+    model_flops_per_device: float  # 6*N-style model FLOPs (no recompute) per second per device
+    hardware_flops_per_device: float  # including recomputation
+    stages: List[StageCost]
+    feasible: bool
+    binding: str  # "" when feasible, else "stage i: <term>"
+    devices_used: int
+    world_size: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
+    if len(group) <= 1:
+        return 0.0
+    return comm.count * collectives.collective_time(comm.kind, cluster, group, comm.nbytes)
+
+
+def _replicas_to_check(dp: int) -> List[int]:
+    return sorted({0, dp // 2, dp - 1})
+
+
+def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOptions) -> StageCost:
+    """Per-microbatch time terms and per-device memory of stage i."""
+    stage = plan.stages[i]
+    sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute)
+    replicas = _replicas_to_check(plan.dp)
+    tp_groups = [plan.tp_group(i, r) for r in replicas]
+    ep_groups = [plan.ep_group(i, r) for r in replicas] if plan.ep > 1 else []
+    act = 0.0
+    act_full_layer = 0.0
+    expert_params = 0.0
+    for layer in range(stage.start, stage.end):
+        c = workload.cost(layer, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
+        sc.fwd_compute += c.fwd_s
+        sc.bwd_compute += c.bwd_s
+        sc.recompute_s += c.recompute_s[stage.recompute]
+        sc.num_params += c.num_params
+        expert_params += c.expert_params
+        act += c.act_bytes[stage.recompute]
+        act_full_layer = max(act_full_layer, c.act_bytes["none"])
+        for comm in c.comms:
+            groups = tp_groups if comm.group == "tp" else ep_groups
+            t = max((_comm_time(cluster, comm, g) for g in groups), default=0.0)
+            repeat = 2 if (stage.recompute == "full" and comm.phase == "fwd") else 1
+            if comm.group == "tp":
+                sc.tp_comm += t * repeat
+            else:
+                sc.ep_comm += t * repeat
+    last = workload.cost(stage.end - 1, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
+    if i + 1 < plan.pp:
+        nxt = plan.stages[i + 1]
+        send = last.out_bytes / stage.tp
+        sc.p2p = max(collectives.p2p(cluster, plan.rank(i, r, 0), plan.rank(i + 1, r, 0), send) for r in replicas)
+        if nxt.tp > 1:
+            sc.p2p += max(collectives.collective_time("all_gather", cluster, plan.tp_group(i + 1, r), last.out_bytes)
+                          for r in replicas)
+    # -- data-parallel sync -----------------------------------------------------------------
+    dense = sc.num_params - expert_params
+    sc.dp_sync = _dp_sync_time(cluster, plan, i, dense, expert_params, options)
+    # -- memory -------------------------------------------------------------------------------
+    states = memory.model_state_bytes(dense, zero_stage=plan.zero, dp=plan.dp, optimizer=options.optimizer,
+                                      param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes)
+    expert_dp = max(plan.dp // plan.ep, 1)
+    estates = memory.model_state_bytes(expert_params, zero_stage=plan.zero, dp=expert_dp, optimizer=options.optimizer,
+                                       param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes)
+    inflight = memory.pipeline_inflight_microbatches(plan.schedule, i, plan.pp, plan.num_microbatches,
+                                                     plan.virtual_stages)
+    mem = {k: states[k] + estates[k] for k in ("weights", "grads", "optimizer")}
+    mem["activations"] = act * inflight
+    if stage.recompute == "full":
+        mem["activations"] += act_full_layer
+    mem["buffers"] = 2 * last.out_bytes
+    mem["total"] = sum(mem.values())
+    sc.memory = mem
+    capacity = cluster.device.memory_bytes * options.usable_memory_fraction
+    sc.fits = mem["total"] <= capacity
+    if not sc.fits:
+        sc.binding = max(("weights", "grads", "optimizer", "activations", "buffers"), key=lambda k: mem[k])
+    return sc
+
+
+def _dp_sync_time(cluster, plan: Plan, i: int, dense_params: float, expert_params: float,
+                  options: CostOptions) -> float:
+    """Seconds of gradient (and ZeRO-3 parameter) traffic of stage i per step, not yet overlapped."""
+    if plan.dp <= 1:
+        return 0.0
+    gbytes = options.grad_bytes
+    replicas_group = plan.dp_group(i, 0)
+    total = _sync_volume_time(cluster, replicas_group, dense_params, gbytes, options.param_bytes, plan)
+    if expert_params and plan.dp // plan.ep > 1:
+        group = [plan.rank(i, r, 0) for r in range(0, plan.dp, plan.ep)]
+        total += _sync_volume_time(cluster, group, expert_params, gbytes, options.param_bytes, plan)
+    return total
+
+
+def _sync_volume_time(cluster, group: List[int], params: float, gbytes: int, pbytes: int, plan: Plan) -> float:
+    if len(group) <= 1 or params <= 0:
+        return 0.0
+    if plan.zero <= 1:
+        return collectives.collective_time("all_reduce", cluster, group, params * gbytes)
+    rs = collectives.collective_time("reduce_scatter", cluster, group, params * gbytes)
+    ag = collectives.collective_time("all_gather", cluster, group, params * pbytes)
+    if plan.zero == 2:
+        return rs + ag
+    return rs + 2 * plan.num_microbatches * ag
+
+
+def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1) -> Tuple[float, float]:
+    """(T_pipe, bubble) for per-microbatch stage times t_i (see module docstring)."""
+    t_max, t_sum = max(stage_times), sum(stage_times)
+    if schedule == "interleaved" and v > 1:
+        total = m * t_max + (t_sum - t_max) / v
+    else:
+        total = (m - 1) * t_max + t_sum
+    return total, total - m * t_max
+
+
+def simulate(plan: Plan, workload: Workload, cluster, options: Optional[CostOptions] = None) -> SimResult:
+    """Predict step time, throughput and per-device memory of ``plan`` (validated first)."""
+    options = options or CostOptions()
+    plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
+    stages = [stage_cost(workload, cluster, plan, i, options) for i in range(plan.pp)]
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    times = [s.per_microbatch(v) for s in stages]
+    m = plan.num_microbatches
+    t_pipe, bubble = pipeline_time(times, m, plan.schedule, v)
+    exposed = 0.0
+    slack = 0.0
+    for s in stages:
+        window = (s.bwd_compute + s.recompute_s + slack) if options.overlap_grad_sync else 0.0
+        exposed = max(exposed, max(0.0, s.dp_sync - window))
+        slack += s.bwd_compute + s.recompute_s + s.p2p
+    updated = max(s.num_params / (plan.dp if plan.zero >= 1 else 1) for s in stages)
+    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    step = t_pipe + exposed + t_opt
+    b = max(range(len(stages)), key=lambda k: times[k])
+    bott = stages[b]
+    breakdown = {
+        "compute": m * (bott.fwd_compute + bott.bwd_compute),
+        "recompute": m * bott.recompute_s,
+        "tp_comm": m * bott.tp_comm,
+        "ep_comm": m * bott.ep_comm,
+        "p2p": m * 2 * bott.p2p * v,
+        "bubble": bubble,
+        "dp_sync_exposed": exposed,
+        "optimizer": t_opt,
+        "step": step,
+    }
+    tokens = plan.global_batch * workload.dims.seq_len
+    model_flops = 3 * workload.flops_per_sample * plan.global_batch
+    recompute_flops = sum(_recompute_flops(workload, plan, s) for s in plan.stages) * plan.dp * m
+    used = plan.devices_used
+    infeasible = [s for s in stages if not s.fits]
+    binding = ""
+    if infeasible:
+        worst = max(infeasible, key=lambda s: s.memory["total"])
+        binding = (f"stage {worst.index}: memory {worst.memory['total'] / 2**30:.1f} GiB > "
+                   f"{cluster.device.memory_bytes * options.usable_memory_fraction / 2**30:.1f} GiB usable "
+                   f"(largest term: {worst.binding})")
+    return SimResult(
+        step_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
+        model_flops_per_device=model_flops / step / used,
+        hardware_flops_per_device=(model_flops + recompute_flops) / step / used,
+        stages=stages, feasible=not infeasible, binding=binding, devices_used=used,
+        world_size=cluster.num_devices)
+
+
+def _recompute_flops(workload: Workload, plan: Plan, stage) -> float:
+    """Forward FLOPs redone in backward per microbatch and replica (full: all; selective: ~0)."""
+    if stage.recompute != "full":
+        return 0.0
+    return sum(workload.layers[k].flops_per_sample for k in range(stage.start, stage.end)) * plan.microbatch_size

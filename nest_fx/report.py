@@ -1,0 +1,109 @@
+"""Human-readable tables and unit formatting shared by the CLI commands."""
+from __future__ import annotations
+
+from typing import List
+
+from tabulate import tabulate
+
+from nest_fx.graph.opgraph import Block, OpGraph
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in binary units: 1.50 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_si(n: float, unit: str = "") -> str:
+    """Decimal SI prefixes: 6.74 G, 312 TFLOP."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {prefix}{unit}"
+    return f"{n:.3g} {unit}".rstrip()
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _pairs_text(graph: OpGraph, block: Block) -> str:
+    pattern = graph.pattern_of(block)
+    parts = []
+    experts = [p for p in pattern.tp_pairs if p.kind == "expert"]
+    for p in pattern.tp_pairs:
+        if p.kind != "expert":
+            cols = ",".join(c.rsplit(".", 1)[-1] for c in p.column)
+            parts.append(f"{p.kind}: {cols}->{p.row.rsplit('.', 1)[-1]}")
+    if experts:
+        p = experts[0]
+        cols = ",".join(c.rsplit(".", 1)[-1] for c in p.column)
+        parts.append(f"experts x{len(experts)}: {cols}->{p.row.rsplit('.', 1)[-1]}")
+    if pattern.routers:
+        parts.append("router: " + ",".join(pattern.routers))
+    return "; ".join(parts) if parts else "-"
+
+
+def _grouped(blocks: List[Block]) -> List[List[Block]]:
+    """Runs of consecutive blocks with equal signatures."""
+    runs: List[List[Block]] = []
+    for b in blocks:
+        if runs and runs[-1][0].signature == b.signature and b.kind == "block":
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
+
+
+def trace_table(graph: OpGraph, seconds: float, compact: bool = True) -> str:
+    """Per-block table (params, forward FLOPs, saved activations, boundary bytes, TP pairs)."""
+    rows = []
+    runs = _grouped(graph.blocks) if compact else [[b] for b in graph.blocks]
+    for run in runs:
+        b = run[0]
+        name = b.name if len(run) == 1 else f"{b.name} .. {run[-1].name.rsplit('.', 1)[-1]}"
+        rows.append([name, b.kind + (" (MoE)" if b.is_moe else ""), len(run), fmt_si(b.num_params),
+                     fmt_si(b.flops, "FLOP"), fmt_bytes(b.saved_bytes), fmt_bytes(b.out_bytes),
+                     _pairs_text(graph, b) if b.kind == "block" else "-"])
+    total_saved = sum(b.saved_bytes for b in graph.blocks)
+    rows.append(["total", "", len(graph.blocks), fmt_si(graph.num_params), fmt_si(graph.total_flops, "FLOP"),
+                 fmt_bytes(total_saved), "", ""])
+    headers = ["block", "kind", "count", "params (each)", "fwd FLOPs (each)", "saved act. (each)",
+               "boundary out", "tensor-parallel pairs"]
+    distinct = len(graph.distinct_blocks())
+    head = (f"{graph.model_name}: {len(graph)} ops traced with {graph.method} in {fmt_seconds(seconds)}; "
+            f"input {graph.input_shapes}; {len(graph.layer_blocks)} layers under '{graph.block_container}', "
+            f"{distinct} distinct")
+    return head + "\n" + tabulate(rows, headers=headers, tablefmt="simple")
+
+
+def sim_tables(result, plan, workload) -> str:
+    """Step-time breakdown and per-stage memory of a simulated plan."""
+    b = result.breakdown
+    step = b["step"]
+    rows = [[k, fmt_seconds(v), f"{100 * v / step:.1f}%"] for k, v in b.items() if k != "step"]
+    rows.append(["step", fmt_seconds(step), "100%"])
+    head = (f"plan: pp={plan.pp} dp={plan.dp} ep={plan.ep} tp={[s.tp for s in plan.stages] if plan.uniform_tp is None else plan.uniform_tp} "
+            f"zero={plan.zero} mbs={plan.microbatch_size} m={plan.num_microbatches} schedule={plan.schedule} "
+            f"placement={plan.placement}; {result.devices_used}/{result.world_size} devices; "
+            f"global batch {plan.global_batch}")
+    perf = (f"throughput {fmt_si(result.tokens_per_s)} tokens/s; model {fmt_si(result.model_flops_per_device, 'FLOP/s')} "
+            f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute)")
+    mem_rows = []
+    for s in result.stages:
+        m = s.memory
+        mem_rows.append([s.index, f"{s.layers[0]}-{s.layers[1] - 1}", s.tp, s.recompute, fmt_bytes(m["weights"]),
+                         fmt_bytes(m["grads"]), fmt_bytes(m["optimizer"]), fmt_bytes(m["activations"]),
+                         fmt_bytes(m["total"]), "yes" if s.fits else f"NO ({s.binding})"])
+    status = "feasible" if result.feasible else f"INFEASIBLE: {result.binding}"
+    return "\n".join([
+        head, perf, status, "",
+        tabulate(rows, headers=["term", "time", "share"], tablefmt="simple"), "",
+        tabulate(mem_rows, headers=["stage", "layers", "tp", "recompute", "weights", "grads", "optimizer",
+                                    "activations", "total", "fits"], tablefmt="simple"),
+    ])

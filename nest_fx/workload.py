@@ -1,0 +1,389 @@
+"""Workload: the chain of layers the solver consumes, with per-variant costs.
+
+A workload is a list of layers (head, repeated blocks, tail). For a *variant* — tensor-parallel
+degree ``tp``, expert-parallel degree ``ep``, microbatch size ``mbs`` (sequences) and sequence
+parallelism ``sp`` — each layer has a :class:`LayerCost`: forward/backward seconds on one
+device, parameter count and bytes held per device, saved-activation bytes per microbatch for
+each recompute mode, the bytes it hands to the next layer (a pipeline boundary) and the
+collectives it issues inside itself.
+
+Costs come from a *source*:
+    TracedSource   an OpGraph plus a per-op timing model (the analytical roofline now, a
+                   measured profile later); every variant is derived from the traced nodes
+                   (how TP/EP shard each node follows from the TP pairs the tracer found).
+    TableSource    a user-supplied per-layer table (``format: nest-fx-workload/1``, SI units;
+                   see docs/workload_format.md).
+Identical layers (same signature) share one cost entry, so costing is O(distinct layers).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import networkx as nx
+import torch
+
+WORKLOAD_FORMAT = "nest-fx-workload/1"
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class WorkloadError(ValueError):
+    """A malformed workload file or an impossible variant; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A collective issued inside a layer per microbatch: ``count`` times ``nbytes`` over ``group``."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    group: str  # "tp" | "ep"
+    nbytes: float
+    phase: str  # "fwd" | "bwd"
+    count: int = 1
+
+
+@dataclass
+class LayerCost:
+    """Cost of one layer for one variant, per microbatch and per device (SI units)."""
+
+    fwd_s: float
+    bwd_s: float
+    num_params: float  # parameters held per device
+    param_bytes: float  # their bytes in the training dtype
+    act_bytes: Dict[str, float]  # recompute mode -> saved bytes per microbatch
+    recompute_s: Dict[str, float]  # recompute mode -> extra backward seconds per microbatch
+    out_bytes: float  # activation bytes sent to the next layer per microbatch (full tensor)
+    comms: List[Comm] = field(default_factory=list)
+    expert_params: float = 0.0  # of num_params, those sharded over ep (reduced over dp/ep)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["comms"] = [asdict(c) for c in self.comms]
+        return d
+
+
+@dataclass
+class Layer:
+    """One element of the chain."""
+
+    name: str
+    kind: str  # head | block | tail
+    signature: str
+    num_params: float  # unsharded
+    flops_per_sample: float  # forward FLOPs per sequence, unsharded
+    is_moe: bool = False
+
+
+@dataclass
+class ModelDims:
+    """Shapes the solver needs to check divisibility and count model FLOPs."""
+
+    seq_len: int
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    ffn_hidden: int = 0
+    num_experts: int = 0
+    vocab_size: int = 0
+    dtype_bytes: int = 2
+
+    def tp_ok(self, tp: int) -> bool:
+        """tp must divide heads, kv heads and FFN width (Megatron's constraint)."""
+        return all(n == 0 or n % tp == 0 for n in (self.heads, self.kv_heads, self.ffn_hidden))
+
+    def ep_ok(self, ep: int) -> bool:
+        return ep == 1 or (self.num_experts > 0 and self.num_experts % ep == 0)
+
+
+class Workload:
+    """Layer chain + a cost source; ``cost(i, tp, ep, mbs, sp)`` is cached per signature."""
+
+    def __init__(self, model: str, layers: List[Layer], dims: ModelDims, source, *, provenance: str = ""):
+        self.model = model
+        self.layers = layers
+        self.dims = dims
+        self.source = source
+        self.provenance = provenance
+        self._cache: Dict[Tuple, LayerCost] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def cost(self, index: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False) -> LayerCost:
+        layer = self.layers[index]
+        key = (layer.signature, layer.kind, tp, ep if layer.is_moe else 1, mbs, sp)
+        if key not in self._cache:
+            self._cache[key] = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
+        return self._cache[key]
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward FLOPs per sequence of the whole model (for model FLOP/s)."""
+        return sum(layer.flops_per_sample for layer in self.layers)
+
+    @property
+    def num_params(self) -> float:
+        return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.is_moe for layer in self.layers)
+
+    def distinct(self) -> List[int]:
+        """Index of the first layer of each distinct (kind, signature)."""
+        seen, out = set(), []
+        for i, layer in enumerate(self.layers):
+            if (layer.kind, layer.signature) not in seen:
+                seen.add((layer.kind, layer.signature))
+                out.append(i)
+        return out
+
+    # -- table form -----------------------------------------------------------------------
+    def to_table(self, tps: Sequence[int] = (1, 2, 4, 8), eps: Sequence[int] = (1,), mbss: Sequence[int] = (1,),
+                 sps: Sequence[bool] = (False,)) -> dict:
+        """Tabulate the variants of each distinct layer into the JSON layer-table format."""
+        signatures = {}
+        for i in self.distinct():
+            layer = self.layers[i]
+            variants = []
+            for tp in tps:
+                if not self.dims.tp_ok(tp):
+                    continue
+                for ep in (eps if layer.is_moe else (1,)):
+                    if not self.dims.ep_ok(ep):
+                        continue
+                    for mbs in mbss:
+                        for sp in sps:
+                            variants.append(dict(tp=tp, ep=ep, mbs=mbs, sp=sp, **self.cost(i, tp, ep, mbs, sp).to_dict()))
+            signatures[f"{layer.kind}:{layer.signature}"] = variants
+        return {
+            "format": WORKLOAD_FORMAT,
+            "model": self.model,
+            "provenance": self.provenance,
+            "dims": asdict(self.dims),
+            "layers": [asdict(layer) for layer in self.layers],
+            "costs": signatures,
+        }
+
+    def save(self, path: str, **table_kwargs) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_table(**table_kwargs), fh, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Workload":
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except OSError as exc:
+            raise WorkloadError(f"cannot read workload file {path!r}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_table(data, where=path)
+
+    @classmethod
+    def from_table(cls, data: dict, where: str = "workload") -> "Workload":
+        """Parse and validate the ``nest-fx-workload/1`` layer table."""
+        from nest_fx.workload_table import parse_table
+
+        return parse_table(data, where)
+
+
+# -- traced source -------------------------------------------------------------------------
+
+_DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
+                for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def _bytes_of(shapes, dtypes) -> float:
+    total = 0.0
+    for shape, dtype in zip(shapes or [], dtypes or []):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+@dataclass
+class _NodeCost:
+    flops: float
+    bytes_moved: float
+    matmul: bool
+    saved: float
+    saved_flash: float
+    attention: bool
+    tp: bool  # sharded by tensor parallelism
+    expert: bool  # sharded by expert parallelism (its parameters)
+    params: float
+    param_bytes: float
+
+
+@dataclass
+class _BlockFacts:
+    nodes: List[_NodeCost]
+    out_bytes: float
+    in_bytes: float
+    tp_allreduces: int  # row linears whose outputs TP must all-reduce (per direction)
+    row_bytes: float  # bytes of one such output
+    a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
+    tp_phases: Tuple[str, ...] = ("fwd", "bwd")  # head: fwd only, tail: bwd only (vocab parallel)
+
+
+class TracedSource:
+    """Layer costs derived from an OpGraph and a per-op timing model.
+
+    ``timing`` has ``op_seconds(flops, bytes, matmul)`` and ``backward_factor`` (the
+    analytical model in ``nest_fx.cost.compute``; a measured profile later). ``attention``:
+    "flash" keeps O(s) bytes for fused attention (q, k, v, out, log-sum-exp) as flash
+    attention does on GPUs; "traced" keeps what the traced kernel saved.
+    """
+
+    def __init__(self, graph, timing, *, attention: str = "flash"):
+        if attention not in ("flash", "traced"):
+            raise ValueError(f"attention={attention!r}: use 'flash' or 'traced'")
+        self.graph = graph
+        self.timing = timing
+        self.attention = attention
+        self.batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
+        self._facts: Dict[int, _BlockFacts] = {}
+
+    def facts(self, block_index: int) -> _BlockFacts:
+        if block_index not in self._facts:
+            self._facts[block_index] = _block_facts(self.graph, self.graph.blocks[block_index])
+        return self._facts[block_index]
+
+    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool) -> LayerCost:
+        block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
+        facts = self.facts(block.index)
+        scale = mbs / self.batch
+        fwd = attn_fwd = 0.0
+        act_none = act_sel = 0.0
+        params = param_bytes = expert_params = 0.0
+        for n in facts.nodes:
+            shard = tp if n.tp else (tp if sp else 1)
+            t = self.timing.op_seconds(n.flops * scale / shard, n.bytes_moved * scale / shard, n.matmul)
+            fwd += t
+            if n.attention:
+                attn_fwd += t
+            flash = n.saved_flash if n.attention else n.saved
+            act_none += (flash if self.attention == "flash" else n.saved) * scale / shard
+            act_sel += flash * scale / shard
+            pdiv = (tp if n.tp else 1) * (ep if n.expert else 1)
+            params += n.params / pdiv
+            param_bytes += n.param_bytes / pdiv
+            if n.expert:
+                expert_params += n.params / pdiv
+        full = facts.in_bytes * scale / (tp if sp else 1)
+        bwd = fwd * self.timing.backward_factor
+        comms: List[Comm] = []
+        if tp > 1 and facts.tp_allreduces:
+            nbytes = facts.row_bytes * scale
+            if sp:
+                for phase in facts.tp_phases:
+                    comms += [Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
+                              Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces)]
+            else:
+                comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
+        if ep > 1 and facts.a2a_bytes:
+            nbytes = facts.a2a_bytes * scale / tp
+            comms += [Comm("all_to_all", "ep", nbytes, phase, 2) for phase in ("fwd", "bwd")]
+        return LayerCost(
+            fwd_s=fwd, bwd_s=bwd, num_params=params, param_bytes=param_bytes,
+            act_bytes={"none": act_none, "selective": min(act_sel, act_none), "full": full},
+            recompute_s={"none": 0.0, "selective": attn_fwd, "full": fwd},
+            out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params)
+
+
+def _block_facts(graph, block) -> _BlockFacts:
+    """Classify a block's nodes: TP-sharded region, expert nodes, attention cores."""
+    from nest_fx.graph.annotate import MATMUL_OPS
+
+    g = graph.graph
+    members = set(block.nodes)
+    pattern = graph.pattern_of(block) if block.kind == "block" else None
+    prefix = block.name + "." if block.kind == "block" else ""
+    weight_node = {g.nodes[n]["weight"]: n for n in block.nodes if g.nodes[n].get("weight")}
+
+    def node_for(rel: str) -> Optional[str]:
+        full = prefix + rel
+        return weight_node.get(full + ".weight") or weight_node.get(full)
+
+    tp_nodes: set = set()
+    expert_nodes: set = set()
+    rows: List[Tuple[str, str]] = []
+    for pair in (pattern.tp_pairs if pattern else []):
+        cols = [c for c in (node_for(x) for x in pair.column) if c]
+        row = node_for(pair.row)
+        if not cols or not row:
+            continue
+        down = set().union(*(nx.descendants(g, c) for c in cols)) & members
+        up = nx.ancestors(g, row) & members
+        region = (down & up) | set(cols) | {row}
+        tp_nodes |= region
+        if pair.kind == "expert":
+            expert_nodes |= region
+        rows.append((pair.kind, row))
+    if block.kind in ("head", "tail"):
+        # Vocabulary-parallel embedding and LM head (Megatron): shard by TP.
+        for n in block.nodes:
+            if g.nodes[n].get("op") == "embedding" or g.nodes[n].get("weight"):
+                tp_nodes.add(n)
+    for n in block.nodes:
+        if "expert" in g.nodes[n].get("module", ""):
+            expert_nodes.add(n)
+
+    nodes = []
+    for n in block.nodes:
+        d = g.nodes[n]
+        in_b = _bytes_of(d.get("in_shapes"), d.get("in_dtypes"))
+        out_b = d.get("out_bytes", 0.0)
+        attention = d.get("op") in _ATTENTION
+        saved_flash = d.get("saved_bytes", 0.0)
+        if attention and d.get("out_shapes"):
+            shape = d["out_shapes"][0]
+            lse = out_b / max(shape[-1], 1) * 4 / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
+            saved_flash = min(saved_flash, in_b + out_b + lse)
+        nodes.append(_NodeCost(
+            flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
+            matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
+            saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
+            tp=n in tp_nodes, expert=n in expert_nodes,
+            params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0)))
+    in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
+                   {p for n in block.nodes for p in g.predecessors(n) if p not in members})
+    dense_rows = [r for k, r in rows if k != "expert"]
+    expert_rows = [r for k, r in rows if k == "expert"]
+    n_ar = len(dense_rows) + (1 if expert_rows else 0)
+    row_bytes = g.nodes[dense_rows[0]]["out_bytes"] if dense_rows else (block.out_bytes or 0.0)
+    a2a = sum(g.nodes[r]["out_bytes"] for r in expert_rows) if block.is_moe else 0.0
+    phases: Tuple[str, ...] = ("fwd", "bwd")
+    if block.kind == "head":  # embedding output all-reduced in forward only
+        n_ar, row_bytes, phases = (1 if tp_nodes else 0), block.out_bytes, ("fwd",)
+    elif block.kind == "tail":  # LM head input gradient all-reduced in backward only
+        n_ar, row_bytes, phases = (1 if tp_nodes else 0), in_bytes, ("bwd",)
+    return _BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
+                       row_bytes=row_bytes, a2a_bytes=a2a, tp_phases=phases)
+
+
+def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",
+                        provenance: str = "analytical") -> Workload:
+    """Workload over an OpGraph's blocks (head, layers, tail; empty head/tail dropped)."""
+    batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
+    layers = []
+    for b in graph.blocks:
+        if not b.nodes or (b.kind != "block" and b.flops == 0 and b.num_params == 0 and b.saved_bytes == 0):
+            continue
+        layers.append(Layer(name=b.name, kind=b.kind, signature=b.signature, num_params=float(b.num_params),
+                            flops_per_sample=b.flops / batch, is_moe=b.is_moe))
+    return Workload(graph.model_name, layers, dims, TracedSource(graph, timing, attention=attention),
+                    provenance=provenance)
+
+
+def dims_from_config(cfg, dtype_bytes: int = 2) -> ModelDims:
+    """ModelDims from a zoo ``TransformerConfig``."""
+    return ModelDims(seq_len=cfg.seq_len, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                     ffn_hidden=cfg.ffn_hidden, num_experts=cfg.num_experts, vocab_size=cfg.vocab_size,
+                     dtype_bytes=dtype_bytes)
