@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
@@ -55,6 +56,24 @@ def _size_factor(suffix: str) -> Optional[float]:
     return scale / 8.0 if m.group(2) == "b" else scale
 
 
+def _suffix_factor(suffix: str, unit: str) -> Optional[float]:
+    """Multiplier for a quantity suffix in ``unit``; '' is always 1; None when not understood."""
+    if suffix == "":
+        return 1.0
+    if unit == "B":
+        return _size_factor(suffix)
+    if unit == "B/s":
+        for tail in ("/s", "ps"):
+            if suffix.endswith(tail):
+                return _size_factor(suffix[: -len(tail)])
+        return None
+    if unit == "s":
+        return _TIME.get(suffix)
+    # FLOP/s: a bare decimal prefix, optionally followed by FLOPS / FLOP/s / FLOPs.
+    m = re.fullmatch(r"([kKMGTPE]?)\s*(?:FLOPS|FLOP/s|FLOPs|flops|flop/s)?", suffix)
+    return _DECIMAL[m.group(1)] if m else None
+
+
 def parse_quantity(text: Union[str, int, float], unit: str, path: str = "value") -> float:
     """Parse a number or a human-friendly quantity string into SI units.
 
@@ -84,40 +103,16 @@ def parse_quantity(text: Union[str, int, float], unit: str, path: str = "value")
     return value
 
 
-def _suffix_factor(suffix: str, unit: str) -> Optional[float]:
-    """Multiplier for a quantity suffix in ``unit``; '' is always 1; None when not understood."""
-    if suffix == "":
-        return 1.0
-    if unit == "B":
-        return _size_factor(suffix)
-    if unit == "B/s":
-        for tail in ("/s", "ps"):
-            if suffix.endswith(tail):
-                return _size_factor(suffix[: -len(tail)])
-        return None
-    if unit == "s":
-        return _TIME.get(suffix)
-    # FLOP/s: a bare decimal prefix, optionally followed by FLOPS / FLOP/s / FLOPs.
-    m = re.fullmatch(r"([kKMGTPE]?)\s*(?:FLOPS|FLOP/s|FLOPs|flops|flop/s)?", suffix)
-    return _DECIMAL[m.group(1)] if m else None
-
-
 # -- hardware ------------------------------------------------------------------------------
 
 
-def _positive(value: object, path: str) -> None:
-    """Raise ClusterError unless ``value`` is a finite real number > 0."""
+def _real(value: object, path: str, *, strict: bool) -> None:
+    """Raise ClusterError unless ``value`` is a finite real number > 0 (``strict``) or >= 0."""
+    bound = "> 0" if strict else ">= 0"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ClusterError(f"{path}: must be a finite number > 0, got {value!r}")
-    if value <= 0:
-        raise ClusterError(f"{path}: must be > 0, got {value!r}")
-
-
-def _non_negative(value: object, path: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ClusterError(f"{path}: must be a finite number >= 0, got {value!r}")
-    if value < 0:
-        raise ClusterError(f"{path}: must be >= 0, got {value!r}")
+        raise ClusterError(f"{path}: must be a finite number {bound}, got {value!r}")
+    if value < 0 or (strict and value == 0):
+        raise ClusterError(f"{path}: must be {bound}, got {value!r}")
 
 
 def _positive_int(value: object, path: str) -> None:
@@ -147,14 +142,14 @@ class DeviceSpec:
     def validate(self, prefix: str = "") -> None:
         """Check every field; errors name the field as ``{prefix}{field}``."""
         _name(self.name, f"{prefix}name")
-        _positive(self.memory_bytes, f"{prefix}memory_bytes")
+        _real(self.memory_bytes, f"{prefix}memory_bytes", strict=True)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise ClusterError(f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
                                f"(e.g. {{'bf16': 312e12}}), got {self.peak_flops!r}")
         for dtype, flops in self.peak_flops.items():
             _name(dtype, f"{prefix}peak_flops key")
-            _positive(flops, f"{prefix}peak_flops.{dtype}")
-        _positive(self.mem_bandwidth, f"{prefix}mem_bandwidth")
+            _real(flops, f"{prefix}peak_flops.{dtype}", strict=True)
+        _real(self.mem_bandwidth, f"{prefix}mem_bandwidth", strict=True)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (e.g. "bf16"); ClusterError listing the known dtypes otherwise."""
@@ -181,8 +176,8 @@ class NetworkLevel:
         """Check every field; errors name the field as ``{prefix}{field}``."""
         _name(self.name, f"{prefix}name")
         _positive_int(self.group_size, f"{prefix}group_size")
-        _positive(self.bandwidth, f"{prefix}bandwidth")
-        _non_negative(self.latency, f"{prefix}latency")
+        _real(self.bandwidth, f"{prefix}bandwidth", strict=True)
+        _real(self.latency, f"{prefix}latency", strict=False)
 
 
 class LevelSpan(NamedTuple):
@@ -248,11 +243,19 @@ class Cluster:
 
     # -- placement -------------------------------------------------------------------------
     def _check_ranks(self, ranks: Sequence[int]) -> List[int]:
-        rs = list(ranks)
+        """The ranks as a list of ints in [0, num_devices), distinct and non-empty (ClusterError otherwise)."""
+        rs: List[int] = []
+        for r in ranks:
+            try:
+                if isinstance(r, bool):
+                    raise TypeError
+                rs.append(operator.index(r))  # accepts numpy integers too
+            except TypeError:
+                raise ClusterError(f"ranks: {r!r} is not a rank (an integer 0..{self.num_devices - 1})") from None
         if not rs:
             raise ClusterError("ranks: must be a non-empty sequence of device ranks")
         for r in rs:
-            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.num_devices:
+            if not 0 <= r < self.num_devices:
                 raise ClusterError(f"ranks: {r!r} is not a rank of this cluster (integers 0..{self.num_devices - 1})")
         if len(set(rs)) != len(rs):
             raise ClusterError(f"ranks: duplicate rank(s) in {rs}")

@@ -216,6 +216,7 @@ class _NodeCost:
     saved_flash: float
     attention: bool
     tp: bool  # sharded by tensor parallelism
+    column: bool  # a column-parallel linear: computes a shard, but saves its full (replicated) input
     expert: bool  # sharded by expert parallelism (its parameters)
     params: float
     param_bytes: float
@@ -269,8 +270,9 @@ class TracedSource:
             if n.attention:
                 attn_fwd += t
             flash = n.saved_flash if n.attention else n.saved
-            act_none += (flash if self.attention == "flash" else n.saved) * scale / shard
-            act_sel += flash * scale / shard
+            keep = tp if (sp or (n.tp and not n.column)) else 1
+            act_none += (flash if self.attention == "flash" else n.saved) * scale / keep
+            act_sel += flash * scale / keep
             pdiv = (tp if n.tp else 1) * (ep if n.expert else 1)
             params += n.params / pdiv
             param_bytes += n.param_bytes / pdiv
@@ -312,6 +314,7 @@ def _block_facts(graph, block) -> _BlockFacts:
         return weight_node.get(full + ".weight") or weight_node.get(full)
 
     tp_nodes: set = set()
+    column_nodes: set = set()
     expert_nodes: set = set()
     rows: List[Tuple[str, str]] = []
     for pair in (pattern.tp_pairs if pattern else []):
@@ -323,6 +326,7 @@ def _block_facts(graph, block) -> _BlockFacts:
         up = nx.ancestors(g, row) & members
         region = (down & up) | set(cols) | {row}
         tp_nodes |= region
+        column_nodes |= set(cols)
         if pair.kind == "expert":
             expert_nodes |= region
         rows.append((pair.kind, row))
@@ -350,7 +354,7 @@ def _block_facts(graph, block) -> _BlockFacts:
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
             matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
             saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
-            tp=n in tp_nodes, expert=n in expert_nodes,
+            tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0)))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})

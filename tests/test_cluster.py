@@ -1,6 +1,8 @@
 """Cluster description: presets, validation, file round-trips, quantity parsing, rank placement."""
 import copy
 import json
+import pathlib
+import re
 
 import pytest
 import yaml
@@ -377,3 +379,29 @@ def test_parse_quantity_rejects(text, unit):
 def test_parse_quantity_unknown_unit():
     with pytest.raises(ValueError, match="unit must be one of"):
         parse_quantity("1", "furlongs")
+
+
+# -- the documented example ----------------------------------------------------------------
+
+
+def _doc_blocks(lang):
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cluster_format.md").read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def _flatten(d, prefix=""):
+    if isinstance(d, dict):
+        return {k2: v2 for k, v in d.items() for k2, v2 in _flatten(v, f"{prefix}{k}.").items()}
+    if isinstance(d, list):
+        return {k2: v2 for i, v in enumerate(d) for k2, v2 in _flatten(v, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): d}
+
+
+@pytest.mark.parametrize("lang, parse", [("yaml", yaml.safe_load), ("json", json.loads)])
+def test_documented_example_is_the_dgx_a100_preset(lang, parse):
+    (block,) = _doc_blocks(lang)
+    got = _flatten(Cluster.from_dict(parse(block)).to_dict())
+    want = _flatten(Cluster.preset("dgx-a100", 64).to_dict())
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value), key

@@ -124,7 +124,8 @@ def broadcast(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
     for sp in _spans(cluster, ranks, nbytes):
         f = sp.fanout
         if f > 1:
-            total += 2 * (f - 1) / f * nbytes / sp.level.bandwidth + (math.ceil(math.log2(f)) + f - 1) * sp.level.latency
+            steps = math.ceil(math.log2(f)) + f - 1
+            total += 2 * (f - 1) / f * nbytes / sp.level.bandwidth + steps * sp.level.latency
     return total
 
 

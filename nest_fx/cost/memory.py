@@ -140,7 +140,7 @@ def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, n
     ``num_stages``, m = ``num_microbatches``, v = ``virtual_stages``:
 
         gpipe        m                     all forwards run before any backward (Huang et al.
-                                           2019, as described in Narayanan et al. 2021 sec. 2.2)
+                                           2019, as described in Narayanan et al. 2021 sec. 2.2.1)
         1f1b         min(p - stage, m)     PipeDream-Flush warm-up depth + 1 (Narayanan 2021 sec. 2.2.1)
         interleaved  min(2(p - stage - 1) + (v - 1) p + 1, m v) / v
                                            v model chunks per device, each 1/v of its layers
