@@ -118,7 +118,8 @@ def test_pipeline_boundary_cost_follows_network_level(work):
     r_near = simulate(near, work, cl)  # stage 1 starts at rank 4: same node
     far = Plan(stages=[StagePlan(0, 5, 4), StagePlan(5, 10, 4)], dp=8, num_microbatches=8, num_layers=10)
     r_far = simulate(far, work, cl)  # stage 1 starts at rank 32: another rack
-    assert r_far.stages[0].p2p > r_near.stages[0].p2p
+    assert r_far.stages[1].p2p > r_near.stages[1].p2p
+    assert r_near.stages[0].p2p == 0
 
 
 def test_infeasible_plan_names_binding_term(cluster):

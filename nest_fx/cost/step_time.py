@@ -6,9 +6,9 @@ degree:
     F_i = sum_l fwd_s(l) + TP/EP collectives of the forward
     B_i = sum_l bwd_s(l) + recompute_s(l, mode) + TP/EP collectives of the backward
           (+ the forward collectives again under full recompute)
-    P_i = p2p(boundary bytes / tp_i) to stage i+1 at the network level the two stages span,
-          then an all-gather inside stage i+1's TP group (scatter/gather optimisation,
-          Narayanan et al. 2021, sec. 4.1)
+    P_i = p2p(boundary bytes / tp_{i-1}) from stage i-1 at the network level the two stages
+          span, then an all-gather inside stage i's TP group (scatter/gather optimisation,
+          Narayanan et al. 2021, sec. 4.1); P_0 = 0
 
 Pipeline (t_i = F_i + B_i + 2 P_i; m microbatches; v model chunks per device):
 
@@ -19,15 +19,16 @@ Pipeline (t_i = F_i + B_i + 2 P_i; m microbatches; v model chunks per device):
 
 Data-parallel gradient synchronisation of stage i over its DP group (ZeRO-0/1: all-reduce;
 ZeRO-2: reduce-scatter + all-gather of parameters; ZeRO-3: reduce-scatter once and two
-parameter all-gathers per microbatch, prefetched under compute). With overlap, the sync
-starts with the last microbatch's backward; stage i finishes that backward
-``slack_i = sum_{j<i} (B_j + P_j)`` before stage 0 does, so
+parameter all-gathers per microbatch, prefetched under compute) starts with the stage's last
+backward, so with overlap only ``max(0, sync_i - (B_i + R_i))`` is exposed (without overlap,
+all of it), then the stage's optimizer step runs, memory-bound at ``bytes_per_param_update``
+bytes per locally updated parameter. Each stage's tail after its last backward is
 
-    exposed_sync = max_i max(0, sync_i - B_i - slack_i)      (without overlap: max_i sync_i)
+    q_i = exposed_sync_i + T_opt,i          T_step = T_pipe + max_i q_i
 
-Optimizer step: memory-bound, ``bytes_per_param_update`` bytes per locally updated parameter.
-
-    T_step = T_pipe + exposed_sync + T_opt
+(conservative: a later stage finishes its last backward before stage 0 does and so could hide
+more; ignoring that keeps the step time a function of per-stage terms, which the solver
+needs to be exact).
 
 Memory per device of stage i: model states (``memory.model_state_bytes``) + activations of
 the stage's layers for one microbatch x in-flight microbatches of the schedule
@@ -141,13 +142,8 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
             else:
                 sc.ep_comm += t * repeat
     last = workload.cost(stage.end - 1, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
-    if i + 1 < plan.pp:
-        nxt = plan.stages[i + 1]
-        send = last.out_bytes / stage.tp
-        sc.p2p = max(collectives.p2p(cluster, plan.rank(i, r, 0), plan.rank(i + 1, r, 0), send) for r in replicas)
-        if nxt.tp > 1:
-            sc.p2p += max(collectives.collective_time("all_gather", cluster, plan.tp_group(i + 1, r), last.out_bytes)
-                          for r in replicas)
+    if i > 0:
+        sc.p2p = boundary_time(workload, cluster, plan, i, replicas)
     # -- data-parallel sync -----------------------------------------------------------------
     dense = sc.num_params - expert_params
     sc.dp_sync = _dp_sync_time(cluster, plan, i, dense, expert_params, options)
@@ -171,6 +167,16 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
     if not sc.fits:
         sc.binding = max(("weights", "grads", "optimizer", "activations", "buffers"), key=lambda k: mem[k])
     return sc
+
+
+def boundary_time(workload: Workload, cluster, plan: Plan, i: int, replicas: Sequence[int]) -> float:
+    """P: one microbatch's activations from stage i-1 to stage i (slowest replica checked)."""
+    prev, stage = plan.stages[i - 1], plan.stages[i]
+    full = workload.cost(prev.end - 1, prev.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel).out_bytes
+    t = max(collectives.p2p(cluster, plan.rank(i - 1, r, 0), plan.rank(i, r, 0), full / prev.tp) for r in replicas)
+    if stage.tp > 1:
+        t += max(collectives.collective_time("all_gather", cluster, plan.tp_group(i, r), full) for r in replicas)
+    return t
 
 
 def _dp_sync_time(cluster, plan: Plan, i: int, dense_params: float, expert_params: float,
@@ -199,6 +205,15 @@ def _sync_volume_time(cluster, group: List[int], params: float, gbytes: int, pby
     return rs + 2 * plan.num_microbatches * ag
 
 
+def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:
+    """(exposed DP sync, optimizer step) of a stage after its last backward: q_i's two terms."""
+    window = sc.bwd_compute + sc.recompute_s if options.overlap_grad_sync else 0.0
+    exposed = max(0.0, sc.dp_sync - window)
+    updated = sc.num_params / (plan.dp if plan.zero >= 1 else 1)
+    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    return exposed, t_opt
+
+
 def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1) -> Tuple[float, float]:
     """(T_pipe, bubble) for per-microbatch stage times t_i (see module docstring)."""
     t_max, t_sum = max(stage_times), sum(stage_times)
@@ -218,14 +233,9 @@ def simulate(plan: Plan, workload: Workload, cluster, options: Optional[CostOpti
     times = [s.per_microbatch(v) for s in stages]
     m = plan.num_microbatches
     t_pipe, bubble = pipeline_time(times, m, plan.schedule, v)
-    exposed = 0.0
-    slack = 0.0
-    for s in stages:
-        window = (s.bwd_compute + s.recompute_s + slack) if options.overlap_grad_sync else 0.0
-        exposed = max(exposed, max(0.0, s.dp_sync - window))
-        slack += s.bwd_compute + s.recompute_s + s.p2p
-    updated = max(s.num_params / (plan.dp if plan.zero >= 1 else 1) for s in stages)
-    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    tails = [stage_tail(s, plan, cluster, options) for s in stages]
+    last = max(range(len(stages)), key=lambda k: tails[k][0] + tails[k][1])
+    exposed, t_opt = tails[last]
     step = t_pipe + exposed + t_opt
     b = max(range(len(stages)), key=lambda k: times[k])
     bott = stages[b]

@@ -1,0 +1,26 @@
+"""Shared fixtures: traced zoo models are cached for the session (tracing llama2-7b takes ~1 s)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from nest_fx.graph import trace
+from nest_fx.models import build_any
+
+# Short sequences keep the traces fast; block structure does not depend on seq.
+ZOO_SEQ = 128
+
+
+@functools.lru_cache(maxsize=None)
+def traced_zoo(name: str, seq: int = ZOO_SEQ, batch: int = 1):
+    """(model, cfg, args, OpGraph) of a zoo name or spec, built and traced on meta."""
+    model, cfg, args, kwargs = build_any(name, batch=batch, seq=seq, device="meta")
+    graph = trace(model, args, kwargs, name=name)
+    return model, cfg, args, graph
+
+
+@pytest.fixture(scope="session")
+def zoo():
+    """``zoo(name, seq=128, batch=1) -> (model, cfg, args, graph)``, cached across test files."""
+    return traced_zoo
