@@ -12,9 +12,13 @@ from nest_fx.models import build_any
 ZOO_SEQ = 128
 
 
-@functools.lru_cache(maxsize=None)
 def traced_zoo(name: str, seq: int = ZOO_SEQ, batch: int = 1):
     """(model, cfg, args, OpGraph) of a zoo name or spec, built and traced on meta."""
+    return _traced(name, seq, batch)  # positional: one cache entry however it is called
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(name: str, seq: int, batch: int):
     model, cfg, args, kwargs = build_any(name, batch=batch, seq=seq, device="meta")
     graph = trace(model, args, kwargs, name=name)
     return model, cfg, args, graph

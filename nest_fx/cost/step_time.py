@@ -104,10 +104,26 @@ class SimResult:
         return asdict(self)
 
 
+_COLLECTIVE_CACHE: Dict[tuple, float] = {}
+
+
+def cached_collective(kind: str, cluster, group: Sequence[int], nbytes: float) -> float:
+    """``collectives.collective_time`` memoised per (cluster, kind, group, bytes): the solver asks
+    for the same few groups millions of times."""
+    key = (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels),
+           kind, tuple(group), nbytes)
+    t = _COLLECTIVE_CACHE.get(key)
+    if t is None:
+        if len(_COLLECTIVE_CACHE) > 1_000_000:
+            _COLLECTIVE_CACHE.clear()
+        t = _COLLECTIVE_CACHE[key] = collectives.collective_time(kind, cluster, group, nbytes)
+    return t
+
+
 def _comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
     if len(group) <= 1:
         return 0.0
-    return comm.count * collectives.collective_time(comm.kind, cluster, group, comm.nbytes)
+    return comm.count * cached_collective(comm.kind, cluster, group, comm.nbytes)
 
 
 def _replicas_to_check(dp: int) -> List[int]:
@@ -175,7 +191,7 @@ def boundary_time(workload: Workload, cluster, plan: Plan, i: int, replicas: Seq
     full = workload.cost(prev.end - 1, prev.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel).out_bytes
     t = max(collectives.p2p(cluster, plan.rank(i - 1, r, 0), plan.rank(i, r, 0), full / prev.tp) for r in replicas)
     if stage.tp > 1:
-        t += max(collectives.collective_time("all_gather", cluster, plan.tp_group(i, r), full) for r in replicas)
+        t += max(cached_collective("all_gather", cluster, plan.tp_group(i, r), full) for r in replicas)
     return t
 
 
@@ -197,9 +213,9 @@ def _sync_volume_time(cluster, group: List[int], params: float, gbytes: int, pby
     if len(group) <= 1 or params <= 0:
         return 0.0
     if plan.zero <= 1:
-        return collectives.collective_time("all_reduce", cluster, group, params * gbytes)
-    rs = collectives.collective_time("reduce_scatter", cluster, group, params * gbytes)
-    ag = collectives.collective_time("all_gather", cluster, group, params * pbytes)
+        return cached_collective("all_reduce", cluster, group, params * gbytes)
+    rs = cached_collective("reduce_scatter", cluster, group, params * gbytes)
+    ag = cached_collective("all_gather", cluster, group, params * pbytes)
     if plan.zero == 2:
         return rs + ag
     return rs + 2 * plan.num_microbatches * ag
@@ -214,13 +230,17 @@ def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tupl
     return exposed, t_opt
 
 
-def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1) -> Tuple[float, float]:
-    """(T_pipe, bubble) for per-microbatch stage times t_i (see module docstring)."""
-    t_max, t_sum = max(stage_times), sum(stage_times)
+def pipeline_span(max_t: float, sum_t: float, m: int, schedule: str, v: int = 1) -> float:
+    """T_pipe from max_i t_i and sum_i t_i (see module docstring); monotone in both."""
     if schedule == "interleaved" and v > 1:
-        total = m * t_max + (t_sum - t_max) / v
-    else:
-        total = (m - 1) * t_max + t_sum
+        return m * max_t + (sum_t - max_t) / v
+    return (m - 1) * max_t + sum_t
+
+
+def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1) -> Tuple[float, float]:
+    """(T_pipe, bubble) for per-microbatch stage times t_i."""
+    t_max = max(stage_times)
+    total = pipeline_span(t_max, sum(stage_times), m, schedule, v)
     return total, total - m * t_max
 
 

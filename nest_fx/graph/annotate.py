@@ -18,7 +18,7 @@ import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from nest_fx.graph.capture import clean_fqn
 
@@ -28,6 +28,17 @@ MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm"
 VIEW_OPS = {"view", "t", "transpose", "permute", "reshape", "expand", "contiguous", "to", "_to_copy",
             "unsqueeze", "squeeze", "select", "slice", "index", "getitem", "alias", "type_as", "float",
             "half", "bfloat16", "detach", "clone", "_unsafe_view", "chunk", "split", "unbind"}
+
+
+
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# FlopCounterMode has formulas for the CUDA attention kernels but not for the one SDPA picks for
+# CPU tensors, which would count attention as 0 FLOPs when the model's parameters are on CPU
+# (on meta or CUDA the same model counts them). Same formula as the CUDA kernels.
+EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop}
 
 
 def op_kind(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -89,7 +100,7 @@ class _FakeInterpreter(fx.Interpreter):
         self.records: Dict[str, dict] = {}
         self.current: Optional[str] = None
         self.saved_seen: Set[int] = set()
-        self.counter = FlopCounterMode(display=False)
+        self.counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
         self.seen_params: Set[int] = set()
         self.param_fqn: Dict[int, str] = {}
         for name, p in gm.named_parameters(remove_duplicate=True):
@@ -137,7 +148,11 @@ class _FakeInterpreter(fx.Interpreter):
         self.records[n.name] = rec
         self.current = n.name
         before = self.counter.get_total_flops()
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as exc:
+            exc.fx_node = n  # tells trace() which node and module failed
+            raise
         self.current = None
         rec["flops"] = float(self.counter.get_total_flops() - before)
         inputs = [self.env[a] for a in n.all_input_nodes if a in self.env]

@@ -84,7 +84,8 @@ def _innermost_module_frame(model: torch.nn.Module, exc: BaseException) -> Tuple
     by_id = {id(m): name for name, m in model.named_modules()}
     fqn, where = "", ""
     for frame, lineno in traceback.walk_tb(exc.__traceback__):
-        owner = frame.f_locals.get("self")
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if owner is not None and id(owner) in by_id and "forward" in frame.f_code.co_name:
             fqn = by_id[id(owner)]
             where = f"{frame.f_code.co_filename}:{lineno} in {type(owner).__name__}.{frame.f_code.co_name}"

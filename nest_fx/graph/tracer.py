@@ -7,7 +7,7 @@ import torch
 
 from torch.utils._pytree import tree_map
 
-from nest_fx.graph.annotate import annotate
+from nest_fx.graph.annotate import annotate, module_of
 from nest_fx.graph.blocks import detect_blocks
 from nest_fx.graph.capture import TraceError, capture
 from nest_fx.graph.opgraph import OpGraph
@@ -36,10 +36,12 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     try:
         graph = annotate(gm, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - report the failing op, not a raw interpreter trace
-        raise TraceError(f"captured the model with {used} but running it on fake tensors failed: "
+        node = getattr(exc, "fx_node", None)
+        where = f" at node {node.name!r} (op {node.target}, module {module_of(node) or '<root>'!r})" if node else ""
+        raise TraceError(f"captured the model with {used} but running it on fake tensors failed{where}: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
-                         "  fix: make the failing op's module a leaf (leaf_modules=[...]) or give it "
-                         "a meta kernel") from exc
+                         "  fix: the op needs real data (data-dependent shape or value); rewrite it with "
+                         "static shapes, or give the op a meta/fake kernel") from exc
     shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
     shapes += [list(t.shape) for t in kwargs.values() if isinstance(t, torch.Tensor)]
     opgraph = OpGraph(graph, model_name=name or type(model).__name__, method=used, input_shapes=shapes)

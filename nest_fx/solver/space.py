@@ -1,0 +1,96 @@
+"""The search space: global knobs of a plan and lower bounds used to order and prune them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from nest_fx.cost.step_time import CostOptions, pipeline_span
+from nest_fx.workload import Workload
+
+
+@dataclass
+class SolverOptions:
+    """What the planner may choose. Defaults follow common practice (Megatron-LM, torchtitan)."""
+
+    tp_degrees: Sequence[int] = (1, 2, 4, 8)
+    microbatch_sizes: Sequence[int] = (1, 2, 4, 8)
+    zero_stages: Sequence[int] = (0, 1, 2, 3)
+    recompute: Sequence[str] = ("none", "selective", "full")
+    schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", 2))
+    placements: Sequence[str] = ("stage-major", "replica-major")
+    ep_degrees: Optional[Sequence[int]] = None  # None: every divisor of the expert count
+    tp_within_node: bool = True  # keep TP groups inside the innermost network level
+    sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
+    max_stages: Optional[int] = None
+    time_budget: Optional[float] = None  # seconds; None = search to optimality
+    cost: CostOptions = field(default_factory=CostOptions)
+
+
+@dataclass(frozen=True)
+class GlobalConfig:
+    """Knobs shared by all stages of a plan (the outer loop of the search)."""
+
+    tp: int
+    dp: int
+    ep: int
+    mbs: int
+    zero: int
+    schedule: str
+    v: int
+    placement: str
+    sp: bool
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.mbs)
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
+    """Every admissible combination of the global knobs."""
+    node = cluster.levels[0].group_size
+    tps = [t for t in options.tp_degrees if workload.dims.tp_ok(t) and t <= cluster.num_devices
+           and (not options.tp_within_node or t <= node)]
+    if workload.is_moe:
+        eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
+        eps = [e for e in eps if workload.dims.ep_ok(e)]
+    else:
+        eps = [1]
+    for mbs in options.microbatch_sizes:
+        if global_batch % mbs:
+            continue
+        for dp in divisors(global_batch // mbs):
+            for tp in tps:
+                if dp * tp > cluster.num_devices:
+                    continue
+                for ep in eps:
+                    if dp % ep:
+                        continue
+                    for zero in options.zero_stages:
+                        for schedule, v in options.schedules:
+                            for placement in options.placements:
+                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
+                                                   v=v if schedule == "interleaved" else 1, placement=placement,
+                                                   sp=options.sequence_parallel and tp > 1)
+
+
+def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int,
+                 options: SolverOptions) -> List[int]:
+    """Pipeline depths p admissible for g: devices, layers, and the schedule's rules."""
+    m = g.microbatches(global_batch)
+    most = min(len(workload), cluster.num_devices // (g.dp * g.tp))
+    if options.max_stages:
+        most = min(most, options.max_stages)
+    out = []
+    for p in range(1, most + 1):
+        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * g.v):
+            continue
+        out.append(p)
+    return out
+
+
+def objective(max_t: float, sum_t: float, max_q: float, m: int, schedule: str, v: int) -> float:
+    """T_step from the per-stage aggregates: ``pipeline_span`` + the slowest stage tail."""
+    return pipeline_span(max_t, sum_t, m, schedule, v) + max_q
