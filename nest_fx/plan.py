@@ -99,15 +99,21 @@ class Plan:
             return self.stage_offset(stage) + replica * self.stages[stage].tp + tp_rank
         return replica * self.devices_per_replica + self.stage_offset(stage) + tp_rank
 
+    def _replica_ranks(self, stage: int, replicas, tp_rank: int) -> List[int]:
+        off, tp = self.stage_offset(stage), self.stages[stage].tp
+        stride = tp if self.placement == "stage-major" else self.devices_per_replica
+        return [off + r * stride + tp_rank for r in replicas]
+
     def tp_group(self, stage: int, replica: int = 0) -> List[int]:
-        return [self.rank(stage, replica, j) for j in range(self.stages[stage].tp)]
+        first = self.rank(stage, replica, 0)
+        return list(range(first, first + self.stages[stage].tp))
 
     def dp_group(self, stage: int, tp_rank: int = 0) -> List[int]:
-        return [self.rank(stage, r, tp_rank) for r in range(self.dp)]
+        return self._replica_ranks(stage, range(self.dp), tp_rank)
 
     def ep_group(self, stage: int, replica: int = 0, tp_rank: int = 0) -> List[int]:
         first = (replica // self.ep) * self.ep
-        return [self.rank(stage, first + r, tp_rank) for r in range(self.ep)]
+        return self._replica_ranks(stage, range(first, first + self.ep), tp_rank)
 
     def mesh(self) -> Optional[Dict[str, object]]:
         """DeviceMesh shape (pp, dp, tp) when TP is uniform, else None (not a regular mesh)."""

@@ -17,9 +17,10 @@ Pipeline (t_i = F_i + B_i + 2 P_i; m microbatches; v model chunks per device):
     interleaved 1F1B: T_pipe = m max_i t_i + (sum_i t_i - max_i t_i) / v,  p2p counted v times
     bubble = T_pipe - m max_i t_i
 
-Data-parallel gradient synchronisation of stage i over its DP group (ZeRO-0/1: all-reduce;
-ZeRO-2: reduce-scatter + all-gather of parameters; ZeRO-3: reduce-scatter once and two
-parameter all-gathers per microbatch, prefetched under compute) starts with the stage's last
+Data-parallel gradient synchronisation of stage i over its DP group (ZeRO-0/1: one all-reduce
+per step; ZeRO-2: a reduce-scatter per microbatch, since sharded gradients cannot be
+accumulated locally, and one parameter all-gather; ZeRO-3: per microbatch a reduce-scatter
+and two parameter all-gathers, prefetched under compute) starts with the stage's last
 backward, so with overlap only ``max(0, sync_i - (B_i + R_i))`` is exposed (without overlap,
 all of it), then the stage's optimizer step runs, memory-bound at ``bytes_per_param_update``
 bytes per locally updated parameter. Each stage's tail after its last backward is
@@ -42,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from nest_fx.cost import collectives, memory
 from nest_fx.plan import Plan
-from nest_fx.workload import Comm, Workload
+from nest_fx.workload import Comm, LayerCost, Workload
 
 USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
 
@@ -120,7 +121,8 @@ def cached_collective(kind: str, cluster, group: Sequence[int], nbytes: float) -
     return t
 
 
-def _comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
+def comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
+    """Seconds of one in-layer collective (``count`` repetitions) over ``group``."""
     if len(group) <= 1:
         return 0.0
     return comm.count * cached_collective(comm.kind, cluster, group, comm.nbytes)
@@ -140,6 +142,7 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
     act = 0.0
     act_full_layer = 0.0
     expert_params = 0.0
+    distinct: Dict[int, Tuple[LayerCost, int]] = {}  # identical layers share one LayerCost object
     for layer in range(stage.start, stage.end):
         c = workload.cost(layer, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
         sc.fwd_compute += c.fwd_s
@@ -149,14 +152,17 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
         expert_params += c.expert_params
         act += c.act_bytes[stage.recompute]
         act_full_layer = max(act_full_layer, c.act_bytes["none"])
+        seen = distinct.get(id(c))
+        distinct[id(c)] = (c, seen[1] + 1 if seen else 1)
+    for c, count in distinct.values():
         for comm in c.comms:
             groups = tp_groups if comm.group == "tp" else ep_groups
-            t = max((_comm_time(cluster, comm, g) for g in groups), default=0.0)
+            t = max((comm_time(cluster, comm, g) for g in groups), default=0.0)
             repeat = 2 if (stage.recompute == "full" and comm.phase == "fwd") else 1
             if comm.group == "tp":
-                sc.tp_comm += t * repeat
+                sc.tp_comm += t * repeat * count
             else:
-                sc.ep_comm += t * repeat
+                sc.ep_comm += t * repeat * count
     last = workload.cost(stage.end - 1, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
     if i > 0:
         sc.p2p = boundary_time(workload, cluster, plan, i, replicas)
@@ -204,7 +210,7 @@ def _dp_sync_time(cluster, plan: Plan, i: int, dense_params: float, expert_param
     replicas_group = plan.dp_group(i, 0)
     total = _sync_volume_time(cluster, replicas_group, dense_params, gbytes, options.param_bytes, plan)
     if expert_params and plan.dp // plan.ep > 1:
-        group = [plan.rank(i, r, 0) for r in range(0, plan.dp, plan.ep)]
+        group = plan.dp_group(i, 0)[::plan.ep]
         total += _sync_volume_time(cluster, group, expert_params, gbytes, options.param_bytes, plan)
     return total
 
@@ -216,9 +222,10 @@ def _sync_volume_time(cluster, group: List[int], params: float, gbytes: int, pby
         return cached_collective("all_reduce", cluster, group, params * gbytes)
     rs = cached_collective("reduce_scatter", cluster, group, params * gbytes)
     ag = cached_collective("all_gather", cluster, group, params * pbytes)
-    if plan.zero == 2:
-        return rs + ag
-    return rs + 2 * plan.num_microbatches * ag
+    m = plan.num_microbatches
+    if plan.zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
+        return m * rs + ag
+    return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
 
 
 def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:

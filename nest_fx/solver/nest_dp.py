@@ -108,6 +108,8 @@ def solve_partition(table: StageTable, m: int, recompute: Tuple[str, ...], best:
     """Best contiguous partition into ``table.p`` stages with per-stage recompute, or None when
     nothing fits or nothing beats ``best``."""
     g, p, n = table.g, table.p, table.n
+    # T >= (m - 1) max_i t_i (1F1B) or m max_i t_i (interleaved): no stage may take longer than this.
+    t_cap = best / max(m - 1 if g.schedule != "interleaved" else m, 1)
     fronts: Dict[int, List[Entry]] = {0: [(0.0, 0.0, 0.0, None)]}
     for i in range(p):
         nxt: Dict[int, List[Entry]] = {}
@@ -118,6 +120,9 @@ def solve_partition(table: StageTable, m: int, recompute: Tuple[str, ...], best:
             hi = n - (p - 1 - i)
             for e in (range(n, n + 1) if last else range(b + 1, hi + 1)):
                 any_fit = False
+                fastest = min(table.get(i, b, e, r)[0] for r in recompute)
+                if fastest >= t_cap and m > 1:
+                    break  # more layers only take longer
                 for r in recompute:
                     t, q, fits = table.get(i, b, e, r)
                     if not fits:

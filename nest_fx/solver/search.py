@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from nest_fx.cost import memory
-from nest_fx.cost.step_time import SimResult, pipeline_span, simulate
+from nest_fx.cost.step_time import SimResult, comm_time, pipeline_span, simulate
 from nest_fx.plan import Plan
 from nest_fx.solver.nest_dp import BudgetExceeded, StageTable, solve_partition
 from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, stage_counts
@@ -42,12 +42,16 @@ class SolveResult:
     stats: Dict[str, float] = field(default_factory=dict)
 
 
-def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
-    """(per-microbatch fwd+bwd seconds, per-device parameters) of one replica at g's TP degree."""
+def _replica_work(workload: Workload, cluster, g: GlobalConfig) -> Tuple[float, float]:
+    """(per-microbatch fwd+bwd+TP-collective seconds, per-device parameters) of one replica.
+
+    Every TP group of every placement is ``tp`` consecutive ranks starting at a multiple of
+    ``tp``, so the TP collectives cost what they cost on ranks 0..tp-1."""
     work = params = 0.0
+    tp_group = list(range(g.tp))
     for i in range(len(workload)):
         c = workload.cost(i, g.tp, g.ep, g.mbs, g.sp)
-        work += c.fwd_s + c.bwd_s
+        work += c.fwd_s + c.bwd_s + sum(comm_time(cluster, x, tp_group) for x in c.comms if x.group == "tp")
         params += c.num_params
     return work, params
 
@@ -60,7 +64,7 @@ def candidates(workload: Workload, cluster, global_batch: int, options: SolverOp
     for g in global_configs(workload, cluster, global_batch, options):
         key = (g.tp, g.ep, g.mbs, g.sp)
         if key not in cache:
-            cache[key] = _replica_work(workload, g)
+            cache[key] = _replica_work(workload, cluster, g)
         work, params = cache[key]
         m = g.microbatches(global_batch)
         for p in stage_counts(workload, cluster, g, global_batch, options):

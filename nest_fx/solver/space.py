@@ -68,12 +68,18 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                 for ep in eps:
                     if dp % ep:
                         continue
-                    for zero in options.zero_stages:
+                    for zero in _undominated(options.zero_stages):
                         for schedule, v in options.schedules:
                             for placement in options.placements:
                                 yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
                                                    v=v if schedule == "interleaved" else 1, placement=placement,
                                                    sp=options.sequence_parallel and tp > 1)
+
+
+def _undominated(zero_stages: Sequence[int]) -> List[int]:
+    """ZeRO-1 costs what ZeRO-0 costs in communication, with less memory and a shorter
+    optimizer step (it updates 1/dp of the parameters): ZeRO-0 is dominated when 1 is allowed."""
+    return [z for z in zero_stages if not (z == 0 and 1 in zero_stages)]
 
 
 def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int,
