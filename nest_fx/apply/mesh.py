@@ -86,10 +86,17 @@ def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
     pp, dp, tp = table.shape
     table4 = table.reshape(pp, dp // plan.ep, plan.ep, tp)
     mesh = DeviceMesh(device_type, table4, mesh_dim_names=("pp", "edp", "ep", "tp"))
-    mesh["edp", "ep"]._flatten("dp")
+    # keep the flattened dim ourselves: slicing a flattened dim from the root mesh is deprecated
+    mesh._nest_fx_flat = {"dp": mesh["edp", "ep"]._flatten("dp")}
     return mesh
+
+
+def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D mesh of dim ``name`` ("pp", "dp", "tp", "ep", "edp") for this rank."""
+    flat = getattr(mesh, "_nest_fx_flat", {})
+    return flat[name] if name in flat else mesh[name]
 
 
 def dim_group(mesh: DeviceMesh, name: str):
     """ProcessGroup of this rank along a named mesh dim."""
-    return mesh[name].get_group()
+    return submesh(mesh, name).get_group()

@@ -109,15 +109,19 @@ _COLLECTIVE_CACHE: Dict[tuple, float] = {}
 
 
 def cached_collective(kind: str, cluster, group: Sequence[int], nbytes: float) -> float:
-    """``collectives.collective_time`` memoised per (cluster, kind, group, bytes): the solver asks
-    for the same few groups millions of times."""
+    """``collectives.collective_time`` (or ``p2p`` for kind "p2p", group = (src, dst)) memoised per
+    (cluster, kind, group, bytes): the solver asks for the same few groups millions of times."""
     key = (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels),
            kind, tuple(group), nbytes)
     t = _COLLECTIVE_CACHE.get(key)
     if t is None:
         if len(_COLLECTIVE_CACHE) > 1_000_000:
             _COLLECTIVE_CACHE.clear()
-        t = _COLLECTIVE_CACHE[key] = collectives.collective_time(kind, cluster, group, nbytes)
+        if kind == "p2p":
+            t = collectives.p2p(cluster, group[0], group[1], nbytes)
+        else:
+            t = collectives.collective_time(kind, cluster, group, nbytes)
+        _COLLECTIVE_CACHE[key] = t
     return t
 
 
@@ -195,7 +199,8 @@ def boundary_time(workload: Workload, cluster, plan: Plan, i: int, replicas: Seq
     """P: one microbatch's activations from stage i-1 to stage i (slowest replica checked)."""
     prev, stage = plan.stages[i - 1], plan.stages[i]
     full = workload.cost(prev.end - 1, prev.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel).out_bytes
-    t = max(collectives.p2p(cluster, plan.rank(i - 1, r, 0), plan.rank(i, r, 0), full / prev.tp) for r in replicas)
+    t = max(cached_collective("p2p", cluster, (plan.rank(i - 1, r, 0), plan.rank(i, r, 0)), full / prev.tp)
+            for r in replicas)
     if stage.tp > 1:
         t += max(cached_collective("all_gather", cluster, plan.tp_group(i, r), full) for r in replicas)
     return t

@@ -1,0 +1,80 @@
+"""Shared bits of the examples: command-line plan options, synthetic data, the training loop."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nest_fx.plan import uniform_plan
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=model, help="zoo spec or hf: name")
+    p.add_argument("--steps", type=int, default=defaults.get("steps", 8))
+    p.add_argument("--batch", type=int, default=defaults.get("batch", 16), help="global batch (sequences)")
+    p.add_argument("--tp", type=int, default=defaults.get("tp", 1))
+    p.add_argument("--pp", type=int, default=defaults.get("pp", 1))
+    p.add_argument("--ep", type=int, default=defaults.get("ep", 1))
+    p.add_argument("--zero", type=int, default=defaults.get("zero", 0))
+    p.add_argument("--microbatches", type=int, default=defaults.get("microbatches", 4))
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
+    p.add_argument("--auto", action="store_true", help="no plan: let auto_parallelize choose (pure DP)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    return p
+
+
+def make_plan(args, num_layers: int):
+    """A uniform plan from the flags; dp fills the launched world."""
+    if args.auto:
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_replica = args.tp * args.pp
+    if world % per_replica:
+        raise SystemExit(f"WORLD_SIZE={world} is not a multiple of tp*pp={per_replica}")
+    dp = world // per_replica
+    mbs = args.batch // (dp * args.microbatches)
+    if mbs < 1 or args.batch % (dp * args.microbatches):
+        raise SystemExit(f"--batch {args.batch} must be a multiple of dp*microbatches = {dp * args.microbatches}")
+    return uniform_plan(num_layers, pp=args.pp, tp=args.tp, dp=dp, ep=args.ep, zero=args.zero,
+                        microbatch_size=mbs, num_microbatches=args.microbatches, schedule=args.schedule,
+                        virtual_stages=2 if args.schedule == "interleaved" else 1,
+                        sequence_parallel=args.sp, recompute=args.recompute)
+
+
+def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
+    """Learnable synthetic text, the same on every rank (the runtime takes this rank's shard):
+    a random start token, then t -> (7 t + 3) mod vocab, so the loss visibly falls."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+        for t in range(seq):
+            tokens[:, t + 1] = (7 * tokens[:, t] + 3) % vocab
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def train(pm, args, seq: int, vocab: int) -> None:
+    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, foreach=False)
+    rank = dist.get_rank()
+    for step, (x, y) in enumerate(synthetic_batches(args.steps, args.batch, seq, vocab)):
+        start = time.perf_counter()
+        loss = pm.train_step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            print(f"step {step}: loss {float(loss):.4f}  {args.batch * seq / elapsed:,.0f} tokens/s "
+                  f"({elapsed * 1e3:.0f} ms)", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,159 @@
+"""ParallelModule: the local part of a parallelised model and its training step.
+
+``train_step(inputs, targets)`` runs one optimizer step's forward and backward for the global
+batch: on a pipeline it drives the PipelineStage schedule (loss on the last stage), otherwise
+it loops over the microbatches with gradient accumulation. It then synchronises data-parallel
+gradients (zero=0; FSDP does it inside backward) and returns the global-batch mean loss, the
+same number on every rank and equal to the single-device loss of the whole batch (for a
+``loss_fn`` that averages over its microbatch, since all microbatches have the same size).
+
+``inputs``/``targets`` are either the global batch (every rank passes the same tensors, as with
+a seeded synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`` rows,
+what a DistributedSampler would give). The caller owns the optimizer:
+``opt = torch.optim.AdamW(pm.parameters())``; ``pm.train_step(x, y); opt.step(); opt.zero_grad()``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.mesh import RankInfo
+from nest_fx.apply.pipeline import tensor_output
+from nest_fx.plan import Plan
+
+
+class ParallelModule:
+    """What :func:`nest_fx.apply.auto_parallelize` returns (see the module docstring).
+
+    Attributes: ``plan``; ``module`` (this rank's stage module, or an ``nn.ModuleList`` of its
+    chunks under the interleaved schedule; parameter names are the original model's);
+    ``mesh`` (DeviceMesh with dims pp/dp/tp); ``rank_info`` (stage, replica, TP rank);
+    ``num_microbatches``; ``global_batch_size``.
+    """
+
+    def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo, loss_fn: Callable,
+                 num_microbatches: int, global_batch_size: int, schedule=None, pipeline_stages=(),
+                 grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None):
+        self.plan = plan
+        self.chunks = list(chunks)
+        self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        self.mesh = mesh
+        self.rank_info = rank_info
+        self.loss_fn = loss_fn
+        self.num_microbatches = num_microbatches
+        self.global_batch_size = global_batch_size
+        self.schedule = schedule
+        self.pipeline_stages = list(pipeline_stages)
+        self.grad_sync = grad_sync
+        self.fsdp = fsdp
+        self.graph = graph
+        self.device = device or torch.device("cpu")
+
+    # -- parameters ------------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Local parameters under the original model's names (DTensors when sharded)."""
+        seen = set()
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def full_tensors(self, grads: bool = False) -> Dict[str, torch.Tensor]:
+        """{name: full (unsharded) parameter or gradient} of this rank's stage.
+
+        A collective over the stage's TP and DP groups when parameters are DTensors: every rank
+        of the stage must call it. Expert parameters are those this rank holds.
+        """
+        out: Dict[str, torch.Tensor] = {}
+        for name, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):
+            t = p.grad if grads else p.detach()
+            if t is None:
+                continue
+            out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+        return out
+
+    # -- training --------------------------------------------------------------------------
+    def _shard(self, t: torch.Tensor) -> torch.Tensor:
+        g, dp = self.global_batch_size, self.plan.dp
+        if t.size(0) == g and dp > 1:
+            per = g // dp
+            r = self.rank_info.replica
+            return t[r * per:(r + 1) * per]
+        if t.size(0) != g // dp:
+            raise ApplyError(f"train_step: batch of {t.size(0)} rows; expected the global batch ({g}) or this "
+                             f"rank's data-parallel shard ({g // dp}); fix: pass global_batch_size rows")
+        return t
+
+    @staticmethod
+    def _as_tensor(inputs):
+        if isinstance(inputs, dict):
+            tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+            if len(tensors) != 1:
+                raise ApplyError("train_step: pass the input tensor (or a dict with exactly one tensor, "
+                                 "e.g. {'input_ids': ...})")
+            return tensors[0]
+        if isinstance(inputs, (tuple, list)):
+            if len(inputs) != 1:
+                raise ApplyError("train_step: the runtime feeds one input tensor to the model")
+            return inputs[0]
+        return inputs
+
+    def train_step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of one global batch; returns the global mean loss (detached)."""
+        x = self._shard(self._as_tensor(inputs)).to(self.device)
+        y = self._shard(targets).to(self.device)
+        nmb = self.num_microbatches
+        if self.schedule is not None:
+            is_first = any(s.is_first for s in self.pipeline_stages)
+            is_last = any(s.is_last for s in self.pipeline_stages)
+            losses: List[torch.Tensor] = []
+            args = (x,) if is_first else ()
+            kwargs = {"target": y, "losses": losses} if is_last else {}
+            self.schedule.step(*args, **kwargs)
+            local = torch.stack([l.detach().float() for l in losses]).mean() if is_last else None
+        else:
+            module = self.module
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for k, (xs, ys) in enumerate(zip(x.chunk(nmb), y.chunk(nmb))):
+                if self.fsdp:
+                    module.set_requires_gradient_sync(k == nmb - 1)
+                loss = self.loss_fn(tensor_output(module(xs)), ys)
+                (loss / nmb).backward()
+                total += loss.detach().float()
+            local = total / nmb
+            is_last = True
+        if self.grad_sync is not None:
+            self.grad_sync()
+        return self._global_loss(local if is_last else None)
+
+    def _global_loss(self, local: Optional[torch.Tensor]) -> torch.Tensor:
+        """Mean over replicas of the last stage's loss, broadcast to every rank (one all-reduce)."""
+        value = torch.zeros((), dtype=torch.float32, device=self.device) if local is None else local.clone()
+        world = dist.get_world_size()
+        if world > 1:
+            dist.all_reduce(value)
+            tp = self.plan.stages[-1].tp
+            value /= self.plan.dp * tp
+        return value
+
+    def __call__(self, *args, **kwargs):
+        if self.schedule is not None:
+            raise ApplyError("a pipelined ParallelModule runs through train_step (the schedule); calling "
+                             "the local stage module directly runs one stage only: use pm.module")
+        return tensor_output(self.module(*args, **kwargs))
+
+    def __repr__(self) -> str:
+        i = self.rank_info
+        return (f"ParallelModule(rank={i.rank}, stage={i.stage}/{self.plan.pp}, replica={i.replica}/{self.plan.dp}, "
+                f"tp_rank={i.tp_rank}/{self.plan.stages[i.stage].tp}, ep={self.plan.ep}, zero={self.plan.zero}, "
+                f"microbatches={self.num_microbatches})")

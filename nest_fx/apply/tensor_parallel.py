@@ -1,0 +1,229 @@
+"""Tensor (+ sequence) parallelism from the TP pairs the tracer found; no per-model plan.
+
+For every block the stage owns, ``graph.patterns[block.signature].tp_pairs`` lists column
+linears and the row linear they feed (Megatron-style pairs). We apply
+``parallelize_module`` with ``ColwiseParallel`` on the columns and ``RowwiseParallel`` on the
+row, so only the row's output needs a reduction. Outputs are local tensors
+(``use_local_output=True``), so the code between the linears (attention, activation) runs on
+the local shard: it must not hard-code the global head count in reshapes.
+
+* zoo ``Attention`` reshapes with ``view(bsz, seq, -1, head_dim)``: works on local heads.
+* HF 5.x ``LlamaAttention`` reshapes with ``(*input_shape, -1, self.head_dim)`` and reads only
+  ``head_dim``, ``scaling`` and ``num_key_value_groups`` (a heads/kv_heads ratio, unchanged by
+  TP) in its attention functions, so it also works unchanged. Older HF versions read
+  ``self.num_heads`` / ``self.num_key_value_heads`` / ``self.hidden_size`` in reshapes; we divide
+  such attributes by ``tp`` on the attention module (the lowest common ancestor of the pair)
+  when they exist, so those versions see local counts too.
+
+Sequence parallelism (Korthikanti et al. 2022), when ``plan.sequence_parallel``: inside a stage,
+activations between the TP regions are sharded on the sequence dim (dim 1). Each pair's
+*region* (the lowest common ancestor module of its linears, e.g. ``attn``/``mlp``) all-gathers
+its input on entry (a DTensor, so the backward is a reduce-scatter) and its row linear
+reduce-scatters the output (``RowwiseParallel(output_layouts=Shard(1))``). Parameterised
+modules of the block outside every region (the norms) become ``SequenceParallel`` modules
+(their weights are replicated DTensors whose partial gradients DTensor all-reduces). The first
+block of a stage slices the sequence, the last one all-gathers it back, so the stage boundary,
+the head (embedding) and the tail (final norm, LM head) see full sequences. An MoE region
+(expert pairs plus a router) gathers to a plain local tensor, runs routing and experts
+replicated, and slices its output back.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "heads", "kv_heads", "n_head",
+                    "n_heads", "n_kv_heads", "hidden_size")
+
+
+def _lca(names: Sequence[str]) -> str:
+    """Lowest common ancestor module of dotted linear paths ('' = the block itself)."""
+    parts = [n.split(".") for n in set(names)]
+    if len(parts) == 1:
+        return ".".join(parts[0][:-1])
+    out: List[str] = []
+    for group in zip(*parts):
+        if len(set(group)) != 1:
+            break
+        out.append(group[0])
+    return ".".join(out)
+
+
+def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, List]]:
+    """(region path, kind, pairs) of a block pattern, regions relative to the block.
+
+    Attention/MLP pairs: the region is the lowest common ancestor of the pair's linears.
+    Expert pairs: one region for the whole MoE (ancestor of the router and all experts).
+    """
+    regions: Dict[str, Tuple[str, List]] = {}
+    experts = [p for p in pattern.tp_pairs if p.kind == "expert"]
+    for pair in pattern.tp_pairs:
+        if pair.kind == "expert":
+            continue
+        region = _lca(list(pair.column) + [pair.row])
+        regions.setdefault(region, (pair.kind, []))[1].append(pair)
+    if experts:
+        names = [n for p in experts for n in (*p.column, p.row)] + list(pattern.routers or routers)
+        region = _lca(names)
+        # the common ancestor of experts.0.up and experts.1.up is "moe.experts"; the router lifts it
+        regions.setdefault(region, ("expert", []))[1].extend(experts)
+    return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
+
+
+def _localise_head_counts(module: nn.Module, tp: int) -> None:
+    for attr in HEAD_COUNT_ATTRS:
+        value = module.__dict__.get(attr)
+        if isinstance(value, int) and value > 0 and value % tp == 0:
+            setattr(module, attr, value // tp)
+
+
+def _is_under(name: str, prefixes: Iterable[str]) -> bool:
+    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# -- sequence-parallel hooks -----------------------------------------------------------------
+
+def _first_tensor_arg(args, kwargs):
+    if args and isinstance(args[0], torch.Tensor):
+        return "arg", 0, args[0]
+    for key in ("hidden_states", "x", "hidden", "input"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return "kw", key, kwargs[key]
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return "kw", key, value
+    raise ValueError("sequence parallelism: no tensor input found for a region")
+
+
+def _replace_arg(args, kwargs, where, key, value):
+    if where == "arg":
+        args = (value, *args[1:])
+    else:
+        kwargs = dict(kwargs)
+        kwargs[key] = value
+    return args, kwargs
+
+
+def _gather_seq_pre_hook(mesh: DeviceMesh, local_output: bool):
+    def hook(module, args, kwargs):
+        where, key, x = _first_tensor_arg(args, kwargs)
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        x = x.redistribute(mesh, [Replicate()])
+        if local_output:
+            x = x.to_local()
+        return _replace_arg(args, kwargs, where, key, x)
+    return hook
+
+
+def _scatter_seq_output_hook(mesh: DeviceMesh):
+    """Replicated (full-sequence) output -> local sequence shard; backward all-gathers."""
+    def hook(module, args, output):
+        def conv(t):
+            if isinstance(t, DTensor):
+                return t.redistribute(mesh, [Shard(1)]).to_local()
+            return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
+                mesh, [Shard(1)]).to_local()
+        if isinstance(output, torch.Tensor):
+            return conv(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (conv(output[0]), *output[1:])
+        return output
+    return hook
+
+
+def _shard_seq_pre_hook(mesh: DeviceMesh):
+    """Stage-first block: full sequence in -> local sequence shard."""
+    def hook(module, args, kwargs):
+        where, key, x = _first_tensor_arg(args, kwargs)
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+        return _replace_arg(args, kwargs, where, key, x)
+    return hook
+
+
+def _gather_seq_output_hook(mesh: DeviceMesh):
+    """Stage-last block: local sequence shard out -> full sequence."""
+    def hook(module, args, output):
+        def conv(t):
+            return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(
+                mesh, [Replicate()]).to_local()
+        if isinstance(output, torch.Tensor):
+            return conv(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (conv(output[0]), *output[1:])
+        return output
+    return hook
+
+
+# -- main entry ------------------------------------------------------------------------------
+
+def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *,
+                          sequence_parallel: bool = False) -> Dict[str, str]:
+    """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
+
+    Returns {linear FQN: "colwise" | "rowwise"} of what was sharded (for reports and tests).
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return {}
+    by_name = {b.name: b for b in graph.blocks}
+    applied: Dict[str, str] = {}
+    owned = [n for n in block_names if n in by_name]
+    for index, name in enumerate(owned):
+        block = by_name[name]
+        pattern = graph.patterns.get(block.signature)
+        if pattern is None:
+            continue
+        block_mod = module.get_submodule(name)
+        regions = block_regions(pattern)
+        present = dict(block_mod.named_modules())
+        styles = {}
+        for region, kind, pairs in regions:
+            sp_here = sequence_parallel and kind != "expert"
+            for pair in pairs:
+                if pair.row not in present:  # e.g. an expert another EP rank holds
+                    continue
+                for col in pair.column:
+                    styles[col] = ColwiseParallel()
+                styles[pair.row] = RowwiseParallel(output_layouts=Shard(1)) if sp_here else RowwiseParallel()
+                applied.update({f"{name}.{c}": "colwise" for c in pair.column})
+                applied[f"{name}.{pair.row}"] = "rowwise"
+            if kind == "attention" and region in present:
+                _localise_head_counts(present[region], tp)
+        if styles:
+            parallelize_module(block_mod, tp_mesh, styles)
+        if not sequence_parallel:
+            continue
+        # Sequence parallel: regions gather their input, norms outside regions run sharded.
+        region_paths = [r for r, _, _ in regions]
+        for region, kind, _ in regions:
+            target = present[region] if region else block_mod
+            if kind == "expert":
+                target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=True), with_kwargs=True)
+                target.register_forward_hook(_scatter_seq_output_hook(tp_mesh))
+            else:
+                target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=False), with_kwargs=True)
+        sp_modules = {}
+        for sub_name, sub in block_mod.named_modules():
+            if not sub_name or _is_under(sub_name, region_paths):
+                continue
+            if any(True for _ in sub.parameters(recurse=False)) and not any(
+                    _is_under(sub_name, [k]) for k in sp_modules):
+                sp_modules[sub_name] = SequenceParallel(use_local_output=True)
+        if sp_modules:
+            parallelize_module(block_mod, tp_mesh, sp_modules)
+        if index == 0:
+            block_mod.register_forward_pre_hook(_shard_seq_pre_hook(tp_mesh), with_kwargs=True)
+        if index == len(owned) - 1:
+            block_mod.register_forward_hook(_gather_seq_output_hook(tp_mesh))
+    return applied
