@@ -112,6 +112,54 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if result.feasible else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search the best plan, compare it with the baselines, write the plan file."""
+    from tqdm import tqdm
+
+    from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+    from nest_fx.solver.baselines import run_baselines
+
+    cluster = _load_cluster(args)
+    workload = _load_workload(args, cluster)
+    options = SolverOptions(time_budget=args.time_budget)
+    bar = tqdm(desc="planning", unit="config", disable=args.quiet or not sys.stderr.isatty(), leave=False)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        found = solve(workload, cluster, args.global_batch, options, progress=progress)
+    except NoFeasiblePlan as exc:
+        raise UserError(f"no plan fits: {exc}") from exc
+    finally:
+        bar.close()
+    plan, result = found.plan, found.result
+    levels = " > ".join(f"{lv.name} {lv.group_size} @ {fmt_rate(lv.bandwidth)}" for lv in cluster.levels)
+    print(f"model {workload.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
+          f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
+          f"[{levels}]; global batch {args.global_batch} x {workload.dims.seq_len} tokens")
+    print(f"searched {found.candidates} (config, depth) pairs, {found.dp_runs} exact DP runs in "
+          f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)"))
+    print()
+    print("plan: " + report.plan_summary(plan))
+    print(report.stages_table(plan, workload, result))
+    print()
+    print(report.sim_tables(result, plan, workload))
+    if not args.no_baselines:
+        print()
+        baselines = run_baselines(workload, cluster, args.global_batch, options, args.mcmc_evals)
+        print(report.baselines_table(found, found.seconds, baselines))
+    if args.json:
+        plan.save(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    return report.fmt_si(bytes_per_s, "B/s")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="zoo name, spec or hf:FAMILY (traced and costed analytically)")
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
@@ -137,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-blocks", action="store_true", help="one row per layer instead of grouping identical ones")
     p.add_argument("--json", metavar="FILE", help="write the OpGraph summary as JSON")
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("plan", help="search the fastest plan that fits (NEST DP) and compare with baselines")
+    _add_model_args(p)
+    p.add_argument("--global-batch", type=_positive, default=4096, help="sequences per step (default 4096)")
+    p.add_argument("--json", metavar="PLAN.json", help="write the plan (format nest-fx-plan/1)")
+    p.add_argument("--time-budget", type=float, default=60.0, help="search seconds before returning the best "
+                   "plan so far (default 60)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the Megatron/Phaze/MCMC comparison")
+    p.add_argument("--mcmc-evals", type=_positive, default=2000, help="MCMC baseline evaluations (default 2000)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="predict step time and memory of a plan file")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a nest-fx-plan/1 file")

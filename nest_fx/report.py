@@ -107,3 +107,38 @@ def sim_tables(result, plan, workload) -> str:
         tabulate(mem_rows, headers=["stage", "layers", "tp", "recompute", "weights", "grads", "optimizer",
                                     "activations", "total", "fits"], tablefmt="simple"),
     ])
+
+
+def plan_summary(plan) -> str:
+    """One line: the mesh and global options of a plan."""
+    tp = plan.uniform_tp if plan.uniform_tp is not None else [s.tp for s in plan.stages]
+    extra = f" v={plan.virtual_stages}" if plan.schedule == "interleaved" else ""
+    return (f"pp={plan.pp} dp={plan.dp} tp={tp}" + (f" ep={plan.ep}" if plan.ep > 1 else "")
+            + f" zero={plan.zero} mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
+            + (" sp" if plan.sequence_parallel else "") + f" {plan.placement}")
+
+
+def stages_table(plan, workload, result) -> str:
+    """Stages with their layer names, recompute and memory per device."""
+    rows = []
+    for s, sc in zip(plan.stages, result.stages):
+        first, last = workload.layers[s.start].name, workload.layers[s.end - 1].name
+        rows.append([sc.index, f"[{s.start}, {s.end})", first if s.end - s.start == 1 else f"{first} .. {last}",
+                     s.tp, s.recompute, fmt_seconds(sc.per_microbatch(plan.virtual_stages)),
+                     fmt_bytes(sc.memory["total"])])
+    return tabulate(rows, headers=["stage", "layers", "names", "tp", "recompute", "time / microbatch",
+                                   "memory / device"], tablefmt="simple")
+
+
+def baselines_table(nest, nest_seconds: float, baselines) -> str:
+    """NEST's plan next to each baseline with speedup ratios (baseline step / NEST step)."""
+    rows = [["nest-fx (DP)", plan_summary(nest.plan) if hasattr(nest, "plan") else "", fmt_seconds(nest.result.step_s),
+             fmt_si(nest.result.tokens_per_s), "1.00x", f"{nest_seconds:.2f}"]]
+    for b in baselines:
+        if b.result is None:
+            rows.append([b.name, "no feasible plan", "-", "-", "-", f"{b.seconds:.2f}"])
+            continue
+        rows.append([b.name, plan_summary(b.plan), fmt_seconds(b.result.step_s), fmt_si(b.result.tokens_per_s),
+                     f"{b.result.step_s / nest.result.step_s:.2f}x", f"{b.seconds:.2f}"])
+    return tabulate(rows, headers=["planner", "plan", "step", "tokens/s", "nest-fx speedup", "search s"],
+                    tablefmt="simple")

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
@@ -36,6 +37,19 @@ class Baseline:
     plan: Optional[Plan]
     result: Optional[SimResult]
     evaluations: int
+    seconds: float = 0.0
+
+
+def run_baselines(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
+                  mcmc_evaluations: int = 2000) -> List[Baseline]:
+    """Megatron, Phaze-style and MCMC, each timed."""
+    out = []
+    for fn, kwargs in ((megatron, {}), (phaze, {}), (mcmc, {"evaluations": mcmc_evaluations})):
+        start = time.perf_counter()
+        b = fn(workload, cluster, global_batch, options, **kwargs)
+        b.seconds = time.perf_counter() - start
+        out.append(b)
+    return out
 
 
 def _plan_for(g: GlobalConfig, stages: List[StagePlan], m: int, workload: Workload, cluster) -> Plan:
