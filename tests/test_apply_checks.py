@@ -81,6 +81,17 @@ def test_ep_must_divide_experts():
     dense, _ = build_model(LLAMA, device="meta")
     with pytest.raises(ApplyError, match="no experts"):
         checks.check_ep(uniform_plan(6, dp=2, ep=2), dense)
+    checks.check_ep(uniform_plan(4, dp=4, ep=2), model)
+
+
+@pytest.mark.hf
+def test_ep_refuses_hf_mixtral_fused_experts():
+    pytest.importorskip("transformers")
+    from nest_fx.models.hf import build_hf_model
+
+    model, _ = build_hf_model("hf:mixtral", device="meta")
+    with pytest.raises(ApplyError, match="HF Mixtral's fused experts are not supported yet. fix: use ep=1"):
+        checks.check_ep(uniform_plan(4, dp=2, ep=2), model)
 
 
 def test_batch_must_divide():

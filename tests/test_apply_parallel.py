@@ -22,8 +22,8 @@ HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32):
-    spec = {"model": model, "plan": plan, "batch": batch, "seq": seq, "steps": 3, "lr": 0.5}
+def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32, **extra):
+    spec = {"model": model, "plan": plan, "batch": batch, "seq": seq, "steps": 3, "lr": 0.5, **extra}
     results = launch(equivalence, world, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
     print(f"\n{model} {plan}: " + ", ".join(f"{k}={v:.2e}" for k, v in worst.items()))
@@ -41,7 +41,8 @@ def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32):
 
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_dp4():
-    run(4, LLAMA, {"dp": 4, "microbatch_size": 2})
+    # each rank passes only its own quarter of the batch
+    run(4, LLAMA, {"dp": 4, "microbatch_size": 2}, local_batch=True)
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
@@ -99,3 +100,24 @@ def test_ep2_zero1_moe_pipeline():
     """FSDP (ZeRO-1/2) with experts sharded over their edp group, inside a 2-stage pipeline."""
     run(4, MOE, {"pp": 2, "dp": 2, "ep": 2, "microbatch_size": 2, "num_microbatches": 2, "zero": 1,
                  "schedule": "gpipe"})
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    from nest_fx.apply import init_distributed
+
+    _, rank = init_distributed()
+    if rank == 1:
+        raise ValueError("rank one gives up")
+    dist.barrier()  # the others wait forever for rank 1
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_fails_the_launch_instead_of_hanging():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*ValueError: rank one gives up"):
+        launch(_fail_on_rank_one, 2, timeout=40)
+    assert time.monotonic() - start < 20

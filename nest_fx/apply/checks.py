@@ -92,6 +92,13 @@ def check_ep(plan: Plan, model: nn.Module) -> None:
             f"ep={plan.ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
             f"experts/ep of them. fix: use ep in {[d for d in _divisors(experts) if plan.dp % d == 0]} "
             f"(it must also divide dp={plan.dp})")
+    from nest_fx.apply.expert_parallel import find_moe_modules  # lazy: expert_parallel imports this module
+
+    if not find_moe_modules(model):
+        raise ApplyError(
+            f"ep={plan.ep} but {type(model).__name__} has no MoE module with the route/dispatch/run_experts/"
+            "combine steps expert parallelism replaces (the nest-fx zoo MoE has them; HF Mixtral's fused "
+            "experts are not supported yet). fix: use ep=1")
 
 
 def check_batch(plan: Plan, global_batch_size: int) -> int:

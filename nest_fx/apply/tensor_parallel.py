@@ -201,7 +201,8 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
             if kind == "attention" and region in present:
                 _localise_head_counts(present[region], tp)
         if styles:
-            parallelize_module(block_mod, tp_mesh, styles)
+            # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
+            parallelize_module(block_mod, tp_mesh, styles, src_data_rank=None)
         if not sequence_parallel:
             continue
         # Sequence parallel: regions gather their input, norms outside regions run sharded.
@@ -221,7 +222,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
                     _is_under(sub_name, [k]) for k in sp_modules):
                 sp_modules[sub_name] = SequenceParallel(use_local_output=True)
         if sp_modules:
-            parallelize_module(block_mod, tp_mesh, sp_modules)
+            parallelize_module(block_mod, tp_mesh, sp_modules, src_data_rank=None)
         if index == 0:
             block_mod.register_forward_pre_hook(_shard_seq_pre_hook(tp_mesh), with_kwargs=True)
         if index == len(owned) - 1:

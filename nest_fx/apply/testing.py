@@ -39,6 +39,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        # flush the report before tearing the group down: peers see the teardown as their own
+        # failure, and the parent should hear about the first failure first
+        queue.close()
+        queue.join_thread()
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -78,14 +82,19 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> List
     import time
 
     deadline = time.monotonic() + timeout
+    grace = False
     try:
         while len(results) + len(errors) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
-                raise TimeoutError(f"launch: rank(s) {missing} did not finish in {timeout:.0f}s"
-                                   + (f"; rank {min(errors)} failed:\n{errors[min(errors)]}" if errors else ""))
-            if errors:  # one rank failed: the others may hang in a collective; give them a few seconds
+                if errors:
+                    first = next(iter(errors))
+                    raise RuntimeError(f"rank {first} failed (rank(s) {missing} then hung and were "
+                                       f"killed):\n{errors[first]}")
+                raise TimeoutError(f"launch: rank(s) {missing} did not finish in {timeout:.0f}s; killed")
+            if errors and not grace:  # one rank failed: the others may hang in a collective
+                grace = True
                 deadline = min(deadline, time.monotonic() + 5.0)
             try:
                 rank, status, value = queue.get(timeout=min(left, 1.0))
@@ -98,8 +107,11 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> List
                 continue
             (results if status == "ok" else errors)[rank] = value
         if errors:
-            first = min(errors)
-            raise RuntimeError(f"rank {first} failed:\n{errors[first]}")
+            first = next(iter(errors))  # the first failure; later ones are usually its consequence
+            others = sorted(set(errors) - {first})
+            tails = "".join(f"\nrank {r}: {errors[r].strip().splitlines()[-1]}" for r in others)
+            raise RuntimeError(f"rank {first} failed" + (f" (then rank(s) {others})" if others else "")
+                               + f":\n{errors[first]}" + tails)
     finally:
         for p in procs:
             p.join(timeout=0.5 if (errors or len(results) < world_size) else 2.0)
@@ -134,7 +146,7 @@ def build(name: str, seed: int = 0):
 
 def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict or kwargs for uniform_plan) and
-    compare with the single-device run. Keys: model, plan, batch, seq, steps, lr."""
+    compare with the single-device run. Keys: model, plan, batch, seq, steps, lr, local_batch."""
     from nest_fx.apply import auto_parallelize
     from nest_fx.apply.pipeline import tensor_output
     from nest_fx.plan import Plan, uniform_plan
@@ -159,8 +171,11 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     ref_params = dict(reference.named_parameters())
     out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": [], "ref_losses": [],
            "rank": int(os.environ.get("RANK", 0)), "stage": pm.rank_info.stage, "num_params": 0}
+    per = batch // plan.dp
+    lo = pm.rank_info.replica * per
     for step, (x, y) in enumerate(data):
-        loss = pm.train_step(x, y)
+        # "local_batch": feed this rank's data-parallel shard, as a DistributedSampler would
+        loss = pm.train_step(x[lo:lo + per], y[lo:lo + per]) if spec.get("local_batch") else pm.train_step(x, y)
         ref_loss = lm_loss(tensor_output(reference(x)), y)
         ref_loss.backward()
         out["losses"].append(float(loss))
