@@ -23,7 +23,7 @@ whose tokens it processed, so the data-parallel sync *sums* it over ``edp`` and 
 from __future__ import annotations
 
 import types
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist

@@ -31,7 +31,7 @@ in the root forward) would apply it on every stage; such models need an fx-level
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn

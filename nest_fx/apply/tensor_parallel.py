@@ -29,7 +29,7 @@ replicated, and slices its output back.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn

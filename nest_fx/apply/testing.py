@@ -16,7 +16,7 @@ import copy
 import os
 import socket
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.multiprocessing as mp
