@@ -121,3 +121,23 @@ def test_a_failing_rank_fails_the_launch_instead_of_hanging():
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*ValueError: rank one gives up"):
         launch(_fail_on_rank_one, 2, timeout=40)
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_planner_choice_on_four_ranks():
+    """No plan given: auto_parallelize runs the NEST planner on the cpu-gloo preset."""
+    results = run(4, LLAMA, {})
+    assert all(r["rank"] in range(4) for r in results)
+
+
+def test_runtime_planner_uses_every_rank_and_respects_divisibility():
+    from nest_fx.graph import trace
+    from nest_fx.models import build_model, example_tokens
+    from nest_fx.solver.runtime_planner import planner_for
+
+    model, cfg = build_model("llama:hidden=64,layers=4,heads=4,kv=2,seq=32,vocab=128", device="cpu")
+    graph = trace(model, example_tokens(8, 32, cfg.vocab_size))
+    plan = planner_for(model)(graph, None, 4, 8)
+    assert plan.devices_used == 4 and plan.global_batch == 8
+    assert plan.uniform_tp in (1, 2)  # tp must divide kv_heads=2
+    assert plan.num_layers == len(graph.blocks)

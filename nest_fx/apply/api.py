@@ -103,8 +103,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
     ``{"input_ids": ...}``) with the per-step shapes (only shapes/dtypes are used).
     ``plan``: a :class:`~nest_fx.plan.Plan`; when None, ``planner(graph, cluster, world_size,
-    global_batch_size)`` chooses one, and without a planner the model is replicated over all
-    ranks (pure data parallel). ``loss_fn(output, target)`` must average over its batch.
+    global_batch_size)`` chooses one; the default planner is the NEST DP
+    (``nest_fx.solver.runtime_planner.planner_for``) on ``cluster`` or, when None, a preset for
+    the detected device and world size. ``loss_fn(output, target)`` must average over its batch.
     ``graph``: an OpGraph of the model when already traced. Every rank must call this with the
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
     """
@@ -115,8 +116,11 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
 
         graph = trace(model, args, kwargs, name=type(model).__name__)
     if plan is None:
-        plan = (planner(graph, cluster, world, global_batch_size) if planner is not None
-                else default_plan(graph, world, global_batch_size, type(model).__name__))
+        if planner is None:
+            from nest_fx.solver.runtime_planner import planner_for
+
+            planner = planner_for(model)
+        plan = planner(graph, cluster, world, global_batch_size)
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
     check_untied(model, graph, plan.pp)
     if rank == 0 and verbose:

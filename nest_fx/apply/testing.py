@@ -158,8 +158,10 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     gen = torch.Generator().manual_seed(1234)
     data = [(torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen))
             for _ in range(steps)]
-    plan_spec = dict(spec["plan"])
-    if "stages" in plan_spec:
+    plan_spec = dict(spec["plan"] or {})
+    if not plan_spec:  # let the planner choose (auto_parallelize's default)
+        plan = None
+    elif "stages" in plan_spec:
         plan = Plan.from_dict({"format": "nest-fx-plan/1", **plan_spec})
     else:
         plan = uniform_plan(plan_spec.pop("num_layers", cfg.layers + 2), **plan_spec)
@@ -171,6 +173,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     ref_params = dict(reference.named_parameters())
     out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": [], "ref_losses": [],
            "rank": int(os.environ.get("RANK", 0)), "stage": pm.rank_info.stage, "num_params": 0}
+    plan = pm.plan
     per = batch // plan.dp
     lo = pm.rank_info.replica * per
     for step, (x, y) in enumerate(data):

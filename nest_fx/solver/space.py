@@ -22,6 +22,7 @@ class SolverOptions:
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
+    use_all_devices: bool = False  # the runtime needs world size == devices used (no idle ranks)
     time_budget: Optional[float] = None  # seconds; None = search to optimality
     cost: CostOptions = field(default_factory=CostOptions)
 
@@ -92,6 +93,8 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
     out = []
     for p in range(1, most + 1):
         if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * g.v):
+            continue
+        if options.use_all_devices and g.dp * g.tp * p != cluster.num_devices:
             continue
         out.append(p)
     return out
