@@ -29,7 +29,7 @@ def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
-    p.add_argument("--auto", action="store_true", help="no plan: let auto_parallelize choose (pure DP)")
+    p.add_argument("--auto", action="store_true", help="no plan: auto_parallelize runs the NEST planner")
     p.add_argument("--lr", type=float, default=3e-3)
     return p
 

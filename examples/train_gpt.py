@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py                 # TP2 x DP2
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 1 --pp 2   # PP2 x DP2
-    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --auto          # pure DP
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --auto          # the planner chooses
 
 Prints the global-batch loss and tokens/s on rank 0.
 """
