@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
+from nest_fx.fileio import read_text
+
 CLUSTER_FORMAT = "nest-fx-cluster/1"
 GiB = 2**30
 
@@ -358,7 +360,7 @@ class Cluster:
         """Read a cluster file: YAML for .yaml/.yml, JSON for .json."""
         if not path.endswith((".yaml", ".yml", ".json")):
             raise ClusterError(f"{path}: cluster files must end in .yaml, .yml or .json")
-        text = _read(path)
+        text = read_text(path, ClusterError, "cluster")
         if path.endswith((".yaml", ".yml")):
             import yaml
 
@@ -385,14 +387,6 @@ class Cluster:
             raise ClusterError(f"{path}: cluster files must end in .yaml, .yml or .json")
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise ClusterError(f"cannot read cluster file {path!r}: {exc.strerror}") from None
 
 
 def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> dict:

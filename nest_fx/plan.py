@@ -22,6 +22,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from nest_fx.fileio import read_json
+
 PLAN_FORMAT = "nest-fx-plan/1"
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 PLACEMENTS = ("stage-major", "replica-major")
@@ -213,14 +215,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise PlanError(f"cannot read plan file {path!r}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data, where=path)
+        return cls.from_dict(read_json(path, PlanError, "plan"), where=path)
 
 
 def uniform_plan(num_layers: int, *, pp: int = 1, tp: int = 1, dp: int = 1, **kwargs) -> Plan:

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import networkx as nx
 import torch
 
+from nest_fx.fileio import read_json
+
 WORKLOAD_FORMAT = "nest-fx-workload/1"
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -172,14 +174,7 @@ class Workload:
 
     @classmethod
     def load(cls, path: str) -> "Workload":
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise WorkloadError(f"cannot read workload file {path!r}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_table(data, where=path)
+        return cls.from_table(read_json(path, WorkloadError, "workload"), where=path)
 
     @classmethod
     def from_table(cls, data: dict, where: str = "workload") -> "Workload":

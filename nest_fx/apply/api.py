@@ -48,7 +48,6 @@ def init_distributed(timeout_s: float = 600.0) -> Tuple[int, int]:
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1 and "MASTER_ADDR" not in os.environ:

@@ -134,12 +134,17 @@ def _scatter_seq_output_hook(mesh: DeviceMesh):
                 return t.redistribute(mesh, [Shard(1)]).to_local()
             return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
                 mesh, [Shard(1)]).to_local()
-        if isinstance(output, torch.Tensor):
-            return conv(output)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (conv(output[0]), *output[1:])
-        return output
+        return _map_first_output(output, conv)
     return hook
+
+
+def _map_first_output(output, conv):
+    """Apply ``conv`` to a tensor output, or to the first element of a tuple output."""
+    if isinstance(output, torch.Tensor):
+        return conv(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (conv(output[0]), *output[1:])
+    return output
 
 
 def _shard_seq_pre_hook(mesh: DeviceMesh):
@@ -157,11 +162,7 @@ def _gather_seq_output_hook(mesh: DeviceMesh):
         def conv(t):
             return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(
                 mesh, [Replicate()]).to_local()
-        if isinstance(output, torch.Tensor):
-            return conv(output)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (conv(output[0]), *output[1:])
-        return output
+        return _map_first_output(output, conv)
     return hook
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from nest_fx.cost import memory
 from nest_fx.cost.step_time import SimResult, comm_time, pipeline_span, simulate
