@@ -85,7 +85,7 @@ def solve(workload: Workload, cluster, global_batch: int, options: Optional[Solv
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
     pairs = candidates(workload, cluster, global_batch, options)
-    best_t, best = math.inf, None
+    best_t, best = _incumbent(workload, cluster, global_batch, options, pairs, start)
     runs = evaluations = 0
     complete = True
     for k, (lb, g, p) in enumerate(pairs):
@@ -121,6 +121,59 @@ def solve(workload: Workload, cluster, global_batch: int, options: Optional[Solv
     return SolveResult(plan=plan, result=result, seconds=time.perf_counter() - start, candidates=len(pairs),
                        dp_runs=runs, stage_evaluations=evaluations, complete=complete,
                        stats={"dp_objective": best_t})
+
+
+def _uniform_stages(table: StageTable, recompute, m: int):
+    """Even layer split, each stage with the least recomputation that fits: (T, stages) or None."""
+    from nest_fx.plan import StagePlan
+    from nest_fx.solver.space import objective
+
+    g, p, n = table.g, table.p, table.n
+    max_t = sum_t = max_q = 0.0
+    stages = []
+    bounds = [i * n // p for i in range(p + 1)]
+    for i in range(p):
+        for r in recompute:
+            t, q, fits = table.get(i, bounds[i], bounds[i + 1], r)
+            if fits:
+                break
+        else:
+            return None
+        max_t, sum_t, max_q = max(max_t, t), sum_t + t, max(max_q, q)
+        stages.append(StagePlan(bounds[i], bounds[i + 1], g.tp, r))
+    return objective(max_t, sum_t, max_q, m, g.schedule, g.v), stages
+
+
+def _within(plan: Plan, options: SolverOptions, cluster) -> bool:
+    """Whether a plan lies in the search space the options define."""
+    return (not options.use_all_devices or plan.devices_used == cluster.num_devices) and (plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
+            and plan.zero in options.zero_stages and (plan.schedule, plan.virtual_stages) in options.schedules
+            and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
+            and (not options.max_stages or plan.pp <= options.max_stages))
+
+
+def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions, pairs, start: float):
+    """A good feasible plan before the exact search, so its pruning bites from the start: the
+    Megatron recipe, then even splits in lower-bound order (a network-aware Phaze pass), for at
+    most a quarter of the time budget. The answer is therefore never worse than either."""
+    from nest_fx.solver.baselines import megatron
+
+    best_t, best = math.inf, None
+    recipe = megatron(workload, cluster, global_batch, options)
+    if recipe.plan is not None and _within(recipe.plan, options, cluster):
+        p = recipe.plan
+        g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,
+                         schedule=p.schedule, v=p.virtual_stages, placement=p.placement, sp=p.sequence_parallel)
+        best_t, best = recipe.result.step_s, (g, p.num_microbatches, list(p.stages))
+    stop = start + options.time_budget / 4 if options.time_budget else None
+    for lb, g, p in pairs:
+        if lb >= best_t or (stop is not None and time.perf_counter() > stop):
+            break
+        m = g.microbatches(global_batch)
+        found = _uniform_stages(StageTable(workload, cluster, g, p, m, options.cost), tuple(options.recompute), m)
+        if found is not None and found[0] < best_t:
+            best_t, best = found[0], (g, m, found[1])
+    return best_t, best
 
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:
