@@ -95,9 +95,13 @@ class HandStep:
             fully_shard(model, mesh=mesh, reshard_after_forward=False)
             self.module = model
         elif dp_hand == "ddp":
+            import warnings
+
             from torch.nn.parallel import DistributedDataParallel
 
-            self.module = DistributedDataParallel(model, broadcast_buffers=False)
+            with warnings.catch_warnings():  # broadcast_buffers is deprecated in favour of forward_sync_buffers
+                warnings.simplefilter("ignore", FutureWarning)
+                self.module = DistributedDataParallel(model, broadcast_buffers=False)
         else:  # "allreduce": one flat all-reduce of every gradient after backward
             self.module, self.flat_sync = model, True
         self.params = list(model.parameters())
