@@ -108,6 +108,7 @@ class Workload:
         self.source = source
         self.provenance = provenance
         self._cache: Dict[Tuple, LayerCost] = {}
+        self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]]]] = {}
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -118,6 +119,32 @@ class Workload:
         if key not in self._cache:
             self._cache[key] = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
         return self._cache[key]
+
+    def range_costs(self, start: int, end: int, tp: int = 1, ep: int = 1, mbs: int = 1,
+                    sp: bool = False) -> List[Tuple[LayerCost, int]]:
+        """The distinct layer costs of layers [start, end) with how many layers share each.
+
+        O(distinct layers) per call through per-variant prefix counts, so a pipeline stage of
+        80 identical blocks costs as much to evaluate as a stage of one."""
+        key = (tp, ep, mbs, sp)
+        table = self._prefix.get(key)
+        if table is None:
+            ids: Dict[int, int] = {}
+            costs: List[LayerCost] = []
+            counts: List[List[int]] = []
+            for i in range(len(self.layers)):
+                c = self.cost(i, tp, ep, mbs, sp)
+                k = ids.setdefault(id(c), len(costs))
+                if k == len(costs):
+                    costs.append(c)
+                    counts.append([0] * (len(self.layers) + 1))
+            for i in range(len(self.layers)):
+                k = ids[id(self.cost(i, tp, ep, mbs, sp))]
+                for j, row in enumerate(counts):
+                    row[i + 1] = row[i] + (1 if j == k else 0)
+            table = self._prefix[key] = (costs, counts)
+        costs, counts = table
+        return [(c, row[end] - row[start]) for c, row in zip(costs, counts) if row[end] - row[start]]
 
     @property
     def flops_per_sample(self) -> float:

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from nest_fx.cost import collectives, memory
 from nest_fx.plan import Plan
-from nest_fx.workload import Comm, LayerCost, Workload
+from nest_fx.workload import Comm, Workload
 
 USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
 
@@ -146,19 +146,16 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
     act = 0.0
     act_full_layer = 0.0
     expert_params = 0.0
-    distinct: Dict[int, Tuple[LayerCost, int]] = {}  # identical layers share one LayerCost object
-    for layer in range(stage.start, stage.end):
-        c = workload.cost(layer, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
-        sc.fwd_compute += c.fwd_s
-        sc.bwd_compute += c.bwd_s
-        sc.recompute_s += c.recompute_s[stage.recompute]
-        sc.num_params += c.num_params
-        expert_params += c.expert_params
-        act += c.act_bytes[stage.recompute]
+    distinct = workload.range_costs(stage.start, stage.end, stage.tp, plan.ep, plan.microbatch_size,
+                                    plan.sequence_parallel)
+    for c, count in distinct:
+        sc.fwd_compute += c.fwd_s * count
+        sc.bwd_compute += c.bwd_s * count
+        sc.recompute_s += c.recompute_s[stage.recompute] * count
+        sc.num_params += c.num_params * count
+        expert_params += c.expert_params * count
+        act += c.act_bytes[stage.recompute] * count
         act_full_layer = max(act_full_layer, c.act_bytes["none"])
-        seen = distinct.get(id(c))
-        distinct[id(c)] = (c, seen[1] + 1 if seen else 1)
-    for c, count in distinct.values():
         for comm in c.comms:
             groups = tp_groups if comm.group == "tp" else ep_groups
             t = max((comm_time(cluster, comm, g) for g in groups), default=0.0)
