@@ -44,15 +44,20 @@ def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None,
 
 def workload_for_model(name: str, cluster, *, seq: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                        attention: Optional[str] = None) -> Workload:
-    """Trace ``name`` and cost its layers for ``cluster``'s device with the analytical roofline.
-
-    ``attention``: "flash" (GPU default: fused attention keeps O(s) bytes) or "traced"."""
+    """Trace ``name`` and cost its layers for ``cluster``'s device with the analytical roofline."""
     graph, cfg = trace_model(name, seq=seq, dtype=dtype)
+    dims = dims_from_config(cfg, seq_len=seq or cfg.seq_len, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    return analytical_workload(graph, dims, cluster, dtype, attention=attention)
+
+
+def analytical_workload(graph: OpGraph, dims, cluster, dtype: torch.dtype, *,
+                        attention: Optional[str] = None) -> Workload:
+    """A traced graph costed for ``cluster``'s device with the analytical roofline.
+
+    ``attention``: "flash" (the default on GPUs: fused attention keeps O(s) bytes) or "traced"
+    (what the traced kernel saved: the CPU math kernel keeps the O(s^2) scores)."""
     timing = AnalyticalCompute.for_device(cluster.device, _DTYPE_NAMES.get(dtype, "fp32"))
-    provenance = f"analytical roofline for {cluster.device.name}"
     if attention is None:
         attention = "traced" if cluster.device.name.startswith("cpu") else "flash"
-    dims = dims_from_config(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size())
-    if seq:
-        dims.seq_len = seq
-    return workload_from_graph(graph, timing, dims, attention=attention, provenance=provenance)
+    return workload_from_graph(graph, timing, dims, attention=attention,
+                               provenance=f"analytical roofline for {cluster.device.name}")

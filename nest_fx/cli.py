@@ -142,7 +142,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"searched {found.candidates} (config, depth) pairs, {found.dp_runs} exact DP runs in "
           f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)"))
     print()
-    print("plan: " + report.plan_summary(plan))
     print(report.stages_table(plan, workload, result))
     print()
     print(report.sim_tables(result, plan, workload))

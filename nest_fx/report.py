@@ -88,9 +88,7 @@ def sim_tables(result, plan, workload) -> str:
     step = b["step"]
     rows = [[k, fmt_seconds(v), f"{100 * v / step:.1f}%"] for k, v in b.items() if k != "step"]
     rows.append(["step", fmt_seconds(step), "100%"])
-    head = (f"plan: pp={plan.pp} dp={plan.dp} ep={plan.ep} tp={[s.tp for s in plan.stages] if plan.uniform_tp is None else plan.uniform_tp} "
-            f"zero={plan.zero} mbs={plan.microbatch_size} m={plan.num_microbatches} schedule={plan.schedule} "
-            f"placement={plan.placement}; {result.devices_used}/{result.world_size} devices; "
+    head = (f"plan: {plan_summary(plan)}; {result.devices_used}/{result.world_size} devices; "
             f"global batch {plan.global_batch}")
     perf = (f"throughput {fmt_si(result.tokens_per_s)} tokens/s; model {fmt_si(result.model_flops_per_device, 'FLOP/s')} "
             f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute)")

@@ -408,8 +408,15 @@ def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "fla
                     provenance=provenance)
 
 
-def dims_from_config(cfg, dtype_bytes: int = 2) -> ModelDims:
-    """ModelDims from a zoo ``TransformerConfig``."""
-    return ModelDims(seq_len=cfg.seq_len, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                     ffn_hidden=cfg.ffn_hidden, num_experts=cfg.num_experts, vocab_size=cfg.vocab_size,
+def dims_from_config(cfg, *, seq_len: int, dtype_bytes: int = 2) -> ModelDims:
+    """ModelDims from a zoo ``TransformerConfig`` or a HuggingFace config (either's field names);
+    fields the config lacks are 0, which means "no constraint"."""
+    def get(*names: str) -> int:
+        return next((int(getattr(cfg, n)) for n in names if getattr(cfg, n, None)), 0)
+
+    return ModelDims(seq_len=seq_len, hidden=get("hidden", "hidden_size", "n_embd"),
+                     heads=get("heads", "num_attention_heads", "n_head"),
+                     kv_heads=get("kv_heads", "num_key_value_heads", "heads", "num_attention_heads", "n_head"),
+                     ffn_hidden=get("ffn_hidden", "intermediate_size", "n_inner"),
+                     num_experts=get("num_experts", "num_local_experts"), vocab_size=get("vocab_size"),
                      dtype_bytes=dtype_bytes)

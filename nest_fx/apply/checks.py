@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 import torch.nn as nn
 
 from nest_fx.plan import Plan, PlanError
+from nest_fx.workload import dims_from_config
 
 
 class ApplyError(PlanError):
@@ -22,23 +23,9 @@ def _divisors(n: int, up_to: int = 1 << 20) -> List[int]:
 
 def model_dims(model: nn.Module) -> Dict[str, Optional[int]]:
     """heads, kv_heads, ffn, experts, vocab of a zoo or HuggingFace model (None when unknown)."""
-    cfg = getattr(model, "config", None)
-
-    def pick(*names):
-        for name in names:
-            value = getattr(cfg, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
-
-    heads = pick("heads", "num_attention_heads", "n_head")
-    return {
-        "heads": heads,
-        "kv_heads": pick("kv_heads", "num_key_value_heads") or heads,
-        "ffn": pick("ffn_hidden", "intermediate_size", "n_inner"),
-        "experts": pick("num_experts", "num_local_experts"),
-        "vocab": pick("vocab_size"),
-    }
+    d = dims_from_config(getattr(model, "config", None), seq_len=0)
+    return {"heads": d.heads or None, "kv_heads": d.kv_heads or None, "ffn": d.ffn_hidden or None,
+            "experts": d.num_experts or None, "vocab": d.vocab_size or None}
 
 
 def check_world(plan: Plan, world_size: int) -> None:
