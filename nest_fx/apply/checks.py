@@ -5,20 +5,17 @@ letting a rank hang in a collective or die inside a reshape.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch.nn as nn
 
 from nest_fx.plan import Plan, PlanError
+from nest_fx.solver.space import divisors
 from nest_fx.workload import dims_from_config
 
 
 class ApplyError(PlanError):
     """The plan does not fit the model, the batch or the launched world."""
-
-
-def _divisors(n: int, up_to: int = 1 << 20) -> List[int]:
-    return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
 
 
 def model_dims(model: nn.Module) -> Dict[str, Optional[int]]:
@@ -49,7 +46,7 @@ def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
             if n is not None and n % tp:
                 raise ApplyError(
                     f"tp={tp} does not divide the model's {n} {what} ({key}); tensor parallelism shards "
-                    f"them evenly. fix: use tp in {[d for d in _divisors(n) if d <= 64]}")
+                    f"them evenly. fix: use tp in {[d for d in divisors(n) if d <= 64]}")
         if graph is None:
             continue
         modules = dict(model.named_modules())
@@ -64,7 +61,7 @@ def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
                     if isinstance(n, int) and n % tp:
                         raise ApplyError(
                             f"tp={tp} does not divide {block.name}.{rel}.{attr}={n}; fix: use tp in "
-                            f"{[d for d in _divisors(n) if d <= 64]}")
+                            f"{[d for d in divisors(n) if d <= 64]}")
             break  # identical blocks share the pattern; one of each signature is enough
 
 
@@ -77,7 +74,7 @@ def check_ep(plan: Plan, model: nn.Module) -> None:
     if experts % plan.ep:
         raise ApplyError(
             f"ep={plan.ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
-            f"experts/ep of them. fix: use ep in {[d for d in _divisors(experts) if plan.dp % d == 0]} "
+            f"experts/ep of them. fix: use ep in {[d for d in divisors(experts) if plan.dp % d == 0]} "
             f"(it must also divide dp={plan.dp})")
     from nest_fx.apply.expert_parallel import find_moe_modules  # lazy: expert_parallel imports this module
 
