@@ -33,6 +33,14 @@ def load_cluster(spec: str, devices: Optional[int] = None):
     return Cluster.preset(name, devices)
 
 
+def cluster_spec(spec: str, cluster) -> str:
+    """What :func:`load_cluster` needs to rebuild ``cluster`` (recorded in plan files): the file
+    path as given, or ``NAME:DEVICES`` for a preset."""
+    if os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json")):
+        return spec
+    return f"{spec.partition(':')[0]}:{cluster.num_devices}"
+
+
 def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None,
                 dtype: torch.dtype = torch.bfloat16) -> Tuple[OpGraph, object]:
     """Trace a zoo/spec/hf model on meta tensors; returns (OpGraph, config)."""
@@ -43,11 +51,27 @@ def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None,
 
 
 def workload_for_model(name: str, cluster, *, seq: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                       attention: Optional[str] = None) -> Workload:
-    """Trace ``name`` and cost its layers for ``cluster``'s device with the analytical roofline."""
+                       attention: Optional[str] = None, profile=None) -> Workload:
+    """Trace ``name`` and cost its layers for ``cluster``'s device: measured op times from
+    ``profile`` (a ``profiler.Profile`` or a path) where it has them, the analytical roofline
+    for the rest."""
     graph, cfg = trace_model(name, seq=seq, dtype=dtype)
     dims = dims_from_config(cfg, seq_len=seq or cfg.seq_len, dtype_bytes=torch.empty((), dtype=dtype).element_size())
-    return analytical_workload(graph, dims, cluster, dtype, attention=attention)
+    if profile is None:
+        return analytical_workload(graph, dims, cluster, dtype, attention=attention)
+    from profiler.profile_file import Profile
+    from profiler.profiled_source import ProfiledSource
+
+    if isinstance(profile, str):
+        profile = Profile.load(profile)
+    if profile.dtype != _DTYPE_NAMES.get(dtype, "fp32"):
+        raise ValueError(f"the profile was taken in {profile.dtype} but the workload is "
+                         f"{_DTYPE_NAMES.get(dtype, 'fp32')}: pass --dtype {profile.dtype} or re-profile")
+    timing = AnalyticalCompute.for_device(cluster.device, _DTYPE_NAMES.get(dtype, "fp32"))
+    source = ProfiledSource(graph, timing, profile, model_name=name, seq=seq, dtype=dtype,
+                            attention=attention or ("traced" if profile.device == "cpu" else "flash"))
+    return workload_from_graph(graph, timing, dims, attention=source.attention, source=source,
+                               provenance=f"profile {profile.device_name} ({profile.dtype}) + analytical roofline")
 
 
 def analytical_workload(graph: OpGraph, dims, cluster, dtype: torch.dtype, *,

@@ -108,7 +108,7 @@ class Workload:
         self.source = source
         self.provenance = provenance
         self._cache: Dict[Tuple, LayerCost] = {}
-        self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]]]] = {}
+        self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -120,30 +120,37 @@ class Workload:
             self._cache[key] = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
         return self._cache[key]
 
+    def variant_costs(self, tp: int = 1, ep: int = 1, mbs: int = 1,
+                      sp: bool = False) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
+        """The distinct layer costs of a variant (in order of first appearance), per distinct cost
+        the prefix counts (``counts[j][i]``: layers before i with cost j) and each layer's index
+        into the distinct costs; computed once per variant."""
+        key = (tp, ep, mbs, sp)
+        table = self._prefix.get(key)
+        if table is None:
+            ids: Dict[int, int] = {}
+            costs: List[LayerCost] = []
+            index: List[int] = []
+            for i in range(len(self.layers)):
+                c = self.cost(i, tp, ep, mbs, sp)
+                k = ids.setdefault(id(c), len(costs))
+                if k == len(costs):
+                    costs.append(c)
+                index.append(k)
+            counts = [[0] * (len(self.layers) + 1) for _ in costs]
+            for i, k in enumerate(index):
+                for j, row in enumerate(counts):
+                    row[i + 1] = row[i] + (1 if j == k else 0)
+            table = self._prefix[key] = (costs, counts, index)
+        return table
+
     def range_costs(self, start: int, end: int, tp: int = 1, ep: int = 1, mbs: int = 1,
                     sp: bool = False) -> List[Tuple[LayerCost, int]]:
         """The distinct layer costs of layers [start, end) with how many layers share each.
 
         O(distinct layers) per call through per-variant prefix counts, so a pipeline stage of
         80 identical blocks costs as much to evaluate as a stage of one."""
-        key = (tp, ep, mbs, sp)
-        table = self._prefix.get(key)
-        if table is None:
-            ids: Dict[int, int] = {}
-            costs: List[LayerCost] = []
-            counts: List[List[int]] = []
-            for i in range(len(self.layers)):
-                c = self.cost(i, tp, ep, mbs, sp)
-                k = ids.setdefault(id(c), len(costs))
-                if k == len(costs):
-                    costs.append(c)
-                    counts.append([0] * (len(self.layers) + 1))
-            for i in range(len(self.layers)):
-                k = ids[id(self.cost(i, tp, ep, mbs, sp))]
-                for j, row in enumerate(counts):
-                    row[i + 1] = row[i] + (1 if j == k else 0)
-            table = self._prefix[key] = (costs, counts)
-        costs, counts = table
+        costs, counts, _ = self.variant_costs(tp, ep, mbs, sp)
         return [(c, row[end] - row[start]) for c, row in zip(costs, counts) if row[end] - row[start]]
 
     @property
@@ -282,13 +289,12 @@ class TracedSource:
         block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
         facts = self.facts(block.index)
         scale = mbs / self.batch
-        fwd = attn_fwd = 0.0
+        fwd = bwd = attn_fwd = 0.0
         act_none = act_sel = 0.0
         params = param_bytes = expert_params = 0.0
-        for n in facts.nodes:
-            shard = tp if n.tp else (tp if sp else 1)
-            t = self.timing.op_seconds(n.flops * scale / shard, n.bytes_moved * scale / shard, n.matmul)
+        for n, (t, tb) in zip(facts.nodes, self.node_times(block, tp, mbs, sp)):
             fwd += t
+            bwd += tb
             if n.attention:
                 attn_fwd += t
             flash = n.saved_flash if n.attention else n.saved
@@ -301,7 +307,6 @@ class TracedSource:
             if n.expert:
                 expert_params += n.params / pdiv
         full = facts.in_bytes * scale / (tp if sp else 1)
-        bwd = fwd * self.timing.backward_factor
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
             nbytes = facts.row_bytes * scale
@@ -319,6 +324,19 @@ class TracedSource:
             act_bytes={"none": act_none, "selective": min(act_sel, act_none), "full": full},
             recompute_s={"none": 0.0, "selective": attn_fwd, "full": fwd},
             out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params)
+
+
+    def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
+        """(forward, backward) seconds of each node of ``block`` on one device for a variant:
+        the analytical model on the node's FLOPs and bytes, divided by the TP degree where TP
+        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward."""
+        scale = mbs / self.batch
+        out = []
+        for n in self.facts(block.index).nodes:
+            shard = tp if n.tp else (tp if sp else 1)
+            t = self.timing.op_seconds(n.flops * scale / shard, n.bytes_moved * scale / shard, n.matmul)
+            out.append((t, t * self.timing.backward_factor))
+        return out
 
 
 def _block_facts(graph, block) -> _BlockFacts:
@@ -395,8 +413,9 @@ def _block_facts(graph, block) -> _BlockFacts:
 
 
 def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",
-                        provenance: str = "analytical") -> Workload:
-    """Workload over an OpGraph's blocks (head, layers, tail; empty head/tail dropped)."""
+                        provenance: str = "analytical", source: Optional[TracedSource] = None) -> Workload:
+    """Workload over an OpGraph's blocks (head, layers, tail; empty head/tail dropped); its costs
+    come from ``source`` (default: a TracedSource with ``timing``)."""
     batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
     layers = []
     for b in graph.blocks:
@@ -404,7 +423,7 @@ def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "fla
             continue
         layers.append(Layer(name=b.name, kind=b.kind, signature=b.signature, num_params=float(b.num_params),
                             flops_per_sample=b.flops / batch, is_moe=b.is_moe))
-    return Workload(graph.model_name, layers, dims, TracedSource(graph, timing, attention=attention),
+    return Workload(graph.model_name, layers, dims, source or TracedSource(graph, timing, attention=attention),
                     provenance=provenance)
 
 

@@ -80,7 +80,8 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
     return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
 
 
-def _localise_head_counts(module: nn.Module, tp: int) -> None:
+def localise_head_counts(module: nn.Module, tp: int) -> None:
+    """Divide head-count attributes of an attention module by ``tp`` (older HF reshapes read them)."""
     for attr in HEAD_COUNT_ATTRS:
         value = module.__dict__.get(attr)
         if isinstance(value, int) and value > 0 and value % tp == 0:
@@ -200,7 +201,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
                 applied.update({f"{name}.{c}": "colwise" for c in pair.column})
                 applied[f"{name}.{pair.row}"] = "rowwise"
             if kind == "attention" and region in present:
-                _localise_head_counts(present[region], tp)
+                localise_head_counts(present[region], tp)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
             parallelize_module(block_mod, tp_mesh, styles, src_data_rank=None)

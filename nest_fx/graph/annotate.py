@@ -163,6 +163,7 @@ class _FakeInterpreter(fx.Interpreter):
         rec["out_shapes"] = [list(t.shape) for t in out_t]
         rec["out_dtypes"] = [_dtype_name(t.dtype) for t in out_t]
         rec["out_bytes"] = float(sum(t.numel() * t.element_size() for t in out_t))
+        rec["consts"] = _literal_args(n)
         pbytes, pnames, pcount = 0, [], 0
         for name, p in self._params_of(n):
             if id(p) in self.seen_params:
@@ -230,6 +231,26 @@ def _weight_of(node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[
         if sources:
             return max(sources, key=lambda s: param_rank.get(s, 0))
     return ""
+
+
+def _literal_args(node: fx.Node) -> str:
+    """The node's literal (non-tensor) arguments, e.g. ``is_causal=True``: with the shapes they
+    decide what an op computes, so they are part of a profile entry's key."""
+    def lit(v: Any) -> Any:
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            return v
+        if isinstance(v, (tuple, list)):
+            items = [lit(x) for x in v]
+            return tuple(items) if all(x is not _SKIP for x in items) else _SKIP
+        if isinstance(v, torch.dtype):
+            return _dtype_name(v)
+        return _SKIP
+    parts = [repr(a) for a in map(lit, node.args) if a is not _SKIP]
+    parts += [f"{k}={a!r}" for k, a in ((k, lit(v)) for k, v in node.kwargs.items()) if a is not _SKIP]
+    return ",".join(parts)[:200]
+
+
+_SKIP = object()
 
 
 def _target_str(node: fx.Node) -> str:

@@ -79,6 +79,7 @@ class OpGraph:
         self.block_container = block_container
         self.blocks: List[Block] = []
         self.patterns: Dict[str, BlockPattern] = {}
+        self.module = None  # the captured torch.fx.GraphModule, when traced in this process
 
     # -- access ---------------------------------------------------------------------------
     def nodes(self, block: Optional[int] = None) -> Iterable[dict]:

@@ -47,6 +47,7 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     opgraph = OpGraph(graph, model_name=name or type(model).__name__, method=used, input_shapes=shapes)
     opgraph.block_container, opgraph.blocks = detect_blocks(graph)
     opgraph.patterns = find_patterns(graph, opgraph.blocks)
+    opgraph.module = gm  # the captured GraphModule: the profiler runs it node by node
     return opgraph
 
 

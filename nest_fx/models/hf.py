@@ -7,7 +7,8 @@ shapes on the meta device.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from dataclasses import replace
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -76,9 +77,13 @@ def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
     return family, cfg
 
 
-def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None) -> Tuple[torch.nn.Module, TransformerConfig]:
-    """Build a HuggingFace model from a config alone (weights random, or none on meta)."""
+def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None,
+                   layers: Optional[int] = None) -> Tuple[torch.nn.Module, TransformerConfig]:
+    """Build a HuggingFace model from a config alone (weights random, or none on meta);
+    ``layers`` overrides the depth."""
     family, cfg = parse_hf_name(name)
+    if layers is not None:
+        cfg = replace(cfg, layers=layers)
     hf_cfg = hf_config(family, cfg)
     with torch.device(device), _default_dtype(dtype):
         model = _model_class(family)(hf_cfg)

@@ -129,24 +129,26 @@ def example_tokens(batch: int, seq: int, vocab: int, device: str | torch.device 
 
 
 def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: str | torch.device = "meta",
-              dtype: Optional[torch.dtype] = None):
+              dtype: Optional[torch.dtype] = None, layers: Optional[int] = None):
     """Model, config and example inputs for a zoo name, a spec, or ``hf:...``.
 
     Returns ``(model, config, args, kwargs)``; HF models take ``input_ids`` as a keyword.
+    ``layers`` overrides the depth (the profiler builds one instance of each distinct block).
     """
+    depth = {"layers": layers} if layers is not None else {}
     if name.startswith("hf:"):
         from nest_fx.models.hf import build_hf_model
 
-        model, cfg = build_hf_model(name, device=device, dtype=dtype)
+        model, cfg = build_hf_model(name, device=device, dtype=dtype, **depth)
         if seq and seq > cfg.seq_len:
             raise ValueError(f"seq={seq} exceeds {name}'s {cfg.seq_len} positions: use --seq <= {cfg.seq_len} "
                              "or a larger seq= in the spec")
         tokens = example_tokens(batch, seq or cfg.seq_len, cfg.vocab_size, device)
         return model, cfg, (), {"input_ids": tokens}
-    model, cfg = build_model(name, device=device, dtype=dtype)
+    model, cfg = build_model(name, device=device, dtype=dtype, **depth)
     seq = seq or cfg.seq_len
     if seq > cfg.seq_len and cfg.position == "learned":
         raise ValueError(f"seq={seq} exceeds {cfg.name}'s {cfg.seq_len} learned positions: use --seq <= {cfg.seq_len}")
     if seq > cfg.seq_len:
-        model, cfg = build_model(name, device=device, dtype=dtype, seq_len=seq)
+        model, cfg = build_model(name, device=device, dtype=dtype, seq_len=seq, **depth)
     return model, cfg, (example_tokens(batch, seq, cfg.vocab_size, device),), {}

@@ -1,0 +1,80 @@
+"""The local shard of a model under tensor parallelism, as a plain single-device module.
+
+To time what one TP rank computes we do not need a process group: each column linear of a
+traced TP pair keeps ``out/tp`` output features, each row linear ``in/tp`` input features,
+attention modules see ``heads/tp`` heads, and the embedding and LM head keep ``vocab/tp`` rows
+(vocabulary parallelism). The ops between the linears then run on exactly the shapes a TP rank
+runs; the collectives are costed separately by the network model.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.nn as nn
+
+from nest_fx.apply.tensor_parallel import block_regions, localise_head_counts
+
+
+class LocaliseError(ValueError):
+    """The model has a TP pair this module cannot shard locally (names the module)."""
+
+
+def _shard_linear(model: nn.Module, fqn: str, tp: int, dim: int) -> None:
+    parent_name, _, attr = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
+    if not isinstance(old, nn.Linear):
+        raise LocaliseError(f"{fqn} is a {type(old).__name__}, not nn.Linear: profile it with --tp 1")
+    size = old.out_features if dim == 0 else old.in_features
+    if size % tp:
+        raise LocaliseError(f"{fqn}: {size} features are not divisible by tp={tp}")
+    out_f, in_f = (old.out_features // tp, old.in_features) if dim == 0 else (old.out_features, old.in_features // tp)
+    keep_bias = old.bias is not None
+    new = nn.Linear(in_f, out_f, bias=keep_bias, device=old.weight.device, dtype=old.weight.dtype)
+    setattr(parent, attr, new)
+
+
+def _shard_embedding(model: nn.Module, fqn: str, tp: int) -> None:
+    parent_name, _, attr = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
+    if old.num_embeddings % tp:
+        raise LocaliseError(f"{fqn}: vocabulary {old.num_embeddings} is not divisible by tp={tp}")
+    setattr(parent, attr, nn.Embedding(old.num_embeddings // tp, old.embedding_dim,
+                                       device=old.weight.device, dtype=old.weight.dtype))
+
+
+def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
+    """Shrink ``model`` in place to one TP rank's shard (see module docstring); returns it.
+
+    ``graph`` is the model's OpGraph (its TP pairs and blocks). In the head and tail, the
+    embeddings with ``vocab_size`` rows and the linears with ``vocab_size`` outputs are sharded
+    over the vocabulary, as the rewriter's vocabulary-parallel head/tail would be.
+    """
+    if tp == 1:
+        return model
+    for block in graph.blocks:
+        if block.kind == "block":
+            for region, _, pairs in block_regions(graph.pattern_of(block)):
+                for pair in pairs:
+                    for col in pair.column:
+                        _shard_linear(model, f"{block.name}.{col}", tp, dim=0)
+                    _shard_linear(model, f"{block.name}.{pair.row}", tp, dim=1)
+                localise_head_counts(model.get_submodule(f"{block.name}.{region}" if region else block.name), tp)
+            continue
+        for fqn in _call_modules(graph.graph, block.nodes):
+            module = model.get_submodule(fqn)
+            if isinstance(module, nn.Embedding) and module.num_embeddings == vocab_size:
+                _shard_embedding(model, fqn, tp)
+            elif isinstance(module, nn.Linear) and module.out_features == vocab_size:
+                _shard_linear(model, fqn, tp, dim=0)
+    return model
+
+
+def _call_modules(g, nodes: Iterable[str]):
+    seen = set()
+    for n in nodes:
+        d = g.nodes[n]
+        if d.get("fx_op") == "call_module" and d["target"] not in seen:
+            seen.add(d["target"])
+            yield d["target"]

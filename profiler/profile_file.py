@@ -1,0 +1,127 @@
+"""The profile file (``format: nest-fx-profile/1``): measured per-op costs on one device.
+
+Entries are keyed by *op signature* (op kind, input and output shapes, dtypes, literal
+arguments), not by model or node name, so a profile taken on one model serves every model
+that runs the same ops at the same shapes (e.g. all Llama-shaped blocks of one width). See
+docs/profiler.md for the fields.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from nest_fx.fileio import read_json
+
+PROFILE_FORMAT = "nest-fx-profile/1"
+
+
+class ProfileError(ValueError):
+    """A malformed profile file; the message names the field and the fix."""
+
+
+def op_key(attrs: dict) -> str:
+    """Signature of one traced op (OpGraph node attributes): what decides its cost."""
+    return "|".join((str(attrs.get("op", "")), str(attrs.get("in_shapes", [])), str(attrs.get("out_shapes", [])),
+                     ",".join(attrs.get("in_dtypes", []) or attrs.get("out_dtypes", []) or []),
+                     str(attrs.get("consts", ""))))
+
+
+@dataclass
+class OpEntry:
+    """Measured cost of one op signature, per call (SI units)."""
+
+    op: str
+    fwd_s: float
+    bwd_s: float
+    peak_bytes: float
+    flops: float = 0.0
+    skipped: str = ""  # non-empty: not measured (e.g. "oom"); the analytical model is used
+
+    @property
+    def usable(self) -> bool:
+        return not self.skipped and math.isfinite(self.fwd_s) and math.isfinite(self.bwd_s)
+
+
+@dataclass
+class Profile:
+    """Per-op measurements of one device and dtype, plus per-block and whole-step checks."""
+
+    device: str  # "cuda" | "cpu"
+    device_name: str
+    dtype: str
+    torch_version: str
+    cuda_version: str = ""
+    ops: Dict[str, OpEntry] = field(default_factory=dict)
+    blocks: List[dict] = field(default_factory=list)  # per (model, block, tp, mbs): sums and checks
+    warnings: List[str] = field(default_factory=list)
+
+    def lookup(self, key: str) -> Optional[OpEntry]:
+        """The usable entry for an op signature, or None (then the analytical model is used)."""
+        entry = self.ops.get(key)
+        return entry if entry is not None and entry.usable else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["format"] = PROFILE_FORMAT
+        d["ops"] = {k: asdict(v) for k, v in sorted(self.ops.items())}
+        return d
+
+    def save(self, path: str) -> None:
+        """Write the JSON file (to a temporary name first, so a crash never leaves half a file)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=1, allow_nan=True)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        return cls.from_dict(read_json(path, ProfileError, "profile"), where=path)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
+        """Parse and validate a ``nest-fx-profile/1`` dict."""
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: expected a JSON object written by `nest-fx profile`")
+        fmt = data.get("format")
+        if fmt != PROFILE_FORMAT:
+            raise ProfileError(f"{where}: format is {fmt!r}, expected {PROFILE_FORMAT!r}: re-run `nest-fx profile`")
+        for name in ("device", "device_name", "dtype", "torch_version"):
+            if not isinstance(data.get(name), str):
+                raise ProfileError(f"{where}.{name}: missing or not a string")
+        ops_raw = data.get("ops", {})
+        if not isinstance(ops_raw, dict):
+            raise ProfileError(f"{where}.ops: expected an object {{op signature: entry}}")
+        ops = {}
+        for key, v in ops_raw.items():
+            w = f"{where}.ops[{key!r}]"
+            if not isinstance(v, dict):
+                raise ProfileError(f"{w}: expected an object with fwd_s, bwd_s, peak_bytes")
+            try:
+                ops[key] = OpEntry(op=str(v.get("op", "")), fwd_s=float(v["fwd_s"]), bwd_s=float(v["bwd_s"]),
+                                   peak_bytes=float(v.get("peak_bytes", 0.0)), flops=float(v.get("flops", 0.0)),
+                                   skipped=str(v.get("skipped", "")))
+            except KeyError as exc:
+                raise ProfileError(f"{w}: missing field {exc.args[0]!r}") from None
+            except (TypeError, ValueError):
+                raise ProfileError(f"{w}: fwd_s, bwd_s, peak_bytes and flops must be numbers") from None
+            if ops[key].usable and (ops[key].fwd_s < 0 or ops[key].bwd_s < 0):
+                raise ProfileError(f"{w}: negative time")
+        blocks = data.get("blocks", [])
+        if not isinstance(blocks, list):
+            raise ProfileError(f"{where}.blocks: expected a list")
+        return cls(device=data["device"], device_name=data["device_name"], dtype=data["dtype"],
+                   torch_version=data["torch_version"], cuda_version=str(data.get("cuda_version", "")),
+                   ops=ops, blocks=blocks, warnings=[str(w) for w in data.get("warnings", [])])
+
+    def merge(self, other: "Profile") -> None:
+        """Add ``other``'s entries (same device and dtype); existing entries win."""
+        if (other.device_name, other.dtype) != (self.device_name, self.dtype):
+            raise ProfileError(f"cannot merge a {other.device_name}/{other.dtype} profile into "
+                               f"{self.device_name}/{self.dtype}")
+        for k, v in other.ops.items():
+            self.ops.setdefault(k, v)
+        self.blocks += other.blocks
+        self.warnings += other.warnings
