@@ -31,6 +31,10 @@ def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
     p.add_argument("--auto", action="store_true", help="no plan: auto_parallelize runs the NEST planner")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--save", metavar="DIR", help="save model + optimizer to DIR after training")
+    p.add_argument("--resume", metavar="DIR", help="load a checkpoint (saved under any plan) before training")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may wait before failing (default: $NEST_FX_TIMEOUT_S or 600)")
     return p
 
 
@@ -67,7 +71,15 @@ def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 
 def train(pm, args, seq: int, vocab: int) -> None:
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, foreach=False)
     rank = dist.get_rank()
-    for step, (x, y) in enumerate(synthetic_batches(args.steps, args.batch, seq, vocab)):
+    first = 0
+    if args.resume:
+        first = pm.load(args.resume, opt)["step"] or 0
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {first}", flush=True)
+    batches = synthetic_batches(first + args.steps, args.batch, seq, vocab)
+    for step, (x, y) in enumerate(batches):
+        if step < first:  # the data a resumed run already trained on
+            continue
         start = time.perf_counter()
         loss = pm.train_step(x, y)
         opt.step()
@@ -76,5 +88,9 @@ def train(pm, args, seq: int, vocab: int) -> None:
         if rank == 0:
             print(f"step {step}: loss {float(loss):.4f}  {args.batch * seq / elapsed:,.0f} tokens/s "
                   f"({elapsed * 1e3:.0f} ms)", flush=True)
+    if args.save:
+        pm.save(args.save, opt, step=first + args.steps)
+        if rank == 0:
+            print(f"saved {args.save} at step {first + args.steps}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -26,7 +26,7 @@ def main() -> None:
     model, cfg = build_model(args.model, device="cpu", dtype=torch.float32)
     example = torch.zeros(args.batch, cfg.seq_len, dtype=torch.long)
     pm = auto_parallelize(model, example, global_batch_size=args.batch, loss_fn=lm_loss,
-                          plan=make_plan(args, cfg.layers + 2))
+                          plan=make_plan(args, cfg.layers + 2), timeout_s=args.timeout)
     train(pm, args, cfg.seq_len, cfg.vocab_size)
 
 

@@ -1,4 +1,4 @@
-"""``nest-fx`` command line: trace (later: profile, plan, simulate, explain).
+"""``nest-fx`` command line: trace, profile, plan, simulate, explain.
 
 User errors (bad names, bad files, shapes that do not fit) print one line ``error: ...`` and
 exit with code 2; no traceback. ``NEST_FX_DEBUG=1`` shows the traceback.
@@ -75,7 +75,8 @@ def _load_workload(args: argparse.Namespace, cluster):
     try:
         if args.workload:
             return Workload.load(args.workload)
-        return workload_for_model(args.model, cluster, seq=args.seq, dtype=args.dtype)
+        return workload_for_model(args.model, cluster, seq=args.seq, dtype=args.dtype,
+                                  profile=getattr(args, "profile", None))
     except (WorkloadError, TraceError, ValueError, ImportError) as exc:
         raise UserError(str(exc)) from exc
 
@@ -139,6 +140,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model {workload.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
           f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
           f"[{levels}]; global batch {args.global_batch} x {workload.dims.seq_len} tokens")
+    coverage = getattr(workload.source, "coverage", None)
+    if coverage is not None:
+        tp = plan.uniform_tp or 1
+        print(f"compute time of the chosen variant (tp={tp}, microbatch {plan.microbatch_size}): "
+              f"{100 * coverage(tp, plan.microbatch_size, plan.sequence_parallel):.0f}% measured, the rest modelled")
     print(f"searched {found.candidates} (config, depth) pairs, {found.dp_runs} exact DP runs in "
           f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)"))
     print()
@@ -150,8 +156,112 @@ def cmd_plan(args: argparse.Namespace) -> int:
         baselines = run_baselines(workload, cluster, args.global_batch, options, args.mcmc_evals)
         print(report.baselines_table(found, found.seconds, baselines))
     if args.json:
+        from nest_fx.builders import cluster_spec
+
+        plan.cluster = cluster_spec(args.cluster, cluster)
         plan.save(args.json)
         print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Explain a plan file: rank layout per network level, memory, step time, pipeline timeline."""
+    from nest_fx import explain
+    from nest_fx.cost.step_time import simulate
+    from nest_fx.plan import Plan, PlanError
+
+    try:
+        plan = Plan.load(args.plan)
+        args.cluster, args.devices = explain.default_cluster(plan, args.cluster, args.devices)
+    except ValueError as exc:  # PlanError too
+        raise UserError(str(exc)) from exc
+    if not args.model and not args.workload:
+        args.model = explain.default_model(plan)
+        if not args.model:
+            raise UserError(f"the plan's model {plan.model!r} is not a zoo model or spec: give --model or --workload")
+    cluster = _load_cluster(args)
+    workload = _load_workload(args, cluster)
+    try:
+        result = simulate(plan, workload, cluster)
+    except PlanError as exc:
+        raise UserError(f"{args.plan}: {exc}") from exc
+    print(explain.explain_text(plan, workload, cluster, result))
+    if args.png:
+        try:
+            shown = explain.write_timeline_png(plan, cluster, result, args.png)
+        except (ImportError, OSError) as exc:  # no matplotlib, or an unwritable path
+            raise UserError(str(exc)) from exc
+        print(f"wrote {args.png} (timeline of {shown} microbatches)")
+    return 0 if result.feasible else 1
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure per-op times of a model on a device (or collectives, with --calibrate)."""
+    if args.calibrate:
+        return _calibrate(args)
+    from tqdm import tqdm
+
+    from profiler.model_profile import ProfileOptions, profile_model
+    from profiler.profile_file import Profile, ProfileError
+
+    if not args.model:
+        raise UserError("give a MODEL to profile (or --calibrate --cluster C to measure collectives)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible here; run on a GPU node or use --device cpu")
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[args.dtype]
+    options = ProfileOptions(tps=args.tp, mbss=args.mbs, seq=args.seq, dtype=dtype, warmup=args.warmup,
+                             repeats=args.repeats)
+    existing = None
+    if args.append and os.path.exists(args.out):
+        try:
+            existing = Profile.load(args.out)
+        except ProfileError as exc:
+            raise UserError(str(exc)) from exc
+    bar = tqdm(desc="profiling", unit="variant", disable=args.quiet or not sys.stderr.isatty(), leave=False)
+
+    def progress(done: int, total: int, label: str) -> None:
+        bar.total = total
+        bar.set_postfix_str(label)
+        bar.update(done - bar.n)
+
+    try:
+        prof, stats = profile_model(args.model, args.device, options, profile=existing, progress=progress)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    finally:
+        bar.close()
+    prof.save(args.out)
+    print(report.profile_table(prof, args.model))
+    print(f"timed {stats.nodes_timed} ops, reused {stats.nodes_reused} (identical blocks / earlier entries) "
+          f"in {stats.seconds:.1f} s; {len(stats.skipped)} variant(s)/op(s) skipped")
+    print(f"wrote {args.out} ({len(prof.ops)} op entries, {prof.device_name}, {prof.dtype})")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from profiler.collectives import calibrate
+
+    if not args.cluster:
+        raise UserError("--calibrate needs --cluster (a preset NAME:DEVICES or a file) whose levels to fit")
+    cluster = _load_cluster(args)
+    sizes = [s * 1024 for s in args.sizes_kib]
+    try:
+        fitted, fits, samples = calibrate(cluster, nproc=args.nproc, sizes=sizes, repeats=args.repeats)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    print(report.calibration_table(cluster, fits))
+    fitted.save(args.out)
+    print(f"wrote {args.out} ({len(samples)} samples)")
     return 0
 
 
@@ -159,14 +269,16 @@ def fmt_rate(bytes_per_s: float) -> str:
     return report.fmt_si(bytes_per_s, "B/s")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, cluster_required: bool = True) -> None:
     p.add_argument("--model", help="zoo name, spec or hf:FAMILY (traced and costed analytically)")
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
-    p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, tpuv4-fat-tree, "
-                   "cpu-gloo) as NAME:DEVICES, or a cluster YAML/JSON file")
+    p.add_argument("--cluster", required=cluster_required, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
+                   "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, or a cluster YAML/JSON file")
     p.add_argument("--devices", type=_positive, help="device count for a preset (or NAME:DEVICES)")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="training dtype (default bf16)")
+    p.add_argument("--profile", metavar="P.json", help="measured op times from `nest-fx profile` (the analytical "
+                   "model covers ops the profile lacks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,11 +308,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("profile", help="measure per-op times of a model on this machine's device (JSON profile), "
+                       "or collective bandwidth per network level (--calibrate, cluster YAML)")
+    p.add_argument("model", nargs="?", help="zoo name, spec or hf:FAMILY")
+    p.add_argument("--out", required=True, help="profile JSON (or cluster YAML with --calibrate)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to profile on (default: cuda when available)")
+    p.add_argument("--tp", type=_int_list, default=[1], help="TP degrees whose local shard shapes to profile, e.g. 1,2,4,8")
+    p.add_argument("--mbs", type=_int_list, default=[1], help="microbatch sizes to profile, e.g. 1,2,4")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="dtype (default bf16)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per op (default 2)")
+    p.add_argument("--repeats", type=_positive, default=5, help="timed runs per op; the median is kept (default 5)")
+    p.add_argument("--append", action="store_true", help="add to an existing profile at --out (reuse its entries)")
+    p.add_argument("--calibrate", action="store_true", help="measure collectives and fit the cluster's levels")
+    p.add_argument("--cluster", help="with --calibrate: the cluster to fit (NAME:DEVICES or file)")
+    p.add_argument("--devices", type=_positive, help="device count for a preset")
+    p.add_argument("--nproc", type=_positive, default=2, help="with --calibrate outside torchrun: local ranks (default 2)")
+    p.add_argument("--sizes-kib", type=_int_list, default=[4, 64, 1024, 4096, 16384],
+                   help="with --calibrate: message sizes in KiB (default 4,64,1024,4096,16384)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_profile)
+
     p = sub.add_parser("simulate", help="predict step time and memory of a plan file")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a nest-fx-plan/1 file")
     _add_model_args(p)
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "
+                       "step-time breakdown, pipeline timeline (PNG)")
+    p.add_argument("plan", metavar="PLAN.json", help="a nest-fx-plan/1 file")
+    _add_model_args(p, cluster_required=False)
+    p.add_argument("--png", metavar="OUT.png", help="draw the pipeline timeline (needs matplotlib: extra 'plot')")
+    p.set_defaults(func=cmd_explain)
     return parser
 
 

@@ -64,6 +64,7 @@ class Plan:
     model: str = ""
     num_layers: int = 0  # length of the workload chain the ranges index
     world_size: int = 0
+    cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
     predicted: Dict[str, float] = field(default_factory=dict)
     notes: str = ""
 
@@ -209,6 +210,8 @@ class Plan:
                   "world_size"):
             if k in kwargs and not isinstance(kwargs[k], int):
                 raise PlanError(f"{where}: {k} must be an integer, got {kwargs[k]!r}")
+        if not isinstance(kwargs.get("cluster", ""), str):
+            raise PlanError(f"{where}: cluster must be a string (NAME:DEVICES or a file), got {kwargs['cluster']!r}")
         plan = cls(stages=stages, **kwargs)
         plan.validate()
         return plan

@@ -140,3 +140,31 @@ def baselines_table(nest, nest_seconds: float, baselines) -> str:
                      f"{b.result.step_s / nest.result.step_s:.2f}x", f"{b.seconds:.2f}"])
     return tabulate(rows, headers=["planner", "plan", "step", "tokens/s", "nest-fx speedup", "search s"],
                     tablefmt="simple")
+
+
+def profile_table(profile, model: str) -> str:
+    """Per-block measured forward/backward per (tp, microbatch), and the per-op sum vs eager step."""
+    rows = []
+    for b in profile.blocks:
+        if b.get("model") != model:
+            continue
+        if b["kind"] == "step":
+            eager = b.get("eager_step_s", float("nan"))
+            ratio = b["ops_sum_s"] / eager if eager == eager and eager > 0 else float("nan")
+            rows.append([f"(whole {b['layers']}-layer model)", b["tp"], b["mbs"], "", "",
+                         fmt_seconds(b["ops_sum_s"]), "-" if eager != eager else f"{fmt_seconds(eager)} ({ratio:.2f}x)"])
+        else:
+            rows.append([b["block"], b["tp"], b["mbs"], fmt_seconds(b["fwd_s"]), fmt_seconds(b["bwd_s"]),
+                         fmt_seconds(b["fwd_s"] + b["bwd_s"]), ""])
+    return tabulate(rows, headers=["block", "tp", "mbs", "fwd", "bwd", "sum of ops", "eager step (ops/eager)"],
+                    tablefmt="simple")
+
+
+def calibration_table(cluster, fits) -> str:
+    """Fitted bandwidth/latency per measured level next to the cluster's previous figures."""
+    before = {lv.name: lv for lv in cluster.levels}
+    rows = [[f.level, fmt_si(before[f.level].bandwidth, "B/s"), fmt_si(f.bandwidth, "B/s"),
+             fmt_seconds(before[f.level].latency), fmt_seconds(f.latency), f.samples, f"{100 * f.mean_abs_error:.0f}%"]
+            for f in fits]
+    return tabulate(rows, headers=["level", "bandwidth (was)", "bandwidth (fit)", "latency (was)", "latency (fit)",
+                                   "samples", "mean |error|"], tablefmt="simple")

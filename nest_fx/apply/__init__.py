@@ -7,14 +7,17 @@
 Modules: ``mesh`` (DeviceMesh from a plan), ``checks`` (errors before any collective),
 ``pipeline`` (stage split and schedules), ``tensor_parallel`` (TP/SP from traced TP pairs),
 ``expert_parallel`` (all_to_all experts), ``data_parallel`` (replication or FSDP2),
-``checkpointing`` (recompute), ``runtime`` (ParallelModule), ``api`` (auto_parallelize).
+``checkpointing`` (recompute), ``checkpoint`` (save/load under any plan), ``runtime``
+(ParallelModule), ``api`` (auto_parallelize).
 See docs/runtime.md.
 """
 from nest_fx.apply.api import auto_parallelize, default_plan, init_distributed, plan_summary
+from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.expert_parallel import all_to_all
 from nest_fx.apply.mesh import build_mesh, locate
 from nest_fx.apply.runtime import ParallelModule
 
 __all__ = ["auto_parallelize", "ParallelModule", "ApplyError", "build_mesh", "locate", "default_plan",
-           "init_distributed", "plan_summary", "all_to_all"]
+           "init_distributed", "plan_summary", "all_to_all", "CheckpointError", "save_checkpoint",
+           "load_checkpoint"]

@@ -36,25 +36,52 @@ from nest_fx.plan import Plan, uniform_plan
 Planner = Callable[[Any, Any, int, int], Plan]
 
 
-def init_distributed(timeout_s: float = 600.0) -> Tuple[int, int]:
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "NEST_FX_TIMEOUT_S"
+
+
+def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
+    """The process-group timeout: ``timeout_s`` if given, else ``$NEST_FX_TIMEOUT_S``, else 600 s.
+
+    A collective that waits longer (a peer died or never joined) raises on the waiting rank
+    instead of hanging the job.
+    """
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; fix: e.g. {TIMEOUT_ENV}=600") \
+                from None
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be positive, got {timeout_s}; fix: pass timeout_s > 0 or "
+                         f"set {TIMEOUT_ENV}")
+    return float(timeout_s)
+
+
+def init_distributed(timeout_s: Optional[float] = None) -> Tuple[int, int]:
     """Initialise the default process group from the torchrun environment if needed.
 
     Reads WORLD_SIZE / RANK / LOCAL_RANK; gloo on CPU, nccl on CUDA. Without a launcher (no
     WORLD_SIZE) a one-rank group on an in-memory store is created, so the same script runs
-    as a plain ``python`` process. Returns (world_size, rank).
+    as a plain ``python`` process. Collectives time out after :func:`collective_timeout_s`
+    (``timeout_s``, ``$NEST_FX_TIMEOUT_S`` or 600 s); a group initialised by the caller keeps
+    its own timeout. Returns (world_size, rank).
     """
     if dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
+    timeout = timedelta(seconds=collective_timeout_s(timeout_s))
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1 and "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
     return dist.get_world_size(), dist.get_rank()
 
 
@@ -96,7 +123,7 @@ def plan_summary(plan: Plan, num_microbatches: int) -> str:
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
                      loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
-                     graph=None, verbose: bool = True, timeout_s: float = 600.0) -> ParallelModule:
+                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -107,6 +134,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     the detected device and world size. ``loss_fn(output, target)`` must average over its batch.
     ``graph``: an OpGraph of the model when already traced. Every rank must call this with the
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
+    ``timeout_s``: collective timeout when this call creates the process group (default
+    ``$NEST_FX_TIMEOUT_S`` or 600 s). Every check runs before the first collective, so a plan
+    that does not fit fails on every rank with the same :class:`ApplyError`.
     """
     world, rank = init_distributed(timeout_s)
     args, kwargs = _split_example(example_inputs)

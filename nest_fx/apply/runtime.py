@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import tensor_output
@@ -81,6 +82,18 @@ class ParallelModule:
                 continue
             out[name] = t.full_tensor() if isinstance(t, DTensor) else t
         return out
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
+             step: Optional[int] = None) -> str:
+        """Save parameters (and ``optimizer`` state) to the directory ``path``; loadable under any
+        plan. Every rank must call it. See :mod:`nest_fx.apply.checkpoint`."""
+        return save_checkpoint(self, path, optimizer, step=step)
+
+    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+        """Load a checkpoint saved under any plan into this rank's parameters (and ``optimizer``);
+        returns its metadata (``step``, ``plan_summary``). Every rank must call it."""
+        return load_checkpoint(self, path, optimizer)
 
     # -- training --------------------------------------------------------------------------
     def _shard(self, t: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,15 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> List
             try:
                 rank, status, value = queue.get(timeout=min(left, 1.0))
             except queue_mod.Empty:
+                # a rank that died without reporting (killed, os._exit, a native crash) counts as
+                # failed, so the others get the grace period instead of the whole timeout
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                if dead and queue.empty():
+                    for r in dead:
+                        errors[r] = (f"rank {r} exited with code {procs[r].exitcode} without reporting "
+                                     "(killed, os._exit or a crash in native code)\n")
+                    continue
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     missing = sorted(set(range(world_size)) - set(results) - set(errors))
                     if missing:

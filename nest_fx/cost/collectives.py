@@ -134,6 +134,8 @@ def p2p(cluster: Cluster, src: int, dst: int, nbytes: float) -> float:
 
     0 when ``src == dst`` or ``nbytes == 0``.
     """
+    if hasattr(cluster, "p2p_time"):  # a graph topology (nest_fx.topology.GraphCluster) costs itself
+        return cluster.p2p_time(src, dst, nbytes)
     nbytes = _check_bytes(nbytes)
     index = cluster.level_index_of_group(sorted({src, dst}))  # validates both ranks
     if src == dst or nbytes == 0:
@@ -153,6 +155,8 @@ COLLECTIVES: Dict[str, Callable[[Cluster, Sequence[int], float], float]] = {
 
 def collective_time(kind: str, cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
     """Seconds for collective ``kind`` (a key of :data:`COLLECTIVES`) over ``ranks`` on ``nbytes``."""
+    if hasattr(cluster, "collective_time"):  # a graph topology (nest_fx.topology.GraphCluster) costs itself
+        return cluster.collective_time(kind, ranks, nbytes)
     try:
         fn = COLLECTIVES[kind]
     except KeyError:

@@ -1,0 +1,143 @@
+"""``GraphCluster``: a graph topology behind the interface the cost model expects of a Cluster.
+
+The cost model (``nest_fx.cost.step_time``) and the solvers read ``name``, ``device``,
+``num_devices`` and ``levels`` (``levels[0].group_size`` is the node size that bounds TP), and
+cost communication through ``nest_fx.cost.collectives.collective_time`` / ``p2p``, which hand
+the call to ``cluster.collective_time`` / ``cluster.p2p_time`` when the cluster has them. So
+``simulate(plan, workload, GraphCluster(topology))`` costs every collective on the graph.
+``span`` / ``levels_spanned`` / ``level_index_of_group`` (read by layout and report tools)
+answer from the topology's hierarchy hint, for the devices the ranks run on.
+
+Placement: ``order[r]`` is the device that plan rank ``r`` runs on (identity by default);
+:meth:`GraphCluster.with_order` gives the same topology under another permutation, sharing its
+route cache.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional, Sequence, Tuple, Union
+
+from nest_fx.cluster import Cluster, DeviceSpec, LevelSpan, NetworkLevel
+from nest_fx.topology import algorithms
+from nest_fx.topology.model import Topology, TopologyError
+
+
+class _KeyedFloat(float):
+    """A float that compares and hashes together with a key.
+
+    ``step_time.cached_collective`` memoises on ``(num_devices, level figures, ...)``. The
+    levels of a GraphCluster carry their cluster's :attr:`~GraphCluster.cache_token` in their
+    latency this way, so graph results are never served for a hierarchical cluster with the same
+    figures, nor for another order or topology. Arithmetic gives plain floats.
+    """
+
+    __slots__ = ("key",)
+
+    def __new__(cls, value: float, key: str) -> "_KeyedFloat":
+        obj = super().__new__(cls, value)
+        obj.key = key
+        return obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _KeyedFloat) and other.key == self.key and float(self) == float(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((float(self), self.key))
+
+    def __reduce__(self):
+        return (_KeyedFloat, (float(self), self.key))
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+
+class GraphCluster:
+    """A :class:`Topology` seen as a cluster, plan rank ``r`` on device ``order[r]``."""
+
+    def __init__(self, topology: Topology, order: Optional[Sequence[int]] = None, *,
+                 all_to_all: str = "staged") -> None:
+        if not isinstance(topology, Topology):
+            raise TopologyError(f"topology: must be a Topology, got {type(topology).__name__}")
+        n = topology.num_devices
+        perm = tuple(range(n)) if order is None else tuple(topology.check_devices(order, "order"))
+        if len(perm) != n:
+            raise TopologyError(f"order: must list each of the {n} devices once, got {len(perm)} entries")
+        if all_to_all not in algorithms.ALL_TO_ALL:
+            raise TopologyError(f"all_to_all: {all_to_all!r}, use one of {algorithms.ALL_TO_ALL}")
+        self.topology = topology
+        self.order: Tuple[int, ...] = perm
+        self.all_to_all = all_to_all
+        digest = hashlib.sha1(f"{topology.fingerprint()}|{perm}|{all_to_all}".encode()).hexdigest()
+        self.cache_token: str = f"graph:{digest}"
+        self.levels: List[NetworkLevel] = [
+            NetworkLevel(lv.name, lv.group_size, lv.bandwidth, _KeyedFloat(lv.latency, self.cache_token))
+            for lv in topology.hierarchy()]
+        self._hierarchy: Optional[Cluster] = None
+
+    # -- the Cluster interface used by the cost model ---------------------------------------
+    @property
+    def name(self) -> str:
+        return self.topology.name
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.topology.device
+
+    @property
+    def num_devices(self) -> int:
+        return self.topology.num_devices
+
+    def devices_of(self, ranks: Sequence[int]) -> List[int]:
+        """The devices plan ranks run on (TopologyError for a rank out of range or repeated)."""
+        return [self.order[r] for r in self.topology.check_devices(ranks, "ranks")]
+
+    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float) -> float:
+        """Seconds of collective ``kind`` over plan ranks ``ranks`` on the graph."""
+        return algorithms.collective_time(kind, self.topology, self.devices_of(ranks), nbytes,
+                                          all_to_all=self.all_to_all)
+
+    def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Seconds of a send of ``nbytes`` from plan rank ``src`` to plan rank ``dst``."""
+        if src == dst:
+            self.devices_of([src])
+            return algorithms.p2p_time(self.topology, src, src, nbytes)
+        a, b = self.devices_of([src, dst])
+        return algorithms.p2p_time(self.topology, a, b, nbytes)
+
+    def concurrent_collective_time(self, kind: str, groups: Sequence[Sequence[int]],
+                                   nbytes: Union[float, Sequence[float]]) -> float:
+        """Seconds until the last of ``groups`` (plan ranks) finishes ``kind``, all started at once."""
+        return algorithms.concurrent_collective_time(kind, self.topology, [self.devices_of(g) for g in groups],
+                                                     nbytes, all_to_all=self.all_to_all)
+
+    # -- the hierarchy hint's view (for reports and layout tools; costs come from the graph) --
+    @property
+    def hierarchy(self) -> Cluster:
+        """The topology's levels hint as a plain Cluster (over devices, not plan ranks)."""
+        if self._hierarchy is None:
+            self._hierarchy = Cluster(self.name, self.device, self.num_devices, self.topology.hierarchy())
+        return self._hierarchy
+
+    def span(self, ranks: Sequence[int]) -> List[LevelSpan]:
+        """:meth:`Cluster.span` of the devices ``ranks`` run on, in the hierarchy hint."""
+        return self.hierarchy.span(self.devices_of(ranks))
+
+    def levels_spanned(self, ranks: Sequence[int]) -> List[Tuple[NetworkLevel, int]]:
+        """:meth:`Cluster.levels_spanned` of the devices ``ranks`` run on, in the hierarchy hint."""
+        return self.hierarchy.levels_spanned(self.devices_of(ranks))
+
+    def level_index_of_group(self, ranks: Sequence[int]) -> int:
+        """:meth:`Cluster.level_index_of_group` of the devices ``ranks`` run on, in the hint."""
+        return self.hierarchy.level_index_of_group(self.devices_of(ranks))
+
+    # -- placement -------------------------------------------------------------------------
+    def with_order(self, order: Sequence[int]) -> "GraphCluster":
+        """The same topology with plan rank ``r`` on device ``order[r]``."""
+        return GraphCluster(self.topology, order, all_to_all=self.all_to_all)
+
+    def __repr__(self) -> str:
+        ident = self.order == tuple(range(self.num_devices))
+        return f"GraphCluster({self.topology!r}, order={'identity' if ident else list(self.order)})"
