@@ -13,8 +13,10 @@
    the runtime accepts. Add the planner's own choice (``nest_fx.solver.solve``).
 4. Run each plan under gloo (``--ranks`` local processes, one thread each) for ``--steps``
    AdamW steps after 2 warm-up steps: the step time is the slowest rank's median; peak
-   memory is each rank's resident-set high-water mark above its resident set just before the
-   model is built (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), max over ranks.
+   memory is the peak of live tensor bytes over one more step (parameters and optimizer
+   states, plus the CPU allocator's allocations minus frees from ``torch.profiler``'s memory
+   events: what ``torch.cuda.max_memory_allocated`` reports on a GPU), max over ranks. The
+   resident-set high-water mark (``VmHWM``) is recorded too, for reference.
 5. Report mean absolute percentage error of step time and of peak memory, Kendall's tau between
    predicted and measured step-time rankings, and where the planner's plan ranks among the
    measured. Writes a table, JSON and a predicted-vs-measured scatter plot.
@@ -106,9 +108,40 @@ def run_plan(spec: dict) -> dict:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= 2:
             times.append(float(elapsed))
-    peak = torch.tensor([(_rss_kib("VmHWM") - base) * 1024.0], dtype=torch.float64)
+    rss_peak = torch.tensor([(_rss_kib("VmHWM") - base) * 1024.0], dtype=torch.float64)
+    dist.all_reduce(rss_peak, op=dist.ReduceOp.MAX)
+    peak = torch.tensor([_tensor_peak_bytes(pm, opt, lambda: (pm.train_step(x, y), opt.step(),
+                                                               opt.zero_grad(set_to_none=True)))],
+                        dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"step_s": statistics.median(times), "times": times, "peak_bytes": float(peak)}
+    return {"step_s": statistics.median(times), "times": times, "peak_bytes": float(peak),
+            "rss_peak_bytes": float(rss_peak)}
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def _tensor_peak_bytes(pm, opt, step) -> float:
+    """Peak bytes of live tensors over one training step: the parameters and optimizer states
+    alive before it, plus the highest point of the CPU allocator's allocations minus frees
+    during it (``torch.profiler`` memory events). The CPU counterpart of
+    ``torch.cuda.max_memory_allocated``; RSS would add the C allocator's retained pages."""
+    from torch.profiler import ProfilerActivity, profile
+
+    live = sum(_local_bytes(p) for p in pm.parameters())
+    live += sum(_local_bytes(v) for state in opt.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    current = highest = 0
+    for _, nbytes in events:
+        current += nbytes
+        highest = max(highest, current)
+    return float(live + highest)
 
 
 def kendall_tau(a: List[float], b: List[float]) -> float:
