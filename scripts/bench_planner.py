@@ -2,9 +2,9 @@
 
 For each model x cluster x device count (global batch 4096 sequences): the chosen plan, the
 predicted throughput of every planner, the ratio to nest-fx, and search seconds; then the
-search time of the DP at larger device counts. Prints tables, writes
-results/bench_planner.json and results/bench_planner.png (throughput ratio vs devices per
-model, like the NEST paper's Figure 5).
+search time of the DP alone at larger device counts, for every model and cluster. Prints
+tables, writes results/bench_planner.json and results/bench_planner.png (throughput ratio vs
+devices per model, like the NEST paper's Figure 5).
 
     python scripts/bench_planner.py                       # the full grid (tens of minutes)
     python scripts/bench_planner.py --models llama2-7b --devices 64 128 --clusters tpuv4-fat-tree
@@ -55,10 +55,13 @@ def run_case(model: str, cluster_name: str, devices: int, batch: int, budget: fl
     return row
 
 
-def scaling(model: str, cluster_name: str, sizes, batch: int, budget: float):
+def scaling(model: str, cluster_name: str, sizes, batch: int, budget: float, workloads: dict):
+    """Search time of the DP alone at larger device counts (no baselines)."""
     out = []
-    cluster = load_cluster(f"{cluster_name}:{sizes[0]}")
-    work = workload_for_model(model, cluster)
+    key = (model, cluster_name)
+    if key not in workloads:
+        workloads[key] = workload_for_model(model, load_cluster(f"{cluster_name}:{sizes[0]}"))
+    work = workloads[key]
     for n in sizes:
         cluster = load_cluster(f"{cluster_name}:{n}")
         start = time.perf_counter()
@@ -66,6 +69,8 @@ def scaling(model: str, cluster_name: str, sizes, batch: int, budget: float):
         out.append({"model": model, "cluster": cluster_name, "devices": n, "search_s": time.perf_counter() - start,
                     "complete": found.complete, "tokens_s": found.result.tokens_per_s,
                     "plan": report.plan_summary(found.plan)})
+        print(f"scaling {cluster_name} {model} {n}: search {out[-1]['search_s']:.2f} s, complete {found.complete}",
+              flush=True)
     return out
 
 
@@ -126,12 +131,21 @@ def main() -> None:
                                    "vs Phaze", "vs MCMC", "search s"], tablefmt="github"))
     searches = [r["search_s"] for r in rows if "search_s" in r and r["devices"] == 1024]
     if searches:
-        print(f"median search time at 1024 devices: {statistics.median(searches):.2f} s")
+        print(f"search time at 1024 devices: median {statistics.median(searches):.2f} s, "
+              f"max {max(searches):.2f} s")
+    solved = [r for r in rows if "search_s" in r]
+    print(f"proved optimal within the {args.budget:g} s budget: {sum(r['complete'] for r in solved)}/{len(solved)}")
+    ratios = [r[k] for r in rows for k in ("megatron_ratio", "phaze_ratio", "mcmc_ratio") if r.get(k)]
+    if ratios:
+        print(f"throughput ratio nest-fx / baseline: min {min(ratios):.3f}, never below 1: {min(ratios) >= 1.0}")
     scale_rows = []
     if args.scaling:
-        scale_rows = scaling("llama2-7b", args.clusters[0], args.scaling, args.global_batch, args.budget)
-        print(tabulate([[r["devices"], f"{r['search_s']:.2f}", r["complete"], r["plan"]] for r in scale_rows],
-                       headers=["devices", "search s", "complete", "plan"], tablefmt="github"))
+        for cl in args.clusters:
+            for model in args.models:
+                scale_rows += scaling(model, cl, args.scaling, args.global_batch, args.budget, workloads)
+        print(tabulate([[r["cluster"], r["model"], r["devices"], f"{r['search_s']:.2f}", r["complete"], r["plan"]]
+                        for r in scale_rows],
+                       headers=["cluster", "model", "devices", "search s", "complete", "plan"], tablefmt="github"))
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump({"global_batch": args.global_batch, "budget_s": args.budget, "cases": rows,
                    "scaling": scale_rows}, fh, indent=1)

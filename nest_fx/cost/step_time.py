@@ -39,11 +39,13 @@ activations (rebuilt during backward) + two boundary buffers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from nest_fx.cost import collectives, memory
 from nest_fx.plan import Plan
-from nest_fx.workload import Comm, Workload
+from nest_fx.workload import Comm, LayerCost, Workload
 
 USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
 
@@ -83,7 +85,8 @@ class StageCost:
 
     def per_microbatch(self, v: int = 1) -> float:
         """t_i: forward + backward + recompute + collectives + both p2p directions (v chunks)."""
-        return self.fwd_compute + self.bwd_compute + self.recompute_s + self.tp_comm + self.ep_comm + 2 * self.p2p * v
+        return microbatch_time(self.fwd_compute, self.bwd_compute, self.recompute_s, self.tp_comm, self.ep_comm,
+                               self.p2p, v)
 
 
 @dataclass
@@ -105,24 +108,84 @@ class SimResult:
         return asdict(self)
 
 
-_COLLECTIVE_CACHE: Dict[tuple, float] = {}
+Count = Union[int, float, np.ndarray]  # a number, or an array of them (the solver's stage tables)
+
+_COLLECTIVE_CACHE: Dict[tuple, Dict[float, float]] = {}
+_GROUP_VIEWS: Dict[tuple, "_GroupView"] = {}
+_CACHE_LIMIT = 2_000_000  # entries over all groups; the caches start afresh beyond it
+_cached_entries = 0
+
+
+class _GroupView:
+    """The cluster as the collective model sees it for one rank group, with ``span`` of that
+    group resolved once: the model asks for it at every message size, and resolving a group of
+    thousands of ranks takes milliseconds. Everything else is the cluster's own."""
+
+    def __init__(self, cluster, ranks: Tuple[int, ...]):
+        self._cluster, self._ranks, self._spans = cluster, ranks, None
+
+    def span(self, ranks: Sequence[int]):
+        if ranks is not self._ranks and tuple(ranks) != self._ranks:
+            return self._cluster.span(ranks)
+        if self._spans is None:
+            self._spans = self._cluster.span(ranks)
+        return self._spans
+
+    def __getattr__(self, name: str):
+        return getattr(self._cluster, name)
+
+
+def _memo(kind: str, cluster, group: Sequence[int]) -> Tuple[Dict[float, float], tuple, Tuple[int, ...]]:
+    """(bytes -> seconds memo, network key, ranks) of collective ``kind`` over ``group``."""
+    global _cached_entries
+    ranks = tuple(group)
+    network = (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels))
+    key = (network, kind, ranks)
+    memo = _COLLECTIVE_CACHE.get(key)
+    if memo is None:
+        if _cached_entries > _CACHE_LIMIT:
+            _COLLECTIVE_CACHE.clear()
+            _GROUP_VIEWS.clear()
+            _cached_entries = 0
+        memo = _COLLECTIVE_CACHE[key] = {}
+    return memo, network, ranks
+
+
+def _collective_miss(kind: str, cluster, network: tuple, ranks: Tuple[int, ...], memo: Dict[float, float],
+                     nbytes: float) -> float:
+    """Ask the collective model (``collectives.p2p`` for kind "p2p", group = (src, dst)) and memoise."""
+    global _cached_entries
+    if kind == "p2p":
+        t = collectives.p2p(cluster, ranks[0], ranks[1], nbytes)
+    else:
+        view = _GROUP_VIEWS.get((network, ranks))
+        if view is None:
+            view = _GROUP_VIEWS[(network, ranks)] = _GroupView(cluster, ranks)
+        t = collectives.collective_time(kind, view, view._ranks, nbytes)
+    memo[nbytes] = t
+    _cached_entries += 1
+    return t
+
+
+def collective_fn(kind: str, cluster, group: Sequence[int]) -> Callable[[float], float]:
+    """``nbytes -> seconds`` of ``collectives.collective_time`` (or ``collectives.p2p`` for kind
+    "p2p", group = (src, dst)) over ``group``, memoised per (cluster, kind, group, bytes). The
+    solver asks for the same few groups millions of times; resolving a group once and then
+    asking for many sizes saves hashing it (and the model resolving its span) each time."""
+    memo, network, ranks = _memo(kind, cluster, group)
+
+    def seconds(nbytes: float) -> float:
+        t = memo.get(nbytes)
+        return _collective_miss(kind, cluster, network, ranks, memo, nbytes) if t is None else t
+
+    return seconds
 
 
 def cached_collective(kind: str, cluster, group: Sequence[int], nbytes: float) -> float:
-    """``collectives.collective_time`` (or ``p2p`` for kind "p2p", group = (src, dst)) memoised per
-    (cluster, kind, group, bytes): the solver asks for the same few groups millions of times."""
-    key = (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels),
-           kind, tuple(group), nbytes)
-    t = _COLLECTIVE_CACHE.get(key)
-    if t is None:
-        if len(_COLLECTIVE_CACHE) > 1_000_000:
-            _COLLECTIVE_CACHE.clear()
-        if kind == "p2p":
-            t = collectives.p2p(cluster, group[0], group[1], nbytes)
-        else:
-            t = collectives.collective_time(kind, cluster, group, nbytes)
-        _COLLECTIVE_CACHE[key] = t
-    return t
+    """Seconds of one collective, memoised (see :func:`collective_fn`)."""
+    memo, network, ranks = _memo(kind, cluster, group)
+    t = memo.get(nbytes)
+    return _collective_miss(kind, cluster, network, ranks, memo, nbytes) if t is None else t
 
 
 def comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
@@ -132,111 +195,253 @@ def comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
     return comm.count * cached_collective(comm.kind, cluster, group, comm.nbytes)
 
 
+def group_comm_time(cluster, comm: Comm, groups: Sequence[Sequence[int]]) -> float:
+    """Seconds of one in-layer collective on the slowest of ``groups`` (0 when there is none)."""
+    return max((comm_time(cluster, comm, g) for g in groups), default=0.0)
+
+
+def group_comm_fn(cluster, kind: str, groups: Sequence[Sequence[int]]) -> Callable[[Comm], float]:
+    """``comm -> group_comm_time(cluster, comm, groups)`` for collectives of ``kind``, with the
+    groups resolved once (:func:`comm_time` of each group: single-rank groups cost 0)."""
+    fns = [collective_fn(kind, cluster, g) for g in groups if len(g) > 1]
+    return lambda comm: max((comm.count * f(comm.nbytes) for f in fns), default=0.0)
+
+
 def _replicas_to_check(dp: int) -> List[int]:
     return sorted({0, dp // 2, dp - 1})
+
+
+def per_value(fn: Callable[[float], float], x: Count) -> Count:
+    """``fn(x)`` for a number; for an array, ``fn`` of each distinct entry, in x's shape (``fn``
+    need not be vectorised: it may ask the collective model, one size at a time)."""
+    if not isinstance(x, np.ndarray):
+        return fn(x)
+    values, inverse = np.unique(x.ravel(), return_inverse=True)
+    return np.array([fn(float(v)) for v in values], dtype=float)[inverse].reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """The rank groups stage i's costs depend on, for the replicas the cost model checks (first,
+    middle, last; ``_replicas_to_check``)."""
+
+    tp: Tuple[Tuple[int, ...], ...]  # TP group per checked replica
+    ep: Tuple[Tuple[int, ...], ...]  # EP group per checked replica; empty when ep == 1
+    p2p: Tuple[Tuple[int, int], ...]  # (rank of stage i-1, rank of stage i), TP rank 0; empty for stage 0
+    dp: Tuple[int, ...]  # the stage's data-parallel group (TP rank 0)
+    expert_dp: Tuple[int, ...]  # every ep-th member of dp: the replicas holding the same experts
+
+
+def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -> StageGroups:
+    """Stage i's rank groups under ``plan``'s placement (they depend on the stages' TP degrees,
+    dp, ep, the placement and i, not on the layer ranges)."""
+    replicas = _replicas_to_check(plan.dp) if replicas is None else replicas
+    dp = tuple(plan.dp_group(i, 0))
+    return StageGroups(
+        tp=tuple(tuple(plan.tp_group(i, r)) for r in replicas),
+        ep=tuple(tuple(plan.ep_group(i, r)) for r in replicas) if plan.ep > 1 else (),
+        p2p=tuple((plan.rank(i - 1, r, 0), plan.rank(i, r, 0)) for r in replicas) if i > 0 else (),
+        dp=dp, expert_dp=dp[::plan.ep])
+
+
+@dataclass
+class LayerTerms:
+    """Network-independent sums over a stage's layers, per microbatch and device, for one
+    recompute mode. Entries are numbers, or arrays when the layer counts are arrays (one entry
+    per layer range); the collectives come from :func:`comm_terms`."""
+
+    fwd: Count = 0.0
+    bwd: Count = 0.0
+    recompute: Count = 0.0
+    params: Count = 0.0
+    expert_params: Count = 0.0
+    act: Count = 0.0  # saved activation bytes of one microbatch
+    act_full_layer: Count = 0.0  # the largest layer's full activations (rebuilt under full recompute)
+
+
+def compute_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str) -> LayerTerms:
+    """:class:`LayerTerms` of a stage's layers.
+
+    ``distinct``: (layer cost, count) pairs as ``Workload.range_costs`` gives them; a count may
+    be an integer array (one entry per layer range), and a zero count adds exactly 0."""
+    fwd = bwd = rec = params = expert = act = act_full = 0.0
+    for c, count in distinct:
+        fwd = fwd + c.fwd_s * count
+        bwd = bwd + c.bwd_s * count
+        rec = rec + c.recompute_s[recompute] * count
+        params = params + c.num_params * count
+        expert = expert + c.expert_params * count
+        act = act + c.act_bytes[recompute] * count
+        if isinstance(count, np.ndarray):
+            act_full = np.maximum(act_full, np.where(count > 0, c.act_bytes["none"], 0.0))
+        elif count > 0:
+            act_full = max(act_full, c.act_bytes["none"])
+    return LayerTerms(fwd=fwd, bwd=bwd, recompute=rec, params=params, expert_params=expert, act=act,
+                      act_full_layer=act_full)
+
+
+def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
+               seconds: Callable[[Comm], Count]) -> Tuple[Count, Count]:
+    """(TP, EP) collective seconds of a stage's layers; ``seconds(comm)`` is one collective on
+    the stage's slowest group (an array, one entry per stage, broadcasts against array counts).
+    Full recomputation repeats the forward collectives."""
+    tp = ep = 0.0
+    for c, count in distinct:
+        for comm in c.comms:
+            t = seconds(comm)
+            repeat = 2 if (recompute == "full" and comm.phase == "fwd") else 1
+            if comm.group == "tp":
+                tp = tp + t * repeat * count
+            else:
+                ep = ep + t * repeat * count
+    return tp, ep
+
+
+def microbatch_time(fwd: Count, bwd: Count, recompute: Count, tp_comm: Count, ep_comm: Count, p2p: Count,
+                    v: int = 1) -> Count:
+    """t_i: forward + backward + recompute + collectives + both p2p directions (v chunks)."""
+    return fwd + bwd + recompute + tp_comm + ep_comm + 2 * p2p * v
+
+
+_STATES_CACHE: Dict[tuple, Tuple[float, float, float, float]] = {}
+_STATE_KEYS = ("weights", "grads", "optimizer", "total")
+
+
+def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dict[str, Count]:
+    """``memory.model_state_bytes`` under the cost options; for an array, per distinct entry
+    (memoised: the solver's tables ask for the same parameter counts over and over)."""
+    if not isinstance(params, np.ndarray):
+        return memory.model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
+                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes)
+    values, inverse = np.unique(params.ravel(), return_inverse=True)
+    rows = np.empty((len(values), len(_STATE_KEYS)))
+    for j, v in enumerate(values.tolist()):
+        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes)
+        row = _STATES_CACHE.get(key)
+        if row is None:
+            if len(_STATES_CACHE) > 1_000_000:
+                _STATES_CACHE.clear()
+            states = model_states(v, zero, dp, options)
+            row = _STATES_CACHE[key] = tuple(states[k] for k in _STATE_KEYS)
+        rows[j] = row
+    return {k: rows[inverse, c].reshape(params.shape) for c, k in enumerate(_STATE_KEYS)}
+
+
+def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act: Count, act_full_layer: Count,
+                 inflight: Count, recompute: str, out_bytes: Count) -> Dict[str, Count]:
+    """Per-device memory terms of a stage (see module docstring) and their total."""
+    mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
+    mem["activations"] = act * inflight
+    if recompute == "full":
+        mem["activations"] = mem["activations"] + act_full_layer
+    mem["buffers"] = 2 * out_bytes
+    mem["total"] = sum(mem.values())
+    return mem
 
 
 def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOptions) -> StageCost:
     """Per-microbatch time terms and per-device memory of stage i."""
     stage = plan.stages[i]
     sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute)
-    replicas = _replicas_to_check(plan.dp)
-    tp_groups = [plan.tp_group(i, r) for r in replicas]
-    ep_groups = [plan.ep_group(i, r) for r in replicas] if plan.ep > 1 else []
-    act = 0.0
-    act_full_layer = 0.0
-    expert_params = 0.0
-    distinct = workload.range_costs(stage.start, stage.end, stage.tp, plan.ep, plan.microbatch_size,
-                                    plan.sequence_parallel)
-    for c, count in distinct:
-        sc.fwd_compute += c.fwd_s * count
-        sc.bwd_compute += c.bwd_s * count
-        sc.recompute_s += c.recompute_s[stage.recompute] * count
-        sc.num_params += c.num_params * count
-        expert_params += c.expert_params * count
-        act += c.act_bytes[stage.recompute] * count
-        act_full_layer = max(act_full_layer, c.act_bytes["none"])
-        for comm in c.comms:
-            groups = tp_groups if comm.group == "tp" else ep_groups
-            t = max((comm_time(cluster, comm, g) for g in groups), default=0.0)
-            repeat = 2 if (stage.recompute == "full" and comm.phase == "fwd") else 1
-            if comm.group == "tp":
-                sc.tp_comm += t * repeat * count
-            else:
-                sc.ep_comm += t * repeat * count
-    last = workload.cost(stage.end - 1, stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel)
+    groups = stage_groups(plan, i)
+    variant = (plan.ep, plan.microbatch_size, plan.sequence_parallel)
+    distinct = workload.range_costs(stage.start, stage.end, stage.tp, *variant)
+    terms = compute_terms(distinct, stage.recompute)
+    sc.tp_comm, sc.ep_comm = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(
+        cluster, comm, groups.tp if comm.group == "tp" else groups.ep))
+    sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
     if i > 0:
-        sc.p2p = boundary_time(workload, cluster, plan, i, replicas)
+        prev = plan.stages[i - 1]
+        sc.p2p = p2p_time(cluster, groups, workload.cost(prev.end - 1, prev.tp, *variant).out_bytes, prev.tp, stage.tp)
     # -- data-parallel sync -----------------------------------------------------------------
-    dense = sc.num_params - expert_params
-    sc.dp_sync = _dp_sync_time(cluster, plan, i, dense, expert_params, options)
+    dense = terms.params - terms.expert_params
+    sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp, plan.ep, plan.zero,
+                              plan.num_microbatches, options)
     # -- memory -------------------------------------------------------------------------------
-    states = memory.model_state_bytes(dense, zero_stage=plan.zero, dp=plan.dp, optimizer=options.optimizer,
-                                      param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes)
-    expert_dp = max(plan.dp // plan.ep, 1)
-    estates = memory.model_state_bytes(expert_params, zero_stage=plan.zero, dp=expert_dp, optimizer=options.optimizer,
-                                       param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes)
     inflight = memory.pipeline_inflight_microbatches(plan.schedule, i, plan.pp, plan.num_microbatches,
                                                      plan.virtual_stages)
-    mem = {k: states[k] + estates[k] for k in ("weights", "grads", "optimizer")}
-    mem["activations"] = act * inflight
-    if stage.recompute == "full":
-        mem["activations"] += act_full_layer
-    mem["buffers"] = 2 * last.out_bytes
-    mem["total"] = sum(mem.values())
-    sc.memory = mem
-    capacity = cluster.device.memory_bytes * options.usable_memory_fraction
-    sc.fits = mem["total"] <= capacity
+    mem = sc.memory = stage_memory(model_states(dense, plan.zero, plan.dp, options),
+                                   model_states(terms.expert_params, plan.zero, max(plan.dp // plan.ep, 1), options),
+                                   terms.act, terms.act_full_layer, inflight, stage.recompute,
+                                   workload.cost(stage.end - 1, stage.tp, *variant).out_bytes)
+    sc.fits = mem["total"] <= cluster.device.memory_bytes * options.usable_memory_fraction
     if not sc.fits:
         sc.binding = max(("weights", "grads", "optimizer", "activations", "buffers"), key=lambda k: mem[k])
     return sc
+
+
+def p2p_time(cluster, groups: StageGroups, out_bytes: float, prev_tp: int, tp: int) -> float:
+    """P_i: one microbatch's activations (``out_bytes``, the full tensor) from stage i-1, 1/prev_tp
+    per rank point to point, then all-gathered in stage i's TP group (slowest replica checked)."""
+    t = max(cached_collective("p2p", cluster, pair, out_bytes / prev_tp) for pair in groups.p2p)
+    if tp > 1:
+        t += max(cached_collective("all_gather", cluster, g, out_bytes) for g in groups.tp)
+    return t
 
 
 def boundary_time(workload: Workload, cluster, plan: Plan, i: int, replicas: Sequence[int]) -> float:
     """P: one microbatch's activations from stage i-1 to stage i (slowest replica checked)."""
     prev, stage = plan.stages[i - 1], plan.stages[i]
     full = workload.cost(prev.end - 1, prev.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel).out_bytes
-    t = max(cached_collective("p2p", cluster, (plan.rank(i - 1, r, 0), plan.rank(i, r, 0)), full / prev.tp)
-            for r in replicas)
-    if stage.tp > 1:
-        t += max(cached_collective("all_gather", cluster, plan.tp_group(i, r), full) for r in replicas)
-    return t
+    return p2p_time(cluster, stage_groups(plan, i, replicas), full, prev.tp, stage.tp)
+
+
+def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_params: Count, dp: int, ep: int,
+                 zero: int, num_microbatches: int, options: CostOptions) -> Count:
+    """Seconds of gradient (and ZeRO-3 parameter) traffic of a stage per step, not yet overlapped:
+    dense parameters over its DP group, expert parameters over the replicas holding the same
+    experts. Arrays of parameter counts give an array."""
+    if dp <= 1:
+        return 0.0
+    total = _sync_volume_time(cluster, groups.dp, dense_params, zero, num_microbatches, options)
+    if dp // ep > 1 and (expert_params.any() if isinstance(expert_params, np.ndarray) else expert_params):
+        total = total + _sync_volume_time(cluster, groups.expert_dp, expert_params, zero, num_microbatches, options)
+    return total
 
 
 def _dp_sync_time(cluster, plan: Plan, i: int, dense_params: float, expert_params: float,
                   options: CostOptions) -> float:
-    """Seconds of gradient (and ZeRO-3 parameter) traffic of stage i per step, not yet overlapped."""
-    if plan.dp <= 1:
-        return 0.0
-    gbytes = options.grad_bytes
-    replicas_group = plan.dp_group(i, 0)
-    total = _sync_volume_time(cluster, replicas_group, dense_params, gbytes, options.param_bytes, plan)
-    if expert_params and plan.dp // plan.ep > 1:
-        group = plan.dp_group(i, 0)[::plan.ep]
-        total += _sync_volume_time(cluster, group, expert_params, gbytes, options.param_bytes, plan)
-    return total
+    """:func:`dp_sync_time` of stage i of ``plan`` (the former helper's signature)."""
+    return dp_sync_time(cluster, stage_groups(plan, i), dense_params, expert_params, plan.dp, plan.ep, plan.zero,
+                        plan.num_microbatches, options)
 
 
-def _sync_volume_time(cluster, group: List[int], params: float, gbytes: int, pbytes: int, plan: Plan) -> float:
-    if len(group) <= 1 or params <= 0:
+def _sync_volume_time(cluster, group: Sequence[int], params: Count, zero: int, m: int,
+                      options: CostOptions) -> Count:
+    if len(group) <= 1:
         return 0.0
-    if plan.zero <= 1:
-        return cached_collective("all_reduce", cluster, group, params * gbytes)
-    rs = cached_collective("reduce_scatter", cluster, group, params * gbytes)
-    ag = cached_collective("all_gather", cluster, group, params * pbytes)
-    m = plan.num_microbatches
-    if plan.zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
-        return m * rs + ag
-    return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
+    gbytes, pbytes = options.grad_bytes, options.param_bytes
+    if zero <= 1:
+        all_reduce = collective_fn("all_reduce", cluster, group)
+        return per_value(lambda x: all_reduce(x * gbytes) if x > 0 else 0.0, params)
+    reduce_scatter = collective_fn("reduce_scatter", cluster, group)
+    all_gather = collective_fn("all_gather", cluster, group)
+
+    def one(x: float) -> float:
+        if x <= 0:
+            return 0.0
+        rs, ag = reduce_scatter(x * gbytes), all_gather(x * pbytes)
+        if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
+            return m * rs + ag
+        return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
+
+    return per_value(one, params)
+
+
+def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count, dp: int, zero: int, cluster,
+               options: CostOptions) -> Tuple[Count, Count]:
+    """(exposed DP sync, optimizer step) after a stage's last backward, from its terms."""
+    window = bwd + recompute_s if options.overlap_grad_sync else 0.0
+    gap = dp_sync - window
+    exposed = np.maximum(gap, 0.0) if isinstance(gap, np.ndarray) else max(0.0, gap)
+    updated = num_params / (dp if zero >= 1 else 1)
+    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    return exposed, t_opt
 
 
 def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:
     """(exposed DP sync, optimizer step) of a stage after its last backward: q_i's two terms."""
-    window = sc.bwd_compute + sc.recompute_s if options.overlap_grad_sync else 0.0
-    exposed = max(0.0, sc.dp_sync - window)
-    updated = sc.num_params / (plan.dp if plan.zero >= 1 else 1)
-    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
-    return exposed, t_opt
+    return tail_terms(sc.dp_sync, sc.bwd_compute, sc.recompute_s, sc.num_params, plan.dp, plan.zero, cluster, options)
 
 
 def pipeline_span(max_t: float, sum_t: float, m: int, schedule: str, v: int = 1) -> float:

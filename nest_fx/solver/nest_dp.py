@@ -5,19 +5,18 @@ placement) and one pipeline depth p, the step time is
 
     T = pipeline_span(max_i t_i, sum_i t_i) + max_i q_i
 
-where stage i's per-microbatch time t_i and tail q_i (exposed DP sync + optimizer) come from
-``step_time.stage_cost``: the very function ``simulate`` uses. Stage i's cost depends only on
-its index (in-flight microbatches, its ranks and hence the network level of its boundary and
-of its DP group), its layer range and its recompute mode; so a DP over states
-(stage index i, layers consumed b) enumerates all contiguous partitions. T is monotone in the
-three aggregates (max t, sum t, max q), so keeping, per state, the Pareto-optimal aggregate
-triples is exact; partial plans whose T already exceeds the best complete plan are dropped
-(T only grows as stages are added).
+where stage i's per-microbatch time t_i and tail q_i (exposed DP sync + optimizer) are the
+simulator's own terms (``step_time.stage_cost``, here evaluated for all stage slots at once by
+``stage_table.StageTable``). Stage i's cost depends only on its index (in-flight microbatches,
+its ranks and hence the network level of its boundary and of its DP group), its layer range and
+its recompute mode; so a DP over states (stage index i, layers consumed b) enumerates all
+contiguous partitions. T is monotone in the three aggregates (max t, sum t, max q), so keeping,
+per state, the Pareto-optimal aggregate triples is exact.
 
-Identical layers: when every block has the same signature, a stage's cost depends on
-(i, holds head, holds tail, number of blocks, recompute) and not on where the range starts, so
-stage costs are computed O(p * L) times, not O(p * L^2); costing a layer is done once per
-distinct layer and variant (``Workload.cost`` caches by signature).
+Pruning (safe: only lower bounds): a partial plan is dropped when T evaluated on its aggregates
+combined with the suffix bounds of the state it reaches (``StageTable.suffix_bounds``: the least
+max t, sum t and max q any feasible completion can have) is no better than the best plan known.
+The same bounds at the root bound the whole (g, p) pair.
 
 Improvements over the NEST artifact, written down because they change results: one unit
 system (seconds and bytes everywhere; the artifact mixes seconds and milliseconds so its
@@ -31,10 +30,11 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from nest_fx.cost.step_time import CostOptions, stage_cost, stage_tail
-from nest_fx.plan import Plan, StagePlan
-from nest_fx.solver.space import GlobalConfig, objective
-from nest_fx.workload import Workload
+import numpy as np
+
+from nest_fx.plan import StagePlan
+from nest_fx.solver.space import objective
+from nest_fx.solver.stage_table import SLACK, StageTable
 
 # (max_t, sum_t, max_q, back-pointer)
 Entry = Tuple[float, float, float, Optional[tuple]]
@@ -60,93 +60,60 @@ def _pareto_insert(front: List[Entry], new: Entry) -> None:
     front.append(new)
 
 
-class StageTable:
-    """Memoised (t_i, q_i, fits) for stage slots of one (g, p), via ``step_time.stage_cost``."""
-
-    def __init__(self, workload: Workload, cluster, g: GlobalConfig, p: int, m: int, options: CostOptions):
-        self.workload, self.cluster, self.g, self.p, self.options = workload, cluster, g, p, options
-        n = len(workload)
-        self.template = Plan(stages=[StagePlan(k, k + 1, g.tp) for k in range(p)], dp=g.dp, ep=g.ep, zero=g.zero,
-                             microbatch_size=g.mbs, num_microbatches=m, schedule=g.schedule, virtual_stages=g.v,
-                             sequence_parallel=g.sp, placement=g.placement, num_layers=n)
-        blocks = [k for k, layer in enumerate(workload.layers) if layer.kind == "block"]
-        sigs = {workload.layers[k].signature for k in blocks}
-        self.uniform = bool(blocks) and len(sigs) == 1 and blocks == list(range(blocks[0], blocks[-1] + 1))
-        self.b0, self.b1 = (blocks[0], blocks[-1] + 1) if blocks else (0, 0)
-        self.n = n
-        self.memo: Dict[tuple, Tuple[float, float, bool]] = {}
-        self.evaluations = 0
-
-    def key(self, i: int, start: int, end: int, r: str) -> tuple:
-        """Identical blocks make a stage's cost independent of which blocks it holds: only the
-        head/tail layers it holds, its block count and the kind of layer before it matter."""
-        if not self.uniform:
-            return (i, start, end, r)
-        blocks = max(0, min(end, self.b1) - max(start, self.b0))
-        before = self.workload.layers[start - 1].kind if start > 0 else ""
-        return (i, r, start if start <= self.b0 else -1, end if end >= self.b1 else -1, blocks, before)
-
-    def get(self, i: int, start: int, end: int, r: str) -> Tuple[float, float, bool]:
-        k = self.key(i, start, end, r)
-        hit = self.memo.get(k)
-        if hit is not None:
-            return hit
-        plan = self.template
-        plan.stages[i] = StagePlan(start, end, self.g.tp, r)
-        if i > 0:
-            plan.stages[i - 1] = StagePlan(start - 1, start, self.g.tp, "none")
-        sc = stage_cost(self.workload, self.cluster, plan, i, self.options)
-        t = sc.per_microbatch(self.g.v)
-        q = sum(stage_tail(sc, plan, self.cluster, self.options))
-        self.evaluations += 1
-        hit = self.memo[k] = (t, q, sc.fits)
-        return hit
-
-
-def solve_partition(table: StageTable, m: int, recompute: Tuple[str, ...], best: float,
-                    deadline: Optional[float] = None) -> Optional[DPResult]:
+def solve_partition(table: StageTable, best: float, deadline: Optional[float] = None) -> Optional[DPResult]:
     """Best contiguous partition into ``table.p`` stages with per-stage recompute, or None when
     nothing fits or nothing beats ``best``."""
-    g, p, n = table.g, table.p, table.n
-    # T >= (m - 1) max_i t_i (1F1B) or m max_i t_i (interleaved): no stage may take longer than this.
-    t_cap = best / max(m - 1 if g.schedule != "interleaved" else m, 1)
+    g, p, n, m = table.g, table.p, table.n, table.m
+    sched, v = g.schedule, g.v
+    bounds = table.suffix_bounds(best)
     fronts: Dict[int, List[Entry]] = {0: [(0.0, 0.0, 0.0, None)]}
     for i in range(p):
         nxt: Dict[int, List[Entry]] = {}
-        last = i == p - 1
+        b0, _, ends = table.band(i, best)
+        cols = table.viable(i, best)
+        tails = table.tails(i, best)
+        rows = {r: (np.where(table.fits[r][i], table.t[r][i], np.inf)[cols], tails[r][cols]) for r in table.modes}
+        t_after, s_after, q_after = bounds[i + 1]
         for b, front in fronts.items():
             if deadline is not None and time.perf_counter() > deadline:
                 raise BudgetExceeded
-            hi = n - (p - 1 - i)
-            for e in (range(n, n + 1) if last else range(b + 1, hi + 1)):
-                any_fit = False
-                fastest = min(table.get(i, b, e, r)[0] for r in recompute)
-                if fastest >= t_cap and m > 1:
-                    break  # more layers only take longer
-                for r in recompute:
-                    t, q, fits = table.get(i, b, e, r)
-                    if not fits:
-                        continue
-                    any_fit = True
+            row = b - b0
+            e_row = ends[row]
+            t_next, s_next, q_next = t_after[e_row], s_after[e_row], q_after[e_row]
+            # Screen (end, mode) with the front's smallest aggregates: a vector lower bound.
+            lo_t = min(x[0] for x in front)
+            lo_s = min(x[1] for x in front)
+            lo_q = min(x[2] for x in front)
+            for r, (ts, qs) in rows.items():
+                t_row, q_row = ts[row], qs[row]
+                with np.errstate(invalid="ignore"):  # 0 * inf (m = 1, no fit): NaN, screened out
+                    screen = objective(np.maximum(np.maximum(lo_t, t_row), t_next), lo_s + t_row + s_next,
+                                       np.maximum(np.maximum(lo_q, q_row), q_next), m, sched, v)
+                for j in np.flatnonzero(screen * SLACK < best).tolist():
+                    t, q = float(t_row[j]), float(q_row[j])
+                    e = int(e_row[j])
+                    tn, sn, qn = float(t_next[j]), float(s_next[j]), float(q_next[j])
                     for entry in front:
                         cand = (max(entry[0], t), entry[1] + t, max(entry[2], q), (i, b, e, r, entry))
-                        if objective(cand[0], cand[1], cand[2], m, g.schedule, g.v) >= best:
+                        lb = objective(max(cand[0], tn), cand[1] + sn, max(cand[2], qn), m, sched, v)
+                        if lb * SLACK >= best:
                             continue
                         _pareto_insert(nxt.setdefault(e, []), cand)
-                if not any_fit and not last:
-                    break  # more layers only need more memory
         fronts = nxt
         if not fronts:
             return None
     finals = fronts.get(n, [])
     if not finals:
         return None
-    top = min(finals, key=lambda x: objective(x[0], x[1], x[2], m, g.schedule, g.v))
+    step = [objective(x[0], x[1], x[2], m, sched, v) for x in finals]
+    k = min(range(len(finals)), key=step.__getitem__)
+    if step[k] >= best:
+        return None
     stages: List[StagePlan] = []
-    entry = top
+    entry = finals[k]
     while entry[3] is not None:
         i, b, e, r, prev = entry[3]
         stages.append(StagePlan(b, e, g.tp, r))
         entry = prev
     stages.reverse()
-    return DPResult(step_s=objective(top[0], top[1], top[2], m, g.schedule, g.v), stages=stages)
+    return DPResult(step_s=step[k], stages=stages)

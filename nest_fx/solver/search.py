@@ -1,28 +1,47 @@
-"""``solve(workload, cluster, global_batch)``: branch and bound over global configs, the NEST DP
-inside.
+"""``solve(workload, cluster, global_batch)``: best-first branch and bound over (global config g,
+pipeline depth p) pairs, the NEST DP inside.
 
-Every (global config g, pipeline depth p) gets a lower bound on its step time,
+Every pair carries a lower bound on the step time of its plans, refined in tiers, cheapest
+first (each tier's bound is valid on its own; a pair keeps the largest it has seen):
 
-    LB = pipeline_span(W / p, W) with W = sum_l (fwd + bwd) at g's TP degree and microbatch,
+0. ``candidates``: ``pipeline_span(W / p, W) + T_opt(N / p)``, W the replica's per-microbatch
+   forward + backward seconds and N its per-device parameters (max_i t_i >= W / p,
+   sum_i t_i >= W, the span is monotone in both, and the largest stage's optimizer step is at
+   least that of N / p parameters), after a memory screen (the leanest model states of p
+   stages, N / p parameters each, must fit);
+1. ``_network_bound``: the same with W' >= W adding each layer's collectives on the stage where
+   they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``);
+2. the pair's stage table (``stage_table.StageTable``: every stage slot, layer range and
+   recompute mode, memory-forced recomputation included) and its suffix bounds, with q_i
+   bounded by the optimizer step (no DP-sync traffic asked of the network yet);
+3. the same with the exact tails q_i (exposed DP sync + optimizer step);
+4. the exact DP (``nest_dp.solve_partition``).
 
-valid because max_i t_i >= W / p, sum_i t_i >= W and the span is monotone in both; and a memory
-screen (the smallest per-stage model state, 1/p of the replica's parameters, must fit). Pairs
-are solved in increasing LB order with the exact DP and the search stops when the next LB is
-no better than the best plan found, so the answer is the optimum of the cost model over the
-search space. With a time budget the best plan so far is returned when it runs out.
+Pairs sit in a heap keyed by their bound; the smallest is popped and refined one tier (solved at
+tier 4), and the search stops when the smallest bound is no better than the best plan found, so
+the answer is the optimum of the cost model over the search space. The first incumbent is the
+Megatron recipe; each pair whose table is built also offers its even split. With a time budget
+the best plan so far is returned when it runs out.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import heapq
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
+import numpy as np
+
 from nest_fx.cost import memory
-from nest_fx.cost.step_time import SimResult, comm_time, pipeline_span, simulate
+from nest_fx.cost.step_time import SimResult, model_states, pipeline_span, simulate, tail_terms
 from nest_fx.plan import Plan
-from nest_fx.solver.nest_dp import BudgetExceeded, StageTable, solve_partition
-from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, stage_counts
+from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
+from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, objective, stage_counts
+from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
 from nest_fx.workload import Workload
 
 
@@ -37,75 +56,157 @@ class SolveResult:
     seconds: float
     candidates: int  # (config, depth) pairs considered
     dp_runs: int  # exact DP runs
-    stage_evaluations: int
+    stage_evaluations: int  # (stage slot, layer-range class, recompute mode) entries tabulated
     complete: bool  # False when the time budget stopped the search
     stats: Dict[str, float] = field(default_factory=dict)
 
 
-def _replica_work(workload: Workload, cluster, g: GlobalConfig) -> Tuple[float, float]:
-    """(per-microbatch fwd+bwd+TP-collective seconds, per-device parameters) of one replica.
-
-    Every TP group of every placement is ``tp`` consecutive ranks starting at a multiple of
-    ``tp``, so the TP collectives cost what they cost on ranks 0..tp-1."""
+def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
+    """(per-microbatch fwd + bwd seconds, per-device parameters) of one replica at g's variant."""
     work = params = 0.0
-    tp_group = list(range(g.tp))
     for i in range(len(workload)):
         c = workload.cost(i, g.tp, g.ep, g.mbs, g.sp)
-        work += c.fwd_s + c.bwd_s + sum(comm_time(cluster, x, tp_group) for x in c.comms if x.group == "tp")
+        work += c.fwd_s + c.bwd_s
         params += c.num_params
     return work, params
 
 
 def candidates(workload: Workload, cluster, global_batch: int, options: SolverOptions):
-    """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB."""
+    """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB (tier 0
+    of the module docstring)."""
     capacity = cluster.device.memory_bytes * options.cost.usable_memory_fraction
-    cache: Dict[tuple, Tuple[float, float]] = {}
+    works: Dict[tuple, Tuple[float, float]] = {}
+    screens: Dict[tuple, np.ndarray] = {}
     out = []
     for g in global_configs(workload, cluster, global_batch, options):
         key = (g.tp, g.ep, g.mbs, g.sp)
-        if key not in cache:
-            cache[key] = _replica_work(workload, cluster, g)
-        work, params = cache[key]
-        m = g.microbatches(global_batch)
-        for p in stage_counts(workload, cluster, g, global_batch, options):
-            states = memory.model_state_bytes(params / p, zero_stage=g.zero, dp=g.dp, optimizer=options.cost.optimizer,
-                                              param_dtype_bytes=options.cost.param_bytes,
-                                              grad_dtype_bytes=options.cost.grad_bytes)["total"]
-            if states > capacity:
-                continue
-            out.append((pipeline_span(work / p, work, m, g.schedule, g.v), g, p))
+        if key not in works:
+            works[key] = _replica_work(workload, g)
+        work, params = works[key]
+        depths = np.array(stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp)
+        if not depths.size:
+            continue
+        screen_key = (params, g.zero, g.dp, int(depths[-1]))
+        if screen_key not in screens:  # fits[p]: the leanest model states of p stages fit
+            every = np.arange(1, int(depths[-1]) + 1, dtype=float)
+            screens[screen_key] = np.concatenate(
+                [[False], model_states(params / every, g.zero, g.dp, options.cost)["total"] <= capacity])
+        depths = depths[screens[screen_key][depths]]
+        t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.dp, g.zero, cluster, options.cost)[1]
+        lbs = pipeline_span(work / depths, work, g.microbatches(global_batch), g.schedule, g.v) + t_opt
+        out.extend((lb, g, p) for lb, p in zip(lbs.tolist(), depths.tolist()))
     out.sort(key=lambda x: x[0])
     return out
 
 
+def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
+    """Tier 1: ``pipeline_span(W' / p, W') + T_opt(N / p)`` with W' = ``cache.replica_work``."""
+    work = cache.replica_work(g, p)
+    t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.dp, g.zero, cache.cluster, cache.options)[1]
+    return pipeline_span(work / p, work, m, g.schedule, g.v) + t_opt
+
+
+def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
+    """Tiers 2 and 3: the pair's bound on plans faster than ``best`` from its suffix bounds
+    (inf when there are none)."""
+    if table.too_short(best):
+        return math.inf
+    t, s, q = (float(a[0]) for a in table.suffix_bounds(best, exact_tails)[0])
+    if math.isinf(t) or math.isinf(s) or math.isinf(q):
+        return math.inf
+    return objective(t, s, q, table.m, table.g.schedule, table.g.v)
+
+
+class _Tables:
+    """Stage tables of the pairs in flight: the latest few kept, others rebuilt when needed."""
+
+    def __init__(self, cache: TableCache, global_batch: int, keep: int = 16):
+        self.cache, self.global_batch, self.keep = cache, global_batch, keep
+        self.recent: "OrderedDict[int, StageTable]" = OrderedDict()
+        self.built = self.entries = 0
+
+    def get(self, k: int, g: GlobalConfig, p: int, best: float) -> StageTable:
+        table = self.recent.pop(k, None)
+        if table is None:
+            table = StageTable(self.cache, g, p, g.microbatches(self.global_batch), best)
+            self.built += 1
+            self.entries += table.entries
+        self.recent[k] = table
+        while len(self.recent) > self.keep:
+            self.recent.popitem(last=False)
+        return table
+
+    def drop(self, k: int) -> None:
+        self.recent.pop(k, None)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Pause Python's cyclic garbage collector: the search allocates millions of short-lived,
+    acyclic objects (reference counting frees them), and the collector's full passes over the
+    caller's heap (a traced model, torch) would otherwise take about half the search time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def solve(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
           progress: Optional[Callable[[int, int], None]] = None) -> SolveResult:
-    """The fastest feasible plan for ``global_batch`` sequences per step (see module docstring)."""
-    options = options or SolverOptions()
+    """The fastest feasible plan for ``global_batch`` sequences per step (see module docstring).
+    ``progress(pairs settled, pairs)`` is called after each exact DP run."""
+    with _no_cyclic_gc():
+        return _solve(workload, cluster, global_batch, options or SolverOptions(), progress)
+
+
+def _solve(workload: Workload, cluster, global_batch: int, options: SolverOptions,
+           progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
     pairs = candidates(workload, cluster, global_batch, options)
-    best_t, best = _incumbent(workload, cluster, global_batch, options, pairs, start)
-    runs = evaluations = 0
+    best_t, best = _incumbent(workload, cluster, global_batch, options)
+    tables = _Tables(TableCache(workload, cluster, options.cost, options.recompute), global_batch)
+    heap = [(lb, 0, k) for k, (lb, _, _) in enumerate(pairs)]  # sorted, hence a heap
+    runs = pops = settled = 0
     complete = True
-    for k, (lb, g, p) in enumerate(pairs):
-        if lb >= best_t:
-            break
-        if deadline is not None and time.perf_counter() > deadline and best is not None:
+    while heap and heap[0][0] * SLACK < best_t:
+        if deadline is not None and best is not None and time.perf_counter() > deadline:
             complete = False
             break
+        bound, tier, k = heapq.heappop(heap)
+        pops += 1
+        _, g, p = pairs[k]
         m = g.microbatches(global_batch)
-        table = StageTable(workload, cluster, g, p, m, options.cost)
+        if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
+            if tier == 0:
+                lb = _network_bound(tables.cache, g, p, m)
+            else:
+                table = tables.get(k, g, p, best_t)
+                if tier == 1:
+                    even = table.even_split(best_t)
+                    step = objective(*even[:3], m, g.schedule, g.v) if even else math.inf
+                    if step < best_t:
+                        best_t, best = step, (g, m, even[3])
+                lb = _table_bound(table, best_t, exact_tails=tier == 2)
+            if lb * SLACK < best_t:
+                heapq.heappush(heap, (max(bound, lb), tier + 1, k))
+            else:
+                tables.drop(k)
+                settled += 1
+            continue
         try:
-            found = solve_partition(table, m, tuple(options.recompute), best_t,
-                                    deadline if best is not None else None)
+            found = solve_partition(tables.get(k, g, p, best_t), best_t, deadline if best is not None else None)
         except BudgetExceeded:
             complete = False
             break
+        tables.drop(k)
         runs += 1
-        evaluations += table.evaluations
+        settled += 1
         if progress:
-            progress(k + 1, len(pairs))
+            progress(settled, len(pairs))
         if found is not None and found.step_s < best_t:
             best_t, best = found.step_s, (g, m, found.stages)
     if best is None:
@@ -119,61 +220,31 @@ def solve(workload: Workload, cluster, global_batch: int, options: Optional[Solv
                       "model_flops_per_device": result.model_flops_per_device,
                       "peak_memory_bytes": max(s.memory["total"] for s in result.stages)}
     return SolveResult(plan=plan, result=result, seconds=time.perf_counter() - start, candidates=len(pairs),
-                       dp_runs=runs, stage_evaluations=evaluations, complete=complete,
-                       stats={"dp_objective": best_t})
-
-
-def _uniform_stages(table: StageTable, recompute, m: int):
-    """Even layer split, each stage with the least recomputation that fits: (T, stages) or None."""
-    from nest_fx.plan import StagePlan
-    from nest_fx.solver.space import objective
-
-    g, p, n = table.g, table.p, table.n
-    max_t = sum_t = max_q = 0.0
-    stages = []
-    bounds = [i * n // p for i in range(p + 1)]
-    for i in range(p):
-        for r in recompute:
-            t, q, fits = table.get(i, bounds[i], bounds[i + 1], r)
-            if fits:
-                break
-        else:
-            return None
-        max_t, sum_t, max_q = max(max_t, t), sum_t + t, max(max_q, q)
-        stages.append(StagePlan(bounds[i], bounds[i + 1], g.tp, r))
-    return objective(max_t, sum_t, max_q, m, g.schedule, g.v), stages
+                       dp_runs=runs, stage_evaluations=tables.entries, complete=complete,
+                       stats={"dp_objective": best_t, "tables": tables.built, "heap_pops": pops})
 
 
 def _within(plan: Plan, options: SolverOptions, cluster) -> bool:
     """Whether a plan lies in the search space the options define."""
-    return (not options.use_all_devices or plan.devices_used == cluster.num_devices) and (plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
+    return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
+            and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
             and plan.zero in options.zero_stages and (plan.schedule, plan.virtual_stages) in options.schedules
             and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
             and (not options.max_stages or plan.pp <= options.max_stages))
 
 
-def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions, pairs, start: float):
-    """A good feasible plan before the exact search, so its pruning bites from the start: the
-    Megatron recipe, then even splits in lower-bound order (a network-aware Phaze pass), for at
-    most a quarter of the time budget. The answer is therefore never worse than either."""
+def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions):
+    """The Megatron recipe when it lies in the search space (so the pruning bites from the start
+    and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None)."""
     from nest_fx.solver.baselines import megatron
 
-    best_t, best = math.inf, None
     recipe = megatron(workload, cluster, global_batch, options)
-    if recipe.plan is not None and _within(recipe.plan, options, cluster):
-        p = recipe.plan
-        g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,
-                         schedule=p.schedule, v=p.virtual_stages, placement=p.placement, sp=p.sequence_parallel)
-        best_t, best = recipe.result.step_s, (g, p.num_microbatches, list(p.stages))
-    stop = start + options.time_budget / 4 if options.time_budget else None
-    for lb, g, p in pairs:
-        if lb >= best_t or (stop is not None and time.perf_counter() > stop):
-            break
-        m = g.microbatches(global_batch)
-        found = _uniform_stages(StageTable(workload, cluster, g, p, m, options.cost), tuple(options.recompute), m)
-        if found is not None and found[0] < best_t:
-            best_t, best = found[0], (g, m, found[1])
-    return best_t, best
+    if recipe.plan is None or not _within(recipe.plan, options, cluster):
+        return math.inf, None
+    p = recipe.plan
+    g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,
+                     schedule=p.schedule, v=p.virtual_stages, placement=p.placement, sp=p.sequence_parallel)
+    return recipe.result.step_s, (g, p.num_microbatches, list(p.stages))
 
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:

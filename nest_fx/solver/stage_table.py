@@ -1,0 +1,450 @@
+"""Stage costs of one (global config g, pipeline depth p) for every stage slot and layer range,
+computed with numpy: the table the NEST DP reads.
+
+Stage i's cost depends on its layer range [b, e) only through the range's *class*: how many
+layers of each distinct layer cost it holds, the cost of layer b - 1 (the boundary it
+receives) and of layer e - 1 (the boundary buffer it sends). With identical blocks there are
+O(L) classes for L layers instead of O(L^2) ranges. Per (stage index, class, recompute mode)
+the table evaluates the simulator's own terms (``step_time.compute_terms``, ``comm_terms``,
+``microbatch_time``, ``model_states``, ``stage_memory``, ``dp_sync_time``, ``tail_terms``) on
+arrays, so every entry equals ``step_time.stage_cost`` exactly (``tests/test_stage_table.py``).
+
+A table only holds the classes that can be part of a plan faster than the best plan known when
+it is built (``live``): a stage of more than L - p + 1 layers leaves another stage empty, and a
+stage whose forward + backward time t alone gives ``pipeline_span(t, t) + T_opt >= best`` is
+too slow (max_i t_i >= t, sum_i t_i >= t, max_i q_i >= its optimizer step). Every bound and
+the DP below are about plans faster than a given ``best``, which only decreases.
+
+What does not depend on the whole of (g, p) is shared through :class:`TableCache`: range
+classes and compute sums per layer variant, rank groups per layout (placement, tp, dp, ep, p),
+collective seconds per (layout, collective), p2p per (layout, variant), model states per
+(variant, ZeRO stage, dp), in-flight microbatches per (schedule, p, m).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from nest_fx.cost import memory
+from nest_fx.cost.step_time import (CostOptions, LayerTerms, StageGroups, comm_terms, compute_terms,
+                                    dp_sync_time, group_comm_fn, microbatch_time, model_states, p2p_time,
+                                    stage_groups, stage_memory, tail_terms)
+from nest_fx.plan import Plan, StagePlan
+from nest_fx.solver.space import GlobalConfig, objective
+from nest_fx.workload import LayerCost, Workload
+
+INF = math.inf
+# Bounds add in another order than a plan's own sums; never prune on a last-ulp difference.
+SLACK = 1.0 - 1e-12
+
+
+@dataclass
+class RangeClasses:
+    """Layer ranges of one variant (tp, ep, mbs, sp) grouped by what a stage's cost depends on."""
+
+    costs: List[LayerCost]  # distinct layer costs, in ``Workload.variant_costs`` order
+    cls: np.ndarray  # (L+1, L+1): class of range [b, e); K (no class) where e <= b
+    counts: np.ndarray  # (D, K): layers of each distinct cost in the class
+    prev: np.ndarray  # (K,) distinct cost of the layer before the range; -1 when it starts at 0
+    out_bytes: np.ndarray  # (K,) bytes the range's last layer hands on (the stage's buffers)
+    length: np.ndarray  # (K,) layers in the class's ranges
+    terms: Dict[str, LayerTerms]  # per recompute mode: network-independent sums, (K,) each
+
+    @property
+    def size(self) -> int:
+        return len(self.prev)
+
+
+def range_classes(workload: Workload, tp: int, ep: int, mbs: int, sp: bool, modes) -> RangeClasses:
+    """Classes of all ranges [b, e), 0 <= b < e <= L, for one layer variant."""
+    costs, prefix, index = workload.variant_costs(tp, ep, mbs, sp)
+    n, d = len(workload), len(costs)
+    counts = np.array(prefix, dtype=np.int64).reshape(d, n + 1)
+    layer = np.array(index, dtype=np.int64)
+    b, e = np.triu_indices(n + 1, 1)
+    held = counts[:, e] - counts[:, b]  # (D, ranges)
+    prev = np.where(b > 0, layer[np.maximum(b - 1, 0)], -1)
+    keys = np.vstack([held, prev[None, :], layer[e - 1][None, :]]).T
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    cls = np.full((n + 1, n + 1), len(uniq), dtype=np.intp)
+    cls[b, e] = inverse.ravel()
+    per_cost = np.ascontiguousarray(uniq[:, :d].T)
+    out_bytes = np.array([c.out_bytes for c in costs], dtype=float)[uniq[:, d + 1]]
+    terms = {r: compute_terms(list(zip(costs, per_cost)), r) for r in modes}
+    return RangeClasses(costs=costs, cls=cls, counts=per_cost, prev=uniq[:, d].copy(), out_bytes=out_bytes,
+                        length=per_cost.sum(axis=0), terms=terms)
+
+
+def _subset(terms: LayerTerms, idx: np.ndarray) -> LayerTerms:
+    return LayerTerms(**{f.name: getattr(terms, f.name)[idx] if isinstance(getattr(terms, f.name), np.ndarray)
+                         else getattr(terms, f.name) for f in fields(LayerTerms)})
+
+
+class _LayoutPlan(Plan):
+    """A plan whose stages never change (the solver's layout template): ``Plan``'s own stage
+    offsets and replica size, each computed once instead of summed on every rank lookup."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets = [Plan.stage_offset(self, i) for i in range(len(self.stages))]
+        self._replica = Plan.devices_per_replica.fget(self)
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self._replica
+
+    def stage_offset(self, i: int) -> int:
+        return self._offsets[i]
+
+
+class TableCache:
+    """What stage tables of one search share (see module docstring)."""
+
+    def __init__(self, workload: Workload, cluster, options: CostOptions, modes):
+        self.workload, self.cluster, self.options, self.modes = workload, cluster, options, tuple(modes)
+        self.capacity = cluster.device.memory_bytes * options.usable_memory_fraction
+        self._classes: Dict[tuple, RangeClasses] = {}
+        self._layouts: Dict[tuple, List[StageGroups]] = {}
+        self._comm_seconds: Dict[tuple, np.ndarray] = {}
+        self._group_fns: Dict[tuple, list] = {}
+        self._p2p: Dict[tuple, np.ndarray] = {}
+        self._states: Dict[tuple, tuple] = {}
+        self._inflight: Dict[tuple, np.ndarray] = {}
+        self._work: Dict[tuple, Tuple[float, float]] = {}
+
+    def classes(self, g: GlobalConfig) -> RangeClasses:
+        key = (g.tp, g.ep, g.mbs, g.sp)
+        if key not in self._classes:
+            self._classes[key] = range_classes(self.workload, *key, self.modes)
+        return self._classes[key]
+
+    def layout(self, g: GlobalConfig, p: int) -> List[StageGroups]:
+        """Rank groups of each stage: they depend on placement, tp, dp, ep and p only."""
+        key = (g.placement, g.tp, g.dp, g.ep, p)
+        if key not in self._layouts:
+            plan = _LayoutPlan(stages=[StagePlan(k, k + 1, g.tp) for k in range(p)], dp=g.dp, ep=g.ep,
+                               placement=g.placement, num_layers=p)
+            self._layouts[key] = [stage_groups(plan, i) for i in range(p)]
+        return self._layouts[key]
+
+    def comm_seconds(self, g: GlobalConfig, p: int, comm) -> np.ndarray:
+        """(p, 1): one in-layer collective on each stage's slowest group."""
+        layout = (g.placement, g.tp, g.dp, g.ep, p)
+        key = (layout, comm.kind, comm.group, comm.nbytes, comm.count)
+        hit = self._comm_seconds.get(key)
+        if hit is None:
+            fns = self._group_fns.get((layout, comm.kind, comm.group))
+            if fns is None:
+                fns = self._group_fns[(layout, comm.kind, comm.group)] = [
+                    group_comm_fn(self.cluster, comm.kind, s.tp if comm.group == "tp" else s.ep)
+                    for s in self.layout(g, p)]
+            hit = self._comm_seconds[key] = np.array([[f(comm)] for f in fns], dtype=float)
+        return hit
+
+    def p2p(self, g: GlobalConfig, p: int) -> np.ndarray:
+        """(p, D + 1): P_i by the distinct cost of the layer before the stage; 0 for stage 0, in
+        the last column (ranges that start at layer 0, which only stage 0 holds) and for costs no
+        layer follows (no range starts after them)."""
+        key = (g.placement, g.tp, g.dp, g.ep, p, g.mbs, g.sp)
+        hit = self._p2p.get(key)
+        if hit is None:
+            rc, layout = self.classes(g), self.layout(g, p)
+            hit = self._p2p[key] = np.zeros((p, len(rc.costs) + 1))
+            senders = np.unique(rc.prev[rc.prev >= 0]).tolist()  # costs some layer follows
+            for i in range(1, p):
+                by_bytes: Dict[float, float] = {}
+                for d in senders:
+                    nbytes = rc.costs[d].out_bytes
+                    if nbytes not in by_bytes:
+                        by_bytes[nbytes] = p2p_time(self.cluster, layout[i], nbytes, g.tp, g.tp)
+                    hit[i, d] = by_bytes[nbytes]
+        return hit
+
+    def replica_work(self, g: GlobalConfig, p: int) -> float:
+        """A lower bound on sum_i t_i of any plan of (g, p): every layer's forward and backward,
+        its collectives on the stage where they are cheapest and in the cheapest mode, and each
+        stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per microbatch)."""
+        key = (g.placement, g.tp, g.dp, g.ep, p, g.mbs, g.sp)
+        if key not in self._work:
+            rc, n = self.classes(g), len(self.workload)
+            whole = rc.cls[0, n]
+            terms = rc.terms[self.modes[0]]
+            total = float(terms.fwd[whole] + terms.bwd[whole])
+            for d, c in enumerate(rc.costs):
+                per_layer = min(float(np.min(np.add(*comm_terms([(c, 1)], r, lambda x: self.comm_seconds(g, p, x)))))
+                                for r in self.modes)
+                total += int(rc.counts[d, whole]) * per_layer
+            senders = np.unique(rc.prev[rc.prev >= 0])
+            boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0
+            self._work[key] = (total, boundaries)
+        total, boundaries = self._work[key]
+        return total + 2 * g.v * boundaries
+
+    def replica_params(self, g: GlobalConfig) -> float:
+        """Parameters per device of one whole replica (all layers on one stage)."""
+        rc = self.classes(g)
+        return float(rc.terms[self.modes[0]].params[rc.cls[0, len(self.workload)]])
+
+    def states(self, g: GlobalConfig) -> tuple:
+        """(dense states, expert states, dense params, expert params, optimizer seconds), (K,) each."""
+        key = (g.tp, g.ep, g.mbs, g.sp, g.zero, g.dp)
+        if key not in self._states:
+            terms = self.classes(g).terms[self.modes[0]]
+            dense = terms.params - terms.expert_params
+            opts = self.options
+            t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.dp, g.zero, self.cluster, opts)[1]
+            self._states[key] = (model_states(dense, g.zero, g.dp, opts),
+                                 model_states(terms.expert_params, g.zero, max(g.dp // g.ep, 1), opts),
+                                 dense, terms.expert_params, t_opt)
+        return self._states[key]
+
+    def inflight(self, g: GlobalConfig, p: int, m: int) -> np.ndarray:
+        """(p, 1): microbatches whose activations each stage holds at its peak."""
+        key = (g.schedule, p, m, g.v)
+        if key not in self._inflight:
+            self._inflight[key] = np.array([[memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.v)]
+                                            for i in range(p)])
+        return self._inflight[key]
+
+
+class StageTable:
+    """t_i (per-microbatch time), fits and q_i (tail) of every (stage i, live class, recompute)
+    of one (g, p). Arrays are (p, K + 1) over the K live classes, column K the "no range"
+    sentinel (t = inf, no fit); ``cls`` maps ranges to live classes (K when not live)."""
+
+    def __init__(self, cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = INF):
+        self.cache, self.g, self.p, self.m = cache, g, p, m
+        self.n = n = len(cache.workload)
+        self.modes = cache.modes
+        rc = cache.classes(g)
+        states, estates, dense, expert, t_opt = cache.states(g)
+        base = rc.terms[self.modes[0]]
+        compute = base.fwd + base.bwd
+        ok = rc.length <= n - p + 1
+        if best < INF:
+            with np.errstate(invalid="ignore"):
+                ok &= objective(compute, compute, t_opt, m, g.schedule, g.v) * SLACK < best
+        live = np.flatnonzero(ok)
+        k = len(live)
+        remap = np.full(rc.size + 1, k, dtype=np.intp)
+        remap[live] = np.arange(k)
+        self.cls = remap[rc.cls]
+        self.length = rc.length[live]
+        self._dense, self._expert = dense[live], expert[live]
+        self.terms = {r: _subset(rc.terms[r], live) for r in self.modes}
+        counts = list(zip(rc.costs, rc.counts[:, live]))
+        p2p = cache.p2p(g, p)[:, rc.prev[live]]
+        inflight = cache.inflight(g, p, m)
+        states = {key: v[live] for key, v in states.items()}
+        estates = {key: v[live] for key, v in estates.items()}
+        self.t: Dict[str, np.ndarray] = {}
+        self.fits: Dict[str, np.ndarray] = {}
+        for r in self.modes:
+            terms = self.terms[r]
+            tp_comm, ep_comm = comm_terms(counts, r, lambda comm: cache.comm_seconds(g, p, comm))
+            t = np.full((p, k + 1), INF)
+            t[:, :k] = microbatch_time(terms.fwd, terms.bwd, terms.recompute, tp_comm, ep_comm, p2p, g.v)
+            mem = stage_memory(states, estates, terms.act, terms.act_full_layer, inflight, r, rc.out_bytes[live])
+            fits = np.zeros((p, k + 1), dtype=bool)
+            fits[:, :k] = mem["total"] <= cache.capacity
+            self.t[r], self.fits[r] = t, fits
+        self.t_opt = np.append(t_opt[live], INF)
+        self.entries = p * k * len(self.modes)
+        self._fastest = np.minimum.reduce([self.fitting_times(r) for r in self.modes])
+        self._sync = np.full((p, k + 1), np.nan)
+        self._memo: Dict[tuple, object] = {}
+        self._memo_best = INF
+
+    @property
+    def size(self) -> int:
+        """K, the number of live classes (the sentinel's index)."""
+        return len(self.length)
+
+    def fitting_times(self, r: str) -> np.ndarray:
+        """t where the stage fits in memory under mode r, else inf; (p, K + 1)."""
+        return np.where(self.fits[r], self.t[r], INF)
+
+    def _memoised(self, key: tuple, best: float, compute):
+        """Per-``best`` memo: what a table derives for one incumbent (``best`` only decreases)."""
+        if best != self._memo_best:
+            self._memo, self._memo_best = {}, best
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    # -- what can still matter --------------------------------------------------------------
+    def alive(self, best: float = INF) -> np.ndarray:
+        """(p, K + 1): whether stage i holding class c could be part of a plan faster than
+        ``best``: some mode fits, and the stage's own time t in its fastest fitting mode does not
+        already give ``pipeline_span(t, t) + T_opt >= best``."""
+        def compute():
+            t = self._fastest
+            ok = np.isfinite(t)
+            if best < INF:
+                with np.errstate(invalid="ignore"):
+                    ok &= objective(t, t, self.t_opt, self.m, self.g.schedule, self.g.v) * SLACK < best
+            return ok
+        return self._memoised(("alive",), best, compute)
+
+    def too_short(self, best: float = INF) -> bool:
+        """Whether the longest alive class of each stage, together, hold fewer than L layers:
+        then no partition of the layers is made of alive stages (a cheap infeasibility proof)."""
+        longest = np.where(self.alive(best)[:, :-1], self.length, 0).max(axis=1, initial=0)
+        return int(longest.sum()) < self.n
+
+    def bands(self, best: float = INF) -> Tuple[np.ndarray, np.ndarray]:
+        """Ranges each stage may hold in a plan faster than ``best``: (classes, ends), both
+        (p, L - p + 1, kmax), entry [i, r, k - 1] for range [i + r, i + r + k); the sentinel K
+        where the range is out of stage i's reach (stage 0 starts at layer 0, the last stage
+        ends at L, every stage holds a layer) or its class is not :meth:`alive`. kmax is the
+        longest alive class, so deep pipelines scan short bands."""
+        def compute():
+            n, p, size = self.n, self.p, self.size
+            alive = self.alive(best)
+            width = n - p + 1
+            longest = int(np.where(alive[:, :size], self.length, 0).max(initial=0))
+            stage = np.arange(p)[:, None, None]
+            row = np.arange(width)[None, :, None]
+            starts = stage + row
+            ends = starts + np.arange(1, min(longest, width) + 1)[None, None, :]
+            first = np.where(stage == p - 1, n, stage + 1)
+            last = np.where(stage == p - 1, n, n - p + stage + 1)
+            reach = (ends >= first) & (ends <= last) & ((stage > 0) | (row == 0))
+            ends = np.minimum(ends, n)
+            cols = np.where(reach, self.cls[starts, ends], size)
+            live = np.take_along_axis(alive, cols.reshape(p, -1), axis=1).reshape(cols.shape)
+            return np.where(live, cols, size), ends
+        return self._memoised(("bands",), best, compute)
+
+    def band(self, i: int, best: float = INF) -> Tuple[int, np.ndarray, np.ndarray]:
+        """Stage i's part of :meth:`bands`: (first layer b of row 0, classes, ends)."""
+        cols, ends = self.bands(best)
+        return i, cols[i], ends[i]
+
+    def viable(self, i: int, best: float = INF) -> np.ndarray:
+        """Stage i's :meth:`band` classes, with the sentinel K also where the range [b, e) cannot
+        be part of a plan faster than ``best``: the prefix bounds at (i, b), the stage's fastest
+        fitting time and optimizer step, and the suffix bounds at (i + 1, e) (both with q bounded
+        by the optimizer step) already give a step time >= ``best``."""
+        def compute():
+            b0, cols, ends = self.band(i, best)
+            if not cols.size:
+                return cols
+            t_pre, s_pre, q_pre = self.prefix_bounds(best)[i][:, b0:b0 + cols.shape[0], None]
+            t_suf, s_suf, q_suf = self.suffix_bounds(best, exact_tails=False)[i + 1][:, ends]
+            t, q = self._fastest[i][cols], self.t_opt[cols]
+            with np.errstate(invalid="ignore"):
+                lb = objective(np.maximum(np.maximum(t_pre, t), t_suf), s_pre + t + s_suf,
+                               np.maximum(np.maximum(q_pre, q), q_suf), self.m, self.g.schedule, self.g.v)
+            return np.where(lb * SLACK < best, cols, self.size)
+        return self._memoised(("viable", i), best, compute)
+
+    def tails(self, i: int, best: float = INF) -> Dict[str, np.ndarray]:
+        """q_i = exposed DP sync + optimizer step per mode, (K + 1,) over classes: exact for the
+        classes :meth:`viable` for stage i, inf for the others. The DP sync asks the network, so
+        it is computed once per (stage, class), on demand."""
+        def compute():
+            cols = np.unique(self.viable(i, best))
+            cols = cols[cols < self.size]
+            out = {}
+            for r, q in self._tail_values(i, cols).items():
+                out[r] = np.full(self.size + 1, INF)
+                out[r][cols] = q
+            return out
+        return self._memoised(("tails", i), best, compute)
+
+    def _tail_values(self, i: int, cols: np.ndarray) -> Dict[str, np.ndarray]:
+        """q_i per mode for classes ``cols`` (exact; DP sync computed once per (stage, class))."""
+        g, cache = self.g, self.cache
+        todo = cols[np.isnan(self._sync[i, cols])]
+        if todo.size:
+            self._sync[i, todo] = dp_sync_time(cache.cluster, cache.layout(g, self.p)[i], self._dense[todo],
+                                               self._expert[todo], g.dp, g.ep, g.zero, self.m, cache.options)
+        out = {}
+        for r in self.modes:
+            terms = self.terms[r]
+            exposed, t_opt = tail_terms(self._sync[i, cols], terms.bwd[cols], terms.recompute[cols],
+                                        terms.params[cols], g.dp, g.zero, cache.cluster, cache.options)
+            out[r] = exposed + t_opt
+        return out
+
+    # -- bounds -----------------------------------------------------------------------------
+    def suffix_bounds(self, best: float = INF, exact_tails: bool = True) -> np.ndarray:
+        """(p + 1, 3, L + 1): entry [i, :, b] bounds (max t, sum t, max q) from below over the
+        stages i..p-1 of any feasible completion holding layers [b, L) that could belong to a
+        plan faster than ``best``. Each is an exact single-criterion optimum over the bands
+        (each stage's mode chosen for that criterion alone), so together they bound every such
+        completion. Without ``exact_tails`` q is bounded by the optimizer step (no network)."""
+        return self._memoised(("bounds", exact_tails), best, lambda: self._suffix_bounds(best, exact_tails))
+
+    def _suffix_bounds(self, best: float, exact_tails: bool) -> np.ndarray:
+        n, p = self.n, self.p
+        cols, ends = self.bands(best)
+        t_min = self._fastest
+        if exact_tails:
+            cols = np.array([self.viable(i, best) for i in range(p)]).reshape(cols.shape)
+            q_min = np.array([np.minimum.reduce([np.where(self.fits[r][i], q, INF)
+                                                 for r, q in self.tails(i, best).items()]) for i in range(p)])
+        else:
+            q_min = np.where(np.isfinite(t_min), self.t_opt, INF)
+        out = np.full((p + 1, 3, n + 1), INF)
+        out[p, :, n] = 0.0
+        if not cols.shape[2]:
+            return out
+        t_band = np.take_along_axis(t_min, cols.reshape(p, -1), axis=1).reshape(cols.shape)
+        q_band = np.take_along_axis(q_min, cols.reshape(p, -1), axis=1).reshape(cols.shape)
+        width = cols.shape[1]
+        for i in range(p - 1, -1, -1):
+            after = out[i + 1][:, ends[i]]  # (3, rows, kmax): the best completion after each range
+            np.maximum(t_band[i], after[0], out=after[0])
+            after[1] += t_band[i]
+            np.maximum(q_band[i], after[2], out=after[2])
+            out[i, :, i:i + width] = after.min(axis=2)
+        return out
+
+    def prefix_bounds(self, best: float = INF) -> np.ndarray:
+        """(p + 1, 3, L + 1): entry [i, :, b] bounds (max t, sum t, max q) from below over stages
+        0..i-1 of any feasible start holding layers [0, b) (q bounded by the optimizer step);
+        the mirror image of :meth:`suffix_bounds`."""
+        def compute():
+            n, p = self.n, self.p
+            cols, ends = self.bands(best)
+            out = np.full((p + 1, 3, n + 1), INF)
+            out[0, :, 0] = 0.0
+            if not cols.shape[2]:
+                return out
+            t_band = np.take_along_axis(self._fastest, cols.reshape(p, -1), axis=1).reshape(cols.shape)
+            q_band = np.where(np.isfinite(t_band), self.t_opt[cols], INF)
+            width = cols.shape[1]
+            criteria = np.arange(3)[:, None, None]
+            for i in range(p):
+                reach = out[i][:, i:i + width, None]  # (3, rows, 1): the best start before each range
+                step = np.stack([np.maximum(reach[0], t_band[i]), reach[1] + t_band[i],
+                                 np.maximum(reach[2], q_band[i])])
+                np.minimum.at(out[i + 1], (criteria, ends[i][None]), step)
+            return out
+        return self._memoised(("prefix",), best, compute)
+
+    def even_split(self, best: float = INF) -> Optional[Tuple[float, float, float, List[StagePlan]]]:
+        """The even layer split, each stage with the first mode (in option order) that fits:
+        (max t, sum t, max q, stages), or None when a stage fits in no mode, is not live, or the
+        split cannot beat ``best`` even with q at the optimizer step (then its DP sync is never
+        asked of the network)."""
+        n, p = self.n, self.p
+        bounds = [i * n // p for i in range(p + 1)]
+        cols = [self.cls[bounds[i], bounds[i + 1]] for i in range(p)]
+        modes = [next((r for r in self.modes if self.fits[r][i, c]), None) for i, c in enumerate(cols)]
+        if None in modes:
+            return None
+        times = [float(self.t[r][i, c]) for i, (r, c) in enumerate(zip(modes, cols))]
+        if objective(max(times), sum(times), float(self.t_opt[cols].max()), self.m, self.g.schedule,
+                     self.g.v) * SLACK >= best:
+            return None
+        max_t = sum_t = max_q = 0.0
+        for i, (r, c, t) in enumerate(zip(modes, cols, times)):
+            q = float(self._tail_values(i, np.array([c]))[r][0])
+            max_t, sum_t, max_q = max(max_t, t), sum_t + t, max(max_q, q)
+        return max_t, sum_t, max_q, [StagePlan(a, b, self.g.tp, r) for a, b, r in zip(bounds, bounds[1:], modes)]
