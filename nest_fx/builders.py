@@ -14,15 +14,39 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def load_cluster(spec: str, devices: Optional[int] = None):
-    """A preset name (``dgx-a100``), ``name:devices`` (``dgx-a100:1024``) or a YAML/JSON file."""
-    from nest_fx.cluster import Cluster
+    """A preset name (``dgx-a100``), ``name:devices`` (``dgx-a100:1024``), a cluster or topology
+    YAML/JSON file (``format: nest-fx-topology/1`` gives a graph), or a topology generator spec
+    (``rail:128x8``, ``fat-tree:128x8,oversub=2``, ``torus:8x8x16``; ``nest_fx.topology.specs``).
+    Graph topologies come back as a :class:`nest_fx.topology.GraphCluster`."""
+    from nest_fx.cluster import PRESETS, Cluster, ClusterError
 
     if os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json")):
-        cluster = Cluster.load(spec)
+        from nest_fx.topology.specs import is_topology_file
+
+        if is_topology_file(spec):
+            from nest_fx.topology import GraphCluster, load_topology
+
+            cluster = GraphCluster(load_topology(spec))
+        else:
+            cluster = Cluster.load(spec)
         if devices is not None and devices != cluster.num_devices:
             raise ValueError(f"--devices {devices} differs from num_devices={cluster.num_devices} in {spec}")
         return cluster
+    from nest_fx.topology.specs import is_topology_spec
+
+    if is_topology_spec(spec):
+        from nest_fx.topology import GraphCluster
+        from nest_fx.topology.specs import topology_from_spec
+
+        cluster = GraphCluster(topology_from_spec(spec))
+        if devices is not None and devices != cluster.num_devices:
+            raise ValueError(f"--devices {devices} differs from the {cluster.num_devices} devices of {spec!r}: "
+                             "leave --devices out (the spec gives the size)")
+        return cluster
     name, _, count = spec.partition(":")
+    if name not in PRESETS:
+        raise ClusterError(f"unknown cluster preset {name!r} in {spec!r}: use NAME:DEVICES with NAME in "
+                           f"{sorted(PRESETS)}, a topology spec (docs/topology.md) or a cluster file (.yaml, .yml or .json)")
     if count:
         try:
             devices = int(count)
@@ -35,8 +59,10 @@ def load_cluster(spec: str, devices: Optional[int] = None):
 
 def cluster_spec(spec: str, cluster) -> str:
     """What :func:`load_cluster` needs to rebuild ``cluster`` (recorded in plan files): the file
-    path as given, or ``NAME:DEVICES`` for a preset."""
-    if os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json")):
+    path or topology generator spec as given, or ``NAME:DEVICES`` for a preset."""
+    from nest_fx.topology.specs import is_topology_spec
+
+    if os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json")) or is_topology_spec(spec):
         return spec
     return f"{spec.partition(':')[0]}:{cluster.num_devices}"
 

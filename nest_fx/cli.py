@@ -10,11 +10,13 @@ import json
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from nest_fx import report
+from nest_fx.fileio import one_line
+from nest_fx.limits import MAX_COUNT
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -37,7 +39,33 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} is larger than nest-fx handles (at most {MAX_COUNT:,})")
     return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _write(path: str, save: Callable[[str], None]) -> None:
+    """``save(path)``, with an unwritable path (no such directory, a directory, no permission) as
+    a UserError."""
+    try:
+        save(path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
+
+
+def _dump_json(data: object, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -59,8 +87,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.json:
         summary = graph.summary()
         summary["trace_seconds"] = seconds
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2)
+        _write(args.json, lambda path: _dump_json(summary, path))
         print(f"wrote {args.json}")
     return 0
 
@@ -94,6 +121,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict step time and memory of a plan file."""
     from nest_fx.cost.step_time import simulate
     from nest_fx.plan import Plan, PlanError
+    from nest_fx.workload import WorkloadError
 
     try:
         plan = Plan.load(args.plan)
@@ -103,12 +131,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     workload = _load_workload(args, cluster)
     try:
         result = simulate(plan, workload, cluster)
-    except PlanError as exc:
+    except (PlanError, WorkloadError) as exc:  # the plan does not fit this model/cluster/layer table
         raise UserError(f"{args.plan}: {exc}") from exc
     print(report.sim_tables(result, plan, workload))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"plan": plan.to_dict(), "result": result.to_dict()}, fh, indent=2)
+        _write(args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path))
         print(f"wrote {args.json}")
     return 0 if result.feasible else 1
 
@@ -145,8 +172,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tp = plan.uniform_tp or 1
         print(f"compute time of the chosen variant (tp={tp}, microbatch {plan.microbatch_size}): "
               f"{100 * coverage(tp, plan.microbatch_size, plan.sequence_parallel):.0f}% measured, the rest modelled")
-    print(f"searched {found.candidates} (config, depth) pairs, {found.dp_runs} exact DP runs in "
+    what = "(config, depth, device order) triples" if len(found.placements) > 1 else "(config, depth) pairs"
+    print(f"searched {found.candidates} {what}, {found.dp_runs} exact DP runs in "
           f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)"))
+    if len(found.placements) > 1 or plan.device_order is not None:  # a graph topology: which devices
+        from nest_fx.layout import placement_lines
+
+        print("\n".join(placement_lines(plan, cluster, found.placement, [p.name for p in found.placements])))
     print()
     print(report.stages_table(plan, workload, result))
     print()
@@ -159,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from nest_fx.builders import cluster_spec
 
         plan.cluster = cluster_spec(args.cluster, cluster)
-        plan.save(args.json)
+        _write(args.json, plan.save)
         print(f"wrote {args.json}")
     return 0
 
@@ -169,6 +201,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from nest_fx import explain
     from nest_fx.cost.step_time import simulate
     from nest_fx.plan import Plan, PlanError
+    from nest_fx.workload import WorkloadError
 
     try:
         plan = Plan.load(args.plan)
@@ -183,7 +216,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     workload = _load_workload(args, cluster)
     try:
         result = simulate(plan, workload, cluster)
-    except PlanError as exc:
+    except (PlanError, WorkloadError) as exc:
         raise UserError(f"{args.plan}: {exc}") from exc
     print(explain.explain_text(plan, workload, cluster, result))
     if args.png:
@@ -209,6 +242,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Measure per-op times of a model on a device (or collectives, with --calibrate)."""
     if args.calibrate:
         return _calibrate(args)
+    if args.pairwise:
+        raise UserError("--pairwise goes with --calibrate: nest-fx profile --calibrate --pairwise --out topo.yaml")
     from tqdm import tqdm
 
     from profiler.model_profile import ProfileOptions, profile_model
@@ -240,7 +275,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     finally:
         bar.close()
-    prof.save(args.out)
+    _write(args.out, prof.save)
     print(report.profile_table(prof, args.model))
     print(f"timed {stats.nodes_timed} ops, reused {stats.nodes_reused} (identical blocks / earlier entries) "
           f"in {stats.seconds:.1f} s; {len(stats.skipped)} variant(s)/op(s) skipped")
@@ -248,9 +283,50 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_pairwise(args: argparse.Namespace) -> int:
+    """Measure p2p between every pair of ranks and write a graph topology (--pairwise)."""
+    from nest_fx.cluster import Cluster
+    from nest_fx.topology import save_topology
+    from profiler.pairwise import calibrate_pairwise
+
+    if not args.out.endswith((".yaml", ".yml", ".json")):
+        raise UserError(f"--out {args.out}: --pairwise writes a topology file: end it in .yaml, .yml or .json")
+    base = device = None
+    if args.cluster:  # the structure to derate: a topology, or a hierarchical cluster as a graph
+        cluster = _load_cluster(args)
+        if hasattr(cluster, "topology"):
+            base = cluster.topology
+        else:
+            from nest_fx.topology import from_cluster
+
+            base = from_cluster(cluster)
+    elif torch.cuda.is_available():
+        raise UserError("--pairwise on GPUs needs --cluster (the topology or cluster whose device and links "
+                        "the measurements derate)")
+    else:
+        device = Cluster.preset("cpu-gloo", 1).device
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the launched world measures itself
+        from nest_fx.apply.api import init_distributed
+
+        init_distributed()
+    try:
+        topo, fits, samples = calibrate_pairwise(nproc=args.nproc, sizes=[s * 1024 for s in args.sizes_kib],
+                                                 base=base, device=device, repeats=args.repeats)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return 0
+    print(report.pairwise_table(fits, base))
+    save_topology(topo, args.out)
+    print(f"wrote {args.out} ({len(fits)} pairs, {len(samples)} samples; format nest-fx-topology/1)")
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from profiler.collectives import calibrate
 
+    if args.pairwise:
+        return _calibrate_pairwise(args)
     if not args.cluster:
         raise UserError("--calibrate needs --cluster (a preset NAME:DEVICES or a file) whose levels to fit")
     cluster = _load_cluster(args)
@@ -273,7 +349,9 @@ def _add_model_args(p: argparse.ArgumentParser, cluster_required: bool = True) -
     p.add_argument("--model", help="zoo name, spec or hf:FAMILY (traced and costed analytically)")
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
     p.add_argument("--cluster", required=cluster_required, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
-                   "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, or a cluster YAML/JSON file")
+                   "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, a cluster or topology YAML/JSON file, or a "
+                   "topology generator: rail:NODES[xGPUS][,group=N,spines=S,oversub=R], "
+                   "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)")
     p.add_argument("--devices", type=_positive, help="device count for a preset (or NAME:DEVICES)")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="training dtype (default bf16)")
@@ -301,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--global-batch", type=_positive, default=4096, help="sequences per step (default 4096)")
     p.add_argument("--json", metavar="PLAN.json", help="write the plan (format nest-fx-plan/1)")
-    p.add_argument("--time-budget", type=float, default=60.0, help="search seconds before returning the best "
+    p.add_argument("--time-budget", type=_seconds, default=60.0, help="search seconds before returning the best "
                    "plan so far (default 60)")
     p.add_argument("--no-baselines", action="store_true", help="skip the Megatron/Phaze/MCMC comparison")
     p.add_argument("--mcmc-evals", type=_positive, default=2000, help="MCMC baseline evaluations (default 2000)")
@@ -322,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=5, help="timed runs per op; the median is kept (default 5)")
     p.add_argument("--append", action="store_true", help="add to an existing profile at --out (reuse its entries)")
     p.add_argument("--calibrate", action="store_true", help="measure collectives and fit the cluster's levels")
+    p.add_argument("--pairwise", action="store_true", help="with --calibrate: measure p2p bandwidth and latency "
+                   "between every pair of ranks and write a graph topology (nest-fx-topology/1) to --out; "
+                   "with --cluster its routes are derated to the measurements, without it the ranks get direct links")
     p.add_argument("--cluster", help="with --calibrate: the cluster to fit (NAME:DEVICES or file)")
     p.add_argument("--devices", type=_positive, help="device count for a preset")
     p.add_argument("--nproc", type=_positive, default=2, help="with --calibrate outside torchrun: local ranks (default 2)")
@@ -353,7 +434,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as exc:
         if os.environ.get("NEST_FX_DEBUG"):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -21,10 +21,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
-from nest_fx.fileio import read_text
+from nest_fx.fileio import brief, read_document
+from nest_fx.limits import MAX_COUNT, MAX_QUANTITY, MIN_RATE
 
 CLUSTER_FORMAT = "nest-fx-cluster/1"
 GiB = 2**30
+MAX_DEVICES = MAX_COUNT  # 16.7 M devices: far past any cluster built, small enough to plan for
 
 T = TypeVar("T")
 
@@ -89,19 +91,22 @@ def parse_quantity(text: Union[str, int, float], unit: str, path: str = "value")
     if unit not in UNITS:
         raise ValueError(f"parse_quantity: unit must be one of {UNITS}, got {unit!r}")
     if isinstance(text, bool):
-        raise ClusterError(f"{path}: expected {_EXPECTED[unit]}; got {text!r}")
+        raise ClusterError(f"{path}: expected {_EXPECTED[unit]}; got {brief(text)}")
     if isinstance(text, (int, float)):
-        value = float(text)
+        try:
+            value = float(text)
+        except OverflowError:  # an int beyond the float range
+            raise ClusterError(f"{path}: must be finite, got {brief(text)}") from None
     elif isinstance(text, str) and (m := _NUMBER.match(text)):
         number, suffix = float(m.group(1)), m.group(2)
         factor = _suffix_factor(suffix, unit)
         if factor is None:
-            raise ClusterError(f"{path}: cannot read unit {suffix!r} in {text!r}; expected {_EXPECTED[unit]}")
+            raise ClusterError(f"{path}: cannot read unit {suffix!r} in {brief(text)}; expected {_EXPECTED[unit]}")
         value = number * factor
     else:
-        raise ClusterError(f"{path}: expected {_EXPECTED[unit]}; got {text!r}")
+        raise ClusterError(f"{path}: expected {_EXPECTED[unit]}; got {brief(text)}")
     if not math.isfinite(value):
-        raise ClusterError(f"{path}: must be finite, got {text!r}")
+        raise ClusterError(f"{path}: must be finite, got {brief(text)}")
     return value
 
 
@@ -109,24 +114,40 @@ def parse_quantity(text: Union[str, int, float], unit: str, path: str = "value")
 
 
 def _real(value: object, path: str, *, strict: bool) -> None:
-    """Raise ClusterError unless ``value`` is a finite real number > 0 (``strict``) or >= 0."""
+    """Raise ClusterError unless ``value`` is a finite real number > 0 (``strict``: a rate or a
+    capacity, then also >= MIN_RATE) or >= 0, and at most MAX_QUANTITY (nest_fx.limits)."""
     bound = "> 0" if strict else ">= 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ClusterError(f"{path}: must be a finite number {bound}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ClusterError(f"{path}: must be a finite number {bound}, got {brief(value)}")
     if value < 0 or (strict and value == 0):
-        raise ClusterError(f"{path}: must be {bound}, got {value!r}")
+        raise ClusterError(f"{path}: must be {bound}, got {brief(value)}")
+    if strict and value < MIN_RATE:
+        raise ClusterError(f"{path}: must be at least {MIN_RATE:g} (SI units: bytes, bytes/s, FLOP/s), "
+                           f"got {brief(value)}")
+    if value > MAX_QUANTITY:
+        raise ClusterError(f"{path}: must be at most {MAX_QUANTITY:g} (SI units), got {brief(value)}")
 
 
-def _positive_int(value: object, path: str) -> None:
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that also answers for ints beyond the float range (they are not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _positive_int(value: object, path: str, most: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ClusterError(f"{path}: must be an integer >= 1, got {value!r}")
+        raise ClusterError(f"{path}: must be an integer >= 1, got {brief(value)}")
     if value < 1:
-        raise ClusterError(f"{path}: must be >= 1, got {value!r}")
+        raise ClusterError(f"{path}: must be >= 1, got {brief(value)}")
+    if most is not None and value > most:
+        raise ClusterError(f"{path}: {brief(value)} is more devices than nest-fx plans for (at most {most:,})")
 
 
 def _name(value: object, path: str) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise ClusterError(f"{path}: must be a non-empty string, got {value!r}")
+        raise ClusterError(f"{path}: must be a non-empty string, got {brief(value)}")
 
 
 @dataclass
@@ -147,7 +168,7 @@ class DeviceSpec:
         _real(self.memory_bytes, f"{prefix}memory_bytes", strict=True)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise ClusterError(f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
-                               f"(e.g. {{'bf16': 312e12}}), got {self.peak_flops!r}")
+                               f"(e.g. {{'bf16': 312e12}}), got {brief(self.peak_flops)}")
         for dtype, flops in self.peak_flops.items():
             _name(dtype, f"{prefix}peak_flops key")
             _real(flops, f"{prefix}peak_flops.{dtype}", strict=True)
@@ -223,7 +244,7 @@ class Cluster:
         if not isinstance(self.device, DeviceSpec):
             raise ClusterError(f"device: must be a DeviceSpec, got {type(self.device).__name__}")
         self.device.validate("device.")
-        _positive_int(self.num_devices, "num_devices")
+        _positive_int(self.num_devices, "num_devices", MAX_DEVICES)
         if not isinstance(self.levels, list) or not self.levels:
             raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
         for i, level in enumerate(self.levels):
@@ -253,12 +274,12 @@ class Cluster:
                     raise TypeError
                 rs.append(operator.index(r))  # accepts numpy integers too
             except TypeError:
-                raise ClusterError(f"ranks: {r!r} is not a rank (an integer 0..{self.num_devices - 1})") from None
+                raise ClusterError(f"ranks: {brief(r)} is not a rank (an integer 0..{self.num_devices - 1})") from None
         if not rs:
             raise ClusterError("ranks: must be a non-empty sequence of device ranks")
         for r in rs:
             if not 0 <= r < self.num_devices:
-                raise ClusterError(f"ranks: {r!r} is not a rank of this cluster (integers 0..{self.num_devices - 1})")
+                raise ClusterError(f"ranks: {brief(r)} is not a rank of this cluster (integers 0..{self.num_devices - 1})")
         if len(set(rs)) != len(rs):
             raise ClusterError(f"ranks: duplicate rank(s) in {rs}")
         return rs
@@ -325,8 +346,8 @@ class Cluster:
         try:
             build = PRESETS[name]
         except KeyError:
-            raise ClusterError(f"unknown cluster preset {name!r}; valid names: {sorted(PRESETS)}") from None
-        _positive_int(devices, "devices")
+            raise ClusterError(f"unknown cluster preset {brief(name)}; valid names: {sorted(PRESETS)}") from None
+        _positive_int(devices, "devices", MAX_DEVICES)
         return build(devices)
 
     # -- io --------------------------------------------------------------------------------
@@ -358,22 +379,7 @@ class Cluster:
     @classmethod
     def load(cls, path: str) -> "Cluster":
         """Read a cluster file: YAML for .yaml/.yml, JSON for .json."""
-        if not path.endswith((".yaml", ".yml", ".json")):
-            raise ClusterError(f"{path}: cluster files must end in .yaml, .yml or .json")
-        text = read_text(path, ClusterError, "cluster")
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as exc:
-                raise ClusterError(f"{path}: not valid YAML ({exc})") from None
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ClusterError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data, where=path)
+        return cls.from_dict(read_document(path, ClusterError, "cluster"), where=path)
 
     def save(self, path: str) -> None:
         """Write :meth:`to_dict` as YAML (.yaml/.yml) or JSON (.json)."""
@@ -397,7 +403,7 @@ def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tu
     missing = [k for k in required if k not in data]
     if missing:
         raise ClusterError(f"{where}: missing key(s) {missing}")
-    unknown = sorted(set(data) - set(required) - set(optional))
+    unknown = sorted(set(data) - set(required) - set(optional), key=str)  # YAML keys need not be strings
     if unknown:
         raise ClusterError(f"{where}: unknown key(s) {unknown}; expected {list(required + optional)}")
     return data
@@ -406,11 +412,11 @@ def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tu
 def _cluster_from_dict(data: object) -> Cluster:
     d = _check_keys(data, "", ("format", "name", "num_devices", "device", "levels"))
     if d["format"] != CLUSTER_FORMAT:
-        raise ClusterError(f"format: must be {CLUSTER_FORMAT!r}, got {d['format']!r}")
+        raise ClusterError(f"format: must be {CLUSTER_FORMAT!r}, got {brief(d['format'])}")
     dev = _check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"))
     flops = dev["peak_flops"]
     if not isinstance(flops, dict) or not flops:
-        raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {flops!r}")
+        raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {brief(flops)}")
     device = _prefixed("device.", lambda: DeviceSpec(
         name=dev["name"],
         memory_bytes=parse_quantity(dev["memory_bytes"], "B", "memory_bytes"),

@@ -12,12 +12,14 @@ import os
 from typing import List, Optional, Sequence, Tuple
 
 from nest_fx import layout, report, timeline
+from nest_fx.cost.placement import placed
 from nest_fx.cost.step_time import CostOptions, pipeline_time, stage_tail
 
 GiB = 2**30
 BAR_WIDTH = 32
 MEMORY_TERMS = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "optimizer states"),
-                ("activations", "activations"), ("buffers", "p2p buffers"))
+                ("activations", "activations"), ("buffers", "p2p buffers"),
+                ("fsdp_unsharded", "FSDP unsharded"), ("optimizer_step", "optimizer scratch"))
 TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "TP comm"),
               ("ep_comm", "EP all-to-all"), ("p2p", "PP p2p"), ("bubble", "pipeline bubble"),
               ("dp_sync_exposed", "DP sync (exposed)"), ("optimizer", "optimizer step"))
@@ -122,7 +124,8 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
         head = f"stage {k}: layers {s.layers[0]}-{s.layers[1] - 1}, tp {s.tp}, recompute {s.recompute}"
         lines.append(head + (" (the stage with the most memory)" if len(detail) == 1 and len(stages) > 1 else ""))
         for key, name in MEMORY_TERMS:
-            lines.append(f"  {name:<17} {text_bar(s.memory[key] / capacity)} {_amount(s.memory[key], capacity)}")
+            amount = s.memory.get(key, 0.0)
+            lines.append(f"  {name:<17} {text_bar(amount / capacity)} {_amount(amount, capacity)}")
         lines.append(f"  {'total':<17} {text_bar(s.memory['total'] / capacity)} "
                      f"{_amount(s.memory['total'], capacity)}"
                      + ("" if s.fits else f"  > {_gib(usable)} GiB usable: DOES NOT FIT"))
@@ -198,7 +201,9 @@ def explain_text(plan, workload, cluster, result, options: Optional[CostOptions]
     """The whole report as text; ``result`` is ``simulate(plan, workload, cluster, options)``."""
     options = options or CostOptions()
     lines = header_lines(plan, workload, cluster, result)
-    lines += _title("Mesh and rank layout") + layout_lines(plan, cluster)
+    order = layout.placement_lines(plan, cluster) if plan.device_order is not None else []
+    cluster = placed(cluster, plan.device_order)  # groups and levels of the devices the ranks run on
+    lines += _title("Mesh and rank layout") + layout_lines(plan, cluster) + order
     lines += _title("Stages") + report.stages_table(plan, workload, result).splitlines()
     lines += _title("Memory per device") + memory_lines(plan, cluster, result, options)
     lines += _title("Step time") + time_lines(plan, cluster, result, options)

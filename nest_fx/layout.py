@@ -157,13 +157,48 @@ def _pp_lines(boundaries: List[GroupSet], cluster, dp: int) -> List[str]:
 
 
 def owners(plan) -> Dict[int, Tuple[int, int, int]]:
-    """rank -> (stage, replica, TP rank) for every rank the plan uses."""
+    """cluster rank -> (stage, replica, TP rank) for every rank the plan uses (plan rank r runs on
+    cluster rank ``plan.device_order[r]``; the identity without one)."""
+    order = plan.device_order
     out = {}
     for i, s in enumerate(plan.stages):
         for r in range(plan.dp):
             for j in range(s.tp):
-                out[plan.rank(i, r, j)] = (i, r, j)
+                rank = plan.rank(i, r, j)
+                out[order[rank] if order is not None else rank] = (i, r, j)
     return out
+
+
+def placement_lines(plan, cluster, name: str = "", searched: Sequence[str] = ()) -> List[str]:
+    """The plan's device order in words: its name, what the first island (node) of devices runs
+    and the first DP group's devices. ``cluster`` is the cluster the plan is for (its order not
+    yet applied); graph topologies give islands and device numbers, others their first level."""
+    from nest_fx.cost.placement import placed
+
+    view = placed(cluster, plan.device_order)
+    devices_of = getattr(view, "devices_of", lambda ranks: list(ranks))
+    topo = getattr(cluster, "topology", None)
+    if topo is not None:
+        from nest_fx.topology import device_islands
+
+        island, unit = device_islands(topo)[0], "island"
+    else:
+        island, unit = list(range(min(cluster.levels[0].group_size, cluster.num_devices))), cluster.levels[0].name
+    label = name or ("identity" if plan.device_order is None else "the plan's device_order")
+    others = f" (best of {len(searched)}: {', '.join(searched)})" if len(searched) > 1 else ""
+    lines = [f"device order: {label}{others}"]
+    inside = set(island)
+    held = []
+    for i in range(plan.pp):
+        for r in range(plan.dp):
+            group = devices_of(plan.tp_group(i, r))
+            if inside.intersection(group):
+                held.append(f"stage {i} replica {r} on {fmt_ranks(group)}")
+    shown = "; ".join(held[:4]) + (f"; .. ({len(held)} groups)" if len(held) > 4 else "")
+    lines.append(f"  {unit} 0 (devices {fmt_ranks(island)}) runs TP groups: {shown or 'none (idle)'}")
+    if plan.dp > 1:
+        lines.append(f"  DP group of stage 0, TP rank 0: devices {fmt_ranks(devices_of(plan.dp_group(0, 0)))}")
+    return lines
 
 
 def level_map_lines(plan, cluster) -> List[str]:

@@ -14,7 +14,9 @@ cluster's rank order (rank r is device r of the hierarchy, innermost level first
 
 Expert parallelism groups ``ep`` consecutive replicas (``ep`` divides ``dp``): the expert
 all-to-all of stage i, TP rank j runs over the same (i, j) position in those replicas.
-Devices past ``dp * P`` are idle. See docs/plan_format.md.
+Devices past ``dp * P`` are idle. ``device_order`` (optional) places the plan ranks on the
+cluster: plan rank r runs on cluster rank ``device_order[r]`` (absent = identity; chosen by the
+planner on graph topologies). See docs/plan_format.md.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from nest_fx.fileio import read_json
+from nest_fx.fileio import brief, read_json
+from nest_fx.limits import MAX_COUNT
 
 PLAN_FORMAT = "nest-fx-plan/1"
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
@@ -65,6 +68,7 @@ class Plan:
     num_layers: int = 0  # length of the workload chain the ranges index
     world_size: int = 0
     cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
+    device_order: Optional[List[int]] = None  # plan rank r runs on cluster rank device_order[r]; None = identity
     predicted: Dict[str, float] = field(default_factory=dict)
     notes: str = ""
 
@@ -143,22 +147,27 @@ class Plan:
             if s.tp < 1:
                 raise PlanError(f"stages[{i}].tp: must be >= 1, got {s.tp}")
             if s.recompute not in ("none", "selective", "full"):
-                raise PlanError(f"stages[{i}].recompute: {s.recompute!r}, use none/selective/full")
+                raise PlanError(f"stages[{i}].recompute: {brief(s.recompute)}, use none/selective/full")
             expect = s.end
         if n and expect != n:
-            raise PlanError(f"stages: cover layers [0, {expect}) but the workload has {n} layers "
-                            f"(a plan for another model?)")
+            whose = "the workload has" if num_layers is not None else "num_layers is"
+            made_for = f"the plan was made for {brief(self.model)}: " if self.model else ""
+            raise PlanError(f"stages: cover layers [0, {expect}) but {whose} {n} layers "
+                            f"({made_for}a plan for another model?)")
         for name in ("dp", "ep", "microbatch_size", "num_microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("num_layers", "world_size"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"{name}: must be >= 0 (0 = not recorded), got {getattr(self, name)}")
         if self.dp % self.ep:
             raise PlanError(f"ep={self.ep} must divide dp={self.dp} (expert groups are carved from replicas)")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero: {self.zero}, use 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule: {self.schedule!r}, use one of {SCHEDULES}")
+            raise PlanError(f"schedule: {brief(self.schedule)}, use one of {SCHEDULES}")
         if self.placement not in PLACEMENTS:
-            raise PlanError(f"placement: {self.placement!r}, use one of {PLACEMENTS}")
+            raise PlanError(f"placement: {brief(self.placement)}, use one of {PLACEMENTS}")
         if self.schedule == "interleaved":
             if self.virtual_stages < 2:
                 raise PlanError("virtual_stages: the interleaved schedule needs >= 2 chunks per device")
@@ -169,10 +178,14 @@ class Plan:
         if ws and self.devices_used > ws:
             raise PlanError(f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "
                             f"per replica) but the world has {ws}")
+        if self.device_order is not None:
+            check_device_order(self.device_order, ws or len(self.device_order), self.devices_used)
 
     # -- io -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["device_order"] is None:  # absent means identity: files of unplaced plans stay as they were
+            del d["device_order"]
         d = {"format": PLAN_FORMAT, **d}
         d["mesh"] = self.mesh()
         d["derived"] = {"pp": self.pp, "devices_used": self.devices_used, "global_batch": self.global_batch}
@@ -184,41 +197,105 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
-        if not isinstance(data, dict):
-            raise PlanError(f"{where}: expected a JSON object")
-        fmt = data.get("format")
-        if fmt != PLAN_FORMAT:
-            raise PlanError(f"{where}: format is {fmt!r}; this version reads {PLAN_FORMAT!r}")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known - {"format", "mesh", "derived"}
-        if unknown:
-            raise PlanError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-        stages = []
-        for i, s in enumerate(data.get("stages") or []):
-            if not isinstance(s, dict) or "start" not in s or "end" not in s:
-                raise PlanError(f"{where}: stages[{i}] needs 'start' and 'end' (layer indices)")
-            bad = set(s) - set(StagePlan.__dataclass_fields__)
-            if bad:
-                raise PlanError(f"{where}: stages[{i}] has unknown field(s) {sorted(bad)}")
-            try:
-                stages.append(StagePlan(start=int(s["start"]), end=int(s["end"]), tp=int(s.get("tp", 1)),
-                                        recompute=str(s.get("recompute", "none"))))
-            except (TypeError, ValueError):
-                raise PlanError(f"{where}: stages[{i}]: start/end/tp must be integers") from None
-        kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
-        for k in ("dp", "ep", "zero", "microbatch_size", "num_microbatches", "virtual_stages", "num_layers",
-                  "world_size"):
-            if k in kwargs and not isinstance(kwargs[k], int):
-                raise PlanError(f"{where}: {k} must be an integer, got {kwargs[k]!r}")
-        if not isinstance(kwargs.get("cluster", ""), str):
-            raise PlanError(f"{where}: cluster must be a string (NAME:DEVICES or a file), got {kwargs['cluster']!r}")
-        plan = cls(stages=stages, **kwargs)
-        plan.validate()
+        """Build and validate a plan from its file form (see docs/plan_format.md): the format
+        version is checked first, every field's type next, then :meth:`validate`. Errors are
+        :class:`PlanError` starting with ``where`` (e.g. the file name) and naming the field."""
+        try:
+            plan = cls(**_plan_fields(data))
+            plan.validate()
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}") from None
         return plan
 
     @classmethod
     def load(cls, path: str) -> "Plan":
         return cls.from_dict(read_json(path, PlanError, "plan"), where=path)
+
+
+_INT_FIELDS = ("dp", "ep", "zero", "microbatch_size", "num_microbatches", "virtual_stages", "num_layers", "world_size")
+_STR_FIELDS = ("schedule", "placement", "model", "cluster", "notes")
+
+
+def _int_field(value: object, name: str) -> int:
+    """``value`` when it is an integer (not a bool) of at most MAX_COUNT in size, else PlanError
+    naming ``name`` (the range is :meth:`Plan.validate`'s to check)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an integer, got {brief(value)}")
+    if abs(value) > MAX_COUNT:
+        raise PlanError(f"{name}: {brief(value)} is larger than nest-fx handles (at most {MAX_COUNT:,})")
+    return value
+
+
+def _stage_fields(raw: object, i: int) -> StagePlan:
+    if not isinstance(raw, dict) or "start" not in raw or "end" not in raw:
+        raise PlanError(f"stages[{i}] needs 'start' and 'end' (layer indices), got {brief(raw)}")
+    bad = set(raw) - set(StagePlan.__dataclass_fields__)
+    if bad:
+        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}; "
+                        f"known: {sorted(StagePlan.__dataclass_fields__)}")
+    recompute = raw.get("recompute", "none")
+    if not isinstance(recompute, str):
+        raise PlanError(f"stages[{i}].recompute: {brief(recompute)}, use none/selective/full")
+    return StagePlan(start=_int_field(raw["start"], f"stages[{i}].start"),
+                     end=_int_field(raw["end"], f"stages[{i}].end"),
+                     tp=_int_field(raw.get("tp", 1), f"stages[{i}].tp"), recompute=recompute)
+
+
+def _plan_fields(data: object) -> dict:
+    """The keyword arguments of :class:`Plan` from its file form, every field type-checked
+    (values are checked by :meth:`Plan.validate`)."""
+    if not isinstance(data, dict):
+        raise PlanError(f"expected a JSON object with format {PLAN_FORMAT!r}, got {type(data).__name__}")
+    fmt = data.get("format")
+    if fmt != PLAN_FORMAT:
+        raise PlanError(f"format is {brief(fmt)}; this version reads {PLAN_FORMAT!r} "
+                        "(re-plan with this nest-fx, or fix the file's format field)")
+    known = set(Plan.__dataclass_fields__)
+    unknown = set(data) - known - {"format", "mesh", "derived"}
+    if unknown:
+        raise PlanError(f"unknown field(s) {sorted(unknown, key=str)}; known: {sorted(known)}")
+    raw_stages = data.get("stages", [])
+    if not isinstance(raw_stages, list):
+        raise PlanError(f"stages must be a list of {{start, end, tp, recompute}} objects, got {brief(raw_stages)}")
+    kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
+    kwargs["stages"] = [_stage_fields(s, i) for i, s in enumerate(raw_stages)]
+    for name in _INT_FIELDS:
+        if name in kwargs:
+            _int_field(kwargs[name], name)
+    for name in _STR_FIELDS:
+        if name in kwargs and not isinstance(kwargs[name], str):
+            raise PlanError(f"{name} must be a string, got {brief(kwargs[name])}")
+    if not isinstance(kwargs.get("sequence_parallel", False), bool):
+        raise PlanError(f"sequence_parallel must be true or false, got {brief(kwargs['sequence_parallel'])}")
+    predicted = kwargs.get("predicted", {})
+    if not isinstance(predicted, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):
+        raise PlanError(f"predicted must map names to numbers (what the planner predicted), got {brief(predicted)}")
+    return kwargs
+
+
+def check_device_order(order: object, world_size: int, devices_used: int = 0) -> List[int]:
+    """``order`` as a list when it is a permutation of ``range(world_size)`` (plan rank r runs on
+    cluster rank ``order[r]``), else PlanError naming the problem."""
+    fix = (f"list each rank 0..{world_size - 1} exactly once (plan rank r runs on device_order[r]), "
+           "or leave device_order out for the identity")
+    if not isinstance(order, (list, tuple)):
+        raise PlanError(f"device_order: must be a list of ranks, got {type(order).__name__}; {fix}")
+    bad = next((x for x in order if isinstance(x, bool) or not isinstance(x, int)), None)
+    if bad is not None:
+        raise PlanError(f"device_order: entries must be integers, got {bad!r}; {fix}")
+    if len(order) != world_size:
+        raise PlanError(f"device_order: has {len(order)} entries but the world has {world_size} ranks; {fix}")
+    if world_size < devices_used:
+        raise PlanError(f"device_order: has {len(order)} entries but the plan uses {devices_used} devices")
+    seen = set()
+    for r, d in enumerate(order):
+        if not 0 <= d < world_size:
+            raise PlanError(f"device_order[{r}]: {d} is out of range 0..{world_size - 1}; {fix}")
+        if d in seen:
+            raise PlanError(f"device_order[{r}]: rank {d} appears twice; {fix}")
+        seen.add(d)
+    return list(order)
 
 
 def uniform_plan(num_layers: int, *, pp: int = 1, tp: int = 1, dp: int = 1, **kwargs) -> Plan:

@@ -160,6 +160,24 @@ def profile_table(profile, model: str) -> str:
                     tablefmt="simple")
 
 
+def pairwise_table(fits, base=None) -> str:
+    """Fitted bandwidth/latency per measured rank pair, next to the base topology's route alone."""
+    rows = []
+    for f in fits:
+        row = [f"{f.src} - {f.dst}", fmt_si(f.bandwidth, "B/s"), fmt_seconds(f.latency), f.samples,
+               f"{100 * f.mean_abs_error:.0f}%"]
+        if base is not None:
+            route = base.router.route(f.src, f.dst)
+            row[1:1] = [fmt_si(route.bandwidth, "B/s")]
+            row[3:3] = [fmt_seconds(route.latency)]
+        rows.append(row)
+    headers = ["pair", "bandwidth (fit)", "latency (fit)", "samples", "mean |error|"]
+    if base is not None:
+        headers = ["pair", "bandwidth (model)", "bandwidth (fit)", "latency (model)", "latency (fit)", "samples",
+                   "mean |error|"]
+    return tabulate(rows, headers=headers, tablefmt="simple")
+
+
 def calibration_table(cluster, fits) -> str:
     """Fitted bandwidth/latency per measured level next to the cluster's previous figures."""
     before = {lv.name: lv for lv in cluster.levels}

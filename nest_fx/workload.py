@@ -18,7 +18,7 @@ Identical layers (same signature) share one cost entry, so costing is O(distinct
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import networkx as nx
@@ -58,9 +58,13 @@ class LayerCost:
     out_bytes: float  # activation bytes sent to the next layer per microbatch (full tensor)
     comms: List[Comm] = field(default_factory=list)
     expert_params: float = 0.0  # of num_params, those sharded over ep (reduced over dp/ep)
+    block: bool = True  # a repeated block (its own FSDP unit); False for the head and tail (the stage root)
+    bwd_scratch: float = 0.0  # bytes its backward allocates beyond its saved activations, per microbatch
 
     def to_dict(self) -> dict:
+        """The cost as a workload table records it (``block`` comes from the layer's kind)."""
         d = asdict(self)
+        d.pop("block")
         d["comms"] = [asdict(c) for c in self.comms]
         return d
 
@@ -90,12 +94,28 @@ class ModelDims:
     vocab_size: int = 0
     dtype_bytes: int = 2
 
+    def tp_problem(self, tp: int) -> str:
+        """'' when ``tp`` divides heads, kv heads and FFN width (Megatron's constraint; 0 = unknown,
+        no constraint), else which one it does not divide."""
+        for n, what in ((self.heads, "attention heads"), (self.kv_heads, "key/value heads"),
+                        (self.ffn_hidden, "FFN width")):
+            if n and n % tp:
+                return f"tp={tp} does not divide the model's {n} {what}"
+        return ""
+
+    def ep_problem(self, ep: int) -> str:
+        """'' when ``ep`` is 1 or divides the expert count, else why not."""
+        if ep == 1 or (self.num_experts > 0 and self.num_experts % ep == 0):
+            return ""
+        if not self.num_experts:
+            return f"ep={ep} but the model has no experts"
+        return f"ep={ep} does not divide the model's {self.num_experts} experts"
+
     def tp_ok(self, tp: int) -> bool:
-        """tp must divide heads, kv heads and FFN width (Megatron's constraint)."""
-        return all(n == 0 or n % tp == 0 for n in (self.heads, self.kv_heads, self.ffn_hidden))
+        return not self.tp_problem(tp)
 
     def ep_ok(self, ep: int) -> bool:
-        return ep == 1 or (self.num_experts > 0 and self.num_experts % ep == 0)
+        return not self.ep_problem(ep)
 
 
 class Workload:
@@ -108,6 +128,7 @@ class Workload:
         self.source = source
         self.provenance = provenance
         self._cache: Dict[Tuple, LayerCost] = {}
+        self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
 
     def __len__(self) -> int:
@@ -117,8 +138,36 @@ class Workload:
         layer = self.layers[index]
         key = (layer.signature, layer.kind, tp, ep if layer.is_moe else 1, mbs, sp)
         if key not in self._cache:
-            self._cache[key] = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
+            c = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
+            self._cache[key] = c if c.block == (layer.kind == "block") else replace(c, block=layer.kind == "block")
         return self._cache[key]
+
+    def variant_problem(self, tp: int, ep: int = 1, sp: bool = False) -> str:
+        """'' when every layer has a cost for this variant, else why not: the model's shapes do
+        not divide by ``tp``/``ep`` (:class:`ModelDims`), or the cost source lacks it (a layer
+        table lists only some (tp, ep) pairs; a traced source derives every one)."""
+        key = (tp, ep, sp)
+        if key not in self._problems:
+            self._problems[key] = self._find_problem(tp, ep, sp)
+        return self._problems[key]
+
+    def _find_problem(self, tp: int, ep: int, sp: bool) -> str:
+        problem = self.dims.tp_problem(tp) or self.dims.ep_problem(ep)
+        if problem:
+            return problem
+        missing = getattr(self.source, "missing", None)
+        if missing is not None:
+            for i in self.distinct():
+                layer = self.layers[i]
+                problem = missing(layer, tp, ep if layer.is_moe else 1, sp)
+                if problem:
+                    return problem
+        return ""
+
+    def supports(self, tp: int, ep: int = 1, sp: bool = False) -> bool:
+        """Whether every layer has a cost for this variant (see :meth:`variant_problem`); the
+        planner searches only these."""
+        return not self.variant_problem(tp, ep, sp)
 
     def variant_costs(self, tp: int = 1, ep: int = 1, mbs: int = 1,
                       sp: bool = False) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
@@ -259,7 +308,12 @@ class _BlockFacts:
     tp_allreduces: int  # row linears whose outputs TP must all-reduce (per direction)
     row_bytes: float  # bytes of one such output
     a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
-    tp_phases: Tuple[str, ...] = ("fwd", "bwd")  # head: fwd only, tail: bwd only (vocab parallel)
+    tp_phases: Tuple[str, ...] = ("fwd", "bwd")
+    vocab_comms: Tuple[Tuple[str, float, str], ...] = ()  # head/tail under TP: (kind, bytes, phase) each
+    loss_saved: float = 0.0  # bytes the loss keeps for backward (fp32 log-softmax of the logits)
+    loss_flops: float = 0.0
+    loss_bytes_moved: float = 0.0
+    recomputed: bool = True  # activation checkpointing wraps blocks only, never the head or tail
 
 
 class TracedSource:
@@ -289,6 +343,7 @@ class TracedSource:
         block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
         facts = self.facts(block.index)
         scale = mbs / self.batch
+        sp = sp and block.kind == "block"  # the head and the tail see full sequences
         fwd = bwd = attn_fwd = 0.0
         act_none = act_sel = 0.0
         params = param_bytes = expert_params = 0.0
@@ -306,6 +361,12 @@ class TracedSource:
             param_bytes += n.param_bytes / pdiv
             if n.expert:
                 expert_params += n.params / pdiv
+        if facts.loss_saved:
+            loss_t = self.timing.op_seconds(facts.loss_flops * scale, facts.loss_bytes_moved * scale, False)
+            fwd += loss_t
+            bwd += loss_t * self.timing.backward_factor
+            act_none += facts.loss_saved * scale
+            act_sel += facts.loss_saved * scale
         full = facts.in_bytes * scale / (tp if sp else 1)
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
@@ -316,15 +377,21 @@ class TracedSource:
                               Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces)]
             else:
                 comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
+        if tp > 1:
+            comms += [Comm(kind, "tp", nbytes * scale, phase) for kind, nbytes, phase in facts.vocab_comms]
         if ep > 1 and facts.a2a_bytes:
             nbytes = facts.a2a_bytes * scale / tp
             comms += [Comm("all_to_all", "ep", nbytes, phase, 2) for phase in ("fwd", "bwd")]
+        if not facts.recomputed:
+            act_sel, full = act_none, act_none
+            recompute_s = {"none": 0.0, "selective": 0.0, "full": 0.0}
+        else:
+            recompute_s = {"none": 0.0, "selective": attn_fwd, "full": fwd}
         return LayerCost(
             fwd_s=fwd, bwd_s=bwd, num_params=params, param_bytes=param_bytes,
-            act_bytes={"none": act_none, "selective": min(act_sel, act_none), "full": full},
-            recompute_s={"none": 0.0, "selective": attn_fwd, "full": fwd},
-            out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params)
-
+            act_bytes={"none": act_none, "selective": min(act_sel, act_none), "full": min(full, act_none)},
+            recompute_s=recompute_s, out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params,
+            bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * scale)
 
     def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node of ``block`` on one device for a variant:
@@ -332,6 +399,7 @@ class TracedSource:
         (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward."""
         scale = mbs / self.batch
         out = []
+        sp = sp and block.kind == "block"  # the head and the tail see full sequences
         for n in self.facts(block.index).nodes:
             shard = tp if n.tp else (tp if sp else 1)
             t = self.timing.op_seconds(n.flops * scale / shard, n.bytes_moved * scale / shard, n.matmul)
@@ -370,11 +438,9 @@ def _block_facts(graph, block) -> _BlockFacts:
         if pair.kind == "expert":
             expert_nodes |= region
         rows.append((pair.kind, row))
-    if block.kind in ("head", "tail"):
-        # Vocabulary-parallel embedding and LM head (Megatron): shard by TP.
-        for n in block.nodes:
-            if g.nodes[n].get("op") == "embedding" or g.nodes[n].get("weight"):
-                tp_nodes.add(n)
+    vocab_nodes = _vocab_parallel_nodes(graph, block)
+    tp_nodes |= set(vocab_nodes)
+    column_nodes |= {n for n, kind in vocab_nodes.items() if kind == "colwise"}
     for n in block.nodes:
         if "expert" in g.nodes[n].get("module", ""):
             expert_nodes.add(n)
@@ -403,13 +469,67 @@ def _block_facts(graph, block) -> _BlockFacts:
     n_ar = len(dense_rows) + (1 if expert_rows else 0)
     row_bytes = g.nodes[dense_rows[0]]["out_bytes"] if dense_rows else (block.out_bytes or 0.0)
     a2a = sum(g.nodes[r]["out_bytes"] for r in expert_rows) if block.is_moe else 0.0
-    phases: Tuple[str, ...] = ("fwd", "bwd")
-    if block.kind == "head":  # embedding output all-reduced in forward only
-        n_ar, row_bytes, phases = (1 if tp_nodes else 0), block.out_bytes, ("fwd",)
-    elif block.kind == "tail":  # LM head input gradient all-reduced in backward only
-        n_ar, row_bytes, phases = (1 if tp_nodes else 0), in_bytes, ("bwd",)
+    vocab_comms: List[Tuple[str, float, str]] = []
+    for n, kind in vocab_nodes.items():
+        d = g.nodes[n]
+        if kind == "rowwise":  # vocabulary-sharded lookup: partial outputs all-reduced (forward)
+            vocab_comms.append(("all_reduce", d.get("out_bytes", 0.0), "fwd"))
+        else:  # output linear: input gradient all-reduced (backward), logits all-gathered (forward)
+            vocab_comms += [("all_reduce", _bytes_of(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
+                            ("all_gather", d.get("out_bytes", 0.0), "fwd")]
+    loss = _loss_facts(g, block)
+    if block.kind in ("head", "tail"):
+        n_ar = 0
     return _BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
-                       row_bytes=row_bytes, a2a_bytes=a2a, tp_phases=phases)
+                       row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
+                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2],
+                       recomputed=block.kind == "block")
+
+
+def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
+    """{node: "rowwise" | "colwise"} that vocabulary parallelism shards in a head or tail block,
+    as the runtime does (``nest_fx.apply.tensor_parallel.vocab_parallel_modules``): the head's
+    embedding lookups and the tail's output linears. A tied LM head (the tracer counts its
+    shared weight once, under the embedding) stays replicated with the largest embedding."""
+    g = graph.graph
+    if block.kind == "head":
+        found = {n: "rowwise" for n in block.nodes if g.nodes[n].get("op") == "embedding"}
+        tail = next((b for b in graph.blocks if b.kind == "tail"), None)
+        tied = tail is not None and any(g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")
+                                        and not g.nodes[n].get("num_params") for n in tail.nodes)
+        if tied and found:
+            found.pop(max(found, key=lambda n: g.nodes[n].get("num_params", 0)))
+        return found
+    if block.kind == "tail":
+        return {n: "colwise" for n in block.nodes if g.nodes[n].get("op") == "linear"
+                and g.nodes[n].get("weight") and g.nodes[n].get("num_params")}
+    return {}
+
+
+LOSS_STATE_BYTES = 4  # the loss runs in fp32 (logits upcast), as usual for language-model training
+# its backward holds two fp32 logit-sized gradients at once: of the log-probabilities and of the logits
+LOSS_BACKWARD_COPIES = 2
+
+
+def _loss_facts(g, block) -> Tuple[float, float, float]:
+    """(saved bytes, FLOPs, bytes moved) of a token-level cross-entropy on the model's output,
+    assumed for every model whose tail ends in a linear (an LM head): the fp32 log-softmax
+    it keeps for backward, about 5 FLOPs per logit, and the logits read once, upcast and written
+    as log-probabilities. The loss is the user's code, not in the trace; (0, 0, 0) otherwise."""
+    if block.kind != "tail":
+        return 0.0, 0.0, 0.0
+    heads = [n for n in block.nodes if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")]
+    if not heads:
+        return 0.0, 0.0, 0.0
+    d = g.nodes[heads[-1]]
+    shapes, dtypes = d.get("out_shapes") or [], d.get("out_dtypes") or []
+    if not shapes:
+        return 0.0, 0.0, 0.0
+    numel = 1
+    for k in shapes[0]:
+        numel *= k
+    logits = numel * _DTYPE_BYTES.get(dtypes[0] if dtypes else "float32", 4)
+    return numel * LOSS_STATE_BYTES, 5.0 * numel, logits + 2 * numel * LOSS_STATE_BYTES
 
 
 def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",

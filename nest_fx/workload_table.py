@@ -1,7 +1,11 @@
 """Read the ``nest-fx-workload/1`` layer table (see docs/workload_format.md)."""
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Tuple
+
+from nest_fx.fileio import brief
+from nest_fx.limits import MAX_COUNT, MAX_QUANTITY
 
 from nest_fx.workload import (RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims, Workload,
                               WorkloadError)
@@ -10,17 +14,36 @@ _COST_FIELDS = ("fwd_s", "bwd_s", "num_params", "param_bytes", "act_bytes", "out
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-def _number(value, where: str, *, positive: bool = False) -> float:
+def _number(value, where: str) -> float:
+    """``value`` as a float when it is a finite number >= 0 (SI units), else WorkloadError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise WorkloadError(f"{where}: expected a number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise WorkloadError(f"{where}: must be {'> 0' if positive else '>= 0'}, got {value}")
-    return float(value)
+        raise WorkloadError(f"{where}: expected a number, got {brief(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise WorkloadError(f"{where}: must be a finite number, got {brief(value)}")
+    if number < 0:
+        raise WorkloadError(f"{where}: must be >= 0, got {brief(value)}")
+    if number > MAX_QUANTITY:
+        raise WorkloadError(f"{where}: must be at most {MAX_QUANTITY:g} (SI units), got {brief(value)}")
+    return number
 
 
-def _int(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise WorkloadError(f"{where}: expected a positive integer, got {value!r}")
+def _int(value, where: str, least: int = 1) -> int:
+    """``value`` when it is an integer (not a bool) in [``least``, MAX_COUNT], else WorkloadError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise WorkloadError(f"{where}: expected {kind}, got {brief(value)}")
+    if value > MAX_COUNT:
+        raise WorkloadError(f"{where}: {brief(value)} is larger than nest-fx handles (at most {MAX_COUNT:,})")
+    return value
+
+
+def _bool(value, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise WorkloadError(f"{where}: expected true or false, got {brief(value)}")
     return value
 
 
@@ -35,13 +58,24 @@ class TableSource:
     def __init__(self, entries: Dict[Tuple[str, int, int, bool], Dict[int, LayerCost]]):
         self.entries = entries
 
-    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool) -> LayerCost:
+    def _by_mbs(self, layer: Layer, tp: int, ep: int, sp: bool) -> Dict[int, LayerCost]:
+        """The layer's entries for (tp, ep, sp) by microbatch size; a sequence-parallel variant
+        falls back to the plain one. Empty when the table lacks the variant."""
         key = (f"{layer.kind}:{layer.signature}", tp, ep, sp)
-        by_mbs = self.entries.get(key) or (self.entries.get(key[:3] + (False,)) if sp else None)
+        return self.entries.get(key) or (self.entries.get(key[:3] + (False,)) if sp else None) or {}
+
+    def missing(self, layer: Layer, tp: int, ep: int, sp: bool) -> str:
+        """'' when :meth:`cost` can answer for this layer and variant (any microbatch size), else
+        what the table lacks and what it has."""
+        if self._by_mbs(layer, tp, ep, sp):
+            return ""
+        have = sorted({(t, e) for (k, t, e, _s) in self.entries if k == f"{layer.kind}:{layer.signature}"})
+        return f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}; the table has (tp, ep) in {have}"
+
+    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool) -> LayerCost:
+        by_mbs = self._by_mbs(layer, tp, ep, sp)
         if not by_mbs:
-            have = sorted({(t, e) for (k, t, e, _s) in self.entries if k == key[0]})
-            raise WorkloadError(f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}; the table has "
-                                f"(tp, ep) in {have}")
+            raise WorkloadError(self.missing(layer, tp, ep, sp))
         if mbs in by_mbs:
             return by_mbs[mbs]
         smaller = [b for b in by_mbs if b < mbs]
@@ -73,6 +107,8 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
         raise WorkloadError(f"{where}.recompute_s: expected {{none, selective, full}} in seconds")
     recs = {m: _number(rec.get(m, 0.0 if m != "full" else fwd), f"{where}.recompute_s.{m}") for m in RECOMPUTE_MODES}
     comms = []
+    if not isinstance(v.get("comms", []), list):
+        raise WorkloadError(f"{where}.comms: expected a list of collectives, got {brief(v['comms'])}")
     for k, c in enumerate(v.get("comms", [])):
         cw = f"{where}.comms[{k}]"
         if not isinstance(c, dict) or c.get("kind") not in _COMM_KINDS:
@@ -83,11 +119,15 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
             raise WorkloadError(f"{cw}.phase: use 'fwd' or 'bwd'")
         comms.append(Comm(c["kind"], c["group"], _number(c.get("nbytes"), f"{cw}.nbytes"), c["phase"],
                           _int(c.get("count", 1), f"{cw}.count")))
-    return LayerCost(fwd_s=fwd, bwd_s=_number(v["bwd_s"], f"{where}.bwd_s"),
-                     num_params=_number(v["num_params"], f"{where}.num_params"),
+    num_params = _number(v["num_params"], f"{where}.num_params")
+    expert_params = _number(v.get("expert_params", 0.0), f"{where}.expert_params")
+    if expert_params > num_params:
+        raise WorkloadError(f"{where}.expert_params: {expert_params:g} exceeds num_params={num_params:g} "
+                            "(the expert parameters are part of the layer's parameters)")
+    return LayerCost(fwd_s=fwd, bwd_s=_number(v["bwd_s"], f"{where}.bwd_s"), num_params=num_params,
                      param_bytes=_number(v["param_bytes"], f"{where}.param_bytes"), act_bytes=acts,
                      recompute_s=recs, out_bytes=_number(v["out_bytes"], f"{where}.out_bytes"), comms=comms,
-                     expert_params=_number(v.get("expert_params", 0.0), f"{where}.expert_params"))
+                     expert_params=expert_params)
 
 
 def parse_table(data: dict, where: str = "workload") -> Workload:
@@ -95,17 +135,16 @@ def parse_table(data: dict, where: str = "workload") -> Workload:
     if not isinstance(data, dict):
         raise WorkloadError(f"{where}: expected a JSON object")
     if data.get("format") != WORKLOAD_FORMAT:
-        raise WorkloadError(f"{where}.format: expected {WORKLOAD_FORMAT!r}, got {data.get('format')!r}")
+        raise WorkloadError(f"{where}.format: expected {WORKLOAD_FORMAT!r}, got {brief(data.get('format'))}")
     dims_raw = data.get("dims")
     if not isinstance(dims_raw, dict) or "seq_len" not in dims_raw:
         raise WorkloadError(f"{where}.dims: needs at least seq_len (tokens per sequence)")
     allowed = set(ModelDims.__dataclass_fields__)
     bad = set(dims_raw) - allowed
     if bad:
-        raise WorkloadError(f"{where}.dims: unknown field(s) {sorted(bad)}; known: {sorted(allowed)}")
-    dims = ModelDims(**{k: int(_number(v, f"{where}.dims.{k}")) for k, v in dims_raw.items()})
-    if dims.seq_len < 1:
-        raise WorkloadError(f"{where}.dims.seq_len: must be >= 1")
+        raise WorkloadError(f"{where}.dims: unknown field(s) {sorted(bad, key=str)}; known: {sorted(allowed)}")
+    dims = ModelDims(**{k: _int(v, f"{where}.dims.{k}", 1 if k in ("seq_len", "dtype_bytes") else 0)
+                        for k, v in dims_raw.items()})
     raw_layers = data.get("layers")
     if not isinstance(raw_layers, list) or not raw_layers:
         raise WorkloadError(f"{where}.layers: expected a non-empty list of layers")
@@ -116,14 +155,17 @@ def parse_table(data: dict, where: str = "workload") -> Workload:
             raise WorkloadError(f"{lw}: expected an object")
         kind = ly.get("kind", "block")
         if kind not in ("head", "block", "tail"):
-            raise WorkloadError(f"{lw}.kind: use head, block or tail, got {kind!r}")
+            raise WorkloadError(f"{lw}.kind: use head, block or tail, got {brief(kind)}")
         sig = ly.get("signature")
         if not isinstance(sig, str) or not sig:
             raise WorkloadError(f"{lw}.signature: a non-empty string naming the layer's cost entry")
-        layers.append(Layer(name=str(ly.get("name", f"layer{i}")), kind=kind, signature=sig,
+        name = ly.get("name", f"layer{i}")
+        if not isinstance(name, str) or not name:
+            raise WorkloadError(f"{lw}.name: expected a non-empty string, got {brief(name)}")
+        layers.append(Layer(name=name, kind=kind, signature=sig,
                             num_params=_number(ly.get("num_params", 0), f"{lw}.num_params"),
                             flops_per_sample=_number(ly.get("flops_per_sample", 0), f"{lw}.flops_per_sample"),
-                            is_moe=bool(ly.get("is_moe", False))))
+                            is_moe=_bool(ly.get("is_moe", False), f"{lw}.is_moe")))
     costs = data.get("costs")
     if not isinstance(costs, dict):
         raise WorkloadError(f"{where}.costs: expected an object mapping 'kind:signature' to variant lists")
@@ -136,9 +178,13 @@ def parse_table(data: dict, where: str = "workload") -> Workload:
             if not isinstance(v, dict):
                 raise WorkloadError(f"{vw}: expected an object")
             tp, ep, mbs = (_int(v.get(n, 1), f"{vw}.{n}") for n in ("tp", "ep", "mbs"))
-            entries.setdefault((key, tp, ep, bool(v.get("sp", False))), {})[mbs] = _parse_cost(v, vw)
+            sp = _bool(v.get("sp", False), f"{vw}.sp")
+            entries.setdefault((key, tp, ep, sp), {})[mbs] = _parse_cost(v, vw)
     for i, ly in enumerate(layers):
         if not any(k[0] == f"{ly.kind}:{ly.signature}" for k in entries):
             raise WorkloadError(f"{where}.layers[{i}]: no costs entry {ly.kind}:{ly.signature!r}")
-    return Workload(str(data.get("model", "workload")), layers, dims, TableSource(entries),
-                    provenance=str(data.get("provenance", "table")))
+    model, provenance = data.get("model", "workload"), data.get("provenance", "table")
+    for name, value in (("model", model), ("provenance", provenance)):
+        if not isinstance(value, str):
+            raise WorkloadError(f"{where}.{name}: expected a string, got {brief(value)}")
+    return Workload(model, layers, dims, TableSource(entries), provenance=provenance)

@@ -171,7 +171,7 @@ def fit_cluster(cluster: Cluster, samples: Sequence[Sample]) -> Tuple[Cluster, L
             a.append(c_lat / s.seconds)
             b.append(c_inv_bw / s.seconds)
             y.append(1.0 - inner / s.seconds)
-        latency, inv_bw = _nonnegative_lstsq(a, b, y)
+        latency, inv_bw = nonnegative_lstsq(a, b, y)
         bandwidth = 1.0 / inv_bw if inv_bw > 0 else fitted.levels[index].bandwidth
         fitted.levels[index].latency, fitted.levels[index].bandwidth = latency, bandwidth
         errors = [abs(model_time(s.kind, fitted, s.ranks, s.nbytes) - s.seconds) / s.seconds for s in rows]
@@ -180,7 +180,7 @@ def fit_cluster(cluster: Cluster, samples: Sequence[Sample]) -> Tuple[Cluster, L
     return fitted, fits
 
 
-def _nonnegative_lstsq(a: List[float], b: List[float], y: List[float]) -> Tuple[float, float]:
+def nonnegative_lstsq(a: List[float], b: List[float], y: List[float]) -> Tuple[float, float]:
     """argmin ||x1*a + x2*b - y|| over x1, x2 >= 0 (two unknowns: check the interior, then the edges)."""
     saa = sum(v * v for v in a)
     sbb = sum(v * v for v in b)

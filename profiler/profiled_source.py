@@ -81,7 +81,7 @@ class ProfiledSource(TracedSource):
                 if entry is None:
                     times.append(fallback)
                     continue
-                div = tp if (sp and not fact.tp) else 1
+                div = tp if (sp and block.kind == "block" and not fact.tp) else 1
                 times.append((entry.fwd_s / div, entry.bwd_s / div))
                 measured += (entry.fwd_s + entry.bwd_s) / div
         self.measured_s[key] = (measured, sum(f + b for f, b in times))

@@ -13,7 +13,7 @@
    the runtime accepts. Add the planner's own choice (``nest_fx.solver.solve``).
 4. Run each plan under gloo (``--ranks`` local processes, one thread each) for ``--steps``
    AdamW steps after 2 warm-up steps: the step time is the slowest rank's median; peak
-   memory is the peak of live tensor bytes over one more step (parameters and optimizer
+   memory is the peak of live tensor bytes in a step, median of 5 more steps (parameters and optimizer
    states, plus the CPU allocator's allocations minus frees from ``torch.profiler``'s memory
    events: what ``torch.cuda.max_memory_allocated`` reports on a GPU), max over ranks. The
    resident-set high-water mark (``VmHWM``) is recorded too, for reference.
@@ -34,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,15 +43,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
 from nest_fx.cost.step_time import simulate  # noqa: E402
 from nest_fx.plan import Plan, uniform_plan  # noqa: E402
+from nest_fx.workload import dims_from_config  # noqa: E402
 
 MODEL = "gpt:hidden=384,layers=4,heads=6,seq=128,vocab=8192"
+MEMORY_STEPS = 5  # profiled steps per plan; the peak is their median
 
 
-def candidate_plans(num_layers: int, ranks: int, batch: int) -> List[Plan]:
-    """Every uniform plan of the enumeration in the module docstring (before feasibility)."""
+def candidate_plans(num_layers: int, ranks: int, batch: int, tp_ok=lambda tp: True) -> List[Plan]:
+    """Every uniform plan of the enumeration in the module docstring (before feasibility), with
+    TP degrees the model's shapes allow (``tp_ok``)."""
     plans = []
     for pp, tp in itertools.product([d for d in range(1, ranks + 1) if ranks % d == 0], repeat=2):
-        if ranks % (pp * tp):
+        if ranks % (pp * tp) or not tp_ok(tp):
             continue
         dp = ranks // (pp * tp)
         for mbs in [m for m in (1, 2, 4, 8) if batch % (dp * m) == 0]:
@@ -76,7 +79,8 @@ def _rss_kib(field: str) -> int:
 
 
 def run_plan(spec: dict) -> dict:
-    """One rank: build, parallelise, train; returns step times and peak memory (bytes)."""
+    """One rank: build, parallelise, train; returns step times (when ``spec["steps"]`` > 0) and
+    peak memory in bytes (live tensors, and the resident-set high-water mark for reference)."""
     import torch.distributed as dist
 
     from nest_fx.apply import auto_parallelize
@@ -97,24 +101,32 @@ def run_plan(spec: dict) -> dict:
     y = torch.randint(0, cfg.vocab_size, (spec["batch"], cfg.seq_len), generator=gen)
     pm = auto_parallelize(model, x, global_batch_size=spec["batch"], loss_fn=lm_loss, plan=plan, verbose=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    times = []
-    for step in range(spec["steps"] + 2):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step():
         pm.train_step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    times = []
+    for k in range(spec["steps"] + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= 2:
+        if k >= 2:
             times.append(float(elapsed))
     rss_peak = torch.tensor([(_rss_kib("VmHWM") - base) * 1024.0], dtype=torch.float64)
     dist.all_reduce(rss_peak, op=dist.ReduceOp.MAX)
-    peak = torch.tensor([_tensor_peak_bytes(pm, opt, lambda: (pm.train_step(x, y), opt.step(),
-                                                               opt.zero_grad(set_to_none=True)))],
-                        dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"step_s": statistics.median(times), "times": times, "peak_bytes": float(peak),
+    # The peak moves from step to step by up to ~20% here: gloo collectives run on their own
+    # threads and free their buffers when they finish, sometimes after the step's peak. The
+    # median of several steps is the figure; the spread is kept.
+    peaks = [sum(_tensor_peak_bytes(pm, opt, step)) for _ in range(MEMORY_STEPS)]
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, peaks)
+    medians = [statistics.median(p) for p in per_rank]
+    return {"step_s": statistics.median(times) if times else None, "times": times, "peak_bytes": max(medians),
+            "peak_per_rank": medians, "peak_range": [min(min(p) for p in per_rank), max(max(p) for p in per_rank)],
             "rss_peak_bytes": float(rss_peak)}
 
 
@@ -123,11 +135,12 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _tensor_peak_bytes(pm, opt, step) -> float:
+def _tensor_peak_bytes(pm, opt, step) -> Tuple[float, float]:
     """Peak bytes of live tensors over one training step: the parameters and optimizer states
     alive before it, plus the highest point of the CPU allocator's allocations minus frees
     during it (``torch.profiler`` memory events). The CPU counterpart of
-    ``torch.cuda.max_memory_allocated``; RSS would add the C allocator's retained pages."""
+    ``torch.cuda.max_memory_allocated``; RSS would add the C allocator's retained pages.
+    Returns (live bytes before the step, highest rise during it)."""
     from torch.profiler import ProfilerActivity, profile
 
     live = sum(_local_bytes(p) for p in pm.parameters())
@@ -141,7 +154,7 @@ def _tensor_peak_bytes(pm, opt, step) -> float:
     for _, nbytes in events:
         current += nbytes
         highest = max(highest, current)
-    return float(live + highest)
+    return float(live), float(highest)
 
 
 def kendall_tau(a: List[float], b: List[float]) -> float:
@@ -167,17 +180,68 @@ def describe(plan: Plan) -> str:
     return " ".join(parts)
 
 
+def feasible_plans(plans: List[Plan], workload, cluster, options) -> Dict[str, Plan]:
+    """The plans the cost model calls feasible, by description (first of each)."""
+    out: Dict[str, Plan] = {}
+    for plan in plans:
+        if simulate(plan, workload, cluster, options).feasible:
+            out.setdefault(describe(plan), plan)
+    return out
+
+
+def spread(items: list, limit: int) -> list:
+    """At most ``limit`` items evenly spaced over the list (all of them when limit is 0)."""
+    if not limit or len(items) <= limit:
+        return items
+    return [items[round(k * (len(items) - 1) / (limit - 1))] for k in range(limit)] if limit > 1 else items[:1]
+
+
+def measure(items, ranks: int, args, workload, cluster, options, chosen_name: str, steps: int) -> List[dict]:
+    """Run each (name, plan) on ``ranks`` local gloo processes; one row per plan that ran."""
+    from nest_fx.apply.testing import launch
+
+    rows = []
+    for k, (name, plan) in enumerate(items):
+        pred = simulate(plan, workload, cluster, options)
+        spec = {"model": args.model, "plan": plan.to_dict(), "batch": args.batch, "steps": steps}
+        try:
+            out = launch(run_plan, ranks, spec, timeout=600)[0]
+        except RuntimeError as exc:
+            print(f"[{k + 1}/{len(items)}] {name}: runtime refused or failed: {str(exc).splitlines()[-1]}")
+            continue
+        pred_mem = max(sc.memory["total"] for sc in pred.stages)
+        row = dict(plan=name, ranks=ranks, predicted_s=pred.step_s, measured_s=out["step_s"], times=out["times"],
+                   predicted_bytes=pred_mem, measured_bytes=out["peak_bytes"],
+                   predicted_per_stage=[sc.memory for sc in pred.stages], measured_per_rank=out["peak_per_rank"],
+                   measured_range=out["peak_range"],
+                   rss_peak_bytes=out["rss_peak_bytes"], chosen=name == chosen_name)
+        rows.append(row)
+        timing = (f"predicted {pred.step_s * 1e3:8.1f} ms  measured {out['step_s'] * 1e3:8.1f} ms   "
+                  if out["step_s"] is not None else "")
+        print(f"[{k + 1}/{len(items)}] {ranks} ranks {name:40s} {timing}memory {pred_mem / 2**20:7.1f} / "
+              f"{out['peak_bytes'] / 2**20:7.1f} MiB", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODEL)
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2, help="ranks of the timed runs (2 on a 2-core machine)")
+    ap.add_argument("--memory-ranks", type=int, default=4,
+                    help="ranks of the memory-only runs (up to 8; 0 to skip)")
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--max-plans", type=int, default=0, help="measure at most this many plans (0 = all)")
+    ap.add_argument("--max-plans", type=int, default=0, help="time at most this many plans (0 = all)")
+    ap.add_argument("--max-memory-plans", type=int, default=24,
+                    help="memory-only runs: at most this many plans, spread over the enumeration (0 = all)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="skip the timed runs (peak memory does not need a quiet machine)")
     ap.add_argument("--out", default="results/validate_cpu")
     args = ap.parse_args()
+    if not 0 <= args.memory_ranks <= 8:
+        ap.error("--memory-ranks: 0 (skip) to 8")
     torch.set_num_threads(1)
-    from nest_fx.apply.testing import launch
+    from nest_fx.cost.step_time import CostOptions
     from nest_fx.models import build_any
     from nest_fx.solver import SolverOptions, solve
     from profiler import ProfileOptions, calibrate, profile_model
@@ -185,9 +249,11 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     _, cfg, _, _ = build_any(args.model)
     num_layers = cfg.layers + 2
-    plans = candidate_plans(num_layers, args.ranks, args.batch)
-    tps = sorted({p.stages[0].tp for p in plans})
-    mbss = sorted({p.microbatch_size for p in plans})
+    tp_ok = dims_from_config(cfg, seq_len=cfg.seq_len, dtype_bytes=4).tp_ok
+    timed = candidate_plans(num_layers, args.ranks, args.batch, tp_ok)
+    mem_plans = candidate_plans(num_layers, args.memory_ranks, args.batch, tp_ok) if args.memory_ranks else []
+    tps = sorted({p.stages[0].tp for p in timed + mem_plans})
+    mbss = sorted({p.microbatch_size for p in timed + mem_plans})
     t0 = time.perf_counter()
     profile, stats = profile_model(args.model, "cpu", ProfileOptions(tps=tps, mbss=mbss, dtype="fp32", repeats=7,
                                                                      statistic="min", check_step=False))
@@ -197,61 +263,67 @@ def main() -> int:
     cluster.save(args.out + "-cluster.yaml")
     print(f"calibrated host level: {fits[0].bandwidth / 1e9:.2f} GB/s, {fits[0].latency * 1e6:.0f} us "
           f"(fit error {100 * fits[0].mean_abs_error:.0f}%)")
+    options = CostOptions.for_dtype(4)  # the runs train in fp32 with AdamW
     workload = workload_for_model(args.model, cluster, dtype=torch.float32, profile=profile, attention="traced")
-    chosen = solve(workload, cluster, args.batch, SolverOptions(time_budget=30)).plan
-    feasible: Dict[str, Plan] = {}
-    for plan in plans + [chosen]:
-        result = simulate(plan, workload, cluster)
-        if result.feasible:
-            feasible.setdefault(describe(plan), plan)
-    items = list(feasible.items())[: args.max_plans or None]
+    chosen = solve(workload, cluster, args.batch, SolverOptions(time_budget=30, cost=options)).plan
     chosen_name = describe(chosen)
+    items = list(feasible_plans(timed, workload, cluster, options).items())[: args.max_plans or None]
     if chosen_name not in dict(items):
         items.append((chosen_name, chosen))
-    rows = []
-    for k, (name, plan) in enumerate(items):
-        pred = simulate(plan, workload, cluster)
-        spec = {"model": args.model, "plan": plan.to_dict(), "batch": args.batch, "steps": args.steps}
-        try:
-            out = launch(run_plan, args.ranks, spec, timeout=600)[0]
-        except RuntimeError as exc:
-            print(f"[{k + 1}/{len(items)}] {name}: runtime refused or failed: {str(exc).splitlines()[-1]}")
-            continue
-        pred_mem = max(sc.memory["total"] for sc in pred.stages)
-        rows.append(dict(plan=name, predicted_s=pred.step_s, measured_s=out["step_s"], predicted_bytes=pred_mem,
-                         measured_bytes=out["peak_bytes"], times=out["times"], chosen=name == chosen_name))
-        print(f"[{k + 1}/{len(items)}] {name:40s} predicted {pred.step_s * 1e3:8.1f} ms  measured "
-              f"{out['step_s'] * 1e3:8.1f} ms   memory {pred_mem / 2**20:7.1f} / {out['peak_bytes'] / 2**20:7.1f} MiB")
+    if args.memory_only:
+        items = spread(items, args.max_memory_plans)
+    rows = measure(items, args.ranks, args, workload, cluster, options, chosen_name,
+                   0 if args.memory_only else args.steps)
     if not rows:
         print("no plan ran")
         return 1
-    time_err = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
-    mem_err = [abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in rows if r["measured_bytes"] > 0]
-    tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    order = sorted(rows, key=lambda r: r["measured_s"])
+    mem_rows = []
+    if args.memory_ranks:
+        mem_cluster = load_cluster(f"cpu-gloo:{args.memory_ranks}")
+        mem_items = spread(list(feasible_plans(mem_plans, workload, mem_cluster, options).items()),
+                           args.max_memory_plans)
+        mem_rows = measure(mem_items, args.memory_ranks, args, workload, mem_cluster, options, "", 0)
+    timed_rows = [r for r in rows if r["measured_s"] is not None]
+    time_err = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in timed_rows] or [float("nan")]
+    mem_err = [abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in rows + mem_rows if r["measured_bytes"] > 0]
+    tau = kendall_tau([r["predicted_s"] for r in timed_rows], [r["measured_s"] for r in timed_rows])
+    order = sorted(timed_rows, key=lambda r: r["measured_s"])
     chosen_rank = next((i + 1 for i, r in enumerate(order) if r["chosen"]), None)
-    summary = dict(model=args.model, ranks=args.ranks, batch=args.batch, plans=len(rows),
-                   step_mape=statistics.mean(time_err), memory_mape=statistics.mean(mem_err) if mem_err else None,
-                   kendall_tau=tau, chosen=chosen_name, chosen_measured_rank=chosen_rank,
-                   calibrated_bandwidth=fits[0].bandwidth, calibrated_latency=fits[0].latency,
-                   seconds=time.perf_counter() - t0)
+    summary = dict(model=args.model, ranks=args.ranks, memory_ranks=args.memory_ranks, batch=args.batch,
+                   plans=len(timed_rows), memory_plans=len(rows) - len(timed_rows) + len(mem_rows), step_mape=statistics.mean(time_err),
+                   step_max_error=max(time_err), memory_mape=statistics.mean(mem_err) if mem_err else None,
+                   memory_max_error=max(mem_err) if mem_err else None, kendall_tau=tau, chosen=chosen_name,
+                   chosen_measured_rank=chosen_rank, calibrated_bandwidth=fits[0].bandwidth,
+                   calibrated_latency=fits[0].latency, seconds=time.perf_counter() - t0)
     from tabulate import tabulate
+
+    def pct(pred: float, meas: float) -> str:
+        return f"{100 * (pred / max(meas, 1e-30) - 1):+.0f}%"
+
     print(tabulate([[r["plan"] + (" *" if r["chosen"] else ""), f"{r['predicted_s'] * 1e3:.1f}",
-                     f"{r['measured_s'] * 1e3:.1f}", f"{100 * (r['predicted_s'] / r['measured_s'] - 1):+.0f}%",
+                     f"{r['measured_s'] * 1e3:.1f}", pct(r["predicted_s"], r["measured_s"]),
                      f"{r['predicted_bytes'] / 2**20:.0f}", f"{r['measured_bytes'] / 2**20:.0f}",
-                     f"{100 * (r['predicted_bytes'] / max(r['measured_bytes'], 1) - 1):+.0f}%"] for r in order],
-                   headers=["plan (* = planner)", "pred ms", "meas ms", "err", "pred MiB", "meas MiB", "err"]))
-    print(f"step-time MAPE {100 * summary['step_mape']:.1f}%  memory MAPE "
-          f"{100 * (summary['memory_mape'] or 0):.1f}%  Kendall tau {tau:.2f}  planner's plan measured "
-          f"#{chosen_rank} of {len(rows)}")
+                     pct(r["predicted_bytes"], r["measured_bytes"])] for r in order],
+                   headers=[f"plan on {args.ranks} ranks (* = planner)", "pred ms", "meas ms", "err", "pred MiB",
+                            "meas MiB", "err"]))
+    untimed = [r for r in rows + mem_rows if r["measured_s"] is None]
+    if untimed:
+        print(tabulate([[r["plan"], r["ranks"], f"{r['predicted_bytes'] / 2**20:.0f}",
+                         f"{r['measured_bytes'] / 2**20:.0f}", pct(r["predicted_bytes"], r["measured_bytes"])]
+                        for r in untimed],
+                       headers=["plan (memory only)", "ranks", "pred MiB", "meas MiB", "err"]))
+    print(f"step-time MAPE {100 * summary['step_mape']:.1f}% (max {100 * summary['step_max_error']:.0f}%)  "
+          f"peak-memory MAPE {100 * (summary['memory_mape'] or 0):.1f}% (max "
+          f"{100 * (summary['memory_max_error'] or 0):.0f}%, {len(mem_err)} plans)  Kendall tau {tau:.2f}  "
+          f"planner's plan measured #{chosen_rank} of {len(rows)}")
     with open(args.out + ".json", "w", encoding="utf-8") as fh:
-        json.dump({"summary": summary, "rows": rows}, fh, indent=1)
-    _scatter(rows, args.out + ".png")
+        json.dump({"summary": summary, "rows": rows, "memory_rows": mem_rows}, fh, indent=1)
+    _scatter(rows, mem_rows, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0
 
 
-def _scatter(rows: List[dict], path: str) -> None:
+def _scatter(rows: List[dict], mem_rows: List[dict], path: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -260,16 +332,21 @@ def _scatter(rows: List[dict], path: str) -> None:
         print("matplotlib not installed (pip install -e .[plot]): no plot")
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, key, scale, unit in ((axes[0], "s", 1e3, "ms"), (axes[1], "bytes", 2**-20, "MiB")):
-        meas = [r[f"measured_{key}"] * scale for r in rows]
-        pred = [r[f"predicted_{key}"] * scale for r in rows]
-        ax.scatter(meas, pred, c=["tab:red" if r["chosen"] else "tab:blue" for r in rows])
+    for ax, key, scale, unit, data in ((axes[0], "s", 1e3, "ms", [r for r in rows if r["measured_s"] is not None]),
+                                       (axes[1], "bytes", 2**-20, "MiB", rows + mem_rows)):
+        if not data:
+            continue
+        meas = [r[f"measured_{key}"] * scale for r in data]
+        pred = [r[f"predicted_{key}"] * scale for r in data]
+        ax.scatter(meas, pred, c=["tab:red" if r["chosen"] else "tab:blue" if r["ranks"] == rows[0]["ranks"]
+                                  else "tab:green" for r in data])
         lo, hi = min(meas + pred) * 0.9, max(meas + pred) * 1.1
         ax.plot([lo, hi], [lo, hi], "k--", lw=1)
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
         ax.set_title("step time" if key == "s" else "peak memory per rank")
-    fig.suptitle("nest-fx prediction vs measurement on CPU/gloo (red: the planner's plan)")
+    fig.suptitle("nest-fx prediction vs measurement on CPU/gloo (red: the planner's plan; "
+                 "green: memory-only runs on more ranks)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

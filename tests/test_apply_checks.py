@@ -281,3 +281,14 @@ def test_auto_parallelize_one_rank_matches_plain_training(single_rank, capsys):
     assert pm.plan.num_microbatches == 2 and pm.num_microbatches == 2
     with pytest.raises(ApplyError, match="expected the global batch"):
         pm.train_step(x[:3], y[:3])
+
+
+def test_plan_for_another_model_fails_before_any_collective(single_rank):
+    """A plan made for a 34-layer model, given to a 6-layer one: refused by the checks, with the
+    reason, before the mesh or any group is built; the model is untouched."""
+    model, cfg = build(LLAMA)
+    tokens = torch.randint(0, 128, (8, 32))
+    with pytest.raises(ApplyError, match=r"plan\.num_layers=34 but the traced model has 6 layers.*another model"):
+        auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss,
+                         plan=uniform_plan(34, num_microbatches=8, model="llama2-7b"))
+    assert len(model.layers) == 4 and not isinstance(model.layers, LayerSubset)

@@ -57,7 +57,7 @@ def test_first_stage_tp_shards(graph7b, fake_world):
     shapes = _local_shapes(pm)
     # chain [0, 4): embedding + layers 0-2; layers 3.. live on other stages
     assert {n.split(".")[1] for n in shapes if n.startswith("layers.")} == {"0", "1", "2"}
-    assert shapes["embed.tok.weight"] == (VOCAB, H)
+    assert shapes["embed.tok.weight"] == (VOCAB // 8, H)  # vocabulary-parallel embedding
     assert "lm_head.weight" not in shapes and "norm.weight" not in shapes
     for name, shape in [("attn.q_proj", (H // 8, H)), ("attn.k_proj", (H // 8, H)), ("attn.v_proj", (H // 8, H)),
                         ("attn.o_proj", (H, H // 8)), ("mlp.gate", (FFN // 8, H)), ("mlp.up", (FFN // 8, H)),
@@ -82,7 +82,7 @@ def test_last_stage_zero3_sequence_parallel(graph7b, fake_world):
     assert shapes["layers.30.attn.o_proj.weight"] == (H // 16, H // 8)
     assert shapes["layers.30.mlp.down.weight"] == (H // 16, FFN // 8)
     assert shapes["layers.30.mlp.gate.weight"] == (-(-FFN // 8 // 16), H)  # 1376 = 16 * 86
-    assert shapes["lm_head.weight"] == (VOCAB // 16, H)
+    assert shapes["lm_head.weight"] == (VOCAB // 8 // 16, H)  # vocabulary-parallel, then FSDP
     assert shapes["norm.weight"] == (H // 16,)
     # sequence parallel: the norms inside blocks are replicated DTensors over TP (then FSDP-sharded)
     norm = dict(pm.named_parameters())["layers.30.attn_norm.weight"]
@@ -90,10 +90,10 @@ def test_last_stage_zero3_sequence_parallel(graph7b, fake_world):
     assert pm.mesh["tp"].mesh.tolist() == list(range(1016, 1024))
     assert pm.pipeline_stages[0].is_last
     assert getattr(pm.module.get_submodule("layers.30"), "_nest_fx_recompute") == "selective"
-    # linears are split 8 (TP) x 16 (FSDP) ways; norms and the LM head (replicated over TP) 16 ways
+    # linears and the LM head are split 8 (TP) x 16 (FSDP) ways; norms (replicated over TP) 16 ways
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pm.parameters())
     per_layer = (4 * H * H + 3 * H * FFN) // 128 + 2 * H // 16
-    assert local == 4 * per_layer + (VOCAB * H + H) // 16
+    assert local == 4 * per_layer + VOCAB * H // 128 + H // 16
 
 
 def test_replica_major_middle_rank(graph7b, fake_world):
@@ -107,3 +107,31 @@ def test_replica_major_middle_rank(graph7b, fake_world):
     shapes = _local_shapes(pm)
     assert {n.split(".")[1] for n in shapes if n.startswith("layers.")} == {"11", "12", "13", "14", "15"}
     assert shapes["layers.12.mlp.up.weight"] == (-(-FFN // 8 // 16), H)
+
+
+def test_device_order_numbers_the_world_for_the_plan(fake_world):
+    """Launched rank device_order[r] plays plan rank r: it joins the default group as rank r (the
+    mesh stays over plan ranks, increasing along every dim). A group the caller initialised
+    cannot be renumbered: a clear error instead of silently running another placement."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nest_fx.apply.api import plan_rank_of
+    from nest_fx.apply.checks import ApplyError
+    from nest_fx.apply.mesh import build_mesh, dim_group, locate
+
+    order = [0, 4, 1, 5, 2, 6, 3, 7]  # TP pairs on devices {0, 4}, {1, 5}, ..: e.g. one device of each island
+    plan = uniform_plan(6, pp=2, tp=2, dp=2, microbatch_size=1, num_microbatches=2, device_order=order)
+    assert [plan_rank_of(order, g) for g in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert plan_rank_of(None, 5) == 5
+    launched = order[plan.rank(1, 0, 1)]  # the process on this device plays stage 1, replica 0, TP rank 1
+    me = plan_rank_of(order, launched)
+    dist.init_process_group("fake", store=FakeStore(), rank=me, world_size=8)
+    mesh = build_mesh(plan, "cpu")
+    info = locate(plan, me)
+    assert (info.stage, info.replica, info.tp_rank) == (1, 0, 1)
+    tp_group = dist.get_process_group_ranks(dim_group(mesh, "tp"))
+    assert tp_group == sorted(tp_group) and [order[r] for r in tp_group] == [order[plan.rank(1, 0, j)] for j in range(2)]
+    model, _ = build_model("llama:hidden=64,layers=4,heads=4,seq=32,vocab=128", device="meta")
+    with pytest.raises(ApplyError, match="device_order: .* initialised before auto_parallelize"):
+        auto_parallelize(model, torch.empty(4, 32, dtype=torch.long, device="meta"), global_batch_size=4,
+                         loss_fn=lm_loss, plan=plan, verbose=False)

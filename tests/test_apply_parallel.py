@@ -60,6 +60,15 @@ def test_pp2_dp2_1f1b():
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
+def test_pp2_tp2_with_a_device_order():
+    # plan rank r on the process launched as rank order[r]: stage 0's TP pair runs on launched ranks
+    # {3, 0}, stage 1's on {2, 1}; launched rank 0 (hosting the rendezvous store) plays plan rank 1
+    order = [3, 0, 2, 1]
+    results = run(4, LLAMA, {"pp": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 4, "device_order": order})
+    assert [r["stage"] for r in results] == [0, 1, 1, 0]  # results are in global rank order
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_tp2_dp2_eight_ranks():
     run(8, "llama:hidden=64,layers=2,heads=4,seq=16,vocab=128",
         {"pp": 2, "tp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "recompute": "full"}, seq=16)
@@ -141,3 +150,19 @@ def test_runtime_planner_uses_every_rank_and_respects_divisibility():
     assert plan.devices_used == 4 and plan.global_batch == 8
     assert plan.uniform_tp in (1, 2)  # tp must divide kv_heads=2
     assert plan.num_layers == len(graph.blocks)
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_vocab_parallel_embedding_and_lm_head_uneven_vocab():
+    # 127 tokens over tp=2: DTensor shards 64 + 63 rows; the logits are all-gathered for the loss
+    results = run(2, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127", {"tp": 2, "microbatch_size": 4})
+    for r in results:
+        assert {"embed.tok.weight", "embed.pos.weight", "lm_head.weight"} <= set(r["sharded"]), r["sharded"]
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_tied_embeddings_stay_replicated_under_tp():
+    results = run(2, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128,tie_embeddings=1", {"tp": 2, "microbatch_size": 4})
+    for r in results:
+        assert "embed.tok.weight" not in r["sharded"] and "lm_head.weight" not in r["sharded"]
+        assert "embed.pos.weight" in r["sharded"]

@@ -56,3 +56,19 @@ def test_calibrate_two_gloo_ranks(tmp_path):
     path = tmp_path / "c.yaml"
     fitted.save(str(path))
     assert Cluster.load(str(path)).levels[0].bandwidth == pytest.approx(fits[0].bandwidth)
+
+
+def test_pairwise_fit_recovers_known_pairs():
+    from profiler.pairwise import PairSample, fit_pairs
+
+    truth = {(0, 1): (40e9, 3e-6), (0, 2): (2e9, 2e-5)}
+    sizes = (4e3, 6.4e4, 1e6, 1.6e7)
+    samples = [PairSample(a, b, s, lat + s / bw) for (a, b), (bw, lat) in truth.items() for s in sizes]
+    fits = {(f.src, f.dst): f for f in fit_pairs(samples)}
+    for pair, (bw, lat) in truth.items():
+        assert fits[pair].bandwidth == pytest.approx(bw, rel=1e-9)
+        assert fits[pair].latency == pytest.approx(lat, rel=1e-9)
+        assert fits[pair].samples == 4 and fits[pair].mean_abs_error < 1e-9
+    flat = [PairSample(0, 1, s, 1e-3) for s in sizes]  # the same time at every size: no bandwidth to fit
+    with pytest.raises(ValueError, match=r"pair \(0, 1\): no bandwidth term fits .* larger messages"):
+        fit_pairs(flat)

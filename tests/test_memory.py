@@ -5,6 +5,9 @@ from hypothesis import strategies as st
 
 from nest_fx.cost.memory import (
     check_fits,
+    effective_zero_stage,
+    fsdp_unsharded_bytes,
+    optimizer_step_bytes,
     korthikanti_activation_bytes,
     model_state_bytes,
     optimizer_bytes_per_param,
@@ -260,3 +263,40 @@ def test_check_fits_rejects_a_stale_total():
         check_fits({"total": 5.0}, 10.0)
     with pytest.raises(ValueError, match="capacity_bytes"):
         check_fits({"weights": 1.0}, -1)
+
+
+# -- runtime working sets (FSDP2, foreach optimizers) ----------------------------------------
+
+
+def test_fsdp_unsharded_hand_values():
+    # psi = 100 params per device, root (embedding + LM head) 30, largest block 10, dp = 4,
+    # fp32 weights and grads (4 bytes): (gathered parameter bytes, unsharded gradient bytes)
+    kw = dict(dp=4, param_dtype_bytes=4, grad_dtype_bytes=4)
+    assert fsdp_unsharded_bytes(100, 30, 10, zero_stage=0, **kw) == (0, 0)
+    assert fsdp_unsharded_bytes(100, 30, 10, zero_stage=1, **kw) == (100 * 4 / 4, 0)  # the local shard
+    # unsharded gradients of the root and one block, plus the reduce-scatter's flat copy of the larger
+    assert fsdp_unsharded_bytes(100, 30, 10, zero_stage=2, **kw) == (100, (30 + 10 + 30) * 4)
+    assert fsdp_unsharded_bytes(100, 30, 10, zero_stage=3, **kw) == ((30 + 2 * 10) * 4, (30 + 10 + 30) * 4)
+    # nothing is sharded on one rank
+    assert fsdp_unsharded_bytes(100, 30, 10, zero_stage=3, dp=1) == (0, 0)
+
+
+def test_fsdp_unsharded_accepts_arrays_like_the_solver_tables():
+    import numpy as np
+
+    params, grads = fsdp_unsharded_bytes(np.array([100.0, 50.0]), np.array([30.0, 0.0]), np.array([10.0, 10.0]),
+                                         zero_stage=3, dp=4, param_dtype_bytes=2, grad_dtype_bytes=2)
+    assert params.tolist() == [(30 + 20) * 2, 20 * 2] and grads.tolist() == [70 * 2, 20 * 2]
+    with pytest.raises(ValueError, match="root_params"):
+        fsdp_unsharded_bytes(np.array([1.0]), np.array([-1.0]), np.array([1.0]), zero_stage=3, dp=2)
+
+
+def test_pipelined_zero_runs_as_zero_one():
+    assert [effective_zero_stage(z, 1) for z in range(4)] == [0, 1, 2, 3]
+    assert [effective_zero_stage(z, 4) for z in range(4)] == [0, 1, 1, 1]
+
+
+def test_optimizer_step_scratch_is_one_fp32_copy_for_adam_none_for_sgd():
+    assert optimizer_step_bytes(1e6, "adamw") == 4e6
+    assert optimizer_step_bytes(1e6, "adam") == 4e6
+    assert optimizer_step_bytes(1e6, "sgd") == 0

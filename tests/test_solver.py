@@ -26,8 +26,8 @@ def tight_cluster(memory_gib: float, devices: int = 8) -> Cluster:
 
 
 CASES = [
-    ("llama:hidden=1024,layers=5,heads=8,seq=1024,vocab=8192", 0.25, 16),
-    ("llama:hidden=1024,layers=5,heads=8,seq=1024,vocab=8192", 0.4, 16),
+    ("llama:hidden=1024,layers=5,heads=8,seq=1024,vocab=8192", 0.3, 16),
+    ("llama:hidden=1024,layers=5,heads=8,seq=1024,vocab=8192", 0.6, 16),
     ("moe:hidden=512,layers=4,heads=8,kv=4,seq=512,vocab=4096,experts=4,moe_every=2", 0.1, 8),
 ]
 
@@ -46,12 +46,13 @@ def test_dp_equals_exhaustive_optimum(model, gib, batch):
 
 
 def test_tight_memory_forces_a_pipeline_with_per_stage_choices():
-    cluster = tight_cluster(0.25)
+    cluster = tight_cluster(0.4)
     work = workload_for_model(CASES[0][0], cluster)
     found = solve(work, cluster, 16, SMALL_SPACE)
     modes = [s.recompute for s in found.plan.stages]
-    # early stages hold more in-flight microbatches (1F1B), so only they recompute
-    assert found.plan.pp > 1 and modes[0] == "full" and modes[-1] == "none"
+    # the first stage holds the most in-flight microbatches (1F1B) and recomputes; middle stages
+    # hold fewer and need not (the last one holds the loss's logits)
+    assert found.plan.pp > 2 and modes[0] == "full" and "none" in modes[1:-1]
     assert all(s.fits for s in found.result.stages)
     # reported memory is what simulate says, and within the device
     for s in found.result.stages:

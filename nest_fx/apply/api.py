@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,9 @@ from nest_fx.apply.expert_parallel import apply_expert_parallel, expert_paramete
 from nest_fx.apply.mesh import build_mesh, locate, submesh
 from nest_fx.apply.pipeline import check_untied, interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.runtime import ParallelModule
-from nest_fx.apply.tensor_parallel import apply_tensor_parallel
-from nest_fx.plan import Plan, uniform_plan
+from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
+from nest_fx.cost.placement import is_identity
+from nest_fx.plan import Plan, check_device_order, uniform_plan
 
 Planner = Callable[[Any, Any, int, int], Plan]
 
@@ -61,7 +62,23 @@ def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
     return float(timeout_s)
 
 
-def init_distributed(timeout_s: Optional[float] = None) -> Tuple[int, int]:
+_NUMBERED_FOR: list = [None]  # (device order, default group id) of the group init_distributed numbered
+
+
+def plan_rank_of(device_order: Optional[Sequence[int]], launched_rank: int) -> int:
+    """The plan rank the process launched as global rank ``launched_rank`` plays: r such that
+    ``device_order[r] == launched_rank`` (the rank itself without an order)."""
+    if is_identity(device_order):
+        return launched_rank
+    try:
+        return list(device_order).index(launched_rank)
+    except ValueError:
+        raise checks.ApplyError(f"device_order: rank {launched_rank} is not in the plan's device order "
+                                f"({len(device_order)} entries); re-plan for this world") from None
+
+
+def init_distributed(timeout_s: Optional[float] = None,
+                     device_order: Optional[Sequence[int]] = None) -> Tuple[int, int]:
     """Initialise the default process group from the torchrun environment if needed.
 
     Reads WORLD_SIZE / RANK / LOCAL_RANK; gloo on CPU, nccl on CUDA. Without a launcher (no
@@ -69,8 +86,23 @@ def init_distributed(timeout_s: Optional[float] = None) -> Tuple[int, int]:
     as a plain ``python`` process. Collectives time out after :func:`collective_timeout_s`
     (``timeout_s``, ``$NEST_FX_TIMEOUT_S`` or 600 s); a group initialised by the caller keeps
     its own timeout. Returns (world_size, rank).
+
+    ``device_order`` (a plan's, ``Plan.device_order``): the process launched as global rank
+    ``device_order[r]`` joins the group as rank r (:func:`plan_rank_of`); it keeps its device
+    (``LOCAL_RANK``). The runtime works on plan ranks throughout, so renumbering the group is
+    all it takes to run plan rank r on that device. Permuting the DeviceMesh instead would be
+    unsafe: ``new_group`` sorts a group's ranks, so along a permuted mesh dim the group rank
+    would differ from the mesh coordinate that DTensor, FSDP and PipelineStage index by. A group
+    initialised by the caller cannot be renumbered: with a non-identity order that is an
+    :class:`~nest_fx.apply.checks.ApplyError`.
     """
     if dist.is_initialized():
+        if not is_identity(device_order) and _NUMBERED_FOR[0] != (tuple(device_order), id(dist.group.WORLD)):
+            raise checks.ApplyError(
+                "device_order: the plan places its ranks on other devices, which the runtime does by numbering the "
+                "default process group, but the group was initialised before auto_parallelize; fix: let "
+                "auto_parallelize initialise it, or call nest_fx.apply.api.init_distributed(device_order="
+                "plan.device_order) first (or init_process_group with rank=plan_rank_of(plan.device_order, RANK))")
         return dist.get_world_size(), dist.get_rank()
     timeout = timedelta(seconds=collective_timeout_s(timeout_s))
     cuda = torch.cuda.is_available()
@@ -80,6 +112,21 @@ def init_distributed(timeout_s: Optional[float] = None) -> Tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif not is_identity(device_order):
+        if len(device_order) != world:
+            raise checks.ApplyError(
+                f"device_order: lists {len(device_order)} ranks but WORLD_SIZE is {world}; launch "
+                f"{len(device_order)} processes or re-plan for {world} devices")
+        check_device_order(device_order, world)
+        launched = int(os.environ.get("RANK", "0"))
+        # the launcher's rendezvous store, hosted as the launcher arranged it (torchrun's agent, or
+        # the process launched as rank 0 on MASTER_ADDR), not by whichever process plays plan rank 0
+        from torch.distributed.rendezvous import _create_c10d_store
+
+        store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched, world, timeout)
+        dist.init_process_group(backend, store=store, rank=plan_rank_of(device_order, launched), world_size=world,
+                                timeout=timeout)
+        _NUMBERED_FOR[0] = (tuple(device_order), id(dist.group.WORLD))
     else:
         dist.init_process_group(backend, timeout=timeout)
     return dist.get_world_size(), dist.get_rank()
@@ -138,7 +185,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     ``$NEST_FX_TIMEOUT_S`` or 600 s). Every check runs before the first collective, so a plan
     that does not fit fails on every rank with the same :class:`ApplyError`.
     """
-    world, rank = init_distributed(timeout_s)
+    world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
     if graph is None:
         from nest_fx.graph import trace
@@ -150,6 +197,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
 
             planner = planner_for(model)
         plan = planner(graph, cluster, world, global_batch_size)
+        init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
     check_untied(model, graph, plan.pp)
     if rank == 0 and verbose:
@@ -189,6 +237,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 4. tensor (+ sequence) parallel
         if stage_plan.tp > 1:
             apply_tensor_parallel(chunk, graph, blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
+            apply_vocab_parallel(chunk, graph, start, end, mesh["tp"])
         # 5. activation checkpointing
         apply_checkpointing(chunk, blocks, stage_plan.recompute)
         # 6b. FSDP

@@ -6,11 +6,19 @@ The mesh tensor is built from :meth:`Plan.rank`, so it follows the plan's placem
     replica-major  mesh[i, r, j] = r * pp * tp + i * tp + j   (the same dims, another order)
 
 Either way the dims are always named ``("pp", "dp", "tp")`` and indexed (stage, replica, TP
-rank); only the rank numbers inside differ. Expert parallelism folds ``ep`` out of ``dp``: the
-plan groups ``ep`` consecutive replicas, so replica ``r = a * ep + b`` sits at ``edp = a``,
-``ep = b``; the mesh is then 4-D ``("pp", "edp", "ep", "tp")`` and ``dp`` is the flattened
-``("edp", "ep")`` dim. ``edp`` (expert-data-parallel) holds the replicas that own the same
-experts, over which expert gradients are reduced.
+rank); only the rank numbers inside differ. The ranks are *plan ranks*, the ranks of the default
+process group. A plan with a ``device_order`` (chosen by the planner on a graph topology) runs
+plan rank r on the process torchrun launched as global rank ``device_order[r]``:
+``api.init_distributed`` makes that process join the default group as rank r (see its
+docstring for why the group is renumbered rather than the mesh permuted), so the table below
+needs no mapping and its rank sets are increasing along every dim, as DeviceMesh, DTensor and
+PipelineStage assume (group rank == mesh coordinate).
+
+Expert parallelism folds ``ep`` out of ``dp``: the plan groups ``ep`` consecutive replicas, so
+replica ``r = a * ep + b`` sits at ``edp = a``, ``ep = b``; the mesh is then 4-D
+``("pp", "edp", "ep", "tp")`` and ``dp`` is the flattened ``("edp", "ep")`` dim. ``edp``
+(expert-data-parallel) holds the replicas that own the same experts, over which expert
+gradients are reduced.
 
 The runtime needs one TP degree for all stages (a stage boundary between different TP degrees
 would need a resharding send that PipelineStage does not do); :func:`build_mesh` raises a
@@ -51,7 +59,7 @@ def require_uniform_tp(plan: Plan) -> int:
 
 
 def rank_table(plan: Plan) -> torch.Tensor:
-    """Int tensor [pp, dp, tp] of global ranks under the plan's placement."""
+    """Int tensor [pp, dp, tp] of plan ranks (default-group ranks) under the plan's placement."""
     tp = require_uniform_tp(plan)
     table = torch.empty(plan.pp, plan.dp, tp, dtype=torch.int64)
     for i in range(plan.pp):

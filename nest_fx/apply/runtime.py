@@ -132,14 +132,23 @@ class ParallelModule:
             losses: List[torch.Tensor] = []
             args = (x,) if is_first else ()
             kwargs = {"target": y, "losses": losses} if is_last else {}
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: otherwise the last stage keeps every microbatch's output (the
+            # logits) alive until the step ends, m times the memory 1F1B is meant to hold
+            self.schedule.step(*args, return_outputs=False, **kwargs)
             local = torch.stack([l.detach().float() for l in losses]).mean() if is_last else None
         else:
             module = self.module
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for k, (xs, ys) in enumerate(zip(x.chunk(nmb), y.chunk(nmb))):
                 if self.fsdp:
-                    module.set_requires_gradient_sync(k == nmb - 1)
+                    # ZeRO-1 accumulates unsharded gradients and reduce-scatters once; ZeRO-2/3
+                    # keep only sharded gradients, so they reduce-scatter every microbatch.
+                    # ZeRO-1/2 keep the gathered parameters until the last backward (one
+                    # all-gather per step); ZeRO-3 gathers them for every forward and backward.
+                    last = k == nmb - 1
+                    module.set_requires_gradient_sync(last or self.plan.zero >= 2)
+                    if self.plan.zero <= 2:
+                        module.set_reshard_after_backward(last)
                 loss = self.loss_fn(tensor_output(module(xs)), ys)
                 (loss / nmb).backward()
                 total += loss.detach().float()

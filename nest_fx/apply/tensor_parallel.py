@@ -167,6 +167,49 @@ def _gather_seq_output_hook(mesh: DeviceMesh):
     return hook
 
 
+# -- vocabulary parallelism (head and tail) --------------------------------------------------
+
+def vocab_parallel_modules(module: nn.Module, graph, start: int, end: int) -> Dict[str, str]:
+    """{module FQN: "rowwise" | "colwise"} of the embeddings in the head and the output linears
+    in the tail among blocks ``start:end`` that vocabulary parallelism shards (Megatron's
+    vocabulary-parallel embedding and LM head). A parameter shared by two of them (tied
+    embeddings) stays replicated: one tensor cannot be sharded for both uses."""
+    present = dict(module.named_modules())
+    found: Dict[str, str] = {}
+    for block in graph.blocks[start:end]:
+        if block.kind not in ("head", "tail"):
+            continue
+        for node in block.nodes:
+            d = graph.graph.nodes[node]
+            path = d.get("module", "")
+            sub = present.get(path)
+            if block.kind == "head" and d.get("op") == "embedding" and isinstance(sub, nn.Embedding):
+                found[path] = "rowwise"
+            elif block.kind == "tail" and d.get("op") == "linear" and isinstance(sub, nn.Linear):
+                found[path] = "colwise"
+    owners: Dict[int, List[str]] = {}
+    for name, sub in present.items():
+        for p in sub.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    tied = {n for names in owners.values() if len(names) > 1 for n in names}
+    return {name: kind for name, kind in found.items() if name not in tied}
+
+
+def apply_vocab_parallel(module: nn.Module, graph, start: int, end: int, tp_mesh: DeviceMesh) -> Dict[str, str]:
+    """Shard the head's embeddings by rows (vocabulary; the partial outputs are all-reduced) and
+    the tail's output linears by columns (the logits are all-gathered, so any loss function
+    sees full logits), over ``tp_mesh``. Returns what was sharded (see
+    :func:`vocab_parallel_modules`)."""
+    if tp_mesh.size() == 1:
+        return {}
+    targets = vocab_parallel_modules(module, graph, start, end)
+    styles = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) if kind == "rowwise"
+              else ColwiseParallel(output_layouts=Replicate()) for name, kind in targets.items()}
+    if styles:
+        parallelize_module(module, tp_mesh, styles, src_data_rank=None)
+    return targets
+
+
 # -- main entry ------------------------------------------------------------------------------
 
 def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *,

@@ -205,4 +205,8 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     for name, p in params.items():
         out["param_diff"] = max(out["param_diff"], float((p - ref_params[name].detach()).abs().max()))
     out["num_params"] = len(params)
+    from torch.distributed.tensor import DTensor, Shard
+
+    out["sharded"] = sorted(name for name, p in pm.named_parameters()
+                            if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
     return out

@@ -11,11 +11,14 @@ Pure functions on numbers (bytes). Sources:
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple, Union
+
+import numpy as np
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+Amount = Union[float, np.ndarray]  # bytes or parameter counts: a number, or an array of them
 
 
 def _require_int(value: object, name: str, minimum: int) -> int:
@@ -29,6 +32,15 @@ def _require_number(value: object, name: str, *, positive: bool = False) -> floa
     if not ok or value < 0 or (positive and value == 0):
         raise ValueError(f"{name}: must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
     return float(value)
+
+
+def _require_amount(value: object, name: str) -> Amount:
+    """A finite number >= 0 (as float), or a numpy array of them."""
+    if isinstance(value, np.ndarray):
+        if value.size and not (np.all(np.isfinite(value)) and np.all(value >= 0)):
+            raise ValueError(f"{name}: every entry must be a finite number >= 0")
+        return value
+    return _require_number(value, name)
 
 
 def _choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
@@ -84,6 +96,69 @@ def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, optimizer:
     }
     out["total"] = out["weights"] + out["grads"] + out["optimizer"]
     return out
+
+
+def effective_zero_stage(zero_stage: int, num_stages: int) -> int:
+    """The ZeRO stage whose memory a plan really has. Under pipelining, FSDP2 inside
+    ``torch.distributed.pipelining`` keeps every stage's gathered parameters and unsharded
+    gradients from the first microbatch to the last backward (the schedule turns resharding and
+    gradient reduction off until then), so ZeRO-2 and ZeRO-3 hold what ZeRO-1 holds (and
+    communicate as ZeRO-1 does: one all-gather, one reduce-scatter per step). DeepSpeed refuses
+    ZeRO-2/3 with pipelining for the same reason."""
+    _require_int(num_stages, "num_stages", 1)
+    return min(zero_stage, 1) if num_stages > 1 else zero_stage
+
+
+def fsdp_unsharded_bytes(num_params: Amount, root_params: Amount, unit_params: Amount, *, zero_stage: int, dp: int,
+                         param_dtype_bytes: float = 2,
+                         grad_dtype_bytes: float = 2) -> Tuple[Amount, Amount]:
+    """(parameter bytes, gradient bytes) FSDP2 (``fully_shard`` per block, then the stage root)
+    holds on top of :func:`model_state_bytes` during forward/backward, per device.
+
+    ``num_params``: the stage's parameters per device before ZeRO sharding; ``root_params``: those
+    outside every block (embedding, final norm, LM head: the root unit); ``unit_params``: the
+    largest block's. With psi = num_params, R = root_params, U = unit_params (bytes: x dtype):
+
+        ZeRO-0   0, 0
+        ZeRO-1   psi / dp, 0: the local shard stays allocated next to the gathered copy (the
+                 paper's ZeRO-1 counts the gathered psi and psi gradients; both are there)
+        ZeRO-2   psi / dp as ZeRO-1; gradients R + U + max(R, U): the unsharded gradients of the
+                 root (reduced at the root's post-backward, the very end) and of one block,
+                 and the flat copy a reduce-scatter stages them in
+        ZeRO-3   R + 2U gathered: the root, the block computing and the block prefetched during
+                 backward; gradients as ZeRO-2
+
+    The gradient bytes build up as backward frees activations and peak at its end, when the
+    root is reduced; ``step_time.stage_memory`` counts the larger of the two. Pass the
+    :func:`effective_zero_stage`. With ``dp == 1`` nothing is sharded: (0, 0). The parameter
+    counts may be numpy arrays (the solver's stage tables); the results are then arrays.
+    """
+    psi = _require_amount(num_params, "num_params")
+    root = _require_amount(root_params, "root_params")
+    unit = _require_amount(unit_params, "unit_params")
+    _require_int(dp, "dp", 1)
+    pbytes = _require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
+    gbytes = _require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
+    if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage: must be one of [0, 1, 2, 3], got {zero_stage!r}")
+    if zero_stage == 0 or dp == 1:
+        return 0.0 * psi, 0.0 * psi
+    if zero_stage == 1:
+        return psi * pbytes / dp, 0.0 * psi
+    grads = (root + unit + np.maximum(root, unit)) * gbytes
+    params = psi * pbytes / dp if zero_stage == 2 else (root + 2 * unit) * pbytes
+    return params, grads
+
+
+def optimizer_step_bytes(updated_params: Amount, optimizer: str = "adam") -> Amount:
+    """Scratch bytes of one optimizer step on ``updated_params`` (the locally updated
+    parameters: 1/dp of them under ZeRO >= 1). PyTorch's multi-tensor ("foreach") Adam/AdamW
+    builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor the size of
+    the parameters, 4 bytes each. SGD with momentum updates in place: 0. It is allocated after
+    backward, when activations are gone (see ``step_time.stage_memory``)."""
+    _choice(optimizer, "optimizer", OPTIMIZERS)
+    updated = _require_amount(updated_params, "updated_params")
+    return 0.0 * updated if optimizer == "sgd" else 4.0 * updated
 
 
 # -- activations ----------------------------------------------------------------------------

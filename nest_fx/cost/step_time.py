@@ -44,7 +44,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from nest_fx.cost import collectives, memory
-from nest_fx.plan import Plan
+from nest_fx.cost.placement import placed
+from nest_fx.plan import Plan, PlanError
 from nest_fx.workload import Comm, LayerCost, Workload
 
 USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
@@ -57,10 +58,22 @@ class CostOptions:
     optimizer: str = "adam"
     param_bytes: int = 2  # training dtype (bf16)
     grad_bytes: int = 2
+    master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
     overlap_grad_sync: bool = True
     bytes_per_param_update: float = 36.0  # Adam, mixed precision: read/write fp32 p, m, v + grads + bf16 copy
     optimizer_mem_efficiency: float = 0.7
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+
+    @classmethod
+    def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":
+        """Options for training whose parameters are ``dtype_bytes`` wide: 2 (bf16/fp16) is mixed
+        precision (fp32 master weights in the optimizer, the default); 4 is plain fp32 training,
+        where the optimizer keeps no second copy of the weights (K = 8 for Adam)."""
+        if dtype_bytes not in (2, 4):
+            raise ValueError(f"dtype_bytes: 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes!r}")
+        fields = dict(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, master_weights=dtype_bytes < 4)
+        fields.update(overrides)
+        return cls(**fields)
 
 
 @dataclass
@@ -139,7 +152,9 @@ def _memo(kind: str, cluster, group: Sequence[int]) -> Tuple[Dict[float, float],
     """(bytes -> seconds memo, network key, ranks) of collective ``kind`` over ``group``."""
     global _cached_entries
     ranks = tuple(group)
-    network = (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels))
+    # immutable views (graph topologies, device orders) carry their key, a string hashed once
+    network = getattr(cluster, "cost_key", None) or \
+        (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels))
     key = (network, kind, ranks)
     memo = _COLLECTIVE_CACHE.get(key)
     if memo is None:
@@ -256,28 +271,44 @@ class LayerTerms:
     params: Count = 0.0
     expert_params: Count = 0.0
     act: Count = 0.0  # saved activation bytes of one microbatch
-    act_full_layer: Count = 0.0  # the largest layer's full activations (rebuilt under full recompute)
+    layer_peak: Count = 0.0  # the largest one-layer backward working set (see compute_terms)
+    root_params: Count = 0.0  # parameters outside every block (head, tail): the FSDP root unit
+    unit_params: Count = 0.0  # the largest block's parameters: the largest FSDP unit
 
 
 def compute_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str) -> LayerTerms:
     """:class:`LayerTerms` of a stage's layers.
 
     ``distinct``: (layer cost, count) pairs as ``Workload.range_costs`` gives them; a count may
-    be an integer array (one entry per layer range), and a zero count adds exactly 0."""
-    fwd = bwd = rec = params = expert = act = act_full = 0.0
+    be an integer array (one entry per layer range), and a zero count adds exactly 0.
+
+    ``layer_peak`` is what one layer's backward holds beyond the saved activations, largest over
+    the stage's layers: under full recompute the full activations a checkpointed layer rebuilds,
+    plus the layer's own backward scratch (``LayerCost.bwd_scratch``, e.g. the loss's gradients
+    of the logits). Layers run their backward one at a time, so only the largest counts."""
+    fwd = bwd = rec = params = expert = act = act_full = root = unit = 0.0
     for c, count in distinct:
+        if not c.block:
+            root = root + c.num_params * count
+        elif isinstance(count, np.ndarray):
+            unit = np.maximum(unit, np.where(count > 0, c.num_params, 0.0))
+        elif count > 0:
+            unit = max(unit, c.num_params)
         fwd = fwd + c.fwd_s * count
         bwd = bwd + c.bwd_s * count
         rec = rec + c.recompute_s[recompute] * count
         params = params + c.num_params * count
         expert = expert + c.expert_params * count
         act = act + c.act_bytes[recompute] * count
+        # under full recompute a checkpointed layer rebuilds its full activations for its backward
+        rebuilt = c.act_bytes["none"] if recompute == "full" and c.act_bytes["full"] < c.act_bytes["none"] else 0.0
+        peak = rebuilt + c.bwd_scratch
         if isinstance(count, np.ndarray):
-            act_full = np.maximum(act_full, np.where(count > 0, c.act_bytes["none"], 0.0))
+            act_full = np.maximum(act_full, np.where(count > 0, peak, 0.0))
         elif count > 0:
-            act_full = max(act_full, c.act_bytes["none"])
+            act_full = max(act_full, peak)
     return LayerTerms(fwd=fwd, bwd=bwd, recompute=rec, params=params, expert_params=expert, act=act,
-                      act_full_layer=act_full)
+                      layer_peak=act_full, root_params=root, unit_params=unit)
 
 
 def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
@@ -312,11 +343,12 @@ def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dic
     (memoised: the solver's tables ask for the same parameter counts over and over)."""
     if not isinstance(params, np.ndarray):
         return memory.model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
-                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes)
+                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes,
+                                        master_weights=options.master_weights)
     values, inverse = np.unique(params.ravel(), return_inverse=True)
     rows = np.empty((len(values), len(_STATE_KEYS)))
     for j, v in enumerate(values.tolist()):
-        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes)
+        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes, options.master_weights)
         row = _STATES_CACHE.get(key)
         if row is None:
             if len(_STATES_CACHE) > 1_000_000:
@@ -327,15 +359,55 @@ def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dic
     return {k: rows[inverse, c].reshape(params.shape) for c, k in enumerate(_STATE_KEYS)}
 
 
-def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act: Count, act_full_layer: Count,
-                 inflight: Count, recompute: str, out_bytes: Count) -> Dict[str, Count]:
-    """Per-device memory terms of a stage (see module docstring) and their total."""
+MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "fsdp_unsharded", "optimizer_step")
+
+
+def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) -> Tuple[Count, Count, Count]:
+    """(FSDP unsharded parameter bytes, FSDP unsharded gradient bytes, optimizer scratch bytes)
+    of a stage: ``memory.fsdp_unsharded_bytes`` of its dense parameters at ``zero`` (the
+    effective stage) and ``memory.optimizer_step_bytes`` of the parameters it updates."""
+    dense = terms.params - terms.expert_params
+    params, grads = memory.fsdp_unsharded_bytes(dense, terms.root_params, terms.unit_params, zero_stage=zero, dp=dp,
+                                                param_dtype_bytes=options.param_bytes,
+                                                grad_dtype_bytes=options.grad_bytes)
+    scratch = memory.optimizer_step_bytes(terms.params / (dp if zero >= 1 else 1), options.optimizer)
+    return params, grads, scratch
+
+
+def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act: Count, layer_peak: Count,
+                 inflight: Count, out_bytes: Count, unsharded_params: Count = 0.0, unsharded_grads: Count = 0.0,
+                 optimizer_scratch: Count = 0.0, *, num_microbatches: int) -> Dict[str, Count]:
+    """Per-device memory terms of a stage at its peak (see module docstring) and their total.
+
+    The peak is model states + the larger of the forward/backward working set (activations,
+    buffers, FSDP's unsharded parameters and gradients) and the optimizer step's scratch, which
+    is allocated after backward has freed the former. ``optimizer_step`` is what the scratch
+    adds beyond the forward/backward working set, so the terms still sum to the peak.
+
+    With one microbatch nothing accumulates: backward writes the gradients as it frees the
+    activations, so the peak is at its start (all activations, no gradients yet) or at its end
+    (all gradients, no activations), and the terms are those of the larger moment. With more,
+    the gradients of the first microbatch are there while the others' activations are. FSDP's
+    unsharded gradients build up as a microbatch's backward frees its activations (the root's
+    are reduced last): ``fsdp_unsharded`` is the gathered parameters plus what those gradients
+    add beyond the activations."""
     mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
-    mem["activations"] = act * inflight
-    if recompute == "full":
-        mem["activations"] = mem["activations"] + act_full_layer
+    grads = mem["grads"]  # all there during the optimizer step
+    mem["activations"] = act * inflight + layer_peak
+    if num_microbatches == 1:
+        grads_later = mem["grads"] >= mem["activations"]
+        mem["activations"], mem["grads"] = (np.where(grads_later, 0.0, mem["activations"]),
+                                            np.where(grads_later, mem["grads"], 0.0))
+        if not isinstance(grads_later, np.ndarray):
+            mem["activations"], mem["grads"] = float(mem["activations"]), float(mem["grads"])
     mem["buffers"] = 2 * out_bytes
-    mem["total"] = sum(mem.values())
+    late = unsharded_grads - mem["activations"]
+    mem["fsdp_unsharded"] = unsharded_params + (np.maximum(late, 0.0) if isinstance(late, np.ndarray)
+                                                else max(late, 0.0))
+    during = mem["grads"] + mem["activations"] + mem["buffers"] + mem["fsdp_unsharded"]
+    excess = grads + optimizer_scratch - during
+    mem["optimizer_step"] = np.maximum(excess, 0.0) if isinstance(excess, np.ndarray) else max(excess, 0.0)
+    mem["total"] = sum(mem[k] for k in MEMORY_TERMS)
     return mem
 
 
@@ -355,18 +427,21 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
         sc.p2p = p2p_time(cluster, groups, workload.cost(prev.end - 1, prev.tp, *variant).out_bytes, prev.tp, stage.tp)
     # -- data-parallel sync -----------------------------------------------------------------
     dense = terms.params - terms.expert_params
-    sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp, plan.ep, plan.zero,
+    zero = memory.effective_zero_stage(plan.zero, plan.pp)
+    sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp, plan.ep, zero,
                               plan.num_microbatches, options)
     # -- memory -------------------------------------------------------------------------------
     inflight = memory.pipeline_inflight_microbatches(plan.schedule, i, plan.pp, plan.num_microbatches,
                                                      plan.virtual_stages)
-    mem = sc.memory = stage_memory(model_states(dense, plan.zero, plan.dp, options),
-                                   model_states(terms.expert_params, plan.zero, max(plan.dp // plan.ep, 1), options),
-                                   terms.act, terms.act_full_layer, inflight, stage.recompute,
-                                   workload.cost(stage.end - 1, stage.tp, *variant).out_bytes)
-    sc.fits = mem["total"] <= cluster.device.memory_bytes * options.usable_memory_fraction
+    mem = sc.memory = stage_memory(model_states(dense, zero, plan.dp, options),
+                                   model_states(terms.expert_params, zero, max(plan.dp // plan.ep, 1), options),
+                                   terms.act, terms.layer_peak, inflight,
+                                   workload.cost(stage.end - 1, stage.tp, *variant).out_bytes,
+                                   *working_sets(terms, zero, plan.dp, options),
+                                   num_microbatches=plan.num_microbatches)
+    sc.fits = bool(mem["total"] <= cluster.device.memory_bytes * options.usable_memory_fraction)  # not np.bool_
     if not sc.fits:
-        sc.binding = max(("weights", "grads", "optimizer", "activations", "buffers"), key=lambda k: mem[k])
+        sc.binding = max(MEMORY_TERMS, key=lambda k: mem[k])
     return sc
 
 
@@ -402,7 +477,8 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
 def _dp_sync_time(cluster, plan: Plan, i: int, dense_params: float, expert_params: float,
                   options: CostOptions) -> float:
     """:func:`dp_sync_time` of stage i of ``plan`` (the former helper's signature)."""
-    return dp_sync_time(cluster, stage_groups(plan, i), dense_params, expert_params, plan.dp, plan.ep, plan.zero,
+    return dp_sync_time(cluster, stage_groups(plan, i), dense_params, expert_params, plan.dp, plan.ep,
+                        memory.effective_zero_stage(plan.zero, plan.pp),
                         plan.num_microbatches, options)
 
 
@@ -458,10 +534,23 @@ def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 
     return total, total - m * t_max
 
 
+def check_variants(plan: Plan, workload: Workload) -> None:
+    """PlanError when a stage asks for a (tp, ep) variant the workload has no cost for: a degree
+    that does not divide the model's heads/FFN/experts, or one a layer table does not list."""
+    for i, stage in enumerate(plan.stages):
+        problem = workload.variant_problem(stage.tp, plan.ep, plan.sequence_parallel)
+        if problem:
+            raise PlanError(f"stages[{i}]: {problem} (a plan for another model, or a layer table "
+                            "without this variant?)")
+
+
 def simulate(plan: Plan, workload: Workload, cluster, options: Optional[CostOptions] = None) -> SimResult:
-    """Predict step time, throughput and per-device memory of ``plan`` (validated first)."""
+    """Predict step time, throughput and per-device memory of ``plan`` (validated first), with
+    its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``)."""
     options = options or CostOptions()
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
+    check_variants(plan, workload)
+    cluster = placed(cluster, plan.device_order)
     stages = [stage_cost(workload, cluster, plan, i, options) for i in range(plan.pp)]
     v = plan.virtual_stages if plan.schedule == "interleaved" else 1
     times = [s.per_microbatch(v) for s in stages]

@@ -1,6 +1,8 @@
 """``trace(model, example_inputs) -> OpGraph``: capture, annotate, group into blocks, find TP pairs."""
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -34,7 +36,8 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     args, kwargs = on_device(args, device), on_device(dict(example_kwargs or {}), device)
     gm, used = capture(model, args, kwargs, method=method, leaf_modules=leaf_modules)
     try:
-        graph = annotate(gm, args, kwargs)
+        with _fake_tensor_log_muted():  # a failing op is reported below as a TraceError, not logged twice
+            graph = annotate(gm, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - report the failing op, not a raw interpreter trace
         node = getattr(exc, "fx_node", None)
         where = f" at node {node.name!r} (op {node.target}, module {module_of(node) or '<root>'!r})" if node else ""
@@ -49,6 +52,19 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     opgraph.patterns = find_patterns(graph, opgraph.blocks)
     opgraph.module = gm  # the captured GraphModule: the profiler runs it node by node
     return opgraph
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_muted():
+    """Silence FakeTensorMode's own "failed while attempting to run meta" log records (with their
+    traceback) while the graph runs on fake tensors."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
 
 
 def on_device(value: Any, device: torch.device) -> Any:

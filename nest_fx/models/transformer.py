@@ -64,9 +64,20 @@ class TransformerConfig:
             else:
                 self.ffn_hidden = 4 * self.hidden
         problems = []
-        if self.hidden % self.heads:
+        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "top_k",
+                     "moe_every"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts < 0:
+            problems.append(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}")
+        if not 0 <= self.norm_eps < math.inf:
+            problems.append(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        for name in ("rope_theta", "capacity_factor"):
+            if not 0 < getattr(self, name) < math.inf:
+                problems.append(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.heads > 0 and self.hidden % self.heads:
             problems.append(f"hidden={self.hidden} is not divisible by heads={self.heads}")
-        if self.heads % self.kv_heads:
+        if self.kv_heads > 0 and self.heads % self.kv_heads:
             problems.append(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.norm not in ("rmsnorm", "layernorm"):
             problems.append(f"norm={self.norm!r}: use 'rmsnorm' or 'layernorm'")
@@ -74,11 +85,8 @@ class TransformerConfig:
             problems.append(f"activation={self.activation!r}: use 'swiglu' or 'gelu'")
         if self.position not in ("rope", "learned"):
             problems.append(f"position={self.position!r}: use 'rope' or 'learned'")
-        if self.num_experts and not 0 < self.top_k <= self.num_experts:
+        if self.num_experts > 0 and not 0 < self.top_k <= self.num_experts:
             problems.append(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
-        for name in ("vocab_size", "hidden", "layers", "heads", "seq_len"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
 

@@ -68,22 +68,26 @@ def _evaluate(plan: Plan, workload: Workload, cluster, options: SolverOptions) -
     return r if r.feasible else None
 
 
-def megatron(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None) -> Baseline:
-    """Narayanan et al. 2021's manual recipe (see module docstring)."""
+def megatron(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
+             deadline: Optional[float] = None) -> Baseline:
+    """Narayanan et al. 2021's manual recipe (see module docstring); no plan when the search for
+    the smallest shape that fits passes ``deadline`` (a ``time.perf_counter()`` value)."""
     options = options or SolverOptions()
     node = cluster.levels[0].group_size
-    tps = [t for t in (1, 2, 4, 8) if t <= node and workload.dims.tp_ok(t) and t <= cluster.num_devices]
+    tps = [t for t in (1, 2, 4, 8) if t <= node and t <= cluster.num_devices and workload.supports(t, 1, t > 1)]
     evals = 0
     shapes = sorted(((tp, pp) for tp in tps for pp in range(1, len(workload) + 1)
                      if tp * pp <= cluster.num_devices), key=lambda x: (x[0] * x[1], -x[0]))
     for recompute in ("selective", "full"):
         for tp, pp in shapes:
+            if deadline is not None and time.perf_counter() > deadline:
+                return Baseline("megatron", None, None, evals)
             dps = [d for d in divisors(global_batch) if d * tp * pp <= cluster.num_devices]
             if not dps:
                 continue
             dp = max(dps)
-            ep = max((e for e in divisors(max(workload.dims.num_experts, 1)) if dp % e == 0), default=1) \
-                if workload.is_moe else 1
+            ep = max((e for e in divisors(max(workload.dims.num_experts, 1))
+                      if dp % e == 0 and workload.supports(tp, e, tp > 1)), default=1) if workload.is_moe else 1
             plan = uniform_plan(len(workload), pp=pp, tp=tp, dp=dp, ep=ep, zero=1, microbatch_size=1,
                                 num_microbatches=global_batch // dp, recompute=recompute, sequence_parallel=tp > 1,
                                 model=workload.model, world_size=cluster.num_devices)
@@ -96,9 +100,11 @@ def megatron(workload: Workload, cluster, global_batch: int, options: Optional[S
 
 def flat_network(cluster):
     """The cluster with every level as fast as the innermost one (what a network-unaware
-    planner assumes)."""
+    planner assumes); a graph topology is first seen as its hierarchy hint (a plain Cluster)."""
+    cluster = getattr(cluster, "hierarchy", cluster)
     inner = cluster.levels[0]
-    levels = [NetworkLevel(lv.name, lv.group_size, inner.bandwidth, inner.latency) for lv in cluster.levels]
+    levels = [NetworkLevel(lv.name, lv.group_size, float(inner.bandwidth), float(inner.latency))
+              for lv in cluster.levels]
     return dataclasses.replace(cluster, levels=levels)
 
 

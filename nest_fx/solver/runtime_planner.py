@@ -25,7 +25,8 @@ def detect_cluster(world_size: int):
 
 def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None) -> Callable:
     """``planner(graph, cluster, world_size, global_batch) -> Plan`` for ``auto_parallelize``:
-    the NEST DP restricted to what the runtime runs (every rank used, uniform TP)."""
+    the NEST DP restricted to what the runtime runs (every rank used, uniform TP, the launched
+    rank order: a device order needs the process group numbered for it before it exists)."""
     base = options or SolverOptions(time_budget=30.0)
 
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
@@ -37,8 +38,11 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None)
         nbytes = param.element_size()
         dims = dims_from_config(getattr(model, "config", None), seq_len=seq, dtype_bytes=nbytes)
         workload = analytical_workload(graph, dims, cluster, param.dtype)
-        opts = dataclasses.replace(base, use_all_devices=True,
-                                   cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes))
+        # the process group exists by now (the world size comes from it) and cannot be renumbered
+        # for a device order (apply.api.init_distributed): keep the launcher's placement
+        opts = dataclasses.replace(base, use_all_devices=True, search_placement=False,
+                                   cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
+                                                            master_weights=nbytes < 4))
         return solve(workload, cluster, global_batch, opts).plan
 
     return plan

@@ -21,7 +21,16 @@ Pairs sit in a heap keyed by their bound; the smallest is popped and refined one
 tier 4), and the search stops when the smallest bound is no better than the best plan found, so
 the answer is the optimum of the cost model over the search space. The first incumbent is the
 Megatron recipe; each pair whose table is built also offers its even split. With a time budget
-the best plan so far is returned when it runs out.
+the best plan so far is returned when it runs out (NoFeasiblePlan, saying so, when there is none
+yet); the Megatron incumbent's own search stops at the deadline too.
+
+On a graph topology the device order is part of the search (``solver.placement``): every pair
+of TP degree t is entered once per candidate order for t (the cluster's own order first), each
+order with its own view of the network and TableCache (the network-independent entries shared).
+Tier 0 does not depend on the network, so all orders of a pair start with the same bound; the
+heap then refines whichever (pair, order) is most promising, so orders that cannot win are
+dropped at their first network-aware tier. The plan records the winning order in
+``Plan.device_order``.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,6 +49,7 @@ from nest_fx.cost import memory
 from nest_fx.cost.step_time import SimResult, model_states, pipeline_span, simulate, tail_terms
 from nest_fx.plan import Plan
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
+from nest_fx.solver.placement import Placement, placements
 from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, objective, stage_counts
 from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
 from nest_fx.workload import Workload
@@ -59,6 +69,8 @@ class SolveResult:
     stage_evaluations: int  # (stage slot, layer-range class, recompute mode) entries tabulated
     complete: bool  # False when the time budget stopped the search
     stats: Dict[str, float] = field(default_factory=dict)
+    placement: str = "identity"  # name of the chosen device order (solver.placement)
+    placements: List[Placement] = field(default_factory=list)  # the candidates searched
 
 
 def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
@@ -118,26 +130,27 @@ def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
 
 
 class _Tables:
-    """Stage tables of the pairs in flight: the latest few kept, others rebuilt when needed."""
+    """Stage tables of the (pair, placement) entries in flight: the latest few kept, others
+    rebuilt when needed. ``caches[o]`` is placement o's TableCache."""
 
-    def __init__(self, cache: TableCache, global_batch: int, keep: int = 16):
-        self.cache, self.global_batch, self.keep = cache, global_batch, keep
-        self.recent: "OrderedDict[int, StageTable]" = OrderedDict()
+    def __init__(self, caches: List[TableCache], global_batch: int, keep: int = 16):
+        self.caches, self.global_batch, self.keep = caches, global_batch, keep
+        self.recent: "OrderedDict[Tuple[int, int], StageTable]" = OrderedDict()
         self.built = self.entries = 0
 
-    def get(self, k: int, g: GlobalConfig, p: int, best: float) -> StageTable:
-        table = self.recent.pop(k, None)
+    def get(self, key: Tuple[int, int], g: GlobalConfig, p: int, best: float) -> StageTable:
+        table = self.recent.pop(key, None)
         if table is None:
-            table = StageTable(self.cache, g, p, g.microbatches(self.global_batch), best)
+            table = StageTable(self.caches[key[1]], g, p, g.microbatches(self.global_batch), best)
             self.built += 1
             self.entries += table.entries
-        self.recent[k] = table
+        self.recent[key] = table
         while len(self.recent) > self.keep:
             self.recent.popitem(last=False)
         return table
 
-    def drop(self, k: int) -> None:
-        self.recent.pop(k, None)
+    def drop(self, key: Tuple[int, int]) -> None:
+        self.recent.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -167,61 +180,74 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
     pairs = candidates(workload, cluster, global_batch, options)
-    best_t, best = _incumbent(workload, cluster, global_batch, options)
-    tables = _Tables(TableCache(workload, cluster, options.cost, options.recompute), global_batch)
-    heap = [(lb, 0, k) for k, (lb, _, _) in enumerate(pairs)]  # sorted, hence a heap
+    places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
+    # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
+    best_t, best = _incumbent(workload, cluster, global_batch, options,
+                              None if deadline is None else (start + deadline) / 2)
+    first = TableCache(workload, cluster, options.cost, options.recompute)
+    tables = _Tables([first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first)
+                                for pl in places[1:]], global_batch)
+    heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
+    total = len(heap)
     runs = pops = settled = 0
     complete = True
     while heap and heap[0][0] * SLACK < best_t:
-        if deadline is not None and best is not None and time.perf_counter() > deadline:
+        if deadline is not None and time.perf_counter() > deadline:
             complete = False
             break
-        bound, tier, k = heapq.heappop(heap)
+        bound, tier, k, o = heapq.heappop(heap)
         pops += 1
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
-                lb = _network_bound(tables.cache, g, p, m)
+                lb = _network_bound(tables.caches[o], g, p, m)
             else:
-                table = tables.get(k, g, p, best_t)
+                table = tables.get((k, o), g, p, best_t)
                 if tier == 1:
                     even = table.even_split(best_t)
                     step = objective(*even[:3], m, g.schedule, g.v) if even else math.inf
                     if step < best_t:
-                        best_t, best = step, (g, m, even[3])
+                        best_t, best = step, (g, m, even[3], o)
                 lb = _table_bound(table, best_t, exact_tails=tier == 2)
             if lb * SLACK < best_t:
-                heapq.heappush(heap, (max(bound, lb), tier + 1, k))
+                heapq.heappush(heap, (max(bound, lb), tier + 1, k, o))
             else:
-                tables.drop(k)
+                tables.drop((k, o))
                 settled += 1
             continue
         try:
-            found = solve_partition(tables.get(k, g, p, best_t), best_t, deadline if best is not None else None)
+            found = solve_partition(tables.get((k, o), g, p, best_t), best_t, deadline)
         except BudgetExceeded:
             complete = False
             break
-        tables.drop(k)
+        tables.drop((k, o))
         runs += 1
         settled += 1
         if progress:
-            progress(settled, len(pairs))
+            progress(settled, total)
         if found is not None and found.step_s < best_t:
-            best_t, best = found.step_s, (g, m, found.stages)
+            best_t, best = found.step_s, (g, m, found.stages, o)
+    if best is None and not complete:
+        raise NoFeasiblePlan(f"no plan found within the time budget of {options.time_budget:g} s (the search "
+                             "stopped before it finished, so one may exist): allow more time (--time-budget)")
     if best is None:
         raise NoFeasiblePlan(explain_infeasible(workload, cluster, global_batch, options))
-    g, m, stages = best
+    g, m, stages, o = best
+    order = places[o].device_order
     plan = Plan(stages=stages, dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
                 schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
-                model=workload.model, num_layers=len(workload), world_size=cluster.num_devices)
+                model=workload.model, num_layers=len(workload), world_size=cluster.num_devices,
+                device_order=list(order) if order is not None else None)
     result = simulate(plan, workload, cluster, options.cost)
     plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
                       "model_flops_per_device": result.model_flops_per_device,
                       "peak_memory_bytes": max(s.memory["total"] for s in result.stages)}
-    return SolveResult(plan=plan, result=result, seconds=time.perf_counter() - start, candidates=len(pairs),
+    return SolveResult(plan=plan, result=result, seconds=time.perf_counter() - start, candidates=total,
                        dp_runs=runs, stage_evaluations=tables.entries, complete=complete,
-                       stats={"dp_objective": best_t, "tables": tables.built, "heap_pops": pops})
+                       stats={"dp_objective": best_t, "tables": tables.built, "heap_pops": pops,
+                              "placements": len(places)},
+                       placement=places[o].name, placements=places)
 
 
 def _within(plan: Plan, options: SolverOptions, cluster) -> bool:
@@ -233,29 +259,37 @@ def _within(plan: Plan, options: SolverOptions, cluster) -> bool:
             and (not options.max_stages or plan.pp <= options.max_stages))
 
 
-def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions):
+def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions,
+               deadline: Optional[float] = None):
     """The Megatron recipe when it lies in the search space (so the pruning bites from the start
-    and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None)."""
+    and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None) (also
+    when the recipe's search passes ``deadline``, a ``time.perf_counter()`` value)."""
     from nest_fx.solver.baselines import megatron
 
-    recipe = megatron(workload, cluster, global_batch, options)
+    recipe = megatron(workload, cluster, global_batch, options, deadline=deadline)
     if recipe.plan is None or not _within(recipe.plan, options, cluster):
         return math.inf, None
     p = recipe.plan
     g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,
                      schedule=p.schedule, v=p.virtual_stages, placement=p.placement, sp=p.sequence_parallel)
-    return recipe.result.step_s, (g, p.num_microbatches, list(p.stages))
+    return recipe.result.step_s, (g, p.num_microbatches, list(p.stages), 0)
 
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:
     """Why nothing fits, and the smallest change that would."""
     capacity = cluster.device.memory_bytes * options.cost.usable_memory_fraction
+    node = min(cluster.levels[0].group_size, cluster.num_devices)
+    tps = [t for t in options.tp_degrees if t <= node and workload.supports(t, 1, t > 1)]
+    if not tps:
+        return (f"no tensor-parallel degree in {list(options.tp_degrees)} is both at most {node} (the devices of "
+                f"one {cluster.levels[0].name}) and one the workload has costs for (its shapes must divide by it, "
+                "and a layer table must list it): add tp=1 variants to the table, or allow other degrees")
     if not any(True for _ in global_configs(workload, cluster, global_batch, options)):
         return (f"no parallel configuration divides the global batch {global_batch} "
                 f"(with microbatch sizes {list(options.microbatch_sizes)}) over {cluster.num_devices} devices: "
                 "use a global batch with more small factors (e.g. a power of two)")
     # The leanest plan: most TP inside a node, deepest pipeline, ZeRO-3, full recompute, microbatch 1.
-    tp = max(t for t in options.tp_degrees if workload.dims.tp_ok(t) and t <= cluster.levels[0].group_size)
+    tp = max(tps)
     total_params = sum(workload.cost(i, tp, 1, 1, tp > 1).num_params for i in range(len(workload)))
     zero = max(options.zero_stages)
     p_max = min(len(workload), cluster.num_devices // tp)

@@ -1,6 +1,7 @@
 """The search space: global knobs of a plan and lower bounds used to order and prune them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -24,6 +25,7 @@ class SolverOptions:
     max_stages: Optional[int] = None
     use_all_devices: bool = False  # the runtime needs world size == devices used (no idle ranks)
     time_budget: Optional[float] = None  # seconds; None = search to optimality
+    search_placement: bool = True  # graph topologies: also choose the device order (solver.placement)
     cost: CostOptions = field(default_factory=CostOptions)
 
 
@@ -46,35 +48,35 @@ class GlobalConfig:
 
 
 def divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of ``n`` in increasing order (O(sqrt n): a global batch may be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
     """Every admissible combination of the global knobs."""
     node = cluster.levels[0].group_size
-    tps = [t for t in options.tp_degrees if workload.dims.tp_ok(t) and t <= cluster.num_devices
-           and (not options.tp_within_node or t <= node)]
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
-        eps = [e for e in eps if workload.dims.ep_ok(e)]
     else:
         eps = [1]
+    # (tp, ep) variants the workload has costs for (a layer table may list only some)
+    variants = [(tp, ep) for tp in options.tp_degrees for ep in eps
+                if tp <= cluster.num_devices and (not options.tp_within_node or tp <= node)
+                and workload.supports(tp, ep, options.sequence_parallel and tp > 1)]
     for mbs in options.microbatch_sizes:
         if global_batch % mbs:
             continue
         for dp in divisors(global_batch // mbs):
-            for tp in tps:
-                if dp * tp > cluster.num_devices:
+            for tp, ep in variants:
+                if dp * tp > cluster.num_devices or dp % ep:
                     continue
-                for ep in eps:
-                    if dp % ep:
-                        continue
-                    for zero in _undominated(options.zero_stages):
-                        for schedule, v in options.schedules:
-                            for placement in options.placements:
-                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
-                                                   v=v if schedule == "interleaved" else 1, placement=placement,
-                                                   sp=options.sequence_parallel and tp > 1)
+                for zero in _undominated(options.zero_stages):
+                    for schedule, v in options.schedules:
+                        for placement in options.placements:
+                            yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
+                                               v=v if schedule == "interleaved" else 1, placement=placement,
+                                               sp=options.sequence_parallel and tp > 1)
 
 
 def _undominated(zero_stages: Sequence[int]) -> List[int]:
@@ -96,6 +98,8 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue
         if options.use_all_devices and g.dp * g.tp * p != cluster.num_devices:
             continue
+        if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
+            continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
         out.append(p)
     return out
 

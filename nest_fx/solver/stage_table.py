@@ -18,7 +18,8 @@ the DP below are about plans faster than a given ``best``, which only decreases.
 What does not depend on the whole of (g, p) is shared through :class:`TableCache`: range
 classes and compute sums per layer variant, rank groups per layout (placement, tp, dp, ep, p),
 collective seconds per (layout, collective), p2p per (layout, variant), model states per
-(variant, ZeRO stage, dp), in-flight microbatches per (schedule, p, m).
+(variant, ZeRO stage, dp), in-flight microbatches per (schedule, p, m). Caches of other device
+orders of the same devices (``share=``) share the entries that do not depend on the network.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from nest_fx.cost import memory
 from nest_fx.cost.step_time import (CostOptions, LayerTerms, StageGroups, comm_terms, compute_terms,
                                     dp_sync_time, group_comm_fn, microbatch_time, model_states, p2p_time,
-                                    stage_groups, stage_memory, tail_terms)
+                                    stage_groups, stage_memory, tail_terms, working_sets)
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.workload import LayerCost, Workload
@@ -103,16 +104,24 @@ class _LayoutPlan(Plan):
 class TableCache:
     """What stage tables of one search share (see module docstring)."""
 
-    def __init__(self, workload: Workload, cluster, options: CostOptions, modes):
+    def __init__(self, workload: Workload, cluster, options: CostOptions, modes,
+                 share: Optional["TableCache"] = None):
+        """``share``: a cache of the same workload and options on another view of the same
+        devices (another device order): its network-independent entries (classes, layouts,
+        model states, in-flight microbatches) are shared, the network's are not."""
         self.workload, self.cluster, self.options, self.modes = workload, cluster, options, tuple(modes)
         self.capacity = cluster.device.memory_bytes * options.usable_memory_fraction
-        self._classes: Dict[tuple, RangeClasses] = {}
-        self._layouts: Dict[tuple, List[StageGroups]] = {}
+        if share is not None and (share.workload is not workload or share.options is not options
+                                  or share.modes != self.modes or share.cluster.device != cluster.device):
+            raise ValueError("TableCache(share=...): the shared cache must have the same workload, options, "
+                             "recompute modes and device")
+        self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
+        self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
+        self._states: Dict[tuple, tuple] = {} if share is None else share._states
+        self._inflight: Dict[tuple, np.ndarray] = {} if share is None else share._inflight
         self._comm_seconds: Dict[tuple, np.ndarray] = {}
         self._group_fns: Dict[tuple, list] = {}
         self._p2p: Dict[tuple, np.ndarray] = {}
-        self._states: Dict[tuple, tuple] = {}
-        self._inflight: Dict[tuple, np.ndarray] = {}
         self._work: Dict[tuple, Tuple[float, float]] = {}
 
     def classes(self, g: GlobalConfig) -> RangeClasses:
@@ -188,17 +197,20 @@ class TableCache:
         rc = self.classes(g)
         return float(rc.terms[self.modes[0]].params[rc.cls[0, len(self.workload)]])
 
-    def states(self, g: GlobalConfig) -> tuple:
-        """(dense states, expert states, dense params, expert params, optimizer seconds), (K,) each."""
-        key = (g.tp, g.ep, g.mbs, g.sp, g.zero, g.dp)
+    def states(self, g: GlobalConfig, p: int) -> tuple:
+        """(dense states, expert states, dense params, expert params, optimizer seconds, then
+        ``step_time.working_sets``), (K,) each, at the ZeRO stage a depth-p pipeline really has
+        (``memory.effective_zero_stage``)."""
+        zero = memory.effective_zero_stage(g.zero, p)
+        key = (g.tp, g.ep, g.mbs, g.sp, zero, g.dp)
         if key not in self._states:
             terms = self.classes(g).terms[self.modes[0]]
             dense = terms.params - terms.expert_params
             opts = self.options
-            t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.dp, g.zero, self.cluster, opts)[1]
-            self._states[key] = (model_states(dense, g.zero, g.dp, opts),
-                                 model_states(terms.expert_params, g.zero, max(g.dp // g.ep, 1), opts),
-                                 dense, terms.expert_params, t_opt)
+            t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.dp, zero, self.cluster, opts)[1]
+            self._states[key] = (model_states(dense, zero, g.dp, opts),
+                                 model_states(terms.expert_params, zero, max(g.dp // g.ep, 1), opts),
+                                 dense, terms.expert_params, t_opt, *working_sets(terms, zero, g.dp, opts))
         return self._states[key]
 
     def inflight(self, g: GlobalConfig, p: int, m: int) -> np.ndarray:
@@ -220,7 +232,8 @@ class StageTable:
         self.n = n = len(cache.workload)
         self.modes = cache.modes
         rc = cache.classes(g)
-        states, estates, dense, expert, t_opt = cache.states(g)
+        states, estates, dense, expert, t_opt, gathered, unsharded, scratch = cache.states(g, p)
+        self.zero = memory.effective_zero_stage(g.zero, p)
         base = rc.terms[self.modes[0]]
         compute = base.fwd + base.bwd
         ok = rc.length <= n - p + 1
@@ -247,7 +260,8 @@ class StageTable:
             tp_comm, ep_comm = comm_terms(counts, r, lambda comm: cache.comm_seconds(g, p, comm))
             t = np.full((p, k + 1), INF)
             t[:, :k] = microbatch_time(terms.fwd, terms.bwd, terms.recompute, tp_comm, ep_comm, p2p, g.v)
-            mem = stage_memory(states, estates, terms.act, terms.act_full_layer, inflight, r, rc.out_bytes[live])
+            mem = stage_memory(states, estates, terms.act, terms.layer_peak, inflight, rc.out_bytes[live],
+                               gathered[live], unsharded[live], scratch[live], num_microbatches=m)
             fits = np.zeros((p, k + 1), dtype=bool)
             fits[:, :k] = mem["total"] <= cache.capacity
             self.t[r], self.fits[r] = t, fits
@@ -362,12 +376,12 @@ class StageTable:
         todo = cols[np.isnan(self._sync[i, cols])]
         if todo.size:
             self._sync[i, todo] = dp_sync_time(cache.cluster, cache.layout(g, self.p)[i], self._dense[todo],
-                                               self._expert[todo], g.dp, g.ep, g.zero, self.m, cache.options)
+                                               self._expert[todo], g.dp, g.ep, self.zero, self.m, cache.options)
         out = {}
         for r in self.modes:
             terms = self.terms[r]
             exposed, t_opt = tail_terms(self._sync[i, cols], terms.bwd[cols], terms.recompute[cols],
-                                        terms.params[cols], g.dp, g.zero, cache.cluster, cache.options)
+                                        terms.params[cols], g.dp, self.zero, cache.cluster, cache.options)
             out[r] = exposed + t_opt
         return out
 

@@ -10,55 +10,27 @@ answer from the topology's hierarchy hint, for the devices the ranks run on.
 
 Placement: ``order[r]`` is the device that plan rank ``r`` runs on (identity by default);
 :meth:`GraphCluster.with_order` gives the same topology under another permutation, sharing its
-route cache.
+route cache and its collective cost curves. The levels carry the cluster's ``cache_token``
+(:class:`nest_fx.cost.placement.KeyedFloat`), so the step-time model's memo never mixes orders.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from nest_fx.cluster import Cluster, DeviceSpec, LevelSpan, NetworkLevel
+from nest_fx.cost.placement import KeyedFloat
 from nest_fx.topology import algorithms
 from nest_fx.topology.model import Topology, TopologyError
 
-
-class _KeyedFloat(float):
-    """A float that compares and hashes together with a key.
-
-    ``step_time.cached_collective`` memoises on ``(num_devices, level figures, ...)``. The
-    levels of a GraphCluster carry their cluster's :attr:`~GraphCluster.cache_token` in their
-    latency this way, so graph results are never served for a hierarchical cluster with the same
-    figures, nor for another order or topology. Arithmetic gives plain floats.
-    """
-
-    __slots__ = ("key",)
-
-    def __new__(cls, value: float, key: str) -> "_KeyedFloat":
-        obj = super().__new__(cls, value)
-        obj.key = key
-        return obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _KeyedFloat) and other.key == self.key and float(self) == float(other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash((float(self), self.key))
-
-    def __reduce__(self):
-        return (_KeyedFloat, (float(self), self.key))
-
-    def __repr__(self) -> str:
-        return repr(float(self))
+CURVE_CACHE_LIMIT = 200_000  # (kind, group) curves kept per topology; the cache starts afresh beyond it
 
 
 class GraphCluster:
     """A :class:`Topology` seen as a cluster, plan rank ``r`` on device ``order[r]``."""
 
     def __init__(self, topology: Topology, order: Optional[Sequence[int]] = None, *,
-                 all_to_all: str = "staged") -> None:
+                 all_to_all: str = "staged", _curves: Optional[Dict[tuple, algorithms.CostCurve]] = None) -> None:
         if not isinstance(topology, Topology):
             raise TopologyError(f"topology: must be a Topology, got {type(topology).__name__}")
         n = topology.num_devices
@@ -72,10 +44,13 @@ class GraphCluster:
         self.all_to_all = all_to_all
         digest = hashlib.sha1(f"{topology.fingerprint()}|{perm}|{all_to_all}".encode()).hexdigest()
         self.cache_token: str = f"graph:{digest}"
+        self.cost_key: str = self.cache_token  # step_time's collective memo key (the view is immutable)
         self.levels: List[NetworkLevel] = [
-            NetworkLevel(lv.name, lv.group_size, lv.bandwidth, _KeyedFloat(lv.latency, self.cache_token))
+            NetworkLevel(lv.name, lv.group_size, lv.bandwidth, KeyedFloat(lv.latency, self.cache_token))
             for lv in topology.hierarchy()]
         self._hierarchy: Optional[Cluster] = None
+        # cost curves per (kind, devices), shared by every order of this topology (with_order)
+        self._curves: Dict[tuple, algorithms.CostCurve] = {} if _curves is None else _curves
 
     # -- the Cluster interface used by the cost model ---------------------------------------
     @property
@@ -95,9 +70,16 @@ class GraphCluster:
         return [self.order[r] for r in self.topology.check_devices(ranks, "ranks")]
 
     def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float) -> float:
-        """Seconds of collective ``kind`` over plan ranks ``ranks`` on the graph."""
-        return algorithms.collective_time(kind, self.topology, self.devices_of(ranks), nbytes,
-                                          all_to_all=self.all_to_all)
+        """Seconds of collective ``kind`` over plan ranks ``ranks`` on the graph (the group's
+        :class:`~nest_fx.topology.algorithms.CostCurve` is built once and kept)."""
+        devices = tuple(self.devices_of(ranks))
+        curve = self._curves.get((kind, devices))
+        if curve is None:
+            if len(self._curves) >= CURVE_CACHE_LIMIT:
+                self._curves.clear()
+            curve = self._curves[(kind, devices)] = algorithms.collective_curve(
+                kind, self.topology, devices, all_to_all=self.all_to_all)
+        return curve(nbytes)
 
     def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
         """Seconds of a send of ``nbytes`` from plan rank ``src`` to plan rank ``dst``."""
@@ -136,7 +118,7 @@ class GraphCluster:
     # -- placement -------------------------------------------------------------------------
     def with_order(self, order: Sequence[int]) -> "GraphCluster":
         """The same topology with plan rank ``r`` on device ``order[r]``."""
-        return GraphCluster(self.topology, order, all_to_all=self.all_to_all)
+        return GraphCluster(self.topology, order, all_to_all=self.all_to_all, _curves=self._curves)
 
     def __repr__(self) -> str:
         ident = self.order == tuple(range(self.num_devices))

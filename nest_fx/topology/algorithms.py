@@ -56,20 +56,25 @@ class RingPass:
         m, n = self.members, len(self.members)
         return [(m[k], m[(k + 1) % n]) for k in range(n)]
 
-    def time(self, figs: Figures) -> float:
+    def terms(self, figs: Figures) -> Tuple[float, float]:
+        """(latency seconds, transfer seconds of ``nbytes``) given the flows' figures."""
         n = len(self.members)
         rate, lat = min(f[0] for f in figs), max(f[1] for f in figs)
-        return (n - 1) / n * self.nbytes / rate + (n - 1) * lat
+        return (n - 1) * lat, (n - 1) / n * self.nbytes / rate
+
+    def time(self, figs: Figures) -> float:
+        lat, transfer = self.terms(figs)
+        return transfer + lat
 
 
 @dataclass(frozen=True)
 class RingBroadcast(RingPass):
     """Scatter + ring all-gather of ``nbytes`` from ``members[0]`` (van de Geijn)."""
 
-    def time(self, figs: Figures) -> float:
+    def terms(self, figs: Figures) -> Tuple[float, float]:
         n = len(self.members)
         rate, lat = min(f[0] for f in figs), max(f[1] for f in figs)
-        return 2 * (n - 1) / n * self.nbytes / rate + (math.ceil(math.log2(n)) + n - 1) * lat
+        return (math.ceil(math.log2(n)) + n - 1) * lat, 2 * (n - 1) / n * self.nbytes / rate
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,13 @@ class Exchange:
     def flows(self) -> List[Flow]:
         return [(self.sender, p) for p in self.peers]
 
+    def terms(self, figs: Figures) -> Tuple[float, float]:
+        """(latency seconds, transfer seconds of ``nbytes``) given the flows' figures."""
+        return sum(f[1] for f in figs), max(self.nbytes / f[0] for f in figs)
+
     def time(self, figs: Figures) -> float:
-        return max(self.nbytes / f[0] for f in figs) + sum(f[1] for f in figs)
+        lat, transfer = self.terms(figs)
+        return transfer + lat
 
 
 Task = Union[RingPass, Exchange]
@@ -245,10 +255,70 @@ def concurrent_collective_time(kind: str, topo: Topology, groups: Sequence[Seque
     return max(concurrent_times(kind, topo, groups, nbytes, all_to_all=all_to_all), default=0.0)
 
 
+class CostCurve:
+    """Seconds of one collective over one group alone, as a function of the buffer size S.
+
+    Every task of a schedule moves a fixed fraction of S and its time is
+    ``latency terms + transfer terms`` with the transfer linear in its bytes (``terms`` of the
+    task classes), so a schedule costs ``sum over steps of max over tasks (a + b * S)``. The
+    routes and rates (the expensive part) are resolved once, when the curve is built; a size
+    then costs O(distinct task figures). All-reduce is twice the reduce-scatter curve.
+    """
+
+    __slots__ = ("schedules", "factor")
+
+    def __init__(self, schedules: Sequence[Sequence[Sequence[Tuple[float, float]]]], factor: float = 1.0) -> None:
+        self.schedules = [[_undominated(step) for step in steps] for steps in schedules]
+        self.factor = factor
+
+    def __call__(self, nbytes: float) -> float:
+        nbytes = _check_bytes(nbytes, "nbytes")
+        if nbytes == 0 or not self.schedules:
+            return 0.0
+        best = min(sum(max(a + b * nbytes for a, b in step) for step in steps) for steps in self.schedules)
+        return self.factor * best
+
+
+def _undominated(pieces: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The (a, b) pieces that can be the largest for some S >= 0: a piece with a <= a' and
+    b <= b' for another piece (a', b') never is, and is dropped (the max is unchanged)."""
+    out: List[Tuple[float, float]] = []
+    for a, b in sorted(set(pieces), reverse=True):  # a descending: dominated iff an earlier piece has b' >= b
+        if not out or b > out[-1][1]:  # the kept pieces' b increase, the last is the largest
+            out.append((a, b))
+    return out
+
+
+def collective_curve(kind: str, topo: Topology, devices: Sequence[int], *, all_to_all: str = "staged") -> CostCurve:
+    """The :class:`CostCurve` of collective ``kind`` over ``devices`` alone on the topology."""
+    if kind not in KINDS:
+        raise TopologyError(f"unknown collective kind {kind!r}; expected one of {sorted(KINDS)}")
+    if all_to_all not in ALL_TO_ALL:
+        raise TopologyError(f"all_to_all: {all_to_all!r}, use one of {ALL_TO_ALL}")
+    members = topo.check_devices(devices, "groups[0]")
+    if len(members) <= 1:
+        return CostCurve([])
+    sizes = [lv.group_size for lv in topo.hierarchy()]
+    schedules = []
+    for schedule in _candidates(kind, members, 1.0, sizes, all_to_all):  # tasks move fractions of 1 byte
+        steps = []
+        for step in schedule:
+            figs = concurrent_flows(topo.router, [f for task in step for f in task.flows()])
+            pieces, pos = [], 0
+            for task in step:
+                n = len(task.flows())
+                pieces.append(task.terms(figs[pos:pos + n]))
+                pos += n
+            steps.append(pieces)
+        schedules.append(steps)
+    return CostCurve(schedules, 2.0 if kind == "all_reduce" else 1.0)
+
+
 def collective_time(kind: str, topo: Topology, devices: Sequence[int], nbytes: float, *,
                     all_to_all: str = "staged") -> float:
     """Seconds of collective ``kind`` over ``devices`` alone on the topology."""
-    return concurrent_times(kind, topo, [devices], nbytes, all_to_all=all_to_all)[0]
+    nbytes = _check_bytes(nbytes, "nbytes")
+    return collective_curve(kind, topo, devices, all_to_all=all_to_all)(nbytes)
 
 
 def p2p_time(topo: Topology, src: int, dst: int, nbytes: float) -> float:

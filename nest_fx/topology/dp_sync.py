@@ -9,10 +9,11 @@ parameters are left out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
-from nest_fx.cost.step_time import CostOptions
+from nest_fx.cost.placement import placed
+from nest_fx.cost.step_time import CostOptions, pipeline_time, simulate, stage_tail
 from nest_fx.plan import Plan
 from nest_fx.topology import algorithms
 from nest_fx.topology.adapter import GraphCluster
@@ -51,8 +52,10 @@ def stage_gradient_bytes(plan: Plan, workload: Workload, options: CostOptions) -
 
 def dp_sync_contention(plan: Plan, workload: Workload, cluster: GraphCluster,
                        options: Optional[CostOptions] = None) -> DpSyncContention:
-    """DP all-reduce of every stage, alone and with all DP groups of the step at once."""
+    """DP all-reduce of every stage, alone and with all DP groups of the step at once (plan
+    ranks on the devices of the plan's ``device_order``)."""
     options = options or CostOptions()
+    cluster = placed(cluster, plan.device_order)
     grads = stage_gradient_bytes(plan, workload, options)
     if plan.dp <= 1:
         return DpSyncContention([0.0] * plan.pp, [0.0] * plan.pp)
@@ -64,3 +67,27 @@ def dp_sync_contention(plan: Plan, workload: Workload, cluster: GraphCluster,
     for (i, _), t in zip(groups, times):
         concurrent[i] = max(concurrent[i], t)
     return DpSyncContention(isolated, concurrent)
+
+
+def contended_step_s(plan: Plan, workload: Workload, cluster: GraphCluster,
+                     options: Optional[CostOptions] = None) -> Tuple[float, DpSyncContention]:
+    """(step seconds with every stage's DP sync stretched by its contention, the contention).
+
+    ``simulate`` charges each stage's DP traffic as one group alone; here stage i's
+    ``dp_sync`` is multiplied by ``concurrent[i] / isolated[i]`` (all its groups and every other
+    stage's syncing at once) and the step is rebuilt from the simulator's own pipeline time and
+    stage tails (``step_time.pipeline_time``, ``stage_tail``). An estimate: the stretch of the
+    gradient all-reduce is applied to the stage's whole sync volume (ZeRO-2/3 reduce-scatters
+    and gathers are ring passes over the same groups).
+    """
+    options = options or CostOptions()
+    result = simulate(plan, workload, cluster, options)
+    report = dp_sync_contention(plan, workload, cluster, options)
+    view = placed(cluster, plan.device_order)
+    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], plan.num_microbatches, plan.schedule, v)
+    tails = []
+    for i, sc in enumerate(result.stages):
+        stretch = report.concurrent[i] / report.isolated[i] if report.isolated[i] > 0 else 1.0
+        tails.append(sum(stage_tail(replace(sc, dp_sync=sc.dp_sync * stretch), plan, view, options)))
+    return t_pipe + max(tails), report

@@ -10,7 +10,7 @@ import json
 from typing import Any, Dict, List, Tuple
 
 from nest_fx.cluster import CLUSTER_FORMAT, Cluster, ClusterError, parse_quantity
-from nest_fx.fileio import read_text
+from nest_fx.fileio import read_document
 from nest_fx.topology.model import Link, Topology, TopologyError
 
 TOPOLOGY_FORMAT = "nest-fx-topology/1"
@@ -100,21 +100,7 @@ def from_dict(data: object) -> Topology:
 
 def load_topology(path: str) -> Topology:
     """Read a topology file: YAML for .yaml/.yml, JSON for .json. Errors start with the path."""
-    if not path.endswith((".yaml", ".yml", ".json")):
-        raise TopologyError(f"{path}: topology files must end in .yaml, .yml or .json")
-    text = read_text(path, TopologyError, "topology")
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise TopologyError(f"{path}: not valid YAML ({exc})") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TopologyError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_document(path, TopologyError, "topology")
     try:
         return from_dict(data)
     except TopologyError as exc:
