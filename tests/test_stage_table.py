@@ -60,13 +60,15 @@ def _slot_plan(g, p, m, i, start, end, mode, n):
     return plan
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_table_equals_stage_cost_exactly(case, overlap):
+@pytest.mark.parametrize("overlap, overheads", [(True, False), (False, False), (True, True)])
+def test_table_equals_stage_cost_exactly(case, overlap, overheads):
     work, cluster = case
     cost = CostOptions(overlap_grad_sync=overlap)
+    if overheads:  # the runtime's host work per TP and FSDP collective (CPU-like figures)
+        cost = CostOptions(tp_call_overhead=(2e-3, 1e-9), fsdp_call_overhead=(5e-3, 2e-9))
     cache = TableCache(work, cluster, cost, SPACE.recompute)
     n, checked = len(work), 0
-    for g, p in _pairs(work, cluster, 16, SPACE, 150, seed=int(overlap)):
+    for g, p in _pairs(work, cluster, 16, SPACE, 150, seed=int(overlap) + 2 * int(overheads)):
         m = g.microbatches(16)
         table = StageTable(cache, g, p, m)
         for i in range(p):

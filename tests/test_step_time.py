@@ -61,6 +61,54 @@ def test_data_parallel_sync_without_overlap_is_one_allreduce(work, cluster):
     assert overlapped.breakdown["dp_sync_exposed"] <= r.breakdown["dp_sync_exposed"]
 
 
+def test_zero0_sync_runs_after_backward_fsdp_overlaps(work, cluster):
+    from nest_fx.cost.step_time import CostOptions
+
+    exposed = {}
+    for zero in (0, 1):
+        plan = uniform_plan(len(work), pp=1, tp=1, dp=16, num_microbatches=1, zero=zero)
+        exposed[zero] = [simulate(plan, work, cluster, CostOptions(overlap_grad_sync=o)).breakdown["dp_sync_exposed"]
+                         for o in (True, False)]
+    # the runtime's ZeRO-0 all-reduce starts after backward (GradientSync): nothing to overlap
+    assert exposed[0][0] == exposed[0][1] > 0
+    # FSDP reduces during backward
+    assert exposed[1][0] < exposed[1][1]
+
+
+def test_runtime_call_overheads_add_per_collective(work, cluster):
+    from nest_fx.cost.step_time import CostOptions
+
+    a, b = 2e-3, 1e-9
+    tp_plan = uniform_plan(len(work), pp=1, tp=4, dp=1, num_microbatches=2)
+    base = simulate(tp_plan, work, cluster)
+    slow = simulate(tp_plan, work, cluster, CostOptions(tp_call_overhead=(a, b)))
+    calls = [(c.count, c.nbytes) for i in range(len(work)) for c in work.cost(i, tp=4).comms]
+    assert len(calls) > 8
+    per_mb = sum(n * (a + b * nbytes) for n, nbytes in calls)
+    assert slow.stages[0].tp_comm - base.stages[0].tp_comm == pytest.approx(per_mb)
+    assert slow.breakdown["tp_comm"] - base.breakdown["tp_comm"] == pytest.approx(2 * per_mb)
+    # the host work is per TP region: sequence parallelism's all-gather + reduce-scatter pair
+    # costs what plain TP's all-reduce does
+    sp_plan = uniform_plan(len(work), pp=1, tp=4, dp=1, num_microbatches=2, sequence_parallel=True)
+    sp_extra = (simulate(sp_plan, work, cluster, CostOptions(tp_call_overhead=(a, b))).breakdown["tp_comm"]
+                - simulate(sp_plan, work, cluster).breakdown["tp_comm"])
+    assert sp_extra == pytest.approx(2 * per_mb)
+    # without TP there is no TP collective to pay for
+    one = uniform_plan(len(work), pp=1, tp=1, dp=1, num_microbatches=2)
+    assert simulate(one, work, cluster, CostOptions(tp_call_overhead=(a, b))).step_s == simulate(one, work, cluster).step_s
+
+    # FSDP: ZeRO-3 with m microbatches issues 2m all-gathers and m reduce-scatters per unit
+    m, dp = 2, 8
+    z3 = uniform_plan(len(work), pp=1, tp=1, dp=dp, num_microbatches=m, zero=3)
+    base, slow = simulate(z3, work, cluster), simulate(z3, work, cluster, CostOptions(fsdp_call_overhead=(a, b)))
+    units = sum(1 for layer in work.layers if layer.kind == "block") + 1  # blocks + the root
+    params = sum(work.cost(i).num_params for i in range(len(work)))
+    extra = units * 3 * m * a + b * params * (2 * m * 2 + m * 2)  # bf16 parameters and gradients
+    assert slow.stages[0].dp_sync - base.stages[0].dp_sync == pytest.approx(extra)
+    z0 = uniform_plan(len(work), pp=1, tp=1, dp=dp, num_microbatches=m, zero=0)
+    assert simulate(z0, work, cluster, CostOptions(fsdp_call_overhead=(a, b))).step_s == simulate(z0, work, cluster).step_s
+
+
 def test_tensor_parallel_comm_matches_collectives(work, cluster):
     plan = uniform_plan(len(work), pp=1, tp=4, dp=1, num_microbatches=1)
     r = simulate(plan, work, cluster)

@@ -63,6 +63,13 @@ class CostOptions:
     bytes_per_param_update: float = 36.0  # Adam, mixed precision: read/write fp32 p, m, v + grads + bf16 copy
     optimizer_mem_efficiency: float = 0.7
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+    # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
+    # byte of the collective's buffer): DTensor dispatch and copies around a TP/EP collective,
+    # FSDP's copy-in/out and bookkeeping around each unit's all-gather/reduce-scatter.
+    # 0 by default (on GPUs the host runs ahead of the device); profiler.runtime_overhead
+    # measures them where they show (CPU ranks).
+    tp_call_overhead: Tuple[float, float] = (0.0, 0.0)
+    fsdp_call_overhead: Tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":
@@ -273,6 +280,7 @@ class LayerTerms:
     act: Count = 0.0  # saved activation bytes of one microbatch
     layer_peak: Count = 0.0  # the largest one-layer backward working set (see compute_terms)
     root_params: Count = 0.0  # parameters outside every block (head, tail): the FSDP root unit
+    blocks: Count = 0.0  # block layers (each its own FSDP unit)
     unit_params: Count = 0.0  # the largest block's parameters: the largest FSDP unit
 
 
@@ -286,14 +294,16 @@ def compute_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str) -
     the stage's layers: under full recompute the full activations a checkpointed layer rebuilds,
     plus the layer's own backward scratch (``LayerCost.bwd_scratch``, e.g. the loss's gradients
     of the logits). Layers run their backward one at a time, so only the largest counts."""
-    fwd = bwd = rec = params = expert = act = act_full = root = unit = 0.0
+    fwd = bwd = rec = params = expert = act = act_full = root = unit = blocks = 0.0
     for c, count in distinct:
         if not c.block:
             root = root + c.num_params * count
-        elif isinstance(count, np.ndarray):
-            unit = np.maximum(unit, np.where(count > 0, c.num_params, 0.0))
-        elif count > 0:
-            unit = max(unit, c.num_params)
+        else:
+            blocks = blocks + count
+            if isinstance(count, np.ndarray):
+                unit = np.maximum(unit, np.where(count > 0, c.num_params, 0.0))
+            elif count > 0:
+                unit = max(unit, c.num_params)
         fwd = fwd + c.fwd_s * count
         bwd = bwd + c.bwd_s * count
         rec = rec + c.recompute_s[recompute] * count
@@ -308,24 +318,48 @@ def compute_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str) -
         elif count > 0:
             act_full = max(act_full, peak)
     return LayerTerms(fwd=fwd, bwd=bwd, recompute=rec, params=params, expert_params=expert, act=act,
-                      layer_peak=act_full, root_params=root, unit_params=unit)
+                      layer_peak=act_full, root_params=root, unit_params=unit, blocks=blocks)
 
 
 def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
-               seconds: Callable[[Comm], Count]) -> Tuple[Count, Count]:
+               seconds: Callable[[Comm], Count], overhead: Tuple[float, float] = (0.0, 0.0)) -> Tuple[Count, Count]:
     """(TP, EP) collective seconds of a stage's layers; ``seconds(comm)`` is one collective on
     the stage's slowest group (an array, one entry per stage, broadcasts against array counts).
-    Full recomputation repeats the forward collectives."""
+    Full recomputation repeats the forward collectives. ``overhead``: the runtime's host work
+    per call (``CostOptions.tp_call_overhead``), added to every collective that runs."""
     tp = ep = 0.0
+    per_call, per_byte = overhead
     for c, count in distinct:
-        for comm in c.comms:
+        weights = _host_call_weights(c.comms) if (per_call or per_byte) else None
+        for k, comm in enumerate(c.comms):
             t = seconds(comm)
+            if weights is not None:
+                extra = weights[k] * comm.count * (per_call + per_byte * comm.nbytes)
+                t = np.where(t > 0, t + extra, 0.0) if isinstance(t, np.ndarray) else (t + extra if t > 0 else t)
             repeat = 2 if (recompute == "full" and comm.phase == "fwd") else 1
             if comm.group == "tp":
                 tp = tp + t * repeat * count
             else:
                 ep = ep + t * repeat * count
     return tp, ep
+
+
+def _host_call_weights(comms: Sequence[Comm]) -> List[float]:
+    """Share of each collective that pays the runtime's host work per call. That work is per
+    tensor-parallel region (the DTensor ops around it), not per collective: a sequence-parallel
+    region's all-gather and reduce-scatter pair counts once, on the reduce-scatter; an
+    all-gather without a partner (the logits) counts in full."""
+    scatters: Dict[Tuple[str, str], int] = {}
+    for comm in comms:
+        if comm.kind == "reduce_scatter":
+            scatters[(comm.group, comm.phase)] = scatters.get((comm.group, comm.phase), 0) + comm.count
+    weights = []
+    for comm in comms:
+        paired = scatters.get((comm.group, comm.phase), 0) if comm.kind == "all_gather" else 0
+        weights.append(max(comm.count - paired, 0) / comm.count if paired and comm.count else 1.0)
+        if paired:
+            scatters[(comm.group, comm.phase)] = max(paired - comm.count, 0)
+    return weights
 
 
 def microbatch_time(fwd: Count, bwd: Count, recompute: Count, tp_comm: Count, ep_comm: Count, p2p: Count,
@@ -420,7 +454,7 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
     distinct = workload.range_costs(stage.start, stage.end, stage.tp, *variant)
     terms = compute_terms(distinct, stage.recompute)
     sc.tp_comm, sc.ep_comm = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(
-        cluster, comm, groups.tp if comm.group == "tp" else groups.ep))
+        cluster, comm, groups.tp if comm.group == "tp" else groups.ep), options.tp_call_overhead)
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
     if i > 0:
         prev = plan.stages[i - 1]
@@ -429,7 +463,7 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
     dense = terms.params - terms.expert_params
     zero = memory.effective_zero_stage(plan.zero, plan.pp)
     sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp, plan.ep, zero,
-                              plan.num_microbatches, options)
+                              plan.num_microbatches, options, fsdp_units(terms))
     # -- memory -------------------------------------------------------------------------------
     inflight = memory.pipeline_inflight_microbatches(plan.schedule, i, plan.pp, plan.num_microbatches,
                                                      plan.virtual_stages)
@@ -461,16 +495,31 @@ def boundary_time(workload: Workload, cluster, plan: Plan, i: int, replicas: Seq
     return p2p_time(cluster, stage_groups(plan, i, replicas), full, prev.tp, stage.tp)
 
 
+def fsdp_units(terms: LayerTerms) -> Count:
+    """FSDP units of a stage: one per block, plus the root when it holds parameters."""
+    root = terms.root_params > 0
+    return terms.blocks + (root.astype(float) if isinstance(root, np.ndarray) else float(root))
+
+
 def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_params: Count, dp: int, ep: int,
-                 zero: int, num_microbatches: int, options: CostOptions) -> Count:
+                 zero: int, num_microbatches: int, options: CostOptions, units: Count = 1.0) -> Count:
     """Seconds of gradient (and ZeRO-3 parameter) traffic of a stage per step, not yet overlapped:
     dense parameters over its DP group, expert parameters over the replicas holding the same
-    experts. Arrays of parameter counts give an array."""
+    experts, plus the runtime's host work per FSDP collective (``options.fsdp_call_overhead``;
+    ``units`` FSDP units each run their own). Arrays of parameter counts give an array."""
     if dp <= 1:
         return 0.0
     total = _sync_volume_time(cluster, groups.dp, dense_params, zero, num_microbatches, options)
     if dp // ep > 1 and (expert_params.any() if isinstance(expert_params, np.ndarray) else expert_params):
         total = total + _sync_volume_time(cluster, groups.expert_dp, expert_params, zero, num_microbatches, options)
+    per_call, per_byte = options.fsdp_call_overhead
+    if zero >= 1 and (per_call or per_byte):
+        m, pbytes, gbytes = num_microbatches, options.param_bytes, options.grad_bytes
+        # (all-gathers, reduce-scatters) per unit and step, as the runtime issues them
+        gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero]
+        params = dense_params + expert_params
+        total = total + units * (gathers + scatters) * per_call + per_byte * params * (
+            gathers * pbytes + scatters * gbytes)
     return total
 
 
@@ -507,7 +556,8 @@ def _sync_volume_time(cluster, group: Sequence[int], params: Count, zero: int, m
 def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count, dp: int, zero: int, cluster,
                options: CostOptions) -> Tuple[Count, Count]:
     """(exposed DP sync, optimizer step) after a stage's last backward, from its terms."""
-    window = bwd + recompute_s if options.overlap_grad_sync else 0.0
+    # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps its own
+    window = bwd + recompute_s if options.overlap_grad_sync and zero >= 1 else 0.0
     gap = dp_sync - window
     exposed = np.maximum(gap, 0.0) if isinstance(gap, np.ndarray) else max(0.0, gap)
     updated = num_params / (dp if zero >= 1 else 1)

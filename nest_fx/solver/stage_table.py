@@ -32,7 +32,7 @@ import numpy as np
 from nest_fx.cost import memory
 from nest_fx.cost.step_time import (CostOptions, LayerTerms, StageGroups, comm_terms, compute_terms,
                                     dp_sync_time, group_comm_fn, microbatch_time, model_states, p2p_time,
-                                    stage_groups, stage_memory, tail_terms, working_sets)
+                                    fsdp_units, stage_groups, stage_memory, tail_terms, working_sets)
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.workload import LayerCost, Workload
@@ -247,6 +247,7 @@ class StageTable:
         self.cls = remap[rc.cls]
         self.length = rc.length[live]
         self._dense, self._expert = dense[live], expert[live]
+        self._units = fsdp_units(_subset(rc.terms[self.modes[0]], live))
         self.terms = {r: _subset(rc.terms[r], live) for r in self.modes}
         counts = list(zip(rc.costs, rc.counts[:, live]))
         p2p = cache.p2p(g, p)[:, rc.prev[live]]
@@ -257,7 +258,8 @@ class StageTable:
         self.fits: Dict[str, np.ndarray] = {}
         for r in self.modes:
             terms = self.terms[r]
-            tp_comm, ep_comm = comm_terms(counts, r, lambda comm: cache.comm_seconds(g, p, comm))
+            tp_comm, ep_comm = comm_terms(counts, r, lambda comm: cache.comm_seconds(g, p, comm),
+                                          cache.options.tp_call_overhead)
             t = np.full((p, k + 1), INF)
             t[:, :k] = microbatch_time(terms.fwd, terms.bwd, terms.recompute, tp_comm, ep_comm, p2p, g.v)
             mem = stage_memory(states, estates, terms.act, terms.layer_peak, inflight, rc.out_bytes[live],
@@ -376,7 +378,8 @@ class StageTable:
         todo = cols[np.isnan(self._sync[i, cols])]
         if todo.size:
             self._sync[i, todo] = dp_sync_time(cache.cluster, cache.layout(g, self.p)[i], self._dense[todo],
-                                               self._expert[todo], g.dp, g.ep, self.zero, self.m, cache.options)
+                                               self._expert[todo], g.dp, g.ep, self.zero, self.m, cache.options,
+                                               self._units[todo])
         out = {}
         for r in self.modes:
             terms = self.terms[r]
