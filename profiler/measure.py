@@ -165,13 +165,26 @@ def measure_nodes(gm: fx.GraphModule, args: tuple, kwargs: Optional[dict], timer
     return interp.results
 
 
-def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], timer: Timer) -> float:
-    """Median seconds of one eager forward + backward of the whole model (sum of its float
-    outputs as the loss): the figure per-op sums are checked against."""
+def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], timer: Timer,
+                 loss: str = "sum") -> float:
+    """Median seconds of one eager forward + backward of the whole model: the figure per-op sums
+    are checked against. ``loss="sum"``: the sum of its float outputs (next to nothing), for a
+    sum over the traced ops; ``"cross_entropy"``: token-level cross entropy of its logits in fp32
+    against random targets, the training step a Workload costs (it adds that loss to the tail)."""
+    if loss not in ("sum", "cross_entropy"):
+        raise ValueError(f"loss={loss!r}: use 'sum' or 'cross_entropy'")
+
+    def objective(out) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        if loss == "cross_entropy" and isinstance(logits, torch.Tensor) and logits.dim() >= 2:
+            flat = logits.reshape(-1, logits.size(-1)).float()
+            targets = torch.randint(0, logits.size(-1), (flat.size(0),), device=flat.device)
+            return torch.nn.functional.cross_entropy(flat, targets)
+        return sum(t.float().sum() for t in _float_tensors(logits))
+
     def step():
         out = model(*args, **(kwargs or {}))
-        loss = sum(t.float().sum() for t in _float_tensors(out if not hasattr(out, "logits") else out.logits))
-        loss.backward()
+        objective(out).backward()
         for p in model.parameters():
             p.grad = None
     return timer.measure(step)

@@ -21,7 +21,8 @@ seed on each of ``--world`` local ranks (``nest_fx.apply.testing.launch``):
   dp1    DP=2, zero=1                                FSDP2 ``fully_shard`` per block, then the root,
                                                      ``reshard_after_forward=False``
   tp     TP=2                                        ``parallelize_module``: Colwise q/k/v/gate/up,
-                                                     Rowwise o/down
+                                                     Rowwise o/down, vocabulary-parallel embedding
+                                                     (Rowwise) and LM head (Colwise, logits gathered)
   =====  ==========================================  =============================================
 
 Same weights, same batches (the global batch, each DP rank taking its rows), SGD, ``lm_loss``.
@@ -79,9 +80,12 @@ class HandStep:
         self.per = batch // self.dp
         mesh = init_device_mesh("cpu", (self.world,))
         if case["tp"] > 1:
+            from torch.distributed.tensor import Replicate
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-            styles = {}
+            # vocabulary-parallel embedding and LM head, as torchtitan writes them (the plan's own)
+            styles = {"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                      "lm_head": ColwiseParallel(output_layouts=Replicate())}
             for i in range(len(model.layers)):
                 styles.update({f"layers.{i}.{n}": ColwiseParallel() for n in TP_COLWISE})
                 styles.update({f"layers.{i}.{n}": RowwiseParallel() for n in TP_ROWWISE})
