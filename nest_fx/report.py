@@ -92,18 +92,22 @@ def sim_tables(result, plan, workload) -> str:
             f"global batch {plan.global_batch}")
     perf = (f"throughput {fmt_si(result.tokens_per_s)} tokens/s; model {fmt_si(result.model_flops_per_device, 'FLOP/s')} "
             f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute)")
+    # the runtime's working sets get a column when some stage has them (docs/cost_model.md)
+    terms = ["weights", "grads", "optimizer", "activations", "buffers"]
+    terms += [k for k in ("fsdp_unsharded", "optimizer_step") if any(st.memory.get(k, 0) for st in result.stages)]
+    names = {"buffers": "p2p buffers", "fsdp_unsharded": "FSDP unsharded", "optimizer_step": "opt. scratch"}
     mem_rows = []
     for s in result.stages:
         m = s.memory
-        mem_rows.append([s.index, f"{s.layers[0]}-{s.layers[1] - 1}", s.tp, s.recompute, fmt_bytes(m["weights"]),
-                         fmt_bytes(m["grads"]), fmt_bytes(m["optimizer"]), fmt_bytes(m["activations"]),
-                         fmt_bytes(m["total"]), "yes" if s.fits else f"NO ({s.binding})"])
+        mem_rows.append([s.index, f"{s.layers[0]}-{s.layers[1] - 1}", s.tp, s.recompute]
+                        + [fmt_bytes(m.get(k, 0.0)) for k in terms]
+                        + [fmt_bytes(m["total"]), "yes" if s.fits else f"NO ({s.binding})"])
     status = "feasible" if result.feasible else f"INFEASIBLE: {result.binding}"
     return "\n".join([
         head, perf, status, "",
         tabulate(rows, headers=["term", "time", "share"], tablefmt="simple"), "",
-        tabulate(mem_rows, headers=["stage", "layers", "tp", "recompute", "weights", "grads", "optimizer",
-                                    "activations", "total", "fits"], tablefmt="simple"),
+        tabulate(mem_rows, headers=["stage", "layers", "tp", "recompute"] + [names.get(k, k) for k in terms]
+                 + ["total", "fits"], tablefmt="simple"),
     ])
 
 
