@@ -2,8 +2,9 @@
 
 To time what one TP rank computes we do not need a process group: each column linear of a
 traced TP pair keeps ``out/tp`` output features, each row linear ``in/tp`` input features,
-attention modules see ``heads/tp`` heads, and the embedding and LM head keep ``vocab/tp`` rows
-(vocabulary parallelism). The ops between the linears then run on exactly the shapes a TP rank
+attention modules see ``heads/tp`` heads, and the embedding and LM head keep ``ceil(vocab/tp)``
+rows (vocabulary parallelism; the largest shard of an uneven split, as ``Shard(0)`` makes it,
+since the slowest rank sets the pace). The ops between the linears then run on exactly the shapes a TP rank
 runs; the collectives are costed separately by the network model.
 """
 from __future__ import annotations
@@ -19,16 +20,17 @@ class LocaliseError(ValueError):
     """The model has a TP pair this module cannot shard locally (names the module)."""
 
 
-def _shard_linear(model: nn.Module, fqn: str, tp: int, dim: int) -> None:
+def _shard_linear(model: nn.Module, fqn: str, tp: int, dim: int, uneven: bool = False) -> None:
     parent_name, _, attr = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
     if not isinstance(old, nn.Linear):
         raise LocaliseError(f"{fqn} is a {type(old).__name__}, not nn.Linear: profile it with --tp 1")
     size = old.out_features if dim == 0 else old.in_features
-    if size % tp:
+    if size % tp and not uneven:
         raise LocaliseError(f"{fqn}: {size} features are not divisible by tp={tp}")
-    out_f, in_f = (old.out_features // tp, old.in_features) if dim == 0 else (old.out_features, old.in_features // tp)
+    local = -(-size // tp)
+    out_f, in_f = (local, old.in_features) if dim == 0 else (old.out_features, local)
     keep_bias = old.bias is not None
     new = nn.Linear(in_f, out_f, bias=keep_bias, device=old.weight.device, dtype=old.weight.dtype)
     setattr(parent, attr, new)
@@ -38,9 +40,7 @@ def _shard_embedding(model: nn.Module, fqn: str, tp: int) -> None:
     parent_name, _, attr = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
-    if old.num_embeddings % tp:
-        raise LocaliseError(f"{fqn}: vocabulary {old.num_embeddings} is not divisible by tp={tp}")
-    setattr(parent, attr, nn.Embedding(old.num_embeddings // tp, old.embedding_dim,
+    setattr(parent, attr, nn.Embedding(local_vocab(old.num_embeddings, tp), old.embedding_dim,
                                        device=old.weight.device, dtype=old.weight.dtype))
 
 
@@ -67,8 +67,13 @@ def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
             if isinstance(module, nn.Embedding) and module.num_embeddings == vocab_size:
                 _shard_embedding(model, fqn, tp)
             elif isinstance(module, nn.Linear) and module.out_features == vocab_size:
-                _shard_linear(model, fqn, tp, dim=0)
+                _shard_linear(model, fqn, tp, dim=0, uneven=True)
     return model
+
+
+def local_vocab(vocab_size: int, tp: int) -> int:
+    """Rows of the largest vocabulary shard on ``tp`` ranks."""
+    return -(-vocab_size // tp)
 
 
 def _call_modules(g, nodes: Iterable[str]):

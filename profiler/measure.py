@@ -3,13 +3,13 @@
 An ``fx.Interpreter`` executes the graph once for real (so every node sees inputs of the exact
 shapes and values the model produces). For each node picked for timing it then:
 
-* times the forward call on those inputs (``Timer.measure``);
+* times the forward call on those inputs: device and host seconds (``Timer.measure_split``);
 * detaches the floating-point inputs, marks them (and the node's parameters) as requiring
   grad, runs the node once under autograd and times ``torch.autograd.grad`` of its floating
   outputs with random output gradients, ``retain_graph=True`` so each repeat replays the same
   backward;
-* subtracts the fixed cost of one ``autograd.grad`` call (measured on a one-element tensor),
-  which a whole-model backward pays once rather than per node;
+* subtracts the fixed host cost of one ``autograd.grad`` call (measured on a one-element
+  tensor), which a whole-model backward pays once rather than per node;
 * records memory: the allocator's peak over the forward and backward on CUDA, and tensor byte
   accounting (outputs plus what autograd saved for backward) on CPU.
 
@@ -33,10 +33,12 @@ from profiler.timer import Timer
 class NodeMeasurement:
     """What one node cost on the device, per call (SI units)."""
 
-    fwd_s: float
+    fwd_s: float  # device seconds (CPU: wall)
     bwd_s: float
     peak_bytes: float  # CUDA allocator peak over fwd+bwd above the baseline; CPU: outputs + saved
     skipped: str = ""  # why it was not measured ("oom", ...)
+    fwd_host_s: float = math.nan  # host (dispatch) seconds; CPU: wall
+    bwd_host_s: float = math.nan
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -112,7 +114,7 @@ class _MeasuringInterpreter(fx.Interpreter):
             return self._call(n, args_g, kwargs_g)
 
         with torch.enable_grad():
-            fwd = self.timer.measure(call)
+            fwd, fwd_host = self.timer.measure_split(call)
         saved = [0]
 
         def pack(t):
@@ -126,28 +128,28 @@ class _MeasuringInterpreter(fx.Interpreter):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = call()
         outs = [t for t in _float_tensors(out) if t.requires_grad]
-        bwd = 0.0
+        bwd = bwd_host = 0.0
         if outs and inputs:
             grads = [torch.randn_like(t) for t in outs]
-            bwd = self.timer.measure(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True,
-                                                                 allow_unused=True))
-            bwd = max(bwd - self.grad_overhead, 0.0)
+            bwd, bwd_host = self.timer.measure_split(
+                lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True),
+                cpu_offset=self.grad_overhead)
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.timer.device) - base
         else:
             peak = sum(t.numel() * t.element_size() for t in _float_tensors(out)) + saved[0]
-        return NodeMeasurement(fwd_s=fwd, bwd_s=bwd, peak_bytes=float(peak))
+        return NodeMeasurement(fwd_s=fwd, bwd_s=bwd, peak_bytes=float(peak), fwd_host_s=fwd_host, bwd_host_s=bwd_host)
 
 
 def _grad_call_overhead(timer: Timer) -> float:
-    """Seconds one ``torch.autograd.grad`` call costs on a one-element tensor: the engine start-up
-    each per-node backward timing pays but a whole-model backward pays once; subtracted from
-    every node's backward (on CPU it is tens of microseconds, which adds up over ~70 small ops
-    per transformer block)."""
+    """Host seconds one ``torch.autograd.grad`` call costs on a one-element tensor: the engine
+    start-up each per-node backward timing pays but a whole-model backward pays once; subtracted
+    from the host side of every node's backward (tens of microseconds, which add up over ~70
+    small ops per transformer block)."""
     x = torch.zeros(1, device=timer.device, requires_grad=True)
     y = x * 1.0
     g = torch.ones_like(y)
-    return timer.measure(lambda: torch.autograd.grad(y, x, g, retain_graph=True))
+    return timer.measure_host(lambda: torch.autograd.grad(y, x, g, retain_graph=True))
 
 
 def measure_nodes(gm: fx.GraphModule, args: tuple, kwargs: Optional[dict], timer: Timer,
@@ -187,4 +189,4 @@ def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], ti
         objective(out).backward()
         for p in model.parameters():
             p.grad = None
-    return timer.measure(step)
+    return timer.measure_step(step)

@@ -16,9 +16,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from nest_fx.graph import trace
-from profiler.localise import LocaliseError, localise_tp
+from profiler.localise import LocaliseError, local_vocab, localise_tp
 from profiler.measure import measure_nodes, measure_step
-from profiler.profile_file import OpEntry, Profile, op_key
+from profiler.profile_file import OpEntry, Profile, block_seconds, op_key
 from profiler.timer import Timer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,7 +87,7 @@ def local_graph(name: str, tp: int, mbs: int, *, seq: Optional[int], dtype: torc
     if tp > 1:
         localise_tp(model, trace(model, args, kwargs, name=name), tp, cfg.vocab_size)
         if torch.device(device).type != "meta":
-            vocab = cfg.vocab_size // tp
+            vocab = local_vocab(cfg.vocab_size, tp)
             args = tuple(torch.randint(0, vocab, a.shape, device=device) if isinstance(a, torch.Tensor) else a
                          for a in args)
             kwargs = {k: torch.randint(0, vocab, v.shape, device=device) if isinstance(v, torch.Tensor) else v
@@ -125,8 +125,8 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
     variants = [(tp, mbs) for tp in options.tps for mbs in options.mbss]
     for k, (tp, mbs) in enumerate(variants):
         label = f"{name} tp={tp} mbs={mbs}"
-        if not dims.tp_ok(tp) or (dims.vocab_size and dims.vocab_size % tp):
-            _skip(profile, stats, f"{label}: tp={tp} does not divide the heads/FFN/vocabulary; skipped")
+        if not dims.tp_ok(tp):
+            _skip(profile, stats, f"{label}: {dims.tp_problem(tp)}; skipped")
             continue
         try:
             meta_graph, *_ = local_graph(name, tp, mbs, seq=options.seq, dtype=dtype, layers=depth)
@@ -161,7 +161,8 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
         for node, m in measured.items():
             profile.ops[op_key(g.nodes[node])] = OpEntry(op=g.nodes[node]["op"], fwd_s=m.fwd_s, bwd_s=m.bwd_s,
                                                          peak_bytes=m.peak_bytes, flops=g.nodes[node].get("flops", 0.0),
-                                                         skipped=m.skipped)
+                                                         skipped=m.skipped, fwd_host_s=m.fwd_host_s,
+                                                         bwd_host_s=m.bwd_host_s)
             if m.skipped:
                 _skip(profile, stats, f"{label}: op {node} ({g.nodes[node]['op']}) {m.skipped}; the analytical model covers it")
         stats.nodes_timed += len(measured)
@@ -199,11 +200,8 @@ def _block_records(name: str, graph, profile: Profile, tp: int, mbs: int, step_s
     records = []
     total = 0.0
     for b in graph.blocks:
-        fwd = bwd = 0.0
-        for n in b.nodes:
-            e = profile.lookup(op_key(graph.graph.nodes[n]))
-            if e is not None:
-                fwd, bwd = fwd + e.fwd_s, bwd + e.bwd_s
+        entries = [e for e in (profile.lookup(op_key(graph.graph.nodes[n])) for n in b.nodes) if e is not None]
+        fwd, bwd = block_seconds([(e.fwd_s, e.bwd_s) for e in entries], [e.host for e in entries])
         total += fwd + bwd
         records.append(dict(model=name, block=b.name, kind=b.kind, signature=b.signature, tp=tp, mbs=mbs,
                             fwd_s=fwd, bwd_s=bwd, flops=b.flops))

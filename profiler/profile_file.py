@@ -11,7 +11,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from nest_fx.fileio import read_json
 
@@ -31,7 +31,11 @@ def op_key(attrs: dict) -> str:
 
 @dataclass
 class OpEntry:
-    """Measured cost of one op signature, per call (SI units)."""
+    """Measured cost of one op signature, per call (SI units).
+
+    ``fwd_s``/``bwd_s`` are device seconds (the GPU's kernel time; on CPU the wall time);
+    ``fwd_host_s``/``bwd_host_s`` the host's dispatch seconds (on CPU equal to the wall time;
+    absent in older files, then taken equal to the device seconds)."""
 
     op: str
     fwd_s: float
@@ -39,10 +43,30 @@ class OpEntry:
     peak_bytes: float
     flops: float = 0.0
     skipped: str = ""  # non-empty: not measured (e.g. "oom"); the analytical model is used
+    fwd_host_s: Optional[float] = None
+    bwd_host_s: Optional[float] = None
 
     @property
     def usable(self) -> bool:
         return not self.skipped and math.isfinite(self.fwd_s) and math.isfinite(self.bwd_s)
+
+    @property
+    def host(self) -> Tuple[float, float]:
+        """(forward, backward) host seconds."""
+        f = self.fwd_s if self.fwd_host_s is None or not math.isfinite(self.fwd_host_s) else self.fwd_host_s
+        b = self.bwd_s if self.bwd_host_s is None or not math.isfinite(self.bwd_host_s) else self.bwd_host_s
+        return f, b
+
+
+def block_seconds(device: Sequence[Tuple[float, float]], host: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """(forward, backward) seconds of a run of ops from their per-op (device, host) seconds.
+
+    Eager PyTorch enqueues kernels from the host while the GPU runs earlier ones, so within a
+    block the slower of the two sides sets the pace: ``max(sum of device, sum of host)``, per
+    direction. On CPU both sums are the same wall times."""
+    fwd = max(sum(d[0] for d in device), sum(h[0] for h in host))
+    bwd = max(sum(d[1] for d in device), sum(h[1] for h in host))
+    return fwd, bwd
 
 
 @dataclass
@@ -100,14 +124,16 @@ class Profile:
             if not isinstance(v, dict):
                 raise ProfileError(f"{w}: expected an object with fwd_s, bwd_s, peak_bytes")
             try:
+                host = {k: float(v[k]) for k in ("fwd_host_s", "bwd_host_s") if v.get(k) is not None}
                 ops[key] = OpEntry(op=str(v.get("op", "")), fwd_s=float(v["fwd_s"]), bwd_s=float(v["bwd_s"]),
                                    peak_bytes=float(v.get("peak_bytes", 0.0)), flops=float(v.get("flops", 0.0)),
-                                   skipped=str(v.get("skipped", "")))
+                                   skipped=str(v.get("skipped", "")), **host)
             except KeyError as exc:
                 raise ProfileError(f"{w}: missing field {exc.args[0]!r}") from None
             except (TypeError, ValueError):
-                raise ProfileError(f"{w}: fwd_s, bwd_s, peak_bytes and flops must be numbers") from None
-            if ops[key].usable and (ops[key].fwd_s < 0 or ops[key].bwd_s < 0):
+                raise ProfileError(f"{w}: fwd_s, bwd_s, fwd_host_s, bwd_host_s, peak_bytes and flops must be "
+                                   "numbers") from None
+            if ops[key].usable and min(ops[key].fwd_s, ops[key].bwd_s, *ops[key].host) < 0:
                 raise ProfileError(f"{w}: negative time")
         blocks = data.get("blocks", [])
         if not isinstance(blocks, list):

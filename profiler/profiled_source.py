@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from nest_fx.workload import TracedSource
-from profiler.profile_file import Profile, op_key
+from profiler.profile_file import Profile, block_seconds, op_key
 
 
 class ProfiledSource(TracedSource):
@@ -72,7 +72,7 @@ class ProfiledSource(TracedSource):
             times, measured = analytical, 0.0
         else:
             facts = self.facts(block.index).nodes
-            times, measured = [], 0.0
+            times, hosts, measured = [], [], 0.0
             for fact, name, fallback in zip(facts, lblock.nodes, analytical):
                 if lg.nodes[name].get("fx_op") in ("placeholder", "output"):
                     times.append((0.0, 0.0))  # no kernel runs
@@ -83,7 +83,9 @@ class ProfiledSource(TracedSource):
                     continue
                 div = tp if (sp and block.kind == "block" and not fact.tp) else 1
                 times.append((entry.fwd_s / div, entry.bwd_s / div))
+                hosts.append((entry.host[0] / div, entry.host[1] / div))
                 measured += (entry.fwd_s + entry.bwd_s) / div
+            times, measured = _host_paced(times, hosts, measured)
         self.measured_s[key] = (measured, sum(f + b for f, b in times))
         self._times[key] = times
         return times
@@ -97,3 +99,17 @@ class ProfiledSource(TracedSource):
             m, t = self.measured_s[(block.kind, block.signature, tp, mbs, sp)]
             measured, total = measured + m, total + t
         return measured / total if total else 0.0
+
+
+def _host_paced(times: List[Tuple[float, float]], hosts: List[Tuple[float, float]], measured: float):
+    """Stretch a block's per-node device times so each direction sums to ``block_seconds``: where
+    the host dispatches slower than the GPU runs (small ops), the host sets the block's pace.
+    The stretch is proportional, so the nodes keep their shares (attention's for recompute)."""
+    device = (sum(t[0] for t in times), sum(t[1] for t in times))
+    fwd, bwd = block_seconds(times, hosts)
+    sf = fwd / device[0] if device[0] > 0 else 1.0
+    sb = bwd / device[1] if device[1] > 0 else 1.0
+    if sf == 1.0 and sb == 1.0:
+        return times, measured
+    stretched = [(f * sf, b * sb) for f, b in times]
+    return stretched, measured + (fwd - device[0]) + (bwd - device[1])

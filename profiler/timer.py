@@ -2,9 +2,28 @@
 
 ``timer.measure(fn)`` runs ``fn`` ``warmup`` times untimed, then ``repeats`` times timed, and
 returns the median seconds (the median resists the outliers a shared machine produces;
-``statistic="min"`` gives the least-disturbed run, for comparisons on a loaded machine). On
-CUDA each repeat is bracketed by a pair of events recorded on the current stream, so the
-figure is device time, not Python time; the CPU path times the whole call.
+``statistic="min"`` gives the least-disturbed run, for comparisons on a loaded machine). On a
+GPU, figures the host's speed decides (dispatch times, whole steps) always take the minimum:
+the host's noise there is one-sided.
+
+What one repeat of an *op* costs (``measure``):
+
+* CPU: the wall time of the call.
+* CUDA: ``max(kernel time, host dispatch time)`` (``measure_split`` gives both). Eager
+  PyTorch is a producer/consumer pair: the host enqueues kernels while the GPU runs earlier
+  ones, so an op costs its kernel time when the GPU is the bottleneck and its dispatch time
+  (Python, autograd, launches) when the host is. The kernel time is read from a pair of CUDA
+  events recorded after a ``torch.cuda._sleep`` that holds the GPU until the host has
+  enqueued every kernel of the op, so the events see the kernels back to back and none of
+  the host's gaps. The dispatch time is ``perf_counter`` around the call on an idle GPU, in a
+  second pass; an op that synchronises with the GPU (``.item()``, data-dependent shapes)
+  waits out its kernels there, so its host time covers them.
+
+``cpu_offset`` is subtracted from the host side of each repeat: a fixed per-call cost the op
+pays in isolation but not inside a model (the start-up of ``torch.autograd.grad``).
+
+``measure_step(fn)`` times a whole step as it runs: synchronised wall time per repeat. This is
+the reference the per-op sums are checked against.
 
 Before each timed repeat the timer overwrites a scratch buffer larger than the device's
 last-level cache (``flush_bytes``; 0 turns it off). An op repeated on the same inputs would
@@ -15,13 +34,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
+_MAX_HOLD_S = 0.05  # longest GPU hold per repeat; an op dispatching for longer is host-bound anyway
+
 
 class Timer:
-    """Median wall (CPU) or device (CUDA) seconds of a callable."""
+    """Median (or minimum) seconds of a callable on a CPU or CUDA device."""
 
     def __init__(self, device: torch.device, warmup: int = 2, repeats: int = 5, flush_bytes: Optional[int] = None,
                  statistic: str = "median"):
@@ -36,43 +57,121 @@ class Timer:
         if flush_bytes is None:  # above an H100's 50 MB L2; above a CPU core's L2
             flush_bytes = 256 * 2**20 if self.device.type == "cuda" else 8 * 2**20
         self._scratch = torch.empty(flush_bytes // 4, dtype=torch.float32, device=self.device) if flush_bytes else None
+        self._cycles_per_s: Optional[float] = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def flush(self) -> None:
         """Evict caches by rewriting the scratch buffer (not timed)."""
         if self._scratch is not None:
             self._scratch.fill_(1.0)
 
-    def samples(self, fn: Callable[[], object]) -> List[float]:
-        """Seconds of each timed repeat."""
+    def samples(self, fn: Callable[[], object], cpu_offset: float = 0.0) -> List[Tuple[float, float]]:
+        """(device seconds, host seconds) of each timed repeat of an op (see the module docstring);
+        on CPU both are the wall time."""
         for _ in range(self.warmup):
             fn()
-        if self.device.type == "cuda":
-            return self._cuda_samples(fn)
+        if self.cuda:
+            return self._cuda_samples(fn, cpu_offset)
         out = []
         for _ in range(self.repeats):
             self.flush()
             start = time.perf_counter()
             fn()
-            out.append(time.perf_counter() - start)
+            wall = max(time.perf_counter() - start - cpu_offset, 0.0)
+            out.append((wall, wall))
         return out
 
-    def _cuda_samples(self, fn: Callable[[], object]) -> List[float]:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.repeats)]
+    def _cuda_samples(self, fn: Callable[[], object], cpu_offset: float) -> List[Tuple[float, float]]:
         torch.cuda.synchronize(self.device)
-        for start, end in events:
+        t0 = time.perf_counter()
+        fn()
+        dispatch = time.perf_counter() - t0
+        hold = int(min(2 * dispatch + 1e-4, _MAX_HOLD_S) * self._sleep_rate())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        kernels = []
+        for _ in range(self.repeats):
             self.flush()
+            torch.cuda._sleep(hold)
             start.record()
             fn()
             end.record()
+            torch.cuda.synchronize(self.device)
+            kernels.append(start.elapsed_time(end) / 1e3)
+        # Host dispatch on an idle GPU: launching while a kernel runs is slower on some nodes
+        # (3x on a virtualised H100), and an op that synchronises waits out its own kernels here.
+        hosts = []
+        for _ in range(self.repeats):
+            self.flush()
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            fn()
+            hosts.append(max(time.perf_counter() - t0 - cpu_offset, 0.0))
         torch.cuda.synchronize(self.device)
-        return [start.elapsed_time(end) / 1e3 for start, end in events]
+        return list(zip(kernels, hosts))
 
-    def measure(self, fn: Callable[[], object]) -> float:
-        """Median (or minimum) seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-        samples = self.samples(fn)
-        return min(samples) if self.statistic == "min" else statistics.median(samples)
+    def _sleep_rate(self) -> float:
+        """GPU clock cycles per second of ``torch.cuda._sleep`` (measured once)."""
+        if self._cycles_per_s is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 2_000_000
+            torch.cuda._sleep(cycles)  # wake the clocks up
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            torch.cuda.synchronize(self.device)
+            self._cycles_per_s = cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
+        return self._cycles_per_s
+
+    def _reduce(self, samples: List[float], host: bool = False) -> float:
+        # A host's timing noise on a GPU node is one-sided (the thread gets preempted, the VM
+        # descheduled): its least-disturbed repeat is the dispatch cost. Kernel times are steady.
+        if self.statistic == "min" or (host and self.cuda):
+            return min(samples)
+        return statistics.median(samples)
+
+    def measure(self, fn: Callable[[], object], cpu_offset: float = 0.0) -> float:
+        """Median (or minimum) seconds of the op ``fn()`` over ``repeats`` runs after ``warmup`` runs:
+        per repeat the larger of its device and host time."""
+        samples = self.samples(fn, cpu_offset)
+        return max(self._reduce([d for d, _ in samples]), self._reduce([h for _, h in samples], host=True))
+
+    def measure_split(self, fn: Callable[[], object], cpu_offset: float = 0.0) -> Tuple[float, float]:
+        """Median (or minimum) (device seconds, host seconds) of the op ``fn()``: what it keeps the
+        GPU busy for, and what it keeps the host busy for (equal on CPU)."""
+        samples = self.samples(fn, cpu_offset)
+        return self._reduce([d for d, _ in samples]), self._reduce([h for _, h in samples], host=True)
+
+    def measure_host(self, fn: Callable[[], object]) -> float:
+        """Median (or minimum) host seconds of ``fn()``: on CUDA the time to enqueue it, not to run it."""
+        for _ in range(self.warmup):
+            fn()
+        out = []
+        for _ in range(self.repeats):
+            self.flush()  # as cold as the ops whose host time this may be subtracted from
+            self.synchronize()
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+        self.synchronize()
+        return self._reduce(out, host=True)
+
+    def measure_step(self, fn: Callable[[], object]) -> float:
+        """Median (or minimum) synchronised wall seconds of a whole step ``fn()``."""
+        for _ in range(self.warmup):
+            fn()
+        out = []
+        for _ in range(self.repeats):
+            self.flush()
+            self.synchronize()
+            start = time.perf_counter()
+            fn()
+            self.synchronize()
+            out.append(time.perf_counter() - start)
+        return self._reduce(out, host=True)  # small models' steps are host-bound; big ones steady
 
     def synchronize(self) -> None:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.synchronize(self.device)

@@ -41,12 +41,32 @@ def test_timer_cpu_measures_sleep():
         Timer("cpu", statistic="mean")
 
 
+def test_timer_cpu_offset_host_and_step():
+    timer = Timer("cpu", warmup=0, repeats=3, flush_bytes=0, statistic="min")
+    t = timer.measure(lambda: time.sleep(0.03), cpu_offset=0.02)
+    assert 0.005 < t < 0.03  # the offset comes off the host side of each repeat
+    assert timer.measure(lambda: None, cpu_offset=1.0) == 0.0  # never negative
+    assert 0.025 < timer.measure_host(lambda: time.sleep(0.03)) < 0.2
+    assert 0.025 < timer.measure_step(lambda: time.sleep(0.03)) < 0.2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU (CPU path tested above)")
 def test_timer_cuda_events():
-    timer = Timer("cuda", warmup=1, repeats=3)
-    a = torch.randn(2048, 2048, device="cuda")
-    t = timer.measure(lambda: a @ a)
-    assert 0 < t < 0.1
+    timer = Timer("cuda", warmup=2, repeats=5)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    kernel = timer.measure(lambda: a @ a)
+    step = timer.measure_step(lambda: a @ a)
+    assert 0 < kernel < 0.01 and kernel <= step * 1.05  # the event span holds the kernel only
+    x = torch.ones(1, device="cuda")
+
+    def host_bound():  # 200 launches of nothing: the host is the bottleneck
+        for _ in range(200):
+            x.add_(1.0)
+    host = timer.measure_host(host_bound)
+    assert timer.measure(host_bound) >= 0.8 * host  # the dispatch time counts when it dominates
+    y = torch.zeros(1, device="cuda")
+    synced = timer.measure(lambda: (a @ a, y.add_(1).item()))  # a synchronising op: its span counts
+    assert kernel * 0.8 <= synced < 0.05
 
 
 def test_localised_shapes_halve_tp_regions():
@@ -59,6 +79,18 @@ def test_localised_shapes_halve_tp_regions():
     for bf, bh in zip(full.layer_blocks, half.layer_blocks):
         mm = lambda g, b: sum(g.graph.nodes[n]["flops"] for n in b.nodes if g.graph.nodes[n].get("weight"))
         assert mm(half, bh) == pytest.approx(mm(full, bf) / 2)
+
+
+def test_uneven_vocabulary_takes_the_largest_shard():
+    """gpt2's 50257-token vocabulary on TP2: the embedding and LM head keep ceil(V/tp) rows, as
+    the runtime's vocabulary-parallel Shard(0) gives the first rank."""
+    graph, model, args, _ = local_graph("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=257", 2, 1, seq=None,
+                                        dtype=torch.float32, layers=2, device="cpu")
+    assert model.embed.tok.num_embeddings == 129 and model.lm_head.out_features == 129
+    assert int(args[0].max()) < 129
+    prof, stats = profile_model("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=257", "cpu",
+                                ProfileOptions(tps=(2,), repeats=1, warmup=0, check_step=False))
+    assert not stats.skipped and prof.ops
 
 
 def test_distinct_depth():
@@ -96,6 +128,28 @@ def test_per_op_sum_matches_whole_step(gpt_profile):
     eager = measure_mod.measure_step(model, args, kwargs, Timer("cpu", warmup=2, repeats=7, statistic="min"),
                                      loss="cross_entropy")
     assert abs(predicted / eager - 1) <= 0.20, (predicted, eager)
+
+
+def test_block_pace_is_the_slower_of_device_and_host(gpt_profile):
+    """On a GPU the host may dispatch small ops slower than their kernels run: a block then
+    costs its host time. Entries with host figures 3x the device's triple the block costs;
+    entries without host figures (older files) cost their device time."""
+    from dataclasses import replace
+
+    from profiler.profile_file import OpEntry, block_seconds
+    assert block_seconds([(1.0, 2.0), (1.0, 2.0)], [(3.0, 1.0), (0.5, 1.0)]) == (3.5, 4.0)
+    assert OpEntry(op="x", fwd_s=1.0, bwd_s=2.0, peak_bytes=0.0).host == (1.0, 2.0)
+    prof, _ = gpt_profile
+    slow = Profile.from_dict(prof.to_dict())
+    slow.ops = {k: replace(e, fwd_host_s=3 * e.fwd_s, bwd_host_s=3 * e.bwd_s) for k, e in prof.ops.items()}
+    assert Profile.from_dict(slow.to_dict()).ops.keys() == slow.ops.keys()  # host fields round-trip
+    base = workload_for_model(GPT, load_cluster("cpu-gloo:2"), dtype=torch.float32, profile=prof)
+    paced = workload_for_model(GPT, load_cluster("cpu-gloo:2"), dtype=torch.float32, profile=slow)
+    for i in range(1, len(base) - 1):  # blocks; the tail adds the analytical loss
+        for tp in (1, 2):
+            b, p = base.cost(i, tp=tp, mbs=2), paced.cost(i, tp=tp, mbs=2)
+            assert p.fwd_s == pytest.approx(3 * b.fwd_s) and p.bwd_s == pytest.approx(3 * b.bwd_s)
+            assert p.recompute_s["selective"] == pytest.approx(3 * b.recompute_s["selective"])
 
 
 def test_reuse_times_fewer_ops(single_thread):
