@@ -20,9 +20,10 @@ planner on graph topologies). See docs/plan_format.md.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from nest_fx.fileio import brief, read_json
 from nest_fx.limits import MAX_COUNT
@@ -65,6 +66,7 @@ class Plan:
     sequence_parallel: bool = False
     placement: str = "stage-major"
     model: str = ""
+    model_fingerprint: str = ""  # chain_fingerprint of the model's layer chain; "" = not recorded
     num_layers: int = 0  # length of the workload chain the ranges index
     world_size: int = 0
     cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
@@ -181,6 +183,16 @@ class Plan:
         if self.device_order is not None:
             check_device_order(self.device_order, ws or len(self.device_order), self.devices_used)
 
+    def check_model(self, fingerprint: str, what: str = "this model") -> None:
+        """PlanError when the plan records a layer-chain fingerprint and ``fingerprint`` (the model
+        it is about to be used with) differs: a plan for another model with the same layer count."""
+        if self.model_fingerprint and fingerprint and self.model_fingerprint != fingerprint:
+            made_for = brief(self.model) if self.model else "another model"
+            raise PlanError(
+                f"model_fingerprint: the plan was made for {made_for} (layer chain {self.model_fingerprint}) but "
+                f"{what}'s layer chain is {fingerprint}: the layers' kinds or parameter counts differ; fix: plan for "
+                "this model (nest-fx plan --model ...), or delete model_fingerprint from a plan you edited on purpose")
+
     # -- io -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -213,7 +225,7 @@ class Plan:
 
 
 _INT_FIELDS = ("dp", "ep", "zero", "microbatch_size", "num_microbatches", "virtual_stages", "num_layers", "world_size")
-_STR_FIELDS = ("schedule", "placement", "model", "cluster", "notes")
+_STR_FIELDS = ("schedule", "placement", "model", "model_fingerprint", "cluster", "notes")
 
 
 def _int_field(value: object, name: str) -> int:
@@ -272,6 +284,14 @@ def _plan_fields(data: object) -> dict:
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):
         raise PlanError(f"predicted must map names to numbers (what the planner predicted), got {brief(predicted)}")
     return kwargs
+
+
+def chain_fingerprint(layers: Iterable[Tuple[str, float]]) -> str:
+    """Short hash of a layer chain given as (kind, parameter count) per layer: the same for a
+    model whatever its batch, sequence length or dtype, different for another architecture with
+    the same number of layers (other widths, vocabulary or expert count)."""
+    text = ";".join(f"{kind}:{int(round(params))}" for kind, params in layers)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def check_device_order(order: object, world_size: int, devices_used: int = 0) -> List[int]:

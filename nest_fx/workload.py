@@ -215,6 +215,14 @@ class Workload:
     def is_moe(self) -> bool:
         return any(layer.is_moe for layer in self.layers)
 
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the layer chain (kinds and parameter counts) that a plan records and is checked
+        against (``Plan.check_model``)."""
+        from nest_fx.plan import chain_fingerprint
+
+        return chain_fingerprint((layer.kind, layer.num_params) for layer in self.layers)
+
     def distinct(self) -> List[int]:
         """Index of the first layer of each distinct (kind, signature)."""
         seen, out = set(), []

@@ -292,3 +292,37 @@ def test_plan_for_another_model_fails_before_any_collective(single_rank):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss,
                          plan=uniform_plan(34, num_microbatches=8, model="llama2-7b"))
     assert len(model.layers) == 4 and not isinstance(model.layers, LayerSubset)
+
+
+def test_plan_for_another_model_with_the_same_layer_count_is_refused(single_rank, tmp_path, capsys):
+    """Same layer count, other widths: the plan's layer-chain fingerprint differs from the
+    model's. `simulate`, the CLI and `auto_parallelize` refuse it with the reason; the planner's
+    own plans carry the fingerprint, which is stable across batch and sequence length."""
+    import torch as _torch
+
+    from nest_fx.builders import load_cluster, workload_for_model
+    from nest_fx.cli import main
+    from nest_fx.cost.step_time import simulate
+    from nest_fx.solver import solve
+
+    wider = "llama:hidden=128,layers=4,heads=4,seq=32,vocab=128"
+    cluster = load_cluster("cpu-gloo:1")
+    wl_wide = workload_for_model(wider, cluster, dtype=_torch.float32)
+    wl_small = workload_for_model(LLAMA, cluster, dtype=_torch.float32)
+    assert len(wl_wide) == len(wl_small) and wl_wide.fingerprint != wl_small.fingerprint
+    assert workload_for_model(LLAMA, cluster, dtype=_torch.bfloat16, seq=16).fingerprint == wl_small.fingerprint
+    plan = solve(wl_wide, cluster, global_batch=8).plan
+    assert plan.model_fingerprint == wl_wide.fingerprint
+    simulate(plan, wl_wide, cluster)  # its own model: fine
+    with pytest.raises(PlanError, match="model_fingerprint: the plan was made for .*hidden=128.*layer chain"):
+        simulate(plan, wl_small, cluster)
+    path = tmp_path / "wide.json"
+    plan.save(str(path))
+    assert Plan.load(str(path)).model_fingerprint == plan.model_fingerprint
+    assert main(["simulate", "--plan", str(path), "--model", LLAMA, "--cluster", "cpu-gloo:1"]) == 2
+    assert "model_fingerprint" in capsys.readouterr().err
+    model, cfg = build(LLAMA)
+    tokens = torch.randint(0, 128, (8, 32))
+    with pytest.raises(ApplyError, match="model_fingerprint.*the traced model"):
+        auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=plan)
+    assert not isinstance(model.layers, LayerSubset)

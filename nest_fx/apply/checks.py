@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 import torch.nn as nn
 
-from nest_fx.plan import Plan, PlanError
+from nest_fx.plan import Plan, PlanError, chain_fingerprint
 from nest_fx.solver.space import divisors
 from nest_fx.workload import dims_from_config
 
@@ -104,6 +104,10 @@ def check_layers(plan: Plan, graph) -> None:
             f"plan.num_layers={plan.num_layers} but the traced model has {n} layers in its workload chain "
             f"(head + {n - 2} blocks + tail); fix: plan for this model (a plan for another model?)")
     plan.validate(num_layers=n)
+    try:
+        plan.check_model(chain_fingerprint((b.kind, b.num_params) for b in graph.blocks), "the traced model")
+    except PlanError as exc:
+        raise ApplyError(str(exc)) from None
     if plan.pp > 1 and any(b.kind == "head" for b in graph.blocks) and n < plan.pp:
         raise ApplyError(f"pp={plan.pp} stages but only {n} layers")
 

@@ -599,6 +599,7 @@ def simulate(plan: Plan, workload: Workload, cluster, options: Optional[CostOpti
     its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``)."""
     options = options or CostOptions()
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
+    plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
     check_variants(plan, workload)
     cluster = placed(cluster, plan.device_order)
     stages = [stage_cost(workload, cluster, plan, i, options) for i in range(plan.pp)]

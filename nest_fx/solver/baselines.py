@@ -55,7 +55,8 @@ def run_baselines(workload: Workload, cluster, global_batch: int, options: Optio
 def _plan_for(g: GlobalConfig, stages: List[StagePlan], m: int, workload: Workload, cluster) -> Plan:
     return Plan(stages=stages, dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
                 schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
-                model=workload.model, num_layers=len(workload), world_size=cluster.num_devices)
+                model=workload.model, model_fingerprint=workload.fingerprint, num_layers=len(workload),
+                world_size=cluster.num_devices)
 
 
 def _even(n: int, p: int) -> List[tuple]:
