@@ -215,9 +215,10 @@ def write_timeline_png(plan, cluster, result, path: str, options: Optional[CostO
                        max_microbatches: int = 32) -> int:
     """Draw the schedule (at most ``max_microbatches`` microbatches) with each stage's DP-sync
     and optimizer tail; returns the number of microbatches drawn. ImportError without matplotlib."""
-    from nest_fx.gantt import draw_gantt, require_matplotlib
+    from nest_fx.gantt import draw_gantt
+    from nest_fx.plotting import require_pyplot
 
-    require_matplotlib()  # fail before the simulation work
+    require_pyplot()  # fail before the simulation work
     options = options or CostOptions()
     events, m = step_events(plan, result, max_microbatches)
     tails: Sequence[Tuple[float, float]] = [stage_tail(s, plan, cluster, options) for s in result.stages]

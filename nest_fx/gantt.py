@@ -3,24 +3,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
+from nest_fx.plotting import require_pyplot
 from nest_fx.timeline import Event
 
 FWD_COLORS = ("#4c72b0", "#8fb0de", "#27456f", "#b8cdea")
 BWD_COLORS = ("#dd8452", "#f2b58e", "#9c4f22", "#f7d2b9")
 SYNC_COLOR, OPT_COLOR = "#8c8c8c", "#55a868"
-
-
-def require_matplotlib():
-    """The pyplot module (Agg backend); ImportError naming the extra to install when missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("drawing the timeline needs matplotlib: pip install 'nest-fx[plot]' "
-                          "(or pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _time_unit(span: float) -> Tuple[float, str]:
@@ -39,7 +27,7 @@ def draw_gantt(events: Sequence[Event], path: str, *, num_stages: int, title: st
     ``tails[i]`` = (exposed DP sync, optimizer) seconds drawn after stage i's last block;
     ``marker`` draws a dashed vertical line (e.g. the cost model's pipeline time).
     """
-    plt = require_matplotlib()
+    plt = require_pyplot()
     from matplotlib.patches import Patch
 
     ends = [max((e.end for e in events if e.stage == i), default=0.0) for i in range(num_stages)]

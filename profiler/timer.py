@@ -71,17 +71,29 @@ class Timer:
     def samples(self, fn: Callable[[], object], cpu_offset: float = 0.0) -> List[Tuple[float, float]]:
         """(device seconds, host seconds) of each timed repeat of an op (see the module docstring);
         on CPU both are the wall time."""
-        for _ in range(self.warmup):
-            fn()
+        self._warm_up(fn)
         if self.cuda:
             return self._cuda_samples(fn, cpu_offset)
+        return [(wall, wall) for wall in self._wall_samples(fn, wait=False, cpu_offset=cpu_offset)]
+
+    def _warm_up(self, fn: Callable[[], object]) -> None:
+        for _ in range(self.warmup):
+            fn()
+
+    def _wall_samples(self, fn: Callable[[], object], wait: bool, cpu_offset: float = 0.0) -> List[float]:
+        """Host seconds of each repeat, each started on a flushed, idle device: until ``fn``
+        returns (``wait=False``: what the host spends dispatching it) or until the device has
+        finished its work too (``wait=True``), less ``cpu_offset``."""
         out = []
         for _ in range(self.repeats):
             self.flush()
+            self.synchronize()
             start = time.perf_counter()
             fn()
-            wall = max(time.perf_counter() - start - cpu_offset, 0.0)
-            out.append((wall, wall))
+            if wait:
+                self.synchronize()
+            out.append(max(time.perf_counter() - start - cpu_offset, 0.0))
+        self.synchronize()
         return out
 
     def _cuda_samples(self, fn: Callable[[], object], cpu_offset: float) -> List[Tuple[float, float]]:
@@ -102,15 +114,7 @@ class Timer:
             kernels.append(start.elapsed_time(end) / 1e3)
         # Host dispatch on an idle GPU: launching while a kernel runs is slower on some nodes
         # (3x on a virtualised H100), and an op that synchronises waits out its own kernels here.
-        hosts = []
-        for _ in range(self.repeats):
-            self.flush()
-            torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            fn()
-            hosts.append(max(time.perf_counter() - t0 - cpu_offset, 0.0))
-        torch.cuda.synchronize(self.device)
-        return list(zip(kernels, hosts))
+        return list(zip(kernels, self._wall_samples(fn, wait=False, cpu_offset=cpu_offset)))
 
     def _sleep_rate(self) -> float:
         """GPU clock cycles per second of ``torch.cuda._sleep`` (measured once)."""
@@ -135,8 +139,7 @@ class Timer:
     def measure(self, fn: Callable[[], object], cpu_offset: float = 0.0) -> float:
         """Median (or minimum) seconds of the op ``fn()`` over ``repeats`` runs after ``warmup`` runs:
         per repeat the larger of its device and host time."""
-        samples = self.samples(fn, cpu_offset)
-        return max(self._reduce([d for d, _ in samples]), self._reduce([h for _, h in samples], host=True))
+        return max(self.measure_split(fn, cpu_offset))
 
     def measure_split(self, fn: Callable[[], object], cpu_offset: float = 0.0) -> Tuple[float, float]:
         """Median (or minimum) (device seconds, host seconds) of the op ``fn()``: what it keeps the
@@ -146,31 +149,14 @@ class Timer:
 
     def measure_host(self, fn: Callable[[], object]) -> float:
         """Median (or minimum) host seconds of ``fn()``: on CUDA the time to enqueue it, not to run it."""
-        for _ in range(self.warmup):
-            fn()
-        out = []
-        for _ in range(self.repeats):
-            self.flush()  # as cold as the ops whose host time this may be subtracted from
-            self.synchronize()
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-        self.synchronize()
-        return self._reduce(out, host=True)
+        self._warm_up(fn)  # flushed like the ops whose host time this may be subtracted from
+        return self._reduce(self._wall_samples(fn, wait=False), host=True)
 
     def measure_step(self, fn: Callable[[], object]) -> float:
         """Median (or minimum) synchronised wall seconds of a whole step ``fn()``."""
-        for _ in range(self.warmup):
-            fn()
-        out = []
-        for _ in range(self.repeats):
-            self.flush()
-            self.synchronize()
-            start = time.perf_counter()
-            fn()
-            self.synchronize()
-            out.append(time.perf_counter() - start)
-        return self._reduce(out, host=True)  # small models' steps are host-bound; big ones steady
+        self._warm_up(fn)
+        # small models' steps are host-bound (one-sided noise); big ones are steady either way
+        return self._reduce(self._wall_samples(fn, wait=True), host=True)
 
     def synchronize(self) -> None:
         if self.cuda:

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nest_fx import report  # noqa: E402
 from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
+from nest_fx.plotting import pyplot_or_none  # noqa: E402
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve  # noqa: E402
 from nest_fx.solver.baselines import run_baselines  # noqa: E402
 
@@ -75,13 +76,8 @@ def scaling(model: str, cluster_name: str, sizes, batch: int, budget: float, wor
 
 
 def plot(rows, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (extra 'plot'): no figure")
+    plt = pyplot_or_none()
+    if plt is None:
         return
     clusters = sorted({r["cluster"] for r in rows})
     fig, axes = plt.subplots(len(clusters), 1, figsize=(8, 4 * len(clusters)), squeeze=False)

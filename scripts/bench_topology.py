@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nest_fx import report  # noqa: E402
 from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
+from nest_fx.plotting import pyplot_or_none  # noqa: E402
 from nest_fx.cost.step_time import simulate  # noqa: E402
 from nest_fx.solver import SolverOptions, solve  # noqa: E402
 from nest_fx.topology import GraphCluster, calibrate, contended_step_s, pairwise_figures  # noqa: E402
@@ -80,13 +81,8 @@ def run_case(topo_name: str, cluster: GraphCluster, model: str, work, batch: int
 
 
 def plot(rows, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (extra 'plot'): no figure")
+    plt = pyplot_or_none()
+    if plt is None:
         return
     labels = [f"{r['topology']}\n{r['model']}" for r in rows]
     x = range(len(rows))

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_planner  # noqa: E402  (also puts the repository root on sys.path)
 
 from nest_fx import report  # noqa: E402
+from nest_fx.plotting import pyplot_or_none  # noqa: E402
 from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve  # noqa: E402
 from nest_fx.solver.baselines import mcmc, phaze  # noqa: E402
@@ -210,21 +211,9 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed (pip install 'nest-fx[plot]'): no figures written")
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_fig5(rows: Sequence[dict], cluster: str, path: str) -> bool:
     """Throughput vs devices, one panel per model, one line per planner."""
-    plt = _pyplot()
+    plt = pyplot_or_none()
     if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows if r["cluster"] == cluster))
@@ -250,7 +239,7 @@ def plot_fig5(rows: Sequence[dict], cluster: str, path: str) -> bool:
 
 def plot_fig6(rows: Sequence[dict], path: str) -> bool:
     """Throughput per microbatch size, one panel per model, bars per planner."""
-    plt = _pyplot()
+    plt = pyplot_or_none()
     if plt is None:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))

@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
+from nest_fx.plotting import pyplot_or_none  # noqa: E402
 from nest_fx.cost.step_time import simulate  # noqa: E402
 from nest_fx.plan import Plan, uniform_plan  # noqa: E402
 from nest_fx.workload import dims_from_config  # noqa: E402
@@ -366,12 +367,8 @@ def main() -> int:
 
 
 def _scatter(rows: List[dict], mem_rows: List[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e .[plot]): no plot")
+    plt = pyplot_or_none()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
     for ax, key, scale, unit, data in ((axes[0], "s", 1e3, "ms", [r for r in rows if r["measured_s"] is not None]),
