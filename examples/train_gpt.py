@@ -8,16 +8,12 @@ Prints the global-batch loss and tokens/s on rank 0.
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import lm_loss, make_plan, parser, train  # noqa: E402
+from _common import lm_loss, make_plan, parser, train
 
-from nest_fx.apply import auto_parallelize  # noqa: E402
-from nest_fx.models import build_model  # noqa: E402
+from nest_fx.apply import auto_parallelize
+from nest_fx.models import build_model
 
 
 def main() -> None:

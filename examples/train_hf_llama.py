@@ -7,16 +7,12 @@ The TP pairs (q/k/v -> o, gate/up -> down) come from the tracer; nothing HF-spec
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import lm_loss, make_plan, parser, train  # noqa: E402
+from _common import lm_loss, make_plan, parser, train
 
-from nest_fx.apply import auto_parallelize  # noqa: E402
-from nest_fx.models.hf import build_hf_model  # noqa: E402
+from nest_fx.apply import auto_parallelize
+from nest_fx.models.hf import build_hf_model
 
 
 def main() -> None:

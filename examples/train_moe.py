@@ -8,16 +8,12 @@ Each rank holds experts/ep experts; tokens reach them through an all_to_all of t
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import lm_loss, make_plan, parser, train  # noqa: E402
+from _common import lm_loss, make_plan, parser, train
 
-from nest_fx.apply import auto_parallelize  # noqa: E402
-from nest_fx.models import build_model  # noqa: E402
+from nest_fx.apply import auto_parallelize
+from nest_fx.models import build_model
 
 
 def main() -> None:

@@ -13,17 +13,35 @@ import time
 from typing import Callable, List, Optional
 
 import torch
+from tqdm import tqdm
 
-from nest_fx import report
-from nest_fx.fileio import one_line
-from nest_fx.limits import MAX_COUNT
+from nest_fx.apply.distributed import init_distributed
+from nest_fx.cluster import Cluster, GraphCluster, cluster_spec, load_cluster
+from nest_fx.cluster.topology import from_cluster, save_topology
+from nest_fx.common.errors import NestFxError
+from nest_fx.common.fileio import one_line
+from nest_fx.common.limits import MAX_COUNT
+from nest_fx.cost.step_time import simulate
+from nest_fx.graph import trace
+from nest_fx.models import build_any
+from nest_fx.plan import Plan
+from nest_fx.report import explain
+from nest_fx.report import tables as report
+from nest_fx.report.layout import placement_lines
+from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+from nest_fx.solver.baselines import run_baselines
+from nest_fx.workload import Profile, load_workload, workload_for_model
+from profiler.collectives import calibrate
+from profiler.model_profile import ProfileOptions, profile_model
+from profiler.pairwise import calibrate_pairwise
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
 
-class UserError(Exception):
-    """A mistake in what the user asked for; printed without a traceback, exit code 2."""
+class UserError(NestFxError):
+    """A mistake on the command line itself (a missing or conflicting option, an unwritable
+    output); printed like every other :class:`NestFxError`."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -70,18 +88,9 @@ def _dump_json(data: object, path: str) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """Trace a model on meta tensors and print a per-block table."""
-    from nest_fx.graph import TraceError, trace
-    from nest_fx.models import build_any
-
-    try:
-        model, cfg, margs, mkwargs = build_any(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype)
-    except (ValueError, ImportError) as exc:
-        raise UserError(str(exc)) from exc
+    model, cfg, margs, mkwargs = build_any(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype)
     start = time.perf_counter()
-    try:
-        graph = trace(model, margs, mkwargs, method=args.method, leaf_modules=args.leaf or (), name=args.model)
-    except TraceError as exc:
-        raise UserError(str(exc)) from exc
+    graph = trace(model, margs, mkwargs, method=args.method, leaf_modules=args.leaf or (), name=args.model)
     seconds = time.perf_counter() - start
     print(report.trace_table(graph, seconds, compact=not args.all_blocks))
     if args.json:
@@ -93,46 +102,32 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _load_workload(args: argparse.Namespace, cluster):
-    from nest_fx.builders import workload_for_model
-    from nest_fx.graph import TraceError
-    from nest_fx.workload import Workload, WorkloadError
-
     if bool(args.model) == bool(args.workload):
         raise UserError("give exactly one of --model NAME or --workload FILE")
-    try:
-        if args.workload:
-            return Workload.load(args.workload)
-        return workload_for_model(args.model, cluster, seq=args.seq, dtype=args.dtype,
-                                  profile=getattr(args, "profile", None))
-    except (WorkloadError, TraceError, ValueError, ImportError) as exc:
-        raise UserError(str(exc)) from exc
+    if args.workload:
+        return load_workload(args.workload)
+    return workload_for_model(args.model, cluster, seq=args.seq, dtype=args.dtype, profile=getattr(args, "profile", None))
 
 
 def _load_cluster(args: argparse.Namespace):
-    from nest_fx.builders import load_cluster
+    return load_cluster(args.cluster, args.devices)
 
+
+def _simulate_file(path: str, plan: Plan, workload, cluster):
+    """``simulate`` of a plan file, its errors (the plan does not fit this model, cluster or layer
+    table) prefixed with the file's name."""
     try:
-        return load_cluster(args.cluster, args.devices)
-    except (ValueError, OSError) as exc:
-        raise UserError(str(exc)) from exc
+        return simulate(plan, workload, cluster)
+    except NestFxError as exc:
+        raise UserError(f"{path}: {exc}") from exc
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict step time and memory of a plan file."""
-    from nest_fx.cost.step_time import simulate
-    from nest_fx.plan import Plan, PlanError
-    from nest_fx.workload import WorkloadError
-
-    try:
-        plan = Plan.load(args.plan)
-    except PlanError as exc:
-        raise UserError(str(exc)) from exc
+    plan = Plan.load(args.plan)
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
-    try:
-        result = simulate(plan, workload, cluster)
-    except (PlanError, WorkloadError) as exc:  # the plan does not fit this model/cluster/layer table
-        raise UserError(f"{args.plan}: {exc}") from exc
+    result = _simulate_file(args.plan, plan, workload, cluster)
     print(report.sim_tables(result, plan, workload))
     if args.json:
         _write(args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path))
@@ -142,11 +137,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the best plan, compare it with the baselines, write the plan file."""
-    from tqdm import tqdm
-
-    from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
-    from nest_fx.solver.baselines import run_baselines
-
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
     options = SolverOptions(time_budget=args.time_budget)
@@ -176,8 +166,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"searched {found.candidates} {what}, {found.dp_runs} exact DP runs in "
           f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)"))
     if len(found.placements) > 1 or plan.device_order is not None:  # a graph topology: which devices
-        from nest_fx.layout import placement_lines
-
         print("\n".join(placement_lines(plan, cluster, found.placement, [p.name for p in found.placements])))
     print()
     print(report.stages_table(plan, workload, result))
@@ -188,8 +176,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         baselines = run_baselines(workload, cluster, args.global_batch, options, args.mcmc_evals)
         print(report.baselines_table(found, found.seconds, baselines))
     if args.json:
-        from nest_fx.builders import cluster_spec
-
         plan.cluster = cluster_spec(args.cluster, cluster)
         _write(args.json, plan.save)
         print(f"wrote {args.json}")
@@ -198,32 +184,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Explain a plan file: rank layout per network level, memory, step time, pipeline timeline."""
-    from nest_fx import explain
-    from nest_fx.cost.step_time import simulate
-    from nest_fx.plan import Plan, PlanError
-    from nest_fx.workload import WorkloadError
-
-    try:
-        plan = Plan.load(args.plan)
-        args.cluster, args.devices = explain.default_cluster(plan, args.cluster, args.devices)
-    except ValueError as exc:  # PlanError too
-        raise UserError(str(exc)) from exc
+    plan = Plan.load(args.plan)
+    args.cluster, args.devices = explain.default_cluster(plan, args.cluster, args.devices)
     if not args.model and not args.workload:
         args.model = explain.default_model(plan)
         if not args.model:
             raise UserError(f"the plan's model {plan.model!r} is not a zoo model or spec: give --model or --workload")
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
-    try:
-        result = simulate(plan, workload, cluster)
-    except (PlanError, WorkloadError) as exc:
-        raise UserError(f"{args.plan}: {exc}") from exc
+    result = _simulate_file(args.plan, plan, workload, cluster)
     print(explain.explain_text(plan, workload, cluster, result))
     if args.png:
         try:
             shown = explain.write_timeline_png(plan, cluster, result, args.png)
-        except (ImportError, OSError) as exc:  # no matplotlib, or an unwritable path
-            raise UserError(str(exc)) from exc
+        except OSError as exc:  # an unwritable path
+            raise UserError(f"cannot write {args.png!r}: {exc.strerror or exc}") from exc
         print(f"wrote {args.png} (timeline of {shown} microbatches)")
     return 0 if result.feasible else 1
 
@@ -244,11 +219,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return _calibrate(args)
     if args.pairwise:
         raise UserError("--pairwise goes with --calibrate: nest-fx profile --calibrate --pairwise --out topo.yaml")
-    from tqdm import tqdm
-
-    from profiler.model_profile import ProfileOptions, profile_model
-    from profiler.profile_file import Profile, ProfileError
-
     if not args.model:
         raise UserError("give a MODEL to profile (or --calibrate --cluster C to measure collectives)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -258,10 +228,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                              repeats=args.repeats)
     existing = None
     if args.append and os.path.exists(args.out):
-        try:
-            existing = Profile.load(args.out)
-        except ProfileError as exc:
-            raise UserError(str(exc)) from exc
+        existing = Profile.load(args.out)
     bar = tqdm(desc="profiling", unit="variant", disable=args.quiet or not sys.stderr.isatty(), leave=False)
 
     def progress(done: int, total: int, label: str) -> None:
@@ -271,8 +238,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     try:
         prof, stats = profile_model(args.model, args.device, options, profile=existing, progress=progress)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
     finally:
         bar.close()
     _write(args.out, prof.save)
@@ -285,35 +250,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _calibrate_pairwise(args: argparse.Namespace) -> int:
     """Measure p2p between every pair of ranks and write a graph topology (--pairwise)."""
-    from nest_fx.cluster import Cluster
-    from nest_fx.topology import save_topology
-    from profiler.pairwise import calibrate_pairwise
-
     if not args.out.endswith((".yaml", ".yml", ".json")):
         raise UserError(f"--out {args.out}: --pairwise writes a topology file: end it in .yaml, .yml or .json")
     base = device = None
     if args.cluster:  # the structure to derate: a topology, or a hierarchical cluster as a graph
         cluster = _load_cluster(args)
-        if hasattr(cluster, "topology"):
-            base = cluster.topology
-        else:
-            from nest_fx.topology import from_cluster
-
-            base = from_cluster(cluster)
+        base = cluster.topology if isinstance(cluster, GraphCluster) else from_cluster(cluster)
     elif torch.cuda.is_available():
         raise UserError("--pairwise on GPUs needs --cluster (the topology or cluster whose device and links "
                         "the measurements derate)")
     else:
         device = Cluster.preset("cpu-gloo", 1).device
     if "WORLD_SIZE" in os.environ:  # under torchrun: the launched world measures itself
-        from nest_fx.apply.api import init_distributed
-
         init_distributed()
-    try:
-        topo, fits, samples = calibrate_pairwise(nproc=args.nproc, sizes=[s * 1024 for s in args.sizes_kib],
-                                                 base=base, device=device, repeats=args.repeats)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
+    topo, fits, samples = calibrate_pairwise(nproc=args.nproc, sizes=[s * 1024 for s in args.sizes_kib],
+                                             base=base, device=device, repeats=args.repeats)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     print(report.pairwise_table(fits, base))
@@ -323,18 +274,13 @@ def _calibrate_pairwise(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from profiler.collectives import calibrate
-
     if args.pairwise:
         return _calibrate_pairwise(args)
     if not args.cluster:
         raise UserError("--calibrate needs --cluster (a preset NAME:DEVICES or a file) whose levels to fit")
     cluster = _load_cluster(args)
     sizes = [s * 1024 for s in args.sizes_kib]
-    try:
-        fitted, fits, samples = calibrate(cluster, nproc=args.nproc, sizes=sizes, repeats=args.repeats)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
+    fitted, fits, samples = calibrate(cluster, nproc=args.nproc, sizes=sizes, repeats=args.repeats)
     print(report.calibration_table(cluster, fits))
     fitted.save(args.out)
     print(f"wrote {args.out} ({len(samples)} samples)")
@@ -431,7 +377,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UserError as exc:
+    except NestFxError as exc:
         if os.environ.get("NEST_FX_DEBUG"):
             raise
         print(f"error: {one_line(str(exc))}", file=sys.stderr)

@@ -8,7 +8,7 @@ See docs/profiler.md.
 """
 from profiler.collectives import calibrate, fit_cluster
 from profiler.model_profile import ProfileOptions, profile_model
-from profiler.profile_file import OpEntry, Profile, ProfileError, op_key
+from nest_fx.workload.profile_file import OpEntry, Profile, ProfileError, op_key
 from profiler.timer import Timer
 
 __all__ = ["calibrate", "fit_cluster", "ProfileOptions", "profile_model", "OpEntry", "Profile", "ProfileError",

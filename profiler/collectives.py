@@ -19,20 +19,27 @@ messages count alike.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from nest_fx.apply.distributed import init_distributed
+from nest_fx.apply.launch import launch
 from nest_fx.cluster import Cluster
+from nest_fx.common.errors import NestFxError
 from nest_fx.cost.collectives import collective_time, p2p
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _HUGE_BW = 1e30
 
+
+
+class CalibrationError(NestFxError, ValueError):
+    """Collectives cannot be measured or fitted as asked (too few ranks, no level to fit, a
+    sample set no alpha-beta model fits); the message names the fix."""
 
 @dataclass
 class Sample:
@@ -75,7 +82,7 @@ def _run(kind: str, buf: torch.Tensor, out: torch.Tensor, group, ranks: List[int
             dist.recv(buf, a)
             dist.send(buf, a)
     else:
-        raise ValueError(f"unknown collective {kind!r}; use one of {KINDS}")
+        raise CalibrationError(f"unknown collective {kind!r}; use one of {KINDS}")
 
 
 def _buffers(kind: str, nbytes: int, n: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +209,6 @@ def nonnegative_lstsq(a: List[float], b: List[float], y: List[float]) -> Tuple[f
 
 
 def _calibrate_rank(cluster_dict: dict, sizes: List[int], kinds: List[str], warmup: int, repeats: int) -> List[dict]:
-    from nest_fx.apply.api import init_distributed
-
     init_distributed()
     cluster = Cluster.from_dict(cluster_dict)
     return [asdict(s) for s in measure_collectives(cluster, sizes, kinds, warmup=warmup, repeats=repeats)]
@@ -217,14 +222,12 @@ def calibrate(cluster: Cluster, *, nproc: int = 2, sizes: Sequence[int] = (2**12
     if dist.is_available() and dist.is_initialized():
         samples = measure_collectives(cluster, sizes, kinds, warmup=warmup, repeats=repeats)
     else:
-        from nest_fx.apply.testing import launch
-
         if nproc < 2:
-            raise ValueError(f"--nproc {nproc}: calibration needs at least 2 ranks")
+            raise CalibrationError(f"--nproc {nproc}: calibration needs at least 2 ranks")
         rows = launch(_calibrate_rank, nproc, cluster.to_dict(), list(sizes), list(kinds), warmup, repeats,
                       timeout=timeout)[0]
         samples = [Sample(**r) for r in rows]
     if not samples:
-        raise ValueError(f"{nproc} ranks reach no network level of {cluster.name} with two or more ranks")
+        raise CalibrationError(f"{nproc} ranks reach no network level of {cluster.name} with two or more ranks")
     fitted, fits = fit_cluster(cluster, samples)
     return fitted, fits, samples

@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils._pytree import tree_flatten, tree_map
 
+from nest_fx.workload.profile_file import ProfileError
 from profiler.timer import Timer
 
 
@@ -174,7 +175,7 @@ def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], ti
     sum over the traced ops; ``"cross_entropy"``: token-level cross entropy of its logits in fp32
     against random targets, the training step a Workload costs (it adds that loss to the tail)."""
     if loss not in ("sum", "cross_entropy"):
-        raise ValueError(f"loss={loss!r}: use 'sum' or 'cross_entropy'")
+        raise ProfileError(f"loss={loss!r}: use 'sum' or 'cross_entropy'")
 
     def objective(out) -> torch.Tensor:
         logits = out.logits if hasattr(out, "logits") else out

@@ -4,22 +4,23 @@ Only one instance of each distinct block is run: the model is rebuilt with just 
 to contain every distinct block signature (``distinct_depth``), and an op signature measured
 once is never measured again (identical blocks, and other variants or models that share the
 op, reuse the entry). For each TP degree the model is shrunk to one rank's shard
-(``profiler.localise``) so the ops run at the shapes a TP rank runs.
+(``nest_fx.workload.localise``) so the ops run at the shapes a TP rank runs.
 """
 from __future__ import annotations
 
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from nest_fx.graph import trace
-from profiler.localise import LocaliseError, local_vocab, localise_tp
+from nest_fx.workload import dims_from_config, trace_model
+from nest_fx.workload.localise import LocaliseError, distinct_depth, local_graph
+from nest_fx.workload.profile_file import OpEntry, Profile, block_seconds, op_key
 from profiler.measure import measure_nodes, measure_step
-from profiler.profile_file import OpEntry, Profile, block_seconds, op_key
 from profiler.timer import Timer
+import platform
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NOT_OPS = {"placeholder", "output", "get_attr"}
@@ -52,47 +53,15 @@ class ProfileStats:
     skipped: List[str] = field(default_factory=list)
 
 
-def distinct_depth(graph) -> Optional[int]:
-    """Layers needed so every distinct block signature of ``graph`` appears once (at least two:
-    block detection needs a repeat); None when the model has no repeated blocks."""
-    blocks = graph.layer_blocks
-    first: Dict[str, int] = {}
-    for k, b in enumerate(blocks):
-        first.setdefault(b.signature, k)
-    if not first:
-        return None
-    return min(len(blocks), max(2, max(first.values()) + 1))
-
-
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def new_profile(device: torch.device, dtype: str) -> Profile:
     return Profile(device=device.type, device_name=device_description(device), dtype=dtype,
                    torch_version=torch.__version__, cuda_version=torch.version.cuda or "")
-
-
-def local_graph(name: str, tp: int, mbs: int, *, seq: Optional[int], dtype: torch.dtype, layers: Optional[int],
-                device="meta"):
-    """Build ``name`` (``layers`` deep) on ``device``, shrink it to a TP rank's shard, and trace it.
-
-    Returns (OpGraph, model, args, kwargs); the token ids fit the local vocabulary shard."""
-    from nest_fx.models import build_any
-
-    model, cfg, args, kwargs = build_any(name, batch=mbs, seq=seq, device=device, dtype=dtype, layers=layers)
-    if tp > 1:
-        localise_tp(model, trace(model, args, kwargs, name=name), tp, cfg.vocab_size)
-        if torch.device(device).type != "meta":
-            vocab = local_vocab(cfg.vocab_size, tp)
-            args = tuple(torch.randint(0, vocab, a.shape, device=device) if isinstance(a, torch.Tensor) else a
-                         for a in args)
-            kwargs = {k: torch.randint(0, vocab, v.shape, device=device) if isinstance(v, torch.Tensor) else v
-                      for k, v in kwargs.items()}
-    return trace(model, args, kwargs, name=name), model, args, kwargs
 
 
 def _estimated_bytes(graph) -> float:
@@ -109,9 +78,6 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
     """Measure ``name``'s ops on ``device`` for every (tp, mbs) of ``options``; returns the profile
     (``profile`` extended when given) and the work statistics. Variants that do not fit in GPU
     memory, or TP degrees the model's shapes do not divide, are skipped with a warning."""
-    from nest_fx.builders import trace_model
-    from nest_fx.workload import dims_from_config
-
     options = options or ProfileOptions()
     device = torch.device(device)
     dtype = _DTYPES[options.dtype]

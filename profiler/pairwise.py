@@ -6,9 +6,9 @@ back) for each message size: ``warmup`` untimed round trips, then the mean of ``
 ones, halved (one transfer). Every rank joins every barrier; the figure is shared with an
 all-reduce, so every rank gets the same samples. Directions are assumed symmetric (a ping-pong
 cannot tell them apart); the sample is recorded for (i, j) and
-:func:`nest_fx.topology.calibrate` uses it both ways.
+:func:`nest_fx.cluster.topology.calibrate` uses it both ways.
 
-The fit never restates the cost formula: :func:`nest_fx.topology.p2p_time` on a one-link
+The fit never restates the cost formula: :func:`nest_fx.cluster.topology.p2p_time` on a one-link
 topology is evaluated with unit latency (and no bandwidth limit) and with unit inverse
 bandwidth (and no latency) to read off the coefficients of latency and 1/bandwidth for each
 size; the two are fitted per pair by non-negative least squares on the relative error
@@ -24,9 +24,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from nest_fx.apply.distributed import init_distributed
+from nest_fx.apply.launch import launch
 from nest_fx.cluster import DeviceSpec
-from nest_fx.topology import Link, Topology, calibrate, p2p_time
-from profiler.collectives import nonnegative_lstsq
+from nest_fx.cluster.topology import Link, Topology, calibrate, p2p_time
+from profiler.collectives import CalibrationError, nonnegative_lstsq
 
 DEFAULT_SIZES = (2**12, 2**16, 2**20, 2**22)
 _HUGE_BW = 1e30
@@ -112,7 +114,7 @@ def fit_pairs(samples: Sequence[PairSample]) -> List[PairFit]:
         b = [_model_seconds(s.nbytes, 1.0, 0.0) / s.seconds for s in rows]  # 1/bandwidth coefficient
         latency, inv_bw = nonnegative_lstsq(a, b, [1.0] * len(rows))
         if inv_bw <= 0:  # every size took the same time: the pair is latency-bound at these sizes
-            raise ValueError(f"pair ({src}, {dst}): no bandwidth term fits the samples; measure larger messages "
+            raise CalibrationError(f"pair ({src}, {dst}): no bandwidth term fits the samples; measure larger messages "
                              f"(--sizes-kib up to 16384 or more)")
         bandwidth = 1.0 / inv_bw
         errors = [abs(_model_seconds(s.nbytes, bandwidth, latency) - s.seconds) / s.seconds for s in rows]
@@ -121,8 +123,6 @@ def fit_pairs(samples: Sequence[PairSample]) -> List[PairFit]:
 
 
 def _pairwise_rank(sizes: List[int], warmup: int, repeats: int) -> List[dict]:
-    from nest_fx.apply.api import init_distributed
-
     init_distributed()
     return [asdict(s) for s in measure_pairs(sizes, warmup=warmup, repeats=repeats)]
 
@@ -132,25 +132,23 @@ def calibrate_pairwise(*, nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, 
                        timeout: float = 600.0, name: Optional[str] = None
                        ) -> Tuple[Topology, List[PairFit], List[PairSample]]:
     """Measure every pair of ranks and build a topology from the fits
-    (:func:`nest_fx.topology.calibrate`): with ``base``, its routes derated to the measured
+    (:func:`nest_fx.cluster.topology.calibrate`): with ``base``, its routes derated to the measured
     figures; without, direct links between the measured ranks (``device`` required). Under
     torchrun (the default group initialised) the world measures itself; otherwise ``nproc``
     local gloo ranks are spawned."""
     if base is None and device is None:
-        raise ValueError("calibrate_pairwise: give the base topology or the device spec of the measured ranks")
+        raise CalibrationError("calibrate_pairwise: give the base topology or the device spec of the measured ranks")
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         samples = measure_pairs(sizes, warmup=warmup, repeats=repeats)
     else:
-        from nest_fx.apply.testing import launch
-
         if nproc < 2:
-            raise ValueError(f"--nproc {nproc}: pairwise calibration needs at least 2 ranks")
+            raise CalibrationError(f"--nproc {nproc}: pairwise calibration needs at least 2 ranks")
         world = nproc
         rows = launch(_pairwise_rank, nproc, list(sizes), warmup, repeats, timeout=timeout)[0]
         samples = [PairSample(**r) for r in rows]
     if base is not None and base.num_devices < world:
-        raise ValueError(f"the base topology has {base.num_devices} devices but {world} ranks were measured: "
+        raise CalibrationError(f"the base topology has {base.num_devices} devices but {world} ranks were measured: "
                          f"give a topology with at least {world} devices")
     fits = fit_pairs(samples)
     measured = {(f.src, f.dst): (f.bandwidth, f.latency) for f in fits}

@@ -15,7 +15,7 @@ Both are measured on the model itself, on the spawned ranks, one thread each, as
 one-microbatch training step under the runtime takes beyond the cost model's own terms:
 
 * TP (tp = ranks): the step under ``auto_parallelize``, minus the same step of the model's
-  local TP shard on one rank (``profiler.localise``), minus the cost model's TP collectives
+  local TP shard on one rank (``nest_fx.workload.localise``), minus the cost model's TP collectives
   (the workload's comms on the cluster); divided by the number of TP collective calls. Taken at
   two microbatch sizes and fitted as ``a + b * bytes`` per call (non-negative least squares;
   ``bytes`` the mean buffer of a call).
@@ -35,9 +35,18 @@ from typing import Callable, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from nest_fx.apply import auto_parallelize
+from nest_fx.apply.distributed import init_distributed
+from nest_fx.apply.launch import launch
+from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import Cluster
 from nest_fx.cost.collectives import collective_time
-from profiler.collectives import nonnegative_lstsq
+from nest_fx.graph import trace
+from nest_fx.models import build_seeded
+from nest_fx.plan import uniform_plan
+from nest_fx.workload import workload_for_model
+from nest_fx.workload.localise import localise_tp
+from profiler.collectives import CalibrationError, nonnegative_lstsq
 
 
 @dataclass
@@ -97,11 +106,7 @@ def _tokens(cfg, mbs: int, vocab: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def _runtime_step(model_name: str, plan_kwargs: dict, mbs: int, warmup: int, repeats: int) -> float:
     """Median seconds of forward + backward of one microbatch under ``auto_parallelize``."""
-    from nest_fx.apply import auto_parallelize
-    from nest_fx.apply.testing import build, lm_loss
-    from nest_fx.plan import uniform_plan
-
-    model, cfg = build(model_name, seed=0)
+    model, cfg = build_seeded(model_name, seed=0)
     x, y = _tokens(cfg, mbs)
     world = dist.get_world_size()
     plan = uniform_plan(cfg.layers + 2, microbatch_size=mbs, num_microbatches=1, **plan_kwargs)
@@ -118,8 +123,6 @@ def _runtime_step(model_name: str, plan_kwargs: dict, mbs: int, warmup: int, rep
 
 
 def _local_step(model: torch.nn.Module, cfg, mbs: int, warmup: int, repeats: int, vocab: int = 0) -> float:
-    from nest_fx.apply.testing import lm_loss
-
     x, y = _tokens(cfg, mbs, vocab)  # a TP shard's embedding holds vocab / tp rows
 
     def step() -> None:
@@ -131,16 +134,12 @@ def _local_step(model: torch.nn.Module, cfg, mbs: int, warmup: int, repeats: int
 def measure_tp(model_name: str, workload, cluster: Cluster, microbatches: Sequence[int], warmup: int = 2,
                repeats: int = 5) -> List[OverheadSample]:
     """TP samples on the initialised default group (every rank calls it; tp = world size)."""
-    from nest_fx.apply.testing import build
-    from nest_fx.graph import trace
-    from profiler.localise import localise_tp
-
     world = dist.get_world_size()
     ranks = list(range(world))
     out = []
     for mbs in microbatches:
         measured = _runtime_step(model_name, {"tp": world}, mbs, warmup, repeats)
-        model, cfg = build(model_name, seed=0)
+        model, cfg = build_seeded(model_name, seed=0)
         graph = trace(model, _tokens(cfg, mbs)[:1])
         local = _local_step(localise_tp(model, graph, world, cfg.vocab_size), cfg, mbs, warmup, repeats,
                             vocab=cfg.vocab_size // world)
@@ -156,12 +155,10 @@ def measure_tp(model_name: str, workload, cluster: Cluster, microbatches: Sequen
 def measure_fsdp(model_name: str, workload, cluster: Cluster, mbs: int = 1, warmup: int = 2,
                  repeats: int = 5) -> OverheadSample:
     """The FSDP sample on the initialised default group (every rank calls it; dp = world size)."""
-    from nest_fx.apply.testing import build
-
     world = dist.get_world_size()
     ranks = list(range(world))
     measured = _runtime_step(model_name, {"dp": world, "zero": 3}, mbs, warmup, repeats)
-    model, cfg = build(model_name, seed=0)
+    model, cfg = build_seeded(model_name, seed=0)
     local = _local_step(model, cfg, mbs, warmup, repeats)
     param_bytes = [workload.cost(i, 1, 1, mbs, False).num_params * 4 for i in range(len(workload))]
     units = [b for i, b in enumerate(param_bytes) if workload.layers[i].kind == "block"]
@@ -188,9 +185,6 @@ def fit_fsdp(sample: OverheadSample) -> Tuple[float, float]:
 
 
 def _measure_rank(model_name: str, cluster_dict: dict, microbatches: List[int]) -> List[dict]:
-    from nest_fx.apply.api import init_distributed
-    from nest_fx.builders import workload_for_model
-
     init_distributed()
     torch.set_num_threads(1)
     cluster = Cluster.from_dict(cluster_dict)
@@ -204,10 +198,8 @@ def measure_runtime_overheads(model_name: str, cluster: Cluster, *, nproc: int =
     """Measure and fit both overheads for ``model_name`` (fp32) on ``nproc`` spawned local ranks
     (CPU, gloo), against ``cluster``'s collective model: calibrate the cluster first, the
     overhead is what its network model leaves unexplained."""
-    from nest_fx.apply.testing import launch
-
     if nproc < 2:
-        raise ValueError(f"nproc={nproc}: measuring collective overheads needs at least 2 ranks")
+        raise CalibrationError(f"nproc={nproc}: measuring collective overheads needs at least 2 ranks")
     rows = launch(_measure_rank, nproc, model_name, cluster.to_dict(), list(microbatches), timeout=timeout)[0]
     samples = [OverheadSample(**r) for r in rows]
     tp = [s for s in samples if s.path == "tp"]

@@ -38,6 +38,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from nest_fx.workload.profile_file import ProfileError
+
 _MAX_HOLD_S = 0.05  # longest GPU hold per repeat; an op dispatching for longer is host-bound anyway
 
 
@@ -47,9 +49,9 @@ class Timer:
     def __init__(self, device: torch.device, warmup: int = 2, repeats: int = 5, flush_bytes: Optional[int] = None,
                  statistic: str = "median"):
         if warmup < 0 or repeats < 1:
-            raise ValueError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
+            raise ProfileError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
         if statistic not in ("median", "min"):
-            raise ValueError(f"statistic={statistic!r}: use 'median' or 'min'")
+            raise ProfileError(f"statistic={statistic!r}: use 'median' or 'min'")
         self.statistic = statistic
         self.device = torch.device(device)
         self.warmup = warmup

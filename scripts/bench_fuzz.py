@@ -34,14 +34,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import yaml
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nest_fx import builders  # noqa: E402
-from nest_fx.cli import main as cli_main  # noqa: E402
-from nest_fx.cluster import Cluster, ClusterError  # noqa: E402
-from nest_fx.cost.step_time import simulate  # noqa: E402
-from nest_fx.plan import Plan, PlanError, uniform_plan  # noqa: E402
-from nest_fx.workload import Workload, WorkloadError  # noqa: E402
+from nest_fx.workload import build as workload_build
+from nest_fx.cli import main as cli_main
+from nest_fx.cluster import Cluster, ClusterError
+from nest_fx.cost.step_time import simulate
+from nest_fx.plan import Plan, PlanError, uniform_plan
+from nest_fx.workload import Workload, WorkloadError, load_workload, workload_from_table, workload_to_table
 
 OUR_ERRORS = (ClusterError, PlanError, WorkloadError)
 MODEL = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
@@ -234,8 +233,8 @@ def hand_table(blocks: int = 2) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def traced_table() -> str:
-    work = builders.workload_for_model(MODEL, Cluster.preset("dgx-a100", 8))
-    return json.dumps(work.to_table(tps=(1, 2), mbss=(1, 2)))
+    work = workload_build.workload_for_model(MODEL, Cluster.preset("dgx-a100", 8))
+    return json.dumps(workload_to_table(work, tps=(1, 2), mbss=(1, 2)))
 
 
 def valid_workloads() -> List[dict]:
@@ -289,10 +288,10 @@ def _one_line(exc: Exception) -> str:
 
 
 def sane(result, cluster: Cluster) -> None:
-    """What a simulation of accepted inputs must satisfy (nest_fx.limits keeps every formula in
+    """What a simulation of accepted inputs must satisfy (nest_fx.common.limits keeps every formula in
     range): finite figures, a positive step time, and a plan called feasible within the usable
     device memory."""
-    from nest_fx.cost.step_time import USABLE_MEMORY_FRACTION
+    from nest_fx.cost.options import USABLE_MEMORY_FRACTION
 
     numbers = [result.step_s, result.tokens_per_s, *result.breakdown.values()]
     numbers += [v for s in result.stages for v in s.memory.values()]
@@ -305,7 +304,7 @@ def sane(result, cluster: Cluster) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _hand_workload() -> Workload:
-    return Workload.from_table(hand_table())
+    return workload_from_table(hand_table())
 
 
 def use_cluster(c: Cluster) -> None:
@@ -354,7 +353,7 @@ def use_workload(w: Workload) -> None:
 
 def check_workload_dict(doc: Any) -> str:
     try:
-        w = Workload.from_table(doc, where="fuzz")
+        w = workload_from_table(doc, where="fuzz")
     except WorkloadError as exc:
         return _one_line(exc)
     use_workload(w)
@@ -535,7 +534,7 @@ def run(parsers: List[str], n: int, seed: int, keep: int) -> List[Tally]:
     rng = random.Random(seed)
     os.environ.pop("NEST_FX_DEBUG", None)
     # Tracing is the slow part of a CLI call and the model names repeat: trace each one once.
-    builders.trace_model = functools.lru_cache(maxsize=None)(builders.trace_model)
+    workload_build.trace_model = functools.lru_cache(maxsize=None)(workload_build.trace_model)
     tallies = []
     with tempfile.TemporaryDirectory(prefix="nest-fx-fuzz-") as root:
         files = CliFiles(root, rng)
@@ -548,7 +547,7 @@ def run(parsers: List[str], n: int, seed: int, keep: int) -> List[Tally]:
                 root, f, Plan.load, PlanError, use_plan)),
             "workload-dict": lambda: (fuzz_docs(rng, valid_workloads(), n), lambda d: lambda: check_workload_dict(d)),
             "workload-file": lambda: (fuzz_files(rng, valid_workloads(), n, False), lambda f: _file_check(
-                root, f, Workload.load, WorkloadError, use_workload)),
+                root, f, load_workload, WorkloadError, use_workload)),
             "cli-simulate": lambda: ([cli_argv(rng, "simulate", files) for _ in range(n)],
                                      lambda a: lambda: check_cli(a)),
             "cli-plan": lambda: ([cli_argv(rng, "plan", files) for _ in range(n)], lambda a: lambda: check_cli(a)),

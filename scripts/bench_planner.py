@@ -15,45 +15,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nest_fx.cluster import load_cluster
+from nest_fx.report import tables as report
+from nest_fx.report.benchmark_case import CLUSTERS, DEVICES, MODELS, run_case
+from nest_fx.report.plotting import pyplot_or_none
+from nest_fx.solver import SolverOptions, solve
+from nest_fx.workload import workload_for_model
 
-from nest_fx import report  # noqa: E402
-from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
-from nest_fx.plotting import pyplot_or_none  # noqa: E402
-from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve  # noqa: E402
-from nest_fx.solver.baselines import run_baselines  # noqa: E402
-
-MODELS = ["bert-large", "llama2-7b", "llama3-70b", "mixtral-8x7b", "gpt3-175b"]
-CLUSTERS = ["tpuv4-fat-tree", "h100-spine-leaf"]
-DEVICES = [64, 128, 256, 512, 1024]
-
-
-def run_case(model: str, cluster_name: str, devices: int, batch: int, budget: float, mcmc: int, workloads: dict):
-    cluster = load_cluster(f"{cluster_name}:{devices}")
-    key = (model, cluster_name)
-    if key not in workloads:  # the workload depends on the device type only, not the count
-        workloads[key] = workload_for_model(model, cluster)
-    work = workloads[key]
-    row = {"model": model, "cluster": cluster_name, "devices": devices}
-    try:
-        found = solve(work, cluster, batch, SolverOptions(time_budget=budget))
-    except NoFeasiblePlan as exc:
-        row["error"] = str(exc)
-        return row
-    row.update(plan=report.plan_summary(found.plan), nest_tokens_s=found.result.tokens_per_s,
-               nest_step_s=found.result.step_s, search_s=found.seconds, complete=found.complete,
-               dp_runs=found.dp_runs)
-    for b in run_baselines(work, cluster, batch, SolverOptions(time_budget=budget), mcmc):
-        row[f"{b.name}_tokens_s"] = b.result.tokens_per_s if b.result else None
-        row[f"{b.name}_ratio"] = (found.result.tokens_per_s / b.result.tokens_per_s) if b.result else None
-        row[f"{b.name}_search_s"] = b.seconds
-        row[f"{b.name}_plan"] = report.plan_summary(b.plan) if b.plan else None
-    return row
 
 
 def scaling(model: str, cluster_name: str, sizes, batch: int, budget: float, workloads: dict):

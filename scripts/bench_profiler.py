@@ -25,13 +25,13 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
-from nest_fx.models import build_any  # noqa: E402
-from profiler.measure import measure_step  # noqa: E402
-from profiler.model_profile import ProfileOptions, profile_model  # noqa: E402
-from profiler.timer import Timer  # noqa: E402
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
+from nest_fx.models import build_any
+from profiler.measure import measure_step
+from profiler.model_profile import ProfileOptions, profile_model
+from profiler.timer import Timer
 
 MODELS = ["gpt:hidden=256,layers=12,heads=4,seq=128,vocab=4096",
           "llama:hidden=256,layers=12,heads=8,kv=4,seq=128,vocab=4096"]

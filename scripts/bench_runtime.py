@@ -6,7 +6,7 @@
     python scripts/bench_runtime.py --dp-hand allreduce              # zero=0 baseline: flat all-reduce
 
 For every case the same zoo model (fp32, CPU, gloo, one thread per rank) is built twice from one
-seed on each of ``--world`` local ranks (``nest_fx.apply.testing.launch``):
+seed on each of ``--world`` local ranks (``nest_fx.apply.launch.launch``):
 
 * A, nest-fx: ``auto_parallelize(model, ..., plan=uniform_plan(...))`` then
   ``pm.train_step(x, y); opt.step(); opt.zero_grad()``;
@@ -52,8 +52,6 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 CASES = {
     "dp0": dict(dp=2, tp=1, zero=0, label="DP=2 zero=0"),
@@ -114,7 +112,7 @@ class HandStep:
     def __call__(self, x, y):
         import torch
         import torch.distributed as dist
-        from nest_fx.apply.testing import lm_loss
+        from nest_fx.apply.losses import lm_loss
 
         if self.dp > 1:
             lo = self.rank * self.per
@@ -140,7 +138,7 @@ class NestStep:
     def __init__(self, model, cfg, case: Dict[str, Any], batch: int, lr: float, example):
         import torch
         from nest_fx.apply import auto_parallelize
-        from nest_fx.apply.testing import lm_loss
+        from nest_fx.apply.losses import lm_loss
         from nest_fx.plan import uniform_plan
 
         plan = uniform_plan(cfg.layers + 2, dp=case["dp"], tp=case["tp"], zero=case["zero"],
@@ -161,14 +159,14 @@ class NestStep:
 def run_case(spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from nest_fx.apply.api import init_distributed
-    from nest_fx.apply.testing import build
+    from nest_fx.apply.distributed import init_distributed
+    from nest_fx.models import build_seeded
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[spec["case"]]
     batch = spec["batch"]
-    model, cfg = build(spec["model"], seed=0)
+    model, cfg = build_seeded(spec["model"], seed=0)
     hand_model = copy.deepcopy(model)  # same weights on both variants (and on every rank: same seed)
     seq = cfg.seq_len
     gen = torch.Generator().manual_seed(1234)
@@ -303,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     opts = parser.parse_args(argv)
 
     import torch
-    from nest_fx.apply.testing import launch
+    from nest_fx.apply.launch import launch
 
     rows = []
     started = time.perf_counter()

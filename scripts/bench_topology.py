@@ -28,14 +28,15 @@ import time
 
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nest_fx import report  # noqa: E402
-from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
-from nest_fx.plotting import pyplot_or_none  # noqa: E402
-from nest_fx.cost.step_time import simulate  # noqa: E402
-from nest_fx.solver import SolverOptions, solve  # noqa: E402
-from nest_fx.topology import GraphCluster, calibrate, contended_step_s, pairwise_figures  # noqa: E402
+from nest_fx.report import tables as report
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
+from nest_fx.report.plotting import pyplot_or_none
+from nest_fx.cost.step_time import simulate
+from nest_fx.solver import SolverOptions, solve
+from nest_fx.cluster.topology import GraphCluster, calibrate, pairwise_figures
+from nest_fx.cost.dp_sync_contention import contended_step_s
 
 MODELS = ["llama2-7b", "llama3-70b", "gpt3-175b"]
 RAIL = "rail:128x8,group=32,spines=8"  # 4 scalable units of 32 DGX nodes, 8 rails each, 8 spines

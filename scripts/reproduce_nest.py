@@ -25,21 +25,18 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_planner  # noqa: E402  (also puts the repository root on sys.path)
-
-from nest_fx import report  # noqa: E402
-from nest_fx.plotting import pyplot_or_none  # noqa: E402
-from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
-from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve  # noqa: E402
-from nest_fx.solver.baselines import mcmc, phaze  # noqa: E402
+from nest_fx.cluster import load_cluster
+from nest_fx.report import tables as report
+from nest_fx.report.benchmark_case import CLUSTERS, DEVICES, MODELS, run_case
+from nest_fx.report.plotting import pyplot_or_none
+from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+from nest_fx.solver.baselines import mcmc, phaze
+from nest_fx.workload import workload_for_model
 
 PLANNERS = ("nest", "megatron", "phaze", "mcmc")
 LABELS = {"nest": "nest-fx", "megatron": "Manual (Megatron)", "phaze": "Phaze-style", "mcmc": "MCMC"}
@@ -55,12 +52,12 @@ QUICK = {"models": ["bert-large", "llama2-7b"], "clusters": ["tpuv4-fat-tree"], 
 
 def figure5(models: Sequence[str], clusters: Sequence[str], devices: Sequence[int], batch: int, budget: float,
             mcmc_evals: int, workloads: dict, log=print) -> List[dict]:
-    """One bench_planner.run_case row per (cluster, model, devices)."""
+    """One run_case row per (cluster, model, devices)."""
     rows = []
     for cl in clusters:
         for model in models:
             for n in devices:
-                row = bench_planner.run_case(model, cl, n, batch, budget, mcmc_evals, workloads)
+                row = run_case(model, cl, n, batch, budget, mcmc_evals, workloads)
                 rows.append(row)
                 log(f"fig5 {cl} {model} {n}: " + (row.get("error") or
                     f"{row['plan']}, {row['nest_tokens_s']:.3g} tok/s, search {row['search_s']:.1f} s"))
@@ -68,7 +65,7 @@ def figure5(models: Sequence[str], clusters: Sequence[str], devices: Sequence[in
 
 
 def _workload(model: str, cluster_name: str, cluster, workloads: dict):
-    key = (model, cluster_name)  # the same key bench_planner.run_case caches under
+    key = (model, cluster_name)  # the same key run_case caches under
     if key not in workloads:
         workloads[key] = workload_for_model(model, cluster)
     return workloads[key]
@@ -116,7 +113,7 @@ def table3(cases: Sequence[tuple], batch: int, budget: float, mcmc_evals: int, w
     for model, n in cases:
         row = next((r for r in done if (r["model"], r["cluster"], r["devices"]) == (model, TABLE3_CLUSTER, n)), None)
         if row is None:
-            row = bench_planner.run_case(model, TABLE3_CLUSTER, n, batch, budget, mcmc_evals, workloads)
+            row = run_case(model, TABLE3_CLUSTER, n, batch, budget, mcmc_evals, workloads)
             log(f"table3 {model} {n}: " + (row.get("error") or f"{row['nest_tokens_s']:.3g} tok/s"))
         rows.append(row)
     return rows
@@ -283,12 +280,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, log=print) -> dict:
     """Run the selected parts and write the outputs; returns the results dict (also the JSON)."""
     quick = args.quick
-    models = args.models or (QUICK["models"] if quick else bench_planner.MODELS)
-    clusters = args.clusters or (QUICK["clusters"] if quick else bench_planner.CLUSTERS)
-    devices = args.devices or (QUICK["devices"] if quick else bench_planner.DEVICES)
+    models = args.models or (QUICK["models"] if quick else MODELS)
+    clusters = args.clusters or (QUICK["clusters"] if quick else CLUSTERS)
+    devices = args.devices or (QUICK["devices"] if quick else DEVICES)
     budget = args.budget if args.budget is not None else (QUICK["budget"] if quick else 10.0)
     evals = args.mcmc_evals if args.mcmc_evals is not None else (QUICK["mcmc"] if quick else 500)
-    fig6_models = args.models or (QUICK["fig6_models"] if quick else bench_planner.MODELS)
+    fig6_models = args.models or (QUICK["fig6_models"] if quick else MODELS)
     stem = os.path.join(args.out, "reproduce_nest" + ("_quick" if quick else ""))
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()

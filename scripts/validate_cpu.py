@@ -42,18 +42,18 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from nest_fx.builders import load_cluster, workload_for_model  # noqa: E402
-from nest_fx.plotting import pyplot_or_none  # noqa: E402
-from nest_fx.cost.step_time import simulate  # noqa: E402
-from nest_fx.plan import Plan, uniform_plan  # noqa: E402
-from nest_fx.workload import dims_from_config  # noqa: E402
-from profiler.runtime_overhead import measure_runtime_overheads  # noqa: E402
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
+from nest_fx.report.plotting import pyplot_or_none
+from nest_fx.cost.step_time import simulate
+from nest_fx.plan import Plan, uniform_plan
+from nest_fx.workload import dims_from_config
+from profiler.runtime_overhead import measure_runtime_overheads
 
 MODEL = "gpt:hidden=384,layers=4,heads=6,seq=128,vocab=8192"
 MEMORY_STEPS = 5  # profiled steps per plan; the peak is their median
@@ -94,8 +94,9 @@ def run_plan(spec: dict) -> dict:
     import torch.distributed as dist
 
     from nest_fx.apply import auto_parallelize
-    from nest_fx.apply.api import init_distributed
-    from nest_fx.apply.testing import build, lm_loss
+    from nest_fx.apply.distributed import init_distributed
+    from nest_fx.apply.losses import lm_loss
+    from nest_fx.models import build_seeded
 
     init_distributed()
     try:
@@ -104,7 +105,7 @@ def run_plan(spec: dict) -> dict:
     except OSError:
         pass
     base = _rss_kib("VmRSS")
-    model, cfg = build(spec["model"], seed=0)
+    model, cfg = build_seeded(spec["model"], seed=0)
     plan = Plan.from_dict(spec["plan"])
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (spec["batch"], cfg.seq_len), generator=gen)
@@ -210,7 +211,7 @@ def spread(items: list, limit: int) -> list:
 
 def measure(items, ranks: int, args, workload, cluster, options, chosen_name: str, steps: int) -> List[dict]:
     """Run each (name, plan) on ``ranks`` local gloo processes; one row per plan that ran."""
-    from nest_fx.apply.testing import launch
+    from nest_fx.apply.launch import launch
 
     rows = []
     for k, (name, plan) in enumerate(items):
@@ -239,7 +240,7 @@ def retime(rows: List[dict], items, ranks: int, args) -> None:
     """A second timing pass, in reverse order: each plan's step time becomes the smaller of its
     two medians. The machine's speed drifts by tens of percent over minutes (shared cores);
     two passes at different times, and the faster, keep that drift out of the comparison."""
-    from nest_fx.apply.testing import launch
+    from nest_fx.apply.launch import launch
 
     plans = dict(items)
     for k, row in enumerate(reversed(rows)):
@@ -272,7 +273,7 @@ def main() -> int:
     if not 0 <= args.memory_ranks <= 8:
         ap.error("--memory-ranks: 0 (skip) to 8")
     torch.set_num_threads(1)
-    from nest_fx.cost.step_time import CostOptions
+    from nest_fx.cost.options import CostOptions
     from nest_fx.models import build_any
     from nest_fx.solver import SolverOptions, solve
     from profiler import ProfileOptions, calibrate, profile_model

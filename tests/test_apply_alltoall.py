@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nest_fx.apply.expert_parallel import all_to_all
-from nest_fx.apply.testing import launch
+from nest_fx.apply.launch import launch
 
 WORLD = 4
 

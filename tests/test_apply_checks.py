@@ -10,12 +10,13 @@ import torch.distributed as dist
 
 from nest_fx.apply import ApplyError, auto_parallelize, default_plan
 from nest_fx.apply import checks
-from nest_fx.apply.checkpointing import apply_checkpointing
+from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.mesh import locate, rank_table, require_uniform_tp
 from nest_fx.apply.pipeline import (LayerSubset, head_tail_modules, interleaved_ranges, split_stages,
                                     stage_blocks, tensor_output)
 from nest_fx.apply.tensor_parallel import block_regions
-from nest_fx.apply.testing import build, lm_loss
+from nest_fx.apply.losses import lm_loss
+from nest_fx.models import build_seeded
 from nest_fx.graph import trace
 from nest_fx.models import build_model
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
@@ -31,7 +32,7 @@ def single_rank():
 
 
 def _traced(name=LLAMA, batch=2, seq=16):
-    model, cfg = build(name)
+    model, cfg = build_seeded(name)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
     kwargs = {"input_ids": tokens} if name.startswith("hf:") else None
     graph = trace(model, () if kwargs else (tokens,), kwargs)
@@ -132,7 +133,7 @@ def test_tied_embeddings_across_stages_refused(single_rank):
 
 def test_errors_come_before_any_collective(single_rank):
     """A one-rank world with a 4-rank plan fails in the checks, with no group beyond the default."""
-    model, cfg = build(LLAMA)
+    model, cfg = build_seeded(LLAMA)
     tokens = torch.randint(0, 128, (8, 32))
     with pytest.raises(ApplyError, match="world size mismatch"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=uniform_plan(6, dp=4))
@@ -259,7 +260,7 @@ def test_default_plan_is_pure_data_parallel():
 
 
 def test_auto_parallelize_one_rank_matches_plain_training(single_rank, capsys):
-    model, cfg = build(LLAMA)
+    model, cfg = build_seeded(LLAMA)
     ref = copy.deepcopy(model)
     x, y = torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32))
     seen = {}
@@ -286,7 +287,7 @@ def test_auto_parallelize_one_rank_matches_plain_training(single_rank, capsys):
 def test_plan_for_another_model_fails_before_any_collective(single_rank):
     """A plan made for a 34-layer model, given to a 6-layer one: refused by the checks, with the
     reason, before the mesh or any group is built; the model is untouched."""
-    model, cfg = build(LLAMA)
+    model, cfg = build_seeded(LLAMA)
     tokens = torch.randint(0, 128, (8, 32))
     with pytest.raises(ApplyError, match=r"plan\.num_layers=34 but the traced model has 6 layers.*another model"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss,
@@ -300,7 +301,8 @@ def test_plan_for_another_model_with_the_same_layer_count_is_refused(single_rank
     own plans carry the fingerprint, which is stable across batch and sequence length."""
     import torch as _torch
 
-    from nest_fx.builders import load_cluster, workload_for_model
+    from nest_fx.cluster import load_cluster
+    from nest_fx.workload import workload_for_model
     from nest_fx.cli import main
     from nest_fx.cost.step_time import simulate
     from nest_fx.solver import solve
@@ -321,7 +323,7 @@ def test_plan_for_another_model_with_the_same_layer_count_is_refused(single_rank
     assert Plan.load(str(path)).model_fingerprint == plan.model_fingerprint
     assert main(["simulate", "--plan", str(path), "--model", LLAMA, "--cluster", "cpu-gloo:1"]) == 2
     assert "model_fingerprint" in capsys.readouterr().err
-    model, cfg = build(LLAMA)
+    model, cfg = build_seeded(LLAMA)
     tokens = torch.randint(0, 128, (8, 32))
     with pytest.raises(ApplyError, match="model_fingerprint.*the traced model"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=plan)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from nest_fx.apply.testing import launch
+from nest_fx.apply.launch import launch
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "broadcast_object_list",
@@ -23,10 +23,11 @@ def _parallelize(global_batch: int):
     import torch
 
     from nest_fx.apply import auto_parallelize
-    from nest_fx.apply.testing import build, lm_loss
+    from nest_fx.apply.losses import lm_loss
+    from nest_fx.models import build_seeded
     from nest_fx.plan import uniform_plan
 
-    model, cfg = build(MODEL)
+    model, cfg = build_seeded(MODEL)
     plan = uniform_plan(cfg.layers + 2, dp=2, microbatch_size=2, num_microbatches=2)
     tokens = torch.zeros(global_batch, cfg.seq_len, dtype=torch.long)
     return auto_parallelize(model, tokens, global_batch_size=global_batch, loss_fn=lm_loss, plan=plan,
@@ -119,7 +120,7 @@ def test_collective_timeout_from_the_environment():
 
 
 def test_timeout_setting(monkeypatch):
-    from nest_fx.apply.api import collective_timeout_s
+    from nest_fx.apply.distributed import collective_timeout_s
 
     monkeypatch.delenv("NEST_FX_TIMEOUT_S", raising=False)
     assert collective_timeout_s() == 600.0

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nest_fx.apply import auto_parallelize
-from nest_fx.apply.testing import lm_loss
+from nest_fx.apply.losses import lm_loss
 from nest_fx.models import build_model
 from nest_fx.plan import uniform_plan
 
@@ -115,7 +115,7 @@ def test_device_order_numbers_the_world_for_the_plan(fake_world):
     cannot be renumbered: a clear error instead of silently running another placement."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from nest_fx.apply.api import plan_rank_of
+    from nest_fx.apply.distributed import plan_rank_of
     from nest_fx.apply.checks import ApplyError
     from nest_fx.apply.mesh import build_mesh, dim_group, locate
 

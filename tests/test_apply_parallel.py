@@ -1,6 +1,6 @@
 """Multi-process (gloo, CPU) equivalence: a parallel run equals the single-device run.
 
-Each test launches N ranks (``nest_fx.apply.testing.launch``: a forkserver with torch
+Each test launches N ranks (``nest_fx.apply.launch.launch``: a forkserver with torch
 preloaded, killed after ``LAUNCH_S``), trains a tiny fp32 model for 3 SGD steps under a plan
 with ``auto_parallelize`` and, on every rank, the same model on the whole batch; the losses of
 every step, the full (unsharded) gradients of every step and the parameters after the third
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from nest_fx.apply.testing import equivalence, launch
+from nest_fx.apply.launch import launch
+from nest_fx.testing import equivalence
 
 TOL = 1e-5
 LAUNCH_S = 150

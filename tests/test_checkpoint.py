@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from nest_fx.apply.testing import build, launch, lm_loss
+from nest_fx.apply.launch import launch
+from nest_fx.apply.losses import lm_loss
+from nest_fx.models import build_seeded
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
 MOE = "moe:hidden=32,layers=2,heads=4,seq=16,vocab=64,experts=4,top_k=2,capacity_factor=2.0"
@@ -68,7 +70,7 @@ def _phase(spec: dict) -> dict:
     from nest_fx.apply import auto_parallelize
     from nest_fx.plan import uniform_plan
 
-    model, cfg = build(spec["model"], seed=spec.get("seed", 0))
+    model, cfg = build_seeded(spec["model"], seed=spec.get("seed", 0))
     plan = uniform_plan(cfg.layers + 2, **spec["plan"])
     pm = auto_parallelize(model, _batch(0)[0], global_batch_size=BATCH, loss_fn=lm_loss, plan=plan, verbose=False)
     # a wrong lr on purpose when loading: the checkpoint restores the group's hyperparameters
@@ -124,7 +126,7 @@ def _plain_resume(spec: str, path: str, want: dict, want_losses, steps: int) -> 
     import torch.distributed as dist
 
     assert not dist.is_initialized()
-    model, cfg = build(spec, seed=7)
+    model, cfg = build_seeded(spec, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     step = load_checkpoint(model, path, opt)["step"]
     assert_same(full_state(model, opt), want)
@@ -183,7 +185,7 @@ def _load_deeper_model(path: str) -> str:
     from nest_fx.apply import auto_parallelize
     from nest_fx.plan import uniform_plan
 
-    model, cfg = build(MODEL.replace("layers=2", "layers=4"))
+    model, cfg = build_seeded(MODEL.replace("layers=2", "layers=4"))
     plan = uniform_plan(cfg.layers + 2, pp=2, microbatch_size=2, num_microbatches=4)
     pm = auto_parallelize(model, _batch(0)[0], global_batch_size=BATCH, loss_fn=lm_loss, plan=plan, verbose=False)
     try:
@@ -196,7 +198,7 @@ def _load_deeper_model(path: str) -> str:
 @pytest.mark.dist
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_a_key_missing_on_one_stage_fails_every_rank(tmp_path):
-    model, _ = build(MODEL)
+    model, _ = build_seeded(MODEL)
     path = save_checkpoint(model, str(tmp_path / "ck"))
     errors = launch(_load_deeper_model, 2, path, timeout=LAUNCH_S)
     assert errors[0].startswith("rank 1 failed: CheckpointError: ") and errors[0].endswith(errors[1])
@@ -214,7 +216,7 @@ def _killed_during_save(path: str) -> None:
     from nest_fx.apply import auto_parallelize
     from nest_fx.plan import uniform_plan
 
-    model, cfg = build(MODEL)
+    model, cfg = build_seeded(MODEL)
     plan = uniform_plan(cfg.layers + 2, dp=2, microbatch_size=4)
     pm = auto_parallelize(model, _batch(0)[0], global_batch_size=BATCH, loss_fn=lm_loss, plan=plan, verbose=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -251,7 +253,7 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
     leftovers = [d for d in os.listdir(tmp_path) if ".tmp-" in d]
     assert len(leftovers) == 1 and "__1_0.distcp" in os.listdir(tmp_path / leftovers[0])
     want = torch.load(path + ".expected")
-    model, _ = build(MODEL, seed=7)
+    model, _ = build_seeded(MODEL, seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     assert load_checkpoint(model, path, opt)["step"] == 1
     assert_same(full_state(model, opt), want)
@@ -261,7 +263,7 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
 
 def _trained(steps: int = 1, spec: str = MODEL):
     """(model, AdamW) trained ``steps`` steps on one device in this process (no process group)."""
-    model, cfg = build(spec)
+    model, cfg = build_seeded(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for s in range(steps):
         x, y = _batch(s, cfg.vocab_size)
@@ -290,7 +292,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="(?s)previous checkpoint there.*untouched.*disk full"):
         save_checkpoint(model, path, opt, step=2)
     monkeypatch.setattr(FileSystemWriter, "write_data", original)
-    fresh, _ = build(MODEL, seed=7)
+    fresh, _ = build_seeded(MODEL, seed=7)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     assert load_checkpoint(fresh, path, fresh_opt)["step"] == 1
     assert_same(full_state(fresh, fresh_opt), want)
@@ -316,7 +318,7 @@ def test_crash_between_the_two_renames_loads_the_newest_complete_copy(tmp_path, 
         save_checkpoint(model, path, opt, step=2)
     monkeypatch.undo()
     assert not os.path.exists(path) and len(os.listdir(tmp_path)) == 2  # path.old-* and path.tmp-*
-    fresh, _ = build(MODEL, seed=7)
+    fresh, _ = build_seeded(MODEL, seed=7)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     with pytest.warns(RuntimeWarning, match="interrupted"):
         assert load_checkpoint(fresh, path, fresh_opt)["step"] == 2
@@ -333,7 +335,7 @@ def test_clear_errors(tmp_path):
     path = save_checkpoint(model, str(tmp_path / "ck"))
     with pytest.raises(CheckpointError, match="saved without optimizer"):
         load_checkpoint(model, path, opt)
-    other, _ = build("llama:hidden=48,layers=2,heads=4,seq=16,vocab=64")
+    other, _ = build_seeded("llama:hidden=48,layers=2,heads=4,seq=16,vocab=64")
     shape = r"model.embed.tok.weight has shape \(64, 32\) in the checkpoint but \(64, 48\) in the model; fix"
     with pytest.raises(CheckpointError, match=shape):
         load_checkpoint(other, path)

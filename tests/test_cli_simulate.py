@@ -27,10 +27,11 @@ def test_simulate_prints_breakdown_and_memory(tmp_path, capsys):
 
 
 def test_simulate_from_workload_table(tmp_path, capsys):
-    from nest_fx.builders import load_cluster, workload_for_model
+    from nest_fx.cluster import load_cluster
+    from nest_fx.workload import save_workload, workload_for_model
 
     table = tmp_path / "w.json"
-    workload_for_model(MODEL, load_cluster("dgx-a100:8")).save(str(table), tps=(1, 2))
+    save_workload(workload_for_model(MODEL, load_cluster("dgx-a100:8")), str(table), tps=(1, 2))
     rc = main(["simulate", "--plan", write_plan(tmp_path), "--workload", str(table), "--cluster", "dgx-a100:8"])
     assert rc == 0 and "step" in capsys.readouterr().out
 

@@ -3,12 +3,14 @@ import json
 
 import pytest
 
-from nest_fx.builders import cluster_spec, load_cluster, workload_for_model
+from nest_fx.cluster import cluster_spec, load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.cli import main
 from nest_fx.cluster import Cluster
 from nest_fx.plan import Plan
 from nest_fx.solver import SolverOptions, solve
-from nest_fx.topology import GraphCluster, calibrate, fat_tree, load_topology, pairwise_figures, save_topology
+from nest_fx.cluster.topology import (GraphCluster, calibrate, fat_tree, load_topology, pairwise_figures, router_of,
+                                      save_topology)
 
 MODEL = "llama:hidden=512,layers=4,heads=8,seq=256,vocab=2048"
 
@@ -105,7 +107,7 @@ def test_pairwise_calibration_writes_a_topology_the_planner_reads(tmp_path, caps
     topo = load_topology(str(out))
     assert topo.num_devices == 4 and set(topo.measured) == {(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)}
     for (a, b), (bw, lat) in topo.measured.items():  # loopback is far slower than the modelled NVLink
-        assert topo.router.route(a, b).bandwidth == bw < 450e9 and lat > 0
+        assert router_of(topo).route(a, b).bandwidth == bw < 450e9 and lat > 0
     assert topo.measured[(0, 1)] == topo.measured[(1, 0)]  # a ping-pong measures both directions at once
     rc = main(["plan", "--model", MODEL, "--cluster", str(out), "--global-batch", "8", "--no-baselines", "--quiet"])
     assert rc == 0 and "4 x cpu" in capsys.readouterr().out

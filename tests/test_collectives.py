@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nest_fx.cluster import Cluster, ClusterError, NetworkLevel
-from nest_fx.cost import collectives as C
-from nest_fx.cost.collectives import (
+from nest_fx.cluster import hierarchical_collectives as C
+from nest_fx.cluster.hierarchical_collectives import (
     COLLECTIVES,
     all_gather,
     all_reduce,

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from nest_fx import timeline
+from nest_fx.report import timeline
 from nest_fx.cli import main
 from nest_fx.cost.memory import pipeline_inflight_microbatches
 from nest_fx.cost.step_time import pipeline_time, simulate
-from nest_fx.layout import fmt_ranks, group_lines, level_map_lines
+from nest_fx.report.layout import fmt_ranks, group_lines, level_map_lines
 from nest_fx.plan import Plan, uniform_plan
 
 MODEL = "llama:hidden=256,layers=4,heads=4,seq=128,vocab=512"  # 6 layers: head, 4 blocks, tail
@@ -109,7 +109,8 @@ def test_expert_groups_listed():
 # -- report, PNG, CLI -----------------------------------------------------------------------------
 
 def _workload_and_cluster():
-    from nest_fx.builders import load_cluster, workload_for_model
+    from nest_fx.cluster import load_cluster
+    from nest_fx.workload import workload_for_model
 
     cluster = load_cluster("dgx-a100:8")
     return workload_for_model(MODEL, cluster), cluster

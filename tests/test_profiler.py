@@ -7,11 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nest_fx.builders import load_cluster, workload_for_model
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.models import build_any
 from profiler import measure as measure_mod
 from profiler.model_profile import ProfileOptions, distinct_depth, local_graph, profile_model
-from profiler.profile_file import Profile, ProfileError, op_key
+from nest_fx.workload.profile_file import Profile, ProfileError, op_key
 from profiler.timer import Timer
 
 GPT = "gpt:hidden=256,layers=6,heads=4,seq=128,vocab=4096"
@@ -156,7 +157,7 @@ def test_block_pace_is_the_slower_of_device_and_host(gpt_profile):
     """On a GPU the host may dispatch small ops slower than their kernels run: a block then
     costs its host time. Entries with host figures 3x the device's triple the block costs;
     entries without host figures (older files) cost their device time."""
-    from profiler.profile_file import OpEntry, block_seconds
+    from nest_fx.workload.profile_file import OpEntry, block_seconds
     assert block_seconds([(1.0, 2.0), (1.0, 2.0)], [(3.0, 1.0), (0.5, 1.0)]) == (3.5, 4.0)
     assert OpEntry(op="x", fwd_s=1.0, bwd_s=2.0, peak_bytes=0.0).host == (1.0, 2.0)
     prof, _ = gpt_profile

@@ -22,7 +22,7 @@ from nest_fx.cluster import Cluster, ClusterError, DeviceSpec, NetworkLevel
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, PlanError, StagePlan
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
-from nest_fx.workload import Workload, WorkloadError
+from nest_fx.workload import Workload, WorkloadError, workload_from_table, workload_to_table
 
 GiB = 2**30
 OUR_ERRORS = (ClusterError, PlanError, WorkloadError)
@@ -86,7 +86,7 @@ def tables(draw, max_blocks: int = 5) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _traced(spec: str) -> Workload:
-    from nest_fx.builders import workload_for_model
+    from nest_fx.workload import workload_for_model
 
     return workload_for_model(spec, Cluster.preset("dgx-a100", 8))
 
@@ -100,7 +100,7 @@ def workloads(draw) -> Workload:
     """A random layer table (most draws) or a small traced model (dense or MoE)."""
     if draw(st.integers(0, 4)) == 0:
         return _traced(draw(st.sampled_from(TRACED)))
-    return Workload.from_table(draw(tables()))
+    return workload_from_table(draw(tables()))
 
 
 @st.composite
@@ -202,7 +202,7 @@ def big_instances(draw):
     cluster = Cluster.preset(draw(st.sampled_from(["dgx-a100", "h100-spine-leaf", "tpuv4-fat-tree"])),
                              draw(st.sampled_from([256, 1024, 4096])))
     cluster.device.memory_bytes = memory * GiB
-    return Workload.from_table(table), cluster, draw(st.sampled_from([256, 1024, 4096]))
+    return workload_from_table(table), cluster, draw(st.sampled_from([256, 1024, 4096]))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -240,13 +240,13 @@ def test_plan_round_trips(plan):
 @settings(max_examples=60, deadline=None)
 @given(table=tables())
 def test_workload_round_trips(table):
-    work = Workload.from_table(table)
+    work = workload_from_table(table)
     tps = sorted({v["tp"] for vs in table["costs"].values() for v in vs if work.dims.tp_ok(v["tp"])})
     assume(tps)  # to_table writes only the degrees that divide the heads
     mbss = sorted({v["mbs"] for vs in table["costs"].values() for v in vs})
-    written = work.to_table(tps=tps, mbss=mbss)
-    again = Workload.from_table(json.loads(json.dumps(written)))
-    assert again.to_table(tps=tps, mbss=mbss) == written
+    written = workload_to_table(work, tps=tps, mbss=mbss)
+    again = workload_from_table(json.loads(json.dumps(written)))
+    assert workload_to_table(again, tps=tps, mbss=mbss) == written
     assert [layer.name for layer in again.layers] == [ly["name"] for ly in table["layers"]]
     for i in range(len(work)):
         for tp in tps:
@@ -271,7 +271,7 @@ def test_garbage_raises_only_our_errors(data, kind):
     elif kind == "plan":
         base, parse = data.draw(plans()).to_dict(), Plan.from_dict
     else:
-        base, parse = data.draw(tables()), Workload.from_table
+        base, parse = data.draw(tables()), workload_from_table
     doc = data.draw(json_values) if data.draw(st.booleans()) else _damaged(data.draw, base)
     _only_our_errors(parse, doc)
 
@@ -281,7 +281,7 @@ def test_garbage_raises_only_our_errors(data, kind):
 def test_supported_variants_are_the_costable_ones(table, tp, sp):
     """``supports`` answers exactly when every layer can be costed (so the solver never asks
     a table for a variant it lacks)."""
-    work = Workload.from_table(table)
+    work = workload_from_table(table)
     try:
         costs = [work.cost(i, tp, 1, 1, sp) for i in range(len(work))]
     except WorkloadError:

@@ -13,7 +13,8 @@
 """
 import pytest
 
-from nest_fx.builders import load_cluster, workload_for_model
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import uniform_plan
 

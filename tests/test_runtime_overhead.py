@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from nest_fx.builders import load_cluster
+from nest_fx.cluster import load_cluster
 from profiler.runtime_overhead import OverheadSample, fit_fsdp, fit_tp, measure_runtime_overheads
 
 MODEL = "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128"

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from nest_fx.builders import load_cluster, workload_for_model
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.cli import main
-from profiler.profile_file import Profile
+from nest_fx.workload.profile_file import Profile
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "profiles", "h100-bf16.json")
 

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from nest_fx.builders import load_cluster, workload_for_model
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.cluster import Cluster
 from nest_fx.cost.step_time import simulate
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve

@@ -6,10 +6,13 @@ import random
 import numpy as np
 import pytest
 
-from nest_fx.builders import load_cluster, workload_for_model
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.cluster import Cluster
 from nest_fx.cost import collectives
-from nest_fx.cost.step_time import CostOptions, cached_collective, simulate, stage_cost, stage_tail
+from nest_fx.cost.collectives import cached_collective
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.step_time import simulate, stage_cost, stage_tail
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.solver.nest_dp import solve_partition
 from nest_fx.solver.search import _network_bound, _table_bound, candidates

@@ -3,8 +3,10 @@ import dataclasses
 
 import pytest
 
-from nest_fx.builders import load_cluster, workload_for_model
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
 from nest_fx.cluster import Cluster, NetworkLevel
+from nest_fx.cluster import hierarchical_collectives
 from nest_fx.cost import collectives
 from nest_fx.cost.step_time import pipeline_time, simulate
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
@@ -50,19 +52,19 @@ def test_single_device_step_is_layer_sum(work, cluster):
 
 
 def test_data_parallel_sync_without_overlap_is_one_allreduce(work, cluster):
-    from nest_fx.cost.step_time import CostOptions
+    from nest_fx.cost.options import CostOptions
 
     plan = uniform_plan(len(work), pp=1, tp=1, dp=16, num_microbatches=1)
     r = simulate(plan, work, cluster, CostOptions(overlap_grad_sync=False))
     grads = sum(work.cost(i).num_params for i in range(len(work))) * 2
-    expected = collectives.all_reduce(cluster, list(range(16)), grads)
+    expected = hierarchical_collectives.all_reduce(cluster, list(range(16)), grads)
     assert r.breakdown["dp_sync_exposed"] == pytest.approx(expected)
     overlapped = simulate(plan, work, cluster)
     assert overlapped.breakdown["dp_sync_exposed"] <= r.breakdown["dp_sync_exposed"]
 
 
 def test_zero0_sync_runs_after_backward_fsdp_overlaps(work, cluster):
-    from nest_fx.cost.step_time import CostOptions
+    from nest_fx.cost.options import CostOptions
 
     exposed = {}
     for zero in (0, 1):
@@ -76,7 +78,7 @@ def test_zero0_sync_runs_after_backward_fsdp_overlaps(work, cluster):
 
 
 def test_runtime_call_overheads_add_per_collective(work, cluster):
-    from nest_fx.cost.step_time import CostOptions
+    from nest_fx.cost.options import CostOptions
 
     a, b = 2e-3, 1e-9
     tp_plan = uniform_plan(len(work), pp=1, tp=4, dp=1, num_microbatches=2)

@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from nest_fx.builders import workload_for_model
+from nest_fx.workload import workload_for_model
 from nest_fx.cluster import Cluster, NetworkLevel
+from nest_fx.cluster.topology import router_of
 from nest_fx.cost import collectives
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import uniform_plan
-from nest_fx.topology import (
+from nest_fx.cluster.topology import (
     GraphCluster,
     Link,
     Topology,
@@ -21,7 +22,6 @@ from nest_fx.topology import (
     collective_time,
     concurrent_collective_time,
     concurrent_times,
-    dp_sync_contention,
     fat_tree,
     from_cluster,
     from_dict,
@@ -33,14 +33,15 @@ from nest_fx.topology import (
     to_dict,
     torus,
 )
-from nest_fx.topology.algorithms import KINDS
+from nest_fx.cluster.topology.algorithms import KINDS
+from nest_fx.cost.dp_sync_contention import dp_sync_contention
 
 MODEL = "llama:hidden=512,layers=8,heads=8,seq=256,vocab=1024"
 S = 256e6
 
 
 def nodes_on_route(topo, src, dst):
-    return list(topo.router.route(src, dst).nodes)
+    return list(router_of(topo).route(src, dst).nodes)
 
 
 # -- generators ----------------------------------------------------------------------------
@@ -275,8 +276,8 @@ def test_dp_sync_contention_of_a_plan():
 
 
 def _grad_bytes(work, plan):
-    from nest_fx.topology.dp_sync import stage_gradient_bytes
-    from nest_fx.cost.step_time import CostOptions
+    from nest_fx.cost.dp_sync_contention import stage_gradient_bytes
+    from nest_fx.cost.options import CostOptions
 
     return stage_gradient_bytes(plan, work, CostOptions())[0]
 
@@ -347,7 +348,7 @@ def test_with_order_maps_ranks_to_devices():
     assert swapped.devices_of([0, 1]) == [0, 4]
     assert swapped.collective_time("all_reduce", [0, 1], S) > gcl.collective_time("all_reduce", [0, 1], S)
     assert swapped.p2p_time(0, 2, S) == gcl.p2p_time(0, 1, S)
-    assert swapped.cache_token != gcl.cache_token and swapped.levels != gcl.levels
+    assert swapped.cache_token != gcl.cache_token and swapped.cost_key != gcl.cost_key
     assert swapped.levels[0].group_size == 4
     assert swapped.level_index_of_group([0, 1]) == 1 and gcl.level_index_of_group([0, 1]) == 0
     assert [f for _, f in swapped.levels_spanned([0, 2])] == [2]

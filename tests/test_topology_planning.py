@@ -4,26 +4,25 @@ import json
 
 import pytest
 
-from nest_fx.builders import workload_for_model
+from nest_fx.workload import workload_for_model
 from nest_fx.cluster import Cluster, NetworkLevel
-from nest_fx.cost.placement import OrderedCluster, placed
+from nest_fx.cluster.ordered import OrderedCluster, placed
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.solver import SolverOptions, solve
 from nest_fx.solver.placement import placements
-from nest_fx.topology import (
+from nest_fx.cluster.topology import (
     GraphCluster,
     calibrate,
     concurrent_times,
-    contended_step_s,
-    dp_sync_contention,
     fat_tree,
     from_cluster,
     pairwise_figures,
     rail_optimized,
     torus,
 )
-from nest_fx.topology.algorithms import KINDS, collective_curve
+from nest_fx.cluster.topology.algorithms import KINDS, collective_curve
+from nest_fx.cost.dp_sync_contention import contended_step_s, dp_sync_contention
 
 MODEL = "llama:hidden=512,layers=8,heads=8,seq=256,vocab=1024"
 # a fast search space: TP 2 forced (so a slow TP pair matters), every device used

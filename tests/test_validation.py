@@ -10,16 +10,16 @@ import pytest
 from nest_fx.cli import main
 from nest_fx.cluster import MAX_DEVICES, Cluster, ClusterError
 from nest_fx.cost.step_time import simulate
-from nest_fx.fileio import MAX_DEPTH, brief
+from nest_fx.common.fileio import MAX_DEPTH, brief
 from nest_fx.models.zoo import parse_spec
 from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.space import divisors
-from nest_fx.workload import Workload, WorkloadError
+from nest_fx.workload import Workload, WorkloadError, load_workload, workload_from_table
 
 MODEL = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
 LOADERS = [(Cluster.load, ClusterError, ".yaml"), (Cluster.load, ClusterError, ".json"),
-           (Plan.load, PlanError, ".json"), (Workload.load, WorkloadError, ".json")]
+           (Plan.load, PlanError, ".json"), (load_workload, WorkloadError, ".json")]
 
 
 def _variant(tp: int) -> dict:
@@ -176,7 +176,7 @@ def test_workload_values_are_checked(edit, message):
     data = table()
     edit(data)
     with pytest.raises(WorkloadError, match=message):
-        Workload.from_table(data)
+        workload_from_table(data)
 
 
 def test_absurd_device_counts_are_refused():
@@ -221,18 +221,18 @@ def test_divisors_match_brute_force_and_are_fast():
 
 def test_solver_keeps_to_the_variants_a_table_has():
     cluster = Cluster.preset("dgx-a100", 8)
-    only_tp1 = Workload.from_table(table(tps=(1,)))
+    only_tp1 = workload_from_table(table(tps=(1,)))
     assert only_tp1.supports(1) and not only_tp1.supports(2)
     assert "has no cost for tp=2" in only_tp1.variant_problem(2)
     found = solve(only_tp1, cluster, 8, SolverOptions(time_budget=5))
     assert {s.tp for s in found.plan.stages} == {1}
-    only_tp2 = Workload.from_table(table(tps=(2,)))
+    only_tp2 = workload_from_table(table(tps=(2,)))
     found = solve(only_tp2, cluster, 8, SolverOptions(time_budget=5))
     assert {s.tp for s in found.plan.stages} == {2}
 
 
 def test_solver_explains_when_no_variant_is_allowed():
-    only_tp2 = Workload.from_table(table(tps=(2,)))
+    only_tp2 = workload_from_table(table(tps=(2,)))
     with pytest.raises(NoFeasiblePlan, match="no tensor-parallel degree in \\[1\\]"):
         solve(only_tp2, Cluster.preset("dgx-a100", 8), 8, SolverOptions(tp_degrees=(1,)))
 
@@ -244,7 +244,7 @@ def test_time_budget_bounds_the_megatron_incumbent_too():
     heavy = dict(table(tps=(1, 2, 4, 8), heads=64))
     heavy["layers"] = [{"name": f"layers.{i}", "kind": "block", "signature": "d"} for i in range(80)]
     heavy["costs"] = {"block:d": [dict(_variant(tp), num_params=1.5e9 / tp, param_bytes=3e9 / tp) for tp in (1, 2, 4, 8)]}
-    work, cluster = Workload.from_table(heavy), Cluster.preset("h100-spine-leaf", 1024)
+    work, cluster = workload_from_table(heavy), Cluster.preset("h100-spine-leaf", 1024)
     cluster.device.memory_bytes = 4 * 2**30
     assert megatron(work, cluster, 4096).evaluations > 300  # slow: seconds without a deadline
     start = time.perf_counter()
@@ -259,9 +259,9 @@ def test_time_budget_bounds_the_megatron_incumbent_too():
 def test_simulate_refuses_a_variant_the_workload_lacks():
     cluster = Cluster.preset("dgx-a100", 8)
     with pytest.raises(PlanError, match=r"stages\[0\]: layer 'head' has no cost for tp=2"):
-        simulate(uniform_plan(4, tp=2), Workload.from_table(table(tps=(1,))), cluster)
+        simulate(uniform_plan(4, tp=2), workload_from_table(table(tps=(1,))), cluster)
     with pytest.raises(PlanError, match=r"stages\[0\]: tp=8 does not divide the model's 4 attention heads"):
-        simulate(uniform_plan(4, tp=8), Workload.from_table(table(tps=(1, 8))), cluster)
+        simulate(uniform_plan(4, tp=8), workload_from_table(table(tps=(1, 8))), cluster)
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -300,13 +300,13 @@ def test_cli_yaml_error_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_multi_line_error_is_collapsed(capsys, monkeypatch):
-    import nest_fx.graph
+    import nest_fx.cli
     from nest_fx.graph import TraceError
 
     def fail(*args, **kwargs):
         raise TraceError("running it on fake tensors failed\n  fix: give the op a meta kernel")
 
-    monkeypatch.setattr(nest_fx.graph, "trace", fail)
+    monkeypatch.setattr(nest_fx.cli, "trace", fail)
     rc, _, err = run_cli(["trace", MODEL], capsys, monkeypatch)
     assert rc == 2
     assert_one_error_line(err, "failed fix: give the op a meta kernel")

@@ -4,9 +4,10 @@ import json
 import pytest
 import torch
 
-from nest_fx.builders import load_cluster, workload_for_model
-from nest_fx.cost.compute import AnalyticalCompute
-from nest_fx.workload import Workload, WorkloadError
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
+from nest_fx.workload.roofline import AnalyticalCompute
+from nest_fx.workload import WorkloadError, load_workload, save_workload, workload_from_table, workload_to_table
 
 SMALL = "llama:hidden=256,layers=4,heads=8,kv=4,seq=128,vocab=512"
 MOE = "moe:hidden=128,layers=2,heads=4,kv=2,seq=64,vocab=256,experts=4"
@@ -89,8 +90,8 @@ def test_moe_expert_parallel(cluster):
 
 def test_table_round_trip(tmp_path, small):
     path = tmp_path / "w.json"
-    small.save(str(path), tps=(1, 2), mbss=(1, 2))
-    loaded = Workload.load(str(path))
+    save_workload(small, str(path), tps=(1, 2), mbss=(1, 2))
+    loaded = load_workload(str(path))
     assert len(loaded) == len(small)
     for i in range(len(small)):
         for tp, mbs in ((1, 1), (2, 2)):
@@ -113,10 +114,10 @@ def test_table_round_trip(tmp_path, small):
     (lambda d: next(iter(d["costs"].values()))[0].update(tp=0), r"\.tp: expected a positive integer"),
 ])
 def test_bad_tables_name_the_field(small, mutate, message):
-    data = json.loads(json.dumps(small.to_table(tps=(1,))))
+    data = json.loads(json.dumps(workload_to_table(small, tps=(1,))))
     mutate(data)
     with pytest.raises(WorkloadError, match=message):
-        Workload.from_table(data)
+        workload_from_table(data)
 
 
 def test_roofline_formula_by_hand():

@@ -4,20 +4,23 @@
     pm = auto_parallelize(model, tokens, global_batch_size=32, loss_fn=loss_fn, plan=plan)
     loss = pm.train_step(tokens, targets); opt.step(); opt.zero_grad()
 
-Modules: ``mesh`` (DeviceMesh from a plan), ``checks`` (errors before any collective),
-``pipeline`` (stage split and schedules), ``tensor_parallel`` (TP/SP from traced TP pairs),
+Modules: ``distributed`` (the default process group and its timeout), ``mesh`` (DeviceMesh
+from a plan), ``checks`` (errors before any collective), ``pipeline`` (stage split and
+schedules), ``tensor_parallel`` (TP/SP from traced TP pairs), ``moe_modules`` and
 ``expert_parallel`` (all_to_all experts), ``data_parallel`` (replication or FSDP2),
-``checkpointing`` (recompute), ``checkpoint`` (save/load under any plan), ``runtime``
-(ParallelModule), ``api`` (auto_parallelize).
-See docs/runtime.md.
+``activation_checkpoint`` (recompute), ``checkpoint`` (saving and loading training state under
+any plan), ``runtime`` (ParallelModule), ``api`` (auto_parallelize), ``launch`` (N local
+ranks without torchrun), ``losses``. See docs/runtime.md.
 """
-from nest_fx.apply.api import auto_parallelize, default_plan, init_distributed, plan_summary
+from nest_fx.apply.api import auto_parallelize, default_plan
 from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.distributed import collective_timeout_s, init_distributed, plan_rank_of
 from nest_fx.apply.expert_parallel import all_to_all
 from nest_fx.apply.mesh import build_mesh, locate
 from nest_fx.apply.runtime import ParallelModule
+from nest_fx.plan.summary import plan_summary
 
 __all__ = ["auto_parallelize", "ParallelModule", "ApplyError", "build_mesh", "locate", "default_plan",
-           "init_distributed", "plan_summary", "all_to_all", "CheckpointError", "save_checkpoint",
-           "load_checkpoint"]
+           "collective_timeout_s", "init_distributed", "plan_rank_of", "plan_summary", "all_to_all",
+           "CheckpointError", "save_checkpoint", "load_checkpoint"]

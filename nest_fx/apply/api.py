@@ -7,7 +7,7 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
                                weights win, so ranks need not share a seed)
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel)
-5. ``checkpointing``           per-stage recompute
+5. ``activation_checkpoint``   per-stage recompute
 6. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 (zero>=1)
 7. ``pipeline.make_schedule``  PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
 
@@ -15,123 +15,31 @@ All plan/model/batch/world checks (``checks.run_all``) run before the first coll
 """
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from nest_fx.apply import checks
-from nest_fx.apply.checkpointing import apply_checkpointing
+from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
-from nest_fx.apply.expert_parallel import apply_expert_parallel, expert_parameters, find_moe_modules
+from nest_fx.apply.distributed import init_distributed
+from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.mesh import build_mesh, locate, submesh
+from nest_fx.apply.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import check_untied, interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
-from nest_fx.cost.placement import is_identity
-from nest_fx.plan import Plan, check_device_order, uniform_plan
+from nest_fx.graph import trace
+from nest_fx.plan.plan import Plan, uniform_plan
+from nest_fx.plan.summary import plan_summary
+from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
 
 
 DEFAULT_TIMEOUT_S = 600.0
-TIMEOUT_ENV = "NEST_FX_TIMEOUT_S"
-
-
-def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
-    """The process-group timeout: ``timeout_s`` if given, else ``$NEST_FX_TIMEOUT_S``, else 600 s.
-
-    A collective that waits longer (a peer died or never joined) raises on the waiting rank
-    instead of hanging the job.
-    """
-    if timeout_s is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        if raw is None:
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; fix: e.g. {TIMEOUT_ENV}=600") \
-                from None
-    if not timeout_s > 0:
-        raise ValueError(f"the collective timeout must be positive, got {timeout_s}; fix: pass timeout_s > 0 or "
-                         f"set {TIMEOUT_ENV}")
-    return float(timeout_s)
-
-
-_NUMBERED_FOR: list = [None]  # (device order, default group id) of the group init_distributed numbered
-
-
-def plan_rank_of(device_order: Optional[Sequence[int]], launched_rank: int) -> int:
-    """The plan rank the process launched as global rank ``launched_rank`` plays: r such that
-    ``device_order[r] == launched_rank`` (the rank itself without an order)."""
-    if is_identity(device_order):
-        return launched_rank
-    try:
-        return list(device_order).index(launched_rank)
-    except ValueError:
-        raise checks.ApplyError(f"device_order: rank {launched_rank} is not in the plan's device order "
-                                f"({len(device_order)} entries); re-plan for this world") from None
-
-
-def init_distributed(timeout_s: Optional[float] = None,
-                     device_order: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    """Initialise the default process group from the torchrun environment if needed.
-
-    Reads WORLD_SIZE / RANK / LOCAL_RANK; gloo on CPU, nccl on CUDA. Without a launcher (no
-    WORLD_SIZE) a one-rank group on an in-memory store is created, so the same script runs
-    as a plain ``python`` process. Collectives time out after :func:`collective_timeout_s`
-    (``timeout_s``, ``$NEST_FX_TIMEOUT_S`` or 600 s); a group initialised by the caller keeps
-    its own timeout. Returns (world_size, rank).
-
-    ``device_order`` (a plan's, ``Plan.device_order``): the process launched as global rank
-    ``device_order[r]`` joins the group as rank r (:func:`plan_rank_of`); it keeps its device
-    (``LOCAL_RANK``). The runtime works on plan ranks throughout, so renumbering the group is
-    all it takes to run plan rank r on that device. Permuting the DeviceMesh instead would be
-    unsafe: ``new_group`` sorts a group's ranks, so along a permuted mesh dim the group rank
-    would differ from the mesh coordinate that DTensor, FSDP and PipelineStage index by. A group
-    initialised by the caller cannot be renumbered: with a non-identity order that is an
-    :class:`~nest_fx.apply.checks.ApplyError`.
-    """
-    if dist.is_initialized():
-        if not is_identity(device_order) and _NUMBERED_FOR[0] != (tuple(device_order), id(dist.group.WORLD)):
-            raise checks.ApplyError(
-                "device_order: the plan places its ranks on other devices, which the runtime does by numbering the "
-                "default process group, but the group was initialised before auto_parallelize; fix: let "
-                "auto_parallelize initialise it, or call nest_fx.apply.api.init_distributed(device_order="
-                "plan.device_order) first (or init_process_group with rank=plan_rank_of(plan.device_order, RANK))")
-        return dist.get_world_size(), dist.get_rank()
-    timeout = timedelta(seconds=collective_timeout_s(timeout_s))
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    elif not is_identity(device_order):
-        if len(device_order) != world:
-            raise checks.ApplyError(
-                f"device_order: lists {len(device_order)} ranks but WORLD_SIZE is {world}; launch "
-                f"{len(device_order)} processes or re-plan for {world} devices")
-        check_device_order(device_order, world)
-        launched = int(os.environ.get("RANK", "0"))
-        # the launcher's rendezvous store, hosted as the launcher arranged it (torchrun's agent, or
-        # the process launched as rank 0 on MASTER_ADDR), not by whichever process plays plan rank 0
-        from torch.distributed.rendezvous import _create_c10d_store
-
-        store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched, world, timeout)
-        dist.init_process_group(backend, store=store, rank=plan_rank_of(device_order, launched), world_size=world,
-                                timeout=timeout)
-        _NUMBERED_FOR[0] = (tuple(device_order), id(dist.group.WORLD))
-    else:
-        dist.init_process_group(backend, timeout=timeout)
-    return dist.get_world_size(), dist.get_rank()
-
-
 def default_plan(graph, world_size: int, global_batch_size: int, model_name: str = "") -> Plan:
     """Pure data parallelism over the whole world (the fallback until a planner is passed)."""
     n = len(graph.blocks)
@@ -158,16 +66,6 @@ def _device_type_of(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
-def plan_summary(plan: Plan, num_microbatches: int) -> str:
-    stages = ", ".join(f"[{s.start},{s.end}) tp{s.tp}" + (f" rc={s.recompute}" if s.recompute != "none" else "")
-                       for s in plan.stages)
-    return (f"nest-fx plan: {plan.devices_used} ranks = pp{plan.pp} x dp{plan.dp} x tp{plan.uniform_tp}"
-            f"{f' (ep{plan.ep})' if plan.ep > 1 else ''}; zero={plan.zero}; schedule={plan.schedule}"
-            f"{f' v={plan.virtual_stages}' if plan.schedule == 'interleaved' else ''}; "
-            f"microbatches {num_microbatches} x {plan.microbatch_size}; sp={plan.sequence_parallel}; "
-            f"placement={plan.placement}\n  stages: {stages}")
-
-
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
                      loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
                      graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
@@ -188,13 +86,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
     if graph is None:
-        from nest_fx.graph import trace
-
         graph = trace(model, args, kwargs, name=type(model).__name__)
     if plan is None:
         if planner is None:
-            from nest_fx.solver.runtime_planner import planner_for
-
             planner = planner_for(model)
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it

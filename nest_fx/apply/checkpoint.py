@@ -46,12 +46,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from nest_fx.common.errors import NestFxError
+from nest_fx.plan.summary import plan_summary
+
 FORMAT = "nest-fx-ckpt/1"
 META_FILE = "nest_fx_checkpoint.json"
 DCP_META_FILE = ".metadata"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(NestFxError, ValueError):
     """A checkpoint cannot be written or read; the message names the path and the fix."""
 
 
@@ -338,7 +341,6 @@ def _meta(target, step: Optional[int], has_optimizer: bool) -> dict:
     plan = getattr(target, "plan", None)
     summary = None
     if plan is not None:
-        from nest_fx.apply.api import plan_summary  # lazy: api imports the runtime, which imports this
 
         summary = plan_summary(plan, getattr(target, "num_microbatches", plan.num_microbatches))
     return {"format": FORMAT, "step": None if step is None else int(step), "saved_at": time.time(), "optimizer": has_optimizer,

@@ -9,9 +9,10 @@ from typing import Dict, Optional
 
 import torch.nn as nn
 
-from nest_fx.plan import Plan, PlanError, chain_fingerprint
+from nest_fx.apply.moe_modules import find_moe_modules
+from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.solver.space import divisors
-from nest_fx.workload import dims_from_config
+from nest_fx.workload.types import chain_fingerprint, dims_from_config
 
 
 class ApplyError(PlanError):
@@ -76,8 +77,6 @@ def check_ep(plan: Plan, model: nn.Module) -> None:
             f"ep={plan.ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
             f"experts/ep of them. fix: use ep in {[d for d in divisors(experts) if plan.dp % d == 0]} "
             f"(it must also divide dp={plan.dp})")
-    from nest_fx.apply.expert_parallel import find_moe_modules  # lazy: expert_parallel imports this module
-
     if not find_moe_modules(model):
         raise ApplyError(
             f"ep={plan.ep} but {type(model).__name__} has no MoE module with the route/dispatch/run_experts/"

@@ -20,6 +20,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 BUCKET_BYTES = 25 * 2**20
@@ -112,8 +113,6 @@ class GradientSync:
 def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int, *, edp_mesh=None,
                dp_size: Optional[int] = None, expert_modules: Sequence[nn.Module] = ()) -> nn.Module:
     """FSDP2 over ``dp_mesh``: each block, then the root (see module docstring)."""
-    from torch.distributed.fsdp import fully_shard
-
     reshard = zero >= 3
     for expert_mod in expert_modules:
         fsdp_experts = fully_shard(expert_mod, mesh=edp_mesh, reshard_after_forward=reshard)

@@ -23,13 +23,12 @@ whose tokens it processed, so the data-parallel sync *sums* it over ``edp`` and 
 from __future__ import annotations
 
 import types
-from typing import List
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.moe_modules import find_moe_modules
 from nest_fx.apply.pipeline import LayerSubset
 
 
@@ -78,18 +77,6 @@ def _ep_run_experts(self, buffer: torch.Tensor) -> torch.Tensor:
     out = torch.stack(outs, dim=2)  # [ep, B, E/ep, C, H]
     back = all_to_all(out, group)  # [ep (owner rank), B, E/ep, C, H]
     return back.transpose(0, 1).reshape(bsz, experts, cap, hidden)
-
-
-def find_moe_modules(module: nn.Module) -> List[nn.Module]:
-    """MoE modules: ones with ``experts`` (a ModuleList) and the route/dispatch/run_experts/combine API."""
-    return [m for m in module.modules()
-            if isinstance(getattr(m, "experts", None), nn.ModuleList)
-            and all(callable(getattr(m, f, None)) for f in ("route", "dispatch", "run_experts", "combine"))]
-
-
-def expert_parameters(module: nn.Module) -> List[nn.Parameter]:
-    """Parameters of the experts of every MoE in ``module`` (the ones reduced over ``edp``)."""
-    return [p for moe in find_moe_modules(module) for p in moe.experts.parameters()]
 
 
 def apply_expert_parallel(module: nn.Module, ep: int, ep_rank: int, ep_group) -> int:

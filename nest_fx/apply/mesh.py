@@ -9,7 +9,7 @@ Either way the dims are always named ``("pp", "dp", "tp")`` and indexed (stage, 
 rank); only the rank numbers inside differ. The ranks are *plan ranks*, the ranks of the default
 process group. A plan with a ``device_order`` (chosen by the planner on a graph topology) runs
 plan rank r on the process torchrun launched as global rank ``device_order[r]``:
-``api.init_distributed`` makes that process join the default group as rank r (see its
+``distributed.init_distributed`` makes that process join the default group as rank r (see its
 docstring for why the group is renumbered rather than the mesh permuted), so the table below
 needs no mapping and its rank sets are increasing along every dim, as DeviceMesh, DTensor and
 PipelineStage assume (group rank == mesh coordinate).
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from nest_fx.plan import Plan, PlanError
+from nest_fx.plan.plan import Plan, PlanError
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from nest_fx.apply.checks import ApplyError
 
@@ -197,8 +198,6 @@ def interleaved_ranges(plan, num_layers: int) -> List[List[Tuple[int, int]]]:
 def make_schedule(plan, stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], num_stages: int,
                   n_microbatches: int, loss_fn: Callable, pp_group, device: torch.device):
     """PipelineStages for this rank's chunks and the plan's schedule over them."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
     stages = [PipelineStage(m, idx, num_stages, device, group=pp_group)
               for m, idx in zip(stage_modules, stage_indices)]
     if plan.schedule == "interleaved":

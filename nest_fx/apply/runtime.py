@@ -25,7 +25,7 @@ from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import tensor_output
-from nest_fx.plan import Plan
+from nest_fx.plan.plan import Plan
 
 
 class ParallelModule:

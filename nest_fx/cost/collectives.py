@@ -1,164 +1,100 @@
-"""Collective communication times on a hierarchical cluster (alpha-beta model, SI units).
+"""The cost model's collectives: one entry point and one memo for every kind of cluster.
 
-Within one network level with per-device bandwidth ``B`` (bytes/s per direction) and latency
-``alpha`` (s), ``n`` participants use the ring algorithms (Thakur, Rabenseifner & Gropp 2005,
-"Optimization of Collective Communication Operations in MPICH"; the ring all-reduce is
-bandwidth-optimal, Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for
-clusters of workstations"):
+``collective_time(kind, cluster, ranks, nbytes)`` and ``p2p(cluster, src, dst, nbytes)`` ask
+the cluster's own network model (:class:`~nest_fx.cluster.protocol.ClusterModel`): the
+hierarchical ring algorithms of ``nest_fx.cluster.hierarchical_collectives`` on a
+:class:`~nest_fx.cluster.Cluster` (their formulas and sources are in that module's docstring
+and docs/cost_model.md), routes and contention on a graph topology
+(``nest_fx.cluster.topology.algorithms``). Sizes are bytes, results seconds.
 
-    reduce-scatter / all-gather   (n-1)/n * S/B + (n-1) * alpha      S = full (unsharded) buffer
-    all-reduce                  2 (n-1)/n * S/B + 2(n-1) * alpha     (= reduce-scatter + all-gather)
-    all-to-all                    (n-1)/n * S/B + (n-1) * alpha      S = per-rank send buffer
-    broadcast                   2 (n-1)/n * S/B + (ceil(log2 n) + n-1) * alpha
-                                                                    (scatter + ring all-gather)
-
-Across levels the algorithms are hierarchical, one step per level the rank set spans, each at
-that level's bandwidth and latency with that level's fan-out ``f_i``
-(:meth:`nest_fx.cluster.Cluster.span`). Sizes are in bytes, results in seconds; no efficiency
-factor is applied (the figures are ideal link rates). A group of one rank, or zero bytes,
-costs 0.
+The solver asks for the same few rank groups millions of times at many sizes, so every answer
+is memoised per (``cluster.cost_key``, kind, ranks, bytes): one key scheme, a string that names
+the network's figures and the plan's device order, so a result is never served across two
+clusters or two orders.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, Sequence, Tuple
 
-from nest_fx.cluster import Cluster, LevelSpan, NetworkLevel
+from nest_fx.cluster.hierarchical_collectives import COLLECTIVES
+from nest_fx.cluster.protocol import ClusterModel
+from nest_fx.workload.types import Comm
 
-
-def _check_bytes(nbytes: float) -> float:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
-        raise ValueError(f"nbytes: must be a finite number of bytes >= 0, got {nbytes!r}")
-    return float(nbytes)
-
-
-def _spans(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> List[LevelSpan]:
-    """The rank set's per-level spans, or [] when the collective is free (one rank or 0 bytes)."""
-    nbytes = _check_bytes(nbytes)
-    spans = cluster.span(ranks)
-    return spans if nbytes > 0 and spans[-1].max_ranks > 1 else []
+_COLLECTIVE_CACHE: Dict[tuple, Dict[float, float]] = {}
+_CACHE_LIMIT = 2_000_000  # entries over all groups; the memo starts afresh beyond it
+_cached_entries = 0
 
 
-def ring_pass(n: int, nbytes: float, level: NetworkLevel) -> float:
-    """One ring reduce-scatter or all-gather of an ``nbytes`` buffer among ``n`` devices of one level:
-    (n-1)/n * S/B + (n-1) * alpha (Thakur, Rabenseifner & Gropp 2005). 0 when n <= 1."""
-    if n <= 1:
+def collective_time(kind: str, cluster: ClusterModel, ranks: Sequence[int], nbytes: float) -> float:
+    """Seconds of collective ``kind`` (all_reduce, all_gather, reduce_scatter, all_to_all,
+    broadcast) over ``ranks`` on an ``nbytes`` buffer, as ``cluster``'s network model costs it."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {sorted(COLLECTIVES)}")
+    return cluster.collective_time(kind, ranks, nbytes)
+
+
+def p2p(cluster: ClusterModel, src: int, dst: int, nbytes: float) -> float:
+    """Seconds of a point-to-point send of ``nbytes`` from rank ``src`` to rank ``dst``."""
+    return cluster.p2p_time(src, dst, nbytes)
+
+
+def _memo(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Tuple[Dict[float, float], Tuple[int, ...]]:
+    """(bytes -> seconds memo, ranks) of collective ``kind`` over ``group``."""
+    global _cached_entries
+    ranks = tuple(group)
+    key = (cluster.cost_key, kind, ranks)
+    memo = _COLLECTIVE_CACHE.get(key)
+    if memo is None:
+        if _cached_entries > _CACHE_LIMIT:
+            _COLLECTIVE_CACHE.clear()
+            _cached_entries = 0
+        memo = _COLLECTIVE_CACHE[key] = {}
+    return memo, ranks
+
+
+def _miss(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...], memo: Dict[float, float], nbytes: float) -> float:
+    """Ask the network model (``p2p`` for kind "p2p", group = (src, dst)) and memoise."""
+    global _cached_entries
+    t = p2p(cluster, ranks[0], ranks[1], nbytes) if kind == "p2p" else collective_time(kind, cluster, ranks, nbytes)
+    memo[nbytes] = t
+    _cached_entries += 1
+    return t
+
+
+def collective_fn(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Callable[[float], float]:
+    """``nbytes -> seconds`` of collective ``kind`` (or ``p2p`` for kind "p2p", group = (src,
+    dst)) over ``group``, memoised: resolving the group once and then asking for many sizes
+    saves hashing it each time."""
+    memo, ranks = _memo(kind, cluster, group)
+
+    def seconds(nbytes: float) -> float:
+        t = memo.get(nbytes)
+        return _miss(kind, cluster, ranks, memo, nbytes) if t is None else t
+
+    return seconds
+
+
+def cached_collective(kind: str, cluster: ClusterModel, group: Sequence[int], nbytes: float) -> float:
+    """Seconds of one collective, memoised (see :func:`collective_fn`)."""
+    memo, ranks = _memo(kind, cluster, group)
+    t = memo.get(nbytes)
+    return _miss(kind, cluster, ranks, memo, nbytes) if t is None else t
+
+
+def comm_time(cluster: ClusterModel, comm: Comm, group: Sequence[int]) -> float:
+    """Seconds of one in-layer collective (``count`` repetitions) over ``group``."""
+    if len(group) <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / level.bandwidth + (n - 1) * level.latency
+    return comm.count * cached_collective(comm.kind, cluster, group, comm.nbytes)
 
 
-def reduce_scatter(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """Hierarchical ring reduce-scatter of an ``nbytes`` buffer (full size; each rank keeps 1/n).
-
-    Innermost level first: level i runs ``ring_pass(f_i, S_i)`` where ``S_0 = S`` and
-    ``S_{i+1} = S / m_i``, ``m_i`` the fewest ranks of the set in one level-i group (the shard a
-    rank holds after the inner steps; the smallest group gives the largest shard, so unbalanced
-    rank sets are charged conservatively). Balanced sets on one level reduce to
-    (n-1)/n * S/B + (n-1) alpha. Thakur, Rabenseifner & Gropp 2005.
-    """
-    return _hierarchical_passes(_spans(cluster, ranks, nbytes), float(nbytes))
+def group_comm_time(cluster: ClusterModel, comm: Comm, groups: Sequence[Sequence[int]]) -> float:
+    """Seconds of one in-layer collective on the slowest of ``groups`` (0 when there is none)."""
+    return max((comm_time(cluster, comm, g) for g in groups), default=0.0)
 
 
-def all_gather(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """Hierarchical ring all-gather producing an ``nbytes`` buffer on every rank (each holds 1/n).
-
-    The mirror image of :func:`reduce_scatter` (outermost level first, on the smallest shards),
-    hence the same cost: sum over levels of ``ring_pass(f_i, S_i)``. Thakur et al. 2005.
-    """
-    return _hierarchical_passes(_spans(cluster, ranks, nbytes), float(nbytes))
-
-
-def all_reduce(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """Hierarchical all-reduce of ``nbytes``: reduce-scatter up the levels, all-gather back down.
-
-    Equals :func:`reduce_scatter` + :func:`all_gather`; on one level this is the ring all-reduce
-    2(n-1)/n * S/B + 2(n-1) alpha, bandwidth-optimal (Patarasuk & Yuan 2009; Thakur et al. 2005).
-    The outermost step is an all-reduce of the 1/m shard left by the inner levels.
-    """
-    return reduce_scatter(cluster, ranks, nbytes) + all_gather(cluster, ranks, nbytes)
-
-
-def _hierarchical_passes(spans: List[LevelSpan], nbytes: float) -> float:
-    total, shard = 0.0, nbytes
-    for sp in spans:
-        total += ring_pass(sp.fanout, shard, sp.level)
-        shard = nbytes / sp.min_ranks
-    return total
-
-
-def all_to_all(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """All-to-all where each of the n ranks sends ``nbytes`` in total (nbytes/n to every rank).
-
-    On one level: (n-1)/n * S/B + (n-1) alpha (pairwise exchange, Thakur et al. 2005). Across
-    levels, at each level i where the set fans out (f_i > 1) the data leaving a rank's
-    level-(i-1) group must cross level i:
-
-        T = sum_i [ (1 - m_{i-1}/n) * S / B_i + (M_i - M_{i-1}) * alpha_i ]
-
-    with ``m_{i-1}`` the fewest ranks of the set in one level-(i-1) group (``m_{-1} = 1``) and
-    ``M_i`` the most ranks in one level-i group (``M_{-1} = 1``; ``M_i - M_{i-1}`` peers are
-    reached through level i). Charging the crossing traffic at every level and summing (rather
-    than taking the max over levels, which assumes perfect overlap of the levels) is the
-    conservative choice; data bound for a far level is also charged at the inner ones.
-    """
-    spans = _spans(cluster, ranks, nbytes)
-    if not spans:
-        return 0.0
-    n = spans[-1].max_ranks
-    total, inner_min, inner_max = 0.0, 1, 1
-    for sp in spans:
-        if sp.fanout > 1:
-            total += (1 - inner_min / n) * nbytes / sp.level.bandwidth + (sp.max_ranks - inner_max) * sp.level.latency
-        inner_min, inner_max = sp.min_ranks, sp.max_ranks
-    return total
-
-
-def broadcast(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """Broadcast of ``nbytes`` from one rank, hierarchical from the outermost level down.
-
-    Per level, the long-message algorithm of van de Geijn (binomial scatter + ring all-gather,
-    Thakur et al. 2005 sec. 4.1): 2(f-1)/f * S/B + (ceil(log2 f) + f - 1) alpha, summed over
-    the levels with fan-out f > 1 (the whole buffer crosses each level once).
-    """
-    total = 0.0
-    for sp in _spans(cluster, ranks, nbytes):
-        f = sp.fanout
-        if f > 1:
-            steps = math.ceil(math.log2(f)) + f - 1
-            total += 2 * (f - 1) / f * nbytes / sp.level.bandwidth + steps * sp.level.latency
-    return total
-
-
-def p2p(cluster: Cluster, src: int, dst: int, nbytes: float) -> float:
-    """Point-to-point send of ``nbytes``: alpha + S/B of the innermost level holding both ranks.
-
-    0 when ``src == dst`` or ``nbytes == 0``.
-    """
-    if hasattr(cluster, "p2p_time"):  # a graph topology (nest_fx.topology.GraphCluster) costs itself
-        return cluster.p2p_time(src, dst, nbytes)
-    nbytes = _check_bytes(nbytes)
-    index = cluster.level_index_of_group(sorted({src, dst}))  # validates both ranks
-    if src == dst or nbytes == 0:
-        return 0.0
-    level = cluster.levels[index]
-    return level.latency + nbytes / level.bandwidth
-
-
-COLLECTIVES: Dict[str, Callable[[Cluster, Sequence[int], float], float]] = {
-    "all_reduce": all_reduce,
-    "all_gather": all_gather,
-    "reduce_scatter": reduce_scatter,
-    "all_to_all": all_to_all,
-    "broadcast": broadcast,
-}
-
-
-def collective_time(kind: str, cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """Seconds for collective ``kind`` (a key of :data:`COLLECTIVES`) over ``ranks`` on ``nbytes``."""
-    if hasattr(cluster, "collective_time"):  # a graph topology (nest_fx.topology.GraphCluster) costs itself
-        return cluster.collective_time(kind, ranks, nbytes)
-    try:
-        fn = COLLECTIVES[kind]
-    except KeyError:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {sorted(COLLECTIVES)}") from None
-    return fn(cluster, ranks, nbytes)
+def group_comm_fn(cluster: ClusterModel, kind: str, groups: Sequence[Sequence[int]]) -> Callable[[Comm], float]:
+    """``comm -> group_comm_time(cluster, comm, groups)`` for collectives of ``kind``, with the
+    groups resolved once (:func:`comm_time` of each group: single-rank groups cost 0)."""
+    fns = [collective_fn(kind, cluster, g) for g in groups if len(g) > 1]
+    return lambda comm: max((comm.count * f(comm.nbytes) for f in fns), default=0.0)

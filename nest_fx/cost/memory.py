@@ -11,14 +11,18 @@ Pure functions on numbers (bytes). Sources:
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
+
+from nest_fx.cost.arrays import Count, positive_part
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.stage_terms import LayerTerms
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-Amount = Union[float, np.ndarray]  # bytes or parameter counts: a number, or an array of them
+Amount = Count  # bytes or parameter counts: a number, or an array of them
 
 
 def _require_int(value: object, name: str, minimum: int) -> int:
@@ -250,7 +254,93 @@ def stage_activation_bytes(per_microbatch_bytes: float, schedule: str, stage: in
     return per_mb * pipeline_inflight_microbatches(schedule, stage, num_stages, num_microbatches, virtual_stages)
 
 
+# -- a stage's memory --------------------------------------------------------------------
+
+_STATES_CACHE: Dict[tuple, Tuple[float, float, float, float]] = {}
+
+
+_STATE_KEYS = ("weights", "grads", "optimizer", "total")
+
+
+def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dict[str, Count]:
+    """``memory.model_state_bytes`` under the cost options; for an array, per distinct entry
+    (memoised: the solver's tables ask for the same parameter counts over and over)."""
+    if not isinstance(params, np.ndarray):
+        return model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
+                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes,
+                                        master_weights=options.master_weights)
+    values, inverse = np.unique(params.ravel(), return_inverse=True)
+    rows = np.empty((len(values), len(_STATE_KEYS)))
+    for j, v in enumerate(values.tolist()):
+        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes, options.master_weights)
+        row = _STATES_CACHE.get(key)
+        if row is None:
+            if len(_STATES_CACHE) > 1_000_000:
+                _STATES_CACHE.clear()
+            states = model_states(v, zero, dp, options)
+            row = _STATES_CACHE[key] = tuple(states[k] for k in _STATE_KEYS)
+        rows[j] = row
+    return {k: rows[inverse, c].reshape(params.shape) for c, k in enumerate(_STATE_KEYS)}
+
+
+MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "fsdp_unsharded", "optimizer_step")
+
+
+def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) -> Tuple[Count, Count, Count]:
+    """(FSDP unsharded parameter bytes, FSDP unsharded gradient bytes, optimizer scratch bytes)
+    of a stage: ``memory.fsdp_unsharded_bytes`` of its dense parameters at ``zero`` (the
+    effective stage) and ``memory.optimizer_step_bytes`` of the parameters it updates."""
+    dense = terms.params - terms.expert_params
+    params, grads = fsdp_unsharded_bytes(dense, terms.root_params, terms.unit_params, zero_stage=zero, dp=dp,
+                                                param_dtype_bytes=options.param_bytes,
+                                                grad_dtype_bytes=options.grad_bytes)
+    scratch = optimizer_step_bytes(terms.params / (dp if zero >= 1 else 1), options.optimizer)
+    return params, grads, scratch
+
+
+def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act: Count, layer_peak: Count,
+                 inflight: Count, out_bytes: Count, unsharded_params: Count = 0.0, unsharded_grads: Count = 0.0,
+                 optimizer_scratch: Count = 0.0, *, num_microbatches: int) -> Dict[str, Count]:
+    """Per-device memory terms of a stage at its peak (see module docstring) and their total.
+
+    The peak is model states + the larger of the forward/backward working set (activations,
+    buffers, FSDP's unsharded parameters and gradients) and the optimizer step's scratch, which
+    is allocated after backward has freed the former. ``optimizer_step`` is what the scratch
+    adds beyond the forward/backward working set, so the terms still sum to the peak.
+
+    With one microbatch nothing accumulates: backward writes the gradients as it frees the
+    activations, so the peak is at its start (all activations, no gradients yet) or at its end
+    (all gradients, no activations), and the terms are those of the larger moment. With more,
+    the gradients of the first microbatch are there while the others' activations are. FSDP's
+    unsharded gradients build up as a microbatch's backward frees its activations (the root's
+    are reduced last): ``fsdp_unsharded`` is the gathered parameters plus what those gradients
+    add beyond the activations."""
+    mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
+    grads = mem["grads"]  # all there during the optimizer step
+    mem["activations"] = act * inflight + layer_peak
+    if num_microbatches == 1:
+        grads_later = mem["grads"] >= mem["activations"]
+        mem["activations"], mem["grads"] = (np.where(grads_later, 0.0, mem["activations"]),
+                                            np.where(grads_later, mem["grads"], 0.0))
+        if not isinstance(grads_later, np.ndarray):
+            mem["activations"], mem["grads"] = float(mem["activations"]), float(mem["grads"])
+    mem["buffers"] = 2 * out_bytes
+    late = unsharded_grads - mem["activations"]
+    mem["fsdp_unsharded"] = unsharded_params + positive_part(late)
+    during = mem["grads"] + mem["activations"] + mem["buffers"] + mem["fsdp_unsharded"]
+    excess = grads + optimizer_scratch - during
+    mem["optimizer_step"] = positive_part(excess)
+    mem["total"] = sum(mem[k] for k in MEMORY_TERMS)
+    return mem
+
+
 # -- capacity -------------------------------------------------------------------------------
+
+
+def usable_bytes(device_memory_bytes: float, options: CostOptions) -> float:
+    """Bytes a plan may use on one device: its memory times ``options.usable_memory_fraction``
+    (the CUDA context and the allocator's fragmentation take the rest)."""
+    return device_memory_bytes * options.usable_memory_fraction
 
 
 def check_fits(breakdown: Mapping[str, float], capacity_bytes: float) -> Tuple[bool, Optional[str]]:
@@ -269,4 +359,4 @@ def check_fits(breakdown: Mapping[str, float], capacity_bytes: float) -> Tuple[b
         raise ValueError(f"breakdown['total']: {breakdown['total']!r} is not the sum of the terms ({total!r})")
     if total <= capacity:
         return True, None
-    return False, max(terms, key=terms.__getitem__)
+    return False, str(max(terms, key=terms.__getitem__))

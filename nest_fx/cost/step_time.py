@@ -38,288 +38,20 @@ activations (rebuilt during backward) + two boundary buffers.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from nest_fx.cost import collectives, memory
-from nest_fx.cost.placement import placed
-from nest_fx.plan import Plan, PlanError
-from nest_fx.workload import Comm, LayerCost, Workload
-
-USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
-
-
-@dataclass
-class CostOptions:
-    """Knobs of the cost model that are not part of the plan."""
-
-    optimizer: str = "adam"
-    param_bytes: int = 2  # training dtype (bf16)
-    grad_bytes: int = 2
-    master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
-    overlap_grad_sync: bool = True
-    bytes_per_param_update: float = 36.0  # Adam, mixed precision: read/write fp32 p, m, v + grads + bf16 copy
-    optimizer_mem_efficiency: float = 0.7
-    usable_memory_fraction: float = USABLE_MEMORY_FRACTION
-    # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
-    # byte of the collective's buffer): DTensor dispatch and copies around a TP/EP collective,
-    # FSDP's copy-in/out and bookkeeping around each unit's all-gather/reduce-scatter.
-    # 0 by default (on GPUs the host runs ahead of the device); profiler.runtime_overhead
-    # measures them where they show (CPU ranks).
-    tp_call_overhead: Tuple[float, float] = (0.0, 0.0)
-    fsdp_call_overhead: Tuple[float, float] = (0.0, 0.0)
-
-    @classmethod
-    def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":
-        """Options for training whose parameters are ``dtype_bytes`` wide: 2 (bf16/fp16) is mixed
-        precision (fp32 master weights in the optimizer, the default); 4 is plain fp32 training,
-        where the optimizer keeps no second copy of the weights (K = 8 for Adam)."""
-        if dtype_bytes not in (2, 4):
-            raise ValueError(f"dtype_bytes: 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes!r}")
-        fields = dict(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, master_weights=dtype_bytes < 4)
-        fields.update(overrides)
-        return cls(**fields)
-
-
-@dataclass
-class StageCost:
-    """Per-microbatch time and per-device memory of one stage."""
-
-    index: int
-    layers: Tuple[int, int]
-    tp: int
-    recompute: str
-    fwd_compute: float = 0.0
-    bwd_compute: float = 0.0
-    recompute_s: float = 0.0
-    tp_comm: float = 0.0
-    ep_comm: float = 0.0
-    p2p: float = 0.0
-    dp_sync: float = 0.0
-    num_params: float = 0.0
-    memory: Dict[str, float] = field(default_factory=dict)
-    fits: bool = True
-    binding: str = ""
-
-    def per_microbatch(self, v: int = 1) -> float:
-        """t_i: forward + backward + recompute + collectives + both p2p directions (v chunks)."""
-        return microbatch_time(self.fwd_compute, self.bwd_compute, self.recompute_s, self.tp_comm, self.ep_comm,
-                               self.p2p, v)
-
-
-@dataclass
-class SimResult:
-    """Step-time breakdown, throughput and memory of one plan."""
-
-    step_s: float
-    breakdown: Dict[str, float]
-    tokens_per_s: float
-    model_flops_per_device: float  # 6*N-style model FLOPs (no recompute) per second per device
-    hardware_flops_per_device: float  # including recomputation
-    stages: List[StageCost]
-    feasible: bool
-    binding: str  # "" when feasible, else "stage i: <term>"
-    devices_used: int
-    world_size: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-Count = Union[int, float, np.ndarray]  # a number, or an array of them (the solver's stage tables)
-
-_COLLECTIVE_CACHE: Dict[tuple, Dict[float, float]] = {}
-_GROUP_VIEWS: Dict[tuple, "_GroupView"] = {}
-_CACHE_LIMIT = 2_000_000  # entries over all groups; the caches start afresh beyond it
-_cached_entries = 0
-
-
-class _GroupView:
-    """The cluster as the collective model sees it for one rank group, with ``span`` of that
-    group resolved once: the model asks for it at every message size, and resolving a group of
-    thousands of ranks takes milliseconds. Everything else is the cluster's own."""
-
-    def __init__(self, cluster, ranks: Tuple[int, ...]):
-        self._cluster, self._ranks, self._spans = cluster, ranks, None
-
-    def span(self, ranks: Sequence[int]):
-        if ranks is not self._ranks and tuple(ranks) != self._ranks:
-            return self._cluster.span(ranks)
-        if self._spans is None:
-            self._spans = self._cluster.span(ranks)
-        return self._spans
-
-    def __getattr__(self, name: str):
-        return getattr(self._cluster, name)
-
-
-def _memo(kind: str, cluster, group: Sequence[int]) -> Tuple[Dict[float, float], tuple, Tuple[int, ...]]:
-    """(bytes -> seconds memo, network key, ranks) of collective ``kind`` over ``group``."""
-    global _cached_entries
-    ranks = tuple(group)
-    # immutable views (graph topologies, device orders) carry their key, a string hashed once
-    network = getattr(cluster, "cost_key", None) or \
-        (cluster.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels))
-    key = (network, kind, ranks)
-    memo = _COLLECTIVE_CACHE.get(key)
-    if memo is None:
-        if _cached_entries > _CACHE_LIMIT:
-            _COLLECTIVE_CACHE.clear()
-            _GROUP_VIEWS.clear()
-            _cached_entries = 0
-        memo = _COLLECTIVE_CACHE[key] = {}
-    return memo, network, ranks
-
-
-def _collective_miss(kind: str, cluster, network: tuple, ranks: Tuple[int, ...], memo: Dict[float, float],
-                     nbytes: float) -> float:
-    """Ask the collective model (``collectives.p2p`` for kind "p2p", group = (src, dst)) and memoise."""
-    global _cached_entries
-    if kind == "p2p":
-        t = collectives.p2p(cluster, ranks[0], ranks[1], nbytes)
-    else:
-        view = _GROUP_VIEWS.get((network, ranks))
-        if view is None:
-            view = _GROUP_VIEWS[(network, ranks)] = _GroupView(cluster, ranks)
-        t = collectives.collective_time(kind, view, view._ranks, nbytes)
-    memo[nbytes] = t
-    _cached_entries += 1
-    return t
-
-
-def collective_fn(kind: str, cluster, group: Sequence[int]) -> Callable[[float], float]:
-    """``nbytes -> seconds`` of ``collectives.collective_time`` (or ``collectives.p2p`` for kind
-    "p2p", group = (src, dst)) over ``group``, memoised per (cluster, kind, group, bytes). The
-    solver asks for the same few groups millions of times; resolving a group once and then
-    asking for many sizes saves hashing it (and the model resolving its span) each time."""
-    memo, network, ranks = _memo(kind, cluster, group)
-
-    def seconds(nbytes: float) -> float:
-        t = memo.get(nbytes)
-        return _collective_miss(kind, cluster, network, ranks, memo, nbytes) if t is None else t
-
-    return seconds
-
-
-def cached_collective(kind: str, cluster, group: Sequence[int], nbytes: float) -> float:
-    """Seconds of one collective, memoised (see :func:`collective_fn`)."""
-    memo, network, ranks = _memo(kind, cluster, group)
-    t = memo.get(nbytes)
-    return _collective_miss(kind, cluster, network, ranks, memo, nbytes) if t is None else t
-
-
-def comm_time(cluster, comm: Comm, group: Sequence[int]) -> float:
-    """Seconds of one in-layer collective (``count`` repetitions) over ``group``."""
-    if len(group) <= 1:
-        return 0.0
-    return comm.count * cached_collective(comm.kind, cluster, group, comm.nbytes)
-
-
-def group_comm_time(cluster, comm: Comm, groups: Sequence[Sequence[int]]) -> float:
-    """Seconds of one in-layer collective on the slowest of ``groups`` (0 when there is none)."""
-    return max((comm_time(cluster, comm, g) for g in groups), default=0.0)
-
-
-def group_comm_fn(cluster, kind: str, groups: Sequence[Sequence[int]]) -> Callable[[Comm], float]:
-    """``comm -> group_comm_time(cluster, comm, groups)`` for collectives of ``kind``, with the
-    groups resolved once (:func:`comm_time` of each group: single-rank groups cost 0)."""
-    fns = [collective_fn(kind, cluster, g) for g in groups if len(g) > 1]
-    return lambda comm: max((comm.count * f(comm.nbytes) for f in fns), default=0.0)
-
-
-def _replicas_to_check(dp: int) -> List[int]:
-    return sorted({0, dp // 2, dp - 1})
-
-
-def per_value(fn: Callable[[float], float], x: Count) -> Count:
-    """``fn(x)`` for a number; for an array, ``fn`` of each distinct entry, in x's shape (``fn``
-    need not be vectorised: it may ask the collective model, one size at a time)."""
-    if not isinstance(x, np.ndarray):
-        return fn(x)
-    values, inverse = np.unique(x.ravel(), return_inverse=True)
-    return np.array([fn(float(v)) for v in values], dtype=float)[inverse].reshape(x.shape)
-
-
-@dataclass(frozen=True)
-class StageGroups:
-    """The rank groups stage i's costs depend on, for the replicas the cost model checks (first,
-    middle, last; ``_replicas_to_check``)."""
-
-    tp: Tuple[Tuple[int, ...], ...]  # TP group per checked replica
-    ep: Tuple[Tuple[int, ...], ...]  # EP group per checked replica; empty when ep == 1
-    p2p: Tuple[Tuple[int, int], ...]  # (rank of stage i-1, rank of stage i), TP rank 0; empty for stage 0
-    dp: Tuple[int, ...]  # the stage's data-parallel group (TP rank 0)
-    expert_dp: Tuple[int, ...]  # every ep-th member of dp: the replicas holding the same experts
-
-
-def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -> StageGroups:
-    """Stage i's rank groups under ``plan``'s placement (they depend on the stages' TP degrees,
-    dp, ep, the placement and i, not on the layer ranges)."""
-    replicas = _replicas_to_check(plan.dp) if replicas is None else replicas
-    dp = tuple(plan.dp_group(i, 0))
-    return StageGroups(
-        tp=tuple(tuple(plan.tp_group(i, r)) for r in replicas),
-        ep=tuple(tuple(plan.ep_group(i, r)) for r in replicas) if plan.ep > 1 else (),
-        p2p=tuple((plan.rank(i - 1, r, 0), plan.rank(i, r, 0)) for r in replicas) if i > 0 else (),
-        dp=dp, expert_dp=dp[::plan.ep])
-
-
-@dataclass
-class LayerTerms:
-    """Network-independent sums over a stage's layers, per microbatch and device, for one
-    recompute mode. Entries are numbers, or arrays when the layer counts are arrays (one entry
-    per layer range); the collectives come from :func:`comm_terms`."""
-
-    fwd: Count = 0.0
-    bwd: Count = 0.0
-    recompute: Count = 0.0
-    params: Count = 0.0
-    expert_params: Count = 0.0
-    act: Count = 0.0  # saved activation bytes of one microbatch
-    layer_peak: Count = 0.0  # the largest one-layer backward working set (see compute_terms)
-    root_params: Count = 0.0  # parameters outside every block (head, tail): the FSDP root unit
-    blocks: Count = 0.0  # block layers (each its own FSDP unit)
-    unit_params: Count = 0.0  # the largest block's parameters: the largest FSDP unit
-
-
-def compute_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str) -> LayerTerms:
-    """:class:`LayerTerms` of a stage's layers.
-
-    ``distinct``: (layer cost, count) pairs as ``Workload.range_costs`` gives them; a count may
-    be an integer array (one entry per layer range), and a zero count adds exactly 0.
-
-    ``layer_peak`` is what one layer's backward holds beyond the saved activations, largest over
-    the stage's layers: under full recompute the full activations a checkpointed layer rebuilds,
-    plus the layer's own backward scratch (``LayerCost.bwd_scratch``, e.g. the loss's gradients
-    of the logits). Layers run their backward one at a time, so only the largest counts."""
-    fwd = bwd = rec = params = expert = act = act_full = root = unit = blocks = 0.0
-    for c, count in distinct:
-        if not c.block:
-            root = root + c.num_params * count
-        else:
-            blocks = blocks + count
-            if isinstance(count, np.ndarray):
-                unit = np.maximum(unit, np.where(count > 0, c.num_params, 0.0))
-            elif count > 0:
-                unit = max(unit, c.num_params)
-        fwd = fwd + c.fwd_s * count
-        bwd = bwd + c.bwd_s * count
-        rec = rec + c.recompute_s[recompute] * count
-        params = params + c.num_params * count
-        expert = expert + c.expert_params * count
-        act = act + c.act_bytes[recompute] * count
-        # under full recompute a checkpointed layer rebuilds its full activations for its backward
-        rebuilt = c.act_bytes["none"] if recompute == "full" and c.act_bytes["full"] < c.act_bytes["none"] else 0.0
-        peak = rebuilt + c.bwd_scratch
-        if isinstance(count, np.ndarray):
-            act_full = np.maximum(act_full, np.where(count > 0, peak, 0.0))
-        elif count > 0:
-            act_full = max(act_full, peak)
-    return LayerTerms(fwd=fwd, bwd=bwd, recompute=rec, params=params, expert_params=expert, act=act,
-                      layer_peak=act_full, root_params=root, unit_params=unit, blocks=blocks)
-
+from nest_fx.cluster.ordered import placed
+from nest_fx.cluster.protocol import ClusterModel
+from nest_fx.cost import memory
+from nest_fx.cost.arrays import Count, per_value, positive_part
+from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.results import SimResult, StageCost
+from nest_fx.cost.stage_terms import LayerTerms, StageGroups, compute_terms, stage_groups
+from nest_fx.plan.plan import Plan, PlanError
+from nest_fx.workload.types import Comm, LayerCost, Workload
 
 def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
                seconds: Callable[[Comm], Count], overhead: Tuple[float, float] = (0.0, 0.0)) -> Tuple[Count, Count]:
@@ -362,90 +94,7 @@ def _host_call_weights(comms: Sequence[Comm]) -> List[float]:
     return weights
 
 
-def microbatch_time(fwd: Count, bwd: Count, recompute: Count, tp_comm: Count, ep_comm: Count, p2p: Count,
-                    v: int = 1) -> Count:
-    """t_i: forward + backward + recompute + collectives + both p2p directions (v chunks)."""
-    return fwd + bwd + recompute + tp_comm + ep_comm + 2 * p2p * v
-
-
-_STATES_CACHE: Dict[tuple, Tuple[float, float, float, float]] = {}
-_STATE_KEYS = ("weights", "grads", "optimizer", "total")
-
-
-def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dict[str, Count]:
-    """``memory.model_state_bytes`` under the cost options; for an array, per distinct entry
-    (memoised: the solver's tables ask for the same parameter counts over and over)."""
-    if not isinstance(params, np.ndarray):
-        return memory.model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
-                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes,
-                                        master_weights=options.master_weights)
-    values, inverse = np.unique(params.ravel(), return_inverse=True)
-    rows = np.empty((len(values), len(_STATE_KEYS)))
-    for j, v in enumerate(values.tolist()):
-        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes, options.master_weights)
-        row = _STATES_CACHE.get(key)
-        if row is None:
-            if len(_STATES_CACHE) > 1_000_000:
-                _STATES_CACHE.clear()
-            states = model_states(v, zero, dp, options)
-            row = _STATES_CACHE[key] = tuple(states[k] for k in _STATE_KEYS)
-        rows[j] = row
-    return {k: rows[inverse, c].reshape(params.shape) for c, k in enumerate(_STATE_KEYS)}
-
-
-MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "fsdp_unsharded", "optimizer_step")
-
-
-def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) -> Tuple[Count, Count, Count]:
-    """(FSDP unsharded parameter bytes, FSDP unsharded gradient bytes, optimizer scratch bytes)
-    of a stage: ``memory.fsdp_unsharded_bytes`` of its dense parameters at ``zero`` (the
-    effective stage) and ``memory.optimizer_step_bytes`` of the parameters it updates."""
-    dense = terms.params - terms.expert_params
-    params, grads = memory.fsdp_unsharded_bytes(dense, terms.root_params, terms.unit_params, zero_stage=zero, dp=dp,
-                                                param_dtype_bytes=options.param_bytes,
-                                                grad_dtype_bytes=options.grad_bytes)
-    scratch = memory.optimizer_step_bytes(terms.params / (dp if zero >= 1 else 1), options.optimizer)
-    return params, grads, scratch
-
-
-def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act: Count, layer_peak: Count,
-                 inflight: Count, out_bytes: Count, unsharded_params: Count = 0.0, unsharded_grads: Count = 0.0,
-                 optimizer_scratch: Count = 0.0, *, num_microbatches: int) -> Dict[str, Count]:
-    """Per-device memory terms of a stage at its peak (see module docstring) and their total.
-
-    The peak is model states + the larger of the forward/backward working set (activations,
-    buffers, FSDP's unsharded parameters and gradients) and the optimizer step's scratch, which
-    is allocated after backward has freed the former. ``optimizer_step`` is what the scratch
-    adds beyond the forward/backward working set, so the terms still sum to the peak.
-
-    With one microbatch nothing accumulates: backward writes the gradients as it frees the
-    activations, so the peak is at its start (all activations, no gradients yet) or at its end
-    (all gradients, no activations), and the terms are those of the larger moment. With more,
-    the gradients of the first microbatch are there while the others' activations are. FSDP's
-    unsharded gradients build up as a microbatch's backward frees its activations (the root's
-    are reduced last): ``fsdp_unsharded`` is the gathered parameters plus what those gradients
-    add beyond the activations."""
-    mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
-    grads = mem["grads"]  # all there during the optimizer step
-    mem["activations"] = act * inflight + layer_peak
-    if num_microbatches == 1:
-        grads_later = mem["grads"] >= mem["activations"]
-        mem["activations"], mem["grads"] = (np.where(grads_later, 0.0, mem["activations"]),
-                                            np.where(grads_later, mem["grads"], 0.0))
-        if not isinstance(grads_later, np.ndarray):
-            mem["activations"], mem["grads"] = float(mem["activations"]), float(mem["grads"])
-    mem["buffers"] = 2 * out_bytes
-    late = unsharded_grads - mem["activations"]
-    mem["fsdp_unsharded"] = unsharded_params + (np.maximum(late, 0.0) if isinstance(late, np.ndarray)
-                                                else max(late, 0.0))
-    during = mem["grads"] + mem["activations"] + mem["buffers"] + mem["fsdp_unsharded"]
-    excess = grads + optimizer_scratch - during
-    mem["optimizer_step"] = np.maximum(excess, 0.0) if isinstance(excess, np.ndarray) else max(excess, 0.0)
-    mem["total"] = sum(mem[k] for k in MEMORY_TERMS)
-    return mem
-
-
-def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOptions) -> StageCost:
+def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, options: CostOptions) -> StageCost:
     """Per-microbatch time terms and per-device memory of stage i."""
     stage = plan.stages[i]
     sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute)
@@ -467,15 +116,14 @@ def stage_cost(workload: Workload, cluster, plan: Plan, i: int, options: CostOpt
     # -- memory -------------------------------------------------------------------------------
     inflight = memory.pipeline_inflight_microbatches(plan.schedule, i, plan.pp, plan.num_microbatches,
                                                      plan.virtual_stages)
-    mem = sc.memory = stage_memory(model_states(dense, zero, plan.dp, options),
-                                   model_states(terms.expert_params, zero, max(plan.dp // plan.ep, 1), options),
+    mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, plan.dp, options),
+                                   memory.model_states(terms.expert_params, zero, max(plan.dp // plan.ep, 1), options),
                                    terms.act, terms.layer_peak, inflight,
                                    workload.cost(stage.end - 1, stage.tp, *variant).out_bytes,
-                                   *working_sets(terms, zero, plan.dp, options),
+                                   *memory.working_sets(terms, zero, plan.dp, options),
                                    num_microbatches=plan.num_microbatches)
-    sc.fits = bool(mem["total"] <= cluster.device.memory_bytes * options.usable_memory_fraction)  # not np.bool_
-    if not sc.fits:
-        sc.binding = max(MEMORY_TERMS, key=lambda k: mem[k])
+    sc.fits, binding = memory.check_fits(mem, memory.usable_bytes(cluster.device.memory_bytes, options))
+    sc.binding = binding or ""
     return sc
 
 
@@ -486,13 +134,6 @@ def p2p_time(cluster, groups: StageGroups, out_bytes: float, prev_tp: int, tp: i
     if tp > 1:
         t += max(cached_collective("all_gather", cluster, g, out_bytes) for g in groups.tp)
     return t
-
-
-def boundary_time(workload: Workload, cluster, plan: Plan, i: int, replicas: Sequence[int]) -> float:
-    """P: one microbatch's activations from stage i-1 to stage i (slowest replica checked)."""
-    prev, stage = plan.stages[i - 1], plan.stages[i]
-    full = workload.cost(prev.end - 1, prev.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel).out_bytes
-    return p2p_time(cluster, stage_groups(plan, i, replicas), full, prev.tp, stage.tp)
 
 
 def fsdp_units(terms: LayerTerms) -> Count:
@@ -523,14 +164,6 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
     return total
 
 
-def _dp_sync_time(cluster, plan: Plan, i: int, dense_params: float, expert_params: float,
-                  options: CostOptions) -> float:
-    """:func:`dp_sync_time` of stage i of ``plan`` (the former helper's signature)."""
-    return dp_sync_time(cluster, stage_groups(plan, i), dense_params, expert_params, plan.dp, plan.ep,
-                        memory.effective_zero_stage(plan.zero, plan.pp),
-                        plan.num_microbatches, options)
-
-
 def _sync_volume_time(cluster, group: Sequence[int], params: Count, zero: int, m: int,
                       options: CostOptions) -> Count:
     if len(group) <= 1:
@@ -558,8 +191,7 @@ def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count
     """(exposed DP sync, optimizer step) after a stage's last backward, from its terms."""
     # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps its own
     window = bwd + recompute_s if options.overlap_grad_sync and zero >= 1 else 0.0
-    gap = dp_sync - window
-    exposed = np.maximum(gap, 0.0) if isinstance(gap, np.ndarray) else max(0.0, gap)
+    exposed = positive_part(dp_sync - window)
     updated = num_params / (dp if zero >= 1 else 1)
     t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
     return exposed, t_opt
@@ -594,7 +226,7 @@ def check_variants(plan: Plan, workload: Workload) -> None:
                             "without this variant?)")
 
 
-def simulate(plan: Plan, workload: Workload, cluster, options: Optional[CostOptions] = None) -> SimResult:
+def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Optional[CostOptions] = None) -> SimResult:
     """Predict step time, throughput and per-device memory of ``plan`` (validated first), with
     its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``)."""
     options = options or CostOptions()
@@ -633,7 +265,7 @@ def simulate(plan: Plan, workload: Workload, cluster, options: Optional[CostOpti
     if infeasible:
         worst = max(infeasible, key=lambda s: s.memory["total"])
         binding = (f"stage {worst.index}: memory {worst.memory['total'] / 2**30:.1f} GiB > "
-                   f"{cluster.device.memory_bytes * options.usable_memory_fraction / 2**30:.1f} GiB usable "
+                   f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
                    f"(largest term: {worst.binding})")
     return SimResult(
         step_s=step, breakdown=breakdown, tokens_per_s=tokens / step,

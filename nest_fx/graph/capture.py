@@ -8,8 +8,10 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from nest_fx.common.errors import NestFxError
 
-class TraceError(RuntimeError):
+
+class TraceError(NestFxError, RuntimeError):
     """Neither tracer could capture the model; the message names the module and op."""
 
 

@@ -12,8 +12,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from nest_fx.models.transformer import TransformerConfig
-from nest_fx.models.zoo import NAMED_CONFIGS, _default_dtype, parse_spec
+from nest_fx.common.errors import MissingDependency, ModelError
+from nest_fx.models.config import TransformerConfig
+from nest_fx.models.zoo import NAMED_CONFIGS, default_dtype, parse_spec
 
 FAMILIES = ("gpt2", "llama", "mixtral", "bert")
 _SMALL = "hidden=64,layers=2,heads=4,seq=32,vocab=128"
@@ -23,7 +24,7 @@ def _require_transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError("HuggingFace models need the 'hf' extra: pip install -e '.[hf]'") from exc
+        raise MissingDependency("HuggingFace models need the 'hf' extra: pip install -e '.[hf]'") from exc
     return transformers
 
 
@@ -49,7 +50,7 @@ def hf_config(family: str, cfg: TransformerConfig):
         # batched_mm keeps shapes static (the eager expert loop branches on data), so it traces.
         return tf.MixtralConfig(num_local_experts=cfg.num_experts or 8, num_experts_per_tok=cfg.top_k,
                                 experts_implementation="batched_mm", **llama_like)
-    raise ValueError(f"unknown HuggingFace family {family!r}: use one of {FAMILIES}")
+    raise ModelError(f"unknown HuggingFace family {family!r}: use one of {FAMILIES}")
 
 
 def _model_class(family: str):
@@ -68,7 +69,7 @@ def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
         return family, cfg
     family, _, spec = body.partition(":")
     if family not in FAMILIES:
-        raise ValueError(f"unknown HuggingFace model {name!r}: use hf:{{{','.join(FAMILIES)}}}[:key=value,...] "
+        raise ModelError(f"unknown HuggingFace model {name!r}: use hf:{{{','.join(FAMILIES)}}}[:key=value,...] "
                          f"or hf:<named config> with one of {sorted(NAMED_CONFIGS)}")
     base = "gpt" if family in ("gpt2", "bert") else ("moe" if family == "mixtral" else "llama")
     cfg = parse_spec(f"{base}:{spec or _SMALL}")
@@ -85,6 +86,6 @@ def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None
     if layers is not None:
         cfg = replace(cfg, layers=layers)
     hf_cfg = hf_config(family, cfg)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = _model_class(family)(hf_cfg)
     return model, cfg

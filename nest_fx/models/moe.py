@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nest_fx.models.transformer import SwiGLU, TransformerConfig
+from nest_fx.models.config import TransformerConfig
+from nest_fx.models.layers import SwiGLU
 
 # Capacity factor as an integer ratio, so capacity is integer arithmetic that fx can trace.
 _CF_SCALE = 1000

@@ -17,7 +17,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from nest_fx.models.transformer import Transformer, TransformerConfig
+from nest_fx.common.errors import ModelError
+from nest_fx.models.config import TransformerConfig
+from nest_fx.models.transformer import Transformer
 
 _GPT = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
 _LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
@@ -57,14 +59,14 @@ def parse_spec(spec: str) -> TransformerConfig:
     family, _, body = spec.partition(":")
     base = {"gpt": _GPT, "llama": _LLAMA, "moe": dict(_LLAMA, num_experts=8, top_k=2)}.get(family)
     if base is None:
-        raise ValueError(f"unknown model family {family!r} in {spec!r}: use gpt:, llama: or moe:")
+        raise ModelError(f"unknown model family {family!r} in {spec!r}: use gpt:, llama: or moe:")
     valid = {f.name: f.type for f in fields(TransformerConfig)}
     kwargs = dict(base)
     for item in filter(None, (s.strip() for s in body.split(","))):
         key, eq, value = item.partition("=")
         key = _SPEC_ALIASES.get(key.strip(), key.strip())
         if not eq or key not in valid or key == "name":
-            raise ValueError(
+            raise ModelError(
                 f"bad field {item!r} in model spec {spec!r}: expected key=value with key one of "
                 f"{sorted(set(valid) - {'name'} | set(_SPEC_ALIASES))}")
         kwargs[key] = _coerce(value.strip(), kwargs.get(key, getattr(TransformerConfig, key, None)), item)
@@ -75,7 +77,7 @@ def _coerce(value: str, default, item: str):
     try:
         if isinstance(default, bool):
             if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(value)
+                raise ModelError(value)
             return value.lower() in ("true", "1")
         if isinstance(default, float):
             return float(value)
@@ -83,7 +85,7 @@ def _coerce(value: str, default, item: str):
             return value
         return int(value)
     except ValueError:
-        raise ValueError(f"cannot parse {item!r}: value {value!r} has the wrong type") from None
+        raise ModelError(f"cannot parse {item!r}: value {value!r} has the wrong type") from None
 
 
 def get_config(name: str, **overrides) -> TransformerConfig:
@@ -93,7 +95,7 @@ def get_config(name: str, **overrides) -> TransformerConfig:
     elif ":" in name and not name.startswith("hf:"):
         cfg = parse_spec(name)
     else:
-        raise ValueError(
+        raise ModelError(
             f"unknown model {name!r}: use one of {sorted(NAMED_CONFIGS)}, a spec like "
             "'gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=50257', or 'hf:gpt2|llama|mixtral|bert'")
     return replace(cfg, **overrides) if overrides else cfg
@@ -103,13 +105,14 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: Option
                 **overrides) -> Tuple[torch.nn.Module, TransformerConfig]:
     """Build a zoo model; on ``meta`` no memory is allocated (a 175B model builds in seconds)."""
     cfg = get_config(name, **overrides)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = Transformer(cfg)
     return model, cfg
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: Optional[torch.dtype]):
+def default_dtype(dtype: Optional[torch.dtype]):
+    """Make ``dtype`` the default for tensors created inside (no change for None)."""
     if dtype is None:
         yield
         return
@@ -126,29 +129,3 @@ def example_tokens(batch: int, seq: int, vocab: int, device: str | torch.device 
     if torch.device(device).type == "meta":
         return torch.empty(batch, seq, dtype=torch.long, device="meta")
     return torch.randint(0, vocab, (batch, seq), device=device)
-
-
-def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: str | torch.device = "meta",
-              dtype: Optional[torch.dtype] = None, layers: Optional[int] = None):
-    """Model, config and example inputs for a zoo name, a spec, or ``hf:...``.
-
-    Returns ``(model, config, args, kwargs)``; HF models take ``input_ids`` as a keyword.
-    ``layers`` overrides the depth (the profiler builds one instance of each distinct block).
-    """
-    depth = {"layers": layers} if layers is not None else {}
-    if name.startswith("hf:"):
-        from nest_fx.models.hf import build_hf_model
-
-        model, cfg = build_hf_model(name, device=device, dtype=dtype, **depth)
-        if seq and seq > cfg.seq_len:
-            raise ValueError(f"seq={seq} exceeds {name}'s {cfg.seq_len} positions: use --seq <= {cfg.seq_len} "
-                             "or a larger seq= in the spec")
-        tokens = example_tokens(batch, seq or cfg.seq_len, cfg.vocab_size, device)
-        return model, cfg, (), {"input_ids": tokens}
-    model, cfg = build_model(name, device=device, dtype=dtype, **depth)
-    seq = seq or cfg.seq_len
-    if seq > cfg.seq_len and cfg.position == "learned":
-        raise ValueError(f"seq={seq} exceeds {cfg.name}'s {cfg.seq_len} learned positions: use --seq <= {cfg.seq_len}")
-    if seq > cfg.seq_len:
-        model, cfg = build_model(name, device=device, dtype=dtype, seq_len=seq, **depth)
-    return model, cfg, (example_tokens(batch, seq, cfg.vocab_size, device),), {}

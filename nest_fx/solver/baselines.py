@@ -23,10 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
-from nest_fx.cluster import NetworkLevel
-from nest_fx.cost.step_time import SimResult, simulate
+from nest_fx.cluster.spec import NetworkLevel
+from nest_fx.cluster.topology.graph_cluster import GraphCluster
+from nest_fx.cost.results import SimResult
+from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, StagePlan, uniform_plan
-from nest_fx.solver.search import candidates
+from nest_fx.solver.candidates import candidates
 from nest_fx.solver.space import GlobalConfig, SolverOptions, divisors
 from nest_fx.workload import Workload
 
@@ -102,7 +104,7 @@ def megatron(workload: Workload, cluster, global_batch: int, options: Optional[S
 def flat_network(cluster):
     """The cluster with every level as fast as the innermost one (what a network-unaware
     planner assumes); a graph topology is first seen as its hierarchy hint (a plain Cluster)."""
-    cluster = getattr(cluster, "hierarchy", cluster)
+    cluster = cluster.hierarchy if isinstance(cluster, GraphCluster) else cluster
     inner = cluster.levels[0]
     levels = [NetworkLevel(lv.name, lv.group_size, float(inner.bandwidth), float(inner.latency))
               for lv in cluster.levels]

@@ -6,8 +6,8 @@ groups get (``Plan.device_order``: plan rank r on cluster rank ``device_order[r]
 hierarchical cluster only the identity is searched (its levels are uniform, so the named orders
 below have no slow link or rail to aim at; the solver's stage-major / replica-major layouts are
 its placements). On a graph topology
-(:class:`nest_fx.topology.GraphCluster`) the candidates for plans of TP degree t are the
-cluster's own order plus :func:`nest_fx.topology.candidate_orders` for blocks of t
+(:class:`nest_fx.cluster.topology.GraphCluster`) the candidates for plans of TP degree t are the
+cluster's own order plus :func:`nest_fx.cluster.topology.candidate_orders` for blocks of t
 (node-major, rail-aligned, slow-link-avoiding); the search is exact over (plan, candidate).
 """
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from nest_fx.cost.placement import is_identity
+from nest_fx.cluster.ordered import is_identity
+from nest_fx.cluster.protocol import ClusterModel
+from nest_fx.cluster.topology import GraphCluster, candidate_orders
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,7 @@ class Placement:
     cluster: object  # the cluster as plans with this order see it (``cost.placement.placed``)
 
 
-def _is_graph(cluster) -> bool:
-    return hasattr(cluster, "topology") and hasattr(cluster, "with_order")
-
-
-def placements(cluster, tp_degrees: Iterable[int], search: bool = True) -> Tuple[List[Placement], Dict[int, List[int]]]:
+def placements(cluster: ClusterModel, tp_degrees: Iterable[int], search: bool = True) -> Tuple[List[Placement], Dict[int, List[int]]]:
     """(candidate placements, indices of the candidates for each TP degree).
 
     Index 0 is always the cluster's own order (the identity ``device_order``). Without
@@ -40,10 +38,8 @@ def placements(cluster, tp_degrees: Iterable[int], search: bool = True) -> Tuple
     """
     tps = sorted(set(tp_degrees))
     own = Placement("identity", None, cluster)
-    if not search or not _is_graph(cluster):
+    if not search or not isinstance(cluster, GraphCluster):
         return [own], {t: [0] for t in tps}
-    from nest_fx.topology import candidate_orders
-
     inverse = [0] * cluster.num_devices
     for rank, device in enumerate(cluster.order):
         inverse[device] = rank

@@ -6,17 +6,18 @@ from typing import Callable, Optional
 
 import torch
 
-from nest_fx.plan import Plan
+from nest_fx.cluster.protocol import ClusterModel
+from nest_fx.cluster.spec import Cluster
+from nest_fx.plan.plan import Plan
 from nest_fx.solver.search import solve
 from nest_fx.solver.space import SolverOptions
-from nest_fx.workload import dims_from_config
+from nest_fx.workload.build import analytical_workload
+from nest_fx.workload.types import dims_from_config
 
 
-def detect_cluster(world_size: int):
+def detect_cluster(world_size: int) -> ClusterModel:
     """A preset for the local device type and world size: dgx-h100 / dgx-a100 on those GPUs,
     dgx-a100 figures for other GPUs, cpu-gloo on CPU."""
-    from nest_fx.cluster import Cluster
-
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         return Cluster.preset("dgx-h100" if "H100" in name or "H200" in name else "dgx-a100", world_size)
@@ -30,8 +31,6 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None)
     base = options or SolverOptions(time_budget=30.0)
 
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
-        from nest_fx.builders import analytical_workload
-
         cluster = cluster or detect_cluster(world_size)
         param = next(iter(model.parameters()))
         seq = graph.input_shapes[0][1] if graph.input_shapes and len(graph.input_shapes[0]) > 1 else 1
@@ -39,7 +38,7 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None)
         dims = dims_from_config(getattr(model, "config", None), seq_len=seq, dtype_bytes=nbytes)
         workload = analytical_workload(graph, dims, cluster, param.dtype)
         # the process group exists by now (the world size comes from it) and cannot be renumbered
-        # for a device order (apply.api.init_distributed): keep the launcher's placement
+        # for a device order (apply.distributed.init_distributed): keep the launcher's placement
         opts = dataclasses.replace(base, use_all_devices=True, search_placement=False,
                                    cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
                                                             master_weights=nbytes < 4))

@@ -43,19 +43,21 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-import numpy as np
-
+from nest_fx.common.errors import NestFxError
 from nest_fx.cost import memory
-from nest_fx.cost.step_time import SimResult, model_states, pipeline_span, simulate, tail_terms
-from nest_fx.plan import Plan
+from nest_fx.cost.results import SimResult
+from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
+from nest_fx.plan.plan import Plan
+from nest_fx.solver.baselines import megatron
+from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
-from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, objective, stage_counts
+from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, objective
 from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
-from nest_fx.workload import Workload
+from nest_fx.workload.types import Workload
 
 
-class NoFeasiblePlan(ValueError):
+class NoFeasiblePlan(NestFxError, ValueError):
     """Nothing fits; the message names the binding constraint and the smallest change that fits."""
 
 
@@ -71,44 +73,6 @@ class SolveResult:
     stats: Dict[str, float] = field(default_factory=dict)
     placement: str = "identity"  # name of the chosen device order (solver.placement)
     placements: List[Placement] = field(default_factory=list)  # the candidates searched
-
-
-def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
-    """(per-microbatch fwd + bwd seconds, per-device parameters) of one replica at g's variant."""
-    work = params = 0.0
-    for i in range(len(workload)):
-        c = workload.cost(i, g.tp, g.ep, g.mbs, g.sp)
-        work += c.fwd_s + c.bwd_s
-        params += c.num_params
-    return work, params
-
-
-def candidates(workload: Workload, cluster, global_batch: int, options: SolverOptions):
-    """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB (tier 0
-    of the module docstring)."""
-    capacity = cluster.device.memory_bytes * options.cost.usable_memory_fraction
-    works: Dict[tuple, Tuple[float, float]] = {}
-    screens: Dict[tuple, np.ndarray] = {}
-    out = []
-    for g in global_configs(workload, cluster, global_batch, options):
-        key = (g.tp, g.ep, g.mbs, g.sp)
-        if key not in works:
-            works[key] = _replica_work(workload, g)
-        work, params = works[key]
-        depths = np.array(stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp)
-        if not depths.size:
-            continue
-        screen_key = (params, g.zero, g.dp, int(depths[-1]))
-        if screen_key not in screens:  # fits[p]: the leanest model states of p stages fit
-            every = np.arange(1, int(depths[-1]) + 1, dtype=float)
-            screens[screen_key] = np.concatenate(
-                [[False], model_states(params / every, g.zero, g.dp, options.cost)["total"] <= capacity])
-        depths = depths[screens[screen_key][depths]]
-        t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.dp, g.zero, cluster, options.cost)[1]
-        lbs = pipeline_span(work / depths, work, g.microbatches(global_batch), g.schedule, g.v) + t_opt
-        out.extend((lb, g, p) for lb, p in zip(lbs.tolist(), depths.tolist()))
-    out.sort(key=lambda x: x[0])
-    return out
 
 
 def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
@@ -264,8 +228,6 @@ def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOp
     """The Megatron recipe when it lies in the search space (so the pruning bites from the start
     and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None) (also
     when the recipe's search passes ``deadline``, a ``time.perf_counter()`` value)."""
-    from nest_fx.solver.baselines import megatron
-
     recipe = megatron(workload, cluster, global_batch, options, deadline=deadline)
     if recipe.plan is None or not _within(recipe.plan, options, cluster):
         return math.inf, None
@@ -277,7 +239,7 @@ def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOp
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:
     """Why nothing fits, and the smallest change that would."""
-    capacity = cluster.device.memory_bytes * options.cost.usable_memory_fraction
+    capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     node = min(cluster.levels[0].group_size, cluster.num_devices)
     tps = [t for t in options.tp_degrees if t <= node and workload.supports(t, 1, t > 1)]
     if not tps:

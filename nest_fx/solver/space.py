@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from nest_fx.cost.step_time import CostOptions, pipeline_span
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.step_time import pipeline_span
 from nest_fx.workload import Workload
 
 

@@ -30,9 +30,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nest_fx.cost import memory
-from nest_fx.cost.step_time import (CostOptions, LayerTerms, StageGroups, comm_terms, compute_terms,
-                                    dp_sync_time, group_comm_fn, microbatch_time, model_states, p2p_time,
-                                    fsdp_units, stage_groups, stage_memory, tail_terms, working_sets)
+from nest_fx.cost.collectives import group_comm_fn
+from nest_fx.cost.memory import model_states, stage_memory, working_sets
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.results import microbatch_time
+from nest_fx.cost.stage_terms import LayerTerms, StageGroups, compute_terms, stage_groups
+from nest_fx.cost.step_time import comm_terms, dp_sync_time, fsdp_units, p2p_time, tail_terms
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.workload import LayerCost, Workload
@@ -110,7 +113,7 @@ class TableCache:
         devices (another device order): its network-independent entries (classes, layouts,
         model states, in-flight microbatches) are shared, the network's are not."""
         self.workload, self.cluster, self.options, self.modes = workload, cluster, options, tuple(modes)
-        self.capacity = cluster.device.memory_bytes * options.usable_memory_fraction
+        self.capacity = memory.usable_bytes(cluster.device.memory_bytes, options)
         if share is not None and (share.workload is not workload or share.options is not options
                                   or share.modes != self.modes or share.cluster.device != cluster.device):
             raise ValueError("TableCache(share=...): the shared cache must have the same workload, options, "

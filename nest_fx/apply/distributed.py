@@ -1,0 +1,114 @@
+"""The default process group: created from the torchrun environment, with the job's timeout, and
+numbered for a plan's device order.
+
+``init_distributed`` runs first in :func:`nest_fx.apply.auto_parallelize` (and in any script
+that measures the launched world), gloo on CPU and NCCL on CUDA; ``collective_timeout_s`` is
+the one place the collective timeout is read (``timeout_s`` or ``$NEST_FX_TIMEOUT_S``).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.rendezvous import _create_c10d_store
+
+from nest_fx.apply.checks import ApplyError
+from nest_fx.cluster.ordered import is_identity
+from nest_fx.plan.plan import check_device_order
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+TIMEOUT_ENV = "NEST_FX_TIMEOUT_S"
+
+
+def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
+    """The process-group timeout: ``timeout_s`` if given, else ``$NEST_FX_TIMEOUT_S``, else 600 s.
+
+    A collective that waits longer (a peer died or never joined) raises on the waiting rank
+    instead of hanging the job.
+    """
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; fix: e.g. {TIMEOUT_ENV}=600") \
+                from None
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be positive, got {timeout_s}; fix: pass timeout_s > 0 or "
+                         f"set {TIMEOUT_ENV}")
+    return float(timeout_s)
+
+
+_NUMBERED_FOR: list = [None]  # (device order, default group id) of the group init_distributed numbered
+
+
+def plan_rank_of(device_order: Optional[Sequence[int]], launched_rank: int) -> int:
+    """The plan rank the process launched as global rank ``launched_rank`` plays: r such that
+    ``device_order[r] == launched_rank`` (the rank itself without an order)."""
+    if is_identity(device_order):
+        return launched_rank
+    try:
+        return list(device_order).index(launched_rank)
+    except ValueError:
+        raise ApplyError(f"device_order: rank {launched_rank} is not in the plan's device order "
+                                f"({len(device_order)} entries); re-plan for this world") from None
+
+
+def init_distributed(timeout_s: Optional[float] = None,
+                     device_order: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """Initialise the default process group from the torchrun environment if needed.
+
+    Reads WORLD_SIZE / RANK / LOCAL_RANK; gloo on CPU, nccl on CUDA. Without a launcher (no
+    WORLD_SIZE) a one-rank group on an in-memory store is created, so the same script runs
+    as a plain ``python`` process. Collectives time out after :func:`collective_timeout_s`
+    (``timeout_s``, ``$NEST_FX_TIMEOUT_S`` or 600 s); a group initialised by the caller keeps
+    its own timeout. Returns (world_size, rank).
+
+    ``device_order`` (a plan's, ``Plan.device_order``): the process launched as global rank
+    ``device_order[r]`` joins the group as rank r (:func:`plan_rank_of`); it keeps its device
+    (``LOCAL_RANK``). The runtime works on plan ranks throughout, so renumbering the group is
+    all it takes to run plan rank r on that device. Permuting the DeviceMesh instead would be
+    unsafe: ``new_group`` sorts a group's ranks, so along a permuted mesh dim the group rank
+    would differ from the mesh coordinate that DTensor, FSDP and PipelineStage index by. A group
+    initialised by the caller cannot be renumbered: with a non-identity order that is an
+    :class:`~nest_fx.apply.ApplyError`.
+    """
+    if dist.is_initialized():
+        if not is_identity(device_order) and _NUMBERED_FOR[0] != (tuple(device_order), id(dist.group.WORLD)):
+            raise ApplyError(
+                "device_order: the plan places its ranks on other devices, which the runtime does by numbering the "
+                "default process group, but the group was initialised before auto_parallelize; fix: let "
+                "auto_parallelize initialise it, or call nest_fx.apply.init_distributed(device_order="
+                "plan.device_order) first (or init_process_group with rank=plan_rank_of(plan.device_order, RANK))")
+        return dist.get_world_size(), dist.get_rank()
+    timeout = timedelta(seconds=collective_timeout_s(timeout_s))
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif not is_identity(device_order):
+        if len(device_order) != world:
+            raise ApplyError(
+                f"device_order: lists {len(device_order)} ranks but WORLD_SIZE is {world}; launch "
+                f"{len(device_order)} processes or re-plan for {world} devices")
+        check_device_order(device_order, world)
+        launched = int(os.environ.get("RANK", "0"))
+        # the launcher's rendezvous store, hosted as the launcher arranged it (torchrun's agent, or
+        # the process launched as rank 0 on MASTER_ADDR), not by whichever process plays plan rank 0
+        store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched, world, timeout)
+        dist.init_process_group(backend, store=store, rank=plan_rank_of(device_order, launched), world_size=world,
+                                timeout=timeout)
+        _NUMBERED_FOR[0] = (tuple(device_order), id(dist.group.WORLD))
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    return dist.get_world_size(), dist.get_rank()

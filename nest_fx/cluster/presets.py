@@ -1,0 +1,93 @@
+"""Named clusters: DGX A100/H100, the NEST paper's H100 spine-leaf and TPUv4 fat tree, and the
+CPU test machine. Each builder takes a device count; :meth:`Cluster.preset` looks them up in
+:data:`PRESETS`. Hardware figures are from the datasheets and the NEST paper, as each builder's
+docstring says (see docs/cluster_format.md)."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from nest_fx.cluster.spec import PRESETS, Cluster, DeviceSpec, NetworkLevel
+
+GiB = 2**30
+
+NODE, RACK = 8, 32  # NEST's hierarchy: 8 devices per node, 4 nodes per rack
+
+
+def _gpu_levels(devices: int, node: Tuple[float, float], rack: Tuple[float, float],
+                spine: Tuple[float, float]) -> List[NetworkLevel]:
+    """node (8) / rack (32) / spine (devices rounded up to 32; omitted when <= 32) levels.
+
+    Each tuple is (bandwidth bytes/s per device per direction, latency s). Latencies are
+    assumptions of the usual order: ~5 us for an NVLink/intra-node message, ~10 us for one
+    InfiniBand hop through a leaf switch, ~15 us through the spine.
+    """
+    levels = [NetworkLevel("node", NODE, *node), NetworkLevel("rack", RACK, *rack)]
+    spine_size = max(-(-devices // RACK) * RACK, RACK)
+    if spine_size > RACK:
+        levels.append(NetworkLevel("spine", spine_size, *spine))
+    return levels
+
+
+A100_80GB = DeviceSpec(
+    # A100-SXM4-80GB datasheet: dense tensor-core peaks; "80GB" is taken as 80 GiB of HBM2e.
+    name="A100-SXM4-80GB", memory_bytes=80 * GiB,
+    peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    mem_bandwidth=2.039e12,
+)
+H100_SXM = DeviceSpec(
+    # H100-SXM5 datasheet, dense (no sparsity) peaks; 80 GiB HBM3 at 3.35 TB/s.
+    name="H100-SXM5-80GB", memory_bytes=80 * GiB,
+    peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    mem_bandwidth=3.35e12,
+)
+
+
+def _dgx_a100(devices: int) -> Cluster:
+    """DGX A100: NVLink3 300 GB/s per GPU per direction inside a node; 8x HDR 200 Gb/s IB per node
+    = 25 GB/s per GPU across nodes on a non-blocking fat tree (same rate at rack and spine)."""
+    return Cluster("dgx-a100", _copy(A100_80GB), devices,
+                   _gpu_levels(devices, (300e9, 5e-6), (25e9, 1e-5), (25e9, 1.5e-5)))
+
+
+def _dgx_h100(devices: int) -> Cluster:
+    """DGX H100: NVLink4 450 GB/s per GPU per direction; 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
+    return Cluster("dgx-h100", _copy(H100_SXM), devices,
+                   _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+
+
+def _h100_spine_leaf(devices: int) -> Cluster:
+    """The NEST paper's H100 spine-leaf cluster, figures as the paper states them: node 900 GB/s,
+    leaf (rack) 12.5 GB/s, spine 50 GB/s, 90 GiB per device. The spine is faster than the leaf
+    in the paper's figures; they are kept as given, not "corrected"."""
+    device = DeviceSpec("H100 (NEST spine-leaf)", 90 * GiB, dict(H100_SXM.peak_flops), H100_SXM.mem_bandwidth)
+    return Cluster("h100-spine-leaf", device, devices,
+                   _gpu_levels(devices, (900e9, 5e-6), (12.5e9, 1e-5), (50e9, 1.5e-5)))
+
+
+def _tpuv4_fat_tree(devices: int) -> Cluster:
+    """TPUv4 on a fat tree, NEST figures: 900/100/400 GB/s (node/rack/spine), 64 GiB per device,
+    bf16 275 TFLOP/s, HBM 1.2 TB/s. Only bf16 is listed: the MXUs have no native fp32 rate."""
+    device = DeviceSpec("TPUv4", 64 * GiB, {"bf16": 275e12}, 1.2e12)
+    return Cluster("tpuv4-fat-tree", device, devices,
+                   _gpu_levels(devices, (900e9, 5e-6), (100e9, 1e-5), (400e9, 1.5e-5)))
+
+
+def _cpu_gloo(devices: int) -> Cluster:
+    """The test machine: a device is one CPU process under gloo. 8 GiB, ~50 GFLOP/s, 10 GB/s memory,
+    one "host" level (shared-memory/loopback TCP) at ~2 GB/s, 50 us per message. Rough figures;
+    bf16/fp16 are listed at the fp32 rate so plans for this machine do not depend on the dtype."""
+    device = DeviceSpec("cpu", 8 * GiB, {"fp32": 50e9, "bf16": 50e9, "fp16": 50e9}, 10e9)
+    return Cluster("cpu-gloo", device, devices, [NetworkLevel("host", devices, 2e9, 5e-5)])
+
+
+def _copy(device: DeviceSpec) -> DeviceSpec:
+    return DeviceSpec(device.name, device.memory_bytes, dict(device.peak_flops), device.mem_bandwidth)
+
+
+PRESETS.update({
+    "dgx-a100": _dgx_a100,
+    "dgx-h100": _dgx_h100,
+    "h100-spine-leaf": _h100_spine_leaf,
+    "tpuv4-fat-tree": _tpuv4_fat_tree,
+    "cpu-gloo": _cpu_gloo,
+})

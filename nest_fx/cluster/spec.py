@@ -1,0 +1,416 @@
+"""Cluster description: one device type and a hierarchy of network levels (``format: nest-fx-cluster/1``).
+
+The hierarchy follows NEST (Wang et al., "NEST: Network- and Memory-Aware Device Placement for
+Distributed Deep Learning"): levels are listed innermost first (e.g. node, rack, spine); a
+level's ``group_size`` is the cumulative number of devices in one group at that level, so with
+``node=8, rack=32`` a rack holds 4 nodes. Rank ``r`` is device ``r`` of the hierarchy: at level
+``i`` it belongs to group ``r // levels[i].group_size``.
+
+Units are SI throughout: bytes, seconds, bytes/s, FLOP/s. ``bandwidth`` is bytes/s per device
+per direction through that level's fabric; ``latency`` is the per-message start-up time (the
+alpha of the alpha-beta model). File values may be numbers or strings such as ``"80GiB"``,
+``"300GB/s"``, ``"200Gb/s"``, ``"5us"`` or ``"312TFLOPS"`` (see :func:`parse_quantity`).
+See docs/cluster_format.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+
+import yaml
+
+from nest_fx.cluster import hierarchical_collectives
+from nest_fx.cluster.errors import ClusterError
+from nest_fx.cluster.quantities import parse_quantity
+from nest_fx.common.fileio import brief, read_document
+from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY, MIN_RATE
+
+CLUSTER_FORMAT = "nest-fx-cluster/1"
+GiB = 2**30
+MAX_DEVICES = MAX_COUNT  # 16.7 M devices: far past any cluster built, small enough to plan for
+
+T = TypeVar("T")
+SPAN_MEMO_LIMIT = 65_536  # rank sets whose span a cluster keeps
+
+PRESETS: Dict[str, Callable[[int], "Cluster"]] = {}
+"""Named clusters by their builder (``devices -> Cluster``); ``nest_fx.cluster.presets`` fills it."""
+
+
+def _real(value: object, path: str, *, strict: bool) -> None:
+    """Raise ClusterError unless ``value`` is a finite real number > 0 (``strict``: a rate or a
+    capacity, then also >= MIN_RATE) or >= 0, and at most MAX_QUANTITY (nest_fx.common.limits)."""
+    bound = "> 0" if strict else ">= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ClusterError(f"{path}: must be a finite number {bound}, got {brief(value)}")
+    if value < 0 or (strict and value == 0):
+        raise ClusterError(f"{path}: must be {bound}, got {brief(value)}")
+    if strict and value < MIN_RATE:
+        raise ClusterError(f"{path}: must be at least {MIN_RATE:g} (SI units: bytes, bytes/s, FLOP/s), "
+                           f"got {brief(value)}")
+    if value > MAX_QUANTITY:
+        raise ClusterError(f"{path}: must be at most {MAX_QUANTITY:g} (SI units), got {brief(value)}")
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that also answers for ints beyond the float range (they are not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _positive_int(value: object, path: str, most: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClusterError(f"{path}: must be an integer >= 1, got {brief(value)}")
+    if value < 1:
+        raise ClusterError(f"{path}: must be >= 1, got {brief(value)}")
+    if most is not None and value > most:
+        raise ClusterError(f"{path}: {brief(value)} is more devices than nest-fx plans for (at most {most:,})")
+
+
+def _name(value: object, path: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ClusterError(f"{path}: must be a non-empty string, got {brief(value)}")
+
+
+@dataclass
+class DeviceSpec:
+    """One accelerator: memory capacity (bytes), peak FLOP/s per dtype name, HBM bandwidth (bytes/s)."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: Dict[str, float]
+    mem_bandwidth: float
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "") -> None:
+        """Check every field; errors name the field as ``{prefix}{field}``."""
+        _name(self.name, f"{prefix}name")
+        _real(self.memory_bytes, f"{prefix}memory_bytes", strict=True)
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
+            raise ClusterError(f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
+                               f"(e.g. {{'bf16': 312e12}}), got {brief(self.peak_flops)}")
+        for dtype, flops in self.peak_flops.items():
+            _name(dtype, f"{prefix}peak_flops key")
+            _real(flops, f"{prefix}peak_flops.{dtype}", strict=True)
+        _real(self.mem_bandwidth, f"{prefix}mem_bandwidth", strict=True)
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (e.g. "bf16"); ClusterError listing the known dtypes otherwise."""
+        try:
+            return float(self.peak_flops[dtype])
+        except KeyError:
+            raise ClusterError(f"device {self.name!r} has no peak_flops entry for dtype {dtype!r}; "
+                               f"known: {sorted(self.peak_flops)}") from None
+
+
+@dataclass
+class NetworkLevel:
+    """One level of the network hierarchy (see module docstring for ``group_size``)."""
+
+    name: str
+    group_size: int
+    bandwidth: float  # bytes/s per device per direction
+    latency: float  # seconds per message
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "") -> None:
+        """Check every field; errors name the field as ``{prefix}{field}``."""
+        _name(self.name, f"{prefix}name")
+        _positive_int(self.group_size, f"{prefix}group_size")
+        _real(self.bandwidth, f"{prefix}bandwidth", strict=True)
+        _real(self.latency, f"{prefix}latency", strict=False)
+
+
+class LevelSpan(NamedTuple):
+    """How a rank set spreads over one level (see :meth:`Cluster.span`).
+
+    ``fanout``: the most distinct level-(i-1) groups found inside one level-i group that holds
+    ranks of the set. ``max_ranks``/``min_ranks``: the most/fewest ranks of the set inside one
+    such level-i group.
+    """
+
+    level: NetworkLevel
+    fanout: int
+    max_ranks: int
+    min_ranks: int
+
+
+def _prefixed(prefix: str, build: Callable[[], T]) -> T:
+    """Run ``build`` and prepend ``prefix`` to the field path of any ClusterError it raises."""
+    try:
+        return build()
+    except ClusterError as exc:
+        raise ClusterError(f"{prefix}{exc}") from None
+
+
+@dataclass
+class Cluster:
+    """``num_devices`` identical devices on a hierarchy of network levels (innermost first)."""
+
+    name: str
+    device: DeviceSpec
+    num_devices: int
+    levels: List[NetworkLevel]
+
+    def __post_init__(self) -> None:
+        self.validate()
+        self._span_memo: Dict[tuple, List[LevelSpan]] = {}
+
+    def validate(self) -> None:
+        """Check fields and the hierarchy: group sizes strictly increasing, each dividing the next,
+        the outermost one >= num_devices. Errors name the field path."""
+        _name(self.name, "name")
+        if not isinstance(self.device, DeviceSpec):
+            raise ClusterError(f"device: must be a DeviceSpec, got {type(self.device).__name__}")
+        self.device.validate("device.")
+        _positive_int(self.num_devices, "num_devices", MAX_DEVICES)
+        if not isinstance(self.levels, list) or not self.levels:
+            raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
+        for i, level in enumerate(self.levels):
+            if not isinstance(level, NetworkLevel):
+                raise ClusterError(f"levels[{i}]: must be a NetworkLevel, got {type(level).__name__}")
+            level.validate(f"levels[{i}].")
+        for i in range(1, len(self.levels)):
+            inner, outer = self.levels[i - 1].group_size, self.levels[i].group_size
+            if outer <= inner:
+                raise ClusterError(f"levels[{i}].group_size: must be greater than levels[{i - 1}].group_size "
+                                   f"({inner}), got {outer} (group sizes are cumulative device counts)")
+            if outer % inner:
+                raise ClusterError(f"levels[{i}].group_size: must be a multiple of levels[{i - 1}].group_size "
+                                   f"({inner}), got {outer}")
+        top = len(self.levels) - 1
+        if self.levels[top].group_size < self.num_devices:
+            raise ClusterError(f"levels[{top}].group_size: the outermost level must hold all "
+                               f"{self.num_devices} devices (num_devices), got {self.levels[top].group_size}")
+
+    # -- placement -------------------------------------------------------------------------
+    def _check_ranks(self, ranks: Sequence[int]) -> List[int]:
+        """The ranks as a list of ints in [0, num_devices), distinct and non-empty (ClusterError otherwise)."""
+        rs: List[int] = []
+        for r in ranks:
+            try:
+                if isinstance(r, bool):
+                    raise TypeError
+                rs.append(operator.index(r))  # accepts numpy integers too
+            except TypeError:
+                raise ClusterError(f"ranks: {brief(r)} is not a rank (an integer 0..{self.num_devices - 1})") from None
+        if not rs:
+            raise ClusterError("ranks: must be a non-empty sequence of device ranks")
+        for r in rs:
+            if not 0 <= r < self.num_devices:
+                raise ClusterError(f"ranks: {brief(r)} is not a rank of this cluster (integers 0..{self.num_devices - 1})")
+        if len(set(rs)) != len(rs):
+            raise ClusterError(f"ranks: duplicate rank(s) in {rs}")
+        return rs
+
+    def level_index_of_group(self, ranks: Sequence[int]) -> int:
+        """Index of the innermost level one of whose groups holds all ``ranks``.
+
+        Rank r belongs to group ``r // levels[i].group_size`` at level i; a single rank is
+        inside the innermost level (index 0).
+        """
+        rs = self._check_ranks(ranks)
+        for i, level in enumerate(self.levels):
+            if len({r // level.group_size for r in rs}) == 1:
+                return i
+        raise AssertionError("unreachable: the outermost level holds every rank (validated)")
+
+    def span(self, ranks: Sequence[int]) -> List[LevelSpan]:
+        """Per-level spread of ``ranks``, for levels 0 .. :meth:`level_index_of_group` inclusive.
+
+        Let ``g_i(r) = r // levels[i].group_size`` and ``g_{-1}(r) = r`` (each device its own
+        group). For level i, consider each level-i group G holding ranks of the set; its fan-out
+        is the number of distinct ``g_{i-1}`` values among those ranks. ``fanout`` is the largest
+        fan-out over such G; ``max_ranks``/``min_ranks`` are the largest/smallest number of ranks
+        of the set in one such G. For a *balanced* set (every group at a level holds the same
+        number of ranks, as in the plan placements when degrees divide the group sizes)
+        ``max_ranks == min_ranks`` and the product of fan-outs up to level i is ``max_ranks``.
+
+        Memoised per rank set (the collective model asks for the same group at every message
+        size, and resolving a group of thousands of ranks takes milliseconds).
+        """
+        key = (tuple(ranks), self.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in self.levels))
+        spans = self._span_memo.get(key)
+        if spans is None:
+            if len(self._span_memo) >= SPAN_MEMO_LIMIT:
+                self._span_memo.clear()
+            spans = self._span_memo[key] = self._span(ranks)
+        return list(spans)
+
+    def _span(self, ranks: Sequence[int]) -> List[LevelSpan]:
+        rs = self._check_ranks(ranks)
+        top = self.level_index_of_group(rs)
+        spans: List[LevelSpan] = []
+        inner_size = 1  # g_{-1}(r) = r // 1 = r
+        for level in self.levels[: top + 1]:
+            members: Dict[int, List[int]] = {}
+            for r in rs:
+                members.setdefault(r // level.group_size, []).append(r)
+            fanouts = [len({r // inner_size for r in group}) for group in members.values()]
+            sizes = [len(group) for group in members.values()]
+            spans.append(LevelSpan(level, max(fanouts), max(sizes), min(sizes)))
+            inner_size = level.group_size
+        return spans
+
+    def levels_spanned(self, ranks: Sequence[int]) -> List[Tuple[NetworkLevel, int]]:
+        """``(level, fan-out)`` for levels 0 .. :meth:`level_index_of_group`, innermost first.
+
+        The fan-out at level i is the number of distinct level-(i-1) groups (devices, for i = 0)
+        that the ranks occupy inside one level-i group, maximised over the level-i groups the
+        ranks touch (the bottleneck group; see :meth:`span`). Examples on a node=8/rack=32
+        hierarchy: ranks 0..15 -> node 8, rack 2; ranks {0, 8, 16, 24} -> node 1, rack 4. A
+        hierarchical collective runs one step per level with that many participants; levels
+        with fan-out 1 cost nothing.
+        """
+        return [(s.level, s.fanout) for s in self.span(ranks)]
+
+    # -- network model (the ClusterModel protocol, nest_fx.cluster.protocol) -------------------
+    @property
+    def cost_key(self) -> str:
+        """What the cost model's collective memo is keyed on: the device count and every level's
+        figures as they are now (a cluster is mutable; a changed figure gives a new key)."""
+        figures = [(lv.group_size, float(lv.bandwidth), float(lv.latency)) for lv in self.levels]
+        return f"levels:{self.num_devices}:{figures!r}"
+
+    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float) -> float:
+        """Seconds of collective ``kind`` over ``ranks`` on an ``nbytes`` buffer (hierarchical
+        ring algorithms, :mod:`nest_fx.cluster.hierarchical_collectives`)."""
+        return hierarchical_collectives.collective_time(kind, self, ranks, nbytes)
+
+    def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Seconds of a send of ``nbytes`` from rank ``src`` to rank ``dst``."""
+        return hierarchical_collectives.p2p(self, src, dst, nbytes)
+
+    # -- presets ---------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, devices: int) -> "Cluster":
+        """A named cluster of ``devices`` devices; ValueError listing the names when unknown.
+
+        GPU presets use NEST's hierarchy: 8 devices per node, 4 nodes (32 devices) per rack, and a
+        spine level spanning all racks (``group_size`` = devices rounded up to a multiple of
+        32). The spine level is omitted when ``devices <= 32`` (it would equal the rack).
+        Hardware figures are in :data:`PRESETS`' builders; see docs/cluster_format.md.
+        """
+        try:
+            build = PRESETS[name]
+        except KeyError:
+            raise ClusterError(f"unknown cluster preset {brief(name)}; valid names: {sorted(PRESETS)}") from None
+        _positive_int(devices, "devices", MAX_DEVICES)
+        return build(devices)
+
+    # -- io --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The file form (``format: nest-fx-cluster/1``), numbers in SI units."""
+        return {
+            "format": CLUSTER_FORMAT,
+            "name": self.name,
+            "num_devices": self.num_devices,
+            "device": {
+                "name": self.device.name,
+                "memory_bytes": self.device.memory_bytes,
+                "peak_flops": dict(self.device.peak_flops),
+                "mem_bandwidth": self.device.mem_bandwidth,
+            },
+            "levels": [{"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth,
+                        "latency": lv.latency} for lv in self.levels],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "") -> "Cluster":
+        """Build from the file form; quantities may be strings (see :func:`parse_quantity`).
+
+        ``where`` (e.g. a file name) prefixes error messages.
+        """
+        pre = f"{where}: " if where else ""
+        return _prefixed(pre, lambda: _cluster_from_dict(data))
+
+    @classmethod
+    def load(cls, path: str) -> "Cluster":
+        """Read a cluster file: YAML for .yaml/.yml, JSON for .json."""
+        return cls.from_dict(read_document(path, ClusterError, "cluster"), where=path)
+
+    def save(self, path: str) -> None:
+        """Write :meth:`to_dict` as YAML (.yaml/.yml) or JSON (.json)."""
+        if path.endswith((".yaml", ".yml")):
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        elif path.endswith(".json"):
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            raise ClusterError(f"{path}: cluster files must end in .yaml, .yml or .json")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+
+
+def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> dict:
+    """``data`` must be a mapping with all ``required`` keys and nothing unknown."""
+    where = path or "cluster"
+    if not isinstance(data, dict):
+        raise ClusterError(f"{where}: expected a mapping with keys {list(required)}, got {type(data).__name__}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ClusterError(f"{where}: missing key(s) {missing}")
+    unknown = sorted(set(data) - set(required) - set(optional), key=str)  # YAML keys need not be strings
+    if unknown:
+        raise ClusterError(f"{where}: unknown key(s) {unknown}; expected {list(required + optional)}")
+    return data
+
+
+def _cluster_from_dict(data: object) -> Cluster:
+    d = _check_keys(data, "", ("format", "name", "num_devices", "device", "levels"))
+    if d["format"] != CLUSTER_FORMAT:
+        raise ClusterError(f"format: must be {CLUSTER_FORMAT!r}, got {brief(d['format'])}")
+    dev = _check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"))
+    flops = dev["peak_flops"]
+    if not isinstance(flops, dict) or not flops:
+        raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {brief(flops)}")
+    device = _prefixed("device.", lambda: DeviceSpec(
+        name=dev["name"],
+        memory_bytes=parse_quantity(dev["memory_bytes"], "B", "memory_bytes"),
+        peak_flops={str(k): parse_quantity(v, "FLOP/s", f"peak_flops.{k}") for k, v in flops.items()},
+        mem_bandwidth=parse_quantity(dev["mem_bandwidth"], "B/s", "mem_bandwidth"),
+    ))
+    if not isinstance(d["levels"], list) or not d["levels"]:
+        raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
+    levels = []
+    for i, raw in enumerate(d["levels"]):
+        lv = _check_keys(raw, f"levels[{i}]", ("name", "group_size", "bandwidth", "latency"))
+        levels.append(_prefixed(f"levels[{i}].", lambda lv=lv: NetworkLevel(
+            name=lv["name"],
+            group_size=lv["group_size"],
+            bandwidth=parse_quantity(lv["bandwidth"], "B/s", "bandwidth"),
+            latency=parse_quantity(lv["latency"], "s", "latency"),
+        )))
+    return Cluster(name=d["name"], device=device, num_devices=d["num_devices"], levels=levels)
+
+
+class DeviceMappedView:
+    """``span`` and co. for a cluster view whose plan ranks run on other devices: the rank set is
+    mapped to devices (``devices_of``), then placed on the hierarchy of those devices
+    (``device_hierarchy``). :class:`~nest_fx.cluster.ordered.OrderedCluster` and
+    :class:`~nest_fx.cluster.topology.GraphCluster` are such views."""
+
+    def devices_of(self, ranks: Sequence[int]) -> List[int]:
+        raise NotImplementedError
+
+    def device_hierarchy(self) -> Cluster:
+        raise NotImplementedError
+
+    def span(self, ranks: Sequence[int]) -> List[LevelSpan]:
+        """:meth:`Cluster.span` of the devices ``ranks`` run on."""
+        return self.device_hierarchy().span(self.devices_of(ranks))
+
+    def levels_spanned(self, ranks: Sequence[int]) -> List[Tuple[NetworkLevel, int]]:
+        """:meth:`Cluster.levels_spanned` of the devices ``ranks`` run on."""
+        return self.device_hierarchy().levels_spanned(self.devices_of(ranks))
+
+    def level_index_of_group(self, ranks: Sequence[int]) -> int:
+        """:meth:`Cluster.level_index_of_group` of the devices ``ranks`` run on."""
+        return self.device_hierarchy().level_index_of_group(self.devices_of(ranks))

@@ -1,0 +1,119 @@
+"""Reading user files with one clear error per failure (no traceback for user mistakes).
+
+Every reader of user data (cluster, topology, plan, workload and profile files) goes through
+:func:`read_text`, :func:`read_json` or :func:`read_document`, so each failure becomes one line
+of the reader's own error type: a missing or unreadable file, bytes that are not UTF-8, a syntax
+error (with its line and column), nesting deeper than :data:`MAX_DEPTH`, or an integer literal
+too long to convert. :func:`brief` quotes a user value in a message without printing (or
+walking) all of it.
+"""
+from __future__ import annotations
+
+import json
+import reprlib
+from typing import Any, Type
+import yaml
+
+MAX_DEPTH = 200  # nesting of lists/mappings a document may have (ours need fewer than 10)
+
+BRIEF_CHARS = 120  # longest quote of a user value in an error message
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def brief(value: Any) -> str:
+    """A short one-line ``repr`` of a user value for an error message (at most
+    :data:`BRIEF_CHARS` characters): long strings, big numbers and deep or large containers are
+    cut with ``...``; self-referencing YAML anchors and alias bombs are never expanded."""
+    try:
+        text = one_line(_REPR.repr(value))
+    except (ValueError, RecursionError):  # an int with more digits than Python will print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS - 3] + "..."
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks and runs of blanks collapsed to single spaces."""
+    return " ".join(str(text).split())
+
+
+def read_text(path: str, error: Type[Exception], what: str) -> str:
+    """The file's text, or ``error`` naming the file and the OS reason (or the first byte that
+    is not UTF-8)."""
+    try:
+        with open(path, encoding="utf-8-sig") as fh:  # a leading byte-order mark is dropped
+            return fh.read()
+    except OSError as exc:
+        raise error(f"cannot read {what} file {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                    f"save the {what} file as UTF-8") from None
+
+
+def _depth(data: Any) -> int:
+    """Nesting depth of lists/mappings, iteratively (no recursion limit), stopping past MAX_DEPTH;
+    a container met twice (YAML anchors) is walked once."""
+    deepest, seen, todo = 0, set(), [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if not isinstance(node, (list, dict)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH:
+            break
+        todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _shallow(data: Any, path: str, error: Type[Exception]) -> Any:
+    if _depth(data) > MAX_DEPTH:
+        raise error(f"{path}: nested more than {MAX_DEPTH} levels deep; this is not a nest-fx document")
+    return data
+
+
+def parse_json(text: str, path: str, error: Type[Exception]) -> Any:
+    """Parsed JSON text, or ``error`` naming ``path`` and the line/column of the problem."""
+    try:
+        return _shallow(json.loads(text), path, error)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON here: nested too deeply (more than {MAX_DEPTH} levels)") from None
+    except ValueError as exc:  # an integer literal past Python's digit limit
+        raise error(f"{path}: not valid JSON here: {one_line(str(exc)).split(';')[0]}") from None
+
+
+def parse_yaml(text: str, path: str, error: Type[Exception]) -> Any:
+    """Parsed YAML text (safe loader), or ``error`` naming ``path``, the problem and its line/column."""
+    try:
+        return _shallow(yaml.safe_load(text), path, error)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = one_line(exc.problem or exc.context or "syntax error")
+        raise error(f"{path}: not valid YAML ({problem}{where})") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML ({one_line(str(exc))})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid YAML here: nested too deeply (more than {MAX_DEPTH} levels)") from None
+    except (ValueError, OverflowError) as exc:  # a scalar the constructor cannot build (e.g. a 5,000-digit int)
+        raise error(f"{path}: not valid YAML here: {one_line(str(exc)).split(';')[0]}") from None
+
+
+def read_json(path: str, error: Type[Exception], what: str) -> Any:
+    """Parsed JSON, or ``error`` naming the file and the line of the syntax error."""
+    return parse_json(read_text(path, error, what), path, error)
+
+
+def read_document(path: str, error: Type[Exception], what: str) -> Any:
+    """A YAML (``.yaml``/``.yml``) or JSON (``.json``) file, parsed; ``error`` for any other
+    extension and for every failure :func:`read_text`, :func:`parse_yaml` and
+    :func:`parse_json` name."""
+    if not path.endswith((".yaml", ".yml", ".json")):
+        raise error(f"{path}: {what} files must end in .yaml, .yml or .json")
+    text = read_text(path, error, what)
+    if path.endswith(".json"):
+        return parse_json(text, path, error)
+    return parse_yaml(text, path, error)

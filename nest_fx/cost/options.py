@@ -1,0 +1,39 @@
+"""What the cost model takes besides the plan: :class:`CostOptions`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
+
+
+@dataclass
+class CostOptions:
+    """Knobs of the cost model that are not part of the plan."""
+
+    optimizer: str = "adam"
+    param_bytes: int = 2  # training dtype (bf16)
+    grad_bytes: int = 2
+    master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
+    overlap_grad_sync: bool = True
+    bytes_per_param_update: float = 36.0  # Adam, mixed precision: read/write fp32 p, m, v + grads + bf16 copy
+    optimizer_mem_efficiency: float = 0.7
+    usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+    # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
+    # byte of the collective's buffer): DTensor dispatch and copies around a TP/EP collective,
+    # FSDP's copy-in/out and bookkeeping around each unit's all-gather/reduce-scatter.
+    # 0 by default (on GPUs the host runs ahead of the device); profiler.runtime_overhead
+    # measures them where they show (CPU ranks).
+    tp_call_overhead: Tuple[float, float] = (0.0, 0.0)
+    fsdp_call_overhead: Tuple[float, float] = (0.0, 0.0)
+
+    @classmethod
+    def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":
+        """Options for training whose parameters are ``dtype_bytes`` wide: 2 (bf16/fp16) is mixed
+        precision (fp32 master weights in the optimizer, the default); 4 is plain fp32 training,
+        where the optimizer keeps no second copy of the weights (K = 8 for Adam)."""
+        if dtype_bytes not in (2, 4):
+            raise ValueError(f"dtype_bytes: 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes!r}")
+        fields = dict(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, master_weights=dtype_bytes < 4)
+        fields.update(overrides)
+        return cls(**fields)

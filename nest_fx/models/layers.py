@@ -1,0 +1,114 @@
+"""The layers of the zoo transformer: norms, rotary positions, attention and the MLPs.
+
+Written so that ``torch.fx.symbolic_trace`` traces them (no data-dependent Python control
+flow); see ``transformer.py`` for the module names they get in a model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nest_fx.models.config import TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), as used by Llama."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
+        return (x.float() * norm).type_as(x) * self.weight
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+@torch.fx.wrap
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, seq: int, dtype: torch.dtype):
+    """First ``seq`` rows of the cos/sin tables (a leaf for fx: ``seq`` may be symbolic)."""
+    return cos[:seq].to(dtype), sin[:seq].to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021) with precomputed cos/sin tables."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [batch, heads, seq, head_dim]
+        cos, sin = rope_tables(self.cos, self.sin, x.size(2), x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) self-attention with fused SDPA."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.causal = cfg.causal
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.position == "rope" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq = x.size(0), x.size(1)
+        # -1 for the head count keeps the module correct when tensor parallelism shards it.
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, enable_gqa=self.kv_heads != self.heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP of Llama: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn_hidden, bias=bias)
+        self.up = nn.Linear(hidden, ffn_hidden, bias=bias)
+        self.down = nn.Linear(ffn_hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GeluMLP(nn.Module):
+    """GPT-2/BERT MLP: proj(gelu(fc(x)))."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True):
+        super().__init__()
+        self.fc = nn.Linear(hidden, ffn_hidden, bias=bias)
+        self.proj = nn.Linear(ffn_hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+def make_mlp(cfg: TransformerConfig) -> nn.Module:
+    if cfg.activation == "swiglu":
+        return SwiGLU(cfg.hidden, cfg.ffn_hidden, cfg.bias)
+    return GeluMLP(cfg.hidden, cfg.ffn_hidden, cfg.bias)

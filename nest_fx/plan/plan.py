@@ -1,0 +1,320 @@
+"""Plan: what the solver chooses and the rewriter applies (``format: nest-fx-plan/1``).
+
+Rank layout (placement). A plan has ``dp`` pipeline replicas of ``len(stages)`` stages; stage
+``i`` uses ``stages[i].tp`` devices per replica. ``placement`` says how those devices sit on the
+cluster's rank order (rank r is device r of the hierarchy, innermost level first):
+
+    "stage-major"    ranks [off_i, off_i + tp_i * dp) hold stage i; inside, TP is innermost:
+                     replica r, TP rank j of stage i is ``off_i + r * tp_i + j``. DP groups of
+                     a stage are contiguous (DP sync stays low in the hierarchy); pipeline
+                     neighbours are ``tp_i * dp`` ranks apart.
+    "replica-major"  replica r holds ranks [r * P, (r + 1) * P) with P = sum(tp_i); stage i of
+                     replica r, TP rank j is ``r * P + off_i + j`` (off_i = sum of earlier tp).
+                     Pipeline neighbours are adjacent; DP groups stride over replicas.
+
+Expert parallelism groups ``ep`` consecutive replicas (``ep`` divides ``dp``): the expert
+all-to-all of stage i, TP rank j runs over the same (i, j) position in those replicas.
+Devices past ``dp * P`` are idle. ``device_order`` (optional) places the plan ranks on the
+cluster: plan rank r runs on cluster rank ``device_order[r]`` (absent = identity; chosen by the
+planner on graph topologies). See docs/plan_format.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from nest_fx.common.errors import NestFxError
+from nest_fx.common.fileio import brief, read_json
+from nest_fx.common.limits import MAX_COUNT
+
+PLAN_FORMAT = "nest-fx-plan/1"
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+PLACEMENTS = ("stage-major", "replica-major")
+
+
+class PlanError(NestFxError, ValueError):
+    """A malformed plan, or a plan that does not match the model/cluster; names the field."""
+
+
+@dataclass
+class StagePlan:
+    """Layers [start, end) of the workload chain on ``tp`` devices per replica."""
+
+    start: int
+    end: int
+    tp: int = 1
+    recompute: str = "none"  # none | selective | full
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Plan:
+    """A hybrid-parallel training plan (see module docstring for the rank layout)."""
+
+    stages: List[StagePlan]
+    dp: int = 1
+    ep: int = 1
+    zero: int = 0
+    microbatch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    placement: str = "stage-major"
+    model: str = ""
+    model_fingerprint: str = ""  # chain_fingerprint of the model's layer chain; "" = not recorded
+    num_layers: int = 0  # length of the workload chain the ranges index
+    world_size: int = 0
+    cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
+    device_order: Optional[List[int]] = None  # plan rank r runs on cluster rank device_order[r]; None = identity
+    predicted: Dict[str, float] = field(default_factory=dict)
+    notes: str = ""
+
+    # -- derived --------------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices_per_replica(self) -> int:
+        return sum(s.tp for s in self.stages)
+
+    @property
+    def devices_used(self) -> int:
+        return self.dp * self.devices_per_replica
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.microbatch_size * self.num_microbatches
+
+    @property
+    def uniform_tp(self) -> Optional[int]:
+        tps = {s.tp for s in self.stages}
+        return tps.pop() if len(tps) == 1 else None
+
+    def stage_offset(self, i: int) -> int:
+        """First rank of stage i (stage-major) or its offset inside a replica (replica-major)."""
+        if self.placement == "stage-major":
+            return sum(s.tp * self.dp for s in self.stages[:i])
+        return sum(s.tp for s in self.stages[:i])
+
+    def rank(self, stage: int, replica: int, tp_rank: int) -> int:
+        """Global rank of (stage, replica, TP rank) under this plan's placement."""
+        if self.placement == "stage-major":
+            return self.stage_offset(stage) + replica * self.stages[stage].tp + tp_rank
+        return replica * self.devices_per_replica + self.stage_offset(stage) + tp_rank
+
+    def _replica_ranks(self, stage: int, replicas, tp_rank: int) -> List[int]:
+        off, tp = self.stage_offset(stage), self.stages[stage].tp
+        stride = tp if self.placement == "stage-major" else self.devices_per_replica
+        return [off + r * stride + tp_rank for r in replicas]
+
+    def tp_group(self, stage: int, replica: int = 0) -> List[int]:
+        first = self.rank(stage, replica, 0)
+        return list(range(first, first + self.stages[stage].tp))
+
+    def dp_group(self, stage: int, tp_rank: int = 0) -> List[int]:
+        return self._replica_ranks(stage, range(self.dp), tp_rank)
+
+    def ep_group(self, stage: int, replica: int = 0, tp_rank: int = 0) -> List[int]:
+        first = (replica // self.ep) * self.ep
+        return self._replica_ranks(stage, range(first, first + self.ep), tp_rank)
+
+    def mesh(self) -> Optional[Dict[str, object]]:
+        """DeviceMesh shape (pp, dp, tp) when TP is uniform, else None (not a regular mesh)."""
+        tp = self.uniform_tp
+        if tp is None:
+            return None
+        if self.placement == "stage-major":
+            return {"dims": ["pp", "dp", "tp"], "shape": [self.pp, self.dp, tp]}
+        return {"dims": ["dp", "pp", "tp"], "shape": [self.dp, self.pp, tp]}
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self, num_layers: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        """Structural checks; raises PlanError naming the field and the fix."""
+        n = num_layers if num_layers is not None else self.num_layers
+        if not self.stages:
+            raise PlanError("stages: a plan needs at least one stage")
+        expect = 0
+        for i, s in enumerate(self.stages):
+            if s.start != expect:
+                raise PlanError(f"stages[{i}].start: expected {expect} (stages must cover the layers "
+                                f"contiguously), got {s.start}")
+            if s.end <= s.start:
+                raise PlanError(f"stages[{i}]: empty layer range [{s.start}, {s.end})")
+            if s.tp < 1:
+                raise PlanError(f"stages[{i}].tp: must be >= 1, got {s.tp}")
+            if s.recompute not in ("none", "selective", "full"):
+                raise PlanError(f"stages[{i}].recompute: {brief(s.recompute)}, use none/selective/full")
+            expect = s.end
+        if n and expect != n:
+            whose = "the workload has" if num_layers is not None else "num_layers is"
+            made_for = f"the plan was made for {brief(self.model)}: " if self.model else ""
+            raise PlanError(f"stages: cover layers [0, {expect}) but {whose} {n} layers "
+                            f"({made_for}a plan for another model?)")
+        for name in ("dp", "ep", "microbatch_size", "num_microbatches", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("num_layers", "world_size"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"{name}: must be >= 0 (0 = not recorded), got {getattr(self, name)}")
+        if self.dp % self.ep:
+            raise PlanError(f"ep={self.ep} must divide dp={self.dp} (expert groups are carved from replicas)")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero: {self.zero}, use 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule: {brief(self.schedule)}, use one of {SCHEDULES}")
+        if self.placement not in PLACEMENTS:
+            raise PlanError(f"placement: {brief(self.placement)}, use one of {PLACEMENTS}")
+        if self.schedule == "interleaved":
+            if self.virtual_stages < 2:
+                raise PlanError("virtual_stages: the interleaved schedule needs >= 2 chunks per device")
+            if self.num_microbatches % self.pp:
+                raise PlanError(f"num_microbatches={self.num_microbatches} must be a multiple of the "
+                                f"{self.pp} stages for the interleaved schedule")
+        ws = world_size if world_size is not None else self.world_size
+        if ws and self.devices_used > ws:
+            raise PlanError(f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "
+                            f"per replica) but the world has {ws}")
+        if self.device_order is not None:
+            check_device_order(self.device_order, ws or len(self.device_order), self.devices_used)
+
+    def check_model(self, fingerprint: str, what: str = "this model") -> None:
+        """PlanError when the plan records a layer-chain fingerprint and ``fingerprint`` (the model
+        it is about to be used with) differs: a plan for another model with the same layer count."""
+        if self.model_fingerprint and fingerprint and self.model_fingerprint != fingerprint:
+            made_for = brief(self.model) if self.model else "another model"
+            raise PlanError(
+                f"model_fingerprint: the plan was made for {made_for} (layer chain {self.model_fingerprint}) but "
+                f"{what}'s layer chain is {fingerprint}: the layers' kinds or parameter counts differ; fix: plan for "
+                "this model (nest-fx plan --model ...), or delete model_fingerprint from a plan you edited on purpose")
+
+    # -- io -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["device_order"] is None:  # absent means identity: files of unplaced plans stay as they were
+            del d["device_order"]
+        d = {"format": PLAN_FORMAT, **d}
+        d["mesh"] = self.mesh()
+        d["derived"] = {"pp": self.pp, "devices_used": self.devices_used, "global_batch": self.global_batch}
+        return d
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
+        """Build and validate a plan from its file form (see docs/plan_format.md): the format
+        version is checked first, every field's type next, then :meth:`validate`. Errors are
+        :class:`PlanError` starting with ``where`` (e.g. the file name) and naming the field."""
+        try:
+            plan = cls(**_plan_fields(data))
+            plan.validate()
+        except PlanError as exc:
+            raise PlanError(f"{where}: {exc}") from None
+        return plan
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        return cls.from_dict(read_json(path, PlanError, "plan"), where=path)
+
+
+_INT_FIELDS = ("dp", "ep", "zero", "microbatch_size", "num_microbatches", "virtual_stages", "num_layers", "world_size")
+_STR_FIELDS = ("schedule", "placement", "model", "model_fingerprint", "cluster", "notes")
+
+
+def _int_field(value: object, name: str) -> int:
+    """``value`` when it is an integer (not a bool) of at most MAX_COUNT in size, else PlanError
+    naming ``name`` (the range is :meth:`Plan.validate`'s to check)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an integer, got {brief(value)}")
+    if abs(value) > MAX_COUNT:
+        raise PlanError(f"{name}: {brief(value)} is larger than nest-fx handles (at most {MAX_COUNT:,})")
+    return value
+
+
+def _stage_fields(raw: object, i: int) -> StagePlan:
+    if not isinstance(raw, dict) or "start" not in raw or "end" not in raw:
+        raise PlanError(f"stages[{i}] needs 'start' and 'end' (layer indices), got {brief(raw)}")
+    bad = set(raw) - set(StagePlan.__dataclass_fields__)
+    if bad:
+        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}; "
+                        f"known: {sorted(StagePlan.__dataclass_fields__)}")
+    recompute = raw.get("recompute", "none")
+    if not isinstance(recompute, str):
+        raise PlanError(f"stages[{i}].recompute: {brief(recompute)}, use none/selective/full")
+    return StagePlan(start=_int_field(raw["start"], f"stages[{i}].start"),
+                     end=_int_field(raw["end"], f"stages[{i}].end"),
+                     tp=_int_field(raw.get("tp", 1), f"stages[{i}].tp"), recompute=recompute)
+
+
+def _plan_fields(data: object) -> dict:
+    """The keyword arguments of :class:`Plan` from its file form, every field type-checked
+    (values are checked by :meth:`Plan.validate`)."""
+    if not isinstance(data, dict):
+        raise PlanError(f"expected a JSON object with format {PLAN_FORMAT!r}, got {type(data).__name__}")
+    fmt = data.get("format")
+    if fmt != PLAN_FORMAT:
+        raise PlanError(f"format is {brief(fmt)}; this version reads {PLAN_FORMAT!r} "
+                        "(re-plan with this nest-fx, or fix the file's format field)")
+    known = set(Plan.__dataclass_fields__)
+    unknown = set(data) - known - {"format", "mesh", "derived"}
+    if unknown:
+        raise PlanError(f"unknown field(s) {sorted(unknown, key=str)}; known: {sorted(known)}")
+    raw_stages = data.get("stages", [])
+    if not isinstance(raw_stages, list):
+        raise PlanError(f"stages must be a list of {{start, end, tp, recompute}} objects, got {brief(raw_stages)}")
+    kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
+    kwargs["stages"] = [_stage_fields(s, i) for i, s in enumerate(raw_stages)]
+    for name in _INT_FIELDS:
+        if name in kwargs:
+            _int_field(kwargs[name], name)
+    for name in _STR_FIELDS:
+        if name in kwargs and not isinstance(kwargs[name], str):
+            raise PlanError(f"{name} must be a string, got {brief(kwargs[name])}")
+    if not isinstance(kwargs.get("sequence_parallel", False), bool):
+        raise PlanError(f"sequence_parallel must be true or false, got {brief(kwargs['sequence_parallel'])}")
+    predicted = kwargs.get("predicted", {})
+    if not isinstance(predicted, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):
+        raise PlanError(f"predicted must map names to numbers (what the planner predicted), got {brief(predicted)}")
+    return kwargs
+
+
+def check_device_order(order: object, world_size: int, devices_used: int = 0) -> List[int]:
+    """``order`` as a list when it is a permutation of ``range(world_size)`` (plan rank r runs on
+    cluster rank ``order[r]``), else PlanError naming the problem."""
+    fix = (f"list each rank 0..{world_size - 1} exactly once (plan rank r runs on device_order[r]), "
+           "or leave device_order out for the identity")
+    if not isinstance(order, (list, tuple)):
+        raise PlanError(f"device_order: must be a list of ranks, got {type(order).__name__}; {fix}")
+    bad = next((x for x in order if isinstance(x, bool) or not isinstance(x, int)), None)
+    if bad is not None:
+        raise PlanError(f"device_order: entries must be integers, got {bad!r}; {fix}")
+    if len(order) != world_size:
+        raise PlanError(f"device_order: has {len(order)} entries but the world has {world_size} ranks; {fix}")
+    if world_size < devices_used:
+        raise PlanError(f"device_order: has {len(order)} entries but the plan uses {devices_used} devices")
+    seen = set()
+    for r, d in enumerate(order):
+        if not 0 <= d < world_size:
+            raise PlanError(f"device_order[{r}]: {d} is out of range 0..{world_size - 1}; {fix}")
+        if d in seen:
+            raise PlanError(f"device_order[{r}]: rank {d} appears twice; {fix}")
+        seen.add(d)
+    return list(order)
+
+
+def uniform_plan(num_layers: int, *, pp: int = 1, tp: int = 1, dp: int = 1, **kwargs) -> Plan:
+    """Megatron-style plan: ``pp`` stages with near-equal layer counts, the same TP everywhere."""
+    if pp > num_layers:
+        raise PlanError(f"pp={pp} exceeds the {num_layers} layers")
+    bounds = [i * num_layers // pp for i in range(pp + 1)]
+    recompute = kwargs.pop("recompute", "none")
+    stages = [StagePlan(bounds[i], bounds[i + 1], tp, recompute) for i in range(pp)]
+    return Plan(stages=stages, dp=dp, num_layers=num_layers, **kwargs)

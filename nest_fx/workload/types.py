@@ -1,0 +1,250 @@
+"""Workload: the chain of layers the solver consumes, with per-variant costs.
+
+A workload is a list of layers (head, repeated blocks, tail). For a *variant* — tensor-parallel
+degree ``tp``, expert-parallel degree ``ep``, microbatch size ``mbs`` (sequences) and sequence
+parallelism ``sp`` — each layer has a :class:`LayerCost`: forward/backward seconds on one
+device, parameter count and bytes held per device, saved-activation bytes per microbatch for
+each recompute mode, the bytes it hands to the next layer (a pipeline boundary) and the
+collectives it issues inside itself.
+
+Costs come from a *source*:
+    TracedSource   an OpGraph plus a per-op timing model (the analytical roofline now, a
+                   measured profile later); every variant is derived from the traced nodes
+                   (how TP/EP shard each node follows from the TP pairs the tracer found).
+    TableSource    a user-supplied per-layer table (``format: nest-fx-workload/1``, SI units;
+                   see docs/workload_format.md).
+Identical layers (same signature) share one cost entry, so costing is O(distinct layers).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, Iterable, List, Tuple
+
+from nest_fx.common.errors import NestFxError
+
+WORKLOAD_FORMAT = "nest-fx-workload/1"
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class WorkloadError(NestFxError, ValueError):
+    """A malformed workload file or an impossible variant; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A collective issued inside a layer per microbatch: ``count`` times ``nbytes`` over ``group``."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    group: str  # "tp" | "ep"
+    nbytes: float
+    phase: str  # "fwd" | "bwd"
+    count: int = 1
+
+
+@dataclass
+class LayerCost:
+    """Cost of one layer for one variant, per microbatch and per device (SI units)."""
+
+    fwd_s: float
+    bwd_s: float
+    num_params: float  # parameters held per device
+    param_bytes: float  # their bytes in the training dtype
+    act_bytes: Dict[str, float]  # recompute mode -> saved bytes per microbatch
+    recompute_s: Dict[str, float]  # recompute mode -> extra backward seconds per microbatch
+    out_bytes: float  # activation bytes sent to the next layer per microbatch (full tensor)
+    comms: List[Comm] = field(default_factory=list)
+    expert_params: float = 0.0  # of num_params, those sharded over ep (reduced over dp/ep)
+    block: bool = True  # a repeated block (its own FSDP unit); False for the head and tail (the stage root)
+    bwd_scratch: float = 0.0  # bytes its backward allocates beyond its saved activations, per microbatch
+
+    def to_dict(self) -> dict:
+        """The cost as a workload table records it (``block`` comes from the layer's kind)."""
+        d = asdict(self)
+        d.pop("block")
+        d["comms"] = [asdict(c) for c in self.comms]
+        return d
+
+
+@dataclass
+class Layer:
+    """One element of the chain."""
+
+    name: str
+    kind: str  # head | block | tail
+    signature: str
+    num_params: float  # unsharded
+    flops_per_sample: float  # forward FLOPs per sequence, unsharded
+    is_moe: bool = False
+
+
+@dataclass
+class ModelDims:
+    """Shapes the solver needs to check divisibility and count model FLOPs."""
+
+    seq_len: int  # tokens per sequence; the widths below are 0 when unknown (no constraint)
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0  # key/value heads (grouped-query attention)
+    ffn_hidden: int = 0
+    num_experts: int = 0
+    vocab_size: int = 0
+    dtype_bytes: int = 2
+
+    def tp_problem(self, tp: int) -> str:
+        """'' when ``tp`` divides heads, kv heads and FFN width (Megatron's constraint; 0 = unknown,
+        no constraint), else which one it does not divide."""
+        for n, what in ((self.heads, "attention heads"), (self.kv_heads, "key/value heads"),
+                        (self.ffn_hidden, "FFN width")):
+            if n and n % tp:
+                return f"tp={tp} does not divide the model's {n} {what}"
+        return ""
+
+    def ep_problem(self, ep: int) -> str:
+        """'' when ``ep`` is 1 or divides the expert count, else why not."""
+        if ep == 1 or (self.num_experts > 0 and self.num_experts % ep == 0):
+            return ""
+        if not self.num_experts:
+            return f"ep={ep} but the model has no experts"
+        return f"ep={ep} does not divide the model's {self.num_experts} experts"
+
+    def tp_ok(self, tp: int) -> bool:
+        return not self.tp_problem(tp)
+
+    def ep_ok(self, ep: int) -> bool:
+        return not self.ep_problem(ep)
+
+
+class Workload:
+    """Layer chain + a cost source; ``cost(i, tp, ep, mbs, sp)`` is cached per signature."""
+
+    def __init__(self, model: str, layers: List[Layer], dims: ModelDims, source, *, provenance: str = ""):
+        self.model = model
+        self.layers = layers
+        self.dims = dims
+        self.source = source
+        self.provenance = provenance
+        self._cache: Dict[Tuple, LayerCost] = {}
+        self._problems: Dict[Tuple[int, int, bool], str] = {}
+        self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def cost(self, index: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False) -> LayerCost:
+        layer = self.layers[index]
+        key = (layer.signature, layer.kind, tp, ep if layer.is_moe else 1, mbs, sp)
+        if key not in self._cache:
+            c = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
+            self._cache[key] = c if c.block == (layer.kind == "block") else replace(c, block=layer.kind == "block")
+        return self._cache[key]
+
+    def variant_problem(self, tp: int, ep: int = 1, sp: bool = False) -> str:
+        """'' when every layer has a cost for this variant, else why not: the model's shapes do
+        not divide by ``tp``/``ep`` (:class:`ModelDims`), or the cost source lacks it (a layer
+        table lists only some (tp, ep) pairs; a traced source derives every one)."""
+        key = (tp, ep, sp)
+        if key not in self._problems:
+            self._problems[key] = self._find_problem(tp, ep, sp)
+        return self._problems[key]
+
+    def _find_problem(self, tp: int, ep: int, sp: bool) -> str:
+        problem = self.dims.tp_problem(tp) or self.dims.ep_problem(ep)
+        if problem:
+            return problem
+        missing = getattr(self.source, "missing", None)
+        if missing is not None:
+            for i in self.distinct():
+                layer = self.layers[i]
+                problem = missing(layer, tp, ep if layer.is_moe else 1, sp)
+                if problem:
+                    return problem
+        return ""
+
+    def supports(self, tp: int, ep: int = 1, sp: bool = False) -> bool:
+        """Whether every layer has a cost for this variant (see :meth:`variant_problem`); the
+        planner searches only these."""
+        return not self.variant_problem(tp, ep, sp)
+
+    def variant_costs(self, tp: int = 1, ep: int = 1, mbs: int = 1,
+                      sp: bool = False) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
+        """The distinct layer costs of a variant (in order of first appearance), per distinct cost
+        the prefix counts (``counts[j][i]``: layers before i with cost j) and each layer's index
+        into the distinct costs; computed once per variant."""
+        key = (tp, ep, mbs, sp)
+        table = self._prefix.get(key)
+        if table is None:
+            ids: Dict[int, int] = {}
+            costs: List[LayerCost] = []
+            index: List[int] = []
+            for i in range(len(self.layers)):
+                c = self.cost(i, tp, ep, mbs, sp)
+                k = ids.setdefault(id(c), len(costs))
+                if k == len(costs):
+                    costs.append(c)
+                index.append(k)
+            counts = [[0] * (len(self.layers) + 1) for _ in costs]
+            for i, k in enumerate(index):
+                for j, row in enumerate(counts):
+                    row[i + 1] = row[i] + (1 if j == k else 0)
+            table = self._prefix[key] = (costs, counts, index)
+        return table
+
+    def range_costs(self, start: int, end: int, tp: int = 1, ep: int = 1, mbs: int = 1,
+                    sp: bool = False) -> List[Tuple[LayerCost, int]]:
+        """The distinct layer costs of layers [start, end) with how many layers share each.
+
+        O(distinct layers) per call through per-variant prefix counts, so a pipeline stage of
+        80 identical blocks costs as much to evaluate as a stage of one."""
+        costs, counts, _ = self.variant_costs(tp, ep, mbs, sp)
+        return [(c, row[end] - row[start]) for c, row in zip(costs, counts) if row[end] - row[start]]
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward FLOPs per sequence of the whole model (for model FLOP/s)."""
+        return sum(layer.flops_per_sample for layer in self.layers)
+
+    @property
+    def num_params(self) -> float:
+        return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.is_moe for layer in self.layers)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the layer chain (kinds and parameter counts) that a plan records and is checked
+        against (``Plan.check_model``)."""
+        return chain_fingerprint((layer.kind, layer.num_params) for layer in self.layers)
+
+    def distinct(self) -> List[int]:
+        """Index of the first layer of each distinct (kind, signature)."""
+        seen, out = set(), []
+        for i, layer in enumerate(self.layers):
+            if (layer.kind, layer.signature) not in seen:
+                seen.add((layer.kind, layer.signature))
+                out.append(i)
+        return out
+
+
+def chain_fingerprint(layers: Iterable[Tuple[str, float]]) -> str:
+    """Short hash of a layer chain given as (kind, parameter count) per layer: the same for a
+    model whatever its batch, sequence length or dtype, different for another architecture with
+    the same number of layers (other widths, vocabulary or expert count)."""
+    text = ";".join(f"{kind}:{int(round(params))}" for kind, params in layers)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def dims_from_config(cfg, *, seq_len: int, dtype_bytes: int = 2) -> ModelDims:
+    """ModelDims from a zoo ``TransformerConfig`` or a HuggingFace config (either's field names);
+    fields the config lacks are 0, which means "no constraint"."""
+    def get(*names: str) -> int:
+        return next((int(getattr(cfg, n)) for n in names if getattr(cfg, n, None)), 0)
+
+    return ModelDims(seq_len=seq_len, hidden=get("hidden", "hidden_size", "n_embd"),
+                     heads=get("heads", "num_attention_heads", "n_head"),
+                     kv_heads=get("kv_heads", "num_key_value_heads", "heads", "num_attention_heads", "n_head"),
+                     ffn_hidden=get("ffn_hidden", "intermediate_size", "n_inner"),
+                     num_experts=get("num_experts", "num_local_experts"), vocab_size=get("vocab_size"),
+                     dtype_bytes=dtype_bytes)
