@@ -32,6 +32,44 @@ def test_replica_major_rank_layout():
     assert plan.rank(1, 1, 0) == 6
 
 
+def test_context_parallel_rank_layout():
+    plan = Plan(stages=[StagePlan(0, 2, tp=2), StagePlan(2, 4, tp=2)], dp=2, cp=2, num_layers=4)
+    # a stage replica is cp x tp = 4 ranks, TP innermost: stage 0 holds 0..7, stage 1 8..15
+    assert plan.devices_used == 16 and plan.devices_per_replica == 8
+    assert plan.tp_group(0, 1, cp_rank=1) == [6, 7]
+    assert plan.cp_group(0, 0, tp_rank=1) == [1, 3]
+    assert plan.dp_group(1, tp_rank=0, cp_rank=1) == [10, 14]
+    assert plan.mesh() == {"dims": ["pp", "dp", "cp", "tp"], "shape": [2, 2, 2, 2]}
+    every = sorted(plan.rank(i, r, j, c) for i in range(2) for r in range(2) for c in range(2) for j in range(2))
+    assert every == list(range(16))  # a bijection onto the devices used
+    rm = Plan(stages=[StagePlan(0, 2, tp=2), StagePlan(2, 4, tp=2)], dp=2, cp=2, num_layers=4,
+              placement="replica-major")
+    assert rm.cp_group(1, 1, tp_rank=0) == [12, 14] and rm.tp_group(1, 1, cp_rank=1) == [14, 15]
+
+
+def test_hsdp_shard_groups_and_validation():
+    plan = Plan(stages=[StagePlan(0, 1, tp=2)], dp=8, zero=3, dp_shard=4, num_layers=1)
+    assert plan.shard_degree == 4 and plan.replicate_degree == 2
+    assert plan.shard_group(0, 5) == [8, 10, 12, 14]
+    assert Plan(stages=[StagePlan(0, 1)], dp=8, zero=3, num_layers=1).shard_group(0, 5) == list(range(8))
+    with pytest.raises(PlanError, match="dp_shard=3 must divide dp=8"):
+        Plan(stages=[StagePlan(0, 1)], dp=8, zero=3, dp_shard=3, num_layers=1).validate()
+    with pytest.raises(PlanError, match="dp_shard=4 needs zero >= 1"):
+        Plan(stages=[StagePlan(0, 1)], dp=8, zero=0, dp_shard=4, num_layers=1).validate()
+
+
+def test_new_fields_round_trip_and_old_files_read_as_before():
+    plan = Plan(stages=[StagePlan(0, 2, tp=2)], dp=4, cp=2, zero=1, dp_shard=2, loss_parallel=True, num_layers=2)
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert (again.cp, again.dp_shard, again.loss_parallel) == (2, 2, True)
+    old = {k: v for k, v in plan.to_dict().items() if k not in ("cp", "dp_shard", "loss_parallel")}
+    assert (Plan.from_dict(old).cp, Plan.from_dict(old).dp_shard, Plan.from_dict(old).loss_parallel) == (1, 0, False)
+    with pytest.raises(PlanError, match="loss_parallel must be true or false"):
+        Plan.from_dict({**plan.to_dict(), "loss_parallel": "yes"})
+    with pytest.raises(PlanError, match="cp: must be >= 1"):
+        Plan.from_dict({**plan.to_dict(), "cp": 0})
+
+
 def test_ep_groups_are_consecutive_replicas():
     plan = Plan(stages=[StagePlan(0, 1)], dp=4, ep=2, num_layers=1)
     assert plan.ep_group(0, 0) == [0, 1]
@@ -73,3 +111,14 @@ def test_plan_for_another_model_or_world_is_refused():
         plan.validate(num_layers=12)
     with pytest.raises(PlanError, match="world has 4"):
         plan.validate(world_size=4)
+
+
+@pytest.mark.parametrize("good", ["none", "selective", "full", "op", "op:torchtitan", "every:2", "every:12"])
+def test_recompute_policy_forms_are_accepted(good):
+    Plan(stages=[StagePlan(0, 1, recompute=good)], num_layers=1).validate()
+
+
+@pytest.mark.parametrize("bad", ["all", "every:1", "every:0", "op:", "Full", "every:k"])
+def test_recompute_policy_forms_are_refused(bad):
+    with pytest.raises(PlanError, match=r"stages\[0\].recompute: .* is not a recompute policy; use none, selective"):
+        Plan(stages=[StagePlan(0, 1, recompute=bad)], num_layers=1).validate()

@@ -111,8 +111,20 @@ def check_layers(plan: Plan, graph) -> None:
         raise ApplyError(f"pp={plan.pp} stages but only {n} layers")
 
 
+def check_supported(plan: Plan) -> None:
+    """ApplyError for a plan field the runtime cannot run yet (never silently ignored)."""
+    unsupported = [name for name, used in (("cp", plan.cp > 1), ("dp_shard", plan.dp_shard not in (0, plan.dp)),
+                                           ("loss_parallel", plan.loss_parallel), ("compile", plan.compile),
+                                           ("float8", plan.float8)) if used]
+    unsupported += [f"stages[{i}].recompute={s.recompute}" for i, s in enumerate(plan.stages)
+                    if s.recompute not in ("none", "selective", "full")]
+    if unsupported:
+        raise ApplyError(f"{', '.join(unsupported)}: the runtime does not run this yet; use a plan without it")
+
+
 def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_size: int) -> int:
     """Every check, cheapest first; returns the number of microbatches per step."""
+    check_supported(plan)
     check_world(plan, world_size)
     if graph is not None:
         check_layers(plan, graph)

@@ -218,7 +218,15 @@ def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 
 
 def check_variants(plan: Plan, workload: Workload) -> None:
     """PlanError when a stage asks for a (tp, ep) variant the workload has no cost for: a degree
-    that does not divide the model's heads/FFN/experts, or one a layer table does not list."""
+    that does not divide the model's heads/FFN/experts, or one a layer table does not list; or
+    for a parallelism the cost model does not cost yet."""
+    unsupported = [name for name, used in (("cp", plan.cp > 1), ("dp_shard", plan.dp_shard not in (0, plan.dp)),
+                                           ("loss_parallel", plan.loss_parallel), ("compile", plan.compile),
+                                           ("float8", plan.float8)) if used]
+    unsupported += [f"stages[{i}].recompute={s.recompute}" for i, s in enumerate(plan.stages)
+                    if s.recompute not in ("none", "selective", "full")]
+    if unsupported:
+        raise PlanError(f"{', '.join(unsupported)}: the cost model does not cost this yet; plan without it")
     for i, stage in enumerate(plan.stages):
         problem = workload.variant_problem(stage.tp, plan.ep, plan.sequence_parallel)
         if problem:

@@ -21,6 +21,7 @@ planner on graph topologies). See docs/plan_format.md.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -31,6 +32,22 @@ from nest_fx.common.limits import MAX_COUNT
 PLAN_FORMAT = "nest-fx-plan/1"
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 PLACEMENTS = ("stage-major", "replica-major")
+RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
+_RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
+
+
+def recompute_problem(value: object) -> str:
+    """'' when ``value`` is a recompute policy name a plan may hold, else what is wrong.
+
+    ``none``; ``full`` (every block recomputed); ``selective`` (the attention core, Korthikanti
+    et al. 2022); ``op`` / ``op:<policy>`` (op-level selective checkpointing under a named policy
+    over op kinds; ``op`` is the default policy); ``every:<k>`` (every k-th block of the stage
+    fully recomputed). Whether a policy name is known is the cost model's and the runtime's to
+    check; this checks the form.
+    """
+    if isinstance(value, str) and _RECOMPUTE.match(value):
+        return ""
+    return f"{brief(value)} is not a recompute policy; use {RECOMPUTE_FORMS}"
 
 
 class PlanError(NestFxError, ValueError):
@@ -44,7 +61,7 @@ class StagePlan:
     start: int
     end: int
     tp: int = 1
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # see recompute_problem: none | selective | full | op[:policy] | every:k
 
     @property
     def num_layers(self) -> int:
@@ -58,7 +75,12 @@ class Plan:
     stages: List[StagePlan]
     dp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallel: each stage replica's sequence is split over cp x tp devices
     zero: int = 0
+    dp_shard: int = 0  # HSDP: shard over groups of dp_shard consecutive replicas, replicate across; 0 = all of dp
+    loss_parallel: bool = False  # vocabulary-parallel cross-entropy over the last stage's TP group
+    compile: bool = False  # torch.compile each block
+    float8: bool = False  # Float8 linears (torchao) on GPUs that have fp8 tensor cores
     microbatch_size: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
@@ -81,7 +103,17 @@ class Plan:
 
     @property
     def devices_per_replica(self) -> int:
-        return sum(s.tp for s in self.stages)
+        return sum(s.tp * self.cp for s in self.stages)
+
+    @property
+    def shard_degree(self) -> int:
+        """Replicas one ZeRO/FSDP group shards over: ``dp_shard`` (HSDP), or all of ``dp``."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicate_degree(self) -> int:
+        """HSDP replication: groups of ``shard_degree`` replicas that hold the same shards."""
+        return self.dp // self.shard_degree
 
     @property
     def devices_used(self) -> int:
@@ -99,39 +131,49 @@ class Plan:
     def stage_offset(self, i: int) -> int:
         """First rank of stage i (stage-major) or its offset inside a replica (replica-major)."""
         if self.placement == "stage-major":
-            return sum(s.tp * self.dp for s in self.stages[:i])
-        return sum(s.tp for s in self.stages[:i])
+            return sum(s.tp * self.cp * self.dp for s in self.stages[:i])
+        return sum(s.tp * self.cp for s in self.stages[:i])
 
-    def rank(self, stage: int, replica: int, tp_rank: int) -> int:
-        """Global rank of (stage, replica, TP rank) under this plan's placement."""
+    def rank(self, stage: int, replica: int, tp_rank: int, cp_rank: int = 0) -> int:
+        """Global rank of (stage, replica, TP rank, CP rank) under this plan's placement: inside a
+        stage replica TP is innermost, then CP (``cp_rank * tp + tp_rank``)."""
+        inner = cp_rank * self.stages[stage].tp + tp_rank
         if self.placement == "stage-major":
-            return self.stage_offset(stage) + replica * self.stages[stage].tp + tp_rank
-        return replica * self.devices_per_replica + self.stage_offset(stage) + tp_rank
+            return self.stage_offset(stage) + replica * self.stages[stage].tp * self.cp + inner
+        return replica * self.devices_per_replica + self.stage_offset(stage) + inner
 
-    def _replica_ranks(self, stage: int, replicas, tp_rank: int) -> List[int]:
-        off, tp = self.stage_offset(stage), self.stages[stage].tp
-        stride = tp if self.placement == "stage-major" else self.devices_per_replica
-        return [off + r * stride + tp_rank for r in replicas]
+    def _replica_ranks(self, stage: int, replicas, tp_rank: int, cp_rank: int = 0) -> List[int]:
+        return [self.rank(stage, r, tp_rank, cp_rank) for r in replicas]
 
-    def tp_group(self, stage: int, replica: int = 0) -> List[int]:
-        first = self.rank(stage, replica, 0)
+    def tp_group(self, stage: int, replica: int = 0, cp_rank: int = 0) -> List[int]:
+        first = self.rank(stage, replica, 0, cp_rank)
         return list(range(first, first + self.stages[stage].tp))
 
-    def dp_group(self, stage: int, tp_rank: int = 0) -> List[int]:
-        return self._replica_ranks(stage, range(self.dp), tp_rank)
+    def cp_group(self, stage: int, replica: int = 0, tp_rank: int = 0) -> List[int]:
+        """The ranks that split one replica's sequence at stage ``stage`` (same TP rank)."""
+        return [self.rank(stage, replica, tp_rank, c) for c in range(self.cp)]
 
-    def ep_group(self, stage: int, replica: int = 0, tp_rank: int = 0) -> List[int]:
+    def dp_group(self, stage: int, tp_rank: int = 0, cp_rank: int = 0) -> List[int]:
+        return self._replica_ranks(stage, range(self.dp), tp_rank, cp_rank)
+
+    def ep_group(self, stage: int, replica: int = 0, tp_rank: int = 0, cp_rank: int = 0) -> List[int]:
         first = (replica // self.ep) * self.ep
-        return self._replica_ranks(stage, range(first, first + self.ep), tp_rank)
+        return self._replica_ranks(stage, range(first, first + self.ep), tp_rank, cp_rank)
+
+    def shard_group(self, stage: int, replica: int = 0, tp_rank: int = 0, cp_rank: int = 0) -> List[int]:
+        """HSDP: the replicas ZeRO/FSDP shards over, with ``replica`` (all of dp without HSDP)."""
+        first = (replica // self.shard_degree) * self.shard_degree
+        return self._replica_ranks(stage, range(first, first + self.shard_degree), tp_rank, cp_rank)
 
     def mesh(self) -> Optional[Dict[str, object]]:
-        """DeviceMesh shape (pp, dp, tp) when TP is uniform, else None (not a regular mesh)."""
+        """DeviceMesh shape (pp, dp, [cp,] tp) when TP is uniform, else None (not a regular mesh)."""
         tp = self.uniform_tp
         if tp is None:
             return None
+        inner = (["cp", "tp"], [self.cp, tp]) if self.cp > 1 else (["tp"], [tp])
         if self.placement == "stage-major":
-            return {"dims": ["pp", "dp", "tp"], "shape": [self.pp, self.dp, tp]}
-        return {"dims": ["dp", "pp", "tp"], "shape": [self.dp, self.pp, tp]}
+            return {"dims": ["pp", "dp"] + inner[0], "shape": [self.pp, self.dp] + inner[1]}
+        return {"dims": ["dp", "pp"] + inner[0], "shape": [self.dp, self.pp] + inner[1]}
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, num_layers: Optional[int] = None, world_size: Optional[int] = None) -> None:
@@ -148,15 +190,16 @@ class Plan:
                 raise PlanError(f"stages[{i}]: empty layer range [{s.start}, {s.end})")
             if s.tp < 1:
                 raise PlanError(f"stages[{i}].tp: must be >= 1, got {s.tp}")
-            if s.recompute not in ("none", "selective", "full"):
-                raise PlanError(f"stages[{i}].recompute: {brief(s.recompute)}, use none/selective/full")
+            problem = recompute_problem(s.recompute)
+            if problem:
+                raise PlanError(f"stages[{i}].recompute: {problem}")
             expect = s.end
         if n and expect != n:
             whose = "the workload has" if num_layers is not None else "num_layers is"
             made_for = f"the plan was made for {brief(self.model)}: " if self.model else ""
             raise PlanError(f"stages: cover layers [0, {expect}) but {whose} {n} layers "
                             f"({made_for}a plan for another model?)")
-        for name in ("dp", "ep", "microbatch_size", "num_microbatches", "virtual_stages"):
+        for name in ("dp", "ep", "cp", "microbatch_size", "num_microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("num_layers", "world_size"):
@@ -164,6 +207,12 @@ class Plan:
                 raise PlanError(f"{name}: must be >= 0 (0 = not recorded), got {getattr(self, name)}")
         if self.dp % self.ep:
             raise PlanError(f"ep={self.ep} must divide dp={self.dp} (expert groups are carved from replicas)")
+        if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+            raise PlanError(f"dp_shard={self.dp_shard} must divide dp={self.dp} (HSDP shards over groups of dp_shard "
+                            "consecutive replicas and replicates across them; 0 = shard over all of dp)")
+        if self.dp_shard not in (0, self.dp) and self.zero == 0:
+            raise PlanError(f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
+                            "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero: {self.zero}, use 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
@@ -224,7 +273,8 @@ class Plan:
         return cls.from_dict(read_json(path, PlanError, "plan"), where=path)
 
 
-_INT_FIELDS = ("dp", "ep", "zero", "microbatch_size", "num_microbatches", "virtual_stages", "num_layers", "world_size")
+_INT_FIELDS = ("dp", "ep", "cp", "zero", "dp_shard", "microbatch_size", "num_microbatches", "virtual_stages",
+               "num_layers", "world_size")
 _STR_FIELDS = ("schedule", "placement", "model", "model_fingerprint", "cluster", "notes")
 
 
@@ -247,7 +297,7 @@ def _stage_fields(raw: object, i: int) -> StagePlan:
                         f"known: {sorted(StagePlan.__dataclass_fields__)}")
     recompute = raw.get("recompute", "none")
     if not isinstance(recompute, str):
-        raise PlanError(f"stages[{i}].recompute: {brief(recompute)}, use none/selective/full")
+        raise PlanError(f"stages[{i}].recompute: {recompute_problem(recompute)}")
     return StagePlan(start=_int_field(raw["start"], f"stages[{i}].start"),
                      end=_int_field(raw["end"], f"stages[{i}].end"),
                      tp=_int_field(raw.get("tp", 1), f"stages[{i}].tp"), recompute=recompute)
@@ -277,8 +327,9 @@ def _plan_fields(data: object) -> dict:
     for name in _STR_FIELDS:
         if name in kwargs and not isinstance(kwargs[name], str):
             raise PlanError(f"{name} must be a string, got {brief(kwargs[name])}")
-    if not isinstance(kwargs.get("sequence_parallel", False), bool):
-        raise PlanError(f"sequence_parallel must be true or false, got {brief(kwargs['sequence_parallel'])}")
+    for name in ("sequence_parallel", "loss_parallel", "compile", "float8"):
+        if not isinstance(kwargs.get(name, False), bool):
+            raise PlanError(f"{name} must be true or false, got {brief(kwargs[name])}")
     predicted = kwargs.get("predicted", {})
     if not isinstance(predicted, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):
