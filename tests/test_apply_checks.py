@@ -126,9 +126,7 @@ def test_tied_embeddings_across_stages_refused(single_rank):
     model, cfg = build_model("gpt:hidden=32,layers=2,heads=2,seq=16,vocab=64,tie_embeddings=true", device="cpu")
     tokens = torch.randint(0, 64, (2, 16))
     with pytest.raises(ApplyError, match="ties .*lm_head.* fix: untie"):
-        from nest_fx.apply.pipeline import check_untied
-
-        check_untied(model, trace(model, (tokens,)), pp=2)
+        checks.check_pipeline(uniform_plan(4, pp=2), model, trace(model, (tokens,)))
 
 
 def test_errors_come_before_any_collective(single_rank):

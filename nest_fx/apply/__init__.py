@@ -6,8 +6,7 @@
 
 Modules: ``distributed`` (the default process group and its timeout), ``mesh`` (DeviceMesh
 from a plan), ``checks`` (errors before any collective), ``pipeline`` (stage split and
-schedules), ``tensor_parallel`` (TP/SP from traced TP pairs), ``moe_modules`` and
-``expert_parallel`` (all_to_all experts), ``data_parallel`` (replication or FSDP2),
+schedules), ``tensor_parallel`` (TP/SP from traced TP pairs), ``expert_parallel`` (all_to_all experts), ``data_parallel`` (replication or FSDP2),
 ``activation_checkpoint`` (recompute), ``checkpoint`` (saving and loading training state under
 any plan), ``runtime`` (ParallelModule), ``api`` (auto_parallelize), ``launch`` (N local
 ranks without torchrun), ``losses``. See docs/runtime.md.

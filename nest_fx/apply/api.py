@@ -27,8 +27,8 @@ from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_modu
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.mesh import build_mesh, locate, submesh
-from nest_fx.apply.moe_modules import expert_parameters, find_moe_modules
-from nest_fx.apply.pipeline import check_untied, interleaved_ranges, make_schedule, split_stages, stage_blocks
+from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
+from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
 from nest_fx.graph import trace
@@ -93,7 +93,6 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
-    check_untied(model, graph, plan.pp)
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
 

@@ -5,25 +5,15 @@ letting a rank hang in a collective or die inside a reshape.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
-
 import torch.nn as nn
 
-from nest_fx.apply.moe_modules import find_moe_modules
+from nest_fx.plan.support import parallel_support, unimplemented_fields
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.solver.space import divisors
-from nest_fx.workload.types import chain_fingerprint, dims_from_config
+from nest_fx.workload.types import chain_fingerprint
 
 
 class ApplyError(PlanError):
     """The plan does not fit the model, the batch or the launched world."""
-
-
-def model_dims(model: nn.Module) -> Dict[str, Optional[int]]:
-    """heads, kv_heads, ffn, experts, vocab of a zoo or HuggingFace model (None when unknown)."""
-    d = dims_from_config(getattr(model, "config", None), seq_len=0)
-    return {"heads": d.heads or None, "kv_heads": d.kv_heads or None, "ffn": d.ffn_hidden or None,
-            "experts": d.num_experts or None, "vocab": d.vocab_size or None}
 
 
 def check_world(plan: Plan, world_size: int) -> None:
@@ -37,51 +27,26 @@ def check_world(plan: Plan, world_size: int) -> None:
 
 
 def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
-    tps = sorted({s.tp for s in plan.stages if s.tp > 1})
-    if not tps:
-        return
-    dims = model_dims(model)
-    for tp in tps:
-        for key, what in (("heads", "attention heads"), ("kv_heads", "key/value heads"), ("ffn", "FFN hidden size")):
-            n = dims.get(key)
-            if n is not None and n % tp:
-                raise ApplyError(
-                    f"tp={tp} does not divide the model's {n} {what} ({key}); tensor parallelism shards "
-                    f"them evenly. fix: use tp in {[d for d in divisors(n) if d <= 64]}")
-        if graph is None:
-            continue
-        modules = dict(model.named_modules())
-        for block in graph.blocks:
-            pattern = graph.patterns.get(block.signature) if block.kind == "block" else None
-            if pattern is None:
-                continue
-            for pair in pattern.tp_pairs:
-                for rel, attr in [(c, "out_features") for c in pair.column] + [(pair.row, "in_features")]:
-                    mod = modules.get(f"{block.name}.{rel}")
-                    n = getattr(mod, attr, None)
-                    if isinstance(n, int) and n % tp:
-                        raise ApplyError(
-                            f"tp={tp} does not divide {block.name}.{rel}.{attr}={n}; fix: use tp in "
-                            f"{[d for d in divisors(n) if d <= 64]}")
-            break  # identical blocks share the pattern; one of each signature is enough
+    """ApplyError when a stage's TP degree cannot shard the model (``ParallelSupport.tp_problem``)."""
+    support = parallel_support(model, graph)
+    for tp in sorted({s.tp for s in plan.stages if s.tp > 1}):
+        problem = support.tp_problem(tp)
+        if problem:
+            raise ApplyError(problem)
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:
-    if plan.ep == 1:
-        return
-    experts = model_dims(model)["experts"]
-    if experts is None:
-        raise ApplyError(f"ep={plan.ep} but the model has no experts (no config.num_experts); fix: set ep=1")
-    if experts % plan.ep:
-        raise ApplyError(
-            f"ep={plan.ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
-            f"experts/ep of them. fix: use ep in {[d for d in divisors(experts) if plan.dp % d == 0]} "
-            f"(it must also divide dp={plan.dp})")
-    if not find_moe_modules(model):
-        raise ApplyError(
-            f"ep={plan.ep} but {type(model).__name__} has no MoE module with the route/dispatch/run_experts/"
-            "combine steps expert parallelism replaces (the nest-fx zoo MoE has them; HF Mixtral's fused "
-            "experts are not supported yet). fix: use ep=1")
+    """ApplyError when ``plan.ep`` cannot split the model's experts (``ParallelSupport.ep_problem``)."""
+    problem = parallel_support(model, None).ep_problem(plan.ep, plan.dp)
+    if problem:
+        raise ApplyError(problem)
+
+
+def check_pipeline(plan: Plan, model: nn.Module, graph) -> None:
+    """ApplyError when the model cannot be cut into ``plan.pp`` stages (``ParallelSupport.pp_problem``)."""
+    problem = parallel_support(model, graph).pp_problem(plan.pp)
+    if problem:
+        raise ApplyError(problem)
 
 
 def check_batch(plan: Plan, global_batch_size: int) -> int:
@@ -113,11 +78,7 @@ def check_layers(plan: Plan, graph) -> None:
 
 def check_supported(plan: Plan) -> None:
     """ApplyError for a plan field the runtime cannot run yet (never silently ignored)."""
-    unsupported = [name for name, used in (("cp", plan.cp > 1), ("dp_shard", plan.dp_shard not in (0, plan.dp)),
-                                           ("loss_parallel", plan.loss_parallel), ("compile", plan.compile),
-                                           ("float8", plan.float8)) if used]
-    unsupported += [f"stages[{i}].recompute={s.recompute}" for i, s in enumerate(plan.stages)
-                    if s.recompute not in ("none", "selective", "full")]
+    unsupported = unimplemented_fields(plan)
     if unsupported:
         raise ApplyError(f"{', '.join(unsupported)}: the runtime does not run this yet; use a plan without it")
 
@@ -130,6 +91,8 @@ def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_s
         check_layers(plan, graph)
     check_tp(plan, model, graph)
     check_ep(plan, model)
+    if graph is not None:
+        check_pipeline(plan, model, graph)
     nmb = check_batch(plan, global_batch_size)
     if plan.schedule == "interleaved" and nmb % plan.pp:
         raise ApplyError(f"the interleaved schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nest_fx.apply.checks import ApplyError
-from nest_fx.apply.moe_modules import find_moe_modules
+from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.apply.pipeline import LayerSubset
 
 

@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from nest_fx.apply.checks import ApplyError
+from nest_fx.plan.support import head_tail_modules
 
 
 class LayerSubset(nn.ModuleList):
@@ -62,37 +63,6 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, leaf = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
     setattr(parent, leaf, module)
-
-
-def _ancestors(path: str) -> List[str]:
-    parts = path.split(".") if path else []
-    return [".".join(parts[:k]) for k in range(len(parts) + 1)]
-
-
-def head_tail_modules(model: nn.Module, graph) -> Tuple[List[str], List[str]]:
-    """Top-most parameterised modules of the head and tail blocks (not above the layer container)."""
-    container = graph.block_container
-    above = set(_ancestors(container))
-    modules = dict(model.named_modules())
-
-    def tops(block) -> List[str]:
-        found: List[str] = []
-        for node in block.nodes:
-            path = graph.graph.nodes[node].get("module", "")
-            if not path:
-                continue
-            parts = path.split(".")
-            for k in range(1, len(parts) + 1):
-                prefix = ".".join(parts[:k])
-                if prefix not in above:
-                    if prefix in modules and prefix not in found and any(True for _ in modules[prefix].parameters()):
-                        found.append(prefix)
-                    break
-        return found
-
-    head = next((b for b in graph.blocks if b.kind == "head"), None)
-    tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-    return (tops(head) if head else []), (tops(tail) if tail else [])
 
 
 def _logits(output):
@@ -157,19 +127,6 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]]) -> 
         target.register_forward_hook(_output_hook)
         stages.append(target)
     return stages
-
-
-def check_untied(model: nn.Module, graph, pp: int) -> None:
-    """Error when the head and tail share a parameter (tied embeddings) but sit on different stages."""
-    if pp == 1:
-        return
-    head, tail = head_tail_modules(model, graph)
-    head_params = {id(p) for h in head for p in model.get_submodule(h).parameters()}
-    tied = sorted({t for t in tail for p in model.get_submodule(t).parameters() if id(p) in head_params})
-    if tied:
-        raise ApplyError(
-            f"the model ties {tied} to its embedding, but with pp={pp} the head and the tail sit on different "
-            "pipeline stages; fix: untie the embeddings (e.g. tie_embeddings=False) or use pp=1")
 
 
 def interleaved_ranges(plan, num_layers: int) -> List[List[Tuple[int, int]]]:

@@ -8,7 +8,9 @@ import torch
 
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cluster.spec import Cluster
+from nest_fx.common.arith import divisors
 from nest_fx.plan.plan import Plan
+from nest_fx.plan.support import model_dims, parallel_support
 from nest_fx.solver.search import solve
 from nest_fx.solver.space import SolverOptions
 from nest_fx.workload.build import analytical_workload
@@ -24,10 +26,27 @@ def detect_cluster(world_size: int) -> ClusterModel:
     return Cluster.preset("cpu-gloo", world_size)
 
 
+def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> SolverOptions:
+    """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.support``, the
+    decision the runtime's checks make too): TP and EP degrees it accepts, pipelining only where
+    the model can be cut into stages."""
+    support = parallel_support(model, graph)
+    tps = tuple(t for t in options.tp_degrees if not support.tp_problem(t))
+    experts = model_dims(model)["experts"]
+    eps = options.ep_degrees
+    if eps is not None or experts:  # ep 1 always runs, so the tuple is never empty
+        eps = tuple(e for e in (eps if eps is not None else divisors(experts)) if not support.ep_problem(e))
+    max_stages = options.max_stages
+    if support.pp_problem(2):
+        max_stages = 1
+    return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages)
+
+
 def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None) -> Callable:
     """``planner(graph, cluster, world_size, global_batch) -> Plan`` for ``auto_parallelize``:
-    the NEST DP restricted to what the runtime runs (every rank used, uniform TP, the launched
-    rank order: a device order needs the process group numbered for it before it exists)."""
+    the NEST DP restricted to what the runtime runs (:func:`runtime_options`; every rank used,
+    uniform TP, the launched rank order: a device order needs the process group numbered for it
+    before it exists)."""
     base = options or SolverOptions(time_budget=30.0)
 
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
@@ -39,7 +58,7 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None)
         workload = analytical_workload(graph, dims, cluster, param.dtype)
         # the process group exists by now (the world size comes from it) and cannot be renumbered
         # for a device order (apply.distributed.init_distributed): keep the launcher's placement
-        opts = dataclasses.replace(base, use_all_devices=True, search_placement=False,
+        opts = dataclasses.replace(runtime_options(model, graph, base), use_all_devices=True, search_placement=False,
                                    cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
                                                             master_weights=nbytes < 4))
         return solve(workload, cluster, global_batch, opts).plan

@@ -1,10 +1,10 @@
 """The search space: global knobs of a plan and lower bounds used to order and prune them."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from nest_fx.common.arith import divisors
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.workload import Workload
@@ -46,12 +46,6 @@ class GlobalConfig:
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.mbs)
-
-
-def divisors(n: int) -> List[int]:
-    """The positive divisors of ``n`` in increasing order (O(sqrt n): a global batch may be large)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:

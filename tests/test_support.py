@@ -1,0 +1,44 @@
+"""One decision for the planner and the runtime: ``nest_fx.plan.support`` (issue: the planner never
+offers a plan the runtime refuses)."""
+import torch
+
+from nest_fx.graph import trace
+from nest_fx.models import build_model
+from nest_fx.plan import uniform_plan
+from nest_fx.plan.support import parallel_support
+from nest_fx.solver import SolverOptions
+from nest_fx.solver.runtime_planner import runtime_options
+
+
+def _traced(spec: str):
+    model, cfg = build_model(spec, device="meta")
+    return model, trace(model, (torch.empty(2, cfg.seq_len, dtype=torch.long, device="meta"),))
+
+
+def test_planner_space_follows_the_runtime_verdict():
+    model, graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64,tie_embeddings=true")
+    support = parallel_support(model, graph)
+    assert support.tp_problem(2) == "" and "does not divide the model's 6 attention heads" in support.tp_problem(4)
+    assert "ties" in support.pp_problem(2)
+    opts = runtime_options(model, graph, SolverOptions())
+    assert opts.tp_degrees == (1, 2) and opts.max_stages == 1 and opts.ep_degrees is None
+
+
+def test_expert_degrees_come_from_the_runtime_verdict():
+    model, graph = _traced("moe:hidden=32,layers=2,heads=4,kv=2,seq=16,vocab=64,experts=4")
+    opts = runtime_options(model, graph, SolverOptions())
+    assert opts.ep_degrees == (1, 2, 4) and opts.max_stages is None
+    assert "does not divide the model's 4 experts" in parallel_support(model, graph).ep_problem(3)
+
+
+def test_runtime_checks_say_what_the_support_says():
+    from nest_fx.apply import ApplyError, checks
+
+    model, graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64")
+    problem = parallel_support(model, graph).tp_problem(4)
+    try:
+        checks.check_tp(uniform_plan(4, tp=4), model, graph)
+    except ApplyError as exc:
+        assert str(exc) == problem
+    else:
+        raise AssertionError("tp=4 on 6 heads was accepted")
