@@ -146,7 +146,7 @@ def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional
         if problem:
             raise ApplyError(problem)
     if plan.float8:
-        problem = float8_problem(device_type, plan.uniform_tp or max(s.tp for s in plan.stages))
+        problem = float8_problem(device_type)
         if problem:
             raise ApplyError(problem)
 

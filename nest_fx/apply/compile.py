@@ -8,25 +8,37 @@ do not change (no ``OptimizedModule`` wrapper).
 
 Backend: ``inductor``, torch's default, which generates C++ on CPU (it needs a C++ compiler:
 ``$CXX`` or ``g++``/``c++``/``clang++`` on the PATH) and Triton kernels on CUDA (it needs
-``triton``). What is missing is named before training (:func:`compile_problem`). Compiling
-happens on the first ``train_step`` (forward and backward graphs of each distinct block shape),
-and again when the input shapes change.
+``triton``). What is missing is named before training (:func:`compile_problem`).
+``$NEST_FX_COMPILE_BACKEND`` picks another ``torch.compile`` backend (``aot_eager`` captures and
+runs the same graphs without generating code: for debugging, and for the multi-rank tests, where
+inductor's code generation would take most of the test time). Compiling happens on the first
+``train_step`` (forward and backward graphs of each distinct block shape), and again when the
+input shapes change: measured on this project's 2-core CPU machine, inductor takes about 30 s for
+one small block's forward and backward, ``aot_eager`` about 2.5 s.
 """
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 BACKEND = "inductor"
+BACKEND_ENV = "NEST_FX_COMPILE_BACKEND"
 _CPU_COMPILERS = ("g++", "c++", "clang++")
+
+
+def compile_backend() -> str:
+    """The ``torch.compile`` backend: ``$NEST_FX_COMPILE_BACKEND`` or inductor."""
+    return os.environ.get(BACKEND_ENV) or BACKEND
 
 
 def compile_problem(device_type: str) -> str:
     """'' when ``torch.compile`` (inductor) can build kernels for ``device_type``, else what is missing."""
+    if compile_backend() != "inductor":
+        return ""
     if device_type == "cuda":
         from torch.utils._triton import has_triton  # torch's own probe; imported here: CUDA only
         if not has_triton():
@@ -40,8 +52,10 @@ def compile_problem(device_type: str) -> str:
             "fix: install gcc (e.g. apt-get install g++) or set compile=false")
 
 
-def compile_blocks(module: nn.Module, block_names: Sequence[str], backend: str = BACKEND) -> int:
-    """Compile the forward of each named block of ``module``; returns how many."""
+def compile_blocks(module: nn.Module, block_names: Sequence[str], backend: Optional[str] = None) -> int:
+    """Compile the forward of each named block of ``module`` (``backend``: :func:`compile_backend`
+    when None); returns how many."""
+    backend = backend or compile_backend()
     for name in block_names:
         block = module.get_submodule(name)
         block.forward = torch.compile(block.forward, backend=backend)

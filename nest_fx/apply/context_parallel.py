@@ -74,6 +74,22 @@ def gathered_order(local_len: int, cp: int) -> torch.Tensor:
     return torch.cat(order)
 
 
+def local_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rank: int, cp: int,
+                           **sdpa_kwargs) -> torch.Tensor:
+    """Causal attention of CP rank ``rank``'s queries (its two chunks, [..., S/cp, D]) over the
+    whole sequence's ``keys``/``values`` in position order ([..., S, D]): chunk ``g`` sees keys
+    ``[0, (g + 1) c)`` under a lower-right causal mask."""
+    c = query.size(-2) // 2
+    outs = []
+    for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        q = query[..., half * c:(half + 1) * c, :]
+        visible = (chunk + 1) * c
+        mask = torch.ones(c, visible, dtype=torch.bool, device=query.device).tril(visible - c)
+        outs.append(F.scaled_dot_product_attention(q, keys[..., :visible, :], values[..., :visible, :],
+                                                   attn_mask=mask, **sdpa_kwargs))
+    return torch.cat(outs, dim=-2)
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather over the CP group along a new leading dim; the backward reduce-scatters."""
 
@@ -126,15 +142,7 @@ class ContextParallel:
         else:
             keys = self._in_order(_GatherSequence.apply(key, self.group, self.cp))
             values = self._in_order(_GatherSequence.apply(value, self.group, self.cp))
-        c = local // 2
-        outs = []
-        for half, chunk in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
-            q = query[..., half * c:(half + 1) * c, :]
-            visible = (chunk + 1) * c
-            mask = torch.ones(c, visible, dtype=torch.bool, device=query.device).tril(visible - c)
-            outs.append(F.scaled_dot_product_attention(q, keys[..., :visible, :], values[..., :visible, :],
-                                                       attn_mask=mask, **kw))
-        return torch.cat(outs, dim=-2)
+        return local_causal_attention(query, keys, values, self.rank, self.cp, **kw)
 
     def _in_order(self, gathered: torch.Tensor) -> torch.Tensor:
         """[cp, B, H, S_l, D] in rank order -> [B, H, cp * S_l, D] in position order."""

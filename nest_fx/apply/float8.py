@@ -12,7 +12,7 @@ LM head and everything outside the blocks stay in their dtype (torchtitan does t
 output layer). Conversion uses ``torchao.float8.convert_to_float8_training`` with its default
 (tensorwise dynamic scaling) recipe, before activation checkpointing, torch.compile and FSDP2;
 FSDP2 all-gathers the high-precision weights. With ``tp > 1`` the TP styles would need torchao's
-float8 variants: refused for now (``float8_problem``).
+float8 variants: refused for now (``nest_fx.plan.support.unrun_fields``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch.nn as nn
 FP8_CAPABILITY = (8, 9)
 
 
-def float8_problem(device_type: str, tp: int = 1) -> str:
+def float8_problem(device_type: str) -> str:
     """'' when Float8 training can run here, else everything that is missing, in one sentence."""
     missing = []
     if device_type != "cuda" or not torch.cuda.is_available():
@@ -37,8 +37,6 @@ def float8_problem(device_type: str, tp: int = 1) -> str:
                            f"{capability[0]}.{capability[1]}) has no fp8 tensor cores (needs 8.9 or higher)")
     if importlib.util.find_spec("torchao") is None:
         missing.append("torchao is not installed (pip install 'nest-fx[float8]')")
-    if tp > 1:
-        missing.append(f"tp={tp}: Float8 with tensor parallelism is not run yet")
     if not missing:
         return ""
     return ("float8: Float8 linears need an NVIDIA GPU with fp8 tensor cores (H100, L40, RTX 4090) and torchao; "

@@ -239,11 +239,18 @@ def uncosted_fields(plan: Plan) -> List[str]:
 
 def unrun_fields(plan: Plan) -> List[str]:
     """Combinations of plan fields the runtime refuses before training, each with the reason:
-    unknown recompute policies, and HSDP with expert parallelism (the mesh splits the
-    replicas into expert groups or into shard groups, not both)."""
+    unknown recompute policies; HSDP with expert parallelism (the mesh splits the replicas into
+    expert groups or into shard groups, not both); torch.compile or Float8 with tensor
+    parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8 TP
+    needs torchao's float8 TP styles)."""
     out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
            for problem in [recompute_policy_problem(s.recompute)] if problem]
     if plan.replicate_degree > 1 and plan.ep > 1:
         out.append(f"dp_shard={plan.dp_shard} with ep={plan.ep}: HSDP does not run with expert parallelism yet "
                    "(use dp_shard=0, or ep=1)")
+    tp = max(s.tp for s in plan.stages)
+    for name, on in (("compile", plan.compile), ("float8", plan.float8)):
+        if on and tp > 1:
+            out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
+                       f"(use {name}=false, or tp=1)")
     return out
