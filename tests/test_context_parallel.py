@@ -191,3 +191,41 @@ def test_hsdp_mesh_is_replicate_by_shard_times_cp(fake_world):
     hsdp = data_parallel_mesh(mesh, plan)
     assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
     assert hsdp.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def _apply_on_meta(plan, spec="llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"):
+    from nest_fx.apply import auto_parallelize
+    from nest_fx.models import build_model
+
+    model, _ = build_model(spec, device="meta")
+    tokens = torch.empty(plan.global_batch, 32, dtype=torch.long, device="meta")
+    return auto_parallelize(model, tokens, global_batch_size=plan.global_batch, loss_fn=lm_loss, plan=plan,
+                            verbose=False)
+
+
+def test_fsdp_shards_over_replicas_and_cp_ranks_and_hsdp_replicates(fake_world):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    fake_world(5, 8)
+    pm = _apply_on_meta(uniform_plan(4, tp=2, cp=2, dp=2, zero=3, microbatch_size=1))
+    weight = dict(pm.named_parameters())["layers.0.mlp.up.weight"]
+    assert isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == ("dp_cp", "tp")
+    assert weight.device_mesh["dp_cp"].mesh.tolist() == [1, 3, 5, 7]
+    assert pm.context_parallel.rank == 0 and pm.context_parallel.cp == 2
+    dist.destroy_process_group()
+    fake_world(6, 8)
+    pm = _apply_on_meta(uniform_plan(4, dp=8, dp_shard=4, zero=2, microbatch_size=1))
+    weight = dict(pm.named_parameters())["layers.0.mlp.up.weight"]
+    assert weight.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+    assert weight.placements == (Replicate(), Shard(0))
+    assert weight.device_mesh.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_the_runtime_runs_what_the_cost_model_still_refuses():
+    from nest_fx.plan.support import uncosted_fields, unrun_fields
+
+    plan = uniform_plan(6, cp=2, dp=4, dp_shard=2, zero=2, loss_parallel=True, recompute="op:matmuls")
+    assert unrun_fields(plan) == []
+    assert uncosted_fields(plan) == ["cp", "dp_shard", "loss_parallel", "stages[0].recompute=op:matmuls"]
+    assert unrun_fields(uniform_plan(6, dp=4, ep=2, dp_shard=2, zero=1)) == [
+        "dp_shard=2 with ep=2: HSDP does not run with expert parallelism yet (use dp_shard=0, or ep=1)"]
