@@ -177,6 +177,10 @@ class ParallelModule:
         if self.schedule is not None:
             raise ApplyError("a pipelined ParallelModule runs through train_step (the schedule); calling "
                              "the local stage module directly runs one stage only: use pm.module")
+        if self.context_parallel is not None:
+            raise ApplyError("a context-parallel ParallelModule runs through train_step, which gives each rank its "
+                             "part of every sequence; calling it on whole sequences would read wrong positions. "
+                             "fix: use train_step, or a plan with cp=1 for inference")
         return tensor_output(self.module(*args, **kwargs))
 
     def __repr__(self) -> str:
