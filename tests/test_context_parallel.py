@@ -105,6 +105,40 @@ def test_sites_of_hf_llama():
     assert parallel_support(model, graph).cp_problem(2) == ""
 
 
+def test_position_readers_see_the_positions_of_the_ranks_tokens():
+    from nest_fx.apply.context_parallel import apply_context_parallel
+
+    cp = ContextParallel(group=None, cp=2, rank=1)
+    positions = load_balanced_indices(32, 2, 1)  # [8..15, 16..23]
+    model, graph = _traced("llama:hidden=32,layers=2,heads=2,seq=32,vocab=64")
+    rotary = model.layers[0].attn.rotary
+    x = torch.randn(2, 2, 32, 16)
+    full = rotary(x)
+    done = apply_context_parallel(model, graph, cp)
+    assert done["attention"] == ["layers.0.attn", "layers.1.attn"]
+    torch.testing.assert_close(rotary(x[:, :, positions]), full[:, :, positions])
+    model, graph = _traced("gpt:hidden=32,layers=2,heads=2,seq=32,vocab=64")
+    apply_context_parallel(model, graph, cp)
+    torch.testing.assert_close(model.embed.pos(torch.arange(16)), model.embed.pos.weight[positions])
+
+
+@pytest.mark.hf
+def test_hf_rotary_reads_the_positions_of_the_ranks_tokens():
+    pytest.importorskip("transformers")
+    from nest_fx.apply.context_parallel import apply_context_parallel
+
+    model, graph = _traced("hf:llama:hidden=32,layers=2,heads=2,kv=1,seq=32,vocab=64")
+    rotary, x = model.model.rotary_emb, torch.randn(1, 16, 32)
+    full_cos, full_sin = rotary(x, torch.arange(32)[None])
+    apply_context_parallel(model, graph, ContextParallel(group=None, cp=2, rank=0))
+    cos, sin = rotary(x, position_ids=torch.arange(16)[None])
+    positions = load_balanced_indices(32, 2, 0)
+    torch.testing.assert_close(cos, full_cos[:, positions])
+    torch.testing.assert_close(sin, full_sin[:, positions])
+    with pytest.raises(ApplyError, match="position ids up to 20 for 16 local tokens"):
+        rotary(x, position_ids=torch.arange(5, 21)[None])
+
+
 # -- verdicts ------------------------------------------------------------------------------------
 
 def test_cp_problem_accepts_causal_models():
