@@ -22,6 +22,8 @@ setup(
     extras_require={
         "hf": ["transformers>=4.45"],
         "plot": ["matplotlib>=3.7"],
+        # Float8 linears (plan.float8): used only on NVIDIA GPUs with fp8 tensor cores
+        "float8": ["torchao"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "hypothesis>=6.80"],
     },
     entry_points={"console_scripts": ["nest-fx=nest_fx.cli:main"]},

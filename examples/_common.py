@@ -23,8 +23,14 @@ def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=defaults.get("zero", 0))
     p.add_argument("--microbatches", type=int, default=defaults.get("microbatches", 4))
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--cp", type=int, default=defaults.get("cp", 1), help="context-parallel degree")
+    p.add_argument("--dp-shard", type=int, default=0, help="HSDP: shard over groups of this many replicas "
+                   "(with --zero >= 1); 0 = all of dp")
+    p.add_argument("--recompute", default="none",
+                   help="none, selective, full, op, op:matmuls, op:attention or every:<k>")
     p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
+    p.add_argument("--loss-parallel", action="store_true", help="cross-entropy from vocabulary-sharded logits")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--auto", action="store_true", help="no plan: auto_parallelize runs the NEST planner")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save", metavar="DIR", help="save model + optimizer to DIR after training")
@@ -39,9 +45,9 @@ def make_plan(args, num_layers: int):
     if args.auto:
         return None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_replica = args.tp * args.pp
+    per_replica = args.tp * args.pp * args.cp
     if world % per_replica:
-        raise SystemExit(f"WORLD_SIZE={world} is not a multiple of tp*pp={per_replica}")
+        raise SystemExit(f"WORLD_SIZE={world} is not a multiple of tp*pp*cp={per_replica}")
     dp = world // per_replica
     mbs = args.batch // (dp * args.microbatches)
     if mbs < 1 or args.batch % (dp * args.microbatches):
@@ -49,7 +55,8 @@ def make_plan(args, num_layers: int):
     return uniform_plan(num_layers, pp=args.pp, tp=args.tp, dp=dp, ep=args.ep, zero=args.zero,
                         microbatch_size=mbs, num_microbatches=args.microbatches, schedule=args.schedule,
                         virtual_stages=2 if args.schedule == "interleaved" else 1,
-                        sequence_parallel=args.sp, recompute=args.recompute)
+                        sequence_parallel=args.sp, recompute=args.recompute, cp=args.cp, dp_shard=args.dp_shard,
+                        loss_parallel=args.loss_parallel, compile=args.compile)
 
 
 def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0):

@@ -6,8 +6,10 @@
 
 Modules: ``distributed`` (the default process group and its timeout), ``mesh`` (DeviceMesh
 from a plan), ``checks`` (errors before any collective), ``pipeline`` (stage split and
-schedules), ``tensor_parallel`` (TP/SP from traced TP pairs), ``expert_parallel`` (all_to_all experts), ``data_parallel`` (replication or FSDP2),
-``activation_checkpoint`` (recompute), ``checkpoint`` (saving and loading training state under
+schedules), ``tensor_parallel`` (TP/SP from traced TP pairs), ``expert_parallel`` (all_to_all experts),
+``context_parallel`` (sequence chunks, K/V all-gather), ``loss_parallel`` (vocabulary-parallel
+cross-entropy), ``data_parallel`` (replication, FSDP2 or HSDP), ``activation_checkpoint``
+(recompute policies), ``compile`` and ``float8`` (runtime options), ``checkpoint`` (saving and loading training state under
 any plan), ``runtime`` (ParallelModule), ``api`` (auto_parallelize), ``launch`` (N local
 ranks without torchrun), ``losses``. See docs/runtime.md.
 """

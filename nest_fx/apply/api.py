@@ -1,15 +1,19 @@
-"""``auto_parallelize``: trace, plan, check, build the mesh, then apply PP, EP, TP, AC and DP.
+"""``auto_parallelize``: trace, plan, check, build the mesh, then apply PP, EP, TP, CP, AC and DP.
 
 Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 
 1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain
-2. ``data_parallel.broadcast_module`` make the stage identical on its DP x TP ranks (one rank's
-                               weights win, so ranks need not share a seed)
+2. ``data_parallel.broadcast_module`` make the stage identical on its DP x CP x TP ranks (one
+                               rank's weights win, so ranks need not share a seed)
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
-4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel)
-5. ``activation_checkpoint``   per-stage recompute
-6. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 (zero>=1)
-7. ``pipeline.make_schedule``  PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
+4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
+                               ``loss_parallel`` keeps the LM head's logits sharded
+5. ``context_parallel``        K/V all-gathered in attention, positions of the rank's tokens
+6. ``float8``                  torchao Float8 linears in the blocks (plan.float8)
+7. ``activation_checkpoint``   per-stage recompute
+8. ``compile``                 torch.compile per block (plan.compile)
+9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1)
+10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
 
 All plan/model/batch/world checks (``checks.run_all``) run before the first collective.
 """
@@ -23,10 +27,14 @@ import torch.nn as nn
 
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
+from nest_fx.apply.compile import compile_blocks
+from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.expert_parallel import apply_expert_parallel
-from nest_fx.apply.mesh import build_mesh, locate, submesh
+from nest_fx.apply.float8 import apply_float8
+from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
+from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.runtime import ParallelModule
@@ -93,12 +101,13 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
-    if rank == 0 and verbose:
-        print(plan_summary(plan, nmb), flush=True)
-
     device_type = _device_type_of(model)
     on_meta = device_type == "meta"
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)
+    if rank == 0 and verbose:
+        print(plan_summary(plan, nmb), flush=True)
+
     mesh = build_mesh(plan, mesh_device)
     info = locate(plan, rank)
     stage_plan = plan.stages[info.stage]
@@ -116,38 +125,58 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     if not on_meta:
         chunks = [c.to(device) for c in chunks]
 
-    # 2. identical replicas inside the stage (DP x TP ranks)
-    if not on_meta and plan.dp * stage_plan.tp > 1:
-        names = ("edp", "ep", "tp") if plan.ep > 1 else ("dp", "tp")
+    # 2. identical replicas inside the stage (DP x CP x TP ranks)
+    if not on_meta and plan.dp * plan.cp * stage_plan.tp > 1:
+        names = tuple(name for name in mesh.mesh_dim_names if name != "pp")
         stage_group = mesh[names]._flatten("stage").get_group()
         broadcast_module(chunks, stage_group, 0)
 
+    cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
+    replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
+    blocks_before = 0  # blocks of this stage in earlier chunks (every:<k> counts through the stage)
     for chunk, (start, end) in zip(chunks, ranges):
         blocks = stage_blocks(graph, start, end)
         # 3. expert parallel
         if plan.ep > 1:
             apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"].get_group())
-        # 4. tensor (+ sequence) parallel
+        # 4. tensor (+ sequence) parallel; loss parallel keeps the LM head's logits sharded
         if stage_plan.tp > 1:
             apply_tensor_parallel(chunk, graph, blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
-            apply_vocab_parallel(chunk, graph, start, end, mesh["tp"])
-        # 5. activation checkpointing
-        apply_checkpointing(chunk, blocks, stage_plan.recompute)
-        # 6b. FSDP
+            vocab_end = min(end, n - 1) if plan.loss_parallel else end
+            apply_vocab_parallel(chunk, graph, start, vocab_end, mesh["tp"])
+            if vocab_end < end:
+                heads = shard_lm_head(chunk, graph, vocab_end, end, mesh["tp"])
+                vocab = chunk.get_submodule(heads[0]).weight.shape[0]  # the DTensor's global shape
+                loss_fn = VocabParallelLMLoss(mesh["tp"].get_group(), stage_plan.tp, info.tp_rank, vocab)
+        # 5. context parallel
+        if cp is not None:
+            apply_context_parallel(chunk, graph, cp)
+        # 6. Float8 linears
+        if plan.float8:
+            apply_float8(chunk, blocks)
+        # 7. activation checkpointing
+        apply_checkpointing(chunk, blocks, stage_plan.recompute, blocks_before)
+        blocks_before += len(blocks)
+        # 8. torch.compile
+        if plan.compile:
+            compile_blocks(chunk, blocks)
+        # 9b. FSDP / HSDP
         if plan.zero >= 1:
-            apply_fsdp(chunk, blocks, submesh(mesh, "dp"), plan.zero, edp_mesh=mesh["edp"] if plan.ep > 1 else None,
-                       dp_size=plan.dp, expert_modules=[e for m in find_moe_modules(chunk) for e in m.experts]
+            apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
+                       edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
+                       dp_size=replicas, expert_modules=[e for m in find_moe_modules(chunk) for e in m.experts]
                        if plan.ep > 1 else ())
 
-    # 6a. replicated data parallel
+    # 9a. replicated data parallel
     grad_sync = None
-    if plan.zero == 0 and plan.dp > 1:
+    if plan.zero == 0 and replicas > 1:
         params = [p for c in chunks for p in c.parameters()]
         experts = [p for c in chunks for p in expert_parameters(c)] if plan.ep > 1 else []
-        grad_sync = GradientSync(params, submesh(mesh, "dp").get_group(), plan.dp,
-                                 edp_group=mesh["edp"].get_group() if plan.ep > 1 else None, expert_params=experts)
+        grad_sync = GradientSync(params, data_parallel_mesh(mesh, plan).get_group(), replicas,
+                                 edp_group=data_parallel_mesh(mesh, plan, experts=True).get_group()
+                                 if plan.ep > 1 else None, expert_params=experts)
 
-    # 7. pipeline schedule
+    # 10. pipeline schedule
     schedule, stages = None, []
     if plan.pp > 1:
         stages, schedule = make_schedule(plan, chunks, indices, num_stages, nmb, loss_fn,
@@ -155,4 +184,4 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     return ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
                           num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
                           pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
-                          device=device)
+                          device=device, context_parallel=cp)

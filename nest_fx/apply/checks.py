@@ -5,9 +5,15 @@ letting a rank hang in a collective or die inside a reshape.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
+import torch
 import torch.nn as nn
 
-from nest_fx.plan.support import parallel_support, unimplemented_fields
+from nest_fx.apply.compile import compile_problem
+from nest_fx.apply.float8 import float8_problem
+from nest_fx.apply.losses import lm_loss
+from nest_fx.plan.support import model_dims, parallel_support, unrun_fields
 from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.workload.types import chain_fingerprint
 
@@ -21,7 +27,7 @@ def check_world(plan: Plan, world_size: int) -> None:
     if world_size != used:
         raise ApplyError(
             f"world size mismatch: the plan uses {used} devices (dp={plan.dp} x {plan.devices_per_replica} "
-            f"per replica: stage tp={[s.tp for s in plan.stages]}) but {world_size} processes were launched; "
+            f"per replica: stage tp={[s.tp for s in plan.stages]}{f' x cp={plan.cp}' if plan.cp > 1 else ''}) but {world_size} processes were launched; "
             f"fix: run torchrun --nproc_per_node={used} (or nnodes x nproc = {used}), or re-plan for "
             f"{world_size} devices (idle ranks are not supported by the runtime)")
 
@@ -77,10 +83,72 @@ def check_layers(plan: Plan, graph) -> None:
 
 
 def check_supported(plan: Plan) -> None:
-    """ApplyError for a plan field the runtime cannot run yet (never silently ignored)."""
-    unsupported = unimplemented_fields(plan)
+    """ApplyError for a plan field the runtime cannot run (never silently ignored)."""
+    unsupported = unrun_fields(plan)
     if unsupported:
-        raise ApplyError(f"{', '.join(unsupported)}: the runtime does not run this yet; use a plan without it")
+        raise ApplyError("; ".join(unsupported))
+
+
+def check_context_parallel(plan: Plan, model: nn.Module, graph, loss_fn: Optional[Callable]) -> None:
+    """ApplyError when ``plan.cp`` cannot split the model's sequences (``ParallelSupport.cp_problem``)
+    or ``loss_fn`` is not a mean over tokens (each CP rank computes it on its part of every sequence)."""
+    if plan.cp == 1:
+        return
+    problem = parallel_support(model, graph).cp_problem(plan.cp)
+    if problem:
+        raise ApplyError(problem)
+    if loss_fn is not None and loss_fn is not lm_loss:
+        _check_token_mean(loss_fn, plan.cp, model_dims(model)["vocab"] or 8)
+
+
+def _check_token_mean(loss_fn: Callable, cp: int, vocab: int) -> None:
+    """Probe ``loss_fn`` on random logits: the loss of a batch must equal the mean of the losses of
+    its CP ranks' token halves (what the runtime reports and differentiates under CP)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4 * cp, vocab, generator=gen)
+    targets = torch.randint(0, vocab, (2, 4 * cp), generator=gen)
+    pieces = [(logits[:, k::cp], targets[:, k::cp]) for k in range(cp)]
+    fix = ("with cp > 1 each CP rank computes loss_fn on its part of every sequence and the runtime averages "
+           "them, so loss_fn must be a mean over tokens (like nest_fx.apply.losses.lm_loss); fix: use such a "
+           "loss or cp=1")
+    try:
+        whole = float(loss_fn(logits, targets))
+        parts = sum(float(loss_fn(x, y)) for x, y in pieces) / cp
+    except Exception as exc:  # noqa: BLE001 - any failure on the probe means it cannot be verified
+        raise ApplyError(f"cp={cp}: loss_fn failed on a probe of [2, {4 * cp}, {vocab}] logits ({exc}); {fix}") from None
+    if abs(whole - parts) > 1e-5 * max(1.0, abs(whole)):
+        raise ApplyError(f"cp={cp}: loss_fn is not a mean over tokens (the whole batch gives {whole:.6g}, the "
+                         f"mean over its token parts {parts:.6g}); {fix}")
+
+
+def check_loss_parallel(plan: Plan, model: nn.Module, graph, loss_fn: Optional[Callable]) -> None:
+    """ApplyError when ``plan.loss_parallel`` cannot run: a loss other than ``lm_loss``, or an LM
+    head whose logits cannot stay sharded (``ParallelSupport.loss_parallel_problem``)."""
+    if not plan.loss_parallel:
+        return
+    if loss_fn is not None and loss_fn is not lm_loss:
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        raise ApplyError(f"loss_parallel: the plan computes the built-in token cross-entropy "
+                         f"(nest_fx.apply.losses.lm_loss) from vocabulary-sharded logits, but loss_fn is {name}; "
+                         "fix: pass loss_fn=lm_loss, or set loss_parallel=false to keep your loss on full logits")
+    problem = parallel_support(model, graph).loss_parallel_problem(plan.stages[-1].tp)
+    if problem:
+        raise ApplyError(problem)
+
+
+def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional[Callable], device_type: str) -> None:
+    """The runtime features of the plan (context parallel, loss parallel, compile, float8):
+    everything they need, named before any collective."""
+    check_context_parallel(plan, model, graph, loss_fn)
+    check_loss_parallel(plan, model, graph, loss_fn)
+    if plan.compile:
+        problem = compile_problem(device_type)
+        if problem:
+            raise ApplyError(problem)
+    if plan.float8:
+        problem = float8_problem(device_type)
+        if problem:
+            raise ApplyError(problem)
 
 
 def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_size: int) -> int:

@@ -12,6 +12,13 @@ zero>=1 FSDP2 ``fully_shard`` on every block, then on the stage root: parameters
         backward (``False``), trading memory for one all-gather less, which is ZeRO-2's
         communication pattern (ZeRO-1 is served by the same, sharding gradients as well).
         Experts are sharded over ``edp`` with the gradient divided by ``dp``.
+HSDP   ``dp_shard`` below ``dp``: the FSDP2 mesh is 2-D ``(dp_replicate, dp_shard)``; FSDP2
+        shards inside a group, replicates across groups and all-reduces the reduce-scattered
+        gradients across them (``mesh.data_parallel_mesh``).
+
+With context parallelism the CP ranks of a replica hold the same parameters too: every group
+above then spans ``dp x cp`` ranks and the divisor is ``dp * cp`` (the caller passes the mesh
+and ``dp_size``).
 """
 from __future__ import annotations
 
@@ -112,7 +119,7 @@ class GradientSync:
 
 def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int, *, edp_mesh=None,
                dp_size: Optional[int] = None, expert_modules: Sequence[nn.Module] = ()) -> nn.Module:
-    """FSDP2 over ``dp_mesh``: each block, then the root (see module docstring)."""
+    """FSDP2 over ``dp_mesh`` (1-D, or 2-D for HSDP): each block, then the root (see module docstring)."""
     reshard = zero >= 3
     for expert_mod in expert_modules:
         fsdp_experts = fully_shard(expert_mod, mesh=edp_mesh, reshard_after_forward=reshard)

@@ -20,6 +20,13 @@ replica ``r = a * ep + b`` sits at ``edp = a``, ``ep = b``; the mesh is then 4-D
 (expert-data-parallel) holds the replicas that own the same experts, over which expert
 gradients are reduced.
 
+Context parallelism (``cp > 1``) adds a ``cp`` dim between the data-parallel dims and ``tp``
+(the plan's layout: TP innermost, then CP, inside a stage replica); HSDP (``dp_shard`` below
+``dp``) splits ``dp`` into ``("dp_replicate", "dp_shard")``. The dims a rank reduces gradients
+over are kept as flattened meshes (:func:`submesh` names): ``dp_cp`` (the data-parallel and CP
+ranks: every rank holding the same parameters), ``edp_cp`` (the same for experts) and ``hsdp``
+(the 2-D ``(dp_replicate, dp_shard x cp)`` mesh FSDP2 shards and replicates over).
+
 The runtime needs one TP degree for all stages (a stage boundary between different TP degrees
 would need a resharding send that PipelineStage does not do); :func:`build_mesh` raises a
 :class:`~nest_fx.plan.PlanError` otherwise.
@@ -27,7 +34,7 @@ would need a resharding send that PipelineStage does not do); :func:`build_mesh`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,6 +53,7 @@ class RankInfo:
     tp_rank: int
     ep_rank: int = 0  # index inside the expert group (replica % ep)
     edp_rank: int = 0  # index of the expert group (replica // ep)
+    cp_rank: int = 0  # position in the context-parallel group (which sequence chunks it holds)
 
 
 def require_uniform_tp(plan: Plan) -> int:
@@ -59,48 +67,85 @@ def require_uniform_tp(plan: Plan) -> int:
 
 
 def rank_table(plan: Plan) -> torch.Tensor:
-    """Int tensor [pp, dp, tp] of plan ranks (default-group ranks) under the plan's placement."""
+    """Int tensor [pp, dp, tp] of plan ranks (default-group ranks) under the plan's placement;
+    [pp, dp, cp, tp] when ``plan.cp > 1``."""
     tp = require_uniform_tp(plan)
-    table = torch.empty(plan.pp, plan.dp, tp, dtype=torch.int64)
+    table = torch.empty(plan.pp, plan.dp, plan.cp, tp, dtype=torch.int64)
     for i in range(plan.pp):
         for r in range(plan.dp):
-            for j in range(tp):
-                table[i, r, j] = plan.rank(i, r, j)
-    return table
+            for c in range(plan.cp):
+                for j in range(tp):
+                    table[i, r, c, j] = plan.rank(i, r, j, c)
+    return table if plan.cp > 1 else table[:, :, 0]
 
 
 def locate(plan: Plan, rank: int) -> RankInfo:
-    """(stage, replica, TP rank) of a global rank; PlanError for a rank the plan leaves idle."""
+    """(stage, replica, TP rank, CP rank) of a global rank; PlanError for a rank the plan leaves idle."""
     table = rank_table(plan)
     hits = (table == rank).nonzero()
     if hits.numel() == 0:
         raise PlanError(f"rank {rank} is not used by the plan (it uses {plan.devices_used} devices)")
-    i, r, j = (int(v) for v in hits[0])
-    return RankInfo(rank=rank, stage=i, replica=r, tp_rank=j, ep_rank=r % plan.ep, edp_rank=r // plan.ep)
+    coords = [int(v) for v in hits[0]]
+    i, r, j = coords[0], coords[1], coords[-1]
+    c = coords[2] if plan.cp > 1 else 0
+    return RankInfo(rank=rank, stage=i, replica=r, tp_rank=j, ep_rank=r % plan.ep, edp_rank=r // plan.ep, cp_rank=c)
+
+
+def _dp_dims(plan: Plan) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
+    """How the mesh splits the plan's ``dp`` replicas: names and sizes of the dims."""
+    if plan.ep > 1:
+        if plan.dp % plan.ep:
+            raise PlanError(f"ep={plan.ep} must divide dp={plan.dp}")
+        return ("edp", "ep"), (plan.dp // plan.ep, plan.ep)
+    if plan.replicate_degree > 1:
+        return ("dp_replicate", "dp_shard"), (plan.replicate_degree, plan.shard_degree)
+    return ("dp",), (plan.dp,)
 
 
 def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
-    """DeviceMesh with dims ("pp", "dp", "tp"), plus "ep"/"edp" (and flattened "dp") when ep > 1.
+    """DeviceMesh with dims ("pp", "dp", "tp"); "dp" is ("edp", "ep") when ep > 1 and
+    ("dp_replicate", "dp_shard") under HSDP (each then also kept flattened as "dp"), and a "cp"
+    dim sits before "tp" when cp > 1 (see the module docstring for the flattened meshes).
 
     Needs an initialised default process group whose size equals ``plan.devices_used``.
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     table = rank_table(plan)
-    if plan.ep == 1:
-        return DeviceMesh(device_type, table, mesh_dim_names=("pp", "dp", "tp"))
-    if plan.dp % plan.ep:
-        raise PlanError(f"ep={plan.ep} must divide dp={plan.dp}")
-    pp, dp, tp = table.shape
-    table4 = table.reshape(pp, dp // plan.ep, plan.ep, tp)
-    mesh = DeviceMesh(device_type, table4, mesh_dim_names=("pp", "edp", "ep", "tp"))
-    # keep the flattened dim ourselves: slicing a flattened dim from the root mesh is deprecated
-    mesh._nest_fx_flat = {"dp": mesh["edp", "ep"]._flatten("dp")}
+    dp_names, dp_sizes = _dp_dims(plan)
+    cp_names = ("cp",) if plan.cp > 1 else ()
+    shape = (plan.pp, *dp_sizes, *((plan.cp,) if plan.cp > 1 else ()), table.shape[-1])
+    mesh = DeviceMesh(device_type, table.reshape(shape), mesh_dim_names=("pp", *dp_names, *cp_names, "tp"))
+    # keep flattened dims ourselves: slicing a flattened dim from the root mesh is deprecated
+    flat: Dict[str, DeviceMesh] = {}
+    if len(dp_names) > 1:
+        flat["dp"] = mesh[dp_names]._flatten("dp")
+    if cp_names:
+        flat["dp_cp"] = mesh[(*dp_names, "cp")]._flatten("dp_cp")
+        if plan.ep > 1:
+            flat["edp_cp"] = mesh["edp", "cp"]._flatten("edp_cp")
+    if plan.replicate_degree > 1:
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if cp_names else mesh["dp_shard"]
+        flat["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+    mesh._nest_fx_flat = flat
     return mesh
 
 
+def data_parallel_mesh(mesh: DeviceMesh, plan: Plan, experts: bool = False) -> DeviceMesh:
+    """The mesh a parameter's gradient is averaged over: every rank holding the same parameter
+    (its data-parallel replicas and, with context parallelism, their CP ranks). FSDP2 shards
+    over it; under HSDP it is the 2-D (replicate, shard) mesh. ``experts``: for expert
+    parameters (replicas owning the same experts: ``edp``)."""
+    if experts:
+        return submesh(mesh, "edp_cp" if plan.cp > 1 else "edp")
+    if plan.replicate_degree > 1:
+        return submesh(mesh, "hsdp")
+    return submesh(mesh, "dp_cp" if plan.cp > 1 else "dp")
+
+
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """The 1-D mesh of dim ``name`` ("pp", "dp", "tp", "ep", "edp") for this rank."""
+    """The mesh of dim ``name`` for this rank: a dim ("pp", "dp", "cp", "tp", "ep", "edp",
+    "dp_replicate", "dp_shard") or a flattened one ("dp", "dp_cp", "edp_cp", "hsdp")."""
     flat = getattr(mesh, "_nest_fx_flat", {})
     return flat[name] if name in flat else mesh[name]
 

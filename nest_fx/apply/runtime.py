@@ -39,7 +39,8 @@ class ParallelModule:
 
     def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo, loss_fn: Callable,
                  num_microbatches: int, global_batch_size: int, schedule=None, pipeline_stages=(),
-                 grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None):
+                 grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None,
+                 context_parallel=None):
         self.plan = plan
         self.chunks = list(chunks)
         self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -54,6 +55,7 @@ class ParallelModule:
         self.fsdp = fsdp
         self.graph = graph
         self.device = device or torch.device("cpu")
+        self.context_parallel = context_parallel  # ContextParallel when plan.cp > 1: the rank's tokens
 
     # -- parameters ------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -125,6 +127,8 @@ class ParallelModule:
         """Forward + backward of one global batch; returns the global mean loss (detached)."""
         x = self._shard(self._as_tensor(inputs)).to(self.device)
         y = self._shard(targets).to(self.device)
+        if self.context_parallel is not None:
+            x, y = self.context_parallel.shard(x), self.context_parallel.shard(y)
         nmb = self.num_microbatches
         if self.schedule is not None:
             is_first = any(s.is_first for s in self.pipeline_stages)
@@ -159,19 +163,24 @@ class ParallelModule:
         return self._global_loss(local if is_last else None)
 
     def _global_loss(self, local: Optional[torch.Tensor]) -> torch.Tensor:
-        """Mean over replicas of the last stage's loss, broadcast to every rank (one all-reduce)."""
+        """Mean over replicas (and CP ranks) of the last stage's loss, broadcast to every rank
+        (one all-reduce)."""
         value = torch.zeros((), dtype=torch.float32, device=self.device) if local is None else local.clone()
         world = dist.get_world_size()
         if world > 1:
             dist.all_reduce(value)
             tp = self.plan.stages[-1].tp
-            value /= self.plan.dp * tp
+            value /= self.plan.dp * self.plan.cp * tp
         return value
 
     def __call__(self, *args, **kwargs):
         if self.schedule is not None:
             raise ApplyError("a pipelined ParallelModule runs through train_step (the schedule); calling "
                              "the local stage module directly runs one stage only: use pm.module")
+        if self.context_parallel is not None:
+            raise ApplyError("a context-parallel ParallelModule runs through train_step, which gives each rank its "
+                             "part of every sequence; calling it on whole sequences would read wrong positions. "
+                             "fix: use train_step, or a plan with cp=1 for inference")
         return tensor_output(self.module(*args, **kwargs))
 
     def __repr__(self) -> str:

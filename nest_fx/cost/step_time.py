@@ -51,7 +51,7 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.stage_terms import LayerTerms, StageGroups, compute_terms, stage_groups
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.plan.support import unimplemented_fields
+from nest_fx.plan.support import uncosted_fields
 from nest_fx.workload.types import Comm, LayerCost, Workload
 
 def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
@@ -221,7 +221,7 @@ def check_variants(plan: Plan, workload: Workload) -> None:
     """PlanError when a stage asks for a (tp, ep) variant the workload has no cost for: a degree
     that does not divide the model's heads/FFN/experts, or one a layer table does not list; or
     for a parallelism the cost model does not cost yet."""
-    unsupported = unimplemented_fields(plan)
+    unsupported = uncosted_fields(plan)
     if unsupported:
         raise PlanError(f"{', '.join(unsupported)}: the cost model does not cost this yet; plan without it")
     for i, stage in enumerate(plan.stages):

@@ -15,8 +15,10 @@ from typing import Dict, List, Optional, Tuple
 import torch.nn as nn
 
 from nest_fx.common.arith import divisors
+from nest_fx.graph.context_sites import attention_sites, blocks_without_attention, unknown_position_embeddings
 from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.graph.opgraph import OpGraph
+from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
@@ -141,12 +143,83 @@ class ParallelSupport:
                     "experts are not supported yet). fix: use ep=1")
         return ""
 
+    # -- loss parallelism -----------------------------------------------------------------
+    def loss_parallel_problem(self, tp: int) -> str:
+        """Why the LM head's logits cannot stay sharded by vocabulary over ``tp`` ranks ("" when
+        they can; always "" at tp=1, where loss parallel changes nothing)."""
+        if tp == 1 or self.graph is None:
+            return ""
+        head, tail = head_tail_modules(self.model, self.graph)
+        head_params = {id(p) for h in head for p in self.model.get_submodule(h).parameters()}
+        linears = [t for t in tail if isinstance(self.model.get_submodule(t), nn.Linear)]
+        if not linears:
+            return ("loss_parallel: the model's tail has no output linear (LM head) whose logits could stay sharded "
+                    "by vocabulary; fix: loss_parallel=false")
+        tied = [t for t in linears if any(id(p) in head_params for p in self.model.get_submodule(t).parameters())]
+        if tied:
+            return (f"loss_parallel: {tied[0]} shares its weight with the embedding, so it stays replicated under "
+                    "TP and its logits are not sharded; fix: untie the embeddings or loss_parallel=false")
+        return ""
+
     # -- context parallelism --------------------------------------------------------------
     def cp_problem(self, cp: int) -> str:
-        """Why the model's sequence cannot be split over ``cp`` ranks ("" when it can)."""
-        if cp == 1:
+        """Why the model's sequence cannot be split over ``cp`` ranks ("" when it can).
+
+        The runtime's CP path (``nest_fx.apply.context_parallel``) shards every sequence into
+        ``2 cp`` chunks, exchanges K/V in each ``scaled_dot_product_attention`` call under a
+        causal mask, and remaps the positions that rotary tables, HF rotary embeddings and
+        learned position embeddings read. It refuses what it cannot make exact: a layer without
+        an SDPA call, non-causal attention or attention under another mask (sliding windows,
+        ALiBi, custom masks), positions it cannot remap, and MoE layers whose capacity drops
+        depend on the tokens a rank sees.
+        """
+        return "" if cp == 1 else self._cached("cp", cp, self._cp_problem)
+
+    def _cp_problem(self, cp: int) -> str:
+        fix = "fix: use cp=1"
+        config = getattr(self.model, "config", None)
+        for moe in find_moe_modules(self.model):
+            if moe.capacity_factor * moe.top_k < moe.num_experts:
+                return (f"cp={cp}: the MoE layers route each sequence into experts of capacity_factor="
+                        f"{moe.capacity_factor} x seq x top_k / experts slots, so which tokens are dropped depends on "
+                        f"the part of the sequence a rank holds; {fix}, or a capacity_factor >= experts / top_k = "
+                        f"{moe.num_experts / moe.top_k:g} (no drops)")
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True) is not False:
+            return (f"cp={cp}: the model attends within a sliding window of {window} tokens (config.sliding_window); "
+                    f"the CP path runs full causal attention only. {fix}")
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if layer_types - {"full_attention"}:
+            return (f"cp={cp}: the model has attention layers of types {sorted(layer_types)}; the CP path runs "
+                    f"full causal attention only. {fix}")
+        if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == "alibi":
+            return f"cp={cp}: the model adds ALiBi position biases to its attention scores, which the CP path does not shard. {fix}"
+        if self.graph is None:
             return ""
-        return f"cp={cp}: the runtime does not run context parallelism yet; fix: use cp=1"
+        seq = self.graph.input_shapes[0][1] if self.graph.input_shapes and len(self.graph.input_shapes[0]) > 1 else 0
+        if seq % (2 * cp):
+            return (f"cp={cp}: the sequence length {seq} is not divisible by 2 x cp = {2 * cp} (each CP rank holds "
+                    f"two of 2 x cp equal chunks); fix: a sequence length that is a multiple of {2 * cp}, or cp in "
+                    f"{[d for d in divisors(max(seq // 2, 1)) if d <= 64]}")
+        missing = blocks_without_attention(self.graph)
+        if missing:
+            return (f"cp={cp}: layer {missing[0]} has no scaled_dot_product_attention call; the CP path exchanges "
+                    "keys and values in SDPA calls only, and a layer that mixes tokens another way (eager or "
+                    "flash-attn attention, convolutions over the sequence) would compute wrong numbers. fix: use "
+                    "SDPA attention (HF: attn_implementation='sdpa') or cp=1")
+        modules = dict(self.model.named_modules())
+        for site in attention_sites(self.graph):
+            causal = site.causal or (site.mask and getattr(modules.get(site.module), "is_causal", False) is True)
+            if not causal:
+                what = "under an attention mask it builds" if site.mask else "without a causal mask (is_causal=False)"
+                return (f"cp={cp}: {site.module} computes attention {what}; the CP path runs causal attention only "
+                        f"(each token attends to itself and earlier tokens). {fix}")
+        unknown = unknown_position_embeddings(self.graph)
+        if unknown:
+            return (f"cp={cp}: embedding {unknown[0]} is indexed by a tensor that is neither the input tokens nor "
+                    f"an arange (a position buffer, token types?), which the CP path cannot remap to the positions "
+                    f"of a rank's tokens. {fix}")
+        return ""
 
 
 def parallel_support(model: nn.Module, graph: Optional[OpGraph]) -> ParallelSupport:
@@ -154,11 +227,30 @@ def parallel_support(model: nn.Module, graph: Optional[OpGraph]) -> ParallelSupp
     return ParallelSupport(model, graph)
 
 
-def unimplemented_fields(plan: Plan) -> List[str]:
-    """Plan fields the format holds but neither the cost model nor the runtime handles yet; both
-    refuse a plan that uses them (never silently ignored)."""
+def uncosted_fields(plan: Plan) -> List[str]:
+    """Plan fields the format holds but the cost model does not cost yet; it refuses a plan that
+    uses them (never silently ignored). The runtime runs them (see :func:`unrun_fields`)."""
     used = [name for name, on in (("cp", plan.cp > 1), ("dp_shard", plan.dp_shard not in (0, plan.dp)),
                                   ("loss_parallel", plan.loss_parallel), ("compile", plan.compile),
                                   ("float8", plan.float8)) if on]
     return used + [f"stages[{i}].recompute={s.recompute}" for i, s in enumerate(plan.stages)
                    if s.recompute not in ("none", "selective", "full")]
+
+
+def unrun_fields(plan: Plan) -> List[str]:
+    """Combinations of plan fields the runtime refuses before training, each with the reason:
+    unknown recompute policies; HSDP with expert parallelism (the mesh splits the replicas into
+    expert groups or into shard groups, not both); torch.compile or Float8 with tensor
+    parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8 TP
+    needs torchao's float8 TP styles)."""
+    out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
+           for problem in [recompute_policy_problem(s.recompute)] if problem]
+    if plan.replicate_degree > 1 and plan.ep > 1:
+        out.append(f"dp_shard={plan.dp_shard} with ep={plan.ep}: HSDP does not run with expert parallelism yet "
+                   "(use dp_shard=0, or ep=1)")
+    tp = max(s.tp for s in plan.stages)
+    for name, on in (("compile", plan.compile), ("float8", plan.float8)):
+        if on and tp > 1:
+            out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
+                       f"(use {name}=false, or tp=1)")
+    return out
