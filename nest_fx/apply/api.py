@@ -2,20 +2,23 @@
 
 Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 
-1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain
+1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain (rehearsed on a
+                               meta copy of the model first, with every other check)
 2. ``data_parallel.broadcast_module`` make the stage identical on its DP x TP ranks (one rank's
-                               weights win, so ranks need not share a seed)
+                               weights win, so ranks need not share a seed); tied embeddings: the
+                               first stage's values to the last (``tied_weights``)
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel)
 5. ``activation_checkpoint``   per-stage recompute
 6. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 (zero>=1)
 7. ``pipeline.make_schedule``  PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
+                               (gradients of tied embeddings summed over the two stages each step)
 
 All plan/model/batch/world checks (``checks.run_all``) run before the first collective.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,11 +32,14 @@ from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.mesh import build_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
+from nest_fx.apply.stage_modules import rehearse_split
+from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
 from nest_fx.graph import trace
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
+from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
@@ -66,6 +72,26 @@ def _device_type_of(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
+def _chunk_ranges(plan: Plan, num_blocks: int) -> List[List[Tuple[int, int]]]:
+    """Per pipeline rank, the block ranges of its stage chunks (several under the interleaved schedule)."""
+    if plan.pp > 1 and plan.schedule == "interleaved":
+        return interleaved_ranges(plan, num_blocks)
+    return [[(s.start, s.end)] for s in plan.stages]
+
+
+def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """One callable running the gradient synchronisations ``syncs`` in order (None when there are none)."""
+    if not syncs:
+        return None
+    if len(syncs) == 1:
+        return syncs[0]
+
+    def run() -> None:
+        for sync in syncs:
+            sync()
+    return run
+
+
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
                      loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
                      graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
@@ -93,6 +119,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
+    layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
+    if layout is not None:
+        rehearse_split(model, graph, [r for c in _chunk_ranges(plan, len(graph.blocks)) for r in c], args, kwargs, layout)
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
 
@@ -105,22 +134,26 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     n = len(graph.blocks)
 
     # 1. pipeline split
-    if plan.pp > 1 and plan.schedule == "interleaved":
-        ranges = interleaved_ranges(plan, n)[info.stage]
+    ranges = _chunk_ranges(plan, n)[info.stage]
+    if layout is not None:
         indices = [c * plan.pp + info.stage for c in range(len(ranges))]
         num_stages = plan.pp * len(ranges)
+        chunks = split_stages(model, graph, ranges, layout)
     else:
-        ranges, indices, num_stages = [(stage_plan.start, stage_plan.end)], [info.stage], plan.pp
-    chunks = split_stages(model, graph, ranges)
+        indices, num_stages, chunks = [0], 1, [model]
     device = torch.device("cuda", torch.cuda.current_device()) if mesh_device == "cuda" else torch.device("cpu")
     if not on_meta:
         chunks = [c.to(device) for c in chunks]
 
-    # 2. identical replicas inside the stage (DP x TP ranks)
+    # 2. identical replicas inside the stage (DP x TP ranks); tied embeddings equal on both stages
     if not on_meta and plan.dp * stage_plan.tp > 1:
         names = ("edp", "ep", "tp") if plan.ep > 1 else ("dp", "tp")
         stage_group = mesh[names]._flatten("stage").get_group()
         broadcast_module(chunks, stage_group, 0)
+    ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group()) \
+        if layout is not None and not on_meta else None
+    if ties:
+        ties.sync_values()
 
     for chunk, (start, end) in zip(chunks, ranges):
         blocks = stage_blocks(graph, start, end)
@@ -140,12 +173,13 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
                        if plan.ep > 1 else ())
 
     # 6a. replicated data parallel
-    grad_sync = None
+    syncs = [ties] if ties else []
     if plan.zero == 0 and plan.dp > 1:
         params = [p for c in chunks for p in c.parameters()]
         experts = [p for c in chunks for p in expert_parameters(c)] if plan.ep > 1 else []
-        grad_sync = GradientSync(params, submesh(mesh, "dp").get_group(), plan.dp,
-                                 edp_group=mesh["edp"].get_group() if plan.ep > 1 else None, expert_params=experts)
+        syncs.append(GradientSync(params, submesh(mesh, "dp").get_group(), plan.dp,
+                                  edp_group=mesh["edp"].get_group() if plan.ep > 1 else None, expert_params=experts))
+    grad_sync = _in_order(syncs)
 
     # 7. pipeline schedule
     schedule, stages = None, []
