@@ -38,41 +38,48 @@ class CrossStageTies:
 
     def __init__(self, chunks: Sequence[nn.Module], first: bool, last: bool, shared: Dict[str, Tuple[str, ...]],
                  pp_group) -> None:
-        self.params: List[nn.Parameter] = []
+        self.chunks = list(chunks)
+        self.names: List[str] = []
         self.peer = -1
         self.sender = first
+        self.group = pp_group
         if not shared or pp_group is None or not (first or last):
             return
         size = dist.get_world_size(pp_group)
         self.peer = dist.get_global_rank(pp_group, size - 1 if first else 0)
-        held = {name: p for chunk in chunks for name, p in chunk.named_parameters()}
-        missing = [name for name in shared if name not in held]
+        self.names = sorted(shared)
+        self.params()  # fail now, not in the first step, if a stage lost one
+
+    def params(self) -> List[nn.Parameter]:
+        """The tied parameters as the stage holds them now: TP and FSDP replace parameter objects,
+        so they are looked up by name on every use."""
+        held = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        missing = [name for name in self.names if name not in held]
         if missing:
-            raise SplitError(f"tied parameters {missing} are missing from the {'first' if first else 'last'} "
-                               "pipeline stage")
-        self.params = [held[name] for name in sorted(shared)]
-        self.group = pp_group
+            raise SplitError(f"tied parameters {missing} are missing from the {'first' if self.sender else 'last'} "
+                             "pipeline stage")
+        return [held[name] for name in self.names]
 
     def __bool__(self) -> bool:
-        return bool(self.params)
+        return bool(self.names)
 
     @torch.no_grad()
     def sync_values(self) -> None:
         """Copy the first stage's values to the last stage (before TP/FSDP shard them)."""
-        if not self.params:
+        if not self.names:
             return
         op = dist.isend if self.sender else dist.irecv
         for req in dist.batch_isend_irecv([dist.P2POp(op, _local(p.data), self.peer, self.group)
-                                           for p in self.params]):
+                                           for p in self.params()]):
             req.wait()
 
     @torch.no_grad()
     def __call__(self) -> None:
         """Add the other stage's gradient to each tied parameter's (call after the backward)."""
-        if not self.params:
+        if not self.names:
             return
         grads = []
-        for p in self.params:
+        for p in self.params():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(_local(p.grad))
