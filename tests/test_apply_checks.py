@@ -13,15 +13,15 @@ from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.mesh import locate, rank_table, require_uniform_tp
 from nest_fx.apply.pipeline import LayerSubset, interleaved_ranges, split_stages, stage_blocks, tensor_output
-from nest_fx.apply.stage_modules import arm_stages, run_stages
-from nest_fx.apply.stand_in import StandIn
+from nest_fx.graph.stage_modules import arm_stages, run_stages
+from nest_fx.graph.stand_in import StandIn
 from nest_fx.apply.tensor_parallel import block_regions
 from nest_fx.apply.losses import lm_loss
 from nest_fx.models import build_seeded
 from nest_fx.graph import trace
 from nest_fx.models import build_model
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
-from nest_fx.plan.stage_layout import stage_layout
+from nest_fx.graph.stage_layout import stage_layout
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 

@@ -99,3 +99,59 @@ def test_zoo_tied_embeddings(world, plan):
 def test_zoo_tied_embeddings_pp2_tp2_sequence_parallel():
     run(4, {"pp": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 4, "sequence_parallel": True},
         model=ZOO_TIED)
+
+
+def _train_and_save(path: str) -> bytes:
+    """Two AdamW steps of the tied zoo GPT under PP2, then a checkpoint; returns this rank's full
+    parameters (as bytes: tensors must not leave a rank through shared memory)."""
+    import io
+
+    import torch
+
+    from nest_fx.apply import auto_parallelize
+    from nest_fx.apply.losses import lm_loss
+    from nest_fx.models import build_seeded
+    from nest_fx.plan import uniform_plan
+
+    model, cfg = build_seeded(ZOO_TIED)
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 128, (8, 16), generator=gen), torch.randint(0, 128, (8, 16), generator=gen))
+            for _ in range(2)]
+    pm = auto_parallelize(model, data[0][0], global_batch_size=8, loss_fn=lm_loss,
+                          plan=uniform_plan(cfg.layers + 2, **PP2), verbose=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for x, y in data:
+        pm.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+    pm.save(path, opt, step=2)
+    buf = io.BytesIO()
+    torch.save(pm.full_tensors(), buf)
+    return buf.getvalue()
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_tied_embeddings_checkpoint_keeps_one_copy(tmp_path):
+    """Both stages hold the tied weight under its one name: the checkpoint stores it (and its
+    optimizer state) once, and a single-device model loads it into its tied pair."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from nest_fx.apply.checkpoint import load_checkpoint
+    from nest_fx.models import build_seeded
+
+    path = str(tmp_path / "tied")
+    saved = [torch.load(io.BytesIO(b)) for b in launch(_train_and_save, 2, path, timeout=LAUNCH_S)]
+    assert torch.equal(saved[0]["embed.tok.weight"], saved[1]["embed.tok.weight"])  # the twins agree
+    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    assert "model.embed.tok.weight" in keys and "optim.state.embed.tok.weight.exp_avg" in keys
+    assert not any("lm_head" in k for k in keys), sorted(k for k in keys if "lm_head" in k)
+    model, _ = build_seeded(ZOO_TIED, seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert load_checkpoint(model, path, opt)["step"] == 2
+    assert model.lm_head.weight is model.embed.tok.weight
+    full = {**saved[0], **saved[1]}
+    assert sorted(full) == sorted(n for n, _ in model.named_parameters())
+    assert all(torch.equal(p.detach(), full[n]) for n, p in model.named_parameters())

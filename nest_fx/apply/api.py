@@ -2,8 +2,7 @@
 
 Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 
-1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain (rehearsed on a
-                               meta copy of the model first, with every other check)
+1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain
 2. ``data_parallel.broadcast_module`` make the stage identical on its DP x TP ranks (one rank's
                                weights win, so ranks need not share a seed); tied embeddings: the
                                first stage's values to the last (``tied_weights``)
@@ -32,7 +31,6 @@ from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.mesh import build_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
-from nest_fx.apply.stage_modules import rehearse_split
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
@@ -120,8 +118,6 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
-    if layout is not None:
-        rehearse_split(model, graph, [r for c in _chunk_ranges(plan, len(graph.blocks)) for r in c], args, kwargs, layout)
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
 

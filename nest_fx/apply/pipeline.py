@@ -1,6 +1,6 @@
 """Pipeline parallelism: the plan's stage ranges, the stage modules and the PP schedule.
 
-Stage modules are built by :mod:`nest_fx.apply.stage_modules`: each stage runs the model's own
+Stage modules are built by :mod:`nest_fx.graph.stage_modules`: each stage runs the model's own
 forward with the modules other stages own replaced by stand-ins, takes its activation in at its
 first layer and stops at the next stage's first layer, so it computes exactly its part of what
 the whole model computes (per-layer indexing and root-forward code included). This module
@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from nest_fx.apply.checks import ApplyError
-from nest_fx.apply.stage_modules import arm_stages, pack_inputs, split_stages, tensor_output
+from nest_fx.graph.stage_modules import arm_stages, pack_inputs, split_stages, tensor_output
 
 __all__ = ["LayerSubset", "interleaved_ranges", "make_schedule", "schedule_step", "split_stages", "stage_blocks",
            "tensor_output"]

@@ -2,7 +2,7 @@
 
 A parameter that both the head and the tail of the layer chain use (``lm_head.weight`` tied to
 ``model.embed_tokens.weight``) lives on the first stage, for the embedding, and on the last
-stage, for the output layer (``nest_fx.plan.stage_layout`` finds them; no other sharing across
+stage, for the output layer (``nest_fx.graph.stage_layout`` finds them; no other sharing across
 stages is accepted). The two copies start equal (the first stage's values are sent to the last
 before training) and stay equal: after every backward each stage adds the other's gradient, so
 both hold the whole model's gradient, the sum of its two uses, and any optimizer takes the same
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from nest_fx.apply.stand_in import SplitError
+from nest_fx.graph.stand_in import SplitError
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from nest_fx.common.arith import divisors
 from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.stage_layout import StageLayout, stage_layout
+from nest_fx.graph.stage_layout import StageLayout, stage_layout
+from nest_fx.graph.stage_modules import rehearsal_problem
 from nest_fx.workload.types import dims_from_config
 
 
@@ -84,11 +85,12 @@ class ParallelSupport:
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
             return ""
-        problem = self.stage_layout().first_problem()
+        layout = self.stage_layout()
+        problem = layout.first_problem() or rehearsal_problem(self.model, self.graph, layout)
         return f"pp={pp}: {problem}" if problem else ""
 
     def stage_layout(self) -> StageLayout:
-        """Which modules each chain block uses and what crosses each cut (``nest_fx.plan.stage_layout``)."""
+        """Which modules each chain block uses and what crosses each cut (``nest_fx.graph.stage_layout``)."""
         if self._layout is None:
             self._layout = stage_layout(self.model, self.graph)
         return self._layout

@@ -4,9 +4,9 @@ A stage owns a contiguous range ``[start, end)`` of the layer chain ``[head, <co
 tail]``. Its module is the model itself (a parameter-free copy of its skeleton per chunk under
 the interleaved schedule) in which
 
-* the modules the stage's blocks use stay (``nest_fx.plan.stage_layout``: its layers, and the
+* the modules the stage's blocks use stay (``nest_fx.graph.stage_layout``: its layers, and the
   parameterised head/tail modules such as ``model.embed_tokens``, ``model.norm``, ``lm_head``);
-* every other such module is a :class:`~nest_fx.apply.stand_in.StandIn`: it computes nothing
+* every other such module is a :class:`~nest_fx.graph.stand_in.StandIn`: it computes nothing
   and returns NaN tensors of the real output's shape;
 * the layer container keeps its full length, so the model's forward still sees layer ``i`` at
   position ``i`` (HF picks each layer's mask by ``config.layer_types[i]``);
@@ -25,7 +25,7 @@ hooks route the activation:
   the layer before it, as the tracer's block assignment says.
 
 Everything a stage computes before its "in" point runs on NaN stand-in values and is discarded;
-``nest_fx.plan.stage_layout`` refuses models where such a value would be needed after a cut.
+``nest_fx.graph.stage_layout`` refuses models where such a value would be needed after a cut.
 Parameter names are the whole model's (a tied weight that a stage uses through one module is
 also registered on the stand-ins of its other holders, so the first name wins as in the whole
 model), so TP, FSDP2, activation checkpointing, expert parallelism and checkpoints work on the
@@ -39,9 +39,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_unflatten
 
-from nest_fx.apply.stand_in import OutputShapes, SplitError, StandIn, meta_copy, run_on_fake
-from nest_fx.plan.stage_layout import StageLayout, stage_layout
+from nest_fx.graph.stand_in import OutputShapes, SplitError, StandIn, meta_copy, run_on_fake
+from nest_fx.graph.stage_layout import StageLayout, stage_layout
 
 INPUT_PREFIX = "_nest_fx_in_"
 
@@ -222,7 +223,13 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
     n = layout.num_blocks
     paths = list(layout.owned) + list(layout.layers.values())
     originals = {p: model.get_submodule(p) for p in paths}
-    shapes = {p: OutputShapes(originals[p], p) for p in paths}
+    shapes = {p: OutputShapes(originals[p], p) for p in layout.owned}
+    by_signature: Dict[str, OutputShapes] = {}
+    for b, p in layout.layers.items():
+        signature = graph.blocks[b].signature
+        if signature not in by_signature:
+            by_signature[signature] = OutputShapes(originals[p], p)
+        shapes[p] = by_signature[signature]
     if len(ranges) == 1:
         bases = [model]
     else:
@@ -236,7 +243,7 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
             if p in keep:
                 _set_submodule(base, p, originals[p])
                 continue
-            stand_in = StandIn(shapes[p])
+            stand_in = StandIn(shapes[p], p)
             for name, q in originals[p].named_parameters(remove_duplicate=False):
                 if id(q) in kept:
                     stand_in.register_shared(name, q)
@@ -288,26 +295,93 @@ def run_stages(stages: Sequence[nn.Module], args: tuple, kwargs: Dict[str, Any])
 
 
 def rehearse_split(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]], args: tuple,
-                   kwargs: Dict[str, Any], layout: Optional[StageLayout] = None) -> None:
-    """Run every stage of a split, in order, on a meta copy of ``model`` and fake inputs (no memory,
-    no values) and
-    check that each stage hands the next one an activation of the shape it expects and that the
-    last stage's output has the whole model's shape. Raises :class:`SplitError` naming the stage
-    and module; the model itself is not touched. Every rank runs this before any collective."""
+                   kwargs: Dict[str, Any], layout: Optional[StageLayout] = None) -> torch.Size:
+    """Run the stages of a split, in order, on a meta copy of ``model`` and fake inputs (no memory,
+    no values): each must hand the next an activation of the shape it expects. Returns the last
+    stage's output shape; raises :class:`SplitError` naming the stage and module. The model
+    itself is not touched."""
     layout = layout or stage_layout(model, graph)
-    meta = meta_copy(model)
     with torch.no_grad():
-        expect = run_on_fake(lambda *a, **k: tensor_output(meta(*a, **k)).shape, args, kwargs)
-        stages = split_stages(meta, graph, ranges, layout)
+        stages = split_stages(meta_copy(model), graph, ranges, layout)
         arm_stages(stages)
-        try:
-            shape = run_on_fake(lambda *a, **k: run_stages(stages, a, k).shape, args, kwargs)
-        except SplitError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - report which split failed, not a raw trace
-            raise SplitError(f"pipeline: running the stages {list(ranges)} on fake tensors failed: "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
-                             "fix: use pp=1") from exc
-    if tuple(shape) != tuple(expect):
-        raise SplitError(f"pipeline: the last stage returns shape {tuple(shape)}, the whole model "
-                         f"{tuple(expect)}. fix: use pp=1")
+        return _on_fake(lambda *a, **k: run_stages(stages, a, k).shape, args, kwargs, ranges)
+
+
+def _on_fake(fn: Callable, args: tuple, kwargs: Dict[str, Any], ranges) -> Any:
+    try:
+        return run_on_fake(fn, args, kwargs)
+    except SplitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report which split failed, not a raw trace
+        raise SplitError(f"pipeline: running the stages {list(ranges)} on fake tensors failed: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+                         "fix: use pp=1") from exc
+
+
+def traced_inputs(graph) -> Optional[Tuple[tuple, Dict[str, Any]]]:
+    """The inputs ``graph`` (an OpGraph) was traced with, as meta tensors: ``(args, kwargs)``, or
+    None when the graph does not record them (a non-tensor input, no captured module)."""
+    leaves = []
+    for _, d in graph.graph.nodes(data=True):
+        if d.get("fx_op") != "placeholder":
+            continue
+        if len(d.get("out_shapes") or ()) != 1:
+            return None
+        leaves.append(torch.empty(d["out_shapes"][0], dtype=getattr(torch, d["out_dtypes"][0]), device="meta"))
+    module = getattr(graph, "module", None)
+    if module is None:
+        return None
+    spec = getattr(module, "_in_spec", None)
+    return (tuple(leaves), {}) if spec is None else tree_unflatten(leaves, spec)
+
+
+def representative_cuts(graph) -> List[int]:
+    """Cut indices (``c``: between blocks ``c-1`` and ``c``) that cover every kind of boundary: the
+    first cut with each pair of neighbouring block signatures, and the last cut (before the
+    tail). Cuts between two blocks of the same signatures run the same code."""
+    blocks = graph.blocks
+    seen, cuts = set(), []
+    for c in range(1, len(blocks)):
+        pair = (blocks[c - 1].signature, blocks[c].signature)
+        if pair not in seen or c == len(blocks) - 1:
+            seen.add(pair)
+            cuts.append(c)
+    return cuts
+
+
+def rehearsal_problem(model: nn.Module, graph, layout: Optional[StageLayout] = None) -> str:
+    """Why the runtime could not build and run a one-block stage at each of the
+    :func:`representative_cuts` of ``model`` (fed the traced activation's shape, on a meta copy
+    and fake tensors), or "". With the layout's own problems this is the pipeline verdict of
+    ``ParallelSupport.pp_problem``: it catches what the graph cannot show (a layer called without
+    its activation as first argument, a module that cannot run on fake tensors)."""
+    inputs = traced_inputs(graph)
+    layout = layout or stage_layout(model, graph)
+    if inputs is None:
+        return ""
+    starts = [0] + representative_cuts(graph)
+    ranges = [(c, c + 1) for c in starts]
+    try:
+        with torch.no_grad():
+            stages = split_stages(meta_copy(model), graph, ranges, layout)
+            arm_stages(stages)
+            for (start, end), stage in zip(ranges, stages):
+                _probe(stage, start, end, layout, inputs)
+    except SplitError as exc:
+        return str(exc).removeprefix("pipeline: ")
+    return ""
+
+
+def _probe(stage: nn.Module, start: int, end: int, layout: StageLayout, inputs) -> None:
+    """Run one stage on fake tensors, fed an activation of the traced shape at its first cut."""
+    def run(*args, **kwargs):
+        received = ()
+        if start > 0:
+            shape, dtype = layout.activations[start]
+            received = (torch.empty(shape, dtype=getattr(torch, dtype), device="meta"),)
+        out = stage(*received, **pack_inputs(args, kwargs))
+        if end in layout.activations and tuple(out.shape) != layout.activations[end][0]:
+            raise SplitError(f"pipeline: stage [{start}, {end}) hands on shape {tuple(out.shape)}, but the "
+                             f"activation the model passes there has shape {layout.activations[end][0]}. "
+                             "fix: use pp=1")
+    _on_fake(run, inputs[0], inputs[1], [(start, end)])

@@ -1,7 +1,7 @@
 """Which modules each block of the layer chain uses, and what crosses each pipeline cut.
 
 The tracer groups a model's ops into the chain ``[head, <container>.0, ..., tail]``; a pipeline
-stage owns a contiguous range of it. The runtime (``nest_fx.apply.stage_modules``) builds a
+stage owns a contiguous range of it. The runtime (``nest_fx.graph.stage_modules``) builds a
 stage by keeping the modules its blocks use and running the model's *own* forward, with every
 other module replaced by a stand-in. This module reads, from the traced graph alone:
 
@@ -55,7 +55,8 @@ class StageLayout:
     ``shared``: canonical name -> every name of a parameter the head and the tail both use
     (tied embeddings): the first and the last stage each keep it and sum its gradient.
     ``problem``: why the model cannot be cut at all ("" when it can); ``cut_problems``: per cut
-    index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible.
+    index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible; ``activations``:
+    per possible cut, the traced shape and dtype of the one activation crossing it.
     """
 
     container: str
@@ -66,6 +67,7 @@ class StageLayout:
     shared: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
     problem: str = ""
     cut_problems: Dict[int, str] = field(default_factory=dict)
+    activations: Dict[int, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)
 
     def modules_in(self, start: int, end: int) -> List[str]:
         """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
@@ -165,6 +167,28 @@ class _Reader:
                     f"embeddings) is kept on two stages. fix: {untie_advice(self.model)}, or use pp=1")
         return ""
 
+    def _entry_problem(self, layout: StageLayout, c: int, value: str, cut: str) -> str:
+        """Whether the one activation crossing cut ``c`` is where the runtime exchanges it: the
+        input of layer ``c`` and nothing else after the cut, or (before the tail) the last layer's
+        output."""
+        g = self.graph.graph
+        if c not in layout.layers:  # the cut before the tail: the last layer's output is replaced
+            last = layout.layers[c - 1]
+            if self.top_of(g.nodes[value].get("module", "")) != last:
+                return (f"a pipeline cut {cut}: the value reaching the tail is computed outside {last} "
+                        f"({g.nodes[value].get('op')} in {g.nodes[value].get('module') or '<root>'}), but a stage "
+                        "can only pass on the last layer's output. fix: use pp=1")
+            return ""
+        layer = layout.layers[c]
+        readers = [s for s in g.successors(value) if g.nodes[s]["block"] >= c
+                   and self.top_of(g.nodes[s].get("module", "")) != layer]
+        if readers:
+            what = "; ".join(f"{g.nodes[r].get('op')} in {g.nodes[r].get('module') or '<root>'}" for r in readers)
+            return (f"a pipeline cut {cut}: besides {layer}, code after the cut reads the activation entering it "
+                    f"({what}; e.g. a residual or skip connection written in the model's own forward), but a "
+                    f"stage can only replace {layer}'s input. fix: use pp=1")
+        return ""
+
     def _cuts(self, layout: StageLayout) -> Dict[int, str]:
         g = self.graph.graph
         owned = set(layout.owned) | set(layout.layers.values())
@@ -185,9 +209,11 @@ class _Reader:
                 problems[c] = (f"a pipeline cut {cut} would have to pass {len(carried)} values computed by the "
                                f"stage before it ({what or 'none'}), but a stage passes exactly one activation. "
                                "fix: use pp=1")
-            elif not any(g.nodes[s]["block"] == c for s in g.successors(carried[0])):
-                problems[c] = (f"a pipeline cut {cut}: the activation leaving {self.block_name[c - 1]} is not "
-                               f"read by {self.block_name[c]}. fix: use pp=1")
+            else:
+                problems.update({c: p for p in [self._entry_problem(layout, c, carried[0], cut)] if p})
+                data = g.nodes[carried[0]]
+                if len(data.get("out_shapes") or ()) == 1:
+                    layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
         return problems
 
 

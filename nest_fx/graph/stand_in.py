@@ -1,6 +1,6 @@
 """Stand-ins for the modules a pipeline stage does not own.
 
-A stage runs the model's own forward (``stage_modules.py``), so a module another stage owns is
+A stage runs the model's own forward (``nest_fx.graph.stage_modules``), so a module another stage owns is
 still *called* there: an embedding on a later stage, the layers before the stage's first one.
 :class:`StandIn` takes its place: it computes nothing and returns tensors shaped like the real
 module's output, filled with NaN. The shapes come from running a parameter-free copy of the
@@ -21,10 +21,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
-from nest_fx.apply.checks import ApplyError
+from nest_fx.common.errors import NestFxError
 
 
-class SplitError(ApplyError):
+class SplitError(NestFxError, ValueError):
     """A pipeline stage cannot be built or run as its block range requires."""
 
 
@@ -87,7 +87,8 @@ def run_on_fake(fn: Callable, args: tuple, kwargs: dict) -> Any:
 class OutputShapes:
     """The output structure of one module per input signature, learned on its meta copy.
 
-    Shared by every stand-in of that module (interleaved chunks each hold their own stand-in)."""
+    Shared by every stand-in of that module (interleaved chunks each hold their own stand-in)
+    and of the layers traced identical to it (same block signature: same ops and shapes)."""
 
     def __init__(self, original: nn.Module, path: str):
         self.path = path
@@ -117,10 +118,10 @@ class StandIn(nn.Module):
     owns through another module (a tied weight), so the stage's parameter names stay those of
     the whole model."""
 
-    def __init__(self, shapes: OutputShapes):
+    def __init__(self, shapes: OutputShapes, path: str):
         super().__init__()
         self.__dict__["shapes"] = shapes  # not a submodule: its meta copy holds no state of the stage
-        self.path = shapes.path
+        self.path = path
 
     def register_shared(self, name: str, param: nn.Parameter) -> None:
         """Register ``param`` at the relative path ``name`` (``word_embeddings.weight``)."""
