@@ -18,10 +18,12 @@ from nest_fx.testing import equivalence
 TOL = 1e-5
 LAUNCH_S = 150
 
+# 6 layers: PP2 cuts the chain [head, 6 layers, tail] after layer 2, so a stage whose layer list
+# restarted at 0 would swap the sliding and full layers of the second stage
 QWEN2_SLIDING = {"model_type": "qwen2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "max_position_embeddings": 64, "use_sliding_window": True, "sliding_window": 6,
-                 "max_window_layers": 0, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                 "max_window_layers": 0, "layer_types": ["sliding_attention", "full_attention"] * 3,
                  "tie_word_embeddings": False, "use_cache": False}
 GEMMA2_SOFTCAP = {"model_type": "gemma2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
                   "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -60,29 +62,15 @@ def _stage_names(results, stage):
 
 @pytest.mark.hf
 @pytest.mark.timeout(LAUNCH_S + 30)
+@pytest.mark.parametrize("config, tied", [(QWEN2_SLIDING, ""), (GEMMA2_SOFTCAP, ""), (GPT2_TIED, "transformer.wte.weight")],
+                         ids=["qwen2-sliding-layers", "gemma2-softcap", "gpt2-tied"])
 @pytest.mark.parametrize("world, plan", [(4, PP2_DP2), (2, PP2)], ids=["pp2_dp2", "pp2"])
-def test_qwen2_sliding_window_layers(world, plan):
+def test_hf_models(config, tied, world, plan):
     pytest.importorskip("transformers")
-    run(world, plan, hf_config=QWEN2_SLIDING)
-
-
-@pytest.mark.hf
-@pytest.mark.timeout(LAUNCH_S + 30)
-@pytest.mark.parametrize("world, plan", [(4, PP2_DP2), (2, PP2)], ids=["pp2_dp2", "pp2"])
-def test_gemma2_final_logit_softcapping(world, plan):
-    pytest.importorskip("transformers")
-    run(world, plan, hf_config=GEMMA2_SOFTCAP)
-
-
-@pytest.mark.hf
-@pytest.mark.timeout(LAUNCH_S + 30)
-@pytest.mark.parametrize("world, plan", [(4, PP2_DP2), (2, PP2)], ids=["pp2_dp2", "pp2"])
-def test_gpt2_tied_embeddings(world, plan):
-    pytest.importorskip("transformers")
-    results = run(world, plan, hf_config=GPT2_TIED)
-    # the tied weight is on both stages, under the whole model's name (lm_head.weight is its alias)
-    assert "transformer.wte.weight" in _stage_names(results, 0) & _stage_names(results, 1)
-    assert not any("lm_head" in n for r in results for n in r["param_names"])
+    results = run(world, plan, hf_config=config)
+    if tied:  # the tied weight is on both stages, under the whole model's name (lm_head.weight is its alias)
+        assert tied in _stage_names(results, 0) & _stage_names(results, 1)
+        assert not any("lm_head" in n for r in results for n in r["param_names"])
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)

@@ -217,7 +217,7 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
     Call :func:`arm_stages` once the stage's other hooks (TP, FSDP) are installed.
     """
     layout = layout or stage_layout(model, graph)
-    problem = layout.problem or next((layout.cut_problems[s] for s, _ in ranges if s in layout.cut_problems), "")
+    problem = layout.problem or next((layout.cut_problems[c] for r in ranges for c in r if c in layout.cut_problems), "")
     if problem:
         raise SplitError(problem)
     n = layout.num_blocks
@@ -254,7 +254,7 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
 
 
 def _install_route(base: nn.Module, route: StageRoute, layout: StageLayout) -> None:
-    n, layers = layout.num_blocks, layout.layers
+    layers = layout.layers
     last_layer = layers[max(layers)]
     if not route.first:
         if route.start in layers:
@@ -271,7 +271,6 @@ def _install_route(base: nn.Module, route: StageRoute, layout: StageLayout) -> N
             route.exit_after = last_layer
     base.__dict__["_nest_fx_route"] = route
     base.forward = _stage_forward(route, base.forward)
-    assert route.end <= n
 
 
 def arm_stages(stages: Sequence[nn.Module]) -> None:
