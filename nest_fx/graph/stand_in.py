@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from nest_fx.common.errors import NestFxError
 
@@ -51,17 +51,35 @@ def _poison(dtype: torch.dtype):
     return torch.iinfo(dtype).max  # an index out of every range
 
 
-def _signature(value: Any) -> Tuple:
-    leaves, spec = tree_flatten(value)
-    key = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            key.append(("T", tuple(leaf.shape), leaf.dtype))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            key.append(leaf)
-        else:
-            key.append(type(leaf).__qualname__)
-    return (str(spec), tuple(key))
+def _signature(value: Any) -> Any:
+    """A hashable key of a module call's inputs: tensor shapes and dtypes, literal values, and the
+    types of other objects (a hand-written walk: the stand-ins run on every microbatch)."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_signature(v) for v in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((k, _signature(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__qualname__
+
+
+def _device_of(value: Any) -> Optional[torch.device]:
+    """The device of the first tensor in a call's inputs."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return next((d for d in map(_device_of, items) if d is not None), None)
+
+
+def _poisoned(template: Any, device: torch.device) -> Any:
+    """Real tensors of the template's shapes and dtypes, filled with :func:`_poison`."""
+    if isinstance(template, torch.Tensor):
+        return torch.full(template.shape, _poison(template.dtype), dtype=template.dtype, device=device)
+    if isinstance(template, (tuple, list)) and type(template) in (tuple, list):
+        return type(template)(_poisoned(t, device) for t in template)
+    return tree_map_only(torch.Tensor, lambda t: _poisoned(t, device), template)
 
 
 def run_on_fake(fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -106,8 +124,8 @@ class OutputShapes:
                 raise SplitError(
                     f"pipeline: the stand-in for {self.path} (a module another stage owns) runs a copy of it on "
                     f"fake tensors to learn its output shape, and that failed: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}. The module's forward needs real data "
-                    "(data-dependent shapes or Python branches on values); fix: use pp=1") from exc
+                    f"{str(exc).splitlines()[0] if str(exc) else ''} (a forward that needs real values, such as "
+                    "data-dependent shapes, cannot run there); fix: use pp=1") from exc
         return self.templates[key]
 
 
@@ -135,11 +153,8 @@ class StandIn(nn.Module):
 
     def outputs(self, args: tuple, kwargs: dict) -> Any:
         """NaN-filled real tensors shaped like the module's output for these inputs."""
-        template = self.shapes.template(args, kwargs)
-        device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)),
-                      torch.get_default_device())
-        return tree_map(lambda t: torch.full(t.shape, _poison(t.dtype), dtype=t.dtype, device=device)
-                        if isinstance(t, torch.Tensor) else t, template)
+        device = _device_of((args, kwargs)) or torch.get_default_device()
+        return _poisoned(self.shapes.template(args, kwargs), device)
 
     def forward(self, *args, **kwargs):
         return self.outputs(args, kwargs)
