@@ -22,6 +22,7 @@ from nest_fx.apply.pipeline import tensor_output
 from nest_fx.models import build_seeded
 from nest_fx.plan import Plan, uniform_plan
 
+
 def hf_model_from_config(hf_config: Dict[str, Any], seed: int = 0) -> torch.nn.Module:
     """A HuggingFace model from an explicit config, on the CPU in fp32, its weights drawn from
     ``seed``: ``{"model_type": "qwen2", "task": "causal-lm" | "masked-lm", "attn_implementation":

@@ -146,9 +146,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         names = ("edp", "ep", "tp") if plan.ep > 1 else ("dp", "tp")
         stage_group = mesh[names]._flatten("stage").get_group()
         broadcast_module(chunks, stage_group, 0)
-    ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group()) \
-        if layout is not None and not on_meta else None
-    if ties:
+    ties = None
+    if layout is not None and not on_meta:
+        ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
         ties.sync_values()
 
     for chunk, (start, end) in zip(chunks, ranges):

@@ -17,9 +17,9 @@ import torch.nn as nn
 from nest_fx.common.arith import divisors
 from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.graph.opgraph import OpGraph
-from nest_fx.plan.plan import Plan
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
 from nest_fx.graph.stage_modules import rehearsal_problem
+from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
 
