@@ -22,11 +22,35 @@ from nest_fx.apply.pipeline import tensor_output
 from nest_fx.models import build_seeded
 from nest_fx.plan import Plan, uniform_plan
 
+
+def hf_model_from_config(hf_config: Dict[str, Any], seed: int = 0) -> torch.nn.Module:
+    """A HuggingFace model from an explicit config, on the CPU in fp32, its weights drawn from
+    ``seed``: ``{"model_type": "qwen2", "task": "causal-lm" | "masked-lm", "attn_implementation":
+    "sdpa" | "eager", **config fields}`` (no download)."""
+    import transformers  # the optional 'hf' extra
+
+    fields = dict(hf_config)
+    model_type = fields.pop("model_type")
+    task = fields.pop("task", "causal-lm")
+    attn = fields.pop("attn_implementation", "sdpa")
+    auto = {"causal-lm": transformers.AutoModelForCausalLM, "masked-lm": transformers.AutoModelForMaskedLM}[task]
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    return auto.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
 def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict or kwargs for uniform_plan) and
-    compare with the single-device run. Keys: model, plan, batch, seq, steps, lr, local_batch."""
-    model, cfg = build_seeded(spec["model"], spec.get("seed", 0))
-    vocab, seq = cfg.vocab_size, spec.get("seq", cfg.seq_len)
+    compare with the single-device run. Keys: model, plan, batch, seq, steps, lr, local_batch;
+    ``hf_config`` (see :func:`hf_model_from_config`) builds that HuggingFace model instead of the
+    ``model`` name (which then only labels the run)."""
+    if "hf_config" in spec:
+        model = hf_model_from_config(spec["hf_config"], spec.get("seed", 0))
+        vocab, seq = model.config.vocab_size, spec["seq"]
+        num_layers = model.config.num_hidden_layers + 2
+    else:
+        model, cfg = build_seeded(spec["model"], spec.get("seed", 0))
+        vocab, seq, num_layers = cfg.vocab_size, spec.get("seq", cfg.seq_len), cfg.layers + 2
     batch, steps, lr = spec["batch"], spec.get("steps", 3), spec.get("lr", 0.5)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1234)
@@ -38,7 +62,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     elif "stages" in plan_spec:
         plan = Plan.from_dict({"format": "nest-fx-plan/1", **plan_spec})
     else:
-        plan = uniform_plan(plan_spec.pop("num_layers", cfg.layers + 2), **plan_spec)
+        plan = uniform_plan(plan_spec.pop("num_layers", num_layers), **plan_spec)
     example = data[0][0]
     pm = auto_parallelize(model, example, global_batch_size=batch, loss_fn=lm_loss, plan=plan,
                           verbose=spec.get("verbose", False))
@@ -70,6 +94,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     for name, p in params.items():
         out["param_diff"] = max(out["param_diff"], float((p - ref_params[name].detach()).abs().max()))
     out["num_params"] = len(params)
+    out["param_names"] = sorted(params)
     out["sharded"] = sorted(name for name, p in pm.named_parameters()
                             if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
     return out

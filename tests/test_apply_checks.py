@@ -12,14 +12,16 @@ from nest_fx.apply import ApplyError, auto_parallelize, default_plan
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.mesh import locate, rank_table, require_uniform_tp
-from nest_fx.apply.pipeline import (LayerSubset, head_tail_modules, interleaved_ranges, split_stages,
-                                    stage_blocks, tensor_output)
+from nest_fx.apply.pipeline import LayerSubset, interleaved_ranges, split_stages, stage_blocks, tensor_output
+from nest_fx.graph.stage_modules import arm_stages, run_stages
+from nest_fx.graph.stand_in import StandIn
 from nest_fx.apply.tensor_parallel import block_regions
 from nest_fx.apply.losses import lm_loss
 from nest_fx.models import build_seeded
 from nest_fx.graph import trace
 from nest_fx.models import build_model
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
+from nest_fx.graph.stage_layout import stage_layout
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 
@@ -29,6 +31,11 @@ def single_rank():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _untouched(model) -> bool:
+    """No module of ``model`` was replaced by a pipeline stand-in."""
+    return not any(isinstance(m, StandIn) for m in model.modules())
 
 
 def _traced(name=LLAMA, batch=2, seq=16):
@@ -122,11 +129,13 @@ def test_non_uniform_tp_is_refused():
         require_uniform_tp(plan)
 
 
-def test_tied_embeddings_across_stages_refused(single_rank):
+def test_tied_embeddings_across_stages_accepted(single_rank):
+    """Tied input/output embeddings are kept on the first and the last stage (Megatron-LM's way)."""
     model, cfg = build_model("gpt:hidden=32,layers=2,heads=2,seq=16,vocab=64,tie_embeddings=true", device="cpu")
     tokens = torch.randint(0, 64, (2, 16))
-    with pytest.raises(ApplyError, match="ties .*lm_head.* fix: untie"):
-        checks.check_pipeline(uniform_plan(4, pp=2), model, trace(model, (tokens,)))
+    graph = trace(model, (tokens,))
+    checks.check_pipeline(uniform_plan(4, pp=2), model, graph)
+    assert stage_layout(model, graph).shared == {"embed.tok.weight": ("embed.tok.weight", "lm_head.weight")}
 
 
 def test_errors_come_before_any_collective(single_rank):
@@ -136,7 +145,7 @@ def test_errors_come_before_any_collective(single_rank):
     with pytest.raises(ApplyError, match="world size mismatch"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=uniform_plan(6, dp=4))
     # the model is untouched
-    assert len(model.layers) == 4 and not isinstance(model.layers, LayerSubset)
+    assert len(model.layers) == 4 and _untouched(model)
 
 
 # -- mesh ---------------------------------------------------------------------------------------
@@ -169,9 +178,13 @@ def test_layer_subset_keeps_names_and_iterates_in_order():
     assert [n for n, _ in sub.named_parameters()] == ["1.weight", "1.bias", "3.weight", "3.bias"]
 
 
-def test_head_tail_modules():
+def test_stage_layout_names_the_modules_of_each_block():
     model, _, _, graph = _traced()
-    assert head_tail_modules(model, graph) == (["embed"], ["norm", "lm_head"])
+    layout = stage_layout(model, graph)
+    assert layout.owned == {"embed": (0,), "norm": (5,), "lm_head": (5,)}
+    assert layout.layers == {1: "layers.0", 2: "layers.1", 3: "layers.2", 4: "layers.3"}
+    assert layout.modules_in(0, 2) == ["embed", "layers.0"] and layout.modules_in(4, 6) == ["norm", "lm_head", "layers.3"]
+    assert layout.first_problem() == "" and not layout.shared
 
 
 @pytest.mark.parametrize("name", [LLAMA, "gpt:hidden=64,layers=3,heads=4,seq=32,vocab=128",
@@ -186,10 +199,9 @@ def test_split_stages_compose_to_the_model(name):
     ranges = [(0, 2), (2, n - 1), (n - 1, n)]
     reference_names = {k for k, _ in model.named_parameters()}
     stages = [split_stages(copy.deepcopy(model), graph, [r])[0] for r in ranges]
-    x = tokens
-    for stage in stages:
-        x = stage(x)
-    torch.testing.assert_close(x, expect, rtol=0, atol=1e-6)
+    arm_stages(stages)
+    args, kwargs = ((), {"input_ids": tokens}) if name.startswith("hf:") else ((tokens,), {})
+    torch.testing.assert_close(run_stages(stages, args, kwargs), expect, rtol=0, atol=0)
     names = [k for s in stages for k, _ in s.named_parameters()]
     assert sorted(names) == sorted(reference_names)  # every parameter once, original names
 
@@ -198,10 +210,8 @@ def test_split_stages_chunks_share_nothing():
     model, cfg, tokens, graph = _traced()
     expect = tensor_output(model(tokens))
     chunks = split_stages(model, graph, [(0, 1), (1, 3), (3, 5), (5, 6)])
-    x = tokens
-    for c in chunks:
-        x = c(x)
-    torch.testing.assert_close(x, expect, rtol=0, atol=1e-6)
+    arm_stages(chunks)
+    torch.testing.assert_close(run_stages(chunks, (tokens,), {}), expect, rtol=0, atol=0)
     ids = [id(p) for c in chunks for p in c.parameters()]
     assert len(ids) == len(set(ids)) == 39
 
@@ -290,7 +300,7 @@ def test_plan_for_another_model_fails_before_any_collective(single_rank):
     with pytest.raises(ApplyError, match=r"plan\.num_layers=34 but the traced model has 6 layers.*another model"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss,
                          plan=uniform_plan(34, num_microbatches=8, model="llama2-7b"))
-    assert len(model.layers) == 4 and not isinstance(model.layers, LayerSubset)
+    assert len(model.layers) == 4 and _untouched(model)
 
 
 def test_plan_for_another_model_with_the_same_layer_count_is_refused(single_rank, tmp_path, capsys):
@@ -325,4 +335,4 @@ def test_plan_for_another_model_with_the_same_layer_count_is_refused(single_rank
     tokens = torch.randint(0, 128, (8, 32))
     with pytest.raises(ApplyError, match="model_fingerprint.*the traced model"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=plan)
-    assert not isinstance(model.layers, LayerSubset)
+    assert _untouched(model)

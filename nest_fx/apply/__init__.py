@@ -5,11 +5,13 @@
     loss = pm.train_step(tokens, targets); opt.step(); opt.zero_grad()
 
 Modules: ``distributed`` (the default process group and its timeout), ``mesh`` (DeviceMesh
-from a plan), ``checks`` (errors before any collective), ``pipeline`` (stage split and
-schedules), ``tensor_parallel`` (TP/SP from traced TP pairs), ``expert_parallel`` (all_to_all experts),
-``context_parallel`` (sequence chunks, K/V all-gather), ``loss_parallel`` (vocabulary-parallel
-cross-entropy), ``data_parallel`` (replication, FSDP2 or HSDP), ``activation_checkpoint``
-(recompute policies), ``compile`` and ``float8`` (runtime options), ``checkpoint`` (saving and loading training state under
+from a plan), ``checks`` (errors before any collective), ``pipeline`` (stage ranges and
+schedules; the stage modules are ``nest_fx.graph.stage_modules``), ``tied_weights`` (tied
+embeddings on the first and last stage), ``tensor_parallel`` (TP/SP from traced TP pairs),
+``expert_parallel`` (all_to_all experts), ``context_parallel`` (sequence chunks, K/V
+all-gather), ``loss_parallel`` (vocabulary-parallel cross-entropy), ``data_parallel``
+(replication, FSDP2 or HSDP), ``activation_checkpoint`` (recompute policies), ``compile`` and
+``float8`` (runtime options), ``checkpoint`` (saving and loading training state under
 any plan), ``runtime`` (ParallelModule), ``api`` (auto_parallelize), ``launch`` (N local
 ranks without torchrun), ``losses``. See docs/runtime.md.
 """

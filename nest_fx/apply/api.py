@@ -4,7 +4,8 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 
 1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain
 2. ``data_parallel.broadcast_module`` make the stage identical on its DP x CP x TP ranks (one
-                               rank's weights win, so ranks need not share a seed)
+                               rank's weights win, so ranks need not share a seed); tied embeddings: the
+                               first stage's values to the last (``tied_weights``)
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
                                ``loss_parallel`` keeps the LM head's logits sharded
@@ -14,12 +15,13 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 8. ``compile``                 torch.compile per block (plan.compile)
 9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1)
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
+                               (gradients of tied embeddings summed over the two stages each step)
 
 All plan/model/batch/world checks (``checks.run_all``) run before the first collective.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,11 +39,13 @@ from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
+from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
 from nest_fx.graph import trace
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
+from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
@@ -74,6 +78,26 @@ def _device_type_of(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
+def _chunk_ranges(plan: Plan, num_blocks: int) -> List[List[Tuple[int, int]]]:
+    """Per pipeline rank, the block ranges of its stage chunks (several under the interleaved schedule)."""
+    if plan.pp > 1 and plan.schedule == "interleaved":
+        return interleaved_ranges(plan, num_blocks)
+    return [[(s.start, s.end)] for s in plan.stages]
+
+
+def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """One callable running the gradient synchronisations ``syncs`` in order (None when there are none)."""
+    if not syncs:
+        return None
+    if len(syncs) == 1:
+        return syncs[0]
+
+    def run() -> None:
+        for sync in syncs:
+            sync()
+    return run
+
+
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
                      loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
                      graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
@@ -101,6 +125,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
+    layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
     device_type = _device_type_of(model)
     on_meta = device_type == "meta"
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -114,22 +139,26 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     n = len(graph.blocks)
 
     # 1. pipeline split
-    if plan.pp > 1 and plan.schedule == "interleaved":
-        ranges = interleaved_ranges(plan, n)[info.stage]
+    ranges = _chunk_ranges(plan, n)[info.stage]
+    if layout is not None:
         indices = [c * plan.pp + info.stage for c in range(len(ranges))]
         num_stages = plan.pp * len(ranges)
+        chunks = split_stages(model, graph, ranges, layout)
     else:
-        ranges, indices, num_stages = [(stage_plan.start, stage_plan.end)], [info.stage], plan.pp
-    chunks = split_stages(model, graph, ranges)
+        indices, num_stages, chunks = [0], 1, [model]
     device = torch.device("cuda", torch.cuda.current_device()) if mesh_device == "cuda" else torch.device("cpu")
     if not on_meta:
         chunks = [c.to(device) for c in chunks]
 
-    # 2. identical replicas inside the stage (DP x CP x TP ranks)
+    # 2. identical replicas inside the stage (DP x CP x TP ranks); tied embeddings equal on both stages
     if not on_meta and plan.dp * plan.cp * stage_plan.tp > 1:
         names = tuple(name for name in mesh.mesh_dim_names if name != "pp")
         stage_group = mesh[names]._flatten("stage").get_group()
         broadcast_module(chunks, stage_group, 0)
+    ties = None
+    if layout is not None and not on_meta:
+        ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
+        ties.sync_values()
 
     cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
@@ -167,14 +196,15 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
                        dp_size=replicas, expert_modules=[e for m in find_moe_modules(chunk) for e in m.experts]
                        if plan.ep > 1 else ())
 
-    # 9a. replicated data parallel
-    grad_sync = None
+    # 9a. replicated data parallel (after the tied-embedding gradient sum over the two stages)
+    syncs = [ties] if ties else []
     if plan.zero == 0 and replicas > 1:
         params = [p for c in chunks for p in c.parameters()]
         experts = [p for c in chunks for p in expert_parameters(c)] if plan.ep > 1 else []
-        grad_sync = GradientSync(params, data_parallel_mesh(mesh, plan).get_group(), replicas,
-                                 edp_group=data_parallel_mesh(mesh, plan, experts=True).get_group()
-                                 if plan.ep > 1 else None, expert_params=experts)
+        syncs.append(GradientSync(params, data_parallel_mesh(mesh, plan).get_group(), replicas,
+                                  edp_group=data_parallel_mesh(mesh, plan, experts=True).get_group()
+                                  if plan.ep > 1 else None, expert_params=experts))
+    grad_sync = _in_order(syncs)
 
     # 10. pipeline schedule
     schedule, stages = None, []

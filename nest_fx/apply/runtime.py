@@ -14,7 +14,7 @@ what a DistributedSampler would give). The caller owns the optimizer:
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.mesh import RankInfo
-from nest_fx.apply.pipeline import tensor_output
+from nest_fx.apply.pipeline import schedule_step, tensor_output
 from nest_fx.plan.plan import Plan
 
 
@@ -131,15 +131,8 @@ class ParallelModule:
             x, y = self.context_parallel.shard(x), self.context_parallel.shard(y)
         nmb = self.num_microbatches
         if self.schedule is not None:
-            is_first = any(s.is_first for s in self.pipeline_stages)
-            is_last = any(s.is_last for s in self.pipeline_stages)
-            losses: List[torch.Tensor] = []
-            args = (x,) if is_first else ()
-            kwargs = {"target": y, "losses": losses} if is_last else {}
-            # return_outputs=False: otherwise the last stage keeps every microbatch's output (the
-            # logits) alive until the step ends, m times the memory 1F1B is meant to hold
-            self.schedule.step(*args, return_outputs=False, **kwargs)
-            local = torch.stack([l.detach().float() for l in losses]).mean() if is_last else None
+            local = schedule_step(self.schedule, self.pipeline_stages, (x,), {}, y)
+            is_last = local is not None
         else:
             module = self.module
             total = torch.zeros((), dtype=torch.float32, device=self.device)

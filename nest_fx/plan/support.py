@@ -19,6 +19,8 @@ from nest_fx.graph.context_sites import attention_sites, blocks_without_attentio
 from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.recompute_policies import recompute_policy_problem
+from nest_fx.graph.stage_layout import StageLayout, stage_layout
+from nest_fx.graph.stage_modules import rehearsal_problem
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
@@ -28,37 +30,6 @@ def model_dims(model: nn.Module) -> Dict[str, Optional[int]]:
     d = dims_from_config(getattr(model, "config", None), seq_len=0)
     return {"heads": d.heads or None, "kv_heads": d.kv_heads or None, "ffn": d.ffn_hidden or None,
             "experts": d.num_experts or None, "vocab": d.vocab_size or None}
-
-
-def _ancestors(path: str) -> List[str]:
-    parts = path.split(".") if path else []
-    return [".".join(parts[:k]) for k in range(len(parts) + 1)]
-
-
-def head_tail_modules(model: nn.Module, graph) -> Tuple[List[str], List[str]]:
-    """Top-most parameterised modules of the head and tail blocks (not above the layer container)."""
-    container = graph.block_container
-    above = set(_ancestors(container))
-    modules = dict(model.named_modules())
-
-    def tops(block) -> List[str]:
-        found: List[str] = []
-        for node in block.nodes:
-            path = graph.graph.nodes[node].get("module", "")
-            if not path:
-                continue
-            parts = path.split(".")
-            for k in range(1, len(parts) + 1):
-                prefix = ".".join(parts[:k])
-                if prefix not in above:
-                    if prefix in modules and prefix not in found and any(True for _ in modules[prefix].parameters()):
-                        found.append(prefix)
-                    break
-        return found
-
-    head = next((b for b in graph.blocks if b.kind == "head"), None)
-    tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-    return (tops(head) if head else []), (tops(tail) if tail else [])
 
 
 @dataclass
@@ -72,6 +43,7 @@ class ParallelSupport:
     model: nn.Module
     graph: Optional[OpGraph]
     _memo: Dict[Tuple[str, int], str] = field(default_factory=dict, repr=False)
+    _layout: Optional[StageLayout] = field(default=None, repr=False)
 
     def _cached(self, kind: str, degree: int, compute) -> str:
         key = (kind, degree)
@@ -115,13 +87,15 @@ class ParallelSupport:
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
             return ""
-        head, tail = head_tail_modules(self.model, self.graph)
-        head_params = {id(p) for h in head for p in self.model.get_submodule(h).parameters()}
-        tied = sorted({t for t in tail for p in self.model.get_submodule(t).parameters() if id(p) in head_params})
-        if tied:
-            return (f"the model ties {tied} to its embedding, but with pp={pp} the head and the tail sit on "
-                    "different pipeline stages; fix: untie the embeddings (e.g. tie_embeddings=False) or use pp=1")
-        return ""
+        layout = self.stage_layout()
+        problem = layout.first_problem() or rehearsal_problem(self.model, self.graph, layout)
+        return f"pp={pp}: {problem}" if problem else ""
+
+    def stage_layout(self) -> StageLayout:
+        """Which modules each chain block uses and what crosses each cut (``nest_fx.graph.stage_layout``)."""
+        if self._layout is None:
+            self._layout = stage_layout(self.model, self.graph)
+        return self._layout
 
     # -- expert parallelism ---------------------------------------------------------------
     def ep_problem(self, ep: int, dp: Optional[int] = None) -> str:
@@ -149,13 +123,15 @@ class ParallelSupport:
         they can; always "" at tp=1, where loss parallel changes nothing)."""
         if tp == 1 or self.graph is None:
             return ""
-        head, tail = head_tail_modules(self.model, self.graph)
-        head_params = {id(p) for h in head for p in self.model.get_submodule(h).parameters()}
+        layout = self.stage_layout()
+        last = layout.num_blocks - 1
+        tail = [path for path, blocks in layout.owned.items() if last in blocks]
         linears = [t for t in tail if isinstance(self.model.get_submodule(t), nn.Linear)]
         if not linears:
             return ("loss_parallel: the model's tail has no output linear (LM head) whose logits could stay sharded "
                     "by vocabulary; fix: loss_parallel=false")
-        tied = [t for t in linears if any(id(p) in head_params for p in self.model.get_submodule(t).parameters())]
+        shared = {name for names in layout.shared.values() for name in names}
+        tied = [t for t in linears if any(f"{t}.{n}" in shared for n, _ in self.model.get_submodule(t).named_parameters())]
         if tied:
             return (f"loss_parallel: {tied[0]} shares its weight with the embedding, so it stays replicated under "
                     "TP and its logits are not sharded; fix: untie the embeddings or loss_parallel=false")

@@ -1,0 +1,222 @@
+"""Which modules each block of the layer chain uses, and what crosses each pipeline cut.
+
+The tracer groups a model's ops into the chain ``[head, <container>.0, ..., tail]``; a pipeline
+stage owns a contiguous range of it. The runtime (``nest_fx.graph.stage_modules``) builds a
+stage by keeping the modules its blocks use and running the model's *own* forward, with every
+other module replaced by a stand-in. This module reads, from the traced graph alone:
+
+* the **layout**: the layer module of each layer block, the top-most parameterised module
+  outside the layer container of every other op (``model.embed_tokens``, ``lm_head``) with the
+  blocks that use it, and the parameters that blocks on different stages share. A parameter
+  used by the head and the tail only (tied input/output embeddings) is kept on the first and
+  the last stage, as Megatron-LM does; any other sharing across blocks is a problem.
+* the **cuts**: between blocks ``c-1`` and ``c`` a stage boundary passes exactly one tensor.
+  Every value computed by blocks before the cut and read after it must therefore be either that
+  one activation, or a value the later stage recomputes itself from the model's inputs: root
+  forward code and parameter-free modules (causal and sliding-window masks, rotary tables,
+  position ids) run on every stage. A second value that depends on a stage's modules (T5's
+  position bias computed by its first layer, a skip connection from the embedding to the
+  output) cannot cross, and the cut is refused naming the module that produced it.
+
+:class:`~nest_fx.plan.support.ParallelSupport.pp_problem` refuses pipelining when any cut or the
+layout has a problem, so the planner never offers a split the runtime would run wrong.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch.nn as nn
+
+
+def _ancestors(path: str) -> List[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:k]) for k in range(len(parts) + 1)]
+
+
+def untie_advice(model: nn.Module) -> str:
+    """How to untie a model's input and output embeddings, in its own config's words."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "tie_word_embeddings") and not hasattr(config, "tie_embeddings"):
+        return "untie them with tie_word_embeddings=False in the HuggingFace config"
+    if config is not None and hasattr(config, "tie_embeddings"):
+        return "untie them with tie_embeddings=false in the model spec"
+    return "give each module its own parameter"
+
+
+@dataclass
+class StageLayout:
+    """The modules of a model by chain block (see the module docstring).
+
+    ``layers``: chain block index -> layer module path (``model.layers.3``).
+    ``owned``: parameterised module path outside the layer container -> chain blocks using it.
+    ``unused``: parameterised modules no traced op uses (kept on every stage, never trained).
+    ``shared``: canonical name -> every name of a parameter the head and the tail both use
+    (tied embeddings): the first and the last stage each keep it and sum its gradient.
+    ``problem``: why the model cannot be cut at all ("" when it can); ``cut_problems``: per cut
+    index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible; ``activations``:
+    per possible cut, the traced shape and dtype of the one activation crossing it.
+    """
+
+    container: str
+    num_blocks: int
+    layers: Dict[int, str] = field(default_factory=dict)
+    owned: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    unused: List[str] = field(default_factory=list)
+    shared: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+    problem: str = ""
+    cut_problems: Dict[int, str] = field(default_factory=dict)
+    activations: Dict[int, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)
+
+    def modules_in(self, start: int, end: int) -> List[str]:
+        """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
+        keep = [p for p, blocks in self.owned.items() if any(start <= b < end for b in blocks)]
+        return keep + [self.layers[b] for b in range(start, end) if b in self.layers]
+
+    def first_problem(self) -> str:
+        """The layout's problem, else the first cut's, else ""."""
+        if self.problem:
+            return self.problem
+        return self.cut_problems[min(self.cut_problems)] if self.cut_problems else ""
+
+
+class _Reader:
+    """Reads a StageLayout from a model and its OpGraph."""
+
+    def __init__(self, model: nn.Module, graph):
+        self.model = model
+        self.graph = graph
+        self.container = graph.block_container
+        self.above = set(_ancestors(self.container))
+        self.modules = dict(model.named_modules())
+        self.block_name = {b.index: b.name for b in graph.blocks}
+
+    def top_of(self, path: str) -> Optional[str]:
+        """The first module below the layer container's ancestors on ``path`` (None: root code)."""
+        for prefix in _ancestors(path)[1:]:
+            if prefix not in self.above:
+                return prefix
+        return None
+
+    def has_params(self, path: str) -> bool:
+        module = self.modules.get(path)
+        return module is not None and any(True for _ in module.parameters())
+
+    def read(self) -> StageLayout:
+        g = self.graph
+        layout = StageLayout(container=self.container, num_blocks=len(g.blocks))
+        if not self.container or not any(b.kind == "block" for b in g.blocks):
+            layout.problem = ("the tracer found no list of repeated layers (e.g. model.layers) to cut between; "
+                              "a pipeline needs one. fix: use pp=1")
+            return layout
+        layout.layers = {b.index: b.name for b in g.blocks if b.kind == "block"}
+        layer_paths = set(layout.layers.values())
+        blocks_of: Dict[str, Set[int]] = defaultdict(set)
+        for b in g.blocks:
+            for node in b.nodes:
+                top = self.top_of(g.graph.nodes[node].get("module", ""))
+                if top is not None:
+                    blocks_of[top].add(b.index)
+        layout.owned = {top: tuple(sorted(bs)) for top, bs in blocks_of.items()
+                        if top not in layer_paths and self.has_params(top)}
+        layout.unused = [p for p in self._child_tops() if p not in blocks_of and p not in layer_paths
+                         and self.has_params(p)]
+        for b, path in layout.layers.items():
+            blocks_of[path] = {b}
+        layout.problem = self._root_parameters() or self._sharing(layout, blocks_of)
+        if not layout.problem:
+            layout.cut_problems = self._cuts(layout)
+        return layout
+
+    def _child_tops(self) -> List[str]:
+        """Every module directly below one of the container's ancestors (the candidates for tops)."""
+        return [p for p in self.modules if p and p not in self.above and p.rpartition(".")[0] in self.above]
+
+    def _root_parameters(self) -> str:
+        used = {name for _, d in self.graph.graph.nodes(data=True) for name in d.get("params", ())}
+        root = [f"{path}.{n}" if path else n for path in sorted(self.above) if path in self.modules
+                for n, _ in self.modules[path].named_parameters(recurse=False)]
+        root = [n for n in root if n in used]
+        if root:
+            return (f"parameter(s) {root} belong to the model's root module (used by its own forward code), "
+                    "which runs on every pipeline stage, so no one stage can own them. fix: use pp=1, or move "
+                    "them into a submodule")
+        return ""
+
+    def _sharing(self, layout: StageLayout, blocks_of: Dict[str, Set[int]]) -> str:
+        names: Dict[int, List[str]] = defaultdict(list)
+        params: Dict[int, nn.Parameter] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names[id(p)].append(name)
+            params[id(p)] = p
+        last = layout.num_blocks - 1
+        for key, fqns in names.items():
+            blocks: Set[int] = set()
+            for fqn in fqns:
+                top = self.top_of(fqn.rpartition(".")[0])
+                blocks |= blocks_of.get(top, set()) if top else set()
+            if len(blocks) <= 1:
+                continue
+            if blocks == {0, last} and self.graph.blocks[0].kind == "head" and self.graph.blocks[last].kind == "tail":
+                layout.shared[fqns[0]] = tuple(fqns)
+                continue
+            where = ", ".join(self.block_name[b] for b in sorted(blocks))
+            return (f"parameter {fqns[0]} (also {fqns[1:]}) is used by blocks {where} of the layer chain, which "
+                    f"pipeline stages may separate; only a parameter shared by the head and the tail (tied "
+                    f"embeddings) is kept on two stages. fix: {untie_advice(self.model)}, or use pp=1")
+        return ""
+
+    def _entry_problem(self, layout: StageLayout, c: int, value: str, cut: str) -> str:
+        """Whether the one activation crossing cut ``c`` is where the runtime exchanges it: the
+        input of layer ``c`` and nothing else after the cut, or (before the tail) the last layer's
+        output."""
+        g = self.graph.graph
+        if c not in layout.layers:  # the cut before the tail: the last layer's output is replaced
+            last = layout.layers[c - 1]
+            if self.top_of(g.nodes[value].get("module", "")) != last:
+                return (f"a pipeline cut {cut}: the value reaching the tail is computed outside {last} "
+                        f"({g.nodes[value].get('op')} in {g.nodes[value].get('module') or '<root>'}), but a stage "
+                        "can only pass on the last layer's output. fix: use pp=1")
+            return ""
+        layer = layout.layers[c]
+        readers = [s for s in g.successors(value) if g.nodes[s]["block"] >= c
+                   and self.top_of(g.nodes[s].get("module", "")) != layer]
+        if readers:
+            what = "; ".join(f"{g.nodes[r].get('op')} in {g.nodes[r].get('module') or '<root>'}" for r in readers)
+            return (f"a pipeline cut {cut}: besides {layer}, code after the cut reads the activation entering it "
+                    f"({what}; e.g. a residual or skip connection written in the model's own forward), but a "
+                    f"stage can only replace {layer}'s input. fix: use pp=1")
+        return ""
+
+    def _cuts(self, layout: StageLayout) -> Dict[int, str]:
+        g = self.graph.graph
+        owned = set(layout.owned) | set(layout.layers.values())
+        local: Set[str] = set()  # values computed by a stage's own modules (or from them)
+        for node, d in g.nodes(data=True):
+            top = self.top_of(d.get("module", ""))
+            if top in owned or any(p in local for p in g.predecessors(node)):
+                local.add(node)
+        position = {n: i for i, n in enumerate(g.nodes)}
+        problems: Dict[int, str] = {}
+        last_use = {n: max((g.nodes[s]["block"] for s in g.successors(n)), default=-1) for n in local}
+        for c in range(1, layout.num_blocks):
+            carried = [n for n in local if g.nodes[n]["block"] < c <= last_use[n]]
+            cut = f"between {self.block_name[c - 1]} and {self.block_name[c]}"
+            if len(carried) != 1:
+                what = "; ".join(f"{g.nodes[n].get('op')} in {g.nodes[n].get('module') or '<root>'} "
+                                 f"{g.nodes[n].get('out_shapes')}" for n in sorted(carried, key=position.get))
+                problems[c] = (f"a pipeline cut {cut} would have to pass {len(carried)} values computed by the "
+                               f"stage before it ({what or 'none'}), but a stage passes exactly one activation. "
+                               "fix: use pp=1")
+            else:
+                problems.update({c: p for p in [self._entry_problem(layout, c, carried[0], cut)] if p})
+                data = g.nodes[carried[0]]
+                if len(data.get("out_shapes") or ()) == 1:
+                    layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
+        return problems
+
+
+def stage_layout(model: nn.Module, graph) -> StageLayout:
+    """The :class:`StageLayout` of ``model`` traced as ``graph`` (an OpGraph)."""
+    return _Reader(model, graph).read()

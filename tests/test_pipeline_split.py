@@ -1,0 +1,186 @@
+"""Single-process tests of the pipeline split (nest_fx/plan/stage_layout.py, nest_fx/apply/stage_modules.py).
+
+Stages built from a model and run one after another compute exactly the whole model's output;
+models a stage boundary cannot cut correctly are refused (``ParallelSupport.pp_problem``, the
+one verdict the planner and the runtime's checks share) naming the module and the fix.
+"""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nest_fx.apply import ApplyError, checks
+from nest_fx.graph.stage_modules import arm_stages, rehearse_split, run_stages, split_stages, tensor_output
+from nest_fx.graph.stand_in import SplitError
+from nest_fx.graph import trace
+from nest_fx.plan import uniform_plan
+from nest_fx.graph.stage_layout import stage_layout
+from nest_fx.plan.support import parallel_support
+from nest_fx.solver import SolverOptions
+from nest_fx.solver.runtime_planner import runtime_options
+
+VOCAB, HIDDEN, LAYERS = 32, 16, 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class Toy(nn.Module):
+    """Embedding, ``LAYERS`` linear layers, a norm and an LM head; ``variant`` adds what a
+    pipeline cut cannot handle."""
+
+    def __init__(self, variant: str = ""):
+        super().__init__()
+        self.variant = variant
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        if variant == "shared_layers":
+            self.layers[2].linear.weight = self.layers[0].linear.weight
+        if variant == "root_parameter":
+            self.scale = nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, tokens):
+        h = first = self.embed(tokens)
+        for layer in self.layers:
+            if self.variant == "keyword":
+                h = layer(x=h)
+            elif self.variant == "root_residual":
+                h = h + layer(h)  # the layer's input read again by the model's own forward
+            else:
+                h = layer(h)
+        if self.variant == "skip":
+            h = h + first  # the embedding's output read again after the last layer
+        if self.variant == "root_parameter":
+            h = h * self.scale
+        return self.head(self.norm(h))
+
+
+def _traced(variant: str = "", batch: int = 2, seq: int = 8):
+    torch.manual_seed(0)
+    model = Toy(variant)
+    tokens = torch.randint(0, VOCAB, (batch, seq))
+    return model, tokens, trace(model, (tokens,))
+
+
+def test_toy_stages_compose_to_the_model():
+    model, tokens, graph = _traced()
+    n = len(graph.blocks)
+    expect = model(tokens)
+    for ranges in ([(0, 1), (1, n)], [(0, 2), (2, 4), (4, n)], [(0, n - 1), (n - 1, n)]):
+        stages = split_stages(copy.deepcopy(model), graph, ranges)
+        arm_stages(stages)
+        assert torch.equal(run_stages(stages, (tokens,), {}), expect), ranges
+
+
+def test_a_second_value_crossing_a_cut_is_refused():
+    model, tokens, graph = _traced("skip")
+    problem = parallel_support(model, graph).pp_problem(2)
+    assert problem.startswith("pp=2: a pipeline cut between head and layers.0: besides layers.0, code after the "
+                              "cut reads the activation entering it (add in <root>")
+    assert stage_layout(model, graph).cut_problems[2].startswith(
+        "a pipeline cut between layers.0 and layers.1 would have to pass 2 values computed by the stage before "
+        "it (embedding in embed [[2, 8, 16]]; add in layers.0 [[2, 8, 16]])")
+    with pytest.raises(ApplyError) as err:
+        checks.check_pipeline(uniform_plan(len(graph.blocks), pp=2), model, graph)
+    assert str(err.value) == problem  # the runtime refuses with the planner's words
+    assert runtime_options(model, graph, SolverOptions()).max_stages == 1  # and the planner never offers it
+
+
+def test_a_residual_in_the_models_own_forward_is_refused():
+    model, tokens, graph = _traced("root_residual")
+    assert "code after the cut reads the activation entering it (add in <root>" in \
+        parallel_support(model, graph).pp_problem(2)
+
+
+def test_a_value_that_slips_through_a_cut_is_nan_not_a_plausible_number():
+    """The backstop: what a stage computes from stand-ins is NaN. Were the refusal above bypassed,
+    the skip connection would carry the embedding stand-in's NaN into the loss."""
+    model, tokens, graph = _traced("skip")
+    layout = stage_layout(model, graph)
+    layout.cut_problems.clear()
+    stages = split_stages(model, graph, [(0, 2), (2, len(graph.blocks))], layout)
+    arm_stages(stages)
+    assert torch.isnan(run_stages(stages, (tokens,), {})).all()
+
+
+def test_a_parameter_shared_by_two_layers_is_refused_with_the_models_own_config_key():
+    model, tokens, graph = _traced("shared_layers")
+    problem = parallel_support(model, graph).pp_problem(2)
+    assert ("parameter layers.0.linear.weight (also ['layers.2.linear.weight']) is used by blocks layers.0, "
+            "layers.2") in problem
+    assert "give each module its own parameter" in problem
+    model.config = SimpleNamespace(tie_word_embeddings=True)  # a HuggingFace model names its key
+    assert "tie_word_embeddings=False in the HuggingFace config" in parallel_support(model, graph).pp_problem(2)
+    model.config = SimpleNamespace(tie_embeddings=True)  # a zoo model
+    assert "tie_embeddings=false in the model spec" in parallel_support(model, graph).pp_problem(2)
+
+
+def test_a_root_parameter_is_refused():
+    model, tokens, graph = _traced("root_parameter")
+    assert "parameter(s) ['scale'] belong to the model's root module" in parallel_support(model, graph).pp_problem(4)
+
+
+def test_the_rehearsal_refuses_a_layer_called_without_its_activation():
+    model, tokens, graph = _traced("keyword")
+    problem = parallel_support(model, graph).pp_problem(2)  # the planner rehearses every cut
+    assert problem.startswith("pp=2: layers.0 is called without a tensor as its first argument or hidden_states=")
+    with pytest.raises(SplitError, match=r"layers\.1 is called without a tensor as its first argument"):
+        rehearse_split(model, graph, [(0, 2), (2, len(graph.blocks))], (tokens,), {})
+    assert isinstance(model.layers[1], Block)  # the model itself is untouched
+
+
+# -- HuggingFace models: layer types by index, root-forward post-processing, encoder position bias --
+
+def _hf(config_cls: str, task: str = "causal", **fields):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(vocab_size=64, use_cache=False, **fields)
+    if task == "encoder":
+        return transformers.T5EncoderModel(config).eval()
+    attn = "eager" if config_cls.startswith("Gemma") else "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("config_cls, fields", [
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                         layer_types=["sliding_attention", "full_attention"] * 2)),
+    ("Gemma2Config", dict(head_dim=8, sliding_window=4, final_logit_softcapping=1.5)),
+], ids=["qwen2-sliding", "gemma2-softcap"])
+def test_hf_stages_compute_exactly_the_whole_model(config_cls, fields):
+    model = _hf(config_cls, **LLAMA_LIKE, **fields)
+    tokens = torch.randint(0, 64, (2, 12))
+    graph = trace(model, (), {"input_ids": tokens})
+    n = len(graph.blocks)
+    with torch.no_grad():
+        expect = tensor_output(model(input_ids=tokens))
+        for ranges in ([(0, 2), (2, n)], [(0, 1), (1, 3), (3, 5), (5, n)]):
+            rehearse_split(model, graph, ranges, (), {"input_ids": tokens})
+            stages = split_stages(copy.deepcopy(model), graph, ranges)
+            arm_stages(stages)
+            assert torch.equal(run_stages(stages, (), {"input_ids": tokens}), expect), ranges
+
+
+@pytest.mark.hf
+def test_t5_position_bias_crossing_the_cut_is_refused():
+    model = _hf("T5Config", task="encoder", d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4)
+    graph = trace(model, (), {"input_ids": torch.randint(0, 64, (2, 12))})
+    problem = parallel_support(model, graph).pp_problem(2)
+    assert "between encoder.block.0 and encoder.block.1 would have to pass 2 values" in problem, problem
+    assert "unsqueeze in encoder.block.0.layer.0.SelfAttention [[1, 4, 12, 12]]" in problem  # the position bias
