@@ -16,16 +16,24 @@ clusters of workstations"):
     broadcast                   2 (n-1)/n * S/B + (ceil(log2 n) + n-1) * alpha
                                                                     (scatter + ring all-gather)
 
-Across levels the algorithms are hierarchical, one step per level the rank set spans, each at
-that level's bandwidth and latency with that level's fan-out ``f_i``
-(:meth:`nest_fx.cluster.Cluster.span`). Sizes are in bytes, results in seconds; no efficiency
-factor is applied (the figures are ideal link rates). A group of one rank, or zero bytes,
-costs 0.
+Across levels the algorithms are hierarchical, one step per level the rank set spans, each with
+that level's fan-out ``f_i`` (:meth:`nest_fx.cluster.Cluster.span`) and latency.
+
+**Paths.** A message that crosses level ``i`` also traverses every inner level on its way out of
+its device and into the peer (a GPU's NIC traffic leaves through the node's fabric; a cross-spine
+message goes through the leaf), so its bandwidth is the slowest on the path:
+``path_bandwidth(levels, i) = min(B_0, ..., B_i)`` (:func:`path_bandwidth`). Every step of a
+collective that crosses level ``i`` and every point-to-point transfer whose innermost common level
+is ``i`` is charged at that bandwidth. A level's ``latency`` is the start-up of one message across
+it, path included (how the presets and a calibration give it), so latencies are not summed.
+
+Sizes are in bytes, results in seconds; no efficiency factor is applied (the figures are ideal
+link rates). A group of one rank, or zero bytes, costs 0.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Dict, List, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:  # types only: the cluster classes call these formulas
     from nest_fx.cluster.spec import Cluster, LevelSpan, NetworkLevel
@@ -44,12 +52,28 @@ def _spans(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> List[LevelS
     return spans if nbytes > 0 and spans[-1].max_ranks > 1 else []
 
 
-def ring_pass(n: int, nbytes: float, level: NetworkLevel) -> float:
+def path_bandwidth(levels: Sequence[NetworkLevel], index: int) -> float:
+    """Bytes/s of a transfer that crosses level ``index``: the slowest level on its path,
+    ``min(levels[0..index].bandwidth)`` (see the module docstring)."""
+    return min(lv.bandwidth for lv in levels[: index + 1])
+
+
+def _path_bandwidths(spans: List[LevelSpan]) -> List[float]:
+    """:func:`path_bandwidth` of each spanned level (spans list levels 0, 1, ... in order)."""
+    out: List[float] = []
+    for sp in spans:
+        out.append(min(out[-1], sp.level.bandwidth) if out else sp.level.bandwidth)
+    return out
+
+
+def ring_pass(n: int, nbytes: float, level: NetworkLevel, bandwidth: Optional[float] = None) -> float:
     """One ring reduce-scatter or all-gather of an ``nbytes`` buffer among ``n`` devices of one level:
-    (n-1)/n * S/B + (n-1) * alpha (Thakur, Rabenseifner & Gropp 2005). 0 when n <= 1."""
+    (n-1)/n * S/B + (n-1) * alpha (Thakur, Rabenseifner & Gropp 2005). 0 when n <= 1. ``bandwidth``:
+    the path's (:func:`path_bandwidth`; default the level's own)."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / level.bandwidth + (n - 1) * level.latency
+    bw = level.bandwidth if bandwidth is None else bandwidth
+    return (n - 1) / n * nbytes / bw + (n - 1) * level.latency
 
 
 def reduce_scatter(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
@@ -85,8 +109,8 @@ def all_reduce(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
 
 def _hierarchical_passes(spans: List[LevelSpan], nbytes: float) -> float:
     total, shard = 0.0, nbytes
-    for sp in spans:
-        total += ring_pass(sp.fanout, shard, sp.level)
+    for sp, bw in zip(spans, _path_bandwidths(spans)):
+        total += ring_pass(sp.fanout, shard, sp.level, bw)
         shard = nbytes / sp.min_ranks
     return total
 
@@ -111,9 +135,9 @@ def all_to_all(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
         return 0.0
     n = spans[-1].max_ranks
     total, inner_min, inner_max = 0.0, 1, 1
-    for sp in spans:
+    for sp, bw in zip(spans, _path_bandwidths(spans)):
         if sp.fanout > 1:
-            total += (1 - inner_min / n) * nbytes / sp.level.bandwidth + (sp.max_ranks - inner_max) * sp.level.latency
+            total += (1 - inner_min / n) * nbytes / bw + (sp.max_ranks - inner_max) * sp.level.latency
         inner_min, inner_max = sp.min_ranks, sp.max_ranks
     return total
 
@@ -126,16 +150,18 @@ def broadcast(cluster: Cluster, ranks: Sequence[int], nbytes: float) -> float:
     the levels with fan-out f > 1 (the whole buffer crosses each level once).
     """
     total = 0.0
-    for sp in _spans(cluster, ranks, nbytes):
+    spans = _spans(cluster, ranks, nbytes)
+    for sp, bw in zip(spans, _path_bandwidths(spans)):
         f = sp.fanout
         if f > 1:
             steps = math.ceil(math.log2(f)) + f - 1
-            total += 2 * (f - 1) / f * nbytes / sp.level.bandwidth + steps * sp.level.latency
+            total += 2 * (f - 1) / f * nbytes / bw + steps * sp.level.latency
     return total
 
 
 def p2p(cluster: Cluster, src: int, dst: int, nbytes: float) -> float:
-    """Point-to-point send of ``nbytes``: alpha + S/B of the innermost level holding both ranks.
+    """Point-to-point send of ``nbytes``: alpha_L + S / path_bandwidth(L), L the innermost level
+    holding both ranks (the message crosses L and every level inside it).
 
     0 when ``src == dst`` or ``nbytes == 0``.
     """
@@ -143,8 +169,7 @@ def p2p(cluster: Cluster, src: int, dst: int, nbytes: float) -> float:
     index = cluster.level_index_of_group(sorted({src, dst}))  # validates both ranks
     if src == dst or nbytes == 0:
         return 0.0
-    level = cluster.levels[index]
-    return level.latency + nbytes / level.bandwidth
+    return cluster.levels[index].latency + nbytes / path_bandwidth(cluster.levels, index)
 
 
 COLLECTIVES: Dict[str, Callable[[Cluster, Sequence[int], float], float]] = {
