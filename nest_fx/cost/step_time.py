@@ -22,8 +22,9 @@ per step; ZeRO-2: a reduce-scatter per microbatch, since sharded gradients canno
 accumulated locally, and one parameter all-gather; ZeRO-3: per microbatch a reduce-scatter
 and two parameter all-gathers, prefetched under compute) starts with the stage's last
 backward, so with overlap only ``max(0, sync_i - (B_i + R_i))`` is exposed (without overlap,
-all of it), then the stage's optimizer step runs, memory-bound at ``bytes_per_param_update``
-bytes per locally updated parameter. Each stage's tail after its last backward is
+all of it), then the stage's optimizer step runs, memory-bound at the optimizer's update
+bytes per locally updated parameter (``nest_fx.cost.optimizers``). Each stage's tail after its
+last backward is
 
     q_i = exposed_sync_i + T_opt,i          T_step = T_pipe + max_i q_i
 
@@ -194,7 +195,7 @@ def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count
     window = bwd + recompute_s if options.overlap_grad_sync and zero >= 1 else 0.0
     exposed = positive_part(dp_sync - window)
     updated = num_params / (dp if zero >= 1 else 1)
-    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    t_opt = updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
     return exposed, t_opt
 
 
