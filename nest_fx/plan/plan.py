@@ -54,6 +54,19 @@ class PlanError(NestFxError, ValueError):
     """A malformed plan, or a plan that does not match the model/cluster; names the field."""
 
 
+def interleave_problem(stages: List["StagePlan"], virtual_stages: int) -> str:
+    """'' when every stage can be cut into ``virtual_stages`` model chunks of at least one layer
+    each (the interleaved schedule's rule; the runtime cuts a stage of n layers into v near-equal
+    chunks, ``nest_fx.apply.pipeline.interleaved_ranges``), else what is wrong and the fix."""
+    for i, s in enumerate(stages):
+        if s.end - s.start < virtual_stages:
+            return (f"stages[{i}] has {s.end - s.start} layer(s), fewer than virtual_stages={virtual_stages} "
+                    "(the interleaved schedule runs v chunks of at least one layer on every device); fix: "
+                    f"lower virtual_stages to at most {min(st.end - st.start for st in stages)} or give every "
+                    "stage more layers")
+    return ""
+
+
 @dataclass
 class StagePlan:
     """Layers [start, end) of the workload chain on ``tp`` devices per replica."""
@@ -225,6 +238,12 @@ class Plan:
             if self.num_microbatches % self.pp:
                 raise PlanError(f"num_microbatches={self.num_microbatches} must be a multiple of the "
                                 f"{self.pp} stages for the interleaved schedule")
+            short = interleave_problem(self.stages, self.virtual_stages)
+            if short:
+                raise PlanError(short)
+        elif self.virtual_stages != 1:
+            raise PlanError(f"virtual_stages={self.virtual_stages}: model chunks per device belong to the "
+                            f"interleaved schedule; with schedule {self.schedule!r} set virtual_stages to 1")
         ws = world_size if world_size is not None else self.world_size
         if ws and self.devices_used > ws:
             raise PlanError(f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "

@@ -28,6 +28,7 @@ from nest_fx.cluster.topology.graph_cluster import GraphCluster
 from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, StagePlan, uniform_plan
+from nest_fx.plan.plan import interleave_problem
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.space import GlobalConfig, SolverOptions, divisors
 from nest_fx.workload import Workload
@@ -150,6 +151,8 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
     n = len(workload)
 
     def score(plan: Plan) -> float:
+        if plan.schedule == "interleaved" and interleave_problem(plan.stages, plan.virtual_stages):
+            return math.inf  # a random cut left a stage fewer layers than model chunks
         r = simulate(plan, workload, cluster, options.cost)
         return r.step_s if r.feasible else math.inf
 
@@ -201,6 +204,8 @@ def exhaustive(workload: Workload, cluster, global_batch: int, options: Optional
     for _, g, p in candidates(workload, cluster, global_batch, options):
         m = g.microbatches(global_batch)
         for ranges in all_partitions(len(workload), p):
+            if any(b - a < g.v for a, b in ranges):
+                continue  # the interleaved schedule runs v chunks of at least one layer per stage
             for modes in itertools.product(options.recompute, repeat=p):
                 plan = _plan_for(g, [StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,
                                  workload, cluster)
