@@ -48,11 +48,11 @@ from nest_fx.cost import memory
 from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
-from nest_fx.solver.baselines import megatron
+from nest_fx.solver.recipes import megatron
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
-from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, objective
+from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, in_space, objective
 from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
 from nest_fx.workload.types import Workload
 
@@ -214,22 +214,13 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
                        placement=places[o].name, placements=places)
 
 
-def _within(plan: Plan, options: SolverOptions, cluster) -> bool:
-    """Whether a plan lies in the search space the options define."""
-    return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
-            and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
-            and plan.zero in options.zero_stages and (plan.schedule, plan.virtual_stages) in options.schedules
-            and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
-            and (not options.max_stages or plan.pp <= options.max_stages))
-
-
 def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions,
                deadline: Optional[float] = None):
     """The Megatron recipe when it lies in the search space (so the pruning bites from the start
     and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None) (also
     when the recipe's search passes ``deadline``, a ``time.perf_counter()`` value)."""
     recipe = megatron(workload, cluster, global_batch, options, deadline=deadline)
-    if recipe.plan is None or not _within(recipe.plan, options, cluster):
+    if recipe.plan is None or not in_space(recipe.plan, options, cluster):
         return math.inf, None
     p = recipe.plan
     g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,

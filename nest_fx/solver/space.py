@@ -74,6 +74,16 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                                                sp=options.sequence_parallel and tp > 1)
 
 
+def in_space(plan, options: SolverOptions, cluster) -> bool:
+    """Whether a plan lies in the search space the options define (so the search's optimum is
+    never slower than it)."""
+    return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
+            and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
+            and plan.zero in options.zero_stages and (plan.schedule, plan.virtual_stages) in options.schedules
+            and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
+            and (not options.max_stages or plan.pp <= options.max_stages))
+
+
 def _undominated(zero_stages: Sequence[int]) -> List[int]:
     """ZeRO-1 costs what ZeRO-0 costs in communication, with less memory and a shorter
     optimizer step (it updates 1/dp of the parameters): ZeRO-0 is dominated when 1 is allowed."""
