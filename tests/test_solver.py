@@ -3,10 +3,10 @@ import dataclasses
 import time
 
 import pytest
+from conftest import tight_cluster
 
 from nest_fx.cluster import load_cluster
 from nest_fx.workload import workload_for_model
-from nest_fx.cluster import Cluster
 from nest_fx.cost.step_time import simulate
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.space import in_space
@@ -15,17 +15,6 @@ from nest_fx.solver.recipes import block_split, interleave_factors, megatron, to
 
 SMALL_SPACE = SolverOptions(microbatch_sizes=(1, 2), tp_degrees=(1, 2), zero_stages=(1, 3),
                             schedules=(("1f1b", 1),), recompute=("none", "full"), max_stages=4)
-
-
-def tight_cluster(memory_gib: float, devices: int = 8) -> Cluster:
-    """2 devices per node on a fast link, slow links above: pipelining and placement matter."""
-    return Cluster.from_dict({
-        "format": "nest-fx-cluster/1", "name": "tight", "num_devices": devices,
-        "device": {"name": "toy", "memory_bytes": memory_gib * 2**30,
-                   "peak_flops": {"bf16": 100e12, "fp32": 20e12}, "mem_bandwidth": 1e12},
-        "levels": [{"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
-                   {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5}],
-    })
 
 
 CASES = [

@@ -21,33 +21,16 @@ planner on graph topologies). See docs/plan_format.md.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT
+from nest_fx.plan.constraints import ConstraintError, Constraints
+from nest_fx.plan.vocabulary import PLACEMENTS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem
 
 PLAN_FORMAT = "nest-fx-plan/1"
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
-PLACEMENTS = ("stage-major", "replica-major")
-RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
-_RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
-
-
-def recompute_problem(value: object) -> str:
-    """'' when ``value`` is a recompute policy name a plan may hold, else what is wrong.
-
-    ``none``; ``full`` (every block recomputed); ``selective`` (the attention core, Korthikanti
-    et al. 2022); ``op`` / ``op:<policy>`` (op-level selective checkpointing under a named policy
-    over op kinds; ``op`` is the default policy); ``every:<k>`` (every k-th block of the stage
-    fully recomputed). Whether a policy name is known is the cost model's and the runtime's to
-    check; this checks the form.
-    """
-    if isinstance(value, str) and _RECOMPUTE.match(value):
-        return ""
-    return f"{brief(value)} is not a recompute policy; use {RECOMPUTE_FORMS}"
 
 
 class PlanError(NestFxError, ValueError):
@@ -106,6 +89,7 @@ class Plan:
     world_size: int = 0
     cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
     device_order: Optional[List[int]] = None  # plan rank r runs on cluster rank device_order[r]; None = identity
+    constraints: Optional[Constraints] = None  # what the user fixed or bounded when planning (None: nothing)
     predicted: Dict[str, float] = field(default_factory=dict)
     notes: str = ""
 
@@ -266,6 +250,10 @@ class Plan:
         d = asdict(self)
         if d["device_order"] is None:  # absent means identity: files of unplaced plans stay as they were
             del d["device_order"]
+        if self.constraints:  # only what was set; absent when planned without constraints
+            d["constraints"] = self.constraints.to_dict()
+        else:
+            del d["constraints"]
         d = {"format": PLAN_FORMAT, **d}
         d["mesh"] = self.mesh()
         d["derived"] = {"pp": self.pp, "devices_used": self.devices_used, "global_batch": self.global_batch}
@@ -349,6 +337,11 @@ def _plan_fields(data: object) -> dict:
     for name in ("sequence_parallel", "loss_parallel", "compile", "float8"):
         if not isinstance(kwargs.get(name, False), bool):
             raise PlanError(f"{name} must be true or false, got {brief(kwargs[name])}")
+    if kwargs.get("constraints") is not None:
+        try:
+            kwargs["constraints"] = Constraints.from_dict(kwargs["constraints"])
+        except ConstraintError as exc:
+            raise PlanError(str(exc)) from None
     predicted = kwargs.get("predicted", {})
     if not isinstance(predicted, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):

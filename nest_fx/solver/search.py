@@ -202,7 +202,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     plan = Plan(stages=stages, dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
                 schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
                 model=workload.model, model_fingerprint=workload.fingerprint, num_layers=len(workload),
-                world_size=cluster.num_devices, device_order=list(order) if order is not None else None)
+                world_size=cluster.num_devices, device_order=list(order) if order is not None else None,
+                constraints=options.constraints or None)
     result = simulate(plan, workload, cluster, options.cost)
     plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
                       "model_flops_per_device": result.model_flops_per_device,
