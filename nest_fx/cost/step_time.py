@@ -46,7 +46,7 @@ import numpy as np
 from nest_fx.cluster.ordered import placed
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
-from nest_fx.cost.arrays import Count, per_value, positive_part
+from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult, StageCost
@@ -168,24 +168,18 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
 
 def _sync_volume_time(cluster, group: Sequence[int], params: Count, zero: int, m: int,
                       options: CostOptions) -> Count:
+    """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic over ``group`` for
+    ``params`` parameters (a number, or an array of them: ``collective_fn`` takes either)."""
     if len(group) <= 1:
         return 0.0
     gbytes, pbytes = options.grad_bytes, options.param_bytes
     if zero <= 1:
-        all_reduce = collective_fn("all_reduce", cluster, group)
-        return per_value(lambda x: all_reduce(x * gbytes) if x > 0 else 0.0, params)
-    reduce_scatter = collective_fn("reduce_scatter", cluster, group)
-    all_gather = collective_fn("all_gather", cluster, group)
-
-    def one(x: float) -> float:
-        if x <= 0:
-            return 0.0
-        rs, ag = reduce_scatter(x * gbytes), all_gather(x * pbytes)
-        if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
-            return m * rs + ag
-        return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
-
-    return per_value(one, params)
+        return collective_fn("all_reduce", cluster, group)(params * gbytes)
+    rs = collective_fn("reduce_scatter", cluster, group)(params * gbytes)
+    ag = collective_fn("all_gather", cluster, group)(params * pbytes)
+    if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
+        return m * rs + ag
+    return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
 
 
 def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count, dp: int, zero: int, cluster,

@@ -139,8 +139,15 @@ class Plan:
             return self.stage_offset(stage) + replica * self.stages[stage].tp * self.cp + inner
         return replica * self.devices_per_replica + self.stage_offset(stage) + inner
 
-    def _replica_ranks(self, stage: int, replicas, tp_rank: int, cp_rank: int = 0) -> List[int]:
-        return [self.rank(stage, r, tp_rank, cp_rank) for r in replicas]
+    def _replica_ranks(self, stage: int, replicas: range, tp_rank: int, cp_rank: int = 0) -> List[int]:
+        """The ranks of consecutive ``replicas`` at one position: an arithmetic progression, since
+        :meth:`rank` is affine in the replica under both placements (groups of thousands of ranks
+        are built without a call per rank)."""
+        if not replicas:
+            return []
+        first = self.rank(stage, replicas[0], tp_rank, cp_rank)
+        step = self.rank(stage, replicas[0] + 1, tp_rank, cp_rank) - first
+        return list(range(first, first + step * len(replicas), step))
 
     def tp_group(self, stage: int, replica: int = 0, cp_rank: int = 0) -> List[int]:
         first = self.rank(stage, replica, 0, cp_rank)

@@ -38,15 +38,24 @@ BASELINES = ("megatron", "torchtitan", "phaze", "mcmc")
 
 
 def run_baselines(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-                  mcmc_evaluations: int = 2000) -> List[Baseline]:
-    """Megatron, torchtitan, Phaze-style and MCMC (:data:`BASELINES`), each timed."""
+                  mcmc_evaluations: int = 2000, deadline: Optional[float] = None) -> List[Baseline]:
+    """Megatron, torchtitan, Phaze-style and MCMC (:data:`BASELINES`), each timed. With a
+    ``deadline`` (a ``time.perf_counter()`` value) each stops there with what it has found, and
+    says so in its notes."""
     out = []
     for fn, kwargs in ((megatron, {}), (torchtitan, {}), (phaze, {}), (mcmc, {"evaluations": mcmc_evaluations})):
         start = time.perf_counter()
-        b = fn(workload, cluster, global_batch, options, **kwargs)
+        b = fn(workload, cluster, global_batch, options, deadline=deadline, **kwargs)
         b.seconds = time.perf_counter() - start
+        if deadline is not None and time.perf_counter() > deadline and not b.notes:
+            b.notes = f"stopped at the time budget after {b.evaluations} evaluations"
         out.append(b)
     return out
+
+
+def _past(deadline: Optional[float], step: float = 0.0) -> bool:
+    """Whether ``deadline`` has passed, or would before one more step of ``step`` seconds ends."""
+    return deadline is not None and time.perf_counter() + step > deadline
 
 
 def _plan_for(g: GlobalConfig, stages: List[StagePlan], m: int, workload: Workload, cluster) -> Plan:
@@ -71,19 +80,23 @@ def flat_network(cluster):
     return dataclasses.replace(cluster, levels=levels)
 
 
-def phaze(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None) -> Baseline:
-    """Network-unaware search over uniform stages (see module docstring)."""
+def phaze(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
+          deadline: Optional[float] = None) -> Baseline:
+    """Network-unaware search over uniform stages (see module docstring); stops at ``deadline``
+    (a ``time.perf_counter()`` value) with the best plan so far."""
     options = options or SolverOptions()
     flat = flat_network(cluster)
-    best_t, best_plan, evals = math.inf, None, 0
-    for lb, g, p in candidates(workload, flat, global_batch, options):
-        if lb >= best_t:
+    best_t, best_plan, evals, step = math.inf, None, 0, 0.0
+    for lb, g, p in candidates(workload, flat, global_batch, options, deadline):
+        if lb >= best_t or _past(deadline, step):
             break
         m = g.microbatches(global_batch)
         for r in options.recompute:
             plan = _plan_for(g, [StagePlan(a, b, g.tp, r) for a, b in _even(len(workload), p)], m, workload, cluster)
             evals += 1
+            begin = time.perf_counter()
             result = evaluate(plan, workload, flat, options)
+            step = time.perf_counter() - begin
             if result is not None:
                 if result.step_s < best_t:
                     best_t, best_plan = result.step_s, plan
@@ -100,11 +113,13 @@ def _random_stages(rng: random.Random, n: int, p: int, tp: int, recompute: Seque
 
 
 def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-         evaluations: int = 2000, seed: int = 0, temperature: float = 0.05) -> Baseline:
-    """Metropolis search: move one knob (global config, a cut, a stage's recompute) at a time."""
+         evaluations: int = 2000, seed: int = 0, temperature: float = 0.05,
+         deadline: Optional[float] = None) -> Baseline:
+    """Metropolis search: move one knob (global config, a cut, a stage's recompute) at a time;
+    ``evaluations`` of them, fewer when ``deadline`` (a ``time.perf_counter()`` value) passes."""
     options = options or SolverOptions()
     rng = random.Random(seed)
-    pairs = [(g, p) for _, g, p in candidates(workload, cluster, global_batch, options)]
+    pairs = [(g, p) for _, g, p in candidates(workload, cluster, global_batch, options, deadline)]
     if not pairs:
         return Baseline("mcmc", None, None, 0)
     n = len(workload)
@@ -120,7 +135,12 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
                         workload, cluster)
     cur_s = score(current)
     best, best_s = current, cur_s
+    done, step = 1, 0.0
     for _ in range(evaluations - 1):
+        if _past(deadline, step):
+            break
+        done += 1
+        begin = time.perf_counter()
         move = rng.random()
         if move < 0.3 or current.pp == 1:
             g, p = rng.choice(pairs)
@@ -138,6 +158,7 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
                     stages[k].end, stages[k + 1].start = cut, cut
             cand = dataclasses.replace(current, stages=stages)
         s = score(cand)
+        step = time.perf_counter() - begin
         uphill_ok = math.isfinite(s) and (not math.isfinite(cur_s)
                                           or rng.random() < math.exp(-(s - cur_s) / (temperature * cur_s)))
         if s < cur_s or uphill_ok:
@@ -145,8 +166,8 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
         if s < best_s:
             best, best_s = cand, s
     if not math.isfinite(best_s):
-        return Baseline("mcmc", None, None, evaluations)
-    return Baseline("mcmc", best, simulate(best, workload, cluster, options.cost), evaluations)
+        return Baseline("mcmc", None, None, done)
+    return Baseline("mcmc", best, simulate(best, workload, cluster, options.cost), done)
 
 
 def all_partitions(n: int, p: int) -> Iterator[List[tuple]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Callable, List, Optional, Tuple
 
 from nest_fx.cost.memory import RECOMPUTE_MODES
@@ -154,24 +155,26 @@ def solve_constrained(workload: Workload, cluster, global_batch: int, constraint
                       progress: Optional[Callable[[int, int], None]] = None) -> SolveResult:
     """``solve`` within ``constraints``; the plan records them. When no plan fits, NoFeasiblePlan
     as without constraints if the unconstrained problem has none either, else ConstraintError
-    naming the constraint(s) whose removal gives a plan (:func:`binding_constraints`)."""
+    naming the constraint(s) whose removal gives a plan (:func:`binding_constraints`, within what
+    is left of ``options.time_budget``)."""
     options = options or SolverOptions()
+    start = time.perf_counter()
     narrowed = constrained_options(options, constraints, workload, cluster, global_batch)
     try:
         return solve(workload, cluster, global_batch, narrowed, progress)
     except NoFeasiblePlan as exc:
         if not constraints or all(k == "optimizer" for k, _ in constraints.items()):
             raise
-        message = binding_constraints(workload, cluster, global_batch, constraints, options, exc)
+        deadline = start + options.time_budget if options.time_budget else None
+        message = binding_constraints(workload, cluster, global_batch, constraints, options, exc, deadline)
         if message is None:  # no plan without the constraints either: the plain reason says more
             raise
         raise ConstraintError(message) from exc
 
 
-def _relaxed(workload: Workload, cluster, global_batch: int, constraints: Constraints,
-             options: SolverOptions) -> Optional[SolveResult]:
-    """The plan found under ``constraints`` with a short budget, or None."""
-    budget = min(options.time_budget or math.inf, RELAXED_SOLVE_BUDGET_S)
+def _relaxed(workload: Workload, cluster, global_batch: int, constraints: Constraints, options: SolverOptions,
+             budget: float) -> Optional[SolveResult]:
+    """The plan found under ``constraints`` within ``budget`` seconds, or None."""
     try:
         narrowed = constrained_options(dataclasses.replace(options, time_budget=budget), constraints, workload,
                                        cluster, global_batch)
@@ -181,21 +184,33 @@ def _relaxed(workload: Workload, cluster, global_batch: int, constraints: Constr
 
 
 def binding_constraints(workload: Workload, cluster, global_batch: int, constraints: Constraints,
-                        options: SolverOptions, failure: NoFeasiblePlan) -> Optional[str]:
+                        options: SolverOptions, failure: NoFeasiblePlan,
+                        deadline: Optional[float] = None) -> Optional[str]:
     """Why no plan meets ``constraints``: the constraints whose removal alone gives a plan (with
     that plan), else that they bind only together; None when no plan fits without them either.
-    The optimizer is a fact of the training, not relaxed."""
+    The optimizer is a fact of the training, not relaxed. Each re-plan gets an even share of the
+    time left before ``deadline`` (a ``time.perf_counter()`` value), at most
+    RELAXED_SOLVE_BUDGET_S."""
     keys = [(k, text) for k, text in constraints.items() if k != "optimizer"]
-    if _relaxed(workload, cluster, global_batch, Constraints(optimizer=constraints.optimizer), options) is None:
-        return None
-    binding: List[str] = []
-    for key, text in keys:
-        found = _relaxed(workload, cluster, global_batch, constraints.without(key), options)
-        if found is not None:
-            binding.append(f"{text} (without it: {_short(found)})")
+    trials = [Constraints(optimizer=constraints.optimizer)] + [constraints.without(k) for k, _ in keys]
+    found: List[Optional[SolveResult]] = []
+    for k, trial in enumerate(trials):
+        left = math.inf if deadline is None else deadline - time.perf_counter()
+        if left <= 0:
+            break
+        found.append(_relaxed(workload, cluster, global_batch, trial, options,
+                              min(RELAXED_SOLVE_BUDGET_S, left / (len(trials) - k))))
+        if found[0] is None:
+            return None
+    stopped = len(found) < len(trials)
+    note = " (the time budget ran out before every constraint was tried: allow more with --time-budget)" \
+        if stopped else ""
+    binding = [f"{text} (without it: {_short(plan)})" for (_, text), plan in zip(keys, found[1:]) if plan is not None]
     if binding:
         verb = "binds" if len(binding) == 1 else "each bind"
-        return f"no plan meets the constraints; {'; '.join(binding)} {verb}"
+        return f"no plan meets the constraints; {'; '.join(binding)} {verb}{note}"
+    if stopped:
+        return f"no plan meets the constraints ({', '.join(text for _, text in keys)}){note}"
     return (f"no plan meets the constraints together ({', '.join(text for _, text in keys)}); leaving out any one "
             f"of them does not help either: relax several ({failure})")
 

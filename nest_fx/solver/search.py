@@ -143,7 +143,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
            progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
-    pairs = candidates(workload, cluster, global_batch, options)
+    pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
     best_t, best = _incumbent(workload, cluster, global_batch, options,
@@ -154,7 +154,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
     runs = pops = settled = 0
-    complete = True
+    complete = deadline is None or time.perf_counter() <= deadline  # every pair enumerated
     while heap and heap[0][0] * SLACK < best_t:
         if deadline is not None and time.perf_counter() > deadline:
             complete = False

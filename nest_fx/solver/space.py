@@ -117,6 +117,8 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
             continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
+        if p == 1 and g.placement != options.placements[0]:
+            continue  # one stage lays its replicas out the same way under every placement: a duplicate
         out.append(p)
     return out
 
