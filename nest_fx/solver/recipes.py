@@ -99,7 +99,8 @@ def interleave_factors(blocks_per_stage: int, p: int, m: int) -> List[int]:
     return [1] + [v for v in divisors(blocks_per_stage) if v >= 2]
 
 
-def _fastest(workload: Workload, cluster, options: SolverOptions, plans: Iterator[Plan]) -> Tuple[Optional[Plan], object, int]:
+def fastest(workload: Workload, cluster, options: SolverOptions,
+            plans: Iterator[Plan]) -> Tuple[Optional[Plan], object, int]:
     """(plan, result, evaluations) of the fastest plan that fits among ``plans``; the first plan
     is the leanest of a shape: when it does not fit, the shape is skipped."""
     best_plan, best, evals = None, None, 0
@@ -121,6 +122,22 @@ def _batch_splits(global_batch: int, dp: int) -> Iterator[Tuple[int, int]]:
             yield mbs, per_replica // mbs
 
 
+def megatron_plans(workload: Workload, cluster, global_batch: int, tp: int, p: int,
+                   recompute: str) -> Iterator[Plan]:
+    """Megatron-LM's plans of one shape (t = ``tp``, p) on every device: its block split, the
+    distributed optimizer, sequence parallelism with TP, every microbatch size and legal
+    interleave factor, leanest first (microbatch 1, v = 1); nothing when the shape does not
+    divide the devices, the batch or the blocks."""
+    dp, ranges = _data_parallel(global_batch, tp * p, cluster.num_devices), block_split(workload, p)
+    if dp is None or ranges is None:
+        return
+    ep = _expert_parallel(workload, tp, dp)
+    for mbs, m in _batch_splits(global_batch, dp):
+        for v in interleave_factors(_num_blocks(workload) // p, p, m):
+            yield _plan(workload, cluster, ranges, tp, dp, ep, 1, mbs, m, recompute,
+                        "interleaved" if v > 1 else "1f1b", v)
+
+
 def megatron(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
              deadline: Optional[float] = None) -> Baseline:
     """Megatron-LM's recipe (module docstring); no plan when the search for the smallest shape
@@ -136,18 +153,10 @@ def megatron(workload: Workload, cluster, global_batch: int, options: Optional[S
         for tp, p in shapes:
             if deadline is not None and time.perf_counter() > deadline:
                 return Baseline("megatron", None, None, evals)
-            dp, ranges = _data_parallel(global_batch, tp * p, n), block_split(workload, p)
-            if dp is None or ranges is None:
+            if _data_parallel(global_batch, tp * p, n) is None or block_split(workload, p) is None:
                 continue
-            ep = _expert_parallel(workload, tp, dp)
-
-            def plans(tp=tp, p=p, dp=dp, ep=ep, ranges=ranges, recompute=recompute) -> Iterator[Plan]:
-                for mbs, m in _batch_splits(global_batch, dp):
-                    for v in interleave_factors(blocks // p, p, m):
-                        yield _plan(workload, cluster, ranges, tp, dp, ep, 1, mbs, m, recompute,
-                                    "interleaved" if v > 1 else "1f1b", v)
-
-            plan, result, k = _fastest(workload, cluster, options, plans())
+            plan, result, k = fastest(workload, cluster, options,
+                                       megatron_plans(workload, cluster, global_batch, tp, p, recompute))
             evals += k
             if plan is not None:
                 return Baseline("megatron", plan, result, evals)
@@ -188,7 +197,7 @@ def torchtitan(workload: Workload, cluster, global_batch: int, options: Optional
             splits = [(1, global_batch // dp)] if p > 1 else list(_batch_splits(global_batch, dp))
             plans = (_plan(workload, cluster, ranges, tp, dp, 1, 3 if p == 1 else 1, mbs, m, recompute, notes=notes)
                      for mbs, m in splits if p == 1 or m >= p)
-            plan, result, k = _fastest(workload, cluster, options, plans)
+            plan, result, k = fastest(workload, cluster, options, plans)
             evals += k
             if plan is not None:
                 return Baseline("torchtitan", plan, result, evals, notes=notes)
