@@ -5,6 +5,7 @@ workload of a (model, cluster type) is traced once and reused across device coun
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, Tuple
 
 from nest_fx.cluster import load_cluster
@@ -32,14 +33,15 @@ def run_case(model: str, cluster_name: str, devices: int, batch: int, budget: fl
         workloads[key] = workload_for_model(model, cluster)
     work = workloads[key]
     row = {"model": model, "cluster": cluster_name, "devices": devices}
+    cpu = time.process_time()
     try:
         found = solve(work, cluster, batch, SolverOptions(time_budget=budget))
     except NoFeasiblePlan as exc:
         row["error"] = str(exc)
         return row
     row.update(plan=report.plan_summary(found.plan), nest_tokens_s=found.result.tokens_per_s,
-               nest_step_s=found.result.step_s, search_s=found.seconds, complete=found.complete,
-               dp_runs=found.dp_runs)
+               nest_step_s=found.result.step_s, search_s=found.seconds, search_cpu_s=time.process_time() - cpu,
+               complete=found.complete, dp_runs=found.dp_runs)
     baselines = run_baselines(work, cluster, batch, SolverOptions(time_budget=budget), mcmc)
     for b in baselines:
         row[f"{b.name}_tokens_s"] = b.result.tokens_per_s if b.result else None
