@@ -224,7 +224,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
     result = _simulate_file(args.plan, plan, workload, cluster)
-    print(explain.explain_text(plan, workload, cluster, result))
+    print(explain.explain_text(plan, workload, cluster, result, cost_options(plan.constraints)))
     if args.png:
         try:
             shown = explain.write_timeline_png(plan, cluster, result, args.png)

@@ -203,7 +203,7 @@ def markdown(results: dict) -> str:
              f"{results['mcmc_evals']} evaluations. Throughputs are predictions of nest-fx's cost model "
              "(analytical roofline compute), the same model for every planner; search times are wall-clock "
              "seconds on the machine that ran the script. `*` marks a nest-fx search stopped by the budget "
-             "(best plan so far). The baselines run as their authors run them (docs/solver.md, "Baselines"): "
+             "(best plan so far). The baselines run as their authors run them (docs/solver.md, Baselines): "
              "Megatron-LM with its stage split (blocks evenly, embedding first, output layer last), its "
              "interleaving and microbatch rules; torchtitan's Llama 3 recipes (op-level SAC costed as "
              "selective); \"vs best\" is the speedup over the fastest baseline of each case.", ""]
