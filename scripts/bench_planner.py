@@ -105,7 +105,7 @@ def plot(rows, path: str) -> None:
             if pts:
                 ax.plot(*zip(*pts), "-o", label=model)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{cl}: nest-fx throughput / best baseline's (Megatron, torchtitan, Phaze, MCMC)")
+        ax.set_title(f"{cl}: nest-fx throughput / the best baseline's", fontsize=10)
         ax.set_xlabel("devices")
         ax.set_ylabel("ratio")
         ax.axhline(1.0, color="grey", lw=0.5)
