@@ -28,7 +28,9 @@ from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints
-from nest_fx.plan.vocabulary import PLACEMENTS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem
+# the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
+# `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
+from nest_fx.plan.vocabulary import PLACEMENTS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem  # noqa: F401
 
 PLAN_FORMAT = "nest-fx-plan/1"
 

@@ -65,7 +65,7 @@ def _check_unsearched(c: Constraints) -> None:
     for flag in NOT_COSTED_FLAGS:
         if c.fix.get(flag) is True:
             raise ConstraintError(f"--fix {flag}=true: the cost model does not cost {flag} yet, so the planner "
-                                  f"cannot choose it; plan without it and set {flag} in the plan file")
+                                  "cannot plan with it; drop this constraint")
     for mode in c.recompute or ():
         if mode not in RECOMPUTE_MODES:
             raise ConstraintError(f"--recompute {','.join(c.recompute)}: the cost model does not cost {mode!r} yet; "
