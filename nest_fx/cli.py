@@ -28,8 +28,11 @@ from nest_fx.plan import Plan
 from nest_fx.report import explain
 from nest_fx.report import tables as report
 from nest_fx.report.layout import placement_lines
-from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
+from nest_fx.plan.vocabulary import OPTIMIZER_NAMES
+from nest_fx.solver import NoFeasiblePlan, SolverOptions
 from nest_fx.solver.baselines import run_baselines
+from nest_fx.solver.constraints import constrained_options, cost_options, solve_constrained
 from nest_fx.workload import Profile, load_workload, workload_for_model
 from profiler.collectives import calibrate
 from profiler.model_profile import ProfileOptions, profile_model
@@ -114,10 +117,11 @@ def _load_cluster(args: argparse.Namespace):
 
 
 def _simulate_file(path: str, plan: Plan, workload, cluster):
-    """``simulate`` of a plan file, its errors (the plan does not fit this model, cluster or layer
-    table) prefixed with the file's name."""
+    """``simulate`` of a plan file under the cost options its constraints record (optimizer,
+    memory headroom), its errors (the plan does not fit this model, cluster or layer table)
+    prefixed with the file's name."""
     try:
-        return simulate(plan, workload, cluster)
+        return simulate(plan, workload, cluster, cost_options(plan.constraints))
     except NestFxError as exc:
         raise UserError(f"{path}: {exc}") from exc
 
@@ -135,10 +139,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if result.feasible else 1
 
 
+def _constraints(args: argparse.Namespace) -> Constraints:
+    """The constraints given on the ``plan`` command line (``--fix``, ``--max``, ``--schedule``, ...)."""
+    data: dict = {kind: parse_assignments(getattr(args, kind) or "", kind) for kind in ("fix", "min", "max")}
+    for degree in ("tp", "pp"):
+        value = getattr(args, f"max_{degree}")
+        if value is not None:
+            data["max"][degree] = value
+    for name, flag in (("schedules", "schedule"), ("recompute", "recompute"), ("placements", "placement")):
+        if getattr(args, flag) is not None:
+            data[name] = parse_list(getattr(args, flag), f"--{flag}")
+    for name, flag in (("microbatch_sizes", "microbatch"), ("zero_stages", "zero")):
+        if getattr(args, flag) is not None:
+            data[name] = parse_list(getattr(args, flag), f"--{flag}", integers=True)
+    if args.memory_headroom is not None:
+        data["memory_headroom"] = parse_fraction(args.memory_headroom)
+    data["optimizer"] = args.optimizer  # recorded in the plan: simulate costs the same optimizer
+    try:
+        return Constraints(**data)
+    except ConstraintError as exc:  # name the flag rather than the file form's path
+        raise UserError(f"constraint {exc}") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Search the best plan, compare it with the baselines, write the plan file."""
+    """Search the best plan within the constraints, compare it with the baselines, write the plan file."""
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
+    constraints = _constraints(args)
     options = SolverOptions(time_budget=args.time_budget)
     bar = tqdm(desc="planning", unit="config", disable=args.quiet or not sys.stderr.isatty(), leave=False)
 
@@ -146,8 +173,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         bar.total = total
         bar.update(done - bar.n)
 
+    start = time.perf_counter()  # --time-budget covers the search and the baselines
     try:
-        found = solve(workload, cluster, args.global_batch, options, progress=progress)
+        found = solve_constrained(workload, cluster, args.global_batch, constraints, options, progress=progress)
     except NoFeasiblePlan as exc:
         raise UserError(f"no plan fits: {exc}") from exc
     finally:
@@ -157,6 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model {workload.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
           f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
           f"[{levels}]; global batch {args.global_batch} x {workload.dims.seq_len} tokens")
+    print(f"constraints: {constraints.describe()}")
     coverage = getattr(workload.source, "coverage", None)
     if coverage is not None:
         tp = plan.uniform_tp or 1
@@ -173,7 +202,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(report.sim_tables(result, plan, workload))
     if not args.no_baselines:
         print()
-        baselines = run_baselines(workload, cluster, args.global_batch, options, args.mcmc_evals)
+        searched = constrained_options(options, constraints, workload, cluster, args.global_batch)
+        baselines = run_baselines(workload, cluster, args.global_batch, searched, args.mcmc_evals,
+                                  deadline=start + args.time_budget)
         print(report.baselines_table(found, found.seconds, baselines))
     if args.json:
         plan.cluster = cluster_spec(args.cluster, cluster)
@@ -193,7 +224,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
     result = _simulate_file(args.plan, plan, workload, cluster)
-    print(explain.explain_text(plan, workload, cluster, result))
+    print(explain.explain_text(plan, workload, cluster, result, cost_options(plan.constraints)))
     if args.png:
         try:
             shown = explain.write_timeline_png(plan, cluster, result, args.png)
@@ -325,9 +356,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--global-batch", type=_positive, default=4096, help="sequences per step (default 4096)")
     p.add_argument("--json", metavar="PLAN.json", help="write the plan (format nest-fx-plan/1)")
-    p.add_argument("--time-budget", type=_seconds, default=60.0, help="search seconds before returning the best "
-                   "plan so far (default 60)")
-    p.add_argument("--no-baselines", action="store_true", help="skip the Megatron/Phaze/MCMC comparison")
+    p.add_argument("--time-budget", type=_seconds, default=60.0, help="seconds for the search and the baselines: "
+                   "the best plan so far is returned when they run out, and the baselines stop with theirs (default 60)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the Megatron/torchtitan/Phaze/MCMC comparison")
+    c = p.add_argument_group("constraints", "what the plan must satisfy (recorded in the plan file; "
+                             "docs/solver.md#constraints)")
+    c.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adam",
+                   help="the optimizer trained with: its state bytes and update traffic are costed (default adam; "
+                   "sgd is PyTorch's SGD without momentum)")
+    c.add_argument("--fix", metavar="K=V[,K=V]", help="fix degrees or flags: tp, pp, dp, ep, cp, dp_shard; "
+                   "sequence_parallel, loss_parallel, compile, float8 (e.g. --fix tp=8,pp=16; --fix pp=1: no pipeline)")
+    c.add_argument("--min", metavar="K=V[,K=V]", help="lower bounds on degrees (e.g. --min dp=8)")
+    c.add_argument("--max", metavar="K=V[,K=V]", help="upper bounds on degrees (e.g. --max tp=4,pp=8)")
+    c.add_argument("--max-tp", type=_positive, help="shorthand for --max tp=N")
+    c.add_argument("--max-pp", type=_positive, help="shorthand for --max pp=N")
+    c.add_argument("--schedule", metavar="S[,S]", help="pipeline schedules allowed: 1f1b, gpipe, interleaved "
+                   "(the planner's interleave factors) or interleaved:V")
+    c.add_argument("--recompute", metavar="R[,R]", help="recompute modes allowed per stage: none, selective, full")
+    c.add_argument("--microbatch", metavar="B[,B]", help="microbatch sizes allowed (e.g. 2)")
+    c.add_argument("--zero", metavar="Z[,Z]", help="ZeRO stages allowed (e.g. 3)")
+    c.add_argument("--placement", metavar="P[,P]", help="rank placements allowed: stage-major, replica-major")
+    c.add_argument("--memory-headroom", metavar="F", help="device memory to leave unused, a fraction or a "
+                   "percentage (default 0.05: the CUDA context and allocator fragmentation), e.g. 0.1 or 10%%")
     p.add_argument("--mcmc-evals", type=_positive, default=2000, help="MCMC baseline evaluations (default 2000)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.launch import launch
 from nest_fx.cluster import Cluster
+from nest_fx.cluster.hierarchical_collectives import path_bandwidth
 from nest_fx.common.errors import NestFxError
 from nest_fx.cost.collectives import collective_time, p2p
 
@@ -170,11 +171,15 @@ def fit_cluster(cluster: Cluster, samples: Sequence[Sample]) -> Tuple[Cluster, L
         if not rows:
             continue
         a, b, y = [], [], []
+        # The model is linear in this level's 1/B while the level is its paths' bottleneck
+        # (hierarchical_collectives.path_bandwidth): the rest of a sample's time is read at
+        # B = the inner levels' path bandwidth, minus this level's share there.
+        reference = path_bandwidth(fitted.levels, index - 1) if index else _HUGE_BW
         for s in rows:
             kind = s.kind
-            inner = model_time(kind, _with_level(fitted, index, 0.0, _HUGE_BW), s.ranks, s.nbytes)
             c_lat = model_time(kind, _with_level(fitted, index, 1.0, _HUGE_BW, range(index)), s.ranks, s.nbytes)
             c_inv_bw = model_time(kind, _with_level(fitted, index, 0.0, 1.0, range(index)), s.ranks, s.nbytes)
+            inner = model_time(kind, _with_level(fitted, index, 0.0, reference), s.ranks, s.nbytes) - c_inv_bw / reference
             a.append(c_lat / s.seconds)
             b.append(c_inv_bw / s.seconds)
             y.append(1.0 - inner / s.seconds)

@@ -5,6 +5,7 @@ import functools
 
 import pytest
 
+from nest_fx.cluster import Cluster
 from nest_fx.graph import trace
 from nest_fx.models import build_any
 
@@ -28,3 +29,14 @@ def _traced(name: str, seq: int, batch: int):
 def zoo():
     """``zoo(name, seq=128, batch=1) -> (model, cfg, args, graph)``, cached across test files."""
     return traced_zoo
+
+
+def tight_cluster(memory_gib: float, devices: int = 8) -> Cluster:
+    """2 devices per node on a fast link, slow links above: pipelining and placement matter."""
+    return Cluster.from_dict({
+        "format": "nest-fx-cluster/1", "name": "tight", "num_devices": devices,
+        "device": {"name": "toy", "memory_bytes": memory_gib * 2**30,
+                   "peak_flops": {"bf16": 100e12, "fp32": 20e12}, "mem_bandwidth": 1e12},
+        "levels": [{"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
+                   {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5}],
+    })

@@ -159,6 +159,29 @@ def test_span_invariants(ranks):
     assert product >= len(ranks)
 
 
+def _span_by_definition(cluster, ranks):
+    """Cluster.span's definition, one rank at a time (the method itself works on arrays)."""
+    top = cluster.level_index_of_group(ranks)
+    out, inner = [], 1
+    for level in cluster.levels[: top + 1]:
+        groups = {}
+        for r in ranks:
+            groups.setdefault(r // level.group_size, []).append(r)
+        fanouts = [len({r // inner for r in g}) for g in groups.values()]
+        sizes = [len(g) for g in groups.values()]
+        out.append((level.name, max(fanouts), max(sizes), min(sizes)))
+        inner = level.group_size
+    return out
+
+
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=200, unique=True))
+@settings(max_examples=80, deadline=None)
+def test_span_equals_its_definition_in_any_order(ranks):
+    c = Cluster.preset("h100-spine-leaf", 256)
+    assert [(sp.level.name, sp.fanout, sp.max_ranks, sp.min_ranks) for sp in c.span(ranks)] == \
+        _span_by_definition(c, ranks)
+
+
 @pytest.mark.parametrize("ranks, message", [
     ([], "non-empty"),
     ([64], "not a rank"),

@@ -113,6 +113,45 @@ def test_hierarchical_broadcast(dgx64):
     assert broadcast(dgx64, range(16), S) == pytest.approx(rack + node)
 
 
+# -- paths: a transfer crossing level i is as fast as the slowest level it traverses ---------
+
+
+@pytest.fixture
+def slow_leaf():
+    return Cluster.preset("h100-spine-leaf", 128)  # node 900e9/5e-6, rack 12.5e9/1e-5, spine 50e9/1.5e-5
+
+
+def test_cross_spine_p2p_runs_at_the_slower_leaf(slow_leaf):
+    # ranks 0 and 40 meet at the spine, but the message leaves rack 0 through its 12.5 GB/s leaf
+    assert p2p(slow_leaf, 0, 40, S) == pytest.approx(1.5e-5 + S / 12.5e9)
+    assert p2p(slow_leaf, 0, 8, S) == pytest.approx(1e-5 + S / 12.5e9)
+    assert p2p(slow_leaf, 0, 7, S) == pytest.approx(5e-6 + S / 900e9)
+    assert C.path_bandwidth(slow_leaf.levels, 2) == 12.5e9 and C.path_bandwidth(slow_leaf.levels, 0) == 900e9
+
+
+def test_collective_steps_across_the_spine_use_the_path_bandwidth(slow_leaf):
+    # one rank per rack on 4 racks: a single spine step of 4, at the leaf's 12.5 GB/s
+    heads = [0, 32, 64, 96]
+    assert reduce_scatter(slow_leaf, heads, S) == pytest.approx(3 / 4 * S / 12.5e9 + 3 * 1.5e-5)
+    assert all_to_all(slow_leaf, heads, S) == pytest.approx(3 / 4 * S / 12.5e9 + 3 * 1.5e-5)
+    assert broadcast(slow_leaf, heads, S) == pytest.approx(2 * 3 / 4 * S / 12.5e9 + (2 + 3) * 1.5e-5)
+    # all 64 ranks of racks 0-1: node 8 on S, rack 4 on S/8, spine 2 on S/32 (spine step at 12.5 GB/s)
+    expected = (7 / 8 * S / 900e9 + 7 * 5e-6) + (3 / 4 * S / 8 / 12.5e9 + 3 * 1e-5) + (
+        1 / 2 * S / 32 / 12.5e9 + 1.5e-5)
+    assert all_gather(slow_leaf, range(64), S) == pytest.approx(expected)
+
+
+@given(ranks=st.sets(st.integers(0, 127), min_size=2, max_size=64).map(sorted), nbytes=st.floats(1, 1e10))
+@settings(max_examples=40, deadline=None)
+def test_a_faster_outer_level_never_beats_its_inner_path(ranks, nbytes):
+    # raising the spine above the leaf changes nothing: the leaf is on every cross-spine path
+    c = Cluster.preset("h100-spine-leaf", 128)
+    faster_spine = replace(c, levels=[*c.levels[:2], replace(c.levels[2], bandwidth=1e15)])
+    for kind in COLLECTIVES:
+        assert collective_time(kind, faster_spine, ranks, nbytes) == collective_time(kind, c, ranks, nbytes)
+    assert p2p(faster_spine, ranks[0], ranks[-1], nbytes) == p2p(c, ranks[0], ranks[-1], nbytes)
+
+
 def _uniform(bandwidth, latency, sizes=(8, 32, 128)):
     levels = [NetworkLevel(f"l{i}", s, bandwidth, latency) for i, s in enumerate(sizes)]
     return Cluster("uniform", Cluster.preset("dgx-a100", 8).device, sizes[-1], levels)

@@ -46,13 +46,18 @@ def test_fp32_adam_and_sgd():
     m = model_state_bytes(10, zero_stage=0, dp=1, param_dtype_bytes=4, grad_dtype_bytes=4, master_weights=False)
     assert (m["weights"], m["grads"], m["optimizer"], m["total"]) == (40, 40, 80, 160)
     # SGD with momentum, mixed precision: master 4 + momentum 4 = 8
-    assert optimizer_bytes_per_param("sgd") == 8
-    assert optimizer_bytes_per_param("sgd", master_weights=False) == 4
+    assert optimizer_bytes_per_param("sgd-momentum") == 8
+    assert optimizer_bytes_per_param("sgd-momentum", master_weights=False) == 4
     assert optimizer_bytes_per_param("adam") == optimizer_bytes_per_param("adamw") == 12
-    assert model_state_bytes(10, zero_stage=0, dp=1, optimizer="sgd")["total"] == 10 * (2 + 2 + 8)
+    assert model_state_bytes(10, zero_stage=0, dp=1, optimizer="sgd-momentum")["total"] == 10 * (2 + 2 + 8)
+    # PyTorch's default SGD (momentum 0) keeps no state: the master copy alone, nothing in fp32
+    assert optimizer_bytes_per_param("sgd") == 4
+    assert optimizer_bytes_per_param("sgd", master_weights=False) == 0
+    assert model_state_bytes(10, zero_stage=0, dp=1, optimizer="sgd", param_dtype_bytes=4, grad_dtype_bytes=4,
+                             master_weights=False)["optimizer"] == 0
 
 
-@given(psi=st.floats(0, 1e12), dp=st.integers(1, 4096), opt=st.sampled_from(["adam", "adamw", "sgd"]))
+@given(psi=st.floats(0, 1e12), dp=st.integers(1, 4096), opt=st.sampled_from(["adam", "adamw", "sgd", "sgd-momentum"]))
 @settings(max_examples=100, deadline=None)
 def test_zero_never_increases_memory(psi, dp, opt):
     totals = [model_state_bytes(psi, zero_stage=z, dp=dp, optimizer=opt)["total"] for z in range(4)]
@@ -300,3 +305,4 @@ def test_optimizer_step_scratch_is_one_fp32_copy_for_adam_none_for_sgd():
     assert optimizer_step_bytes(1e6, "adamw") == 4e6
     assert optimizer_step_bytes(1e6, "adam") == 4e6
     assert optimizer_step_bytes(1e6, "sgd") == 0
+    assert optimizer_step_bytes(1e6, "sgd-momentum") == 0

@@ -122,3 +122,19 @@ def test_recompute_policy_forms_are_accepted(good):
 def test_recompute_policy_forms_are_refused(bad):
     with pytest.raises(PlanError, match=r"stages\[0\].recompute: .* is not a recompute policy; use none, selective"):
         Plan(stages=[StagePlan(0, 1, recompute=bad)], num_layers=1).validate()
+
+
+@pytest.mark.parametrize("v, ok", [(2, True), (3, True), (4, False), (7, False)])
+def test_interleaved_chunks_need_a_layer_each(v, ok):
+    # 4 stages of 3 layers: the runtime cuts each into v chunks of >= 1 layer (interleaved_ranges)
+    plan = uniform_plan(12, pp=4, dp=1, num_microbatches=8, schedule="interleaved", virtual_stages=v)
+    if ok:
+        plan.validate()
+    else:
+        with pytest.raises(PlanError, match=f"stages\\[0\\] has 3 layer\\(s\\), fewer than virtual_stages={v}"):
+            plan.validate()
+
+
+def test_virtual_stages_belong_to_the_interleaved_schedule():
+    with pytest.raises(PlanError, match="virtual_stages=2.*set virtual_stages to 1"):
+        uniform_plan(8, pp=2, num_microbatches=4, schedule="1f1b", virtual_stages=2).validate()

@@ -114,8 +114,9 @@ def plans(draw) -> Plan:
               for a, b in zip(bounds[:-1], bounds[1:])]
     ep = draw(st.sampled_from([1, 2]))
     dp = ep * draw(st.integers(1, 4))
-    schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved"]))
-    v = draw(st.integers(2, 3)) if schedule == "interleaved" else 1
+    shortest = min(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    schedule = draw(st.sampled_from(["1f1b", "gpipe"] + (["interleaved"] if shortest >= 2 else [])))
+    v = draw(st.integers(2, min(3, shortest))) if schedule == "interleaved" else 1  # a layer per model chunk
     m = pp * draw(st.integers(1, 4)) if schedule == "interleaved" else draw(st.integers(1, 16))
     plan = Plan(stages=stages, dp=dp, ep=ep, zero=draw(st.integers(0, 3)), microbatch_size=draw(st.integers(1, 4)),
                 num_microbatches=m, schedule=schedule, virtual_stages=v, sequence_parallel=draw(st.booleans()),

@@ -80,6 +80,9 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
                 if i == p - 1 and e != n:
                     continue
                 c = table.cls[b, e]
+                if e - b < g.v:  # fewer layers than interleaved model chunks: never a stage of a plan
+                    assert c == table.size
+                    continue
                 for r in SPACE.recompute:
                     plan = _slot_plan(g, p, m, i, b, e, r, n)
                     sc = stage_cost(work, cluster, plan, i, cost)
@@ -88,7 +91,7 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
                     q = table._tail_values(i, np.array([c]))[r][0]
                     assert q == sum(stage_tail(sc, plan, cluster, cost))
                     checked += 1
-    assert checked > 2000
+    assert checked > 1500
 
 
 def _pair_optimum(work, cluster, g, p, m, modes):
@@ -96,6 +99,8 @@ def _pair_optimum(work, cluster, g, p, m, modes):
     n, best = len(work), math.inf
     for cuts in itertools.combinations(range(1, n), p - 1):
         bounds = [0, *cuts, n]
+        if any(b - a < g.v for a, b in zip(bounds, bounds[1:])):
+            continue  # Plan.validate refuses fewer layers than interleaved model chunks
         for chosen in itertools.product(modes, repeat=p):
             plan = Plan(stages=[StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)],
                         dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,

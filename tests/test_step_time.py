@@ -8,6 +8,7 @@ from nest_fx.workload import workload_for_model
 from nest_fx.cluster import Cluster, NetworkLevel
 from nest_fx.cluster import hierarchical_collectives
 from nest_fx.cost import collectives
+from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import pipeline_time, simulate
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
 
@@ -187,3 +188,27 @@ def test_plan_world_size_mismatch_is_refused(work):
     small = load_cluster("dgx-a100:8")
     with pytest.raises(PlanError, match="world has 8"):
         simulate(uniform_plan(len(work), pp=2, tp=4, dp=2), work, small)
+
+
+@pytest.mark.parametrize("optimizer, update, states", [
+    ("adam", 36, 12), ("adamw", 44, 12), ("sgd-momentum", 20, 8), ("sgd", 12, 4)])
+def test_optimizer_sets_state_bytes_and_update_traffic(work, cluster, optimizer, update, states):
+    plan = uniform_plan(len(work), pp=1, tp=1, dp=4, zero=1, num_microbatches=2)
+    r = simulate(plan, work, cluster, CostOptions(optimizer=optimizer))
+    params = sum(work.cost(i).num_params for i in range(len(work)))
+    # ZeRO-1: each rank updates 1/dp of the parameters, memory-bound at 70% of HBM bandwidth
+    assert r.breakdown["optimizer"] == pytest.approx(params / 4 * update / (cluster.device.mem_bandwidth * 0.7))
+    assert r.stages[0].memory["optimizer"] == pytest.approx(params * states / 4)
+
+
+def test_state_free_sgd_needs_less_memory_and_a_shorter_step_than_adam(work, cluster):
+    plan = uniform_plan(len(work), pp=1, tp=1, dp=1, num_microbatches=2)
+    adam, sgd = (simulate(plan, work, cluster, CostOptions(optimizer=o)) for o in ("adam", "sgd"))
+    assert sgd.stages[0].memory["total"] < adam.stages[0].memory["total"]
+    assert sgd.step_s < adam.step_s
+    assert sgd.breakdown["compute"] == adam.breakdown["compute"]
+
+
+def test_unknown_optimizer_is_refused_with_the_names():
+    with pytest.raises(ValueError, match="sgd-momentum"):
+        CostOptions(optimizer="lamb")

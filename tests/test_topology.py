@@ -202,6 +202,17 @@ def test_graph_agrees_with_hierarchical_model(preset, devices):
     print(f"{preset}: worst relative difference {worst:.1e}")
 
 
+def test_from_cluster_links_carry_the_path_bandwidth():
+    # h100-spine-leaf: the spine (50 GB/s) sits behind the 12.5 GB/s leaf, so a device's spine
+    # plane link carries 12.5 GB/s and cross-spine routes agree with the hierarchical p2p
+    cluster = Cluster.preset("h100-spine-leaf", 128)
+    topo = from_cluster(cluster)
+    spine = [link.bandwidth for link in topo.links if "spine" in str(link.a) + str(link.b)]
+    assert spine and set(spine) == {12.5e9}
+    assert p2p_time(topo, 0, 100, S) == pytest.approx(1.5e-5 + S / 12.5e9, rel=1e-12)
+    assert p2p_time(topo, 0, 100, S) == pytest.approx(collectives.p2p(cluster, 0, 100, S), rel=1e-12)
+
+
 def test_unbalanced_sets_never_cost_more_than_the_hierarchical_model():
     cluster = Cluster.preset("dgx-a100", 64)
     topo = from_cluster(cluster)

@@ -239,14 +239,16 @@ def test_solver_explains_when_no_variant_is_allowed():
 
 def test_time_budget_bounds_the_megatron_incumbent_too():
     """The incumbent's own search (hundreds of shapes when memory is tight) stops at the deadline."""
-    from nest_fx.solver.baselines import megatron
+    from nest_fx.solver.recipes import megatron
 
     heavy = dict(table(tps=(1, 2, 4, 8), heads=64))
     heavy["layers"] = [{"name": f"layers.{i}", "kind": "block", "signature": "d"} for i in range(80)]
     heavy["costs"] = {"block:d": [dict(_variant(tp), num_params=1.5e9 / tp, param_bytes=3e9 / tp) for tp in (1, 2, 4, 8)]}
     work, cluster = workload_from_table(heavy), Cluster.preset("h100-spine-leaf", 1024)
     cluster.device.memory_bytes = 4 * 2**30
-    assert megatron(work, cluster, 4096).evaluations > 300  # slow: seconds without a deadline
+    assert megatron(work, cluster, 4096).evaluations > 30  # nothing fits: every shape is tried
+    stopped = megatron(work, cluster, 4096, deadline=time.perf_counter())
+    assert stopped.plan is None and stopped.evaluations == 0
     start = time.perf_counter()
     try:
         found = solve(work, cluster, 4096, SolverOptions(time_budget=0.5))

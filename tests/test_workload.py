@@ -76,6 +76,23 @@ def test_flash_attention_drops_quadratic_scores(cluster):
     assert cpu_w.cost(1).act_bytes["selective"] < cpu_w.cost(1).act_bytes["none"]
 
 
+def test_materialised_scores_cost_time_as_well_as_memory(cluster):
+    # GPT-2-like layer at s = 2048 on an A100: the traced (pre-flash) attention core writes and
+    # reads the (b, a, s, s) scores: the GEMMs two passes, a softmax kernel two more at 5 FLOP/score
+    spec = "gpt:hidden=1024,layers=2,heads=16,seq=2048,vocab=512"
+    flash = workload_for_model(spec, cluster, attention="flash").cost(1, tp=2, sp=True)
+    traced = workload_for_model(spec, cluster, attention="traced").cost(1, tp=2, sp=True)
+    timing = AnalyticalCompute.for_device(cluster.device, "bf16")
+    scores = 16 / 2 * 2048 * 2048  # heads per TP rank x s x s, one sequence
+    softmax = timing.op_seconds(5 * scores, 2 * 2 * scores, False)
+    extra = traced.fwd_s - flash.fwd_s
+    assert extra > softmax  # the softmax kernel, and the GEMMs' score passes on top
+    assert traced.bwd_s - flash.bwd_s == pytest.approx(2 * extra)  # backward = 2 x forward
+    # selective recompute re-runs the attention core, so it re-pays the score traffic
+    assert traced.recompute_s["selective"] - flash.recompute_s["selective"] == pytest.approx(extra)
+    assert traced.act_bytes["none"] > flash.act_bytes["none"]
+
+
 def test_moe_expert_parallel(cluster):
     w = workload_for_model(MOE, cluster)
     assert w.is_moe and w.layers[1].is_moe

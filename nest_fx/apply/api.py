@@ -21,7 +21,7 @@ All plan/model/batch/world checks (``checks.run_all``) run before the first coll
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
 from nest_fx.graph import trace
+from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
 from nest_fx.plan.support import parallel_support
@@ -100,7 +101,8 @@ def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
                      loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
-                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
+                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None,
+                     constraints: Union[Constraints, dict, None] = None) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -112,16 +114,24 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     ``graph``: an OpGraph of the model when already traced. Every rank must call this with the
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
     ``timeout_s``: collective timeout when this call creates the process group (default
-    ``$NEST_FX_TIMEOUT_S`` or 600 s). Every check runs before the first collective, so a plan
+    ``$NEST_FX_TIMEOUT_S`` or 600 s). ``constraints``: what the default planner's plan must
+    satisfy (a :class:`~nest_fx.plan.constraints.Constraints` or its dict form, e.g.
+    ``{"fix": {"tp": 2}, "optimizer": "sgd"}``; docs/solver.md#constraints); only with the
+    default planner. Every check runs before the first collective, so a plan
     that does not fit fails on every rank with the same :class:`ApplyError`.
     """
+    if constraints is not None and (plan is not None or planner is not None):
+        raise checks.ApplyError("constraints= shape the default planner's search; with plan= or planner= they "
+                                "would be ignored: pass constraints alone, or put them in your planner")
+    if isinstance(constraints, dict):
+        constraints = Constraints.from_dict(constraints)
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
     if graph is None:
         graph = trace(model, args, kwargs, name=type(model).__name__)
     if plan is None:
         if planner is None:
-            planner = planner_for(model)
+            planner = planner_for(model, constraints=constraints)
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)

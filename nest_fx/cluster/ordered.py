@@ -71,6 +71,14 @@ class OrderedCluster(DeviceMappedView):
         """:meth:`Cluster.p2p_time` between the cluster ranks ``src`` and ``dst`` run on."""
         return hierarchical_collectives.p2p(self, src, dst, nbytes)
 
+    def collective_coefficients(self, kind: str, ranks: Sequence[int]) -> Tuple[float, float]:
+        """:meth:`Cluster.collective_coefficients` of the cluster ranks ``ranks`` run on."""
+        return hierarchical_collectives.coefficients(kind, self, ranks)
+
+    def p2p_coefficients(self, src: int, dst: int) -> Tuple[float, float]:
+        """:meth:`Cluster.p2p_coefficients` between the cluster ranks ``src`` and ``dst`` run on."""
+        return hierarchical_collectives.p2p_coefficients(self, src, dst)
+
     def __repr__(self) -> str:
         return f"OrderedCluster({self.base.name}:{self.num_devices}, order={list(self.order[:8])}...)"
 

@@ -10,13 +10,15 @@ Three kinds of cluster implement it:
   costed on its routes (``topology.algorithms``), with a hierarchy hint for ``span``.
 
 Callers never ask which kind they hold: ``collective_time`` and ``p2p_time`` cost the
-network, ``span`` / ``levels_spanned`` / ``level_index_of_group`` place a rank set on the
+network (``collective_coefficients`` / ``p2p_coefficients`` give the affine form where there
+is one, so a group is resolved once for all sizes), ``span`` / ``levels_spanned`` /
+``level_index_of_group`` place a rank set on the
 levels, and ``cost_key`` keys every memo of collective times (one key scheme, a string that
 differs whenever the figures or the device order differ).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Protocol, Sequence, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 if TYPE_CHECKING:  # types only: spec imports nothing from here
     from nest_fx.cluster.spec import DeviceSpec, LevelSpan, NetworkLevel
@@ -49,3 +51,10 @@ class ClusterModel(Protocol):
 
     def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
         """Seconds of a send of ``nbytes`` from ``src`` to ``dst``."""
+
+    def collective_coefficients(self, kind: str, ranks: Sequence[int]) -> Optional[Tuple[float, float]]:
+        """(alpha, beta) when collective ``kind`` over ``ranks`` costs ``alpha + beta * S`` at
+        every size S > 0 (hierarchical clusters), else None (ask :meth:`collective_time`)."""
+
+    def p2p_coefficients(self, src: int, dst: int) -> Optional[Tuple[float, float]]:
+        """(alpha, beta) of a send when it is affine in the size, else None."""

@@ -20,6 +20,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
+import numpy as np
 import yaml
 
 from nest_fx.cluster import hierarchical_collectives
@@ -34,6 +35,7 @@ MAX_DEVICES = MAX_COUNT  # 16.7 M devices: far past any cluster built, small eno
 
 T = TypeVar("T")
 SPAN_MEMO_LIMIT = 65_536  # rank sets whose span a cluster keeps
+SMALL_GROUP = 64  # rank sets up to this size are resolved in Python, larger ones with numpy
 
 PRESETS: Dict[str, Callable[[int], "Cluster"]] = {}
 """Named clusters by their builder (``devices -> Cluster``); ``nest_fx.cluster.presets`` fills it."""
@@ -192,6 +194,16 @@ class Cluster:
                                f"{self.num_devices} devices (num_devices), got {self.levels[top].group_size}")
 
     # -- placement -------------------------------------------------------------------------
+    def _rank_array(self, ranks: Sequence[int]) -> np.ndarray:
+        """:meth:`_check_ranks` as an int64 array; groups of integers are checked in one pass of
+        numpy (planning at 65,536 devices resolves DP groups of thousands of ranks)."""
+        arr = np.asarray(ranks) if not isinstance(ranks, np.ndarray) else ranks
+        if arr.ndim == 1 and arr.size and arr.dtype.kind in "iu":
+            arr = arr.astype(np.int64, copy=False)
+            if arr.min() >= 0 and arr.max() < self.num_devices and np.unique(arr).size == arr.size:
+                return arr
+        return np.array(self._check_ranks(ranks), dtype=np.int64)  # the per-rank path names the bad one
+
     def _check_ranks(self, ranks: Sequence[int]) -> List[int]:
         """The ranks as a list of ints in [0, num_devices), distinct and non-empty (ClusterError otherwise)."""
         rs: List[int] = []
@@ -217,9 +229,9 @@ class Cluster:
         Rank r belongs to group ``r // levels[i].group_size`` at level i; a single rank is
         inside the innermost level (index 0).
         """
-        rs = self._check_ranks(ranks)
+        rs = self._rank_array(ranks)
         for i, level in enumerate(self.levels):
-            if len({r // level.group_size for r in rs}) == 1:
+            if rs.min() // level.group_size == rs.max() // level.group_size:
                 return i
         raise AssertionError("unreachable: the outermost level holds every rank (validated)")
 
@@ -234,29 +246,56 @@ class Cluster:
         number of ranks, as in the plan placements when degrees divide the group sizes)
         ``max_ranks == min_ranks`` and the product of fan-outs up to level i is ``max_ranks``.
 
-        Memoised per rank set (the collective model asks for the same group at every message
-        size, and resolving a group of thousands of ranks takes milliseconds).
+        Memoised per rank set up to a shift by whole groups of the outermost level it spans (the
+        collective model asks for the same group at every message size, and for the same shape
+        of group in every node and rack; resolving a group of thousands of ranks takes
+        milliseconds).
         """
-        key = (tuple(ranks), self.num_devices, tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in self.levels))
-        spans = self._span_memo.get(key)
+        figures = tuple((lv.group_size, lv.bandwidth, lv.latency) for lv in self.levels)
+        exact = (tuple(ranks), self.num_devices, figures)
+        spans = self._span_memo.get(exact)
         if spans is None:
+            rs = self._rank_array(ranks)
+            top = self.level_index_of_group(rs)
+            outer = self.levels[top].group_size  # every inner group size divides it: the shift keeps the spans
+            shifted = rs - (int(rs.min()) // outer) * outer
+            key = (shifted.tobytes(), self.num_devices, figures)
+            spans = self._span_memo.get(key)
             if len(self._span_memo) >= SPAN_MEMO_LIMIT:
                 self._span_memo.clear()
-            spans = self._span_memo[key] = self._span(ranks)
+            if spans is None:
+                spans = self._span_memo[key] = self._span(shifted, top)
+            self._span_memo[exact] = spans
         return list(spans)
 
-    def _span(self, ranks: Sequence[int]) -> List[LevelSpan]:
-        rs = self._check_ranks(ranks)
-        top = self.level_index_of_group(rs)
+    def _span(self, rs: np.ndarray, top: int) -> List[LevelSpan]:
+        if rs.size <= SMALL_GROUP:
+            return self._small_span(rs.tolist(), top)
         spans: List[LevelSpan] = []
         inner_size = 1  # g_{-1}(r) = r // 1 = r
         for level in self.levels[: top + 1]:
-            members: Dict[int, List[int]] = {}
+            groups = rs // level.group_size
+            _, sizes = np.unique(groups, return_counts=True)
+            # distinct (level-i group, level-(i-1) group) pairs, counted per level-i group
+            pairs = np.unique(groups * self.num_devices + rs // inner_size)
+            _, fanouts = np.unique(pairs // self.num_devices, return_counts=True)
+            spans.append(LevelSpan(level, int(fanouts.max()), int(sizes.max()), int(sizes.min())))
+            inner_size = level.group_size
+        return spans
+
+    def _small_span(self, rs: List[int], top: int) -> List[LevelSpan]:
+        """:meth:`_span` one rank at a time: faster than numpy's sorting for a few ranks."""
+        spans: List[LevelSpan] = []
+        inner_size = 1
+        for level in self.levels[: top + 1]:
+            members: Dict[int, set] = {}
+            counts: Dict[int, int] = {}
             for r in rs:
-                members.setdefault(r // level.group_size, []).append(r)
-            fanouts = [len({r // inner_size for r in group}) for group in members.values()]
-            sizes = [len(group) for group in members.values()]
-            spans.append(LevelSpan(level, max(fanouts), max(sizes), min(sizes)))
+                g = r // level.group_size
+                members.setdefault(g, set()).add(r // inner_size)
+                counts[g] = counts.get(g, 0) + 1
+            spans.append(LevelSpan(level, max(len(m) for m in members.values()), max(counts.values()),
+                                   min(counts.values())))
             inner_size = level.group_size
         return spans
 
@@ -288,6 +327,15 @@ class Cluster:
     def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
         """Seconds of a send of ``nbytes`` from rank ``src`` to rank ``dst``."""
         return hierarchical_collectives.p2p(self, src, dst, nbytes)
+
+    def collective_coefficients(self, kind: str, ranks: Sequence[int]) -> Tuple[float, float]:
+        """(alpha, beta): collective ``kind`` over ``ranks`` costs ``alpha + beta * S`` seconds
+        on S > 0 bytes (the hierarchical algorithms are affine in the size)."""
+        return hierarchical_collectives.coefficients(kind, self, ranks)
+
+    def p2p_coefficients(self, src: int, dst: int) -> Tuple[float, float]:
+        """(alpha, beta) of a send from ``src`` to ``dst`` (see :meth:`collective_coefficients`)."""
+        return hierarchical_collectives.p2p_coefficients(self, src, dst)
 
     # -- presets ---------------------------------------------------------------------------
     @classmethod

@@ -7,20 +7,26 @@ hierarchical ring algorithms of ``nest_fx.cluster.hierarchical_collectives`` on 
 and docs/cost_model.md), routes and contention on a graph topology
 (``nest_fx.cluster.topology.algorithms``). Sizes are bytes, results seconds.
 
-The solver asks for the same few rank groups millions of times at many sizes, so every answer
-is memoised per (``cluster.cost_key``, kind, ranks, bytes): one key scheme, a string that names
+The solver asks for the same few rank groups millions of times at many sizes. On a hierarchical
+cluster every collective is affine in the size, so each group's (alpha, beta) is memoised and
+any size (or array of sizes) is one multiply-add; elsewhere every answer is memoised per size.
+Both memos are keyed on (``cluster.cost_key``, kind, ranks): one key scheme, a string that names
 the network's figures and the plan's device order, so a result is never served across two
 clusters or two orders.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
 
 from nest_fx.cluster.hierarchical_collectives import COLLECTIVES
 from nest_fx.cluster.protocol import ClusterModel
+from nest_fx.cost.arrays import Count, per_value
 from nest_fx.workload.types import Comm
 
 _COLLECTIVE_CACHE: Dict[tuple, Dict[float, float]] = {}
+_AFFINE_CACHE: Dict[tuple, Optional[Tuple[float, float]]] = {}
 _CACHE_LIMIT = 2_000_000  # entries over all groups; the memo starts afresh beyond it
 _cached_entries = 0
 
@@ -38,10 +44,23 @@ def p2p(cluster: ClusterModel, src: int, dst: int, nbytes: float) -> float:
     return cluster.p2p_time(src, dst, nbytes)
 
 
-def _memo(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Tuple[Dict[float, float], Tuple[int, ...]]:
-    """(bytes -> seconds memo, ranks) of collective ``kind`` over ``group``."""
+def _affine(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...]) -> Optional[Tuple[float, float]]:
+    """The cluster's (alpha, beta) of ``kind`` over ``ranks`` (memoised), or None when its cost is
+    not affine in the size (graph topologies)."""
+    key = (cluster.cost_key, kind, ranks)
+    if key not in _AFFINE_CACHE:
+        if len(_AFFINE_CACHE) > _CACHE_LIMIT:
+            _AFFINE_CACHE.clear()
+        if kind == "p2p":
+            _AFFINE_CACHE[key] = cluster.p2p_coefficients(ranks[0], ranks[1])
+        else:
+            _AFFINE_CACHE[key] = cluster.collective_coefficients(kind, ranks)
+    return _AFFINE_CACHE[key]
+
+
+def _memo(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...]) -> Dict[float, float]:
+    """bytes -> seconds memo of collective ``kind`` over ``ranks`` (clusters without coefficients)."""
     global _cached_entries
-    ranks = tuple(group)
     key = (cluster.cost_key, kind, ranks)
     memo = _COLLECTIVE_CACHE.get(key)
     if memo is None:
@@ -49,7 +68,7 @@ def _memo(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Tuple[Dict[
             _COLLECTIVE_CACHE.clear()
             _cached_entries = 0
         memo = _COLLECTIVE_CACHE[key] = {}
-    return memo, ranks
+    return memo
 
 
 def _miss(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...], memo: Dict[float, float], nbytes: float) -> float:
@@ -61,24 +80,35 @@ def _miss(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...], memo: Dict[f
     return t
 
 
-def collective_fn(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Callable[[float], float]:
+def collective_fn(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Callable[[Count], Count]:
     """``nbytes -> seconds`` of collective ``kind`` (or ``p2p`` for kind "p2p", group = (src,
-    dst)) over ``group``, memoised: resolving the group once and then asking for many sizes
-    saves hashing it each time."""
-    memo, ranks = _memo(kind, cluster, group)
+    dst)) over ``group``, for a number of bytes or an array of them. The group is resolved once:
+    on a cluster whose costs are affine in the size (hierarchical levels) the function is
+    ``alpha + beta * nbytes`` (0 for 0 bytes), elementwise on arrays; otherwise each size is asked
+    of the network model once and memoised."""
+    ranks = tuple(group)
+    coefficients = _affine(kind, cluster, ranks)
+    if coefficients is not None:
+        alpha, beta = coefficients
+
+        def affine(nbytes: Count) -> Count:
+            if isinstance(nbytes, np.ndarray):
+                return np.where(nbytes > 0, alpha + beta * nbytes, 0.0)
+            return alpha + beta * nbytes if nbytes > 0 else 0.0
+
+        return affine
+    memo = _memo(kind, cluster, ranks)
 
     def seconds(nbytes: float) -> float:
         t = memo.get(nbytes)
         return _miss(kind, cluster, ranks, memo, nbytes) if t is None else t
 
-    return seconds
+    return lambda nbytes: per_value(seconds, nbytes)
 
 
 def cached_collective(kind: str, cluster: ClusterModel, group: Sequence[int], nbytes: float) -> float:
     """Seconds of one collective, memoised (see :func:`collective_fn`)."""
-    memo, ranks = _memo(kind, cluster, group)
-    t = memo.get(nbytes)
-    return _miss(kind, cluster, ranks, memo, nbytes) if t is None else t
+    return collective_fn(kind, cluster, group)(nbytes)
 
 
 def comm_time(cluster: ClusterModel, comm: Comm, group: Sequence[int]) -> float:

@@ -16,10 +16,10 @@ from typing import Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from nest_fx.cost.arrays import Count, positive_part
+from nest_fx.cost.optimizers import MASTER_WEIGHT_BYTES, optimizer_cost
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import LayerTerms
 
-OPTIMIZERS = ("adam", "adamw", "sgd")
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 Amount = Count  # bytes or parameter counts: a number, or an array of them
@@ -56,16 +56,15 @@ def _choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
 # -- model states ---------------------------------------------------------------------------
 
 
-def optimizer_bytes_per_param(optimizer: str = "adam", master_weights: bool = True) -> int:
-    """Optimizer-state bytes per parameter (the ZeRO paper's K): fp32 state tensors.
+def optimizer_bytes_per_param(optimizer: str = "adam", master_weights: bool = True) -> float:
+    """Optimizer-state bytes per parameter (the ZeRO paper's K): fp32 state tensors
+    (``nest_fx.cost.optimizers``) plus the fp32 master copy of the weights in mixed precision.
 
-    Adam/AdamW: fp32 momentum m (4) + variance v (4), plus an fp32 master copy of the weights
-    (4) in mixed precision: K = 12 (Rajbhandari et al. 2020, sec. 3.1), 8 without master
-    weights. "sgd" means SGD *with momentum*: momentum (4) + master copy (4) = 8, 4 without.
+    Adam/AdamW: momentum m (4) + variance v (4) + master (4): K = 12 (Rajbhandari et al. 2020,
+    sec. 3.1), 8 without master weights. ``sgd-momentum``: momentum (4) + master (4) = 8, 4
+    without. ``sgd`` (PyTorch's default, no momentum): the master copy alone, 4, or 0.
     """
-    _choice(optimizer, "optimizer", OPTIMIZERS)
-    states = 4 if optimizer == "sgd" else 8
-    return states + (4 if master_weights else 0)
+    return optimizer_cost(optimizer).state_bytes + (MASTER_WEIGHT_BYTES if master_weights else 0)
 
 
 def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, optimizer: str = "adam",
@@ -158,11 +157,12 @@ def optimizer_step_bytes(updated_params: Amount, optimizer: str = "adam") -> Amo
     """Scratch bytes of one optimizer step on ``updated_params`` (the locally updated
     parameters: 1/dp of them under ZeRO >= 1). PyTorch's multi-tensor ("foreach") Adam/AdamW
     builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor the size of
-    the parameters, 4 bytes each. SGD with momentum updates in place: 0. It is allocated after
-    backward, when activations are gone (see ``step_time.stage_memory``)."""
-    _choice(optimizer, "optimizer", OPTIMIZERS)
+    the parameters, 4 bytes each. SGD (with or without momentum) updates in place: 0
+    (``OptimizerCost.scratch_bytes``). It is allocated after backward, when activations are gone
+    (see ``step_time.stage_memory``)."""
+    scratch = optimizer_cost(optimizer).scratch_bytes
     updated = _require_amount(updated_params, "updated_params")
-    return 0.0 * updated if optimizer == "sgd" else 4.0 * updated
+    return scratch * updated
 
 
 # -- activations ----------------------------------------------------------------------------

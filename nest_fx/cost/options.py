@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
+
+from nest_fx.cost.optimizers import optimizer_cost
 
 USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
 
@@ -11,12 +13,12 @@ USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take t
 class CostOptions:
     """Knobs of the cost model that are not part of the plan."""
 
-    optimizer: str = "adam"
+    optimizer: str = "adam"  # a key of nest_fx.cost.optimizers.OPTIMIZERS: adam, adamw, sgd-momentum, sgd
     param_bytes: int = 2  # training dtype (bf16)
     grad_bytes: int = 2
     master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
     overlap_grad_sync: bool = True
-    bytes_per_param_update: float = 36.0  # Adam, mixed precision: read/write fp32 p, m, v + grads + bf16 copy
+    bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
     # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
@@ -26,6 +28,16 @@ class CostOptions:
     # measures them where they show (CPU ranks).
     tp_call_overhead: Tuple[float, float] = (0.0, 0.0)
     fsdp_call_overhead: Tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        optimizer_cost(self.optimizer)  # a ValueError naming the known optimizers
+
+    def update_bytes_per_param(self) -> float:
+        """Bytes one optimizer step moves per updated parameter: ``bytes_per_param_update`` when
+        set, else the optimizer's (``nest_fx.cost.optimizers``)."""
+        if self.bytes_per_param_update is not None:
+            return self.bytes_per_param_update
+        return optimizer_cost(self.optimizer).update_bytes
 
     @classmethod
     def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":

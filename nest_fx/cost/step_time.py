@@ -22,8 +22,9 @@ per step; ZeRO-2: a reduce-scatter per microbatch, since sharded gradients canno
 accumulated locally, and one parameter all-gather; ZeRO-3: per microbatch a reduce-scatter
 and two parameter all-gathers, prefetched under compute) starts with the stage's last
 backward, so with overlap only ``max(0, sync_i - (B_i + R_i))`` is exposed (without overlap,
-all of it), then the stage's optimizer step runs, memory-bound at ``bytes_per_param_update``
-bytes per locally updated parameter. Each stage's tail after its last backward is
+all of it), then the stage's optimizer step runs, memory-bound at the optimizer's update
+bytes per locally updated parameter (``nest_fx.cost.optimizers``). Each stage's tail after its
+last backward is
 
     q_i = exposed_sync_i + T_opt,i          T_step = T_pipe + max_i q_i
 
@@ -45,7 +46,7 @@ import numpy as np
 from nest_fx.cluster.ordered import placed
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
-from nest_fx.cost.arrays import Count, per_value, positive_part
+from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult, StageCost
@@ -167,24 +168,18 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
 
 def _sync_volume_time(cluster, group: Sequence[int], params: Count, zero: int, m: int,
                       options: CostOptions) -> Count:
+    """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic over ``group`` for
+    ``params`` parameters (a number, or an array of them: ``collective_fn`` takes either)."""
     if len(group) <= 1:
         return 0.0
     gbytes, pbytes = options.grad_bytes, options.param_bytes
     if zero <= 1:
-        all_reduce = collective_fn("all_reduce", cluster, group)
-        return per_value(lambda x: all_reduce(x * gbytes) if x > 0 else 0.0, params)
-    reduce_scatter = collective_fn("reduce_scatter", cluster, group)
-    all_gather = collective_fn("all_gather", cluster, group)
-
-    def one(x: float) -> float:
-        if x <= 0:
-            return 0.0
-        rs, ag = reduce_scatter(x * gbytes), all_gather(x * pbytes)
-        if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
-            return m * rs + ag
-        return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
-
-    return per_value(one, params)
+        return collective_fn("all_reduce", cluster, group)(params * gbytes)
+    rs = collective_fn("reduce_scatter", cluster, group)(params * gbytes)
+    ag = collective_fn("all_gather", cluster, group)(params * pbytes)
+    if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
+        return m * rs + ag
+    return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
 
 
 def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count, dp: int, zero: int, cluster,
@@ -194,7 +189,7 @@ def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count
     window = bwd + recompute_s if options.overlap_grad_sync and zero >= 1 else 0.0
     exposed = positive_part(dp_sync - window)
     updated = num_params / (dp if zero >= 1 else 1)
-    t_opt = updated * options.bytes_per_param_update / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    t_opt = updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
     return exposed, t_opt
 
 

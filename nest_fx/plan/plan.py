@@ -21,37 +21,35 @@ planner on graph topologies). See docs/plan_format.md.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT
+from nest_fx.plan.constraints import ConstraintError, Constraints
+# the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
+# `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
+from nest_fx.plan.vocabulary import PLACEMENTS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem  # noqa: F401
 
 PLAN_FORMAT = "nest-fx-plan/1"
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
-PLACEMENTS = ("stage-major", "replica-major")
-RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
-_RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
-
-
-def recompute_problem(value: object) -> str:
-    """'' when ``value`` is a recompute policy name a plan may hold, else what is wrong.
-
-    ``none``; ``full`` (every block recomputed); ``selective`` (the attention core, Korthikanti
-    et al. 2022); ``op`` / ``op:<policy>`` (op-level selective checkpointing under a named policy
-    over op kinds; ``op`` is the default policy); ``every:<k>`` (every k-th block of the stage
-    fully recomputed). Whether a policy name is known is the cost model's and the runtime's to
-    check; this checks the form.
-    """
-    if isinstance(value, str) and _RECOMPUTE.match(value):
-        return ""
-    return f"{brief(value)} is not a recompute policy; use {RECOMPUTE_FORMS}"
 
 
 class PlanError(NestFxError, ValueError):
     """A malformed plan, or a plan that does not match the model/cluster; names the field."""
+
+
+def interleave_problem(stages: List["StagePlan"], virtual_stages: int) -> str:
+    """'' when every stage can be cut into ``virtual_stages`` model chunks of at least one layer
+    each (the interleaved schedule's rule; the runtime cuts a stage of n layers into v near-equal
+    chunks, ``nest_fx.apply.pipeline.interleaved_ranges``), else what is wrong and the fix."""
+    for i, s in enumerate(stages):
+        if s.end - s.start < virtual_stages:
+            return (f"stages[{i}] has {s.end - s.start} layer(s), fewer than virtual_stages={virtual_stages} "
+                    "(the interleaved schedule runs v chunks of at least one layer on every device); fix: "
+                    f"lower virtual_stages to at most {min(st.end - st.start for st in stages)} or give every "
+                    "stage more layers")
+    return ""
 
 
 @dataclass
@@ -93,6 +91,7 @@ class Plan:
     world_size: int = 0
     cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
     device_order: Optional[List[int]] = None  # plan rank r runs on cluster rank device_order[r]; None = identity
+    constraints: Optional[Constraints] = None  # what the user fixed or bounded when planning (None: nothing)
     predicted: Dict[str, float] = field(default_factory=dict)
     notes: str = ""
 
@@ -142,8 +141,15 @@ class Plan:
             return self.stage_offset(stage) + replica * self.stages[stage].tp * self.cp + inner
         return replica * self.devices_per_replica + self.stage_offset(stage) + inner
 
-    def _replica_ranks(self, stage: int, replicas, tp_rank: int, cp_rank: int = 0) -> List[int]:
-        return [self.rank(stage, r, tp_rank, cp_rank) for r in replicas]
+    def _replica_ranks(self, stage: int, replicas: range, tp_rank: int, cp_rank: int = 0) -> List[int]:
+        """The ranks of consecutive ``replicas`` at one position: an arithmetic progression, since
+        :meth:`rank` is affine in the replica under both placements (groups of thousands of ranks
+        are built without a call per rank)."""
+        if not replicas:
+            return []
+        first = self.rank(stage, replicas[0], tp_rank, cp_rank)
+        step = self.rank(stage, replicas[0] + 1, tp_rank, cp_rank) - first
+        return list(range(first, first + step * len(replicas), step))
 
     def tp_group(self, stage: int, replica: int = 0, cp_rank: int = 0) -> List[int]:
         first = self.rank(stage, replica, 0, cp_rank)
@@ -225,6 +231,12 @@ class Plan:
             if self.num_microbatches % self.pp:
                 raise PlanError(f"num_microbatches={self.num_microbatches} must be a multiple of the "
                                 f"{self.pp} stages for the interleaved schedule")
+            short = interleave_problem(self.stages, self.virtual_stages)
+            if short:
+                raise PlanError(short)
+        elif self.virtual_stages != 1:
+            raise PlanError(f"virtual_stages={self.virtual_stages}: model chunks per device belong to the "
+                            f"interleaved schedule; with schedule {self.schedule!r} set virtual_stages to 1")
         ws = world_size if world_size is not None else self.world_size
         if ws and self.devices_used > ws:
             raise PlanError(f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "
@@ -247,6 +259,10 @@ class Plan:
         d = asdict(self)
         if d["device_order"] is None:  # absent means identity: files of unplaced plans stay as they were
             del d["device_order"]
+        if self.constraints:  # only what was set; absent when planned without constraints
+            d["constraints"] = self.constraints.to_dict()
+        else:
+            del d["constraints"]
         d = {"format": PLAN_FORMAT, **d}
         d["mesh"] = self.mesh()
         d["derived"] = {"pp": self.pp, "devices_used": self.devices_used, "global_batch": self.global_batch}
@@ -330,6 +346,11 @@ def _plan_fields(data: object) -> dict:
     for name in ("sequence_parallel", "loss_parallel", "compile", "float8"):
         if not isinstance(kwargs.get(name, False), bool):
             raise PlanError(f"{name} must be true or false, got {brief(kwargs[name])}")
+    if kwargs.get("constraints") is not None:
+        try:
+            kwargs["constraints"] = Constraints.from_dict(kwargs["constraints"])
+        except ConstraintError as exc:
+            raise PlanError(str(exc)) from None
     predicted = kwargs.get("predicted", {})
     if not isinstance(predicted, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):

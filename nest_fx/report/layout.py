@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+from nest_fx.cluster.hierarchical_collectives import path_bandwidth
 from nest_fx.cluster.ordered import OrderedCluster, placed
 from nest_fx.cluster.topology import GraphCluster, device_islands
 from nest_fx.report import tables as report
@@ -39,9 +40,10 @@ def fmt_ranks(ranks: Sequence[int], limit: int = 6) -> str:
 
 
 def level_phrase(cluster, k: int) -> str:
-    """'inside one node (900 GB/s)' or 'across nodes, over the rack level (100 GB/s)'."""
+    """'inside one node (900 GB/s)' or 'across nodes, over the rack level (100 GB/s)'; the rate is
+    the path's, the slowest level a transfer across level k traverses (``path_bandwidth``)."""
     lv = cluster.levels[k]
-    rate = report.fmt_si(lv.bandwidth, "B/s")
+    rate = report.fmt_si(path_bandwidth(cluster.levels, k), "B/s")
     if k == 0:
         return f"inside one {lv.name} ({rate})"
     return f"across {cluster.levels[k - 1].name}s, over the {lv.name} level ({rate})"

@@ -7,6 +7,7 @@ from tabulate import tabulate
 
 from nest_fx.cluster.topology.routing import router_of
 from nest_fx.graph.opgraph import Block, OpGraph
+from nest_fx.solver.baseline_result import best_baseline
 
 
 def fmt_bytes(n: float) -> str:
@@ -134,17 +135,26 @@ def stages_table(plan, workload, result) -> str:
 
 
 def baselines_table(nest, nest_seconds: float, baselines) -> str:
-    """NEST's plan next to each baseline with speedup ratios (baseline step / NEST step)."""
+    """NEST's plan next to each baseline with speedup ratios (baseline step / NEST step), then
+    the speedup over the best baseline and the notes of baselines run other than as written."""
     rows = [["nest-fx (DP)", plan_summary(nest.plan), fmt_seconds(nest.result.step_s),
              fmt_si(nest.result.tokens_per_s), "1.00x", f"{nest_seconds:.2f}"]]
+    notes = []
     for b in baselines:
+        name = b.name + (f" [{len(notes) + 1}]" if b.notes else "")
+        if b.notes:
+            notes.append(f"[{len(notes) + 1}] {b.name}: {b.notes}")
         if b.result is None:
-            rows.append([b.name, "no feasible plan", "-", "-", "-", f"{b.seconds:.2f}"])
+            rows.append([name, "no feasible plan", "-", "-", "-", f"{b.seconds:.2f}"])
             continue
-        rows.append([b.name, plan_summary(b.plan), fmt_seconds(b.result.step_s), fmt_si(b.result.tokens_per_s),
+        rows.append([name, plan_summary(b.plan), fmt_seconds(b.result.step_s), fmt_si(b.result.tokens_per_s),
                      f"{b.result.step_s / nest.result.step_s:.2f}x", f"{b.seconds:.2f}"])
-    return tabulate(rows, headers=["planner", "plan", "step", "tokens/s", "nest-fx speedup", "search s"],
-                    tablefmt="simple")
+    lines = [tabulate(rows, headers=["planner", "plan", "step", "tokens/s", "nest-fx speedup", "search s"],
+                      tablefmt="simple")]
+    best = best_baseline(baselines)
+    if best is not None:
+        lines.append(f"speedup over the best baseline ({best.name}): {best.result.step_s / nest.result.step_s:.2f}x")
+    return "\n".join(lines + notes)
 
 
 def profile_table(profile, model: str) -> str:

@@ -3,7 +3,8 @@ on its step time that needs no network model (``solver.search`` refines it; the 
 enumerate the same pairs)."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import time
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -24,14 +25,18 @@ def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
     return work, params
 
 
-def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, options: SolverOptions):
+def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, options: SolverOptions,
+               deadline: Optional[float] = None):
     """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB (tier 0
-    of the module docstring)."""
+    of the module docstring); only those enumerated before ``deadline`` (a
+    ``time.perf_counter()`` value) when it passes."""
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float]] = {}
     screens: Dict[tuple, np.ndarray] = {}
     out = []
-    for g in global_configs(workload, cluster, global_batch, options):
+    for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
+        if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
+            break
         key = (g.tp, g.ep, g.mbs, g.sp)
         if key not in works:
             works[key] = _replica_work(workload, g)

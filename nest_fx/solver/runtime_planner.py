@@ -9,9 +9,10 @@ import torch
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cluster.spec import Cluster
 from nest_fx.common.arith import divisors
+from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.support import model_dims, parallel_support
-from nest_fx.solver.search import solve
+from nest_fx.solver.constraints import solve_constrained
 from nest_fx.solver.space import SolverOptions
 from nest_fx.workload.build import analytical_workload
 from nest_fx.workload.types import dims_from_config
@@ -42,14 +43,29 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages)
 
 
-def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None) -> Callable:
+def check_runtime_constraints(constraints: Optional[Constraints], model: torch.nn.Module, graph) -> None:
+    """ConstraintError when a degree the user fixed is one the runtime cannot run on ``model``
+    (``nest_fx.plan.support``, the runtime's own verdict), with its reason."""
+    if not constraints:
+        return
+    support = parallel_support(model, graph)
+    for degree, problem in (("tp", support.tp_problem), ("pp", support.pp_problem), ("ep", support.ep_problem)):
+        value = constraints.fix.get(degree)
+        reason = problem(int(value)) if value is not None else ""
+        if reason:
+            raise ConstraintError(f"fix {degree}={value}: {reason}")
+
+
+def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
+                constraints: Optional[Constraints] = None) -> Callable:
     """``planner(graph, cluster, world_size, global_batch) -> Plan`` for ``auto_parallelize``:
     the NEST DP restricted to what the runtime runs (:func:`runtime_options`; every rank used,
     uniform TP, the launched rank order: a device order needs the process group numbered for it
-    before it exists)."""
+    before it exists) and to the user's ``constraints`` (``nest_fx.solver.constraints``)."""
     base = options or SolverOptions(time_budget=30.0)
 
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
+        check_runtime_constraints(constraints, model, graph)
         cluster = cluster or detect_cluster(world_size)
         param = next(iter(model.parameters()))
         seq = graph.input_shapes[0][1] if graph.input_shapes and len(graph.input_shapes[0]) > 1 else 1
@@ -61,6 +77,6 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None)
         opts = dataclasses.replace(runtime_options(model, graph, base), use_all_devices=True, search_placement=False,
                                    cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
                                                             master_weights=nbytes < 4))
-        return solve(workload, cluster, global_batch, opts).plan
+        return solve_constrained(workload, cluster, global_batch, constraints, opts).plan
 
     return plan

@@ -48,11 +48,11 @@ from nest_fx.cost import memory
 from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
-from nest_fx.solver.baselines import megatron
+from nest_fx.solver.recipes import megatron
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
-from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, objective
+from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, in_space, objective
 from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
 from nest_fx.workload.types import Workload
 
@@ -143,7 +143,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
            progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
-    pairs = candidates(workload, cluster, global_batch, options)
+    pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
     best_t, best = _incumbent(workload, cluster, global_batch, options,
@@ -154,7 +154,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
     runs = pops = settled = 0
-    complete = True
+    complete = deadline is None or time.perf_counter() <= deadline  # every pair enumerated
     while heap and heap[0][0] * SLACK < best_t:
         if deadline is not None and time.perf_counter() > deadline:
             complete = False
@@ -202,7 +202,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     plan = Plan(stages=stages, dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
                 schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
                 model=workload.model, model_fingerprint=workload.fingerprint, num_layers=len(workload),
-                world_size=cluster.num_devices, device_order=list(order) if order is not None else None)
+                world_size=cluster.num_devices, device_order=list(order) if order is not None else None,
+                constraints=options.constraints or None)
     result = simulate(plan, workload, cluster, options.cost)
     plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
                       "model_flops_per_device": result.model_flops_per_device,
@@ -214,22 +215,13 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
                        placement=places[o].name, placements=places)
 
 
-def _within(plan: Plan, options: SolverOptions, cluster) -> bool:
-    """Whether a plan lies in the search space the options define."""
-    return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
-            and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
-            and plan.zero in options.zero_stages and (plan.schedule, plan.virtual_stages) in options.schedules
-            and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
-            and (not options.max_stages or plan.pp <= options.max_stages))
-
-
 def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions,
                deadline: Optional[float] = None):
     """The Megatron recipe when it lies in the search space (so the pruning bites from the start
     and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None) (also
     when the recipe's search passes ``deadline``, a ``time.perf_counter()`` value)."""
     recipe = megatron(workload, cluster, global_batch, options, deadline=deadline)
-    if recipe.plan is None or not _within(recipe.plan, options, cluster):
+    if recipe.plan is None or not in_space(recipe.plan, options, cluster):
         return math.inf, None
     p = recipe.plan
     g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,

@@ -10,7 +10,8 @@ the table evaluates the simulator's own terms (``step_time.compute_terms``, ``co
 arrays, so every entry equals ``step_time.stage_cost`` exactly (``tests/test_stage_table.py``).
 
 A table only holds the classes that can be part of a plan faster than the best plan known when
-it is built (``live``): a stage of more than L - p + 1 layers leaves another stage empty, and a
+it is built (``live``): a stage of more than L - p + 1 layers leaves another stage empty, one of
+fewer than v layers cannot be cut into the interleaved schedule's v model chunks, and a
 stage whose forward + backward time t alone gives ``pipeline_span(t, t) + T_opt >= best`` is
 too slow (max_i t_i >= t, sum_i t_i >= t, max_i q_i >= its optimizer step). Every bound and
 the DP below are about plans faster than a given ``best``, which only decreases.
@@ -239,7 +240,9 @@ class StageTable:
         self.zero = memory.effective_zero_stage(g.zero, p)
         base = rc.terms[self.modes[0]]
         compute = base.fwd + base.bwd
-        ok = rc.length <= n - p + 1
+        # a stage leaves every other stage a layer, and under the interleaved schedule holds one
+        # layer per model chunk at least (Plan.validate, the runtime's interleaved_ranges)
+        ok = (rc.length <= n - p + 1) & (rc.length >= g.v)
         if best < INF:
             with np.errstate(invalid="ignore"):
                 ok &= objective(compute, compute, t_opt, m, g.schedule, g.v) * SLACK < best

@@ -45,6 +45,8 @@ class _NodeCost:
     expert: bool  # sharded by expert parallelism (its parameters)
     params: float
     param_bytes: float
+    scores: float = 0.0  # attention: elements of the (batch, heads, s_q, s_k) score matrix; 0 otherwise
+    score_bytes: float = 0.0  # ... and its bytes
 
 
 @dataclass
@@ -143,15 +145,52 @@ class TracedSource:
     def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node of ``block`` on one device for a variant:
         the analytical model on the node's FLOPs and bytes, divided by the TP degree where TP
-        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward."""
+        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward.
+        With ``attention="traced"`` an attention core also pays its materialised scores
+        (:func:`materialised_score_seconds`)."""
         scale = mbs / self.batch
         out = []
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
         for n in self.facts(block.index).nodes:
             shard = tp if n.tp else (tp if sp else 1)
-            t = self.timing.op_seconds(n.flops * scale / shard, n.bytes_moved * scale / shard, n.matmul)
+            extra = n.score_bytes * SCORE_GEMM_PASSES if n.attention and self.attention == "traced" else 0.0
+            t = self.timing.op_seconds(n.flops * scale / shard, (n.bytes_moved + extra) * scale / shard, n.matmul)
+            if extra:
+                t += materialised_score_seconds(self.timing, n.scores * scale / shard, n.score_bytes * scale / shard)
             out.append((t, t * self.timing.backward_factor))
         return out
+
+
+# An attention core without a fused kernel (attention="traced": the math path of PyTorch's SDPA,
+# Megatron-LM before flash attention) materialises the score matrix S = QK^T and its softmax P:
+# the QK^T GEMM writes S and the PV GEMM reads P (two passes, added to the GEMMs' bytes), and a
+# separate softmax kernel reads S and writes P (two passes) at about five vector FLOPs per score
+# (scale, mask, max, exp, normalise). Backward costs backward_factor x forward, as for every op.
+SCORE_GEMM_PASSES = 2
+SOFTMAX_PASSES = 2
+SOFTMAX_FLOPS_PER_SCORE = 5.0
+
+
+def materialised_score_seconds(timing, scores: float, score_bytes: float) -> float:
+    """Forward seconds of the softmax kernel over a materialised score matrix of ``scores``
+    elements and ``score_bytes`` bytes (see the constants above); the GEMMs' score traffic is
+    charged on the attention node itself."""
+    if scores <= 0:
+        return 0.0
+    return timing.op_seconds(SOFTMAX_FLOPS_PER_SCORE * scores, SOFTMAX_PASSES * score_bytes, False)
+
+
+def _scores(d: dict) -> Tuple[float, float]:
+    """(elements, bytes) of the score matrix of an attention node: (batch, heads, s_q) of the
+    query times s_k of the key, in the output's dtype; (0, 0) when the shapes are not recorded."""
+    shapes = d.get("in_shapes") or []
+    if len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) < 2:
+        return 0.0, 0.0
+    rows = 1
+    for k in shapes[0][:-1]:
+        rows *= k
+    elements = float(rows * shapes[1][-2])
+    return elements, elements * _DTYPE_BYTES.get((d.get("out_dtypes") or ["bfloat16"])[0], 2)
 
 
 def _block_facts(graph, block) -> _BlockFacts:
@@ -201,12 +240,14 @@ def _block_facts(graph, block) -> _BlockFacts:
             shape = d["out_shapes"][0]
             lse = out_b / max(shape[-1], 1) * 4 / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
             saved_flash = min(saved_flash, in_b + out_b + lse)
+        scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
         nodes.append(_NodeCost(
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
             matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
             saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
             tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
-            params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0)))
+            params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
+            scores=scores, score_bytes=score_bytes))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
+from nest_fx.cluster.hierarchical_collectives import path_bandwidth
 from nest_fx.cluster.spec import Cluster, DeviceSpec, NetworkLevel
 from nest_fx.cluster.topology.model import Link, Topology, TopologyError
 
@@ -45,13 +46,14 @@ def _levels(spec: Sequence[tuple]) -> List[NetworkLevel]:
 def from_cluster(cluster: Cluster) -> Topology:
     """The hierarchical cluster as a graph with the same per-device bandwidth semantics.
 
-    A level's ``bandwidth`` is what *each* device can send through that level's fabric
-    (collectives.py charges ``S / B_i`` per device at level i, whatever the inner levels' rates),
-    so each level is a separate non-blocking plane: one switch per level-i group, linked to
-    every device of the group at ``B_i`` with latency ``alpha_i / 2`` (a route, device -> switch
-    -> device, then takes ``alpha_i``) and routing weight ``i + 1`` (the innermost common level
-    wins). A single tree with shared uplinks could not match: either the inner link would cap a
-    cross-level flow or an aggregated uplink would let one device exceed ``B_i``.
+    A level's ``bandwidth`` is what *each* device can send through that level's fabric, and a
+    transfer crossing level i also traverses the inner levels, so the hierarchical model charges
+    ``S / min(B_0 .. B_i)`` per device at level i (``hierarchical_collectives.path_bandwidth``).
+    Each level is a separate non-blocking plane: one switch per level-i group, linked to every
+    device of the group at that path bandwidth with latency ``alpha_i / 2`` (a route, device ->
+    switch -> device, then takes ``alpha_i``) and routing weight ``i + 1`` (the innermost common
+    level wins). A single tree with shared uplinks could not match: an aggregated uplink would let
+    one device exceed its share of the level.
     """
     names = [lv.name for lv in cluster.levels]
     distinct = len(set(names)) == len(names)
@@ -59,10 +61,11 @@ def from_cluster(cluster: Cluster) -> Topology:
     switches: List[str] = []
     links: List[Link] = []
     for i, lv in enumerate(cluster.levels):
+        bandwidth = path_bandwidth(cluster.levels, i)
         for g in range(-(-n // lv.group_size)):
             sw = f"{lv.name}{g}" if distinct else f"L{i}-{lv.name}{g}"
             switches.append(sw)
-            links.extend(Link(d, sw, lv.bandwidth, lv.latency / 2, i + 1)
+            links.extend(Link(d, sw, bandwidth, lv.latency / 2, i + 1)
                          for d in range(g * lv.group_size, min((g + 1) * lv.group_size, n)))
     levels = [NetworkLevel(lv.name, lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels]
     return Topology(cluster.name, cluster.device, n, switches, links, levels=levels)

@@ -76,6 +76,15 @@ class GraphCluster(DeviceMappedView):
         a, b = self.devices_of([src, dst])
         return algorithms.p2p_time(self.topology, a, b, nbytes)
 
+    def collective_coefficients(self, kind: str, ranks: Sequence[int]) -> None:
+        """None: on a graph the cost is piecewise linear in the size (the cheapest algorithm
+        changes with it), not one affine function; ask :meth:`collective_time` per size."""
+        return None
+
+    def p2p_coefficients(self, src: int, dst: int) -> None:
+        """None: see :meth:`collective_coefficients`."""
+        return None
+
     def concurrent_collective_time(self, kind: str, groups: Sequence[Sequence[int]],
                                    nbytes: Union[float, Sequence[float]]) -> float:
         """Seconds until the last of ``groups`` (plan ranks) finishes ``kind``, all started at once."""

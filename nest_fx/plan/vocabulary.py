@@ -1,0 +1,29 @@
+"""The names a plan is written in: schedules, placements, recompute policy forms, optimizers.
+
+Shared by the plan (``plan.py``) and the user constraints on it (``constraints.py``).
+"""
+from __future__ import annotations
+
+import re
+
+from nest_fx.common.fileio import brief
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+PLACEMENTS = ("stage-major", "replica-major")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
+RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
+_RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
+
+
+def recompute_problem(value: object) -> str:
+    """'' when ``value`` is a recompute policy name a plan may hold, else what is wrong.
+
+    ``none``; ``full`` (every block recomputed); ``selective`` (the attention core, Korthikanti
+    et al. 2022); ``op`` / ``op:<policy>`` (op-level selective checkpointing under a named policy
+    over op kinds; ``op`` is the default policy); ``every:<k>`` (every k-th block of the stage
+    fully recomputed). Whether a policy name is known is the cost model's and the runtime's to
+    check; this checks the form.
+    """
+    if isinstance(value, str) and _RECOMPUTE.match(value):
+        return ""
+    return f"{brief(value)} is not a recompute policy; use {RECOMPUTE_FORMS}"

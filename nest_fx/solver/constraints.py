@@ -1,0 +1,224 @@
+"""User constraints in the search: :class:`~nest_fx.plan.constraints.Constraints` to solver options,
+and, when nothing meets them, which constraint binds.
+
+``constrained_options`` narrows :class:`SolverOptions` to the constraints (degrees fixed or
+bounded, schedules, recompute modes, microbatch sizes, ZeRO stages, placements) and sets the
+cost options they carry (optimizer, memory headroom). What can be told from the model and the
+cluster alone is refused at once, naming the constraint as the command line writes it (a TP
+degree larger than a node or one the model's shapes do not divide, more devices than the
+cluster has, a batch no fixed degree divides, a parallelism the planner does not search yet).
+``solve_constrained`` then searches; when no plan fits it re-plans with each constraint left
+out in turn and names those whose removal gives a plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, List, Optional, Tuple
+
+from nest_fx.cost.memory import RECOMPUTE_MODES
+from nest_fx.cost.options import CostOptions
+from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
+from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
+from nest_fx.solver.space import SolverOptions
+from nest_fx.workload import Workload
+
+NOT_SEARCHED = {"cp": "context parallelism", "dp_shard": "HSDP (dp_shard)"}
+NOT_COSTED_FLAGS = ("loss_parallel", "compile", "float8")
+RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
+
+
+def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
+    """``base`` with the optimizer and memory headroom the constraints carry (a plan file's
+    constraints give the options it was costed under)."""
+    base = base or CostOptions()
+    if not constraints:
+        return base
+    changes = {}
+    if constraints.optimizer is not None:
+        changes["optimizer"] = constraints.optimizer
+    if constraints.memory_headroom is not None:
+        changes["usable_memory_fraction"] = 1.0 - constraints.memory_headroom
+    return dataclasses.replace(base, **changes)
+
+
+def _named(constraints: Constraints, *keys: str) -> str:
+    """The command-line text of the constraints ``keys`` (those that are set)."""
+    texts = dict(constraints.items())
+    return ", ".join(texts[k] for k in keys if k in texts)
+
+
+def _degree_keys(name: str) -> Tuple[str, ...]:
+    return (f"fix.{name}", f"min.{name}", f"max.{name}")
+
+
+def _check_unsearched(c: Constraints) -> None:
+    for name, what in NOT_SEARCHED.items():
+        lo, hi = c.bounds(name)
+        if name in c.fix or name in c.min or name in c.max:
+            if name == "cp" and lo <= 1 <= hi:
+                continue  # cp = 1 is what every plan has
+            raise ConstraintError(f"{_named(c, *_degree_keys(name))}: the planner does not search {what} yet "
+                                  f"(its plans have {'cp=1' if name == 'cp' else 'no HSDP: ZeRO shards over all of dp'}); "
+                                  "drop this constraint")
+    for flag in NOT_COSTED_FLAGS:
+        if c.fix.get(flag) is True:
+            raise ConstraintError(f"--fix {flag}=true: the cost model does not cost {flag} yet, so the planner "
+                                  "cannot plan with it; drop this constraint")
+    for mode in c.recompute or ():
+        if mode not in RECOMPUTE_MODES:
+            raise ConstraintError(f"--recompute {','.join(c.recompute)}: the cost model does not cost {mode!r} yet; "
+                                  f"use {', '.join(RECOMPUTE_MODES)}")
+
+
+def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, cluster) -> Tuple[int, ...]:
+    lo, hi = c.bounds("tp")
+    named = _named(c, *_degree_keys("tp"))
+    node = min(cluster.levels[0].group_size, cluster.num_devices)
+    if "tp" in c.fix:
+        tp = lo
+        if options.tp_within_node and tp > node:
+            raise ConstraintError(f"{named}: tensor parallelism stays inside one {cluster.levels[0].name} of {node} "
+                                  f"devices on {cluster.name}; use tp <= {node}")
+        problem = workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
+        if problem:
+            raise ConstraintError(f"{named}: {problem}")
+        return (tp,)
+    tps = tuple(t for t in options.tp_degrees if lo <= t <= hi)
+    if not tps:
+        raise ConstraintError(f"{named}: no tensor-parallel degree the planner tries ({list(options.tp_degrees)}) "
+                              f"lies in {lo}..{hi}")
+    return tps
+
+
+def constrained_options(options: SolverOptions, constraints: Optional[Constraints], workload: Workload, cluster,
+                        global_batch: int) -> SolverOptions:
+    """``options`` narrowed to ``constraints`` (module docstring); ConstraintError naming the
+    constraint when the model or the cluster already rules it out."""
+    c = constraints
+    if not c:
+        return options
+    _check_unsearched(c)
+    changes = {"constraints": c, "cost": cost_options(c, options.cost)}
+    if "sequence_parallel" in c.fix:
+        changes["sequence_parallel"] = bool(c.fix["sequence_parallel"])
+        options = dataclasses.replace(options, sequence_parallel=changes["sequence_parallel"])
+    changes["tp_degrees"] = _tp_degrees(c, options, workload, cluster)
+    bounds = {name: c.bounds(name) for name in ("tp", "pp", "dp", "ep")
+              if name in c.fix or name in c.min or name in c.max}
+    changes["degree_bounds"] = bounds
+    lo_ep, hi_ep = c.bounds("ep")
+    if "ep" in bounds:
+        if not workload.is_moe and lo_ep > 1:
+            raise ConstraintError(f"{_named(c, *_degree_keys('ep'))}: {workload.model} has no experts; "
+                                  "expert parallelism needs a mixture-of-experts model")
+        if workload.is_moe:
+            experts = max(workload.dims.num_experts, 1)
+            eps = [e for e in range(1, experts + 1) if experts % e == 0 and lo_ep <= e <= hi_ep]
+            if not eps:
+                raise ConstraintError(f"{_named(c, *_degree_keys('ep'))}: no degree in {lo_ep}..{hi_ep} divides "
+                                      f"the model's {experts} experts")
+            changes["ep_degrees"] = tuple(eps)
+    lo_pp, hi_pp = c.bounds("pp")
+    if lo_pp > len(workload):
+        raise ConstraintError(f"{_named(c, *_degree_keys('pp'))}: the model has {len(workload)} layers, so at most "
+                              f"{len(workload)} pipeline stages")
+    if "pp" in bounds:
+        changes["max_stages"] = min(hi_pp, options.max_stages or hi_pp)
+    least = min(changes["tp_degrees"]) * lo_pp * c.bounds("dp")[0]
+    if least > cluster.num_devices:
+        raise ConstraintError(f"{_named(c, *(_degree_keys('tp') + _degree_keys('pp') + _degree_keys('dp')))}: "
+                              f"needs at least {least} devices, the cluster has {cluster.num_devices}")
+    if c.microbatch_sizes is not None:
+        sizes = tuple(b for b in c.microbatch_sizes if global_batch % b == 0)
+        if not sizes:
+            raise ConstraintError(f"{_named(c, 'microbatch_sizes')}: no microbatch size divides the global batch "
+                                  f"{global_batch}")
+        changes["microbatch_sizes"] = sizes
+    if "dp" in c.fix and not any((global_batch // b) % c.fix["dp"] == 0
+                                 for b in changes.get("microbatch_sizes", options.microbatch_sizes)
+                                 if global_batch % b == 0):
+        raise ConstraintError(f"{_named(c, 'fix.dp', 'microbatch_sizes')}: dp={c.fix['dp']} does not divide the "
+                              f"global batch {global_batch} into whole microbatches")
+    if c.schedules is not None:
+        factors = sorted({v for name, v in options.schedules if name == "interleaved"}) or [2]
+        changes["schedules"] = tuple(schedule_pairs(c.schedules, factors))
+    for name in ("recompute", "zero_stages", "placements"):
+        if getattr(c, name) is not None:
+            changes[name] = tuple(getattr(c, name))
+    return dataclasses.replace(options, **changes)
+
+
+def solve_constrained(workload: Workload, cluster, global_batch: int, constraints: Optional[Constraints],
+                      options: Optional[SolverOptions] = None,
+                      progress: Optional[Callable[[int, int], None]] = None) -> SolveResult:
+    """``solve`` within ``constraints``; the plan records them. When no plan fits, NoFeasiblePlan
+    as without constraints if the unconstrained problem has none either, else ConstraintError
+    naming the constraint(s) whose removal gives a plan (:func:`binding_constraints`, within what
+    is left of ``options.time_budget``)."""
+    options = options or SolverOptions()
+    start = time.perf_counter()
+    narrowed = constrained_options(options, constraints, workload, cluster, global_batch)
+    try:
+        return solve(workload, cluster, global_batch, narrowed, progress)
+    except NoFeasiblePlan as exc:
+        if not constraints or all(k == "optimizer" for k, _ in constraints.items()):
+            raise
+        deadline = start + options.time_budget if options.time_budget else None
+        message = binding_constraints(workload, cluster, global_batch, constraints, options, exc, deadline)
+        if message is None:  # no plan without the constraints either: the plain reason says more
+            raise
+        raise ConstraintError(message) from exc
+
+
+def _relaxed(workload: Workload, cluster, global_batch: int, constraints: Constraints, options: SolverOptions,
+             budget: float) -> Optional[SolveResult]:
+    """The plan found under ``constraints`` within ``budget`` seconds, or None."""
+    try:
+        narrowed = constrained_options(dataclasses.replace(options, time_budget=budget), constraints, workload,
+                                       cluster, global_batch)
+        return solve(workload, cluster, global_batch, narrowed)
+    except (NoFeasiblePlan, ConstraintError):
+        return None
+
+
+def binding_constraints(workload: Workload, cluster, global_batch: int, constraints: Constraints,
+                        options: SolverOptions, failure: NoFeasiblePlan,
+                        deadline: Optional[float] = None) -> Optional[str]:
+    """Why no plan meets ``constraints``: the constraints whose removal alone gives a plan (with
+    that plan), else that they bind only together; None when no plan fits without them either.
+    The optimizer is a fact of the training, not relaxed. Each re-plan gets an even share of the
+    time left before ``deadline`` (a ``time.perf_counter()`` value), at most
+    RELAXED_SOLVE_BUDGET_S."""
+    keys = [(k, text) for k, text in constraints.items() if k != "optimizer"]
+    trials = [Constraints(optimizer=constraints.optimizer)] + [constraints.without(k) for k, _ in keys]
+    found: List[Optional[SolveResult]] = []
+    for k, trial in enumerate(trials):
+        left = math.inf if deadline is None else deadline - time.perf_counter()
+        if left <= 0:
+            break
+        found.append(_relaxed(workload, cluster, global_batch, trial, options,
+                              min(RELAXED_SOLVE_BUDGET_S, left / (len(trials) - k))))
+        if found[0] is None:
+            return None
+    stopped = len(found) < len(trials)
+    note = " (the time budget ran out before every constraint was tried: allow more with --time-budget)" \
+        if stopped else ""
+    binding = [f"{text} (without it: {_short(plan)})" for (_, text), plan in zip(keys, found[1:]) if plan is not None]
+    if binding:
+        verb = "binds" if len(binding) == 1 else "each bind"
+        return f"no plan meets the constraints; {'; '.join(binding)} {verb}{note}"
+    if stopped:
+        return f"no plan meets the constraints ({', '.join(text for _, text in keys)}){note}"
+    return (f"no plan meets the constraints together ({', '.join(text for _, text in keys)}); leaving out any one "
+            f"of them does not help either: relax several ({failure})")
+
+
+def _short(found: SolveResult) -> str:
+    """The plan's degrees, ZeRO stage, schedule and step time, briefly."""
+    p = found.plan
+    tp = p.uniform_tp if p.uniform_tp is not None else [s.tp for s in p.stages]
+    schedule = p.schedule + (f" v={p.virtual_stages}" if p.schedule == "interleaved" else "")
+    return (f"pp={p.pp} dp={p.dp} tp={tp}{f' ep={p.ep}' if p.ep > 1 else ''} zero={p.zero} "
+            f"mbs={p.microbatch_size} {schedule}, {found.result.step_s:.3g} s/step")
