@@ -42,7 +42,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nest_fx.graph.tp_regions import block_regions, localise_head_counts
+from nest_fx.apply.tp_styles import ColumnShard, LocalShards, RowShard
+from nest_fx.graph.opgraph import TPParam
+from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
 def _is_under(name: str, prefixes: Iterable[str]) -> bool:
     return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
@@ -139,7 +141,7 @@ def vocab_parallel_modules(module: nn.Module, graph, start: int, end: int) -> Di
             d = graph.graph.nodes[node]
             path = d.get("module", "")
             sub = present.get(path)
-            if block.kind == "head" and d.get("op") == "embedding" and isinstance(sub, nn.Embedding):
+            if block.kind == "head" and vocab_parallel_lookup(d) and isinstance(sub, nn.Embedding):
                 found[path] = "rowwise"
             elif block.kind == "tail" and d.get("op") == "linear" and isinstance(sub, nn.Linear):
                 found[path] = "colwise"
@@ -168,11 +170,39 @@ def apply_vocab_parallel(module: nn.Module, graph, start: int, end: int, tp_mesh
 
 # -- main entry ------------------------------------------------------------------------------
 
+def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str, object]:
+    """{module path (relative to the block): ParallelStyle} sharding one TP pair (see tp_styles)."""
+    styles: Dict[str, object] = {}
+    by_owner: Dict[str, Dict[str, TPParam]] = {}
+    modules = set(pair.column) | {pair.row}
+    for spec in pair.params:
+        unit = next((m for m in modules if spec.name.startswith(m + ".")), None)
+        owner = unit if unit is not None and unit in present else spec.name.rpartition(".")[0]
+        by_owner.setdefault(owner, {})[spec.name[len(owner) + 1:] if owner else spec.name] = spec
+    for owner, params in by_owner.items():
+        if owner not in present:
+            continue  # e.g. an expert another EP rank holds
+        if owner not in modules:  # 3-D expert parameters: the module runs on its local shards
+            styles[owner] = LocalShards(params)
+        elif owner == pair.row:
+            styles[owner] = RowShard(params, output_layouts=Shard(1)) if sp_here else RowShard(params)
+        else:
+            styles[owner] = ColumnShard(params)
+    for norm, dim in pair.head_norms.items():
+        if norm in present:
+            styles[norm] = SequenceParallel(sequence_dim=dim, use_local_output=True)
+    for table in pair.head_tables:
+        if table in present:
+            styles[table] = ColwiseParallel()
+    return styles
+
+
 def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *,
                           sequence_parallel: bool = False) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
 
-    Returns {linear FQN: "colwise" | "rowwise"} of what was sharded (for reports and tests).
+    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table"} of what
+    was sharded (for reports and tests).
     """
     tp = tp_mesh.size()
     if tp == 1:
@@ -180,6 +210,8 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
     by_name = {b.name: b for b in graph.blocks}
     applied: Dict[str, str] = {}
     owned = [n for n in block_names if n in by_name]
+    kinds = {ColumnShard: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
+             ColwiseParallel: "head_table"}
     for index, name in enumerate(owned):
         block = by_name[name]
         pattern = graph.patterns.get(block.signature)
@@ -191,19 +223,20 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
         styles = {}
         for region, kind, pairs in regions:
             sp_here = sequence_parallel and kind != "expert"
+            heads = []
             for pair in pairs:
-                if pair.row not in present:  # e.g. an expert another EP rank holds
-                    continue
-                for col in pair.column:
-                    styles[col] = ColwiseParallel()
-                styles[pair.row] = RowwiseParallel(output_layouts=Shard(1)) if sp_here else RowwiseParallel()
-                applied.update({f"{name}.{c}": "colwise" for c in pair.column})
-                applied[f"{name}.{pair.row}"] = "rowwise"
-            if kind == "attention" and region in present:
-                localise_head_counts(present[region], tp)
+                styles.update(_pair_styles(pair, present, sp_here))
+                heads += [h for h in pair.head_inputs if h not in heads]
+            target = present.get(region) if region else block_mod
+            if kind == "attention" and target is not None:
+                localise_head_counts(target, tp)
+            if heads and target is not None:
+                target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()),
+                                                 with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
             parallelize_module(block_mod, tp_mesh, styles, src_data_rank=None)
+            applied.update({f"{name}.{path}": kinds[type(style)] for path, style in styles.items()})
         if not sequence_parallel:
             continue
         # Sequence parallel: regions gather their input, norms outside regions run sharded.

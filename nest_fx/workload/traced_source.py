@@ -14,6 +14,7 @@ import networkx as nx
 import torch
 
 from nest_fx.graph.annotate import MATMUL_OPS
+from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
 
 _DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
@@ -238,7 +239,7 @@ def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     shared weight once, under the embedding) stays replicated with the largest embedding."""
     g = graph.graph
     if block.kind == "head":
-        found = {n: "rowwise" for n in block.nodes if g.nodes[n].get("op") == "embedding"}
+        found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
         tail = next((b for b in graph.blocks if b.kind == "tail"), None)
         tied = tail is not None and any(g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")
                                         and not g.nodes[n].get("num_params") for n in tail.nodes)
