@@ -31,6 +31,7 @@ in the root forward) would apply it on every stage; such models need an fx-level
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -92,7 +93,32 @@ def layer_index(block_name: str, container: str) -> int:
 
 
 def stage_blocks(graph, start: int, end: int) -> List[str]:
-    return [b.name for b in graph.blocks[start:end] if b.kind == "block"]
+    """Module paths of the layers in chain range [start, end): a layer's module, or the children
+    of a layer that groups children of an ``nn.Sequential`` (``Block.members``)."""
+    return [m for b in graph.blocks[start:end] if b.kind == "block" for m in b.modules]
+
+
+def _subset(container: nn.Module, layers: Dict[int, nn.Module]) -> nn.Module:
+    """The layers a stage keeps, under their original indices, in the container's own kind: an
+    ``nn.Sequential`` (called by its parent) stays callable."""
+    if isinstance(container, nn.Sequential):
+        return nn.Sequential(OrderedDict((str(i), layers[i]) for i in sorted(layers)))
+    return LayerSubset(layers)
+
+
+def _children_of(graph, block) -> List[int]:
+    """Indices of the root's children that ran the block's ops (an nn.Sequential model)."""
+    return sorted({int(m.split(".")[0]) for m in (graph.graph.nodes[n].get("module", "") for n in block.nodes)
+                   if m and m.split(".")[0].isdigit()})
+
+
+def _sequential_stage(model: nn.Sequential, graph, start: int, end: int) -> nn.Module:
+    """A stage of an ``nn.Sequential`` model: exactly the children that run chain range [start,
+    end) (head and tail children included), under their original indices."""
+    children = {i: model[i] for b in graph.blocks[start:end] for i in _children_of(graph, b)}
+    stage = nn.Sequential(OrderedDict((str(i), children[i]) for i in sorted(children)))
+    stage.register_forward_hook(_output_hook)
+    return stage
 
 
 def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]]) -> List[nn.Module]:
@@ -103,10 +129,13 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]]) -> 
     """
     n = len(graph.blocks)
     container = graph.block_container
+    if not container and isinstance(model, nn.Sequential):
+        return [_sequential_stage(model, graph, start, end) for start, end in ranges]
     head, tail = head_tail_modules(model, graph)
     originals = {p: model.get_submodule(p) for p in head + tail}
-    layer_mods = {layer_index(b.name, container): model.get_submodule(b.name)
-                  for b in graph.blocks if b.kind == "block"}
+    layer_mods = {layer_index(m, container): model.get_submodule(m)
+                  for b in graph.blocks if b.kind == "block" for m in b.modules}
+    container_mod = model.get_submodule(container) if container else None
     stages: List[nn.Module] = []
     if len(ranges) > 1:
         # strip everything parameterised, copy the skeleton per chunk
@@ -119,7 +148,7 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]]) -> 
         target = copy.deepcopy(skeleton) if len(ranges) > 1 else model
         owned = {layer_index(b, container): layer_mods[layer_index(b, container)] for b in stage_blocks(graph, start, end)}
         if container:
-            _set_submodule(target, container, LayerSubset(owned))
+            _set_submodule(target, container, _subset(container_mod, owned))
         for p in head:
             _set_submodule(target, p, originals[p] if start == 0 else nn.Identity())
         for p in tail:

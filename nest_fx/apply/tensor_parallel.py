@@ -197,6 +197,22 @@ def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str
     return styles
 
 
+def _block_modules(root: nn.Module, block) -> Dict[str, nn.Module]:
+    """{path relative to the block (``Block.rel``): module} of a layer or a group of children."""
+    if not block.members:
+        return dict(root.get_submodule(block.name).named_modules())
+    modules = dict(root.named_modules())
+    return {block.rel(f"{m}.{path}" if path else m): sub
+            for m in block.members if m in modules for path, sub in modules[m].named_modules()}
+
+
+def owned_blocks(graph, names: Sequence[str]) -> List:
+    """The layer blocks of ``graph`` named in ``names`` (block names or, for a group of children,
+    its members), in chain order."""
+    wanted = set(names)
+    return [b for b in graph.layer_blocks if wanted & set(b.modules) or b.name in wanted]
+
+
 def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *,
                           sequence_parallel: bool = False) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
@@ -207,19 +223,17 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
     tp = tp_mesh.size()
     if tp == 1:
         return {}
-    by_name = {b.name: b for b in graph.blocks}
     applied: Dict[str, str] = {}
-    owned = [n for n in block_names if n in by_name]
+    owned = owned_blocks(graph, block_names)
     kinds = {ColumnShard: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
              ColwiseParallel: "head_table"}
-    for index, name in enumerate(owned):
-        block = by_name[name]
+    for index, block in enumerate(owned):
+        name = block.name
         pattern = graph.patterns.get(block.signature)
         if pattern is None:
             continue
-        block_mod = module.get_submodule(name)
         regions = block_regions(pattern)
-        present = dict(block_mod.named_modules())
+        present = _block_modules(module, block)
         styles = {}
         for region, kind, pairs in regions:
             sp_here = sequence_parallel and kind != "expert"
@@ -227,7 +241,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
             for pair in pairs:
                 styles.update(_pair_styles(pair, present, sp_here))
                 heads += [h for h in pair.head_inputs if h not in heads]
-            target = present.get(region) if region else block_mod
+            target = present.get(region)
             if kind == "attention" and target is not None:
                 localise_head_counts(target, tp)
             if heads and target is not None:
@@ -235,10 +249,12 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
                                                  with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
-            parallelize_module(block_mod, tp_mesh, styles, src_data_rank=None)
-            applied.update({f"{name}.{path}": kinds[type(style)] for path, style in styles.items()})
+            parallelize_module(module, tp_mesh, {block.fqn(p): style for p, style in styles.items()},
+                               src_data_rank=None)
+            applied.update({block.fqn(p): kinds[type(style)] for p, style in styles.items()})
         if not sequence_parallel:
             continue
+        block_mod = module.get_submodule(name)  # a layer module: checks refuse sequence parallel for groups
         # Sequence parallel: regions gather their input, norms outside regions run sharded.
         region_paths = [r for r, _, _ in regions]
         for region, kind, _ in regions:

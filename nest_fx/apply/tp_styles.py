@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Dict
 
@@ -153,24 +154,27 @@ class LocalShards(ParallelStyle):
             shard_parameter(module, pname, spec, device_mesh)
         group = device_mesh.get_group()
         names = list(self.params)
+        inner = module.forward
 
-        def pre_hook(mod, args, kwargs):
-            held = {n: mod._parameters[n] for n in names}
-            mod.__dict__["_nest_fx_held"] = held
-            for n, p in held.items():
-                # the local shard, differentiable: its gradient lands in the DTensor parameter
-                mod._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
-            fix = (lambda t: copy_to_tp(t, group) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-            return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
+        def fix(value):
+            return copy_to_tp(value, group) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
-        def post_hook(mod, args, output):
-            for n, p in mod.__dict__.pop("_nest_fx_held").items():
-                mod._parameters[n] = p
-            if isinstance(output, torch.Tensor):
-                return reduce_from_tp(output, group)
-            raise TypeError(f"{type(mod).__name__} returned {type(output).__name__}; tensor parallelism on local "
-                            "shards needs a module that returns one tensor")
+        # The swap is undone in ``finally``, not in a forward hook: a non-reentrant activation
+        # checkpoint stops its recomputation with an exception once it has what it needs.
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            held = {n: module._parameters[n] for n in names}
+            try:
+                for n, p in held.items():
+                    # the local shard, differentiable: its gradient lands in the DTensor parameter
+                    module._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
+                output = inner(*(fix(a) for a in args), **{k: fix(v) for k, v in kwargs.items()})
+            finally:
+                module._parameters.update(held)
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor parallelism on "
+                                "local shards needs a module that returns one tensor")
+            return reduce_from_tp(output, group)
 
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        module.register_forward_hook(post_hook)
+        module.forward = forward
         return module

@@ -43,6 +43,44 @@ class Block:
     saved_bytes: float = 0.0
     out_bytes: float = 0.0  # bytes leaving this block for later blocks (stage boundary)
     is_moe: bool = False
+    # A group of consecutive children of the layer container (a repeated unit of a flat
+    # nn.Sequential, e.g. Linear-GELU): their FQNs. Empty when the block is the one module ``name``.
+    members: List[str] = field(default_factory=list)
+
+    def _group(self):
+        prefix, _, first = self.members[0].rpartition(".")
+        return prefix, int(first)
+
+    def rel(self, fqn: str) -> str:
+        """``fqn`` relative to this block: below the layer module (``attn.q_proj``), or for a group
+        the child index counted from the group's first child (``1.weight``: its second child)."""
+        if self.kind != "block":
+            return fqn
+        if self.members:
+            prefix, start = self._group()
+            rest = fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else ("" if fqn == prefix else fqn)
+            head, dot, tail = rest.partition(".")
+            return f"{int(head) - start}{dot}{tail}" if head.isdigit() else fqn
+        if fqn.startswith(self.name + "."):
+            return fqn[len(self.name) + 1:]
+        return "" if fqn == self.name else fqn
+
+    def fqn(self, rel: str) -> str:
+        """The module path of ``rel`` (as :meth:`rel` gives it) in the model."""
+        if self.kind != "block":
+            return rel
+        if self.members:
+            prefix, start = self._group()
+            if not rel:
+                return prefix
+            head, dot, tail = rel.partition(".")
+            return f"{prefix + '.' if prefix else ''}{start + int(head)}{dot}{tail}"
+        return f"{self.name}.{rel}" if rel else self.name
+
+    @property
+    def modules(self) -> List[str]:
+        """The modules this block consists of: its members, or its own module for a layer."""
+        return list(self.members) or [self.name]
 
 
 @dataclass

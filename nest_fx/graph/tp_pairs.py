@@ -46,12 +46,7 @@ def _is_float(data: dict) -> bool:
 
 
 def _rel(fqn: str, block: Block) -> str:
-    prefix = block.name + "."
-    return fqn[len(prefix):] if block.kind == "block" and fqn.startswith(prefix) else fqn
-
-
-def _abs(rel: str, block: Block) -> str:
-    return f"{block.name}.{rel}" if block.kind == "block" and rel else (rel or block.name)
+    return block.rel(fqn)
 
 
 def _lca(names: List[str]) -> str:
@@ -124,7 +119,7 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     problem = _unit_problem(graph, block, params, units, columns, row)
     owners = [u if is_module else u.rpartition(".")[0] for u, is_module in units.values()]
     region = _lca(owners) if all(is_module for _, is_module in units.values()) else _lca([o + ".x" for o in owners])
-    layout = follow_pair(graph, block, columns, row, _abs(_rel(region, block), block) if region else block.name)
+    layout = follow_pair(graph, block, columns, row, region)
     pair.problem = problem or layout.problem
     pair.head_norms = {_rel(m, block): d for m, d in layout.head_norms.items()}
     pair.head_tables = sorted({_rel(m, block) for m in layout.head_tables})

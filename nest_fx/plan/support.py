@@ -33,6 +33,70 @@ def _ancestors(path: str) -> List[str]:
     return [".".join(parts[:k]) for k in range(len(parts) + 1)]
 
 
+CONV_OPS = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
+
+
+def _fix(n: int, tp: int) -> str:
+    return f"fix: use tp in {[d for d in divisors(n) if d <= 64]}"
+
+
+def _pair_problem(model: nn.Module, block, pair, tp: int) -> str:
+    """Why ``tp`` cannot shard one traced TP pair of ``block`` exactly ("" when it can)."""
+    where = f"{block.name}: {pair.kind} pair {pair.column} -> {pair.row}"
+    if pair.problem:
+        return f"tp={tp} cannot shard {where}: {pair.problem}. fix: use tp=1 for this model"
+    for spec in pair.params:
+        shape = tuple(model.get_parameter(block.fqn(spec.name)).shape)
+        size = shape[spec.dim]
+        parts = spec.parts or [size]
+        units = spec.units if len(spec.units) == len(parts) else [1] * len(parts)
+        for part, unit in zip(parts, units):
+            count = part // max(unit, 1)
+            if count % tp:
+                what = f"{count} heads" if unit > 1 else f"{count} features"
+                fused = f" (part of {len(parts)} fused along dim {spec.dim})" if len(parts) > 1 else ""
+                return (f"tp={tp} does not divide {block.fqn(spec.name)}: {what}{fused}; each rank keeps whole "
+                        f"heads. {_fix(count, tp)}")
+    for inp in pair.head_inputs:
+        if inp.count % tp:
+            return f"tp={tp} does not divide the {inp.count} heads of a per-head input of {where}; {_fix(inp.count, tp)}"
+    return ""
+
+
+def tp_graph_problem(model: nn.Module, graph: OpGraph, tp: int) -> str:
+    """Why ``tp`` cannot shard the traced model's blocks ("" when it can): a TP pair whose region
+    cannot be followed (``graph.tp_flow``), a degree that splits a head or a fused part, or no
+    pair at all (a plan must never say tp while sharding nothing)."""
+    layers = graph.layer_blocks
+    if not layers:
+        return (f"tp={tp}: the traced model has no repeated layers ({type(model).__name__} is one block), and tensor "
+                "parallelism shards the column->row linear pairs inside layers; fix: use tp=1")
+    seen, pairs = set(), 0
+    for block in layers:
+        if block.signature in seen:
+            continue
+        seen.add(block.signature)
+        pattern = graph.patterns.get(block.signature)
+        if pattern is None:
+            continue
+        if pattern.tp_problem:
+            return f"tp={tp} cannot shard {block.name}: {pattern.tp_problem}. fix: use tp=1 for this model"
+        for pair in pattern.tp_pairs:
+            problem = _pair_problem(model, block, pair, tp)
+            if problem:
+                return problem
+        pairs += len(pattern.tp_pairs)
+    if not pairs:
+        container = graph.block_container or "<root>"
+        convs = list(dict.fromkeys(graph.graph.nodes[n].get("module") for b in layers for n in b.nodes
+                                   if graph.graph.nodes[n].get("op") in CONV_OPS))
+        why = (f"; its layers compute with convolutions ({', '.join(convs[:3])}), whose channels tensor parallelism "
+               "does not shard yet (pipeline and data parallelism apply)") if convs else ""
+        return (f"tp={tp} would shard nothing: no column->row linear pair (a linear whose output features feed "
+                f"another linear through per-feature ops) was found in the layers of {container}{why}; fix: use tp=1")
+    return ""
+
+
 def head_tail_modules(model: nn.Module, graph) -> Tuple[List[str], List[str]]:
     """Top-most parameterised modules of the head and tail blocks (not above the layer container)."""
     container = graph.block_container
@@ -91,18 +155,18 @@ class ParallelSupport:
                         f"them evenly. fix: use tp in {[d for d in divisors(n) if d <= 64]}")
         if self.graph is None:
             return ""
-        modules = dict(self.model.named_modules())
-        for block in self.graph.blocks:
-            pattern = self.graph.patterns.get(block.signature) if block.kind == "block" else None
-            if pattern is None:
-                continue
-            for pair in pattern.tp_pairs:
-                for rel, attr in [(c, "out_features") for c in pair.column] + [(pair.row, "in_features")]:
-                    n = getattr(modules.get(f"{block.name}.{rel}"), attr, None)
-                    if isinstance(n, int) and n % tp:
-                        return (f"tp={tp} does not divide {block.name}.{rel}.{attr}={n}; fix: use tp in "
-                                f"{[d for d in divisors(n) if d <= 64]}")
-            break  # identical blocks share the pattern; one of each signature is enough
+        return tp_graph_problem(self.model, self.graph, tp)
+
+    def sp_problem(self) -> str:
+        """Why sequence parallelism (TP's activations sharded on the sequence dim between regions)
+        cannot run on this model ("" when it can)."""
+        if self.graph is None:
+            return ""
+        groups = [b.name for b in self.graph.layer_blocks if b.members]
+        if groups:
+            return (f"sequence parallelism shards the sequence dim of activations between layer modules, but the "
+                    f"layers of {type(self.model).__name__} are groups of nn.Sequential children ({groups[0]}, ...); "
+                    "fix: sequence_parallel=false")
         return ""
 
     # -- pipeline parallelism -------------------------------------------------------------
@@ -113,6 +177,10 @@ class ParallelSupport:
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
             return ""
+        if not self.graph.block_container and isinstance(self.model, nn.Sequential) \
+                and type(self.model).forward is not nn.Sequential.forward:
+            return (f"{type(self.model).__name__} is an nn.Sequential with its own forward; a pipeline stage keeps a "
+                    "range of its children and runs them in order, which would skip that forward. fix: use pp=1")
         head, tail = head_tail_modules(self.model, self.graph)
         head_params = {id(p) for h in head for p in self.model.get_submodule(h).parameters()}
         tied = sorted({t for t in tail for p in self.model.get_submodule(t).parameters() if id(p) in head_params})

@@ -160,11 +160,10 @@ def _block_facts(graph, block) -> _BlockFacts:
     g = graph.graph
     members = set(block.nodes)
     pattern = graph.pattern_of(block) if block.kind == "block" else None
-    prefix = block.name + "." if block.kind == "block" else ""
     weight_node = {g.nodes[n]["weight"]: n for n in block.nodes if g.nodes[n].get("weight")}
 
     def node_for(rel: str) -> Optional[str]:
-        full = prefix + rel
+        full = block.fqn(rel)
         return weight_node.get(full + ".weight") or weight_node.get(full)
 
     tp_nodes: set = set()
@@ -172,6 +171,8 @@ def _block_facts(graph, block) -> _BlockFacts:
     expert_nodes: set = set()
     rows: List[Tuple[str, str]] = []
     for pair in (pattern.tp_pairs if pattern else []):
+        if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
+            continue
         cols = [c for c in (node_for(x) for x in pair.column) if c]
         row = node_for(pair.row)
         if not cols or not row:
