@@ -36,6 +36,7 @@ ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_
                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "softmax", "_softmax"}
 _FLOAT = ("float", "bfloat16", "half", "complex")
+_STATISTICS = {"mean", "var", "var_mean"}  # what a hand-written norm reduces with
 # ops a linear-like module may run besides its matmul: views of the weight or input, the bias add
 _PROJECTION_OPS = MATMUL_OPS | VIEW_OPS | {"add", "add_", "view", "reshape", "_unsafe_view", "permute"}
 
@@ -96,10 +97,10 @@ def find_pattern(graph: nx.DiGraph, block: Block) -> BlockPattern:
     routers = sorted({_rel(_unit(graph, n, params)[0], block) for n in linears if _reaches_topk(graph, n, members)})
     pairs: List[TPPair] = []
     for row in linears:
-        columns, through_attention = _columns_feeding(graph, row, members)
+        columns, through_attention, stops = _columns_feeding(graph, row, members)
         if not columns:
             continue
-        pair = _make_pair(graph, block, params, columns, row, through_attention, bool(routers))
+        pair = _make_pair(graph, block, params, columns, row, through_attention, bool(routers), stops)
         if pair.row in routers or set(pair.column) & set(routers):
             continue
         pairs.append(pair)
@@ -107,7 +108,7 @@ def find_pattern(graph: nx.DiGraph, block: Block) -> BlockPattern:
 
 
 def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: List[str], row: str,
-               through_attention: bool, moe: bool) -> TPPair:
+               through_attention: bool, moe: bool, stops: List[str]) -> TPPair:
     units = {n: _unit(graph, n, params) for n in columns + [row]}
     col_names = sorted({_rel(units[c][0], block) for c in columns})
     row_name = _rel(units[row][0], block)
@@ -121,6 +122,12 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     region = _lca(owners) if all(is_module for _, is_module in units.values()) else _lca([o + ".x" for o in owners])
     layout = follow_pair(graph, block, columns, row, region)
     pair.problem = problem or layout.problem
+    inside = [graph.nodes[n].get("module", "") for n in stops
+              if graph.nodes[n].get("module", "").startswith(region + ".") and region]
+    if pair.problem and inside:
+        pair.problem = (f"module {inside[0]} normalises over all the features of a projection between the pair's "
+                        "linears (e.g. a query norm over the whole projection); each rank would normalise its shard "
+                        f"alone ({pair.problem})")
     pair.head_norms = {_rel(m, block): d for m, d in layout.head_norms.items()}
     pair.head_tables = sorted({_rel(m, block) for m in layout.head_tables})
     pair.head_inputs = layout.head_inputs
@@ -180,6 +187,7 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str]):
     Norms over as many features as the row reads (the residual stream a block's norm normalises)
     end the walk; norms over fewer (one head's features) are part of the region."""
     columns: List[str] = []
+    stops: List[str] = []
     through_attention = False
     seen: Set[str] = set()
     d = graph.nodes[row]
@@ -197,11 +205,12 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str]):
             continue
         op = data.get("op", "")
         if (op in NORM_OPS and _last_dim(data) == width) or _normalises(graph, node, width):
+            stops.append(node)
             continue
         if op in ATTENTION_OPS or (op in MATMUL_OPS and not data.get("weight")):
             through_attention = True
         stack.extend(p for p in graph.predecessors(node) if _is_float(graph.nodes[p]))
-    return columns, through_attention
+    return columns, through_attention, stops
 
 
 def _last_dim(data: dict) -> Optional[int]:
@@ -218,9 +227,10 @@ def _normalises(graph: nx.DiGraph, node: str, width: Optional[int], depth: int =
 
     frontier = floats(node)
     for _ in range(depth):
-        if any(graph.nodes[n].get("op") in NORM_OPS and _last_dim(graph.nodes[n]) == width for n in frontier):
+        if any(graph.nodes[n].get("op") in _STATISTICS and _last_dim(graph.nodes[n]) == width for n in frontier):
             return True
-        frontier = {p for n in frontier if not graph.nodes[n].get("weight") for p in floats(n)}
+        frontier = {p for n in frontier if not graph.nodes[n].get("weight")
+                    and graph.nodes[n].get("op") not in ATTENTION_OPS | MATMUL_OPS for p in floats(n)}
     return False
 
 

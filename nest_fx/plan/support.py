@@ -55,8 +55,9 @@ def _pair_problem(model: nn.Module, block, pair, tp: int) -> str:
             if count % tp:
                 what = f"{count} heads" if unit > 1 else f"{count} features"
                 fused = f" (part of {len(parts)} fused along dim {spec.dim})" if len(parts) > 1 else ""
-                return (f"tp={tp} does not divide {block.fqn(spec.name)}: {what}{fused}; each rank keeps whole "
-                        f"heads. {_fix(count, tp)}")
+                share = "whole heads" if unit > 1 else "an equal share"
+                return (f"tp={tp} does not divide {block.fqn(spec.name)}: {what}{fused}; each rank keeps {share}. "
+                        f"{_fix(count, tp)}")
     for inp in pair.head_inputs:
         if inp.count % tp:
             return f"tp={tp} does not divide the {inp.count} heads of a per-head input of {where}; {_fix(inp.count, tp)}"
