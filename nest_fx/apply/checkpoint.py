@@ -214,7 +214,7 @@ def _install_optimizer_state(target, optimizer, state: Dict[str, Any]) -> None:
     for key, value in state.items():
         if key.startswith("optim.state."):
             name, _, entry = key[len("optim.state."):].rpartition(".")
-            per_param.setdefault(name, {})[entry] = value.tensor if isinstance(value, FusedCheckpointTensor) else value
+            per_param.setdefault(name, {})[entry] = value.source if isinstance(value, FusedCheckpointTensor) else value
     names = _param_names(target, optimizer)
     for group in optimizer.param_groups:
         restored = None

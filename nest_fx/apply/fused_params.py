@@ -101,17 +101,24 @@ def original_layout(tensor: torch.Tensor, layout: Optional[FusedLayout]) -> torc
     return tensor if layout is None else layout.to_original(tensor)
 
 
-class FusedCheckpointTensor:
+class FusedCheckpointTensor(torch.Tensor):
     """A fused DTensor as DCP sees it: the original tensor, of which this rank holds the runs
     :meth:`FusedLayout.runs` names (DCP's ``__create_write_items__`` / ``__create_chunk_list__`` /
-    ``__get_tensor_shard__`` protocol). Reads land in the DTensor's local storage."""
+    ``__get_tensor_shard__`` protocol). Reads land in the DTensor's local storage. A tensor
+    subclass without storage of the original's shape (DCP looks shards up on tensors only); it
+    takes part in checkpoints only: any other operation on it raises."""
+
+    source: DTensor
+    fused_layout: FusedLayout
+
+    @staticmethod
+    def __new__(cls, tensor: DTensor, layout: FusedLayout):
+        return torch.Tensor._make_wrapper_subclass(cls, tensor.shape, dtype=tensor.dtype, device=tensor.device)
 
     def __init__(self, tensor: DTensor, layout: FusedLayout):
-        self.tensor = tensor
-        self.layout = layout
-        self.shape = tensor.shape
-        self.dtype = tensor.dtype
-        self.device = tensor.device
+        super().__init__()
+        self.source = tensor  # the parameter or optimizer state (DTensor) this view reads and writes
+        self.fused_layout = layout
         local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                                     tensor.placements)
         self._local = tensor.to_local()
@@ -124,8 +131,9 @@ class FusedCheckpointTensor:
             offsets[dim], sizes[dim] = original, length
             self._boxes.append((offsets, sizes, sharded - offset[dim]))
 
-    def size(self) -> torch.Size:
-        return self.shape
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func}: a fused parameter's checkpoint view takes part in checkpoints only")
 
     def _chunk(self, offsets, sizes) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
@@ -143,7 +151,7 @@ class FusedCheckpointTensor:
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for offsets, sizes, local_start in self._boxes:
             if index.offset is None or list(index.offset) == offsets:
-                return self._local.narrow(self.layout.dim, local_start, sizes[self.layout.dim])
+                return self._local.narrow(self.fused_layout.dim, local_start, sizes[self.fused_layout.dim])
         raise ValueError(f"no shard at offset {index.offset} of fused parameter {index.fqn}")
 
 
