@@ -29,6 +29,7 @@ import networkx as nx
 from nest_fx.graph.annotate import MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.opgraph import Block, BlockPattern, TPPair, TPParam
 from nest_fx.graph.tp_flow import follow_pair
+from nest_fx.graph.tp_regions import lowest_common_module
 
 NORM_OPS = {"layernorm", "layer_norm", "native_layer_norm", "rmsnorm", "rms_norm", "mean", "var",
             "var_mean", "groupnorm", "group_norm", "batchnorm", "batch_norm"}
@@ -48,19 +49,6 @@ def _is_float(data: dict) -> bool:
 
 def _rel(fqn: str, block: Block) -> str:
     return block.rel(fqn)
-
-
-def _lca(names: List[str]) -> str:
-    """Lowest common ancestor module of dotted paths ('' = the block itself)."""
-    parts = [n.split(".") for n in set(names)]
-    if len(parts) == 1:
-        return ".".join(parts[0][:-1])
-    out: List[str] = []
-    for group in zip(*parts):
-        if len(set(group)) != 1:
-            break
-        out.append(group[0])
-    return ".".join(out)
 
 
 class _BlockParams:
@@ -119,7 +107,7 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     pair = TPPair(kind=kind, column=col_names, row=row_name)
     problem = _unit_problem(graph, block, params, units, columns, row)
     owners = [u if is_module else u.rpartition(".")[0] for u, is_module in units.values()]
-    region = _lca(owners) if all(is_module for _, is_module in units.values()) else _lca([o + ".x" for o in owners])
+    region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
     layout = follow_pair(graph, block, columns, row, region)
     pair.problem = problem or layout.problem
     inside = [graph.nodes[n].get("module", "") for n in stops

@@ -26,7 +26,7 @@ CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "nu
                      "n_kv_heads")
 
 
-def _lca(names: Sequence[str]) -> str:
+def lowest_common_module(names: Sequence[str]) -> str:
     """Lowest common ancestor module of dotted linear paths ('' = the block itself)."""
     parts = [n.split(".") for n in set(names)]
     if len(parts) == 1:
@@ -50,11 +50,11 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
     for pair in pattern.tp_pairs:
         if pair.kind == "expert":
             continue
-        region = _lca(list(pair.column) + [pair.row])
+        region = lowest_common_module(list(pair.column) + [pair.row])
         regions.setdefault(region, (pair.kind, []))[1].append(pair)
     if experts:
         names = [n for p in experts for n in (*p.column, p.row)] + list(pattern.routers or routers)
-        region = _lca(names)
+        region = lowest_common_module(names)
         # the common ancestor of experts.0.up and experts.1.up is "moe.experts"; the router lifts it
         regions.setdefault(region, ("expert", []))[1].extend(experts)
     return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
