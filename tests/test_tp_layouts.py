@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import re
 
 import pytest
@@ -401,3 +402,39 @@ def test_fused_projections_checkpoint_in_the_model_layout(tmp_path):
     for blob, _ in loaded:
         got = torch.load(io.BytesIO(blob))
         assert sorted(got) == sorted(want) and not [k for k in want if not torch.equal(got[k], want[k])]
+
+
+def _dropout_replicas(_):
+    """GPT-2 with dropout 0.1 under TP2, each rank seeded differently after the model is built:
+    the replicated LayerNorm weights after two steps, as bytes."""
+    import torch.distributed as dist
+    import transformers as tf
+
+    from nest_fx.apply import auto_parallelize
+    from nest_fx.apply.losses import lm_loss
+    from nest_fx.plan import uniform_plan
+
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=64,
+                                             use_cache=False))
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(100 + int(os.environ["RANK"]))
+    pm = auto_parallelize(model, tokens, global_batch_size=4, loss_fn=lm_loss, verbose=False,
+                          plan=uniform_plan(4, tp=2, microbatch_size=4))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    for _ in range(2):
+        pm.train_step(tokens, tokens)
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    weight = dict(pm.named_parameters())["transformer.ln_f.weight"]
+    return (weight.to_local() if hasattr(weight, "to_local") else weight).detach().numpy().tobytes()
+
+
+@pytest.mark.hf
+@pytest.mark.dist
+@pytest.mark.timeout(LAUNCH_S)
+def test_tp_ranks_draw_the_same_dropout_masks_outside_the_regions():
+    pytest.importorskip("transformers")
+    first, second = launch(_dropout_replicas, 2, None, timeout=LAUNCH_S)
+    assert first == second  # the replicas of a replicated weight did not drift apart

@@ -30,7 +30,7 @@ from nest_fx.apply.mesh import build_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.runtime import ParallelModule
-from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
+from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
 from nest_fx.graph import trace
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
@@ -121,6 +121,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         names = ("edp", "ep", "tp") if plan.ep > 1 else ("dp", "tp")
         stage_group = mesh[names]._flatten("stage").get_group()
         broadcast_module(chunks, stage_group, 0)
+    if not on_meta and stage_plan.tp > 1:
+        share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
 
     for chunk, (start, end) in zip(chunks, ranges):
         blocks = stage_blocks(graph, start, end)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -166,6 +167,23 @@ def apply_vocab_parallel(module: nn.Module, graph, start: int, end: int, tp_mesh
     if styles:
         parallelize_module(module, tp_mesh, styles, src_data_rank=None)
     return targets
+
+
+# -- random numbers ----------------------------------------------------------------------------
+
+def share_rng_state(tp_mesh: DeviceMesh) -> None:
+    """Give every rank of the TP group the random-number state of its first rank (CPU and CUDA).
+
+    Outside the TP regions the ranks hold the same activations; dropout there must draw the same
+    mask on each, or the replicas silently drift apart (the runtime does not ask ranks to share a
+    seed). Inside a region each rank's dropout then draws the same mask pattern for its own heads
+    (correlated across ranks, as with one seed per TP group)."""
+    group = tp_mesh.get_group()
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    dist.broadcast_object_list(states, group_src=0, group=group)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
 
 
 # -- main entry ------------------------------------------------------------------------------
