@@ -141,6 +141,34 @@ def test_one_rank_model_computes_half_of_every_layer(family):
         assert shrunk.flops / block.flops == pytest.approx(0.5, abs=0.01), block.name
 
 
+@pytest.mark.hf
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "qwen3", "qwen3_moe", "falcon", "t5"])
+def test_cost_model_shards_what_the_runtime_shards(family):
+    """The traced cost source reads the same pairs: at tp=2 a layer keeps half of every parameter
+    the pairs shard and all of the rest (norms, routers, a row's bias), and all-reduces once per
+    pair in the forward."""
+    pytest.importorskip("transformers")
+    from nest_fx.workload.roofline import AnalyticalCompute
+    from nest_fx.workload.traced_source import TracedSource, workload_from_graph
+    from nest_fx.workload.types import ModelDims
+
+    model, graph = _traced_hf(family)
+    timing = AnalyticalCompute(peak_flops=1e12, mem_bandwidth=1e11)
+    layers = workload_from_graph(graph, timing, ModelDims(seq_len=32)).layers
+    source = TracedSource(graph, timing)
+    for block in graph.layer_blocks:
+        layer = next(layer for layer in layers if layer.name == block.name)
+        whole, half = source.cost(layer, 1, 1, 2, False), source.cost(layer, 2, 1, 2, False)
+        pairs = graph.pattern_of(block).tp_pairs
+        sharded = {block.fqn(p.name) for pair in pairs for p in pair.params}
+        sharded |= {block.fqn(t) + ".weight" for pair in pairs for t in pair.head_tables}
+        assert whole.num_params == block.num_params
+        assert whole.num_params - half.num_params == sum(model.get_parameter(n).numel() for n in sharded) / 2
+        dense = [p for p in pairs if p.kind != "expert"]
+        expected = len(dense) + (1 if len(dense) < len(pairs) else 0)
+        assert sum(c.count for c in half.comms if c.kind == "all_reduce" and c.phase == "fwd") == expected
+
+
 # -- refusals --------------------------------------------------------------------------------------
 
 class ProjectionNormAttention(nn.Module):
@@ -250,6 +278,36 @@ def test_sequential_pipeline_stages_compute_the_whole_model():
         stages = split_stages(model, graph, [(0, 3), (3, 6)])
         assert [list(s._modules) for s in stages] == [[str(i) for i in range(8)], [str(i) for i in range(8, 17)]]
         assert torch.equal(stages[1](stages[0](x)), expected)
+
+
+class TokenMLP(nn.Module):
+    """An embedding, a flat nn.Sequential body it calls, and an LM head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 32)
+        self.body = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+def test_a_sequential_body_splits_into_callable_stages():
+    from nest_fx.apply.pipeline import split_stages
+
+    model, tokens = TokenMLP(), torch.randint(0, 64, (2, 8))
+    graph = trace(model, (tokens,))
+    assert graph.block_container == "body"
+    assert [b.members for b in graph.layer_blocks] == [["body.0", "body.1", "body.2", "body.3"],
+                                                       ["body.4", "body.5", "body.6", "body.7"]]
+    with torch.no_grad():
+        expected = model(tokens)
+        first, second = split_stages(model, graph, [(0, 2), (2, 4)])
+        assert isinstance(first.body, nn.Sequential) and list(first.body._modules) == ["0", "1", "2", "3"]
+        assert list(second.body._modules) == ["4", "5", "6", "7"]
+        assert torch.equal(second(first(tokens)), expected)
 
 
 # -- the fused layout ----------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ class _FakeInterpreter(fx.Interpreter):
         rec["kwargs"] = {k: _literal(v) for k, v in n.kwargs.items()}
         # the input node of each entry of in_shapes (a tuple-valued input gives several)
         rec["inputs"] = [a.name for a in n.all_input_nodes if a in self.env for _ in _tensors(self.env[a])]
-        pbytes, pnames, pcount = 0, [], 0
+        pbytes, pnames, pcount, numels = 0, [], 0, []
         for name, p in self._params_of(n):
             if id(p) in self.seen_params:
                 continue
@@ -193,7 +193,9 @@ class _FakeInterpreter(fx.Interpreter):
             pbytes += p.numel() * p.element_size()
             pcount += p.numel()
             pnames.append(self.param_fqn.get(id(p), name))
+            numels.append(p.numel())
         rec["param_bytes"], rec["params"], rec["num_params"] = float(pbytes), pnames, pcount
+        rec["param_numels"] = numels  # aligned with params
         return result
 
     def fake(self, value: Any) -> Any:
