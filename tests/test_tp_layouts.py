@@ -206,6 +206,18 @@ class HeadScaledAttention(ProjectionNormAttention):
         return self.o_proj((probs @ v).transpose(1, 2).reshape(b, s, h))
 
 
+class LeakyAttention(HeadScaledAttention):
+    """Attention whose block also adds the query projection to its output: that use would see one
+    rank's shard of the queries."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q = self.q_proj(x)
+        heads = [t.view(b, s, -1, h // self.heads).transpose(1, 2) for t in (q, self.k_proj(x), self.v_proj(x))]
+        out = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(b, s, h)
+        return self.o_proj(out) + q
+
+
 class Stack(nn.Module):
     def __init__(self, make, layers=2):
         super().__init__()
@@ -220,6 +232,7 @@ class Stack(nn.Module):
 @pytest.mark.parametrize("make,expected", [
     (ProjectionNormAttention, r"layers.0: attention pair .*module layers.0.q_norm normalises over all the features"),
     (HeadScaledAttention, r"parameter layers.0.temperature has one entry per sharded head"),
+    (LeakyAttention, r"the sharded output of op 'linear' in module 'layers.0.q_proj' is also used by op 'add'"),
     (lambda: nn.Linear(32, 32), r"would shard nothing: no column->row linear pair"),
 ])
 def test_layers_tensor_parallelism_cannot_shard_are_refused_with_the_reason(make, expected):

@@ -154,9 +154,21 @@ class _Follower:
                 self.visit(node, core)
             self.check_row()
             self.finish_parts()
+            self.check_contained(core, members)
         except _Stop as stop:
             self.layout.problem = str(stop)
         return self.layout
+
+    def check_contained(self, core: Set[str], members: Set[str]) -> None:
+        """Sharded data must reach the row only: a use elsewhere (outside the pair, still
+        feeding the block's output) would see one rank's shard."""
+        exits = [n for n in members if any(s not in members for s in self.g.successors(n))]
+        live = set(exits).union(*(nx.ancestors(self.g, n) for n in exits)) if exits else set()
+        for node in core:
+            for user in self.g.successors(node):
+                if user not in core and user != self.row and (user not in members or user in live):
+                    raise _Stop(f"the sharded output of {self.where(node)} is also used by {self.where(user)}, "
+                                "outside the pair's region")
 
     def visit(self, node: str, core: Set[str]) -> None:
         d = self.g.nodes[node]
@@ -427,7 +439,7 @@ class _Follower:
         if not all(ins):
             raise _Stop(f"{self.where(node)} joins sharded and unsharded tensors")
         _, f = self.single(node, ins)
-        shape, out = d["in_shapes"][0], d["out_shapes"][0]
+        out = d["out_shapes"][0]
         dim = _norm_dim(_arg(d, 1, d.get("kwargs", {}).get("dim", 0)), len(out))
         if op == "stack":
             return replace(f, dim=f.dim + 1 if dim <= f.dim else f.dim)
