@@ -254,6 +254,19 @@ def test_multi_query_falcon_is_refused():
     assert "transformer.h.0" in problem and "slices the sharded heads" in problem
 
 
+@pytest.mark.hf
+def test_a_projection_grouped_by_a_constant_of_the_module_is_refused():
+    """CodeGen views its qkv as ``mp_num = 4`` groups, a constant of its forward: a rank's copy
+    would regroup its shard into 4 again and mix queries with values. 16 heads: refused."""
+    tf = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = tf.CodeGenForCausalLM(tf.CodeGenConfig(n_embd=256, n_layer=2, n_head=16, rotary_dim=8,
+                                                       vocab_size=128, use_cache=False))
+    graph = trace(model, (torch.empty(2, 32, dtype=torch.long, device="meta"),))
+    assert "attn.qkv_proj.weight is viewed as 4 groups, which are not the model's heads ([16])" in \
+        parallel_support(model, graph).tp_problem(2)
+
+
 # -- nn.Sequential models ----------------------------------------------------------------------------
 
 def test_sequential_mlp_layers_are_repeated_units_holding_a_pair():

@@ -99,8 +99,10 @@ def _prod(values: Sequence[int]) -> int:
 
 
 class _Follower:
-    def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str):
+    def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
+                 units: Set[str]):
         self.g = graph
+        self.units = units  # the pair's linear-like modules (absolute FQNs)
         self.block = block
         self.columns = columns
         self.row = row
@@ -249,8 +251,7 @@ class _Follower:
                 raise _Stop(f"{self.where(node)} combines tensors sharded differently")
         return first
 
-    def check_unsharded(self, node: str, flow_out: Flow, out_ndim: int, skip: Set[int] = frozenset(),
-                        shape_of=None) -> None:
+    def check_unsharded(self, node: str, flow_out: Flow, out_ndim: int, skip: Set[int] = frozenset()) -> None:
         """Inputs without a flow that broadcast against the sharded dim must be per-head inputs
         (sliced on entry to the region) or per-head parameters (not supported); parameters that
         meet the sharded data elsewhere make their module a per-head norm."""
@@ -260,6 +261,8 @@ class _Follower:
             if ins[i] is not None or i in skip:
                 continue
             param = (d.get("input_params") or [None] * (i + 1))[i]
+            if param and param.rpartition(".")[0] in self.units:
+                continue  # a column's own bias: sharded with its weight
             at = flow_out.dim - (out_ndim - len(shape))
             carries = 0 <= at < len(shape) and shape[at] != 1
             if param:
@@ -290,6 +293,9 @@ class _Follower:
         shape = d["out_shapes"][0]
         if self.external(node):
             return [(node, shape, at)]
+        first = (d.get("in_shapes") or [[]])[0]
+        if d.get("op") in SELECTS | {"getitem", "index"} and len(first) == len(shape) and first[at] == shape[at]:
+            return self.per_head_sources(d["inputs"][0], at)  # a slice along other dims (MPT's ALiBi)
         if d.get("op") not in ELEMENTWISE:
             raise _Stop(f"{self.where(node)} builds a per-head tensor from the global head count inside the "
                         "region; tensor parallelism cannot shard it")
@@ -610,7 +616,9 @@ def _indexed_dims(d: dict, op: str, ndim: int):
     return removed, sliced
 
 
-def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str) -> PairLayout:
+def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
+                units: Set[str] = frozenset()) -> PairLayout:
     """Follow the sharded features of ``columns`` (node names) to ``row`` (node name) inside the
-    region module ``region`` (an absolute module FQN); see the module docstring."""
-    return _Follower(graph, block, columns, row, region).run()
+    region module ``region`` (an absolute module FQN); ``units``: the pair's linear-like modules,
+    whose own parameters are sharded with them. See the module docstring."""
+    return _Follower(graph, block, columns, row, region, set(units)).run()

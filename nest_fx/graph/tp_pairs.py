@@ -108,7 +108,7 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     problem = _unit_problem(graph, block, params, units, columns, row)
     owners = [u if is_module else u.rpartition(".")[0] for u, is_module in units.values()]
     region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
-    layout = follow_pair(graph, block, columns, row, region)
+    layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module})
     pair.problem = problem or layout.problem
     inside = [graph.nodes[n].get("module", "") for n in stops
               if graph.nodes[n].get("module", "").startswith(region + ".") and region]

@@ -10,13 +10,14 @@ runtime refuses, and never run when it would give a wrong number.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch.nn as nn
 
 from nest_fx.common.arith import divisors
 from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.graph.opgraph import OpGraph
+from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
@@ -40,11 +41,28 @@ def _fix(n: int, tp: int) -> str:
     return f"fix: use tp in {[d for d in divisors(n) if d <= 64]}"
 
 
+def config_head_counts(model: nn.Module) -> Set[int]:
+    """Head counts a model's config announces (attention and key/value heads, in any of the
+    ecosystem's spellings); empty when it has no config."""
+    config = getattr(model, "config", None)
+    names = ("heads", "kv_heads") + CONFIG_HEAD_ATTRS
+    return {v for v in (getattr(config, n, None) for n in names) if isinstance(v, int) and not isinstance(v, bool)}
+
+
 def _pair_problem(model: nn.Module, block, pair, tp: int) -> str:
     """Why ``tp`` cannot shard one traced TP pair of ``block`` exactly ("" when it can)."""
     where = f"{block.name}: {pair.kind} pair {pair.column} -> {pair.row}"
     if pair.problem:
         return f"tp={tp} cannot shard {where}: {pair.problem}. fix: use tp=1 for this model"
+    heads = config_head_counts(model) if pair.kind == "attention" else set()
+    for spec in pair.params:
+        for part, unit in zip(spec.parts or [None], spec.units):
+            size = part or tuple(model.get_parameter(block.fqn(spec.name)).shape)[spec.dim]
+            if heads and unit > 1 and size // unit not in heads:
+                # the region groups its projection by a count of its own (CodeGen's mp_num): a rank's
+                # copy would regroup its shard by the same constant
+                return (f"tp={tp} cannot shard {where}: {block.fqn(spec.name)} is viewed as {size // unit} groups, "
+                        f"which are not the model's heads ({sorted(heads)}). fix: use tp=1 for this model")
     for spec in pair.params:
         shape = tuple(model.get_parameter(block.fqn(spec.name)).shape)
         size = shape[spec.dim]
