@@ -106,6 +106,26 @@ def test_bloom_alibi_and_t5_relative_position_bias_go_with_their_heads():
 
 
 @pytest.mark.hf
+def test_opt_learned_positions_stay_replicated_and_its_layer_wide_mlp_refuses_sequence_parallel():
+    pytest.importorskip("transformers")
+    from nest_fx.apply.tensor_parallel import vocab_parallel_modules
+
+    model, graph = _traced_hf("opt")
+    tf = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        untied = tf.OPTForCausalLM(tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                                max_position_embeddings=32, word_embed_proj_dim=64, vocab_size=128,
+                                                tie_word_embeddings=False, use_cache=False))
+    untied_graph = trace(untied, (torch.empty(2, 32, dtype=torch.long, device="meta"),))
+    # OPTLearnedPositionalEmbedding adds an offset in its own forward: not a plain lookup
+    assert vocab_parallel_modules(untied, untied_graph, 0, len(untied_graph.blocks)) == {
+        "model.decoder.embed_tokens": "rowwise", "lm_head": "colwise"}
+    support = parallel_support(model, graph)
+    assert support.tp_problem(2) == ""
+    assert "fc2 and its columns ['fc1'] are direct children of the layer" in support.sp_problem()
+
+
+@pytest.mark.hf
 def test_falcon_matmul_without_linear_and_grouped_qkv():
     pytest.importorskip("transformers")
     model, graph = _traced_hf("falcon")

@@ -17,7 +17,7 @@ import torch.nn as nn
 from nest_fx.common.arith import divisors
 from nest_fx.graph.moe_modules import find_moe_modules
 from nest_fx.graph.opgraph import OpGraph
-from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS
+from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS, lowest_common_module
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
@@ -186,6 +186,14 @@ class ParallelSupport:
             return (f"sequence parallelism shards the sequence dim of activations between layer modules, but the "
                     f"layers of {type(self.model).__name__} are groups of nn.Sequential children ({groups[0]}, ...); "
                     "fix: sequence_parallel=false")
+        for block in self.graph.layer_blocks:
+            pattern = self.graph.patterns.get(block.signature)
+            whole = [p for p in (pattern.tp_pairs if pattern else []) if p.kind != "expert"
+                     and not lowest_common_module(list(p.column) + [p.row])]
+            if whole:
+                return (f"sequence parallelism gathers the sequence on entry to each TP region (the module holding a "
+                        f"pair), but {block.name}.{whole[0].row} and its columns {whole[0].column} are direct children "
+                        "of the layer, so the region would be the whole layer; fix: sequence_parallel=false")
         return ""
 
     # -- pipeline parallelism -------------------------------------------------------------
