@@ -13,8 +13,8 @@ When the container's children are single modules (a flat ``nn.Sequential`` of ``
 repeated unit of consecutive children (``Linear-GELU`` x 4, ``Conv-GroupNorm-ReLU`` x 4); the
 children before the run form the head and those after it the tail. The unit is the shortest
 repeat whose copies hold a whole tensor-parallel pair (``Linear-GELU-Linear-GELU``), when one
-exists with at least two copies, so both pipeline and tensor parallelism apply; else the
-shortest repeat. Such a block lists its children in ``Block.members``.
+exists with at least two copies (a copy too few joins the tail), so both pipeline and tensor
+parallelism apply; else the shortest repeat. Such a block lists its children in ``Block.members``.
 """
 from __future__ import annotations
 
@@ -143,8 +143,8 @@ def _group_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Opt
     if best is None:
         return {k: None for k in layer_of}, {}
     _, start, unit, copies = best
-    scale = next((m for m in range(1, copies // 2 + 1) if copies % m == 0 and
-                  _holds_pair(graph, [n for i in child_ids[start:start + m * unit] for n in nodes_of[i]])), 1)
+    scale = next((m for m in range(1, copies // 2 + 1)
+                  if _holds_pair(graph, [n for i in child_ids[start:start + m * unit] for n in nodes_of[i]])), 1)
     size = unit * scale
     layer_of = {k: None for k in layer_of}
     members: Dict[int, List[str]] = {}
