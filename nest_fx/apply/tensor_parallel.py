@@ -1,19 +1,16 @@
 """Tensor (+ sequence) parallelism from the TP pairs the tracer found; no per-model plan.
 
-For every block the stage owns, ``graph.patterns[block.signature].tp_pairs`` lists column
-linears and the row linear they feed (Megatron-style pairs). We apply
-``parallelize_module`` with ``ColwiseParallel`` on the columns and ``RowwiseParallel`` on the
-row, so only the row's output needs a reduction. Outputs are local tensors
-(``use_local_output=True``), so the code between the linears (attention, activation) runs on
-the local shard: it must not hard-code the global head count in reshapes.
-
-* zoo ``Attention`` reshapes with ``view(bsz, seq, -1, head_dim)``: works on local heads.
-* HF 5.x ``LlamaAttention`` reshapes with ``(*input_shape, -1, self.head_dim)`` and reads only
-  ``head_dim``, ``scaling`` and ``num_key_value_groups`` (a heads/kv_heads ratio, unchanged by
-  TP) in its attention functions, so it also works unchanged. Older HF versions read
-  ``self.num_heads`` / ``self.num_key_value_heads`` / ``self.hidden_size`` in reshapes; we divide
-  such attributes by ``tp`` on the attention module (the lowest common ancestor of the pair)
-  when they exist, so those versions see local counts too.
+For every block the stage owns, ``graph.patterns[block.signature].tp_pairs`` lists the column
+units and the row unit they feed (Megatron-style pairs), every parameter to shard with its dim
+(fused projections part by part), and what else runs per head (``graph/tp_flow.py``). We apply
+``parallelize_module`` with the styles of :mod:`nest_fx.apply.tp_styles`: ``ColumnShard`` on
+the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, HF ``Conv1D``,
+``x @ weight.T``), ``LocalShards`` on a module holding 3-D expert weights, ``SequenceParallel``
+(on the heads dim) on per-head norms and ``ColwiseParallel`` on per-head tables; per-head inputs
+(ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
+linears (attention, activation) runs on the local shard; the region module of an attention pair
+counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
+of a HF config with its head counts divided).
 
 Sequence parallelism (Korthikanti et al. 2022), when ``plan.sequence_parallel``: inside a stage,
 activations between the TP regions are sharded on the sequence dim (dim 1). Each pair's
