@@ -43,19 +43,27 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict or kwargs for uniform_plan) and
     compare with the single-device run. Keys: model, plan, batch, seq, steps, lr, local_batch;
     ``hf_config`` (see :func:`hf_model_from_config`) builds that HuggingFace model instead of the
-    ``model`` name (which then only labels the run)."""
+    ``model`` name (which then only labels the run).
+
+    For models that are not zoo or ``hf:`` names, or not language models, these optional keys are
+    picklable callables: ``build(seed) -> (model, config)`` (``config`` has ``vocab_size``,
+    ``seq_len`` and ``layers``), ``data(generator, batch) -> (inputs, targets)`` and
+    ``loss(output, targets)`` (default: random tokens and ``lm_loss``)."""
     if "hf_config" in spec:
         model = hf_model_from_config(spec["hf_config"], spec.get("seed", 0))
         vocab, seq = model.config.vocab_size, spec["seq"]
         num_layers = model.config.num_hidden_layers + 2
     else:
-        model, cfg = build_seeded(spec["model"], spec.get("seed", 0))
+        build = spec.get("build") or (lambda seed: build_seeded(spec["model"], seed))
+        model, cfg = build(spec.get("seed", 0))
         vocab, seq, num_layers = cfg.vocab_size, spec.get("seq", cfg.seq_len), cfg.layers + 2
     batch, steps, lr = spec["batch"], spec.get("steps", 3), spec.get("lr", 0.5)
+    loss_fn = spec.get("loss") or lm_loss
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1234)
-    data = [(torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen))
-            for _ in range(steps)]
+    make = spec.get("data") or (lambda g, b: (torch.randint(0, vocab, (b, seq), generator=g),
+                                             torch.randint(0, vocab, (b, seq), generator=g)))
+    data = [make(gen, batch) for _ in range(steps)]
     plan_spec = dict(spec["plan"] or {})
     if not plan_spec:  # let the planner choose (auto_parallelize's default)
         plan = None
@@ -64,7 +72,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     else:
         plan = uniform_plan(plan_spec.pop("num_layers", num_layers), **plan_spec)
     example = data[0][0]
-    pm = auto_parallelize(model, example, global_batch_size=batch, loss_fn=lm_loss, plan=plan,
+    pm = auto_parallelize(model, example, global_batch_size=batch, loss_fn=loss_fn, plan=plan,
                           verbose=spec.get("verbose", False))
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
@@ -77,7 +85,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     for step, (x, y) in enumerate(data):
         # "local_batch": feed this rank's data-parallel shard, as a DistributedSampler would
         loss = pm.train_step(x[lo:lo + per], y[lo:lo + per]) if spec.get("local_batch") else pm.train_step(x, y)
-        ref_loss = lm_loss(tensor_output(reference(x)), y)
+        ref_loss = loss_fn(tensor_output(reference(x)), y)
         ref_loss.backward()
         out["losses"].append(float(loss))
         out["ref_losses"].append(float(ref_loss.detach()))

@@ -41,7 +41,7 @@ from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
-from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
+from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
 from nest_fx.graph import trace
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
@@ -169,6 +169,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     if layout is not None and not on_meta:
         ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
         ties.sync_values()
+    if not on_meta and stage_plan.tp > 1:
+        share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
 
     cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them

@@ -45,7 +45,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
+from nest_fx.apply.fused_params import FusedCheckpointTensor, checkpoint_view, fused_layouts
 from nest_fx.common.errors import NestFxError
 from nest_fx.plan.summary import plan_summary
 
@@ -99,7 +101,27 @@ def _group_hparams(group: dict) -> bytes:
     return pickle.dumps({k: v for k, v in group.items() if k != "params"})
 
 
+def _fused_views(target, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Fused projections sharded by heads (and their optimizer state) go to DCP as the runs of the
+    original tensor this rank holds, so the files hold the model's own layout (apply/fused_params.py)."""
+    layouts = fused_layouts(_chunks(target))
+    for key, value in state.items():
+        if key.startswith("model."):
+            name = key[len("model."):]
+        elif key.startswith("optim.state."):
+            name = key[len("optim.state."):].rpartition(".")[0]
+        else:
+            continue
+        if name in layouts and isinstance(value, DTensor):
+            state[key] = checkpoint_view(value, layouts[name])
+    return state
+
+
 def _state_to_save(target, optimizer) -> Dict[str, Any]:
+    return _fused_views(target, _state_dict_to_save(target, optimizer))
+
+
+def _state_dict_to_save(target, optimizer) -> Dict[str, Any]:
     state: Dict[str, Any] = {f"model.{k}": v for k, v in model_tensors(target).items()}
     if optimizer is None:
         return state
@@ -140,6 +162,10 @@ def _empty_state_tensor(param: torch.Tensor, md: TensorStorageMetadata, group: d
 def _state_to_load(target, optimizer, metadata: Dict[str, Any], path: str) -> Dict[str, Any]:
     """The state dict DCP loads into: the model's own tensors (loaded in place) and fresh tensors
     for the optimizer state found in the checkpoint. Raises CheckpointError on a missing key."""
+    return _fused_views(target, _state_dict_to_load(target, optimizer, metadata, path))
+
+
+def _state_dict_to_load(target, optimizer, metadata: Dict[str, Any], path: str) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
     missing: List[str] = []
     for name, tensor in model_tensors(target).items():
@@ -188,7 +214,7 @@ def _install_optimizer_state(target, optimizer, state: Dict[str, Any]) -> None:
     for key, value in state.items():
         if key.startswith("optim.state."):
             name, _, entry = key[len("optim.state."):].rpartition(".")
-            per_param.setdefault(name, {})[entry] = value
+            per_param.setdefault(name, {})[entry] = value.source if isinstance(value, FusedCheckpointTensor) else value
     names = _param_names(target, optimizer)
     for group in optimizer.param_groups:
         restored = None

@@ -39,6 +39,8 @@ def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
         problem = support.tp_problem(tp)
         if problem:
             raise ApplyError(problem)
+    if plan.sequence_parallel and any(s.tp > 1 for s in plan.stages) and support.sp_problem():
+        raise ApplyError(support.sp_problem())
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:

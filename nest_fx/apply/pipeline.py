@@ -44,8 +44,9 @@ class LayerSubset(nn.ModuleList):
 
 
 def stage_blocks(graph, start: int, end: int) -> List[str]:
-    """Names of the layer blocks among chain blocks ``[start, end)``."""
-    return [b.name for b in graph.blocks[start:end] if b.kind == "block"]
+    """Module paths of the layers in chain range [start, end): a layer's module, or the children
+    of a layer that groups children of an ``nn.Sequential`` (``Block.members``)."""
+    return [m for b in graph.blocks[start:end] if b.kind == "block" for m in b.modules]
 
 
 def interleaved_ranges(plan, num_layers: int) -> List[List[Tuple[int, int]]]:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import schedule_step, tensor_output
 from nest_fx.plan.plan import Plan
@@ -75,14 +76,16 @@ class ParallelModule:
         """{name: full (unsharded) parameter or gradient} of this rank's stage.
 
         A collective over the stage's TP and DP groups when parameters are DTensors: every rank
-        of the stage must call it. Expert parameters are those this rank holds.
+        of the stage must call it. Expert parameters are those this rank holds. Fused projections
+        sharded by heads come back in the model's own layout (``apply/fused_params.py``).
         """
         out: Dict[str, torch.Tensor] = {}
+        layouts = fused_layouts(self.chunks)
         for name, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):
             t = p.grad if grads else p.detach()
             if t is None:
                 continue
-            out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+            out[name] = original_layout(t.full_tensor(), layouts.get(name)) if isinstance(t, DTensor) else t
         return out
 
     # -- checkpoints -----------------------------------------------------------------------

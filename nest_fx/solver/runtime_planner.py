@@ -30,7 +30,7 @@ def detect_cluster(world_size: int) -> ClusterModel:
 def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> SolverOptions:
     """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.support``, the
     decision the runtime's checks make too): TP and EP degrees it accepts, pipelining only where
-    the model can be cut into stages."""
+    the model can be cut into stages, sequence parallelism only where it runs."""
     support = parallel_support(model, graph)
     tps = tuple(t for t in options.tp_degrees if not support.tp_problem(t))
     experts = model_dims(model)["experts"]
@@ -40,7 +40,8 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     max_stages = options.max_stages
     if support.pp_problem(2):
         max_stages = 1
-    return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages)
+    return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages,
+                               sequence_parallel=options.sequence_parallel and not support.sp_problem())
 
 
 def check_runtime_constraints(constraints: Optional[Constraints], model: torch.nn.Module, graph) -> None:

@@ -14,6 +14,7 @@ import networkx as nx
 import torch
 
 from nest_fx.graph.annotate import MATMUL_OPS
+from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
 
 _DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
@@ -47,6 +48,8 @@ class _NodeCost:
     param_bytes: float
     scores: float = 0.0  # attention: elements of the (batch, heads, s_q, s_k) score matrix; 0 otherwise
     score_bytes: float = 0.0  # ... and its bytes
+    tp_params: float = 0.0  # of ``params``, those tensor parallelism shards (a row's bias stays whole)
+    tp_param_bytes: float = 0.0
 
 
 @dataclass
@@ -105,11 +108,12 @@ class TracedSource:
             keep = tp if (sp or (n.tp and not n.column)) else 1
             act_none += (flash if self.attention == "flash" else n.saved) * scale / keep
             act_sel += flash * scale / keep
-            pdiv = (tp if n.tp else 1) * (ep if n.expert else 1)
-            params += n.params / pdiv
-            param_bytes += n.param_bytes / pdiv
+            epdiv = ep if n.expert else 1
+            node_params = (n.params - n.tp_params + n.tp_params / tp) / epdiv
+            params += node_params
+            param_bytes += (n.param_bytes - n.tp_param_bytes + n.tp_param_bytes / tp) / epdiv
             if n.expert:
-                expert_params += n.params / pdiv
+                expert_params += node_params
         if facts.loss_saved:
             loss_t = self.timing.op_seconds(facts.loss_flops * scale, facts.loss_bytes_moved * scale, False)
             fwd += loss_t
@@ -198,18 +202,22 @@ def _block_facts(graph, block) -> _BlockFacts:
     g = graph.graph
     members = set(block.nodes)
     pattern = graph.pattern_of(block) if block.kind == "block" else None
-    prefix = block.name + "." if block.kind == "block" else ""
     weight_node = {g.nodes[n]["weight"]: n for n in block.nodes if g.nodes[n].get("weight")}
 
     def node_for(rel: str) -> Optional[str]:
-        full = prefix + rel
+        full = block.fqn(rel)
         return weight_node.get(full + ".weight") or weight_node.get(full)
 
     tp_nodes: set = set()
+    sharded = {block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem
+               for p in pair.params} | {block.fqn(t) + ".weight" for pair in (pattern.tp_pairs if pattern else [])
+                                        if not pair.problem for t in pair.head_tables}
     column_nodes: set = set()
     expert_nodes: set = set()
     rows: List[Tuple[str, str]] = []
     for pair in (pattern.tp_pairs if pattern else []):
+        if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
+            continue
         cols = [c for c in (node_for(x) for x in pair.column) if c]
         row = node_for(pair.row)
         if not cols or not row:
@@ -241,13 +249,16 @@ def _block_facts(graph, block) -> _BlockFacts:
             lse = out_b / max(shape[-1], 1) * 4 / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
             saved_flash = min(saved_flash, in_b + out_b + lse)
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
+        tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
+            sum(k for name, k in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
+        bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
         nodes.append(_NodeCost(
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
             matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
             saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
             tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
-            scores=scores, score_bytes=score_bytes))
+            scores=scores, score_bytes=score_bytes, tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]
@@ -279,7 +290,7 @@ def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     shared weight once, under the embedding) stays replicated with the largest embedding."""
     g = graph.graph
     if block.kind == "head":
-        found = {n: "rowwise" for n in block.nodes if g.nodes[n].get("op") == "embedding"}
+        found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
         tail = next((b for b in graph.blocks if b.kind == "tail"), None)
         tied = tail is not None and any(g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")
                                         and not g.nodes[n].get("num_params") for n in tail.nodes)
