@@ -11,10 +11,18 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 6. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 (zero>=1)
 7. ``pipeline.make_schedule``  PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
 
-All plan/model/batch/world checks (``checks.run_all``) run before the first collective.
+All plan/model/batch/world checks (``checks.run_all``) run before the first collective. Then the
+ranks agree (one small all-gather on the default group, ``agreement.agree``) on the plan, the
+model's fingerprint, the batch, the microbatches and the timeout, so ranks started with
+different settings fail with a message naming the field before the mesh is built. Every group
+the runtime creates gets the job's timeout, and a collective that fails during the setup names
+its group (``collective_errors``). ``elastic=True``: a plan made for another world size is
+replaced by the planner's plan for the ranks that joined (``docs/runtime.md``, "Elastic").
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -23,9 +31,12 @@ import torch.nn as nn
 
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
+from nest_fx.apply.agreement import agree
+from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
-from nest_fx.apply.distributed import init_distributed
+from nest_fx.apply.distributed import apply_job_timeout, init_distributed, job_timeout
 from nest_fx.apply.expert_parallel import apply_expert_parallel
+from nest_fx.apply.fingerprint import fingerprint, tensor_specs
 from nest_fx.apply.mesh import build_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
@@ -39,7 +50,6 @@ from nest_fx.solver.runtime_planner import planner_for
 Planner = Callable[[Any, Any, int, int], Plan]
 
 
-DEFAULT_TIMEOUT_S = 600.0
 def default_plan(graph, world_size: int, global_batch_size: int, model_name: str = "") -> Plan:
     """Pure data parallelism over the whole world (the fallback until a planner is passed)."""
     n = len(graph.blocks)
@@ -61,6 +71,22 @@ def _split_example(example_inputs) -> Tuple[tuple, dict]:
     return tuple(example_inputs), {}
 
 
+def _shapes(args: tuple, kwargs: dict) -> list:
+    tensors = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]
+
+
+def agreed_settings(plan: Plan, specs, global_batch_size: int, nmb: int, args: tuple, kwargs: dict,
+                    loss_fn: Callable) -> dict:
+    """The settings every rank must share, as the fields of the setup's agreement."""
+    plan_text = json.dumps(plan.to_dict(), sort_keys=True, default=str)
+    return {"global_batch_size": global_batch_size, "num_microbatches": nmb, "model fingerprint": fingerprint(specs),
+            "example input shapes": _shapes(args, kwargs),
+            "loss_fn": getattr(loss_fn, "__qualname__", type(loss_fn).__name__),
+            "collective timeout (s)": job_timeout().total_seconds(), "torch": torch.__version__,
+            "plan": f"{plan_summary(plan, nmb).splitlines()[0]} [{hashlib.sha256(plan_text.encode()).hexdigest()[:12]}]"}
+
+
 def _device_type_of(model: nn.Module) -> str:
     p = next(model.parameters(), None)
     return p.device.type if p is not None else "cpu"
@@ -68,7 +94,8 @@ def _device_type_of(model: nn.Module) -> str:
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
                      loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
-                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
+                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None,
+                     elastic: bool = False) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -81,18 +108,33 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
     ``timeout_s``: collective timeout when this call creates the process group (default
     ``$NEST_FX_TIMEOUT_S`` or 600 s). Every check runs before the first collective, so a plan
-    that does not fit fails on every rank with the same :class:`ApplyError`.
+    that does not fit fails on every rank with the same :class:`ApplyError`. Then the ranks
+    compare their settings (:func:`agreed_settings`): a difference is an
+    :class:`~nest_fx.apply.agreement.AgreementError` naming the field and the ranks.
+    ``elastic``: when ``plan`` was made for another number of devices than the ranks that joined
+    (a node was lost or came back under ``torchrun --nnodes=MIN:MAX``), re-plan for this world
+    with the same global batch (more or fewer microbatches) instead of refusing; then
+    ``pm.resume(checkpoint_dir, optimizer, ...)`` continues from the latest checkpoint.
     """
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
+    specs = tensor_specs(model)  # the whole model, before it is cut into stages and shards
     if graph is None:
         graph = trace(model, args, kwargs, name=type(model).__name__)
+    if elastic and plan is not None and plan.devices_used != world:
+        if rank == 0 and verbose:
+            print(f"elastic: the plan uses {plan.devices_used} devices, {world} ranks joined: re-planning for {world} "
+                  f"with global batch {global_batch_size}", flush=True)
+        plan = None
     if plan is None:
         if planner is None:
             planner = planner_for(model)
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size)
+    with named_collective_failures("auto_parallelize, comparing the ranks' settings"):
+        agree(agreed_settings(plan, specs, global_batch_size, nmb, args, kwargs, loss_fn),
+              what="auto_parallelize, before building the device mesh")
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
 
@@ -120,6 +162,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     if not on_meta and plan.dp * stage_plan.tp > 1:
         names = ("edp", "ep", "tp") if plan.ep > 1 else ("dp", "tp")
         stage_group = mesh[names]._flatten("stage").get_group()
+        apply_job_timeout()
         broadcast_module(chunks, stage_group, 0)
 
     for chunk, (start, end) in zip(chunks, ranges):
@@ -152,7 +195,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     if plan.pp > 1:
         stages, schedule = make_schedule(plan, chunks, indices, num_stages, nmb, loss_fn,
                                          mesh["pp"].get_group(), device)
+    apply_job_timeout()  # any group created on the way (FSDP, pipelining) gets the job's timeout too
     return ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
                           num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
                           pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
-                          device=device)
+                          device=device, model_specs=specs)

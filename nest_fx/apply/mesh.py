@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from nest_fx.apply.distributed import with_job_timeout
 from nest_fx.plan.plan import Plan, PlanError
 
 
@@ -82,13 +83,14 @@ def locate(plan: Plan, rank: int) -> RankInfo:
 def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
     """DeviceMesh with dims ("pp", "dp", "tp"), plus "ep"/"edp" (and flattened "dp") when ep > 1.
 
-    Needs an initialised default process group whose size equals ``plan.devices_used``.
+    Needs an initialised default process group whose size equals ``plan.devices_used``. Every
+    group it creates gets the job's timeout (``distributed.with_job_timeout``).
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     table = rank_table(plan)
     if plan.ep == 1:
-        return DeviceMesh(device_type, table, mesh_dim_names=("pp", "dp", "tp"))
+        return with_job_timeout(DeviceMesh(device_type, table, mesh_dim_names=("pp", "dp", "tp")))
     if plan.dp % plan.ep:
         raise PlanError(f"ep={plan.ep} must divide dp={plan.dp}")
     pp, dp, tp = table.shape
@@ -96,7 +98,7 @@ def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
     mesh = DeviceMesh(device_type, table4, mesh_dim_names=("pp", "edp", "ep", "tp"))
     # keep the flattened dim ourselves: slicing a flattened dim from the root mesh is deprecated
     mesh._nest_fx_flat = {"dp": mesh["edp", "ep"]._flatten("dp")}
-    return mesh
+    return with_job_timeout(mesh)
 
 
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
