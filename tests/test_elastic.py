@@ -1,0 +1,131 @@
+"""Elastic re-plan (docs/runtime.md, "Elastic training"): two torchrun agents on this machine stand
+for two nodes of 2 ranks (``--nnodes=1:2``). Once the job trains on 4 ranks, one agent and its
+workers are killed (a lost node); the survivors' collectives fail, torchrun restarts them on 2
+ranks, ``auto_parallelize(elastic=True)`` re-plans for 2 ranks with the same global batch and
+``pm.resume`` loads the newest checkpoint. Every step's loss must equal the single-device run of
+``examples/train_elastic.py`` (1e-5, the parity standard of tests/test_apply_parallel.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import pytest
+
+from nest_fx.apply.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_elastic.py")
+STEPS = 12
+PARITY_TOL = 1e-5
+
+
+def read_log(path: str) -> List[dict]:
+    """The JSON lines rank 0 wrote (a line cut by a kill is ignored)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def last_loss_per_step(records: List[dict]) -> Dict[int, float]:
+    """A step trained again after a restart counts with its last loss."""
+    return {r["step"]: r["loss"] for r in records}
+
+
+def elastic_command(port: int, ckpt: str, log: str, steps: int, pace: float) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--max_restarts=5",
+            "--monitor_interval=0.5", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}",
+            "--rdzv_id=nest-fx-elastic", "--rdzv_conf=last_call_timeout=2", SCRIPT, "--ckpt", ckpt, "--losses", log,
+            "--steps", str(steps), "--pace", str(pace), "--timeout", "60"]
+
+
+def elastic_env() -> dict:
+    # see docs/runtime.md, "Elastic training", for why these two are set
+    return dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_ELASTIC_WORKER_IDENTICAL="1",
+                OMP_NUM_THREADS="1")
+
+
+def process_tree(pid: int) -> List[int]:
+    """``pid`` and its descendants (torchrun starts its workers in their own sessions)."""
+    out = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            children = [int(c) for c in fh.read().split()]
+    except OSError:
+        return out
+    for child in children:
+        out += process_tree(child)
+    return out
+
+
+def kill_node(agent: subprocess.Popen) -> None:
+    """A lost node: SIGKILL the agent and every worker it started, at once."""
+    for pid in process_tree(agent.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=30)
+
+
+def wait_for(predicate, timeout: float, what: str, agents: List[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        if any(agent.poll() is not None for agent in agents):
+            raise AssertionError(f"an agent exited while waiting for {what}: {[a.returncode for a in agents]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
+    ref_log = str(tmp_path / "single.jsonl")
+    single = subprocess.run([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log,
+                             "--steps", str(STEPS)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    want = last_loss_per_step(read_log(ref_log))
+
+    log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
+    cmd = elastic_command(free_port(), ckpt, log, STEPS, pace=0.3)
+    outputs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
+    agents = [subprocess.Popen(cmd, env=elastic_env(), stdout=outputs[0], stderr=subprocess.STDOUT,
+                               start_new_session=True)]
+    time.sleep(0.5)
+    agents.append(subprocess.Popen(cmd, env=elastic_env(), stdout=outputs[1], stderr=subprocess.STDOUT,
+                                   start_new_session=True))
+    try:
+        wait_for(lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_log(log)), 240, "4 ranks at step 3",
+                 agents)
+        killed_at = max(r["step"] for r in read_log(log))
+        kill_node(agents[1])
+        assert agents[0].wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                kill_node(agent)
+        for fh in outputs:
+            fh.close()
+    records = read_log(log)
+    got = last_loss_per_step(records)
+    assert sorted(got) == list(range(STEPS))
+    assert {r["world"] for r in records if r["step"] <= killed_at} >= {4}
+    after = [r for r in records if r["restart"] >= 1]
+    assert after and all(r["world"] == 2 for r in after) and after[-1]["step"] == STEPS - 1
+    worst = max(abs(got[s] - want[s]) for s in range(STEPS))
+    assert worst <= PARITY_TOL, (worst, got, want)
