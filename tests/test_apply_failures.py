@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import os
@@ -20,6 +19,7 @@ import time
 import pytest
 
 from nest_fx.apply.launch import launch
+from nest_fx.testing import fault_reports, fault_run
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
 MOE = "moe:hidden=32,layers=2,heads=4,seq=16,vocab=64,experts=4,top_k=2,capacity_factor=2.0"
@@ -150,53 +150,24 @@ def test_every_group_of_the_runtime_gets_the_job_timeout():
 
 # -- a rank that stops (hangs without dying) --------------------------------------------------------
 
-def _stop_rank_three(where: str, out: str):
-    """TP2 x DP2; rank 3 stops itself (SIGSTOP) in step 1: before its row-parallel linear (its TP
-    peer, rank 2, waits in the TP all-reduce) or before the gradient all-reduce (its DP peer)."""
-    import signal
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ["NEST_FX_TIMEOUT_S"] = str(HANG_TIMEOUT_S)
-    pm = _parallelize(8, tp=2, dp=2, microbatch_size=2, num_microbatches=2)
-    rank = dist.get_rank()
-    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-    pm.train_step(x, x)
-
-    def stop(*_):
-        with open(os.path.join(out, "stopped"), "w") as fh:
-            fh.write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    if rank == 3:
-        if where == "tp":
-            pm.module.layers[0].attn.o_proj.register_forward_pre_hook(stop)
-        else:
-            pm.grad_sync.__class__.__call__ = stop
-    try:
-        pm.train_step(x, x)
-    except Exception as e:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-            json.dump({"time": time.time(), "type": type(e).__name__, "message": str(e)}, fh)
-        raise
-
-
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where, stuck", [("tp", {2: "tp group (ranks 2, 3)"}), ("dp", {1: "dp group (ranks 1, 3)"})])
 def test_a_stopped_rank_ends_every_rank_within_the_timeout(tmp_path, where, stuck):
+    """TP2 x DP2; rank 3 stops (SIGSTOP) before its row-parallel linear (its TP peer, rank 2, waits
+    in the TP all-reduce) or before the gradient all-reduce (its DP peer, rank 1, waits there)."""
     start = time.monotonic()
+    spec = {"signal": "SIGSTOP", "where": where, "out": str(tmp_path), "timeout_s": HANG_TIMEOUT_S}
     with pytest.raises(RuntimeError, match="CollectiveError"):
-        launch(_stop_rank_three, 4, where, str(tmp_path), timeout=100)
+        launch(fault_run, 4, spec, timeout=100)
     # the launcher kills the stopped rank once the others have failed (its 5 s grace period)
     assert time.monotonic() - start < 60
-    stopped = float((tmp_path / "stopped").read_text())
-    for rank in range(3):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    reports = fault_reports(str(tmp_path))["ranks"]
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
         assert report["type"] == "CollectiveError", report
-        assert report["time"] - stopped <= HANG_TIMEOUT_S + DETECT_SLACK_S, (rank, report["time"] - stopped)
+        assert report["after_s"] <= HANG_TIMEOUT_S + DETECT_SLACK_S, (rank, report["after_s"])
         assert report["message"].startswith(f"rank {rank}: ") and "fix:" in report["message"]
         if rank in stuck:
             assert f"all_reduce on the {stuck[rank]} did not complete within the {HANG_TIMEOUT_S} s timeout" \

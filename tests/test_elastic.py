@@ -7,9 +7,7 @@ ranks, ``auto_parallelize(elastic=True)`` re-plans for 2 ranks with the same glo
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from typing import Dict, List
 import pytest
 
 from nest_fx.apply.launch import free_port
+from nest_fx.testing import elastic_command, elastic_env, kill_node, read_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_elastic.py")
@@ -25,59 +24,9 @@ STEPS = 12
 PARITY_TOL = 1e-5
 
 
-def read_log(path: str) -> List[dict]:
-    """The JSON lines rank 0 wrote (a line cut by a kill is ignored)."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
 def last_loss_per_step(records: List[dict]) -> Dict[int, float]:
     """A step trained again after a restart counts with its last loss."""
     return {r["step"]: r["loss"] for r in records}
-
-
-def elastic_command(port: int, ckpt: str, log: str, steps: int, pace: float) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2", "--max_restarts=5",
-            "--monitor_interval=0.5", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}",
-            "--rdzv_id=nest-fx-elastic", "--rdzv_conf=last_call_timeout=2", SCRIPT, "--ckpt", ckpt, "--losses", log,
-            "--steps", str(steps), "--pace", str(pace), "--timeout", "60"]
-
-
-def elastic_env() -> dict:
-    # see docs/runtime.md, "Elastic training", for why these two are set
-    return dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_ELASTIC_WORKER_IDENTICAL="1",
-                OMP_NUM_THREADS="1")
-
-
-def process_tree(pid: int) -> List[int]:
-    """``pid`` and its descendants (torchrun starts its workers in their own sessions)."""
-    out = [pid]
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            children = [int(c) for c in fh.read().split()]
-    except OSError:
-        return out
-    for child in children:
-        out += process_tree(child)
-    return out
-
-
-def kill_node(agent: subprocess.Popen) -> None:
-    """A lost node: SIGKILL the agent and every worker it started, at once."""
-    for pid in process_tree(agent.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.wait(timeout=30)
 
 
 def wait_for(predicate, timeout: float, what: str, agents: List[subprocess.Popen]) -> None:
@@ -99,20 +48,21 @@ def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
                              "--steps", str(STEPS)], env=dict(os.environ, OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
-    want = last_loss_per_step(read_log(ref_log))
+    want = last_loss_per_step(read_losses(ref_log))
 
     log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
-    cmd = elastic_command(free_port(), ckpt, log, STEPS, pace=0.3)
+    cmd = elastic_command(SCRIPT, free_port(), ["--ckpt", ckpt, "--losses", log, "--steps", str(STEPS),
+                                                "--pace", "0.3", "--timeout", "60"])
     outputs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
-    agents = [subprocess.Popen(cmd, env=elastic_env(), stdout=outputs[0], stderr=subprocess.STDOUT,
-                               start_new_session=True)]
-    time.sleep(0.5)
-    agents.append(subprocess.Popen(cmd, env=elastic_env(), stdout=outputs[1], stderr=subprocess.STDOUT,
-                                   start_new_session=True))
+    agents = []
     try:
-        wait_for(lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_log(log)), 240, "4 ranks at step 3",
-                 agents)
-        killed_at = max(r["step"] for r in read_log(log))
+        for i in range(2):
+            agents.append(subprocess.Popen(cmd, env=elastic_env(), stdout=outputs[i], stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+            time.sleep(0.5)
+        wait_for(lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_losses(log)), 240,
+                 "4 ranks at step 3", agents)
+        killed_at = max(r["step"] for r in read_losses(log))
         kill_node(agents[1])
         assert agents[0].wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
     finally:
@@ -121,7 +71,7 @@ def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
                 kill_node(agent)
         for fh in outputs:
             fh.close()
-    records = read_log(log)
+    records = read_losses(log)
     got = last_loss_per_step(records)
     assert sorted(got) == list(range(STEPS))
     assert {r["world"] for r in records if r["step"] <= killed_at} >= {4}

@@ -83,7 +83,7 @@ def agreed_settings(plan: Plan, specs, global_batch_size: int, nmb: int, args: t
     return {"global_batch_size": global_batch_size, "num_microbatches": nmb, "model fingerprint": fingerprint(specs),
             "example input shapes": _shapes(args, kwargs),
             "loss_fn": getattr(loss_fn, "__qualname__", type(loss_fn).__name__),
-            "collective timeout (s)": job_timeout().total_seconds(), "torch": torch.__version__,
+            "collective timeout": str(job_timeout()), "torch": torch.__version__,
             "plan": f"{plan_summary(plan, nmb).splitlines()[0]} [{hashlib.sha256(plan_text.encode()).hexdigest()[:12]}]"}
 
 

@@ -228,6 +228,19 @@ def _dcp(fn, state: Dict[str, Any], **kwargs) -> None:
         fn(state, no_dist=True, **kwargs)
 
 
+LOW_SPACE_BYTES = 64 << 20
+
+
+def _low_space(root: str) -> str:
+    """`` (... disk full?)`` when the checkpoint filesystem is nearly full: PyTorch's writer does not
+    always say so (``unexpected pos 704 vs 598``)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    return f" (its filesystem has {free / 2**20:.1f} MiB free: disk full?)" if free < LOW_SPACE_BYTES else ""
+
+
 def _dcp_failures(exc: CheckpointException) -> str:
     """``rank 1: OSError: [Errno 28] No space left on device; ...``: DCP's failures, one line each."""
     return "; ".join(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())}"
@@ -438,8 +451,8 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
             try:
                 _dcp(dcp.save, state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(**_FLAT))
             except CheckpointException as e:  # DCP gathers every rank's failure and raises it everywhere
-                raise CheckpointError(f"{what} failed; nothing was left behind and the previous checkpoints are "
-                                      f"intact: {_dcp_failures(e)}") from e
+                raise CheckpointError(f"{what} failed{_low_space(root)}; nothing was left behind and the previous "
+                                      f"checkpoints are intact: {_dcp_failures(e)}") from e
             files, error = None, None
             try:
                 if rank == 0:

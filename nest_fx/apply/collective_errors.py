@@ -74,7 +74,8 @@ def stuck_collective() -> Optional[dict]:
     name, desc = (list(entry.get("process_group") or []) + ["", ""])[:2]
     group = member_groups().get(name)
     ranks = dist.get_process_group_ranks(group) if group is not None else []
-    timeout = group_timeout(group).total_seconds() if group is not None else entry.get("timeout_ms", 0) / 1e3
+    timeout = group_timeout(group) if group is not None else None
+    timeout = timeout.total_seconds() if timeout is not None else entry.get("timeout_ms", 0) / 1e3
     op = str(entry.get("profiling_name", "a collective")).split(":")[-1]
     return {"op": op, "group": group_label(desc, name), "ranks": ranks, "timeout_s": timeout}
 

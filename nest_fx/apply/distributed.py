@@ -62,15 +62,17 @@ def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
     return value
 
 
-def job_timeout() -> timedelta:
+def job_timeout() -> Optional[timedelta]:
     """The default group's timeout: the one every group of the job gets (:func:`apply_job_timeout`)."""
     return group_timeout(dist.group.WORLD)
 
 
-def group_timeout(group) -> timedelta:
-    """The timeout a process group's backend applies to its collectives."""
+def group_timeout(group) -> Optional[timedelta]:
+    """The timeout a process group's backend applies to its collectives (None for a backend
+    without one, such as the fake process group that checks plans without devices)."""
     device = torch.device("cuda") if torch.device("cuda") in group._device_types else torch.device("cpu")
-    return group._get_backend(device).options._timeout
+    options = getattr(group._get_backend(device), "options", None)
+    return getattr(options, "_timeout", None)
 
 
 def member_groups() -> Dict[str, "dist.ProcessGroup"]:
@@ -89,8 +91,10 @@ def apply_job_timeout() -> int:
     """Give every group this rank belongs to the default group's timeout; returns how many
     groups were changed. Cheap and local (no collective): call it after creating groups."""
     timeout, changed = job_timeout(), 0
+    if timeout is None:
+        return 0
     for group in member_groups().values():
-        if group_timeout(group) != timeout:
+        if group_timeout(group) not in (None, timeout):
             _set_pg_timeout(timeout, group)
             changed += 1
     return changed

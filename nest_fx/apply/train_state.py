@@ -25,6 +25,10 @@ import torch
 from nest_fx.common.errors import NestFxError
 
 
+class DataStateError(NestFxError, ValueError):
+    """A data or scheduler state that cannot be saved or restored."""
+
+
 def pack(obj: Any) -> bytes:
     """Bytes of a state (pickled)."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -60,10 +64,6 @@ def stateful(obj: Any, what: str) -> None:
         raise DataStateError(f"{what}= needs an object with state_dict() and load_state_dict(), got "
                              f"{type(obj).__name__}; fix: pass e.g. nest_fx.apply.EpochBatches, torchdata's "
                              "StatefulDataLoader, or a torch LR scheduler")
-
-
-class DataStateError(NestFxError, ValueError):
-    """A data or scheduler state that cannot be saved or restored."""
 
 
 class EpochBatches:
