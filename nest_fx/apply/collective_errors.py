@@ -7,8 +7,8 @@ runtime's entry points (``train_step``, checkpoint save/load, the setup in ``aut
 run inside :func:`named_collective_failures`, which turns such an error into a
 :class:`CollectiveError` saying which collective on which group (``tp``, ``dp``, ``pp``, ...,
 with its ranks) this rank was waiting in and for how long. The group comes from PyTorch's flight
-recorder (``$TORCH_FR_BUFFER_SIZE``, which ``init_distributed`` turns on): the group whose last
-enqueued collective has not completed, else the last collective this rank started.
+recorder (``$TORCH_FR_BUFFER_SIZE``, which ``init_distributed`` turns on): the newest collective
+whose work has not been retired, else the last collective this rank started.
 """
 from __future__ import annotations
 
@@ -60,16 +60,14 @@ def _flight_record() -> Optional[dict]:
 
 def stuck_collective() -> Optional[dict]:
     """``{"op", "group", "ranks", "timeout_s"}`` of the collective this rank was waiting in, from the
-    flight recorder: the group whose last enqueued collective has not completed, else the last
+    flight recorder: the newest collective whose work has not been retired, else the newest
     collective recorded; None without a record."""
     record = _flight_record()
     entries: List[dict] = (record or {}).get("entries") or []
     if not entries:
         return None
-    status = record.get("pg_status") or {}
-    pending = {name for name, st in status.items()
-               if int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1))}
-    candidates = [e for e in entries if (e.get("process_group") or [""])[0] in pending] or entries
+    # gloo's per-group completion counters lag (pg_status); an entry's own "retired" flag does not
+    candidates = [e for e in entries if not e.get("retired")] or entries
     entry = max(candidates, key=lambda e: e.get("record_id", 0))
     name, desc = (list(entry.get("process_group") or []) + ["", ""])[:2]
     group = member_groups().get(name)
