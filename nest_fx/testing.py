@@ -15,8 +15,8 @@ all-reduce or a checkpoint save; every other rank writes what it raised and when
 
 Elastic runs on one machine (tests/test_elastic.py, scripts/bench_faults.py): two torchrun agents
 of ``examples/train_elastic.py`` stand for two nodes (:func:`elastic_command`,
-:func:`elastic_env`); :func:`kill_node` kills an agent and its workers like a lost node;
-:func:`read_losses` reads the JSON lines rank 0 writes.
+:func:`elastic_env`, :class:`ElasticAgents`); :func:`kill_node` kills an agent and its workers
+like a lost node; :func:`read_losses` reads the JSON lines rank 0 writes.
 """
 from __future__ import annotations
 
@@ -200,6 +200,35 @@ def kill_node(agent: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     agent.wait(timeout=30)
+
+
+class ElasticAgents:
+    """The torchrun agents of one job on this machine, one per "node", started with
+    :func:`elastic_env` and their output in ``<log_dir>/agent<i>.log``; on leaving the ``with``
+    block every agent still running is killed with its workers and the logs are closed."""
+
+    def __init__(self, command: List[str], log_dir: str):
+        self.command, self.log_dir = command, log_dir
+        self.agents: List[subprocess.Popen] = []
+        self._logs: list = []
+
+    def start(self) -> subprocess.Popen:
+        """One more agent (a node joining)."""
+        log = open(os.path.join(self.log_dir, f"agent{len(self.agents)}.log"), "w")
+        self._logs.append(log)
+        self.agents.append(subprocess.Popen(self.command, env=elastic_env(), stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True))
+        return self.agents[-1]
+
+    def __enter__(self) -> "ElasticAgents":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                kill_node(agent)
+        for log in self._logs:
+            log.close()
 
 
 def read_losses(path: str) -> List[dict]:

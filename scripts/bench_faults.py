@@ -65,7 +65,7 @@ from nest_fx.cluster import load_cluster
 from nest_fx.common.errors import NestFxError
 from nest_fx.models import build_seeded
 from nest_fx.plan import Plan, uniform_plan
-from nest_fx.testing import (FAULT_MODEL, elastic_command, elastic_env, fault_reports, fault_run, kill_node,
+from nest_fx.testing import (FAULT_MODEL, ElasticAgents, elastic_command, fault_reports, fault_run, kill_node,
                              read_losses)
 from nest_fx.workload.profile_file import Profile
 
@@ -328,42 +328,32 @@ def probe_node_loss(work: str, steps: int = 40, pace: float = 0.25) -> Dict[str,
     cmd = elastic_command(ELASTIC_SCRIPT, free_port(), ["--ckpt", os.path.join(work, "ckpt"), "--losses", log,
                                                         "--steps", str(steps), "--pace", str(pace), "--timeout", "60"],
                           max_restarts=10)
-    agents, outs = [], [open(os.path.join(work, f"agent{i}.log"), "w") for i in range(3)]
+    with ElasticAgents(cmd, work) as job:
+        agents = job.agents
 
-    def start(i: int) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env=elastic_env(), stdout=outs[i], stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        def wait(predicate, timeout: float, what: str) -> List[dict]:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and agents[0].poll() is None:
+                records = read_losses(log)
+                if predicate(records):
+                    return records
+                time.sleep(0.1)
+            raise RuntimeError(f"node-loss probe: no {what} (agent exit codes {[a.poll() for a in agents]}; logs in "
+                               f"{work}, kept with --work)")
 
-    def wait(predicate, timeout: float, what: str) -> List[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and agents[0].poll() is None:
-            records = read_losses(log)
-            if predicate(records):
-                return records
-            time.sleep(0.1)
-        raise RuntimeError(f"node-loss probe: no {what} (agent exit codes {[a.poll() for a in agents]}; logs in "
-                           f"{work}, kept with --work)")
-
-    try:
-        agents += [start(0)]
+        job.start()
         time.sleep(0.5)
-        agents += [start(1)]
+        job.start()
         wait(lambda rs: any(r["world"] == 4 and r["step"] >= 4 for r in rs), 300, "step 4 on 4 ranks")
         killed = time.time()
         kill_node(agents[1])
         records = wait(lambda rs: any(r["restart"] >= 1 for r in rs), 300, "step after the restart")
         shrunk = min(r["time"] for r in records if r["restart"] >= 1)
         rejoin = time.time()
-        agents += [start(2)]
+        job.start()
         records = wait(lambda rs: any(r["world"] == 4 and r["time"] > rejoin for r in rs), 300, "step on 4 ranks again")
         grown = min(r["time"] for r in records if r["world"] == 4 and r["time"] > rejoin)
         codes = [agents[0].wait(timeout=600), agents[2].wait(timeout=600)]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                kill_node(agent)
-        for fh in outs:
-            fh.close()
     records = read_losses(log)
     got = {r["step"]: r["loss"] for r in records}
     worst = max(abs(got[s] - want[s]) for s in range(steps)) if sorted(got) == list(range(steps)) else float("inf")

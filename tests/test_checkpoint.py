@@ -578,3 +578,23 @@ def test_epoch_batches_resume_mid_epoch():
     assert not torch.equal(seen[0], seen[3])  # another permutation per epoch
     with pytest.raises(ValueError, match="batch_size=3, this run has 4"):
         EpochBatches(10, 4, seed=1).load_state_dict(state)
+
+
+def test_a_checkpoint_of_the_earlier_one_directory_format_still_loads(tmp_path):
+    """nest-fx-ckpt/1: DCP files and nest_fx_checkpoint.json in the directory itself, no manifest."""
+    model, opt = _trained(1)
+    want = full_state(model, opt)
+    directory = save_checkpoint(model, str(tmp_path / "ck"), opt, step=1)
+    legacy = str(tmp_path / "legacy")
+    shutil.copytree(directory, legacy)
+    os.remove(os.path.join(legacy, "MANIFEST.json"))
+    meta_path = os.path.join(legacy, "nest_fx_checkpoint.json")
+    meta = json.load(open(meta_path))
+    json.dump({k: meta[k] for k in ("step", "optimizer", "world_size", "plan")} | {"format": "nest-fx-ckpt/1"},
+              open(meta_path, "w"))
+    fresh, fresh_opt = _fresh()
+    with pytest.warns(RuntimeWarning, match="without a manifest"):
+        assert load_checkpoint(fresh, legacy, fresh_opt)["step"] == 1
+    assert_same(full_state(fresh, fresh_opt), want)
+    with pytest.raises(CheckpointError, match="it is a single checkpoint"):
+        save_checkpoint(fresh, legacy, step=2)

@@ -16,7 +16,7 @@ from typing import Dict, List
 import pytest
 
 from nest_fx.apply.launch import free_port
-from nest_fx.testing import elastic_command, elastic_env, kill_node, read_losses
+from nest_fx.testing import ElasticAgents, elastic_command, kill_node, read_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_elastic.py")
@@ -53,24 +53,15 @@ def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
     log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
     cmd = elastic_command(SCRIPT, free_port(), ["--ckpt", ckpt, "--losses", log, "--steps", str(STEPS),
                                                 "--pace", "0.3", "--timeout", "60"])
-    outputs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
-    agents = []
-    try:
-        for i in range(2):
-            agents.append(subprocess.Popen(cmd, env=elastic_env(), stdout=outputs[i], stderr=subprocess.STDOUT,
-                                           start_new_session=True))
-            time.sleep(0.5)
+    with ElasticAgents(cmd, str(tmp_path)) as job:
+        first = job.start()
+        time.sleep(0.5)
+        second = job.start()
         wait_for(lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_losses(log)), 240,
-                 "4 ranks at step 3", agents)
+                 "4 ranks at step 3", job.agents)
         killed_at = max(r["step"] for r in read_losses(log))
-        kill_node(agents[1])
-        assert agents[0].wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                kill_node(agent)
-        for fh in outputs:
-            fh.close()
+        kill_node(second)
+        assert first.wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
     records = read_losses(log)
     got = last_loss_per_step(records)
     assert sorted(got) == list(range(STEPS))

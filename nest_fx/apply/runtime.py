@@ -14,6 +14,7 @@ what a DistributedSampler would give). The caller owns the optimizer:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -31,6 +32,19 @@ from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import tensor_output
 from nest_fx.plan.plan import Plan
+
+
+def _counted_step(method: Callable) -> Callable:
+    """``train_step`` inside :func:`named_collective_failures` (a collective that fails, because a
+    peer stopped, hung or died, raises a ``CollectiveError`` naming its group and the step), and
+    ``self.step`` counted."""
+    @functools.wraps(method)
+    def step(self, *args, **kwargs):
+        with named_collective_failures(f"train_step at step {self.step}"):
+            out = method(self, *args, **kwargs)
+        self.step += 1
+        return out
+    return step
 
 
 class ParallelModule:
@@ -181,17 +195,9 @@ class ParallelModule:
             return inputs[0]
         return inputs
 
+    @_counted_step
     def train_step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of one global batch; returns the global mean loss (detached).
-
-        A collective that fails inside (a peer stopped, hung or died) raises a
-        :class:`~nest_fx.apply.collective_errors.CollectiveError` naming the group it was stuck in."""
-        with named_collective_failures(f"train_step at step {self.step}"):
-            loss = self._train_step(inputs, targets)
-        self.step += 1
-        return loss
-
-    def _train_step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of one global batch; returns the global mean loss (detached)."""
         x = self._shard(self._as_tensor(inputs)).to(self.device)
         y = self._shard(targets).to(self.device)
         nmb = self.num_microbatches
