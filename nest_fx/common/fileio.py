@@ -49,6 +49,10 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**20:.4g} MiB" if n >= 2**20 else f"{n:.0f} bytes"
+
+
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
@@ -67,8 +71,8 @@ def read_bytes(path: str, error: Type[Exception], what: str, max_bytes: int = MA
         if not stat.S_ISREG(info.st_mode):
             raise error(f"{path}: is {_kind(info.st_mode)}, not a regular file; pass the path of a {what} file")
         if info.st_size > max_bytes:
-            raise error(f"{path}: {info.st_size / 2**20:.1f} MiB; {what} files larger than {max_bytes / 2**20:.0f} MiB are "
-                        "refused (is this the right file?)")
+            raise error(f"{path}: {_size(info.st_size)}; {what} files larger than {_size(max_bytes)} are refused (is "
+                        "this the right file?)")
         chunks, total = [], 0
         while total <= max_bytes:  # bounded: a file that grows while read, or reports size 0 (/proc)
             chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
@@ -81,7 +85,7 @@ def read_bytes(path: str, error: Type[Exception], what: str, max_bytes: int = MA
     finally:
         os.close(fd)
     if total > max_bytes:
-        raise error(f"{path}: more than {max_bytes / 2**20:.0f} MiB; {what} files larger than that are refused")
+        raise error(f"{path}: more than {_size(max_bytes)}; {what} files larger than that are refused")
     return b"".join(chunks)
 
 
