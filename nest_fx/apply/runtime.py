@@ -14,19 +14,38 @@ what a DistributedSampler would give). The caller owns the optimizer:
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+import functools
+import hashlib
+import weakref
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
+from nest_fx.apply.agreement import SCOPE_SEP, agree
+from nest_fx.apply.checkpoint import DEFAULT_KEEP, load_checkpoint, resume_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import schedule_step, tensor_output
 from nest_fx.plan.plan import Plan
+
+
+def _counted_step(method: Callable) -> Callable:
+    """``train_step`` inside :func:`named_collective_failures` (a collective that fails, because a
+    peer stopped, hung or died, raises a ``CollectiveError`` naming its group and the step), and
+    ``self.step`` counted."""
+    @functools.wraps(method)
+    def step(self, *args, **kwargs):
+        with named_collective_failures(f"train_step at step {self.step}"):
+            out = method(self, *args, **kwargs)
+        self.step += 1
+        return out
+    return step
 
 
 class ParallelModule:
@@ -35,13 +54,15 @@ class ParallelModule:
     Attributes: ``plan``; ``module`` (this rank's stage module, or an ``nn.ModuleList`` of its
     chunks under the interleaved schedule; parameter names are the original model's);
     ``mesh`` (DeviceMesh with dims pp/dp/tp); ``rank_info`` (stage, replica, TP rank);
-    ``num_microbatches``; ``global_batch_size``.
+    ``num_microbatches``; ``global_batch_size``; ``step`` (optimizer steps taken: the loaded
+    checkpoint's step plus one per ``train_step``); ``model_specs`` (name -> (shape, dtype) of
+    the whole model's tensors, recorded before the split; checkpoints fingerprint it).
     """
 
     def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo, loss_fn: Callable,
                  num_microbatches: int, global_batch_size: int, schedule=None, pipeline_stages=(),
                  grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None,
-                 context_parallel=None):
+                 context_parallel=None, model_specs: Optional[Dict[str, Any]] = None):
         self.plan = plan
         self.chunks = list(chunks)
         self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -57,6 +78,10 @@ class ParallelModule:
         self.graph = graph
         self.device = device or torch.device("cpu")
         self.context_parallel = context_parallel  # ContextParallel when plan.cp > 1: the rank's tokens
+        self.model_specs = model_specs
+        self.step = 0
+        self._agreed_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        weakref.finalize(self, register_optimizer_step_pre_hook(_first_step_check(self)).remove)
 
     # -- parameters ------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -89,16 +114,64 @@ class ParallelModule:
         return out
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
-             step: Optional[int] = None) -> str:
-        """Save parameters (and ``optimizer`` state) to the directory ``path``; loadable under any
-        plan. Every rank must call it. See :mod:`nest_fx.apply.checkpoint`."""
-        return save_checkpoint(self, path, optimizer, step=step)
+    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
+             scheduler=None, data=None, keep: Optional[int] = DEFAULT_KEEP, require_finite: bool = True,
+             loss=None) -> str:
+        """Save parameters, ``optimizer`` state, ``scheduler``, ``data`` position and RNG states as a
+        new step directory of the checkpoint directory ``path`` (default step: ``self.step``),
+        keeping the newest ``keep``; loadable under any plan. Every rank must call it. Returns the
+        step directory. See :mod:`nest_fx.apply.checkpoint`."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        return save_checkpoint(self, path, optimizer, step=self.step if step is None else step, scheduler=scheduler,
+                               data=data, keep=keep, require_finite=require_finite, loss=loss)
 
-    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-        """Load a checkpoint saved under any plan into this rank's parameters (and ``optimizer``);
-        returns its metadata (``step``, ``plan_summary``). Every rank must call it."""
-        return load_checkpoint(self, path, optimizer)
+    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None, data=None,
+             verify: bool = True) -> dict:
+        """Load the newest complete checkpoint of ``path`` (or the step directory ``path``), saved
+        under any plan, into this rank's parameters (and ``optimizer``, ``scheduler``, ``data``);
+        returns its metadata (``step``, ``plan_summary``, ``directory``). Every rank must call it."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        meta = load_checkpoint(self, path, optimizer, scheduler=scheduler, data=data, verify=verify)
+        self.step = int(meta.get("step") or 0)
+        return meta
+
+    def resume(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None,
+               data=None) -> int:
+        """Before training: check the checkpoint directory ``path`` (writable, room for two
+        checkpoints, leftovers of crashed saves removed) and load its newest checkpoint if it
+        has one. Returns the step to continue from (0 for a fresh start). Every rank must call it."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        meta = resume_checkpoint(self, path, optimizer, scheduler=scheduler, data=data)
+        if meta is not None:
+            self.step = int(meta.get("step") or 0)
+        return self.step
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Compare the optimizer's type and hyperparameters across ranks (one all-gather):
+        :class:`~nest_fx.apply.agreement.AgreementError` naming the field and the ranks when they
+        differ. Runs by itself before the first ``optimizer.step()``, and in ``save``/``load``/
+        ``resume``; once per optimizer."""
+        if optimizer in self._agreed_optimizers:
+            return
+        with named_collective_failures("comparing the optimizer's settings across ranks"):
+            agree(self._optimizer_fields(optimizer), what="the optimizer, before its first step")
+        self._agreed_optimizers.add(optimizer)
+
+    def _optimizer_fields(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """Type and defaults (every rank); each param group's hyperparameters, compared between the
+        ranks holding the same parameters (replicas and TP shards of a stage)."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        fields: Dict[str, Any] = {"optimizer": type(optimizer).__name__}
+        fields.update({f"optimizer default {k}": v for k, v in sorted(optimizer.defaults.items())})
+        for i, group in enumerate(optimizer.param_groups):
+            members = sorted(names.get(id(p), "?") for p in group["params"])
+            scope = hashlib.sha256("\n".join(members).encode()).hexdigest()[:12]
+            label = f"optimizer param_groups[{i}] (with {members[0] if members else 'no parameters'})"
+            fields.update({f"{label} {k}{SCOPE_SEP}{scope}": v for k, v in sorted(group.items()) if k != "params"})
+        return fields
 
     # -- training --------------------------------------------------------------------------
     def _shard(self, t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +199,7 @@ class ParallelModule:
             return inputs[0]
         return inputs
 
+    @_counted_step
     def train_step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one global batch; returns the global mean loss (detached)."""
         x = self._shard(self._as_tensor(inputs)).to(self.device)
@@ -184,3 +258,18 @@ class ParallelModule:
         return (f"ParallelModule(rank={i.rank}, stage={i.stage}/{self.plan.pp}, replica={i.replica}/{self.plan.dp}, "
                 f"tp_rank={i.tp_rank}/{self.plan.stages[i.stage].tp}, ep={self.plan.ep}, zero={self.plan.zero}, "
                 f"microbatches={self.num_microbatches})")
+
+
+def _first_step_check(pm: ParallelModule) -> Callable:
+    """A global optimizer pre-step hook that runs ``pm.check_optimizer`` before the first step of
+    an optimizer holding ``pm``'s parameters (weakly referenced: it dies with ``pm``)."""
+    ref = weakref.ref(pm)
+    param_ids = {id(p) for p in pm.parameters()}
+
+    def hook(optimizer, args, kwargs) -> None:
+        owner = ref()
+        if owner is None or optimizer in owner._agreed_optimizers:
+            return
+        if any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
+            owner.check_optimizer(optimizer)
+    return hook
