@@ -9,6 +9,7 @@ launch), and a fused projection sharded by heads checkpoints in the model's own 
 """
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import os
@@ -23,6 +24,8 @@ from nest_fx.apply.fused_params import FusedLayout
 from nest_fx.apply.launch import launch
 from nest_fx.graph import trace
 from nest_fx.graph.opgraph import HeadInput
+from nest_fx.graph.stage_modules import arm_stages, rehearse_split, run_stages, split_stages
+from nest_fx.graph.stand_in import SplitError, StandIn
 from nest_fx.graph.tp_regions import slice_head_inputs
 from nest_fx.plan.support import parallel_support
 from nest_fx.testing import equivalence
@@ -313,17 +316,63 @@ def test_sequential_cnn_pipelines_but_refuses_tp_naming_the_convolutions():
     assert "convolutions (2, 5, 8)" in support.tp_problem(2)
 
 
-def test_sequential_pipeline_stages_compute_the_whole_model():
-    from nest_fx.apply.pipeline import split_stages
+def _stand_ins(stage: nn.Module):
+    """Paths of the modules a stage does not own (stand-ins)."""
+    return [path for path, module in stage.named_modules() if isinstance(module, StandIn)]
 
+
+def test_sequential_pipeline_stages_compute_the_whole_model():
     model, _ = build_cnn()
     x = torch.randn(4, 3, 8, 8)
     graph = trace(model, (x,))
     with torch.no_grad():
         expected = model(x)
         stages = split_stages(model, graph, [(0, 3), (3, 6)])
-        assert [list(s._modules) for s in stages] == [[str(i) for i in range(8)], [str(i) for i in range(8, 17)]]
-        assert torch.equal(stages[1](stages[0](x)), expected)
+        arm_stages(stages)
+        # a stage owns its groups' children and the parameterised head/tail children; the
+        # parameter-free ones (1: ReLU, 14: pool, 15: Flatten) run on every stage like root code
+        assert [_stand_ins(s) for s in stages] == [[str(i) for i in range(8, 14)] + ["16"],
+                                                   ["0"] + [str(i) for i in range(2, 8)]]
+        assert torch.equal(run_stages(stages, (x,), {}), expected)
+
+
+@pytest.mark.parametrize("build, shape", [(build_mlp, (4, 16)), (build_cnn, (4, 3, 8, 8))], ids=["mlp", "cnn"])
+def test_sequential_stages_compose_at_every_cut(build, shape):
+    """One-block stages (the activation enters at a group's first child and leaves before the next
+    group's), a stage owning only the tail, and interleaved chunks (copies of the skeleton)."""
+    model, _ = build()
+    x = torch.randn(*shape)
+    graph = trace(model, (x,))
+    n = len(graph.blocks)
+    with torch.no_grad():
+        expected = model(x)
+        for ranges in ([(b, b + 1) for b in range(n)], [(0, n - 1), (n - 1, n)]):
+            rehearse_split(model, graph, ranges, (x,), {})
+            stages = split_stages(copy.deepcopy(model), graph, ranges)
+            arm_stages(stages)
+            assert torch.equal(run_stages(stages, (x,), {}), expected), ranges
+
+
+class DoubledSequential(nn.Sequential):
+    """An nn.Sequential whose own forward does more than run its children in order."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_sequential_with_its_own_forward_is_not_pipelined():
+    model, _ = build_mlp()
+    custom = DoubledSequential(*model)
+    graph = trace(custom, (torch.randn(4, 16),))
+    assert parallel_support(custom, graph).pp_problem(2).startswith(
+        "pp=2: the model is a DoubledSequential, an nn.Sequential with its own forward")
+    nested = TokenMLP()
+    nested.body = DoubledSequential(*nested.body)
+    graph = trace(nested, (torch.randint(0, 64, (2, 8)),))
+    assert "body is a DoubledSequential, an nn.Sequential with its own forward" in \
+        parallel_support(nested, graph).pp_problem(2)
+    with pytest.raises(SplitError, match="DoubledSequential"):
+        split_stages(nested, graph, [(0, 2), (2, 4)])
 
 
 class TokenMLP(nn.Module):
@@ -341,19 +390,20 @@ class TokenMLP(nn.Module):
 
 
 def test_a_sequential_body_splits_into_callable_stages():
-    from nest_fx.apply.pipeline import split_stages
-
     model, tokens = TokenMLP(), torch.randint(0, 64, (2, 8))
     graph = trace(model, (tokens,))
     assert graph.block_container == "body"
     assert [b.members for b in graph.layer_blocks] == [["body.0", "body.1", "body.2", "body.3"],
                                                        ["body.4", "body.5", "body.6", "body.7"]]
+    assert parallel_support(model, graph).pp_problem(2) == ""
     with torch.no_grad():
         expected = model(tokens)
         first, second = split_stages(model, graph, [(0, 2), (2, 4)])
-        assert isinstance(first.body, nn.Sequential) and list(first.body._modules) == ["0", "1", "2", "3"]
-        assert list(second.body._modules) == ["4", "5", "6", "7"]
-        assert torch.equal(second(first(tokens)), expected)
+        arm_stages([first, second])
+        assert isinstance(first.body, nn.Sequential) and _stand_ins(first) == [f"body.{i}" for i in range(4, 8)] + \
+            ["head"]
+        assert _stand_ins(second) == ["embed"] + [f"body.{i}" for i in range(4)]
+        assert torch.equal(run_stages([first, second], (tokens,), {}), expected)
 
 
 # -- the fused layout ----------------------------------------------------------------------------------

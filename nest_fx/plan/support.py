@@ -178,11 +178,6 @@ class ParallelSupport:
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
             return ""
-        if not self.graph.block_container and isinstance(self.model, nn.Sequential) \
-                and type(self.model).forward is not nn.Sequential.forward:
-            return (f"pp={pp}: {type(self.model).__name__} is an nn.Sequential with its own forward; a pipeline stage "
-                    "keeps a range of its children and runs them in order, which would skip that forward. "
-                    "fix: use pp=1")
         layout = self.stage_layout()
         problem = layout.first_problem() or rehearsal_problem(self.model, self.graph, layout)
         return f"pp={pp}: {problem}" if problem else ""
