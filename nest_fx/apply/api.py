@@ -49,7 +49,8 @@ from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate
 from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
-from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
+from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
+                                    stage_layer_groups)
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
@@ -238,8 +239,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if plan.float8:
             apply_float8(chunk, blocks)
         # 7. activation checkpointing
-        apply_checkpointing(chunk, blocks, stage_plan.recompute, blocks_before)
-        blocks_before += len(blocks)
+        layers = stage_layer_groups(graph, start, end)
+        apply_checkpointing(chunk, layers, stage_plan.recompute, blocks_before)
+        blocks_before += len(layers)
         # 8. torch.compile
         if plan.compile:
             compile_blocks(chunk, blocks)
