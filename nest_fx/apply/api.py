@@ -27,7 +27,7 @@ from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_modu
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.mesh import build_mesh, locate, submesh
-from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
+from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
@@ -126,7 +126,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         blocks = stage_blocks(graph, start, end)
         # 3. expert parallel
         if plan.ep > 1:
-            apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"].get_group())
+            apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"])
         # 4. tensor (+ sequence) parallel
         if stage_plan.tp > 1:
             apply_tensor_parallel(chunk, graph, blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
@@ -136,8 +136,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 6b. FSDP
         if plan.zero >= 1:
             apply_fsdp(chunk, blocks, submesh(mesh, "dp"), plan.zero, edp_mesh=mesh["edp"] if plan.ep > 1 else None,
-                       dp_size=plan.dp, expert_modules=[e for m in find_moe_modules(chunk) for e in m.experts]
-                       if plan.ep > 1 else ())
+                       dp_size=plan.dp, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
 
     # 6a. replicated data parallel
     grad_sync = None

@@ -45,7 +45,7 @@ NAMED_CONFIGS: Dict[str, TransformerConfig] = {
         **_GPT),
 }
 
-_SPEC_ALIASES = {"vocab": "vocab_size", "seq": "seq_len", "ffn": "ffn_hidden", "experts": "num_experts",
+SPEC_ALIASES = {"vocab": "vocab_size", "seq": "seq_len", "ffn": "ffn_hidden", "experts": "num_experts",
                  "kv": "kv_heads", "topk": "top_k"}
 
 
@@ -64,11 +64,11 @@ def parse_spec(spec: str) -> TransformerConfig:
     kwargs = dict(base)
     for item in filter(None, (s.strip() for s in body.split(","))):
         key, eq, value = item.partition("=")
-        key = _SPEC_ALIASES.get(key.strip(), key.strip())
+        key = SPEC_ALIASES.get(key.strip(), key.strip())
         if not eq or key not in valid or key == "name":
             raise ModelError(
                 f"bad field {item!r} in model spec {spec!r}: expected key=value with key one of "
-                f"{sorted(set(valid) - {'name'} | set(_SPEC_ALIASES))}")
+                f"{sorted(set(valid) - {'name'} | set(SPEC_ALIASES))}")
         kwargs[key] = _coerce(value.strip(), kwargs.get(key, getattr(TransformerConfig, key, None)), item)
     return TransformerConfig(name=spec, **kwargs)
 

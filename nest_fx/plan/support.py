@@ -9,13 +9,14 @@ runtime refuses, and never run when it would give a wrong number.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
 from nest_fx.common.arith import divisors
-from nest_fx.graph.moe_modules import find_moe_modules
+from nest_fx.graph.moe_modules import expert_counts, unconvertible_experts
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
@@ -122,23 +123,38 @@ class ParallelSupport:
         return ""
 
     # -- expert parallelism ---------------------------------------------------------------
+    def num_experts(self) -> Optional[int]:
+        """Experts per MoE layer that expert parallelism splits: counted on the model's MoE modules
+        (zoo MoE lists, HF stacked experts), else the config's count, else None (a dense model)."""
+        counts = expert_counts(self.model)
+        if counts:
+            return math.gcd(*counts)
+        return model_dims(self.model)["experts"]
+
     def ep_problem(self, ep: int, dp: Optional[int] = None) -> str:
         """Why ``ep`` cannot split this model's experts ("" when it can); ``dp`` names the divisors
         that also divide the data-parallel degree in the fix."""
         if ep == 1:
             return ""
-        experts = model_dims(self.model)["experts"]
+        experts = self.num_experts()
         if experts is None:
-            return f"ep={ep} but the model has no experts (no config.num_experts); fix: set ep=1"
+            return f"ep={ep} but the model has no experts (no MoE layer, no config.num_experts); fix: set ep=1"
         if experts % ep:
             fits = [d for d in divisors(experts) if dp is None or dp % d == 0]
             tail = f" (it must also divide dp={dp})" if dp is not None else ""
             return (f"ep={ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
                     f"experts/ep of them. fix: use ep in {fits}{tail}")
-        if not find_moe_modules(self.model):
-            return (f"ep={ep} but {type(self.model).__name__} has no MoE module with the route/dispatch/run_experts/"
-                    "combine steps expert parallelism replaces (the nest-fx zoo MoE has them; HF Mixtral's fused "
-                    "experts are not supported yet). fix: use ep=1")
+        return self._cached("ep", ep, self._ep_layout_problem)
+
+    def _ep_layout_problem(self, ep: int) -> str:
+        other = unconvertible_experts(self.model)
+        if other:
+            return (f"ep={ep}: {type(self.model).__name__} keeps experts in {other[0]} in a layout expert "
+                    "parallelism does not split (it converts the nest-fx zoo MoE and HuggingFace stacked experts, "
+                    "whose parameters are [num_experts, ...] tensors). fix: use ep=1")
+        if not expert_counts(self.model):
+            return (f"ep={ep} but {type(self.model).__name__} has no MoE layer expert parallelism can convert (the "
+                    "nest-fx zoo MoE or HuggingFace stacked experts). fix: use ep=1")
         return ""
 
     # -- context parallelism --------------------------------------------------------------

@@ -10,7 +10,7 @@ from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cluster.spec import Cluster
 from nest_fx.common.arith import divisors
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.support import model_dims, parallel_support
+from nest_fx.plan.support import parallel_support
 from nest_fx.solver.search import solve
 from nest_fx.solver.space import SolverOptions
 from nest_fx.workload.build import analytical_workload
@@ -32,7 +32,7 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     the model can be cut into stages."""
     support = parallel_support(model, graph)
     tps = tuple(t for t in options.tp_degrees if not support.tp_problem(t))
-    experts = model_dims(model)["experts"]
+    experts = support.num_experts()
     eps = options.ep_degrees
     if eps is not None or experts:  # ep 1 always runs, so the tuple is never empty
         eps = tuple(e for e in (eps if eps is not None else divisors(experts)) if not support.ep_problem(e))

@@ -187,7 +187,7 @@ def _block_facts(graph, block) -> _BlockFacts:
     tp_nodes |= set(vocab_nodes)
     column_nodes |= {n for n, kind in vocab_nodes.items() if kind == "colwise"}
     for n in block.nodes:
-        if "expert" in g.nodes[n].get("module", ""):
+        if _in_experts(g.nodes[n].get("module", ""), getattr(graph, "expert_modules", None)):
             expert_nodes.add(n)
 
     nodes = []
@@ -229,6 +229,15 @@ def _block_facts(graph, block) -> _BlockFacts:
                        row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
                        loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2],
                        recomputed=block.kind == "block")
+
+
+def _in_experts(module: str, expert_modules: Optional[List[str]]) -> bool:
+    """Whether a node of ``module`` computes with expert weights (sharded by expert parallelism):
+    under one of the traced model's expert modules; for a graph that did not record them, any module
+    path naming an expert. A shared expert (Qwen2-MoE ``shared_expert``) is dense and replicated."""
+    if expert_modules is None:
+        return "expert" in module
+    return any(module == p or module.startswith(p + ".") for p in expert_modules)
 
 
 def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
