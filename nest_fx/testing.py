@@ -4,56 +4,107 @@
 builds the model twice from the same seed, trains the parallel one through
 :func:`~nest_fx.apply.auto_parallelize` and the reference one on the whole batch on this
 process, with SGD for ``steps`` steps, and reports the largest loss, gradient and parameter
-differences. The tests use it, and so can anyone checking a plan on a small model. Nothing in
-the package below the command line imports this module.
+differences. Any model ``nest_fx.models.build_seeded`` builds works: zoo LMs (token cross
+entropy), plain PyTorch classifiers (``mlp:``/``cnn:``, class cross entropy) and HuggingFace
+models (``hf:<model_type>``: all their inputs, e.g. T5's ``input_ids`` and
+``decoder_input_ids``, and the model's own loss from ``labels``). Dropout is switched off in
+both copies: random masks are not part of what a plan must reproduce. The tests use it, and so
+can anyone checking a plan on a small model. Nothing in the package below the command line
+imports this module.
 """
 from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.pipeline import tensor_output
+from nest_fx.apply.runtime import model_loss
+from nest_fx.graph import trace
 from nest_fx.models import build_seeded
+from nest_fx.models.build import model_example
+from nest_fx.models.inputs import call_args, make_batch
 from nest_fx.plan import Plan, uniform_plan
 
+LOSSES = {"lm": lm_loss, "classify": F.cross_entropy, "model": None}
+_DROPOUT_ATTRS = ("dropout", "dropout_p", "dropout_rate", "attention_dropout", "attn_dropout", "hidden_dropout",
+                  "activation_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
+                  "embd_pdrop", "attn_pdrop", "classifier_dropout", "drop_path_rate")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability of ``model`` (modules, attributes read in forward, its config) to 0."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for attr in _DROPOUT_ATTRS:
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+        config = getattr(m, "config", None)
+        for sub in [config] + [getattr(config, n, None) for n in ("text_config", "vision_config")]:
+            for attr in _DROPOUT_ATTRS:
+                if isinstance(getattr(sub, attr, None), float):
+                    setattr(sub, attr, 0.0)
+
+
+def _plan(spec_plan: Optional[dict], num_layers: int) -> Optional[Plan]:
+    plan_spec = dict(spec_plan or {})
+    if not plan_spec:  # let the planner choose (auto_parallelize's default)
+        return None
+    if "stages" in plan_spec:
+        return Plan.from_dict({"format": "nest-fx-plan/1", **plan_spec})
+    return uniform_plan(plan_spec.pop("num_layers", num_layers), **plan_spec)
+
+
+def _model_inputs(example, inputs: Dict[str, torch.Tensor]):
+    """What train_step and auto_parallelize take: the one positional tensor, or the keyword dict."""
+    args, kwargs = call_args(example, inputs)
+    if args and not kwargs:
+        return args[0] if len(args) == 1 else args
+    return kwargs
+
+
 def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict or kwargs for uniform_plan) and
-    compare with the single-device run. Keys: model, plan, batch, seq, steps, lr, local_batch."""
+    """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict, kwargs for uniform_plan, or empty
+    for the planner's choice) and compare with the single-device run. Keys: model, plan, batch, seq,
+    steps, lr, local_batch (feed this rank's shard), seed, verbose, sync_batchnorm."""
     model, cfg = build_seeded(spec["model"], spec.get("seed", 0))
-    vocab, seq = cfg.vocab_size, spec.get("seq", cfg.seq_len)
+    disable_dropout(model)
     batch, steps, lr = spec["batch"], spec.get("steps", 3), spec.get("lr", 0.5)
+    example = model_example(spec["model"], model, cfg, batch=batch, seq=spec.get("seq"))
+    loss_fn = LOSSES.get(example.loss)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1234)
-    data = [(torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen))
-            for _ in range(steps)]
-    plan_spec = dict(spec["plan"] or {})
-    if not plan_spec:  # let the planner choose (auto_parallelize's default)
-        plan = None
-    elif "stages" in plan_spec:
-        plan = Plan.from_dict({"format": "nest-fx-plan/1", **plan_spec})
-    else:
-        plan = uniform_plan(plan_spec.pop("num_layers", cfg.layers + 2), **plan_spec)
-    example = data[0][0]
-    pm = auto_parallelize(model, example, global_batch_size=batch, loss_fn=lm_loss, plan=plan,
-                          verbose=spec.get("verbose", False))
+    data = [make_batch(example, "cpu", gen) for _ in range(steps)]
+    args, kwargs = call_args(example, data[0][0])
+    graph = trace(model, args, kwargs, name=spec["model"])
+    plan = _plan(spec.get("plan"), len(graph.blocks))
+    pm = auto_parallelize(model, _model_inputs(example, data[0][0]), global_batch_size=batch, loss_fn=loss_fn, plan=plan, graph=graph,
+                          verbose=spec.get("verbose", False), sync_batchnorm=spec.get("sync_batchnorm", True))
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
     out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": [], "ref_losses": [],
-           "rank": int(os.environ.get("RANK", 0)), "stage": pm.rank_info.stage, "num_params": 0}
-    plan = pm.plan
-    per = batch // plan.dp
+           "rank": int(os.environ.get("RANK", 0)), "stage": pm.rank_info.stage, "num_params": 0,
+           "plan": pm.plan.to_dict()}
+    per = batch // pm.plan.dp
     lo = pm.rank_info.replica * per
-    for step, (x, y) in enumerate(data):
-        # "local_batch": feed this rank's data-parallel shard, as a DistributedSampler would
-        loss = pm.train_step(x[lo:lo + per], y[lo:lo + per]) if spec.get("local_batch") else pm.train_step(x, y)
-        ref_loss = lm_loss(tensor_output(reference(x)), y)
+    for inputs, target in data:
+        fed, fed_target = inputs, target
+        if spec.get("local_batch"):  # this rank's data-parallel shard, as a DistributedSampler would give
+            fed = {k: v[lo:lo + per] for k, v in inputs.items()}
+            fed_target = target[lo:lo + per] if target is not None else None
+        loss = pm.train_step(_model_inputs(example, fed), fed_target)
+        ref_args, ref_kwargs = call_args(example, inputs)
+        ref_out = reference(*ref_args, **ref_kwargs)
+        ref_loss = model_loss(ref_out) if loss_fn is None else loss_fn(tensor_output(ref_out), target)
         ref_loss.backward()
         out["losses"].append(float(loss))
         out["ref_losses"].append(float(ref_loss.detach()))

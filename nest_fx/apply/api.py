@@ -5,6 +5,7 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 1. ``pipeline.split_stages``   keep this rank's layer range(s) of the workload chain
 2. ``data_parallel.broadcast_module`` make the stage identical on its DP x TP ranks (one rank's
                                weights win, so ranks need not share a seed)
+   ``batchnorm.sync_batchnorm`` BatchNorm statistics over the data-parallel group's batch
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel)
 5. ``activation_checkpoint``   per-stage recompute
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Tuple
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
+from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.expert_parallel import apply_expert_parallel
@@ -34,6 +38,7 @@ from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_par
 from nest_fx.graph import trace
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
+from nest_fx.plan.support import batchnorm_modules
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
@@ -67,8 +72,9 @@ def _device_type_of(model: nn.Module) -> str:
 
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
-                     loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
-                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None) -> ParallelModule:
+                     loss_fn: Optional[Callable] = None, plan: Optional[Plan] = None,
+                     planner: Optional[Planner] = None, graph=None, verbose: bool = True,
+                     timeout_s: Optional[float] = None, sync_batchnorm: bool = True) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -76,7 +82,12 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     ``plan``: a :class:`~nest_fx.plan.Plan`; when None, ``planner(graph, cluster, world_size,
     global_batch_size)`` chooses one; the default planner is the NEST DP
     (``nest_fx.solver.runtime_planner.planner_for``) on ``cluster`` or, when None, a preset for
-    the detected device and world size. ``loss_fn(output, target)`` must average over its batch.
+    the detected device and world size. ``loss_fn(output, target)`` must average over its batch;
+    ``None`` trains on the model's own loss (HF ``output.loss`` from ``labels`` among the inputs).
+    ``sync_batchnorm``: BatchNorm layers normalise over the batch of all data-parallel replicas
+    (``nest_fx.apply.batchnorm``), which equals the single-device run with one microbatch per step
+    (plans with more are refused); ``False`` keeps per-replica, per-microbatch statistics (DDP's
+    behaviour), with a warning naming the layers.
     ``graph``: an OpGraph of the model when already traced. Every rank must call this with the
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
     ``timeout_s``: collective timeout when this call creates the process group (default
@@ -89,12 +100,18 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         graph = trace(model, args, kwargs, name=type(model).__name__)
     if plan is None:
         if planner is None:
-            planner = planner_for(model)
+            planner = planner_for(model, one_microbatch=sync_batchnorm)
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
-    nmb = checks.run_all(plan, model, graph, world, global_batch_size)
+    nmb = checks.run_all(plan, model, graph, world, global_batch_size, model_loss=loss_fn is None,
+                         batch_statistics=sync_batchnorm)
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
+    norms = batchnorm_modules(model)
+    if norms and not sync_batchnorm and (plan.dp > 1 or nmb > 1) and rank == 0:
+        warnings.warn(f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
+                      f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
+                      f"{global_batch_size} (the numbers differ from the single-device run)", stacklevel=2)
 
     device_type = _device_type_of(model)
     on_meta = device_type == "meta"
@@ -111,7 +128,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         num_stages = plan.pp * len(ranges)
     else:
         ranges, indices, num_stages = [(stage_plan.start, stage_plan.end)], [info.stage], plan.pp
-    chunks = split_stages(model, graph, ranges)
+    # one stage keeps the model whole (its own output type: a HF ModelOutput keeps its .loss)
+    chunks = split_stages(model, graph, ranges) if plan.pp > 1 else [model]
     device = torch.device("cuda", torch.cuda.current_device()) if mesh_device == "cuda" else torch.device("cpu")
     if not on_meta:
         chunks = [c.to(device) for c in chunks]
@@ -121,6 +139,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         names = ("edp", "ep", "tp") if plan.ep > 1 else ("dp", "tp")
         stage_group = mesh[names]._flatten("stage").get_group()
         broadcast_module(chunks, stage_group, 0)
+    if norms and sync_batchnorm and plan.dp > 1:
+        for chunk in chunks:
+            sync_batchnorm_modules(chunk, submesh(mesh, "dp").get_group())
 
     for chunk, (start, end) in zip(chunks, ranges):
         blocks = stage_blocks(graph, start, end)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from nest_fx.common.arith import divisors
 from nest_fx.graph.moe_modules import expert_counts, unconvertible_experts
@@ -58,6 +59,11 @@ def head_tail_modules(model: nn.Module, graph) -> Tuple[List[str], List[str]]:
     head = next((b for b in graph.blocks if b.kind == "head"), None)
     tail = next((b for b in graph.blocks if b.kind == "tail"), None)
     return (tops(head) if head else []), (tops(tail) if tail else [])
+
+
+def batchnorm_modules(model: nn.Module) -> List[str]:
+    """FQNs of the model's BatchNorm layers (their training statistics are those of the batch they see)."""
+    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
 
 
 @dataclass
@@ -109,7 +115,17 @@ class ParallelSupport:
     # -- pipeline parallelism -------------------------------------------------------------
     def pp_problem(self, pp: int) -> str:
         """Why the model cannot be split into ``pp`` pipeline stages ("" when it can)."""
-        return "" if pp == 1 else self._cached("pp", pp, self._pp_problem)
+        return "" if pp == 1 else (self.inputs_problem(pp) or self._cached("pp", pp, self._pp_problem))
+
+    def inputs_problem(self, pp: int) -> str:
+        """Why the model's traced inputs cannot enter a ``pp``-stage pipeline ("" when they can): the
+        schedule feeds one tensor to the first stage."""
+        names = getattr(self.graph, "input_names", None) or []
+        if len(names) <= 1:
+            return ""
+        return (f"pp={pp}: {type(self.model).__name__} takes {len(names)} inputs ({', '.join(names)}) but a pipeline "
+                "feeds one tensor to its first stage (labels for the model's own loss count as an input); fix: use "
+                "pp=1, or pass one input and compute the loss with loss_fn on the last stage's output")
 
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
@@ -156,6 +172,22 @@ class ParallelSupport:
             return (f"ep={ep} but {type(self.model).__name__} has no MoE layer expert parallelism can convert (the "
                     "nest-fx zoo MoE or HuggingFace stacked experts). fix: use ep=1")
         return ""
+
+    # -- microbatches ----------------------------------------------------------------------
+    def microbatch_problem(self, microbatches: int) -> str:
+        """Why a step of ``microbatches`` forwards per replica does not compute what one forward of the
+        whole batch computes ("" when it does): BatchNorm statistics are per forward."""
+        if microbatches <= 1:
+            return ""
+        norms = batchnorm_modules(self.model)
+        if not norms:
+            return ""
+        shown = ", ".join(norms[:4]) + (f" and {len(norms) - 4} more" if len(norms) > 4 else "")
+        return (f"BatchNorm layers ({shown}) normalise with the statistics of the batch one forward sees; with "
+                f"{microbatches} microbatches per step each forward sees 1/{microbatches} of the batch, so the "
+                "numbers differ from the single-device run. fix: one microbatch per step (microbatch_size = "
+                "global_batch / dp, pp=1), or auto_parallelize(..., sync_batchnorm=False) to accept per-microbatch "
+                "statistics (as DDP with gradient accumulation)")
 
     # -- context parallelism --------------------------------------------------------------
     def cp_problem(self, cp: int) -> str:
