@@ -38,9 +38,15 @@ SMALL: Dict[str, int] = {
     "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "max_seq_len": 64,
     "image_size": 32, "patch_size": 8,
     "num_labels": 4,
+    "rotary_dim": 8, "window_size": 4,
+    # multi-head latent attention (DeepSeek-V2/V3)
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "qk_head_dim": 24,
 }
+# hierarchical vision backbones (a ``depths`` list per stage) count stages with these: kept
+STAGE_KEEP = ("num_layers", "num_stages", "hidden_size", "patch_size")
 EXPERT_FIELDS = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-                 "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1}
+                 "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
 KV_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                    "cls_token_id", "mask_token_id")
@@ -118,8 +124,9 @@ def _coerce(raw: str, default: Any, key: str, where: str) -> Any:
         if isinstance(default, str):
             return text
     except ValueError:
-        raise ModelError(f"{where}: {key}={raw!r} is not a {type(default).__name__} like its default "
-                         f"{default!r}") from None
+        kind = {bool: "true or false", int: "an integer", float: "a number", list: "a JSON list",
+                dict: "a JSON object"}.get(type(default), type(default).__name__)
+        raise ModelError(f"{where}: {key}={raw!r} is not {kind} like its default {default!r}") from None
     for parse in (int, float, json.loads):  # no default (None): the most specific form that parses
         try:
             return parse(text)
@@ -133,14 +140,20 @@ def shrunk_fields(config) -> Dict[str, Any]:
     (see :data:`SMALL`); fields the config lacks are left out."""
     have = _fields(config)
     out: Dict[str, Any] = {}
+    staged = isinstance(have.get("depths"), list)
 
-    def put(name: str, value: Any) -> None:
+    def put(name: str, value: Any, unset_too: bool = False) -> None:
         native = _native(config, name)
-        if isinstance(have.get(native), int) and not isinstance(have.get(native), bool) and native not in out:
-            out[native] = value
+        current = have.get(native, False)
+        if (isinstance(current, int) and not isinstance(current, bool)) or (unset_too and current is None):
+            if native not in out and not (staged and native in STAGE_KEEP):
+                out[native] = value
 
     for name, value in SMALL.items():
-        put(name, value)
+        if not (staged and name in STAGE_KEEP):
+            put(name, value)
+    if isinstance(have.get("qk_rope_head_dim"), int):  # MLA: the rotary part is the head_dim
+        out["head_dim"] = SMALL["qk_rope_head_dim"]
     heads = next((have[_native(config, n)] for n in ("num_attention_heads", "n_head", "num_heads")
                   if isinstance(have.get(_native(config, n)), int)), None)
     for name in KV_FIELDS:
@@ -150,7 +163,7 @@ def shrunk_fields(config) -> Dict[str, Any]:
     if any(isinstance(have.get(n), int) and have.get(n) > 0
            for n in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")):
         for name, value in EXPERT_FIELDS.items():
-            put(name, value)
+            put(name, value, unset_too=True)  # some defaults leave top-k unset (DeepSeek-V2)
     for name, rule in STAGE_LISTS.items():
         value = have.get(name)
         if isinstance(value, list) and value and all(isinstance(v, int) for v in value):

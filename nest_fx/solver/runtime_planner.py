@@ -13,7 +13,7 @@ from nest_fx.plan.plan import Plan
 from nest_fx.plan.support import parallel_support
 from nest_fx.solver.search import NoFeasiblePlan, solve
 from nest_fx.solver.space import SolverOptions
-from nest_fx.workload.build import analytical_workload
+from nest_fx.workload.build import analytical_workload, traced_seq_len
 from nest_fx.workload.types import dims_from_config
 
 
@@ -54,7 +54,7 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
         cluster = cluster or detect_cluster(world_size)
         param = next(iter(model.parameters()))
-        seq = graph.input_shapes[0][1] if graph.input_shapes and len(graph.input_shapes[0]) > 1 else 1
+        seq = traced_seq_len(graph)
         nbytes = param.element_size()
         support = parallel_support(model, graph)
         dims = dims_from_config(getattr(model, "config", None), seq_len=seq, dtype_bytes=nbytes)
