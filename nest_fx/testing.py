@@ -27,13 +27,37 @@ from nest_fx.apply import auto_parallelize
 from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.pipeline import tensor_output
 from nest_fx.apply.runtime import model_loss
+from nest_fx.common.errors import NestFxError
+from nest_fx.common.fileio import one_line
 from nest_fx.graph import trace
 from nest_fx.models import build_seeded
 from nest_fx.models.build import model_example
-from nest_fx.models.inputs import call_args, make_batch
+from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan import Plan, uniform_plan
 
 LOSSES = {"lm": lm_loss, "classify": F.cross_entropy, "model": None}
+
+# The coverage suite: tiny configs of transformers families and two plain PyTorch models, each
+# trained under the plans of COVERAGE_PLANS on 4 ranks (scripts/bench_coverage.py; a few cells in
+# tests/test_coverage.py). Values are the family's kind, for the table.
+COVERAGE_MODELS: Dict[str, str] = {
+    **{f"hf:{t}": "decoder" for t in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox",
+                                      "opt", "bloom", "falcon", "olmo2", "starcoder2", "gptj")},
+    **{f"hf:{t}": "encoder" for t in ("bert", "roberta", "distilbert", "electra", "deberta-v2")},
+    **{f"hf:{t}": "encoder-decoder" for t in ("t5", "bart")},
+    **{f"hf:{t}": "moe" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")},
+    **{f"hf:{t}": "vision" for t in ("vit", "convnext", "resnet")},
+    "mlp": "plain", "cnn": "plain",
+}
+# plan name -> kwargs of uniform_plan ({}: the planner's choice); batch 8 on 4 ranks
+COVERAGE_PLANS: Dict[str, Dict[str, Any]] = {
+    "planner": {},
+    "TP2xDP2": {"tp": 2, "dp": 2, "microbatch_size": 4},
+    "PP2xDP2": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+    "TP2xPP2": {"tp": 2, "pp": 2, "microbatch_size": 4, "num_microbatches": 2},
+    "EP2xDP2": {"dp": 4, "ep": 2, "microbatch_size": 2},  # MoE models only
+}
+COVERAGE_BATCH, COVERAGE_SEQ, COVERAGE_TOL = 8, 16, 1e-5
 _DROPOUT_ATTRS = ("dropout", "dropout_p", "dropout_rate", "attention_dropout", "attn_dropout", "hidden_dropout",
                   "activation_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
                   "embd_pdrop", "attn_pdrop", "classifier_dropout", "drop_path_rate")
@@ -74,11 +98,15 @@ def _model_inputs(example, inputs: Dict[str, torch.Tensor]):
 def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict, kwargs for uniform_plan, or empty
     for the planner's choice) and compare with the single-device run. Keys: model, plan, batch, seq,
-    steps, lr, local_batch (feed this rank's shard), seed, verbose, sync_batchnorm."""
+    steps, lr, local_batch (feed this rank's shard), seed, verbose, sync_batchnorm, loss: "model" (the
+    model's own loss from its labels), "fn" (a loss_fn on its output: token or class cross entropy) or
+    "auto" (the default: "fn" for models with one input, "model" for several)."""
     model, cfg = build_seeded(spec["model"], spec.get("seed", 0))
     disable_dropout(model)
     batch, steps, lr = spec["batch"], spec.get("steps", 3), spec.get("lr", 0.5)
     example = model_example(spec["model"], model, cfg, batch=batch, seq=spec.get("seq"))
+    if spec.get("loss", "auto") == "fn" or (spec.get("loss", "auto") == "auto" and len(example.inputs) == 1):
+        example = with_loss_fn(example)
     loss_fn = LOSSES.get(example.loss)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1234)
@@ -124,3 +152,28 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     out["sharded"] = sorted(name for name, p in pm.named_parameters()
                             if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
     return out
+
+
+def coverage_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`equivalence` for one cell of the coverage matrix, on every rank: its result, or
+    ``{"refused": message}`` when nest-fx refused the model or plan before training (a
+    ``NestFxError``: the checks, the planner, the model builder)."""
+    try:
+        return equivalence(spec)
+    except NestFxError as exc:
+        return {"refused": f"{type(exc).__name__}: {one_line(str(exc))}"}
+
+
+def cell_status(results, tol: float = COVERAGE_TOL) -> Dict[str, Any]:
+    """Summary of a coverage cell from every rank's :func:`coverage_cell` result: ``ok`` (loss,
+    gradients and parameters within ``tol`` of one device), ``mismatch`` or ``refused``."""
+    refused = [r["refused"] for r in results if "refused" in r]
+    if refused:
+        return {"status": "refused", "reason": refused[0]}
+    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
+    plan = results[0]["plan"]
+    chosen = (f"pp={len(plan['stages'])} dp={plan['dp']} tp={plan['stages'][0]['tp']} ep={plan.get('ep', 1)} "
+              f"zero={plan.get('zero', 0)} mbs={plan['microbatch_size']}")
+    same = all(len({round(r["losses"][i], 6) for r in results}) == 1 for i in range(len(results[0]["losses"])))
+    ok = all(v < tol for v in worst.values()) and same
+    return {"status": "ok" if ok else "mismatch", **worst, "plan": chosen}

@@ -131,3 +131,13 @@ def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None) ->
         elif "input_ids" in params and isinstance(vocab, int):
             labels.append(InputSpec("labels", (batch, seq), high=vocab))
     return Example(inputs, "model" if labels else "none", labels=labels)
+
+
+def with_loss_fn(example: Example) -> Example:
+    """A model-loss example trained with a ``loss_fn`` on the output instead: its labels become the
+    target (token ids: the LM loss; one class per row: class cross entropy)."""
+    if example.loss != "model" or len(example.labels) != 1:
+        return example
+    label = example.labels[0]
+    return Example(example.inputs, "lm" if len(label.shape) == 2 else "classify",
+                   target=replace(label, name="target"))

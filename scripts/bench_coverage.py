@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Model coverage: every model of the coverage suite under every plan of it, on 4 CPU ranks.
+
+    python scripts/bench_coverage.py                                   # the whole matrix
+    python scripts/bench_coverage.py --models hf:t5,cnn --plans planner,TP2xDP2
+    python scripts/bench_coverage.py --out results/bench_coverage_before
+
+The suite (``nest_fx.testing.COVERAGE_MODELS``): tiny configs of transformers families
+(``hf:<model_type>``: its default config shrunk, no download) of five kinds (decoders, encoders,
+encoder-decoders, MoE, vision) and two plain PyTorch models (an ``nn.Sequential`` MLP and a CNN
+with BatchNorm). The plans (``COVERAGE_PLANS``): the planner's choice (``auto_parallelize`` with no
+plan, the NEST DP on the cpu-gloo preset), TP2xDP2, PP2xDP2 (1F1B, 2 microbatches), TP2xPP2, and
+EP2xDP2 for MoE models.
+
+Each cell launches 4 gloo ranks (``nest_fx.apply.launch``), trains the model for 3 SGD steps under
+the plan with ``auto_parallelize`` and, on every rank, the same weights on one device
+(``nest_fx.testing.equivalence``: the model's own inputs, e.g. T5's ``input_ids`` and
+``decoder_input_ids``, its own loss from ``labels``, dropout off), and reports:
+
+* ``ok``: losses, full gradients and parameters within 1e-5 of the single-device run;
+* ``refused``: nest-fx refused the model or the plan before training, with its reason;
+* ``mismatch``: it trained and the numbers differ (the worst defect);
+* ``error`` / ``timeout``: it crashed or hung (the last line of the first failing rank).
+
+A progress line per cell (status, seconds). Writes ``<out>.md`` (the matrix and the refusal
+reasons, for the README) and ``<out>.json``. Exit status 1 when a cell mismatches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from nest_fx.apply.launch import launch
+from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, cell_status,
+                             coverage_cell)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 4
+MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "error": "error", "timeout": "timeout",
+        "n/a": "-"}
+
+
+def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
+    """One cell: launch, classify, time."""
+    if plan_name.startswith("EP") and COVERAGE_MODELS.get(model) != "moe":
+        return {"status": "n/a", "seconds": 0.0}
+    spec = {"model": model, "plan": dict(COVERAGE_PLANS[plan_name]), "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ,
+            "steps": 3, "lr": 0.5}
+    start = time.perf_counter()
+    try:
+        cell = cell_status(launch(coverage_cell, WORLD, spec, timeout=timeout))
+    except TimeoutError as exc:
+        cell = {"status": "timeout", "reason": str(exc).splitlines()[0]}
+    except RuntimeError as exc:  # a rank crashed: its last traceback line
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        last = next((line for line in reversed(lines) if not line.startswith("rank ")), lines[-1] if lines else "")
+        cell = {"status": "error", "reason": last.strip()[:400]}
+    cell["seconds"] = round(time.perf_counter() - start, 1)
+    return cell
+
+
+def _short(reason: str, limit: int = 160) -> str:
+    return reason if len(reason) <= limit else reason[:limit - 3] + "..."
+
+
+def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str]) -> str:
+    """The matrix (one row per model, one column per plan) and the distinct refusal/error reasons."""
+    lines = ["| model | kind | " + " | ".join(plans) + " |", "|---|---|" + "---|" * len(plans)]
+    reasons: Dict[str, List[str]] = {}
+    for model, row in matrix.items():
+        cells = []
+        for plan in plans:
+            cell = row[plan]
+            text = MARK[cell["status"]]
+            if cell.get("reason"):
+                key = _short(cell["reason"])
+                number = list(reasons).index(key) + 1 if key in reasons else len(reasons) + 1
+                reasons.setdefault(key, []).append(f"{model} {plan}")
+                text += f" [{number}]"
+            cells.append(text)
+        lines.append(f"| `{model}` | {COVERAGE_MODELS.get(model, '?')} | " + " | ".join(cells) + " |")
+    counts: Dict[str, int] = {}
+    for row in matrix.values():
+        for cell in row.values():
+            counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+    lines += ["", "Cells: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "n/a"), ""]
+    if reasons:
+        lines += ["Reasons (refusals and errors, first 160 characters):", ""]
+        for number, (reason, where) in enumerate(reasons.items(), 1):
+            lines.append(f"{number}. {reason} ({len(where)} cells)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(COVERAGE_MODELS), help="comma-separated model names")
+    parser.add_argument("--plans", default=",".join(COVERAGE_PLANS), help=f"comma-separated, of {list(COVERAGE_PLANS)}")
+    parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_coverage"),
+                        help="output path without extension (.md and .json are written)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell before its ranks are killed")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    plans = [p for p in args.plans.split(",") if p]
+    unknown = [p for p in plans if p not in COVERAGE_PLANS]
+    if unknown:
+        parser.error(f"unknown plan(s) {unknown}; use {list(COVERAGE_PLANS)}")
+    matrix: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    total = len(models) * len(plans)
+    start = time.perf_counter()
+    for model in models:
+        matrix[model] = {}
+        for plan in plans:
+            cell = run_cell(model, plan, args.timeout)
+            matrix[model][plan] = cell
+            done = sum(len(r) for r in matrix.values())
+            detail = cell.get("plan") or _short(cell.get("reason", ""), 100)
+            print(f"[{done}/{total}] {model:<16} {plan:<8} {cell['status']:<8} {cell['seconds']:6.1f}s  {detail}",
+                  flush=True)
+    table = markdown(matrix, plans)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".md", "w", encoding="utf-8") as fh:
+        fh.write(table)
+    with open(args.out + ".json", "w", encoding="utf-8") as fh:
+        json.dump({"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
+                   "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix,
+                   "seconds": round(time.perf_counter() - start, 1), "torch": torch.__version__,
+                   "transformers": _transformers_version(), "python": platform.python_version()}, fh, indent=2)
+    print(table)
+    print(f"wrote {args.out}.md and {args.out}.json")
+    return 1 if any(c["status"] == "mismatch" for r in matrix.values() for c in r.values()) else 0
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers  # optional extra
+        return transformers.__version__
+    except ImportError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
