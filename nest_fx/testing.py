@@ -119,7 +119,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
-    out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": [], "ref_losses": [],
+    out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "buffer_diff": 0.0, "losses": [], "ref_losses": [],
            "rank": int(os.environ.get("RANK", 0)), "stage": pm.rank_info.stage, "num_params": 0,
            "plan": pm.plan.to_dict()}
     per = batch // pm.plan.dp
@@ -149,6 +149,12 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     for name, p in params.items():
         out["param_diff"] = max(out["param_diff"], float((p - ref_params[name].detach()).abs().max()))
     out["num_params"] = len(params)
+    # running statistics (BatchNorm) and other float buffers this rank holds
+    ref_buffers = dict(reference.named_buffers())
+    for name, b in pm.named_buffers():
+        ref = ref_buffers.get(name)
+        if ref is not None and b.is_floating_point() and b.shape == ref.shape:
+            out["buffer_diff"] = max(out["buffer_diff"], float((b - ref).abs().max()))
     out["sharded"] = sorted(name for name, p in pm.named_parameters()
                             if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
     return out
@@ -170,7 +176,7 @@ def cell_status(results, tol: float = COVERAGE_TOL) -> Dict[str, Any]:
     refused = [r["refused"] for r in results if "refused" in r]
     if refused:
         return {"status": "refused", "reason": refused[0]}
-    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
+    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff", "buffer_diff")}
     plan = results[0]["plan"]
     chosen = (f"pp={len(plan['stages'])} dp={plan['dp']} tp={plan['stages'][0]['tp']} ep={plan.get('ep', 1)} "
               f"zero={plan.get('zero', 0)} mbs={plan['microbatch_size']}")

@@ -90,6 +90,15 @@ class ParallelModule:
                     seen.add(id(p))
                     yield name, p
 
+    def named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Local buffers (running statistics, position tables) under the original model's names."""
+        seen = set()
+        for chunk in self.chunks:
+            for name, b in chunk.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield name, b
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p

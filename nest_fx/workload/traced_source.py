@@ -169,6 +169,7 @@ def _block_facts(graph, block) -> _BlockFacts:
     tp_nodes: set = set()
     column_nodes: set = set()
     expert_nodes: set = set()
+    expert_paths = getattr(graph, "expert_modules", None)
     rows: List[Tuple[str, str]] = []
     for pair in (pattern.tp_pairs if pattern else []):
         cols = [c for c in (node_for(x) for x in pair.column) if c]
@@ -180,14 +181,14 @@ def _block_facts(graph, block) -> _BlockFacts:
         region = (down & up) | set(cols) | {row}
         tp_nodes |= region
         column_nodes |= set(cols)
-        if pair.kind == "expert":
-            expert_nodes |= region
+        if pair.kind == "expert":  # the experts' nodes of it (a shared expert is dense: Qwen2-MoE)
+            expert_nodes |= {n for n in region if _in_experts(g.nodes[n].get("module", ""), expert_paths)}
         rows.append((pair.kind, row))
     vocab_nodes = _vocab_parallel_nodes(graph, block)
     tp_nodes |= set(vocab_nodes)
     column_nodes |= {n for n, kind in vocab_nodes.items() if kind == "colwise"}
     for n in block.nodes:
-        if _in_experts(g.nodes[n].get("module", ""), getattr(graph, "expert_modules", None)):
+        if _in_experts(g.nodes[n].get("module", ""), expert_paths):
             expert_nodes.add(n)
 
     nodes = []
