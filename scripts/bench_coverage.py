@@ -22,6 +22,11 @@ the plan with ``auto_parallelize`` and, on every rank, the same weights on one d
 * ``mismatch``: it trained and the numbers differ (the worst defect);
 * ``error`` / ``timeout``: it crashed or hung (the last line of the first failing rank).
 
+Before its cells, each model's fp32 noise is measured in this process (``testing.fp32_noise``):
+how far its single-device fp32 run drifts from the same run in fp64 over the same 3 steps (the
+largest parameter difference). A model whose noise reaches the tolerance cannot be judged at
+1e-5 by any run that sums in another order; the column says so (``over tol``).
+
 A progress line per cell (status, seconds). Writes ``<out>.md`` (the matrix and the refusal
 reasons, for the README) and ``<out>.json``. Exit status 1 when a cell mismatches.
 """
@@ -38,8 +43,8 @@ from typing import Any, Dict, List
 import torch
 
 from nest_fx.apply.launch import launch
-from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, cell_status,
-                             coverage_cell)
+from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, COVERAGE_TOL,
+                             cell_status, coverage_cell, fp32_noise)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
@@ -47,21 +52,36 @@ MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "error": "
         "n/a": "-"}
 
 
+def _spec(model: str, plan: Dict[str, Any]) -> Dict[str, Any]:
+    return {"model": model, "plan": dict(plan), "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "steps": 3, "lr": 0.5}
+
+
+def noise(model: str) -> Dict[str, Any]:
+    """The model's fp32 rounding drift over the cells' 3 steps (``testing.fp32_noise``), or why unknown."""
+    try:
+        return fp32_noise(_spec(model, {}))
+    except Exception as exc:  # noqa: BLE001 - a model that cannot build fails its cells with the reason
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+
+
 def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
     """One cell: launch, classify, time."""
     if plan_name.startswith("EP") and COVERAGE_MODELS.get(model) != "moe":
         return {"status": "n/a", "seconds": 0.0}
-    spec = {"model": model, "plan": dict(COVERAGE_PLANS[plan_name]), "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ,
-            "steps": 3, "lr": 0.5}
+    spec = _spec(model, COVERAGE_PLANS[plan_name])
     start = time.perf_counter()
-    try:
-        cell = cell_status(launch(coverage_cell, WORLD, spec, timeout=timeout))
-    except TimeoutError as exc:
-        cell = {"status": "timeout", "reason": str(exc).splitlines()[0]}
-    except RuntimeError as exc:  # a rank crashed: its last traceback line
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        last = next((line for line in reversed(lines) if not line.startswith("rank ")), lines[-1] if lines else "")
-        cell = {"status": "error", "reason": last.strip()[:400]}
+    for attempt in range(2):
+        try:
+            cell = cell_status(launch(coverage_cell, WORLD, spec, timeout=timeout))
+        except TimeoutError as exc:
+            cell = {"status": "timeout", "reason": str(exc).splitlines()[0]}
+        except RuntimeError as exc:  # a rank crashed: its last traceback line
+            if "EADDRINUSE" in str(exc) and attempt == 0:
+                continue  # the rendezvous port was taken between its probe and its bind: launch again
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            last = next((line for line in reversed(lines) if not line.startswith("rank ")), lines[-1] if lines else "")
+            cell = {"status": "error", "reason": last.strip()[:400]}
+        break
     cell["seconds"] = round(time.perf_counter() - start, 1)
     return cell
 
@@ -70,9 +90,18 @@ def _short(reason: str, limit: int = 160) -> str:
     return reason if len(reason) <= limit else reason[:limit - 3] + "..."
 
 
-def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str]) -> str:
-    """The matrix (one row per model, one column per plan) and the distinct refusal/error reasons."""
-    lines = ["| model | kind | " + " | ".join(plans) + " |", "|---|---|" + "---|" * len(plans)]
+def _noise_text(row: Dict[str, Any]) -> str:
+    if "param" not in row:
+        return "n/a"
+    flag = " (over tol)" if row["param"] >= COVERAGE_TOL else ""
+    return f"{row['param']:.0e}{flag}"
+
+
+def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
+             noises: Dict[str, Dict[str, Any]]) -> str:
+    """The matrix (one row per model, one column per plan, the model's fp32 drift from fp64) and the
+    distinct refusal/error reasons."""
+    lines = ["| model | kind | " + " | ".join(plans) + " | fp32 noise |", "|---|---|" + "---|" * (len(plans) + 1)]
     reasons: Dict[str, List[str]] = {}
     for model, row in matrix.items():
         cells = []
@@ -85,7 +114,8 @@ def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str]) -> 
                 reasons.setdefault(key, []).append(f"{model} {plan}")
                 text += f" [{number}]"
             cells.append(text)
-        lines.append(f"| `{model}` | {COVERAGE_MODELS.get(model, '?')} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{model}` | {COVERAGE_MODELS.get(model, '?')} | " + " | ".join(cells)
+                     + f" | {_noise_text(noises.get(model, {}))} |")
     counts: Dict[str, int] = {}
     for row in matrix.values():
         for cell in row.values():
@@ -114,7 +144,10 @@ def main(argv=None) -> int:
     matrix: Dict[str, Dict[str, Dict[str, Any]]] = {}
     total = len(models) * len(plans)
     start = time.perf_counter()
+    noises: Dict[str, Dict[str, Any]] = {}
     for model in models:
+        noises[model] = noise(model)
+        print(f"{model:<16} fp32 noise {_noise_text(noises[model])} {noises[model].get('error', '')[:100]}", flush=True)
         matrix[model] = {}
         for plan in plans:
             cell = run_cell(model, plan, args.timeout)
@@ -123,13 +156,13 @@ def main(argv=None) -> int:
             detail = cell.get("plan") or _short(cell.get("reason", ""), 100)
             print(f"[{done}/{total}] {model:<16} {plan:<8} {cell['status']:<8} {cell['seconds']:6.1f}s  {detail}",
                   flush=True)
-    table = markdown(matrix, plans)
+    table = markdown(matrix, plans, noises)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w", encoding="utf-8") as fh:
         fh.write(table)
     with open(args.out + ".json", "w", encoding="utf-8") as fh:
         json.dump({"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
-                   "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix,
+                   "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix, "fp32_noise": noises,
                    "seconds": round(time.perf_counter() - start, 1), "torch": torch.__version__,
                    "transformers": _transformers_version(), "python": platform.python_version()}, fh, indent=2)
     print(table)

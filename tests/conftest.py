@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch.distributed as dist
 
 from nest_fx.graph import trace
 from nest_fx.models import build_any
@@ -28,3 +29,11 @@ def _traced(name: str, seq: int, batch: int):
 def zoo():
     """``zoo(name, seq=128, batch=1) -> (model, cfg, args, graph)``, cached across test files."""
     return traced_zoo
+
+
+@pytest.fixture
+def single_rank():
+    """For tests that let ``auto_parallelize`` create a one-rank process group: destroyed after."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

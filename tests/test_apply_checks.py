@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nest_fx.apply import ApplyError, auto_parallelize, default_plan
 from nest_fx.apply import checks
@@ -22,13 +21,6 @@ from nest_fx.models import build_model
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
-
-
-@pytest.fixture
-def single_rank():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _traced(name=LLAMA, batch=2, seq=16):

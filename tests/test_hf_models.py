@@ -53,7 +53,7 @@ def test_names_from_before_keep_their_shapes():
 @pytest.mark.parametrize("name,message", [
     ("hf:qwen22", r"unknown HuggingFace model type 'qwen22'.*close matches: qwen2"),
     ("hf:qwen2:hiden_size=3", r"Qwen2Config has no field 'hiden_size' \(close matches: hidden_size"),
-    ("hf:qwen2:hidden_size=abc", r"hidden_size='abc' is not an integer like its default"),
+    ("hf:qwen2:hidden_size=abc", r"cannot parse .*hidden_size=abc': 'abc' is not an integer like its default 4096"),
     ("hf:qwen2:hidden_size", r"bad override 'hidden_size'.*expected key=value"),
     ("hf:bert:class=NoSuchModel", r"class=NoSuchModel: transformers has no model class of that name"),
     ("mlp:layers=1", r"an MLP needs layers >= 2"),

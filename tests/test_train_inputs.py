@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from nest_fx.apply import ApplyError, auto_parallelize, checks
@@ -22,13 +21,6 @@ from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 CNN = "cnn:channels=8,blocks=1,classes=4,image=8"
-
-
-@pytest.fixture
-def single_rank():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_microbatches_split_every_tensor_and_repeat_the_rest():
@@ -138,3 +130,35 @@ def test_batchnorm_statistics_over_the_data_parallel_batch_or_per_replica_with_a
     assert not torch.equal(local[0]["running_mean"], local[1]["running_mean"])
     assert "sync_batchnorm=False: BatchNorm layers ['1', '4'] normalise each microbatch of 4 samples on its own " \
            "replica" in local[0]["warnings"][0]
+
+
+class _DictNet(torch.nn.Module):
+    """A plain module with keyword inputs and a dict output (logits, and a loss when given labels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, tokens, scale, labels=None):
+        logits = self.head(self.embed(tokens) * scale)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return out
+
+
+def test_dict_outputs_with_the_models_loss_or_a_loss_fn(single_rank):
+    torch.manual_seed(0)
+    model = _DictNet()
+    reference = copy.deepcopy(model)
+    tokens, scale = torch.randint(0, 16, (4, 5)), torch.rand(4, 5, 1)
+    inputs = {"tokens": tokens, "scale": scale, "labels": tokens}
+    pm = auto_parallelize(model, inputs, global_batch_size=4, verbose=False,
+                          plan=uniform_plan(1, microbatch_size=2, num_microbatches=2))
+    loss = pm.train_step(inputs)
+    ref = reference(**inputs)["loss"]
+    assert abs(float(loss) - float(ref.detach())) < 1e-6
+    lm = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+    pm.loss_fn = lm  # the dict's "logits" go to a loss_fn
+    assert abs(float(pm.train_step({"tokens": tokens, "scale": scale}, tokens)) - float(ref.detach())) < 1e-6

@@ -60,7 +60,8 @@ class _AllToAll(torch.autograd.Function):
     The backward is the reverse exchange applied to the gradient."""
 
     @staticmethod
-    def forward(ctx, group, send: Optional[List[int]], recv: Optional[List[int]], x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, group, x: torch.Tensor, send: Optional[List[int]] = None,
+                recv: Optional[List[int]] = None) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]) if recv is not None else x.shape)
@@ -72,7 +73,7 @@ class _AllToAll(torch.autograd.Function):
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]) if ctx.send is not None else grad.shape)
         dist.all_to_all_single(out, grad, output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group)
-        return None, None, None, out
+        return None, out, None, None
 
 
 def all_to_all(x: torch.Tensor, group=None, send: Optional[Sequence[int]] = None,
@@ -84,7 +85,7 @@ def all_to_all(x: torch.Tensor, group=None, send: Optional[Sequence[int]] = None
         raise ValueError(f"all_to_all: dim 0 ({x.size(0)}) must be divisible by the group size {size}")
     if size == 1:
         return x
-    return _AllToAll.apply(group, None if send is None else list(send), None if recv is None else list(recv), x)
+    return _AllToAll.apply(group, x, None if send is None else list(send), None if recv is None else list(recv))
 
 
 # -- the zoo MoE ----------------------------------------------------------------------------------

@@ -81,23 +81,21 @@ class ParallelModule:
         self.device = device or torch.device("cpu")
 
     # -- parameters ------------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Local parameters under the original model's names (DTensors when sharded)."""
+    def _named(self, kind: str) -> Iterator[Tuple[str, torch.Tensor]]:
         seen = set()
         for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+            for name, t in getattr(chunk, kind)():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield name, t
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Local parameters under the original model's names (DTensors when sharded)."""
+        return self._named("named_parameters")
 
     def named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Local buffers (running statistics, position tables) under the original model's names."""
-        seen = set()
-        for chunk in self.chunks:
-            for name, b in chunk.named_buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    yield name, b
+        return self._named("named_buffers")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():

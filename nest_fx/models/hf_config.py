@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nest_fx.common.errors import MissingDependency, ModelError
 from nest_fx.common.fileio import read_json
+from nest_fx.models.zoo import coerce_value
 
 # Tiny sizes, by the standard config names (translated through each config's attribute_map).
 # Applied only to fields the model type's config has; experts only when it has experts.
@@ -43,6 +44,7 @@ SMALL: Dict[str, int] = {
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24,
 }
+SHRUNK_IMAGE = 64  # example image side of a shrunk convolutional net with no image_size field
 # hierarchical vision backbones (a ``depths`` list per stage) count stages with these: kept
 STAGE_KEEP = ("num_layers", "num_stages", "hidden_size", "patch_size")
 EXPERT_FIELDS = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
@@ -108,26 +110,12 @@ def _native(config, name: str) -> str:
 
 
 def _coerce(raw: str, default: Any, key: str, where: str) -> Any:
-    """A ``key=value`` string as the type of the field's default value (JSON for lists/dicts)."""
+    """A ``key=value`` string as the type of the field's default value; with no default (None) the
+    most specific form that parses (int, float, JSON, true/false/none, else the text)."""
     text = raw.strip()
-    try:
-        if isinstance(default, bool):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1")
-        if isinstance(default, int):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-        if isinstance(default, (list, dict)):
-            return json.loads(text)
-        if isinstance(default, str):
-            return text
-    except ValueError:
-        kind = {bool: "true or false", int: "an integer", float: "a number", list: "a JSON list",
-                dict: "a JSON object"}.get(type(default), type(default).__name__)
-        raise ModelError(f"{where}: {key}={raw!r} is not {kind} like its default {default!r}") from None
-    for parse in (int, float, json.loads):  # no default (None): the most specific form that parses
+    if default is not None:
+        return coerce_value(text, default, f"{where}: {key}={raw}")
+    for parse in (int, float, json.loads):
         try:
             return parse(text)
         except ValueError:
@@ -193,7 +181,12 @@ def config_from_type(model_type: str, overrides: Dict[str, str], where: str):
     shrink = _coerce(overrides.get("shrink", "true"), True, "shrink", where)
     kwargs = shrunk_fields(default) if shrink else {}
     kwargs.update(_typed_overrides(default, overrides, where))
-    return _make(lambda: tf.AutoConfig.for_model(model_type, **kwargs), where)
+    config = _make(lambda: tf.AutoConfig.for_model(model_type, **kwargs), where)
+    if shrink and isinstance(getattr(config, "num_channels", None), int) and not hasattr(config, "image_size"):
+        # a convolutional net takes any image size: a tiny model gets small examples (64x64; at
+        # ImageNet's 224 its fp32 weight gradients, sums over 50k positions, carry 1e-3 rounding)
+        config.image_size = SHRUNK_IMAGE
+    return config
 
 
 def config_from_file(path: str, overrides: Dict[str, str], where: str):
