@@ -29,7 +29,7 @@ def main() -> None:
 
     def batch():
         source = torch.randint(2, vocab, (args.batch, seq), generator=gen)
-        start = torch.full((args.batch, 1), cfg.decoder_start_token_id or 0)
+        start = torch.full((args.batch, 1), getattr(cfg, "decoder_start_token_id", None) or 0)
         return {"input_ids": source, "decoder_input_ids": torch.cat([start, source[:, :-1]], 1), "labels": source}
 
     example = batch()

@@ -48,6 +48,9 @@ from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, CO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
+# launch failures of the machine, not of the cell: the rendezvous port taken between its probe and its
+# bind, a gloo peer connection reset while the ranks connect
+TRANSIENT = ("EADDRINUSE", "connectFullMesh failed")
 MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "error": "error", "timeout": "timeout",
         "n/a": "-"}
 
@@ -76,8 +79,8 @@ def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
         except TimeoutError as exc:
             cell = {"status": "timeout", "reason": str(exc).splitlines()[0]}
         except RuntimeError as exc:  # a rank crashed: its last traceback line
-            if "EADDRINUSE" in str(exc) and attempt == 0:
-                continue  # the rendezvous port was taken between its probe and its bind: launch again
+            if attempt == 0 and any(t in str(exc) for t in TRANSIENT):
+                continue  # the rendezvous lost a race with another job on the machine: launch again
             lines = [line for line in str(exc).splitlines() if line.strip()]
             last = next((line for line in reversed(lines) if not line.startswith("rank ")), lines[-1] if lines else "")
             cell = {"status": "error", "reason": last.strip()[:400]}
@@ -135,7 +138,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_coverage"),
                         help="output path without extension (.md and .json are written)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell before its ranks are killed")
+    parser.add_argument("--reuse", metavar="JSON", help="a previous run of the same code: keep its cells and fp32 "
+                        "noise, run again only its error and timeout cells and what it lacks")
     args = parser.parse_args(argv)
+    previous = json.load(open(args.reuse, encoding="utf-8")) if args.reuse else {"matrix": {}, "fp32_noise": {}}
     models = [m for m in args.models.split(",") if m]
     plans = [p for p in args.plans.split(",") if p]
     unknown = [p for p in plans if p not in COVERAGE_PLANS]
@@ -146,11 +152,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     noises: Dict[str, Dict[str, Any]] = {}
     for model in models:
-        noises[model] = noise(model)
+        noises[model] = previous["fp32_noise"].get(model) or noise(model)
         print(f"{model:<16} fp32 noise {_noise_text(noises[model])} {noises[model].get('error', '')[:100]}", flush=True)
         matrix[model] = {}
         for plan in plans:
-            cell = run_cell(model, plan, args.timeout)
+            cell = previous["matrix"].get(model, {}).get(plan)
+            if cell is None or cell["status"] in ("error", "timeout"):
+                cell = run_cell(model, plan, args.timeout)
             matrix[model][plan] = cell
             done = sum(len(r) for r in matrix.values())
             detail = cell.get("plan") or _short(cell.get("reason", ""), 100)
@@ -163,7 +171,8 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w", encoding="utf-8") as fh:
         json.dump({"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
                    "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix, "fp32_noise": noises,
-                   "seconds": round(time.perf_counter() - start, 1), "torch": torch.__version__,
+                   "seconds": round(time.perf_counter() - start, 1), "reused_run_seconds": previous.get("seconds"),
+                   "torch": torch.__version__,
                    "transformers": _transformers_version(), "python": platform.python_version()}, fh, indent=2)
     print(table)
     print(f"wrote {args.out}.md and {args.out}.json")

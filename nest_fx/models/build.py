@@ -17,7 +17,7 @@ from nest_fx.common.errors import ModelError
 from nest_fx.models.config import TransformerConfig
 from nest_fx.models.hf import build_hf_model
 from nest_fx.models.inputs import Example, call_args, hf_example, make_tensor, token_example
-from nest_fx.models.plain import KINDS as PLAIN_KINDS, PlainConfig, build_plain, parse_plain, plain_example
+from nest_fx.models.plain import KINDS as PLAIN_KINDS, build_plain, parse_plain, plain_example
 from nest_fx.models.zoo import build_model, default_dtype
 
 
@@ -87,5 +87,3 @@ def build_seeded(name: str, seed: int = 0) -> Tuple[torch.nn.Module, Any]:
         return model, cfg
     return build_model(name, device="cpu", dtype=torch.float32)
 
-
-__all__ = ["PlainConfig", "build_any", "build_seeded", "model_example"]

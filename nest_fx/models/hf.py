@@ -100,10 +100,11 @@ def hf_config_for(name: str, layers: Optional[int] = None):
     else:
         model_type, overrides = split_name(name[len("hf:"):])
         config = config_from_type(model_type, overrides, name)
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for part in {id(config): config, id(text): text}.values():  # training: no key/value cache returned
+        if hasattr(part, "use_cache"):
+            part.use_cache = False
     if layers is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text.num_hidden_layers = layers
     return config, model_class(config, overrides.get("class"))
 

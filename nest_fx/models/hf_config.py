@@ -160,13 +160,8 @@ def shrunk_fields(config) -> Dict[str, Any]:
     if vocab:
         for name in TOKEN_ID_FIELDS:  # special token ids must fit the small vocabulary
             if isinstance(have.get(name), int) and have[name] >= vocab:
-                out[name] = min(name_index(name), vocab - 1)
+                out[name] = min(TOKEN_ID_FIELDS.index(name), vocab - 1)  # pad 0, bos 1, eos 2, ...
     return out
-
-
-def name_index(name: str) -> int:
-    """A distinct small id per special token (pad 0, bos 1, eos 2, ...)."""
-    return TOKEN_ID_FIELDS.index(name)
 
 
 def config_from_type(model_type: str, overrides: Dict[str, str], where: str):

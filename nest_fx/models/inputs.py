@@ -40,9 +40,6 @@ class Example:
     target: Optional[InputSpec] = None
     labels: List[InputSpec] = field(default_factory=list)  # extra inputs of loss="model"
 
-    def batch_size(self) -> int:
-        return self.inputs[0].shape[0]
-
 
 def make_tensor(spec: InputSpec, device: Any = "meta", generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """A tensor for ``spec``: uninitialised on meta, random (ids or normals) elsewhere."""
@@ -68,14 +65,6 @@ def call_args(example: Example, inputs: Dict[str, torch.Tensor]) -> Tuple[tuple,
     positional = {s.name for s in example.inputs if s.positional}
     args = tuple(inputs[s.name] for s in example.inputs if s.positional)
     return args, {k: v for k, v in inputs.items() if k not in positional}
-
-
-def with_batch(example: Example, batch: int) -> Example:
-    """The same example with ``batch`` rows in every input and target."""
-    def resize(s: InputSpec) -> InputSpec:
-        return replace(s, shape=(batch, *s.shape[1:]))
-    return Example([resize(s) for s in example.inputs], example.loss,
-                   resize(example.target) if example.target else None, [resize(s) for s in example.labels])
 
 
 def token_example(batch: int, seq: int, vocab: int) -> Example:

@@ -9,7 +9,7 @@ input ``[batch, 3, image, image]``. Both train with class cross entropy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, Tuple
 
 import torch
@@ -83,7 +83,3 @@ def plain_example(cfg: PlainConfig, batch: int, dtype: torch.dtype = torch.float
     shape: Tuple[int, ...] = (batch, cfg.features) if cfg.kind == "mlp" else (batch, 3, cfg.image, cfg.image)
     return Example([InputSpec("x", shape, dtype=dtype, positional=True)], "classify",
                    target=InputSpec("target", (batch,), high=cfg.classes))
-
-
-def plain_fields() -> Tuple[str, ...]:
-    return tuple(f.name for f in fields(PlainConfig))
