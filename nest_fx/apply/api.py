@@ -6,6 +6,7 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 2. ``data_parallel.broadcast_module`` make the stage identical on its DP x CP x TP ranks (one
                                rank's weights win, so ranks need not share a seed); tied embeddings: the
                                first stage's values to the last (``tied_weights``)
+   ``batchnorm.sync_batchnorm`` BatchNorm statistics over the data-parallel group's batch
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
                                ``loss_parallel`` keeps the LM head's logits sharded
@@ -31,6 +32,8 @@ import hashlib
 import json
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -38,6 +41,7 @@ import torch.nn as nn
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.agreement import agree
+from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
@@ -47,8 +51,8 @@ from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.fingerprint import fingerprint, tensor_specs
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
-from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate
-from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
+from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
+from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
                                     stage_layer_groups)
 from nest_fx.apply.tied_weights import CrossStageTies
@@ -58,7 +62,7 @@ from nest_fx.graph import trace
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
-from nest_fx.plan.support import parallel_support
+from nest_fx.plan.support import batchnorm_modules, parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
@@ -127,9 +131,10 @@ def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
 
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
-                     loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
-                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None,
-                     constraints: Union[Constraints, dict, None] = None, elastic: bool = False) -> ParallelModule:
+                     loss_fn: Optional[Callable] = None, plan: Optional[Plan] = None,
+                     planner: Optional[Planner] = None, graph=None, verbose: bool = True,
+                     timeout_s: Optional[float] = None, constraints: Union[Constraints, dict, None] = None,
+                     elastic: bool = False, sync_batchnorm: bool = True) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -137,7 +142,12 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     ``plan``: a :class:`~nest_fx.plan.Plan`; when None, ``planner(graph, cluster, world_size,
     global_batch_size)`` chooses one; the default planner is the NEST DP
     (``nest_fx.solver.runtime_planner.planner_for``) on ``cluster`` or, when None, a preset for
-    the detected device and world size. ``loss_fn(output, target)`` must average over its batch.
+    the detected device and world size. ``loss_fn(output, target)`` must average over its batch;
+    ``None`` trains on the model's own loss (HF ``output.loss`` from ``labels`` among the inputs).
+    ``sync_batchnorm``: BatchNorm layers normalise over the batch of all data-parallel replicas
+    (``nest_fx.apply.batchnorm``), which equals the single-device run with one microbatch per step
+    (plans with more are refused); ``False`` keeps per-replica, per-microbatch statistics (DDP's
+    behaviour), with a warning naming the layers.
     ``graph``: an OpGraph of the model when already traced. Every rank must call this with the
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
     ``timeout_s``: collective timeout when this call creates the process group (default
@@ -170,14 +180,20 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = None
     if plan is None:
         if planner is None:
-            planner = planner_for(model, constraints=constraints)
+            planner = planner_for(model, constraints=constraints, one_microbatch=sync_batchnorm)
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
-    nmb = checks.run_all(plan, model, graph, world, global_batch_size)
+    nmb = checks.run_all(plan, model, graph, world, global_batch_size, model_loss=loss_fn is None,
+                         batch_statistics=sync_batchnorm)
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
     with named_collective_failures("auto_parallelize, comparing the ranks' settings"):
         agree(agreed_settings(plan, specs, global_batch_size, nmb, args, kwargs, loss_fn),
               what="auto_parallelize, before building the device mesh")
+    norms = batchnorm_modules(model)
+    if norms and not sync_batchnorm and (plan.dp > 1 or nmb > 1) and rank == 0:
+        warnings.warn(f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
+                      f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
+                      f"{global_batch_size} (the numbers differ from the single-device run)", stacklevel=2)
     device_type = _device_type_of(model)
     on_meta = device_type == "meta"
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -214,6 +230,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         ties.sync_values()
     if not on_meta and stage_plan.tp > 1:
         share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
+    if norms and sync_batchnorm and plan.dp > 1:
+        for chunk in chunks:
+            sync_batchnorm_modules(chunk, submesh(mesh, "dp").get_group())
 
     cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
@@ -222,7 +241,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         blocks = stage_blocks(graph, start, end)
         # 3. expert parallel
         if plan.ep > 1:
-            apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"].get_group())
+            apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"])
         # 4. tensor (+ sequence) parallel; loss parallel keeps the LM head's logits sharded
         if stage_plan.tp > 1:
             apply_tensor_parallel(chunk, graph, blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
@@ -249,8 +268,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if plan.zero >= 1:
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
-                       dp_size=replicas, expert_modules=[e for m in find_moe_modules(chunk) for e in m.experts]
-                       if plan.ep > 1 else ())
+                       dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
 
     # 9a. replicated data parallel (after the tied-embedding gradient sum over the two stages)
     syncs = [ties] if ties else []

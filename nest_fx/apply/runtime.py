@@ -7,9 +7,12 @@ gradients (zero=0; FSDP does it inside backward) and returns the global-batch me
 same number on every rank and equal to the single-device loss of the whole batch (for a
 ``loss_fn`` that averages over its microbatch, since all microbatches have the same size).
 
-``inputs``/``targets`` are either the global batch (every rank passes the same tensors, as with
-a seeded synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`` rows,
-what a DistributedSampler would give). The caller owns the optimizer:
+``inputs`` are what ``model(...)`` takes (a tensor, a tuple, or a dict of keyword tensors such
+as HF's ``input_ids``/``decoder_input_ids``/``labels``); ``targets`` are ``loss_fn``'s second
+argument, or None when ``loss_fn`` is None and the model computes its own loss (``.loss``).
+Every tensor is either the global batch (every rank passes the same tensors, as with a seeded
+synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`` rows, what a
+DistributedSampler would give); each is split into the step's microbatches along dim 0. The caller owns the optimizer:
 ``opt = torch.optim.AdamW(pm.parameters())``; ``pm.train_step(x, y); opt.step(); opt.zero_grad()``.
 """
 from __future__ import annotations
@@ -48,6 +51,27 @@ def _counted_step(method: Callable) -> Callable:
     return step
 
 
+def model_loss(output) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss`` (HF ``ModelOutput``), ``output["loss"]``;
+    ApplyError when it returned none (no labels among the inputs)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ApplyError(f"loss_fn=None trains on the model's own loss, but {type(output).__name__} has no loss; fix: "
+                         "pass the labels among the inputs (HF: inputs['labels']) or give auto_parallelize a loss_fn")
+    return loss
+
+
+def microbatches(args: tuple, kwargs: dict, target: Optional[torch.Tensor], n: int):
+    """``n`` (args, kwargs, target) microbatches: every tensor split in dim 0, other values repeated."""
+    def split(value):
+        return value.chunk(n) if isinstance(value, torch.Tensor) else [value] * n
+    arg_parts = [split(a) for a in args]
+    kw_parts = {k: split(v) for k, v in kwargs.items()}
+    target_parts = split(target)
+    for i in range(n):
+        yield (tuple(p[i] for p in arg_parts), {k: p[i] for k, p in kw_parts.items()}, target_parts[i])
+
+
 class ParallelModule:
     """What :func:`nest_fx.apply.auto_parallelize` returns (see the module docstring).
 
@@ -59,7 +83,8 @@ class ParallelModule:
     the whole model's tensors, recorded before the split; checkpoints fingerprint it).
     """
 
-    def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo, loss_fn: Callable,
+    def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo,
+                 loss_fn: Optional[Callable],
                  num_microbatches: int, global_batch_size: int, schedule=None, pipeline_stages=(),
                  grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None,
                  context_parallel=None, model_specs: Optional[Dict[str, Any]] = None):
@@ -84,14 +109,21 @@ class ParallelModule:
         weakref.finalize(self, register_optimizer_step_pre_hook(_first_step_check(self)).remove)
 
     # -- parameters ------------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Local parameters under the original model's names (DTensors when sharded)."""
+    def _named(self, kind: str) -> Iterator[Tuple[str, torch.Tensor]]:
         seen = set()
         for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+            for name, t in getattr(chunk, kind)():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield name, t
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Local parameters under the original model's names (DTensors when sharded)."""
+        return self._named("named_parameters")
+
+    def named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Local buffers (running statistics, position tables) under the original model's names."""
+        return self._named("named_buffers")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -173,47 +205,80 @@ class ParallelModule:
             fields.update({f"{label} {k}{SCOPE_SEP}{scope}": v for k, v in sorted(group.items()) if k != "params"})
         return fields
 
-    # -- training --------------------------------------------------------------------------
-    def _shard(self, t: torch.Tensor) -> torch.Tensor:
+    # -- training ------------------------------------------------------------------------
+    def _shard(self, t: torch.Tensor, name: str = "inputs") -> torch.Tensor:
         g, dp = self.global_batch_size, self.plan.dp
-        if t.size(0) == g and dp > 1:
+        if t.dim() and t.size(0) == g and dp > 1:
             per = g // dp
             r = self.rank_info.replica
             return t[r * per:(r + 1) * per]
-        if t.size(0) != g // dp:
-            raise ApplyError(f"train_step: batch of {t.size(0)} rows; expected the global batch ({g}) or this "
-                             f"rank's data-parallel shard ({g // dp}); fix: pass global_batch_size rows")
+        if not t.dim() or t.size(0) != g // dp:
+            rows = t.size(0) if t.dim() else "no"
+            raise ApplyError(f"train_step: {name} has {rows} rows (shape {list(t.shape)}); expected the global batch "
+                             f"({g}) or this rank's data-parallel shard ({g // dp}) in dim 0; fix: pass "
+                             "global_batch_size rows in every tensor input")
         return t
 
-    @staticmethod
-    def _as_tensor(inputs):
-        if isinstance(inputs, dict):
-            tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
-            if len(tensors) != 1:
-                raise ApplyError("train_step: pass the input tensor (or a dict with exactly one tensor, "
-                                 "e.g. {'input_ids': ...})")
-            return tensors[0]
-        if isinstance(inputs, (tuple, list)):
-            if len(inputs) != 1:
-                raise ApplyError("train_step: the runtime feeds one input tensor to the model")
-            return inputs[0]
-        return inputs
+    def _batch(self, inputs) -> Tuple[tuple, dict]:
+        """(args, kwargs) of this rank's rows: a tensor, a tuple/list of positional inputs, or a dict
+        of keyword inputs (every tensor sharded by batch; other values passed as they are)."""
+        if isinstance(inputs, torch.Tensor):
+            args, kwargs = (inputs,), {}
+        elif isinstance(inputs, (tuple, list)):
+            args, kwargs = tuple(inputs), {}
+        elif isinstance(inputs, dict):
+            args, kwargs = (), dict(inputs)
+        else:
+            raise ApplyError(f"train_step: inputs must be a tensor, a tuple of model inputs or a dict of keyword "
+                             f"inputs, got {type(inputs).__name__}")
+        def local(value, name):
+            return self._shard(value, name).to(self.device) if isinstance(value, torch.Tensor) else value
+        return (tuple(local(a, f"inputs[{i}]") for i, a in enumerate(args)),
+                {k: local(v, f"inputs[{k!r}]") for k, v in kwargs.items()})
+
+    def _loss(self, output, target: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(tensor_output(output), target)
+        return model_loss(output)
 
     @_counted_step
-    def train_step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of one global batch; returns the global mean loss (detached)."""
-        x = self._shard(self._as_tensor(inputs)).to(self.device)
-        y = self._shard(targets).to(self.device)
+    def train_step(self, inputs, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Forward + backward of one global batch; returns the global mean loss (detached).
+
+        ``inputs``: what ``model(...)`` takes: one tensor, a tuple of positional tensors, or a dict of
+        keyword inputs (HF: ``{"input_ids": ..., "decoder_input_ids": ..., "labels": ...}``); every
+        tensor holds the global batch (or this rank's data-parallel shard) in dim 0. ``targets``: the
+        second argument of ``loss_fn``; with ``loss_fn=None`` the model's own loss is used (its
+        ``.loss``, computed from labels among the inputs) and ``targets`` must be None."""
+        if self.loss_fn is None and targets is not None:
+            raise ApplyError("train_step: targets given but loss_fn=None (the model computes its own loss from its "
+                             "inputs); fix: pass the labels among the inputs (e.g. inputs['labels']) or give "
+                             "auto_parallelize a loss_fn")
+        if self.loss_fn is not None and targets is None:
+            raise ApplyError("train_step: loss_fn needs targets; fix: call train_step(inputs, targets), or "
+                             "auto_parallelize(..., loss_fn=None) to train on the model's own loss")
+        args, kwargs = self._batch(inputs)
+        y = self._shard(targets, "targets").to(self.device) if targets is not None else None
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values()
+                                                                      if isinstance(v, torch.Tensor)]
         if self.context_parallel is not None:
-            x, y = self.context_parallel.shard(x), self.context_parallel.shard(y)
+            if len(tensors) != 1 or y is None:
+                raise ApplyError(f"train_step: context parallelism splits one token tensor and its targets by "
+                                 f"sequence, got {len(tensors)} input tensors{'' if y is not None else ' and no targets'}; "
+                                 "fix: pass the token ids alone with a loss_fn, or plan with cp=1")
+            args, kwargs = (self.context_parallel.shard(tensors[0]),), {}
+            y = self.context_parallel.shard(y)
         nmb = self.num_microbatches
         if self.schedule is not None:
-            local = schedule_step(self.schedule, self.pipeline_stages, (x,), {}, y)
+            if len(tensors) != 1:
+                raise ApplyError(f"train_step: a pipeline feeds one input tensor to its first stage, got "
+                                 f"{len(tensors)}; fix: plan without pipeline parallelism (pp=1)")
+            local = schedule_step(self.schedule, self.pipeline_stages, args, kwargs, y)
             is_last = local is not None
         else:
             module = self.module
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            for k, (xs, ys) in enumerate(zip(x.chunk(nmb), y.chunk(nmb))):
+            for k, (mb_args, mb_kwargs, ys) in enumerate(microbatches(args, kwargs, y, nmb)):
                 if self.fsdp:
                     # ZeRO-1 accumulates unsharded gradients and reduce-scatters once; ZeRO-2/3
                     # keep only sharded gradients, so they reduce-scatter every microbatch.
@@ -223,7 +288,7 @@ class ParallelModule:
                     module.set_requires_gradient_sync(last or self.plan.zero >= 2)
                     if self.plan.zero <= 2:
                         module.set_reshard_after_backward(last)
-                loss = self.loss_fn(tensor_output(module(xs)), ys)
+                loss = self._loss(module(*mb_args, **mb_kwargs), ys)
                 (loss / nmb).backward()
                 total += loss.detach().float()
             local = total / nmb

@@ -46,6 +46,29 @@ def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, *
 EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop}
 
 
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A grouped matmul of ``a [S, K]`` with ``b [G, K, N]`` (row groups by offsets; each row meets
+    one group's matrix): 2*S*K*N. Other operand ranks (3-D x 3-D batched groups): 2 * the output
+    numel * K."""
+    k = a_shape[-1]
+    out = 1
+    for d in (out_shape or [a_shape[0], b_shape[-1]]):
+        out *= d
+    return 2 * out * k
+
+
+def flop_formulas() -> dict:
+    """FLOP formulas FlopCounterMode lacks: the CPU SDPA kernel, grouped matmuls (``aten._grouped_mm``;
+    HuggingFace MoE experts' ``transformers::grouped_mm_fallback``, registered once transformers'
+    MoE integration is imported), so experts count the FLOPs of the tokens they really compute."""
+    formulas = dict(EXTRA_FLOP_FORMULAS)
+    formulas[torch.ops.aten._grouped_mm] = _grouped_mm_flop
+    fallback = getattr(getattr(torch.ops, "transformers"), "grouped_mm_fallback", None)
+    if fallback is not None:
+        formulas[fallback] = _grouped_mm_flop
+    return formulas
+
+
 def op_kind(node: fx.Node, gm: fx.GraphModule) -> str:
     """Short, stable op name: module class for call_module, function/method name otherwise."""
     if node.op == "call_module":
@@ -117,7 +140,7 @@ class _FakeInterpreter(fx.Interpreter):
         self.records: Dict[str, dict] = {}
         self.current: Optional[str] = None
         self.saved_seen: Set[int] = set()
-        self.counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+        self.counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
         self.seen_params: Set[int] = set()
         self.param_fqn: Dict[int, str] = {}
         for name, p in gm.named_parameters(remove_duplicate=True):

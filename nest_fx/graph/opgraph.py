@@ -155,6 +155,8 @@ class OpGraph:
         self.blocks: List[Block] = []
         self.patterns: Dict[str, BlockPattern] = {}
         self.module = None  # the captured torch.fx.GraphModule, when traced in this process
+        self.input_names: List[str] = []  # the model's inputs given to the trace (forward argument names)
+        self.expert_modules: Optional[List[str]] = None  # FQNs holding expert weights (None: not recorded)
 
     # -- access ---------------------------------------------------------------------------
     def nodes(self, block: Optional[int] = None) -> Iterable[dict]:

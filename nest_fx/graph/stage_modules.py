@@ -54,7 +54,7 @@ def tensor_output(output):
     if isinstance(output, torch.Tensor):
         return output
     for attr in ("logits", "last_hidden_state"):
-        value = getattr(output, attr, None)
+        value = output.get(attr) if isinstance(output, dict) else getattr(output, attr, None)
         if isinstance(value, torch.Tensor):
             return value
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):

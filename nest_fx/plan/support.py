@@ -9,14 +9,16 @@ runtime refuses, and never run when it would give a wrong number.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from nest_fx.common.arith import divisors
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention, unknown_position_embeddings
-from nest_fx.graph.moe_modules import find_moe_modules
+from nest_fx.graph.moe_modules import expert_counts, find_moe_modules, unconvertible_experts
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
@@ -115,6 +117,11 @@ def tp_graph_problem(model: nn.Module, graph: OpGraph, tp: int) -> str:
     return ""
 
 
+def batchnorm_modules(model: nn.Module) -> List[str]:
+    """FQNs of the model's BatchNorm layers (their training statistics are those of the batch they see)."""
+    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
 @dataclass
 class ParallelSupport:
     """The runtime's verdict on one model, per parallelism and degree (see the module docstring).
@@ -173,7 +180,17 @@ class ParallelSupport:
     # -- pipeline parallelism -------------------------------------------------------------
     def pp_problem(self, pp: int) -> str:
         """Why the model cannot be split into ``pp`` pipeline stages ("" when it can)."""
-        return "" if pp == 1 else self._cached("pp", pp, self._pp_problem)
+        return "" if pp == 1 else (self.inputs_problem(pp) or self._cached("pp", pp, self._pp_problem))
+
+    def inputs_problem(self, pp: int) -> str:
+        """Why the model's traced inputs cannot enter a ``pp``-stage pipeline ("" when they can): the
+        schedule feeds one tensor to the first stage."""
+        names = getattr(self.graph, "input_names", None) or []
+        if len(names) <= 1:
+            return ""
+        return (f"pp={pp}: {type(self.model).__name__} takes {len(names)} inputs ({', '.join(names)}) but a pipeline "
+                "feeds one tensor to its first stage (labels for the model's own loss count as an input); fix: use "
+                "pp=1, or pass one input and compute the loss with loss_fn on the last stage's output")
 
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
@@ -189,23 +206,38 @@ class ParallelSupport:
         return self._layout
 
     # -- expert parallelism ---------------------------------------------------------------
+    def num_experts(self) -> Optional[int]:
+        """Experts per MoE layer that expert parallelism splits: counted on the model's MoE modules
+        (zoo MoE lists, HF stacked experts), else the config's count, else None (a dense model)."""
+        counts = expert_counts(self.model)
+        if counts:
+            return math.gcd(*counts)
+        return model_dims(self.model)["experts"]
+
     def ep_problem(self, ep: int, dp: Optional[int] = None) -> str:
         """Why ``ep`` cannot split this model's experts ("" when it can); ``dp`` names the divisors
         that also divide the data-parallel degree in the fix."""
         if ep == 1:
             return ""
-        experts = model_dims(self.model)["experts"]
+        experts = self.num_experts()
         if experts is None:
-            return f"ep={ep} but the model has no experts (no config.num_experts); fix: set ep=1"
+            return f"ep={ep} but the model has no experts (no MoE layer, no config.num_experts); fix: set ep=1"
         if experts % ep:
             fits = [d for d in divisors(experts) if dp is None or dp % d == 0]
             tail = f" (it must also divide dp={dp})" if dp is not None else ""
             return (f"ep={ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
                     f"experts/ep of them. fix: use ep in {fits}{tail}")
-        if not find_moe_modules(self.model):
-            return (f"ep={ep} but {type(self.model).__name__} has no MoE module with the route/dispatch/run_experts/"
-                    "combine steps expert parallelism replaces (the nest-fx zoo MoE has them; HF Mixtral's fused "
-                    "experts are not supported yet). fix: use ep=1")
+        return self._cached("ep", ep, self._ep_layout_problem)
+
+    def _ep_layout_problem(self, ep: int) -> str:
+        other = unconvertible_experts(self.model)
+        if other:
+            return (f"ep={ep}: {type(self.model).__name__} keeps experts in {other[0]} in a layout expert "
+                    "parallelism does not split (it converts the nest-fx zoo MoE and HuggingFace stacked experts, "
+                    "whose parameters are [num_experts, ...] tensors). fix: use ep=1")
+        if not expert_counts(self.model):
+            return (f"ep={ep} but {type(self.model).__name__} has no MoE layer expert parallelism can convert (the "
+                    "nest-fx zoo MoE or HuggingFace stacked experts). fix: use ep=1")
         return ""
 
     # -- loss parallelism -----------------------------------------------------------------
@@ -227,6 +259,21 @@ class ParallelSupport:
             return (f"loss_parallel: {tied[0]} shares its weight with the embedding, so it stays replicated under "
                     "TP and its logits are not sharded; fix: untie the embeddings or loss_parallel=false")
         return ""
+    # -- microbatches ----------------------------------------------------------------------
+    def microbatch_problem(self, microbatches: int) -> str:
+        """Why a step of ``microbatches`` forwards per replica does not compute what one forward of the
+        whole batch computes ("" when it does): BatchNorm statistics are per forward."""
+        if microbatches <= 1:
+            return ""
+        norms = batchnorm_modules(self.model)
+        if not norms:
+            return ""
+        shown = ", ".join(norms[:4]) + (f" and {len(norms) - 4} more" if len(norms) > 4 else "")
+        return (f"BatchNorm layers ({shown}) normalise with the statistics of the batch one forward sees; with "
+                f"{microbatches} microbatches per step each forward sees 1/{microbatches} of the batch, so the "
+                "numbers differ from the single-device run. fix: one microbatch per step (microbatch_size = "
+                "global_batch / dp, pp=1), or auto_parallelize(..., sync_batchnorm=False) to accept per-microbatch "
+                "statistics (as DDP with gradient accumulation)")
 
     # -- context parallelism --------------------------------------------------------------
     def cp_problem(self, cp: int) -> str:

@@ -214,6 +214,7 @@ def _block_facts(graph, block) -> _BlockFacts:
                                         if not pair.problem for t in pair.head_tables}
     column_nodes: set = set()
     expert_nodes: set = set()
+    expert_paths = getattr(graph, "expert_modules", None)
     rows: List[Tuple[str, str]] = []
     for pair in (pattern.tp_pairs if pattern else []):
         if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
@@ -227,14 +228,14 @@ def _block_facts(graph, block) -> _BlockFacts:
         region = (down & up) | set(cols) | {row}
         tp_nodes |= region
         column_nodes |= set(cols)
-        if pair.kind == "expert":
-            expert_nodes |= region
+        if pair.kind == "expert":  # the experts' nodes of it (a shared expert is dense: Qwen2-MoE)
+            expert_nodes |= {n for n in region if _in_experts(g.nodes[n].get("module", ""), expert_paths)}
         rows.append((pair.kind, row))
     vocab_nodes = _vocab_parallel_nodes(graph, block)
     tp_nodes |= set(vocab_nodes)
     column_nodes |= {n for n, kind in vocab_nodes.items() if kind == "colwise"}
     for n in block.nodes:
-        if "expert" in g.nodes[n].get("module", ""):
+        if _in_experts(g.nodes[n].get("module", ""), expert_paths):
             expert_nodes.add(n)
 
     nodes = []
@@ -281,6 +282,15 @@ def _block_facts(graph, block) -> _BlockFacts:
                        row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
                        loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2],
                        recomputed=block.kind == "block")
+
+
+def _in_experts(module: str, expert_modules: Optional[List[str]]) -> bool:
+    """Whether a node of ``module`` computes with expert weights (sharded by expert parallelism):
+    under one of the traced model's expert modules; for a graph that did not record them, any module
+    path naming an expert. A shared expert (Qwen2-MoE ``shared_expert``) is dense and replicated."""
+    if expert_modules is None:
+        return "expert" in module
+    return any(module == p or module.startswith(p + ".") for p in expert_modules)
 
 
 def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
