@@ -70,6 +70,9 @@ def _cell(model: str, plan: str):
     ("hf:t5", "planner"),  # two inputs + labels, the model's own loss
     ("hf:qwen2_moe", "EP2xDP2"),  # HF stacked experts beside a shared expert
     ("cnn", "planner"),  # BatchNorm statistics over the data-parallel batch
+    ("hf:deberta-v2", "TP2xDP2"),  # the head count lives on a submodule of the attention region
+    ("hf:mixtral", "PP2xDP2"),  # stand-ins of grouped_mm experts on the meta device
+    ("hf:convnext", "PP2xDP2"),  # a channels-last gradient sent back between stages
 ])
 def test_coverage_cells_match_one_device(model, plan):
     cell, results = _cell(model, plan)

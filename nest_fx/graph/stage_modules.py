@@ -171,6 +171,20 @@ def _exit_at_output(path: str):
     return hook
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient of a received activation
+    goes back to the previous stage by a point-to-point send, which takes contiguous tensors only
+    (ConvNeXt's channels-last permute gives a strided one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
     """The stage's forward: ``stage(*received, **pack_inputs(args, kwargs))``."""
     def run(*received, **packed):
@@ -178,13 +192,15 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
         if len(received) != (0 if route.first else 1):
             raise SplitError(f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; "
                              f"expected {0 if route.first else 1}")
-        route.received = received[0] if received else None
+        route.received = _ContiguousGrad.apply(received[0]) if received else None
         try:
             output = forward(*args, **kwargs)
         except _StageExit as stop:
             if route.last:
                 raise SplitError(f"pipeline stage [{route.start}, {route.end}) stopped before the model's end")
-            output = stop.hidden
+            # sent to the next stage: point-to-point sends take contiguous tensors (ConvNeXt's
+            # channels-last permutes are not)
+            output = stop.hidden.contiguous()
         else:
             if not route.last:
                 raise SplitError(f"pipeline stage [{route.start}, {route.end}) ran to the model's end without "

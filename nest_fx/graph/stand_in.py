@@ -40,7 +40,14 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for _, b in module.named_buffers(remove_duplicate=False):
         if id(b) not in memo:
             memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
+    duplicate = copy.deepcopy(module, memo)
+    for sub in duplicate.modules():
+        config = sub.__dict__.get("config")
+        if getattr(config, "_experts_implementation", None) == "grouped_mm":
+            # on the meta device torch's grouped_mm accepts bf16 only (its CPU kernel takes fp32 too);
+            # batched_mm gives the same output shapes with ops that run on meta for every dtype
+            config._experts_implementation = "batched_mm"
+    return duplicate
 
 
 def _poison(dtype: torch.dtype):

@@ -61,9 +61,16 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
 
 
 def localise_head_counts(module: nn.Module, tp: int) -> None:
-    """Make an attention module count ``heads / tp`` heads: divide its head-count attributes by
-    ``tp`` and give it its own copy of a HF ``config`` with the head counts divided (HF Phi-3
-    slices its fused qkv with ``config.num_attention_heads``)."""
+    """Make an attention region count ``heads / tp`` heads: on the region's module and every module
+    inside it (DeBERTa keeps its head count on ``attention.self`` while the region is
+    ``attention``), divide the head-count attributes by ``tp`` and give each its own copy of a HF
+    ``config`` with the head counts divided (HF Phi-3 slices its fused qkv with
+    ``config.num_attention_heads``)."""
+    for sub in module.modules():
+        _localise_own_head_counts(sub, tp)
+
+
+def _localise_own_head_counts(module: nn.Module, tp: int) -> None:
     for attr in HEAD_COUNT_ATTRS:
         value = module.__dict__.get(attr)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % tp == 0:
