@@ -38,7 +38,7 @@ def test_dp_equals_exhaustive_optimum(model, gib, batch):
 
 
 def test_tight_memory_forces_a_pipeline_with_per_stage_choices():
-    cluster = tight_cluster(0.4)
+    cluster = tight_cluster(0.3)
     work = workload_for_model(CASES[0][0], cluster)
     found = solve(work, cluster, 16, SMALL_SPACE)
     modes = [s.recompute for s in found.plan.stages]
@@ -47,8 +47,8 @@ def test_tight_memory_forces_a_pipeline_with_per_stage_choices():
     assert found.plan.pp > 2 and modes[0] == "full" and "none" in modes[1:-1]
     assert all(s.fits for s in found.result.stages)
     # reported memory is what simulate says, and within the device
-    for s in found.result.stages:
-        assert s.memory["total"] <= cluster.device.memory_bytes * 0.95
+    for s in found.result.stages:  # what the allocator reserves fits in the usable memory
+        assert s.reserved <= cluster.device.memory_bytes * 0.95
 
 
 @pytest.mark.parametrize("model, gib, batch", CASES[:2])
@@ -148,7 +148,7 @@ def test_megatron_recipe_uses_every_device_and_its_split():
 
 
 @pytest.mark.parametrize("spec, tp, recompute, zero", [
-    (GPT_SMALL, 1, "selective", 3),  # below 70B: FSDP alone, op-level SAC (costed as selective)
+    (GPT_SMALL, 1, "op", 3),  # below 70B: FSDP alone, op-level SAC
     ("gpt:hidden=32768,layers=6,heads=64,seq=512,vocab=8192", 8, "full", 3),  # 77B: + TP 8, full AC
 ])
 def test_torchtitan_recipe_by_model_size(spec, tp, recompute, zero):
@@ -158,8 +158,8 @@ def test_torchtitan_recipe_by_model_size(spec, tp, recompute, zero):
     assert b.plan is not None
     assert (b.plan.stages[0].tp, b.plan.pp, b.plan.zero) == (tp, 1, zero)
     assert {s.recompute for s in b.plan.stages} == {recompute}
-    assert b.plan.devices_used == 64
-    assert ("not costed yet" in b.notes) == (recompute == "selective")
+    assert b.plan.devices_used == 64 and not b.notes
+    assert b.plan.loss_parallel == (tp > 1)  # torchtitan's default with TP
 
 
 def test_torchtitan_pipelines_the_405b_class():

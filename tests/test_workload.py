@@ -55,9 +55,14 @@ def test_sequence_parallel_swaps_allreduce_and_shards_the_rest(small):
 
 def test_recompute_ordering_and_time(small):
     c = small.cost(2, tp=1, mbs=2)
-    assert c.act_bytes["full"] <= c.act_bytes["selective"] <= c.act_bytes["none"]
-    assert c.act_bytes["full"] == pytest.approx(2 * 128 * 256 * 2)  # only the layer input is kept
-    assert c.recompute_s["none"] == 0 < c.recompute_s["selective"] < c.recompute_s["full"] == c.fwd_s
+    act, rec = c.act_bytes, c.recompute_s
+    # the op policies keep ever fewer outputs and re-run ever more of the forward
+    assert act["full"] < act["op:attention"] < act["op"] < act["op:matmuls"] < act["none"]
+    assert act["full"] == pytest.approx(2 * 128 * 256 * 2)  # only the layer input is kept
+    assert rec["none"] == 0 < rec["op:matmuls"] < rec["op"] < rec["op:attention"] < rec["full"] == c.fwd_s
+    # selective keeps every op output but the attention core's: with fused attention more than
+    # autograd keeps (docs/runtime.md measures 1.54x on a Llama block), and it re-runs attention
+    assert act["selective"] > act["none"] and 0 < rec["selective"] < rec["op"]
 
 
 def test_microbatch_scales_linearly(small):
@@ -73,7 +78,8 @@ def test_flash_attention_drops_quadratic_scores(cluster):
     gpu_w = workload_for_model(SMALL, cluster)  # flash on GPUs
     cpu_w = workload_for_model(SMALL, cpu)  # the traced (math) kernel on CPU
     assert gpu_w.cost(1).act_bytes["none"] < cpu_w.cost(1).act_bytes["none"]
-    assert cpu_w.cost(1).act_bytes["selective"] < cpu_w.cost(1).act_bytes["none"]
+    # selective recomputes the attention core: it keeps no scores, on either path
+    assert cpu_w.cost(1).act_bytes["selective"] == gpu_w.cost(1).act_bytes["selective"]
 
 
 def test_materialised_scores_cost_time_as_well_as_memory(cluster):

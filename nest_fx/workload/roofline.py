@@ -33,26 +33,34 @@ class AnalyticalCompute:
     vector_fraction: float = 0.125  # non-matmul FLOP/s as a fraction of peak (CUDA cores vs tensor cores)
     launch_s: float = 5e-6
     backward_factor: float = 2.0
+    fp8_flops: float = 0.0  # FLOP/s of fp8 tensor cores (Float8 linears); 0 = none
 
     @classmethod
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
         """Defaults for a ``DeviceSpec`` (from ``nest_fx.cluster``) and a dtype name."""
-        return cls(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, **overrides)
+        fp8 = float(device.peak_flops.get("fp8", 0.0))
+        return cls(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, fp8_flops=fp8, **overrides)
 
     def matmul_eff(self, flops: float) -> float:
         """e_mm(F) = e_max * F / (F + F_half)."""
         return self.matmul_efficiency * flops / (flops + self.matmul_half_flops) if flops > 0 else 0.0
 
-    def op_seconds(self, flops: float, bytes_moved: float, matmul: bool) -> float:
-        """Forward time of one op (roofline plus launch overhead); 0 for ops that do nothing."""
+    def op_seconds(self, flops: float, bytes_moved: float, matmul: bool, fp8: bool = False) -> float:
+        """Forward time of one op (roofline plus launch overhead); 0 for ops that do nothing.
+        ``fp8``: a matmul on fp8 tensor cores (``fp8_flops``, same efficiency curve)."""
         if flops <= 0 and bytes_moved <= 0:
             return 0.0
         if matmul and flops > 0:
-            compute = flops / (self.peak_flops * self.matmul_eff(flops))
+            peak = self.fp8_flops if fp8 else self.peak_flops
+            compute = flops / (peak * self.matmul_eff(flops))
         else:
             compute = flops / (self.peak_flops * self.vector_fraction)
         memory = bytes_moved / (self.mem_bandwidth * self.memory_efficiency)
         return max(compute, memory) + self.launch_s
+
+    def memory_seconds(self, bytes_moved: float, launches: int = 1) -> float:
+        """Time of memory-bound work moving ``bytes_moved`` in ``launches`` kernels."""
+        return bytes_moved / (self.mem_bandwidth * self.memory_efficiency) + launches * self.launch_s
 
     def to_dict(self) -> dict:
         return asdict(self)
