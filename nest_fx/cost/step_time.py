@@ -335,6 +335,9 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     options = options or CostOptions()
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
+    if plan.float8 and not cluster.device.peak_flops.get("fp8"):
+        raise PlanError(f"float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops list no "
+                        "'fp8'); Float8 linears need fp8 tensor cores. fix: float8=false, or a device that has them")
     try:
         workload = workload.for_runtime(plan.compile, plan.float8)
     except WorkloadError as exc:
