@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nest_fx.cluster import load_cluster
+from nest_fx.cluster import Cluster, load_cluster
 from nest_fx.cost.memory import held_activation_bytes, interleaved_chunk_states, pipeline_inflight_microbatches
 from nest_fx.cost.options import ALLOCATOR_OVERHEAD, USABLE_MEMORY_FRACTION
 from nest_fx.cost.step_time import simulate
@@ -140,6 +140,9 @@ def test_reserved_memory_is_what_must_fit(gpt, h100):
     s = r.stages[0]
     assert s.reserved == pytest.approx(s.memory["total"] * (1 + ALLOCATOR_OVERHEAD))
     assert r.peak_reserved == pytest.approx(s.reserved)
-    # a device just large enough for the live bytes but not for the reserved ones: infeasible
-    usable = h100.device.memory_bytes * USABLE_MEMORY_FRACTION
-    assert s.fits and s.reserved <= usable
+    assert s.fits and s.reserved <= h100.device.memory_bytes * USABLE_MEMORY_FRACTION
+    # a device large enough for the live bytes but not for what the allocator reserves: no fit
+    between = (s.memory["total"] + s.reserved) / 2 / USABLE_MEMORY_FRACTION
+    small = Cluster.from_dict(dict(h100.to_dict(), device=dict(h100.to_dict()["device"], memory_bytes=between)))
+    tight = simulate(uniform_plan(len(gpt), dp=16, num_microbatches=1), gpt, small)
+    assert tight.stages[0].memory["total"] < between * USABLE_MEMORY_FRACTION and not tight.feasible
