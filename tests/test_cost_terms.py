@@ -146,3 +146,15 @@ def test_reserved_memory_is_what_must_fit(gpt, h100):
     small = Cluster.from_dict(dict(h100.to_dict(), device=dict(h100.to_dict()["device"], memory_bytes=between)))
     tight = simulate(uniform_plan(len(gpt), dp=16, num_microbatches=1), gpt, small)
     assert tight.stages[0].memory["total"] < between * USABLE_MEMORY_FRACTION and not tight.feasible
+
+
+def test_fused_attention_runs_at_flash_attention_2s_rate_per_device(h100):
+    from nest_fx.workload.roofline import AnalyticalCompute
+
+    hopper = AnalyticalCompute.for_device(h100.device)
+    ampere = AnalyticalCompute.for_device(load_cluster("dgx-a100:8").device)
+    assert hopper.attention_efficiency == 0.35 and ampere.attention_efficiency is None
+    flops = 1e12
+    assert hopper.op_seconds(flops, 0, True, attention=True) == pytest.approx(
+        hopper.op_seconds(flops, 0, True) * 0.75 / 0.35, rel=1e-2)  # + one launch
+    assert ampere.op_seconds(flops, 0, True, attention=True) == ampere.op_seconds(flops, 0, True)

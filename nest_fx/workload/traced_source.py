@@ -237,11 +237,16 @@ class TracedSource:
     def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node of ``block`` on one device for a variant:
         the analytical model on the node's FLOPs and bytes, divided by the TP degree where TP
-        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward.
+        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward
+        (a fused attention kernel: ``attention_backward_factor``, 2.5).
         A causal flash attention computes the lower triangle of its scores; with
         ``attention="traced"`` an attention core also pays its materialised scores
         (:func:`materialised_score_seconds`)."""
-        return [(t, t * self.timing.backward_factor) for t in self._analytical(block, tp, mbs, sp, 1)]
+        fused = self.attention == "flash"
+        backward = self.timing.backward_factor
+        attention = getattr(self.timing, "attention_backward_factor", backward) if fused else backward
+        return [(t, t * (attention if n.attention else backward))
+                for t, n in zip(self._analytical(block, tp, mbs, sp, 1), self.facts(block.index).nodes)]
 
     def node_shares(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         """Per node, the share of its traced FLOPs and activation bytes one rank runs in a variant
@@ -265,7 +270,8 @@ class TracedSource:
             work = attention_work(n.seq, cp, n.causal and (self.attention == "flash" or cp > 1))
             nbytes = (n.bytes_moved - n.kv_bytes) / cp + n.kv_bytes
             extra = n.score_bytes * SCORE_GEMM_PASSES * work if self.attention == "traced" else 0.0
-            t = self.timing.op_seconds(n.flops * share * work, (nbytes + extra) * share, n.matmul)
+            t = self.timing.op_seconds(n.flops * share * work, (nbytes + extra) * share, n.matmul,
+                                       attention=self.attention == "flash")
             if extra:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)
