@@ -169,3 +169,19 @@ def test_torchtitan_pipelines_the_405b_class():
     assert b.plan is not None and b.plan.pp > 1 and b.plan.stages[0].tp == 8 and b.plan.schedule == "1f1b"
     assert b.plan.microbatch_size == 1 and b.plan.zero == 1  # FSDP without resharding under PP
     assert [(s.start, s.end) for s in b.plan.stages] == block_split(work, b.plan.pp)
+
+
+def test_the_search_never_returns_a_combination_the_runtime_refuses():
+    """The Megatron incumbent (TP inside a node) is not offered when torch.compile is on: the
+    runtime does not run compile with tensor parallelism."""
+    from nest_fx.plan.support import unrun_fields
+
+    cluster = load_cluster("dgx-h100:16")
+    work = workload_for_model("llama:hidden=2048,layers=4,heads=16,seq=1024,vocab=8192", cluster)
+    found = solve(work, cluster, 32, SolverOptions(compile=True, time_budget=30))
+    assert found.plan.compile and unrun_fields(found.plan) == [] and found.plan.stages[0].tp == 1
+    from nest_fx.plan import uniform_plan
+
+    with_tp = uniform_plan(len(work), tp=2, dp=8, num_microbatches=4, compile=True)
+    assert in_space(dataclasses.replace(with_tp, compile=False), SolverOptions(), cluster)
+    assert not in_space(with_tp, SolverOptions(compile=True), cluster)  # how the incumbent is screened

@@ -174,6 +174,8 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
             and plan.compile == options.compile and plan.float8 == options.float8
+            and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
+                                      hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
                 cluster, plan.dp, plan.stages[0].tp, plan.cp, plan.ep, plan.zero, options))
             and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
