@@ -10,6 +10,7 @@ Pure functions on numbers (bytes). Sources:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -246,8 +247,9 @@ def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, n
     return chunks / v
 
 
+@functools.lru_cache(maxsize=65536)
 def interleaved_chunk_states(stage: int, num_stages: int, num_microbatches: int,
-                             virtual_stages: int) -> List[Tuple[float, float, float]]:
+                             virtual_stages: int) -> Tuple[Tuple[float, float, float], ...]:
     """The in-flight microbatches of device ``stage``'s model chunks over its interleaved 1F1B
     schedule, as torch's ``ScheduleInterleaved1F1B`` orders it: warm-up of
     ``min((v - 1) r + 2 (p - 1 - stage), m v)`` chunk-forwards (``r`` microbatches per round, p
@@ -282,7 +284,7 @@ def interleaved_chunk_states(stage: int, num_stages: int, num_microbatches: int,
     for op in range(warmup, m * v):
         forward(op)
         backward(op)
-    return sorted(states)
+    return tuple(sorted(states))
 
 
 def held_activation_bytes(act: Count, act_root: Count, schedule: str, stage: int, num_stages: int,
@@ -295,13 +297,22 @@ def held_activation_bytes(act: Count, act_root: Count, schedule: str, stage: int
     the last chunk of the last device. Numbers or arrays (the solver's stage tables)."""
     if schedule != "interleaved" or virtual_stages == 1 or num_stages == 1:
         return act * pipeline_inflight_microbatches(schedule, stage, num_stages, num_microbatches, virtual_stages)
-    edge = 1 if stage == 0 else (2 if stage == num_stages - 1 else 0)
     best: Count = 0.0
-    for spread, first, last in interleaved_chunk_states(stage, num_stages, num_microbatches, virtual_stages):
-        root = (first, last)[edge - 1] if edge else spread
+    for spread, root in _chunk_peaks(stage, num_stages, num_microbatches, virtual_stages):
         held = (act - act_root) * spread + act_root * root
         best = np.maximum(best, held) if isinstance(held, np.ndarray) else max(best, held)
     return best
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_peaks(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> Tuple[Tuple[float, float], ...]:
+    """The (all chunks / v, the root's chunk) in-flight counts of :func:`interleaved_chunk_states`
+    that can be a peak: held bytes grow with both (``act >= act_root >= 0``), so a state another
+    matches or exceeds in both is never the maximum and is dropped."""
+    edge = 1 if stage == 0 else (2 if stage == num_stages - 1 else 0)
+    pairs = {(spread, (first, last)[edge - 1] if edge else spread)
+             for spread, first, last in interleaved_chunk_states(stage, num_stages, num_microbatches, virtual_stages)}
+    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
 
 
 def stage_activation_bytes(per_microbatch_bytes: float, schedule: str, stage: int, num_stages: int,
