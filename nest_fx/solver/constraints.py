@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from nest_fx.cost.options import CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
@@ -75,39 +75,38 @@ def _check_runtime_options(c: Constraints, options: SolverOptions, cluster) -> N
         raise ConstraintError(f"{_named(c, *flags, 'fix.tp')}: {problem[0]}")
 
 
-def _cp_degrees(c: Constraints, options: SolverOptions, workload: Workload) -> Tuple[int, ...]:
-    lo, hi = c.bounds("cp")
-    named = _named(c, *_degree_keys("cp"))
-    if "cp" in c.fix:
-        problem = workload.variant_problem(1, 1, False, lo) if lo > 1 else ""
+def _searched_degrees(c: Constraints, degree: str, tried: Sequence[int], what: str,
+                      fixed_problem: Callable[[int], str]) -> Tuple[int, ...]:
+    """The values of ``degree`` the search tries under ``c``: the fixed one (ConstraintError with
+    ``fixed_problem(value)`` when that is not "") or those of ``tried`` inside its bounds."""
+    lo, hi = c.bounds(degree)
+    named = _named(c, *_degree_keys(degree))
+    if degree in c.fix:
+        problem = fixed_problem(lo)
         if problem:
             raise ConstraintError(f"{named}: {problem}")
         return (lo,)
-    cps = tuple(x for x in options.cp_degrees if lo <= x <= hi)
-    if not cps:
-        raise ConstraintError(f"{named}: no context-parallel degree the planner tries ({list(options.cp_degrees)}) "
-                              f"lies in {lo}..{hi}")
-    return cps
+    out = tuple(x for x in tried if lo <= x <= hi)
+    if not out:
+        raise ConstraintError(f"{named}: no {what} degree the planner tries ({list(tried)}) lies in {lo}..{hi}")
+    return out
+
+
+def _cp_degrees(c: Constraints, options: SolverOptions, workload: Workload) -> Tuple[int, ...]:
+    return _searched_degrees(c, "cp", options.cp_degrees, "context-parallel",
+                             lambda cp: workload.variant_problem(1, 1, False, cp) if cp > 1 else "")
 
 
 def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, cluster) -> Tuple[int, ...]:
-    lo, hi = c.bounds("tp")
-    named = _named(c, *_degree_keys("tp"))
     node = min(cluster.levels[0].group_size, cluster.num_devices)
-    if "tp" in c.fix:
-        tp = lo
+
+    def problem(tp: int) -> str:
         if options.tp_within_node and tp > node:
-            raise ConstraintError(f"{named}: tensor parallelism stays inside one {cluster.levels[0].name} of {node} "
-                                  f"devices on {cluster.name}; use tp <= {node}")
-        problem = workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
-        if problem:
-            raise ConstraintError(f"{named}: {problem}")
-        return (tp,)
-    tps = tuple(t for t in options.tp_degrees if lo <= t <= hi)
-    if not tps:
-        raise ConstraintError(f"{named}: no tensor-parallel degree the planner tries ({list(options.tp_degrees)}) "
-                              f"lies in {lo}..{hi}")
-    return tps
+            return (f"tensor parallelism stays inside one {cluster.levels[0].name} of {node} devices on "
+                    f"{cluster.name}; use tp <= {node}")
+        return workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
+
+    return _searched_degrees(c, "tp", options.tp_degrees, "tensor-parallel", problem)
 
 
 def constrained_options(options: SolverOptions, constraints: Optional[Constraints], workload: Workload, cluster,
