@@ -79,10 +79,26 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
     """Tier 1: ``pipeline_span(T / p, W + X) + T_opt(N / p)`` with (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) and T = W, or W + X when sends are
     not overlapped."""
+    if _states_exceed_memory(cache, g, p):
+        return math.inf
     work, sends = cache.replica_work(g, p)
     paced = work if cache.options.overlap_p2p else work + sends
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
     return pipeline_span(paced / p, work + sends, m, g.schedule, g.v) + t_opt
+
+
+def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
+    """Whether no split of (g, p) can fit: the model states of an average stage (the replica's
+    parameters / p, sharded over all of g's ZeRO ranks, experts included) exceed the usable
+    memory. Some stage holds at least the average and its total is at least its states, so
+    this never drops a feasible pair (it spares building their tables: an interleaved family
+    that cannot fit would build one per factor)."""
+    o = cache.options
+    zero = memory.effective_zero_stage(g.zero, p)
+    states = memory.model_state_bytes(cache.replica_params(g) / p, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
+                                      param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
+                                      master_weights=o.master_weights)["total"]
+    return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
 
 
 def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
