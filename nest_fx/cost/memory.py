@@ -270,20 +270,18 @@ def interleaved_chunk_states(stage: int, num_stages: int, num_microbatches: int,
     per_round = m // rounds
     warmup = min((v - 1) * per_round + 2 * (p - 1 - stage), m * v)
     held = [0] * v
+    total = 0
     states = set()
-
-    def forward(op: int) -> None:
+    # after the warm-up the forwards' and the backwards' chunks both repeat every v r ops and
+    # each chunk gains and loses r microbatches per period: the states repeat with that period
+    steady_end = min(m * v, warmup + v * per_round)
+    for op in range(steady_end):
         held[(op // per_round) % v] += 1
-        states.add((sum(held) / v, float(held[0]), float(held[v - 1])))
-
-    def backward(op: int) -> None:
-        held[v - 1 - ((op - warmup) // per_round) % v] -= 1
-
-    for op in range(warmup):
-        forward(op)
-    for op in range(warmup, m * v):
-        forward(op)
-        backward(op)
+        total += 1
+        states.add((total / v, float(held[0]), float(held[v - 1])))
+        if op >= warmup:
+            held[v - 1 - ((op - warmup) // per_round) % v] -= 1
+            total -= 1
     return tuple(sorted(states))
 
 

@@ -170,6 +170,21 @@ class TableCache:
         self._group_fns: Dict[tuple, list] = {}
         self._p2p: Dict[tuple, np.ndarray] = {}
         self._work: Dict[tuple, Tuple[float, float]] = {}
+        self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
+
+    def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
+        """``step_time.comm_terms`` of every range class of g's variant under ``mode`` on each
+        stage's groups, (p, classes) per key: shared by the pairs that differ only in schedule,
+        interleave factor or ZeRO stage."""
+        key = (self._layout_key(g, p), variant_of(g), mode)
+        hit = self._comms.get(key)
+        if hit is None:
+            rc = self.classes(g)
+            out = comm_terms(list(zip(rc.costs, rc.counts)), mode, lambda comm: self.comm_seconds(g, p, comm),
+                             self.options.tp_call_overhead)
+            hit = self._comms[key] = {k: np.broadcast_to(np.asarray(v, dtype=float), (p, rc.size))
+                                      for k, v in out.items()}
+        return hit
 
     def classes(self, g: GlobalConfig) -> RangeClasses:
         key = variant_of(g)
@@ -301,7 +316,6 @@ class StageTable:
         self._dense, self._expert = dense[live], expert[live]
         self._units = fsdp_units(_subset(rc.terms[self.modes[0]], live))
         self.terms = {r: held_terms(_subset(rc.terms[r], live), p) for r in self.modes}
-        counts = list(zip(rc.costs, rc.counts[:, live]))
         p2p = cache.p2p(g, p)[:, rc.prev[live]]
         states = {key: v[live] for key, v in states.items()}
         estates = {key: v[live] for key, v in estates.items()}
@@ -314,7 +328,7 @@ class StageTable:
         self.fits: Dict[str, np.ndarray] = {}
         for r in self.modes:
             terms = self.terms[r]
-            comms = comm_terms(counts, r, lambda comm: cache.comm_seconds(g, p, comm), opts.tp_call_overhead)
+            comms = {key: v[:, live] for key, v in cache.comms(g, p, r).items()}
             tp = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, opts)
             work = stage_work(terms.fwd, terms.bwd, terms.recompute, tp, comms["ep"], comms["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
