@@ -43,6 +43,12 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
+MODEL_HELP = ("zoo name (llama2-7b, ...), spec (gpt:hidden=..,layers=..), plain model (mlp:.., cnn:..), any "
+              "transformers architecture as hf:<model_type>[:field=value,...] (its default config shrunk to a tiny "
+              "model; e.g. hf:qwen2:hidden_size=64,num_hidden_layers=2, hf:t5, hf:vit, hf:mixtral-8x7b), or "
+              "hf-config:PATH[:field=value,...] for a local config.json")
+
+
 class UserError(NestFxError):
     """A mistake on the command line itself (a missing or conflicting option, an unwritable
     output); printed like every other :class:`NestFxError`."""
@@ -334,7 +340,7 @@ def fmt_rate(bytes_per_s: float) -> str:
 
 
 def _add_model_args(p: argparse.ArgumentParser, cluster_required: bool = True) -> None:
-    p.add_argument("--model", help="zoo name, spec or hf:FAMILY (traced and costed analytically)")
+    p.add_argument("--model", help=MODEL_HELP + " (traced and costed analytically)")
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
     p.add_argument("--cluster", required=cluster_required, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
                    "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, a cluster or topology YAML/JSON file, or a "
@@ -353,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("trace", help="trace a model on meta tensors; per-block table")
-    p.add_argument("model", help="zoo name (llama2-7b, ...), spec (gpt:hidden=..,layers=..) or hf:FAMILY")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--batch", type=_positive, default=1, help="batch size of the example input (default 1)")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="parameter/activation dtype (default bf16)")
@@ -401,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure per-op times of a model on this machine's device (JSON profile), "
                        "or collective bandwidth per network level (--calibrate, cluster YAML)")
-    p.add_argument("model", nargs="?", help="zoo name, spec or hf:FAMILY")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="profile JSON (or cluster YAML with --calibrate)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device to profile on (default: cuda when available)")

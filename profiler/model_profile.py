@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from nest_fx.workload import dims_from_config, trace_model
+from nest_fx.workload.build import traced_seq_len
 from nest_fx.workload.localise import LocaliseError, distinct_depth, local_graph
 from nest_fx.workload.profile_file import OpEntry, Profile, block_seconds, op_key
 from profiler.measure import measure_nodes, measure_step
@@ -86,7 +87,7 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
     stats = ProfileStats()
     start = time.perf_counter()
     full, cfg = trace_model(name, seq=options.seq, dtype=dtype)
-    dims = dims_from_config(cfg, seq_len=options.seq or cfg.seq_len)
+    dims = dims_from_config(cfg, seq_len=options.seq or traced_seq_len(full))
     depth = distinct_depth(full) if options.reuse else None
     variants = [(tp, mbs) for tp in options.tps for mbs in options.mbss]
     for k, (tp, mbs) in enumerate(variants):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch.distributed as dist
 
 from nest_fx.cluster import Cluster
 from nest_fx.graph import trace
@@ -40,3 +41,9 @@ def tight_cluster(memory_gib: float, devices: int = 8) -> Cluster:
         "levels": [{"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
                    {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5}],
     })
+@pytest.fixture
+def single_rank():
+    """For tests that let ``auto_parallelize`` create a one-rank process group: destroyed after."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -47,10 +47,21 @@ def _worker():
     mine_first = rank < peer
     rows = [y[0], (torch.arange(4.0).reshape(2, 2) + 10 * peer)[0]] if mine_first else \
         [(torch.arange(4.0).reshape(2, 2) + 10 * peer)[1], y[1]]
+    # uneven splits (HF experts): rank r sends count(r, i) rows to rank i; a row holds its route
+    count = lambda src, dst: (src + dst) % 3 + 1  # noqa: E731
+
+    def rows_from(src, dst):
+        return torch.tensor([[100.0 * src + 10 * dst + k] for k in range(count(src, dst))], dtype=torch.float64)
+
+    v = torch.cat([rows_from(rank, i) for i in range(world)]).requires_grad_(True)
+    got_v = all_to_all(v, None, [count(rank, i) for i in range(world)], [count(j, rank) for j in range(world)])
+    (got_v * got_v.detach()).sum().backward()  # the gradient of a row is its value, sent back to its sender
     return {
         "fwd": float((out.detach() - expect).abs().max()),
         "bwd": float((x.grad - expect_grad).abs().max()),
         "sub": float((got_sub - torch.stack(rows)).abs().max()),
+        "uneven": float((got_v.detach() - torch.cat([rows_from(j, rank) for j in range(world)])).abs().max()),
+        "uneven_bwd": float((v.grad - v.detach()).abs().max()),
     }
 
 
@@ -59,7 +70,7 @@ def _worker():
 def test_all_to_all_forward_backward():
     results = launch(_worker, WORLD, timeout=60)
     for r in results:
-        assert r["fwd"] == 0.0 and r["bwd"] == 0.0 and r["sub"] == 0.0, r
+        assert r["fwd"] == r["bwd"] == r["sub"] == r["uneven"] == r["uneven_bwd"] == 0.0, r
 
 
 def test_all_to_all_gradcheck_single_rank():

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nest_fx.apply import ApplyError, auto_parallelize, default_plan
 from nest_fx.apply import checks
@@ -24,13 +23,6 @@ from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
 from nest_fx.graph.stage_layout import stage_layout
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
-
-
-@pytest.fixture
-def single_rank():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _untouched(model) -> bool:
@@ -74,12 +66,12 @@ def test_tp_must_divide_kv_heads_and_ffn():
 
 def test_tp_checks_traced_linears():
     model, _, _, graph = _traced()
-    # every dim of this model is divisible by 2; a fake odd linear is caught through the graph
     checks.check_tp(uniform_plan(6, tp=2), model, graph)
-    model.layers[0].mlp.up.out_features = 171
+    # an odd FFN the config does not announce is caught on the traced parameters
+    model, _, _, graph = _traced("llama:hidden=64,layers=2,heads=4,seq=32,vocab=128,ffn=171")
     model.config.ffn_hidden = None
-    with pytest.raises(ApplyError, match=r"layers.0.mlp.up.out_features=171"):
-        checks.check_tp(uniform_plan(6, tp=2), model, graph)
+    with pytest.raises(ApplyError, match=r"tp=2 does not divide layers.0.mlp.(gate|up|down).weight: 171 features"):
+        checks.check_tp(uniform_plan(4, tp=2), model, graph)
 
 
 def test_ep_must_divide_experts():
@@ -93,13 +85,28 @@ def test_ep_must_divide_experts():
 
 
 @pytest.mark.hf
-def test_ep_refuses_hf_mixtral_fused_experts():
+def test_ep_accepts_hf_stacked_experts_and_refuses_other_layouts():
     pytest.importorskip("transformers")
     from nest_fx.models.hf import build_hf_model
 
-    model, _ = build_hf_model("hf:mixtral", device="meta")
-    with pytest.raises(ApplyError, match=r"no MoE module with .* HF Mixtral's fused experts are not supported yet\). fix: use ep=1"):
-        checks.check_ep(uniform_plan(4, dp=2, ep=2), model)
+    model, _ = build_hf_model("hf:mixtral", device="meta")  # 4 experts stacked in [E, ...] tensors
+    checks.check_ep(uniform_plan(4, dp=2, ep=2), model)
+    with pytest.raises(ApplyError, match=r"ep=3 does not divide the model's 4 experts"):
+        checks.check_ep(uniform_plan(4, dp=3, ep=3), model)
+
+    class LoopMoE(torch.nn.Module):  # experts in a ModuleList with the model's own loop
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {"num_experts": 4})()
+            self.moe = LoopMoE()
+
+    with pytest.raises(ApplyError, match=r"keeps experts in moe.experts in a layout expert parallelism does not split"):
+        checks.check_ep(uniform_plan(4, dp=2, ep=2), Net())
 
 
 def test_batch_must_divide():

@@ -2,24 +2,34 @@
 
 * one rank failing before the first collective fails the launch quickly with that rank's error;
 * ``auto_parallelize``'s checks run before any collective, so every rank raises the same
-  ``ApplyError``;
-* the process-group timeout (``NEST_FX_TIMEOUT_S``) turns a collective whose peer never comes
-  into an error on the waiting rank.
+  ``ApplyError``; the ranks then compare their settings before the mesh is built;
+* the process-group timeout (``NEST_FX_TIMEOUT_S``) reaches every group the runtime creates, and a
+  rank that stops (SIGSTOP) during a TP or a DP collective ends every other rank within the timeout
+  plus a few seconds, each with a message naming the group it was stuck in;
+* one rank with another learning rate fails before the first optimizer step;
+* timeout values are checked.
 """
 from __future__ import annotations
 
+import math
+import re
+import os
 import time
 
 import pytest
 
 from nest_fx.apply.launch import launch
+from nest_fx.testing import fault_reports, fault_run
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
+MOE = "moe:hidden=32,layers=2,heads=4,seq=16,vocab=64,experts=4,top_k=2,capacity_factor=2.0"
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "broadcast_object_list",
                "all_to_all_single", "reduce_scatter_tensor", "barrier", "new_group", "send", "recv")
+HANG_TIMEOUT_S = 3  # the job's collective timeout in the SIGSTOP test
+DETECT_SLACK_S = 5  # "timeout + a few seconds"
 
 
-def _parallelize(global_batch: int):
+def _parallelize(global_batch: int, model: str = MODEL, **plan):
     import torch
 
     from nest_fx.apply import auto_parallelize
@@ -27,16 +37,13 @@ def _parallelize(global_batch: int):
     from nest_fx.models import build_seeded
     from nest_fx.plan import uniform_plan
 
-    model, cfg = build_seeded(MODEL)
-    plan = uniform_plan(cfg.layers + 2, dp=2, microbatch_size=2, num_microbatches=2)
+    net, cfg = build_seeded(model)
+    plan = uniform_plan(cfg.layers + 2, **(plan or {"dp": 2, "microbatch_size": 2, "num_microbatches": 2}))
     tokens = torch.zeros(global_batch, cfg.seq_len, dtype=torch.long)
-    return auto_parallelize(model, tokens, global_batch_size=global_batch, loss_fn=lm_loss, plan=plan,
-                            verbose=False)
+    return auto_parallelize(net, tokens, global_batch_size=global_batch, loss_fn=lm_loss, plan=plan, verbose=False)
 
 
 def _one_rank_gets_a_bad_batch():
-    import os
-
     rank = int(os.environ["RANK"])
     _parallelize(6 if rank == 1 else 8)  # rank 1 fails its check; rank 0 goes on into collectives
 
@@ -90,14 +97,13 @@ def _count_collectives_then_parallelize():
 def test_checks_fail_every_rank_identically_before_any_collective():
     results = launch(_count_collectives_then_parallelize, 2, timeout=50)
     assert [r["before"] for r in results] == [[], []]
-    assert [r["control"] for r in results] == [["build_mesh"], ["build_mesh"]]
+    # the first collective of a valid setup is the ranks' agreement, before the mesh
+    assert [r["control"] for r in results] == [["all_gather_object"], ["all_gather_object"]]
     assert results[0]["error"] and results[0]["error"] == results[1]["error"]
     assert "fix:" in results[0]["error"]
 
 
 def _rank_one_is_late():
-    import os
-
     import torch.distributed as dist
 
     from nest_fx.apply import init_distributed
@@ -119,16 +125,127 @@ def test_collective_timeout_from_the_environment():
     assert time.monotonic() - start < 20
 
 
+# -- every group gets the job's timeout ------------------------------------------------------------
+
+def _group_timeouts():
+    from nest_fx.apply.distributed import group_timeout, member_groups
+
+    os.environ["NEST_FX_TIMEOUT_S"] = "7"
+    pm = _parallelize(8, MOE, pp=2, dp=2, ep=2, microbatch_size=1, num_microbatches=4)
+    return {f"{getattr(g, 'group_desc', '')}:{name}": group_timeout(g).total_seconds()
+            for name, g in member_groups().items()}, pm.plan.ep
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_every_group_of_the_runtime_gets_the_job_timeout():
+    """PP2 x (EDP1 x EP2): mesh dims pp/edp/ep/tp, the flattened dp dim, the stage group."""
+    results = launch(_group_timeouts, 4, timeout=80)
+    for timeouts, ep in results:
+        assert ep == 2
+        descs = {k.split(":")[0] for k in timeouts}
+        assert {"mesh_pp", "mesh_ep", "mesh_dp"} <= descs, descs
+        assert set(timeouts.values()) == {7.0}, timeouts
+
+
+# -- a rank that stops (hangs without dying) --------------------------------------------------------
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where, stuck", [("tp", {2: "tp group (ranks 2, 3)"}), ("dp", {1: "dp group (ranks 1, 3)"})])
+def test_a_stopped_rank_ends_every_rank_within_the_timeout(tmp_path, where, stuck):
+    """TP2 x DP2; rank 3 stops (SIGSTOP) before its row-parallel linear (its TP peer, rank 2, waits
+    in the TP all-reduce) or before the gradient all-reduce (its DP peer, rank 1, waits there)."""
+    start = time.monotonic()
+    spec = {"signal": "SIGSTOP", "where": where, "out": str(tmp_path), "timeout_s": HANG_TIMEOUT_S}
+    with pytest.raises(RuntimeError, match="CollectiveError"):
+        launch(fault_run, 4, spec, timeout=100)
+    # the launcher kills the stopped rank once the others have failed (its 5 s grace period)
+    assert time.monotonic() - start < 60
+    reports = fault_reports(str(tmp_path))["ranks"]
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
+        assert report["type"] == "CollectiveError", report
+        assert report["after_s"] <= HANG_TIMEOUT_S + DETECT_SLACK_S, (rank, report["after_s"])
+        assert report["message"].startswith(f"rank {rank}: ") and "fix:" in report["message"]
+        if rank in stuck:
+            assert f"all_reduce on the {stuck[rank]} did not complete within the {HANG_TIMEOUT_S} s timeout" \
+                in report["message"], report["message"]
+
+
+# -- ranks started with different settings ---------------------------------------------------------
+
+def _different_settings():
+    import torch
+    import torch.distributed as dist
+
+    from nest_fx.apply import AgreementError
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    out = {}
+    try:  # rank 1 passes another global batch: both are valid for the plan, the microbatch counts differ
+        _parallelize(16 if rank == 1 else 8)
+    except AgreementError as e:
+        out["batch"] = str(e)
+    pm = _parallelize(8)
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.01 if rank == 1 else 0.001)
+    x = torch.zeros(8, 16, dtype=torch.long)
+    pm.train_step(x, x)
+    try:
+        opt.step()
+    except AgreementError as e:
+        out["lr"] = str(e)
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in pm.named_parameters())
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(90)
+def test_ranks_with_different_settings_fail_before_training():
+    results = launch(_different_settings, 2, timeout=80)
+    assert results[0] == results[1]
+    batch = results[0]["batch"]
+    assert batch.startswith("ranks disagree on global_batch_size: rank 0 8; rank 1 16") or \
+        batch.startswith("ranks disagree on num_microbatches"), batch
+    assert "before building the device mesh" in batch and "fix:" in batch
+    assert results[0]["lr"].startswith("ranks disagree on optimizer default lr: rank 0 0.001; rank 1 0.01")
+    assert results[0]["unchanged"]  # refused before the step changed anything
+
+
+def test_agreement_names_the_field_and_the_ranks():
+    from nest_fx.apply.agreement import SCOPE_SEP, first_difference, rank_list
+
+    assert rank_list([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8" and rank_list([3]) == "rank 3"
+    same = {"a": 1, "b": [2, 3]}
+    assert first_difference([same, dict(same), dict(same)]) is None
+    assert first_difference([same, same, {"a": 1, "b": [2, 4]}, same]) == "b: ranks 0-1, 3 [2, 3]; rank 2 [2, 4]"
+    # a scoped field is compared only between the ranks that send it
+    scoped = [{f"lr{SCOPE_SEP}x": 1}, {f"lr{SCOPE_SEP}y": 2}, {f"lr{SCOPE_SEP}x": 1}]
+    assert first_difference(scoped) is None
+    assert first_difference([{f"lr{SCOPE_SEP}x": 1}, {f"lr{SCOPE_SEP}x": 2}]) == "lr: rank 0 1; rank 1 2"
+
+
+# -- timeout values ----------------------------------------------------------------------------------
+
 def test_timeout_setting(monkeypatch):
+    from nest_fx.apply import ApplyError
     from nest_fx.apply.distributed import collective_timeout_s
 
     monkeypatch.delenv("NEST_FX_TIMEOUT_S", raising=False)
     assert collective_timeout_s() == 600.0
-    assert collective_timeout_s(30) == 30.0
+    assert collective_timeout_s(30) == 30.0 and collective_timeout_s(1) == 1.0
     monkeypatch.setenv("NEST_FX_TIMEOUT_S", "45")
     assert collective_timeout_s() == 45.0
-    monkeypatch.setenv("NEST_FX_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="NEST_FX_TIMEOUT_S='soon' is not a number"):
-        collective_timeout_s()
-    with pytest.raises(ValueError, match="must be positive"):
-        collective_timeout_s(0)
+    for raw, problem in [("soon", "is not a number of seconds"), ("inf", "got inf"), ("nan", "got nan"),
+                         ("1e-9", "got 1e-09"), ("0.5", "got 0.5"), ("-3", "got -3"), ("1e300", "got 1e+300")]:
+        monkeypatch.setenv("NEST_FX_TIMEOUT_S", raw)
+        with pytest.raises(ApplyError, match=f"NEST_FX_TIMEOUT_S=.{raw}..*{re.escape(problem)}"):
+            collective_timeout_s()
+    for bad in (0, math.inf, 1e-9, 8 * 24 * 3600):
+        with pytest.raises(ApplyError, match="between 1 and 604800"):
+            collective_timeout_s(bad)
+    with pytest.raises(ApplyError, match="timeout_s='x' is not a number"):
+        collective_timeout_s("x")
+    assert issubclass(ApplyError, ValueError)

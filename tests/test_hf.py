@@ -7,9 +7,10 @@ import functools
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from nest_fx.graph import trace
+from nest_fx.graph.annotate import flop_formulas
 from nest_fx.graph.capture import export
 from nest_fx.models import build_any
 from nest_fx.models.hf import parse_hf_name
@@ -21,13 +22,9 @@ CONTAINERS = {"hf:gpt2": "transformer.h", "hf:llama": "model.layers", "hf:mixtra
               "hf:bert": "bert.encoder.layer"}
 
 
-def _cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
 # FlopCounterMode has no formula for the SDPA kernel CPU tensors dispatch to (it counts only the
-# CUDA ones): give it the same formula, else the reference counts attention as 0 FLOPs.
-CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa}
+# CUDA ones) nor for grouped matmuls (HF MoE experts): the reference gets the tracer's formulas for
+# them (nest_fx.graph.annotate.flop_formulas), else it counts them as 0 FLOPs.
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +33,7 @@ def traced_hf(name: str, batch: int = 2, seq: int = 16):
     torch.manual_seed(0)
     model, cfg, args, kwargs = build_any(name, batch=batch, seq=seq, device="cpu")
     model.eval()
-    counter = FlopCounterMode(display=False, custom_mapping=CPU_SDPA)
+    counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
     with counter, torch.no_grad():
         model(*args, **kwargs, use_cache=False)
     graph = trace(model, args, kwargs, name=name)
@@ -169,7 +166,7 @@ def test_hf_named_parameter_counts_on_meta(name, expected):
 
 
 def test_hf_errors():
-    with pytest.raises(ValueError, match="unknown HuggingFace model 'hf:t5'"):
+    with pytest.raises(ValueError, match="'hf:t5' is not one of the nest-fx-shaped HuggingFace names"):
         parse_hf_name("hf:t5")
     with pytest.raises(ValueError, match="exceeds"):
         build_any("hf:gpt2", seq=64)  # the small default has 32 positions

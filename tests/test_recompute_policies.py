@@ -73,3 +73,14 @@ def test_measured_bytes_tell_the_policies_apart():
     assert kept["none"] > kept["op:matmuls"] > kept["op"] > kept["op:attention"] > kept["full"] == 0
     # op:attention keeps the attention output and its logsumexp: [2, 4, 32, 16] + [2, 4, 32] fp32
     assert kept["op:attention"] == (2 * 4 * 32 * 16 + 2 * 4 * 32) * 4
+
+
+def test_every_k_counts_a_group_of_sequential_children_as_one_block():
+    import torch.nn as nn
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    groups = [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]  # four layers of two children each
+    wrapped = apply_checkpointing(model, groups, "every:2")
+    marked = [name for name, m in model.named_children() if getattr(m, "_nest_fx_recompute", None)]
+    assert wrapped == 2 and len(marked) == 4  # two of the four layers, both children of each
+    assert {tuple(g) for g in groups if set(g) <= set(marked)} == {tuple(g) for g in groups if set(g) & set(marked)}

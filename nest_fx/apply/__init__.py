@@ -4,26 +4,32 @@
     pm = auto_parallelize(model, tokens, global_batch_size=32, loss_fn=loss_fn, plan=plan)
     loss = pm.train_step(tokens, targets); opt.step(); opt.zero_grad()
 
-Modules: ``distributed`` (the default process group and its timeout), ``mesh`` (DeviceMesh
-from a plan), ``checks`` (errors before any collective), ``pipeline`` (stage ranges and
-schedules; the stage modules are ``nest_fx.graph.stage_modules``), ``tied_weights`` (tied
-embeddings on the first and last stage), ``tensor_parallel`` (TP/SP from traced TP pairs),
-``expert_parallel`` (all_to_all experts), ``context_parallel`` (sequence chunks, K/V
-all-gather), ``loss_parallel`` (vocabulary-parallel cross-entropy), ``data_parallel``
-(replication, FSDP2 or HSDP), ``activation_checkpoint`` (recompute policies), ``compile`` and
-``float8`` (runtime options), ``checkpoint`` (saving and loading training state under
-any plan), ``runtime`` (ParallelModule), ``api`` (auto_parallelize), ``launch`` (N local
-ranks without torchrun), ``losses``. See docs/runtime.md.
+Modules: ``distributed`` (the default process group and the job's timeout on every group),
+``mesh`` (DeviceMesh from a plan), ``checks`` (errors before any collective), ``agreement``
+(settings compared across ranks), ``collective_errors`` (a failed collective names its group),
+``pipeline`` (stage ranges and schedules; the stage modules are ``nest_fx.graph.stage_modules``),
+``tied_weights`` (tied embeddings on the first and last stage), ``tensor_parallel`` (TP/SP from
+traced TP pairs), ``expert_parallel`` (all_to_all experts), ``context_parallel`` (sequence
+chunks, K/V all-gather), ``loss_parallel`` (vocabulary-parallel cross-entropy),
+``data_parallel`` (replication, FSDP2 or HSDP), ``activation_checkpoint`` (recompute policies),
+``compile`` and ``float8`` (runtime options), ``checkpoint`` (saving and loading training state
+under any plan; ``checkpoint_files``: manifests, rotation; ``train_state``: data position,
+scheduler, RNG; ``fingerprint``: the model's tensors), ``runtime`` (ParallelModule), ``api``
+(auto_parallelize), ``launch`` (N local ranks without torchrun), ``losses``. See docs/runtime.md.
 """
+from nest_fx.apply.agreement import AgreementError
 from nest_fx.apply.api import auto_parallelize, default_plan
-from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.collective_errors import CollectiveError
 from nest_fx.apply.distributed import collective_timeout_s, init_distributed, plan_rank_of
 from nest_fx.apply.expert_parallel import all_to_all
 from nest_fx.apply.mesh import build_mesh, locate
 from nest_fx.apply.runtime import ParallelModule
+from nest_fx.apply.train_state import EpochBatches
 from nest_fx.plan.summary import plan_summary
 
 __all__ = ["auto_parallelize", "ParallelModule", "ApplyError", "build_mesh", "locate", "default_plan",
            "collective_timeout_s", "init_distributed", "plan_rank_of", "plan_summary", "all_to_all",
-           "CheckpointError", "save_checkpoint", "load_checkpoint"]
+           "CheckpointError", "save_checkpoint", "load_checkpoint", "resume_checkpoint", "AgreementError",
+           "CollectiveError", "EpochBatches"]

@@ -16,7 +16,7 @@ not change and hooks put on the block by TP/FSDP stay outside the checkpointed r
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -52,18 +52,23 @@ def checkpoint_module(module: nn.Module, recompute: str) -> None:
     module._nest_fx_recompute = recompute
 
 
-def apply_checkpointing(module: nn.Module, block_names: Sequence[str], recompute: str, first_index: int = 0) -> int:
-    """Checkpoint the named blocks of ``module`` that ``recompute`` selects; returns how many.
+def apply_checkpointing(module: nn.Module, blocks: Sequence[Union[str, Sequence[str]]], recompute: str,
+                        first_index: int = 0) -> int:
+    """Checkpoint the blocks of ``module`` that ``recompute`` selects; returns how many blocks.
 
-    ``first_index``: the position of ``block_names[0]`` among the stage's blocks (its earlier
-    chunks' blocks under the interleaved schedule), so ``every:<k>`` counts through the stage.
+    Each entry of ``blocks`` is one layer block: its module path, or the paths of the children a
+    block groups (a layer of an ``nn.Sequential`` model; each child is checkpointed, and the
+    block counts once for ``every:<k>``). ``first_index``: the position of ``blocks[0]`` among
+    the stage's blocks (its earlier chunks' blocks under the interleaved schedule), so
+    ``every:<k>`` counts through the stage.
     """
     spec = parse_recompute(recompute)
-    chosen = set(spec.recomputed_blocks(first_index + len(block_names)))
+    chosen = set(spec.recomputed_blocks(first_index + len(blocks)))
     mode = recompute if spec.kind != "every" else "full"
     wrapped = 0
-    for index, name in enumerate(block_names, start=first_index):
+    for index, block in enumerate(blocks, start=first_index):
         if index in chosen:
-            checkpoint_module(module.get_submodule(name), mode)
+            for name in ([block] if isinstance(block, str) else block):
+                checkpoint_module(module.get_submodule(name), mode)
             wrapped += 1
     return wrapped

@@ -6,6 +6,7 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 2. ``data_parallel.broadcast_module`` make the stage identical on its DP x CP x TP ranks (one
                                rank's weights win, so ranks need not share a seed); tied embeddings: the
                                first stage's values to the last (``tied_weights``)
+   ``batchnorm.sync_batchnorm`` BatchNorm statistics over the data-parallel group's batch
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
                                ``loss_parallel`` keeps the LM head's logits sharded
@@ -17,11 +18,21 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
                                (gradients of tied embeddings summed over the two stages each step)
 
-All plan/model/batch/world checks (``checks.run_all``) run before the first collective.
+All plan/model/batch/world checks (``checks.run_all``) run before the first collective. Then the
+ranks agree (one small all-gather on the default group, ``agreement.agree``) on the plan, the
+model's fingerprint, the batch, the microbatches and the timeout, so ranks started with
+different settings fail with a message naming the field before the mesh is built. Every group
+the runtime creates gets the job's timeout, and a collective that fails during the setup names
+its group (``collective_errors``). ``elastic=True``: a plan made for another world size is
+replaced by the planner's plan for the ranks that joined (``docs/runtime.md``, "Elastic").
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable, List, Optional, Tuple, Union
+
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,30 +40,34 @@ import torch.nn as nn
 
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
+from nest_fx.apply.agreement import agree
+from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
+from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
-from nest_fx.apply.distributed import init_distributed
+from nest_fx.apply.distributed import apply_job_timeout, init_distributed, job_timeout
 from nest_fx.apply.expert_parallel import apply_expert_parallel
+from nest_fx.apply.fingerprint import fingerprint, tensor_specs
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
-from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate
-from nest_fx.graph.moe_modules import expert_parameters, find_moe_modules
-from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_blocks
+from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
+from nest_fx.graph.moe_modules import expert_modules, expert_parameters
+from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
+                                    stage_layer_groups)
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
-from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
+from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
 from nest_fx.graph import trace
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
-from nest_fx.plan.support import parallel_support
+from nest_fx.plan.support import batchnorm_modules, parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
 
 
-DEFAULT_TIMEOUT_S = 600.0
 def default_plan(graph, world_size: int, global_batch_size: int, model_name: str = "") -> Plan:
     """Pure data parallelism over the whole world (the fallback until a planner is passed)."""
     n = len(graph.blocks)
@@ -72,6 +87,22 @@ def _split_example(example_inputs) -> Tuple[tuple, dict]:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     return tuple(example_inputs), {}
+
+
+def _shapes(args: tuple, kwargs: dict) -> list:
+    tensors = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]
+
+
+def agreed_settings(plan: Plan, specs, global_batch_size: int, nmb: int, args: tuple, kwargs: dict,
+                    loss_fn: Callable) -> dict:
+    """The settings every rank must share, as the fields of the setup's agreement."""
+    plan_text = json.dumps(plan.to_dict(), sort_keys=True, default=str)
+    return {"global_batch_size": global_batch_size, "num_microbatches": nmb, "model fingerprint": fingerprint(specs),
+            "example input shapes": _shapes(args, kwargs),
+            "loss_fn": getattr(loss_fn, "__qualname__", type(loss_fn).__name__),
+            "collective timeout": str(job_timeout()), "torch": torch.__version__,
+            "plan": f"{plan_summary(plan, nmb).splitlines()[0]} [{hashlib.sha256(plan_text.encode()).hexdigest()[:12]}]"}
 
 
 def _device_type_of(model: nn.Module) -> str:
@@ -100,9 +131,10 @@ def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
 
 
 def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
-                     loss_fn: Callable, plan: Optional[Plan] = None, planner: Optional[Planner] = None,
-                     graph=None, verbose: bool = True, timeout_s: Optional[float] = None,
-                     constraints: Union[Constraints, dict, None] = None) -> ParallelModule:
+                     loss_fn: Optional[Callable] = None, plan: Optional[Plan] = None,
+                     planner: Optional[Planner] = None, graph=None, verbose: bool = True,
+                     timeout_s: Optional[float] = None, constraints: Union[Constraints, dict, None] = None,
+                     elastic: bool = False, sync_batchnorm: bool = True) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -110,7 +142,12 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     ``plan``: a :class:`~nest_fx.plan.Plan`; when None, ``planner(graph, cluster, world_size,
     global_batch_size)`` chooses one; the default planner is the NEST DP
     (``nest_fx.solver.runtime_planner.planner_for``) on ``cluster`` or, when None, a preset for
-    the detected device and world size. ``loss_fn(output, target)`` must average over its batch.
+    the detected device and world size. ``loss_fn(output, target)`` must average over its batch;
+    ``None`` trains on the model's own loss (HF ``output.loss`` from ``labels`` among the inputs).
+    ``sync_batchnorm``: BatchNorm layers normalise over the batch of all data-parallel replicas
+    (``nest_fx.apply.batchnorm``), which equals the single-device run with one microbatch per step
+    (plans with more are refused); ``False`` keeps per-replica, per-microbatch statistics (DDP's
+    behaviour), with a warning naming the layers.
     ``graph``: an OpGraph of the model when already traced. Every rank must call this with the
     same arguments. The model is modified in place (its stage is kept, the rest dropped).
     ``timeout_s``: collective timeout when this call creates the process group (default
@@ -118,7 +155,13 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     satisfy (a :class:`~nest_fx.plan.constraints.Constraints` or its dict form, e.g.
     ``{"fix": {"tp": 2}, "optimizer": "sgd"}``; docs/solver.md#constraints); only with the
     default planner. Every check runs before the first collective, so a plan
-    that does not fit fails on every rank with the same :class:`ApplyError`.
+    that does not fit fails on every rank with the same :class:`ApplyError`. Then the ranks
+    compare their settings (:func:`agreed_settings`): a difference is an
+    :class:`~nest_fx.apply.agreement.AgreementError` naming the field and the ranks.
+    ``elastic``: when ``plan`` was made for another number of devices than the ranks that joined
+    (a node was lost or came back under ``torchrun --nnodes=MIN:MAX``), re-plan for this world
+    with the same global batch (more or fewer microbatches) instead of refusing; then
+    ``pm.resume(checkpoint_dir, optimizer, ...)`` continues from the latest checkpoint.
     """
     if constraints is not None and (plan is not None or planner is not None):
         raise checks.ApplyError("constraints= shape the default planner's search; with plan= or planner= they "
@@ -127,15 +170,30 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         constraints = Constraints.from_dict(constraints)
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
+    specs = tensor_specs(model)  # the whole model, before it is cut into stages and shards
     if graph is None:
         graph = trace(model, args, kwargs, name=type(model).__name__)
+    if elastic and plan is not None and plan.devices_used != world:
+        if rank == 0 and verbose:
+            print(f"elastic: the plan uses {plan.devices_used} devices, {world} ranks joined: re-planning for {world} "
+                  f"with global batch {global_batch_size}", flush=True)
+        plan = None
     if plan is None:
         if planner is None:
-            planner = planner_for(model, constraints=constraints)
+            planner = planner_for(model, constraints=constraints, one_microbatch=sync_batchnorm)
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
-    nmb = checks.run_all(plan, model, graph, world, global_batch_size)
+    nmb = checks.run_all(plan, model, graph, world, global_batch_size, model_loss=loss_fn is None,
+                         batch_statistics=sync_batchnorm)
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
+    with named_collective_failures("auto_parallelize, comparing the ranks' settings"):
+        agree(agreed_settings(plan, specs, global_batch_size, nmb, args, kwargs, loss_fn),
+              what="auto_parallelize, before building the device mesh")
+    norms = batchnorm_modules(model)
+    if norms and not sync_batchnorm and (plan.dp > 1 or nmb > 1) and rank == 0:
+        warnings.warn(f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
+                      f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
+                      f"{global_batch_size} (the numbers differ from the single-device run)", stacklevel=2)
     device_type = _device_type_of(model)
     on_meta = device_type == "meta"
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -164,11 +222,17 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     if not on_meta and plan.dp * plan.cp * stage_plan.tp > 1:
         names = tuple(name for name in mesh.mesh_dim_names if name != "pp")
         stage_group = mesh[names]._flatten("stage").get_group()
+        apply_job_timeout()
         broadcast_module(chunks, stage_group, 0)
     ties = None
     if layout is not None and not on_meta:
         ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
         ties.sync_values()
+    if not on_meta and stage_plan.tp > 1:
+        share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
+    if norms and sync_batchnorm and plan.dp > 1:
+        for chunk in chunks:
+            sync_batchnorm_modules(chunk, submesh(mesh, "dp").get_group())
 
     cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
@@ -177,7 +241,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         blocks = stage_blocks(graph, start, end)
         # 3. expert parallel
         if plan.ep > 1:
-            apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"].get_group())
+            apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"])
         # 4. tensor (+ sequence) parallel; loss parallel keeps the LM head's logits sharded
         if stage_plan.tp > 1:
             apply_tensor_parallel(chunk, graph, blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
@@ -194,8 +258,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if plan.float8:
             apply_float8(chunk, blocks)
         # 7. activation checkpointing
-        apply_checkpointing(chunk, blocks, stage_plan.recompute, blocks_before)
-        blocks_before += len(blocks)
+        layers = stage_layer_groups(graph, start, end)
+        apply_checkpointing(chunk, layers, stage_plan.recompute, blocks_before)
+        blocks_before += len(layers)
         # 8. torch.compile
         if plan.compile:
             compile_blocks(chunk, blocks)
@@ -203,8 +268,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if plan.zero >= 1:
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
-                       dp_size=replicas, expert_modules=[e for m in find_moe_modules(chunk) for e in m.experts]
-                       if plan.ep > 1 else ())
+                       dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
 
     # 9a. replicated data parallel (after the tied-embedding gradient sum over the two stages)
     syncs = [ties] if ties else []
@@ -221,7 +285,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     if plan.pp > 1:
         stages, schedule = make_schedule(plan, chunks, indices, num_stages, nmb, loss_fn,
                                          mesh["pp"].get_group(), device)
+    apply_job_timeout()  # any group created on the way (FSDP, pipelining) gets the job's timeout too
     return ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
                           num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
                           pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
-                          device=device, context_parallel=cp)
+                          device=device, context_parallel=cp, model_specs=specs)

@@ -39,6 +39,8 @@ def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
         problem = support.tp_problem(tp)
         if problem:
             raise ApplyError(problem)
+    if plan.sequence_parallel and any(s.tp > 1 for s in plan.stages) and support.sp_problem():
+        raise ApplyError(support.sp_problem())
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:
@@ -151,8 +153,27 @@ def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional
             raise ApplyError(problem)
 
 
-def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_size: int) -> int:
-    """Every check, cheapest first; returns the number of microbatches per step."""
+def check_loss(plan: Plan, model_loss: bool) -> None:
+    """ApplyError when the model's own loss (``loss_fn=None``) is asked of a pipeline, whose last
+    stage computes the loss from ``loss_fn(output, target)``."""
+    if model_loss and plan.pp > 1:
+        raise ApplyError(f"loss_fn=None (the model's own loss) with pp={plan.pp}: the pipeline's last stage computes "
+                         "the loss as loss_fn(output, target); fix: give auto_parallelize a loss_fn and train_step the "
+                         "targets, or use a plan with pp=1")
+
+
+def check_microbatches(plan: Plan, model: nn.Module, microbatches: int) -> None:
+    """ApplyError when the model's numbers depend on the microbatch split (``ParallelSupport.microbatch_problem``)."""
+    problem = parallel_support(model, None).microbatch_problem(microbatches)
+    if problem:
+        raise ApplyError(problem)
+
+
+def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_size: int, *,
+            model_loss: bool = False, batch_statistics: bool = True) -> int:
+    """Every check, cheapest first; returns the number of microbatches per step. ``model_loss``:
+    the model computes its own loss (``loss_fn=None``); ``batch_statistics``: BatchNorm must see the
+    whole batch (``sync_batchnorm=True``)."""
     check_supported(plan)
     check_world(plan, world_size)
     if graph is not None:
@@ -164,6 +185,9 @@ def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_s
     nmb = check_batch(plan, global_batch_size)
     if plan.schedule == "interleaved" and nmb % plan.pp:
         raise ApplyError(f"the interleaved schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")
+    check_loss(plan, model_loss)
+    if batch_statistics:
+        check_microbatches(plan, model, nmb)
     if plan.pp > 1 and plan.schedule == "1f1b" and nmb < plan.pp:
         raise ApplyError(
             f"1F1B with pp={plan.pp} stages needs at least {plan.pp} microbatches per step, got {nmb}; "

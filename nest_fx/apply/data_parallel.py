@@ -124,6 +124,11 @@ def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int
     for expert_mod in expert_modules:
         fsdp_experts = fully_shard(expert_mod, mesh=edp_mesh, reshard_after_forward=reshard)
         fsdp_experts.set_gradient_divide_factor(float(dp_size))
+        # a divide factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks:
+        # sum, then divide. Not on a group of one: FSDP2 (torch 2.13) divides that copy by the factor
+        # and then, under forced sums, divides again (tests/test_apply_parallel.py EP2 x DP2 x PP2)
+        if edp_mesh.size() > 1:
+            fsdp_experts.set_force_sum_reduction_for_comms(True)
     for name in block_names:
         fully_shard(module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)

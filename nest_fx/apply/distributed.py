@@ -1,18 +1,23 @@
 """The default process group: created from the torchrun environment, with the job's timeout, and
-numbered for a plan's device order.
+numbered for a plan's device order; the same timeout on every group the runtime creates.
 
 ``init_distributed`` runs first in :func:`nest_fx.apply.auto_parallelize` (and in any script
 that measures the launched world), gloo on CPU and NCCL on CUDA; ``collective_timeout_s`` is
 the one place the collective timeout is read (``timeout_s`` or ``$NEST_FX_TIMEOUT_S``).
+PyTorch gives every group created later (``new_group``, DeviceMesh dims, flattened dims) its
+own default of 30 minutes (10 for NCCL) whatever the default group has, so
+:func:`apply_job_timeout` sets the default group's timeout on each of them.
 """
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 from torch.distributed.rendezvous import _create_c10d_store
 
 from nest_fx.apply.checks import ApplyError
@@ -20,30 +25,79 @@ from nest_fx.cluster.ordered import is_identity
 from nest_fx.plan.plan import check_device_order
 
 DEFAULT_TIMEOUT_S = 600.0
-
+MIN_TIMEOUT_S = 1.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a hang, and C++ millisecond counters stay far from overflow
 
 TIMEOUT_ENV = "NEST_FX_TIMEOUT_S"
+
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = 2000  # the last collectives of each rank, read when one fails (collective_errors)
 
 
 def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
     """The process-group timeout: ``timeout_s`` if given, else ``$NEST_FX_TIMEOUT_S``, else 600 s.
 
-    A collective that waits longer (a peer died or never joined) raises on the waiting rank
-    instead of hanging the job.
+    A collective that waits longer (a peer died, hung or never joined) raises on the waiting
+    rank instead of hanging the job. The value must be a finite number of seconds between
+    :data:`MIN_TIMEOUT_S` and :data:`MAX_TIMEOUT_S` (:class:`ApplyError` otherwise).
     """
+    source = "timeout_s"
     if timeout_s is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None:
             return DEFAULT_TIMEOUT_S
+        source = f"{TIMEOUT_ENV}={raw!r}"
         try:
             timeout_s = float(raw)
         except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; fix: e.g. {TIMEOUT_ENV}=600") \
-                from None
-    if not timeout_s > 0:
-        raise ValueError(f"the collective timeout must be positive, got {timeout_s}; fix: pass timeout_s > 0 or "
-                         f"set {TIMEOUT_ENV}")
-    return float(timeout_s)
+            raise ApplyError(f"{source} is not a number of seconds; fix: e.g. {TIMEOUT_ENV}=600") from None
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ApplyError(f"timeout_s={timeout_s!r} is not a number of seconds; fix: e.g. timeout_s=600") from None
+    if not (math.isfinite(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
+        raise ApplyError(f"{source}: the collective timeout must be a finite number of seconds between "
+                         f"{MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} (a week), got {value:g}; fix: e.g. "
+                         f"{TIMEOUT_ENV}=600")
+    return value
+
+
+def job_timeout() -> Optional[timedelta]:
+    """The default group's timeout: the one every group of the job gets (:func:`apply_job_timeout`)."""
+    return group_timeout(dist.group.WORLD)
+
+
+def group_timeout(group) -> Optional[timedelta]:
+    """The timeout a process group's backend applies to its collectives (None for a backend
+    without one, such as the fake process group that checks plans without devices)."""
+    device = torch.device("cuda") if torch.device("cuda") in group._device_types else torch.device("cpu")
+    options = getattr(group._get_backend(device), "options", None)
+    return getattr(options, "_timeout", None)
+
+
+def member_groups() -> Dict[str, "dist.ProcessGroup"]:
+    """{group name: group} of every process group this rank belongs to (default group included)."""
+    return {pg.group_name: pg for pg in _world.pg_map if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER
+            and dist.get_rank() in dist.get_process_group_ranks(pg)}
+
+
+def with_job_timeout(obj):
+    """``obj`` (a DeviceMesh, a group) after :func:`apply_job_timeout`: for ``return with_job_timeout(mesh)``."""
+    apply_job_timeout()
+    return obj
+
+
+def apply_job_timeout() -> int:
+    """Give every group this rank belongs to the default group's timeout; returns how many
+    groups were changed. Cheap and local (no collective): call it after creating groups."""
+    timeout, changed = job_timeout(), 0
+    if timeout is None:
+        return 0
+    for group in member_groups().values():
+        if group_timeout(group) not in (None, timeout):
+            _set_pg_timeout(timeout, group)
+            changed += 1
+    return changed
 
 
 _NUMBERED_FOR: list = [None]  # (device order, default group id) of the group init_distributed numbered
@@ -69,7 +123,7 @@ def init_distributed(timeout_s: Optional[float] = None,
     WORLD_SIZE) a one-rank group on an in-memory store is created, so the same script runs
     as a plain ``python`` process. Collectives time out after :func:`collective_timeout_s`
     (``timeout_s``, ``$NEST_FX_TIMEOUT_S`` or 600 s); a group initialised by the caller keeps
-    its own timeout. Returns (world_size, rank).
+    its own timeout, which the runtime's groups then take. Returns (world_size, rank).
 
     ``device_order`` (a plan's, ``Plan.device_order``): the process launched as global rank
     ``device_order[r]`` joins the group as rank r (:func:`plan_rank_of`); it keeps its device
@@ -80,6 +134,8 @@ def init_distributed(timeout_s: Optional[float] = None,
     initialised by the caller cannot be renumbered: with a non-identity order that is an
     :class:`~nest_fx.apply.ApplyError`.
     """
+    # the flight recorder keeps each rank's last collectives, so a failed one can name its group
+    os.environ.setdefault(FLIGHT_RECORDER_ENV, str(FLIGHT_RECORDER_ENTRIES))
     if dist.is_initialized():
         if not is_identity(device_order) and _NUMBERED_FOR[0] != (tuple(device_order), id(dist.group.WORLD)):
             raise ApplyError(

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from nest_fx.apply.distributed import with_job_timeout
 from nest_fx.plan.plan import Plan, PlanError
 
 
@@ -107,7 +108,8 @@ def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
     ("dp_replicate", "dp_shard") under HSDP (each then also kept flattened as "dp"), and a "cp"
     dim sits before "tp" when cp > 1 (see the module docstring for the flattened meshes).
 
-    Needs an initialised default process group whose size equals ``plan.devices_used``.
+    Needs an initialised default process group whose size equals ``plan.devices_used``. Every
+    group it creates gets the job's timeout (``distributed.with_job_timeout``).
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
@@ -128,7 +130,7 @@ def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
         shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if cp_names else mesh["dp_shard"]
         flat["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], shard])
     mesh._nest_fx_flat = flat
-    return mesh
+    return with_job_timeout(mesh)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, plan: Plan, experts: bool = False) -> DeviceMesh:

@@ -44,8 +44,15 @@ class LayerSubset(nn.ModuleList):
 
 
 def stage_blocks(graph, start: int, end: int) -> List[str]:
-    """Names of the layer blocks among chain blocks ``[start, end)``."""
-    return [b.name for b in graph.blocks[start:end] if b.kind == "block"]
+    """Module paths of the layers in chain range [start, end): a layer's module, or the children
+    of a layer that groups children of an ``nn.Sequential`` (``Block.members``)."""
+    return [m for group in stage_layer_groups(graph, start, end) for m in group]
+
+
+def stage_layer_groups(graph, start: int, end: int) -> List[List[str]]:
+    """The layer blocks in chain range [start, end), each as the module paths it consists of (one
+    path for a layer module, the children for a layer of an ``nn.Sequential`` model)."""
+    return [b.modules for b in graph.blocks[start:end] if b.kind == "block"]
 
 
 def interleaved_ranges(plan, num_layers: int) -> List[List[Tuple[int, int]]]:

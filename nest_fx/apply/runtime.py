@@ -7,25 +7,69 @@ gradients (zero=0; FSDP does it inside backward) and returns the global-batch me
 same number on every rank and equal to the single-device loss of the whole batch (for a
 ``loss_fn`` that averages over its microbatch, since all microbatches have the same size).
 
-``inputs``/``targets`` are either the global batch (every rank passes the same tensors, as with
-a seeded synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`` rows,
-what a DistributedSampler would give). The caller owns the optimizer:
+``inputs`` are what ``model(...)`` takes (a tensor, a tuple, or a dict of keyword tensors such
+as HF's ``input_ids``/``decoder_input_ids``/``labels``); ``targets`` are ``loss_fn``'s second
+argument, or None when ``loss_fn`` is None and the model computes its own loss (``.loss``).
+Every tensor is either the global batch (every rank passes the same tensors, as with a seeded
+synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`` rows, what a
+DistributedSampler would give); each is split into the step's microbatches along dim 0. The caller owns the optimizer:
 ``opt = torch.optim.AdamW(pm.parameters())``; ``pm.train_step(x, y); opt.step(); opt.zero_grad()``.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+import functools
+import hashlib
+import weakref
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
+from nest_fx.apply.agreement import SCOPE_SEP, agree
+from nest_fx.apply.checkpoint import DEFAULT_KEEP, load_checkpoint, resume_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.collective_errors import named_collective_failures
+from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import schedule_step, tensor_output
 from nest_fx.plan.plan import Plan
+
+
+def _counted_step(method: Callable) -> Callable:
+    """``train_step`` inside :func:`named_collective_failures` (a collective that fails, because a
+    peer stopped, hung or died, raises a ``CollectiveError`` naming its group and the step), and
+    ``self.step`` counted."""
+    @functools.wraps(method)
+    def step(self, *args, **kwargs):
+        with named_collective_failures(f"train_step at step {self.step}"):
+            out = method(self, *args, **kwargs)
+        self.step += 1
+        return out
+    return step
+
+
+def model_loss(output) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss`` (HF ``ModelOutput``), ``output["loss"]``;
+    ApplyError when it returned none (no labels among the inputs)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ApplyError(f"loss_fn=None trains on the model's own loss, but {type(output).__name__} has no loss; fix: "
+                         "pass the labels among the inputs (HF: inputs['labels']) or give auto_parallelize a loss_fn")
+    return loss
+
+
+def microbatches(args: tuple, kwargs: dict, target: Optional[torch.Tensor], n: int):
+    """``n`` (args, kwargs, target) microbatches: every tensor split in dim 0, other values repeated."""
+    def split(value):
+        return value.chunk(n) if isinstance(value, torch.Tensor) else [value] * n
+    arg_parts = [split(a) for a in args]
+    kw_parts = {k: split(v) for k, v in kwargs.items()}
+    target_parts = split(target)
+    for i in range(n):
+        yield (tuple(p[i] for p in arg_parts), {k: p[i] for k, p in kw_parts.items()}, target_parts[i])
 
 
 class ParallelModule:
@@ -34,13 +78,16 @@ class ParallelModule:
     Attributes: ``plan``; ``module`` (this rank's stage module, or an ``nn.ModuleList`` of its
     chunks under the interleaved schedule; parameter names are the original model's);
     ``mesh`` (DeviceMesh with dims pp/dp/tp); ``rank_info`` (stage, replica, TP rank);
-    ``num_microbatches``; ``global_batch_size``.
+    ``num_microbatches``; ``global_batch_size``; ``step`` (optimizer steps taken: the loaded
+    checkpoint's step plus one per ``train_step``); ``model_specs`` (name -> (shape, dtype) of
+    the whole model's tensors, recorded before the split; checkpoints fingerprint it).
     """
 
-    def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo, loss_fn: Callable,
+    def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo,
+                 loss_fn: Optional[Callable],
                  num_microbatches: int, global_batch_size: int, schedule=None, pipeline_stages=(),
                  grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None,
-                 context_parallel=None):
+                 context_parallel=None, model_specs: Optional[Dict[str, Any]] = None):
         self.plan = plan
         self.chunks = list(chunks)
         self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -56,16 +103,27 @@ class ParallelModule:
         self.graph = graph
         self.device = device or torch.device("cpu")
         self.context_parallel = context_parallel  # ContextParallel when plan.cp > 1: the rank's tokens
+        self.model_specs = model_specs
+        self.step = 0
+        self._agreed_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        weakref.finalize(self, register_optimizer_step_pre_hook(_first_step_check(self)).remove)
 
     # -- parameters ------------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Local parameters under the original model's names (DTensors when sharded)."""
+    def _named(self, kind: str) -> Iterator[Tuple[str, torch.Tensor]]:
         seen = set()
         for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+            for name, t in getattr(chunk, kind)():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield name, t
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Local parameters under the original model's names (DTensors when sharded)."""
+        return self._named("named_parameters")
+
+    def named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Local buffers (running statistics, position tables) under the original model's names."""
+        return self._named("named_buffers")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -75,68 +133,152 @@ class ParallelModule:
         """{name: full (unsharded) parameter or gradient} of this rank's stage.
 
         A collective over the stage's TP and DP groups when parameters are DTensors: every rank
-        of the stage must call it. Expert parameters are those this rank holds.
+        of the stage must call it. Expert parameters are those this rank holds. Fused projections
+        sharded by heads come back in the model's own layout (``apply/fused_params.py``).
         """
         out: Dict[str, torch.Tensor] = {}
+        layouts = fused_layouts(self.chunks)
         for name, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):
             t = p.grad if grads else p.detach()
             if t is None:
                 continue
-            out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+            out[name] = original_layout(t.full_tensor(), layouts.get(name)) if isinstance(t, DTensor) else t
         return out
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
-             step: Optional[int] = None) -> str:
-        """Save parameters (and ``optimizer`` state) to the directory ``path``; loadable under any
-        plan. Every rank must call it. See :mod:`nest_fx.apply.checkpoint`."""
-        return save_checkpoint(self, path, optimizer, step=step)
+    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
+             scheduler=None, data=None, keep: Optional[int] = DEFAULT_KEEP, require_finite: bool = True,
+             loss=None) -> str:
+        """Save parameters, ``optimizer`` state, ``scheduler``, ``data`` position and RNG states as a
+        new step directory of the checkpoint directory ``path`` (default step: ``self.step``),
+        keeping the newest ``keep``; loadable under any plan. Every rank must call it. Returns the
+        step directory. See :mod:`nest_fx.apply.checkpoint`."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        return save_checkpoint(self, path, optimizer, step=self.step if step is None else step, scheduler=scheduler,
+                               data=data, keep=keep, require_finite=require_finite, loss=loss)
 
-    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
-        """Load a checkpoint saved under any plan into this rank's parameters (and ``optimizer``);
-        returns its metadata (``step``, ``plan_summary``). Every rank must call it."""
-        return load_checkpoint(self, path, optimizer)
+    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None, data=None,
+             verify: bool = True) -> dict:
+        """Load the newest complete checkpoint of ``path`` (or the step directory ``path``), saved
+        under any plan, into this rank's parameters (and ``optimizer``, ``scheduler``, ``data``);
+        returns its metadata (``step``, ``plan_summary``, ``directory``). Every rank must call it."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        meta = load_checkpoint(self, path, optimizer, scheduler=scheduler, data=data, verify=verify)
+        self.step = int(meta.get("step") or 0)
+        return meta
 
-    # -- training --------------------------------------------------------------------------
-    def _shard(self, t: torch.Tensor) -> torch.Tensor:
+    def resume(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None,
+               data=None) -> int:
+        """Before training: check the checkpoint directory ``path`` (writable, room for two
+        checkpoints, leftovers of crashed saves removed) and load its newest checkpoint if it
+        has one. Returns the step to continue from (0 for a fresh start). Every rank must call it."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        meta = resume_checkpoint(self, path, optimizer, scheduler=scheduler, data=data)
+        if meta is not None:
+            self.step = int(meta.get("step") or 0)
+        return self.step
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Compare the optimizer's type and hyperparameters across ranks (one all-gather):
+        :class:`~nest_fx.apply.agreement.AgreementError` naming the field and the ranks when they
+        differ. Runs by itself before the first ``optimizer.step()``, and in ``save``/``load``/
+        ``resume``; once per optimizer."""
+        if optimizer in self._agreed_optimizers:
+            return
+        with named_collective_failures("comparing the optimizer's settings across ranks"):
+            agree(self._optimizer_fields(optimizer), what="the optimizer, before its first step")
+        self._agreed_optimizers.add(optimizer)
+
+    def _optimizer_fields(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """Type and defaults (every rank); each param group's hyperparameters, compared between the
+        ranks holding the same parameters (replicas and TP shards of a stage)."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        fields: Dict[str, Any] = {"optimizer": type(optimizer).__name__}
+        fields.update({f"optimizer default {k}": v for k, v in sorted(optimizer.defaults.items())})
+        for i, group in enumerate(optimizer.param_groups):
+            members = sorted(names.get(id(p), "?") for p in group["params"])
+            scope = hashlib.sha256("\n".join(members).encode()).hexdigest()[:12]
+            label = f"optimizer param_groups[{i}] (with {members[0] if members else 'no parameters'})"
+            fields.update({f"{label} {k}{SCOPE_SEP}{scope}": v for k, v in sorted(group.items()) if k != "params"})
+        return fields
+
+    # -- training ------------------------------------------------------------------------
+    def _shard(self, t: torch.Tensor, name: str = "inputs") -> torch.Tensor:
         g, dp = self.global_batch_size, self.plan.dp
-        if t.size(0) == g and dp > 1:
+        if t.dim() and t.size(0) == g and dp > 1:
             per = g // dp
             r = self.rank_info.replica
             return t[r * per:(r + 1) * per]
-        if t.size(0) != g // dp:
-            raise ApplyError(f"train_step: batch of {t.size(0)} rows; expected the global batch ({g}) or this "
-                             f"rank's data-parallel shard ({g // dp}); fix: pass global_batch_size rows")
+        if not t.dim() or t.size(0) != g // dp:
+            rows = t.size(0) if t.dim() else "no"
+            raise ApplyError(f"train_step: {name} has {rows} rows (shape {list(t.shape)}); expected the global batch "
+                             f"({g}) or this rank's data-parallel shard ({g // dp}) in dim 0; fix: pass "
+                             "global_batch_size rows in every tensor input")
         return t
 
-    @staticmethod
-    def _as_tensor(inputs):
-        if isinstance(inputs, dict):
-            tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
-            if len(tensors) != 1:
-                raise ApplyError("train_step: pass the input tensor (or a dict with exactly one tensor, "
-                                 "e.g. {'input_ids': ...})")
-            return tensors[0]
-        if isinstance(inputs, (tuple, list)):
-            if len(inputs) != 1:
-                raise ApplyError("train_step: the runtime feeds one input tensor to the model")
-            return inputs[0]
-        return inputs
+    def _batch(self, inputs) -> Tuple[tuple, dict]:
+        """(args, kwargs) of this rank's rows: a tensor, a tuple/list of positional inputs, or a dict
+        of keyword inputs (every tensor sharded by batch; other values passed as they are)."""
+        if isinstance(inputs, torch.Tensor):
+            args, kwargs = (inputs,), {}
+        elif isinstance(inputs, (tuple, list)):
+            args, kwargs = tuple(inputs), {}
+        elif isinstance(inputs, dict):
+            args, kwargs = (), dict(inputs)
+        else:
+            raise ApplyError(f"train_step: inputs must be a tensor, a tuple of model inputs or a dict of keyword "
+                             f"inputs, got {type(inputs).__name__}")
+        def local(value, name):
+            return self._shard(value, name).to(self.device) if isinstance(value, torch.Tensor) else value
+        return (tuple(local(a, f"inputs[{i}]") for i, a in enumerate(args)),
+                {k: local(v, f"inputs[{k!r}]") for k, v in kwargs.items()})
 
-    def train_step(self, inputs, targets: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of one global batch; returns the global mean loss (detached)."""
-        x = self._shard(self._as_tensor(inputs)).to(self.device)
-        y = self._shard(targets).to(self.device)
+    def _loss(self, output, target: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(tensor_output(output), target)
+        return model_loss(output)
+
+    @_counted_step
+    def train_step(self, inputs, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Forward + backward of one global batch; returns the global mean loss (detached).
+
+        ``inputs``: what ``model(...)`` takes: one tensor, a tuple of positional tensors, or a dict of
+        keyword inputs (HF: ``{"input_ids": ..., "decoder_input_ids": ..., "labels": ...}``); every
+        tensor holds the global batch (or this rank's data-parallel shard) in dim 0. ``targets``: the
+        second argument of ``loss_fn``; with ``loss_fn=None`` the model's own loss is used (its
+        ``.loss``, computed from labels among the inputs) and ``targets`` must be None."""
+        if self.loss_fn is None and targets is not None:
+            raise ApplyError("train_step: targets given but loss_fn=None (the model computes its own loss from its "
+                             "inputs); fix: pass the labels among the inputs (e.g. inputs['labels']) or give "
+                             "auto_parallelize a loss_fn")
+        if self.loss_fn is not None and targets is None:
+            raise ApplyError("train_step: loss_fn needs targets; fix: call train_step(inputs, targets), or "
+                             "auto_parallelize(..., loss_fn=None) to train on the model's own loss")
+        args, kwargs = self._batch(inputs)
+        y = self._shard(targets, "targets").to(self.device) if targets is not None else None
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values()
+                                                                      if isinstance(v, torch.Tensor)]
         if self.context_parallel is not None:
-            x, y = self.context_parallel.shard(x), self.context_parallel.shard(y)
+            if len(tensors) != 1 or y is None:
+                raise ApplyError(f"train_step: context parallelism splits one token tensor and its targets by "
+                                 f"sequence, got {len(tensors)} input tensors{'' if y is not None else ' and no targets'}; "
+                                 "fix: pass the token ids alone with a loss_fn, or plan with cp=1")
+            args, kwargs = (self.context_parallel.shard(tensors[0]),), {}
+            y = self.context_parallel.shard(y)
         nmb = self.num_microbatches
         if self.schedule is not None:
-            local = schedule_step(self.schedule, self.pipeline_stages, (x,), {}, y)
+            if len(tensors) != 1:
+                raise ApplyError(f"train_step: a pipeline feeds one input tensor to its first stage, got "
+                                 f"{len(tensors)}; fix: plan without pipeline parallelism (pp=1)")
+            local = schedule_step(self.schedule, self.pipeline_stages, args, kwargs, y)
             is_last = local is not None
         else:
             module = self.module
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-            for k, (xs, ys) in enumerate(zip(x.chunk(nmb), y.chunk(nmb))):
+            for k, (mb_args, mb_kwargs, ys) in enumerate(microbatches(args, kwargs, y, nmb)):
                 if self.fsdp:
                     # ZeRO-1 accumulates unsharded gradients and reduce-scatters once; ZeRO-2/3
                     # keep only sharded gradients, so they reduce-scatter every microbatch.
@@ -146,7 +288,7 @@ class ParallelModule:
                     module.set_requires_gradient_sync(last or self.plan.zero >= 2)
                     if self.plan.zero <= 2:
                         module.set_reshard_after_backward(last)
-                loss = self.loss_fn(tensor_output(module(xs)), ys)
+                loss = self._loss(module(*mb_args, **mb_kwargs), ys)
                 (loss / nmb).backward()
                 total += loss.detach().float()
             local = total / nmb
@@ -181,3 +323,18 @@ class ParallelModule:
         return (f"ParallelModule(rank={i.rank}, stage={i.stage}/{self.plan.pp}, replica={i.replica}/{self.plan.dp}, "
                 f"tp_rank={i.tp_rank}/{self.plan.stages[i.stage].tp}, ep={self.plan.ep}, zero={self.plan.zero}, "
                 f"microbatches={self.num_microbatches})")
+
+
+def _first_step_check(pm: ParallelModule) -> Callable:
+    """A global optimizer pre-step hook that runs ``pm.check_optimizer`` before the first step of
+    an optimizer holding ``pm``'s parameters (weakly referenced: it dies with ``pm``)."""
+    ref = weakref.ref(pm)
+    param_ids = {id(p) for p in pm.parameters()}
+
+    def hook(optimizer, args, kwargs) -> None:
+        owner = ref()
+        if owner is None or optimizer in owner._agreed_optimizers:
+            return
+        if any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
+            owner.check_optimizer(optimizer)
+    return hook

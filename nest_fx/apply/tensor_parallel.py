@@ -1,19 +1,16 @@
 """Tensor (+ sequence) parallelism from the TP pairs the tracer found; no per-model plan.
 
-For every block the stage owns, ``graph.patterns[block.signature].tp_pairs`` lists column
-linears and the row linear they feed (Megatron-style pairs). We apply
-``parallelize_module`` with ``ColwiseParallel`` on the columns and ``RowwiseParallel`` on the
-row, so only the row's output needs a reduction. Outputs are local tensors
-(``use_local_output=True``), so the code between the linears (attention, activation) runs on
-the local shard: it must not hard-code the global head count in reshapes.
-
-* zoo ``Attention`` reshapes with ``view(bsz, seq, -1, head_dim)``: works on local heads.
-* HF 5.x ``LlamaAttention`` reshapes with ``(*input_shape, -1, self.head_dim)`` and reads only
-  ``head_dim``, ``scaling`` and ``num_key_value_groups`` (a heads/kv_heads ratio, unchanged by
-  TP) in its attention functions, so it also works unchanged. Older HF versions read
-  ``self.num_heads`` / ``self.num_key_value_heads`` / ``self.hidden_size`` in reshapes; we divide
-  such attributes by ``tp`` on the attention module (the lowest common ancestor of the pair)
-  when they exist, so those versions see local counts too.
+For every block the stage owns, ``graph.patterns[block.signature].tp_pairs`` lists the column
+units and the row unit they feed (Megatron-style pairs), every parameter to shard with its dim
+(fused projections part by part), and what else runs per head (``graph/tp_flow.py``). We apply
+``parallelize_module`` with the styles of :mod:`nest_fx.apply.tp_styles`: ``ColumnShard`` on
+the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, HF ``Conv1D``,
+``x @ weight.T``), ``LocalShards`` on a module holding 3-D expert weights, ``SequenceParallel``
+(on the heads dim) on per-head norms and ``ColwiseParallel`` on per-head tables; per-head inputs
+(ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
+linears (attention, activation) runs on the local shard; the region module of an attention pair
+counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
+of a HF config with its head counts divided).
 
 Sequence parallelism (Korthikanti et al. 2022), when ``plan.sequence_parallel``: inside a stage,
 activations between the TP regions are sharded on the sequence dim (dim 1). Each pair's
@@ -32,6 +29,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, List, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -42,7 +40,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nest_fx.graph.tp_regions import block_regions, localise_head_counts
+from nest_fx.apply.tp_styles import ColumnShard, LocalShards, RowShard
+from nest_fx.graph.opgraph import TPParam
+from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
 def _is_under(name: str, prefixes: Iterable[str]) -> bool:
     return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
@@ -139,7 +139,7 @@ def vocab_parallel_modules(module: nn.Module, graph, start: int, end: int) -> Di
             d = graph.graph.nodes[node]
             path = d.get("module", "")
             sub = present.get(path)
-            if block.kind == "head" and d.get("op") == "embedding" and isinstance(sub, nn.Embedding):
+            if block.kind == "head" and vocab_parallel_lookup(d) and isinstance(sub, nn.Embedding):
                 found[path] = "rowwise"
             elif block.kind == "tail" and d.get("op") == "linear" and isinstance(sub, nn.Linear):
                 found[path] = "colwise"
@@ -166,46 +166,110 @@ def apply_vocab_parallel(module: nn.Module, graph, start: int, end: int, tp_mesh
     return targets
 
 
+# -- random numbers ----------------------------------------------------------------------------
+
+def share_rng_state(tp_mesh: DeviceMesh) -> None:
+    """Give every rank of the TP group the random-number state of its first rank (CPU and CUDA).
+
+    Outside the TP regions the ranks hold the same activations; dropout there must draw the same
+    mask on each, or the replicas silently drift apart (the runtime does not ask ranks to share a
+    seed). Inside a region each rank's dropout then draws the same mask pattern for its own heads
+    (correlated across ranks, as with one seed per TP group)."""
+    group = tp_mesh.get_group()
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    dist.broadcast_object_list(states, group_src=0, group=group)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
+
+
 # -- main entry ------------------------------------------------------------------------------
+
+def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str, object]:
+    """{module path (relative to the block): ParallelStyle} sharding one TP pair (see tp_styles)."""
+    styles: Dict[str, object] = {}
+    by_owner: Dict[str, Dict[str, TPParam]] = {}
+    modules = set(pair.column) | {pair.row}
+    for spec in pair.params:
+        unit = next((m for m in modules if spec.name.startswith(m + ".")), None)
+        owner = unit if unit is not None and unit in present else spec.name.rpartition(".")[0]
+        by_owner.setdefault(owner, {})[spec.name[len(owner) + 1:] if owner else spec.name] = spec
+    for owner, params in by_owner.items():
+        if owner not in present:
+            continue  # e.g. an expert another EP rank holds
+        if owner not in modules:  # 3-D expert parameters: the module runs on its local shards
+            styles[owner] = LocalShards(params)
+        elif owner == pair.row:
+            styles[owner] = RowShard(params, output_layouts=Shard(1)) if sp_here else RowShard(params)
+        else:
+            styles[owner] = ColumnShard(params)
+    for norm, dim in pair.head_norms.items():
+        if norm in present:
+            styles[norm] = SequenceParallel(sequence_dim=dim, use_local_output=True)
+    for table in pair.head_tables:
+        if table in present:
+            styles[table] = ColwiseParallel()
+    return styles
+
+
+def _block_modules(root: nn.Module, block) -> Dict[str, nn.Module]:
+    """{path relative to the block (``Block.rel``): module} of a layer or a group of children."""
+    if not block.members:
+        return dict(root.get_submodule(block.name).named_modules())
+    modules = dict(root.named_modules())
+    return {block.rel(f"{m}.{path}" if path else m): sub
+            for m in block.members if m in modules for path, sub in modules[m].named_modules()}
+
+
+def owned_blocks(graph, names: Sequence[str]) -> List:
+    """The layer blocks of ``graph`` named in ``names`` (block names or, for a group of children,
+    its members), in chain order."""
+    wanted = set(names)
+    return [b for b in graph.layer_blocks if wanted & set(b.modules) or b.name in wanted]
+
 
 def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *,
                           sequence_parallel: bool = False) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
 
-    Returns {linear FQN: "colwise" | "rowwise"} of what was sharded (for reports and tests).
+    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table"} of what
+    was sharded (for reports and tests).
     """
     tp = tp_mesh.size()
     if tp == 1:
         return {}
-    by_name = {b.name: b for b in graph.blocks}
     applied: Dict[str, str] = {}
-    owned = [n for n in block_names if n in by_name]
-    for index, name in enumerate(owned):
-        block = by_name[name]
+    owned = owned_blocks(graph, block_names)
+    kinds = {ColumnShard: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
+             ColwiseParallel: "head_table"}
+    for index, block in enumerate(owned):
+        name = block.name
         pattern = graph.patterns.get(block.signature)
         if pattern is None:
             continue
-        block_mod = module.get_submodule(name)
         regions = block_regions(pattern)
-        present = dict(block_mod.named_modules())
+        present = _block_modules(module, block)
         styles = {}
         for region, kind, pairs in regions:
             sp_here = sequence_parallel and kind != "expert"
+            heads = []
             for pair in pairs:
-                if pair.row not in present:  # e.g. an expert another EP rank holds
-                    continue
-                for col in pair.column:
-                    styles[col] = ColwiseParallel()
-                styles[pair.row] = RowwiseParallel(output_layouts=Shard(1)) if sp_here else RowwiseParallel()
-                applied.update({f"{name}.{c}": "colwise" for c in pair.column})
-                applied[f"{name}.{pair.row}"] = "rowwise"
-            if kind == "attention" and region in present:
-                localise_head_counts(present[region], tp)
+                styles.update(_pair_styles(pair, present, sp_here))
+                heads += [h for h in pair.head_inputs if h not in heads]
+            target = present.get(region)
+            if kind == "attention" and target is not None:
+                localise_head_counts(target, tp)
+            if heads and target is not None:
+                target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()),
+                                                 with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
-            parallelize_module(block_mod, tp_mesh, styles, src_data_rank=None)
+            parallelize_module(module, tp_mesh, {block.fqn(p): style for p, style in styles.items()},
+                               src_data_rank=None)
+            applied.update({block.fqn(p): kinds[type(style)] for p, style in styles.items()})
         if not sequence_parallel:
             continue
+        block_mod = module.get_submodule(name)  # a layer module: checks refuse sequence parallel for groups
         # Sequence parallel: regions gather their input, norms outside regions run sharded.
         region_paths = [r for r, _, _ in regions]
         for region, kind, _ in regions:

@@ -11,13 +11,22 @@ from typing import Optional
 from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cluster.spec import PRESETS, Cluster
-from nest_fx.cluster.topology.fileformat import load_topology
+from nest_fx.cluster.topology.fileformat import TOPOLOGY_FORMAT, topology_from_document
 from nest_fx.cluster.topology.graph_cluster import GraphCluster
-from nest_fx.cluster.topology.specs import is_topology_file, is_topology_spec, topology_from_spec
+from nest_fx.cluster.topology.specs import is_topology_spec, topology_from_spec
+from nest_fx.common.fileio import read_document
 
 
 def _is_file_spec(spec: str) -> bool:
     return os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json"))
+
+
+def _load_file(path: str) -> ClusterModel:
+    """A cluster or topology file, read and parsed once; its ``format`` decides which."""
+    data = read_document(path, ClusterError, "cluster")
+    if isinstance(data, dict) and data.get("format") == TOPOLOGY_FORMAT:
+        return GraphCluster(topology_from_document(data, path))
+    return Cluster.from_dict(data, where=path)
 
 
 def load_cluster(spec: str, devices: Optional[int] = None) -> ClusterModel:
@@ -26,7 +35,7 @@ def load_cluster(spec: str, devices: Optional[int] = None) -> ClusterModel:
     (``rail:128x8``, ``fat-tree:128x8,oversub=2``, ``torus:8x8x16``;
     ``nest_fx.cluster.topology.specs``). Graph topologies come back as a :class:`GraphCluster`."""
     if _is_file_spec(spec):
-        cluster = GraphCluster(load_topology(spec)) if is_topology_file(spec) else Cluster.load(spec)
+        cluster = _load_file(spec)
         if devices is not None and devices != cluster.num_devices:
             raise ClusterError(f"--devices {devices} differs from num_devices={cluster.num_devices} in {spec}")
         return cluster

@@ -2,19 +2,30 @@
 
 Every reader of user data (cluster, topology, plan, workload and profile files) goes through
 :func:`read_text`, :func:`read_json` or :func:`read_document`, so each failure becomes one line
-of the reader's own error type: a missing or unreadable file, bytes that are not UTF-8, a syntax
-error (with its line and column), nesting deeper than :data:`MAX_DEPTH`, or an integer literal
-too long to convert. :func:`brief` quotes a user value in a message without printing (or
-walking) all of it.
+of the reader's own error type: a missing or unreadable file, something that is not a regular
+file (a FIFO, a device such as ``/dev/zero``, a directory), a file larger than
+:data:`MAX_FILE_BYTES`, bytes that are not UTF-8, a syntax error (with its line and column),
+nesting deeper than :data:`MAX_DEPTH`, or an integer literal too long to convert. A file is read
+once, with a bounded read, and never waited on. :func:`brief` quotes a user value in a message
+without printing (or walking) all of it.
 """
 from __future__ import annotations
 
 import json
+import os
 import reprlib
+import stat
 from typing import Any, Type
 import yaml
 
 MAX_DEPTH = 200  # nesting of lists/mappings a document may have (ours need fewer than 10)
+
+MAX_FILE_BYTES = 64 * 2**20
+"""Largest user file read (64 MiB): the largest graph topology the generators make (65,536
+devices) is 14 MiB of JSON, and YAML parsing needs about 17 bytes of memory per byte of text."""
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 BRIEF_CHARS = 120  # longest quote of a user value in an error message
 _REPR = reprlib.Repr()
@@ -38,14 +49,52 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def read_text(path: str, error: Type[Exception], what: str) -> str:
-    """The file's text, or ``error`` naming the file and the OS reason (or the first byte that
-    is not UTF-8)."""
+def _size(n: float) -> str:
+    return f"{n / 2**20:.4g} MiB" if n >= 2**20 else f"{n:.0f} bytes"
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_bytes(path: str, error: Type[Exception], what: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of the regular file at ``path``, read once; ``error`` naming the file for an OS
+    failure, for anything that is not a regular file (checked on the opened file, which is
+    opened without blocking, so a FIFO never waits for a writer) and for more than
+    ``max_bytes`` bytes (checked on the size and on the bytes actually read)."""
     try:
-        with open(path, encoding="utf-8-sig") as fh:  # a leading byte-order mark is dropped
-            return fh.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise error(f"cannot read {what} file {path!r}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{path}: is {_kind(info.st_mode)}, not a regular file; pass the path of a {what} file")
+        if info.st_size > max_bytes:
+            raise error(f"{path}: {_size(info.st_size)}; {what} files larger than {_size(max_bytes)} are refused (is "
+                        "this the right file?)")
+        chunks, total = [], 0
+        while total <= max_bytes:  # bounded: a file that grows while read, or reports size 0 (/proc)
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise error(f"cannot read {what} file {path!r}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise error(f"{path}: more than {_size(max_bytes)}; {what} files larger than that are refused")
+    return b"".join(chunks)
+
+
+def read_text(path: str, error: Type[Exception], what: str) -> str:
+    """The file's text (:func:`read_bytes`, decoded), or ``error`` naming the file and the
+    reason (or the first byte that is not UTF-8)."""
+    data = read_bytes(path, error, what)
+    try:
+        return data.decode("utf-8-sig")  # a leading byte-order mark is dropped
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
                     f"save the {what} file as UTF-8") from None

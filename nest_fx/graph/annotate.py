@@ -30,12 +30,17 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from nest_fx.graph.capture import clean_fqn
 from nest_fx.graph.recompute_policies import ATTENTION_KERNELS, aten_kind
 
-MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "einsum"}
+MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "grouped_mm",
+              "grouped_mm_fallback", "einsum"}
 # Ops that move or re-type a tensor without computing on it: a parameter seen through them is
 # still "the weight" of the matmul that consumes it.
 VIEW_OPS = {"view", "t", "transpose", "permute", "reshape", "expand", "contiguous", "to", "_to_copy",
             "unsqueeze", "squeeze", "select", "slice", "index", "getitem", "alias", "type_as", "float",
-            "half", "bfloat16", "detach", "clone", "_unsafe_view", "chunk", "split", "unbind"}
+            "half", "bfloat16", "detach", "clone", "_unsafe_view", "chunk", "split", "unbind", "numpy_T", "mT",
+            "adjoint", "lift_fresh_copy"}
+# Views that keep every dim of the parameter in place (dims follow through unchanged).
+_SAME_DIMS = {"to", "_to_copy", "contiguous", "type_as", "float", "half", "bfloat16", "detach", "clone", "alias",
+              "lift_fresh_copy"}
 
 
 
@@ -47,6 +52,29 @@ def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, *
 # CPU tensors, which would count attention as 0 FLOPs when the model's parameters are on CPU
 # (on meta or CUDA the same model counts them). Same formula as the CUDA kernels.
 EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop}
+
+
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A grouped matmul of ``a [S, K]`` with ``b [G, K, N]`` (row groups by offsets; each row meets
+    one group's matrix): 2*S*K*N. Other operand ranks (3-D x 3-D batched groups): 2 * the output
+    numel * K."""
+    k = a_shape[-1]
+    out = 1
+    for d in (out_shape or [a_shape[0], b_shape[-1]]):
+        out *= d
+    return 2 * out * k
+
+
+def flop_formulas() -> dict:
+    """FLOP formulas FlopCounterMode lacks: the CPU SDPA kernel, grouped matmuls (``aten._grouped_mm``;
+    HuggingFace MoE experts' ``transformers::grouped_mm_fallback``, registered once transformers'
+    MoE integration is imported), so experts count the FLOPs of the tokens they really compute."""
+    formulas = dict(EXTRA_FLOP_FORMULAS)
+    formulas[torch.ops.aten._grouped_mm] = _grouped_mm_flop
+    fallback = getattr(getattr(torch.ops, "transformers"), "grouped_mm_fallback", None)
+    if fallback is not None:
+        formulas[fallback] = _grouped_mm_flop
+    return formulas
 
 
 def op_kind(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -72,6 +100,18 @@ def module_of(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return clean_fqn(path)
+
+
+def module_class_of(node: fx.Node, gm: fx.GraphModule) -> str:
+    """Qualified class name of the innermost module the node ran in ("" when unknown)."""
+    if node.op == "call_module":
+        cls = type(gm.get_submodule(node.target))
+    else:
+        stack = node.meta.get("nn_module_stack")
+        cls = list(stack.values())[-1][1] if stack else None
+    if isinstance(cls, str):
+        return cls
+    return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else ""
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:
@@ -126,7 +166,7 @@ class _FakeInterpreter(fx.Interpreter):
         self.records: Dict[str, dict] = {}
         self.current: Optional[str] = None
         self.saved_seen: Set[int] = set()
-        self.counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+        self.counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
         self.seen_params: Set[int] = set()
         self.param_fqn: Dict[int, str] = {}
         for name, p in gm.named_parameters(remove_duplicate=True):
@@ -235,7 +275,11 @@ class _FakeInterpreter(fx.Interpreter):
         rec["out_dtypes"] = [_dtype_name(t.dtype) for t in out_t]
         rec["out_bytes"] = float(sum(t.numel() * t.element_size() for t in out_t))
         rec["consts"] = _literal_args(n)
-        pbytes, pnames, pcount = 0, [], 0
+        rec["args"] = [_literal(a) for a in n.args]
+        rec["kwargs"] = {k: _literal(v) for k, v in n.kwargs.items()}
+        # the input node of each entry of in_shapes (a tuple-valued input gives several)
+        rec["inputs"] = [a.name for a in n.all_input_nodes if a in self.env for _ in _tensors(self.env[a])]
+        pbytes, pnames, pcount, numels = 0, [], 0, []
         for name, p in self._params_of(n):
             if id(p) in self.seen_params:
                 continue
@@ -243,7 +287,9 @@ class _FakeInterpreter(fx.Interpreter):
             pbytes += p.numel() * p.element_size()
             pcount += p.numel()
             pnames.append(self.param_fqn.get(id(p), name))
+            numels.append(p.numel())
         rec["param_bytes"], rec["params"], rec["num_params"] = float(pbytes), pnames, pcount
+        rec["param_numels"] = numels  # aligned with params
         return result
 
     def fake(self, value: Any) -> Any:
@@ -269,25 +315,35 @@ def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] =
     graph = nx.DiGraph()
     param_source: Dict[str, str] = {}
     param_rank: Dict[str, int] = {}
+    param_dims: Dict[str, List[Optional[int]]] = {}  # view of a parameter: its dims -> the parameter's dims
+    param_shape: Dict[str, List[int]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = fx.Interpreter.fetch_attr(interp, node.target)
             if isinstance(value, torch.nn.Parameter):
                 fqn = interp.param_fqn.get(id(value), str(node.target))
                 param_source[node.name], param_rank[fqn] = fqn, value.dim()
+                param_dims[node.name] = list(range(value.dim()))
+                param_shape[fqn] = list(value.shape)
             continue
         rec = interp.records.get(node.name)
         if rec is None or (node.op == "call_module" and str(node.target).startswith("_guards")):
             continue
         kind = op_kind(node, gm)
-        attrs = dict(rec, op=kind, target=_target_str(node), module=module_of(node), fx_op=node.op)
+        attrs = dict(rec, op=kind, target=_target_str(node), module=module_of(node), fx_op=node.op,
+                     module_class=module_class_of(node, gm))
         weight = _weight_of(node, kind, gm, param_source, param_rank)
         if weight:
             attrs["weight"] = weight
+            attrs["weight_dims"] = _weight_dims(node, kind, gm, param_source, param_dims, weight)
+            attrs["weight_shape"] = param_shape.get(weight) or list(gm.get_parameter(weight).shape)
+        # the parameter behind each entry of in_shapes (None for activations)
+        attrs["input_params"] = [param_source.get(name) for name in rec.get("inputs", [])]
         if kind in VIEW_OPS:
-            src = next((param_source[a.name] for a in node.all_input_nodes if a.name in param_source), None)
-            if src:
-                param_source[node.name] = src
+            src = next((a for a in node.all_input_nodes if a.name in param_source), None)
+            if src is not None:
+                param_source[node.name] = param_source[src.name]
+                param_dims[node.name] = _view_dims(kind, node, param_dims.get(src.name, []), rec)
         graph.add_node(node.name, **attrs)
         for arg in node.all_input_nodes:
             if arg.name in graph:
@@ -305,6 +361,73 @@ def _weight_of(node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[
         if sources:
             return max(sources, key=lambda s: param_rank.get(s, 0))
     return ""
+
+
+def _view_dims(kind: str, node: fx.Node, dims: List[Optional[int]], rec: dict) -> List[Optional[int]]:
+    """Which parameter dim each dim of a view of a parameter is (None: merged, split or unknown)."""
+    in_shape = rec["in_shapes"][0] if rec.get("in_shapes") else []
+    out_shape = rec["out_shapes"][0] if rec.get("out_shapes") else []
+    n = len(dims)
+    if kind in _SAME_DIMS or (kind in ("view", "reshape", "_unsafe_view", "expand") and in_shape == out_shape):
+        return list(dims)
+    if kind in ("t", "numpy_T"):
+        return list(reversed(dims))
+    if kind in ("mT", "adjoint") and n >= 2:
+        return dims[:-2] + [dims[-1], dims[-2]]
+    if kind == "transpose" and len(node.args) >= 3 and all(isinstance(a, int) for a in node.args[1:3]):
+        a, b = (d % n for d in node.args[1:3])
+        out = list(dims)
+        out[a], out[b] = out[b], out[a]
+        return out
+    if kind == "permute" and len(node.args) >= 2 and isinstance(node.args[1], (list, tuple)):
+        return [dims[d % n] for d in node.args[1]]
+    if kind in ("select", "getitem", "index") and len(out_shape) == n - 1 and list(out_shape) == list(in_shape[1:]):
+        return list(dims[1:])  # one expert's weight of a 3-D parameter
+    if kind == "index" and len(out_shape) == n and list(out_shape[1:]) == list(in_shape[1:]):
+        return [None] + list(dims[1:])  # a gather of experts along dim 0
+    if kind == "unsqueeze" and len(node.args) >= 2 and isinstance(node.args[1], int):
+        out = list(dims)
+        out.insert(node.args[1] % (n + 1), None)
+        return out
+    return [None] * len(out_shape)
+
+
+_OPERANDS = {"addmm": (1, 2), "baddbmm": (1, 2)}  # (A, B) of A @ B; other matmuls take them first
+
+
+def _weight_dims(node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[str, str],
+                 param_dims: Dict[str, List[Optional[int]]], weight: str) -> List[Optional[int]]:
+    """[output-feature dim, input-feature dim] of the parameter ``weight`` in this matmul (None
+    when the tracer cannot tell): what tensor parallelism shards for a column and a row."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
+        return [0, 1]
+    args = [a for a in node.args]
+    if kind == "linear" and len(args) >= 2 and isinstance(args[1], fx.Node) and args[1].name in param_dims:
+        dims = param_dims[args[1].name]
+        return [dims[0], dims[1]] if len(dims) == 2 else [None, None]
+    if kind not in MATMUL_OPS or kind in ("linear", "einsum"):
+        return [None, None]
+    first, second = _OPERANDS.get(kind, (0, 1))
+    for position, (out_at, in_at) in ((second, (-1, -2)), (first, (-2, -1))):
+        arg = args[position] if position < len(args) else None
+        if isinstance(arg, fx.Node) and param_source.get(arg.name) == weight and arg.name in param_dims:
+            dims = param_dims[arg.name]
+            return [dims[out_at], dims[in_at]] if len(dims) >= 2 else [None, None]
+    return [None, None]
+
+
+def _literal(value: Any) -> Any:
+    """A node argument as plain data: numbers, strings, tuples of them, ``("slice", start, stop,
+    step)`` and ``"..."``; None for tensors."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_literal(v) for v in value)
+    if isinstance(value, slice):
+        return ("slice", _literal(value.start), _literal(value.stop), _literal(value.step))
+    if value is Ellipsis:
+        return "..."
+    return None
 
 
 def _literal_args(node: fx.Node) -> str:

@@ -1,11 +1,20 @@
 """Group OpGraph nodes into head, repeated layers and tail; find identical layers.
 
 The layer container is the module path ``P`` for which nodes live under ``P.0``, ``P.1``, ...
-(an ``nn.ModuleList``/``Sequential`` of layers) and that carries the most FLOPs. Nodes before
-the first layer form the head, nodes after the last layer the tail; nodes outside any layer
-that sit between layers (e.g. a residual add written at the model's top level) belong to the
-layer before them. Two layers are identical when their op sequences, relative module paths,
-shapes, dtypes and FLOPs match, which lets later stages cost one layer and reuse it.
+(an ``nn.ModuleList``/``Sequential`` of layers, the model itself when it is an
+``nn.Sequential``) and that carries the most FLOPs. Nodes before the first layer form the head,
+nodes after the last layer the tail; nodes outside any layer that sit between layers (e.g. a
+residual add written at the model's top level) belong to the layer before them. Two layers are
+identical when their op sequences, relative module paths, shapes, dtypes and FLOPs match, which
+lets later stages cost one layer and reuse it.
+
+When the container's children are single modules (a flat ``nn.Sequential`` of ``Linear``,
+``GELU``, ``Conv2d``, ...), one child is not a layer: the layers are the longest run of a
+repeated unit of consecutive children (``Linear-GELU`` x 4, ``Conv-GroupNorm-ReLU`` x 4); the
+children before the run form the head and those after it the tail. The unit is the shortest
+repeat whose copies hold a whole tensor-parallel pair (``Linear-GELU-Linear-GELU``), when one
+exists with at least two copies (a copy too few joins the tail), so both pipeline and tensor
+parallelism apply; else the shortest repeat. Such a block lists its children in ``Block.members``.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import networkx as nx
 
 from nest_fx.graph.opgraph import Block
+from nest_fx.graph.tp_pairs import find_pattern
 
 
 def _layer_key(module: str, container: str) -> Optional[int]:
@@ -27,8 +37,9 @@ def _layer_key(module: str, container: str) -> Optional[int]:
     return int(head) if head.isdigit() else None
 
 
-def find_layer_container(graph: nx.DiGraph) -> str:
-    """Module path of the layer list: the indexed container with >= 2 layers and most FLOPs."""
+def find_layer_container(graph: nx.DiGraph) -> Optional[str]:
+    """Module path of the layer list: the indexed container with >= 2 layers and most FLOPs
+    ("" for the model itself, None when there is none)."""
     flops: Dict[str, float] = defaultdict(float)
     indices: Dict[str, set] = defaultdict(set)
     for _, data in graph.nodes(data=True):
@@ -41,7 +52,7 @@ def find_layer_container(graph: nx.DiGraph) -> str:
                 break  # only the outermost index: layers.3.experts.1 belongs to "layers"
     candidates = [c for c in indices if len(indices[c]) >= 2]
     if not candidates:
-        return ""
+        return None
     return max(candidates, key=lambda c: (flops[c], -len(c)))
 
 
@@ -52,7 +63,12 @@ def detect_blocks(graph: nx.DiGraph) -> Tuple[str, List[Block]]:
     layer_of: Dict[str, Optional[int]] = {}
     for name in order:
         module = graph.nodes[name].get("module", "")
-        layer_of[name] = _layer_key(module, container) if container else None
+        layer_of[name] = _layer_key(module, container) if container is not None else None
+    container = container or ""
+    child_ids = sorted({i for i in layer_of.values() if i is not None})
+    members: Dict[int, List[str]] = {}
+    if child_ids and _leaf_children(graph, order, layer_of, container):
+        layer_of, members = _group_children(graph, order, layer_of, child_ids, container)
     layer_ids = sorted({i for i in layer_of.values() if i is not None})
     if not layer_ids:
         blocks = [Block(index=0, name="head", kind="head", nodes=order)]
@@ -61,7 +77,8 @@ def detect_blocks(graph: nx.DiGraph) -> Tuple[str, List[Block]]:
 
     last = max((k for k, n in enumerate(order) if layer_of[n] is not None))
     head = Block(index=0, name="head", kind="head")
-    layers = {i: Block(index=k + 1, name=f"{container}.{i}" if container else str(i), kind="block")
+    layers = {i: Block(index=k + 1, name=_group_name(members[i]) if i in members else
+                       (f"{container}.{i}" if container else str(i)), kind="block", members=members.get(i, []))
               for k, i in enumerate(layer_ids)}
     tail = Block(index=len(layer_ids) + 1, name="tail", kind="tail")
     current: Optional[Block] = None
@@ -77,6 +94,74 @@ def detect_blocks(graph: nx.DiGraph) -> Tuple[str, List[Block]]:
     blocks = [head] + [layers[i] for i in layer_ids] + [tail]
     _finish(graph, blocks, container)
     return container, blocks
+
+
+def _child(container: str, index: int) -> str:
+    return f"{container}.{index}" if container else str(index)
+
+
+def _group_name(members: List[str]) -> str:
+    return f"{members[0]}..{members[-1].rpartition('.')[2]}"
+
+
+def _leaf_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]], container: str) -> bool:
+    """True when every child of the container is a single module (no submodule ran an op)."""
+    return all(graph.nodes[n].get("module", "") == _child(container, layer_of[n])
+               for n in order if layer_of[n] is not None)
+
+
+def _child_key(graph: nx.DiGraph, nodes: List[str]) -> tuple:
+    return tuple((graph.nodes[n].get("op"), graph.nodes[n].get("module_class"), repr(graph.nodes[n].get("out_shapes")),
+                  repr(graph.nodes[n].get("in_shapes")), graph.nodes[n].get("param_bytes")) for n in nodes)
+
+
+MAX_UNIT = 32  # children in a repeated unit (longer repeats are not looked for)
+
+
+def _group_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]], child_ids: List[int],
+                    container: str) -> Tuple[Dict[str, Optional[int]], Dict[int, List[str]]]:
+    """Group leaf children into layers: the longest run of a repeated unit (module docstring).
+    Returns the new layer id of every node (None: head/tail) and each layer's member FQNs."""
+    nodes_of: Dict[int, List[str]] = defaultdict(list)
+    for n in order:
+        if layer_of[n] is not None:
+            nodes_of[layer_of[n]].append(n)
+    keys = [_child_key(graph, nodes_of[i]) for i in child_ids]
+    has_params = [any(graph.nodes[n].get("params") for n in nodes_of[i]) for i in child_ids]
+    n = len(keys)
+    best = None  # (covered, -unit, starts with parameters, -start), start, unit, copies
+    for unit in range(1, min(MAX_UNIT, n // 2) + 1):
+        for start in range(0, n - 2 * unit + 1):
+            copies = 1
+            while start + (copies + 1) * unit <= n and \
+                    keys[start + copies * unit:start + (copies + 1) * unit] == keys[start:start + unit]:
+                copies += 1
+            if copies >= 2:
+                rank = (unit * copies, -unit, has_params[start], -start)
+                if best is None or rank > best[0]:
+                    best = (rank, start, unit, copies)
+    if best is None:
+        return {k: None for k in layer_of}, {}
+    _, start, unit, copies = best
+    scale = next((m for m in range(1, copies // 2 + 1)
+                  if _holds_pair(graph, [n for i in child_ids[start:start + m * unit] for n in nodes_of[i]])), 1)
+    size = unit * scale
+    layer_of = {k: None for k in layer_of}
+    members: Dict[int, List[str]] = {}
+    for j in range(copies // scale):
+        ids = child_ids[start + j * size:start + (j + 1) * size]
+        members[j] = [_child(container, i) for i in ids]
+        for i in ids:
+            for node in nodes_of[i]:
+                layer_of[node] = j
+    return layer_of, members
+
+
+def _holds_pair(graph: nx.DiGraph, nodes: List[str]) -> bool:
+    """True when ``nodes`` hold a linear whose features reach another linear of them through
+    per-feature ops only (a tensor-parallel pair that can be sharded exactly)."""
+    pattern = find_pattern(graph, Block(index=-1, name="candidate", kind="block", nodes=list(nodes)))
+    return any(not pair.problem for pair in pattern.tp_pairs)
 
 
 def _finish(graph: nx.DiGraph, blocks: List[Block], container: str) -> None:
@@ -107,13 +192,12 @@ def _boundary_bytes(graph: nx.DiGraph, block: Block, owner: Dict[str, int]) -> f
 
 
 def _signature(graph: nx.DiGraph, block: Block, container: str) -> str:
-    prefix = f"{block.name}." if block.kind == "block" else ""
     h = hashlib.sha1()
     h.update(block.kind.encode())
     for name in block.nodes:
         d = graph.nodes[name]
         module = d.get("module", "")
-        rel = module[len(prefix):] if prefix and module.startswith(prefix) else ("" if module == block.name else module)
+        rel = block.rel(module)
         h.update(repr((d.get("op"), rel, d.get("out_shapes"), d.get("out_dtypes"), d.get("in_shapes"),
                        d.get("flops"), d.get("param_bytes"))).encode())
     return h.hexdigest()[:12]

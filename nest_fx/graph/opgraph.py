@@ -43,6 +43,68 @@ class Block:
     saved_bytes: float = 0.0
     out_bytes: float = 0.0  # bytes leaving this block for later blocks (stage boundary)
     is_moe: bool = False
+    # A group of consecutive children of the layer container (a repeated unit of a flat
+    # nn.Sequential, e.g. Linear-GELU): their FQNs. Empty when the block is the one module ``name``.
+    members: List[str] = field(default_factory=list)
+
+    def _group(self):
+        prefix, _, first = self.members[0].rpartition(".")
+        return prefix, int(first)
+
+    def rel(self, fqn: str) -> str:
+        """``fqn`` relative to this block: below the layer module (``attn.q_proj``), or for a group
+        the child index counted from the group's first child (``1.weight``: its second child)."""
+        if self.kind != "block":
+            return fqn
+        if self.members:
+            prefix, start = self._group()
+            rest = fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else ("" if fqn == prefix else fqn)
+            head, dot, tail = rest.partition(".")
+            return f"{int(head) - start}{dot}{tail}" if head.isdigit() else fqn
+        if fqn.startswith(self.name + "."):
+            return fqn[len(self.name) + 1:]
+        return "" if fqn == self.name else fqn
+
+    def fqn(self, rel: str) -> str:
+        """The module path of ``rel`` (as :meth:`rel` gives it) in the model."""
+        if self.kind != "block":
+            return rel
+        if self.members:
+            prefix, start = self._group()
+            if not rel:
+                return prefix
+            head, dot, tail = rel.partition(".")
+            return f"{prefix + '.' if prefix else ''}{start + int(head)}{dot}{tail}"
+        return f"{self.name}.{rel}" if rel else self.name
+
+    @property
+    def modules(self) -> List[str]:
+        """The modules this block consists of: its members, or its own module for a layer."""
+        return list(self.members) or [self.name]
+
+
+@dataclass
+class TPParam:
+    """A parameter tensor parallelism shards along ``dim``. ``parts`` (sizes along ``dim``) is set
+    when the parameter fuses several projections there (q/k/v, gate/up): each part is cut into
+    ``tp`` contiguous chunks on its own, so a rank keeps whole heads of each (docs/runtime.md)."""
+
+    name: str  # relative to the block
+    dim: int
+    parts: List[int] = field(default_factory=list)
+    units: List[int] = field(default_factory=list)  # per part: features per head (1 for an MLP): tp divides size/unit
+
+
+@dataclass
+class HeadInput:
+    """A tensor with one entry per attention head that the region receives as an input (ALiBi
+    slopes, a position bias computed by an earlier layer): each rank slices its heads on entry.
+    ``dim`` holds ``outer x count x inner`` elements with the heads as the middle factor."""
+
+    shape: List[int]  # as traced (dims of size 1 stay 1)
+    dim: int
+    count: int
+    inner: int = 1
 
 
 @dataclass
@@ -50,21 +112,34 @@ class TPPair:
     """Linears that tensor parallelism shards together: columns then one row linear.
 
     ``kind`` is "attention", "mlp" or "expert"; FQNs are relative to the block module, so one
-    pair describes every identical block.
+    pair describes every identical block. ``column``/``row`` name modules (a linear, a HF
+    ``Conv1D``, any module whose weight enters a matmul) or, for experts stored as 3-D tensors, the
+    parameters themselves. The remaining fields say how the runtime shards the pair exactly:
+    ``params`` (every sharded parameter), ``head_norms`` (norms applied per head inside the region,
+    module -> the heads dim of their input; weights stay replicated), ``head_tables`` (embeddings
+    with one column per head, sharded with the heads), ``head_inputs`` (see :class:`HeadInput`);
+    ``problem`` is why the pair cannot be sharded exactly ("" when it can).
     """
 
     kind: str
     column: List[str]
     row: str
+    params: List[TPParam] = field(default_factory=list)
+    head_norms: Dict[str, int] = field(default_factory=dict)
+    head_tables: List[str] = field(default_factory=list)
+    head_inputs: List[HeadInput] = field(default_factory=list)
+    problem: str = ""
 
 
 @dataclass
 class BlockPattern:
-    """Tensor-parallel structure shared by all blocks of one signature."""
+    """Tensor-parallel structure shared by all blocks of one signature. ``tp_problem``: why
+    tensor parallelism cannot shard this block exactly, beyond its pairs' own problems ("" = none)."""
 
     signature: str
     tp_pairs: List[TPPair] = field(default_factory=list)
     routers: List[str] = field(default_factory=list)
+    tp_problem: str = ""
 
 
 class OpGraph:
@@ -80,6 +155,8 @@ class OpGraph:
         self.blocks: List[Block] = []
         self.patterns: Dict[str, BlockPattern] = {}
         self.module = None  # the captured torch.fx.GraphModule, when traced in this process
+        self.input_names: List[str] = []  # the model's inputs given to the trace (forward argument names)
+        self.expert_modules: Optional[List[str]] = None  # FQNs holding expert weights (None: not recorded)
 
     # -- access ---------------------------------------------------------------------------
     def nodes(self, block: Optional[int] = None) -> Iterable[dict]:

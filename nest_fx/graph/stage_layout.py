@@ -5,9 +5,11 @@ stage owns a contiguous range of it. The runtime (``nest_fx.graph.stage_modules`
 stage by keeping the modules its blocks use and running the model's *own* forward, with every
 other module replaced by a stand-in. This module reads, from the traced graph alone:
 
-* the **layout**: the layer module of each layer block, the top-most parameterised module
-  outside the layer container of every other op (``model.embed_tokens``, ``lm_head``) with the
-  blocks that use it, and the parameters that blocks on different stages share. A parameter
+* the **layout**: the modules of each layer block (its layer ``model.layers.3``, or for a group
+  of ``nn.Sequential`` children, ``Block.members``, every child of the group), the top-most
+  parameterised module outside the layer container of every other op (``model.embed_tokens``,
+  ``lm_head``; the head and tail children of a root ``nn.Sequential``) with the blocks that use
+  it, and the parameters that blocks on different stages share. A parameter
   used by the head and the tail only (tied input/output embeddings) is kept on the first and
   the last stage, as Megatron-LM does; any other sharing across blocks is a problem.
 * the **cuts**: between blocks ``c-1`` and ``c`` a stage boundary passes exactly one tensor.
@@ -16,7 +18,14 @@ other module replaced by a stand-in. This module reads, from the traced graph al
   forward code and parameter-free modules (causal and sliding-window masks, rotary tables,
   position ids) run on every stage. A second value that depends on a stage's modules (T5's
   position bias computed by its first layer, a skip connection from the embedding to the
-  output) cannot cross, and the cut is refused naming the module that produced it.
+  output) cannot cross, and the cut is refused naming the module that produced it. The one
+  activation enters block ``c`` as the input of its first module (a group's first child) and
+  nothing else after the cut may read it; before the tail it is the output of the last layer
+  block's last module.
+
+A layer container that is an ``nn.Sequential`` subclass with its own ``forward`` is refused:
+stages are cut between its children as if ``nn.Sequential.forward`` ran them in order, each on
+the previous one's output (groups of them form the layers), which that forward need not do.
 
 :class:`~nest_fx.plan.support.ParallelSupport.pp_problem` refuses pipelining when any cut or the
 layout has a problem, so the planner never offers a split the runtime would run wrong.
@@ -49,7 +58,11 @@ def untie_advice(model: nn.Module) -> str:
 class StageLayout:
     """The modules of a model by chain block (see the module docstring).
 
-    ``layers``: chain block index -> layer module path (``model.layers.3``).
+    ``layers``: chain block index -> name of that layer block (its module path ``model.layers.3``,
+    or ``2..5`` for a group of ``nn.Sequential`` children).
+    ``modules``: chain block index -> the modules of that layer block in call order
+    (``Block.modules``): the layer (``("model.layers.3",)``) or the group's children
+    (``("2", "3", "4", "5")``).
     ``owned``: parameterised module path outside the layer container -> chain blocks using it.
     ``unused``: parameterised modules no traced op uses (kept on every stage, never trained).
     ``shared``: canonical name -> every name of a parameter the head and the tail both use
@@ -62,6 +75,7 @@ class StageLayout:
     container: str
     num_blocks: int
     layers: Dict[int, str] = field(default_factory=dict)
+    modules: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
     owned: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     unused: List[str] = field(default_factory=list)
     shared: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
@@ -72,7 +86,19 @@ class StageLayout:
     def modules_in(self, start: int, end: int) -> List[str]:
         """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
         keep = [p for p, blocks in self.owned.items() if any(start <= b < end for b in blocks)]
-        return keep + [self.layers[b] for b in range(start, end) if b in self.layers]
+        return keep + [p for b in range(start, end) for p in self.modules.get(b, ())]
+
+    def layer_modules(self) -> List[str]:
+        """The modules of every layer block, in chain order."""
+        return [p for modules in self.modules.values() for p in modules]
+
+    def entry_module(self, block: int) -> str:
+        """The module of layer block ``block`` whose input is the activation entering it."""
+        return self.modules[block][0]
+
+    def exit_module(self, block: int) -> str:
+        """The module of layer block ``block`` whose output leaves it."""
+        return self.modules[block][-1]
 
     def first_problem(self) -> str:
         """The layout's problem, else the first cut's, else ""."""
@@ -106,12 +132,12 @@ class _Reader:
     def read(self) -> StageLayout:
         g = self.graph
         layout = StageLayout(container=self.container, num_blocks=len(g.blocks))
-        if not self.container or not any(b.kind == "block" for b in g.blocks):
-            layout.problem = ("the tracer found no list of repeated layers (e.g. model.layers) to cut between; "
-                              "a pipeline needs one. fix: use pp=1")
+        layout.problem = self._container_problem()
+        if layout.problem:
             return layout
         layout.layers = {b.index: b.name for b in g.blocks if b.kind == "block"}
-        layer_paths = set(layout.layers.values())
+        layout.modules = {b.index: tuple(b.modules) for b in g.blocks if b.kind == "block"}
+        layer_paths = set(layout.layer_modules())
         blocks_of: Dict[str, Set[int]] = defaultdict(set)
         for b in g.blocks:
             for node in b.nodes:
@@ -122,12 +148,25 @@ class _Reader:
                         if top not in layer_paths and self.has_params(top)}
         layout.unused = [p for p in self._child_tops() if p not in blocks_of and p not in layer_paths
                          and self.has_params(p)]
-        for b, path in layout.layers.items():
-            blocks_of[path] = {b}
+        for b, paths in layout.modules.items():
+            blocks_of.update({path: {b} for path in paths})
         layout.problem = self._root_parameters() or self._sharing(layout, blocks_of)
         if not layout.problem:
             layout.cut_problems = self._cuts(layout)
         return layout
+
+    def _container_problem(self) -> str:
+        """Why the chain has no layer container a pipeline can cut ("" when it has one)."""
+        if not any(b.kind == "block" for b in self.graph.blocks):
+            return ("the tracer found no list of repeated layers (e.g. model.layers) to cut between; "
+                    "a pipeline needs one. fix: use pp=1")
+        container = self.modules.get(self.container)
+        if isinstance(container, nn.Sequential) and type(container).forward is not nn.Sequential.forward:
+            return (f"{self.container or 'the model'} is a {type(container).__name__}, an nn.Sequential with its own "
+                    "forward; pipeline stages are cut between its children as if nn.Sequential's forward ran "
+                    "them in order, each on the previous one's output, which that forward need not do. "
+                    "fix: use pp=1")
+        return ""
 
     def _child_tops(self) -> List[str]:
         """Every module directly below one of the container's ancestors (the candidates for tops)."""
@@ -169,17 +208,17 @@ class _Reader:
 
     def _entry_problem(self, layout: StageLayout, c: int, value: str, cut: str) -> str:
         """Whether the one activation crossing cut ``c`` is where the runtime exchanges it: the
-        input of layer ``c`` and nothing else after the cut, or (before the tail) the last layer's
-        output."""
+        input of layer block ``c``'s first module and nothing else after the cut, or (before the
+        tail) the output of the last layer block's last module."""
         g = self.graph.graph
         if c not in layout.layers:  # the cut before the tail: the last layer's output is replaced
-            last = layout.layers[c - 1]
+            last = layout.exit_module(c - 1)
             if self.top_of(g.nodes[value].get("module", "")) != last:
                 return (f"a pipeline cut {cut}: the value reaching the tail is computed outside {last} "
                         f"({g.nodes[value].get('op')} in {g.nodes[value].get('module') or '<root>'}), but a stage "
                         "can only pass on the last layer's output. fix: use pp=1")
             return ""
-        layer = layout.layers[c]
+        layer = layout.entry_module(c)
         readers = [s for s in g.successors(value) if g.nodes[s]["block"] >= c
                    and self.top_of(g.nodes[s].get("module", "")) != layer]
         if readers:
@@ -191,7 +230,7 @@ class _Reader:
 
     def _cuts(self, layout: StageLayout) -> Dict[int, str]:
         g = self.graph.graph
-        owned = set(layout.owned) | set(layout.layers.values())
+        owned = set(layout.owned) | set(layout.layer_modules())
         local: Set[str] = set()  # values computed by a stage's own modules (or from them)
         for node, d in g.nodes(data=True):
             top = self.top_of(d.get("module", ""))

@@ -4,8 +4,9 @@ A stage owns a contiguous range ``[start, end)`` of the layer chain ``[head, <co
 tail]``. Its module is the model itself (a parameter-free copy of its skeleton per chunk under
 the interleaved schedule) in which
 
-* the modules the stage's blocks use stay (``nest_fx.graph.stage_layout``: its layers, and the
-  parameterised head/tail modules such as ``model.embed_tokens``, ``model.norm``, ``lm_head``);
+* the modules the stage's blocks use stay (``nest_fx.graph.stage_layout``: its layers, or all
+  the children of its groups of ``nn.Sequential`` children, and the parameterised head/tail
+  modules such as ``model.embed_tokens``, ``model.norm``, ``lm_head``);
 * every other such module is a :class:`~nest_fx.graph.stand_in.StandIn`: it computes nothing
   and returns NaN tensors of the real output's shape;
 * the layer container keeps its full length, so the model's forward still sees layer ``i`` at
@@ -16,11 +17,12 @@ so root-forward code runs where the model put it: masks, rotary tables and posit
 recomputed on every stage, Gemma's final logit soft-capping runs once, on the last stage. Two
 hooks route the activation:
 
-* **in** (every stage but the first): the input of the stage's first layer is replaced by the
-  activation received from the previous stage (for a stage that owns only the tail: the output
-  of the last layer's stand-in);
-* **out** (every stage but the last): the forward stops at the input of the first layer after
-  the range (or at the output of the last layer when the next stage owns only the tail), and
+* **in** (every stage but the first): the input of the stage's first layer (a group's first
+  child) is replaced by the activation received from the previous stage (for a stage that owns
+  only the tail: the output of the stand-in of the last layer, or of its group's last child);
+* **out** (every stage but the last): the forward stops at the input of the first layer (first
+  child) after the range (or at the output of the last layer, or of its group's last child,
+  when the next stage owns only the tail), and
   that tensor is the stage's output. Root code between two layers therefore runs on the stage of
   the layer before it, as the tracer's block assignment says.
 
@@ -52,7 +54,7 @@ def tensor_output(output):
     if isinstance(output, torch.Tensor):
         return output
     for attr in ("logits", "last_hidden_state"):
-        value = getattr(output, attr, None)
+        value = output.get(attr) if isinstance(output, dict) else getattr(output, attr, None)
         if isinstance(value, torch.Tensor):
             return value
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -221,15 +223,9 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
     if problem:
         raise SplitError(problem)
     n = layout.num_blocks
-    paths = list(layout.owned) + list(layout.layers.values())
+    paths = list(layout.owned) + layout.layer_modules()
     originals = {p: model.get_submodule(p) for p in paths}
-    shapes = {p: OutputShapes(originals[p], p) for p in layout.owned}
-    by_signature: Dict[str, OutputShapes] = {}
-    for b, p in layout.layers.items():
-        signature = graph.blocks[b].signature
-        if signature not in by_signature:
-            by_signature[signature] = OutputShapes(originals[p], p)
-        shapes[p] = by_signature[signature]
+    shapes = _output_shapes(graph, layout, originals)
     if len(ranges) == 1:
         bases = [model]
     else:
@@ -253,19 +249,35 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
     return bases
 
 
+def _output_shapes(graph, layout: StageLayout, originals: Dict[str, nn.Module]) -> Dict[str, OutputShapes]:
+    """The :class:`OutputShapes` of every module a stand-in may replace. The modules at the same
+    place in identical layer blocks (same signature, same position in a group) share one."""
+    shapes = {p: OutputShapes(originals[p], p) for p in layout.owned}
+    shared: Dict[Tuple[str, int], OutputShapes] = {}
+    for b, modules in layout.modules.items():
+        for position, p in enumerate(modules):
+            key = (graph.blocks[b].signature, position)
+            if key not in shared:
+                shared[key] = OutputShapes(originals[p], p)
+            shapes[p] = shared[key]
+    return shapes
+
+
 def _install_route(base: nn.Module, route: StageRoute, layout: StageLayout) -> None:
+    """The "in" and "out" hooks of one stage (module docstring), at the first module of its first
+    layer block and of the next stage's, or at the last layer block's last module."""
     layers = layout.layers
-    last_layer = layers[max(layers)]
+    last_layer = layout.exit_module(max(layers))
     if not route.first:
         if route.start in layers:
-            path = layers[route.start]
+            path = layout.entry_module(route.start)
             base.get_submodule(path).register_forward_pre_hook(_inject_input(route, path), with_kwargs=True,
                                                                prepend=True)
         else:  # the stage owns only the tail: the last layer's stand-in returns the activation
             base.get_submodule(last_layer).register_forward_hook(_inject_output(route, last_layer))
     if not route.last:
         if route.end in layers:
-            path = layers[route.end]
+            path = layout.entry_module(route.end)
             base.get_submodule(path).register_forward_pre_hook(_exit_at_input(path), with_kwargs=True)
         else:  # the next stage owns only the tail
             route.exit_after = last_layer

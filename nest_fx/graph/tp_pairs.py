@@ -1,25 +1,35 @@
-"""Find the column-parallel -> row-parallel linear pairs of each distinct block.
+"""Find the column-parallel -> row-parallel pairs of each distinct block, and how to shard them.
 
 Megatron-style tensor parallelism (Shoeybi et al. 2019) shards a linear A by output features
 (column) and the next linear B by input features (row), so only B's output needs an
 all-reduce. A and B form a pair when B's input is computed from A's output by ops that act on
-A's features independently: elementwise ops, reshapes into heads, rotary embeddings and
-attention. We find them by walking backwards from every parameterised matmul over
-floating-point data flow inside the block, stopping at other matmuls (the columns) and at
-normalisations (a norm op, or an op combining its input with a mean/variance a few ops
-upstream with no matmul in between, as hand-written RMSNorms do), which mix all features and so end the sharded region. Integer tensors (token
-indices, routing slots) are not followed: they carry no features.
+A's features independently: elementwise ops, reshapes into heads, per-head norms, rotary
+embeddings and attention. We find the pairs by walking backwards from every parameterised
+matmul over floating-point data flow inside the block, stopping at other parameterised matmuls
+(the columns) and at norms of the residual stream (whose width is the row's output width), which
+mix all features and so end the sharded region. Integer tensors (token indices, routing slots)
+are not followed: they carry no features.
+
+A "parameterised matmul" is whatever the tracer saw multiply activations by a parameter:
+``nn.Linear``, HF's ``Conv1D`` (``addmm`` with a [in, out] weight), ``x @ self.weight.T``,
+grouped/batched matmuls against 3-D expert weights. Its unit is the module holding the weight
+when that module holds nothing else (a linear-like module), else the parameter itself (experts
+stored as 3-D tensors, whose module then runs on its local shards). ``graph.tp_flow`` then
+follows the sharded features from the columns to the row and says which parameters to shard
+along which dim (fused parts included), what else runs per head, and what cannot be sharded.
 
 A router is a parameterised matmul whose output reaches ``topk`` within a few ops.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import networkx as nx
 
-from nest_fx.graph.annotate import MATMUL_OPS
-from nest_fx.graph.opgraph import Block, BlockPattern, TPPair
+from nest_fx.graph.annotate import MATMUL_OPS, VIEW_OPS
+from nest_fx.graph.opgraph import Block, BlockPattern, TPPair, TPParam
+from nest_fx.graph.tp_flow import follow_pair
+from nest_fx.graph.tp_regions import lowest_common_module
 
 NORM_OPS = {"layernorm", "layer_norm", "native_layer_norm", "rmsnorm", "rms_norm", "mean", "var",
             "var_mean", "groupnorm", "group_norm", "batchnorm", "batch_norm"}
@@ -27,6 +37,9 @@ ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_
                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "softmax", "_softmax"}
 _FLOAT = ("float", "bfloat16", "half", "complex")
+_STATISTICS = {"mean", "var", "var_mean"}  # what a hand-written norm reduces with
+# ops a linear-like module may run besides its matmul: views of the weight or input, the bias add
+_PROJECTION_OPS = MATMUL_OPS | VIEW_OPS | {"add", "add_", "view", "reshape", "_unsafe_view", "permute"}
 
 
 def _is_float(data: dict) -> bool:
@@ -35,40 +48,139 @@ def _is_float(data: dict) -> bool:
 
 
 def _rel(fqn: str, block: Block) -> str:
-    prefix = block.name + "."
-    return fqn[len(prefix):] if block.kind == "block" and fqn.startswith(prefix) else fqn
+    return block.rel(fqn)
 
 
-def _linear_name(weight: str) -> str:
-    return weight[: -len(".weight")] if weight.endswith(".weight") else weight
+class _BlockParams:
+    """The block's parameters by owning module (from the traced nodes)."""
+
+    def __init__(self, graph: nx.DiGraph, block: Block):
+        self.all: Set[str] = {p for n in block.nodes for p in graph.nodes[n].get("params", [])}
+        self.shapes: Dict[str, List[int]] = {}
+        for n in block.nodes:
+            d = graph.nodes[n]
+            for name, shape in zip(d.get("input_params") or [], d.get("in_shapes") or []):
+                if name:
+                    self.shapes.setdefault(name, shape)
+
+    def under(self, module: str) -> Set[str]:
+        return {p for p in self.all if p.startswith(module + ".")}
+
+
+def _unit(graph: nx.DiGraph, node: str, params: _BlockParams) -> Tuple[str, bool]:
+    """(unit FQN, is a module) of a parameterised matmul: its module when it holds only this
+    weight (and a bias), else the weight parameter itself."""
+    weight = graph.nodes[node]["weight"]
+    module = weight.rpartition(".")[0]
+    if weight.endswith(".weight") and params.under(module) <= {weight, module + ".bias"}:
+        return module, True
+    return weight, False
 
 
 def find_pattern(graph: nx.DiGraph, block: Block) -> BlockPattern:
     """TP pairs and routers of one block (FQNs relative to the block)."""
     members: Set[str] = set(block.nodes)
     linears = [n for n in block.nodes if graph.nodes[n].get("weight")]
+    params = _BlockParams(graph, block)
+    routers = sorted({_rel(_unit(graph, n, params)[0], block) for n in linears if _reaches_topk(graph, n, members)})
     pairs: List[TPPair] = []
     for row in linears:
-        columns, through_attention = _columns_feeding(graph, row, members)
+        columns, through_attention, stops = _columns_feeding(graph, row, members)
         if not columns:
             continue
-        row_name = _rel(_linear_name(graph.nodes[row]["weight"]), block)
-        col_names = sorted({_rel(_linear_name(graph.nodes[c]["weight"]), block) for c in columns})
-        if any("expert" in n or any(p.isdigit() for p in n.split(".")) for n in [row_name, *col_names]):
-            kind = "expert"
-        else:
-            kind = "attention" if through_attention else "mlp"
-        pairs.append(TPPair(kind=kind, column=col_names, row=row_name))
-    routers = sorted({_rel(_linear_name(graph.nodes[n]["weight"]), block)
-                      for n in linears if _reaches_topk(graph, n, members)})
-    pairs = [p for p in pairs if p.row not in routers and not set(p.column) & set(routers)]
+        pair = _make_pair(graph, block, params, columns, row, through_attention, bool(routers), stops)
+        if pair.row in routers or set(pair.column) & set(routers):
+            continue
+        pairs.append(pair)
     return BlockPattern(signature=block.signature, tp_pairs=_dedupe(pairs), routers=routers)
 
 
+def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: List[str], row: str,
+               through_attention: bool, moe: bool, stops: List[str]) -> TPPair:
+    units = {n: _unit(graph, n, params) for n in columns + [row]}
+    col_names = sorted({_rel(units[c][0], block) for c in columns})
+    row_name = _rel(units[row][0], block)
+    if any("expert" in n or (moe and any(p.isdigit() for p in n.split("."))) for n in [row_name, *col_names]):
+        kind = "expert"
+    else:
+        kind = "attention" if through_attention else "mlp"
+    pair = TPPair(kind=kind, column=col_names, row=row_name)
+    problem = _unit_problem(graph, block, params, units, columns, row)
+    owners = [u if is_module else u.rpartition(".")[0] for u, is_module in units.values()]
+    region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
+    layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module})
+    pair.problem = problem or layout.problem
+    inside = [graph.nodes[n].get("module", "") for n in stops
+              if graph.nodes[n].get("module", "").startswith(region + ".") and region]
+    if pair.problem and inside:
+        pair.problem = (f"module {inside[0]} normalises over all the features of a projection between the pair's "
+                        "linears (e.g. a query norm over the whole projection); each rank would normalise its shard "
+                        f"alone ({pair.problem})")
+    pair.head_norms = {_rel(m, block): d for m, d in layout.head_norms.items()}
+    pair.head_tables = sorted({_rel(m, block) for m in layout.head_tables})
+    pair.head_inputs = layout.head_inputs
+    for c in columns:
+        pair.params += _column_params(graph, block, params, c, units[c], layout.parts.get(c, []))
+    d = graph.nodes[row]
+    in_dim = (d.get("weight_dims") or [None, None])[1]
+    pair.params.append(TPParam(name=_rel(d["weight"], block), dim=in_dim if in_dim is not None else -1))
+    pair.params.sort(key=lambda p: p.name)
+    return pair
+
+
+def _column_params(graph: nx.DiGraph, block: Block, params: _BlockParams, node: str, unit: Tuple[str, bool],
+                   parts: List[Tuple[int, int, int]]) -> List[TPParam]:
+    d = graph.nodes[node]
+    weight = d["weight"]
+    out_dim = (d.get("weight_dims") or [None, None])[0]
+    sizes = [size for _, size, _ in parts] if len(parts) > 1 else []
+    units = [u for _, _, u in parts]
+    found = [TPParam(name=_rel(weight, block), dim=out_dim if out_dim is not None else -1, parts=sizes, units=units)]
+    bias = unit[0] + ".bias" if unit[1] else weight + "_bias"
+    if bias in params.all:
+        ndim = len(params.shapes.get(weight, d.get("weight_shape") or []))
+        found.append(TPParam(name=_rel(bias, block), dim=1 if ndim == 3 else 0, parts=sizes, units=units))
+    return found
+
+
+def _unit_problem(graph: nx.DiGraph, block: Block, params: _BlockParams, units: Dict[str, Tuple[str, bool]],
+                  columns: List[str], row: str) -> str:
+    """Why the pair's linear-like modules or expert parameters cannot be sharded as units ("" = they can)."""
+    members = block.nodes
+    for node, (name, is_module) in units.items():
+        if is_module:
+            extra = sorted({graph.nodes[n].get("op") for n in members
+                            if graph.nodes[n].get("module") == name and graph.nodes[n].get("op") not in _PROJECTION_OPS})
+            if extra:
+                return (f"module {name} runs {extra} besides its projection; tensor parallelism shards modules that "
+                        "only project (nn.Linear, Conv1D, x @ weight.T)")
+            continue
+        owner = name.rpartition(".")[0]
+        pair_params = {graph.nodes[n]["weight"] for n in units}
+        others = params.under(owner) - pair_params - {p + "_bias" for p in pair_params if node != row}
+        if others:
+            return (f"module {owner} holds {sorted(others)} besides the sharded {sorted(pair_params)}; tensor "
+                    "parallelism runs such a module on its local shards only when it holds nothing else")
+        if name + "_bias" in params.all and node == row:
+            return f"the row parameter {name} has a bias ({name}_bias); sharding it is not supported yet"
+    owners = {u.rpartition(".")[0] for u, is_module in units.values() if not is_module}
+    if len(owners) > 1 or (owners and any(is_module for _, is_module in units.values())):
+        return (f"the pair's parameters live in different modules ({sorted(owners)}); tensor parallelism needs the "
+                "3-D expert weights of one pair in one module")
+    return ""
+
+
 def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str]):
+    """Parameterised matmuls reached walking back from ``row``; whether attention lies between.
+    Norms over as many features as the row reads (the residual stream a block's norm normalises)
+    end the walk; norms over fewer (one head's features) are part of the region."""
     columns: List[str] = []
+    stops: List[str] = []
     through_attention = False
     seen: Set[str] = set()
+    d = graph.nodes[row]
+    dims, shape = d.get("weight_dims") or [None, None], d.get("weight_shape") or []
+    width = shape[dims[1]] if dims[1] is not None and shape else None  # features the row reads
     stack = [p for p in graph.predecessors(row) if _is_float(graph.nodes[p])]
     while stack:
         node = stack.pop()
@@ -80,25 +192,33 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str]):
             columns.append(node)
             continue
         op = data.get("op", "")
-        if op in NORM_OPS or _normalises(graph, node):
+        if (op in NORM_OPS and _last_dim(data) == width) or _normalises(graph, node, width):
+            stops.append(node)
             continue
         if op in ATTENTION_OPS or (op in MATMUL_OPS and not data.get("weight")):
             through_attention = True
         stack.extend(p for p in graph.predecessors(node) if _is_float(graph.nodes[p]))
-    return columns, through_attention
+    return columns, through_attention, stops
 
 
-def _normalises(graph: nx.DiGraph, node: str, depth: int = 6) -> bool:
-    """True when a feature reduction (mean/var/norm) lies a few ops upstream of ``node`` with no
-    matmul in between, as in a hand-written RMSNorm ``(x * rsqrt(mean(x^2) + eps)) * w``."""
+def _last_dim(data: dict) -> Optional[int]:
+    shapes = data.get("in_shapes") or []
+    return shapes[0][-1] if shapes and shapes[0] else None
+
+
+def _normalises(graph: nx.DiGraph, node: str, width: Optional[int], depth: int = 6) -> bool:
+    """True when a reduction over the residual stream's features (mean/var/norm) lies a few ops
+    upstream of ``node`` with no matmul in between, as in a hand-written RMSNorm
+    ``(x * rsqrt(mean(x^2) + eps)) * w``. Per-head norms (over a head's features) do not count."""
     def floats(n):
         return {p for p in graph.predecessors(n) if _is_float(graph.nodes[p])}
 
     frontier = floats(node)
     for _ in range(depth):
-        if any(graph.nodes[n].get("op") in NORM_OPS for n in frontier):
+        if any(graph.nodes[n].get("op") in _STATISTICS and _last_dim(graph.nodes[n]) == width for n in frontier):
             return True
-        frontier = {p for n in frontier if not graph.nodes[n].get("weight") for p in floats(n)}
+        frontier = {p for n in frontier if not graph.nodes[n].get("weight")
+                    and graph.nodes[n].get("op") not in ATTENTION_OPS | MATMUL_OPS for p in floats(n)}
     return False
 
 

@@ -1,21 +1,32 @@
-"""Where tensor parallelism cuts a block: the *regions* of its TP pairs.
+"""Where tensor parallelism cuts a block: the *regions* of its TP pairs, and what a region's
+module needs to run on one rank's heads.
 
 A TP pair (column linears feeding a row linear, found by ``tp_pairs``) runs sharded between
 its linears; the module that holds the whole pair (the lowest common ancestor of its linears,
 e.g. ``attn`` or ``mlp``) is the pair's region. The runtime shards by region and the profiler
-shrinks a model to one TP rank's shapes by region, so both read them here.
+shrinks a model to one TP rank's shapes by region, so both read them here, and both use
+:func:`localise_head_counts` and :func:`slice_head_inputs` to make a region module compute on
+``heads / tp`` heads.
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, List, Sequence, Tuple
 
+import torch
 import torch.nn as nn
 
+from nest_fx.graph.opgraph import HeadInput
+
+# Attributes of an attention module (and of its config) that count heads or their features; a
+# rank's copy of the module sees them divided by tp. split_size: GPT-2's split of its fused qkv.
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "heads", "kv_heads", "n_head",
-                    "n_heads", "n_kv_heads", "hidden_size")
+                    "n_heads", "n_kv_heads", "num_kv_heads", "hidden_size", "split_size")
+CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "n_heads", "num_kv_heads",
+                     "n_kv_heads")
 
 
-def _lca(names: Sequence[str]) -> str:
+def lowest_common_module(names: Sequence[str]) -> str:
     """Lowest common ancestor module of dotted linear paths ('' = the block itself)."""
     parts = [n.split(".") for n in set(names)]
     if len(parts) == 1:
@@ -39,19 +50,74 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
     for pair in pattern.tp_pairs:
         if pair.kind == "expert":
             continue
-        region = _lca(list(pair.column) + [pair.row])
+        region = lowest_common_module(list(pair.column) + [pair.row])
         regions.setdefault(region, (pair.kind, []))[1].append(pair)
     if experts:
         names = [n for p in experts for n in (*p.column, p.row)] + list(pattern.routers or routers)
-        region = _lca(names)
+        region = lowest_common_module(names)
         # the common ancestor of experts.0.up and experts.1.up is "moe.experts"; the router lifts it
         regions.setdefault(region, ("expert", []))[1].extend(experts)
     return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
 
 
 def localise_head_counts(module: nn.Module, tp: int) -> None:
-    """Divide head-count attributes of an attention module by ``tp`` (older HF reshapes read them)."""
+    """Make an attention module count ``heads / tp`` heads: divide its head-count attributes by
+    ``tp`` and give it its own copy of a HF ``config`` with the head counts divided (HF Phi-3
+    slices its fused qkv with ``config.num_attention_heads``)."""
     for attr in HEAD_COUNT_ATTRS:
         value = module.__dict__.get(attr)
-        if isinstance(value, int) and value > 0 and value % tp == 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % tp == 0:
             setattr(module, attr, value // tp)
+    config = module.__dict__.get("config")
+    if config is not None and any(isinstance(getattr(config, a, None), int) for a in CONFIG_HEAD_ATTRS):
+        local = copy.copy(config)
+        for attr in CONFIG_HEAD_ATTRS:
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % tp == 0:
+                setattr(local, attr, value // tp)
+        module.config = local
+
+
+PLAIN_EMBEDDING = "torch.nn.modules.sparse.Embedding"
+
+
+def vocab_parallel_lookup(data: dict) -> bool:
+    """True for a traced embedding lookup that vocabulary parallelism shards by rows: a plain
+    ``nn.Embedding``. A subclass with its own forward (OPT's learned positions add an offset to
+    the position ids) stays replicated: a row-sharded lookup would see its other arguments."""
+    return data.get("op") == "embedding" and data.get("module_class") == PLAIN_EMBEDDING
+
+
+def _matches(t: torch.Tensor, spec: HeadInput) -> bool:
+    if t.dim() != len(spec.shape) or not t.is_floating_point():
+        return False
+    if any(size == 1 and t.shape[i] != 1 for i, size in enumerate(spec.shape)):
+        return False
+    return t.shape[spec.dim] % (spec.count * spec.inner) == 0
+
+
+def slice_heads(t: torch.Tensor, spec: HeadInput, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s heads of a per-head tensor (heads: the middle factor of ``spec.dim``)."""
+    outer = t.shape[spec.dim] // (spec.count * spec.inner)
+    per = spec.count // tp
+    split = t.unflatten(spec.dim, (outer, spec.count, spec.inner))
+    return split.narrow(spec.dim + 1, rank * per, per).flatten(spec.dim, spec.dim + 2)
+
+
+def slice_head_inputs(args: tuple, kwargs: dict, specs: Sequence[HeadInput], tp: int, rank: int):
+    """``(args, kwargs)`` of a region module with every per-head input (:class:`HeadInput`)
+    sliced to rank ``rank``'s heads; inputs already holding ``heads / tp`` heads are left alone."""
+    def fix(value):
+        if isinstance(value, torch.Tensor):
+            for spec in specs:
+                if _matches(value, spec):
+                    return slice_heads(value, spec, tp, rank)
+        return value
+    return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
+
+
+def head_input_hook(specs: Sequence[HeadInput], tp: int, rank: int):
+    """A forward pre-hook (``with_kwargs=True``) applying :func:`slice_head_inputs`."""
+    def hook(module, args, kwargs):
+        return slice_head_inputs(args, kwargs, specs, tp, rank)
+    return hook

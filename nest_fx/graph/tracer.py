@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -12,6 +13,7 @@ from torch.utils._pytree import tree_map
 from nest_fx.graph.annotate import annotate, module_of
 from nest_fx.graph.blocks import detect_blocks
 from nest_fx.graph.capture import TraceError, capture
+from nest_fx.graph.moe_modules import expert_module_paths
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.tp_pairs import find_patterns
 
@@ -51,7 +53,21 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     opgraph.block_container, opgraph.blocks = detect_blocks(graph)
     opgraph.patterns = find_patterns(graph, opgraph.blocks)
     opgraph.module = gm  # the captured GraphModule: the profiler runs it node by node
+    opgraph.input_names = input_names(model, args, kwargs)
+    opgraph.expert_modules = expert_module_paths(model)
     return opgraph
+
+
+def input_names(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> List[str]:
+    """Names of the tensor inputs given to ``model``: forward's parameter names for positional
+    arguments (``arg<i>`` where it has none), then the keywords."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [params[i] if i < len(params) else f"arg{i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return names + [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
 
 
 @contextlib.contextmanager

@@ -1,9 +1,18 @@
 """HuggingFace models built from a config (no download), through the ``hf`` extra.
 
-``hf:gpt2``, ``hf:llama``, ``hf:mixtral`` and ``hf:bert`` build a small model of that family;
-``hf:llama:hidden=..,layers=..`` (same keys as the ``gpt:`` spec) sets its size. Named zoo
-configs map onto HF configs too: ``hf:llama2-7b`` builds ``LlamaForCausalLM`` with Llama-2-7B
-shapes on the meta device.
+Names (``nest-fx plan|trace --model ...``, ``build_any``):
+
+* ``hf:<model_type>[:field=value,...]``: any architecture transformers ships, from its default
+  config shrunk to a tiny model, with overrides on config fields (``nest_fx.models.hf_config``),
+  e.g. ``hf:qwen2:hidden_size=64,num_hidden_layers=2``, ``hf:t5``, ``hf:vit``, ``hf:qwen3_moe``.
+* ``hf-config:PATH[:field=value,...]``: a local ``config.json`` as given.
+* The nest-fx shapes of four families (kept from the first versions): ``hf:gpt2``, ``hf:llama``,
+  ``hf:mixtral``, ``hf:bert`` with no key or the ``gpt:`` spec keys (``hf:llama:hidden=..,layers=..``)
+  build their config from a ``TransformerConfig``; named zoo configs map onto HF configs too:
+  ``hf:llama2-7b`` builds ``LlamaForCausalLM`` with Llama-2-7B shapes.
+
+``build_hf_model`` returns ``(model, config)``: the ``TransformerConfig`` for the nest-fx shapes,
+the transformers config otherwise.
 """
 from __future__ import annotations
 
@@ -12,25 +21,19 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from nest_fx.common.errors import MissingDependency, ModelError
+from nest_fx.common.errors import ModelError
 from nest_fx.models.config import TransformerConfig
-from nest_fx.models.zoo import NAMED_CONFIGS, default_dtype, parse_spec
+from nest_fx.models.hf_config import (config_from_file, config_from_type, model_class, require_transformers,
+                                      split_file_name, split_name)
+from nest_fx.models.zoo import SPEC_ALIASES, NAMED_CONFIGS, default_dtype, parse_spec
 
 FAMILIES = ("gpt2", "llama", "mixtral", "bert")
 _SMALL = "hidden=64,layers=2,heads=4,seq=32,vocab=128"
 
 
-def _require_transformers():
-    try:
-        import transformers  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise MissingDependency("HuggingFace models need the 'hf' extra: pip install -e '.[hf]'") from exc
-    return transformers
-
-
 def hf_config(family: str, cfg: TransformerConfig):
     """The ``transformers`` config of ``family`` with the shapes of ``cfg``."""
-    tf = _require_transformers()
+    tf = require_transformers()
     common: Dict[str, Any] = dict(vocab_size=cfg.vocab_size, use_cache=False)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_positions=cfg.seq_len,
@@ -47,20 +50,31 @@ def hf_config(family: str, cfg: TransformerConfig):
     if family == "llama":
         return tf.LlamaConfig(**llama_like)
     if family == "mixtral":
-        # batched_mm keeps shapes static (the eager expert loop branches on data), so it traces.
-        return tf.MixtralConfig(num_local_experts=cfg.num_experts or 8, num_experts_per_tok=cfg.top_k,
-                                experts_implementation="batched_mm", **llama_like)
+        # transformers' default experts implementation (grouped_mm): it traces with static shapes
+        return tf.MixtralConfig(num_local_experts=cfg.num_experts or 8, num_experts_per_tok=cfg.top_k, **llama_like)
     raise ModelError(f"unknown HuggingFace family {family!r}: use one of {FAMILIES}")
 
 
 def _model_class(family: str):
-    tf = _require_transformers()
+    tf = require_transformers()
     return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "mixtral": tf.MixtralForCausalLM,
             "bert": tf.BertForMaskedLM}[family]
 
 
+def is_zoo_shaped(name: str) -> bool:
+    """Whether ``name`` is a named zoo config or one of :data:`FAMILIES` with only ``gpt:`` spec keys
+    (built from a ``TransformerConfig``), rather than a transformers model type with config fields."""
+    body = name[len("hf:"):] if name.startswith("hf:") else name
+    if body in NAMED_CONFIGS:
+        return True
+    family, _, spec = body.partition(":")
+    zoo_keys = {f for f in TransformerConfig.__dataclass_fields__} | set(SPEC_ALIASES)
+    keys = [item.partition("=")[0].strip() for item in spec.split(",") if item.strip()]
+    return family in FAMILIES and all(k in zoo_keys for k in keys)
+
+
 def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
-    """``hf:FAMILY[:spec]`` or ``hf:NAMED`` -> (family, shapes)."""
+    """``hf:FAMILY[:spec]`` or ``hf:NAMED`` (the nest-fx shapes, :func:`is_zoo_shaped`) -> (family, shapes)."""
     body = name[len("hf:"):] if name.startswith("hf:") else name
     if body in NAMED_CONFIGS:
         cfg = NAMED_CONFIGS[body]
@@ -69,8 +83,8 @@ def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
         return family, cfg
     family, _, spec = body.partition(":")
     if family not in FAMILIES:
-        raise ModelError(f"unknown HuggingFace model {name!r}: use hf:{{{','.join(FAMILIES)}}}[:key=value,...] "
-                         f"or hf:<named config> with one of {sorted(NAMED_CONFIGS)}")
+        raise ModelError(f"{name!r} is not one of the nest-fx-shaped HuggingFace names hf:{{{','.join(FAMILIES)}}}"
+                         f"[:key=value,...] or hf:<named config> with one of {sorted(NAMED_CONFIGS)}")
     base = "gpt" if family in ("gpt2", "bert") else ("moe" if family == "mixtral" else "llama")
     cfg = parse_spec(f"{base}:{spec or _SMALL}")
     if family == "mixtral" and not spec:
@@ -78,14 +92,40 @@ def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
     return family, cfg
 
 
-def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None,
-                   layers: Optional[int] = None) -> Tuple[torch.nn.Module, TransformerConfig]:
-    """Build a HuggingFace model from a config alone (weights random, or none on meta);
-    ``layers`` overrides the depth."""
-    family, cfg = parse_hf_name(name)
+def hf_config_for(name: str, layers: Optional[int] = None):
+    """(transformers config, model class) of ``hf:<model_type>[:...]`` or ``hf-config:PATH[:...]``."""
+    if name.startswith("hf-config:"):
+        path, overrides = split_file_name(name[len("hf-config:"):])
+        config = config_from_file(path, overrides, name)
+    else:
+        model_type, overrides = split_name(name[len("hf:"):])
+        config = config_from_type(model_type, overrides, name)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for part in {id(config): config, id(text): text}.values():  # training: no key/value cache returned
+        if hasattr(part, "use_cache"):
+            part.use_cache = False
     if layers is not None:
-        cfg = replace(cfg, layers=layers)
-    hf_cfg = hf_config(family, cfg)
-    with torch.device(device), default_dtype(dtype):
-        model = _model_class(family)(hf_cfg)
-    return model, cfg
+        text.num_hidden_layers = layers
+    return config, model_class(config, overrides.get("class"))
+
+
+def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None,
+                   layers: Optional[int] = None) -> Tuple[torch.nn.Module, Any]:
+    """Build a HuggingFace model from a config alone (weights random, or none on meta);
+    ``layers`` overrides the depth. Returns (model, config): see the module docstring."""
+    if name.startswith("hf:") and is_zoo_shaped(name):
+        family, cfg = parse_hf_name(name)
+        if layers is not None:
+            cfg = replace(cfg, layers=layers)
+        hf_cfg = hf_config(family, cfg)
+        with torch.device(device), default_dtype(dtype):
+            model = _model_class(family)(hf_cfg)
+        return model, cfg
+    config, cls = hf_config_for(name, layers)
+    try:
+        with torch.device(device), default_dtype(dtype):
+            model = cls(config)
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as exc:
+        raise ModelError(f"{name}: transformers could not build {cls.__name__} from this config: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return model, config

@@ -12,6 +12,7 @@ Sources for the shapes:
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import fields, replace
 from typing import Dict, Optional, Tuple
 
@@ -45,7 +46,7 @@ NAMED_CONFIGS: Dict[str, TransformerConfig] = {
         **_GPT),
 }
 
-_SPEC_ALIASES = {"vocab": "vocab_size", "seq": "seq_len", "ffn": "ffn_hidden", "experts": "num_experts",
+SPEC_ALIASES = {"vocab": "vocab_size", "seq": "seq_len", "ffn": "ffn_hidden", "experts": "num_experts",
                  "kv": "kv_heads", "topk": "top_k"}
 
 
@@ -64,28 +65,37 @@ def parse_spec(spec: str) -> TransformerConfig:
     kwargs = dict(base)
     for item in filter(None, (s.strip() for s in body.split(","))):
         key, eq, value = item.partition("=")
-        key = _SPEC_ALIASES.get(key.strip(), key.strip())
+        key = SPEC_ALIASES.get(key.strip(), key.strip())
         if not eq or key not in valid or key == "name":
             raise ModelError(
                 f"bad field {item!r} in model spec {spec!r}: expected key=value with key one of "
-                f"{sorted(set(valid) - {'name'} | set(_SPEC_ALIASES))}")
-        kwargs[key] = _coerce(value.strip(), kwargs.get(key, getattr(TransformerConfig, key, None)), item)
+                f"{sorted(set(valid) - {'name'} | set(SPEC_ALIASES))}")
+        kwargs[key] = coerce_value(value.strip(), kwargs.get(key, getattr(TransformerConfig, key, None)), item)
     return TransformerConfig(name=spec, **kwargs)
 
 
-def _coerce(value: str, default, item: str):
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a JSON list",
+          dict: "a JSON object"}
+
+
+def coerce_value(value: str, default, item: str):
+    """``value`` (text) as the type of ``default``: bool, float, str, a JSON list or dict, else int;
+    ModelError naming ``item`` and the expected kind otherwise."""
     try:
         if isinstance(default, bool):
             if value.lower() not in ("true", "false", "1", "0"):
-                raise ModelError(value)
+                raise ValueError(value)
             return value.lower() in ("true", "1")
         if isinstance(default, float):
             return float(value)
         if isinstance(default, str):
             return value
+        if isinstance(default, (list, dict)):
+            return json.loads(value)
         return int(value)
     except ValueError:
-        raise ModelError(f"cannot parse {item!r}: value {value!r} has the wrong type") from None
+        kind = _KINDS.get(type(default), "an integer")
+        raise ModelError(f"cannot parse {item!r}: {value!r} is not {kind} like its default {default!r}") from None
 
 
 def get_config(name: str, **overrides) -> TransformerConfig:

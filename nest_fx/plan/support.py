@@ -9,18 +9,21 @@ runtime refuses, and never run when it would give a wrong number.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from nest_fx.common.arith import divisors
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention, unknown_position_embeddings
-from nest_fx.graph.moe_modules import find_moe_modules
+from nest_fx.graph.moe_modules import expert_counts, find_moe_modules, unconvertible_experts
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
 from nest_fx.graph.stage_modules import rehearsal_problem
+from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS, lowest_common_module
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
@@ -30,6 +33,93 @@ def model_dims(model: nn.Module) -> Dict[str, Optional[int]]:
     d = dims_from_config(getattr(model, "config", None), seq_len=0)
     return {"heads": d.heads or None, "kv_heads": d.kv_heads or None, "ffn": d.ffn_hidden or None,
             "experts": d.num_experts or None, "vocab": d.vocab_size or None}
+
+
+CONV_OPS = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
+
+
+def _fix(n: int, tp: int) -> str:
+    return f"fix: use tp in {[d for d in divisors(n) if d <= 64]}"
+
+
+def config_head_counts(model: nn.Module) -> Set[int]:
+    """Head counts a model's config announces (attention and key/value heads, in any of the
+    ecosystem's spellings); empty when it has no config."""
+    config = getattr(model, "config", None)
+    names = ("heads", "kv_heads") + CONFIG_HEAD_ATTRS
+    return {v for v in (getattr(config, n, None) for n in names) if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _pair_problem(model: nn.Module, block, pair, tp: int) -> str:
+    """Why ``tp`` cannot shard one traced TP pair of ``block`` exactly ("" when it can)."""
+    where = f"{block.name}: {pair.kind} pair {pair.column} -> {pair.row}"
+    if pair.problem:
+        return f"tp={tp} cannot shard {where}: {pair.problem}. fix: use tp=1 for this model"
+    heads = config_head_counts(model) if pair.kind == "attention" else set()
+    for spec in pair.params:
+        for part, unit in zip(spec.parts or [None], spec.units):
+            size = part or tuple(model.get_parameter(block.fqn(spec.name)).shape)[spec.dim]
+            if heads and unit > 1 and size // unit not in heads:
+                # the region groups its projection by a count of its own (CodeGen's mp_num): a rank's
+                # copy would regroup its shard by the same constant
+                return (f"tp={tp} cannot shard {where}: {block.fqn(spec.name)} is viewed as {size // unit} groups, "
+                        f"which are not the model's heads ({sorted(heads)}). fix: use tp=1 for this model")
+    for spec in pair.params:
+        shape = tuple(model.get_parameter(block.fqn(spec.name)).shape)
+        size = shape[spec.dim]
+        parts = spec.parts or [size]
+        units = spec.units if len(spec.units) == len(parts) else [1] * len(parts)
+        for part, unit in zip(parts, units):
+            count = part // max(unit, 1)
+            if count % tp:
+                what = f"{count} heads" if unit > 1 else f"{count} features"
+                fused = f" (part of {len(parts)} fused along dim {spec.dim})" if len(parts) > 1 else ""
+                share = "whole heads" if unit > 1 else "an equal share"
+                return (f"tp={tp} does not divide {block.fqn(spec.name)}: {what}{fused}; each rank keeps {share}. "
+                        f"{_fix(count, tp)}")
+    for inp in pair.head_inputs:
+        if inp.count % tp:
+            return f"tp={tp} does not divide the {inp.count} heads of a per-head input of {where}; {_fix(inp.count, tp)}"
+    return ""
+
+
+def tp_graph_problem(model: nn.Module, graph: OpGraph, tp: int) -> str:
+    """Why ``tp`` cannot shard the traced model's blocks ("" when it can): a TP pair whose region
+    cannot be followed (``graph.tp_flow``), a degree that splits a head or a fused part, or no
+    pair at all (a plan must never say tp while sharding nothing)."""
+    layers = graph.layer_blocks
+    if not layers:
+        return (f"tp={tp}: the traced model has no repeated layers ({type(model).__name__} is one block), and tensor "
+                "parallelism shards the column->row linear pairs inside layers; fix: use tp=1")
+    seen, pairs = set(), 0
+    for block in layers:
+        if block.signature in seen:
+            continue
+        seen.add(block.signature)
+        pattern = graph.patterns.get(block.signature)
+        if pattern is None:
+            continue
+        if pattern.tp_problem:
+            return f"tp={tp} cannot shard {block.name}: {pattern.tp_problem}. fix: use tp=1 for this model"
+        for pair in pattern.tp_pairs:
+            problem = _pair_problem(model, block, pair, tp)
+            if problem:
+                return problem
+        pairs += len(pattern.tp_pairs)
+    if not pairs:
+        container = graph.block_container or "<root>"
+        convs = list(dict.fromkeys(graph.graph.nodes[n].get("module") for b in layers for n in b.nodes
+                                   if graph.graph.nodes[n].get("op") in CONV_OPS))
+        why = (f"; its layers compute with convolutions ({', '.join(convs[:3])}), whose channels tensor parallelism "
+               "does not shard yet (pipeline and data parallelism apply)") if convs else ""
+        return (f"tp={tp} would shard nothing: no column->row linear pair (a linear whose output features feed "
+                f"another linear through per-feature ops) was found in the layers of {container}{why}; fix: use tp=1")
+    return ""
+
+
+def batchnorm_modules(model: nn.Module) -> List[str]:
+    """FQNs of the model's BatchNorm layers (their training statistics are those of the batch they see)."""
+    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
 
 
 @dataclass
@@ -65,24 +155,42 @@ class ParallelSupport:
                         f"them evenly. fix: use tp in {[d for d in divisors(n) if d <= 64]}")
         if self.graph is None:
             return ""
-        modules = dict(self.model.named_modules())
-        for block in self.graph.blocks:
-            pattern = self.graph.patterns.get(block.signature) if block.kind == "block" else None
-            if pattern is None:
-                continue
-            for pair in pattern.tp_pairs:
-                for rel, attr in [(c, "out_features") for c in pair.column] + [(pair.row, "in_features")]:
-                    n = getattr(modules.get(f"{block.name}.{rel}"), attr, None)
-                    if isinstance(n, int) and n % tp:
-                        return (f"tp={tp} does not divide {block.name}.{rel}.{attr}={n}; fix: use tp in "
-                                f"{[d for d in divisors(n) if d <= 64]}")
-            break  # identical blocks share the pattern; one of each signature is enough
+        return tp_graph_problem(self.model, self.graph, tp)
+
+    def sp_problem(self) -> str:
+        """Why sequence parallelism (TP's activations sharded on the sequence dim between regions)
+        cannot run on this model ("" when it can)."""
+        if self.graph is None:
+            return ""
+        groups = [b.name for b in self.graph.layer_blocks if b.members]
+        if groups:
+            return (f"sequence parallelism shards the sequence dim of activations between layer modules, but the "
+                    f"layers of {type(self.model).__name__} are groups of nn.Sequential children ({groups[0]}, ...); "
+                    "fix: sequence_parallel=false")
+        for block in self.graph.layer_blocks:
+            pattern = self.graph.patterns.get(block.signature)
+            whole = [p for p in (pattern.tp_pairs if pattern else []) if p.kind != "expert"
+                     and not lowest_common_module(list(p.column) + [p.row])]
+            if whole:
+                return (f"sequence parallelism gathers the sequence on entry to each TP region (the module holding a "
+                        f"pair), but {block.name}.{whole[0].row} and its columns {whole[0].column} are direct children "
+                        "of the layer, so the region would be the whole layer; fix: sequence_parallel=false")
         return ""
 
     # -- pipeline parallelism -------------------------------------------------------------
     def pp_problem(self, pp: int) -> str:
         """Why the model cannot be split into ``pp`` pipeline stages ("" when it can)."""
-        return "" if pp == 1 else self._cached("pp", pp, self._pp_problem)
+        return "" if pp == 1 else (self.inputs_problem(pp) or self._cached("pp", pp, self._pp_problem))
+
+    def inputs_problem(self, pp: int) -> str:
+        """Why the model's traced inputs cannot enter a ``pp``-stage pipeline ("" when they can): the
+        schedule feeds one tensor to the first stage."""
+        names = getattr(self.graph, "input_names", None) or []
+        if len(names) <= 1:
+            return ""
+        return (f"pp={pp}: {type(self.model).__name__} takes {len(names)} inputs ({', '.join(names)}) but a pipeline "
+                "feeds one tensor to its first stage (labels for the model's own loss count as an input); fix: use "
+                "pp=1, or pass one input and compute the loss with loss_fn on the last stage's output")
 
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:
@@ -98,23 +206,38 @@ class ParallelSupport:
         return self._layout
 
     # -- expert parallelism ---------------------------------------------------------------
+    def num_experts(self) -> Optional[int]:
+        """Experts per MoE layer that expert parallelism splits: counted on the model's MoE modules
+        (zoo MoE lists, HF stacked experts), else the config's count, else None (a dense model)."""
+        counts = expert_counts(self.model)
+        if counts:
+            return math.gcd(*counts)
+        return model_dims(self.model)["experts"]
+
     def ep_problem(self, ep: int, dp: Optional[int] = None) -> str:
         """Why ``ep`` cannot split this model's experts ("" when it can); ``dp`` names the divisors
         that also divide the data-parallel degree in the fix."""
         if ep == 1:
             return ""
-        experts = model_dims(self.model)["experts"]
+        experts = self.num_experts()
         if experts is None:
-            return f"ep={ep} but the model has no experts (no config.num_experts); fix: set ep=1"
+            return f"ep={ep} but the model has no experts (no MoE layer, no config.num_experts); fix: set ep=1"
         if experts % ep:
             fits = [d for d in divisors(experts) if dp is None or dp % d == 0]
             tail = f" (it must also divide dp={dp})" if dp is not None else ""
             return (f"ep={ep} does not divide the model's {experts} experts; each expert-parallel rank holds "
                     f"experts/ep of them. fix: use ep in {fits}{tail}")
-        if not find_moe_modules(self.model):
-            return (f"ep={ep} but {type(self.model).__name__} has no MoE module with the route/dispatch/run_experts/"
-                    "combine steps expert parallelism replaces (the nest-fx zoo MoE has them; HF Mixtral's fused "
-                    "experts are not supported yet). fix: use ep=1")
+        return self._cached("ep", ep, self._ep_layout_problem)
+
+    def _ep_layout_problem(self, ep: int) -> str:
+        other = unconvertible_experts(self.model)
+        if other:
+            return (f"ep={ep}: {type(self.model).__name__} keeps experts in {other[0]} in a layout expert "
+                    "parallelism does not split (it converts the nest-fx zoo MoE and HuggingFace stacked experts, "
+                    "whose parameters are [num_experts, ...] tensors). fix: use ep=1")
+        if not expert_counts(self.model):
+            return (f"ep={ep} but {type(self.model).__name__} has no MoE layer expert parallelism can convert (the "
+                    "nest-fx zoo MoE or HuggingFace stacked experts). fix: use ep=1")
         return ""
 
     # -- loss parallelism -----------------------------------------------------------------
@@ -136,6 +259,21 @@ class ParallelSupport:
             return (f"loss_parallel: {tied[0]} shares its weight with the embedding, so it stays replicated under "
                     "TP and its logits are not sharded; fix: untie the embeddings or loss_parallel=false")
         return ""
+    # -- microbatches ----------------------------------------------------------------------
+    def microbatch_problem(self, microbatches: int) -> str:
+        """Why a step of ``microbatches`` forwards per replica does not compute what one forward of the
+        whole batch computes ("" when it does): BatchNorm statistics are per forward."""
+        if microbatches <= 1:
+            return ""
+        norms = batchnorm_modules(self.model)
+        if not norms:
+            return ""
+        shown = ", ".join(norms[:4]) + (f" and {len(norms) - 4} more" if len(norms) > 4 else "")
+        return (f"BatchNorm layers ({shown}) normalise with the statistics of the batch one forward sees; with "
+                f"{microbatches} microbatches per step each forward sees 1/{microbatches} of the batch, so the "
+                "numbers differ from the single-device run. fix: one microbatch per step (microbatch_size = "
+                "global_batch / dp, pp=1), or auto_parallelize(..., sync_batchnorm=False) to accept per-microbatch "
+                "statistics (as DDP with gradient accumulation)")
 
     # -- context parallelism --------------------------------------------------------------
     def cp_problem(self, cp: int) -> str:

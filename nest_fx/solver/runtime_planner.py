@@ -11,10 +11,11 @@ from nest_fx.cluster.spec import Cluster
 from nest_fx.common.arith import divisors
 from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.support import model_dims, parallel_support
+from nest_fx.plan.support import parallel_support
 from nest_fx.solver.constraints import solve_constrained
+from nest_fx.solver.search import NoFeasiblePlan
 from nest_fx.solver.space import SolverOptions
-from nest_fx.workload.build import analytical_workload
+from nest_fx.workload.build import analytical_workload, traced_seq_len
 from nest_fx.workload.types import dims_from_config
 
 
@@ -30,10 +31,11 @@ def detect_cluster(world_size: int) -> ClusterModel:
 def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> SolverOptions:
     """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.support``, the
     decision the runtime's checks make too): TP, EP and CP degrees it accepts, pipelining only
-    where the model can be cut into stages, loss parallelism only where its LM head allows."""
+    where the model can be cut into stages, sequence parallelism only where it runs, loss
+    parallelism only where its LM head allows."""
     support = parallel_support(model, graph)
     tps = tuple(t for t in options.tp_degrees if not support.tp_problem(t))
-    experts = model_dims(model)["experts"]
+    experts = support.num_experts()
     eps = options.ep_degrees
     if eps is not None or experts:  # ep 1 always runs, so the tuple is never empty
         eps = tuple(e for e in (eps if eps is not None else divisors(experts)) if not support.ep_problem(e))
@@ -45,7 +47,8 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     if any(support.loss_parallel_problem(t) for t in tps if t > 1):
         loss_parallel = False
     return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages,
-                               cp_degrees=cps, loss_parallel=loss_parallel)
+                               cp_degrees=cps, loss_parallel=loss_parallel,
+                               sequence_parallel=options.sequence_parallel and not support.sp_problem())
 
 
 def check_runtime_constraints(constraints: Optional[Constraints], model: torch.nn.Module, graph) -> None:
@@ -67,26 +70,55 @@ def check_runtime_constraints(constraints: Optional[Constraints], model: torch.n
 
 
 def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
-                constraints: Optional[Constraints] = None) -> Callable:
+                constraints: Optional[Constraints] = None, *, one_microbatch: bool = True) -> Callable:
     """``planner(graph, cluster, world_size, global_batch) -> Plan`` for ``auto_parallelize``:
     the NEST DP restricted to what the runtime runs (:func:`runtime_options`; every rank used,
     uniform TP, the launched rank order: a device order needs the process group numbered for it
-    before it exists) and to the user's ``constraints`` (``nest_fx.solver.constraints``)."""
+    before it exists) and to the user's ``constraints`` (``nest_fx.solver.constraints``). ``one_microbatch``: when the
+    model's numbers depend on the microbatch split (``ParallelSupport.microbatch_problem``:
+    BatchNorm), only plans with one microbatch per step."""
     base = options or SolverOptions(time_budget=30.0)
 
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
         check_runtime_constraints(constraints, model, graph)
         cluster = cluster or detect_cluster(world_size)
         param = next(iter(model.parameters()))
-        seq = graph.input_shapes[0][1] if graph.input_shapes and len(graph.input_shapes[0]) > 1 else 1
+        seq = traced_seq_len(graph)
         nbytes = param.element_size()
+        support = parallel_support(model, graph)
         dims = dims_from_config(getattr(model, "config", None), seq_len=seq, dtype_bytes=nbytes)
+        dims = dataclasses.replace(dims, num_experts=support.num_experts() or 0)
         workload = analytical_workload(graph, dims, cluster, param.dtype)
         # the process group exists by now (the world size comes from it) and cannot be renumbered
         # for a device order (apply.distributed.init_distributed): keep the launcher's placement
         opts = dataclasses.replace(runtime_options(model, graph, base), use_all_devices=True, search_placement=False,
                                    cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
                                                             master_weights=nbytes < 4))
+        if one_microbatch and support.microbatch_problem(2):
+            return _one_microbatch_plan(workload, cluster, world_size, global_batch, opts, constraints)
         return solve_constrained(workload, cluster, global_batch, constraints, opts).plan
 
     return plan
+
+
+def _one_microbatch_plan(workload, cluster, world_size: int, global_batch: int, opts: SolverOptions,
+                         constraints: Optional[Constraints] = None) -> Plan:
+    """The fastest plan with one microbatch per step and no pipeline: one search per TP degree, whose
+    data-parallel degree (world / tp) fixes the microbatch (global_batch / dp)."""
+    found = []
+    for tp in opts.tp_degrees:
+        dp = world_size // tp
+        if world_size % tp or global_batch % dp:
+            continue
+        narrowed = dataclasses.replace(opts, tp_degrees=(tp,), microbatch_sizes=(global_batch // dp,), max_stages=1,
+                                       ep_degrees=tuple(e for e in (opts.ep_degrees or (1,)) if dp % e == 0) or (1,))
+        try:
+            found.append(solve_constrained(workload, cluster, global_batch, constraints, narrowed))
+        except (NoFeasiblePlan, ConstraintError):
+            continue
+    if not found:
+        raise NoFeasiblePlan(f"no plan with one microbatch per step (the model's BatchNorm needs the whole batch "
+                             f"in one forward) fits {world_size} devices with a global batch of {global_batch}; fix: "
+                             "a global batch divisible by the data-parallel degree, more memory, or "
+                             "sync_batchnorm=False")
+    return min(found, key=lambda r: r.result.step_s).plan

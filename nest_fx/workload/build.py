@@ -30,13 +30,20 @@ def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None,
     return trace(model, args, kwargs, name=name), cfg
 
 
+def traced_seq_len(graph: OpGraph) -> int:
+    """Tokens per sample of the traced example: dim 1 of a 2-D (token id) first input, else 1."""
+    shape = graph.input_shapes[0] if graph.input_shapes else []
+    return shape[1] if len(shape) == 2 else 1
+
+
 def workload_for_model(name: str, cluster, *, seq: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                        attention: Optional[str] = None, profile: Union[Profile, str, None] = None) -> Workload:
     """Trace ``name`` and cost its layers for ``cluster``'s device: measured op times from
     ``profile`` (a :class:`Profile` or a path) where it has them, the analytical roofline for
     the rest."""
     graph, cfg = trace_model(name, seq=seq, dtype=dtype)
-    dims = dims_from_config(cfg, seq_len=seq or cfg.seq_len, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    dims = dims_from_config(cfg, seq_len=seq or traced_seq_len(graph),
+                            dtype_bytes=torch.empty((), dtype=dtype).element_size())
     if profile is None:
         return analytical_workload(graph, dims, cluster, dtype, attention=attention)
     if isinstance(profile, str):

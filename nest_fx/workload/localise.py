@@ -1,8 +1,9 @@
 """The local shard of a model under tensor parallelism, as a plain single-device module.
 
-To time what one TP rank computes we do not need a process group: each column linear of a
-traced TP pair keeps ``out/tp`` output features, each row linear ``in/tp`` input features,
-attention modules see ``heads/tp`` heads, and the embedding and LM head keep ``ceil(vocab/tp)``
+To time what one TP rank computes we do not need a process group: each column of a traced TP
+pair keeps ``out/tp`` output features, each row ``in/tp`` input features (whatever module holds
+them: ``nn.Linear``, HF ``Conv1D``, 3-D expert weights; a fused projection keeps 1/tp of each
+part), attention modules see ``heads/tp`` heads, and the embedding and LM head keep ``ceil(vocab/tp)``
 rows (vocabulary parallelism; the largest shard of an uneven split, as ``Shard(0)`` makes it,
 since the slowest rank sets the pace). The ops between the linears then run on exactly the shapes a TP rank
 runs; the collectives are costed separately by the network model.
@@ -16,7 +17,7 @@ import torch.nn as nn
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
-from nest_fx.graph.tp_regions import block_regions, localise_head_counts
+from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts
 from nest_fx.models import build_any
 
 
@@ -48,10 +49,36 @@ def _shard_embedding(model: nn.Module, fqn: str, tp: int) -> None:
                                        device=old.weight.device, dtype=old.weight.dtype))
 
 
+def _shard_param(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
+    """Replace parameter ``fqn`` by one of rank-local size along ``dim`` (values do not matter for
+    timing) and keep the owning module's size attributes in line with it."""
+    owner_name, _, leaf = fqn.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    old = owner.get_parameter(leaf)
+    shape = list(old.shape)
+    if shape[dim] % tp:
+        raise LocaliseError(f"{fqn}: {shape[dim]} entries along dim {dim} are not divisible by tp={tp}")
+    shape[dim] //= tp
+    new = torch.empty(shape, dtype=old.dtype, device=old.device)
+    if new.device.type != "meta":
+        nn.init.normal_(new, std=0.02)
+    owner.register_parameter(leaf, nn.Parameter(new, requires_grad=old.requires_grad))
+    weight = getattr(owner, "weight", None)
+    if leaf == "weight" and isinstance(owner, nn.Linear):
+        owner.out_features, owner.in_features = weight.shape
+    elif leaf == "weight" and isinstance(owner, nn.Embedding):
+        owner.num_embeddings, owner.embedding_dim = weight.shape
+    elif leaf == "weight" and isinstance(getattr(owner, "nf", None), int) and weight.dim() == 2:
+        owner.nf = weight.shape[1]  # HF Conv1D: weight [in, out], forward reads nf
+
+
 def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
     """Shrink ``model`` in place to one TP rank's shard (see module docstring); returns it.
 
-    ``graph`` is the model's OpGraph (its TP pairs and blocks). In the head and tail, the
+    ``graph`` is the model's OpGraph (its TP pairs and blocks). Every parameter a pair shards
+    shrinks along its traced dim (fused parts together: the rank keeps 1/tp of each), per-head
+    tables along their heads, attention modules count local heads, and per-head inputs (ALiBi)
+    are sliced to rank 0's heads on entry, as the runtime does. In the head and tail, the
     embeddings with ``vocab_size`` rows and the linears with ``vocab_size`` outputs are sharded
     over the vocabulary, as the rewriter's vocabulary-parallel head/tail would be.
     """
@@ -59,12 +86,20 @@ def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
         return model
     for block in graph.blocks:
         if block.kind == "block":
-            for region, _, pairs in block_regions(graph.pattern_of(block)):
+            for region, kind, pairs in block_regions(graph.pattern_of(block)):
                 for pair in pairs:
-                    for col in pair.column:
-                        _shard_linear(model, f"{block.name}.{col}", tp, dim=0)
-                    _shard_linear(model, f"{block.name}.{pair.row}", tp, dim=1)
-                localise_head_counts(model.get_submodule(f"{block.name}.{region}" if region else block.name), tp)
+                    if pair.problem:
+                        raise LocaliseError(f"{block.name}: {pair.problem}; profile it with --tp 1")
+                    for spec in pair.params:
+                        _shard_param(model, block.fqn(spec.name), spec.dim, tp)
+                    for table in pair.head_tables:
+                        _shard_param(model, block.fqn(table) + ".weight", 1, tp)
+                target = model.get_submodule(block.fqn(region))
+                if kind == "attention":
+                    localise_head_counts(target, tp)
+                heads = [h for pair in pairs for h in pair.head_inputs]
+                if heads:
+                    target.register_forward_pre_hook(head_input_hook(heads, tp, 0), with_kwargs=True)
             continue
         for fqn in _call_modules(graph.graph, block.nodes):
             module = model.get_submodule(fqn)

@@ -70,6 +70,23 @@ def block_seconds(device: Sequence[Tuple[float, float]], host: Sequence[Tuple[fl
     return fwd, bwd
 
 
+_MEASURED = ("fwd_s", "bwd_s", "fwd_host_s", "bwd_host_s", "peak_bytes", "flops")
+
+
+def _check_measured(entry: OpEntry, where: str) -> None:
+    """ProfileError for a measured entry (``skipped`` empty) whose numbers are not finite and
+    non-negative: a NaN is a broken measurement, never a silent "unmeasured" (an op that was not
+    measured says so in ``skipped``, and the analytical model covers it)."""
+    if entry.skipped:
+        return
+    for name in _MEASURED:
+        value = getattr(entry, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ProfileError(f"{where}.{name}: {value} is not a finite non-negative number; a measured entry needs "
+                               "finite times (re-run `nest-fx profile`, or mark an unmeasured op with "
+                               "skipped: <reason>)")
+
+
 @dataclass
 class Profile:
     """Per-op measurements of one device and dtype, plus per-block and whole-step checks."""
@@ -134,8 +151,7 @@ class Profile:
             except (TypeError, ValueError):
                 raise ProfileError(f"{w}: fwd_s, bwd_s, fwd_host_s, bwd_host_s, peak_bytes and flops must be "
                                    "numbers") from None
-            if ops[key].usable and min(ops[key].fwd_s, ops[key].bwd_s, *ops[key].host) < 0:
-                raise ProfileError(f"{w}: negative time")
+            _check_measured(ops[key], w)
         blocks = data.get("blocks", [])
         if not isinstance(blocks, list):
             raise ProfileError(f"{where}.blocks: expected a list")

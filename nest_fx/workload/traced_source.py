@@ -21,6 +21,7 @@ import torch
 from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES, block_policy_costs
 from nest_fx.workload.runtime_costs import RuntimeCosts, fusion_regions
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
@@ -61,6 +62,8 @@ class _NodeCost:
     kept: Dict[str, float] = field(default_factory=dict)  # op-level policy -> bytes kept (recompute_costs)
     recomputed: Dict[str, float] = field(default_factory=dict)  # op-level policy -> share of the forward re-run
     linear_dims: Tuple[int, int, int] = (0, 0, 0)  # a linear with a weight: (rows, in, out features)
+    tp_params: float = 0.0  # of ``params``, those tensor parallelism shards (a row's bias stays whole)
+    tp_param_bytes: float = 0.0
 
 
 @dataclass
@@ -161,13 +164,14 @@ class TracedSource:
             for policy in OP_LEVEL_POLICIES:
                 act[policy] += n.kept.get(policy, 0.0) * tokens / shard
                 rec[policy] += t * n.recomputed.get(policy, 0.0)
-            pdiv = (tp if n.tp else 1) * (ep if n.expert else 1)
-            params += n.params / pdiv
-            param_bytes += n.param_bytes / pdiv
+            epdiv = ep if n.expert else 1
+            node_params = (n.params - n.tp_params + n.tp_params / tp) / epdiv
+            params += node_params
+            param_bytes += (n.param_bytes - n.tp_param_bytes + n.tp_param_bytes / tp) / epdiv
             if n.expert:
-                expert_params += n.params / pdiv
+                expert_params += node_params
             if self.runtime.float8_node(block.kind, n):
-                fp8_params += n.params / pdiv
+                fp8_params += node_params
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
@@ -336,18 +340,23 @@ def _block_facts(graph, block) -> _BlockFacts:
     g = graph.graph
     members = set(block.nodes)
     pattern = graph.pattern_of(block) if block.kind == "block" else None
-    prefix = block.name + "." if block.kind == "block" else ""
     weight_node = {g.nodes[n]["weight"]: n for n in block.nodes if g.nodes[n].get("weight")}
 
     def node_for(rel: str) -> Optional[str]:
-        full = prefix + rel
+        full = block.fqn(rel)
         return weight_node.get(full + ".weight") or weight_node.get(full)
 
     tp_nodes: set = set()
+    sharded = {block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem
+               for p in pair.params} | {block.fqn(t) + ".weight" for pair in (pattern.tp_pairs if pattern else [])
+                                        if not pair.problem for t in pair.head_tables}
     column_nodes: set = set()
     expert_nodes: set = set()
+    expert_paths = getattr(graph, "expert_modules", None)
     rows: List[Tuple[str, str]] = []
     for pair in (pattern.tp_pairs if pattern else []):
+        if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
+            continue
         cols = [c for c in (node_for(x) for x in pair.column) if c]
         row = node_for(pair.row)
         if not cols or not row:
@@ -357,14 +366,14 @@ def _block_facts(graph, block) -> _BlockFacts:
         region = (down & up) | set(cols) | {row}
         tp_nodes |= region
         column_nodes |= set(cols)
-        if pair.kind == "expert":
-            expert_nodes |= region
+        if pair.kind == "expert":  # the experts' nodes of it (a shared expert is dense: Qwen2-MoE)
+            expert_nodes |= {n for n in region if _in_experts(g.nodes[n].get("module", ""), expert_paths)}
         rows.append((pair.kind, row))
     vocab_nodes = _vocab_parallel_nodes(graph, block)
     tp_nodes |= set(vocab_nodes)
     column_nodes |= {n for n, kind in vocab_nodes.items() if kind == "colwise"}
     for n in block.nodes:
-        if "expert" in g.nodes[n].get("module", ""):
+        if _in_experts(g.nodes[n].get("module", ""), expert_paths):
             expert_nodes.add(n)
 
     if block.kind == "block":
@@ -388,6 +397,9 @@ def _block_facts(graph, block) -> _BlockFacts:
             kv_bytes = _bytes_of(d["in_shapes"][1:3], d["in_dtypes"][1:3])
             seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
+        tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
+            sum(numel for name, numel in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
+        bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
         nodes.append(_NodeCost(
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
             matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
@@ -396,7 +408,7 @@ def _block_facts(graph, block) -> _BlockFacts:
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
             scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
             seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, kept=kept[k], recomputed=recomputed[k],
-            linear_dims=_linear_dims(d)))
+            linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]
@@ -449,6 +461,15 @@ def _tied_weight_params(g, node: str) -> float:
     return float(inputs[0][-1] * outputs[0][-1])  # in_features x out_features
 
 
+def _in_experts(module: str, expert_modules: Optional[List[str]]) -> bool:
+    """Whether a node of ``module`` computes with expert weights (sharded by expert parallelism):
+    under one of the traced model's expert modules; for a graph that did not record them, any module
+    path naming an expert. A shared expert (Qwen2-MoE ``shared_expert``) is dense and replicated."""
+    if expert_modules is None:
+        return "expert" in module
+    return any(module == p or module.startswith(p + ".") for p in expert_modules)
+
+
 def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     """{node: "rowwise" | "colwise"} that vocabulary parallelism shards in a head or tail block,
     as the runtime does (``nest_fx.apply.tensor_parallel.vocab_parallel_modules``): the head's
@@ -456,7 +477,7 @@ def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     shared weight once, under the embedding) stays replicated with the largest embedding."""
     g = graph.graph
     if block.kind == "head":
-        found = {n: "rowwise" for n in block.nodes if g.nodes[n].get("op") == "embedding"}
+        found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
         tail = next((b for b in graph.blocks if b.kind == "tail"), None)
         tied = tail is not None and any(g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")
                                         and not g.nodes[n].get("num_params") for n in tail.nodes)

@@ -102,13 +102,17 @@ def from_dict(data: object) -> Topology:
                     device_forwarding=nodes.get("device_forwarding", False), measured=measured)
 
 
-def load_topology(path: str) -> Topology:
-    """Read a topology file: YAML for .yaml/.yml, JSON for .json. Errors start with the path."""
-    data = read_document(path, TopologyError, "topology")
+def topology_from_document(data: object, path: str) -> Topology:
+    """:func:`from_dict` of a document read from ``path``; errors start with the path."""
     try:
         return from_dict(data)
     except TopologyError as exc:
         raise TopologyError(f"{path}: {exc}") from None
+
+
+def load_topology(path: str) -> Topology:
+    """Read a topology file: YAML for .yaml/.yml, JSON for .json. Errors start with the path."""
+    return topology_from_document(read_document(path, TopologyError, "topology"), path)
 
 
 def save_topology(topo: Topology, path: str) -> None:

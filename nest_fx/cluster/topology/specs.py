@@ -17,10 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
 
-from nest_fx.common.fileio import read_document
-
 from nest_fx.cluster.spec import Cluster
-from nest_fx.cluster.topology.fileformat import TOPOLOGY_FORMAT
 from nest_fx.cluster.topology.generators import fat_tree, rail_optimized, torus
 from nest_fx.cluster.topology.model import Topology, TopologyError
 
@@ -36,16 +33,6 @@ def is_topology_spec(spec: str) -> bool:
     """Whether ``spec`` names a generator (``rail:``, ``fat-tree:``, ``spine-leaf:``, ``torus:``)."""
     kind, sep, _ = spec.partition(":")
     return bool(sep) and kind in _NODE_OPTIONS
-
-
-def is_topology_file(path: str) -> bool:
-    """Whether the YAML/JSON file at ``path`` says ``format: nest-fx-topology/1`` (False when it
-    cannot be read or parsed: the cluster reader then reports the problem)."""
-    try:
-        data = read_document(path, TopologyError, "topology")
-    except TopologyError:  # unreadable or malformed: let the cluster reader say why
-        return False
-    return isinstance(data, dict) and data.get("format") == TOPOLOGY_FORMAT
 
 
 MAX_GRAPH_DEVICES = 65_536  # a graph topology holds every device and link: beyond this, use a preset

@@ -1,0 +1,624 @@
+"""Follow what tensor parallelism shards through one TP pair, from its columns to its row.
+
+A column's output features are cut into ``tp`` contiguous chunks; the row's input features are
+cut the same way. In between, the block's own code reshapes those features into heads, splits
+fused projections (q/k/v, gate/up), normalises per head and mixes in tensors from elsewhere
+(ALiBi slopes, a position bias). Sharding is exact only if every op between the linears acts on
+each chunk alone. This module checks that on the traced graph, op by op, by carrying a
+:class:`Flow` (which dim holds the sharded units, how many, how far apart) from the columns
+forward, and collects what the runtime must do besides sharding the linears:
+
+* the *parts* of a fused column: the feature ranges its output is split into before each is
+  viewed as heads (q, k, v) or used alone (gate, up). Each part is sharded on its own, so a
+  rank keeps whole heads of every part (GQA included);
+* per-head norms: a norm whose weight is applied to every head (Qwen3's ``q_norm``); its weight
+  stays replicated and its gradient is summed over the TP ranks;
+* per-head tables: an embedding with one column per head (T5's relative position bias);
+* per-head inputs: tensors entering the region with a heads dim (ALiBi), sliced on entry.
+
+Anything it cannot follow (an op it does not know acting on the sharded dim, a norm over all
+features of a projection, a per-head tensor built inside the region from the global head count)
+becomes the pair's ``problem``: the runtime then refuses that TP degree instead of guessing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import networkx as nx
+
+from nest_fx.graph.opgraph import Block, HeadInput
+
+ELEMENTWISE = {
+    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "neg", "pow", "rsqrt", "sqrt",
+    "exp", "log", "tanh", "sigmoid", "silu", "gelu", "relu", "softmax", "_softmax", "log_softmax", "dropout",
+    "native_dropout", "to", "_to_copy", "type_as", "contiguous", "clone", "alias", "float", "half", "bfloat16",
+    "detach", "where", "masked_fill", "masked_fill_", "clamp", "abs", "erf", "square", "reciprocal",
+    "lift_fresh_copy", "expand", "broadcast_to", "expand_as", "identity", "newgeluactivation", "geluactivation",
+    "iadd", "imul", "truediv", "floordiv", "scaled_dot_product_attention_mask",
+}
+ACTIVATION_MODULES = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "identity", "newgeluactivation",
+                      "geluactivation", "gelupytorchtanh", "siluactivation"}
+RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"}
+NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "layernorm", "rmsnorm", "fused_rms_norm"}
+SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split", "unbind", "tensor_split"}
+SELECTS = {"select", "slice", "narrow"}
+ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+BATCHED_MATMULS = {"bmm", "matmul", "baddbmm"}
+IGNORED = {"_assert_tensor_metadata", "size", "sym_size", "dim"}
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Where a tensor carries the sharded units: ``count`` units along ``dim``, each ``inner``
+    elements of that dim apart (dims merged inside it). Before the features are viewed as heads
+    (``heads=False``) ``source`` is the feature range (column node, start, size) they came from."""
+
+    dim: int
+    count: int
+    inner: int = 1
+    heads: bool = False
+    source: Optional[Tuple[str, int, int]] = None
+
+    @property
+    def extent(self) -> int:
+        return self.count * self.inner
+
+    def same_split(self, other: "Flow") -> bool:
+        """Sharded alike: same dim and extent; a rank's chunk of one is its chunk of the other
+        (q heads against their GQA key/value groups included)."""
+        return self.dim == other.dim and self.extent == other.extent
+
+
+@dataclass
+class PairLayout:
+    """What :func:`follow_pair` found (see the module docstring)."""
+
+    parts: Dict[str, List[Tuple[int, int, int]]] = field(default_factory=dict)  # column -> (start, size, unit)
+    head_norms: Dict[str, int] = field(default_factory=dict)  # module FQN -> heads dim of its input
+    head_tables: List[str] = field(default_factory=list)  # module FQNs
+    head_inputs: List[HeadInput] = field(default_factory=list)
+    problem: str = ""
+
+
+class _Stop(Exception):
+    """The sharded dim cannot be followed through an op (the message says where and why)."""
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def _prod(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+class _Follower:
+    def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
+                 units: Set[str]):
+        self.g = graph
+        self.units = units  # the pair's linear-like modules (absolute FQNs)
+        self.block = block
+        self.columns = columns
+        self.row = row
+        self.region = region  # module FQN of the region (absolute)
+        self.flows: Dict[str, List[Optional[Flow]]] = {}
+        self.layout = PairLayout()
+        self.head_counts: Set[int] = set()
+        self.ranges: Dict[str, Set[Tuple[int, int, int]]] = {c: set() for c in columns}
+
+    # -- helpers ------------------------------------------------------------------------
+    def where(self, node: str) -> str:
+        d = self.g.nodes[node]
+        return f"op {d.get('op')!r} in module {d.get('module') or '<root>'!r}"
+
+    def inside(self, node: str) -> bool:
+        module = self.g.nodes[node].get("module", "")
+        return module == self.region or module.startswith(self.region + ".") if self.region else True
+
+    def input_flows(self, node: str) -> List[Optional[Flow]]:
+        d = self.g.nodes[node]
+        seen: Dict[str, int] = {}
+        out = []
+        for name in d.get("inputs", []):
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            flows = self.flows.get(name)
+            out.append(flows[k] if flows is not None and k < len(flows) else None)
+        return out
+
+    def terminal(self, flow: Flow, unit: int, node: str) -> None:
+        """The feature range of ``flow`` is used as one part (viewed as heads of ``unit``
+        features, or used whole): record it against its column."""
+        if flow.source is None:
+            return
+        column, start, size = flow.source
+        if flow.inner != 1 or flow.count != size:
+            raise _Stop(f"{self.where(node)} uses the features of {self.g.nodes[column].get('weight')} in a way "
+                        "tensor parallelism cannot follow")
+        self.ranges[column].add((start, size, unit))
+
+    # -- the walk -----------------------------------------------------------------------
+    def run(self) -> PairLayout:
+        g, members = self.g, set(self.block.nodes)
+        cols = set(self.columns)
+        down = set().union(*(nx.descendants(g, c) for c in cols)) & members
+        up = nx.ancestors(g, self.row) & members
+        core = (down & up) | cols
+        order = [n for n in self.block.nodes if n in core or (n in up and self.inside(n))]
+        try:
+            for node in order:
+                self.visit(node, core)
+            self.check_row()
+            self.finish_parts()
+            self.check_contained(core, members)
+        except _Stop as stop:
+            self.layout.problem = str(stop)
+        return self.layout
+
+    def check_contained(self, core: Set[str], members: Set[str]) -> None:
+        """Sharded data must reach the row only: a use elsewhere (outside the pair, still
+        feeding the block's output) would see one rank's shard."""
+        exits = [n for n in members if any(s not in members for s in self.g.successors(n))]
+        live = set(exits).union(*(nx.ancestors(self.g, n) for n in exits)) if exits else set()
+        for node in core:
+            for user in self.g.successors(node):
+                if user not in core and user != self.row and (user not in members or user in live):
+                    raise _Stop(f"the sharded output of {self.where(node)} is also used by {self.where(user)}, "
+                                "outside the pair's region")
+
+    def visit(self, node: str, core: Set[str]) -> None:
+        d = self.g.nodes[node]
+        op = d.get("op", "")
+        n_out = len(d.get("out_shapes") or [])
+        if node in self.columns:
+            self.flows[node] = [self.column_flow(node)]
+            return
+        if op in IGNORED or n_out == 0:
+            return
+        ins = self.input_flows(node)
+        if not any(ins):
+            self.flows[node] = self.source_flows(node)
+            return
+        if node not in core and not self.inside(node):
+            return
+        self.flows[node] = self.propagate(node, op, ins)
+
+    def column_flow(self, node: str) -> Flow:
+        d = self.g.nodes[node]
+        dims, shape = d.get("weight_dims") or [None, None], d.get("weight_shape") or []
+        out = (d.get("out_shapes") or [[]])[0]
+        if dims[0] is None or not shape or not out:
+            raise _Stop(f"cannot tell which dim of {d.get('weight')} holds its output features ({self.where(node)})")
+        features = shape[dims[0]]
+        dim = len(out) - 1 if out[-1] == features else (len(out) - 2 if len(out) > 1 and out[-2] == features else None)
+        if dim is None:
+            raise _Stop(f"cannot find the output features of {d.get('weight')} in {self.where(node)}")
+        return Flow(dim=dim, count=features, source=(node, 0, features))
+
+    def source_flows(self, node: str) -> List[Optional[Flow]]:
+        """An embedding inside the region with one output column per head is a per-head table."""
+        d = self.g.nodes[node]
+        n_out = len(d.get("out_shapes") or [])
+        params = [p for p in d.get("input_params", []) if p]
+        if d.get("op") == "embedding" and params and self.inside(node):
+            shape = d["in_shapes"][d["input_params"].index(params[0])]
+            if len(shape) == 2 and shape[1] in self.head_counts:
+                out = d["out_shapes"][0]
+                self.layout.head_tables.append(d.get("module", ""))
+                return [Flow(dim=len(out) - 1, count=shape[1], heads=True)]
+        return [None] * n_out
+
+    # -- per-op rules ---------------------------------------------------------------------
+    def propagate(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
+        d = self.g.nodes[node]
+        if op == "getitem" and isinstance(_arg(d, 1), int):
+            k = _arg(d, 1)
+            flows = [f for f in ins if f is not None]
+            return [self.flows[d["inputs"][0]][k]] if d.get("inputs") and self.flows.get(d["inputs"][0]) else flows[:1]
+        if op in ELEMENTWISE or (d.get("fx_op") == "call_module" and op in ACTIVATION_MODULES):
+            return [self.elementwise(node, ins)]
+        if op in RESHAPES:
+            return [self.reshape(node, ins)]
+        if op in ("transpose", "swapaxes", "permute", "t", "numpy_T", "unsqueeze", "squeeze"):
+            return [self.move_dims(node, op, ins)]
+        if op in SELECTS or op in ("index", "getitem"):
+            return [self.select(node, op, ins)]
+        if op in SPLITS:
+            return self.split(node, op, ins)
+        if op in ("cat", "concat", "stack"):
+            return [self.concat(node, op, ins)]
+        if op in REDUCTIONS:
+            return [self.reduce(node, ins)]
+        if op in NORMS or _normalises_last(op):
+            return [self.norm(node, ins)]
+        if op in ATTENTION:
+            return self.attention(node, ins)
+        if op in BATCHED_MATMULS:
+            return [self.batched_matmul(node, op, ins)]
+        raise _Stop(f"tensor parallelism cannot follow the sharded heads/features through {self.where(node)}")
+
+    def single(self, node: str, ins: List[Optional[Flow]]) -> Tuple[int, Flow]:
+        sharded = [(i, f) for i, f in enumerate(ins) if f is not None]
+        first = sharded[0]
+        for _, f in sharded[1:]:
+            if f != first[1]:
+                raise _Stop(f"{self.where(node)} combines tensors sharded differently")
+        return first
+
+    def check_unsharded(self, node: str, flow_out: Flow, out_ndim: int, skip: Set[int] = frozenset()) -> None:
+        """Inputs without a flow that broadcast against the sharded dim must be per-head inputs
+        (sliced on entry to the region) or per-head parameters (not supported); parameters that
+        meet the sharded data elsewhere make their module a per-head norm."""
+        d = self.g.nodes[node]
+        ins = self.input_flows(node)
+        for i, (name, shape) in enumerate(zip(d.get("inputs", []), d.get("in_shapes", []))):
+            if ins[i] is not None or i in skip:
+                continue
+            param = (d.get("input_params") or [None] * (i + 1))[i]
+            if param and param.rpartition(".")[0] in self.units:
+                continue  # a column's own bias: sharded with its weight
+            at = flow_out.dim - (out_ndim - len(shape))
+            carries = 0 <= at < len(shape) and shape[at] != 1
+            if param:
+                if carries:
+                    raise _Stop(f"parameter {param} has one entry per sharded head/feature ({self.where(node)}); "
+                                "tensor parallelism does not shard such parameters yet")
+                self.head_norm(node, param, flow_out.dim)
+                continue
+            if not carries or name not in self.g or not _float(self.g.nodes[name]):
+                continue
+            for source, source_shape, dim in self.per_head_sources(name, at):
+                if source_shape[dim] % flow_out.extent:
+                    raise _Stop(f"{self.where(node)} broadcasts a tensor of shape {source_shape} against the "
+                                "sharded dim")
+                found = HeadInput(shape=list(source_shape), dim=dim, count=flow_out.count, inner=flow_out.inner)
+                if found not in self.layout.head_inputs:
+                    self.layout.head_inputs.append(found)
+
+    def external(self, node: str) -> bool:
+        return node not in self.block.nodes or not self.inside(node)
+
+    def per_head_sources(self, node: str, at: int) -> List[Tuple[str, List[int], int]]:
+        """The region inputs that give ``node``'s dim ``at`` (a dim that meets the sharded heads)
+        its size: ``node`` itself when it is a region input, else the inputs it is computed from by
+        elementwise ops. A per-head dim created inside the region (from the global head count)
+        cannot be sliced: a problem."""
+        d = self.g.nodes[node]
+        shape = d["out_shapes"][0]
+        if self.external(node):
+            return [(node, shape, at)]
+        first = (d.get("in_shapes") or [[]])[0]
+        if d.get("op") in SELECTS | {"getitem", "index"} and len(first) == len(shape) and first[at] == shape[at]:
+            return self.per_head_sources(d["inputs"][0], at)  # a slice along other dims (MPT's ALiBi)
+        if d.get("op") not in ELEMENTWISE:
+            raise _Stop(f"{self.where(node)} builds a per-head tensor from the global head count inside the "
+                        "region; tensor parallelism cannot shard it")
+        found = []
+        for name, in_shape in zip(d.get("inputs", []), d.get("in_shapes", [])):
+            dim = at - (len(shape) - len(in_shape))
+            if name in self.g and 0 <= dim < len(in_shape) and in_shape[dim] != 1 and _float(self.g.nodes[name]):
+                found += self.per_head_sources(name, dim)
+        if not found:
+            raise _Stop(f"{self.where(node)} builds a per-head tensor from the global head count inside the "
+                        "region; tensor parallelism cannot shard it")
+        return found
+
+    def head_norm(self, node: str, param: str, dim: int) -> None:
+        module = param.rpartition(".")[0]
+        if module == self.region or not module:
+            raise _Stop(f"parameter {param} is applied to the sharded data by the region module itself "
+                        f"({self.where(node)}); tensor parallelism needs it in its own module (e.g. a norm)")
+        self.layout.head_norms[module] = dim
+
+    def elementwise(self, node: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        out = d["out_shapes"][0]
+        aligned: List[Flow] = []
+        for f, shape in zip(ins, d.get("in_shapes", [])):
+            if f is None:
+                continue
+            dim = f.dim + len(out) - len(shape)
+            if out[dim] != shape[f.dim]:
+                raise _Stop(f"{self.where(node)} changes the size of the sharded dim")
+            aligned.append(replace(f, dim=dim))
+        first = aligned[0]
+        for f in aligned[1:]:
+            if not f.same_split(first):
+                raise _Stop(f"{self.where(node)} combines tensors sharded differently")
+        if len({f.source for f in aligned}) > 1:
+            for f in aligned:  # gate * up: each range is a part of its own
+                self.terminal(f, 1, node)
+            first = replace(first, source=None)
+        self.check_unsharded(node, first, len(out))
+        return first
+
+    def reshape(self, node: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        _, f = self.single(node, ins)
+        shape, out = d["in_shapes"][0], d["out_shapes"][0]
+        stride = f.inner * _prod(shape[f.dim + 1:])
+        extent = f.count * stride
+        suffix = 1
+        for dim in range(len(out) - 1, -1, -1):
+            outer = suffix * out[dim]
+            if suffix <= stride and stride % suffix == 0 and extent <= outer and outer % extent == 0:
+                return replace(f, dim=dim, inner=stride // suffix)
+            suffix = outer
+        if f.heads or f.inner != 1:
+            raise _Stop(f"{self.where(node)} reshapes across the sharded heads")
+        return self.head_view(node, f, out, stride)
+
+    def head_view(self, node: str, f: Flow, out: List[int], stride: int) -> Flow:
+        """Features [.., F] viewed as [.., heads, (groups,) head_dim]: the outermost new dim holds
+        the heads (or the key/value groups of a grouped layout), sharded contiguously."""
+        suffix, dims = 1, []
+        for dim in range(len(out) - 1, -1, -1):
+            if suffix * out[dim] > stride * f.count:
+                break
+            suffix *= out[dim]
+            if suffix > stride:
+                dims.append(dim)
+        if not dims or suffix != stride * f.count:
+            raise _Stop(f"{self.where(node)} reshapes the sharded features in a way tensor parallelism cannot follow")
+        heads_dim = dims[-1]
+        count = out[heads_dim]
+        self.terminal(f, f.count // count, node)
+        self.head_counts.add(count)
+        return Flow(dim=heads_dim, count=count, heads=True)
+
+    def move_dims(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        _, f = self.single(node, ins)
+        shape, out = d["in_shapes"][0], d["out_shapes"][0]
+        n = len(shape)
+        if op in ("transpose", "swapaxes"):
+            a, b = (_norm_dim(x, n) for x in (_arg(d, 1, 0), _arg(d, 2, 1)))
+            dim = b if f.dim == a else (a if f.dim == b else f.dim)
+        elif op == "permute":
+            order = _arg(d, 1)
+            order = list(order) if isinstance(order, (tuple, list)) else [a for a in d.get("args", [])[1:]]
+            dim = [_norm_dim(x, n) for x in order].index(f.dim)
+        elif op in ("t", "numpy_T"):
+            dim = n - 1 - f.dim
+        elif op == "unsqueeze":
+            at = _norm_dim(_arg(d, 1, 0), n + 1)
+            dim = f.dim + 1 if at <= f.dim else f.dim
+        else:  # squeeze: drop size-1 dims
+            kept = [i for i in range(n) if not (shape[i] == 1 and len(out) < n)]
+            dim = kept.index(f.dim) if f.dim in kept else None
+            if dim is None:
+                raise _Stop(f"{self.where(node)} squeezes the sharded dim")
+        if out[dim] != shape[f.dim]:
+            raise _Stop(f"{self.where(node)} changes the sharded dim")
+        return replace(f, dim=dim)
+
+    def select(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        i, f = self.single(node, ins)
+        shape, out = d["in_shapes"][i], d["out_shapes"][0]
+        dims = _indexed_dims(d, op, len(shape))
+        if dims is None:  # a tensor index: only the dims after the sharded one may change
+            if len(out) == len(shape) and out[:f.dim + 1] == shape[:f.dim + 1]:
+                self.check_unsharded(node, f, len(out), skip={j for j in range(len(ins)) if j != i})
+                return f
+            raise _Stop(f"{self.where(node)} indexes the sharded dim")
+        removed, sliced = dims
+        if f.dim in removed:
+            raise _Stop(f"{self.where(node)} selects along the sharded heads/features")
+        if f.dim in sliced:
+            start, size = sliced[f.dim]
+            if f.heads or f.source is None or f.inner != 1 or start < 0:
+                raise _Stop(f"{self.where(node)} slices the sharded heads")
+            column, base, _ = f.source
+            return Flow(dim=f.dim - sum(1 for r in removed if r < f.dim), count=size,
+                        source=(column, base + start, size))
+        return replace(f, dim=f.dim - sum(1 for r in removed if r < f.dim))
+
+    def split(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
+        d = self.g.nodes[node]
+        _, f = self.single(node, ins)
+        shape, outs = d["in_shapes"][0], d["out_shapes"]
+        dim = _norm_dim(_arg(d, 2 if op != "unbind" else 1, d.get("kwargs", {}).get("dim", 0)), len(shape))
+        if op == "unbind":
+            if dim == f.dim:
+                raise _Stop(f"{self.where(node)} unbinds the sharded dim")
+            return [replace(f, dim=f.dim - (1 if dim < f.dim else 0)) for _ in outs]
+        if dim != f.dim:
+            return [f for _ in outs]
+        if f.heads or f.source is None or f.inner != 1:
+            raise _Stop(f"{self.where(node)} splits the sharded heads")
+        column, base, _ = f.source
+        flows, start = [], 0
+        for o in outs:
+            flows.append(Flow(dim=f.dim, count=o[dim], source=(column, base + start, o[dim])))
+            start += o[dim]
+        return flows
+
+    def concat(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        if not all(ins):
+            raise _Stop(f"{self.where(node)} joins sharded and unsharded tensors")
+        _, f = self.single(node, ins)
+        out = d["out_shapes"][0]
+        dim = _norm_dim(_arg(d, 1, d.get("kwargs", {}).get("dim", 0)), len(out))
+        if op == "stack":
+            return replace(f, dim=f.dim + 1 if dim <= f.dim else f.dim)
+        if dim == f.dim:
+            raise _Stop(f"{self.where(node)} concatenates along the sharded dim")
+        return f
+
+    def reduce(self, node: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        _, f = self.single(node, ins)
+        shape, out = d["in_shapes"][0], d["out_shapes"][0]
+        dims = _arg(d, 1, None)
+        dims = list(range(len(shape))) if dims is None else ([dims] if isinstance(dims, int) else list(dims))
+        dims = [_norm_dim(x, len(shape)) for x in dims]
+        if f.dim in dims:
+            what = "heads" if f.heads else "features"
+            raise _Stop(f"{self.where(node)} reduces over all the sharded {what} (e.g. a norm over the whole "
+                        "projection); each rank would reduce over its shard alone")
+        if len(out) == len(shape):
+            return f
+        return replace(f, dim=f.dim - sum(1 for x in dims if x < f.dim))
+
+    def norm(self, node: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        _, f = self.single(node, ins)
+        shape = d["in_shapes"][0]
+        normalized = _arg(d, 1, None)
+        count = len(normalized) if isinstance(normalized, (tuple, list)) else 1
+        if f.dim >= len(shape) - count:
+            raise _Stop(f"{self.where(node)} normalises over all the sharded features (a norm over the whole "
+                        "projection); each rank would normalise its shard alone")
+        if d.get("fx_op") == "call_module" and d.get("params"):
+            self.head_norm(node, d["params"][0], f.dim)
+        self.check_unsharded(node, f, len(d["out_shapes"][0]))
+        return f
+
+    def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
+        d = self.g.nodes[node]
+        shapes = d["in_shapes"]
+        q = ins[0]
+        if q is None or any(f is None for f in ins[1:3]):
+            raise _Stop(f"{self.where(node)} mixes sharded and unsharded queries, keys or values")
+        nd = len(shapes[0])
+        if q.dim >= nd - 2 or not all(f.dim == q.dim for f in ins[1:3]):
+            raise _Stop(f"{self.where(node)}: the sharded dim is not the heads dim of the attention")
+        for f in ins[1:3]:
+            if q.count % f.count and f.extent != q.extent:
+                raise _Stop(f"{self.where(node)}: query and key/value heads are sharded differently")
+        if len(ins) > 3 and ins[3] is not None and not ins[3].same_split(q):
+            raise _Stop(f"{self.where(node)}: the attention mask is sharded differently from the heads")
+        self.check_unsharded(node, q, nd, skip={0, 1, 2})
+        return [q] + [replace(q) if len(o) > q.dim and o[q.dim] == shapes[0][q.dim] else None
+                      for o in d["out_shapes"][1:]]
+
+    def batched_matmul(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
+        d = self.g.nodes[node]
+        shapes, out = d["in_shapes"], d["out_shapes"][0]
+        operands = [1, 2] if op == "baddbmm" else [0, 1]
+        aligned = []
+        for i in operands:
+            f = ins[i] if i < len(ins) else None
+            if f is None:
+                continue
+            if f.dim >= len(shapes[i]) - 2:
+                raise _Stop(f"{self.where(node)} contracts or keeps the sharded dim as a matrix dim")
+            aligned.append(replace(f, dim=f.dim + len(out) - len(shapes[i])))
+        if not aligned:
+            raise _Stop(f"{self.where(node)} combines sharded data in a way tensor parallelism cannot follow")
+        first = aligned[0]
+        if any(not f.same_split(first) for f in aligned[1:]):
+            raise _Stop(f"{self.where(node)} multiplies tensors sharded differently")
+        for i in operands:
+            if i < len(ins) and ins[i] is None and 0 <= first.dim - (len(out) - len(shapes[i])) < len(shapes[i]) \
+                    and shapes[i][first.dim - (len(out) - len(shapes[i]))] != 1:
+                raise _Stop(f"{self.where(node)} multiplies sharded heads with an unsharded per-head tensor")
+        self.check_unsharded(node, first, len(out), skip=set(operands))
+        return replace(first, source=None) if first.source else first
+
+    # -- the row and the parts ------------------------------------------------------------
+    def check_row(self) -> None:
+        d = self.g.nodes[self.row]
+        flows = [(i, f) for i, f in enumerate(self.input_flows(self.row)) if f is not None]
+        if len(flows) != 1:
+            raise _Stop(f"the input of {d.get('weight')} is not one sharded tensor ({self.where(self.row)})")
+        i, f = flows[0]
+        shape = d["in_shapes"][i]
+        dims, wshape = d.get("weight_dims") or [None, None], d.get("weight_shape") or []
+        if dims[1] is None or not wshape:
+            raise _Stop(f"cannot tell which dim of {d.get('weight')} holds its input features")
+        features = wshape[dims[1]]
+        contracted = len(shape) - 1 if shape[-1] == features else len(shape) - 2
+        if f.dim != contracted or f.extent != features:
+            raise _Stop(f"{d.get('weight')} does not take the sharded features as its input features "
+                        f"({self.where(self.row)})")
+        if not f.heads:
+            self.terminal(f, 1, self.row)
+
+    def finish_parts(self) -> None:
+        for column, ranges in self.ranges.items():
+            d = self.g.nodes[column]
+            features = self.column_flow(column).count
+            ordered = sorted(ranges)
+            pos, parts = 0, []
+            for start, size, unit in ordered:
+                if start != pos:
+                    raise _Stop(f"the output features of {d.get('weight')} are used in overlapping or missing "
+                                "ranges; tensor parallelism cannot tell how to shard them")
+                parts.append((start, size, unit))
+                pos = start + size
+            if pos != features:
+                raise _Stop(f"only {pos} of the {features} output features of {d.get('weight')} reach the row "
+                            f"as whole parts")
+            self.layout.parts[column] = parts
+
+
+def _arg(d: dict, i: int, default=None):
+    args = d.get("args") or []
+    return args[i] if i < len(args) and args[i] is not None else default
+
+
+def _float(d: dict) -> bool:
+    return any(str(t).startswith(("float", "bfloat16", "half")) for t in d.get("out_dtypes") or [])
+
+
+def _normalises_last(op: str) -> bool:
+    return op.endswith("rmsnorm") or op.endswith("layernorm")
+
+
+def _indexed_dims(d: dict, op: str, ndim: int):
+    """(removed dims, {dim: (start, size)} of sliced dims) of a select/slice/getitem, or None for a
+    tensor index. A strided slice is reported with start -1 (it cannot cut the sharded dim)."""
+    out = d["out_shapes"][0]
+    shape = d["in_shapes"][0]
+    if op == "select":
+        return {_norm_dim(_arg(d, 1, 0), ndim)}, {}
+    if op in ("slice", "narrow"):
+        dim = _norm_dim(_arg(d, 1, 0), ndim)
+        step = _arg(d, 4, 1) if op == "slice" else 1
+        if out[dim] == shape[dim]:
+            return set(), {}
+        if step != 1:
+            return set(), {dim: (-1, out[dim])}
+        start = _arg(d, 2, 0) or 0
+        return set(), {dim: (start + shape[dim] if start < 0 else start, out[dim])}
+    if op != "getitem":
+        return None
+    index = _arg(d, 1)
+    items = list(index) if isinstance(index, tuple) else [index]
+    if "..." in items:
+        at = items.index("...")
+        items = items[:at] + [("slice", None, None, None)] * (ndim - len(items) + 1) + items[at + 1:]
+    removed, sliced = set(), {}
+    for dim, item in enumerate(items):
+        if isinstance(item, int):
+            removed.add(dim)
+        elif isinstance(item, tuple) and item and item[0] == "slice":
+            begin, stop, step = item[1], item[2], item[3]
+            if (begin, stop, step) in ((None, None, None), (None, None, 1), (0, None, None)):
+                continue
+            if step not in (None, 1) or not isinstance(begin or 0, int) or not isinstance(stop or 0, int):
+                sliced[dim] = (-1, -1)
+                continue
+            begin = (begin or 0) + (shape[dim] if (begin or 0) < 0 else 0)
+            end = shape[dim] if stop is None else min(stop + (shape[dim] if stop < 0 else 0), shape[dim])
+            sliced[dim] = (begin, end - begin)
+        else:  # None (a new axis) or a tensor index
+            return None
+    return removed, sliced
+
+
+def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
+                units: Set[str] = frozenset()) -> PairLayout:
+    """Follow the sharded features of ``columns`` (node names) to ``row`` (node name) inside the
+    region module ``region`` (an absolute module FQN); ``units``: the pair's linear-like modules,
+    whose own parameters are sharded with them. See the module docstring."""
+    return _Follower(graph, block, columns, row, region, set(units)).run()

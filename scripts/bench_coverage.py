@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Model coverage: every model of the coverage suite under every plan of it, on 4 CPU ranks.
+
+    python scripts/bench_coverage.py                                   # the whole matrix
+    python scripts/bench_coverage.py --models hf:t5,cnn --plans planner,TP2xDP2
+    python scripts/bench_coverage.py --out results/bench_coverage_before
+
+The suite (``nest_fx.testing.COVERAGE_MODELS``): tiny configs of transformers families
+(``hf:<model_type>``: its default config shrunk, no download) of five kinds (decoders, encoders,
+encoder-decoders, MoE, vision) and two plain PyTorch models (an ``nn.Sequential`` MLP and a CNN
+with BatchNorm). The plans (``COVERAGE_PLANS``): the planner's choice (``auto_parallelize`` with no
+plan, the NEST DP on the cpu-gloo preset), TP2xDP2, PP2xDP2 (1F1B, 2 microbatches), TP2xPP2, and
+EP2xDP2 for MoE models.
+
+Each cell launches 4 gloo ranks (``nest_fx.apply.launch``), trains the model for 3 SGD steps under
+the plan with ``auto_parallelize`` and, on every rank, the same weights on one device
+(``nest_fx.testing.equivalence``: the model's own inputs, e.g. T5's ``input_ids`` and
+``decoder_input_ids``, its own loss from ``labels``, dropout off), and reports:
+
+* ``ok``: losses, full gradients and parameters within 1e-5 of the single-device run;
+* ``refused``: nest-fx refused the model or the plan before training, with its reason;
+* ``mismatch``: it trained and the numbers differ (the worst defect);
+* ``error`` / ``timeout``: it crashed or hung (the last line of the first failing rank).
+
+Before its cells, each model's fp32 noise is measured in this process (``testing.fp32_noise``):
+how far its single-device fp32 run drifts from the same run in fp64 over the same 3 steps (the
+largest parameter difference). A model whose noise reaches the tolerance cannot be judged at
+1e-5 by any run that sums in another order; the column says so (``over tol``).
+
+A progress line per cell (status, seconds). Writes ``<out>.md`` (the matrix and the refusal
+reasons, for the README) and ``<out>.json``. Exit status 1 when a cell mismatches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from nest_fx.apply.launch import launch
+from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, COVERAGE_TOL,
+                             cell_status, coverage_cell, fp32_noise)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 4
+# launch failures of the machine, not of the cell: the rendezvous port taken between its probe and its
+# bind, a gloo peer connection reset while the ranks connect
+TRANSIENT = ("EADDRINUSE", "connectFullMesh failed")
+MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "error": "error", "timeout": "timeout",
+        "n/a": "-"}
+
+
+def _spec(model: str, plan: Dict[str, Any]) -> Dict[str, Any]:
+    return {"model": model, "plan": dict(plan), "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "steps": 3, "lr": 0.5}
+
+
+def noise(model: str) -> Dict[str, Any]:
+    """The model's fp32 rounding drift over the cells' 3 steps (``testing.fp32_noise``), or why unknown."""
+    try:
+        return fp32_noise(_spec(model, {}))
+    except Exception as exc:  # noqa: BLE001 - a model that cannot build fails its cells with the reason
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+
+
+def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
+    """One cell: launch, classify, time."""
+    if plan_name.startswith("EP") and COVERAGE_MODELS.get(model) != "moe":
+        return {"status": "n/a", "seconds": 0.0}
+    spec = _spec(model, COVERAGE_PLANS[plan_name])
+    start = time.perf_counter()
+    for attempt in range(2):
+        try:
+            cell = cell_status(launch(coverage_cell, WORLD, spec, timeout=timeout))
+        except TimeoutError as exc:
+            cell = {"status": "timeout", "reason": str(exc).splitlines()[0]}
+        except RuntimeError as exc:  # a rank crashed: its last traceback line
+            if attempt == 0 and any(t in str(exc) for t in TRANSIENT):
+                continue  # the rendezvous lost a race with another job on the machine: launch again
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            last = next((line for line in reversed(lines) if not line.startswith("rank ")), lines[-1] if lines else "")
+            cell = {"status": "error", "reason": last.strip()[:400]}
+        break
+    cell["seconds"] = round(time.perf_counter() - start, 1)
+    return cell
+
+
+def _short(reason: str, limit: int = 160) -> str:
+    return reason if len(reason) <= limit else reason[:limit - 3] + "..."
+
+
+def _noise_text(row: Dict[str, Any]) -> str:
+    if "param" not in row:
+        return "n/a"
+    flag = " (over tol)" if row["param"] >= COVERAGE_TOL else ""
+    return f"{row['param']:.0e}{flag}"
+
+
+def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
+             noises: Dict[str, Dict[str, Any]]) -> str:
+    """The matrix (one row per model, one column per plan, the model's fp32 drift from fp64) and the
+    distinct refusal/error reasons."""
+    lines = ["| model | kind | " + " | ".join(plans) + " | fp32 noise |", "|---|---|" + "---|" * (len(plans) + 1)]
+    reasons: Dict[str, List[str]] = {}
+    for model, row in matrix.items():
+        cells = []
+        for plan in plans:
+            cell = row[plan]
+            text = MARK[cell["status"]]
+            if cell.get("reason"):
+                key = _short(cell["reason"])
+                number = list(reasons).index(key) + 1 if key in reasons else len(reasons) + 1
+                reasons.setdefault(key, []).append(f"{model} {plan}")
+                text += f" [{number}]"
+            cells.append(text)
+        lines.append(f"| `{model}` | {COVERAGE_MODELS.get(model, '?')} | " + " | ".join(cells)
+                     + f" | {_noise_text(noises.get(model, {}))} |")
+    counts: Dict[str, int] = {}
+    for row in matrix.values():
+        for cell in row.values():
+            counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+    lines += ["", "Cells: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "n/a"), ""]
+    if reasons:
+        lines += ["Reasons (refusals and errors, first 160 characters):", ""]
+        for number, (reason, where) in enumerate(reasons.items(), 1):
+            lines.append(f"{number}. {reason} ({len(where)} cells)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(COVERAGE_MODELS), help="comma-separated model names")
+    parser.add_argument("--plans", default=",".join(COVERAGE_PLANS), help=f"comma-separated, of {list(COVERAGE_PLANS)}")
+    parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_coverage"),
+                        help="output path without extension (.md and .json are written)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell before its ranks are killed")
+    parser.add_argument("--reuse", metavar="JSON", help="a previous run of the same code: keep its cells and fp32 "
+                        "noise, run again only its error and timeout cells and what it lacks")
+    args = parser.parse_args(argv)
+    previous = json.load(open(args.reuse, encoding="utf-8")) if args.reuse else {"matrix": {}, "fp32_noise": {}}
+    models = [m for m in args.models.split(",") if m]
+    plans = [p for p in args.plans.split(",") if p]
+    unknown = [p for p in plans if p not in COVERAGE_PLANS]
+    if unknown:
+        parser.error(f"unknown plan(s) {unknown}; use {list(COVERAGE_PLANS)}")
+    matrix: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    total = len(models) * len(plans)
+    start = time.perf_counter()
+    noises: Dict[str, Dict[str, Any]] = {}
+    for model in models:
+        noises[model] = previous["fp32_noise"].get(model) or noise(model)
+        print(f"{model:<16} fp32 noise {_noise_text(noises[model])} {noises[model].get('error', '')[:100]}", flush=True)
+        matrix[model] = {}
+        for plan in plans:
+            cell = previous["matrix"].get(model, {}).get(plan)
+            if cell is None or cell["status"] in ("error", "timeout"):
+                cell = run_cell(model, plan, args.timeout)
+            matrix[model][plan] = cell
+            done = sum(len(r) for r in matrix.values())
+            detail = cell.get("plan") or _short(cell.get("reason", ""), 100)
+            print(f"[{done}/{total}] {model:<16} {plan:<8} {cell['status']:<8} {cell['seconds']:6.1f}s  {detail}",
+                  flush=True)
+    table = markdown(matrix, plans, noises)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".md", "w", encoding="utf-8") as fh:
+        fh.write(table)
+    with open(args.out + ".json", "w", encoding="utf-8") as fh:
+        json.dump({"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
+                   "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix, "fp32_noise": noises,
+                   "seconds": round(time.perf_counter() - start, 1), "reused_run_seconds": previous.get("seconds"),
+                   "torch": torch.__version__,
+                   "transformers": _transformers_version(), "python": platform.python_version()}, fh, indent=2)
+    print(table)
+    print(f"wrote {args.out}.md and {args.out}.json")
+    return 1 if any(c["status"] == "mismatch" for r in matrix.values() for c in r.values()) else 0
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers  # optional extra
+        return transformers.__version__
+    except ImportError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+#!/usr/bin/env python
+"""Fault probes for long jobs: what each fault does to a run, and how long until it is noticed.
+
+    python scripts/bench_faults.py                          # every probe (about 4 minutes on 2 cores)
+    python scripts/bench_faults.py --probes hang-tp,corrupt # some of them
+    python scripts/bench_faults.py --timeout 10             # the job's collective timeout (default 5 s)
+
+Every probe runs CPU ranks under gloo (``nest_fx.apply.launch.launch``, or torchrun for the node
+loss) on the small models of the tests:
+
+==================  ============================================================================
+kill                TP2 x DP2 on 4 ranks; rank 3 is SIGKILLed before its TP all-reduce
+hang-tp / hang-dp   the same, rank 3 is SIGSTOPped (hangs without dying) before its TP all-reduce
+                    / the gradient all-reduce; the others must end within the timeout + 5 s, the
+                    waiting peer naming the group
+kill-during-save    rank 3 is SIGKILLed halfway through writing its shard of the second
+                    checkpoint; the first must stay loadable and nothing of the second remain
+corrupt             1 KiB of garbage inside one tensor's bytes of a 250 MB checkpoint (model +
+                    AdamW); loading must refuse it naming the file. Also reported: the time of
+                    the sha256 check (hashing every file, one rank) next to a load without it
+full-disk           a tmpfs with room for 1.5 checkpoints, mounted in a private mount namespace
+                    (``unshare --mount``; ``unshare --user --map-root-user --mount`` when not
+                    root); where mounting is not allowed, a writer raising OSError(ENOSPC) stands
+                    in and the row says "simulated". resume's pre-flight check must refuse it
+                    before training, and a save that runs out of space must leave nothing
+                    behind and the previous checkpoint intact
+wrong-model         a 6-layer model's checkpoint loaded into a 4-layer model
+rank-mismatch       2 ranks, one with 10x the learning rate / another global batch
+inputs              --plan /dev/zero, a FIFO named x.yaml, a 100 MB cluster file,
+                    NEST_FX_TIMEOUT_S=inf and 1e-9, a NaN time in a profile
+node-loss           two torchrun agents (``--nnodes=1:2``, 2 ranks each) of
+                    examples/train_elastic.py; one is killed with its workers at step >= 4,
+                    later started again; the run must go on on 2 ranks, grow back to 4, and
+                    every step's loss equal the single-device run's (1e-5)
+==================  ============================================================================
+
+Writes ``results/bench_faults.json`` and prints the table; exit status 1 when a probe fails.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch.distributed.checkpoint import FileSystemWriter
+
+import nest_fx.apply.checkpoint_files as checkpoint_files
+from nest_fx.apply import AgreementError, CheckpointError, auto_parallelize
+from nest_fx.apply.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
+from nest_fx.apply.distributed import collective_timeout_s
+from nest_fx.apply.launch import free_port, launch
+from nest_fx.apply.losses import lm_loss
+from nest_fx.cluster import load_cluster
+from nest_fx.common.errors import NestFxError
+from nest_fx.models import build_seeded
+from nest_fx.plan import Plan, uniform_plan
+from nest_fx.testing import (FAULT_MODEL, ElasticAgents, elastic_command, fault_reports, fault_run, kill_node,
+                             read_losses)
+from nest_fx.workload.profile_file import Profile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ELASTIC_SCRIPT = os.path.join(ROOT, "examples", "train_elastic.py")
+SLACK_S = 5.0  # "the timeout + a few seconds"
+MEDIUM = "llama:hidden=512,layers=4,heads=8,seq=64,vocab=8000"  # ~21M parameters: a 250 MB checkpoint with AdamW
+
+
+def row(probe: str, fault: str, outcome: str, detect_s: Optional[float], ok: bool, **details) -> Dict[str, Any]:
+    return {"probe": probe, "fault": fault, "outcome": outcome, "detect_s": detect_s, "ok": bool(ok), **details}
+
+
+def timed(fn: Callable[[], Any]):
+    """(seconds, the NestFxError raised or None)."""
+    start = time.perf_counter()
+    try:
+        fn()
+    except NestFxError as e:
+        return time.perf_counter() - start, e
+    return time.perf_counter() - start, None
+
+
+def trained(spec: str, steps: int = 1):
+    model, cfg = build_seeded(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+        lm_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+# -- collectives -----------------------------------------------------------------------------------
+
+def probe_signal(name: str, signal_name: str, where: str, timeout_s: float, work: str) -> Dict[str, Any]:
+    out = os.path.join(work, name)
+    os.makedirs(out)
+    spec = {"signal": signal_name, "where": where, "out": out, "timeout_s": timeout_s,
+            "ckpt": os.path.join(out, "ckpt")}
+    start = time.monotonic()
+    try:
+        launch(fault_run, 4, spec, timeout=120 + timeout_s)
+        ended = "every rank finished (no failure seen)"
+    except (RuntimeError, TimeoutError) as e:
+        ended = str(e).splitlines()[0]
+    total = time.monotonic() - start
+    reports = fault_reports(out)["ranks"]
+    detect = max((r["after_s"] for r in reports.values()), default=None)
+    named = {r: rep["message"].split(" (during")[0] for r, rep in reports.items()}
+    ok = sorted(reports) == [0, 1, 2] and all(rep["type"] == "CollectiveError" for rep in reports.values())
+    ok = ok and detect is not None and detect <= timeout_s + SLACK_S
+    peer = {"tp": 2, "dp": 1}.get(where)
+    outcome = f"ranks 0-2 ended with CollectiveError; launch ended after {total:.1f} s"
+    if peer is not None and peer in named:
+        outcome += f"; rank {peer}: '{named[peer][len(f'rank {peer}: '):]}'"
+        group = {"tp": "tp group (ranks 2, 3)", "dp": "dp group (ranks 1, 3)"}[where]
+        ok = ok and group in named[peer]
+    extra: Dict[str, Any] = {}
+    if where == "save":
+        ckpt = spec["ckpt"]
+        left = sorted(os.listdir(ckpt))
+        model, _ = build_seeded(FAULT_MODEL, seed=7)
+        step = load_checkpoint(model, ckpt)["step"]
+        ok = ok and left == ["latest", "step-00000001"] and step == 1
+        outcome += f"; checkpoint directory: {left}, loads step {step}"
+        extra["left"] = left
+    return row(name, f"rank 3 {signal_name} at {where}", outcome, detect, ok, launch_s=total, messages=named,
+               launch_error=ended, **extra)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def probe_corrupt(work: str) -> Dict[str, Any]:
+    path = os.path.join(work, "corrupt")
+    model, opt = trained(MEDIUM)
+    directory = save_checkpoint(model, path, opt, step=1)
+    size = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
+    fresh, _ = build_seeded(MEDIUM, seed=7)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    manifest = checkpoint_files.read_manifest(directory)
+    # the check alone (what verify=True adds to a load), best of 3: the machine is shared
+    hashing = min(timed(lambda: checkpoint_files.check_hashes(directory, manifest, sorted(manifest["files"])))[0]
+                  for _ in range(3))
+    unverified = min(timed(lambda: load_checkpoint(fresh, path, fresh_opt, verify=False))[0] for _ in range(3))
+    shard = os.path.join(directory, "__0_0.distcp")
+    with open(shard, "r+b") as fh:
+        fh.seek(os.path.getsize(shard) // 2)
+        fh.write(os.urandom(1024))
+    detect, error = timed(lambda: load_checkpoint(fresh, path, fresh_opt))
+    ok = isinstance(error, CheckpointError) and f"{shard} is damaged" in str(error)
+    outcome = (f"refused: '{str(error).split(';')[0]}' (checking {size / 2**20:.0f} MiB: {hashing:.2f} s of sha256; "
+               f"a load without the check {unverified:.2f} s)")
+    return row("corrupt", "1 KiB of garbage in a tensor's bytes", outcome, detect, ok,
+               checkpoint_mib=size / 2**20, sha256_s=hashing, load_unverified_s=unverified,
+               sha256_mib_per_s=size / 2**20 / hashing)
+
+
+def probe_wrong_model(work: str) -> Dict[str, Any]:
+    path = os.path.join(work, "wrong-model")
+    six, _ = build_seeded(FAULT_MODEL.replace("layers=2", "layers=6"))
+    save_checkpoint(six, path, step=0)
+    four, _ = build_seeded(FAULT_MODEL.replace("layers=2", "layers=4"))
+    detect, error = timed(lambda: load_checkpoint(four, path))
+    ok = isinstance(error, CheckpointError) and "holds another model" in str(error)
+    return row("wrong-model", "6-layer checkpoint into a 4-layer model", f"refused: '{str(error).split('; fix')[0]}'",
+               detect, ok)
+
+
+def full_disk_inner(directory: str) -> Dict[str, Any]:
+    """Inside a private mount namespace: a tmpfs with room for 1.5 checkpoints at ``directory``."""
+    model, opt = trained(FAULT_MODEL)
+    probe = tempfile.mkdtemp()
+    one = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(save_checkpoint(model, probe, opt, step=0))
+              for n in names)
+    shutil.rmtree(probe)
+    size_kib = max(64, int(1.5 * one / 1024))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", directory], check=True)
+    return disk_outcomes(directory, model, opt, f"tmpfs of {size_kib} KiB, a checkpoint is {one / 1024:.0f} KiB")
+
+
+def disk_outcomes(directory: str, model, opt, setup: str) -> Dict[str, Any]:
+    """After one checkpoint: resume's pre-flight refusal (no room for two), then a save that runs
+    out of space (for real, or ENOSPC simulated by the caller)."""
+    ckpt = os.path.join(directory, "ckpt")
+    save_checkpoint(model, ckpt, opt, step=1)
+    preflight_s, preflight = timed(lambda: resume_checkpoint(model, ckpt, opt))
+    save_s, failed = timed(lambda: save_checkpoint(model, ckpt, opt, step=2))
+    left = sorted(os.listdir(ckpt))
+    fresh, _ = build_seeded(FAULT_MODEL, seed=7)
+    step = load_checkpoint(fresh, ckpt, torch.optim.AdamW(fresh.parameters()))["step"]
+    return {"setup": setup, "preflight_s": preflight_s, "preflight": str(preflight), "save_s": save_s,
+            "save_error": str(failed), "left": left, "loads_step": step}
+
+
+def probe_full_disk(work: str, mount: bool = True) -> Dict[str, Any]:
+    directory = os.path.join(work, "full-disk")
+    os.makedirs(directory)
+    result_path = os.path.join(work, "full-disk.json")
+    prefixes = [["unshare", "--mount", "--propagation", "private"]] if os.geteuid() == 0 else []
+    prefixes = (prefixes + [["unshare", "--user", "--map-root-user", "--mount"]]) if mount else []
+    result = None
+    for prefix in prefixes if shutil.which("unshare") else []:
+        done = subprocess.run(prefix + [sys.executable, __file__, "--full-disk-inner", directory, result_path],
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            with open(result_path) as fh:
+                result = json.load(fh)
+            break
+    if result is None:
+        result = simulated_full_disk(directory)
+    ok = ("two checkpoints need" in result["preflight"] and "nothing was left behind" in result["save_error"]
+          and ("No space left on device" in result["save_error"] or "disk full?" in result["save_error"])
+          and result["left"] == ["latest", "step-00000001"] and result["loads_step"] == 1)
+    outcome = (f"{result['setup']}: resume refused before training ('{result['preflight'].split('; fix')[0]}'); "
+               f"the save on the full disk failed in {result['save_s']:.2f} s "
+               f"('{result['save_error'].split(';')[0].split(' failed')[1].strip()}'), left {result['left']}, step 1 loads")
+    return row("full-disk", "disk full", outcome, result["preflight_s"], ok, **result)
+
+
+def simulated_full_disk(directory: str) -> Dict[str, Any]:
+    """No mount allowed: ENOSPC from the writer, and a disk_usage that reports no room."""
+    model, opt = trained(FAULT_MODEL)
+    real_usage, real_write = checkpoint_files.shutil.disk_usage, FileSystemWriter.write_data
+    calls = {"n": 0}
+
+    def no_room(path):
+        return shutil._ntuple_diskusage(1 << 20, (1 << 20) - 4096, 4096)
+
+    def second_save_fails(self, plan, planner):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, plan, planner)
+
+    checkpoint_files.shutil.disk_usage, FileSystemWriter.write_data = no_room, second_save_fails
+    try:
+        return disk_outcomes(directory, model, opt, "simulated (ENOSPC writer, no free space reported)")
+    finally:
+        checkpoint_files.shutil.disk_usage, FileSystemWriter.write_data = real_usage, real_write
+
+
+# -- settings and inputs -----------------------------------------------------------------------------
+
+def mismatch_run(kind: str) -> Dict[str, Any]:
+    """2 ranks; rank 1 differs in ``kind`` ("lr": 10x the learning rate; "batch": another global batch)."""
+    rank = int(os.environ["RANK"])
+    model, cfg = build_seeded(FAULT_MODEL)
+    plan = uniform_plan(cfg.layers + 2, dp=2, microbatch_size=2, num_microbatches=2)
+    batch = 16 if kind == "batch" and rank == 1 else 8
+    x = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
+    start = time.perf_counter()
+    try:
+        pm = auto_parallelize(model, x, global_batch_size=batch, loss_fn=lm_loss, plan=plan, verbose=False)
+        opt = torch.optim.AdamW(pm.parameters(), lr=0.01 if rank == 1 else 0.001)
+        pm.train_step(x, x)
+        start = time.perf_counter()
+        opt.step()
+    except AgreementError as e:
+        return {"error": str(e), "detect_s": time.perf_counter() - start, "world": dist.get_world_size()}
+    return {"error": None, "detect_s": None}
+
+
+def probe_mismatch(kind: str) -> Dict[str, Any]:
+    results = launch(mismatch_run, 2, kind, timeout=120)
+    error = results[0]["error"] or ""
+    field = {"lr": "optimizer default lr", "batch": "global_batch_size"}[kind]
+    ok = all(r["error"] == error for r in results) and error.startswith(f"ranks disagree on {field}")
+    fault = {"lr": "rank 1 with 10x the learning rate", "batch": "rank 1 with another global batch"}[kind]
+    return row(f"rank-mismatch-{kind}", fault, f"both ranks refused: '{error.split(' (')[0]}'",
+               max(r["detect_s"] or 0 for r in results), ok)
+
+
+def probe_inputs(work: str) -> List[Dict[str, Any]]:
+    fifo = os.path.join(work, "x.yaml")
+    os.mkfifo(fifo)
+    big = os.path.join(work, "big.yaml")
+    with open(big, "w") as fh:
+        fh.write("levels:\n" + "  - {name: l, size: 2, bandwidth: 1e9, latency: 1e-6}\n" * 1_800_000)
+    profile = {"format": "nest-fx-profile/1", "device": "cpu", "device_name": "x", "dtype": "float32",
+               "torch_version": "2", "ops": {"k": {"op": "mm", "fwd_s": float("nan"), "bwd_s": 1e-3, "peak_bytes": 0}}}
+    cases = [("--plan /dev/zero", lambda: Plan.load("/dev/zero")),
+             ("a FIFO named x.yaml as --cluster", lambda: load_cluster(fifo)),
+             (f"a {os.path.getsize(big) / 1e6:.0f} MB cluster file", lambda: load_cluster(big)),
+             ("NEST_FX_TIMEOUT_S=inf", lambda: env_timeout("inf")),
+             ("NEST_FX_TIMEOUT_S=1e-9", lambda: env_timeout("1e-9")),
+             ("a NaN time in a profile", lambda: Profile.from_dict(profile))]
+    rows = []
+    for fault, fn in cases:
+        detect, error = timed(fn)
+        rows.append(row("inputs", fault, f"refused: '{str(error)}'" if error else "accepted", detect,
+                        error is not None and detect < 1.0))
+    cli = subprocess.run([sys.executable, "-m", "nest_fx", "simulate", "--plan", "/dev/zero", "--model", "gpt2-small",
+                          "--cluster", "dgx-a100:8"], capture_output=True, text=True, timeout=120)
+    rows.append(row("inputs", "nest-fx simulate --plan /dev/zero", f"exit {cli.returncode}: {cli.stderr.strip()}", None,
+                    cli.returncode == 2 and cli.stderr.startswith("error: ") and len(cli.stderr.splitlines()) == 1))
+    return rows
+
+
+def env_timeout(value: str) -> None:
+    os.environ["NEST_FX_TIMEOUT_S"] = value
+    try:
+        collective_timeout_s()
+    finally:
+        del os.environ["NEST_FX_TIMEOUT_S"]
+
+
+# -- node loss ------------------------------------------------------------------------------------------
+
+def probe_node_loss(work: str, steps: int = 40, pace: float = 0.25) -> Dict[str, Any]:
+    ref = os.path.join(work, "single.jsonl")
+    subprocess.run([sys.executable, ELASTIC_SCRIPT, "--ckpt", os.path.join(work, "single"), "--losses", ref,
+                    "--steps", str(steps)], env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
+                   capture_output=True, timeout=600)
+    want = {r["step"]: r["loss"] for r in read_losses(ref)}
+    log = os.path.join(work, "elastic.jsonl")
+    cmd = elastic_command(ELASTIC_SCRIPT, free_port(), ["--ckpt", os.path.join(work, "ckpt"), "--losses", log,
+                                                        "--steps", str(steps), "--pace", str(pace), "--timeout", "60"],
+                          max_restarts=10)
+    with ElasticAgents(cmd, work) as job:
+        agents = job.agents
+
+        def wait(predicate, timeout: float, what: str) -> List[dict]:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and agents[0].poll() is None:
+                records = read_losses(log)
+                if predicate(records):
+                    return records
+                time.sleep(0.1)
+            raise RuntimeError(f"node-loss probe: no {what} (agent exit codes {[a.poll() for a in agents]}; logs in "
+                               f"{work}, kept with --work)")
+
+        job.start()
+        time.sleep(0.5)
+        job.start()
+        wait(lambda rs: any(r["world"] == 4 and r["step"] >= 4 for r in rs), 300, "step 4 on 4 ranks")
+        killed = time.time()
+        kill_node(agents[1])
+        records = wait(lambda rs: any(r["restart"] >= 1 for r in rs), 300, "step after the restart")
+        shrunk = min(r["time"] for r in records if r["restart"] >= 1)
+        rejoin = time.time()
+        job.start()
+        records = wait(lambda rs: any(r["world"] == 4 and r["time"] > rejoin for r in rs), 300, "step on 4 ranks again")
+        grown = min(r["time"] for r in records if r["world"] == 4 and r["time"] > rejoin)
+        codes = [agents[0].wait(timeout=600), agents[2].wait(timeout=600)]
+    records = read_losses(log)
+    got = {r["step"]: r["loss"] for r in records}
+    worst = max(abs(got[s] - want[s]) for s in range(steps)) if sorted(got) == list(range(steps)) else float("inf")
+    worlds = [r["world"] for r in records]
+    redone = len(records) - steps
+    ok = codes == [0, 0] and worst <= 1e-5 and 2 in worlds and worlds[-1] == 4
+    outcome = (f"4 -> 2 ranks: training again {shrunk - killed:.1f} s after the kill (re-planned, resumed from the "
+               f"newest checkpoint); 2 -> 4 ranks {grown - rejoin:.1f} s after the node came back; {redone} steps "
+               f"trained twice; worst loss difference to one device {worst:.1e}")
+    return row("node-loss", "one of 2 nodes killed, later back", outcome, shrunk - killed, ok, resume_s=shrunk - killed,
+               grow_s=grown - rejoin, worst_loss_diff=worst, steps=steps, redone_steps=redone, worlds=worlds)
+
+
+# -- main -------------------------------------------------------------------------------------------------
+
+PROBES = ["kill", "hang-tp", "hang-dp", "kill-during-save", "corrupt", "full-disk", "wrong-model", "rank-mismatch",
+          "inputs", "node-loss"]
+
+
+def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> List[Dict[str, Any]]:
+    if name == "kill":
+        return [probe_signal("kill", "SIGKILL", "tp", timeout_s, work)]
+    if name in ("hang-tp", "hang-dp"):
+        return [probe_signal(name, "SIGSTOP", name.split("-")[1], timeout_s, work)]
+    if name == "kill-during-save":
+        return [probe_signal(name, "SIGKILL", "save", timeout_s, work)]
+    if name == "rank-mismatch":
+        return [probe_mismatch("lr"), probe_mismatch("batch")]
+    if name == "inputs":
+        return probe_inputs(work)
+    if name == "full-disk":
+        return [probe_full_disk(work, mount)]
+    return [{"corrupt": probe_corrupt, "wrong-model": probe_wrong_model, "node-loss": probe_node_loss}[name](work)]
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    return tabulate([[r["probe"], r["fault"], r["outcome"], "-" if r["detect_s"] is None else f"{r['detect_s']:.2f} s",
+                      "yes" if r["ok"] else "NO"] for r in rows],
+                    headers=["probe", "fault", "outcome", "detected in", "ok"], tablefmt="github", maxcolwidths=[None, 30, 90])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--probes", default=",".join(PROBES), help=f"comma-separated, of {', '.join(PROBES)}")
+    p.add_argument("--timeout", type=float, default=5.0, help="the job's collective timeout in seconds")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_faults.json"))
+    p.add_argument("--work", metavar="DIR", help="keep the probes' files (logs, checkpoints) in DIR")
+    p.add_argument("--no-mount", action="store_true", help="full-disk: simulate ENOSPC instead of mounting a tmpfs")
+    p.add_argument("--full-disk-inner", nargs=2, metavar=("DIR", "RESULT"), help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+    if opts.full_disk_inner:
+        directory, result = opts.full_disk_inner
+        with open(result, "w") as fh:
+            json.dump(full_disk_inner(directory), fh)
+        return 0
+    names = [n.strip() for n in opts.probes.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PROBES))
+    if unknown:
+        p.error(f"unknown probe(s) {unknown}; choose from {PROBES}")
+    rows: List[Dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_faults-") as scratch:
+        work = opts.work or scratch
+        for name in names:
+            print(f"probe {name} ...", flush=True)
+            start = time.monotonic()
+            os.makedirs(os.path.join(work, name))
+            rows += run_probe(name, os.path.join(work, name), opts.timeout, mount=not opts.no_mount)
+            print(f"  {time.monotonic() - start:.1f} s", flush=True)
+    print(table(rows))
+    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
+    with open(opts.out, "w") as fh:
+        json.dump({"machine": f"{platform.node()} ({os.cpu_count()} cores)", "torch": torch.__version__,
+                   "timeout_s": opts.timeout, "rows": rows}, fh, indent=1, default=str)
+    print(f"wrote {opts.out}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
