@@ -44,6 +44,15 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from nest_fx.cluster import Cluster
+from nest_fx.common.errors import NestFxError
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.step_time import simulate
+from nest_fx.plan import Plan, StagePlan
+from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+from nest_fx.solver.recipes import block_split
+from nest_fx.workload import workload_for_model
+
 GiB = 2 ** 30
 SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)")
 MODELS = {
@@ -118,8 +127,6 @@ def published_rows() -> List[Row]:
 def grand_teton(gpus: int):
     """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction), 400 Gb/s
     (50 GB/s) per GPU between hosts, 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
-    from nest_fx.cluster import Cluster
-
     levels = [{"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
               {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5}]
     if gpus > 32:
@@ -135,8 +142,6 @@ _WORKLOADS: Dict[tuple, object] = {}
 
 
 def workload(row: Row, cluster):
-    from nest_fx.workload import workload_for_model
-
     key = (row.model, row.seq)
     if key not in _WORKLOADS:
         _WORKLOADS[key] = workload_for_model(MODELS[row.model], cluster, seq=row.seq)
@@ -146,9 +151,6 @@ def workload(row: Row, cluster):
 def published_plan(row: Row, work, **overrides):
     """The row's configuration as a plan (the blocks evenly over the stages, embedding first,
     output layer last, as torchtitan splits them)."""
-    from nest_fx.plan import Plan, StagePlan
-    from nest_fx.solver.recipes import block_split
-
     fields = dict(dp=row.fsdp, zero=3, microbatch_size=1 if row.pp > 1 else row.local_batch,
                   num_microbatches=row.local_batch if row.pp > 1 else 1, schedule=row.schedule,
                   virtual_stages=row.virtual_stages, sequence_parallel=row.tp > 1, placement="stage-major",
@@ -172,8 +174,6 @@ def even_split(work, p: int):
 
 
 def cost_options(row: Row):
-    from nest_fx.cost.options import CostOptions
-
     options = CostOptions(optimizer="adamw")
     if row.async_tp and hasattr(options, "overlap_tp_comm"):
         options = CostOptions(optimizer="adamw", overlap_tp_comm=True)
@@ -188,11 +188,9 @@ FALLBACKS = (("recompute", "op", "selective", "op-level SAC run as 'selective'")
 
 
 def predict(row: Row) -> dict:
-    """The published configuration costed by the nest_fx on sys.path (this tree, or the archive
-    of the before commit): tokens/s per GPU and peak memory (reserved where the model has it)."""
-    from nest_fx.common.errors import NestFxError
-    from nest_fx.cost.step_time import simulate
-
+    """The published configuration costed by the nest_fx this process imports (the installed
+    tree, or the archive of the before commit): tokens/s per GPU and peak memory (reserved
+    where the model has it)."""
     cluster = grand_teton(row.gpus)
     try:
         work = workload(row, cluster)
@@ -227,8 +225,6 @@ def _uses(row: Row, plan_field: str, value) -> bool:
 
 def run_planner(row: Row, budget: float) -> dict:
     """The planner on the row's model, cluster and global batch, its options as the row's."""
-    from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
-
     cluster = grand_teton(row.gpus)
     work = workload(row, cluster)
     options = SolverOptions(time_budget=budget, compile=row.compile, float8=row.float8, use_all_devices=True,
@@ -256,6 +252,8 @@ def predictions_of(commit: str, keys: List[str]) -> Dict[str, dict]:
         with tarfile.open(archive) as tar:
             tar.extractall(os.path.join(tmp, "tree"), filter="data")
         out = os.path.join(tmp, "before.json")
+        # the before column needs the old commit's package, which no install provides: the child
+        # process imports it from the archive (this process keeps the installed nest_fx)
         env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "tree"))
         subprocess.run([sys.executable, os.path.abspath(__file__), "--predict-only", out, "--rows", *keys],
                        check=True, env=env, cwd=tmp)
