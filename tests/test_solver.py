@@ -185,3 +185,26 @@ def test_the_search_never_returns_a_combination_the_runtime_refuses():
     with_tp = uniform_plan(len(work), tp=2, dp=8, num_microbatches=4, compile=True)
     assert in_space(dataclasses.replace(with_tp, compile=False), SolverOptions(), cluster)
     assert not in_space(with_tp, SolverOptions(compile=True), cluster)  # how the incumbent is screened
+
+
+def test_forced_recompute_bounds_what_the_optimum_recomputes():
+    """The first bound adds the recompute memory forces (TableCache.forced_recompute): never more
+    than the optimum plan re-runs, and more than nothing where memory forces recompute."""
+    from nest_fx.solver.space import GlobalConfig
+    from nest_fx.solver.stage_table import TableCache
+
+    cluster = tight_cluster(0.3)
+    work = workload_for_model(CASES[0][0], cluster)
+    found = solve(work, cluster, 16, SMALL_SPACE)
+    plan = found.plan
+    assert any(s.recompute != "none" for s in plan.stages)
+    cache = TableCache(work, cluster, SMALL_SPACE.cost, SMALL_SPACE.recompute)
+    bound = cache.forced_recompute(GlobalConfig.of(plan), plan.pp, plan.num_microbatches)
+    spent = sum(s.recompute_s for s in found.result.stages)
+    assert 0 < spent and bound <= spent * (1 + 1e-9)
+    # without a pipeline the whole model's activations meet one device: memory forces recompute
+    assert cache.forced_recompute(GlobalConfig.of(plan), 1, plan.num_microbatches) > 0
+    roomy = tight_cluster(64.0)
+    assert TableCache(workload_for_model(CASES[0][0], roomy), roomy, SMALL_SPACE.cost,
+                      SMALL_SPACE.recompute).forced_recompute(GlobalConfig.of(plan), plan.pp,
+                                                              plan.num_microbatches) == 0

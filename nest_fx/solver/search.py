@@ -77,11 +77,15 @@ class SolveResult:
 
 def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
     """Tier 1: ``pipeline_span(T / p, W + X) + T_opt(N / p)`` with (W, X) =
-    ``cache.replica_work`` (the stages' work and their sends) and T = W, or W + X when sends are
-    not overlapped."""
+    ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
+    (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
+    overlapped."""
     if _states_exceed_memory(cache, g, p):
         return math.inf
     work, sends = cache.replica_work(g, p)
+    work += cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
+    if math.isinf(work):
+        return math.inf
     paced = work if cache.options.overlap_p2p else work + sends
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
     return pipeline_span(paced / p, work + sends, m, g.schedule, g.v) + t_opt

@@ -171,6 +171,7 @@ class TableCache:
         self._p2p: Dict[tuple, np.ndarray] = {}
         self._work: Dict[tuple, Tuple[float, float]] = {}
         self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
+        self._forced: Dict[tuple, float] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
         """``step_time.comm_terms`` of every range class of g's variant under ``mode`` on each
@@ -237,6 +238,66 @@ class TableCache:
                         by_bytes[nbytes] = p2p_time(self.cluster, layout[i], nbytes, g.tp, g.tp)
                     hit[i, d] = by_bytes[nbytes]
         return hit
+
+    def forced_recompute(self, g: GlobalConfig, p: int, m: int) -> float:
+        """A lower bound on the recompute seconds per microbatch that any plan of (g, p) spends to
+        fit in memory (inf when none fits), summed over its stages.
+
+        Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
+        all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
+        (``memory.pipeline_inflight_microbatches``; other terms only add), so
+        ``A_i <= (C - k P_i) / f_i``; summed over the stages, the blocks' activations per
+        microbatch obey ``sum_l a_l <= C sum_i 1 / f_i - k P / max_i f_i``. The cheapest way to
+        meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
+        greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
+        the recompute time of every plan from below."""
+        zero = memory.effective_zero_stage(g.zero, p)
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.v)
+        hit = self._forced.get(key)
+        if hit is None:
+            hit = self._forced[key] = self._forced_recompute(g, p, m, zero)
+        return hit
+
+    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
+        o, rc, n = self.options, self.classes(g), len(self.workload)
+        whole = rc.cls[0, n]
+        per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
+                                             param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
+                                             master_weights=o.master_weights)["total"]
+        inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.v) for i in range(p)]
+        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
+        budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
+        modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
+        if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
+            modes |= {"none", "full"}
+        kept = 0.0
+        segments: List[Tuple[float, float]] = []  # (seconds per byte saved, bytes it can save)
+        for d, c in enumerate(rc.costs):
+            count = int(rc.counts[d, whole])
+            if not c.block or not count:
+                continue
+            points = {(c.act_bytes[r], c.recompute_s[r]) for r in modes if r in c.act_bytes}
+            start = min(points, key=lambda x: (x[1], x[0]))  # the cheapest in time (none)
+            kept += count * start[0]
+            hull = [(0.0, start[1])]  # (bytes saved, seconds): the lower convex hull from the start
+            last = 0.0
+            for saved, t in sorted((start[0] - a, t) for a, t in points if a < start[0]):
+                if saved == last:
+                    continue  # the same bytes at more seconds
+                last = saved
+                while len(hull) >= 2 and _slope(hull[-2], hull[-1]) >= _slope(hull[-1], (saved, t)):
+                    hull.pop()
+                hull.append((saved, t))
+            segments += [(_slope(u, w), count * (w[0] - u[0])) for u, w in zip(hull, hull[1:])]
+        excess = kept - budget
+        seconds = 0.0
+        for rate, saved in sorted(segments):
+            if excess <= 0:
+                break
+            take = min(saved, excess)
+            seconds += rate * take
+            excess -= take
+        return seconds if excess <= 0 else math.inf
 
     def replica_work(self, g: GlobalConfig, p: int) -> Tuple[float, float]:
         """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p): every layer's forward
@@ -544,3 +605,9 @@ class StageTable:
             q = float(self._tail_values(i, np.array([c]))[r][0])
             max_t, sum_s, max_q = max(max_t, t), sum_s + s, max(max_q, q)
         return max_t, sum_s, max_q, [StagePlan(a, b, self.g.tp, r) for a, b, r in zip(bounds, bounds[1:], modes)]
+
+
+def _slope(u: Tuple[float, float], w: Tuple[float, float]) -> float:
+    """Seconds per byte saved from hull point ``u`` to ``w`` (each: bytes saved, seconds)."""
+    return (w[1] - u[1]) / (w[0] - u[0])
+
