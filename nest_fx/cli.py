@@ -6,6 +6,7 @@ exit with code 2; no traceback. ``NEST_FX_DEBUG=1`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -132,9 +133,16 @@ def _simulate_file(path: str, plan: Plan, workload, cluster):
         raise UserError(f"{path}: {exc}") from exc
 
 
+def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
+    """``plan`` with torch.compile / Float8 switched on where ``--compile`` / ``--float8`` ask
+    (what the plan would cost with them; the file itself is left as it is)."""
+    changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
+    return dataclasses.replace(plan, **changes) if changes else plan
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict step time and memory of a plan file."""
-    plan = Plan.load(args.plan)
+    plan = _with_runtime_switches(Plan.load(args.plan), args)
     cluster = _load_cluster(args)
     workload = _load_workload(args, cluster)
     result = _simulate_file(args.plan, plan, workload, cluster)
@@ -148,6 +156,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _constraints(args: argparse.Namespace) -> Constraints:
     """The constraints given on the ``plan`` command line (``--fix``, ``--max``, ``--schedule``, ...)."""
     data: dict = {kind: parse_assignments(getattr(args, kind) or "", kind) for kind in ("fix", "min", "max")}
+    for flag in ("compile", "float8"):  # --compile / --float8: shorthands for --fix compile=true, float8=true
+        if getattr(args, flag):
+            data["fix"][flag] = True
     for degree in ("tp", "pp"):
         value = getattr(args, f"max_{degree}")
         if value is not None:
@@ -378,7 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-pp", type=_positive, help="shorthand for --max pp=N")
     c.add_argument("--schedule", metavar="S[,S]", help="pipeline schedules allowed: 1f1b, gpipe, interleaved "
                    "(the planner's interleave factors) or interleaved:V")
-    c.add_argument("--recompute", metavar="R[,R]", help="recompute modes allowed per stage: none, selective, full")
+    c.add_argument("--recompute", metavar="R[,R]", help="recompute modes allowed per stage: none, full, every:K "
+                   "(every K-th block), op (torchtitan's op-level selective checkpointing), op:POLICY, selective "
+                   "(attention core only); default: all of them, those never better in time and memory dropped")
+    c.add_argument("--compile", action="store_true", help="cost torch.compile on every block (fused elementwise "
+                   "ops, fewer launches; docs/cost_model.md); shorthand for --fix compile=true")
+    c.add_argument("--float8", action="store_true", help="cost Float8 linears (fp8 GEMM rate, casts, fp8 weight "
+                   "all-gather; docs/cost_model.md); shorthand for --fix float8=true")
     c.add_argument("--microbatch", metavar="B[,B]", help="microbatch sizes allowed (e.g. 2)")
     c.add_argument("--zero", metavar="Z[,Z]", help="ZeRO stages allowed (e.g. 3)")
     c.add_argument("--placement", metavar="P[,P]", help="rank placements allowed: stage-major, replica-major")
@@ -417,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a nest-fx-plan/1 file")
     _add_model_args(p)
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
+    p.add_argument("--compile", action="store_true", help="cost the plan with torch.compile on (as if plan.compile "
+                   "were true; the file is not changed)")
+    p.add_argument("--float8", action="store_true", help="cost the plan with Float8 linears (as if plan.float8 were "
+                   "true; the file is not changed)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "

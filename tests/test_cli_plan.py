@@ -29,3 +29,16 @@ def test_plan_that_cannot_fit_is_a_user_error(capsys):
                "--no-baselines", "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and "no plan fits" in err and "binding constraint" in err and "Traceback" not in err
+
+
+def test_compile_and_float8_flags_are_recorded_in_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", MODEL, "--cluster", "dgx-h100:8", "--global-batch", "16", "--json", str(out),
+               "--no-baselines", "--quiet", "--compile", "--float8"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "compile = true, float8 = true" in text  # the constraints line names them
+    plan = Plan.load(str(out))
+    assert plan.compile and plan.float8
+    rc = main(["plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "16", "--no-baselines",
+               "--quiet", "--float8"])
+    assert rc == 2 and "no fp8 rate" in capsys.readouterr().err

@@ -64,3 +64,22 @@ def test_infeasible_plan_exits_1_and_names_term(tmp_path, capsys):
     rc = main(["simulate", "--plan", str(path), "--model", "llama2-7b", "--seq", "1024", "--cluster", "dgx-a100:8"])
     out = capsys.readouterr().out
     assert rc == 1 and "INFEASIBLE" in out and "optimizer" in out
+
+
+def test_compile_and_float8_switches_cost_the_plan_without_changing_the_file(tmp_path, capsys):
+    plan = write_plan(tmp_path)
+    before = open(plan).read()
+    steps = {}
+    wide = "llama:hidden=4096,layers=4,heads=32,seq=2048,vocab=32000"  # GEMMs large enough for fp8 to pay
+    for flags in ((), ("--compile",), ("--float8",)):
+        out = tmp_path / "sim.json"
+        assert main(["simulate", "--plan", plan, "--model", wide, "--cluster", "dgx-h100:8", "--json", str(out),
+                     *flags]) == 0
+        data = json.loads(out.read_text())
+        assert data["plan"]["compile"] == ("--compile" in flags) and data["plan"]["float8"] == ("--float8" in flags)
+        steps[flags] = data["result"]["step_s"]
+    capsys.readouterr()
+    assert steps[("--compile",)] < steps[()] and steps[("--float8",)] < steps[()]
+    assert open(plan).read() == before
+    rc = main(["simulate", "--plan", plan, "--model", MODEL, "--cluster", "dgx-a100:8", "--float8"])
+    assert rc == 2 and "fp8" in capsys.readouterr().err  # an A100 has no fp8 tensor cores

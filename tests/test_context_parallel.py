@@ -255,11 +255,18 @@ def test_fsdp_shards_over_replicas_and_cp_ranks_and_hsdp_replicates(fake_world):
     assert weight.device_mesh.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_the_runtime_runs_what_the_cost_model_still_refuses():
-    from nest_fx.plan.support import uncosted_fields, unrun_fields
+def test_the_runtime_runs_and_the_cost_model_costs_the_same_plan():
+    from nest_fx.cluster import load_cluster
+    from nest_fx.cost.step_time import simulate
+    from nest_fx.plan.support import unrun_fields
+    from nest_fx.workload import workload_for_model
 
-    plan = uniform_plan(6, cp=2, dp=4, dp_shard=2, zero=2, loss_parallel=True, recompute="op:matmuls")
+    cluster = load_cluster("dgx-h100:16")
+    work = workload_for_model("llama:hidden=256,layers=4,heads=8,seq=256,vocab=1024", cluster)
+    plan = uniform_plan(len(work), cp=2, dp=4, dp_shard=2, zero=2, tp=2, sequence_parallel=True, loss_parallel=True,
+                        recompute="op:matmuls")
     assert unrun_fields(plan) == []
-    assert uncosted_fields(plan) == ["cp", "dp_shard", "loss_parallel", "stages[0].recompute=op:matmuls"]
+    result = simulate(plan, work, cluster)
+    assert result.feasible and result.stages[0].cp_comm > 0 and result.devices_used == 16
     assert unrun_fields(uniform_plan(6, dp=4, ep=2, dp_shard=2, zero=1)) == [
         "dp_shard=2 with ep=2: HSDP does not run with expert parallelism yet (use dp_shard=0, or ep=1)"]

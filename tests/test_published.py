@@ -61,7 +61,7 @@ def gpt3_traced_attention():
 
 @pytest.mark.parametrize("tp, sp, mode, paper", [
     (1, False, "none", 34 + 5 * A * S / H),
-    (8, False, "selective", 10 + 24 / 8),
+    (8, False, "selective", 10 - 2 + 24 / 8),  # our models have no dropout: the two 1-byte masks (2 sbh) go
     (8, True, "selective", 34 / 8),
     (8, True, "full", 2 / 8),
 ])

@@ -1,4 +1,5 @@
 """The solver's vectorised stage table equals the simulator; its bounds never exceed the optimum."""
+import dataclasses
 import itertools
 import math
 import random
@@ -52,11 +53,9 @@ def _pairs(work, cluster, batch, options, count, seed):
     return pairs[:count]
 
 
-def _slot_plan(g, p, m, i, start, end, mode, n):
+def _slot_plan(work, cluster, g, p, m, i, start, end, mode, n):
     """A plan whose stage i holds [start, end) in ``mode`` (what stage i's cost depends on)."""
-    plan = Plan(stages=[StagePlan(k, k + 1, g.tp) for k in range(p)], dp=g.dp, ep=g.ep, zero=g.zero,
-                microbatch_size=g.mbs, num_microbatches=m, schedule=g.schedule, virtual_stages=g.v,
-                sequence_parallel=g.sp, placement=g.placement, num_layers=n)
+    plan = dataclasses.replace(g.plan([StagePlan(k, k + 1, g.tp) for k in range(p)], m, work, cluster), num_layers=n)
     plan.stages[i] = StagePlan(start, end, g.tp, mode)
     if i > 0:
         plan.stages[i - 1] = StagePlan(start - 1, start, g.tp)
@@ -83,10 +82,11 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
                 if e - b < g.v:  # fewer layers than interleaved model chunks: never a stage of a plan
                     assert c == table.size
                     continue
-                for r in SPACE.recompute:
-                    plan = _slot_plan(g, p, m, i, b, e, r, n)
+                for r in table.modes:
+                    plan = _slot_plan(work, cluster, g, p, m, i, b, e, r, n)
                     sc = stage_cost(work, cluster, plan, i, cost)
                     assert table.t[r][i, c] == sc.per_microbatch(g.v)
+                    assert table.s[r][i, c] == sc.span(g.v)
                     assert bool(table.fits[r][i, c]) == sc.fits
                     q = table._tail_values(i, np.array([c]))[r][0]
                     assert q == sum(stage_tail(sc, plan, cluster, cost))
@@ -102,10 +102,7 @@ def _pair_optimum(work, cluster, g, p, m, modes):
         if any(b - a < g.v for a, b in zip(bounds, bounds[1:])):
             continue  # Plan.validate refuses fewer layers than interleaved model chunks
         for chosen in itertools.product(modes, repeat=p):
-            plan = Plan(stages=[StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)],
-                        dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
-                        schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
-                        num_layers=n)
+            plan = g.plan([StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)], m, work, cluster)
             r = simulate(plan, work, cluster)
             if r.feasible:
                 best = min(best, r.step_s)

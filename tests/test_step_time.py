@@ -144,12 +144,13 @@ def test_zero_stages_reduce_memory(work, cluster):
 
 def test_recompute_trades_memory_for_time(work, cluster):
     res = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "op", "every:2", "full"):
         plan = uniform_plan(len(work), pp=2, tp=1, dp=1, num_microbatches=8, recompute=mode)
         res[mode] = simulate(plan, work, cluster)
     act = {k: v.stages[0].memory["activations"] for k, v in res.items()}
-    assert act["full"] <= act["selective"] <= act["none"]
-    assert res["full"].step_s > res["selective"].step_s > res["none"].step_s
+    assert act["full"] < act["op"] < act["none"] and act["full"] < act["every:2"] < act["none"]
+    assert res["full"].step_s > res["op"].step_s > res["none"].step_s
+    assert res["full"].step_s > res["every:2"].step_s > res["none"].step_s
 
 
 def test_1f1b_holds_fewer_microbatches_than_gpipe(work, cluster):

@@ -42,3 +42,20 @@ def test_runtime_checks_say_what_the_support_says():
         assert str(exc) == problem
     else:
         raise AssertionError("tp=4 on 6 heads was accepted")
+
+
+def test_loss_parallel_and_cp_follow_the_runtime_verdict():
+    import pytest
+
+    from nest_fx.plan.constraints import ConstraintError, Constraints
+    from nest_fx.solver.runtime_planner import check_runtime_constraints
+
+    tied, tied_graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64,tie_embeddings=true")
+    opts = runtime_options(tied, tied_graph, SolverOptions(cp_degrees=(1, 2, 16)))
+    assert opts.loss_parallel is False  # the tied head stays replicated under TP: no vocabulary shards
+    assert opts.cp_degrees == (1, 2)  # 16 tokens do not split into 2 x 16 chunks
+    with pytest.raises(ConstraintError, match="loss_parallel=true: loss_parallel: .* shares its weight"):
+        check_runtime_constraints(Constraints(fix={"loss_parallel": True}), tied, tied_graph)
+    untied, graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64")
+    assert runtime_options(untied, graph, SolverOptions()).loss_parallel is None  # searched
+    check_runtime_constraints(Constraints(fix={"loss_parallel": True}), untied, graph)

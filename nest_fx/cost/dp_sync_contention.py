@@ -45,7 +45,7 @@ def stage_gradient_bytes(plan: Plan, workload: Workload, options: CostOptions) -
     out = []
     for stage in plan.stages:
         costs = workload.range_costs(stage.start, stage.end, stage.tp, plan.ep, plan.microbatch_size,
-                                     plan.sequence_parallel)
+                                     plan.sequence_parallel, plan.cp, plan.loss_parallel)
         dense = sum((c.num_params - c.expert_params) * count for c, count in costs)
         out.append(dense * options.grad_bytes)
     return out
@@ -86,7 +86,8 @@ def contended_step_s(plan: Plan, workload: Workload, cluster: GraphCluster,
     report = dp_sync_contention(plan, workload, cluster, options)
     view = placed(cluster, plan.device_order)
     v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], plan.num_microbatches, plan.schedule, v)
+    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], plan.num_microbatches, plan.schedule, v,
+                              [s.span(v) for s in result.stages])
     tails = []
     for i, sc in enumerate(result.stages):
         stretch = report.concurrent[i] / report.isolated[i] if report.isolated[i] > 0 else 1.0

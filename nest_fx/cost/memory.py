@@ -10,8 +10,9 @@ Pure functions on numbers (bytes). Sources:
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -246,6 +247,72 @@ def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, n
     return chunks / v
 
 
+@functools.lru_cache(maxsize=65536)
+def interleaved_chunk_states(stage: int, num_stages: int, num_microbatches: int,
+                             virtual_stages: int) -> Tuple[Tuple[float, float, float], ...]:
+    """The in-flight microbatches of device ``stage``'s model chunks over its interleaved 1F1B
+    schedule, as torch's ``ScheduleInterleaved1F1B`` orders it: warm-up of
+    ``min((v - 1) r + 2 (p - 1 - stage), m v)`` chunk-forwards (``r`` microbatches per round, p
+    when p divides m), then one forward and one backward, then the cool-down; forwards walk the
+    chunks 0, 1, ... in groups of ``r`` microbatches, backwards v - 1, v - 2, .... Returns the
+    distinct ``(all chunks / v, chunk 0, chunk v - 1)`` counts after each forward (the peaks).
+
+    Chunk 0 of device 0 holds the head and chunk ``v - 1`` of the last device the tail (the
+    runtime lays chunks round-robin along the chain: ``apply.pipeline.interleaved_ranges``). The
+    output layer and the loss run their backward right after their forward, so the last device
+    holds them for about one microbatch, not the ``(2(p - 1 - stage) + (v - 1) p + 1) / v`` of
+    the stage's blocks (:func:`pipeline_inflight_microbatches`, the largest first entry here).
+    """
+    p = _require_int(num_stages, "num_stages", 1)
+    m = _require_int(num_microbatches, "num_microbatches", 1)
+    v = _require_int(virtual_stages, "virtual_stages", 1)
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - stage), m * v)
+    held = [0] * v
+    total = 0
+    states = set()
+    # after the warm-up the forwards' and the backwards' chunks both repeat every v r ops and
+    # each chunk gains and loses r microbatches per period: the states repeat with that period
+    steady_end = min(m * v, warmup + v * per_round)
+    for op in range(steady_end):
+        held[(op // per_round) % v] += 1
+        total += 1
+        states.add((total / v, float(held[0]), float(held[v - 1])))
+        if op >= warmup:
+            held[v - 1 - ((op - warmup) // per_round) % v] -= 1
+            total -= 1
+    return tuple(sorted(states))
+
+
+def held_activation_bytes(act: Count, act_root: Count, schedule: str, stage: int, num_stages: int,
+                          num_microbatches: int, virtual_stages: int = 1) -> Count:
+    """Activation bytes a pipeline stage holds at its peak: per-microbatch bytes ``act`` of its
+    layers (``act_root`` of them the head's and tail's) times the in-flight microbatches of the
+    schedule. GPipe and 1F1B hold every layer equally (:func:`pipeline_inflight_microbatches`);
+    the interleaved schedule counts each chunk's own (:func:`interleaved_chunk_states`): the
+    blocks spread evenly over the chunks, the head in chunk 0 of the first device, the tail in
+    the last chunk of the last device. Numbers or arrays (the solver's stage tables)."""
+    if schedule != "interleaved" or virtual_stages == 1 or num_stages == 1:
+        return act * pipeline_inflight_microbatches(schedule, stage, num_stages, num_microbatches, virtual_stages)
+    best: Count = 0.0
+    for spread, root in _chunk_peaks(stage, num_stages, num_microbatches, virtual_stages):
+        held = (act - act_root) * spread + act_root * root
+        best = np.maximum(best, held) if isinstance(held, np.ndarray) else max(best, held)
+    return best
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_peaks(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> Tuple[Tuple[float, float], ...]:
+    """The (all chunks / v, the root's chunk) in-flight counts of :func:`interleaved_chunk_states`
+    that can be a peak: held bytes grow with both (``act >= act_root >= 0``), so a state another
+    matches or exceeds in both is never the maximum and is dropped."""
+    edge = 1 if stage == 0 else (2 if stage == num_stages - 1 else 0)
+    pairs = {(spread, (first, last)[edge - 1] if edge else spread)
+             for spread, first, last in interleaved_chunk_states(stage, num_stages, num_microbatches, virtual_stages)}
+    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
+
+
 def stage_activation_bytes(per_microbatch_bytes: float, schedule: str, stage: int, num_stages: int,
                            num_microbatches: int, virtual_stages: int = 1) -> float:
     """Peak activation bytes of a pipeline stage: per-microbatch activations of its layers x
@@ -298,10 +365,11 @@ def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) ->
     return params, grads, scratch
 
 
-def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act: Count, layer_peak: Count,
-                 inflight: Count, out_bytes: Count, unsharded_params: Count = 0.0, unsharded_grads: Count = 0.0,
+def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], held_act: Count, layer_peak: Count,
+                 out_bytes: Count, unsharded_params: Count = 0.0, unsharded_grads: Count = 0.0,
                  optimizer_scratch: Count = 0.0, *, num_microbatches: int) -> Dict[str, Count]:
-    """Per-device memory terms of a stage at its peak (see module docstring) and their total.
+    """Per-device memory terms of a stage at its peak (see module docstring) and their total;
+    ``held_act``: the in-flight activations (:func:`held_activation_bytes`).
 
     The peak is model states + the larger of the forward/backward working set (activations,
     buffers, FSDP's unsharded parameters and gradients) and the optimizer step's scratch, which
@@ -317,7 +385,7 @@ def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act:
     add beyond the activations."""
     mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
     grads = mem["grads"]  # all there during the optimizer step
-    mem["activations"] = act * inflight + layer_peak
+    mem["activations"] = held_act + layer_peak
     if num_microbatches == 1:
         grads_later = mem["grads"] >= mem["activations"]
         mem["activations"], mem["grads"] = (np.where(grads_later, 0.0, mem["activations"]),
@@ -338,9 +406,18 @@ def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], act:
 
 
 def usable_bytes(device_memory_bytes: float, options: CostOptions) -> float:
-    """Bytes a plan may use on one device: its memory times ``options.usable_memory_fraction``
-    (the CUDA context and the allocator's fragmentation take the rest)."""
-    return device_memory_bytes * options.usable_memory_fraction
+    """Live (allocated) bytes a plan may use on one device: its memory times
+    ``options.usable_memory_fraction`` (the CUDA context, NCCL's buffers and cuBLAS workspaces,
+    outside PyTorch's allocator, take the rest), over the caching allocator's reserved-to-allocated
+    ratio (:func:`reserved_bytes`): a plan fits when what the allocator reserves fits."""
+    return device_memory_bytes * options.usable_memory_fraction / (1.0 + options.allocator_overhead)
+
+
+def reserved_bytes(allocated_bytes: Count, options: CostOptions) -> Count:
+    """Bytes PyTorch's caching allocator reserves (``torch.cuda.max_memory_reserved``) at a peak
+    of ``allocated_bytes`` live bytes (``max_memory_allocated``): ``(1 + allocator_overhead)``
+    times, the blocks it keeps cached and the gaps between them (docs/cost_model.md)."""
+    return allocated_bytes * (1.0 + options.allocator_overhead)
 
 
 def check_fits(breakdown: Mapping[str, float], capacity_bytes: float) -> Tuple[bool, Optional[str]]:

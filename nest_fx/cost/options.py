@@ -6,7 +6,12 @@ from typing import Optional, Tuple
 
 from nest_fx.cost.optimizers import optimizer_cost
 
-USABLE_MEMORY_FRACTION = 0.95  # CUDA context and allocator fragmentation take the rest
+USABLE_MEMORY_FRACTION = 0.95  # the CUDA context, NCCL buffers and cuBLAS workspaces take the rest
+# PyTorch's caching allocator reserves more than the live tensors: freed blocks stay cached and
+# a request that no cached block fits gets a new segment (docs/cost_model.md, "Memory the
+# allocator sees"). Reserved = allocated x (1 + this); an assumption, checked against published
+# reserved-memory figures by scripts/bench_published.py.
+ALLOCATOR_OVERHEAD = 0.10
 
 
 @dataclass
@@ -21,6 +26,13 @@ class CostOptions:
     bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
     usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+    allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
+    # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
+    # and waits only before the data is needed (results.microbatch_time).
+    overlap_p2p: bool = True
+    # TP collectives run under the GEMMs (async TP, as torchtitan runs it with torch.compile); the
+    # runtime's DTensor TP does not overlap them (step_time.exposed_tp).
+    overlap_tp_comm: bool = False
     # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
     # byte of the collective's buffer): DTensor dispatch and copies around a TP/EP collective,
     # FSDP's copy-in/out and bookkeeping around each unit's all-gather/reduce-scatter.

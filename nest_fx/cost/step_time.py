@@ -1,44 +1,48 @@
 """Step time and per-device memory of a plan: the one cost model every planner uses.
 
-Per stage i (per microbatch, per device), from the workload's layer costs at the stage's TP
-degree:
+Per stage i (per microbatch, per device), from the workload's layer costs at the stage's
+variant (TP degree, EP, microbatch, SP, CP degree, loss parallelism; ``Workload.cost``):
 
-    F_i = sum_l fwd_s(l) + TP/EP collectives of the forward
-    B_i = sum_l bwd_s(l) + recompute_s(l, mode) + TP/EP collectives of the backward
-          (+ the forward collectives again under full recompute)
-    P_i = p2p(boundary bytes / tp_{i-1}) from stage i-1 at the network level the two stages
-          span, then an all-gather inside stage i's TP group (scatter/gather optimisation,
-          Narayanan et al. 2021, sec. 4.1); P_0 = 0
+    W_i = sum_l fwd_s(l) + bwd_s(l) + recompute_s(l, policy) + TP/EP/CP collectives
+          (a block's forward collectives again where its recompute re-runs them:
+          ``stage_terms.forward_repeats``; TP's exposed part only under ``overlap_tp_comm``)
+    P_i = p2p(boundary bytes / (tp_{i-1} cp)) from stage i-1 at the network level the two
+          stages span, then an all-gather inside stage i's TP group (scatter/gather
+          optimisation, Narayanan et al. 2021, sec. 4.1); P_0 = 0
+    (t_i, s_i) = results.microbatch_time(W_i, P_i, v, overlap_p2p)
 
-Pipeline (t_i = F_i + B_i + 2 P_i; m microbatches; v model chunks per device):
+Pipeline (m microbatches; v model chunks per device):
 
-    1F1B, GPipe:      T_pipe = (m - 1) max_i t_i + sum_i t_i          (Narayanan et al. 2021, eq. 1
-                                                                      generalised to unequal stages)
-    interleaved 1F1B: T_pipe = m max_i t_i + (sum_i t_i - max_i t_i) / v,  p2p counted v times
+    1F1B, GPipe:      T_pipe = (m - 1) max_i t_i + sum_i s_i       (Narayanan et al. 2021, eq. 1
+                                                                   generalised to unequal stages)
+    interleaved 1F1B: T_pipe = m max_i t_i + (sum_i s_i - max_i t_i) / v
     bubble = T_pipe - m max_i t_i
 
-Data-parallel gradient synchronisation of stage i over its DP group (ZeRO-0/1: one all-reduce
-per step; ZeRO-2: a reduce-scatter per microbatch, since sharded gradients cannot be
+Data-parallel gradient synchronisation of stage i over its DP x CP group (ZeRO-0/1: one
+all-reduce per step; ZeRO-2: a reduce-scatter per microbatch, since sharded gradients cannot be
 accumulated locally, and one parameter all-gather; ZeRO-3: per microbatch a reduce-scatter
-and two parameter all-gathers, prefetched under compute) starts with the stage's last
-backward, so with overlap only ``max(0, sync_i - (B_i + R_i))`` is exposed (without overlap,
-all of it), then the stage's optimizer step runs, memory-bound at the optimizer's update
-bytes per locally updated parameter (``nest_fx.cost.optimizers``). Each stage's tail after its
-last backward is
+and two parameter all-gathers, prefetched under compute; HSDP: the same inside the shard group
+plus an all-reduce of the shard across the replicas) starts with the stage's last backward, so
+with overlap only ``max(0, sync_i - (B_i + R_i))`` is exposed (without overlap, all of it); a
+tied embedding's gradient is then exchanged between the first and last stage; then the
+stage's optimizer step runs, memory-bound at the optimizer's update bytes per locally updated
+parameter (``nest_fx.cost.optimizers``). Each stage's tail after its last backward is
 
-    q_i = exposed_sync_i + T_opt,i          T_step = T_pipe + max_i q_i
+    q_i = exposed_sync_i + tied_sync_i + T_opt,i          T_step = T_pipe + max_i q_i
 
 (conservative: a later stage finishes its last backward before stage 0 does and so could hide
 more; ignoring that keeps the step time a function of per-stage terms, which the solver
 needs to be exact).
 
-Memory per device of stage i: model states (``memory.model_state_bytes``) + activations of
-the stage's layers for one microbatch x in-flight microbatches of the schedule
-(``memory.pipeline_inflight_microbatches``) + under full recompute one layer's full
-activations (rebuilt during backward) + two boundary buffers.
+Memory per device of stage i: model states (``memory.model_state_bytes``, sharded over the DP x
+CP ranks or the HSDP shard group; a tied LM head's second copy on the last stage) + the
+activations the schedule keeps in flight (``memory.held_activation_bytes``) + the largest
+one-layer backward working set + two boundary buffers + the runtime's working sets; it fits when
+what the caching allocator reserves for it fits (``memory.usable_bytes``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -49,33 +53,43 @@ from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.options import CostOptions
-from nest_fx.cost.results import SimResult, StageCost
-from nest_fx.cost.stage_terms import LayerTerms, StageGroups, compute_terms, stage_groups
+from nest_fx.cost.results import SimResult, StageCost, microbatch_time, stage_work
+from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
+                                      stage_groups)
+from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.plan.support import uncosted_fields
-from nest_fx.workload.types import Comm, LayerCost, Workload
+from nest_fx.workload.types import Comm, LayerCost, Workload, WorkloadError
+
+COMM_KEYS = ("tp", "ep", "cp")
+
 
 def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
-               seconds: Callable[[Comm], Count], overhead: Tuple[float, float] = (0.0, 0.0)) -> Tuple[Count, Count]:
-    """(TP, EP) collective seconds of a stage's layers; ``seconds(comm)`` is one collective on
-    the stage's slowest group (an array, one entry per stage, broadcasts against array counts).
-    Full recomputation repeats the forward collectives. ``overhead``: the runtime's host work
-    per call (``CostOptions.tp_call_overhead``), added to every collective that runs."""
-    tp = ep = 0.0
+               seconds: Callable[[Comm], Count], overhead: Tuple[float, float] = (0.0, 0.0)) -> Dict[str, Count]:
+    """TP, EP and CP collective seconds of a stage's layers (keys ``tp``, ``ep``, ``cp``);
+    ``seconds(comm)`` is one collective on the stage's slowest group (an array, one entry per
+    stage, broadcasts against array counts). A block's forward collectives run again where its
+    recompute re-runs them (``stage_terms.forward_repeats``; ``every:<k>`` for the blocks it
+    recomputes). ``overhead``: the runtime's host work per call (``CostOptions.tp_call_overhead``),
+    added to every collective that runs."""
+    out: Dict[str, Count] = dict.fromkeys(COMM_KEYS, 0.0)
     per_call, per_byte = overhead
-    for c, count in distinct:
+    spec = parse_recompute(recompute)
+    full = recomputed_counts(distinct, spec.every) if spec.kind == "every" else None
+    for j, (c, count) in enumerate(distinct):
         weights = _host_call_weights(c.comms) if (per_call or per_byte) else None
         for k, comm in enumerate(c.comms):
             t = seconds(comm)
             if weights is not None:
                 extra = weights[k] * comm.count * (per_call + per_byte * comm.nbytes)
                 t = np.where(t > 0, t + extra, 0.0) if isinstance(t, np.ndarray) else (t + extra if t > 0 else t)
-            repeat = 2 if (recompute == "full" and comm.phase == "fwd") else 1
-            if comm.group == "tp":
-                tp = tp + t * repeat * count
+            if not c.block:
+                runs = count
+            elif full is not None:
+                runs = count + (full[j] if forward_repeats(comm, "full") else 0)
             else:
-                ep = ep + t * repeat * count
-    return tp, ep
+                runs = count * (2 if forward_repeats(comm, recompute) else 1)
+            out[comm.group] = out[comm.group] + t * runs
+    return out
 
 
 def _host_call_weights(comms: Sequence[Comm]) -> List[float]:
@@ -96,42 +110,98 @@ def _host_call_weights(comms: Sequence[Comm]) -> List[float]:
     return weights
 
 
+def held_terms(terms: LayerTerms, num_stages: int) -> LayerTerms:
+    """A stage's terms with the parameters it holds: under pipelining the last stage keeps its own
+    copy of a tied embedding (``apply.tied_weights``; weights, gradients and optimizer states, in
+    its root FSDP unit), which the trace counts once, at the head."""
+    if num_stages == 1 or not _any(terms.tied_params):
+        return terms
+    return dataclasses.replace(terms, params=terms.params + terms.tied_params,
+                               root_params=terms.root_params + terms.tied_params)
+
+
+def _any(x: Count) -> bool:
+    return bool(x.any()) if isinstance(x, np.ndarray) else bool(x)
+
+
+def exposed_tp(tp_comm: Count, work: Count, options: CostOptions) -> Count:
+    """The TP collective seconds left on the critical path: all of them, or with
+    ``overlap_tp_comm`` (async TP) what the stage's compute ``work`` does not cover."""
+    return positive_part(tp_comm - work) if options.overlap_tp_comm else tp_comm
+
+
+def shard_degree(plan_or_dp: int, dp_shard: int, cp: int) -> int:
+    """Ranks ZeRO/FSDP shards a stage's states over: the HSDP shard group (``dp_shard``
+    replicas), or all ``dp`` replicas, times the CP ranks (which hold the same parameters)."""
+    return (dp_shard or plan_or_dp) * cp
+
+
 def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, options: CostOptions) -> StageCost:
-    """Per-microbatch time terms and per-device memory of stage i."""
+    """Per-microbatch time terms and per-device memory of stage i (``workload`` already costed
+    for the plan's compile/float8: ``Workload.for_runtime``)."""
     stage = plan.stages[i]
-    sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute)
+    sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute,
+                   overlap_p2p=options.overlap_p2p)
     groups = stage_groups(plan, i)
-    variant = (plan.ep, plan.microbatch_size, plan.sequence_parallel)
+    variant = (plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp, plan.loss_parallel)
     distinct = workload.range_costs(stage.start, stage.end, stage.tp, *variant)
-    terms = compute_terms(distinct, stage.recompute)
-    sc.tp_comm, sc.ep_comm = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(
-        cluster, comm, groups.tp if comm.group == "tp" else groups.ep), options.tp_call_overhead)
+    terms = held_terms(compute_terms(distinct, stage.recompute), plan.pp)
+    by_group = {"tp": groups.tp, "ep": groups.ep, "cp": groups.cp}
+    comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
+                       options.tp_call_overhead)
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
+    sc.ep_comm, sc.cp_comm = comms["ep"], comms["cp"]
+    sc.tp_comm = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, options)
     if i > 0:
         prev = plan.stages[i - 1]
-        sc.p2p = p2p_time(cluster, groups, workload.cost(prev.end - 1, prev.tp, *variant).out_bytes, prev.tp, stage.tp)
+        out = workload.cost(prev.end - 1, prev.tp, *variant).out_bytes / plan.cp
+        sc.p2p = p2p_time(cluster, groups, out, prev.tp, stage.tp)
     # -- data-parallel sync -----------------------------------------------------------------
     dense = terms.params - terms.expert_params
     zero = memory.effective_zero_stage(plan.zero, plan.pp)
-    sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp, plan.ep, zero,
-                              plan.num_microbatches, options, fsdp_units(terms))
+    shard = shard_degree(plan.dp, plan.dp_shard, plan.cp)
+    sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp * plan.cp, plan.ep, zero,
+                              plan.num_microbatches, options, fsdp_units(terms),
+                              terms.fp8_params if plan.float8 else 0.0)
+    sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, stage.tp, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
-    inflight = memory.pipeline_inflight_microbatches(plan.schedule, i, plan.pp, plan.num_microbatches,
-                                                     plan.virtual_stages)
-    mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, plan.dp, options),
-                                   memory.model_states(terms.expert_params, zero, max(plan.dp // plan.ep, 1), options),
-                                   terms.act, terms.layer_peak, inflight,
-                                   workload.cost(stage.end - 1, stage.tp, *variant).out_bytes,
-                                   *memory.working_sets(terms, zero, plan.dp, options),
-                                   num_microbatches=plan.num_microbatches)
+    held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
+                                        plan.virtual_stages)
+    expert_shard = max(plan.dp // plan.ep, 1) * plan.cp
+    mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
+                                          memory.model_states(terms.expert_params, zero, expert_shard, options),
+                                          held, terms.layer_peak,
+                                          workload.cost(stage.end - 1, stage.tp, *variant).out_bytes / plan.cp,
+                                          *memory.working_sets(terms, zero, shard, options),
+                                          num_microbatches=plan.num_microbatches)
+    sc.reserved = memory.reserved_bytes(mem["total"], options)
     sc.fits, binding = memory.check_fits(mem, memory.usable_bytes(cluster.device.memory_bytes, options))
     sc.binding = binding or ""
     return sc
 
 
+def tied_params(workload: Workload, tp: int, variant: tuple) -> float:
+    """Parameters of the embedding a tied LM head shares (``LayerCost.tied_params`` of the
+    tail; 0 when untied)."""
+    return workload.cost(len(workload) - 1, tp, *variant).tied_params
+
+
+def tied_sync_time(cluster, groups: StageGroups, params: Count, zero: int, shard: int, options: CostOptions) -> Count:
+    """Seconds of the tied embedding's gradient exchange after backward (``apply.tied_weights``):
+    the first and last stage's ranks at the same coordinates swap their local gradient shards
+    (1/shard of it under FSDP), both directions at once; 0 on other stages, without pipelining or
+    without a tie."""
+    if not groups.tied or not _any(params):
+        return 0.0
+    nbytes = params * options.grad_bytes / (shard if zero >= 1 else 1)
+    times = [collective_fn("p2p", cluster, pair)(nbytes) for pair in groups.tied]
+    return np.maximum.reduce(times) if isinstance(nbytes, np.ndarray) else max(times)
+
+
 def p2p_time(cluster, groups: StageGroups, out_bytes: float, prev_tp: int, tp: int) -> float:
-    """P_i: one microbatch's activations (``out_bytes``, the full tensor) from stage i-1, 1/prev_tp
-    per rank point to point, then all-gathered in stage i's TP group (slowest replica checked)."""
+    """P_i: one microbatch's activations (``out_bytes``, one CP rank's full tensor) from stage
+    i-1, 1/prev_tp per rank point to point, then all-gathered in stage i's TP group (slowest
+    replica checked)."""
     t = max(cached_collective("p2p", cluster, pair, out_bytes / prev_tp) for pair in groups.p2p)
     if tp > 1:
         t += max(cached_collective("all_gather", cluster, g, out_bytes) for g in groups.tp)
@@ -145,16 +215,21 @@ def fsdp_units(terms: LayerTerms) -> Count:
 
 
 def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_params: Count, dp: int, ep: int,
-                 zero: int, num_microbatches: int, options: CostOptions, units: Count = 1.0) -> Count:
-    """Seconds of gradient (and ZeRO-3 parameter) traffic of a stage per step, not yet overlapped:
-    dense parameters over its DP group, expert parameters over the replicas holding the same
-    experts, plus the runtime's host work per FSDP collective (``options.fsdp_call_overhead``;
-    ``units`` FSDP units each run their own). Arrays of parameter counts give an array."""
+                 zero: int, num_microbatches: int, options: CostOptions, units: Count = 1.0,
+                 fp8_params: Count = 0.0) -> Count:
+    """Seconds of gradient (and ZeRO-2/3 parameter) traffic of a stage per step, not yet
+    overlapped: dense parameters over its DP x CP group (or, under HSDP, inside the shard group
+    and across the replicas), expert parameters over the replicas holding the same experts, plus
+    the runtime's host work per FSDP collective (``options.fsdp_call_overhead``; ``units`` FSDP
+    units each run their own). ``dp``: the ranks holding the stage's parameters (dp x cp);
+    ``fp8_params``: parameters all-gathered in fp8 (Float8 linears). Arrays of parameter counts
+    give an array."""
     if dp <= 1:
         return 0.0
-    total = _sync_volume_time(cluster, groups.dp, dense_params, zero, num_microbatches, options)
-    if dp // ep > 1 and (expert_params.any() if isinstance(expert_params, np.ndarray) else expert_params):
-        total = total + _sync_volume_time(cluster, groups.expert_dp, expert_params, zero, num_microbatches, options)
+    total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params)
+    if dp // ep > 1 and _any(expert_params):
+        experts = dataclasses.replace(groups, dp=groups.expert_dp, shard=(), replicate=())
+        total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):
         m, pbytes, gbytes = num_microbatches, options.param_bytes, options.grad_bytes
@@ -166,79 +241,117 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
     return total
 
 
-def _sync_volume_time(cluster, group: Sequence[int], params: Count, zero: int, m: int,
-                      options: CostOptions) -> Count:
-    """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic over ``group`` for
-    ``params`` parameters (a number, or an array of them: ``collective_fn`` takes either)."""
-    if len(group) <= 1:
+def _sync_volume_time(cluster, groups: StageGroups, params: Count, zero: int, m: int, options: CostOptions,
+                      fp8_params: Count = 0.0) -> Count:
+    """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic for ``params``
+    parameters (a number, or an array of them: ``collective_fn`` takes either) over
+    ``groups.dp``, or under HSDP over ``groups.shard`` and ``groups.replicate``."""
+    if len(groups.dp) <= 1:
         return 0.0
     gbytes, pbytes = options.grad_bytes, options.param_bytes
-    if zero <= 1:
-        return collective_fn("all_reduce", cluster, group)(params * gbytes)
-    rs = collective_fn("reduce_scatter", cluster, group)(params * gbytes)
-    ag = collective_fn("all_gather", cluster, group)(params * pbytes)
+    grads = params * gbytes
+    gathered = (params - fp8_params) * pbytes + fp8_params  # Float8 weights travel in 1 byte
+    if groups.replicate:  # HSDP: reduce-scatter in the shard group, all-reduce the shard across
+        shard = len(groups.shard)
+        rs = collective_fn("reduce_scatter", cluster, groups.shard)(grads)
+        rs = rs + collective_fn("all_reduce", cluster, groups.replicate)(grads / shard)
+        ag = collective_fn("all_gather", cluster, groups.shard)(gathered)
+        if zero <= 1:
+            return rs + ag
+    else:
+        if zero <= 1:
+            return collective_fn("all_reduce", cluster, groups.dp)(grads)
+        rs = collective_fn("reduce_scatter", cluster, groups.dp)(grads)
+        ag = collective_fn("all_gather", cluster, groups.dp)(gathered)
     if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
         return m * rs + ag
     return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
 
 
 def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count, dp: int, zero: int, cluster,
-               options: CostOptions) -> Tuple[Count, Count]:
-    """(exposed DP sync, optimizer step) after a stage's last backward, from its terms."""
+               options: CostOptions, after_backward: Count = 0.0) -> Tuple[Count, Count]:
+    """(exposed DP sync, optimizer step) after a stage's last backward, from its terms; ``dp``:
+    the ranks the optimizer states are sharded over; ``after_backward``: work that runs after the
+    backward and is never overlapped (the tied-gradient exchange), added to the exposed part."""
     # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps its own
     window = bwd + recompute_s if options.overlap_grad_sync and zero >= 1 else 0.0
-    exposed = positive_part(dp_sync - window)
+    exposed = positive_part(dp_sync - window) + after_backward
     updated = num_params / (dp if zero >= 1 else 1)
     t_opt = updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
     return exposed, t_opt
 
 
 def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:
-    """(exposed DP sync, optimizer step) of a stage after its last backward: q_i's two terms."""
-    return tail_terms(sc.dp_sync, sc.bwd_compute, sc.recompute_s, sc.num_params, plan.dp, plan.zero, cluster, options)
+    """(exposed DP sync and tied exchange, optimizer step) of a stage after its last backward:
+    q_i's terms."""
+    return tail_terms(sc.dp_sync, sc.bwd_compute, sc.recompute_s, sc.num_params,
+                      shard_degree(plan.dp, plan.dp_shard, plan.cp), plan.zero, cluster, options, sc.tied_sync)
 
 
-def pipeline_span(max_t: float, sum_t: float, m: int, schedule: str, v: int = 1) -> float:
-    """T_pipe from max_i t_i and sum_i t_i (see module docstring); monotone in both."""
+def pipeline_span(max_t: float, sum_s: float, m: int, schedule: str, v: int = 1) -> float:
+    """T_pipe from max_i t_i and sum_i s_i (see module docstring); monotone in both."""
     if schedule == "interleaved" and v > 1:
-        return m * max_t + (sum_t - max_t) / v
-    return (m - 1) * max_t + sum_t
+        return m * max_t + (sum_s - max_t) / v
+    return (m - 1) * max_t + sum_s
 
 
-def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1) -> Tuple[float, float]:
-    """(T_pipe, bubble) for per-microbatch stage times t_i."""
+def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1,
+                  spans: Optional[Sequence[float]] = None) -> Tuple[float, float]:
+    """(T_pipe, bubble) for per-microbatch stage times t_i and spans s_i (``microbatch_time``;
+    default: the times, as without overlapped sends)."""
     t_max = max(stage_times)
-    total = pipeline_span(t_max, sum(stage_times), m, schedule, v)
+    total = pipeline_span(t_max, sum(stage_times if spans is None else spans), m, schedule, v)
     return total, total - m * t_max
 
 
 def check_variants(plan: Plan, workload: Workload) -> None:
-    """PlanError when a stage asks for a (tp, ep) variant the workload has no cost for: a degree
-    that does not divide the model's heads/FFN/experts, or one a layer table does not list; or
-    for a parallelism the cost model does not cost yet."""
-    unsupported = uncosted_fields(plan)
-    if unsupported:
-        raise PlanError(f"{', '.join(unsupported)}: the cost model does not cost this yet; plan without it")
+    """PlanError when a stage asks for a variant the workload has no cost for: a TP/EP/CP degree
+    that does not divide the model's heads/FFN/experts/sequence, one a layer table does not
+    list, loss parallelism on a tied LM head, or a recompute policy the runtime does not know or
+    a layer table does not cost."""
     for i, stage in enumerate(plan.stages):
-        problem = workload.variant_problem(stage.tp, plan.ep, plan.sequence_parallel)
+        problem = workload.variant_problem(stage.tp, plan.ep, plan.sequence_parallel, plan.cp,
+                                           plan.loss_parallel and i == plan.pp - 1)
         if problem:
             raise PlanError(f"stages[{i}]: {problem} (a plan for another model, or a layer table "
                             "without this variant?)")
+        have = workload.recompute_policies(stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp,
+                                           plan.loss_parallel)
+        problem = recompute_policy_problem(stage.recompute)
+        if problem:
+            raise PlanError(f"stages[{i}]: {problem}")
+        spec = parse_recompute(stage.recompute)
+        needed = ("none", "full") if spec.kind == "every" else (cost_key(stage.recompute),)
+        missing = [k for k in needed if k not in have]
+        if missing:
+            raise PlanError(f"stages[{i}].recompute={stage.recompute}: the layer table gives no costs for "
+                            f"{missing[0]!r}; it costs {list(have)}")
 
 
 def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Optional[CostOptions] = None) -> SimResult:
     """Predict step time, throughput and per-device memory of ``plan`` (validated first), with
-    its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``)."""
+    its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``),
+    its layers costed as the plan runs them (``compile``, ``float8``: ``Workload.for_runtime``)."""
     options = options or CostOptions()
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
+    if plan.float8 and not cluster.device.peak_flops.get("fp8"):
+        raise PlanError(f"float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops list no "
+                        "'fp8'); Float8 linears need fp8 tensor cores. fix: float8=false, or a device that has them")
+    try:
+        workload = workload.for_runtime(plan.compile, plan.float8)
+    except WorkloadError as exc:
+        raise PlanError(str(exc)) from None
     check_variants(plan, workload)
     cluster = placed(cluster, plan.device_order)
-    stages = [stage_cost(workload, cluster, plan, i, options) for i in range(plan.pp)]
+    try:
+        stages = [stage_cost(workload, cluster, plan, i, options) for i in range(plan.pp)]
+    except ValueError as exc:  # e.g. float8 on a device without an fp8 rate
+        raise PlanError(str(exc)) from None
     v = plan.virtual_stages if plan.schedule == "interleaved" else 1
     times = [s.per_microbatch(v) for s in stages]
     m = plan.num_microbatches
-    t_pipe, bubble = pipeline_time(times, m, plan.schedule, v)
+    t_pipe, bubble = pipeline_time(times, m, plan.schedule, v, [s.span(v) for s in stages])
     tails = [stage_tail(s, plan, cluster, options) for s in stages]
     last = max(range(len(stages)), key=lambda k: tails[k][0] + tails[k][1])
     exposed, t_opt = tails[last]
@@ -250,33 +363,38 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
         "recompute": m * bott.recompute_s,
         "tp_comm": m * bott.tp_comm,
         "ep_comm": m * bott.ep_comm,
-        "p2p": m * 2 * bott.p2p * v,
+        "cp_comm": m * bott.cp_comm,
+        "p2p": m * (times[b] - bott.work),
         "bubble": bubble,
-        "dp_sync_exposed": exposed,
+        "dp_sync_exposed": exposed - stages[last].tied_sync,
+        "tied_grad_sync": stages[last].tied_sync,
         "optimizer": t_opt,
         "step": step,
     }
     tokens = plan.global_batch * workload.dims.seq_len
     model_flops = 3 * workload.flops_per_sample * plan.global_batch
-    recompute_flops = sum(_recompute_flops(workload, plan, s) for s in plan.stages) * plan.dp * m
+    recompute_flops = sum(_recompute_flops(workload, plan, s, sc) for s, sc in zip(plan.stages, stages)) * plan.dp * m
     used = plan.devices_used
     infeasible = [s for s in stages if not s.fits]
     binding = ""
     if infeasible:
         worst = max(infeasible, key=lambda s: s.memory["total"])
-        binding = (f"stage {worst.index}: memory {worst.memory['total'] / 2**30:.1f} GiB > "
+        binding = (f"stage {worst.index}: memory {worst.memory['total'] / 2**30:.1f} GiB (reserved "
+                   f"{worst.reserved / 2**30:.1f} GiB) > "
                    f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
                    f"(largest term: {worst.binding})")
     return SimResult(
         step_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
         model_flops_per_device=model_flops / step / used,
         hardware_flops_per_device=(model_flops + recompute_flops) / step / used,
-        stages=stages, feasible=not infeasible, binding=binding, devices_used=used,
-        world_size=cluster.num_devices)
+        stages=stages, feasible=not infeasible, peak_reserved=max(s.reserved for s in stages), binding=binding,
+        devices_used=used, world_size=cluster.num_devices)
 
 
-def _recompute_flops(workload: Workload, plan: Plan, stage) -> float:
-    """Forward FLOPs redone in backward per microbatch and replica (full: all; selective: ~0)."""
-    if stage.recompute != "full":
+def _recompute_flops(workload: Workload, plan: Plan, stage, sc: StageCost) -> float:
+    """Forward FLOPs redone in backward per microbatch and replica: the stage's forward FLOPs in
+    the proportion of its recompute seconds to its forward seconds."""
+    if sc.recompute_s <= 0 or sc.fwd_compute <= 0:
         return 0.0
-    return sum(workload.layers[k].flops_per_sample for k in range(stage.start, stage.end)) * plan.microbatch_size
+    flops = sum(workload.layers[k].flops_per_sample for k in range(stage.start, stage.end)) * plan.microbatch_size
+    return flops * sc.recompute_s / sc.fwd_compute

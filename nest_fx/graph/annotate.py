@@ -5,6 +5,12 @@ no storage, so device-specific constants baked in by torch.export still match), 
 ``torch.utils.flop_counter.FlopCounterMode`` read before and after each node, and the bytes
 saved for backward come from ``torch.autograd.graph.saved_tensors_hooks`` (deduplicated by
 storage, parameters and buffers excluded), so they are what autograd would really keep.
+
+Each node also records the aten ops it ran (``aten_ops``: kind, whether it mutates an input, the
+storages its outputs live in) and the storages it created (``created``: storage -> bytes), so the
+cost model can tell what an op-level recompute policy keeps (``recompute_policies.kept_storages``).
+An attention call counts as one fused kernel whose outputs are the attention output and its fp32
+log-sum-exp, whatever kernel the trace's device picks (on meta tensors SDPA runs the math path).
 """
 from __future__ import annotations
 
@@ -17,10 +23,12 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from nest_fx.graph.capture import clean_fqn
+from nest_fx.graph.recompute_policies import ATTENTION_KERNELS, aten_kind
 
 MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "grouped_mm",
               "grouped_mm_fallback", "einsum"}
@@ -125,6 +133,24 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+ATTENTION_CALLS = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+LSE_BYTES = 4  # the fused kernels' log-sum-exp is fp32, one value per query row and head
+
+
+class _AtenRecorder(TorchDispatchMode):
+    """Hands every aten op the traced model runs to ``interp.record_op``."""
+
+    def __init__(self, interp: "_FakeInterpreter"):
+        super().__init__()
+        self.interp = interp
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.interp.record_op(func, out)
+        return out
+
+
 class _FakeInterpreter(fx.Interpreter):
     """Interpreter over fake copies of the module's state; records per-node facts."""
 
@@ -145,6 +171,11 @@ class _FakeInterpreter(fx.Interpreter):
         self.param_fqn: Dict[int, str] = {}
         for name, p in gm.named_parameters(remove_duplicate=True):
             self.param_fqn[id(p)] = name
+        # storage identities for the aten records; the storages are held until the run ends so
+        # an address is never reused by a later storage (fake storages hold no memory)
+        self.storage_ids: Dict[int, int] = {}
+        self.held: List[Any] = []
+        self.in_attention = False
 
     # -- state substitution ---------------------------------------------------------------
     def fetch_attr(self, target: str):
@@ -167,6 +198,41 @@ class _FakeInterpreter(fx.Interpreter):
             self.records[self.current]["saved_bytes"] += _storage_bytes(t)
         return t
 
+    def storage_id(self, t: torch.Tensor, created_here: bool) -> int:
+        """A stable id of ``t``'s storage; a storage first seen as an op output of the current
+        node is recorded as created by it (with its bytes)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        sid = self.storage_ids.get(key)
+        if sid is None:
+            sid = self.storage_ids[key] = len(self.held)
+            self.held.append(storage)
+            if created_here and self.current is not None and key not in self.state_keys:
+                self.records[self.current]["created"][sid] = float(_storage_bytes(t))
+        return sid
+
+    def record_op(self, func, out: Any) -> None:
+        """Record one aten op of the current node (see the module docstring)."""
+        if self.current is None or self.in_attention or not isinstance(func, torch._ops.OpOverload):
+            return
+        tensors = _tensors(out)
+        if not tensors:
+            return
+        outputs = tuple(self.storage_id(t, created_here=True) for t in tensors)
+        self.records[self.current]["aten_ops"].append((aten_kind(func), bool(func._schema.is_mutable), outputs))
+
+    def _record_attention(self, result: Any) -> None:
+        """An attention call as one fused kernel: its output and an fp32 log-sum-exp."""
+        rec = self.records[self.current]
+        outs = _tensors(result)
+        outputs = [self.storage_id(t, created_here=True) for t in outs]
+        if outs and outs[0].dim() >= 2:
+            lse = len(self.held)
+            self.held.append(None)
+            rec["created"][lse] = float(outs[0].numel() // max(outs[0].shape[-1], 1) * LSE_BYTES)
+            outputs.append(lse)
+        rec["aten_ops"].append((ATTENTION_KERNELS[0], False, tuple(outputs)))
+
     def _params_of(self, node: fx.Node) -> List[Tuple[str, torch.Tensor]]:
         """(FQN, tensor) of parameters this node uses directly."""
         found = []
@@ -184,15 +250,20 @@ class _FakeInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node):
         if n.op in ("get_attr",):
             return super().run_node(n)
-        rec = {"saved_bytes": 0}
+        rec = {"saved_bytes": 0, "aten_ops": [], "created": {}}
         self.records[n.name] = rec
         self.current = n.name
+        self.in_attention = op_kind(n, self.module) in ATTENTION_CALLS
         before = self.counter.get_total_flops()
         try:
             result = super().run_node(n)
         except Exception as exc:
             exc.fx_node = n  # tells trace() which node and module failed
             raise
+        if self.in_attention:
+            self.in_attention = False
+            self._record_attention(result)
+        rec["out_storages"] = tuple(self.storage_id(t, created_here=False) for t in _tensors(result))
         self.current = None
         rec["flops"] = float(self.counter.get_total_flops() - before)
         inputs = [self.env[a] for a in n.all_input_nodes if a in self.env]
@@ -227,8 +298,11 @@ class _FakeInterpreter(fx.Interpreter):
 
     def execute(self, *args):
         with self.fake_mode, self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            with torch.enable_grad():
-                return self.run(*args)
+            with torch.enable_grad(), _AtenRecorder(self):
+                try:
+                    return self.run(*args)
+                finally:
+                    self.held.clear()
 
 
 def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] = None) -> nx.DiGraph:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -150,16 +150,22 @@ def _is_mutable(op) -> bool:
     return bool(getattr(getattr(op, "_schema", None), "is_mutable", False))
 
 
+def selective_saves(kind: str, mutable: bool = False) -> bool:
+    """Whether the ``selective`` policy keeps the output of an op of ``kind``: every op but the
+    attention core, tensor factories and in-place ops (a saved tensor must not be mutated later)."""
+    return not (kind in _SELECTIVE_RECOMPUTES or mutable)
+
+
+_SELECTIVE_RECOMPUTES: FrozenSet[str] = frozenset(ATTENTION_CORE + FACTORIES)
+
+
 def selective_policy_fn() -> Callable:
-    """The ``selective`` policy for ``create_selective_checkpoint_contexts``: recompute the
-    attention core, factories and in-place ops (a saved tensor must not be mutated later), save
-    every other op's output."""
-    recompute: FrozenSet[str] = frozenset(ATTENTION_CORE + FACTORIES)
+    """The ``selective`` policy for ``create_selective_checkpoint_contexts`` (:func:`selective_saves`)."""
 
     def policy(ctx, op, *args, **kwargs):
-        if aten_kind(op) in recompute or _is_mutable(op):
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        if selective_saves(aten_kind(op), _is_mutable(op)):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
 
@@ -179,10 +185,43 @@ def op_policy_fn(policy: OpPolicy) -> Callable:
 
 def kept_op_kinds(policy: OpPolicy, kinds: List[str]) -> List[bool]:
     """For the ops of one block forward in order (aten kinds), whether each output is kept under
-    ``policy``: the counting the runtime does, for the cost model."""
-    count, out = 0, []
-    for kind in kinds:
+    ``policy``: the counting the runtime does, for the cost model (:func:`saved_op_flags`)."""
+    return saved_op_flags(Recompute("op", policy=policy), [(kind, False, ()) for kind in kinds])
+
+
+# -- the policies on a recorded forward, for the cost model ---------------------------------
+
+# One aten op of a block forward as the tracer records it (``nest_fx.graph.annotate``): its kind
+# (``aten_kind``), whether it mutates an input, and the storages its outputs live in.
+RecordedOp = Tuple[str, bool, Tuple[int, ...]]
+
+
+def saved_op_flags(recompute: "Recompute", ops: Sequence[RecordedOp]) -> List[bool]:
+    """For the ops of one block forward in order, whether a selective policy (``selective``,
+    ``op``, ``op:<policy>``) keeps each one's outputs, with the matmuls counted as the runtime
+    counts them (:func:`op_policy_fn`). The storages those outputs refer to stay alive (a saved
+    view keeps its base); the cost model sums their bytes. ``none`` keeps what autograd saves and
+    ``full`` only the block input: not op decisions."""
+    if recompute.kind not in ("selective", "op"):
+        raise ValueError(f"saved_op_flags: {recompute.kind!r} is not an op-level policy")
+    flags: List[bool] = []
+    count = 0
+    for kind, mutable, _outputs in ops:
         if kind in MATMULS:
             count += 1
-        out.append(policy.saves(kind, count))
-    return out
+        if recompute.kind == "selective":
+            flags.append(selective_saves(kind, mutable))
+        else:
+            flags.append(recompute.policy.saves(kind, count) and not mutable)
+    return flags
+
+
+def cost_key(value: str) -> str:
+    """The key a layer's per-policy costs are stored under: the plan's form, with ``op:default``
+    written ``op`` (the same policy)."""
+    return "op" if value == "op:default" else value
+
+
+# Policies costed per layer (the others, ``every:<k>``, mix ``none`` and ``full`` over a stage).
+LAYER_POLICIES: Tuple[str, ...] = ("none", "selective", "full", "op") + tuple(
+    f"op:{name}" for name in OP_POLICIES if name != "default")

@@ -341,29 +341,26 @@ def parallel_support(model: nn.Module, graph: Optional[OpGraph]) -> ParallelSupp
     return ParallelSupport(model, graph)
 
 
-def uncosted_fields(plan: Plan) -> List[str]:
-    """Plan fields the format holds but the cost model does not cost yet; it refuses a plan that
-    uses them (never silently ignored). The runtime runs them (see :func:`unrun_fields`)."""
-    used = [name for name, on in (("cp", plan.cp > 1), ("dp_shard", plan.dp_shard not in (0, plan.dp)),
-                                  ("loss_parallel", plan.loss_parallel), ("compile", plan.compile),
-                                  ("float8", plan.float8)) if on]
-    return used + [f"stages[{i}].recompute={s.recompute}" for i, s in enumerate(plan.stages)
-                   if s.recompute not in ("none", "selective", "full")]
-
-
 def unrun_fields(plan: Plan) -> List[str]:
     """Combinations of plan fields the runtime refuses before training, each with the reason:
-    unknown recompute policies; HSDP with expert parallelism (the mesh splits the replicas into
-    expert groups or into shard groups, not both); torch.compile or Float8 with tensor
-    parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8 TP
-    needs torchao's float8 TP styles)."""
+    unknown recompute policies and :func:`unrun_combination`."""
     out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
            for problem in [recompute_policy_problem(s.recompute)] if problem]
-    if plan.replicate_degree > 1 and plan.ep > 1:
-        out.append(f"dp_shard={plan.dp_shard} with ep={plan.ep}: HSDP does not run with expert parallelism yet "
+    return out + unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
+                                   hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
+
+
+def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool) -> List[str]:
+    """[] when the runtime runs these degrees and options together, else why not (the planner
+    searches only combinations it runs): HSDP with expert parallelism (the mesh splits the
+    replicas into expert groups or into shard groups, not both); torch.compile or Float8 with
+    tensor parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8
+    TP needs torchao's float8 TP styles)."""
+    out = []
+    if hsdp and ep > 1:
+        out.append(f"dp_shard={dp_shard} with ep={ep}: HSDP does not run with expert parallelism yet "
                    "(use dp_shard=0, or ep=1)")
-    tp = max(s.tp for s in plan.stages)
-    for name, on in (("compile", plan.compile), ("float8", plan.float8)):
+    for name, on in (("compile", compile), ("float8", float8)):
         if on and tp > 1:
             out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
                        f"(use {name}=false, or tp=1)")

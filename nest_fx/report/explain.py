@@ -18,6 +18,7 @@ from nest_fx.report import tables as report
 from nest_fx.report.gantt import draw_gantt
 from nest_fx.report.plotting import require_pyplot
 from nest_fx.cluster.ordered import placed
+from nest_fx.cost import memory
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import pipeline_time, stage_tail
 
@@ -27,8 +28,10 @@ MEMORY_TERMS = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "o
                 ("activations", "activations"), ("buffers", "p2p buffers"),
                 ("fsdp_unsharded", "FSDP unsharded"), ("optimizer_step", "optimizer scratch"))
 TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "TP comm"),
-              ("ep_comm", "EP all-to-all"), ("p2p", "PP p2p"), ("bubble", "pipeline bubble"),
-              ("dp_sync_exposed", "DP sync (exposed)"), ("optimizer", "optimizer step"))
+              ("ep_comm", "EP all-to-all"), ("cp_comm", "CP K/V exchange"), ("p2p", "PP p2p"),
+              ("bubble", "pipeline bubble"),
+              ("dp_sync_exposed", "DP sync (exposed)"), ("tied_grad_sync", "tied-weight grads"),
+              ("optimizer", "optimizer step"))
 DETAIL_STAGES = 4  # per-category memory bars for every stage up to this depth, else the peak stage
 MAX_TIMELINE_EVENTS = 1_000_000
 
@@ -122,7 +125,9 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
     stages = result.stages
     peak = max(range(len(stages)), key=lambda k: stages[k].memory["total"])
     detail = range(len(stages)) if len(stages) <= DETAIL_STAGES else [peak]
-    lines = [f"device memory {cap}, usable {_gib(usable)} GiB ({options.usable_memory_fraction:.0%})"]
+    lines = [f"device memory {cap}, usable {_gib(usable)} GiB ({options.usable_memory_fraction:.0%}); the caching "
+             f"allocator reserves the live peak x {1 + options.allocator_overhead:.2f}, so a stage fits when its "
+             f"live bytes are at most {_gib(memory.usable_bytes(capacity, options))} GiB"]
     for k in detail:
         s = stages[k]
         head = f"stage {k}: layers {s.layers[0]}-{s.layers[1] - 1}, tp {s.tp}, recompute {s.recompute}"
@@ -130,8 +135,9 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
         for key, name in MEMORY_TERMS:
             amount = s.memory.get(key, 0.0)
             lines.append(f"  {name:<17} {text_bar(amount / capacity)} {_amount(amount, capacity)}")
-        lines.append(f"  {'total':<17} {text_bar(s.memory['total'] / capacity)} "
-                     f"{_amount(s.memory['total'], capacity)}"
+        lines.append(f"  {'total (live)':<17} {text_bar(s.memory['total'] / capacity)} "
+                     f"{_amount(s.memory['total'], capacity)}")
+        lines.append(f"  {'reserved':<17} {text_bar(s.reserved / capacity)} {_amount(s.reserved, capacity)}"
                      + ("" if s.fits else f"  > {_gib(usable)} GiB usable: DOES NOT FIT"))
     if len(detail) < len(stages):
         lines.append("totals per stage:")
@@ -173,14 +179,14 @@ def step_events(plan, result, max_microbatches: Optional[int] = None) -> Tuple[L
         if plan.schedule == "interleaved":
             m = min(plan.num_microbatches, plan.pp * math.ceil(m / plan.pp))
     fwd, bwd = timeline.stage_blocks(result, v)
-    return timeline.schedule_events(fwd, bwd, m, plan.schedule, v), m
+    return timeline.schedule_events(fwd, bwd, m, plan.schedule, v, timeline.stage_delays(result)), m
 
 
 def timeline_lines(plan, result) -> List[str]:
     """Schedule, event-simulated pipeline time next to the cost model's, busy share per stage."""
     v = plan.virtual_stages if plan.schedule == "interleaved" else 1
     times = [s.per_microbatch(v) for s in result.stages]
-    t_pipe, bubble = pipeline_time(times, plan.num_microbatches, plan.schedule, v)
+    t_pipe, bubble = pipeline_time(times, plan.num_microbatches, plan.schedule, v, [s.span(v) for s in result.stages])
     sched = plan.schedule + (f" (v={v} chunks per device)" if v > 1 else "")
     lines = [f"schedule {sched}, {plan.pp} stage(s), {plan.num_microbatches} microbatches of "
              f"{plan.microbatch_size} sequence(s)",
@@ -224,7 +230,8 @@ def write_timeline_png(plan, cluster, result, path: str, options: Optional[CostO
     events, m = step_events(plan, result, max_microbatches)
     tails: Sequence[Tuple[float, float]] = [stage_tail(s, plan, cluster, options) for s in result.stages]
     v = plan.virtual_stages if plan.schedule == "interleaved" else 1
-    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], m, plan.schedule, v)
+    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], m, plan.schedule, v,
+                              [s.span(v) for s in result.stages])
     shown = f"{m} microbatches" if m == plan.num_microbatches else \
         f"{m} of {plan.num_microbatches} microbatches (the steady state repeats)"
     title = (f"{plan.model or 'plan'} on {cluster.name}:{cluster.num_devices}: {report.plan_summary(plan)}\n"

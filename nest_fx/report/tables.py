@@ -103,13 +103,13 @@ def sim_tables(result, plan, workload) -> str:
         m = s.memory
         mem_rows.append([s.index, f"{s.layers[0]}-{s.layers[1] - 1}", s.tp, s.recompute]
                         + [fmt_bytes(m.get(k, 0.0)) for k in terms]
-                        + [fmt_bytes(m["total"]), "yes" if s.fits else f"NO ({s.binding})"])
+                        + [fmt_bytes(m["total"]), fmt_bytes(s.reserved), "yes" if s.fits else f"NO ({s.binding})"])
     status = "feasible" if result.feasible else f"INFEASIBLE: {result.binding}"
     return "\n".join([
         head, perf, status, "",
         tabulate(rows, headers=["term", "time", "share"], tablefmt="simple"), "",
         tabulate(mem_rows, headers=["stage", "layers", "tp", "recompute"] + [names.get(k, k) for k in terms]
-                 + ["total", "fits"], tablefmt="simple"),
+                 + ["total (live)", "reserved", "fits"], tablefmt="simple"),
     ])
 
 
@@ -117,9 +117,16 @@ def plan_summary(plan) -> str:
     """One line: the mesh and global options of a plan."""
     tp = plan.uniform_tp if plan.uniform_tp is not None else [s.tp for s in plan.stages]
     extra = f" v={plan.virtual_stages}" if plan.schedule == "interleaved" else ""
-    return (f"pp={plan.pp} dp={plan.dp} tp={tp}" + (f" ep={plan.ep}" if plan.ep > 1 else "")
-            + f" zero={plan.zero} mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
-            + (" sp" if plan.sequence_parallel else "") + f" {plan.placement}")
+    modes = sorted({s.recompute for s in plan.stages})
+    flags = [name for name, on in (("sp", plan.sequence_parallel), ("loss-parallel", plan.loss_parallel),
+                                   ("compile", plan.compile), ("float8", plan.float8)) if on]
+    return (f"pp={plan.pp} dp={plan.dp} tp={tp}" + (f" cp={plan.cp}" if plan.cp > 1 else "")
+            + (f" ep={plan.ep}" if plan.ep > 1 else "")
+            + f" zero={plan.zero}" + (f" hsdp={plan.shard_degree}x{plan.replicate_degree}"
+                                       if plan.replicate_degree > 1 else "")
+            + f" mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
+            + "".join(f" {f}" for f in flags) + f" {plan.placement}"
+            + (f" rc={'/'.join(modes)}" if modes != ["none"] else ""))
 
 
 def stages_table(plan, workload, result) -> str:

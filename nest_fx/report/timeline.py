@@ -17,9 +17,11 @@ Virtual stage ``s = chunk * p + device`` (one chunk per device unless interleave
                  through the chunks in groups of p microbatches, backwards through the chunks
                  in reverse (the order Megatron-LM uses; needs m to be a multiple of p)
 
-Pipeline p2p is part of the stage blocks (the cost model's ``t_i = F_i + B_i + 2 P_i`` keeps
-the stage busy while it receives), so with equal stage times the 1F1B and GPipe makespan is
-``(m - 1) t + p t``: exactly :func:`nest_fx.cost.step_time.pipeline_time`'s span.
+Pipeline p2p: when the cost model overlaps sends with compute (``CostOptions.overlap_p2p``, the
+runtime's behaviour), a transfer delays the dependent operation on the next device by ``P_i``
+and keeps no device busy; otherwise it is part of the stage blocks (``t_i = W_i + 2 v P_i``
+keeps the stage busy while it receives). Either way, with equal stage times the 1F1B and GPipe
+makespan is :func:`nest_fx.cost.step_time.pipeline_time`'s span.
 """
 from __future__ import annotations
 
@@ -90,11 +92,14 @@ def _check(fwd: Sequence[float], bwd: Sequence[float], m: int, schedule: str, v:
 
 
 def schedule_events(fwd: Sequence[float], bwd: Sequence[float], m: int, schedule: str = "1f1b",
-                    v: int = 1) -> List[Event]:
+                    v: int = 1, delay: Optional[Sequence[float]] = None) -> List[Event]:
     """Events of one step: ``fwd[i]``/``bwd[i]`` are device i's seconds per microbatch over all
     its chunks (each chunk takes 1/v of them); ``m`` microbatches; ``v`` chunks per device
-    (interleaved only). Sorted by start time."""
+    (interleaved only); ``delay[i]``: seconds a transfer between device i - 1 and i takes when
+    it does not keep the devices busy (activations forward, gradients backward). Sorted by
+    start time."""
     p = _check(fwd, bwd, m, schedule, v)
+    delay = list(delay) if delay is not None else [0.0] * p
     v = v if schedule == "interleaved" else 1
     last = p * v - 1
     orders = [device_order(schedule, i, p, m, v) for i in range(p)]
@@ -116,7 +121,10 @@ def schedule_events(fwd: Sequence[float], bwd: Sequence[float], m: int, schedule
                     dep = ("B", s + 1, b) if s < last else ("F", s, b)
                 if dep is not None and dep not in done:
                     break
-                start = max(free[i], done[dep] if dep is not None else 0.0)
+                crossing = 0.0
+                if dep is not None and dep[1] % p != i:  # from another device
+                    crossing = delay[i] if phase == "F" else delay[(i + 1) % p]
+                start = max(free[i], done[dep] + crossing if dep is not None else 0.0)
                 end = start + (fwd[i] if phase == "F" else bwd[i]) / v
                 done[(phase, s, b)] = end
                 free[i] = end
@@ -139,14 +147,22 @@ def stage_blocks(result, v: int = 1) -> Tuple[List[float], List[float]]:
     """Per-device forward and backward seconds per microbatch from a ``SimResult``.
 
     In-layer collectives are split between forward and backward in proportion to the compute
-    (the cost model keeps only their sum); recomputation belongs to the backward; the p2p
-    receive (counted once per chunk) to both. ``fwd[i] + bwd[i]`` is the cost model's t_i.
+    (the cost model keeps only their sum); recomputation belongs to the backward; a p2p receive
+    not overlapped (counted once per chunk) to both, an overlapped one where a link is slower than
+    the stage (``t_i = max(W_i, v P_i)``). ``fwd[i] + bwd[i]`` is the cost model's t_i.
     """
     fwd, bwd = [], []
     for s in result.stages:
-        comm = s.tp_comm + s.ep_comm
+        comm = s.tp_comm + s.ep_comm + s.cp_comm
         compute = s.fwd_compute + s.bwd_compute
         share = s.fwd_compute / compute if compute > 0 else 0.5
-        fwd.append(s.fwd_compute + comm * share + s.p2p * v)
-        bwd.append(s.bwd_compute + s.recompute_s + comm * (1 - share) + s.p2p * v)
+        wait = (s.per_microbatch(v) - s.work) / 2  # the busy part of the transfers, per direction
+        fwd.append(s.fwd_compute + comm * share + wait)
+        bwd.append(s.bwd_compute + s.recompute_s + comm * (1 - share) + wait)
     return fwd, bwd
+
+
+def stage_delays(result) -> List[float]:
+    """Per device, the transfer seconds into it that delay the next operation without keeping a
+    device busy: its incoming p2p when sends are overlapped (0 otherwise)."""
+    return [s.p2p if s.overlap_p2p else 0.0 for s in result.stages]

@@ -58,13 +58,6 @@ def _past(deadline: Optional[float], step: float = 0.0) -> bool:
     return deadline is not None and time.perf_counter() + step > deadline
 
 
-def _plan_for(g: GlobalConfig, stages: List[StagePlan], m: int, workload: Workload, cluster) -> Plan:
-    return Plan(stages=stages, dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
-                schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
-                model=workload.model, model_fingerprint=workload.fingerprint, num_layers=len(workload),
-                world_size=cluster.num_devices)
-
-
 def _even(n: int, p: int) -> List[tuple]:
     bounds = [i * n // p for i in range(p + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
@@ -87,12 +80,12 @@ def phaze(workload: Workload, cluster, global_batch: int, options: Optional[Solv
     options = options or SolverOptions()
     flat = flat_network(cluster)
     best_t, best_plan, evals, step = math.inf, None, 0, 0.0
-    for lb, g, p in candidates(workload, flat, global_batch, options, deadline):
+    for lb, g, p in candidates(workload, flat, global_batch, options, deadline, expand=True):
         if lb >= best_t or _past(deadline, step):
             break
         m = g.microbatches(global_batch)
         for r in options.recompute:
-            plan = _plan_for(g, [StagePlan(a, b, g.tp, r) for a, b in _even(len(workload), p)], m, workload, cluster)
+            plan = g.plan([StagePlan(a, b, g.tp, r) for a, b in _even(len(workload), p)], m, workload, cluster)
             evals += 1
             begin = time.perf_counter()
             result = evaluate(plan, workload, flat, options)
@@ -119,7 +112,7 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
     ``evaluations`` of them, fewer when ``deadline`` (a ``time.perf_counter()`` value) passes."""
     options = options or SolverOptions()
     rng = random.Random(seed)
-    pairs = [(g, p) for _, g, p in candidates(workload, cluster, global_batch, options, deadline)]
+    pairs = [(g, p) for _, g, p in candidates(workload, cluster, global_batch, options, deadline, expand=True)]
     if not pairs:
         return Baseline("mcmc", None, None, 0)
     n = len(workload)
@@ -131,7 +124,7 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
         return r.step_s if r.feasible else math.inf
 
     g, p = rng.choice(pairs)
-    current = _plan_for(g, _random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch),
+    current = g.plan(_random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch),
                         workload, cluster)
     cur_s = score(current)
     best, best_s = current, cur_s
@@ -144,7 +137,7 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
         move = rng.random()
         if move < 0.3 or current.pp == 1:
             g, p = rng.choice(pairs)
-            cand = _plan_for(g, _random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch),
+            cand = g.plan(_random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch),
                              workload, cluster)
         else:
             stages = [dataclasses.replace(s) for s in current.stages]
@@ -181,13 +174,13 @@ def exhaustive(workload: Workload, cluster, global_batch: int, options: Optional
     """The optimum by enumeration: every config, depth, partition and recompute assignment."""
     options = options or SolverOptions()
     best_t, best_plan, evals = math.inf, None, 0
-    for _, g, p in candidates(workload, cluster, global_batch, options):
+    for _, g, p in candidates(workload, cluster, global_batch, options, expand=True):
         m = g.microbatches(global_batch)
         for ranges in all_partitions(len(workload), p):
             if any(b - a < g.v for a, b in ranges):
                 continue  # the interleaved schedule runs v chunks of at least one layer per stage
             for modes in itertools.product(options.recompute, repeat=p):
-                plan = _plan_for(g, [StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,
+                plan = g.plan([StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,
                                  workload, cluster)
                 evals += 1
                 result = evaluate(plan, workload, cluster, options)

@@ -12,24 +12,33 @@ from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
 from nest_fx.cost.memory import model_states
 from nest_fx.cost.step_time import pipeline_span, tail_terms
-from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, stage_counts
+from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, stage_counts
 from nest_fx.workload.types import Workload
+
+
+def variant_of(g: GlobalConfig) -> tuple:
+    """The workload variant (tp, ep, mbs, sp, cp, lp) of a configuration (``Workload.cost``)."""
+    return g.tp, g.ep, g.mbs, g.sp, g.cp, g.lp
+
 
 def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
     """(per-microbatch fwd + bwd seconds, per-device parameters) of one replica at g's variant."""
     work = params = 0.0
     for i in range(len(workload)):
-        c = workload.cost(i, g.tp, g.ep, g.mbs, g.sp)
+        c = workload.cost(i, *variant_of(g))
         work += c.fwd_s + c.bwd_s
         params += c.num_params
     return work, params
 
 
 def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, options: SolverOptions,
-               deadline: Optional[float] = None):
+               deadline: Optional[float] = None, expand: bool = False):
     """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB (tier 0
     of the module docstring); only those enumerated before ``deadline`` (a
-    ``time.perf_counter()`` value) when it passes."""
+    ``time.perf_counter()`` value) when it passes. An interleaved ``g`` with ``v =
+    ANY_INTERLEAVE`` stands for every factor at its depth (its bound: the largest factor's,
+    the least); ``expand`` lists the factors one by one instead (the baselines)."""
+    workload = workload.for_runtime(options.compile, options.float8)
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float]] = {}
     screens: Dict[tuple, np.ndarray] = {}
@@ -37,21 +46,27 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
         if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
             break
-        key = (g.tp, g.ep, g.mbs, g.sp)
+        key = variant_of(g)
         if key not in works:
             works[key] = _replica_work(workload, g)
         work, params = works[key]
         depths = np.array(stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp)
         if not depths.size:
             continue
-        screen_key = (params, g.zero, g.dp, int(depths[-1]))
+        screen_key = (params, g.zero, g.shard, int(depths[-1]))
         if screen_key not in screens:  # fits[p]: the leanest model states of p stages fit
             every = np.arange(1, int(depths[-1]) + 1, dtype=float)
             screens[screen_key] = np.concatenate(
-                [[False], model_states(params / every, g.zero, g.dp, options.cost)["total"] <= capacity])
+                [[False], model_states(params / every, g.zero, g.shard, options.cost)["total"] <= capacity])
         depths = depths[screens[screen_key][depths]]
-        t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.dp, g.zero, cluster, options.cost)[1]
-        lbs = pipeline_span(work / depths, work, g.microbatches(global_batch), g.schedule, g.v) + t_opt
-        out.extend((lb, g, p) for lb, p in zip(lbs.tolist(), depths.tolist()))
+        t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost)[1]
+        m = g.microbatches(global_batch)
+        if g.v == ANY_INTERLEAVE and g.schedule == "interleaved":
+            v = len(workload) // depths  # the largest factor gives the least bound of the family
+            lbs = m * (work / depths) + (work - work / depths) / v + t_opt
+        else:
+            lbs = pipeline_span(work / depths, work, m, g.schedule, g.v) + t_opt
+        for lb, p in zip(lbs.tolist(), depths.tolist()):
+            out.extend((lb, h, p) for h in (concrete(g, workload, p) if expand else [g]))
     out.sort(key=lambda x: x[0])
     return out

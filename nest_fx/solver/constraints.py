@@ -5,8 +5,10 @@ and, when nothing meets them, which constraint binds.
 bounded, schedules, recompute modes, microbatch sizes, ZeRO stages, placements) and sets the
 cost options they carry (optimizer, memory headroom). What can be told from the model and the
 cluster alone is refused at once, naming the constraint as the command line writes it (a TP
-degree larger than a node or one the model's shapes do not divide, more devices than the
-cluster has, a batch no fixed degree divides, a parallelism the planner does not search yet).
+degree larger than a node or one the model's shapes do not divide, a CP degree the sequence does
+not split into, more devices than the cluster has, a batch no fixed degree divides, an unknown
+recompute policy). ``compile`` and ``float8`` are how the model is trained, like the optimizer:
+fixed on, they are costed (``SolverOptions.compile``/``float8``) and never relaxed.
 ``solve_constrained`` then searches; when no plan fits it re-plans with each constraint left
 out in turn and names those whose removal gives a plan.
 """
@@ -15,18 +17,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from nest_fx.cost.memory import RECOMPUTE_MODES
 from nest_fx.cost.options import CostOptions
+from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
+from nest_fx.plan.support import unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
-from nest_fx.solver.space import SolverOptions
+from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
 from nest_fx.workload import Workload
 
-NOT_SEARCHED = {"cp": "context parallelism", "dp_shard": "HSDP (dp_shard)"}
-NOT_COSTED_FLAGS = ("loss_parallel", "compile", "float8")
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
+NEVER_RELAXED = ("optimizer", "fix.compile", "fix.float8")  # how the model is trained, not a preference
 
 
 def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
@@ -53,43 +55,58 @@ def _degree_keys(name: str) -> Tuple[str, ...]:
     return (f"fix.{name}", f"min.{name}", f"max.{name}")
 
 
-def _check_unsearched(c: Constraints) -> None:
-    for name, what in NOT_SEARCHED.items():
-        lo, hi = c.bounds(name)
-        if name in c.fix or name in c.min or name in c.max:
-            if name == "cp" and lo <= 1 <= hi:
-                continue  # cp = 1 is what every plan has
-            raise ConstraintError(f"{_named(c, *_degree_keys(name))}: the planner does not search {what} yet "
-                                  f"(its plans have {'cp=1' if name == 'cp' else 'no HSDP: ZeRO shards over all of dp'}); "
-                                  "drop this constraint")
-    for flag in NOT_COSTED_FLAGS:
-        if c.fix.get(flag) is True:
-            raise ConstraintError(f"--fix {flag}=true: the cost model does not cost {flag} yet, so the planner "
-                                  "cannot plan with it; drop this constraint")
+def _check_recompute(c: Constraints) -> None:
     for mode in c.recompute or ():
-        if mode not in RECOMPUTE_MODES:
-            raise ConstraintError(f"--recompute {','.join(c.recompute)}: the cost model does not cost {mode!r} yet; "
-                                  f"use {', '.join(RECOMPUTE_MODES)}")
+        problem = recompute_policy_problem(mode)
+        if problem:
+            raise ConstraintError(f"--recompute {','.join(c.recompute)}: {problem}")
+
+
+def _check_runtime_options(c: Constraints, options: SolverOptions, cluster) -> None:
+    """ConstraintError for torch.compile / Float8 the plan cannot have: Float8 on a device without
+    fp8 tensor cores, either with a fixed TP degree the runtime does not combine them with."""
+    if options.float8 and not cluster.device.peak_flops.get("fp8"):
+        raise ConstraintError(f"--fix float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops "
+                              "list no 'fp8'); Float8 linears need fp8 tensor cores")
+    tp = c.fix.get("tp", 1)
+    problem = unrun_combination(tp=tp, ep=1, dp_shard=0, hsdp=False, compile=options.compile, float8=options.float8)
+    if problem:
+        flags = [f"fix.{f}" for f in ("compile", "float8") if c.fix.get(f)]
+        raise ConstraintError(f"{_named(c, *flags, 'fix.tp')}: {problem[0]}")
+
+
+def _searched_degrees(c: Constraints, degree: str, tried: Sequence[int], what: str,
+                      fixed_problem: Callable[[int], str]) -> Tuple[int, ...]:
+    """The values of ``degree`` the search tries under ``c``: the fixed one (ConstraintError with
+    ``fixed_problem(value)`` when that is not "") or those of ``tried`` inside its bounds."""
+    lo, hi = c.bounds(degree)
+    named = _named(c, *_degree_keys(degree))
+    if degree in c.fix:
+        problem = fixed_problem(lo)
+        if problem:
+            raise ConstraintError(f"{named}: {problem}")
+        return (lo,)
+    out = tuple(x for x in tried if lo <= x <= hi)
+    if not out:
+        raise ConstraintError(f"{named}: no {what} degree the planner tries ({list(tried)}) lies in {lo}..{hi}")
+    return out
+
+
+def _cp_degrees(c: Constraints, options: SolverOptions, workload: Workload) -> Tuple[int, ...]:
+    return _searched_degrees(c, "cp", options.cp_degrees, "context-parallel",
+                             lambda cp: workload.variant_problem(1, 1, False, cp) if cp > 1 else "")
 
 
 def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, cluster) -> Tuple[int, ...]:
-    lo, hi = c.bounds("tp")
-    named = _named(c, *_degree_keys("tp"))
     node = min(cluster.levels[0].group_size, cluster.num_devices)
-    if "tp" in c.fix:
-        tp = lo
+
+    def problem(tp: int) -> str:
         if options.tp_within_node and tp > node:
-            raise ConstraintError(f"{named}: tensor parallelism stays inside one {cluster.levels[0].name} of {node} "
-                                  f"devices on {cluster.name}; use tp <= {node}")
-        problem = workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
-        if problem:
-            raise ConstraintError(f"{named}: {problem}")
-        return (tp,)
-    tps = tuple(t for t in options.tp_degrees if lo <= t <= hi)
-    if not tps:
-        raise ConstraintError(f"{named}: no tensor-parallel degree the planner tries ({list(options.tp_degrees)}) "
-                              f"lies in {lo}..{hi}")
-    return tps
+            return (f"tensor parallelism stays inside one {cluster.levels[0].name} of {node} devices on "
+                    f"{cluster.name}; use tp <= {node}")
+        return workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
+
+    return _searched_degrees(c, "tp", options.tp_degrees, "tensor-parallel", problem)
 
 
 def constrained_options(options: SolverOptions, constraints: Optional[Constraints], workload: Workload, cluster,
@@ -99,13 +116,16 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
     c = constraints
     if not c:
         return options
-    _check_unsearched(c)
+    _check_recompute(c)
     changes = {"constraints": c, "cost": cost_options(c, options.cost)}
-    if "sequence_parallel" in c.fix:
-        changes["sequence_parallel"] = bool(c.fix["sequence_parallel"])
-        options = dataclasses.replace(options, sequence_parallel=changes["sequence_parallel"])
+    for flag in ("sequence_parallel", "loss_parallel", "compile", "float8"):
+        if flag in c.fix:
+            changes[flag] = bool(c.fix[flag])
+    options = dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "constraints"})
+    _check_runtime_options(c, options, cluster)
     changes["tp_degrees"] = _tp_degrees(c, options, workload, cluster)
-    bounds = {name: c.bounds(name) for name in ("tp", "pp", "dp", "ep")
+    changes["cp_degrees"] = _cp_degrees(c, options, workload)
+    bounds = {name: c.bounds(name) for name in ("tp", "pp", "dp", "ep", "cp", "dp_shard")
               if name in c.fix or name in c.min or name in c.max}
     changes["degree_bounds"] = bounds
     lo_ep, hi_ep = c.bounds("ep")
@@ -126,10 +146,11 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
                               f"{len(workload)} pipeline stages")
     if "pp" in bounds:
         changes["max_stages"] = min(hi_pp, options.max_stages or hi_pp)
-    least = min(changes["tp_degrees"]) * lo_pp * c.bounds("dp")[0]
+    least = min(changes["tp_degrees"]) * lo_pp * c.bounds("dp")[0] * min(changes["cp_degrees"])
     if least > cluster.num_devices:
-        raise ConstraintError(f"{_named(c, *(_degree_keys('tp') + _degree_keys('pp') + _degree_keys('dp')))}: "
-                              f"needs at least {least} devices, the cluster has {cluster.num_devices}")
+        keys = _degree_keys('tp') + _degree_keys('pp') + _degree_keys('dp') + _degree_keys('cp')
+        raise ConstraintError(f"{_named(c, *keys)}: needs at least {least} devices, the cluster has "
+                              f"{cluster.num_devices}")
     if c.microbatch_sizes is not None:
         sizes = tuple(b for b in c.microbatch_sizes if global_batch % b == 0)
         if not sizes:
@@ -142,7 +163,7 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
         raise ConstraintError(f"{_named(c, 'fix.dp', 'microbatch_sizes')}: dp={c.fix['dp']} does not divide the "
                               f"global batch {global_batch} into whole microbatches")
     if c.schedules is not None:
-        factors = sorted({v for name, v in options.schedules if name == "interleaved"}) or [2]
+        factors = sorted({v for name, v in options.schedules if name == "interleaved"}) or [ANY_INTERLEAVE]
         changes["schedules"] = tuple(schedule_pairs(c.schedules, factors))
     for name in ("recompute", "zero_stages", "placements"):
         if getattr(c, name) is not None:
@@ -163,7 +184,7 @@ def solve_constrained(workload: Workload, cluster, global_batch: int, constraint
     try:
         return solve(workload, cluster, global_batch, narrowed, progress)
     except NoFeasiblePlan as exc:
-        if not constraints or all(k == "optimizer" for k, _ in constraints.items()):
+        if not constraints or all(k in NEVER_RELAXED for k, _ in constraints.items()):
             raise
         deadline = start + options.time_budget if options.time_budget else None
         message = binding_constraints(workload, cluster, global_batch, constraints, options, exc, deadline)
@@ -188,11 +209,13 @@ def binding_constraints(workload: Workload, cluster, global_batch: int, constrai
                         deadline: Optional[float] = None) -> Optional[str]:
     """Why no plan meets ``constraints``: the constraints whose removal alone gives a plan (with
     that plan), else that they bind only together; None when no plan fits without them either.
-    The optimizer is a fact of the training, not relaxed. Each re-plan gets an even share of the
+    The optimizer, compile and float8 are facts of the training, not relaxed. Each re-plan gets an even share of the
     time left before ``deadline`` (a ``time.perf_counter()`` value), at most
     RELAXED_SOLVE_BUDGET_S."""
-    keys = [(k, text) for k, text in constraints.items() if k != "optimizer"]
-    trials = [Constraints(optimizer=constraints.optimizer)] + [constraints.without(k) for k, _ in keys]
+    keys = [(k, text) for k, text in constraints.items() if k not in NEVER_RELAXED]
+    kept = Constraints(optimizer=constraints.optimizer,
+                       fix={f: constraints.fix[f] for f in ("compile", "float8") if f in constraints.fix})
+    trials = [kept] + [constraints.without(k) for k, _ in keys]
     found: List[Optional[SolveResult]] = []
     for k, trial in enumerate(trials):
         left = math.inf if deadline is None else deadline - time.perf_counter()

@@ -23,12 +23,15 @@
 * :func:`torchtitan`: the torchtitan Llama 3 recipes (``llama3_8b/70b/405b.toml``): FSDP2 over
   every device (ZeRO-3); tensor parallelism 8 from 70B parameters with full activation
   checkpointing; pipeline parallelism (1F1B, microbatch 1, FSDP without resharding) for the
-  405B class; op-level selective activation checkpointing below 70B. The cost model does not
-  cost op-level checkpointing (``op`` recompute policies) yet, so that recipe runs with the
-  closest costed mode, ``selective`` (keeps the matmul outputs, recomputes the cheap rest), and
-  its notes say so. When the recipe's shape does not fit, the next one is taken, as its users
-  do (full checkpointing, then 1D -> 2D -> 3D parallelism); the local batch (microbatch size)
-  is tuned like Megatron's. Experts are not expert-parallel (torchtitan's default degree 1).
+  405B class; op-level selective activation checkpointing (``op``, torchtitan's policy) below
+  70B; loss parallel with TP (torchtitan's default). When the recipe's shape does not fit, the
+  next one is taken, as its users do (full checkpointing, then 1D -> 2D -> 3D parallelism); the
+  local batch (microbatch size) is tuned like Megatron's. Experts are not expert-parallel
+  (torchtitan's default degree 1).
+
+Both compute the cross-entropy over vocabulary shards under TP (Megatron-LM's vocabulary-parallel
+cross-entropy, torchtitan's loss parallel) where the model allows it, and run torch.compile and
+Float8 when the options ask for them (``SolverOptions.compile``, ``float8``).
 """
 from __future__ import annotations
 
@@ -45,7 +48,6 @@ MICROBATCH_SIZES = (1, 2, 4, 8)  # what a recipe's user tries
 TP_DEGREES = (1, 2, 4, 8)
 TORCHTITAN_TP_FROM = 64e9  # parameters: the 70B recipe and up use TP 8
 TORCHTITAN_PP_FROM = 300e9  # parameters: the 405B class adds pipeline parallelism
-SAC_NOTE = "op-level SAC (recompute 'op') is not costed yet: run as 'selective', the closest costed mode"
 
 
 def block_split(workload: Workload, p: int) -> Optional[List[Tuple[int, int]]]:
@@ -83,12 +85,13 @@ def _expert_parallel(workload: Workload, tp: int, dp: int) -> int:
 
 
 def _plan(workload: Workload, cluster, ranges: Sequence[Tuple[int, int]], tp: int, dp: int, ep: int, zero: int,
-          mbs: int, m: int, recompute: str, schedule: str = "1f1b", v: int = 1, notes: str = "") -> Plan:
+          mbs: int, m: int, recompute: str, options: SolverOptions, schedule: str = "1f1b", v: int = 1) -> Plan:
+    lp = tp > 1 and workload.supports(tp, ep, True, 1, True)
     return Plan(stages=[StagePlan(a, b, tp, recompute) for a, b in ranges], dp=dp, ep=ep, zero=zero,
+                loss_parallel=lp, compile=options.compile, float8=options.float8,
                 microbatch_size=mbs, num_microbatches=m, schedule=schedule, virtual_stages=v,
                 sequence_parallel=tp > 1, placement="stage-major", model=workload.model,
-                model_fingerprint=workload.fingerprint, num_layers=len(workload), world_size=cluster.num_devices,
-                notes=notes)
+                model_fingerprint=workload.fingerprint, num_layers=len(workload), world_size=cluster.num_devices)
 
 
 def interleave_factors(blocks_per_stage: int, p: int, m: int) -> List[int]:
@@ -123,7 +126,7 @@ def _batch_splits(global_batch: int, dp: int) -> Iterator[Tuple[int, int]]:
 
 
 def megatron_plans(workload: Workload, cluster, global_batch: int, tp: int, p: int,
-                   recompute: str) -> Iterator[Plan]:
+                   recompute: str, options: SolverOptions) -> Iterator[Plan]:
     """Megatron-LM's plans of one shape (t = ``tp``, p) on every device: its block split, the
     distributed optimizer, sequence parallelism with TP, every microbatch size and legal
     interleave factor, leanest first (microbatch 1, v = 1); nothing when the shape does not
@@ -134,7 +137,7 @@ def megatron_plans(workload: Workload, cluster, global_batch: int, tp: int, p: i
     ep = _expert_parallel(workload, tp, dp)
     for mbs, m in _batch_splits(global_batch, dp):
         for v in interleave_factors(_num_blocks(workload) // p, p, m):
-            yield _plan(workload, cluster, ranges, tp, dp, ep, 1, mbs, m, recompute,
+            yield _plan(workload, cluster, ranges, tp, dp, ep, 1, mbs, m, recompute, options,
                         "interleaved" if v > 1 else "1f1b", v)
 
 
@@ -156,7 +159,7 @@ def megatron(workload: Workload, cluster, global_batch: int, options: Optional[S
             if _data_parallel(global_batch, tp * p, n) is None or block_split(workload, p) is None:
                 continue
             plan, result, k = fastest(workload, cluster, options,
-                                       megatron_plans(workload, cluster, global_batch, tp, p, recompute))
+                                       megatron_plans(workload, cluster, global_batch, tp, p, recompute, options))
             evals += k
             if plan is not None:
                 return Baseline("megatron", plan, result, evals)
@@ -190,15 +193,14 @@ def torchtitan(workload: Workload, cluster, global_batch: int, options: Optional
         ranges = block_split(workload, p) if p > 1 else [(0, len(workload))]
         if dp is None or ranges is None:
             continue
-        for recompute in (("selective", "full") if sac and tp == 1 and p == 1 else ("full",)):
+        for recompute in (("op", "full") if sac and tp == 1 and p == 1 else ("full",)):
             if deadline is not None and time.perf_counter() > deadline:
                 return Baseline("torchtitan", None, None, evals)
-            notes = SAC_NOTE if recompute == "selective" else ""
             splits = [(1, global_batch // dp)] if p > 1 else list(_batch_splits(global_batch, dp))
-            plans = (_plan(workload, cluster, ranges, tp, dp, 1, 3 if p == 1 else 1, mbs, m, recompute, notes=notes)
+            plans = (_plan(workload, cluster, ranges, tp, dp, 1, 3 if p == 1 else 1, mbs, m, recompute, options)
                      for mbs, m in splits if p == 1 or m >= p)
             plan, result, k = fastest(workload, cluster, options, plans)
             evals += k
             if plan is not None:
-                return Baseline("torchtitan", plan, result, evals, notes=notes)
+                return Baseline("torchtitan", plan, result, evals)
     return Baseline("torchtitan", None, None, evals)

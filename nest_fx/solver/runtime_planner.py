@@ -30,18 +30,24 @@ def detect_cluster(world_size: int) -> ClusterModel:
 
 def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> SolverOptions:
     """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.support``, the
-    decision the runtime's checks make too): TP and EP degrees it accepts, pipelining only where
-    the model can be cut into stages, sequence parallelism only where it runs."""
+    decision the runtime's checks make too): TP, EP and CP degrees it accepts, pipelining only
+    where the model can be cut into stages, sequence parallelism only where it runs, loss
+    parallelism only where its LM head allows."""
     support = parallel_support(model, graph)
     tps = tuple(t for t in options.tp_degrees if not support.tp_problem(t))
     experts = support.num_experts()
     eps = options.ep_degrees
     if eps is not None or experts:  # ep 1 always runs, so the tuple is never empty
         eps = tuple(e for e in (eps if eps is not None else divisors(experts)) if not support.ep_problem(e))
+    cps = tuple(c for c in options.cp_degrees if not support.cp_problem(c)) or (1,)
     max_stages = options.max_stages
     if support.pp_problem(2):
         max_stages = 1
+    loss_parallel = options.loss_parallel
+    if any(support.loss_parallel_problem(t) for t in tps if t > 1):
+        loss_parallel = False
     return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages,
+                               cp_degrees=cps, loss_parallel=loss_parallel,
                                sequence_parallel=options.sequence_parallel and not support.sp_problem())
 
 
@@ -51,11 +57,16 @@ def check_runtime_constraints(constraints: Optional[Constraints], model: torch.n
     if not constraints:
         return
     support = parallel_support(model, graph)
-    for degree, problem in (("tp", support.tp_problem), ("pp", support.pp_problem), ("ep", support.ep_problem)):
+    for degree, problem in (("tp", support.tp_problem), ("pp", support.pp_problem), ("ep", support.ep_problem),
+                            ("cp", support.cp_problem)):
         value = constraints.fix.get(degree)
         reason = problem(int(value)) if value is not None else ""
         if reason:
             raise ConstraintError(f"fix {degree}={value}: {reason}")
+    if constraints.fix.get("loss_parallel"):
+        reason = support.loss_parallel_problem(2)
+        if reason:
+            raise ConstraintError(f"fix loss_parallel=true: {reason}")
 
 
 def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,

@@ -52,7 +52,7 @@ from nest_fx.solver.recipes import megatron
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
-from nest_fx.solver.space import GlobalConfig, SolverOptions, global_configs, in_space, objective
+from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, in_space, objective
 from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
 from nest_fx.workload.types import Workload
 
@@ -76,10 +76,33 @@ class SolveResult:
 
 
 def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
-    """Tier 1: ``pipeline_span(W' / p, W') + T_opt(N / p)`` with W' = ``cache.replica_work``."""
-    work = cache.replica_work(g, p)
-    t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.dp, g.zero, cache.cluster, cache.options)[1]
-    return pipeline_span(work / p, work, m, g.schedule, g.v) + t_opt
+    """Tier 1: ``pipeline_span(T / p, W + X) + T_opt(N / p)`` with (W, X) =
+    ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
+    (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
+    overlapped."""
+    if _states_exceed_memory(cache, g, p):
+        return math.inf
+    work, sends = cache.replica_work(g, p)
+    work += cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
+    if math.isinf(work):
+        return math.inf
+    paced = work if cache.options.overlap_p2p else work + sends
+    t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
+    return pipeline_span(paced / p, work + sends, m, g.schedule, g.v) + t_opt
+
+
+def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
+    """Whether no split of (g, p) can fit: the model states of an average stage (the replica's
+    parameters / p, sharded over all of g's ZeRO ranks, experts included) exceed the usable
+    memory. Some stage holds at least the average and its total is at least its states, so
+    this never drops a feasible pair (it spares building their tables: an interleaved family
+    that cannot fit would build one per factor)."""
+    o = cache.options
+    zero = memory.effective_zero_stage(g.zero, p)
+    states = memory.model_state_bytes(cache.replica_params(g) / p, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
+                                      param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
+                                      master_weights=o.master_weights)["total"]
+    return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
 
 
 def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
@@ -143,6 +166,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
            progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
+    workload = workload.for_runtime(options.compile, options.float8)
     pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
@@ -163,6 +187,15 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         pops += 1
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
+        if g.v == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
+            for h in concrete(g, workload, p):
+                lb = _network_bound(tables.caches[o], h, p, m)
+                if lb * SLACK < best_t:
+                    pairs.append((lb, h, p))
+                    heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
+                    total += 1
+            settled += 1
+            continue
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
                 lb = _network_bound(tables.caches[o], g, p, m)
@@ -199,11 +232,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         raise NoFeasiblePlan(explain_infeasible(workload, cluster, global_batch, options))
     g, m, stages, o = best
     order = places[o].device_order
-    plan = Plan(stages=stages, dp=g.dp, ep=g.ep, zero=g.zero, microbatch_size=g.mbs, num_microbatches=m,
-                schedule=g.schedule, virtual_stages=g.v, sequence_parallel=g.sp, placement=g.placement,
-                model=workload.model, model_fingerprint=workload.fingerprint, num_layers=len(workload),
-                world_size=cluster.num_devices, device_order=list(order) if order is not None else None,
-                constraints=options.constraints or None)
+    plan = g.plan(stages, m, workload, cluster, device_order=list(order) if order is not None else None,
+                  constraints=options.constraints or None)
     result = simulate(plan, workload, cluster, options.cost)
     plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
                       "model_flops_per_device": result.model_flops_per_device,
@@ -224,9 +254,7 @@ def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOp
     if recipe.plan is None or not in_space(recipe.plan, options, cluster):
         return math.inf, None
     p = recipe.plan
-    g = GlobalConfig(tp=p.stages[0].tp, dp=p.dp, ep=p.ep, mbs=p.microbatch_size, zero=p.zero,
-                     schedule=p.schedule, v=p.virtual_stages, placement=p.placement, sp=p.sequence_parallel)
-    return recipe.result.step_s, (g, p.num_microbatches, list(p.stages), 0)
+    return recipe.result.step_s, (GlobalConfig.of(p), p.num_microbatches, list(p.stages), 0)
 
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:

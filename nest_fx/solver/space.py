@@ -1,6 +1,7 @@
 """The search space: global knobs of a plan and lower bounds used to order and prune them."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -8,7 +9,15 @@ from nest_fx.common.arith import divisors
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
+from nest_fx.plan.plan import Plan, StagePlan
+from nest_fx.plan.support import unrun_combination
 from nest_fx.workload import Workload
+
+ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
+# every per-layer policy and a ladder of layer intervals; the search drops those another policy
+# beats in both time and memory (stage_table.undominated_modes)
+SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "full", "every:2", "every:3",
+                      "every:4")
 
 
 @dataclass
@@ -18,10 +27,15 @@ class SolverOptions:
     tp_degrees: Sequence[int] = (1, 2, 4, 8)
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8)
     zero_stages: Sequence[int] = (0, 1, 2, 3)
-    recompute: Sequence[str] = ("none", "selective", "full")
-    schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", 2))
+    recompute: Sequence[str] = SEARCHED_RECOMPUTE
+    schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", ANY_INTERLEAVE))
     placements: Sequence[str] = ("stage-major", "replica-major")
     ep_degrees: Optional[Sequence[int]] = None  # None: every divisor of the expert count
+    cp_degrees: Sequence[int] = (1, 2, 4, 8)  # context parallelism (those the workload can cost)
+    hsdp: bool = True  # search HSDP shard groups (shard_candidates) under ZeRO >= 2
+    loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
+    compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
+    float8: bool = False  # cost Float8 linears (likewise)
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
@@ -29,19 +43,21 @@ class SolverOptions:
     time_budget: Optional[float] = None  # seconds; None = search to optimality
     search_placement: bool = True  # graph topologies: also choose the device order (solver.placement)
     cost: CostOptions = field(default_factory=CostOptions)
-    # (lowest, highest) of a degree: "tp", "pp", "dp", "ep"; absent = unbounded (solver.constraints)
+    # (lowest, highest) of a degree: "tp", "pp", "dp", "ep", "cp", "dp_shard"; absent = unbounded
     degree_bounds: Mapping[str, Tuple[int, int]] = field(default_factory=dict)
     constraints: Optional[Constraints] = None  # the user's, recorded in the plan (solver.constraints)
 
     def allows(self, degree: str, value: int) -> bool:
-        """Whether ``degree`` (tp, pp, dp, ep) may take ``value`` under :attr:`degree_bounds`."""
+        """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
         lo, hi = self.degree_bounds.get(degree, (1, value))
         return lo <= value <= hi
 
 
 @dataclass(frozen=True)
 class GlobalConfig:
-    """Knobs shared by all stages of a plan (the outer loop of the search)."""
+    """Knobs shared by all stages of a plan (the outer loop of the search). ``v`` is the
+    interleave factor (1 for 1F1B and GPipe; ``ANY_INTERLEAVE`` for the family of every factor of
+    one (config, depth) pair, expanded by the search)."""
 
     tp: int
     dp: int
@@ -52,48 +68,121 @@ class GlobalConfig:
     v: int
     placement: str
     sp: bool
+    cp: int = 1
+    dp_shard: int = 0  # HSDP shard group in replicas; 0 = ZeRO over all of dp
+    lp: bool = False  # loss parallel
+    compile: bool = False
+    float8: bool = False
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.mbs)
 
+    @property
+    def shard(self) -> int:
+        """Ranks ZeRO/FSDP shards over (``step_time.shard_degree``)."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    def plan(self, stages: List[StagePlan], m: int, workload: Workload, cluster, **fields) -> Plan:
+        """The plan of this configuration with ``stages`` and ``m`` microbatches."""
+        return Plan(stages=stages, dp=self.dp, ep=self.ep, cp=self.cp, zero=self.zero, dp_shard=self.dp_shard,
+                    loss_parallel=self.lp, compile=self.compile, float8=self.float8, microbatch_size=self.mbs,
+                    num_microbatches=m, schedule=self.schedule, virtual_stages=self.v,
+                    sequence_parallel=self.sp, placement=self.placement, model=workload.model,
+                    model_fingerprint=workload.fingerprint, num_layers=len(workload),
+                    world_size=cluster.num_devices, **fields)
+
+    @classmethod
+    def of(cls, plan: Plan) -> "GlobalConfig":
+        """The configuration of a plan with uniform TP."""
+        return cls(tp=plan.stages[0].tp, dp=plan.dp, ep=plan.ep, mbs=plan.microbatch_size, zero=plan.zero,
+                   schedule=plan.schedule, v=plan.virtual_stages, placement=plan.placement,
+                   sp=plan.sequence_parallel, cp=plan.cp, dp_shard=plan.dp_shard, lp=plan.loss_parallel,
+                   compile=plan.compile, float8=plan.float8)
+
 
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
-    """Every admissible combination of the global knobs."""
+    """Every admissible combination of the global knobs (``docs/solver.md``): TP, EP and CP
+    degrees the workload can cost, loss parallelism wherever allowed (never slower), HSDP shard
+    groups at the network's levels under ZeRO >= 2, and only combinations the runtime runs
+    (``plan.support.unrun_combination``)."""
     node = cluster.levels[0].group_size
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
     else:
         eps = [1]
-    # (tp, ep) variants the workload has costs for (a layer table may list only some)
-    variants = [(tp, ep) for tp in options.tp_degrees for ep in eps
-                if tp <= cluster.num_devices and (not options.tp_within_node or tp <= node)
-                and options.allows("tp", tp) and options.allows("ep", ep)
-                and workload.supports(tp, ep, options.sequence_parallel and tp > 1)]
+    runtime = dict(compile=options.compile, float8=options.float8)
+    # (tp, ep, cp, lp) variants the workload has costs for (a layer table may list only some)
+    variants = []
+    for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in options.cp_degrees):
+        sp = options.sequence_parallel and tp > 1
+        if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
+                or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
+                or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, **runtime)
+                or not workload.supports(tp, ep, sp, cp)):
+            continue
+        lp = tp > 1 and options.loss_parallel is not False and workload.supports(tp, ep, sp, cp, True)
+        if options.loss_parallel and tp > 1 and not lp:
+            continue  # loss parallel required but not possible here
+        variants.append((tp, ep, cp, lp, sp))
     for mbs in options.microbatch_sizes:
         if global_batch % mbs:
             continue
         for dp in (d for d in divisors(global_batch // mbs) if options.allows("dp", d)):
-            for tp, ep in variants:
-                if dp * tp > cluster.num_devices or dp % ep:
+            for tp, ep, cp, lp, sp in variants:
+                if dp * tp * cp > cluster.num_devices or dp % ep:
                     continue
                 for zero in _undominated(options.zero_stages):
-                    for schedule, v in options.schedules:
-                        for placement in options.placements:
-                            yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
-                                               v=v if schedule == "interleaved" else 1, placement=placement,
-                                               sp=options.sequence_parallel and tp > 1)
+                    for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
+                        for schedule, v in options.schedules:
+                            for placement in options.placements:
+                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
+                                                   v=v if schedule == "interleaved" else 1, placement=placement,
+                                                   sp=sp, cp=cp, dp_shard=dp_shard, lp=lp, **runtime)
+
+
+def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
+    """HSDP shard groups searched (``dp_shard``; 0 = shard over all of dp). By default, under
+    ZeRO >= 2 and without expert parallelism (the runtime does not combine them): per network
+    level, the largest number of whole replicas dividing dp whose ranks fit in one group of that
+    level. A smaller group inside the same level holds more states for traffic on the same
+    levels, and under ZeRO-0/1 HSDP moves what a hierarchical all-reduce moves, with more memory.
+    A user's bound on ``dp_shard`` searches every divisor of dp inside it (under ZeRO >= 1)."""
+    if "dp_shard" in options.degree_bounds:
+        lo, hi = options.degree_bounds["dp_shard"]
+        if zero < 1 or ep > 1:
+            return [0] if lo <= dp <= hi else []
+        return [0 if d == dp else d for d in divisors(dp) if lo <= d <= hi]
+    out = [0]
+    if not options.hsdp or zero < 2 or ep > 1 or dp < 2:
+        return out
+    unit = tp * cp
+    for level in cluster.levels:
+        fits = [d for d in divisors(dp)
+                if d < dp and d * unit <= level.group_size and level.group_size % (d * unit) == 0]
+        if fits and fits[-1] > 1 and fits[-1] not in out:
+            out.append(fits[-1])
+    return out
 
 
 def in_space(plan, options: SolverOptions, cluster) -> bool:
     """Whether a plan lies in the search space the options define (so the search's optimum is
     never slower than it)."""
+    interleaved = plan.schedule == "interleaved"
+    schedule_ok = ((plan.schedule, plan.virtual_stages) in options.schedules
+                   or (interleaved and (plan.schedule, ANY_INTERLEAVE) in options.schedules))
     return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
-            and plan.zero in options.zero_stages and (plan.schedule, plan.virtual_stages) in options.schedules
+            and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
+            and plan.compile == options.compile and plan.float8 == options.float8
+            and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
+                                      hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
+            and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
+                cluster, plan.dp, plan.stages[0].tp, plan.cp, plan.ep, plan.zero, options))
             and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
             and (not options.max_stages or plan.pp <= options.max_stages)
             and all(options.allows(name, value) for name, value in (("tp", plan.stages[0].tp), ("pp", plan.pp),
-                                                                    ("dp", plan.dp), ("ep", plan.ep))))
+                                                                    ("dp", plan.dp), ("ep", plan.ep),
+                                                                    ("cp", plan.cp))))
 
 
 def _undominated(zero_stages: Sequence[int]) -> List[int]:
@@ -106,14 +195,14 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
                  options: SolverOptions) -> List[int]:
     """Pipeline depths p admissible for g: devices, layers, and the schedule's rules."""
     m = g.microbatches(global_batch)
-    most = min(len(workload), cluster.num_devices // (g.dp * g.tp))
+    most = min(len(workload), cluster.num_devices // (g.dp * g.tp * g.cp))
     if options.max_stages:
         most = min(most, options.max_stages)
     out = []
     for p in range(options.degree_bounds.get("pp", (1, 1))[0], most + 1):
-        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * g.v):
+        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * max(g.v, 2)):
             continue
-        if options.use_all_devices and g.dp * g.tp * p != cluster.num_devices:
+        if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
             continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
@@ -123,6 +212,20 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
     return out
 
 
-def objective(max_t: float, sum_t: float, max_q: float, m: int, schedule: str, v: int) -> float:
+def interleave_factors(workload: Workload, p: int) -> List[int]:
+    """The interleave factors the runtime runs on ``p`` stages: every v from 2 to the layers of
+    the shortest stage, at most ``len(workload) // p`` (``Plan.validate``,
+    ``apply.pipeline.interleaved_ranges``)."""
+    return list(range(2, len(workload) // p + 1))
+
+
+def concrete(g: GlobalConfig, workload: Workload, p: int) -> List[GlobalConfig]:
+    """``g`` with each interleave factor it stands for at depth ``p`` (itself when concrete)."""
+    if g.schedule != "interleaved" or g.v != ANY_INTERLEAVE:
+        return [g]
+    return [dataclasses.replace(g, v=v) for v in interleave_factors(workload, p)]
+
+
+def objective(max_t: float, sum_s: float, max_q: float, m: int, schedule: str, v: int) -> float:
     """T_step from the per-stage aggregates: ``pipeline_span`` + the slowest stage tail."""
-    return pipeline_span(max_t, sum_t, m, schedule, v) + max_q
+    return pipeline_span(max_t, sum_s, m, schedule, v) + max_q

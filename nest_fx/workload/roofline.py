@@ -15,10 +15,23 @@ FLOPs reaches half of that. Defaults (``e_max`` 0.75, ``F_half`` 2 GFLOP, ``e_me
 assumptions, written down here, and checked end to end against Narayanan et al. 2021's GPT-3
 175B throughput in ``tests/test_published.py``. Backward ops cost twice their forward
 (two GEMMs per forward GEMM: input gradient and weight gradient).
+
+Fused (flash) attention kernels are costed apart: PyTorch's flash SDPA backend is
+FlashAttention-2, which reaches about 73% of an A100's peak in forward (Dao 2023,
+"FlashAttention-2", sec. 4.1) but only 35% of an H100's, not using Hopper's asynchronous
+tensor-core instructions (Shah et al. 2024, "FlashAttention-3", sec. 1): ``attention_efficiency``
+replaces ``e_max`` for them (:data:`FUSED_ATTENTION_EFFICIENCY` by device family; the GEMM
+figure elsewhere). Their backward runs five GEMMs for the forward's two (the scores are
+recomputed): 2.5 x the forward's FLOPs (Dao 2023, sec. 3.1.2), ``attention_backward_factor``.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
+
+# (device name part, fraction of peak) for fused attention kernels; other devices: e_max
+FUSED_ATTENTION_EFFICIENCY = (("H100", 0.35), ("H200", 0.35))
+ATTENTION_BACKWARD_FACTOR = 2.5
 
 
 @dataclass
@@ -33,26 +46,44 @@ class AnalyticalCompute:
     vector_fraction: float = 0.125  # non-matmul FLOP/s as a fraction of peak (CUDA cores vs tensor cores)
     launch_s: float = 5e-6
     backward_factor: float = 2.0
+    fp8_flops: float = 0.0  # FLOP/s of fp8 tensor cores (Float8 linears); 0 = none
+    attention_efficiency: Optional[float] = None  # fused attention's e_max; None: matmul_efficiency
+    attention_backward_factor: float = ATTENTION_BACKWARD_FACTOR
 
     @classmethod
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
         """Defaults for a ``DeviceSpec`` (from ``nest_fx.cluster``) and a dtype name."""
-        return cls(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, **overrides)
+        fp8 = float(device.peak_flops.get("fp8", 0.0))
+        attention = next((e for part, e in FUSED_ATTENTION_EFFICIENCY if part in device.name), None)
+        fields = dict(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, fp8_flops=fp8,
+                      attention_efficiency=attention)
+        return cls(**{**fields, **overrides})
 
-    def matmul_eff(self, flops: float) -> float:
-        """e_mm(F) = e_max * F / (F + F_half)."""
-        return self.matmul_efficiency * flops / (flops + self.matmul_half_flops) if flops > 0 else 0.0
+    def matmul_eff(self, flops: float, attention: bool = False) -> float:
+        """e_mm(F) = e_max * F / (F + F_half); ``attention``: a fused attention kernel's e_max."""
+        top = self.matmul_efficiency
+        if attention and self.attention_efficiency is not None:
+            top = self.attention_efficiency
+        return top * flops / (flops + self.matmul_half_flops) if flops > 0 else 0.0
 
-    def op_seconds(self, flops: float, bytes_moved: float, matmul: bool) -> float:
-        """Forward time of one op (roofline plus launch overhead); 0 for ops that do nothing."""
+    def op_seconds(self, flops: float, bytes_moved: float, matmul: bool, fp8: bool = False,
+                   attention: bool = False) -> float:
+        """Forward time of one op (roofline plus launch overhead); 0 for ops that do nothing.
+        ``fp8``: a matmul on fp8 tensor cores (``fp8_flops``, same efficiency curve);
+        ``attention``: a fused attention kernel (``attention_efficiency``)."""
         if flops <= 0 and bytes_moved <= 0:
             return 0.0
         if matmul and flops > 0:
-            compute = flops / (self.peak_flops * self.matmul_eff(flops))
+            peak = self.fp8_flops if fp8 else self.peak_flops
+            compute = flops / (peak * self.matmul_eff(flops, attention))
         else:
             compute = flops / (self.peak_flops * self.vector_fraction)
         memory = bytes_moved / (self.mem_bandwidth * self.memory_efficiency)
         return max(compute, memory) + self.launch_s
+
+    def memory_seconds(self, bytes_moved: float, launches: int = 1) -> float:
+        """Time of memory-bound work moving ``bytes_moved`` in ``launches`` kernels."""
+        return bytes_moved / (self.mem_bandwidth * self.memory_efficiency) + launches * self.launch_s
 
     def to_dict(self) -> dict:
         return asdict(self)

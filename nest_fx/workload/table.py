@@ -2,6 +2,7 @@
 workload's distinct layer costs as a table, read a table back as a workload."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict
@@ -9,10 +10,12 @@ from typing import Dict, List, Sequence, Tuple
 
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY
-from nest_fx.workload.types import (RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims, Workload,
-                                    WorkloadError)
+from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.workload.types import (COMM_GROUPS, RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims,
+                                    Workload, WorkloadError)
 
 _COST_FIELDS = ("fwd_s", "bwd_s", "num_params", "param_bytes", "act_bytes", "out_bytes")
+_OPTIONAL_BYTES = ("expert_params", "bwd_scratch", "fp8_params", "tied_params")  # numbers, default 0
 _COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -50,34 +53,40 @@ def _bool(value, where: str) -> bool:
 
 
 class TableSource:
-    """Costs looked up from a table keyed by (kind:signature, tp, ep, mbs, sp).
+    """Costs looked up from a table keyed by (kind:signature, tp, ep, sp, cp, lp).
 
     A missing microbatch size is scaled linearly from the nearest smaller (else larger) one
     that is present: time, activation and boundary bytes scale with the microbatch, parameters
-    do not.
+    do not. A sequence-parallel variant falls back to the plain one; context parallelism and loss
+    parallelism are costed only where the table lists them (``cp``, ``lp`` in a variant).
     """
 
-    def __init__(self, entries: Dict[Tuple[str, int, int, bool], Dict[int, LayerCost]]):
+    def __init__(self, entries: Dict[Tuple[str, int, int, bool, int, bool], Dict[int, LayerCost]]):
         self.entries = entries
 
-    def _by_mbs(self, layer: Layer, tp: int, ep: int, sp: bool) -> Dict[int, LayerCost]:
-        """The layer's entries for (tp, ep, sp) by microbatch size; a sequence-parallel variant
-        falls back to the plain one. Empty when the table lacks the variant."""
-        key = (f"{layer.kind}:{layer.signature}", tp, ep, sp)
-        return self.entries.get(key) or (self.entries.get(key[:3] + (False,)) if sp else None) or {}
+    def _by_mbs(self, layer: Layer, tp: int, ep: int, sp: bool, cp: int, lp: bool) -> Dict[int, LayerCost]:
+        """The layer's entries for the variant by microbatch size. Empty when the table lacks it."""
+        key = (f"{layer.kind}:{layer.signature}", tp, ep, sp, cp, lp)
+        plain = (key[0], tp, ep, False, cp, lp)
+        return self.entries.get(key) or (self.entries.get(plain) if sp else None) or {}
 
-    def missing(self, layer: Layer, tp: int, ep: int, sp: bool) -> str:
+    def missing(self, layer: Layer, tp: int, ep: int, sp: bool, cp: int = 1, lp: bool = False) -> str:
         """'' when :meth:`cost` can answer for this layer and variant (any microbatch size), else
         what the table lacks and what it has."""
-        if self._by_mbs(layer, tp, ep, sp):
+        if self._by_mbs(layer, tp, ep, sp, cp, lp):
             return ""
-        have = sorted({(t, e) for (k, t, e, _s) in self.entries if k == f"{layer.kind}:{layer.signature}"})
+        mine = [k for k in self.entries if k[0] == f"{layer.kind}:{layer.signature}"]
+        if cp > 1 or lp:
+            have = sorted({(t, e, c, bool(p)) for (_k, t, e, _s, c, p) in mine})
+            return (f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}, cp={cp}, lp={str(lp).lower()}; the table "
+                    f"has (tp, ep, cp, lp) in {have}")
+        have = sorted({(t, e) for (_k, t, e, _s, _c, _p) in mine})
         return f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}; the table has (tp, ep) in {have}"
 
-    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool) -> LayerCost:
-        by_mbs = self._by_mbs(layer, tp, ep, sp)
+    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool, cp: int = 1, lp: bool = False) -> LayerCost:
+        by_mbs = self._by_mbs(layer, tp, ep, sp, cp, lp)
         if not by_mbs:
-            raise WorkloadError(self.missing(layer, tp, ep, sp))
+            raise WorkloadError(self.missing(layer, tp, ep, sp, cp, lp))
         if mbs in by_mbs:
             return by_mbs[mbs]
         smaller = [b for b in by_mbs if b < mbs]
@@ -90,7 +99,8 @@ def _scaled(c: LayerCost, f: float) -> LayerCost:
                      act_bytes={k: v * f for k, v in c.act_bytes.items()},
                      recompute_s={k: v * f for k, v in c.recompute_s.items()}, out_bytes=c.out_bytes * f,
                      comms=[Comm(x.kind, x.group, x.nbytes * f, x.phase, x.count) for x in c.comms],
-                     expert_params=c.expert_params)
+                     expert_params=c.expert_params, bwd_scratch=c.bwd_scratch * f, fp8_params=c.fp8_params,
+                     tied_params=c.tied_params)
 
 
 def _parse_cost(v: dict, where: str) -> LayerCost:
@@ -101,13 +111,21 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
     if isinstance(act, (int, float)) and not isinstance(act, bool):
         act = {"none": act}
     if not isinstance(act, dict) or "none" not in act:
-        raise WorkloadError(f"{where}.act_bytes: give a number or {{none, selective, full}} in bytes")
-    acts = {m: _number(act.get(m, act["none"]), f"{where}.act_bytes.{m}") for m in RECOMPUTE_MODES}
+        raise WorkloadError(f"{where}.act_bytes: give a number or {{none, selective, full, op, ...}} in bytes")
     fwd = _number(v["fwd_s"], f"{where}.fwd_s")
     rec = v.get("recompute_s", {"none": 0.0, "selective": 0.0, "full": fwd})
     if not isinstance(rec, dict):
-        raise WorkloadError(f"{where}.recompute_s: expected {{none, selective, full}} in seconds")
-    recs = {m: _number(rec.get(m, 0.0 if m != "full" else fwd), f"{where}.recompute_s.{m}") for m in RECOMPUTE_MODES}
+        raise WorkloadError(f"{where}.recompute_s: expected {{none, selective, full, op, ...}} in seconds")
+    for name, given in (("act_bytes", act), ("recompute_s", rec)):
+        unknown = set(given) - set(LAYER_POLICIES)
+        if unknown:
+            raise WorkloadError(f"{where}.{name}: unknown recompute polic{'ies' if len(unknown) > 1 else 'y'} "
+                                f"{sorted(unknown, key=str)}; known: {list(LAYER_POLICIES)}")
+    # the three classic modes default (selective and full to what is kept without them); an op
+    # policy is costed only where the table gives its bytes
+    policies = list(RECOMPUTE_MODES) + [m for m in LAYER_POLICIES if m not in RECOMPUTE_MODES and m in act]
+    acts = {m: _number(act.get(m, act["none"]), f"{where}.act_bytes.{m}") for m in policies}
+    recs = {m: _number(rec.get(m, 0.0 if m != "full" else fwd), f"{where}.recompute_s.{m}") for m in policies}
     comms = []
     if not isinstance(v.get("comms", []), list):
         raise WorkloadError(f"{where}.comms: expected a list of collectives, got {brief(v['comms'])}")
@@ -115,21 +133,21 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
         cw = f"{where}.comms[{k}]"
         if not isinstance(c, dict) or c.get("kind") not in _COMM_KINDS:
             raise WorkloadError(f"{cw}.kind: use one of {_COMM_KINDS}")
-        if c.get("group") not in ("tp", "ep"):
-            raise WorkloadError(f"{cw}.group: use 'tp' or 'ep'")
+        if c.get("group") not in COMM_GROUPS:
+            raise WorkloadError(f"{cw}.group: use one of {COMM_GROUPS}")
         if c.get("phase") not in ("fwd", "bwd"):
             raise WorkloadError(f"{cw}.phase: use 'fwd' or 'bwd'")
         comms.append(Comm(c["kind"], c["group"], _number(c.get("nbytes"), f"{cw}.nbytes"), c["phase"],
                           _int(c.get("count", 1), f"{cw}.count")))
     num_params = _number(v["num_params"], f"{where}.num_params")
-    expert_params = _number(v.get("expert_params", 0.0), f"{where}.expert_params")
-    if expert_params > num_params:
-        raise WorkloadError(f"{where}.expert_params: {expert_params:g} exceeds num_params={num_params:g} "
-                            "(the expert parameters are part of the layer's parameters)")
+    extra = {name: _number(v.get(name, 0.0), f"{where}.{name}") for name in _OPTIONAL_BYTES}
+    for name in ("expert_params", "fp8_params"):
+        if extra[name] > num_params:
+            raise WorkloadError(f"{where}.{name}: {extra[name]:g} exceeds num_params={num_params:g} "
+                                f"(they are part of the layer's parameters)")
     return LayerCost(fwd_s=fwd, bwd_s=_number(v["bwd_s"], f"{where}.bwd_s"), num_params=num_params,
                      param_bytes=_number(v["param_bytes"], f"{where}.param_bytes"), act_bytes=acts,
-                     recompute_s=recs, out_bytes=_number(v["out_bytes"], f"{where}.out_bytes"), comms=comms,
-                     expert_params=expert_params)
+                     recompute_s=recs, out_bytes=_number(v["out_bytes"], f"{where}.out_bytes"), comms=comms, **extra)
 
 
 def workload_from_table(data: dict, where: str = "workload") -> Workload:
@@ -171,7 +189,7 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
     costs = data.get("costs")
     if not isinstance(costs, dict):
         raise WorkloadError(f"{where}.costs: expected an object mapping 'kind:signature' to variant lists")
-    entries: Dict[Tuple[str, int, int, bool], Dict[int, LayerCost]] = {}
+    entries: Dict[Tuple[str, int, int, bool, int, bool], Dict[int, LayerCost]] = {}
     for key, variants in costs.items():
         if not isinstance(variants, list) or not variants:
             raise WorkloadError(f"{where}.costs[{key!r}]: expected a non-empty list of variants")
@@ -179,9 +197,9 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
             vw = f"{where}.costs[{key!r}][{k}]"
             if not isinstance(v, dict):
                 raise WorkloadError(f"{vw}: expected an object")
-            tp, ep, mbs = (_int(v.get(n, 1), f"{vw}.{n}") for n in ("tp", "ep", "mbs"))
-            sp = _bool(v.get("sp", False), f"{vw}.sp")
-            entries.setdefault((key, tp, ep, sp), {})[mbs] = _parse_cost(v, vw)
+            tp, ep, mbs, cp = (_int(v.get(n, 1), f"{vw}.{n}") for n in ("tp", "ep", "mbs", "cp"))
+            sp, lp = (_bool(v.get(n, False), f"{vw}.{n}") for n in ("sp", "lp"))
+            entries.setdefault((key, tp, ep, sp, cp, lp), {})[mbs] = _parse_cost(v, vw)
     for i, ly in enumerate(layers):
         if not any(k[0] == f"{ly.kind}:{ly.signature}" for k in entries):
             raise WorkloadError(f"{where}.layers[{i}]: no costs entry {ly.kind}:{ly.signature!r}")
@@ -193,8 +211,10 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
 
 
 def workload_to_table(workload: Workload, tps: Sequence[int] = (1, 2, 4, 8), eps: Sequence[int] = (1,),
-                      mbss: Sequence[int] = (1,), sps: Sequence[bool] = (False,)) -> dict:
-    """Tabulate the variants of each distinct layer into the JSON layer-table format."""
+                      mbss: Sequence[int] = (1,), sps: Sequence[bool] = (False,), cps: Sequence[int] = (1,),
+                      lps: Sequence[bool] = (False,)) -> dict:
+    """Tabulate the variants of each distinct layer into the JSON layer-table format (``cp`` and
+    ``lp`` are written where they are not 1 / false, so older readers see the tables they knew)."""
     signatures = {}
     for i in workload.distinct():
         layer = workload.layers[i]
@@ -205,10 +225,12 @@ def workload_to_table(workload: Workload, tps: Sequence[int] = (1, 2, 4, 8), eps
             for ep in (eps if layer.is_moe else (1,)):
                 if not workload.dims.ep_ok(ep):
                     continue
-                for mbs in mbss:
-                    for sp in sps:
-                        cost = workload.cost(i, tp, ep, mbs, sp).to_dict()
-                        variants.append(dict(tp=tp, ep=ep, mbs=mbs, sp=sp, **cost))
+                for mbs, sp, cp, lp in itertools.product(mbss, sps, cps, lps if layer.kind == "tail" else (False,)):
+                    if workload.variant_problem(tp, ep, sp, cp, lp):
+                        continue
+                    cost = workload.cost(i, tp, ep, mbs, sp, cp, lp).to_dict()
+                    extra = {**({"cp": cp} if cp > 1 else {}), **({"lp": True} if lp else {})}
+                    variants.append(dict(tp=tp, ep=ep, mbs=mbs, sp=sp, **extra, **cost))
         signatures[f"{layer.kind}:{layer.signature}"] = variants
     return {
         "format": WORKLOAD_FORMAT,

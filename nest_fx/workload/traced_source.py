@@ -1,26 +1,33 @@
 """Layer costs derived from a traced OpGraph and a per-op timing model (``TracedSource``).
 
 Every variant (tensor-parallel degree, expert-parallel degree, microbatch size, sequence
-parallelism) is derived from the traced nodes: how TP and EP shard each node follows from the
-TP pairs the tracer found, and the vocabulary-parallel head and tail from the embeddings and
-output linears. ``workload_from_graph`` turns a graph into the :class:`Workload` chain.
+parallelism, context-parallel degree, loss parallelism) is derived from the traced nodes: how TP
+and EP shard each node follows from the TP pairs the tracer found, the vocabulary-parallel head
+and tail from the embeddings and output linears, what context parallelism splits from the
+attention calls (``docs/cost_model.md``). Each recompute policy is costed from the aten ops the
+tracer recorded (``recompute_costs``); ``for_runtime`` derives the costs under torch.compile and
+Float8 linears (``runtime_costs``). ``workload_from_graph`` turns a graph into the
+:class:`Workload` chain.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import networkx as nx
 import torch
 
-from nest_fx.graph.annotate import MATMUL_OPS
+from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
+from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
+from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
+from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES, block_policy_costs
+from nest_fx.workload.runtime_costs import RuntimeCosts, fusion_regions
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
 
 _DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
                 for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")}
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu"}
 
 
 def _bytes_of(shapes, dtypes) -> float:
@@ -48,6 +55,13 @@ class _NodeCost:
     param_bytes: float
     scores: float = 0.0  # attention: elements of the (batch, heads, s_q, s_k) score matrix; 0 otherwise
     score_bytes: float = 0.0  # ... and its bytes
+    causal: bool = False  # attention: a causal call (is_causal=True)
+    seq: int = 0  # attention: key length
+    q_bytes: float = 0.0  # attention: bytes of the query (the rest of its inputs are keys and values)
+    kv_bytes: float = 0.0  # attention: bytes of keys and values
+    kept: Dict[str, float] = field(default_factory=dict)  # op-level policy -> bytes kept (recompute_costs)
+    recomputed: Dict[str, float] = field(default_factory=dict)  # op-level policy -> share of the forward re-run
+    linear_dims: Tuple[int, int, int] = (0, 0, 0)  # a linear with a weight: (rows, in, out features)
     tp_params: float = 0.0  # of ``params``, those tensor parallelism shards (a row's bias stays whole)
     tp_param_bytes: float = 0.0
 
@@ -65,7 +79,10 @@ class _BlockFacts:
     loss_saved: float = 0.0  # bytes the loss keeps for backward (fp32 log-softmax of the logits)
     loss_flops: float = 0.0
     loss_bytes_moved: float = 0.0
+    loss_tokens: float = 0.0  # rows of the logits (tokens) the loss runs over
     recomputed: bool = True  # activation checkpointing wraps blocks only, never the head or tail
+    tied_params: float = 0.0  # the tail's LM head weight when it is the embedding's (counted once, in the head)
+    regions: List[Tuple[List[int], List[Tuple[int, float]]]] = field(default_factory=list)  # runtime_costs.fusion_regions
 
 
 class TracedSource:
@@ -74,15 +91,18 @@ class TracedSource:
     ``timing`` has ``op_seconds(flops, bytes, matmul)`` and ``backward_factor`` (the
     analytical model in ``nest_fx.workload.roofline``; a measured profile later). ``attention``:
     "flash" keeps O(s) bytes for fused attention (q, k, v, out, log-sum-exp) as flash
-    attention does on GPUs; "traced" keeps what the traced kernel saved.
+    attention does on GPUs, and a causal call computes the lower triangle only; "traced" keeps
+    what the traced kernel saved and computes every score (the math path).
+    ``runtime``: torch.compile / Float8 costs (``runtime_costs.RuntimeCosts``; off by default).
     """
 
-    def __init__(self, graph, timing, *, attention: str = "flash"):
+    def __init__(self, graph, timing, *, attention: str = "flash", runtime: Optional[RuntimeCosts] = None):
         if attention not in ("flash", "traced"):
             raise ValueError(f"attention={attention!r}: use 'flash' or 'traced'")
         self.graph = graph
         self.timing = timing
         self.attention = attention
+        self.runtime = runtime or RuntimeCosts()
         self.batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
         self._facts: Dict[int, _BlockFacts] = {}
 
@@ -91,39 +111,94 @@ class TracedSource:
             self._facts[block_index] = _block_facts(self.graph, self.graph.blocks[block_index])
         return self._facts[block_index]
 
-    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool) -> LayerCost:
+    def for_runtime(self, *, compile: bool = False, float8: bool = False) -> "TracedSource":
+        """This source with torch.compile and/or Float8 linears costed (``runtime_costs``); the
+        traced facts are shared."""
+        derived = copy.copy(self)
+        derived.runtime = RuntimeCosts(compile=compile, float8=float8)
+        derived._facts = self._facts
+        return derived
+
+    def cp_problem(self, cp: int) -> str:
+        """'' when the trace can be split over ``cp`` context-parallel ranks as the runtime splits
+        it (every layer mixes tokens through causal SDPA calls only), else why not. The runtime's
+        own verdict on a model (``plan.support.ParallelSupport.cp_problem``) checks more (position
+        readers, masks, MoE capacity); this is what the cost model needs to cost it."""
+        missing = blocks_without_attention(self.graph)
+        if missing:
+            return f"cp={cp}: layer {missing[0]} has no scaled_dot_product_attention call for context parallelism to split"
+        site = next((s for s in attention_sites(self.graph) if not s.causal), None)
+        if site is not None:
+            return f"cp={cp}: {site.module} computes non-causal attention; context parallelism runs causal attention only"
+        return ""
+
+    def loss_parallel_problem(self) -> str:
+        """'' when the tail's output linear can keep its logits sharded by vocabulary (an untied LM
+        head), else why not (the runtime's verdict is ``ParallelSupport.loss_parallel_problem``)."""
+        tail = next((b for b in self.graph.blocks if b.kind == "tail"), None)
+        if tail is None or not _vocab_parallel_nodes(self.graph, tail):
+            return "loss_parallel: the model's tail has no untied output linear whose logits could stay sharded"
+        return ""
+
+    def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool, cp: int = 1, lp: bool = False) -> LayerCost:
         block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
         facts = self.facts(block.index)
         scale = mbs / self.batch
+        tokens = scale / cp  # a context-parallel rank holds 1/cp of every sequence
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
-        fwd = bwd = attn_fwd = 0.0
-        act_none = act_sel = 0.0
-        params = param_bytes = expert_params = 0.0
-        for n, (t, tb) in zip(facts.nodes, self.node_times(block, tp, mbs, sp)):
-            fwd += t
-            bwd += tb
-            if n.attention:
-                attn_fwd += t
+        lp = lp and tp > 1 and block.kind == "tail"
+        times = self.variant_times(block, tp, mbs, sp, cp)
+        fwd = sum(t for t, _ in times)
+        bwd = sum(tb for _, tb in times)
+        act = dict.fromkeys(LAYER_POLICIES, 0.0)
+        rec = dict.fromkeys(LAYER_POLICIES, 0.0)
+        params = param_bytes = expert_params = fp8_params = 0.0
+        for n, (t, _) in zip(facts.nodes, times):
             flash = n.saved_flash if n.attention else n.saved
             keep = tp if (sp or (n.tp and not n.column)) else 1
-            act_none += (flash if self.attention == "flash" else n.saved) * scale / keep
-            act_sel += flash * scale / keep
+            none = (flash if self.attention == "flash" else n.saved) * tokens / keep
+            if n.attention and cp > 1:  # the gathered keys and values are whole sequences
+                none += n.kv_bytes * scale / keep * (1 - 1 / cp)
+            act["none"] += none
+            shard = tp if (n.tp or sp) else 1  # a created tensor is a shard in a TP region or under SP
+            for policy in OP_LEVEL_POLICIES:
+                act[policy] += n.kept.get(policy, 0.0) * tokens / shard
+                rec[policy] += t * n.recomputed.get(policy, 0.0)
             epdiv = ep if n.expert else 1
             node_params = (n.params - n.tp_params + n.tp_params / tp) / epdiv
             params += node_params
             param_bytes += (n.param_bytes - n.tp_param_bytes + n.tp_param_bytes / tp) / epdiv
             if n.expert:
                 expert_params += node_params
+            if self.runtime.float8_node(block.kind, n):
+                fp8_params += node_params
+        act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
+        rec["full"] = fwd
+        loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
         if facts.loss_saved:
-            loss_t = self.timing.op_seconds(facts.loss_flops * scale, facts.loss_bytes_moved * scale, False)
+            loss_t = self.timing.op_seconds(facts.loss_flops * loss_share, facts.loss_bytes_moved * loss_share, False)
             fwd += loss_t
             bwd += loss_t * self.timing.backward_factor
-            act_none += facts.loss_saved * scale
-            act_sel += facts.loss_saved * scale
-        full = facts.in_bytes * scale / (tp if sp else 1)
+            act["none"] += facts.loss_saved * loss_share
+        comms = self._comms(facts, tp, ep, scale, cp, sp, lp)
+        if not facts.recomputed:  # the head and the tail are never checkpointed
+            act = dict.fromkeys(LAYER_POLICIES, act["none"])
+            rec = dict.fromkeys(LAYER_POLICIES, 0.0)
+        act = {k: min(v, act["none"]) if k == "full" else v for k, v in act.items()}
+        return LayerCost(
+            fwd_s=fwd, bwd_s=bwd, num_params=params, param_bytes=param_bytes, act_bytes=act, recompute_s=rec,
+            out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params,
+            bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * loss_share, fp8_params=fp8_params,
+            tied_params=facts.tied_params)
+
+    def _comms(self, facts: _BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
+        """The layer's collectives per microbatch (docs/cost_model.md): TP (all-reduce, or
+        all-gather + reduce-scatter under SP) after each row linear, the vocabulary-parallel
+        head/tail's, EP's all-to-alls, CP's key/value all-gather (backward: reduce-scatter)."""
+        tokens = scale / cp
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
-            nbytes = facts.row_bytes * scale
+            nbytes = facts.row_bytes * tokens
             if sp:
                 for phase in facts.tp_phases:
                     comms += [Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
@@ -131,38 +206,101 @@ class TracedSource:
             else:
                 comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
         if tp > 1:
-            comms += [Comm(kind, "tp", nbytes * scale, phase) for kind, nbytes, phase in facts.vocab_comms]
+            for kind, nbytes, phase in facts.vocab_comms:
+                if lp and kind == "all_gather":  # loss parallel: the logits stay sharded
+                    continue
+                comms.append(Comm(kind, "tp", nbytes * tokens, phase))
+            if lp:  # the max, then the sum of exponentials and the target logit, over the vocabulary shards
+                rows = facts.loss_tokens * tokens
+                comms += [Comm("all_reduce", "tp", rows * LOSS_STATE_BYTES, "fwd"),
+                          Comm("all_reduce", "tp", 2 * rows * LOSS_STATE_BYTES, "fwd")]
         if ep > 1 and facts.a2a_bytes:
-            nbytes = facts.a2a_bytes * scale / tp
+            nbytes = facts.a2a_bytes * tokens / tp
             comms += [Comm("all_to_all", "ep", nbytes, phase, 2) for phase in ("fwd", "bwd")]
-        if not facts.recomputed:
-            act_sel, full = act_none, act_none
-            recompute_s = {"none": 0.0, "selective": 0.0, "full": 0.0}
-        else:
-            recompute_s = {"none": 0.0, "selective": attn_fwd, "full": fwd}
-        return LayerCost(
-            fwd_s=fwd, bwd_s=bwd, num_params=params, param_bytes=param_bytes,
-            act_bytes={"none": act_none, "selective": min(act_sel, act_none), "full": min(full, act_none)},
-            recompute_s=recompute_s, out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params,
-            bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * scale)
+        if cp > 1:
+            kv = [n.kv_bytes * scale / (tp if n.tp else 1) for n in facts.nodes if n.attention]
+            for nbytes in sorted(set(kv)):
+                count = kv.count(nbytes)
+                comms += [Comm("all_gather", "cp", nbytes, "fwd", count),
+                          Comm("reduce_scatter", "cp", nbytes, "bwd", count)]
+        return comms
+
+    def variant_times(self, block, tp: int, mbs: int, sp: bool, cp: int = 1) -> List[Tuple[float, float]]:
+        """(forward, backward) seconds of each node for a variant: :meth:`node_times` (the
+        analytical model, or measurements in a subclass) at ``cp = 1``, scaled to a context-parallel
+        rank's share by the analytical model's own ratio, then under torch.compile / Float8
+        (``runtime_costs``)."""
+        times = self.node_times(block, tp, mbs, sp)
+        nodes = self.facts(block.index).nodes
+        if cp > 1:
+            base = self._analytical(block, tp, mbs, sp, 1)
+            split = self._analytical(block, tp, mbs, sp, cp)
+            times = [(f * _ratio(b, c), tb * _ratio(b, c)) for (f, tb), b, c in zip(times, base, split)]
+        return self.runtime.apply(self, block, nodes, times, tp, mbs, sp, cp)
 
     def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node of ``block`` on one device for a variant:
         the analytical model on the node's FLOPs and bytes, divided by the TP degree where TP
-        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward.
-        With ``attention="traced"`` an attention core also pays its materialised scores
+        (or sequence parallelism) shards the node, and backward = ``backward_factor`` x forward
+        (a fused attention kernel: ``attention_backward_factor``, 2.5).
+        A causal flash attention computes the lower triangle of its scores; with
+        ``attention="traced"`` an attention core also pays its materialised scores
         (:func:`materialised_score_seconds`)."""
+        fused = self.attention == "flash"
+        backward = self.timing.backward_factor
+        attention = getattr(self.timing, "attention_backward_factor", backward) if fused else backward
+        return [(t, t * (attention if n.attention else backward))
+                for t, n in zip(self._analytical(block, tp, mbs, sp, 1), self.facts(block.index).nodes)]
+
+    def node_shares(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
+        """Per node, the share of its traced FLOPs and activation bytes one rank runs in a variant
+        (microbatch over the traced batch, over TP where it shards the node, over CP)."""
+        scale = mbs / self.batch
+        sp = sp and block.kind == "block"
+        return [scale / (tp if (n.tp or sp) else 1) / cp for n in self.facts(block.index).nodes]
+
+    def _analytical(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
+        """Forward seconds of each node by the analytical model, on a context-parallel rank's
+        tokens (``docs/cost_model.md``: attention under context parallelism)."""
         scale = mbs / self.batch
         out = []
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
         for n in self.facts(block.index).nodes:
             shard = tp if n.tp else (tp if sp else 1)
-            extra = n.score_bytes * SCORE_GEMM_PASSES if n.attention and self.attention == "traced" else 0.0
-            t = self.timing.op_seconds(n.flops * scale / shard, (n.bytes_moved + extra) * scale / shard, n.matmul)
+            share = scale / shard
+            if not n.attention:
+                out.append(self.timing.op_seconds(n.flops * share / cp, n.bytes_moved * share / cp, n.matmul))
+                continue
+            work = attention_work(n.seq, cp, n.causal and (self.attention == "flash" or cp > 1))
+            nbytes = (n.bytes_moved - n.kv_bytes) / cp + n.kv_bytes
+            extra = n.score_bytes * SCORE_GEMM_PASSES * work if self.attention == "traced" else 0.0
+            t = self.timing.op_seconds(n.flops * share * work, (nbytes + extra) * share, n.matmul,
+                                       attention=self.attention == "flash")
             if extra:
-                t += materialised_score_seconds(self.timing, n.scores * scale / shard, n.score_bytes * scale / shard)
-            out.append((t, t * self.timing.backward_factor))
+                t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
+            out.append(t)
         return out
+
+
+def _ratio(base: float, scaled: float) -> float:
+    return scaled / base if base > 0 else 0.0
+
+
+def attention_work(seq: int, cp: int, causal: bool) -> float:
+    """Share of the full ``seq x seq`` score matrix one rank's attention kernel computes.
+
+    Without context parallelism: all of it for non-causal attention (or the math path), the
+    lower triangle with its diagonal, ``(s + 1) / 2s``, for a causal fused kernel (flash skips
+    the masked tiles). Under ``cp`` ranks, as the runtime runs it (``apply.context_parallel``:
+    chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp``, each attending under an explicit causal mask
+    to the keys up to its end): ``(2 cp + 1) c^2`` scores per rank with ``c = s / 2 cp``, i.e.
+    ``(2 cp + 1) / (4 cp^2)`` of the matrix (the masked kernel computes its diagonal chunks
+    whole)."""
+    if cp > 1:
+        return (2 * cp + 1) / (4 * cp * cp)
+    if causal and seq > 0:
+        return (seq + 1) / (2 * seq)
+    return 1.0
 
 
 # An attention core without a fused kernel (attention="traced": the math path of PyTorch's SDPA,
@@ -238,20 +376,29 @@ def _block_facts(graph, block) -> _BlockFacts:
         if _in_experts(g.nodes[n].get("module", ""), expert_paths):
             expert_nodes.add(n)
 
+    if block.kind == "block":
+        kept, recomputed = block_policy_costs(g, block.nodes)
+    else:  # never checkpointed
+        kept = recomputed = [{} for _ in block.nodes]
     nodes = []
-    for n in block.nodes:
+    for k, n in enumerate(block.nodes):
         d = g.nodes[n]
         in_b = _bytes_of(d.get("in_shapes"), d.get("in_dtypes"))
         out_b = d.get("out_bytes", 0.0)
-        attention = d.get("op") in _ATTENTION
+        attention = d.get("op") in ATTENTION_CALLS
         saved_flash = d.get("saved_bytes", 0.0)
+        q_bytes = kv_bytes = 0.0
+        seq = 0
         if attention and d.get("out_shapes"):
             shape = d["out_shapes"][0]
-            lse = out_b / max(shape[-1], 1) * 4 / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
+            lse = out_b / max(shape[-1], 1) * LSE_BYTES / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
             saved_flash = min(saved_flash, in_b + out_b + lse)
+            q_bytes = _bytes_of(d["in_shapes"][:1], d["in_dtypes"][:1])
+            kv_bytes = _bytes_of(d["in_shapes"][1:3], d["in_dtypes"][1:3])
+            seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
         tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
-            sum(k for name, k in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
+            sum(numel for name, numel in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
         bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
         nodes.append(_NodeCost(
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
@@ -259,7 +406,9 @@ def _block_facts(graph, block) -> _BlockFacts:
             saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
             tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
-            scores=scores, score_bytes=score_bytes, tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
+            scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
+            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, kept=kept[k], recomputed=recomputed[k],
+            linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]
@@ -278,10 +427,38 @@ def _block_facts(graph, block) -> _BlockFacts:
     loss = _loss_facts(g, block)
     if block.kind in ("head", "tail"):
         n_ar = 0
+    tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
+    fusible = [not (n.matmul or n.attention) and (n.flops > 0 or n.bytes_moved > 0)
+               and g.nodes[name].get("fx_op") not in ("placeholder", "output") for n, name in zip(nodes, block.nodes)]
     return _BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
                        row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
-                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2],
-                       recomputed=block.kind == "block")
+                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
+                       recomputed=block.kind == "block", tied_params=tied,
+                       regions=fusion_regions(g, block.nodes, fusible) if block.kind == "block" else [])
+
+
+def _linear_dims(d: dict) -> Tuple[int, int, int]:
+    """(rows, in features, out features) of a node with a weight (a linear), else zeros."""
+    inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
+    if not d.get("weight") or d.get("op") != "linear" or not inputs or not outputs or not inputs[0]:
+        return 0, 0, 0
+    rows = 1
+    for k in inputs[0][:-1]:
+        rows *= k
+    return rows, inputs[0][-1], outputs[0][-1]
+
+
+def _tied_weight_params(g, node: str) -> float:
+    """Parameters of the weight a tail linear shares with an earlier layer (the tracer counts a
+    shared weight once, at its first use: a tied LM head's linear records a weight but no
+    parameters of its own)."""
+    d = g.nodes[node]
+    if d.get("op") != "linear" or not d.get("weight") or d.get("num_params"):
+        return 0.0
+    inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
+    if not inputs or not outputs or not inputs[0] or not outputs[0]:
+        return 0.0
+    return float(inputs[0][-1] * outputs[0][-1])  # in_features x out_features
 
 
 def _in_experts(module: str, expert_modules: Optional[List[str]]) -> bool:
@@ -318,25 +495,27 @@ LOSS_STATE_BYTES = 4  # the loss runs in fp32 (logits upcast), as usual for lang
 LOSS_BACKWARD_COPIES = 2
 
 
-def _loss_facts(g, block) -> Tuple[float, float, float]:
-    """(saved bytes, FLOPs, bytes moved) of a token-level cross-entropy on the model's output,
-    assumed for every model whose tail ends in a linear (an LM head): the fp32 log-softmax
-    it keeps for backward, about 5 FLOPs per logit, and the logits read once, upcast and written
-    as log-probabilities. The loss is the user's code, not in the trace; (0, 0, 0) otherwise."""
+def _loss_facts(g, block) -> Tuple[float, float, float, float]:
+    """(saved bytes, FLOPs, bytes moved, rows) of a token-level cross-entropy on the model's
+    output, assumed for every model whose tail ends in a linear (an LM head): the fp32
+    log-softmax it keeps for backward, about 5 FLOPs per logit, and the logits read once, upcast
+    and written as log-probabilities; rows are the tokens. The loss is the user's code, not in
+    the trace; zeros otherwise."""
     if block.kind != "tail":
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     heads = [n for n in block.nodes if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")]
     if not heads:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     d = g.nodes[heads[-1]]
     shapes, dtypes = d.get("out_shapes") or [], d.get("out_dtypes") or []
     if not shapes:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     numel = 1
     for k in shapes[0]:
         numel *= k
     logits = numel * _DTYPE_BYTES.get(dtypes[0] if dtypes else "float32", 4)
-    return numel * LOSS_STATE_BYTES, 5.0 * numel, logits + 2 * numel * LOSS_STATE_BYTES
+    rows = numel / max(shapes[0][-1], 1)
+    return numel * LOSS_STATE_BYTES, 5.0 * numel, logits + 2 * numel * LOSS_STATE_BYTES, rows
 
 
 def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",

@@ -1,11 +1,13 @@
 """Workload: the chain of layers the solver consumes, with per-variant costs.
 
 A workload is a list of layers (head, repeated blocks, tail). For a *variant* — tensor-parallel
-degree ``tp``, expert-parallel degree ``ep``, microbatch size ``mbs`` (sequences) and sequence
-parallelism ``sp`` — each layer has a :class:`LayerCost`: forward/backward seconds on one
-device, parameter count and bytes held per device, saved-activation bytes per microbatch for
-each recompute mode, the bytes it hands to the next layer (a pipeline boundary) and the
-collectives it issues inside itself.
+degree ``tp``, expert-parallel degree ``ep``, microbatch size ``mbs`` (sequences), sequence
+parallelism ``sp``, context-parallel degree ``cp`` and loss parallelism ``lp`` — each layer has
+a :class:`LayerCost`: forward/backward seconds on one device, parameter count and bytes held per
+device, saved-activation bytes and recompute seconds per microbatch for each recompute policy
+(``nest_fx.graph.recompute_policies.LAYER_POLICIES``), the bytes it hands to the next layer (a
+pipeline boundary) and the collectives it issues inside itself. ``Workload.for_runtime`` gives
+the same chain costed with ``torch.compile`` and/or Float8 linears.
 
 Costs come from a *source*:
     TracedSource   an OpGraph plus a per-op timing model (the analytical roofline now, a
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
+from nest_fx.graph.recompute_policies import LAYER_POLICIES
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")  # the policies every layer table has (defaults for the others)
+COMM_GROUPS = ("tp", "ep", "cp")
 
 
 class WorkloadError(NestFxError, ValueError):
@@ -36,7 +40,7 @@ class Comm:
     """A collective issued inside a layer per microbatch: ``count`` times ``nbytes`` over ``group``."""
 
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
-    group: str  # "tp" | "ep"
+    group: str  # "tp" | "ep" | "cp"
     nbytes: float
     phase: str  # "fwd" | "bwd"
     count: int = 1
@@ -50,13 +54,15 @@ class LayerCost:
     bwd_s: float
     num_params: float  # parameters held per device
     param_bytes: float  # their bytes in the training dtype
-    act_bytes: Dict[str, float]  # recompute mode -> saved bytes per microbatch
-    recompute_s: Dict[str, float]  # recompute mode -> extra backward seconds per microbatch
+    act_bytes: Dict[str, float]  # recompute policy (LAYER_POLICIES) -> saved bytes per microbatch
+    recompute_s: Dict[str, float]  # recompute policy -> extra backward seconds per microbatch
     out_bytes: float  # activation bytes sent to the next layer per microbatch (full tensor)
     comms: List[Comm] = field(default_factory=list)
     expert_params: float = 0.0  # of num_params, those sharded over ep (reduced over dp/ep)
     block: bool = True  # a repeated block (its own FSDP unit); False for the head and tail (the stage root)
     bwd_scratch: float = 0.0  # bytes its backward allocates beyond its saved activations, per microbatch
+    fp8_params: float = 0.0  # of num_params, those in Float8 linears (FSDP all-gathers them in fp8)
+    tied_params: float = 0.0  # of num_params, those tied to another layer (the embedding an LM head shares)
 
     def to_dict(self) -> dict:
         """The cost as a workload table records it (``block`` comes from the layer's kind)."""
@@ -100,6 +106,14 @@ class ModelDims:
                 return f"tp={tp} does not divide the model's {n} {what}"
         return ""
 
+    def cp_problem(self, cp: int) -> str:
+        """'' when ``cp`` is 1 or ``2 cp`` divides the sequence (each context-parallel rank holds
+        two of ``2 cp`` equal chunks: causal load balancing), else why not."""
+        if cp == 1 or self.seq_len % (2 * cp) == 0:
+            return ""
+        return (f"cp={cp} does not divide the sequence: {self.seq_len} tokens are not a multiple of 2 x cp = "
+                f"{2 * cp} (each context-parallel rank holds two of 2 x cp equal chunks)")
+
     def ep_problem(self, ep: int) -> str:
         """'' when ``ep`` is 1 or divides the expert count, else why not."""
         if ep == 1 or (self.num_experts > 0 and self.num_experts % ep == 0):
@@ -127,58 +141,110 @@ class Workload:
         self._cache: Dict[Tuple, LayerCost] = {}
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
+        self._policies: Dict[Tuple, Tuple[str, ...]] = {}
+        self._runtime: Dict[Tuple[bool, bool], "Workload"] = {}
+        self.compile = False  # costed with torch.compile on every block (for_runtime)
+        self.float8 = False  # costed with Float8 linears (for_runtime)
+        self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def cost(self, index: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False) -> LayerCost:
+    def cost(self, index: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False, cp: int = 1,
+             lp: bool = False) -> LayerCost:
+        """The cost of layer ``index`` in a variant (module docstring); cached per distinct layer.
+        Loss parallelism changes only the tail (where the loss is), expert parallelism only MoE
+        layers."""
         layer = self.layers[index]
-        key = (layer.signature, layer.kind, tp, ep if layer.is_moe else 1, mbs, sp)
+        ep, lp = (ep if layer.is_moe else 1), (lp and layer.kind == "tail")
+        key = (layer.signature, layer.kind, tp, ep, mbs, sp, cp, lp)
         if key not in self._cache:
-            c = self.source.cost(layer, tp, ep if layer.is_moe else 1, mbs, sp)
+            c = self.source.cost(layer, tp, ep, mbs, sp, cp=cp, lp=lp)
             self._cache[key] = c if c.block == (layer.kind == "block") else replace(c, block=layer.kind == "block")
         return self._cache[key]
 
-    def variant_problem(self, tp: int, ep: int = 1, sp: bool = False) -> str:
+    def variant_problem(self, tp: int, ep: int = 1, sp: bool = False, cp: int = 1, lp: bool = False) -> str:
         """'' when every layer has a cost for this variant, else why not: the model's shapes do
-        not divide by ``tp``/``ep`` (:class:`ModelDims`), or the cost source lacks it (a layer
-        table lists only some (tp, ep) pairs; a traced source derives every one)."""
-        key = (tp, ep, sp)
+        not divide by ``tp``/``ep``/``cp`` (:class:`ModelDims`), or the cost source lacks it (a
+        layer table lists only some variants; a traced source derives every one it can run)."""
+        key = (tp, ep, sp, cp, lp)
         if key not in self._problems:
-            self._problems[key] = self._find_problem(tp, ep, sp)
+            self._problems[key] = self._find_problem(tp, ep, sp, cp, lp)
         return self._problems[key]
 
-    def _find_problem(self, tp: int, ep: int, sp: bool) -> str:
-        problem = self.dims.tp_problem(tp) or self.dims.ep_problem(ep)
+    def _find_problem(self, tp: int, ep: int, sp: bool, cp: int, lp: bool) -> str:
+        problem = self.dims.tp_problem(tp) or self.dims.ep_problem(ep) or self.dims.cp_problem(cp)
         if problem:
             return problem
+        if cp > 1 and hasattr(self.source, "cp_problem"):
+            problem = self.source.cp_problem(cp)
+            if problem:
+                return problem
+        if lp and tp > 1 and hasattr(self.source, "loss_parallel_problem"):
+            problem = self.source.loss_parallel_problem()
+            if problem:
+                return problem
         missing = getattr(self.source, "missing", None)
         if missing is not None:
             for i in self.distinct():
                 layer = self.layers[i]
-                problem = missing(layer, tp, ep if layer.is_moe else 1, sp)
+                problem = missing(layer, tp, ep if layer.is_moe else 1, sp, cp=cp, lp=lp and layer.kind == "tail")
                 if problem:
                     return problem
         return ""
 
-    def supports(self, tp: int, ep: int = 1, sp: bool = False) -> bool:
+    def supports(self, tp: int, ep: int = 1, sp: bool = False, cp: int = 1, lp: bool = False) -> bool:
         """Whether every layer has a cost for this variant (see :meth:`variant_problem`); the
         planner searches only these."""
-        return not self.variant_problem(tp, ep, sp)
+        return not self.variant_problem(tp, ep, sp, cp, lp)
 
-    def variant_costs(self, tp: int = 1, ep: int = 1, mbs: int = 1,
-                      sp: bool = False) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
+    def recompute_policies(self, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False, cp: int = 1,
+                           lp: bool = False) -> Tuple[str, ...]:
+        """The per-layer recompute policies (``LAYER_POLICIES``) every layer of a variant has a
+        cost for: all of them for a traced model; a layer table may give only some."""
+        key = (tp, ep, mbs, sp, cp, lp)
+        if key not in self._policies:
+            have = set(LAYER_POLICIES)
+            for c in self.variant_costs(*key)[0]:
+                have &= set(c.act_bytes)
+            self._policies[key] = tuple(p for p in LAYER_POLICIES if p in have)
+        return self._policies[key]
+
+    def for_runtime(self, compile: bool = False, float8: bool = False) -> "Workload":
+        """This chain costed as the runtime runs it with ``torch.compile`` on every block and/or
+        Float8 linears (``docs/cost_model.md``); ``self`` when neither is on. WorkloadError when
+        the cost source cannot derive them (a layer table holds what was measured)."""
+        if (compile, float8) == (self.compile, self.float8):
+            return self
+        if self.base is not None:
+            return self.base.for_runtime(compile, float8)
+        key = (compile, float8)
+        if key not in self._runtime:
+            derive = getattr(self.source, "for_runtime", None)
+            if derive is None:
+                raise WorkloadError(f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
+                                    f"derive them under {' and '.join(n for n, on in (('compile', compile), ('float8', float8)) if on)}"
+                                    " (plan with --model, or without these options)")
+            w = Workload(self.model, self.layers, self.dims, derive(compile=compile, float8=float8),
+                         provenance=f"{self.provenance}; " + " + ".join(
+                             n for n, on in (("torch.compile", compile), ("Float8", float8)) if on))
+            w.compile, w.float8, w.base = compile, float8, self
+            self._runtime[key] = w
+        return self._runtime[key]
+
+    def variant_costs(self, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False, cp: int = 1,
+                      lp: bool = False) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
         """The distinct layer costs of a variant (in order of first appearance), per distinct cost
         the prefix counts (``counts[j][i]``: layers before i with cost j) and each layer's index
         into the distinct costs; computed once per variant."""
-        key = (tp, ep, mbs, sp)
+        key = (tp, ep, mbs, sp, cp, lp)
         table = self._prefix.get(key)
         if table is None:
             ids: Dict[int, int] = {}
             costs: List[LayerCost] = []
             index: List[int] = []
             for i in range(len(self.layers)):
-                c = self.cost(i, tp, ep, mbs, sp)
+                c = self.cost(i, tp, ep, mbs, sp, cp, lp)
                 k = ids.setdefault(id(c), len(costs))
                 if k == len(costs):
                     costs.append(c)
@@ -190,13 +256,13 @@ class Workload:
             table = self._prefix[key] = (costs, counts, index)
         return table
 
-    def range_costs(self, start: int, end: int, tp: int = 1, ep: int = 1, mbs: int = 1,
-                    sp: bool = False) -> List[Tuple[LayerCost, int]]:
+    def range_costs(self, start: int, end: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False,
+                    cp: int = 1, lp: bool = False) -> List[Tuple[LayerCost, int]]:
         """The distinct layer costs of layers [start, end) with how many layers share each.
 
         O(distinct layers) per call through per-variant prefix counts, so a pipeline stage of
         80 identical blocks costs as much to evaluate as a stage of one."""
-        costs, counts, _ = self.variant_costs(tp, ep, mbs, sp)
+        costs, counts, _ = self.variant_costs(tp, ep, mbs, sp, cp, lp)
         return [(c, row[end] - row[start]) for c, row in zip(costs, counts) if row[end] - row[start]]
 
     @property

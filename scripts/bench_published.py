@@ -1,0 +1,356 @@
+#!/usr/bin/env python
+"""Published PyTorch-native training runs against nest-fx's predictions, before and after.
+
+Source of every row: the torchtitan team's H100 benchmark of Llama 3.1 8B / 70B / 405B,
+``benchmarks/llama3_h100_202412_torchtitan.md`` in github.com/pytorch/torchtitan (torch 1963fc8,
+torchao eab345c, torchtitan 9dec370, December 2024), Tables 1-6: tokens/s per GPU (read at
+iteration 90) and memory in GiB (torchtitan logs the caching allocator's peak *reserved*
+memory; the largest over the ranks). Hardware as that page states it: Grand Teton hosts of 8
+H100s on NVLink, 96 GB HBM2e at 2.4 TB/s per GPU, 400 Gb/s RDMA per GPU between hosts, 500 W
+power limit. Its footnote says the GPUs' real peak lies between the SXM and the NVL figures;
+this script takes the midpoint (bf16 912, fp8 1825 TFLOP/s dense; SXM 989/1979, NVL 835/1670,
+NVIDIA's datasheets) and 95 GiB of device memory (what PyTorch reports for the 96 GB part).
+The runs use torchtitan's defaults where the table does not say otherwise: sequence length
+8192, AdamW, FSDP2 (ZeRO-3, mixed precision), sequence parallel and loss parallel with TP,
+pipeline microbatch size 1, the interleaved schedule with 2 stages per rank, selective
+activation checkpointing = op-level SAC (``op``), "AsyncTP" = TP collectives overlapped.
+
+For each row the published configuration is written as a plan (``nest-fx-plan/1``) and costed
+by the cost model of this tree ("after") and by the cost model as merged before the change
+(``--before-commit``, default 3d94d5a, run from a ``git archive`` of it; "before"). Where the old
+model refused a field it did not cost, the nearest form it did cost is used and said so (op-level
+SAC as ``selective``, loss parallel, torch.compile and Float8 dropped); context parallelism had
+no such form: the row was not expressible. Then the planner searches the same model, cluster and
+global batch (the same compile / Float8 / AsyncTP options, every device used) and its plan is
+compared with the published one under the same (after) model.
+
+Targets (issue 19): bf16 rows (no Float8) within 10% in throughput and memory; every row
+expressible; the planner never slower than the published configuration.
+
+    python scripts/bench_published.py                    # all rows, before and after (~5 min)
+    python scripts/bench_published.py --rows t1 --no-before --no-planner
+
+Writes ``OUT/bench_published.{md,json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from nest_fx.cluster import Cluster
+from nest_fx.common.errors import NestFxError
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.step_time import simulate
+from nest_fx.plan import Plan, StagePlan
+from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+from nest_fx.solver.recipes import block_split
+from nest_fx.workload import workload_for_model
+
+GiB = 2 ** 30
+SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)")
+MODELS = {
+    "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
+    "70b": "llama3-70b",
+    "405b": "llama:hidden=16384,layers=126,heads=128,kv=8,ffn=53248,vocab=128256,rope_theta=500000",
+}
+
+
+@dataclass
+class Row:
+    """One published measurement and the configuration it ran."""
+
+    key: str
+    table: str
+    label: str
+    model: str
+    gpus: int
+    seq: int
+    local_batch: int
+    tps_per_gpu: float
+    memory_gib: float
+    fsdp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    recompute: str = "op"
+    compile: bool = False
+    float8: bool = False
+    async_tp: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.fsdp
+
+    @property
+    def bf16(self) -> bool:
+        return not self.float8
+
+
+def published_rows() -> List[Row]:
+    """Tables 1-6 of the source, row by row."""
+    rows = []
+    for t, gpus, tps in (("1", 8, (5762, 82.4, 6667, 77.0, 8532, 76.8)), ("3", 128, (5605, 67.0, 6514, 62.0, 8380, 61.8))):
+        for k, (label, comp, f8) in enumerate((("FSDP", False, False), ("FSDP + compile", True, False),
+                                               ("FSDP + compile + Float8", True, True))):
+            rows.append(Row(f"t{t}.{k + 1}", t, f"8B {gpus} GPUs {label}", "8b", gpus, 8192, 2, tps[2 * k],
+                            tps[2 * k + 1], fsdp=gpus, compile=comp, float8=f8))
+    for k, (fsdp, cp, seq, tps, mem) in enumerate(((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2),
+                                                   (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5))):
+        rows.append(Row(f"t2.{k + 1}", "2", f"8B 8 GPUs FSDP {fsdp} CP {cp} seq {seq}", "8b", 8, seq, 1, tps, mem,
+                        fsdp=fsdp, cp=cp, recompute="full", compile=True, float8=True))
+    for k, (label, atp, tps, mem) in enumerate((("2D", False, 829, 71.9), ("2D + AsyncTP", True, 876, 67.6))):
+        rows.append(Row(f"t4.{k + 1}", "4", f"70B 256 GPUs FSDP 32 TP 8 {label}", "70b", 256, 8192, 16, tps, mem,
+                        fsdp=32, tp=8, recompute="full", compile=True, float8=True, async_tp=atp))
+    for k, (label, schedule, v, tps, mem) in enumerate((("1F1B", "1f1b", 1, 100, 82.5),
+                                                         ("Interleaved 1F1B", "interleaved", 2, 128, 72.7))):
+        rows.append(Row(f"t5.{k + 1}", "5", f"405B 512 GPUs FSDP 8 TP 8 PP 8 {label}", "405b", 512, 8192, 32, tps,
+                        mem, fsdp=8, tp=8, pp=8, recompute="full", compile=True, float8=True, async_tp=True,
+                        schedule=schedule, virtual_stages=v))
+    for k, (fsdp, cp, seq, tps, mem) in enumerate(((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9),
+                                                   (2, 4, 131072, 31, 77.1), (1, 8, 262144, 16, 84.9))):
+        rows.append(Row(f"t6.{k + 1}", "6", f"405B 512 GPUs FSDP {fsdp} TP 8 PP 8 CP {cp} seq {seq}", "405b", 512,
+                        seq, 8, tps, mem, fsdp=fsdp, tp=8, pp=8, cp=cp, recompute="full", compile=True, float8=True,
+                        async_tp=True))
+    return rows
+
+
+def grand_teton(gpus: int):
+    """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction), 400 Gb/s
+    (50 GB/s) per GPU between hosts, 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
+    levels = [{"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+              {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5}]
+    if gpus > 32:
+        levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
+    return Cluster.from_dict({
+        "format": "nest-fx-cluster/1", "name": "grand-teton-h100", "num_devices": gpus,
+        "device": {"name": "H100-96GB-HBM2e-500W", "memory_bytes": 95 * GiB, "mem_bandwidth": 2.4e12,
+                   "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12}},
+        "levels": levels})
+
+
+_WORKLOADS: Dict[tuple, object] = {}
+
+
+def workload(row: Row, cluster):
+    key = (row.model, row.seq)
+    if key not in _WORKLOADS:
+        _WORKLOADS[key] = workload_for_model(MODELS[row.model], cluster, seq=row.seq)
+    return _WORKLOADS[key]
+
+
+def published_plan(row: Row, work, **overrides):
+    """The row's configuration as a plan (the blocks evenly over the stages, embedding first,
+    output layer last, as torchtitan splits them)."""
+    fields = dict(dp=row.fsdp, zero=3, microbatch_size=1 if row.pp > 1 else row.local_batch,
+                  num_microbatches=row.local_batch if row.pp > 1 else 1, schedule=row.schedule,
+                  virtual_stages=row.virtual_stages, sequence_parallel=row.tp > 1, placement="stage-major",
+                  cp=row.cp, loss_parallel=row.tp > 1, compile=row.compile, float8=row.float8)
+    fields.update(overrides)
+    recompute = fields.pop("recompute", row.recompute)
+    split = block_split(work, row.pp) or even_split(work, row.pp)
+    return Plan(stages=[StagePlan(a, b, row.tp, recompute) for a, b in split], num_layers=len(work), **fields)
+
+
+def even_split(work, p: int):
+    """The blocks as evenly as ``p`` stages allow when p does not divide them (the first stages
+    take one more, as torchtitan's generated split points do), embedding first, output last."""
+    blocks = [i for i, layer in enumerate(work.layers) if layer.kind == "block"]
+    per, extra = divmod(len(blocks), p)
+    bounds = [blocks[0]]
+    for k in range(p):
+        bounds.append(bounds[-1] + per + (1 if k < extra else 0))
+    bounds[0], bounds[-1] = 0, len(work)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def cost_options(row: Row):
+    options = CostOptions(optimizer="adamw")
+    if row.async_tp and hasattr(options, "overlap_tp_comm"):
+        options = CostOptions(optimizer="adamw", overlap_tp_comm=True)
+    return options
+
+
+# what the cost model as merged did not cost, and the nearest form it did (in order)
+FALLBACKS = (("recompute", "op", "selective", "op-level SAC run as 'selective'"),
+             ("loss_parallel", True, False, "loss parallel dropped"),
+             ("compile", True, False, "torch.compile dropped"),
+             ("float8", True, False, "Float8 dropped"))
+
+
+def predict(row: Row) -> dict:
+    """The published configuration costed by the nest_fx this process imports (the installed
+    tree, or the archive of the before commit): tokens/s per GPU and peak memory (reserved
+    where the model has it)."""
+    cluster = grand_teton(row.gpus)
+    try:
+        work = workload(row, cluster)
+    except NestFxError as exc:
+        return {"expressible": False, "why": str(exc)}
+    overrides: dict = {}
+    notes: List[str] = []
+    while True:
+        try:
+            plan = published_plan(row, work, **overrides)
+            result = simulate(plan, work, cluster, cost_options(row))
+            break
+        except NestFxError as exc:
+            message = str(exc)
+            step = next(((name, new, note) for name, old, new, note in FALLBACKS
+                         if name not in overrides and _uses(row, plan_field=name, value=old)), None)
+            if step is None or row.cp > 1 and "cp" in message:
+                return {"expressible": False, "why": message.splitlines()[0][:200]}
+            overrides[step[0]] = step[1]
+            notes.append(step[2])
+    reserved = getattr(result, "peak_reserved", 0.0)
+    live = max(s.memory["total"] for s in result.stages)
+    return {"expressible": True, "notes": notes, "tps_per_gpu": result.tokens_per_s / row.gpus,
+            "memory_gib": (reserved or live) / GiB, "live_gib": live / GiB, "reserved_model": bool(reserved),
+            "feasible": result.feasible, "step_s": result.step_s}
+
+
+def _uses(row: Row, plan_field: str, value) -> bool:
+    return {"recompute": row.recompute, "loss_parallel": row.tp > 1, "compile": row.compile,
+            "float8": row.float8}[plan_field] == value
+
+
+def run_planner(row: Row, budget: float) -> dict:
+    """The planner on the row's model, cluster and global batch, its options as the row's."""
+    cluster = grand_teton(row.gpus)
+    work = workload(row, cluster)
+    options = SolverOptions(time_budget=budget, compile=row.compile, float8=row.float8, use_all_devices=True,
+                            cost=cost_options(row))
+    try:
+        found = solve(work, cluster, row.global_batch, options)
+    except NoFeasiblePlan as exc:
+        return {"found": False, "why": str(exc)[:200]}
+    p = found.plan
+    what = (f"pp={p.pp} dp={p.dp} tp={p.stages[0].tp} cp={p.cp} zero={p.zero}"
+            + (f" dp_shard={p.dp_shard}" if p.dp_shard else "") + f" mbs={p.microbatch_size} {p.schedule}"
+            + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
+            + f" rc={'/'.join(sorted({s.recompute for s in p.stages}))}")
+    return {"found": True, "plan": what, "tps_per_gpu": found.result.tokens_per_s / row.gpus,
+            "memory_gib": found.result.peak_reserved / GiB, "search_s": found.seconds}
+
+
+def predictions_of(commit: str, keys: List[str]) -> Dict[str, dict]:
+    """Run this script's ``--predict-only`` under the nest_fx of ``commit`` (a git archive on
+    PYTHONPATH, so this tree's installed package is not used)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = os.path.join(tmp, "tree.tar")
+        subprocess.run(["git", "-C", root, "archive", "-o", archive, commit], check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(os.path.join(tmp, "tree"), filter="data")
+        out = os.path.join(tmp, "before.json")
+        # the before column needs the old commit's package, which no install provides: the child
+        # process imports it from the archive (this process keeps the installed nest_fx)
+        env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "tree"))
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--predict-only", out, "--rows", *keys],
+                       check=True, env=env, cwd=tmp)
+        with open(out, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def _err(pred: Optional[float], published: float) -> Optional[float]:
+    return None if pred is None else 100.0 * (pred / published - 1.0)
+
+
+def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:+.1f}%" if pct else format(x, spec)
+
+
+def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
+    lines = [f"Source: {SOURCE}. Memory is reserved GiB (torchtitan's figure); 'before' predicted live bytes.",
+             "",
+             "| row | configuration | published tok/s/GPU | GiB | before tok/s | err | before GiB | err | "
+             "after tok/s | err | after GiB | err | planner tok/s | planner plan |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        b, a, p = before.get(r.key, {}), after[r.key], planner.get(r.key, {})
+        bt = b.get("tps_per_gpu") if b.get("expressible") else None
+        bm = b.get("memory_gib") if b.get("expressible") else None
+        bcell = "not expressible" if b and not b.get("expressible") else _fmt(bt)
+        notes = "; ".join(b.get("notes", []))
+        flags = " (bf16)" if r.bf16 else " (fp8)"
+        lines.append(
+            f"| {r.key} | {r.label}{flags} | {r.tps_per_gpu:,.0f} | {r.memory_gib:.1f} | {bcell}"
+            f"{' [' + notes + ']' if notes else ''} | {_fmt(_err(bt, r.tps_per_gpu), pct=True)} | {_fmt(bm, '.1f')} | "
+            f"{_fmt(_err(bm, r.memory_gib), pct=True)} | {_fmt(a.get('tps_per_gpu'))} | "
+            f"{_fmt(_err(a.get('tps_per_gpu'), r.tps_per_gpu), pct=True)} | {_fmt(a.get('memory_gib'), '.1f')} | "
+            f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)} | {_fmt(p.get('tps_per_gpu'))} | "
+            f"{p.get('plan', p.get('why', '-'))} |")
+    return "\n".join(lines)
+
+
+def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> dict:
+    def stats(preds: Dict[str, dict], subset: List[Row], what: str, published: str) -> dict:
+        errs = [abs(_err(preds[r.key][what], getattr(r, published)))
+                for r in subset if preds.get(r.key, {}).get("expressible")]
+        return {"rows": len(errs), "mean_abs_pct": sum(errs) / len(errs) if errs else None,
+                "max_abs_pct": max(errs) if errs else None}
+
+    out = {}
+    for name, subset in (("bf16", [r for r in rows if r.bf16]), ("all", rows)):
+        for label, preds in (("before", before), ("after", after)):
+            if preds:
+                out[f"{label}_{name}"] = {"throughput": stats(preds, subset, "tps_per_gpu", "tps_per_gpu"),
+                                          "memory": stats(preds, subset, "memory_gib", "memory_gib"),
+                                          "expressible": sum(1 for r in subset if preds.get(r.key, {}).get("expressible"))}
+    slower = [r.key for r in rows if planner.get(r.key, {}).get("found")
+              and planner[r.key]["tps_per_gpu"] < after[r.key]["tps_per_gpu"] * (1 - 1e-9)]
+    out["planner_slower_than_published"] = slower
+    out["planner_not_found"] = [r.key for r in rows if planner and not planner.get(r.key, {}).get("found")]
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="*", help="row keys or prefixes (t1, t2.3, ...); default all")
+    parser.add_argument("--out", default="results", help="output folder (default results)")
+    parser.add_argument("--before-commit", default="3d94d5a", help="the cost model before the change")
+    parser.add_argument("--no-before", action="store_true", help="skip the before column")
+    parser.add_argument("--no-planner", action="store_true", help="skip the planner runs")
+    parser.add_argument("--budget", type=float, default=30.0, help="planner seconds per row (default 30)")
+    parser.add_argument("--predict-only", metavar="JSON", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    rows = [r for r in published_rows() if not args.rows or any(r.key == k or r.key.startswith(k + ".")
+                                                                  or r.key.startswith(k) for k in args.rows)]
+    if args.predict_only:
+        with open(args.predict_only, "w", encoding="utf-8") as fh:
+            json.dump({r.key: predict(r) for r in rows}, fh)
+        return 0
+    after = {}
+    for r in rows:
+        after[r.key] = predict(r)
+        print(f"{r.key}: after {after[r.key]}", flush=True)
+    planner = {} if args.no_planner else {r.key: run_planner(r, args.budget) for r in rows}
+    before = {} if args.no_before else predictions_of(args.before_commit, [r.key for r in rows])
+    text = table(rows, before, after, planner)
+    stats = summary(rows, before, after, planner)
+    print(text)
+    print(json.dumps(stats, indent=1))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
+        fh.write("# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100) against nest-fx\n\n"
+                 "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
+                 "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n")
+    with open(os.path.join(args.out, "bench_published.json"), "w", encoding="utf-8") as fh:
+        json.dump({"source": SOURCE, "rows": [r.__dict__ for r in rows], "before": before, "after": after,
+                   "planner": planner, "summary": stats, "before_commit": args.before_commit}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
