@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 

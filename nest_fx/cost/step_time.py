@@ -53,7 +53,7 @@ from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.options import CostOptions
-from nest_fx.cost.results import SimResult, StageCost, microbatch_time, stage_work
+from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
                                       stage_groups)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem

@@ -31,7 +31,7 @@ from nest_fx.plan.plan import interleave_problem
 from nest_fx.solver.baseline_result import Baseline, evaluate
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.recipes import megatron, torchtitan
-from nest_fx.solver.space import GlobalConfig, SolverOptions
+from nest_fx.solver.space import SolverOptions
 from nest_fx.workload import Workload
 
 BASELINES = ("megatron", "torchtitan", "phaze", "mcmc")
