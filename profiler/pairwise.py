@@ -2,8 +2,9 @@
 
 Under ``torch.distributed`` (torchrun, or ranks spawned by :func:`calibrate_pairwise`) every
 unordered pair of ranks (i, j), i < j, in turn runs a ping-pong of ``nbytes`` (i sends, j sends
-back) for each message size: ``warmup`` untimed round trips, then the mean of ``repeats`` timed
-ones, halved (one transfer). Every rank joins every barrier; the figure is shared with an
+back) for each message size: ``warmup`` untimed round trips, then the median of ``repeats`` timed
+ones, halved (one transfer); the median, because one descheduled trip on a shared machine would
+make a small message look slower than a large one. Every rank joins every barrier; the figure is shared with an
 all-reduce, so every rank gets the same samples. Directions are assumed symmetric (a ping-pong
 cannot tell them apart); the sample is recorded for (i, j) and
 :func:`nest_fx.cluster.topology.calibrate` uses it both ways.
@@ -17,6 +18,7 @@ size; the two are fitted per pair by non-negative least squares on the relative 
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -72,18 +74,22 @@ def measure_pairs(sizes: Sequence[int], *, warmup: int = 2, repeats: int = 5,
             elapsed = 0.0
             if rank in (a, b):
                 peer = b if rank == a else a
+                trips = []
                 for i in range(warmup + repeats):
-                    if i == warmup:
-                        _sync(device)
-                        start = time.perf_counter()
+                    _sync(device)
+                    start = time.perf_counter()
                     if rank == a:
                         dist.send(buf, peer)
                         dist.recv(buf, peer)
                     else:
                         dist.recv(buf, peer)
                         dist.send(buf, peer)
-                _sync(device)
-                elapsed = (time.perf_counter() - start) / repeats / 2  # a round trip is two transfers
+                    _sync(device)
+                    if i >= warmup:
+                        trips.append(time.perf_counter() - start)
+                # the median round trip: one descheduled trip on a shared machine would otherwise make a
+                # small message look slower than a large one; a round trip is two transfers
+                elapsed = statistics.median(trips) / 2
             shared = torch.tensor([elapsed], dtype=torch.float64, device=device)
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)
             samples.append(PairSample(a, b, float(buf.numel() * 4), float(shared.item())))
