@@ -30,7 +30,7 @@ from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints
 # the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
 # `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
-from nest_fx.plan.vocabulary import PLACEMENTS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem  # noqa: F401
+from nest_fx.plan.vocabulary import PLACEMENTS, PRECISIONS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem  # noqa: F401
 
 PLAN_FORMAT = "nest-fx-plan/1"
 
@@ -79,6 +79,10 @@ class Plan:
     loss_parallel: bool = False  # vocabulary-parallel cross-entropy over the last stage's TP group
     compile: bool = False  # torch.compile each block
     float8: bool = False  # Float8 linears (torchao) on GPUs that have fp8 tensor cores
+    # fp32 | bf16-mixed (bf16 compute, fp32 master weights, optimizer states and gradient
+    # reduction) | bf16-true (everything bf16); the cost model prices it and the runtime applies it
+    precision: str = "fp32"
+    seq_len: int = 0  # the sequence length the plan was made for; 0 = not recorded
     microbatch_size: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
@@ -219,6 +223,10 @@ class Plan:
         if self.dp_shard not in (0, self.dp) and self.zero == 0:
             raise PlanError(f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
                             "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision: {brief(self.precision)}, use one of {PRECISIONS}")
+        if self.seq_len < 0:
+            raise PlanError(f"seq_len: must be >= 0 (0 = not recorded), got {self.seq_len}")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero: {self.zero}, use 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
@@ -290,8 +298,8 @@ class Plan:
 
 
 _INT_FIELDS = ("dp", "ep", "cp", "zero", "dp_shard", "microbatch_size", "num_microbatches", "virtual_stages",
-               "num_layers", "world_size")
-_STR_FIELDS = ("schedule", "placement", "model", "model_fingerprint", "cluster", "notes")
+               "num_layers", "world_size", "seq_len")
+_STR_FIELDS = ("schedule", "placement", "model", "model_fingerprint", "cluster", "notes", "precision")
 
 
 def _int_field(value: object, name: str) -> int:

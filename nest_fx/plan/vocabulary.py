@@ -10,6 +10,7 @@ from nest_fx.common.fileio import brief
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 PLACEMENTS = ("stage-major", "replica-major")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/plan_format.md
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 _RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
