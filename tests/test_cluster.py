@@ -85,7 +85,7 @@ def test_cpu_gloo_is_one_host_level():
 
 def test_unknown_preset_lists_the_valid_names():
     with pytest.raises(ValueError) as exc:
-        Cluster.preset("dgx-b200", 8)
+        Cluster.preset("dgx-b300", 8)
     for name in PRESETS:
         assert name in str(exc.value)
 
@@ -428,3 +428,17 @@ def test_documented_example_is_the_dgx_a100_preset(lang, parse):
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value), key
+
+
+def test_blackwell_presets_levels_and_rates():
+    """DGX B200 keeps the 8-GPU node; GB200 NVL72 has one 72-GPU NVLink level, then whole racks."""
+    b200 = Cluster.preset("dgx-b200", 64)
+    assert [lv.group_size for lv in b200.levels] == [8, 32, 64]
+    assert b200.levels[0].bandwidth == 2 * Cluster.preset("dgx-h100", 64).levels[0].bandwidth
+    one_rack = Cluster.preset("gb200-nvl72", 72)
+    assert [(lv.name, lv.group_size) for lv in one_rack.levels] == [("nvl72", 72)]
+    racks = Cluster.preset("gb200-nvl72", 100)  # rounded up to whole racks
+    assert [(lv.name, lv.group_size) for lv in racks.levels] == [("nvl72", 72), ("fabric", 144)]
+    for c in (b200, racks):
+        assert c.device.peak_flops["fp8"] == 2 * c.device.peak_flops["bf16"]  # dense fp8 doubles bf16
+        assert c.device.memory_bytes >= 180e9

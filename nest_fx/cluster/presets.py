@@ -1,4 +1,4 @@
-"""Named clusters: DGX A100/H100, the NEST paper's H100 spine-leaf and TPUv4 fat tree, and the
+"""Named clusters: DGX A100/H100/B200, GB200 NVL72, the NEST paper's H100 spine-leaf and TPUv4 fat tree, and the
 CPU test machine. Each builder takes a device count; :meth:`Cluster.preset` looks them up in
 :data:`PRESETS`. Hardware figures are from the datasheets and the NEST paper, as each builder's
 docstring says (see docs/cluster_format.md)."""
@@ -40,6 +40,23 @@ H100_SXM = DeviceSpec(
     peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
     mem_bandwidth=3.35e12,
 )
+B200 = DeviceSpec(
+    # DGX B200 datasheet, per GPU (system figures / 8), dense peaks (half the sparse figures):
+    # FP8 72 PFLOP/s sparse -> 4.5 PFLOP/s dense, BF16/FP16 2.25 PFLOP/s, TF32 1.1 PFLOP/s,
+    # FP32 75 TFLOP/s; 1,440 GB HBM3e -> 180 GB at 8 TB/s (64 TB/s per system).
+    name="B200-SXM-180GB", memory_bytes=180e9,
+    peak_flops={"fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
+    mem_bandwidth=8e12,
+)
+GB200 = DeviceSpec(
+    # GB200 NVL72 datasheet, per GPU (rack figures / 72), dense peaks (half the sparse figures):
+    # FP8 720 PFLOP/s sparse -> 5 PFLOP/s dense, BF16/FP16 360 -> 2.5 PFLOP/s, TF32 180 -> 1.25
+    # PFLOP/s, FP32 5,760 TFLOP/s -> 80 TFLOP/s; 13.4 TB HBM3e -> 186 GB at 8 TB/s (576 TB/s per rack).
+    name="GB200-186GB", memory_bytes=186e9,
+    peak_flops={"fp32": 80e12, "tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15},
+    mem_bandwidth=8e12,
+)
+NVL72 = 72  # GPUs in one GB200 NVLink domain
 
 
 def _dgx_a100(devices: int) -> Cluster:
@@ -53,6 +70,25 @@ def _dgx_h100(devices: int) -> Cluster:
     """DGX H100: NVLink4 450 GB/s per GPU per direction; 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
     return Cluster("dgx-h100", _copy(H100_SXM), devices,
                    _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+
+
+def _dgx_b200(devices: int) -> Cluster:
+    """DGX B200: NVLink5 1.8 TB/s per GPU bidirectional = 900 GB/s per direction inside a node;
+    8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU across nodes (non-blocking fat tree)."""
+    return Cluster("dgx-b200", _copy(B200), devices,
+                   _gpu_levels(devices, (900e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+
+
+def _gb200_nvl72(devices: int) -> Cluster:
+    """GB200 NVL72: one NVLink5 domain of 72 GPUs at 900 GB/s per GPU per direction (130 TB/s
+    per rack bidirectional), then one ConnectX-7 400 Gb/s NIC per GPU (50 GB/s) between racks on
+    a non-blocking fabric. Levels: ``nvl72`` (72 devices) and ``fabric`` (all devices, rounded up
+    to whole racks; left out for a single rack)."""
+    levels = [NetworkLevel("nvl72", NVL72, 900e9, 5e-6)]
+    fabric = max(-(-devices // NVL72) * NVL72, NVL72)
+    if fabric > NVL72:
+        levels.append(NetworkLevel("fabric", fabric, 50e9, 1.5e-5))
+    return Cluster("gb200-nvl72", _copy(GB200), devices, levels)
 
 
 def _h100_spine_leaf(devices: int) -> Cluster:
@@ -87,6 +123,8 @@ def _copy(device: DeviceSpec) -> DeviceSpec:
 PRESETS.update({
     "dgx-a100": _dgx_a100,
     "dgx-h100": _dgx_h100,
+    "dgx-b200": _dgx_b200,
+    "gb200-nvl72": _gb200_nvl72,
     "h100-spine-leaf": _h100_spine_leaf,
     "tpuv4-fat-tree": _tpuv4_fat_tree,
     "cpu-gloo": _cpu_gloo,
