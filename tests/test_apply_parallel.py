@@ -125,12 +125,9 @@ def _fail_on_rank_one():
 
 @pytest.mark.timeout(60)
 def test_a_failing_rank_fails_the_launch_instead_of_hanging():
-    import time
-
-    start = time.monotonic()
+    # the launch's own timeout lies beyond the test's (60 s): only the 5 s grace period ends it in time
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*ValueError: rank one gives up"):
-        launch(_fail_on_rank_one, 2, timeout=40)
-    assert time.monotonic() - start < 20
+        launch(_fail_on_rank_one, 2, timeout=300)
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
