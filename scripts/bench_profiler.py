@@ -2,7 +2,8 @@
 """Benchmark the profiler: block reuse vs timing every layer, and per-op sums vs eager steps.
 
     python scripts/bench_profiler.py                                   # CPU, small GPT and Llama
-    python scripts/bench_profiler.py --device cuda --models gpt2-small "llama:hidden=4096,layers=4,heads=32,seq=4096,vocab=32000" --dtype bf16
+    python scripts/bench_profiler.py --device cuda --dtype bf16 \
+        --models gpt2-small "llama:hidden=4096,layers=4,heads=32,seq=4096,vocab=32000"
 
 For each model and microbatch size it runs, side by side in one process:
   * ``reuse``: the profiler as shipped (one instance of each distinct block, op entries reused);

@@ -145,8 +145,8 @@ def summary(rows: Sequence[dict]) -> List[str]:
         if not ratios:
             continue
         ok = sum(x >= 1 - 1e-9 for x in ratios)
-        out.append(f"vs {LABELS.get(name, 'the best baseline')}: nest-fx at least as fast in {ok}/{len(ratios)} cases; speedup median "
-                   f"{statistics.median(ratios):.2f}x, max {max(ratios):.2f}x, min {min(ratios):.2f}x")
+        out.append(f"vs {LABELS.get(name, 'the best baseline')}: nest-fx at least as fast in {ok}/{len(ratios)} cases; "
+                   f"speedup median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x, min {min(ratios):.2f}x")
     return out
 
 

@@ -333,7 +333,8 @@ def main() -> int:
     order = sorted(timed_rows, key=lambda r: r["measured_s"])
     chosen_rank = next((i + 1 for i, r in enumerate(order) if r["chosen"]), None)
     summary = dict(model=args.model, ranks=args.ranks, memory_ranks=args.memory_ranks, batch=args.batch,
-                   plans=len(timed_rows), memory_plans=len(rows) - len(timed_rows) + len(mem_rows), step_mape=statistics.mean(time_err),
+                   plans=len(timed_rows), memory_plans=len(rows) - len(timed_rows) + len(mem_rows),
+                   step_mape=statistics.mean(time_err),
                    step_max_error=max(time_err), memory_mape=statistics.mean(mem_err) if mem_err else None,
                    memory_max_error=max(mem_err) if mem_err else None, kendall_tau=tau, chosen=chosen_name,
                    chosen_measured_rank=chosen_rank, calibrated_bandwidth=fits[0].bandwidth,

@@ -20,7 +20,8 @@ LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=2.0"
 HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+# one cell per kind of parallelism runs by default; the other cells are `slow` (pytest -m "")
+pytestmark = pytest.mark.dist
 
 
 def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32, **extra):
@@ -60,6 +61,7 @@ def test_pp2_dp2_1f1b():
     assert results[0]["num_params"] + results[2]["num_params"] == 39
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_tp2_with_a_device_order():
     # plan rank r on the process launched as rank order[r]: stage 0's TP pair runs on launched ranks
@@ -69,6 +71,7 @@ def test_pp2_tp2_with_a_device_order():
     assert [r["stage"] for r in results] == [0, 1, 1, 0]  # results are in global rank order
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_tp2_dp2_eight_ranks():
     run(8, "llama:hidden=64,layers=2,heads=4,seq=16,vocab=128",
@@ -83,6 +86,7 @@ def test_ep4_moe():
     assert all(r["num_params"] == full - 2 * 3 * 3 for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_hf_llama_tp2():
@@ -97,6 +101,7 @@ def test_fsdp_zero3_interleaved_pp():
                    "schedule": "interleaved", "virtual_stages": 2})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_ep2_tp2_moe_with_token_drops():
     """Expert parallel inside tensor parallel (TP-sharded experts, whose gradients are reduced over the
@@ -105,6 +110,7 @@ def test_ep2_tp2_moe_with_token_drops():
         {"dp": 2, "ep": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "selective"})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_ep2_zero1_moe_pipeline():
     """FSDP (ZeRO-1/2) with experts sharded over their edp group, inside a 2-stage pipeline."""
@@ -130,6 +136,7 @@ def test_a_failing_rank_fails_the_launch_instead_of_hanging():
         launch(_fail_on_rank_one, 2, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_planner_choice_on_four_ranks():
     """No plan given: auto_parallelize runs the NEST planner on the cpu-gloo preset."""
@@ -158,6 +165,7 @@ def test_vocab_parallel_embedding_and_lm_head_uneven_vocab():
         assert {"embed.tok.weight", "embed.pos.weight", "lm_head.weight"} <= set(r["sharded"]), r["sharded"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_tied_embeddings_stay_replicated_under_tp():
     results = run(2, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128,tie_embeddings=1", {"tp": 2, "microbatch_size": 4})

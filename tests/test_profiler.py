@@ -8,7 +8,6 @@ import torch
 
 from nest_fx.cluster import load_cluster
 from nest_fx.workload import workload_for_model
-from nest_fx.models import build_any
 from profiler import measure as measure_mod
 from profiler.model_profile import ProfileOptions, distinct_depth, local_graph, profile_model
 from nest_fx.workload.profile_file import Profile, ProfileError, op_key

@@ -14,7 +14,7 @@ from nest_fx.models.zoo import parse_spec
 from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.space import divisors
-from nest_fx.workload import Workload, WorkloadError, load_workload, workload_from_table
+from nest_fx.workload import WorkloadError, load_workload, workload_from_table
 
 MODEL = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
 LOADERS = [(Cluster.load, ClusterError, ".yaml"), (Cluster.load, ClusterError, ".json"),

@@ -27,7 +27,8 @@ def check_world(plan: Plan, world_size: int) -> None:
     if world_size != used:
         raise ApplyError(
             f"world size mismatch: the plan uses {used} devices (dp={plan.dp} x {plan.devices_per_replica} "
-            f"per replica: stage tp={[s.tp for s in plan.stages]}{f' x cp={plan.cp}' if plan.cp > 1 else ''}) but {world_size} processes were launched; "
+            f"per replica: stage tp={[s.tp for s in plan.stages]}{f' x cp={plan.cp}' if plan.cp > 1 else ''}) "
+            f"but {world_size} processes were launched; "
             f"fix: run torchrun --nproc_per_node={used} (or nnodes x nproc = {used}), or re-plan for "
             f"{world_size} devices (idle ranks are not supported by the runtime)")
 
