@@ -31,6 +31,8 @@ from nest_fx.apply.launch import launch
 from nest_fx.common.errors import NestFxError
 from nest_fx.testing import equivalence
 
+from _bench_common import write_json
+
 TOL = 1e-5
 LLAMA_LIKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
@@ -153,9 +155,7 @@ def main() -> int:
         rows[name] = run_family(name, args.world, args.timeout)
         print(f"{name:38s} {rows[name]['outcome']:8s} {rows[name]['seconds']:6.1f}s  {rows[name]['detail'][:150]}",
               flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"label": args.label, "world": args.world, "tolerance": TOL, "families": rows}, fh, indent=1)
+    write_json(args.out, {"label": args.label, "world": args.world, "tolerance": TOL, "families": rows}, quiet=True)
     print(f"\n| family | {'before | ' if before else ''}{args.label} |")
     print(f"|---|{'---|' if before else ''}---|")
     for name, row in rows.items():
