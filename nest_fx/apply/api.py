@@ -51,6 +51,7 @@ from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.fingerprint import fingerprint, tensor_specs
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
+from nest_fx.apply.losses import token_cross_entropy_problem
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
@@ -62,7 +63,7 @@ from nest_fx.graph import trace
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
-from nest_fx.plan.support import batchnorm_modules, parallel_support
+from nest_fx.plan.support import batchnorm_modules, model_dims, parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
@@ -180,7 +181,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = None
     if plan is None:
         if planner is None:
-            planner = planner_for(model, constraints=constraints, one_microbatch=sync_batchnorm)
+            vocab = model_dims(model)["vocab"] or 8
+            planner = planner_for(model, constraints=constraints, one_microbatch=sync_batchnorm,
+                                  loss_parallel=loss_fn is None or not token_cross_entropy_problem(loss_fn, vocab))
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size, model_loss=loss_fn is None,
