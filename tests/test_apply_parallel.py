@@ -24,9 +24,9 @@ HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
 pytestmark = pytest.mark.dist
 
 
-def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32, **extra):
+def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32, fn=equivalence, **extra):
     spec = {"model": model, "plan": plan, "batch": batch, "seq": seq, "steps": 3, "lr": 0.5, **extra}
-    results = launch(equivalence, world, spec, timeout=LAUNCH_S)
+    results = launch(fn, world, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
     print(f"\n{model} {plan}: " + ", ".join(f"{k}={v:.2e}" for k, v in worst.items()))
     for r in results:
@@ -51,6 +51,26 @@ def test_dp4():
 def test_tp2_dp2_sequence_parallel_selective_recompute():
     run(4, LLAMA, {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2,
                    "sequence_parallel": True, "recompute": "selective"})
+
+
+def _equivalence_recording_fsdp(spec: dict) -> dict:
+    """``equivalence`` on this rank, with the FSDP2 warnings it raised."""
+    import warnings  # only for this probe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = equivalence(spec)
+    result["fsdp_warnings"] = [str(w.message)[:80] for w in caught if "FSDP" in str(w.message)]
+    return result
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_zero1_on_one_replica_shards_nothing_and_warns_nothing():
+    """TP2 with zero=1 and dp=1: nothing to shard, so no FSDP2 (whose hooks warned that the TP
+    blocks' outputs are views); the numbers equal one device's as with zero=0."""
+    results = run(2, LLAMA, {"tp": 2, "zero": 1, "microbatch_size": 4, "num_microbatches": 2},
+                  fn=_equivalence_recording_fsdp)
+    assert all(r["fsdp_warnings"] == [] for r in results), results[0]["fsdp_warnings"]
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)

@@ -45,7 +45,7 @@ from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
-from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
+from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module, shards_anything
 from nest_fx.apply.distributed import apply_job_timeout, init_distributed, job_timeout
 from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.fingerprint import fingerprint, tensor_specs
@@ -268,7 +268,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if plan.compile:
             compile_blocks(chunk, blocks)
         # 9b. FSDP / HSDP
-        if plan.zero >= 1:
+        if shards_anything(plan.zero, replicas):
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
                        dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
@@ -291,5 +291,5 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     apply_job_timeout()  # any group created on the way (FSDP, pipelining) gets the job's timeout too
     return ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
                           num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
-                          pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
+                          pipeline_stages=stages, grad_sync=grad_sync, fsdp=shards_anything(plan.zero, replicas), graph=graph,
                           device=device, context_parallel=cp, model_specs=specs)
