@@ -1,6 +1,7 @@
 """Profiler: timer, TP-local shapes, per-op profile, reuse, profile file, workload from a profile."""
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -220,3 +221,26 @@ def test_profile_file_roundtrip_and_errors(tmp_path, gpt_profile):
             Profile.from_dict(bad)
     with pytest.raises(ValueError, match="bf16"):
         workload_for_model(GPT, load_cluster("cpu-gloo:2"), dtype=torch.bfloat16, profile=prof)
+
+
+def test_a_profile_flags_its_own_outliers(gpt_profile):
+    """An entry 20x slower than a larger entry of the same structure is flagged, in the profile's
+    warnings (saved with it) and as a warning; a re-check replaces the flags of the earlier one."""
+    from profiler.outliers import find_outliers, flag_outliers
+
+    prof = Profile.from_dict(gpt_profile[0].to_dict())
+    for key, e in prof.ops.items():  # times that grow with the work: nothing to flag
+        work = e.flops or e.peak_bytes
+        prof.ops[key] = replace(e, fwd_s=1e-6 + work * 1e-12, bwd_s=2e-6 + work * 2e-12)
+    clean = Profile.from_dict(prof.to_dict())
+    assert find_outliers(prof) == []
+    linears = sorted((e.flops, k) for k, e in prof.ops.items() if e.op == "linear" and e.usable)
+    small, big = linears[0][1], linears[-1][1]
+    prof.ops[small] = replace(prof.ops[small], bwd_s=20 * prof.ops[big].bwd_s)
+    with pytest.warns(UserWarning, match="outlier: linear"):
+        found = flag_outliers(prof)
+    assert len(found) == 1 and found[0].startswith(f"outlier: {small} bwd")
+    assert float(re.search(r" is ([0-9.]+)x the ", found[0]).group(1)) >= 20
+    assert found[0] in Profile.from_dict(prof.to_dict()).warnings
+    prof.ops[small] = clean.ops[small]  # re-measured
+    assert flag_outliers(prof) == [] and not any(w.startswith("outlier:") for w in prof.warnings)
