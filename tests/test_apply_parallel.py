@@ -9,8 +9,10 @@ step must agree within 1e-5.
 from __future__ import annotations
 
 import pytest
+import torch.nn.functional as F
 
 from nest_fx.apply.launch import launch
+from nest_fx.models import build_seeded
 from nest_fx.testing import equivalence
 
 TOL = 1e-5
@@ -71,6 +73,23 @@ def test_zero1_on_one_replica_shards_nothing_and_warns_nothing():
     results = run(2, LLAMA, {"tp": 2, "zero": 1, "microbatch_size": 4, "num_microbatches": 2},
                   fn=_equivalence_recording_fsdp)
     assert all(r["fsdp_warnings"] == [] for r in results), results[0]["fsdp_warnings"]
+
+
+def _build_llama(seed: int):
+    return build_seeded(LLAMA, seed)
+
+
+def _readme_loss(logits, y):
+    """The README's loss_fn (a token-mean cross-entropy written by hand)."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_loss_parallel_with_the_readmes_own_loss():
+    """TP2 with loss parallel and the README's lambda loss: accepted (it is the token cross-entropy),
+    computed from vocabulary shards, equal to one device."""
+    run(2, LLAMA, {"tp": 2, "loss_parallel": True, "microbatch_size": 4, "num_microbatches": 2},
+        build=_build_llama, loss=_readme_loss)
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
