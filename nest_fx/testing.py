@@ -221,8 +221,9 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     args, kwargs = _call_args(example, data[0][0])
     graph = trace(model, args, kwargs, name=spec["model"])
     plan = _plan(spec.get("plan"), len(graph.blocks))
-    pm = auto_parallelize(model, _model_inputs(example, data[0][0]), global_batch_size=batch, loss_fn=loss_fn, plan=plan, graph=graph,
-                          verbose=spec.get("verbose", False), sync_batchnorm=spec.get("sync_batchnorm", True))
+    pm = auto_parallelize(model, _model_inputs(example, data[0][0]), global_batch_size=batch, loss_fn=loss_fn,
+                          plan=plan, graph=graph, verbose=spec.get("verbose", False),
+                          sync_batchnorm=spec.get("sync_batchnorm", True))
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())

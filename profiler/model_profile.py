@@ -20,6 +20,7 @@ from nest_fx.workload.build import traced_seq_len
 from nest_fx.workload.localise import LocaliseError, distinct_depth, local_graph
 from nest_fx.workload.profile_file import OpEntry, Profile, block_seconds, op_key
 from profiler.measure import measure_nodes, measure_step
+from profiler.outliers import flag_outliers
 from profiler.timer import Timer
 import platform
 
@@ -52,6 +53,7 @@ class ProfileStats:
     nodes_reused: int = 0
     seconds: float = 0.0
     skipped: List[str] = field(default_factory=list)
+    outliers: List[str] = field(default_factory=list)  # profiler.outliers: entries far slower than a larger peer
 
 
 def device_description(device: torch.device) -> str:
@@ -139,6 +141,7 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
             torch.cuda.empty_cache()
     if progress:
         progress(len(variants), len(variants), "done")
+    stats.outliers = flag_outliers(profile)
     stats.seconds = time.perf_counter() - start
     return profile, stats
 

@@ -35,16 +35,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from typing import Any, Dict, List
 
-import torch
 
 from nest_fx.apply.launch import launch
 from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, COVERAGE_TOL,
                              cell_status, coverage_cell, fp32_noise)
+
+from _bench_common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
@@ -165,26 +165,15 @@ def main(argv=None) -> int:
             print(f"[{done}/{total}] {model:<16} {plan:<8} {cell['status']:<8} {cell['seconds']:6.1f}s  {detail}",
                   flush=True)
     table = markdown(matrix, plans, noises)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json(args.out + ".json", {"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
+                                    "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix,
+                                    "fp32_noise": noises, "seconds": round(time.perf_counter() - start, 1),
+                                    "reused_run_seconds": previous.get("seconds")}, indent=2, quiet=True)
     with open(args.out + ".md", "w", encoding="utf-8") as fh:
         fh.write(table)
-    with open(args.out + ".json", "w", encoding="utf-8") as fh:
-        json.dump({"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
-                   "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix, "fp32_noise": noises,
-                   "seconds": round(time.perf_counter() - start, 1), "reused_run_seconds": previous.get("seconds"),
-                   "torch": torch.__version__,
-                   "transformers": _transformers_version(), "python": platform.python_version()}, fh, indent=2)
     print(table)
     print(f"wrote {args.out}.md and {args.out}.json")
     return 1 if any(c["status"] == "mismatch" for r in matrix.values() for c in r.values()) else 0
-
-
-def _transformers_version() -> str:
-    try:
-        import transformers  # optional extra
-        return transformers.__version__
-    except ImportError:
-        return ""
 
 
 if __name__ == "__main__":

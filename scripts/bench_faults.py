@@ -42,7 +42,6 @@ import argparse
 import errno
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -52,7 +51,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from tabulate import tabulate
 from torch.distributed.checkpoint import FileSystemWriter
 
 import nest_fx.apply.checkpoint_files as checkpoint_files
@@ -68,6 +66,8 @@ from nest_fx.plan import Plan, uniform_plan
 from nest_fx.testing import (FAULT_MODEL, ElasticAgents, elastic_command, fault_reports, fault_run, kill_node,
                              read_losses)
 from nest_fx.workload.profile_file import Profile
+
+from _bench_common import table as github_table, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -390,9 +390,9 @@ def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> Lis
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    return tabulate([[r["probe"], r["fault"], r["outcome"], "-" if r["detect_s"] is None else f"{r['detect_s']:.2f} s",
-                      "yes" if r["ok"] else "NO"] for r in rows],
-                    headers=["probe", "fault", "outcome", "detected in", "ok"], tablefmt="github", maxcolwidths=[None, 30, 90])
+    return github_table([[r["probe"], r["fault"], r["outcome"], "-" if r["detect_s"] is None else f"{r['detect_s']:.2f} s",
+                          "yes" if r["ok"] else "NO"] for r in rows],
+                        headers=["probe", "fault", "outcome", "detected in", "ok"], maxcolwidths=[None, 30, 90])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -423,11 +423,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += run_probe(name, os.path.join(work, name), opts.timeout, mount=not opts.no_mount)
             print(f"  {time.monotonic() - start:.1f} s", flush=True)
     print(table(rows))
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out, "w") as fh:
-        json.dump({"machine": f"{platform.node()} ({os.cpu_count()} cores)", "torch": torch.__version__,
-                   "timeout_s": opts.timeout, "rows": rows}, fh, indent=1, default=str)
-    print(f"wrote {opts.out}")
+    write_json(opts.out, {"timeout_s": opts.timeout, "rows": rows}, default=str)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

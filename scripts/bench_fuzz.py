@@ -32,7 +32,6 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
-from tabulate import tabulate
 
 
 from nest_fx.workload import build as workload_build
@@ -41,6 +40,8 @@ from nest_fx.cluster import Cluster, ClusterError
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.workload import Workload, WorkloadError, load_workload, workload_from_table, workload_to_table
+
+from _bench_common import print_table, write_json
 
 OUR_ERRORS = (ClusterError, PlanError, WorkloadError)
 MODEL = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
@@ -591,17 +592,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.perf_counter()
     tallies = run(args.parsers, args.inputs, args.seed, args.tracebacks)
     rows = [t.row() for t in tallies]
-    print(tabulate([[r["parser"], r["inputs"], r["accepted"], r["rejected"], r["crashes"], r["seconds"]] for r in rows],
-                   headers=["parser", "inputs", "accepted", "rejected (our error)", "crashes", "seconds"],
-                   tablefmt="simple"))
+    print_table([[r["parser"], r["inputs"], r["accepted"], r["rejected"], r["crashes"], r["seconds"]] for r in rows],
+                headers=["parser", "inputs", "accepted", "rejected (our error)", "crashes", "seconds"],
+                tablefmt="simple")
     for r in rows:
         for ex in r["examples"]:
             print(f"\n--- crash in {r['parser']}: {ex['input']}\n{ex['traceback']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"seed": args.seed, "inputs_per_parser": args.inputs, "seconds": round(time.perf_counter() - start, 1),
-                   "parsers": rows}, fh, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"seed": args.seed, "inputs_per_parser": args.inputs,
+                          "seconds": round(time.perf_counter() - start, 1), "parsers": rows}, indent=2)
     return 1 if any(r["crashes"] for r in rows) else 0
 
 

@@ -15,7 +15,6 @@ type's status and the counts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -27,6 +26,8 @@ import torch
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
 from nest_fx.models import build_any
+
+from _bench_common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
@@ -90,11 +91,9 @@ def main(argv=None) -> int:
     counts: Dict[str, int] = {}
     for row in rows.values():
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    import transformers  # optional extra
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "counts": counts,
-                   "seconds": round(time.perf_counter() - start, 1), "types": rows}, fh, indent=2)
-    print(f"{counts} of {len(types)} model types; wrote {args.out}")
+    write_json(args.out, {"counts": counts, "seconds": round(time.perf_counter() - start, 1), "types": rows},
+               indent=2)
+    print(f"{counts} of {len(types)} model types")
     return 0
 
 

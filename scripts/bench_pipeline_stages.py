@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -31,6 +30,8 @@ import torch
 from nest_fx.graph import trace
 from nest_fx.graph.stage_modules import arm_stages, pack_inputs, split_stages
 from nest_fx.testing import hf_model_from_config
+
+from _bench_common import write_json
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -95,9 +96,7 @@ def main() -> int:
         print(f"stage [{start:3d}, {end:3d})         {t:8.2f} ms")
     print(f"sum of stages / whole    {result['stages_over_whole']:8.3f}")
     print(f"one stand-in call        {result['stand_in_us']:8.1f} us")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     return 0
 
 

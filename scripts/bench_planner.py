@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
 import time
 
-from tabulate import tabulate
 
 from nest_fx.cluster import load_cluster
 from nest_fx.report import tables as report
@@ -30,6 +28,8 @@ from nest_fx.report.plotting import pyplot_or_none
 from nest_fx.solver import SolverOptions, solve
 from nest_fx.solver.baselines import run_baselines
 from nest_fx.workload import workload_for_model
+
+from _bench_common import environment_line, print_table, write_json
 
 
 
@@ -145,8 +145,8 @@ def main() -> None:
               *[f"{r[f'{k}_ratio']:.2f}x" if r.get(f"{k}_ratio") else "-" for k in BASELINE_COLUMNS],
               f"{r['best_ratio']:.2f}x ({r['best_baseline']})" if r.get("best_ratio") else "-",
               f"{r['search_s']:.2f}" if "search_s" in r else "-"] for r in rows]
-    print(tabulate(table, headers=["cluster", "model", "devices", "nest-fx plan", "tokens/s", "vs Megatron",
-                                   "vs torchtitan", "vs Phaze", "vs MCMC", "vs best", "search s"], tablefmt="github"))
+    print_table(table, headers=["cluster", "model", "devices", "nest-fx plan", "tokens/s", "vs Megatron",
+                                "vs torchtitan", "vs Phaze", "vs MCMC", "vs best", "search s"])
     summary = {}
     at_1024 = [r["search_s"] for r in rows if "search_s" in r and r["devices"] == 1024]
     if at_1024:
@@ -167,10 +167,9 @@ def main() -> None:
         for cl in args.clusters:
             for model in args.models:
                 scale_rows += scaling(model, cl, args.scaling, args.global_batch, args.budget, workloads)
-        print(tabulate([[r["cluster"], r["model"], r["devices"], f"{r['search_s']:.2f}", f"{r['cpu_s']:.2f}",
-                         r["complete"], r["plan"]] for r in scale_rows],
-                       headers=["cluster", "model", "devices", "search s", "CPU s", "complete", "plan"],
-                       tablefmt="github"))
+        print_table([[r["cluster"], r["model"], r["devices"], f"{r['search_s']:.2f}", f"{r['cpu_s']:.2f}",
+                      r["complete"], r["plan"]] for r in scale_rows],
+                    headers=["cluster", "model", "devices", "search s", "CPU s", "complete", "plan"])
         summary["scaling"] = {}
         for n in args.scaling:
             mine = [r for r in scale_rows if r["devices"] == n]
@@ -184,17 +183,13 @@ def main() -> None:
         cl = "h100-spine-leaf" if "h100-spine-leaf" in args.clusters else args.clusters[0]
         budget_rows = budget_runs([m for m in ("mixtral-8x7b", "gpt3-175b") if m in args.models] or args.models[:1],
                                   cl, 65536, args.global_batch, args.budget_check, 2000, workloads)
-        print(tabulate([[r["model"], r["budget_s"], f"{r['search_s']:.2f}", f"{r['total_s']:.2f}", r["within_10pct"]]
-                        for r in budget_rows],
-                       headers=["model (65,536 devices)", "budget s", "search s", "search + baselines s",
-                                "within budget + 10%"], tablefmt="github"))
-    load = os.getloadavg()
-    print(f"load average while running: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"global_batch": args.global_batch, "budget_s": args.budget, "cases": rows,
-                   "scaling": scale_rows, "budget_check": budget_rows, "summary": summary,
-                   "load_average": load, "cpu_count": os.cpu_count()}, fh, indent=1)
-    print(f"wrote {args.out}")
+        print_table([[r["model"], r["budget_s"], f"{r['search_s']:.2f}", f"{r['total_s']:.2f}", r["within_10pct"]]
+                     for r in budget_rows],
+                    headers=["model (65,536 devices)", "budget s", "search s", "search + baselines s",
+                             "within budget + 10%"])
+    print(environment_line())
+    write_json(args.out, {"global_batch": args.global_batch, "budget_s": args.budget, "cases": rows,
+                          "scaling": scale_rows, "budget_check": budget_rows, "summary": summary})
     plot(rows, os.path.splitext(args.out)[0] + ".png")
 
 

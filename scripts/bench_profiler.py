@@ -2,7 +2,8 @@
 """Benchmark the profiler: block reuse vs timing every layer, and per-op sums vs eager steps.
 
     python scripts/bench_profiler.py                                   # CPU, small GPT and Llama
-    python scripts/bench_profiler.py --device cuda --models gpt2-small "llama:hidden=4096,layers=4,heads=32,seq=4096,vocab=32000" --dtype bf16
+    python scripts/bench_profiler.py --device cuda --dtype bf16 \
+        --models gpt2-small "llama:hidden=4096,layers=4,heads=32,seq=4096,vocab=32000"
 
 For each model and microbatch size it runs, side by side in one process:
   * ``reuse``: the profiler as shipped (one instance of each distinct block, op entries reused);
@@ -17,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import sys
 from dataclasses import replace
 
@@ -32,6 +30,8 @@ from nest_fx.models import build_any
 from profiler.measure import measure_step
 from profiler.model_profile import ProfileOptions, profile_model
 from profiler.timer import Timer
+
+from _bench_common import print_table, write_json
 
 MODELS = ["gpt:hidden=256,layers=12,heads=4,seq=128,vocab=4096",
           "llama:hidden=256,layers=12,heads=8,kv=4,seq=128,vocab=4096"]
@@ -85,21 +85,15 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     statistic = "min" if args.device == "cpu" else "median"
     rows = [bench_one(m, args.device, args.dtype, b, args.repeats, statistic) for m in args.models for b in args.mbs]
-    from tabulate import tabulate
-    print(tabulate([[r["model"][:40], r["mbs"], r["naive_nodes"], r["reuse_nodes"], f"{r['naive_s']:.1f}",
+    print_table([[r["model"][:40], r["mbs"], r["naive_nodes"], r["reuse_nodes"], f"{r['naive_s']:.1f}",
                      f"{r['reuse_s']:.1f}", f"{r['speedup']:.1f}x", f"{r['predicted_step_s'] * 1e3:.1f}",
                      f"{r['eager_step_s'] * 1e3:.1f}", f"{100 * r['error']:+.1f}%",
                      f"{r['device_sum_s'] * 1e3:.1f}", f"{r['host_sum_s'] * 1e3:.1f}", f"{100 * r['coverage']:.0f}%"]
-                    for r in rows],
-                   headers=["model", "mbs", "ops timed (naive)", "ops timed (reuse)", "naive s", "reuse s",
-                            "reuse speedup", "per-op sum ms", "eager step ms", "error", "device-only ms",
-                            "host-only ms", "measured"]))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump({"device": device_name, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                   "rows": rows}, fh, indent=1)
-    print(f"wrote {args.json}")
+                 for r in rows],
+                headers=["model", "mbs", "ops timed (naive)", "ops timed (reuse)", "naive s", "reuse s",
+                         "reuse speedup", "per-op sum ms", "eager step ms", "error", "device-only ms",
+                         "host-only ms", "measured"], tablefmt="simple")
+    write_json(args.json, {"device": args.device, "threads": torch.get_num_threads(), "rows": rows})
     limit = 0.20 if args.device == "cpu" else 0.15
     return 0 if all(abs(r["error"]) <= limit for r in rows) else 1
 

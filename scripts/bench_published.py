@@ -53,6 +53,8 @@ from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.recipes import block_split
 from nest_fx.workload import workload_for_model
 
+from _bench_common import write_json
+
 GiB = 2 ** 30
 SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)")
 MODELS = {
@@ -346,9 +348,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         fh.write("# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100) against nest-fx\n\n"
                  "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
                  "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n")
-    with open(os.path.join(args.out, "bench_published.json"), "w", encoding="utf-8") as fh:
-        json.dump({"source": SOURCE, "rows": [r.__dict__ for r in rows], "before": before, "after": after,
-                   "planner": planner, "summary": stats, "before_commit": args.before_commit}, fh, indent=1)
+    write_json(os.path.join(args.out, "bench_published.json"),
+               {"source": SOURCE, "rows": [r.__dict__ for r in rows], "before": before, "after": after,
+                "planner": planner, "summary": stats, "before_commit": args.before_commit})
     return 0
 
 

@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
 import statistics
 import time
 
 import torch
-from tabulate import tabulate
 
 from nest_fx.apply.activation_checkpoint import checkpoint_module
 from nest_fx.models import build_seeded
 from profiler.recompute_memory import kept_bytes, packed_bytes
+
+from _bench_common import print_table, write_json
 
 POLICIES = ("none", "selective", "op", "op:matmuls", "op:attention", "full")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,12 +79,8 @@ def main() -> None:
                             "kept_vs_none": kept / none_bytes, "step_s": seconds, "step_vs_none": seconds / none_s})
             rows.append([label, policy, f"{kept / 2**20:.2f}", f"{kept / none_bytes:.2f}", f"{seconds * 1e3:.1f}",
                          f"{seconds / none_s:.2f}"])
-    print(tabulate(rows, headers=["block", "recompute", "kept MiB", "vs none", "fwd+bwd ms", "vs none"]))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump({"args": vars(args), "torch": torch.__version__, "machine": platform.machine(),
-                   "records": records}, fh, indent=2)
-    print(f"wrote {args.out}")
+    print_table(rows, headers=["block", "recompute", "kept MiB", "vs none", "fwd+bwd ms", "vs none"], tablefmt="simple")
+    write_json(args.out, {"args": vars(args), "records": records}, indent=2)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional
+
+from _bench_common import table as github_table, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -263,8 +263,6 @@ def summarise(name: str, spec: Dict[str, Any], result: Dict[str, Any], target: f
 
 
 def table(rows: List[dict], target: float) -> str:
-    from tabulate import tabulate
-
     out = []
     for r in rows:
         if "error" in r:
@@ -278,7 +276,7 @@ def table(rows: List[dict], target: float) -> str:
                     " ".join(f"{x:.3f}" for x in r["ratio_per_round"]), f"{r['loss_max_diff']:.1e}", verdict])
     headers = ["case", "nest-fx ms median (mean)", "hand ms median (mean)", "ratio", "ratio per round",
                "loss max diff", f"<= {target:g}"]
-    return tabulate(out, headers=headers, tablefmt="github")
+    return github_table(out, headers)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -300,7 +298,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", default=os.path.join(ROOT, "results", "bench_runtime.json"))
     opts = parser.parse_args(argv)
 
-    import torch
     from nest_fx.apply.launch import launch
 
     rows = []
@@ -343,16 +340,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "optimizer": f"SGD(lr={opts.lr})",
         "dp_hand": opts.dp_hand,
         "target_ratio": opts.target,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
         "total_s": time.perf_counter() - started,
         "cases": rows,
     }
-    os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-    with open(opts.json, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=2)
+    write_json(opts.json, report, indent=2, quiet=True)
     print(f"wrote {os.path.relpath(opts.json)} ({report['total_s']:.0f} s)")
     ok = all("error" not in r and r["pass"] and r["losses_agree"] for r in rows)
     return 0 if ok else 1

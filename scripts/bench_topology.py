@@ -20,23 +20,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
-import sys
 import time
 
-from tabulate import tabulate
 
 
 from nest_fx.report import tables as report
-from nest_fx.cluster import load_cluster
+from nest_fx.cluster import Cluster, load_cluster
 from nest_fx.workload import workload_for_model
 from nest_fx.report.plotting import pyplot_or_none
 from nest_fx.cost.step_time import simulate
 from nest_fx.solver import SolverOptions, solve
-from nest_fx.cluster.topology import GraphCluster, calibrate, pairwise_figures
+from nest_fx.cluster.topology import (GraphCluster, calibrate, collective_time, concurrent_collective_time, fat_tree,
+                                      from_cluster, pairwise_figures, torus)
 from nest_fx.cost.dp_sync_contention import contended_step_s
+
+from _bench_common import print_table, write_json
 
 MODELS = ["llama2-7b", "llama3-70b", "gpt3-175b"]
 RAIL = "rail:128x8,group=32,spines=8"  # 4 scalable units of 32 DGX nodes, 8 rails each, 8 spines
@@ -79,6 +78,26 @@ def run_case(topo_name: str, cluster: GraphCluster, model: str, work, batch: int
         "graph_contended_step_s": g_cont, "hier_contended_step_s": h_cont,
         "contended_ratio": h_cont / g_cont,
     }
+
+
+def costing_times(size: float = 2**30) -> dict:
+    """Seconds to cost an all-reduce over 1,024 devices and 128 concurrent groups of 8 on each
+    kind of topology (the target: well under a second, so the planner can cost many of them)."""
+    builds = {"from_cluster(dgx-a100)": lambda: from_cluster(Cluster.preset("dgx-a100", 1024)),
+              "fat_tree 4:1": lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0),
+              "torus 8x8x16": lambda: torus([8, 8, 16])}
+    out = {}
+    for name, build in builds.items():
+        topo = build()
+        gc.collect()  # a full collection of the interpreter's heap is not ours to time
+        t0 = time.perf_counter()
+        collective_time("all_reduce", topo, range(1024), size)
+        t1 = time.perf_counter()
+        concurrent_collective_time("all_reduce", topo, [[g + 128 * k for k in range(8)] for g in range(128)], size)
+        out[name] = {"ring_s": t1 - t0, "groups_s": time.perf_counter() - t1}
+    print_table([[k, f"{v['ring_s'] * 1e3:.0f}", f"{v['groups_s'] * 1e3:.0f}"] for k, v in out.items()],
+                headers=["1,024 devices", "ring all-reduce ms", "128 concurrent groups ms"])
+    return out
 
 
 def plot(rows, path: str) -> None:
@@ -138,20 +157,17 @@ def main() -> None:
               f"{r['graph_search_s']:.2f}", f"{r['hier_search_s']:.2f}",
               f"{r['graph_dp_slowdown']:.2f} / {r['hier_dp_slowdown']:.2f}", f"{r['contended_ratio']:.3f}x"]
              for r in rows]
-    print(tabulate(table, headers=["topology", "model", "graph plan", "device order", "step",
-                                   "hierarchical plan", "step (hier. model)", "step on graph", "throughput ratio",
-                                   "graph search s", "hier. search s", "DP-sync slowdown g / h",
-                                   "ratio with contention"], tablefmt="github"))
+    print_table(table, headers=["topology", "model", "graph plan", "device order", "step",
+                                "hierarchical plan", "step (hier. model)", "step on graph", "throughput ratio",
+                                "graph search s", "hier. search s", "DP-sync slowdown g / h",
+                                "ratio with contention"])
     worst = max(r["graph_search_s"] for r in rows)
     print(f"graph search (placement included) at {rows[0]['devices']} devices: max {worst:.2f} s; "
           f"all optimal: {all(r['graph_complete'] for r in rows)}")
-    with open(args.out, "w", encoding="utf-8") as fh:
-        machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-        json.dump({"global_batch": args.global_batch, "budget_s": args.budget,
-                   "command": "python " + " ".join(sys.argv), "machine": machine,
-                   "topologies": {k: TOPOLOGIES[k] for k in args.topologies},
-                   "slow_pair": {"pair": list(SLOW_PAIR), "factor": SLOW_FACTOR}, "cases": rows}, fh, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"global_batch": args.global_batch, "budget_s": args.budget,
+                          "topologies": {k: TOPOLOGIES[k] for k in args.topologies},
+                          "slow_pair": {"pair": list(SLOW_PAIR), "factor": SLOW_FACTOR}, "cases": rows,
+                          "costing_1024": costing_times()})
     plot(rows, os.path.splitext(args.out)[0] + ".png")
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
+
+from _bench_common import table as github_table, write_json
 
 MODELS = ["llama2-7b", "llama3-70b", "mixtral-8x7b", "gpt3-175b"]
 # model -> (max trace seconds, max peak RSS GiB)
@@ -107,8 +108,6 @@ def verdict(row: dict) -> str:
 
 
 def table(rows: List[dict]) -> str:
-    from tabulate import tabulate
-
     out = []
     for r in rows:
         if "error" in r:
@@ -118,7 +117,7 @@ def table(rows: List[dict]) -> str:
                     f"{r['fwd_flops'] / 1e12:.1f}", f"{r['trace_s']:.2f}", f"{r['peak_rss_gib']:.2f}", r["verdict"]])
     headers = ["model", "seq", "ops", "layers", "distinct blocks", "params", "fwd TFLOPs", "trace s",
                "peak RSS GiB", "target"]
-    return tabulate(out, headers=headers, tablefmt="github")
+    return github_table(out, headers)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -144,20 +143,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append(row)
         print(f"{name}: {row['verdict']}", file=sys.stderr, flush=True)
     print(table(rows))
-    import torch
-
     report = {
         "format": "nest-fx-bench-trace/1",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cpus": os.cpu_count()},
         "targets": {k: {"trace_s": s, "peak_rss_gib": g} for k, (s, g) in TARGETS.items()},
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(opts.json) or ".", exist_ok=True)
-    with open(opts.json, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=2)
-    print(f"wrote {opts.json}")
+    write_json(opts.json, report, indent=2)
     failed = any(r["verdict"].startswith("FAIL") for r in rows)
     return 1 if failed else 0
 

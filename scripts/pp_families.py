@@ -31,6 +31,8 @@ from nest_fx.apply.launch import launch
 from nest_fx.common.errors import NestFxError
 from nest_fx.testing import equivalence
 
+from _bench_common import write_json
+
 TOL = 1e-5
 LLAMA_LIKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
@@ -76,14 +78,16 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                           tie_word_embeddings=False, use_cache=False),
     "gpt_neo (tied, local/global layers)": dict(model_type="gpt_neo", vocab_size=128, hidden_size=64, num_layers=4,
-                                                num_heads=4, attention_types=[[["global", "local"], 2]], attn_implementation="eager",
+                                                num_heads=4, attention_types=[[["global", "local"], 2]],
+                                                attn_implementation="eager",
                                                 window_size=6, max_position_embeddings=64, embed_dropout=0.0,
                                                 attention_dropout=0.0, resid_dropout=0.0, bos_token_id=0,
                                                 eos_token_id=0, use_cache=False),
     "opt (tied)": dict(model_type="opt", vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=4,
                        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0,
                        attention_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=0, use_cache=False),
-    "bloom (tied, alibi)": dict(model_type="bloom", vocab_size=128, hidden_size=64, n_layer=4, n_head=4, attn_implementation="eager",
+    "bloom (tied, alibi)": dict(model_type="bloom", vocab_size=128, hidden_size=64, n_layer=4, n_head=4,
+                                attn_implementation="eager",
                                 hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),
     "falcon (tied)": dict(model_type="falcon", vocab_size=128, hidden_size=64, num_hidden_layers=4,
                           num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),
@@ -151,9 +155,7 @@ def main() -> int:
         rows[name] = run_family(name, args.world, args.timeout)
         print(f"{name:38s} {rows[name]['outcome']:8s} {rows[name]['seconds']:6.1f}s  {rows[name]['detail'][:150]}",
               flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"label": args.label, "world": args.world, "tolerance": TOL, "families": rows}, fh, indent=1)
+    write_json(args.out, {"label": args.label, "world": args.world, "tolerance": TOL, "families": rows}, quiet=True)
     print(f"\n| family | {'before | ' if before else ''}{args.label} |")
     print(f"|---|{'---|' if before else ''}---|")
     for name, row in rows.items():

@@ -22,7 +22,6 @@ Writes ``OUT/reproduce_nest.{md,json}`` and PNGs (``_quick`` in the names with `
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -38,6 +37,8 @@ from nest_fx.report.plotting import pyplot_or_none
 from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.baselines import mcmc, phaze
 from nest_fx.workload import workload_for_model
+
+from _bench_common import write_json
 
 PLANNERS = ("nest", "megatron", "torchtitan", "phaze", "mcmc")
 LABELS = {"nest": "nest-fx", "megatron": "Manual (Megatron)", "torchtitan": "torchtitan", "phaze": "Phaze-style",
@@ -145,8 +146,8 @@ def summary(rows: Sequence[dict]) -> List[str]:
         if not ratios:
             continue
         ok = sum(x >= 1 - 1e-9 for x in ratios)
-        out.append(f"vs {LABELS.get(name, 'the best baseline')}: nest-fx at least as fast in {ok}/{len(ratios)} cases; speedup median "
-                   f"{statistics.median(ratios):.2f}x, max {max(ratios):.2f}x, min {min(ratios):.2f}x")
+        out.append(f"vs {LABELS.get(name, 'the best baseline')}: nest-fx at least as fast in {ok}/{len(ratios)} cases; "
+                   f"speedup median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x, min {min(ratios):.2f}x")
     return out
 
 
@@ -321,8 +322,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
         cases = QUICK["table3"] if quick else TABLE3
         results["table3"] = table3(cases, args.global_batch, budget, evals, workloads, results.get("fig5", []), log)
     results["seconds"] = time.perf_counter() - start
-    with open(stem + ".json", "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=1)
+    write_json(stem + ".json", results, quiet=True)
     with open(stem + ".md", "w", encoding="utf-8") as fh:
         fh.write(markdown(results) + "\n")
     log(f"wrote {stem}.md, {stem}.json ({results['seconds']:.0f} s)")

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,8 @@ from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, uniform_plan
 from nest_fx.workload import dims_from_config
 from profiler.runtime_overhead import measure_runtime_overheads
+
+from _bench_common import print_table, write_json
 
 MODEL = "gpt:hidden=384,layers=4,heads=6,seq=128,vocab=8192"
 MEMORY_STEPS = 5  # profiled steps per plan; the peak is their median
@@ -333,35 +334,34 @@ def main() -> int:
     order = sorted(timed_rows, key=lambda r: r["measured_s"])
     chosen_rank = next((i + 1 for i, r in enumerate(order) if r["chosen"]), None)
     summary = dict(model=args.model, ranks=args.ranks, memory_ranks=args.memory_ranks, batch=args.batch,
-                   plans=len(timed_rows), memory_plans=len(rows) - len(timed_rows) + len(mem_rows), step_mape=statistics.mean(time_err),
+                   plans=len(timed_rows), memory_plans=len(rows) - len(timed_rows) + len(mem_rows),
+                   step_mape=statistics.mean(time_err),
                    step_max_error=max(time_err), memory_mape=statistics.mean(mem_err) if mem_err else None,
                    memory_max_error=max(mem_err) if mem_err else None, kendall_tau=tau, chosen=chosen_name,
                    chosen_measured_rank=chosen_rank, calibrated_bandwidth=fits[0].bandwidth,
                    calibrated_latency=fits[0].latency, runtime_overheads=overheads.to_dict(),
                    seconds=time.perf_counter() - t0)
-    from tabulate import tabulate
 
     def pct(pred: float, meas: float) -> str:
         return f"{100 * (pred / max(meas, 1e-30) - 1):+.0f}%"
 
-    print(tabulate([[r["plan"] + (" *" if r["chosen"] else ""), f"{r['predicted_s'] * 1e3:.1f}",
-                     f"{r['measured_s'] * 1e3:.1f}", pct(r["predicted_s"], r["measured_s"]),
-                     f"{r['predicted_bytes'] / 2**20:.0f}", f"{r['measured_bytes'] / 2**20:.0f}",
-                     pct(r["predicted_bytes"], r["measured_bytes"])] for r in order],
-                   headers=[f"plan on {args.ranks} ranks (* = planner)", "pred ms", "meas ms", "err", "pred MiB",
-                            "meas MiB", "err"]))
+    print_table([[r["plan"] + (" *" if r["chosen"] else ""), f"{r['predicted_s'] * 1e3:.1f}",
+                  f"{r['measured_s'] * 1e3:.1f}", pct(r["predicted_s"], r["measured_s"]),
+                  f"{r['predicted_bytes'] / 2**20:.0f}", f"{r['measured_bytes'] / 2**20:.0f}",
+                  pct(r["predicted_bytes"], r["measured_bytes"])] for r in order],
+                headers=[f"plan on {args.ranks} ranks (* = planner)", "pred ms", "meas ms", "err", "pred MiB",
+                         "meas MiB", "err"], tablefmt="simple")
     untimed = [r for r in rows + mem_rows if r["measured_s"] is None]
     if untimed:
-        print(tabulate([[r["plan"], r["ranks"], f"{r['predicted_bytes'] / 2**20:.0f}",
-                         f"{r['measured_bytes'] / 2**20:.0f}", pct(r["predicted_bytes"], r["measured_bytes"])]
-                        for r in untimed],
-                       headers=["plan (memory only)", "ranks", "pred MiB", "meas MiB", "err"]))
+        print_table([[r["plan"], r["ranks"], f"{r['predicted_bytes'] / 2**20:.0f}",
+                      f"{r['measured_bytes'] / 2**20:.0f}", pct(r["predicted_bytes"], r["measured_bytes"])]
+                     for r in untimed],
+                    headers=["plan (memory only)", "ranks", "pred MiB", "meas MiB", "err"], tablefmt="simple")
     print(f"step-time MAPE {100 * summary['step_mape']:.1f}% (max {100 * summary['step_max_error']:.0f}%)  "
           f"peak-memory MAPE {100 * (summary['memory_mape'] or 0):.1f}% (max "
           f"{100 * (summary['memory_max_error'] or 0):.0f}%, {len(mem_err)} plans)  Kendall tau {tau:.2f}  "
           f"planner's plan measured #{chosen_rank} of {len(rows)}")
-    with open(args.out + ".json", "w", encoding="utf-8") as fh:
-        json.dump({"summary": summary, "rows": rows, "memory_rows": mem_rows}, fh, indent=1)
+    write_json(args.out + ".json", {"summary": summary, "rows": rows, "memory_rows": mem_rows}, quiet=True)
     _scatter(rows, mem_rows, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0

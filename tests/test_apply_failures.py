@@ -51,10 +51,9 @@ def _one_rank_gets_a_bad_batch():
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_one_rank_failing_before_the_first_collective_fails_the_launch_fast():
-    start = time.monotonic()
+    # the launch's own timeout lies beyond the test's (60 s): only the fast failure path ends it in time
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*ApplyError: global batch 6 is not divisible"):
-        launch(_one_rank_gets_a_bad_batch, 2, timeout=50)
-    assert time.monotonic() - start < 30
+        launch(_one_rank_gets_a_bad_batch, 2, timeout=300)
 
 
 class _Reached(Exception):
@@ -119,10 +118,9 @@ def _rank_one_is_late():
 @pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_collective_timeout_from_the_environment():
-    start = time.monotonic()
+    # the launch's own timeout lies beyond the test's (60 s): only the 2 s collective timeout ends it in time
     with pytest.raises(RuntimeError, match="(?s)rank 0 failed.*(?i:timed out)"):
-        launch(_rank_one_is_late, 2, timeout=50)
-    assert time.monotonic() - start < 20
+        launch(_rank_one_is_late, 2, timeout=300)
 
 
 # -- every group gets the job's timeout ------------------------------------------------------------
@@ -157,12 +155,11 @@ def test_every_group_of_the_runtime_gets_the_job_timeout():
 def test_a_stopped_rank_ends_every_rank_within_the_timeout(tmp_path, where, stuck):
     """TP2 x DP2; rank 3 stops (SIGSTOP) before its row-parallel linear (its TP peer, rank 2, waits
     in the TP all-reduce) or before the gradient all-reduce (its DP peer, rank 1, waits there)."""
-    start = time.monotonic()
     spec = {"signal": "SIGSTOP", "where": where, "out": str(tmp_path), "timeout_s": HANG_TIMEOUT_S}
+    # the launch's own timeout lies beyond the test's (120 s): the launcher must kill the stopped rank once
+    # the others have failed (its 5 s grace period)
     with pytest.raises(RuntimeError, match="CollectiveError"):
-        launch(fault_run, 4, spec, timeout=100)
-    # the launcher kills the stopped rank once the others have failed (its 5 s grace period)
-    assert time.monotonic() - start < 60
+        launch(fault_run, 4, spec, timeout=600)
     reports = fault_reports(str(tmp_path))["ranks"]
     assert sorted(reports) == [0, 1, 2]
     for rank, report in reports.items():

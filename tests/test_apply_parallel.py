@@ -9,8 +9,10 @@ step must agree within 1e-5.
 from __future__ import annotations
 
 import pytest
+import torch.nn.functional as F
 
 from nest_fx.apply.launch import launch
+from nest_fx.models import build_seeded
 from nest_fx.testing import equivalence
 
 TOL = 1e-5
@@ -20,12 +22,13 @@ LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=2.0"
 HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+# one cell per kind of parallelism runs by default; the other cells are `slow` (pytest -m "")
+pytestmark = pytest.mark.dist
 
 
-def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32, **extra):
+def run(world: int, model: str, plan: dict, batch: int = 8, seq: int = 32, fn=equivalence, **extra):
     spec = {"model": model, "plan": plan, "batch": batch, "seq": seq, "steps": 3, "lr": 0.5, **extra}
-    results = launch(equivalence, world, spec, timeout=LAUNCH_S)
+    results = launch(fn, world, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
     print(f"\n{model} {plan}: " + ", ".join(f"{k}={v:.2e}" for k, v in worst.items()))
     for r in results:
@@ -52,6 +55,43 @@ def test_tp2_dp2_sequence_parallel_selective_recompute():
                    "sequence_parallel": True, "recompute": "selective"})
 
 
+def _equivalence_recording_fsdp(spec: dict) -> dict:
+    """``equivalence`` on this rank, with the FSDP2 warnings it raised."""
+    import warnings  # only for this probe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = equivalence(spec)
+    result["fsdp_warnings"] = [str(w.message)[:80] for w in caught if "FSDP" in str(w.message)]
+    return result
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_zero1_on_one_replica_shards_nothing_and_warns_nothing():
+    """TP2 with zero=1 and dp=1: nothing to shard, so no FSDP2 (whose hooks warned that the TP
+    blocks' outputs are views); the numbers equal one device's as with zero=0."""
+    results = run(2, LLAMA, {"tp": 2, "zero": 1, "microbatch_size": 4, "num_microbatches": 2},
+                  fn=_equivalence_recording_fsdp)
+    assert all(r["fsdp_warnings"] == [] for r in results), results[0]["fsdp_warnings"]
+
+
+def _build_llama(seed: int):
+    return build_seeded(LLAMA, seed)
+
+
+def _readme_loss(logits, y):
+    """The README's loss_fn (a token-mean cross-entropy written by hand)."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_loss_parallel_with_the_readmes_own_loss():
+    """TP2 with loss parallel and the README's lambda loss: accepted (it is the token cross-entropy),
+    computed from vocabulary shards, equal to one device."""
+    run(2, LLAMA, {"tp": 2, "loss_parallel": True, "microbatch_size": 4, "num_microbatches": 2},
+        build=_build_llama, loss=_readme_loss)
+
+
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_dp2_1f1b():
     results = run(4, LLAMA, {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "1f1b"})
@@ -60,6 +100,7 @@ def test_pp2_dp2_1f1b():
     assert results[0]["num_params"] + results[2]["num_params"] == 39
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_tp2_with_a_device_order():
     # plan rank r on the process launched as rank order[r]: stage 0's TP pair runs on launched ranks
@@ -69,6 +110,7 @@ def test_pp2_tp2_with_a_device_order():
     assert [r["stage"] for r in results] == [0, 1, 1, 0]  # results are in global rank order
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_tp2_dp2_eight_ranks():
     run(8, "llama:hidden=64,layers=2,heads=4,seq=16,vocab=128",
@@ -83,6 +125,7 @@ def test_ep4_moe():
     assert all(r["num_params"] == full - 2 * 3 * 3 for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_hf_llama_tp2():
@@ -97,6 +140,7 @@ def test_fsdp_zero3_interleaved_pp():
                    "schedule": "interleaved", "virtual_stages": 2})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_ep2_tp2_moe_with_token_drops():
     """Expert parallel inside tensor parallel (TP-sharded experts, whose gradients are reduced over the
@@ -105,6 +149,7 @@ def test_ep2_tp2_moe_with_token_drops():
         {"dp": 2, "ep": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "selective"})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_ep2_zero1_moe_pipeline():
     """FSDP (ZeRO-1/2) with experts sharded over their edp group, inside a 2-stage pipeline."""
@@ -125,14 +170,12 @@ def _fail_on_rank_one():
 
 @pytest.mark.timeout(60)
 def test_a_failing_rank_fails_the_launch_instead_of_hanging():
-    import time
-
-    start = time.monotonic()
+    # the launch's own timeout lies beyond the test's (60 s): only the 5 s grace period ends it in time
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*ValueError: rank one gives up"):
-        launch(_fail_on_rank_one, 2, timeout=40)
-    assert time.monotonic() - start < 20
+        launch(_fail_on_rank_one, 2, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_planner_choice_on_four_ranks():
     """No plan given: auto_parallelize runs the NEST planner on the cpu-gloo preset."""
@@ -161,6 +204,7 @@ def test_vocab_parallel_embedding_and_lm_head_uneven_vocab():
         assert {"embed.tok.weight", "embed.pos.weight", "lm_head.weight"} <= set(r["sharded"]), r["sharded"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_tied_embeddings_stay_replicated_under_tp():
     results = run(2, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128,tie_embeddings=1", {"tp": 2, "microbatch_size": 4})

@@ -316,13 +316,10 @@ def _killed_during_save(path: str) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
-    import time
-
     path = str(tmp_path / "ck")
-    start = time.monotonic()
+    # the dead rank fails the launch; nobody waits out a timeout (the launch's lies beyond the test's)
     with pytest.raises(RuntimeError, match="rank"):
-        launch(_killed_during_save, 2, path, timeout=LAUNCH_S)
-    assert time.monotonic() - start < 30  # the dead rank fails the launch; nobody waits out a timeout
+        launch(_killed_during_save, 2, path, timeout=LAUNCH_S + 300)  # the test times out at LAUNCH_S + 30
     assert sorted(os.listdir(path)) == ["latest", "step-00000001"]  # rank 0 removed the temporary
     want = torch.load(path + ".expected")
     model, _ = build_seeded(MODEL, seed=7)

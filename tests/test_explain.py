@@ -202,3 +202,23 @@ def test_plan_records_its_cluster(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["cluster"] == "dgx-a100:8"
     assert Plan.load(str(out)).cluster == "dgx-a100:8"
+
+
+def test_interleaved_gantt_gives_each_chunk_its_own_hue_and_marks_backwards(tmp_path):
+    """Every model chunk a distinct hue (none the tails' grey or green), the backward a hatched tint of
+    its chunk's hue; the PNG is written."""
+    pytest.importorskip("matplotlib")
+    from nest_fx.report import gantt
+
+    faces = [gantt._face("F", c, True) for c in range(len(gantt.CHUNK_COLORS))]
+    hues = [f[0] for f in faces]
+    assert len(set(hues)) == len(hues) and not {gantt.SYNC_COLOR, gantt.OPT_COLOR} & set(hues)
+    for c, hue in enumerate(hues):
+        back, edge, hatch = gantt._face("B", c, True)
+        assert back != hue and edge == hue and hatch  # the same hue, lighter and hatched
+        assert gantt._text_color(back) == "black"  # labels readable on the light tint
+    assert gantt._face("F", 0, False)[0] != gantt._face("B", 0, False)[0]
+    png = tmp_path / "interleaved.png"
+    events = timeline.schedule_events([1.0] * 4, [2.0] * 4, 8, "interleaved", 3)
+    gantt.draw_gantt(events, str(png), num_stages=4, title="p=4 v=3", tails=[(0.5, 0.3)] * 4)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

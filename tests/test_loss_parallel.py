@@ -17,11 +17,14 @@ from nest_fx.apply.compile import compile_blocks, compile_problem
 from nest_fx.apply.float8 import apply_float8, float8_linear_filter, float8_problem
 from nest_fx.apply.loss_parallel import (VocabParallelLMLoss, combine_statistics, shard_statistics,
                                          vocab_parallel_cross_entropy, vocab_shard_sizes)
-from nest_fx.apply.losses import lm_loss
+from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
 from nest_fx.graph import trace
 from nest_fx.models import build_seeded
+from nest_fx.cluster import load_cluster
 from nest_fx.plan import uniform_plan
+from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.support import parallel_support
+from nest_fx.solver.runtime_planner import planner_for
 
 
 def _logits(n=24, vocab=127, seed=0):
@@ -76,17 +79,35 @@ def _traced(spec):
     return model, trace(model, (torch.randint(0, cfg.vocab_size, (2, 16)),))
 
 
-def test_loss_parallel_refuses_a_custom_loss_and_a_tied_head():
+def test_loss_parallel_takes_any_token_cross_entropy_and_refuses_other_losses_saying_how():
     model, graph = _traced("llama:hidden=32,layers=2,heads=2,seq=16,vocab=64")
     plan = uniform_plan(4, tp=2, loss_parallel=True)
     checks.check_loss_parallel(plan, model, graph, lm_loss)
-    with pytest.raises(ApplyError, match="loss_parallel: .* but loss_fn is .*my_loss; fix: pass loss_fn=lm_loss"):
-        def my_loss(out, y):
-            return lm_loss(out, y)
-        checks.check_loss_parallel(plan, model, graph, my_loss)
+    readme_loss = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # the README's
+    checks.check_loss_parallel(plan, model, graph, readme_loss)
+    assert token_cross_entropy_problem(readme_loss, 64) == ""
+    summed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+    smoothed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)
+    for loss in (summed, smoothed):
+        with pytest.raises(ApplyError, match=r"loss_parallel: .* but loss_fn .* is not the token-mean cross-entropy"
+                                             r".*constraints=\{'fix': \{'loss_parallel': False\}\}"):
+            checks.check_loss_parallel(plan, model, graph, loss)
+    wrong_grad = lambda logits, y: lm_loss(logits.detach(), y) + 0 * logits.sum()
+    assert "another gradient" in token_cross_entropy_problem(wrong_grad, 64)
+    assert "failed on a probe" in token_cross_entropy_problem(lambda logits, y: logits.view(-1, 65), 64)
     model, graph = _traced("gpt:hidden=32,layers=2,heads=2,seq=16,vocab=64,tie_embeddings=1")
     assert "lm_head shares its weight with the embedding" in parallel_support(model, graph).loss_parallel_problem(2)
     assert parallel_support(model, graph).loss_parallel_problem(1) == ""
+
+
+def test_the_default_planner_keeps_loss_parallel_for_the_loss_it_can_compute():
+    """auto_parallelize's planner (``planner_for``) may choose loss parallelism when the loss is the
+    token cross-entropy, and never when it is not (``loss_parallel=False``)."""
+    model, graph = _traced("llama:hidden=32,layers=2,heads=2,seq=16,vocab=64")
+    cluster = load_cluster("cpu-gloo:2")
+    tp2 = Constraints(fix={"tp": 2})
+    assert planner_for(model, constraints=tp2)(graph, cluster, 2, 4).loss_parallel
+    assert not planner_for(model, constraints=tp2, loss_parallel=False)(graph, cluster, 2, 4).loss_parallel
 
 
 # -- torch.compile ---------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ ZOO_TIED = "gpt:hidden=64,layers=4,heads=4,seq=32,vocab=128,tie_embeddings=true"
 PP2_DP2 = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "1f1b"}
 PP2 = {"pp": 2, "microbatch_size": 2, "num_microbatches": 4, "schedule": "1f1b"}
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+# one cell per kind of parallelism runs by default; the other cells are `slow` (pytest -m "")
+pytestmark = pytest.mark.dist
 
 
 def run(world: int, plan: dict, *, model: str = "", hf_config: dict = None, batch: int = 8, seq: int = 16):
@@ -60,6 +61,7 @@ def _stage_names(results, stage):
     return set(next(r["param_names"] for r in results if r["stage"] == stage))
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.timeout(LAUNCH_S + 30)
 @pytest.mark.parametrize("config, tied", [(QWEN2_SLIDING, ""), (GEMMA2_SOFTCAP, ""), (GPT2_TIED, "transformer.wte.weight")],
@@ -83,6 +85,7 @@ def test_zoo_tied_embeddings(world, plan):
     assert "embed.tok.weight" in _stage_names(results, 0) & _stage_names(results, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_zoo_tied_embeddings_pp2_tp2_sequence_parallel():
     run(4, {"pp": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 4, "sequence_parallel": True},
@@ -118,6 +121,7 @@ def _train_and_save(path: str) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_tied_embeddings_checkpoint_keeps_one_copy(tmp_path):
     """Both stages hold the tied weight under its one name: the checkpoint stores it (and its

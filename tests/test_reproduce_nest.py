@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -10,9 +11,14 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "reproduce_nes
 
 @pytest.fixture(scope="module")
 def repro():
-    spec = importlib.util.spec_from_file_location("reproduce_nest", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # loaded as `python scripts/reproduce_nest.py` runs it: with scripts/ first on the path (its helper module)
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        spec = importlib.util.spec_from_file_location("reproduce_nest", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
     return module
 
 

@@ -20,7 +20,8 @@ LLAMA2 = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
 MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=2.0"
 HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+# one cell per kind of parallelism runs by default; the other cells are `slow` (pytest -m "")
+pytestmark = pytest.mark.dist
 
 
 def _equivalences(cases: List[Dict], compile_backend: Optional[str] = None) -> List[Dict]:
@@ -61,6 +62,7 @@ def test_two_ranks_cp_loss_parallel_and_recompute_policies():
     run(2, cases)
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_cp2_hf_llama():
@@ -87,6 +89,7 @@ def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
         assert "lm_head.weight" in r["sharded"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_eight_ranks_hsdp_with_tp_and_with_cp():
     run(8, [
@@ -97,6 +100,7 @@ def test_eight_ranks_hsdp_with_tp_and_with_cp():
     ])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_compiled_blocks_under_fsdp_and_full_recompute():
     """plan.compile on two ranks; the graphs run through aot_eager here (inductor's C++ code

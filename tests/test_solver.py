@@ -1,6 +1,5 @@
 """The NEST DP planner: exact against enumeration, never worse than baselines, clear failures."""
 import dataclasses
-import time
 
 import pytest
 from conftest import tight_cluster
@@ -89,16 +88,6 @@ def test_batch_without_admissible_split_is_explained():
     work = workload_for_model(CASES[0][0], cluster)
     with pytest.raises(NoFeasiblePlan, match="divides the global batch"):
         solve(work, cluster, 3, SolverOptions(microbatch_sizes=(2,)))
-
-
-def test_time_budget_is_respected():
-    cluster = load_cluster("h100-spine-leaf:1024")
-    work = workload_for_model("llama3-70b", cluster, seq=2048)
-    start = time.perf_counter()
-    found = solve(work, cluster, 4096, SolverOptions(time_budget=2.0))
-    assert time.perf_counter() - start < 2.0 + 1.0
-    assert found.result.feasible
-    assert found.plan.devices_used <= 1024
 
 
 def test_plan_round_trips_and_resimulates(tmp_path):

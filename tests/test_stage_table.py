@@ -14,7 +14,7 @@ from nest_fx.cost import collectives
 from nest_fx.cost.collectives import cached_collective
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate, stage_cost, stage_tail
-from nest_fx.plan import Plan, StagePlan
+from nest_fx.plan import StagePlan
 from nest_fx.solver.nest_dp import solve_partition
 from nest_fx.solver.search import _network_bound, _table_bound, candidates
 from nest_fx.solver.space import SolverOptions, global_configs, stage_counts

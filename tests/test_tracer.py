@@ -40,7 +40,9 @@ def param_totals(model):
 
 # -- totals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,seq", [("gpt2-small", 128), ("bert-large", 128), ("llama2-7b", 128),
-                                      ("mixtral-8x7b", 128), ("gpt3-175b", 128), (MIXED_MOE, 32)])
+                                      # the largest zoo models: the flop counter runs for a minute on a loaded box
+                                      pytest.param("mixtral-8x7b", 128, marks=pytest.mark.slow),
+                                      pytest.param("gpt3-175b", 128, marks=pytest.mark.slow), (MIXED_MOE, 32)])
 def test_zoo_totals_match_flop_counter_and_parameters(zoo, name, seq):
     model, _, args, graph = zoo(name, seq=seq)
     ref = reference_flops(model, args)  # zoo models run on meta

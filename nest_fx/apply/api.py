@@ -45,12 +45,13 @@ from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
-from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module
+from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module, shards_anything
 from nest_fx.apply.distributed import apply_job_timeout, init_distributed, job_timeout
 from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.fingerprint import fingerprint, tensor_specs
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
+from nest_fx.apply.losses import token_cross_entropy_problem
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
@@ -62,7 +63,7 @@ from nest_fx.graph import trace
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
-from nest_fx.plan.support import batchnorm_modules, parallel_support
+from nest_fx.plan.support import batchnorm_modules, model_dims, parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 
 Planner = Callable[[Any, Any, int, int], Plan]
@@ -180,7 +181,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         plan = None
     if plan is None:
         if planner is None:
-            planner = planner_for(model, constraints=constraints, one_microbatch=sync_batchnorm)
+            vocab = model_dims(model)["vocab"] or 8
+            planner = planner_for(model, constraints=constraints, one_microbatch=sync_batchnorm,
+                                  loss_parallel=loss_fn is None or not token_cross_entropy_problem(loss_fn, vocab))
         plan = planner(graph, cluster, world, global_batch_size)
         init_distributed(timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     nmb = checks.run_all(plan, model, graph, world, global_batch_size, model_loss=loss_fn is None,
@@ -265,7 +268,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if plan.compile:
             compile_blocks(chunk, blocks)
         # 9b. FSDP / HSDP
-        if plan.zero >= 1:
+        if shards_anything(plan.zero, replicas):
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
                        dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
@@ -288,5 +291,5 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     apply_job_timeout()  # any group created on the way (FSDP, pipelining) gets the job's timeout too
     return ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
                           num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
-                          pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
+                          pipeline_stages=stages, grad_sync=grad_sync, fsdp=shards_anything(plan.zero, replicas), graph=graph,
                           device=device, context_parallel=cp, model_specs=specs)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.float8 import float8_problem
-from nest_fx.apply.losses import lm_loss
+from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
 from nest_fx.plan.support import model_dims, parallel_support, unrun_fields
 from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.workload.types import chain_fingerprint
@@ -27,7 +27,8 @@ def check_world(plan: Plan, world_size: int) -> None:
     if world_size != used:
         raise ApplyError(
             f"world size mismatch: the plan uses {used} devices (dp={plan.dp} x {plan.devices_per_replica} "
-            f"per replica: stage tp={[s.tp for s in plan.stages]}{f' x cp={plan.cp}' if plan.cp > 1 else ''}) but {world_size} processes were launched; "
+            f"per replica: stage tp={[s.tp for s in plan.stages]}{f' x cp={plan.cp}' if plan.cp > 1 else ''}) "
+            f"but {world_size} processes were launched; "
             f"fix: run torchrun --nproc_per_node={used} (or nnodes x nproc = {used}), or re-plan for "
             f"{world_size} devices (idle ranks are not supported by the runtime)")
 
@@ -124,15 +125,18 @@ def _check_token_mean(loss_fn: Callable, cp: int, vocab: int) -> None:
 
 
 def check_loss_parallel(plan: Plan, model: nn.Module, graph, loss_fn: Optional[Callable]) -> None:
-    """ApplyError when ``plan.loss_parallel`` cannot run: a loss other than ``lm_loss``, or an LM
-    head whose logits cannot stay sharded (``ParallelSupport.loss_parallel_problem``)."""
+    """ApplyError when ``plan.loss_parallel`` cannot run: a loss that is not the token-mean
+    cross-entropy (``losses.token_cross_entropy_problem``: ``lm_loss`` or one equal to it), or an
+    LM head whose logits cannot stay sharded (``ParallelSupport.loss_parallel_problem``)."""
     if not plan.loss_parallel:
         return
-    if loss_fn is not None and loss_fn is not lm_loss:
+    reason = token_cross_entropy_problem(loss_fn, model_dims(model)["vocab"] or 8) if loss_fn is not None else ""
+    if reason:
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
-        raise ApplyError(f"loss_parallel: the plan computes the built-in token cross-entropy "
-                         f"(nest_fx.apply.losses.lm_loss) from vocabulary-sharded logits, but loss_fn is {name}; "
-                         "fix: pass loss_fn=lm_loss, or set loss_parallel=false to keep your loss on full logits")
+        raise ApplyError(f"loss_parallel: the plan computes the token-mean cross-entropy "
+                         f"(nest_fx.apply.losses.lm_loss) from vocabulary-sharded logits, but loss_fn {name} {reason}; "
+                         "fix: pass loss_fn=lm_loss, or keep your loss on full logits: a plan with "
+                         "loss_parallel=false (planner: constraints={'fix': {'loss_parallel': False}})")
     problem = parallel_support(model, graph).loss_parallel_problem(plan.stages[-1].tp)
     if problem:
         raise ApplyError(problem)

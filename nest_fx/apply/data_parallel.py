@@ -12,6 +12,8 @@ zero>=1 FSDP2 ``fully_shard`` on every block, then on the stage root: parameters
         backward (``False``), trading memory for one all-gather less, which is ZeRO-2's
         communication pattern (ZeRO-1 is served by the same, sharding gradients as well).
         Experts are sharded over ``edp`` with the gradient divided by ``dp``.
+        With one replica (``dp x cp = 1``) there is nothing to shard: the plan runs without
+        FSDP2 (:func:`shards_anything`), as zero=0 does, and without its hooks and warnings.
 HSDP   ``dp_shard`` below ``dp``: the FSDP2 mesh is 2-D ``(dp_replicate, dp_shard)``; FSDP2
         shards inside a group, replicates across groups and all-reduces the reduce-scattered
         gradients across them (``mesh.data_parallel_mesh``).
@@ -115,6 +117,13 @@ class GradientSync:
             else:
                 for g in chunk:
                     g.div_(self.dp_size)
+
+
+def shards_anything(zero: int, replicas: int) -> bool:
+    """Whether FSDP2 runs: ``zero >= 1`` over more than one rank holding the same parameters
+    (``replicas = dp x cp``). On one replica it would shard nothing and only add hooks (and
+    FSDP2's warnings about views its hooks may miss) to a run that equals zero=0."""
+    return zero >= 1 and replicas > 1
 
 
 def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int, *, edp_mesh=None,

@@ -15,9 +15,11 @@ and its gradient is local: ``(softmax - onehot) / tokens`` on each shard. It equ
 ``F.cross_entropy`` of the full logits (fp32; targets equal to ``ignore_index`` are left out
 of the sum and the count, as ``nest_fx.apply.losses.lm_loss`` does).
 
-The loss it replaces is the built-in ``nest_fx.apply.losses.lm_loss``; a plan with
-``loss_parallel`` and another ``loss_fn`` is refused before training (a user's loss would get a
-vocabulary shard it does not expect).
+The loss it replaces is the token-mean cross-entropy: ``nest_fx.apply.losses.lm_loss`` or a
+``loss_fn`` equal to it in value and gradient on probes (``losses.token_cross_entropy_problem``;
+e.g. ``F.cross_entropy(logits.flatten(0, 1), y.flatten())``). A plan with ``loss_parallel`` and
+another loss is refused before training, naming the setting that turns it off; the default
+planner does not choose loss parallelism for such a loss.
 """
 from __future__ import annotations
 

@@ -101,4 +101,4 @@ def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs
     # return_outputs=False: otherwise the last stage keeps every microbatch's output (the
     # logits) alive until the step ends, m times the memory 1F1B is meant to hold
     schedule.step(return_outputs=False, **pack_inputs(args, kwargs), **extra)
-    return torch.stack([l.detach().float() for l in losses]).mean() if is_last else None
+    return torch.stack([loss.detach().float() for loss in losses]).mean() if is_last else None

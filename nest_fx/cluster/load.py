@@ -15,6 +15,7 @@ from nest_fx.cluster.topology.fileformat import TOPOLOGY_FORMAT, topology_from_d
 from nest_fx.cluster.topology.graph_cluster import GraphCluster
 from nest_fx.cluster.topology.specs import is_topology_spec, topology_from_spec
 from nest_fx.common.fileio import read_document
+from nest_fx.common.names import close_matches
 
 
 def _is_file_spec(spec: str) -> bool:
@@ -47,7 +48,8 @@ def load_cluster(spec: str, devices: Optional[int] = None) -> ClusterModel:
         return cluster
     name, _, count = spec.partition(":")
     if name not in PRESETS:
-        raise ClusterError(f"unknown cluster preset {name!r} in {spec!r}: use NAME:DEVICES with NAME in "
+        raise ClusterError(f"unknown cluster preset {name!r} in {spec!r}{close_matches(name, PRESETS)}: "
+                           f"use NAME:DEVICES with NAME in "
                            f"{sorted(PRESETS)}, a topology spec (docs/topology.md) or a cluster file (.yaml, .yml "
                            "or .json)")
     if count:

@@ -28,6 +28,7 @@ from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.quantities import parse_quantity
 from nest_fx.common.fileio import brief, read_document
 from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY, MIN_RATE
+from nest_fx.common.names import close_matches
 
 CLUSTER_FORMAT = "nest-fx-cluster/1"
 GiB = 2**30
@@ -350,7 +351,8 @@ class Cluster:
         try:
             build = PRESETS[name]
         except KeyError:
-            raise ClusterError(f"unknown cluster preset {brief(name)}; valid names: {sorted(PRESETS)}") from None
+            raise ClusterError(f"unknown cluster preset {brief(name)}{close_matches(name, PRESETS)}; "
+                               f"valid names: {sorted(PRESETS)}") from None
         _positive_int(devices, "devices", MAX_DEVICES)
         return build(devices)
 
@@ -407,7 +409,8 @@ def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tu
         raise ClusterError(f"{where}: missing key(s) {missing}")
     unknown = sorted(set(data) - set(required) - set(optional), key=str)  # YAML keys need not be strings
     if unknown:
-        raise ClusterError(f"{where}: unknown key(s) {unknown}; expected {list(required + optional)}")
+        raise ClusterError(f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
+                           f"expected {list(required + optional)}")
     return data
 
 

@@ -139,8 +139,8 @@ def parse_recompute(value: str) -> Recompute:
 # -- the policies as torch.utils.checkpoint policy functions --------------------------------
 
 def aten_kind(op: torch._ops.OpOverload) -> str:
-    """The kind of an aten op in these policies: its overload packet name of an aten op (``mm`` for ``aten.mm.default``), with its namespace
-    for other namespaces (``_c10d_functional.reduce_scatter_tensor``)."""
+    """The kind of an aten op in these policies: its overload packet name of an aten op (``mm`` for
+    ``aten.mm.default``), with its namespace for other namespaces (``_c10d_functional.reduce_scatter_tensor``)."""
     ns, _, rest = op.name().partition("::")
     packet = rest.split(".", 1)[0]
     return packet if ns == "aten" else f"{ns}.{packet}"

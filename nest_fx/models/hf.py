@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from nest_fx.common.errors import ModelError
+from nest_fx.common.names import close_matches
 from nest_fx.models.config import TransformerConfig
 from nest_fx.models.hf_config import (config_from_file, config_from_type, model_class, require_transformers,
                                       split_file_name, split_name)
@@ -52,7 +53,7 @@ def hf_config(family: str, cfg: TransformerConfig):
     if family == "mixtral":
         # transformers' default experts implementation (grouped_mm): it traces with static shapes
         return tf.MixtralConfig(num_local_experts=cfg.num_experts or 8, num_experts_per_tok=cfg.top_k, **llama_like)
-    raise ModelError(f"unknown HuggingFace family {family!r}: use one of {FAMILIES}")
+    raise ModelError(f"unknown HuggingFace family {family!r}{close_matches(family, FAMILIES)}: use one of {FAMILIES}")
 
 
 def _model_class(family: str):

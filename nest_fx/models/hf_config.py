@@ -14,13 +14,13 @@ a sequence-to-sequence LM, Llama as a causal LM, ViT as an image classifier).
 """
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from nest_fx.common.errors import MissingDependency, ModelError
 from nest_fx.common.fileio import read_json
+from nest_fx.common.names import close_matches
 from nest_fx.models.zoo import coerce_value
 
 # Tiny sizes, by the standard config names (translated through each config's attribute_map).
@@ -81,12 +81,6 @@ def model_types() -> List[str]:
     """Every model type the installed transformers knows (``CONFIG_MAPPING``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # optional extra
     return list(CONFIG_MAPPING_NAMES)
-
-
-def close_matches(word: str, choices, n: int = 5) -> str:
-    """``" (close matches: a, b)"`` for an error message, or ``""``."""
-    found = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
-    return f" (close matches: {', '.join(found)})" if found else ""
 
 
 def parse_overrides(text: str, where: str) -> Dict[str, str]:

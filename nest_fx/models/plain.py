@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from nest_fx.common.errors import ModelError
+from nest_fx.common.names import close_matches
 from nest_fx.models.inputs import Example, InputSpec
 
 
@@ -46,7 +47,7 @@ def parse_plain(name: str) -> PlainConfig:
     """``mlp:...`` or ``cnn:...`` -> PlainConfig; ModelError naming a bad key or value."""
     kind, _, body = name.partition(":")
     if kind not in _KEYS:
-        raise ModelError(f"unknown plain model {kind!r}: use one of {list(_KEYS)}")
+        raise ModelError(f"unknown plain model {kind!r}{close_matches(kind, _KEYS)}: use one of {list(_KEYS)}")
     values: Dict[str, int] = {}
     for item in filter(None, (s.strip() for s in body.split(","))):
         key, eq, raw = item.partition("=")

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from nest_fx.common.errors import ModelError
+from nest_fx.common.names import close_matches
 from nest_fx.models.config import TransformerConfig
 from nest_fx.models.transformer import Transformer
 
@@ -60,7 +61,8 @@ def parse_spec(spec: str) -> TransformerConfig:
     family, _, body = spec.partition(":")
     base = {"gpt": _GPT, "llama": _LLAMA, "moe": dict(_LLAMA, num_experts=8, top_k=2)}.get(family)
     if base is None:
-        raise ModelError(f"unknown model family {family!r} in {spec!r}: use gpt:, llama: or moe:")
+        raise ModelError(f"unknown model family {family!r} in {spec!r}{close_matches(family, ('gpt', 'llama', 'moe'))}: "
+                         "use gpt:, llama: or moe:")
     valid = {f.name: f.type for f in fields(TransformerConfig)}
     kwargs = dict(base)
     for item in filter(None, (s.strip() for s in body.split(","))):
@@ -106,8 +108,10 @@ def get_config(name: str, **overrides) -> TransformerConfig:
         cfg = parse_spec(name)
     else:
         raise ModelError(
-            f"unknown model {name!r}: use one of {sorted(NAMED_CONFIGS)}, a spec like "
-            "'gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=50257', or 'hf:gpt2|llama|mixtral|bert'")
+            f"unknown model {name!r}{close_matches(name, NAMED_CONFIGS)}: use one of {sorted(NAMED_CONFIGS)}, a "
+            "spec like 'gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=50257' (or llama:, moe:), a plain model "
+            "(mlp:..., cnn:...), hf:<model_type> for any architecture transformers ships (e.g. hf:llama, hf:qwen2) "
+            "or hf-config:PATH")
     return replace(cfg, **overrides) if overrides else cfg
 
 

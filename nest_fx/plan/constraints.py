@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
+from nest_fx.common.names import close_matches
 from nest_fx.plan.vocabulary import OPTIMIZER_NAMES, PLACEMENTS, SCHEDULES, recompute_problem
 
 DEGREES = ("tp", "pp", "dp", "ep", "cp", "dp_shard")
@@ -101,7 +102,8 @@ class Constraints:
             raise ConstraintError(f"memory_headroom: must be a fraction of device memory in [0, 1) (e.g. 0.1 "
                                   f"keeps 10% free), got {brief(h)}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_NAMES:
-            raise ConstraintError(f"optimizer: must be one of {list(OPTIMIZER_NAMES)}, got {brief(self.optimizer)}")
+            raise ConstraintError(f"optimizer: must be one of {list(OPTIMIZER_NAMES)}, got {brief(self.optimizer)}"
+                                  f"{close_matches(self.optimizer, OPTIMIZER_NAMES)}")
 
     # -- reading ---------------------------------------------------------------------------
     def bounds(self, degree: str) -> Tuple[int, int]:
@@ -182,7 +184,7 @@ class Constraints:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(known), key=str)
         if unknown:
-            raise ConstraintError(f"{where}: unknown key(s) {unknown}; known: {known}")
+            raise ConstraintError(f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], known)}; known: {known}")
         for kind in ("fix", "min", "max"):
             if kind in data and not isinstance(data[kind], Mapping):
                 raise ConstraintError(f"{where}.{kind}: must map degrees to values, got {brief(data[kind])}")
@@ -199,7 +201,7 @@ def _text(value: object) -> str:
 def _degree(key: object, value: object, kind: str) -> None:
     if key not in DEGREES:
         known = list(DEGREES) + (list(FLAGS) if kind == "fix" else [])
-        raise ConstraintError(f"{kind}: unknown degree {brief(key)}; known: {known}")
+        raise ConstraintError(f"{kind}: unknown degree {brief(key)}{close_matches(key, known)}; known: {known}")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
         raise ConstraintError(f"{kind}.{key}: must be an integer >= 1, got {brief(value)}")
 
@@ -210,7 +212,8 @@ def _list_entry_problem(name: str, value: object) -> str:
     if name == "recompute":
         return recompute_problem(value)
     if name == "placements":
-        return "" if value in PLACEMENTS else f"{brief(value)} is not a placement; use one of {list(PLACEMENTS)}"
+        return "" if value in PLACEMENTS else (f"{brief(value)} is not a placement{close_matches(value, PLACEMENTS)}; "
+                                               f"use one of {list(PLACEMENTS)}")
     if name == "zero_stages":
         ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3
         return "" if ok else f"{brief(value)} is not a ZeRO stage; use 0, 1, 2 or 3"
@@ -227,7 +230,8 @@ def schedule_problem(value: object) -> str:
             return ""
         if name == "interleaved" and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
             return ""
-    return f"{brief(value)} is not a schedule; use {', '.join(SCHEDULES)} or interleaved:V (V >= 2 model chunks)"
+    return (f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)} or "
+            "interleaved:V (V >= 2 model chunks)")
 
 
 def schedule_pairs(names: Sequence[str], interleave_factors: Sequence[int]) -> List[Tuple[str, int]]:

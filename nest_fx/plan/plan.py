@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT
+from nest_fx.common.names import close_matches
 from nest_fx.plan.constraints import ConstraintError, Constraints
 # the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
 # `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
@@ -224,15 +225,18 @@ class Plan:
             raise PlanError(f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
                             "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard")
         if self.precision not in PRECISIONS:
-            raise PlanError(f"precision: {brief(self.precision)}, use one of {PRECISIONS}")
+            raise PlanError(f"precision: {brief(self.precision)}{close_matches(self.precision, PRECISIONS)}, "
+                            f"use one of {PRECISIONS}")
         if self.seq_len < 0:
             raise PlanError(f"seq_len: must be >= 0 (0 = not recorded), got {self.seq_len}")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError(f"zero: {self.zero}, use 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule: {brief(self.schedule)}, use one of {SCHEDULES}")
+            raise PlanError(f"schedule: {brief(self.schedule)}{close_matches(self.schedule, SCHEDULES)}, "
+                            f"use one of {SCHEDULES}")
         if self.placement not in PLACEMENTS:
-            raise PlanError(f"placement: {brief(self.placement)}, use one of {PLACEMENTS}")
+            raise PlanError(f"placement: {brief(self.placement)}{close_matches(self.placement, PLACEMENTS)}, "
+                            f"use one of {PLACEMENTS}")
         if self.schedule == "interleaved":
             if self.virtual_stages < 2:
                 raise PlanError("virtual_stages: the interleaved schedule needs >= 2 chunks per device")
@@ -317,7 +321,8 @@ def _stage_fields(raw: object, i: int) -> StagePlan:
         raise PlanError(f"stages[{i}] needs 'start' and 'end' (layer indices), got {brief(raw)}")
     bad = set(raw) - set(StagePlan.__dataclass_fields__)
     if bad:
-        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}; "
+        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}"
+                        f"{close_matches(sorted(bad, key=str)[0], StagePlan.__dataclass_fields__)}; "
                         f"known: {sorted(StagePlan.__dataclass_fields__)}")
     recompute = raw.get("recompute", "none")
     if not isinstance(recompute, str):
@@ -339,7 +344,8 @@ def _plan_fields(data: object) -> dict:
     known = set(Plan.__dataclass_fields__)
     unknown = set(data) - known - {"format", "mesh", "derived"}
     if unknown:
-        raise PlanError(f"unknown field(s) {sorted(unknown, key=str)}; known: {sorted(known)}")
+        raise PlanError(f"unknown field(s) {sorted(unknown, key=str)}{close_matches(sorted(unknown, key=str)[0], known)}; "
+                        f"known: {sorted(known)}")
     raw_stages = data.get("stages", [])
     if not isinstance(raw_stages, list):
         raise PlanError(f"stages must be a list of {{start, end, tp, recompute}} objects, got {brief(raw_stages)}")

@@ -307,7 +307,8 @@ class ParallelSupport:
             return (f"cp={cp}: the model has attention layers of types {sorted(layer_types)}; the CP path runs "
                     f"full causal attention only. {fix}")
         if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == "alibi":
-            return f"cp={cp}: the model adds ALiBi position biases to its attention scores, which the CP path does not shard. {fix}"
+            return (f"cp={cp}: the model adds ALiBi position biases to its attention scores, which the CP path "
+                    f"does not shard. {fix}")
         if self.graph is None:
             return ""
         seq = self.graph.input_shapes[0][1] if self.graph.input_shapes and len(self.graph.input_shapes[0]) > 1 else 0

@@ -7,12 +7,14 @@ from __future__ import annotations
 import re
 
 from nest_fx.common.fileio import brief
+from nest_fx.common.names import close_matches
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 PLACEMENTS = ("stage-major", "replica-major")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/plan_format.md
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
+RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches
 _RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
 
 
@@ -27,4 +29,4 @@ def recompute_problem(value: object) -> str:
     """
     if isinstance(value, str) and _RECOMPUTE.match(value):
         return ""
-    return f"{brief(value)} is not a recompute policy; use {RECOMPUTE_FORMS}"
+    return f"{brief(value)} is not a recompute policy{close_matches(value, RECOMPUTE_NAMES)}; use {RECOMPUTE_FORMS}"

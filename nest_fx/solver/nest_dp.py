@@ -6,10 +6,10 @@ placement) and one pipeline depth p, the step time is
     T = pipeline_span(max_i t_i, sum_i s_i) + max_i q_i
 
 where stage i's per-microbatch time t_i, span s_i (``results.microbatch_time``) and tail q_i
-(exposed DP sync + optimizer) are the simulator's own terms (``step_time.stage_cost``, here evaluated for all stage slots at once by
-``stage_table.StageTable``). Stage i's cost depends only on its index (in-flight microbatches,
-its ranks and hence the network level of its boundary and of its DP group), its layer range and
-its recompute mode; so a DP over states (stage index i, layers consumed b) enumerates all
+(exposed DP sync + optimizer) are the simulator's own terms (``step_time.stage_cost``, here
+evaluated for all stage slots at once by ``stage_table.StageTable``). Stage i's cost depends only
+on its index (in-flight microbatches, its ranks and hence the network level of its boundary and of
+its DP group), its layer range and its recompute mode; so a DP over states (stage index i, layers consumed b) enumerates all
 contiguous partitions. T is monotone in the three aggregates (max t, sum s, max q), so keeping,
 per state, the Pareto-optimal aggregate triples is exact. Per (stage, layer range) only the
 recompute modes whose (t, s, q) no other fitting mode beats are tried

@@ -29,7 +29,8 @@ class Placement:
     cluster: object  # the cluster as plans with this order see it (``cost.placement.placed``)
 
 
-def placements(cluster: ClusterModel, tp_degrees: Iterable[int], search: bool = True) -> Tuple[List[Placement], Dict[int, List[int]]]:
+def placements(cluster: ClusterModel, tp_degrees: Iterable[int],
+               search: bool = True) -> Tuple[List[Placement], Dict[int, List[int]]]:
     """(candidate placements, indices of the candidates for each TP degree).
 
     Index 0 is always the cluster's own order (the identity ``device_order``). Without

@@ -70,14 +70,19 @@ def check_runtime_constraints(constraints: Optional[Constraints], model: torch.n
 
 
 def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
-                constraints: Optional[Constraints] = None, *, one_microbatch: bool = True) -> Callable:
+                constraints: Optional[Constraints] = None, *, one_microbatch: bool = True,
+                loss_parallel: bool = True) -> Callable:
     """``planner(graph, cluster, world_size, global_batch) -> Plan`` for ``auto_parallelize``:
     the NEST DP restricted to what the runtime runs (:func:`runtime_options`; every rank used,
     uniform TP, the launched rank order: a device order needs the process group numbered for it
     before it exists) and to the user's ``constraints`` (``nest_fx.solver.constraints``). ``one_microbatch``: when the
     model's numbers depend on the microbatch split (``ParallelSupport.microbatch_problem``:
-    BatchNorm), only plans with one microbatch per step."""
+    BatchNorm), only plans with one microbatch per step. ``loss_parallel=False``: the training loss
+    cannot be computed from vocabulary shards, so no plan with loss parallelism (unless the
+    ``constraints`` fix it, which the runtime's checks then refuse with the reason)."""
     base = options or SolverOptions(time_budget=30.0)
+    if not loss_parallel:
+        base = dataclasses.replace(base, loss_parallel=False)
 
     def plan(graph, cluster, world_size: int, global_batch: int) -> Plan:
         check_runtime_constraints(constraints, model, graph)

@@ -10,6 +10,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY
+from nest_fx.common.names import close_matches
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.workload.types import (COMM_GROUPS, RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims,
                                     Workload, WorkloadError)
@@ -162,7 +163,8 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
     allowed = set(ModelDims.__dataclass_fields__)
     bad = set(dims_raw) - allowed
     if bad:
-        raise WorkloadError(f"{where}.dims: unknown field(s) {sorted(bad, key=str)}; known: {sorted(allowed)}")
+        raise WorkloadError(f"{where}.dims: unknown field(s) {sorted(bad, key=str)}"
+                            f"{close_matches(sorted(bad, key=str)[0], allowed)}; known: {sorted(allowed)}")
     dims = ModelDims(**{k: _int(v, f"{where}.dims.{k}", 1 if k in ("seq_len", "dtype_bytes") else 0)
                         for k, v in dims_raw.items()})
     raw_layers = data.get("layers")

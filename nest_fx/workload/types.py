@@ -223,7 +223,8 @@ class Workload:
             derive = getattr(self.source, "for_runtime", None)
             if derive is None:
                 raise WorkloadError(f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
-                                    f"derive them under {' and '.join(n for n, on in (('compile', compile), ('float8', float8)) if on)}"
+                                    f"derive them under "
+                                    f"{' and '.join(n for n, on in (('compile', compile), ('float8', float8)) if on)}"
                                     " (plan with --model, or without these options)")
             w = Workload(self.model, self.layers, self.dims, derive(compile=compile, float8=float8),
                          provenance=f"{self.provenance}; " + " + ".join(
@@ -312,5 +313,6 @@ def dims_from_config(cfg, *, seq_len: int, dtype_bytes: int = 2) -> ModelDims:
                      heads=get("heads", "num_attention_heads", "n_head"),
                      kv_heads=get("kv_heads", "num_key_value_heads", "heads", "num_attention_heads", "n_head"),
                      ffn_hidden=get("ffn_hidden", "intermediate_size", "n_inner"),
-                     num_experts=get("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), vocab_size=get("vocab_size"),
+                     num_experts=get("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+                     vocab_size=get("vocab_size"),
                      dtype_bytes=dtype_bytes)

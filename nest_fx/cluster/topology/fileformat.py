@@ -15,6 +15,7 @@ from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.quantities import parse_quantity
 from nest_fx.cluster.spec import CLUSTER_FORMAT, Cluster
 from nest_fx.common.fileio import read_document
+from nest_fx.common.names import close_matches
 from nest_fx.cluster.topology.model import Link, Topology, TopologyError
 
 TOPOLOGY_FORMAT = "nest-fx-topology/1"
@@ -52,7 +53,8 @@ def _mapping(data: object, path: str, required: Tuple[str, ...], optional: Tuple
         raise TopologyError(f"{path}: missing key(s) {missing}")
     unknown = sorted(set(data) - set(required) - set(optional))
     if unknown:
-        raise TopologyError(f"{path}: unknown key(s) {unknown}; expected {list(required + optional)}")
+        raise TopologyError(f"{path}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
+                            f"expected {list(required + optional)}")
     return data
 
 
