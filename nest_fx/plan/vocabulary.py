@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from nest_fx.common.fileio import brief
+from nest_fx.common.limits import MAX_COUNT
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 PLACEMENTS = ("stage-major", "replica-major")
@@ -28,3 +29,15 @@ def recompute_problem(value: object) -> str:
     if isinstance(value, str) and _RECOMPUTE.match(value):
         return ""
     return f"{brief(value)} is not a recompute policy; use {RECOMPUTE_FORMS}"
+
+
+def schedule_problem(value: object) -> str:
+    """'' when ``value`` names a schedule (``interleaved:V`` with V >= 2 for a fixed interleave
+    factor), else what is wrong."""
+    if isinstance(value, str):
+        name, _, v = value.partition(":")
+        if name in SCHEDULES and not v:
+            return ""
+        if name == "interleaved" and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
+            return ""
+    return f"{brief(value)} is not a schedule; use {', '.join(SCHEDULES)} or interleaved:V (V >= 2 model chunks)"
