@@ -36,8 +36,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
-from nest_fx.plan.vocabulary import (OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, RECOMPUTE_FORMS, SCHEDULES,
-                                     recompute_problem, schedule_problem)
+from nest_fx.plan.vocabulary import (OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, SCHEDULES, recompute_problem,
+                                     schedule_problem)
 
 ROLES = ("degree", "flag", "choice", "option", "record")
 SCOPES = ("plan", "stage", "derived", "run")
@@ -162,7 +162,7 @@ SETTINGS: Tuple[Setting, ...] = (
             "degree", minimum=1, example_flag="--ep"),
     Setting("cp", int, 1, "context parallel: each stage replica's sequence is split over cp x tp devices",
             "degree", minimum=1, example_flag="--cp"),
-    Setting("zero", int, 0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2)",
+    Setting("zero", int, 0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2; e.g. 3)",
             "choice", values=(0, 1, 2, 3), allowed="zero_stages", flag="--zero", metavar="Z[,Z]",
             entry_check=_zero_check, example_flag="--zero"),
     Setting("dp_shard", int, 0, "HSDP: shard over groups of dp_shard consecutive replicas, replicate across; "
@@ -170,23 +170,25 @@ SETTINGS: Tuple[Setting, ...] = (
     # -- flags (Constraints fix) ---------------------------------------------------------------
     Setting("loss_parallel", bool, False, "vocabulary-parallel cross-entropy over the last stage's TP group",
             "flag", example_flag="--loss-parallel"),
-    Setting("compile", bool, False, "torch.compile each block (costed: fused elementwise ops, no TP yet)", "flag",
+    Setting("compile", bool, False, "torch.compile each block (costed: fused elementwise ops, fewer launches; "
+            "docs/cost_model.md)", "flag",
             flag="--compile", example_flag="--compile"),
     Setting("float8", bool, False, "Float8 linears (torchao) on devices with fp8 tensor cores (costed: fp8 GEMM "
-            "rate, casts, fp8 weight all-gathers)", "flag", flag="--float8"),
+            "rate, casts, fp8 weight all-gathers; docs/cost_model.md)", "flag", flag="--float8"),
     # -- training options (costed, never relaxed) ----------------------------------------------
     Setting("precision", str, "", "fp32 | bf16-mixed (bf16 parameters and compute, fp32 master weights, "
             "optimizer states and gradient reduction) | bf16-true (everything bf16); '' = not recorded (costed "
             "as the cost options say; the runtime keeps the model's dtype). Planner default: bf16-mixed on "
             "devices with bf16 matrix units, fp32 elsewhere", "option", values=("",) + PRECISIONS,
-            flag="--precision", metavar="P", example_flag="--precision"),
+            flag="--precision", example_flag="--precision"),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),
     # -- choices (Constraints lists of allowed values) -----------------------------------------
-    Setting("microbatch_size", int, 1, "sequences per microbatch", "choice", minimum=1, allowed="microbatch_sizes",
+    Setting("microbatch_size", int, 1, "sequences per microbatch (e.g. 2)", "choice", minimum=1, allowed="microbatch_sizes",
             flag="--microbatch", metavar="B[,B]", entry_check=_size_check),
     Setting("num_microbatches", int, 1, "microbatches per step and replica", "record", minimum=1,
             example_flag="--microbatches"),
-    Setting("schedule", str, "1f1b", "pipeline schedule", "choice", values=SCHEDULES, allowed="schedules",
+    Setting("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (the planner's interleave "
+            "factors) or interleaved:V", "choice", values=SCHEDULES, allowed="schedules",
             flag="--schedule", metavar="S[,S]", entry_check=schedule_problem, example_flag="--schedule"),
     Setting("virtual_stages", int, 1, "model chunks per device (the interleaved schedule's v)", "record", minimum=1),
     Setting("sequence_parallel", bool, False, "shard TP activations on the sequence dim between regions", "flag",
@@ -194,7 +196,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("placement", str, "stage-major", "how stages and replicas sit on the rank order", "choice",
             values=PLACEMENTS, allowed="placements", flag="--placement", metavar="P[,P]",
             entry_check=_placement_check),
-    Setting("recompute", str, "none", f"activation recomputation of a stage: {RECOMPUTE_FORMS}", "choice",
+    Setting("recompute", str, "none", "activation recomputation of a stage: none, full, every:K (every K-th "
+            "block), op (torchtitan's op-level selective checkpointing), op:POLICY, selective (attention core "
+            "only); the planner tries all, dropping those never better in time and memory", "choice",
             scope="stage", allowed="recompute", flag="--recompute", metavar="R[,R]", entry_check=_recompute_check,
             example_flag="--recompute"),
     # -- records -------------------------------------------------------------------------------
@@ -215,11 +219,12 @@ SETTINGS: Tuple[Setting, ...] = (
             factory=dict, annotation="Dict[str, float]"),
     Setting("notes", str, "", "free text", "record"),
     # -- options recorded in the constraints only ----------------------------------------------
-    Setting("memory_headroom", float, 0.05, "device memory left unused, a fraction in [0, 1) (the CUDA context "
-            "and allocator fragmentation)", "option", scope="run", entry_check=_fraction_check,
+    Setting("memory_headroom", float, 0.05, "device memory to leave unused, a fraction in [0, 1) or a percentage "
+            "(default 0.05: the CUDA context and allocator fragmentation), e.g. 0.1 or 10%", "option", scope="run", entry_check=_fraction_check,
             flag="--memory-headroom", metavar="F"),
-    Setting("optimizer", str, "adam", "the optimizer the plan is costed for", "option", scope="run",
-            values=OPTIMIZER_NAMES, flag="--optimizer", metavar="NAME"),
+    Setting("optimizer", str, "adam", "the optimizer trained with: its state bytes and update traffic are costed "
+            "(sgd is PyTorch's SGD without momentum)", "option", scope="run",
+            values=OPTIMIZER_NAMES, flag="--optimizer"),
 )
 
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -272,16 +277,25 @@ def value_problem(name: str, value: object) -> str:
 # -- the command line -------------------------------------------------------------------------
 
 def _help(s: Setting) -> str:
+    text = s.doc.replace("%", "%%")  # argparse formats help with %
     if s.role == "choice":
-        return f"{s.doc}: the values allowed, comma-separated"
-    return s.doc
+        return f"allowed values, comma-separated: {text}"
+    if s.role == "flag":
+        return f"{text}; shorthand for --fix {s.name}=true"
+    return text
+
+
+def _option_default(s: Setting) -> Any:
+    """An option's flag default: its declared default when it is one of a closed set (the
+    optimizer, always recorded), else None (given only: the precision defaults per device)."""
+    return s.default if s.values and s.default not in ("", None) else None
 
 
 def add_constraint_flags(group: argparse._ActionsContainer) -> None:
     """The constraint flags of ``nest-fx plan``: ``--fix/--min/--max`` (degrees and flags), one
     flag per choice (its allowed values) and per option (its value), each from its declaration."""
     group.add_argument("--fix", metavar="K=V[,K=V]", help=f"fix degrees or flags: {', '.join(DEGREES)}; "
-                       f"{', '.join(f'{f}=true|false' for f in FLAGS)}")
+                       f"{', '.join(FLAGS)} (e.g. --fix tp=8,pp=16; --fix pp=1: no pipeline)")
     group.add_argument("--min", metavar="K=V[,K=V]", help="lower bounds on degrees (e.g. --min dp=8)")
     group.add_argument("--max", metavar="K=V[,K=V]", help="upper bounds on degrees (e.g. --max tp=4,pp=8)")
     group.add_argument("--max-tp", type=int, help="shorthand for --max tp=N")
@@ -290,21 +304,19 @@ def add_constraint_flags(group: argparse._ActionsContainer) -> None:
         if not s.flag:
             continue
         if s.role == "flag":
-            group.add_argument(s.flag, action="store_true", help=f"{s.doc} (shorthand for --fix {s.name}=true)")
+            group.add_argument(s.flag, action="store_true", help=_help(s))
         elif s.role == "option":
-            values = [v for v in s.values if v != ""]
-            default_text = f" (default {s.default})" if s.default not in ("", None) else ""
-            group.add_argument(s.flag, metavar=s.metavar, choices=values or None,
-                               default=None, help=f"{s.doc}{default_text}")
+            add_option_flag(group, s.name)
         else:
             group.add_argument(s.flag, metavar=s.metavar, help=_help(s))
 
 
 def add_option_flag(parser: argparse._ActionsContainer, name: str, help_prefix: str = "") -> None:
-    """One option's flag (``--precision``) on another command (``simulate``)."""
+    """One option's flag (``--precision``), also on other commands (``simulate``)."""
     s = setting(name)
-    parser.add_argument(s.flag, metavar=s.metavar, choices=[v for v in s.values if v != ""] or None,
-                        default=None, help=f"{help_prefix}{s.doc}")
+    shown = _option_default(s)
+    parser.add_argument(s.flag, metavar=s.metavar or None, choices=[v for v in s.values if v != ""] or None,
+                        default=shown, help=f"{help_prefix}{_help(s)}" + (f" (default {shown})" if shown else ""))
 
 
 def dest(s: Setting) -> str:
@@ -352,9 +364,6 @@ def example_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) 
             parser.add_argument(s.example_flag, type=s.type, default=value, help=s.doc)
 
 
-def example_value(args: argparse.Namespace, name: str) -> Any:
-    """The value an example's flag gave setting ``name``."""
-    return getattr(args, setting(name).example_flag.lstrip("-").replace("-", "_"))
-
-
-
+def example_values(args: argparse.Namespace) -> Dict[str, Any]:
+    """The value each example flag gave its setting, by setting name."""
+    return {s.name: getattr(args, s.example_flag.lstrip("-").replace("-", "_")) for s in SETTINGS if s.example_flag}
