@@ -58,7 +58,7 @@ from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, fo
                                       stage_groups)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.workload.types import Comm, LayerCost, Workload, WorkloadError
+from nest_fx.workload.types import Comm, LayerCost, Variant, Workload, WorkloadError
 
 COMM_KEYS = ("tp", "ep", "cp")
 
@@ -143,8 +143,8 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute,
                    overlap_p2p=options.overlap_p2p)
     groups = stage_groups(plan, i)
-    variant = (plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp, plan.loss_parallel)
-    distinct = workload.range_costs(stage.start, stage.end, stage.tp, *variant)
+    variant = stage_variant(plan, i)
+    distinct = workload.range_costs(stage.start, stage.end, variant)
     terms = held_terms(compute_terms(distinct, stage.recompute), plan.pp)
     by_group = {"tp": groups.tp, "ep": groups.ep, "cp": groups.cp}
     comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
@@ -154,7 +154,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc.tp_comm = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, options)
     if i > 0:
         prev = plan.stages[i - 1]
-        out = workload.cost(prev.end - 1, prev.tp, *variant).out_bytes / plan.cp
+        out = workload.cost(prev.end - 1, variant._replace(tp=prev.tp)).out_bytes / plan.cp
         sc.p2p = p2p_time(cluster, groups, out, prev.tp, stage.tp)
     # -- data-parallel sync -----------------------------------------------------------------
     dense = terms.params - terms.expert_params
@@ -163,7 +163,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp * plan.cp, plan.ep, zero,
                               plan.num_microbatches, options, fsdp_units(terms),
                               terms.fp8_params if plan.float8 else 0.0)
-    sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, stage.tp, variant), zero, shard, options)
+    sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
     held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
                                         plan.virtual_stages)
@@ -171,7 +171,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
                                           memory.model_states(terms.expert_params, zero, expert_shard, options),
                                           held, terms.layer_peak,
-                                          workload.cost(stage.end - 1, stage.tp, *variant).out_bytes / plan.cp,
+                                          workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
                                           *memory.working_sets(terms, zero, shard, options),
                                           num_microbatches=plan.num_microbatches)
     sc.reserved = memory.reserved_bytes(mem["total"], options)
@@ -180,10 +180,16 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     return sc
 
 
-def tied_params(workload: Workload, tp: int, variant: tuple) -> float:
+def stage_variant(plan: Plan, i: int) -> Variant:
+    """The workload variant stage ``i`` of ``plan`` runs (``Workload.cost``)."""
+    return Variant(plan.stages[i].tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp,
+                   plan.loss_parallel)
+
+
+def tied_params(workload: Workload, variant: Variant) -> float:
     """Parameters of the embedding a tied LM head shares (``LayerCost.tied_params`` of the
     tail; 0 when untied)."""
-    return workload.cost(len(workload) - 1, tp, *variant).tied_params
+    return workload.cost(len(workload) - 1, variant).tied_params
 
 
 def tied_sync_time(cluster, groups: StageGroups, params: Count, zero: int, shard: int, options: CostOptions) -> Count:
@@ -310,13 +316,12 @@ def check_variants(plan: Plan, workload: Workload) -> None:
     list, loss parallelism on a tied LM head, or a recompute policy the runtime does not know or
     a layer table does not cost."""
     for i, stage in enumerate(plan.stages):
-        problem = workload.variant_problem(stage.tp, plan.ep, plan.sequence_parallel, plan.cp,
-                                           plan.loss_parallel and i == plan.pp - 1)
+        variant = stage_variant(plan, i)
+        problem = workload.variant_problem(variant._replace(loss_parallel=plan.loss_parallel and i == plan.pp - 1))
         if problem:
             raise PlanError(f"stages[{i}]: {problem} (a plan for another model, or a layer table "
                             "without this variant?)")
-        have = workload.recompute_policies(stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp,
-                                           plan.loss_parallel)
+        have = workload.recompute_policies(variant)
         problem = recompute_policy_problem(stage.recompute)
         if problem:
             raise PlanError(f"stages[{i}]: {problem}")

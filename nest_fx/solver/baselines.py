@@ -177,7 +177,7 @@ def exhaustive(workload: Workload, cluster, global_batch: int, options: Optional
     for _, g, p in candidates(workload, cluster, global_batch, options, expand=True):
         m = g.microbatches(global_batch)
         for ranges in all_partitions(len(workload), p):
-            if any(b - a < g.v for a, b in ranges):
+            if any(b - a < g.virtual_stages for a, b in ranges):
                 continue  # the interleaved schedule runs v chunks of at least one layer per stage
             for modes in itertools.product(options.recompute, repeat=p):
                 plan = g.plan([StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,

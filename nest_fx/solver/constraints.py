@@ -25,7 +25,7 @@ from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pair
 from nest_fx.plan.support import unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
 from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
-from nest_fx.workload import Workload
+from nest_fx.workload import Variant, Workload
 
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
 NEVER_RELAXED = ("optimizer", "fix.compile", "fix.float8")  # how the model is trained, not a preference
@@ -94,7 +94,7 @@ def _searched_degrees(c: Constraints, degree: str, tried: Sequence[int], what: s
 
 def _cp_degrees(c: Constraints, options: SolverOptions, workload: Workload) -> Tuple[int, ...]:
     return _searched_degrees(c, "cp", options.cp_degrees, "context-parallel",
-                             lambda cp: workload.variant_problem(1, 1, False, cp) if cp > 1 else "")
+                             lambda cp: workload.variant_problem(Variant(cp=cp)) if cp > 1 else "")
 
 
 def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, cluster) -> Tuple[int, ...]:
@@ -104,7 +104,7 @@ def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, clus
         if options.tp_within_node and tp > node:
             return (f"tensor parallelism stays inside one {cluster.levels[0].name} of {node} devices on "
                     f"{cluster.name}; use tp <= {node}")
-        return workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
+        return workload.variant_problem(Variant(tp, sequence_parallel=options.sequence_parallel and tp > 1))
 
     return _searched_degrees(c, "tp", options.tp_degrees, "tensor-parallel", problem)
 

@@ -10,8 +10,9 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
+from nest_fx.plan.settings import SETTINGS, add_fields
 from nest_fx.plan.support import unrun_combination
-from nest_fx.workload import Workload
+from nest_fx.workload import Variant, Workload
 
 ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
 # every per-layer policy and a ladder of layer intervals; the search drops those another policy
@@ -53,29 +54,28 @@ class SolverOptions:
         return lo <= value <= hi
 
 
-@dataclass(frozen=True)
-class GlobalConfig:
-    """Knobs shared by all stages of a plan (the outer loop of the search). ``v`` is the
-    interleave factor (1 for 1F1B and GPipe; ``ANY_INTERLEAVE`` for the family of every factor of
-    one (config, depth) pair, expanded by the search)."""
+# the plan settings one configuration of the search fixes for every stage (its outer loop): every
+# degree, flag, choice and option of a plan or stage but the per-stage recompute policy, and the
+# interleave factor; a GlobalConfig has one field per setting, named and defaulted as declared
+GLOBAL_SETTINGS = tuple(s for s in SETTINGS if (s.scope == "plan" and s.role != "record") or s.name in
+                        ("tp", "virtual_stages"))
 
-    tp: int
-    dp: int
-    ep: int
-    mbs: int
-    zero: int
-    schedule: str
-    v: int
-    placement: str
-    sp: bool
-    cp: int = 1
-    dp_shard: int = 0  # HSDP shard group in replicas; 0 = ZeRO over all of dp
-    lp: bool = False  # loss parallel
-    compile: bool = False
-    float8: bool = False
+
+@dataclass(frozen=True)
+@add_fields(GLOBAL_SETTINGS)
+class GlobalConfig:
+    """Settings shared by all stages of a plan (the outer loop of the search): the fields of
+    :data:`GLOBAL_SETTINGS`. ``virtual_stages`` is the interleave factor (1 for 1F1B and GPipe;
+    ``ANY_INTERLEAVE`` for the family of every factor of one (config, depth) pair, expanded by
+    the search)."""
 
     def microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.mbs)
+        return global_batch // (self.dp * self.microbatch_size)
+
+    @property
+    def variant(self) -> Variant:
+        """The workload variant of this configuration (``Workload.cost``)."""
+        return Variant(self.tp, self.ep, self.microbatch_size, self.sequence_parallel, self.cp, self.loss_parallel)
 
     @property
     def shard(self) -> int:
@@ -84,20 +84,14 @@ class GlobalConfig:
 
     def plan(self, stages: List[StagePlan], m: int, workload: Workload, cluster, **fields) -> Plan:
         """The plan of this configuration with ``stages`` and ``m`` microbatches."""
-        return Plan(stages=stages, dp=self.dp, ep=self.ep, cp=self.cp, zero=self.zero, dp_shard=self.dp_shard,
-                    loss_parallel=self.lp, compile=self.compile, float8=self.float8, microbatch_size=self.mbs,
-                    num_microbatches=m, schedule=self.schedule, virtual_stages=self.v,
-                    sequence_parallel=self.sp, placement=self.placement, model=workload.model,
-                    model_fingerprint=workload.fingerprint, num_layers=len(workload),
-                    world_size=cluster.num_devices, **fields)
+        shared = {s.name: getattr(self, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"}
+        return Plan(stages=stages, num_microbatches=m, model=workload.model, model_fingerprint=workload.fingerprint,
+                    num_layers=len(workload), world_size=cluster.num_devices, **shared, **fields)
 
     @classmethod
     def of(cls, plan: Plan) -> "GlobalConfig":
         """The configuration of a plan with uniform TP."""
-        return cls(tp=plan.stages[0].tp, dp=plan.dp, ep=plan.ep, mbs=plan.microbatch_size, zero=plan.zero,
-                   schedule=plan.schedule, v=plan.virtual_stages, placement=plan.placement,
-                   sp=plan.sequence_parallel, cp=plan.cp, dp_shard=plan.dp_shard, lp=plan.loss_parallel,
-                   compile=plan.compile, float8=plan.float8)
+        return cls(tp=plan.stages[0].tp, **{s.name: getattr(plan, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"})
 
 
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
@@ -118,9 +112,9 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
         if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
                 or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
                 or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, **runtime)
-                or not workload.supports(tp, ep, sp, cp)):
+                or not workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp))):
             continue
-        lp = tp > 1 and options.loss_parallel is not False and workload.supports(tp, ep, sp, cp, True)
+        lp = tp > 1 and options.loss_parallel is not False and workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp, loss_parallel=True))
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
@@ -135,9 +129,10 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                     for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
                         for schedule, v in options.schedules:
                             for placement in options.placements:
-                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
-                                                   v=v if schedule == "interleaved" else 1, placement=placement,
-                                                   sp=sp, cp=cp, dp_shard=dp_shard, lp=lp, **runtime)
+                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, microbatch_size=mbs, zero=zero,
+                                                   schedule=schedule, placement=placement, sequence_parallel=sp,
+                                                   virtual_stages=v if schedule == "interleaved" else 1, cp=cp,
+                                                   dp_shard=dp_shard, loss_parallel=lp, **runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -200,7 +195,7 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
         most = min(most, options.max_stages)
     out = []
     for p in range(options.degree_bounds.get("pp", (1, 1))[0], most + 1):
-        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * max(g.v, 2)):
+        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * max(g.virtual_stages, 2)):
             continue
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
@@ -221,9 +216,9 @@ def interleave_factors(workload: Workload, p: int) -> List[int]:
 
 def concrete(g: GlobalConfig, workload: Workload, p: int) -> List[GlobalConfig]:
     """``g`` with each interleave factor it stands for at depth ``p`` (itself when concrete)."""
-    if g.schedule != "interleaved" or g.v != ANY_INTERLEAVE:
+    if g.schedule != "interleaved" or g.virtual_stages != ANY_INTERLEAVE:
         return [g]
-    return [dataclasses.replace(g, v=v) for v in interleave_factors(workload, p)]
+    return [dataclasses.replace(g, virtual_stages=v) for v in interleave_factors(workload, p)]
 
 
 def objective(max_t: float, sum_s: float, max_q: float, m: int, schedule: str, v: int) -> float:
