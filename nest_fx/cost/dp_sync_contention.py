@@ -46,7 +46,7 @@ def stage_gradient_bytes(plan: Plan, workload: Workload, options: CostOptions) -
     for i, stage in enumerate(plan.stages):
         costs = workload.range_costs(stage.start, stage.end, stage_variant(plan, i))
         dense = sum((c.num_params - c.expert_params) * count for c, count in costs)
-        out.append(dense * options.grad_bytes)
+        out.append(dense * options.reduce_dtype_bytes())
     return out
 
 

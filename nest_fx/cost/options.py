@@ -22,6 +22,10 @@ class CostOptions:
     param_bytes: int = 2  # training dtype (bf16)
     grad_bytes: int = 2
     master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
+    # gradients as data parallelism reduces them (bytes per element); None: as held (grad_bytes).
+    # bf16-mixed reduces in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)): 4
+    reduce_bytes: Optional[int] = None
+    state_bytes: int = 4  # width of the optimizer's state tensors (bf16-true keeps them in bf16: 2)
     overlap_grad_sync: bool = True
     bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
@@ -49,7 +53,11 @@ class CostOptions:
         set, else the optimizer's (``nest_fx.cost.optimizers``)."""
         if self.bytes_per_param_update is not None:
             return self.bytes_per_param_update
-        return optimizer_cost(self.optimizer).update_bytes
+        return optimizer_cost(self.optimizer).update_bytes * self.state_bytes / 4  # the table counts fp32
+
+    def reduce_dtype_bytes(self) -> int:
+        """Bytes per gradient element data parallelism moves: ``reduce_bytes``, else ``grad_bytes``."""
+        return self.reduce_bytes if self.reduce_bytes is not None else self.grad_bytes
 
     @classmethod
     def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":

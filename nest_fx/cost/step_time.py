@@ -53,6 +53,7 @@ from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
                                       stage_groups)
@@ -199,7 +200,7 @@ def tied_sync_time(cluster, groups: StageGroups, params: Count, zero: int, shard
     without a tie."""
     if not groups.tied or not _any(params):
         return 0.0
-    nbytes = params * options.grad_bytes / (shard if zero >= 1 else 1)
+    nbytes = params * options.reduce_dtype_bytes() / (shard if zero >= 1 else 1)
     times = [collective_fn("p2p", cluster, pair)(nbytes) for pair in groups.tied]
     return np.maximum.reduce(times) if isinstance(nbytes, np.ndarray) else max(times)
 
@@ -238,7 +239,7 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
         total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):
-        m, pbytes, gbytes = num_microbatches, options.param_bytes, options.grad_bytes
+        m, pbytes, gbytes = num_microbatches, options.param_bytes, options.reduce_dtype_bytes()
         # (all-gathers, reduce-scatters) per unit and step, as the runtime issues them
         gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero]
         params = dense_params + expert_params
@@ -254,7 +255,7 @@ def _sync_volume_time(cluster, groups: StageGroups, params: Count, zero: int, m:
     ``groups.dp``, or under HSDP over ``groups.shard`` and ``groups.replicate``."""
     if len(groups.dp) <= 1:
         return 0.0
-    gbytes, pbytes = options.grad_bytes, options.param_bytes
+    gbytes, pbytes = options.reduce_dtype_bytes(), options.param_bytes
     grads = params * gbytes
     gathered = (params - fp8_params) * pbytes + fp8_params  # Float8 weights travel in 1 byte
     if groups.replicate:  # HSDP: reduce-scatter in the shard group, all-reduce the shard across
@@ -336,15 +337,17 @@ def check_variants(plan: Plan, workload: Workload) -> None:
 def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Optional[CostOptions] = None) -> SimResult:
     """Predict step time, throughput and per-device memory of ``plan`` (validated first), with
     its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``),
-    its layers costed as the plan runs them (``compile``, ``float8``: ``Workload.for_runtime``)."""
-    options = options or CostOptions()
+    its layers costed as the plan runs them (``compile``, ``float8``, the compute dtype of its
+    ``precision``: ``Workload.for_runtime``) and its model states and gradient traffic in the
+    bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
+    options = priced_options(plan.precision, options or CostOptions())
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
     if plan.float8 and not cluster.device.peak_flops.get("fp8"):
         raise PlanError(f"float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops list no "
                         "'fp8'); Float8 linears need fp8 tensor cores. fix: float8=false, or a device that has them")
     try:
-        workload = workload.for_runtime(plan.compile, plan.float8)
+        workload = workload.for_runtime(plan.compile, plan.float8, compute_dtype(plan.precision))
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None
     check_variants(plan, workload)

@@ -101,7 +101,7 @@ def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
     zero = memory.effective_zero_stage(g.zero, p)
     states = memory.model_state_bytes(cache.replica_params(g) / p, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
                                       param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
-                                      master_weights=o.master_weights)["total"]
+                                      master_weights=o.master_weights, state_dtype_bytes=o.state_bytes)["total"]
     return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
 
 

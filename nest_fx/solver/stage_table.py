@@ -262,7 +262,8 @@ class TableCache:
         whole = rc.cls[0, n]
         per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
                                              param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
-                                             master_weights=o.master_weights)["total"]
+                                             master_weights=o.master_weights,
+                                             state_dtype_bytes=o.state_bytes)["total"]
         inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
         params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)

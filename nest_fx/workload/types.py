@@ -27,6 +27,7 @@ from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
+DTYPE_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of the dtypes a workload is costed in
 RECOMPUTE_MODES = ("none", "selective", "full")  # the policies every layer table has (defaults for the others)
 COMM_GROUPS = ("tp", "ep", "cp")
 
@@ -169,9 +170,10 @@ class Workload:
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
-        self._runtime: Dict[Tuple[bool, bool], "Workload"] = {}
+        self._runtime: Dict[Tuple[bool, bool, Optional[str]], "Workload"] = {}
         self.compile = False  # costed with torch.compile on every block (for_runtime)
         self.float8 = False  # costed with Float8 linears (for_runtime)
+        self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
 
     def __len__(self) -> int:
@@ -238,25 +240,38 @@ class Workload:
             self._policies[key] = tuple(p for p in LAYER_POLICIES if p in have)
         return self._policies[key]
 
-    def for_runtime(self, compile: bool = False, float8: bool = False) -> "Workload":
+    def for_runtime(self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None) -> "Workload":
         """This chain costed as the runtime runs it with ``torch.compile`` on every block and/or
-        Float8 linears (``docs/cost_model.md``); ``self`` when neither is on. WorkloadError when
-        the cost source cannot derive them (a layer table holds what was measured)."""
-        if (compile, float8) == (self.compile, self.float8):
+        Float8 linears (``docs/cost_model.md``), and computing in ``dtype`` ("fp32", "bf16":
+        the device's rate for it, activations of its width; None or a workload of unknown dtype:
+        as built); ``self`` when nothing changes. WorkloadError when the cost source cannot derive
+        them (a layer table holds what was measured; a profile, the dtype it was measured in)."""
+        dtype = dtype if dtype and self.dtype else self.dtype
+        if (compile, float8, dtype) == (self.compile, self.float8, self.dtype):
             return self
         if self.base is not None:
-            return self.base.for_runtime(compile, float8)
-        key = (compile, float8)
+            return self.base.for_runtime(compile, float8, dtype)
+        key = (compile, float8, dtype)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
             if derive is None:
                 raise WorkloadError(f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
                                     f"derive them under {' and '.join(n for n, on in (('compile', compile), ('float8', float8)) if on)}"
                                     " (plan with --model, or without these options)")
-            w = Workload(self.model, self.layers, self.dims, derive(compile=compile, float8=float8),
-                         provenance=f"{self.provenance}; " + " + ".join(
-                             n for n, on in (("torch.compile", compile), ("Float8", float8)) if on))
-            w.compile, w.float8, w.base = compile, float8, self
+            changes = [n for n, on in (("torch.compile", compile), ("Float8", float8)) if on]
+            dims, kwargs = self.dims, {}
+            if dtype != self.dtype:
+                try:
+                    kwargs = dict(timing=self.source.timing.in_dtype(dtype),
+                                  byte_scale=DTYPE_WIDTH[dtype] / DTYPE_WIDTH[self.dtype])
+                except (AttributeError, KeyError, ValueError) as exc:
+                    raise WorkloadError(f"{self.model}: cannot re-cost the workload from {self.dtype} in {dtype} "
+                                        f"({exc})") from None
+                dims = replace(dims, dtype_bytes=DTYPE_WIDTH[dtype])
+                changes.append(f"in {dtype}")
+            w = Workload(self.model, self.layers, dims, derive(compile=compile, float8=float8, **kwargs),
+                         provenance=f"{self.provenance}; " + " + ".join(changes))
+            w.compile, w.float8, w.dtype, w.base = compile, float8, dtype, self
             self._runtime[key] = w
         return self._runtime[key]
 
