@@ -101,3 +101,36 @@ def test_priced_options_leave_other_options():
     assert (priced.optimizer, priced.overlap_grad_sync) == ("sgd", False)
     assert priced_options("", base) is base
     assert dataclasses.replace(priced, param_bytes=2) != priced
+
+
+SMALL = "gpt:hidden=256,layers=4,heads=4,seq=256,vocab=4096"
+
+
+@pytest.mark.parametrize("cluster, expected", [("cpu-gloo:4", "fp32"), ("dgx-a100:8", "bf16-mixed")])
+def test_the_planner_records_the_device_default(tmp_path, cluster, expected):
+    from nest_fx.cli import main
+    from nest_fx.plan import Plan
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", SMALL, "--cluster", cluster, "--global-batch", "16", "--quiet",
+                 "--no-baselines", "--json", str(out)]) == 0
+    assert Plan.load(str(out)).precision == expected
+
+
+def test_precision_flags_on_plan_and_simulate(tmp_path, capsys):
+    import json
+
+    from nest_fx.cli import main
+    from nest_fx.plan import Plan
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", SMALL, "--cluster", "dgx-a100:8", "--global-batch", "16", "--quiet",
+                 "--no-baselines", "--precision", "bf16-true", "--json", str(out)]) == 0
+    plan = Plan.load(str(out))
+    assert plan.precision == "bf16-true" and plan.constraints.precision == "bf16-true"
+    peaks = {}
+    for precision in ("bf16-true", "fp32"):
+        sim = tmp_path / f"{precision}.json"
+        main(["simulate", "--plan", str(out), "--model", SMALL, "--cluster", "dgx-a100:8", "--precision", precision,
+              "--json", str(sim)])
+        peaks[precision] = json.loads(sim.read_text())["result"]["stages"][0]["memory"]["weights"]
+    assert peaks["fp32"] == pytest.approx(2 * peaks["bf16-true"])
+    assert Plan.load(str(out)).precision == "bf16-true"  # --precision costs; the file is not changed

@@ -38,7 +38,8 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     ``time.perf_counter()`` value) when it passes. An interleaved ``g`` with ``v =
     ANY_INTERLEAVE`` stands for every factor at its depth (its bound: the largest factor's,
     the least); ``expand`` lists the factors one by one instead (the baselines)."""
-    workload = workload.for_runtime(options.compile, options.float8)
+    options = options.for_cluster(cluster)
+    workload = options.runtime_workload(workload)
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float]] = {}
     screens: Dict[tuple, np.ndarray] = {}

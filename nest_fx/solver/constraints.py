@@ -22,13 +22,14 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from nest_fx.cost.options import CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
+from nest_fx.plan.settings import DEGREES, FLAGS
 from nest_fx.plan.support import unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
 from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
 from nest_fx.workload import Variant, Workload
 
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
-NEVER_RELAXED = ("optimizer", "fix.compile", "fix.float8")  # how the model is trained, not a preference
+NEVER_RELAXED = ("optimizer", "precision", "fix.compile", "fix.float8")  # how the model is trained, not a preference
 
 
 def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
@@ -118,15 +119,16 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
         return options
     _check_recompute(c)
     changes = {"constraints": c, "cost": cost_options(c, options.cost)}
-    for flag in ("sequence_parallel", "loss_parallel", "compile", "float8"):
+    for flag in FLAGS:
         if flag in c.fix:
             changes[flag] = bool(c.fix[flag])
+    if c.precision is not None:
+        changes["precision"] = c.precision
     options = dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "constraints"})
     _check_runtime_options(c, options, cluster)
     changes["tp_degrees"] = _tp_degrees(c, options, workload, cluster)
     changes["cp_degrees"] = _cp_degrees(c, options, workload)
-    bounds = {name: c.bounds(name) for name in ("tp", "pp", "dp", "ep", "cp", "dp_shard")
-              if name in c.fix or name in c.min or name in c.max}
+    bounds = {name: c.bounds(name) for name in DEGREES if name in c.fix or name in c.min or name in c.max}
     changes["degree_bounds"] = bounds
     lo_ep, hi_ep = c.bounds("ep")
     if "ep" in bounds:
@@ -213,7 +215,7 @@ def binding_constraints(workload: Workload, cluster, global_batch: int, constrai
     time left before ``deadline`` (a ``time.perf_counter()`` value), at most
     RELAXED_SOLVE_BUDGET_S."""
     keys = [(k, text) for k, text in constraints.items() if k not in NEVER_RELAXED]
-    kept = Constraints(optimizer=constraints.optimizer,
+    kept = Constraints(optimizer=constraints.optimizer, precision=constraints.precision,
                        fix={f: constraints.fix[f] for f in ("compile", "float8") if f in constraints.fix})
     trials = [kept] + [constraints.without(k) for k, _ in keys]
     found: List[Optional[SolveResult]] = []

@@ -9,6 +9,7 @@ import torch
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cluster.spec import Cluster
 from nest_fx.common.arith import divisors
+from nest_fx.cost.precision import default_precision
 from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.support import parallel_support
@@ -91,9 +92,12 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
         workload = analytical_workload(graph, dims, cluster, param.dtype)
         # the process group exists by now (the world size comes from it) and cannot be renumbered
         # for a device order (apply.distributed.init_distributed): keep the launcher's placement
+        # precision: the user's, else bf16-true for a model already in bf16, else the device's default
+        # (bf16-mixed on GPUs, fp32 on CPUs: cost.precision.default_precision); the plan records it
+        precision = base.precision or (constraints.precision if constraints else None) or (
+            "bf16-true" if nbytes < 4 else default_precision(cluster.device))
         opts = dataclasses.replace(runtime_options(model, graph, base), use_all_devices=True, search_placement=False,
-                                   cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
-                                                            master_weights=nbytes < 4))
+                                   precision=precision)
         if one_microbatch and support.microbatch_problem(2):
             return _one_microbatch_plan(workload, cluster, world_size, global_batch, opts, constraints)
         return solve_constrained(workload, cluster, global_batch, constraints, opts).plan

@@ -166,7 +166,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
            progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
-    workload = workload.for_runtime(options.compile, options.float8)
+    options = options.for_cluster(cluster)
+    workload = options.runtime_workload(workload)
     pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest

@@ -7,6 +7,7 @@ from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.precision import compute_dtype, default_precision, priced_options
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
@@ -37,6 +38,9 @@ class SolverOptions:
     loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
     compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
     float8: bool = False  # cost Float8 linears (likewise)
+    # the precision plans train in (a plan setting, costed by nest_fx.cost.precision, not searched);
+    # None: the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
+    precision: Optional[str] = None
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
@@ -47,6 +51,18 @@ class SolverOptions:
     # (lowest, highest) of a degree: "tp", "pp", "dp", "ep", "cp", "dp_shard"; absent = unbounded
     degree_bounds: Mapping[str, Tuple[int, int]] = field(default_factory=dict)
     constraints: Optional[Constraints] = None  # the user's, recorded in the plan (solver.constraints)
+
+    def for_cluster(self, cluster) -> "SolverOptions":
+        """These options with the precision resolved for ``cluster``'s device and the cost
+        options priced in it (the search and the baselines cost every plan in it)."""
+        precision = self.precision or default_precision(cluster.device)
+        if precision == self.precision and self.cost == priced_options(precision, self.cost):
+            return self
+        return dataclasses.replace(self, precision=precision, cost=priced_options(precision, self.cost))
+
+    def runtime_workload(self, workload: Workload) -> Workload:
+        """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
+        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""))
 
     def allows(self, degree: str, value: int) -> bool:
         """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
@@ -132,7 +148,8 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                                 yield GlobalConfig(tp=tp, dp=dp, ep=ep, microbatch_size=mbs, zero=zero,
                                                    schedule=schedule, placement=placement, sequence_parallel=sp,
                                                    virtual_stages=v if schedule == "interleaved" else 1, cp=cp,
-                                                   dp_shard=dp_shard, loss_parallel=lp, **runtime)
+                                                   dp_shard=dp_shard, loss_parallel=lp,
+                                                   precision=options.precision or "", **runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -169,6 +186,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
             and plan.compile == options.compile and plan.float8 == options.float8
+            and (options.precision is None or plan.precision == options.precision)
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
