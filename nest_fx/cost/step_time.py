@@ -58,6 +58,7 @@ from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
                                       stage_groups)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem
+from nest_fx.plan.may_run import device_problems
 from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.workload.types import Comm, LayerCost, Variant, Workload, WorkloadError
 
@@ -343,9 +344,8 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     options = priced_options(plan.precision, options or CostOptions())
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
-    if plan.float8 and not cluster.device.peak_flops.get("fp8"):
-        raise PlanError(f"float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops list no "
-                        "'fp8'); Float8 linears need fp8 tensor cores. fix: float8=false, or a device that has them")
+    for problem in device_problems(cluster.device, float8=plan.float8):
+        raise PlanError(problem)
     try:
         workload = workload.for_runtime(plan.compile, plan.float8, compute_dtype(plan.precision))
     except WorkloadError as exc:

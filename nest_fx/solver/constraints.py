@@ -23,7 +23,7 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
 from nest_fx.plan.settings import DEGREES, FLAGS
-from nest_fx.plan.support import unrun_combination
+from nest_fx.plan.may_run import device_problems, unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
 from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
 from nest_fx.workload import Variant, Workload
@@ -66,9 +66,8 @@ def _check_recompute(c: Constraints) -> None:
 def _check_runtime_options(c: Constraints, options: SolverOptions, cluster) -> None:
     """ConstraintError for torch.compile / Float8 the plan cannot have: Float8 on a device without
     fp8 tensor cores, either with a fixed TP degree the runtime does not combine them with."""
-    if options.float8 and not cluster.device.peak_flops.get("fp8"):
-        raise ConstraintError(f"--fix float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops "
-                              "list no 'fp8'); Float8 linears need fp8 tensor cores")
+    for problem in device_problems(cluster.device, float8=options.float8):
+        raise ConstraintError(f"--fix {problem}")
     tp = c.fix.get("tp", 1)
     problem = unrun_combination(tp=tp, ep=1, dp_shard=0, hsdp=False, compile=options.compile, float8=options.float8)
     if problem:

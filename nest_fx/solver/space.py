@@ -12,7 +12,7 @@ from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
 from nest_fx.plan.settings import SETTINGS, add_fields
-from nest_fx.plan.support import unrun_combination
+from nest_fx.plan.may_run import unrun_combination
 from nest_fx.workload import Variant, Workload
 
 ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
@@ -114,7 +114,7 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
     """Every admissible combination of the global knobs (``docs/solver.md``): TP, EP and CP
     degrees the workload can cost, loss parallelism wherever allowed (never slower), HSDP shard
     groups at the network's levels under ZeRO >= 2, and only combinations the runtime runs
-    (``plan.support.unrun_combination``)."""
+    (``plan.may_run.unrun_combination``)."""
     node = cluster.levels[0].group_size
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
