@@ -43,7 +43,7 @@ def run_baselines(workload: Workload, cluster, global_batch: int, options: Optio
     ``deadline`` (a ``time.perf_counter()`` value) each stops there with what it has found, and
     says so in its notes."""
     out = []
-    options = (options or SolverOptions()).for_cluster(cluster)
+    options = (options or SolverOptions()).priced()
     for fn, kwargs in ((megatron, {}), (torchtitan, {}), (phaze, {}), (mcmc, {"evaluations": mcmc_evaluations})):
         start = time.perf_counter()
         b = fn(workload, cluster, global_batch, options, deadline=deadline, **kwargs)

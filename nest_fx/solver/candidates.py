@@ -38,7 +38,7 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     ``time.perf_counter()`` value) when it passes. An interleaved ``g`` with ``v =
     ANY_INTERLEAVE`` stands for every factor at its depth (its bound: the largest factor's,
     the least); ``expand`` lists the factors one by one instead (the baselines)."""
-    options = options.for_cluster(cluster)
+    options = options.priced()
     workload = options.runtime_workload(workload)
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float]] = {}

@@ -114,6 +114,7 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
     """``options`` narrowed to ``constraints`` (module docstring); ConstraintError naming the
     constraint when the model or the cluster already rules it out."""
     c = constraints
+    options = options.for_device(cluster.device)  # the planner's precision: the user's, else the device's default
     if not c:
         return options
     _check_recompute(c)

@@ -166,7 +166,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
            progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
-    options = options.for_cluster(cluster)
+    options = options.priced()
     workload = options.runtime_workload(workload)
     pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)

@@ -38,8 +38,9 @@ class SolverOptions:
     loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
     compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
     float8: bool = False  # cost Float8 linears (likewise)
-    # the precision plans train in (a plan setting, costed by nest_fx.cost.precision, not searched);
-    # None: the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
+    # the precision plans train in (a plan setting, costed by nest_fx.cost.precision, not searched).
+    # None: not recorded, costed as ``cost`` says; solve_constrained (nest-fx plan, auto_parallelize)
+    # sets the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
     precision: Optional[str] = None
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
@@ -52,13 +53,15 @@ class SolverOptions:
     degree_bounds: Mapping[str, Tuple[int, int]] = field(default_factory=dict)
     constraints: Optional[Constraints] = None  # the user's, recorded in the plan (solver.constraints)
 
-    def for_cluster(self, cluster) -> "SolverOptions":
-        """These options with the precision resolved for ``cluster``'s device and the cost
-        options priced in it (the search and the baselines cost every plan in it)."""
-        precision = self.precision or default_precision(cluster.device)
-        if precision == self.precision and self.cost == priced_options(precision, self.cost):
-            return self
-        return dataclasses.replace(self, precision=precision, cost=priced_options(precision, self.cost))
+    def priced(self) -> "SolverOptions":
+        """These options with the cost options priced in :attr:`precision` (the search and the
+        baselines cost every plan in it); ``self`` when none is set or they already are."""
+        cost = priced_options(self.precision or "", self.cost)
+        return self if cost == self.cost else dataclasses.replace(self, cost=cost)
+
+    def for_device(self, device) -> "SolverOptions":
+        """These options with the device's default precision when none is set (``default_precision``)."""
+        return self if self.precision else dataclasses.replace(self, precision=default_precision(device))
 
     def runtime_workload(self, workload: Workload) -> Workload:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
