@@ -5,8 +5,12 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from nest_fx.cost.optimizers import optimizer_cost
+from nest_fx.plan.settings import setting
 
-USABLE_MEMORY_FRACTION = 0.95  # the CUDA context, NCCL buffers and cuBLAS workspaces take the rest
+# device memory left unused: the CUDA context, NCCL buffers and cuBLAS workspaces (the declared
+# default of the memory_headroom setting, nest_fx.plan.settings)
+MEMORY_HEADROOM = setting("memory_headroom").default
+USABLE_MEMORY_FRACTION = 1.0 - MEMORY_HEADROOM  # 0.95
 # PyTorch's caching allocator reserves more than the live tensors: freed blocks stay cached and
 # a request that no cached block fits gets a new segment (docs/cost_model.md, "Memory the
 # allocator sees"). Reserved = allocated x (1 + this); an assumption, checked against published
@@ -29,7 +33,7 @@ class CostOptions:
     overlap_grad_sync: bool = True
     bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
-    usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+    memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
     allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
@@ -47,6 +51,11 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         optimizer_cost(self.optimizer)  # a ValueError naming the known optimizers
+
+    @property
+    def usable_memory_fraction(self) -> float:
+        """Device memory the plan may use: 1 - ``memory_headroom``."""
+        return 1.0 - self.memory_headroom
 
     def update_bytes_per_param(self) -> float:
         """Bytes one optimizer step moves per updated parameter: ``bytes_per_param_update`` when

@@ -42,7 +42,7 @@ def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions]
     if constraints.optimizer is not None:
         changes["optimizer"] = constraints.optimizer
     if constraints.memory_headroom is not None:
-        changes["usable_memory_fraction"] = 1.0 - constraints.memory_headroom
+        changes["memory_headroom"] = constraints.memory_headroom
     return dataclasses.replace(base, **changes)
 
 
