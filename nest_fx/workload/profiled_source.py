@@ -42,8 +42,10 @@ class ProfiledSource(TracedSource):
                     byte_scale: float = 1.0) -> "ProfiledSource":
         """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only."""
         if timing is not None or byte_scale != 1.0:
-            raise WorkloadError(f"the profile's times were measured in {self.profile.dtype}; re-profile in the "
-                                "plan's precision (nest-fx profile --dtype ...) to cost it")
+            other = "--precision fp32" if self.profile.dtype == "fp32" else "--precision bf16-mixed or bf16-true"
+            raise WorkloadError(f"the profile's times were measured in {self.profile.dtype}, not in the plan's "
+                                f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
+                                "--dtype ...)")
         return super().for_runtime(compile=compile, float8=float8)
 
     def _local_graph(self, tp: int, mbs: int):
