@@ -134,3 +134,18 @@ def test_precision_flags_on_plan_and_simulate(tmp_path, capsys):
         peaks[precision] = json.loads(sim.read_text())["result"]["stages"][0]["memory"]["weights"]
     assert peaks["fp32"] == pytest.approx(2 * peaks["bf16-true"])
     assert Plan.load(str(out)).precision == "bf16-true"  # --precision costs; the file is not changed
+
+
+@pytest.mark.parametrize("cluster, expected", [("cpu-gloo:2", "fp32"), ("dgx-a100:2", "bf16-mixed")])
+def test_the_runtime_planner_records_the_device_default(cluster, expected):
+    import torch
+
+    from nest_fx.graph import trace
+    from nest_fx.models import build_model
+    from nest_fx.solver.runtime_planner import planner_for
+    model, cfg = build_model("gpt:hidden=32,layers=2,heads=4,seq=16,vocab=64")
+    graph = trace(model, (torch.zeros(2, cfg.seq_len, dtype=torch.long),))
+    plan = planner_for(model)(graph, load_cluster(cluster), 2, 4)
+    assert plan.precision == expected
+    bf16 = planner_for(model.to(torch.bfloat16))(graph, load_cluster(cluster), 2, 4)
+    assert bf16.precision == "bf16-true"  # a model already in bf16 trains in bf16
