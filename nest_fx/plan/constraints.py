@@ -35,7 +35,7 @@ checks the form; whether a set can be met on a model and cluster is the solver's
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union  # noqa: F401 (generated annotations)
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief

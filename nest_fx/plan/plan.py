@@ -21,7 +21,7 @@ planner on graph topologies). See docs/plan_format.md.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 from nest_fx.common.errors import NestFxError

@@ -16,7 +16,7 @@ from nest_fx.workload.types import (RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Laye
                                     WorkloadError, chain_fingerprint, dims_from_config)
 
 __all__ = ["AnalyticalCompute", "Comm", "DTYPE_NAMES", "Layer", "LayerCost", "ModelDims", "OpEntry", "Profile", "ProfileError",
-           "ProfiledSource", "RECOMPUTE_MODES", "TableSource", "TracedSource", "WORKLOAD_FORMAT", "Workload",
+           "ProfiledSource", "RECOMPUTE_MODES", "TableSource", "TracedSource", "Variant", "WORKLOAD_FORMAT", "Workload",
            "WorkloadError", "analytical_workload", "chain_fingerprint", "dims_from_config", "load_workload",
            "op_key", "save_workload", "trace_model", "workload_for_model", "workload_from_graph",
            "workload_from_table", "workload_to_table"]
