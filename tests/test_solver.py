@@ -163,7 +163,7 @@ def test_torchtitan_pipelines_the_405b_class():
 def test_the_search_never_returns_a_combination_the_runtime_refuses():
     """The Megatron incumbent (TP inside a node) is not offered when torch.compile is on: the
     runtime does not run compile with tensor parallelism."""
-    from nest_fx.plan.support import unrun_fields
+    from nest_fx.plan.may_run import unrun_fields
 
     cluster = load_cluster("dgx-h100:16")
     work = workload_for_model("llama:hidden=2048,layers=4,heads=16,seq=1024,vocab=8192", cluster)

@@ -79,14 +79,14 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
                 if i == p - 1 and e != n:
                     continue
                 c = table.cls[b, e]
-                if e - b < g.v:  # fewer layers than interleaved model chunks: never a stage of a plan
+                if e - b < g.virtual_stages:  # fewer layers than interleaved model chunks: never a stage of a plan
                     assert c == table.size
                     continue
                 for r in table.modes:
                     plan = _slot_plan(work, cluster, g, p, m, i, b, e, r, n)
                     sc = stage_cost(work, cluster, plan, i, cost)
-                    assert table.t[r][i, c] == sc.per_microbatch(g.v)
-                    assert table.s[r][i, c] == sc.span(g.v)
+                    assert table.t[r][i, c] == sc.per_microbatch(g.virtual_stages)
+                    assert table.s[r][i, c] == sc.span(g.virtual_stages)
                     assert bool(table.fits[r][i, c]) == sc.fits
                     q = table._tail_values(i, np.array([c]))[r][0]
                     assert q == sum(stage_tail(sc, plan, cluster, cost))
@@ -99,7 +99,7 @@ def _pair_optimum(work, cluster, g, p, m, modes):
     n, best = len(work), math.inf
     for cuts in itertools.combinations(range(1, n), p - 1):
         bounds = [0, *cuts, n]
-        if any(b - a < g.v for a, b in zip(bounds, bounds[1:])):
+        if any(b - a < g.virtual_stages for a, b in zip(bounds, bounds[1:])):
             continue  # Plan.validate refuses fewer layers than interleaved model chunks
         for chosen in itertools.product(modes, repeat=p):
             plan = g.plan([StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)], m, work, cluster)

@@ -59,3 +59,27 @@ def test_loss_parallel_and_cp_follow_the_runtime_verdict():
     untied, graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64")
     assert runtime_options(untied, graph, SolverOptions()).loss_parallel is None  # searched
     check_runtime_constraints(Constraints(fix={"loss_parallel": True}), untied, graph)
+
+
+def test_one_entry_point_answers_the_planner_and_the_runtime():
+    """``nest_fx.plan.may_run``: the planner's space, a user's fixed degree and the runtime's
+    checks are the same answers."""
+    import pytest
+
+    from nest_fx.apply import ApplyError, checks
+    from nest_fx.cluster import load_cluster
+    from nest_fx.plan.constraints import Constraints
+    from nest_fx.plan.may_run import may_run
+    model, graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64,tie_embeddings=true")
+    runs = may_run(model, graph, load_cluster("cpu-gloo:8"))
+    reason = runs.degree_problem("tp", 4)
+    assert "does not divide the model's 6 attention heads" in reason
+    assert runs.allowed("tp", (1, 2, 4, 8)) == runtime_options(model, graph, SolverOptions()).tp_degrees == (1, 2)
+    assert runs.constraint_problem(Constraints(fix={"tp": 4})) == ("fix tp=4", reason)
+    assert runs.constraint_problem(Constraints(fix={"tp": 2})) is None
+    bad = uniform_plan(len(graph.blocks), tp=4, float8=True)
+    problems = runs.plan_problems(bad)
+    assert problems[0].startswith("float8 with tp=4") and reason in problems and "no fp8 rate" in problems[-1]
+    with pytest.raises(ApplyError, match="6 attention heads"):
+        checks.check_may_run(bad, model, graph)
+    assert may_run().plan_problems(uniform_plan(4, tp=4)) == []  # no model, no device: nothing to refuse

@@ -13,7 +13,8 @@ import torch.nn as nn
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.float8 import float8_problem
 from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
-from nest_fx.plan.support import model_dims, parallel_support, unrun_fields
+from nest_fx.plan.may_run import may_run, unrun_fields
+from nest_fx.plan.support import model_dims, parallel_support
 from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.workload.types import chain_fingerprint
 
@@ -33,27 +34,31 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"{world_size} devices (idle ranks are not supported by the runtime)")
 
 
+def check_may_run(plan: Plan, model: nn.Module, graph=None) -> None:
+    """ApplyError with the first reason this model cannot run the plan's TP (and SP), EP and
+    pipeline degrees: ``nest_fx.plan.may_run``, the question the planner asks too."""
+    _raise_first(may_run(model, graph).model_problems(plan))
+
+
 def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
-    """ApplyError when a stage's TP degree cannot shard the model (``ParallelSupport.tp_problem``)."""
-    support = parallel_support(model, graph)
-    for tp in sorted({s.tp for s in plan.stages if s.tp > 1}):
-        problem = support.tp_problem(tp)
-        if problem:
-            raise ApplyError(problem)
-    if plan.sequence_parallel and any(s.tp > 1 for s in plan.stages) and support.sp_problem():
-        raise ApplyError(support.sp_problem())
+    """ApplyError when a stage's TP degree cannot shard the model, or SP cannot run under it."""
+    runs = may_run(model, graph)
+    _raise_first([runs.degree_problem("tp", tp) for tp in sorted({s.tp for s in plan.stages})]
+                 + [runs.degree_problem("sequence_parallel", plan.sequence_parallel and any(s.tp > 1 for s in plan.stages))])
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:
-    """ApplyError when ``plan.ep`` cannot split the model's experts (``ParallelSupport.ep_problem``)."""
-    problem = parallel_support(model, None).ep_problem(plan.ep, plan.dp)
-    if problem:
-        raise ApplyError(problem)
+    """ApplyError when ``plan.ep`` cannot split the model's experts."""
+    _raise_first([may_run(model).degree_problem("ep", plan.ep, plan.dp)])
 
 
 def check_pipeline(plan: Plan, model: nn.Module, graph) -> None:
-    """ApplyError when the model cannot be cut into ``plan.pp`` stages (``ParallelSupport.pp_problem``)."""
-    problem = parallel_support(model, graph).pp_problem(plan.pp)
+    """ApplyError when the model cannot be cut into ``plan.pp`` stages."""
+    _raise_first([may_run(model, graph).degree_problem("pp", plan.pp)])
+
+
+def _raise_first(problems) -> None:
+    problem = next((p for p in problems if p), "")
     if problem:
         raise ApplyError(problem)
 
@@ -182,10 +187,7 @@ def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_s
     check_world(plan, world_size)
     if graph is not None:
         check_layers(plan, graph)
-    check_tp(plan, model, graph)
-    check_ep(plan, model)
-    if graph is not None:
-        check_pipeline(plan, model, graph)
+    check_may_run(plan, model, graph)  # TP (and SP), EP, the pipeline cut: nest_fx.plan.may_run
     nmb = check_batch(plan, global_batch_size)
     if plan.schedule == "interleaved" and nmb % plan.pp:
         raise ApplyError(f"the interleaved schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")

@@ -12,7 +12,7 @@ LM head and everything outside the blocks stay in their dtype (torchtitan does t
 output layer). Conversion uses ``torchao.float8.convert_to_float8_training`` with its default
 (tensorwise dynamic scaling) recipe, before activation checkpointing, torch.compile and FSDP2;
 FSDP2 all-gathers the high-precision weights. With ``tp > 1`` the TP styles would need torchao's
-float8 variants: refused for now (``nest_fx.plan.support.unrun_fields``).
+float8 variants: refused for now (``nest_fx.plan.may_run.unrun_fields``).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 from nest_fx.cluster.ordered import placed
 from nest_fx.cost.options import CostOptions
-from nest_fx.cost.step_time import pipeline_time, simulate, stage_tail
+from nest_fx.cost.step_time import pipeline_time, simulate, stage_tail, stage_variant
 from nest_fx.plan import Plan
 from nest_fx.cluster.topology import algorithms
 from nest_fx.cluster.topology.graph_cluster import GraphCluster
@@ -43,11 +43,10 @@ def dp_groups(plan: Plan) -> List[Tuple[int, List[int]]]:
 def stage_gradient_bytes(plan: Plan, workload: Workload, options: CostOptions) -> List[float]:
     """Bytes of dense gradients each device of stage i all-reduces per step."""
     out = []
-    for stage in plan.stages:
-        costs = workload.range_costs(stage.start, stage.end, stage.tp, plan.ep, plan.microbatch_size,
-                                     plan.sequence_parallel, plan.cp, plan.loss_parallel)
+    for i, stage in enumerate(plan.stages):
+        costs = workload.range_costs(stage.start, stage.end, stage_variant(plan, i))
         dense = sum((c.num_params - c.expert_params) * count for c, count in costs)
-        out.append(dense * options.grad_bytes)
+        out.append(dense * options.reduce_dtype_bytes())
     return out
 
 

@@ -57,20 +57,21 @@ def _choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
 # -- model states ---------------------------------------------------------------------------
 
 
-def optimizer_bytes_per_param(optimizer: str = "adam", master_weights: bool = True) -> float:
+def optimizer_bytes_per_param(optimizer: str = "adam", master_weights: bool = True, state_bytes: float = 4) -> float:
     """Optimizer-state bytes per parameter (the ZeRO paper's K): fp32 state tensors
     (``nest_fx.cost.optimizers``) plus the fp32 master copy of the weights in mixed precision.
 
     Adam/AdamW: momentum m (4) + variance v (4) + master (4): K = 12 (Rajbhandari et al. 2020,
     sec. 3.1), 8 without master weights. ``sgd-momentum``: momentum (4) + master (4) = 8, 4
     without. ``sgd`` (PyTorch's default, no momentum): the master copy alone, 4, or 0.
+    ``state_bytes``: the width of the state tensors (4: fp32; 2: bf16, as ``bf16-true`` keeps them).
     """
-    return optimizer_cost(optimizer).state_bytes + (MASTER_WEIGHT_BYTES if master_weights else 0)
+    return optimizer_cost(optimizer).state_bytes * state_bytes / 4 + (MASTER_WEIGHT_BYTES if master_weights else 0)
 
 
 def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, optimizer: str = "adam",
                       param_dtype_bytes: float = 2, grad_dtype_bytes: float = 2,
-                      master_weights: bool = True) -> Dict[str, float]:
+                      master_weights: bool = True, state_dtype_bytes: float = 4) -> Dict[str, float]:
     """Bytes per device of weights, gradients and optimizer states (keys weights, grads, optimizer, total).
 
     Per parameter: ``param_dtype_bytes`` of weights, ``grad_dtype_bytes`` of gradients and
@@ -92,7 +93,7 @@ def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, optimizer:
         raise ValueError(f"zero_stage: must be one of [0, 1, 2, 3], got {zero_stage!r}")
     pbytes = _require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
     gbytes = _require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
-    k = optimizer_bytes_per_param(optimizer, master_weights)
+    k = optimizer_bytes_per_param(optimizer, master_weights, state_dtype_bytes)
     out = {
         "weights": psi * pbytes / (dp if zero_stage >= 3 else 1),
         "grads": psi * gbytes / (dp if zero_stage >= 2 else 1),
@@ -335,11 +336,12 @@ def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dic
     if not isinstance(params, np.ndarray):
         return model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
                                         param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes,
-                                        master_weights=options.master_weights)
+                                        master_weights=options.master_weights, state_dtype_bytes=options.state_bytes)
     values, inverse = np.unique(params.ravel(), return_inverse=True)
     rows = np.empty((len(values), len(_STATE_KEYS)))
     for j, v in enumerate(values.tolist()):
-        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes, options.master_weights)
+        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes, options.master_weights,
+               options.state_bytes)
         row = _STATES_CACHE.get(key)
         if row is None:
             if len(_STATES_CACHE) > 1_000_000:

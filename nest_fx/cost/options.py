@@ -5,8 +5,12 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from nest_fx.cost.optimizers import optimizer_cost
+from nest_fx.plan.settings import setting
 
-USABLE_MEMORY_FRACTION = 0.95  # the CUDA context, NCCL buffers and cuBLAS workspaces take the rest
+# device memory left unused: the CUDA context, NCCL buffers and cuBLAS workspaces (the declared
+# default of the memory_headroom setting, nest_fx.plan.settings)
+MEMORY_HEADROOM = setting("memory_headroom").default
+USABLE_MEMORY_FRACTION = 1.0 - MEMORY_HEADROOM  # 0.95
 # PyTorch's caching allocator reserves more than the live tensors: freed blocks stay cached and
 # a request that no cached block fits gets a new segment (docs/cost_model.md, "Memory the
 # allocator sees"). Reserved = allocated x (1 + this); an assumption, checked against published
@@ -22,10 +26,14 @@ class CostOptions:
     param_bytes: int = 2  # training dtype (bf16)
     grad_bytes: int = 2
     master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
+    # gradients as data parallelism reduces them (bytes per element); None: as held (grad_bytes).
+    # bf16-mixed reduces in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)): 4
+    reduce_bytes: Optional[int] = None
+    state_bytes: int = 4  # width of the optimizer's state tensors (bf16-true keeps them in bf16: 2)
     overlap_grad_sync: bool = True
     bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
-    usable_memory_fraction: float = USABLE_MEMORY_FRACTION
+    memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
     allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
@@ -44,12 +52,21 @@ class CostOptions:
     def __post_init__(self) -> None:
         optimizer_cost(self.optimizer)  # a ValueError naming the known optimizers
 
+    @property
+    def usable_memory_fraction(self) -> float:
+        """Device memory the plan may use: 1 - ``memory_headroom``."""
+        return 1.0 - self.memory_headroom
+
     def update_bytes_per_param(self) -> float:
         """Bytes one optimizer step moves per updated parameter: ``bytes_per_param_update`` when
         set, else the optimizer's (``nest_fx.cost.optimizers``)."""
         if self.bytes_per_param_update is not None:
             return self.bytes_per_param_update
-        return optimizer_cost(self.optimizer).update_bytes
+        return optimizer_cost(self.optimizer).update_bytes * self.state_bytes / 4  # the table counts fp32
+
+    def reduce_dtype_bytes(self) -> int:
+        """Bytes per gradient element data parallelism moves: ``reduce_bytes``, else ``grad_bytes``."""
+        return self.reduce_bytes if self.reduce_bytes is not None else self.grad_bytes
 
     @classmethod
     def for_dtype(cls, dtype_bytes: int, **overrides) -> "CostOptions":

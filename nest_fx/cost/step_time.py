@@ -53,12 +53,14 @@ from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
                                       stage_groups)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem
+from nest_fx.plan.may_run import device_problems
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.workload.types import Comm, LayerCost, Workload, WorkloadError
+from nest_fx.workload.types import Comm, LayerCost, Variant, Workload, WorkloadError
 
 COMM_KEYS = ("tp", "ep", "cp")
 
@@ -143,8 +145,8 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute,
                    overlap_p2p=options.overlap_p2p)
     groups = stage_groups(plan, i)
-    variant = (plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp, plan.loss_parallel)
-    distinct = workload.range_costs(stage.start, stage.end, stage.tp, *variant)
+    variant = stage_variant(plan, i)
+    distinct = workload.range_costs(stage.start, stage.end, variant)
     terms = held_terms(compute_terms(distinct, stage.recompute), plan.pp)
     by_group = {"tp": groups.tp, "ep": groups.ep, "cp": groups.cp}
     comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
@@ -154,7 +156,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc.tp_comm = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, options)
     if i > 0:
         prev = plan.stages[i - 1]
-        out = workload.cost(prev.end - 1, prev.tp, *variant).out_bytes / plan.cp
+        out = workload.cost(prev.end - 1, variant._replace(tp=prev.tp)).out_bytes / plan.cp
         sc.p2p = p2p_time(cluster, groups, out, prev.tp, stage.tp)
     # -- data-parallel sync -----------------------------------------------------------------
     dense = terms.params - terms.expert_params
@@ -163,7 +165,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp * plan.cp, plan.ep, zero,
                               plan.num_microbatches, options, fsdp_units(terms),
                               terms.fp8_params if plan.float8 else 0.0)
-    sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, stage.tp, variant), zero, shard, options)
+    sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
     held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
                                         plan.virtual_stages)
@@ -171,7 +173,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
                                           memory.model_states(terms.expert_params, zero, expert_shard, options),
                                           held, terms.layer_peak,
-                                          workload.cost(stage.end - 1, stage.tp, *variant).out_bytes / plan.cp,
+                                          workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
                                           *memory.working_sets(terms, zero, shard, options),
                                           num_microbatches=plan.num_microbatches)
     sc.reserved = memory.reserved_bytes(mem["total"], options)
@@ -180,10 +182,16 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     return sc
 
 
-def tied_params(workload: Workload, tp: int, variant: tuple) -> float:
+def stage_variant(plan: Plan, i: int) -> Variant:
+    """The workload variant stage ``i`` of ``plan`` runs (``Workload.cost``)."""
+    return Variant(plan.stages[i].tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp,
+                   plan.loss_parallel)
+
+
+def tied_params(workload: Workload, variant: Variant) -> float:
     """Parameters of the embedding a tied LM head shares (``LayerCost.tied_params`` of the
     tail; 0 when untied)."""
-    return workload.cost(len(workload) - 1, tp, *variant).tied_params
+    return workload.cost(len(workload) - 1, variant).tied_params
 
 
 def tied_sync_time(cluster, groups: StageGroups, params: Count, zero: int, shard: int, options: CostOptions) -> Count:
@@ -193,7 +201,7 @@ def tied_sync_time(cluster, groups: StageGroups, params: Count, zero: int, shard
     without a tie."""
     if not groups.tied or not _any(params):
         return 0.0
-    nbytes = params * options.grad_bytes / (shard if zero >= 1 else 1)
+    nbytes = params * options.reduce_dtype_bytes() / (shard if zero >= 1 else 1)
     times = [collective_fn("p2p", cluster, pair)(nbytes) for pair in groups.tied]
     return np.maximum.reduce(times) if isinstance(nbytes, np.ndarray) else max(times)
 
@@ -232,7 +240,7 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
         total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):
-        m, pbytes, gbytes = num_microbatches, options.param_bytes, options.grad_bytes
+        m, pbytes, gbytes = num_microbatches, options.param_bytes, options.reduce_dtype_bytes()
         # (all-gathers, reduce-scatters) per unit and step, as the runtime issues them
         gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero]
         params = dense_params + expert_params
@@ -248,7 +256,7 @@ def _sync_volume_time(cluster, groups: StageGroups, params: Count, zero: int, m:
     ``groups.dp``, or under HSDP over ``groups.shard`` and ``groups.replicate``."""
     if len(groups.dp) <= 1:
         return 0.0
-    gbytes, pbytes = options.grad_bytes, options.param_bytes
+    gbytes, pbytes = options.reduce_dtype_bytes(), options.param_bytes
     grads = params * gbytes
     gathered = (params - fp8_params) * pbytes + fp8_params  # Float8 weights travel in 1 byte
     if groups.replicate:  # HSDP: reduce-scatter in the shard group, all-reduce the shard across
@@ -310,13 +318,12 @@ def check_variants(plan: Plan, workload: Workload) -> None:
     list, loss parallelism on a tied LM head, or a recompute policy the runtime does not know or
     a layer table does not cost."""
     for i, stage in enumerate(plan.stages):
-        problem = workload.variant_problem(stage.tp, plan.ep, plan.sequence_parallel, plan.cp,
-                                           plan.loss_parallel and i == plan.pp - 1)
+        variant = stage_variant(plan, i)
+        problem = workload.variant_problem(variant._replace(loss_parallel=plan.loss_parallel and i == plan.pp - 1))
         if problem:
             raise PlanError(f"stages[{i}]: {problem} (a plan for another model, or a layer table "
                             "without this variant?)")
-        have = workload.recompute_policies(stage.tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp,
-                                           plan.loss_parallel)
+        have = workload.recompute_policies(variant)
         problem = recompute_policy_problem(stage.recompute)
         if problem:
             raise PlanError(f"stages[{i}]: {problem}")
@@ -331,15 +338,16 @@ def check_variants(plan: Plan, workload: Workload) -> None:
 def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Optional[CostOptions] = None) -> SimResult:
     """Predict step time, throughput and per-device memory of ``plan`` (validated first), with
     its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``),
-    its layers costed as the plan runs them (``compile``, ``float8``: ``Workload.for_runtime``)."""
-    options = options or CostOptions()
+    its layers costed as the plan runs them (``compile``, ``float8``, the compute dtype of its
+    ``precision``: ``Workload.for_runtime``) and its model states and gradient traffic in the
+    bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
+    options = priced_options(plan.precision, options or CostOptions())
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
-    if plan.float8 and not cluster.device.peak_flops.get("fp8"):
-        raise PlanError(f"float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops list no "
-                        "'fp8'); Float8 linears need fp8 tensor cores. fix: float8=false, or a device that has them")
+    for problem in device_problems(cluster.device, float8=plan.float8):
+        raise PlanError(problem)
     try:
-        workload = workload.for_runtime(plan.compile, plan.float8)
+        workload = workload.for_runtime(plan.compile, plan.float8, compute_dtype(plan.precision))
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None
     check_variants(plan, workload)

@@ -18,7 +18,12 @@ entry               values                                 meaning
                                                            context and allocator fragmentation)
 ``optimizer``       ``adam``, ``adamw``, ``sgd``,          the optimizer the plan is costed for
                     ``sgd-momentum``
+``precision``       ``fp32``, ``bf16-mixed``, ``bf16-true`` the precision the plan trains and is costed in
 ==================  =====================================  ==================================================
+
+The entries are made from the declarations of ``nest_fx.plan.settings``: ``fix``/``min``/``max``
+take its degrees and flags, each ``choice`` setting gives one list (``Setting.allowed``) and
+each ``option`` setting one value.
 
 Degrees: :data:`DEGREES` (``tp``, ``pp``, ``dp``, ``ep``, ``cp``, ``dp_shard``); flags:
 :data:`FLAGS` (``sequence_parallel``, ``loss_parallel``, ``compile``, ``float8``). They are the
@@ -29,40 +34,49 @@ checks the form; whether a set can be met on a model and cluster is the solver's
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union  # noqa: F401 (generated annotations)
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
-from nest_fx.plan.vocabulary import OPTIMIZER_NAMES, PLACEMENTS, SCHEDULES, recompute_problem
+from nest_fx.plan.settings import CHOICES, DEGREES, FLAGS, OPTIONS, setting
+from nest_fx.plan.vocabulary import SCHEDULES, schedule_problem  # noqa: F401  (schedule_problem: re-exported)
 
-DEGREES = ("tp", "pp", "dp", "ep", "cp", "dp_shard")
-FLAGS = ("sequence_parallel", "loss_parallel", "compile", "float8")
-DEFAULT_MEMORY_HEADROOM = 0.05
-_LISTS = ("schedules", "recompute", "microbatch_sizes", "zero_stages", "placements")
+DEFAULT_MEMORY_HEADROOM = setting("memory_headroom").default
+_LISTS = tuple(s.allowed for s in CHOICES)  # schedules, recompute, microbatch_sizes, ... (from the declarations)
+_CHOICE_OF = {s.allowed: s for s in CHOICES}
 
 
 class ConstraintError(NestFxError, ValueError):
     """A malformed constraint, or a set of constraints no plan can meet; names the constraint."""
 
 
+def _vocabulary(cls):
+    """Class decorator: one Optional field per ``choice`` setting (its list of allowed values,
+    named by ``Setting.allowed``) and per ``option`` setting (its value); None = not constrained."""
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    for s in CHOICES:
+        annotations[s.allowed] = "Optional[List[Any]]"
+        setattr(cls, s.allowed, None)
+    for s in OPTIONS:
+        annotations[s.name] = f"Optional[{s.type.__name__}]"
+        setattr(cls, s.name, None)
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
+@_vocabulary
 class Constraints:
-    """User constraints on a plan (see the module docstring for the vocabulary)."""
+    """User constraints on a plan (see the module docstring for the vocabulary): ``fix`` /
+    ``min`` / ``max`` of the degrees and flags, then one list of allowed values per choice
+    setting and one value per option setting, made from ``nest_fx.plan.settings``."""
 
     fix: Dict[str, Union[int, bool]] = field(default_factory=dict)
     min: Dict[str, int] = field(default_factory=dict)
     max: Dict[str, int] = field(default_factory=dict)
-    schedules: Optional[List[str]] = None
-    recompute: Optional[List[str]] = None
-    microbatch_sizes: Optional[List[int]] = None
-    zero_stages: Optional[List[int]] = None
-    placements: Optional[List[str]] = None
-    memory_headroom: Optional[float] = None
-    optimizer: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,17 +107,20 @@ class Constraints:
             if not isinstance(values, list) or not values:
                 raise ConstraintError(f"{name}: must be a non-empty list, got {brief(values)}")
             for value in values:
-                problem = _list_entry_problem(name, value)
+                problem = _CHOICE_OF[name].check_entry(value)
                 if problem:
                     raise ConstraintError(f"{name}: {problem}")
-        h = self.memory_headroom
-        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h)
-                              or not 0 <= h < 1):
-            raise ConstraintError(f"memory_headroom: must be a fraction of device memory in [0, 1) (e.g. 0.1 "
-                                  f"keeps 10% free), got {brief(h)}")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZER_NAMES:
-            raise ConstraintError(f"optimizer: must be one of {list(OPTIMIZER_NAMES)}, got {brief(self.optimizer)}"
-                                  f"{close_matches(self.optimizer, OPTIMIZER_NAMES)}")
+        for s in OPTIONS:
+            value = getattr(self, s.name)
+            if value is None:
+                continue
+            shown = [v for v in s.values if v != ""]
+            if shown and value not in shown:
+                raise ConstraintError(f"{s.name}: must be one of {shown}, got {brief(value)}"
+                                      f"{close_matches(value, [str(v) for v in shown])}")
+            problem = s.check(value)
+            if problem:
+                raise ConstraintError(f"{s.name}: {problem}")
 
     # -- reading ---------------------------------------------------------------------------
     def bounds(self, degree: str) -> Tuple[int, int]:
@@ -117,16 +134,14 @@ class Constraints:
         the command line writes it (``--fix tp=8``, ``--memory-headroom 0.1``)."""
         out = [(f"fix.{k}", f"--fix {k}={_text(v)}") for k, v in self.fix.items()]
         out += [(f"{kind}.{k}", f"--{kind} {k}={v}") for kind in ("min", "max") for k, v in getattr(self, kind).items()]
-        for name, flag in (("schedules", "--schedule"), ("recompute", "--recompute"),
-                           ("microbatch_sizes", "--microbatch"), ("zero_stages", "--zero"),
-                           ("placements", "--placement")):
-            values = getattr(self, name)
+        for s in CHOICES:
+            values = getattr(self, s.allowed)
             if values is not None:
-                out.append((name, f"{flag} {','.join(str(v) for v in values)}"))
-        if self.memory_headroom is not None:
-            out.append(("memory_headroom", f"--memory-headroom {self.memory_headroom:g}"))
-        if self.optimizer is not None:
-            out.append(("optimizer", f"--optimizer {self.optimizer}"))
+                out.append((s.allowed, f"{s.flag} {','.join(str(v) for v in values)}"))
+        for s in OPTIONS:
+            value = getattr(self, s.name)
+            if value is not None:
+                out.append((s.name, f"{s.flag} {value:g}" if s.type is float else f"{s.flag} {value}"))
         return out
 
     def without(self, key: str) -> "Constraints":
@@ -150,15 +165,15 @@ class Constraints:
                 parts.append(f"{k} >= {lo}")
             elif hi is not None:
                 parts.append(f"{k} <= {hi}")
-        for name, label in (("schedules", "schedule"), ("recompute", "recompute"), ("microbatch_sizes", "microbatch"),
-                            ("zero_stages", "ZeRO"), ("placements", "placement")):
-            values = getattr(self, name)
+        for s in CHOICES:
+            values = getattr(self, s.allowed)
             if values is not None:
-                parts.append(f"{label} {'|'.join(str(v) for v in values)}")
-        if self.memory_headroom is not None:
-            parts.append(f"memory headroom {100 * self.memory_headroom:g}%")
-        if self.optimizer is not None:
-            parts.append(f"optimizer {self.optimizer}")
+                parts.append(f"{s.flag.lstrip('-')} {'|'.join(str(v) for v in values)}")
+        for s in OPTIONS:
+            value = getattr(self, s.name)
+            if value is not None:
+                shown = f"{100 * value:g}%" if s.type is float else value
+                parts.append(f"{s.name.replace('_', ' ')} {shown}")
         return ", ".join(parts) or "none"
 
     def __bool__(self) -> bool:
@@ -184,7 +199,7 @@ class Constraints:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(known), key=str)
         if unknown:
-            raise ConstraintError(f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], known)}; known: {known}")
+            raise ConstraintError(f"{where}: unknown key(s) {unknown}; known: {known}")
         for kind in ("fix", "min", "max"):
             if kind in data and not isinstance(data[kind], Mapping):
                 raise ConstraintError(f"{where}.{kind}: must map degrees to values, got {brief(data[kind])}")
@@ -201,37 +216,9 @@ def _text(value: object) -> str:
 def _degree(key: object, value: object, kind: str) -> None:
     if key not in DEGREES:
         known = list(DEGREES) + (list(FLAGS) if kind == "fix" else [])
-        raise ConstraintError(f"{kind}: unknown degree {brief(key)}{close_matches(key, known)}; known: {known}")
+        raise ConstraintError(f"{kind}: unknown degree {brief(key)}; known: {known}")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
         raise ConstraintError(f"{kind}.{key}: must be an integer >= 1, got {brief(value)}")
-
-
-def _list_entry_problem(name: str, value: object) -> str:
-    if name == "schedules":
-        return schedule_problem(value)
-    if name == "recompute":
-        return recompute_problem(value)
-    if name == "placements":
-        return "" if value in PLACEMENTS else (f"{brief(value)} is not a placement{close_matches(value, PLACEMENTS)}; "
-                                               f"use one of {list(PLACEMENTS)}")
-    if name == "zero_stages":
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3
-        return "" if ok else f"{brief(value)} is not a ZeRO stage; use 0, 1, 2 or 3"
-    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNT
-    return "" if ok else f"{brief(value)} is not a microbatch size (an integer >= 1)"
-
-
-def schedule_problem(value: object) -> str:
-    """'' when ``value`` names a schedule (``interleaved:V`` with V >= 2 for a fixed interleave
-    factor), else what is wrong."""
-    if isinstance(value, str):
-        name, _, v = value.partition(":")
-        if name in SCHEDULES and not v:
-            return ""
-        if name == "interleaved" and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
-            return ""
-    return (f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)} or "
-            "interleaved:V (V >= 2 model chunks)")
 
 
 def schedule_pairs(names: Sequence[str], interleave_factors: Sequence[int]) -> List[Tuple[str, int]]:

@@ -21,14 +21,14 @@ planner on graph topologies). See docs/plan_format.md.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT
-from nest_fx.common.names import close_matches
 from nest_fx.plan.constraints import ConstraintError, Constraints
+from nest_fx.plan.settings import PLAN_SETTINGS, STAGE_SETTINGS, add_fields
 # the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
 # `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
 from nest_fx.plan.vocabulary import PLACEMENTS, PRECISIONS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem  # noqa: F401
@@ -54,13 +54,14 @@ def interleave_problem(stages: List["StagePlan"], virtual_stages: int) -> str:
 
 
 @dataclass
+@add_fields(STAGE_SETTINGS)
 class StagePlan:
-    """Layers [start, end) of the workload chain on ``tp`` devices per replica."""
+    """Layers [start, end) of the workload chain on ``tp`` devices per replica, with a recompute
+    policy (``recompute_problem``: none | selective | full | op[:policy] | every:k). The fields
+    after ``end`` are the stage-level settings of ``nest_fx.plan.settings``."""
 
     start: int
     end: int
-    tp: int = 1
-    recompute: str = "none"  # see recompute_problem: none | selective | full | op[:policy] | every:k
 
     @property
     def num_layers(self) -> int:
@@ -68,37 +69,13 @@ class StagePlan:
 
 
 @dataclass
+@add_fields(PLAN_SETTINGS)
 class Plan:
-    """A hybrid-parallel training plan (see module docstring for the rank layout)."""
+    """A hybrid-parallel training plan (see module docstring for the rank layout). Its fields
+    after ``stages`` are the plan-level settings declared in ``nest_fx.plan.settings`` (name,
+    type, default, allowed values, doc), in that order."""
 
     stages: List[StagePlan]
-    dp: int = 1
-    ep: int = 1
-    cp: int = 1  # context parallel: each stage replica's sequence is split over cp x tp devices
-    zero: int = 0
-    dp_shard: int = 0  # HSDP: shard over groups of dp_shard consecutive replicas, replicate across; 0 = all of dp
-    loss_parallel: bool = False  # vocabulary-parallel cross-entropy over the last stage's TP group
-    compile: bool = False  # torch.compile each block
-    float8: bool = False  # Float8 linears (torchao) on GPUs that have fp8 tensor cores
-    # fp32 | bf16-mixed (bf16 compute, fp32 master weights, optimizer states and gradient
-    # reduction) | bf16-true (everything bf16); the cost model prices it and the runtime applies it
-    precision: str = "fp32"
-    seq_len: int = 0  # the sequence length the plan was made for; 0 = not recorded
-    microbatch_size: int = 1
-    num_microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    placement: str = "stage-major"
-    model: str = ""
-    model_fingerprint: str = ""  # chain_fingerprint of the model's layer chain; "" = not recorded
-    num_layers: int = 0  # length of the workload chain the ranges index
-    world_size: int = 0
-    cluster: str = ""  # the cluster it was planned for: preset NAME:DEVICES or a cluster file path
-    device_order: Optional[List[int]] = None  # plan rank r runs on cluster rank device_order[r]; None = identity
-    constraints: Optional[Constraints] = None  # what the user fixed or bounded when planning (None: nothing)
-    predicted: Dict[str, float] = field(default_factory=dict)
-    notes: str = ""
 
     # -- derived --------------------------------------------------------------------------
     @property
@@ -199,44 +176,29 @@ class Plan:
                                 f"contiguously), got {s.start}")
             if s.end <= s.start:
                 raise PlanError(f"stages[{i}]: empty layer range [{s.start}, {s.end})")
-            if s.tp < 1:
-                raise PlanError(f"stages[{i}].tp: must be >= 1, got {s.tp}")
-            problem = recompute_problem(s.recompute)
-            if problem:
-                raise PlanError(f"stages[{i}].recompute: {problem}")
+            for setting in STAGE_SETTINGS:
+                problem = setting.range_problem(getattr(s, setting.name))
+                if problem:
+                    raise PlanError(f"stages[{i}].{setting.name}: {problem}")
             expect = s.end
         if n and expect != n:
             whose = "the workload has" if num_layers is not None else "num_layers is"
             made_for = f"the plan was made for {brief(self.model)}: " if self.model else ""
             raise PlanError(f"stages: cover layers [0, {expect}) but {whose} {n} layers "
                             f"({made_for}a plan for another model?)")
-        for name in ("dp", "ep", "cp", "microbatch_size", "num_microbatches", "virtual_stages"):
-            if getattr(self, name) < 1:
-                raise PlanError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("num_layers", "world_size"):
-            if getattr(self, name) < 0:
-                raise PlanError(f"{name}: must be >= 0 (0 = not recorded), got {getattr(self, name)}")
+        for setting in PLAN_SETTINGS:
+            if setting.type in (int, str):
+                problem = setting.range_problem(getattr(self, setting.name))
+                if problem:
+                    raise PlanError(f"{setting.name}: {problem}")
         if self.dp % self.ep:
             raise PlanError(f"ep={self.ep} must divide dp={self.dp} (expert groups are carved from replicas)")
-        if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+        if self.dp_shard and self.dp % self.dp_shard:
             raise PlanError(f"dp_shard={self.dp_shard} must divide dp={self.dp} (HSDP shards over groups of dp_shard "
                             "consecutive replicas and replicates across them; 0 = shard over all of dp)")
         if self.dp_shard not in (0, self.dp) and self.zero == 0:
             raise PlanError(f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
                             "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard")
-        if self.precision not in PRECISIONS:
-            raise PlanError(f"precision: {brief(self.precision)}{close_matches(self.precision, PRECISIONS)}, "
-                            f"use one of {PRECISIONS}")
-        if self.seq_len < 0:
-            raise PlanError(f"seq_len: must be >= 0 (0 = not recorded), got {self.seq_len}")
-        if self.zero not in (0, 1, 2, 3):
-            raise PlanError(f"zero: {self.zero}, use 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule: {brief(self.schedule)}{close_matches(self.schedule, SCHEDULES)}, "
-                            f"use one of {SCHEDULES}")
-        if self.placement not in PLACEMENTS:
-            raise PlanError(f"placement: {brief(self.placement)}{close_matches(self.placement, PLACEMENTS)}, "
-                            f"use one of {PLACEMENTS}")
         if self.schedule == "interleaved":
             if self.virtual_stages < 2:
                 raise PlanError("virtual_stages: the interleaved schedule needs >= 2 chunks per device")
@@ -301,11 +263,6 @@ class Plan:
         return cls.from_dict(read_json(path, PlanError, "plan"), where=path)
 
 
-_INT_FIELDS = ("dp", "ep", "cp", "zero", "dp_shard", "microbatch_size", "num_microbatches", "virtual_stages",
-               "num_layers", "world_size", "seq_len")
-_STR_FIELDS = ("schedule", "placement", "model", "model_fingerprint", "cluster", "notes", "precision")
-
-
 def _int_field(value: object, name: str) -> int:
     """``value`` when it is an integer (not a bool) of at most MAX_COUNT in size, else PlanError
     naming ``name`` (the range is :meth:`Plan.validate`'s to check)."""
@@ -321,15 +278,19 @@ def _stage_fields(raw: object, i: int) -> StagePlan:
         raise PlanError(f"stages[{i}] needs 'start' and 'end' (layer indices), got {brief(raw)}")
     bad = set(raw) - set(StagePlan.__dataclass_fields__)
     if bad:
-        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}"
-                        f"{close_matches(sorted(bad, key=str)[0], StagePlan.__dataclass_fields__)}; "
+        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}; "
                         f"known: {sorted(StagePlan.__dataclass_fields__)}")
     recompute = raw.get("recompute", "none")
     if not isinstance(recompute, str):
         raise PlanError(f"stages[{i}].recompute: {recompute_problem(recompute)}")
-    return StagePlan(start=_int_field(raw["start"], f"stages[{i}].start"),
-                     end=_int_field(raw["end"], f"stages[{i}].end"),
-                     tp=_int_field(raw.get("tp", 1), f"stages[{i}].tp"), recompute=recompute)
+    values = {name: _int_field(raw[name], f"stages[{i}].{name}") for name in ("start", "end")}
+    for setting in STAGE_SETTINGS:
+        if setting.name in raw:
+            problem = setting.type_problem(raw[setting.name])
+            if problem:
+                raise PlanError(f"stages[{i}].{setting.name} {problem}")
+            values[setting.name] = raw[setting.name]
+    return StagePlan(**values)
 
 
 def _plan_fields(data: object) -> dict:
@@ -344,22 +305,17 @@ def _plan_fields(data: object) -> dict:
     known = set(Plan.__dataclass_fields__)
     unknown = set(data) - known - {"format", "mesh", "derived"}
     if unknown:
-        raise PlanError(f"unknown field(s) {sorted(unknown, key=str)}{close_matches(sorted(unknown, key=str)[0], known)}; "
-                        f"known: {sorted(known)}")
+        raise PlanError(f"unknown field(s) {sorted(unknown, key=str)}; known: {sorted(known)}")
     raw_stages = data.get("stages", [])
     if not isinstance(raw_stages, list):
         raise PlanError(f"stages must be a list of {{start, end, tp, recompute}} objects, got {brief(raw_stages)}")
     kwargs = {k: v for k, v in data.items() if k in known and k != "stages"}
     kwargs["stages"] = [_stage_fields(s, i) for i, s in enumerate(raw_stages)]
-    for name in _INT_FIELDS:
-        if name in kwargs:
-            _int_field(kwargs[name], name)
-    for name in _STR_FIELDS:
-        if name in kwargs and not isinstance(kwargs[name], str):
-            raise PlanError(f"{name} must be a string, got {brief(kwargs[name])}")
-    for name in ("sequence_parallel", "loss_parallel", "compile", "float8"):
-        if not isinstance(kwargs.get(name, False), bool):
-            raise PlanError(f"{name} must be true or false, got {brief(kwargs[name])}")
+    for setting in PLAN_SETTINGS:  # each field's type, from its declaration (values: Plan.validate)
+        if setting.name in kwargs and setting.type in (int, str, bool):
+            problem = setting.type_problem(kwargs[setting.name])
+            if problem:
+                raise PlanError(f"{setting.name} {problem}")
     if kwargs.get("constraints") is not None:
         try:
             kwargs["constraints"] = Constraints.from_dict(kwargs["constraints"])

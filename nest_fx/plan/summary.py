@@ -17,4 +17,5 @@ def plan_summary(plan: Plan, num_microbatches: int) -> str:
             f"; schedule={plan.schedule}"
             f"{f' v={plan.virtual_stages}' if plan.schedule == 'interleaved' else ''}; "
             f"microbatches {num_microbatches} x {plan.microbatch_size}; sp={plan.sequence_parallel}; "
-            f"placement={plan.placement}{''.join('; ' + e for e in extras)}\n  stages: {stages}")
+            f"placement={plan.placement}{f'; precision={plan.precision}' if plan.precision else ''}"
+            f"{''.join('; ' + e for e in extras)}\n  stages: {stages}")

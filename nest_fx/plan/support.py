@@ -1,4 +1,5 @@
-"""What the runtime can parallelise in one model: the one decision the planner and the runtime share.
+"""What the runtime can parallelise in one model: the model-level verdicts behind
+``nest_fx.plan.may_run`` (the one entry point the planner and the runtime's checks ask).
 
 :func:`parallel_support` inspects a model and its traced graph and answers, per parallelism and
 degree, ``""`` (the runtime runs it and computes what the single-device model computes) or the
@@ -20,11 +21,9 @@ from nest_fx.common.arith import divisors
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention, unknown_position_embeddings
 from nest_fx.graph.moe_modules import expert_counts, find_moe_modules, unconvertible_experts
 from nest_fx.graph.opgraph import OpGraph
-from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
 from nest_fx.graph.stage_modules import rehearsal_problem
 from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS, lowest_common_module
-from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import dims_from_config
 
 
@@ -341,28 +340,3 @@ def parallel_support(model: nn.Module, graph: Optional[OpGraph]) -> ParallelSupp
     """The runtime's verdict on ``model`` (traced as ``graph``), for the planner and the runtime."""
     return ParallelSupport(model, graph)
 
-
-def unrun_fields(plan: Plan) -> List[str]:
-    """Combinations of plan fields the runtime refuses before training, each with the reason:
-    unknown recompute policies and :func:`unrun_combination`."""
-    out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
-           for problem in [recompute_policy_problem(s.recompute)] if problem]
-    return out + unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
-                                   hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
-
-
-def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool) -> List[str]:
-    """[] when the runtime runs these degrees and options together, else why not (the planner
-    searches only combinations it runs): HSDP with expert parallelism (the mesh splits the
-    replicas into expert groups or into shard groups, not both); torch.compile or Float8 with
-    tensor parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8
-    TP needs torchao's float8 TP styles)."""
-    out = []
-    if hsdp and ep > 1:
-        out.append(f"dp_shard={dp_shard} with ep={ep}: HSDP does not run with expert parallelism yet "
-                   "(use dp_shard=0, or ep=1)")
-    for name, on in (("compile", compile), ("float8", float8)):
-        if on and tp > 1:
-            out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
-                       f"(use {name}=false, or tp=1)")
-    return out

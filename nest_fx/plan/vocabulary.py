@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from nest_fx.common.fileio import brief
+from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
@@ -30,3 +31,16 @@ def recompute_problem(value: object) -> str:
     if isinstance(value, str) and _RECOMPUTE.match(value):
         return ""
     return f"{brief(value)} is not a recompute policy{close_matches(value, RECOMPUTE_NAMES)}; use {RECOMPUTE_FORMS}"
+
+
+def schedule_problem(value: object) -> str:
+    """'' when ``value`` names a schedule (``interleaved:V`` with V >= 2 for a fixed interleave
+    factor), else what is wrong."""
+    if isinstance(value, str):
+        name, _, v = value.partition(":")
+        if name in SCHEDULES and not v:
+            return ""
+        if name == "interleaved" and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
+            return ""
+    return (f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)} or "
+            "interleaved:V (V >= 2 model chunks)")

@@ -20,6 +20,7 @@ from nest_fx.report.plotting import require_pyplot
 from nest_fx.cluster.ordered import placed
 from nest_fx.cost import memory
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.precision import priced_options
 from nest_fx.cost.step_time import pipeline_time, stage_tail
 
 GiB = 2**30
@@ -209,7 +210,7 @@ def timeline_lines(plan, result) -> List[str]:
 
 def explain_text(plan, workload, cluster, result, options: Optional[CostOptions] = None) -> str:
     """The whole report as text; ``result`` is ``simulate(plan, workload, cluster, options)``."""
-    options = options or CostOptions()
+    options = priced_options(plan.precision, options or CostOptions())  # as simulate priced it
     lines = header_lines(plan, workload, cluster, result)
     order = layout.placement_lines(plan, cluster) if plan.device_order is not None else []
     cluster = placed(cluster, plan.device_order)  # groups and levels of the devices the ranks run on
@@ -226,7 +227,7 @@ def write_timeline_png(plan, cluster, result, path: str, options: Optional[CostO
     """Draw the schedule (at most ``max_microbatches`` microbatches) with each stage's DP-sync
     and optimizer tail; returns the number of microbatches drawn. ImportError without matplotlib."""
     require_pyplot()  # fail before the simulation work
-    options = options or CostOptions()
+    options = priced_options(plan.precision, options or CostOptions())
     events, m = step_events(plan, result, max_microbatches)
     tails: Sequence[Tuple[float, float]] = [stage_tail(s, plan, cluster, options) for s in result.stages]
     v = plan.virtual_stages if plan.schedule == "interleaved" else 1

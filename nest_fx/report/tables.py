@@ -125,7 +125,7 @@ def plan_summary(plan) -> str:
             + f" zero={plan.zero}" + (f" hsdp={plan.shard_degree}x{plan.replicate_degree}"
                                        if plan.replicate_degree > 1 else "")
             + f" mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
-            + "".join(f" {f}" for f in flags) + f" {plan.placement}"
+            + "".join(f" {f}" for f in flags) + (f" {plan.precision}" if plan.precision else "") + f" {plan.placement}"
             + (f" rc={'/'.join(modes)}" if modes != ["none"] else ""))
 
 

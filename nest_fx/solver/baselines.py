@@ -43,6 +43,7 @@ def run_baselines(workload: Workload, cluster, global_batch: int, options: Optio
     ``deadline`` (a ``time.perf_counter()`` value) each stops there with what it has found, and
     says so in its notes."""
     out = []
+    options = (options or SolverOptions()).priced()
     for fn, kwargs in ((megatron, {}), (torchtitan, {}), (phaze, {}), (mcmc, {"evaluations": mcmc_evaluations})):
         start = time.perf_counter()
         b = fn(workload, cluster, global_batch, options, deadline=deadline, **kwargs)
@@ -177,7 +178,7 @@ def exhaustive(workload: Workload, cluster, global_batch: int, options: Optional
     for _, g, p in candidates(workload, cluster, global_batch, options, expand=True):
         m = g.microbatches(global_batch)
         for ranges in all_partitions(len(workload), p):
-            if any(b - a < g.v for a, b in ranges):
+            if any(b - a < g.virtual_stages for a, b in ranges):
                 continue  # the interleaved schedule runs v chunks of at least one layer per stage
             for modes in itertools.product(options.recompute, repeat=p):
                 plan = g.plan([StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,

@@ -13,19 +13,19 @@ from nest_fx.cost import memory
 from nest_fx.cost.memory import model_states
 from nest_fx.cost.step_time import pipeline_span, tail_terms
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, stage_counts
-from nest_fx.workload.types import Workload
+from nest_fx.workload.types import Variant, Workload
 
 
-def variant_of(g: GlobalConfig) -> tuple:
-    """The workload variant (tp, ep, mbs, sp, cp, lp) of a configuration (``Workload.cost``)."""
-    return g.tp, g.ep, g.mbs, g.sp, g.cp, g.lp
+def variant_of(g: GlobalConfig) -> Variant:
+    """The workload variant of a configuration (``Workload.cost``)."""
+    return g.variant
 
 
 def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
     """(per-microbatch fwd + bwd seconds, per-device parameters) of one replica at g's variant."""
     work = params = 0.0
     for i in range(len(workload)):
-        c = workload.cost(i, *variant_of(g))
+        c = workload.cost(i, g.variant)
         work += c.fwd_s + c.bwd_s
         params += c.num_params
     return work, params
@@ -38,7 +38,8 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     ``time.perf_counter()`` value) when it passes. An interleaved ``g`` with ``v =
     ANY_INTERLEAVE`` stands for every factor at its depth (its bound: the largest factor's,
     the least); ``expand`` lists the factors one by one instead (the baselines)."""
-    workload = workload.for_runtime(options.compile, options.float8)
+    options = options.priced()
+    workload = options.runtime_workload(workload)
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float]] = {}
     screens: Dict[tuple, np.ndarray] = {}
@@ -61,11 +62,11 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
         depths = depths[screens[screen_key][depths]]
         t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost)[1]
         m = g.microbatches(global_batch)
-        if g.v == ANY_INTERLEAVE and g.schedule == "interleaved":
+        if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":
             v = len(workload) // depths  # the largest factor gives the least bound of the family
             lbs = m * (work / depths) + (work - work / depths) / v + t_opt
         else:
-            lbs = pipeline_span(work / depths, work, m, g.schedule, g.v) + t_opt
+            lbs = pipeline_span(work / depths, work, m, g.schedule, g.virtual_stages) + t_opt
         for lb, p in zip(lbs.tolist(), depths.tolist()):
             out.extend((lb, h, p) for h in (concrete(g, workload, p) if expand else [g]))
     out.sort(key=lambda x: x[0])

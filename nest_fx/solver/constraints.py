@@ -22,13 +22,14 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from nest_fx.cost.options import CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
-from nest_fx.plan.support import unrun_combination
+from nest_fx.plan.settings import DEGREES, FLAGS
+from nest_fx.plan.may_run import device_problems, unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
 from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
-from nest_fx.workload import Workload
+from nest_fx.workload import Variant, Workload
 
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
-NEVER_RELAXED = ("optimizer", "fix.compile", "fix.float8")  # how the model is trained, not a preference
+NEVER_RELAXED = ("optimizer", "precision", "fix.compile", "fix.float8")  # how the model is trained, not a preference
 
 
 def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
@@ -41,7 +42,7 @@ def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions]
     if constraints.optimizer is not None:
         changes["optimizer"] = constraints.optimizer
     if constraints.memory_headroom is not None:
-        changes["usable_memory_fraction"] = 1.0 - constraints.memory_headroom
+        changes["memory_headroom"] = constraints.memory_headroom
     return dataclasses.replace(base, **changes)
 
 
@@ -65,9 +66,8 @@ def _check_recompute(c: Constraints) -> None:
 def _check_runtime_options(c: Constraints, options: SolverOptions, cluster) -> None:
     """ConstraintError for torch.compile / Float8 the plan cannot have: Float8 on a device without
     fp8 tensor cores, either with a fixed TP degree the runtime does not combine them with."""
-    if options.float8 and not cluster.device.peak_flops.get("fp8"):
-        raise ConstraintError(f"--fix float8=true: the device {cluster.device.name} has no fp8 rate (its peak_flops "
-                              "list no 'fp8'); Float8 linears need fp8 tensor cores")
+    for problem in device_problems(cluster.device, float8=options.float8):
+        raise ConstraintError(f"--fix {problem}")
     tp = c.fix.get("tp", 1)
     problem = unrun_combination(tp=tp, ep=1, dp_shard=0, hsdp=False, compile=options.compile, float8=options.float8)
     if problem:
@@ -94,7 +94,7 @@ def _searched_degrees(c: Constraints, degree: str, tried: Sequence[int], what: s
 
 def _cp_degrees(c: Constraints, options: SolverOptions, workload: Workload) -> Tuple[int, ...]:
     return _searched_degrees(c, "cp", options.cp_degrees, "context-parallel",
-                             lambda cp: workload.variant_problem(1, 1, False, cp) if cp > 1 else "")
+                             lambda cp: workload.variant_problem(Variant(cp=cp)) if cp > 1 else "")
 
 
 def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, cluster) -> Tuple[int, ...]:
@@ -104,7 +104,7 @@ def _tp_degrees(c: Constraints, options: SolverOptions, workload: Workload, clus
         if options.tp_within_node and tp > node:
             return (f"tensor parallelism stays inside one {cluster.levels[0].name} of {node} devices on "
                     f"{cluster.name}; use tp <= {node}")
-        return workload.variant_problem(tp, 1, options.sequence_parallel and tp > 1)
+        return workload.variant_problem(Variant(tp, sequence_parallel=options.sequence_parallel and tp > 1))
 
     return _searched_degrees(c, "tp", options.tp_degrees, "tensor-parallel", problem)
 
@@ -114,19 +114,21 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
     """``options`` narrowed to ``constraints`` (module docstring); ConstraintError naming the
     constraint when the model or the cluster already rules it out."""
     c = constraints
+    options = options.for_device(cluster.device)  # the planner's precision: the user's, else the device's default
     if not c:
         return options
     _check_recompute(c)
     changes = {"constraints": c, "cost": cost_options(c, options.cost)}
-    for flag in ("sequence_parallel", "loss_parallel", "compile", "float8"):
+    for flag in FLAGS:
         if flag in c.fix:
             changes[flag] = bool(c.fix[flag])
+    if c.precision is not None:
+        changes["precision"] = c.precision
     options = dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "constraints"})
     _check_runtime_options(c, options, cluster)
     changes["tp_degrees"] = _tp_degrees(c, options, workload, cluster)
     changes["cp_degrees"] = _cp_degrees(c, options, workload)
-    bounds = {name: c.bounds(name) for name in ("tp", "pp", "dp", "ep", "cp", "dp_shard")
-              if name in c.fix or name in c.min or name in c.max}
+    bounds = {name: c.bounds(name) for name in DEGREES if name in c.fix or name in c.min or name in c.max}
     changes["degree_bounds"] = bounds
     lo_ep, hi_ep = c.bounds("ep")
     if "ep" in bounds:
@@ -213,7 +215,7 @@ def binding_constraints(workload: Workload, cluster, global_batch: int, constrai
     time left before ``deadline`` (a ``time.perf_counter()`` value), at most
     RELAXED_SOLVE_BUDGET_S."""
     keys = [(k, text) for k, text in constraints.items() if k not in NEVER_RELAXED]
-    kept = Constraints(optimizer=constraints.optimizer,
+    kept = Constraints(optimizer=constraints.optimizer, precision=constraints.precision,
                        fix={f: constraints.fix[f] for f in ("compile", "float8") if f in constraints.fix})
     trials = [kept] + [constraints.without(k) for k, _ in keys]
     found: List[Optional[SolveResult]] = []

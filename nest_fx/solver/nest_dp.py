@@ -91,7 +91,7 @@ def solve_partition(table: StageTable, best: float, deadline: Optional[float] = 
     """Best contiguous partition into ``table.p`` stages with per-stage recompute, or None when
     nothing fits or nothing beats ``best``."""
     g, p, n, m = table.g, table.p, table.n, table.m
-    sched, v = g.schedule, g.v
+    sched, v = g.schedule, g.virtual_stages
     bounds = table.suffix_bounds(best)
     fronts: Dict[int, List[Entry]] = {0: [(0.0, 0.0, 0.0, None)]}
     for i in range(p):

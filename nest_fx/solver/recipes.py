@@ -42,7 +42,7 @@ from nest_fx.common.arith import divisors
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.solver.baseline_result import Baseline, evaluate
 from nest_fx.solver.space import SolverOptions
-from nest_fx.workload import Workload
+from nest_fx.workload import Variant, Workload
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # what a recipe's user tries
 TP_DEGREES = (1, 2, 4, 8)
@@ -81,14 +81,14 @@ def _expert_parallel(workload: Workload, tp: int, dp: int) -> int:
     if not workload.is_moe:
         return 1
     return max((e for e in divisors(max(workload.dims.num_experts, 1))
-                if dp % e == 0 and workload.supports(tp, e, tp > 1)), default=1)
+                if dp % e == 0 and workload.supports(Variant(tp, e, sequence_parallel=tp > 1))), default=1)
 
 
 def _plan(workload: Workload, cluster, ranges: Sequence[Tuple[int, int]], tp: int, dp: int, ep: int, zero: int,
           mbs: int, m: int, recompute: str, options: SolverOptions, schedule: str = "1f1b", v: int = 1) -> Plan:
-    lp = tp > 1 and workload.supports(tp, ep, True, 1, True)
+    lp = tp > 1 and workload.supports(Variant(tp, ep, sequence_parallel=True, loss_parallel=True))
     return Plan(stages=[StagePlan(a, b, tp, recompute) for a, b in ranges], dp=dp, ep=ep, zero=zero,
-                loss_parallel=lp, compile=options.compile, float8=options.float8,
+                loss_parallel=lp, compile=options.compile, float8=options.float8, precision=options.precision or "",
                 microbatch_size=mbs, num_microbatches=m, schedule=schedule, virtual_stages=v,
                 sequence_parallel=tp > 1, placement="stage-major", model=workload.model,
                 model_fingerprint=workload.fingerprint, num_layers=len(workload), world_size=cluster.num_devices)
@@ -148,7 +148,7 @@ def megatron(workload: Workload, cluster, global_batch: int, options: Optional[S
     options = options or SolverOptions()
     node, n = cluster.levels[0].group_size, cluster.num_devices
     blocks = _num_blocks(workload)
-    tps = [t for t in TP_DEGREES if t <= node and t <= n and workload.supports(t, 1, t > 1)]
+    tps = [t for t in TP_DEGREES if t <= node and t <= n and workload.supports(Variant(t, sequence_parallel=t > 1))]
     shapes = sorted(((t, p) for t in tps for p in (divisors(blocks) if blocks else [1]) if t * p <= n),
                     key=lambda x: (x[0] * x[1], -x[0]))
     evals = 0
@@ -170,7 +170,7 @@ def _torchtitan_shapes(workload: Workload, cluster) -> Iterator[Tuple[int, int]]
     """(tp, pp) in the order torchtitan's recipes escalate: FSDP alone, + TP 8, + PP; starting
     from the model's size class."""
     node, n = cluster.levels[0].group_size, cluster.num_devices
-    tp = max((t for t in TP_DEGREES if t <= min(node, n) and workload.supports(t, 1, t > 1)), default=1)
+    tp = max((t for t in TP_DEGREES if t <= min(node, n) and workload.supports(Variant(t, sequence_parallel=t > 1))), default=1)
     params = workload.num_params
     blocks = _num_blocks(workload)
     steps = [(1, 1), (tp, 1)] + [(tp, p) for p in divisors(blocks) if p >= 2]

@@ -9,9 +9,10 @@ import torch
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cluster.spec import Cluster
 from nest_fx.common.arith import divisors
+from nest_fx.cost.precision import default_precision
 from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.support import parallel_support
+from nest_fx.plan.may_run import may_run
 from nest_fx.solver.constraints import solve_constrained
 from nest_fx.solver.search import NoFeasiblePlan
 from nest_fx.solver.space import SolverOptions
@@ -29,44 +30,33 @@ def detect_cluster(world_size: int) -> ClusterModel:
 
 
 def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> SolverOptions:
-    """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.support``, the
-    decision the runtime's checks make too): TP, EP and CP degrees it accepts, pipelining only
+    """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.may_run``, the
+    question the runtime's checks ask too): TP, EP and CP degrees it accepts, pipelining only
     where the model can be cut into stages, sequence parallelism only where it runs, loss
     parallelism only where its LM head allows."""
-    support = parallel_support(model, graph)
-    tps = tuple(t for t in options.tp_degrees if not support.tp_problem(t))
-    experts = support.num_experts()
+    runs = may_run(model, graph)
+    tps = runs.allowed("tp", options.tp_degrees)
+    experts = runs.num_experts()
     eps = options.ep_degrees
     if eps is not None or experts:  # ep 1 always runs, so the tuple is never empty
-        eps = tuple(e for e in (eps if eps is not None else divisors(experts)) if not support.ep_problem(e))
-    cps = tuple(c for c in options.cp_degrees if not support.cp_problem(c)) or (1,)
-    max_stages = options.max_stages
-    if support.pp_problem(2):
-        max_stages = 1
+        eps = runs.allowed("ep", eps if eps is not None else divisors(experts))
+    cps = runs.allowed("cp", options.cp_degrees) or (1,)
+    max_stages = 1 if runs.degree_problem("pp", 2) else options.max_stages
     loss_parallel = options.loss_parallel
-    if any(support.loss_parallel_problem(t) for t in tps if t > 1):
+    if any(runs.degree_problem("loss_parallel", t) for t in tps if t > 1):
         loss_parallel = False
     return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages,
                                cp_degrees=cps, loss_parallel=loss_parallel,
-                               sequence_parallel=options.sequence_parallel and not support.sp_problem())
+                               sequence_parallel=options.sequence_parallel and not runs.degree_problem(
+                                   "sequence_parallel", True))
 
 
 def check_runtime_constraints(constraints: Optional[Constraints], model: torch.nn.Module, graph) -> None:
     """ConstraintError when a degree the user fixed is one the runtime cannot run on ``model``
     (``nest_fx.plan.support``, the runtime's own verdict), with its reason."""
-    if not constraints:
-        return
-    support = parallel_support(model, graph)
-    for degree, problem in (("tp", support.tp_problem), ("pp", support.pp_problem), ("ep", support.ep_problem),
-                            ("cp", support.cp_problem)):
-        value = constraints.fix.get(degree)
-        reason = problem(int(value)) if value is not None else ""
-        if reason:
-            raise ConstraintError(f"fix {degree}={value}: {reason}")
-    if constraints.fix.get("loss_parallel"):
-        reason = support.loss_parallel_problem(2)
-        if reason:
-            raise ConstraintError(f"fix loss_parallel=true: {reason}")
+    found = may_run(model, graph).constraint_problem(constraints)
+    if found:
+        raise ConstraintError(f"{found[0]}: {found[1]}")
 
 
 def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
@@ -90,16 +80,19 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
         param = next(iter(model.parameters()))
         seq = traced_seq_len(graph)
         nbytes = param.element_size()
-        support = parallel_support(model, graph)
+        runs = may_run(model, graph, cluster)
         dims = dims_from_config(getattr(model, "config", None), seq_len=seq, dtype_bytes=nbytes)
-        dims = dataclasses.replace(dims, num_experts=support.num_experts() or 0)
+        dims = dataclasses.replace(dims, num_experts=runs.num_experts() or 0)
         workload = analytical_workload(graph, dims, cluster, param.dtype)
+        # precision: the user's, else bf16-true for a model already in bf16, else the device's default
+        # (bf16-mixed on GPUs, fp32 on CPUs: cost.precision.default_precision); the plan records it
+        precision = base.precision or (constraints.precision if constraints else None) or (
+            "bf16-true" if nbytes < 4 else default_precision(cluster.device))
         # the process group exists by now (the world size comes from it) and cannot be renumbered
         # for a device order (apply.distributed.init_distributed): keep the launcher's placement
         opts = dataclasses.replace(runtime_options(model, graph, base), use_all_devices=True, search_placement=False,
-                                   cost=dataclasses.replace(base.cost, param_bytes=nbytes, grad_bytes=nbytes,
-                                                            master_weights=nbytes < 4))
-        if one_microbatch and support.microbatch_problem(2):
+                                   precision=precision)
+        if one_microbatch and runs.degree_problem("num_microbatches", 2):
             return _one_microbatch_plan(workload, cluster, world_size, global_batch, opts, constraints)
         return solve_constrained(workload, cluster, global_batch, constraints, opts).plan
 

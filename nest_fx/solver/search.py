@@ -54,7 +54,7 @@ from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, in_space, objective
 from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
-from nest_fx.workload.types import Workload
+from nest_fx.workload.types import Variant, Workload
 
 
 class NoFeasiblePlan(NestFxError, ValueError):
@@ -88,7 +88,7 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
         return math.inf
     paced = work if cache.options.overlap_p2p else work + sends
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
-    return pipeline_span(paced / p, work + sends, m, g.schedule, g.v) + t_opt
+    return pipeline_span(paced / p, work + sends, m, g.schedule, g.virtual_stages) + t_opt
 
 
 def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
@@ -101,7 +101,7 @@ def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
     zero = memory.effective_zero_stage(g.zero, p)
     states = memory.model_state_bytes(cache.replica_params(g) / p, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
                                       param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
-                                      master_weights=o.master_weights)["total"]
+                                      master_weights=o.master_weights, state_dtype_bytes=o.state_bytes)["total"]
     return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
 
 
@@ -113,7 +113,7 @@ def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
     t, s, q = (float(a[0]) for a in table.suffix_bounds(best, exact_tails)[0])
     if math.isinf(t) or math.isinf(s) or math.isinf(q):
         return math.inf
-    return objective(t, s, q, table.m, table.g.schedule, table.g.v)
+    return objective(t, s, q, table.m, table.g.schedule, table.g.virtual_stages)
 
 
 class _Tables:
@@ -166,7 +166,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
            progress: Optional[Callable[[int, int], None]]) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
-    workload = workload.for_runtime(options.compile, options.float8)
+    options = options.priced()
+    workload = options.runtime_workload(workload)
     pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
@@ -187,7 +188,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         pops += 1
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
-        if g.v == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
+        if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
             for h in concrete(g, workload, p):
                 lb = _network_bound(tables.caches[o], h, p, m)
                 if lb * SLACK < best_t:
@@ -203,7 +204,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:
                     even = table.even_split(best_t)
-                    step = objective(*even[:3], m, g.schedule, g.v) if even else math.inf
+                    step = objective(*even[:3], m, g.schedule, g.virtual_stages) if even else math.inf
                     if step < best_t:
                         best_t, best = step, (g, m, even[3], o)
                 lb = _table_bound(table, best_t, exact_tails=tier == 2)
@@ -261,7 +262,7 @@ def explain_infeasible(workload: Workload, cluster, global_batch: int, options: 
     """Why nothing fits, and the smallest change that would."""
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     node = min(cluster.levels[0].group_size, cluster.num_devices)
-    tps = [t for t in options.tp_degrees if t <= node and workload.supports(t, 1, t > 1)]
+    tps = [t for t in options.tp_degrees if t <= node and workload.supports(Variant(t, sequence_parallel=t > 1))]
     if not tps:
         return (f"no tensor-parallel degree in {list(options.tp_degrees)} is both at most {node} (the devices of "
                 f"one {cluster.levels[0].name}) and one the workload has costs for (its shapes must divide by it, "
@@ -272,13 +273,13 @@ def explain_infeasible(workload: Workload, cluster, global_batch: int, options: 
                 "use a global batch with more small factors (e.g. a power of two)")
     # The leanest plan: most TP inside a node, deepest pipeline, ZeRO-3, full recompute, microbatch 1.
     tp = max(tps)
-    total_params = sum(workload.cost(i, tp, 1, 1, tp > 1).num_params for i in range(len(workload)))
+    total_params = sum(workload.cost(i, Variant(tp, sequence_parallel=tp > 1)).num_params for i in range(len(workload)))
     zero = max(options.zero_stages)
     p_max = min(len(workload), cluster.num_devices // tp)
     dp_max = max(1, cluster.num_devices // (tp * p_max))
     per_device = memory.model_state_bytes(total_params / p_max, zero_stage=zero, dp=dp_max,
                                           optimizer=options.cost.optimizer)["total"]
-    act = max(workload.cost(i, tp, 1, 1, tp > 1).act_bytes["full"] for i in range(len(workload)))
+    act = max(workload.cost(i, Variant(tp, sequence_parallel=tp > 1)).act_bytes["full"] for i in range(len(workload)))
     need = per_device + act
     gib = 2**30
     if need > capacity:

@@ -7,11 +7,13 @@ from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.precision import compute_dtype, default_precision, priced_options
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
-from nest_fx.plan.support import unrun_combination
-from nest_fx.workload import Workload
+from nest_fx.plan.settings import SETTINGS, add_fields
+from nest_fx.plan.may_run import unrun_combination
+from nest_fx.workload import Variant, Workload
 
 ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
 # every per-layer policy and a ladder of layer intervals; the search drops those another policy
@@ -36,6 +38,10 @@ class SolverOptions:
     loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
     compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
     float8: bool = False  # cost Float8 linears (likewise)
+    # the precision plans train in (a plan setting, costed by nest_fx.cost.precision, not searched).
+    # None: not recorded, costed as ``cost`` says; solve_constrained (nest-fx plan, auto_parallelize)
+    # sets the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
+    precision: Optional[str] = None
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
@@ -47,35 +53,48 @@ class SolverOptions:
     degree_bounds: Mapping[str, Tuple[int, int]] = field(default_factory=dict)
     constraints: Optional[Constraints] = None  # the user's, recorded in the plan (solver.constraints)
 
+    def priced(self) -> "SolverOptions":
+        """These options with the cost options priced in :attr:`precision` (the search and the
+        baselines cost every plan in it); ``self`` when none is set or they already are."""
+        cost = priced_options(self.precision or "", self.cost)
+        return self if cost == self.cost else dataclasses.replace(self, cost=cost)
+
+    def for_device(self, device) -> "SolverOptions":
+        """These options with the device's default precision when none is set (``default_precision``)."""
+        return self if self.precision else dataclasses.replace(self, precision=default_precision(device))
+
+    def runtime_workload(self, workload: Workload) -> Workload:
+        """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
+        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""))
+
     def allows(self, degree: str, value: int) -> bool:
         """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
         lo, hi = self.degree_bounds.get(degree, (1, value))
         return lo <= value <= hi
 
 
-@dataclass(frozen=True)
-class GlobalConfig:
-    """Knobs shared by all stages of a plan (the outer loop of the search). ``v`` is the
-    interleave factor (1 for 1F1B and GPipe; ``ANY_INTERLEAVE`` for the family of every factor of
-    one (config, depth) pair, expanded by the search)."""
+# the plan settings one configuration of the search fixes for every stage (its outer loop): every
+# degree, flag, choice and option of a plan or stage but the per-stage recompute policy, and the
+# interleave factor; a GlobalConfig has one field per setting, named and defaulted as declared
+GLOBAL_SETTINGS = tuple(s for s in SETTINGS if (s.scope == "plan" and s.role != "record") or s.name in
+                        ("tp", "virtual_stages"))
 
-    tp: int
-    dp: int
-    ep: int
-    mbs: int
-    zero: int
-    schedule: str
-    v: int
-    placement: str
-    sp: bool
-    cp: int = 1
-    dp_shard: int = 0  # HSDP shard group in replicas; 0 = ZeRO over all of dp
-    lp: bool = False  # loss parallel
-    compile: bool = False
-    float8: bool = False
+
+@dataclass(frozen=True)
+@add_fields(GLOBAL_SETTINGS)
+class GlobalConfig:
+    """Settings shared by all stages of a plan (the outer loop of the search): the fields of
+    :data:`GLOBAL_SETTINGS`. ``virtual_stages`` is the interleave factor (1 for 1F1B and GPipe;
+    ``ANY_INTERLEAVE`` for the family of every factor of one (config, depth) pair, expanded by
+    the search)."""
 
     def microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.mbs)
+        return global_batch // (self.dp * self.microbatch_size)
+
+    @property
+    def variant(self) -> Variant:
+        """The workload variant of this configuration (``Workload.cost``)."""
+        return Variant(self.tp, self.ep, self.microbatch_size, self.sequence_parallel, self.cp, self.loss_parallel)
 
     @property
     def shard(self) -> int:
@@ -84,27 +103,21 @@ class GlobalConfig:
 
     def plan(self, stages: List[StagePlan], m: int, workload: Workload, cluster, **fields) -> Plan:
         """The plan of this configuration with ``stages`` and ``m`` microbatches."""
-        return Plan(stages=stages, dp=self.dp, ep=self.ep, cp=self.cp, zero=self.zero, dp_shard=self.dp_shard,
-                    loss_parallel=self.lp, compile=self.compile, float8=self.float8, microbatch_size=self.mbs,
-                    num_microbatches=m, schedule=self.schedule, virtual_stages=self.v,
-                    sequence_parallel=self.sp, placement=self.placement, model=workload.model,
-                    model_fingerprint=workload.fingerprint, num_layers=len(workload),
-                    world_size=cluster.num_devices, **fields)
+        shared = {s.name: getattr(self, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"}
+        return Plan(stages=stages, num_microbatches=m, model=workload.model, model_fingerprint=workload.fingerprint,
+                    num_layers=len(workload), world_size=cluster.num_devices, **shared, **fields)
 
     @classmethod
     def of(cls, plan: Plan) -> "GlobalConfig":
         """The configuration of a plan with uniform TP."""
-        return cls(tp=plan.stages[0].tp, dp=plan.dp, ep=plan.ep, mbs=plan.microbatch_size, zero=plan.zero,
-                   schedule=plan.schedule, v=plan.virtual_stages, placement=plan.placement,
-                   sp=plan.sequence_parallel, cp=plan.cp, dp_shard=plan.dp_shard, lp=plan.loss_parallel,
-                   compile=plan.compile, float8=plan.float8)
+        return cls(tp=plan.stages[0].tp, **{s.name: getattr(plan, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"})
 
 
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
     """Every admissible combination of the global knobs (``docs/solver.md``): TP, EP and CP
     degrees the workload can cost, loss parallelism wherever allowed (never slower), HSDP shard
     groups at the network's levels under ZeRO >= 2, and only combinations the runtime runs
-    (``plan.support.unrun_combination``)."""
+    (``plan.may_run.unrun_combination``)."""
     node = cluster.levels[0].group_size
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
@@ -118,9 +131,10 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
         if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
                 or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
                 or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, **runtime)
-                or not workload.supports(tp, ep, sp, cp)):
+                or not workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp))):
             continue
-        lp = tp > 1 and options.loss_parallel is not False and workload.supports(tp, ep, sp, cp, True)
+        lp = (tp > 1 and options.loss_parallel is not False
+              and workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp, loss_parallel=True)))
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
@@ -135,9 +149,11 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                     for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
                         for schedule, v in options.schedules:
                             for placement in options.placements:
-                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, mbs=mbs, zero=zero, schedule=schedule,
-                                                   v=v if schedule == "interleaved" else 1, placement=placement,
-                                                   sp=sp, cp=cp, dp_shard=dp_shard, lp=lp, **runtime)
+                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, microbatch_size=mbs, zero=zero,
+                                                   schedule=schedule, placement=placement, sequence_parallel=sp,
+                                                   virtual_stages=v if schedule == "interleaved" else 1, cp=cp,
+                                                   dp_shard=dp_shard, loss_parallel=lp,
+                                                   precision=options.precision or "", **runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -174,6 +190,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
             and plan.compile == options.compile and plan.float8 == options.float8
+            and (options.precision is None or plan.precision == options.precision)
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
@@ -200,7 +217,7 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
         most = min(most, options.max_stages)
     out = []
     for p in range(options.degree_bounds.get("pp", (1, 1))[0], most + 1):
-        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * max(g.v, 2)):
+        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * max(g.virtual_stages, 2)):
             continue
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
@@ -221,9 +238,9 @@ def interleave_factors(workload: Workload, p: int) -> List[int]:
 
 def concrete(g: GlobalConfig, workload: Workload, p: int) -> List[GlobalConfig]:
     """``g`` with each interleave factor it stands for at depth ``p`` (itself when concrete)."""
-    if g.schedule != "interleaved" or g.v != ANY_INTERLEAVE:
+    if g.schedule != "interleaved" or g.virtual_stages != ANY_INTERLEAVE:
         return [g]
-    return [dataclasses.replace(g, v=v) for v in interleave_factors(workload, p)]
+    return [dataclasses.replace(g, virtual_stages=v) for v in interleave_factors(workload, p)]
 
 
 def objective(max_t: float, sum_s: float, max_q: float, m: int, schedule: str, v: int) -> float:

@@ -42,7 +42,7 @@ from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.solver.candidates import variant_of
 from nest_fx.solver.space import GlobalConfig, objective
-from nest_fx.workload import LayerCost, Workload
+from nest_fx.workload import LayerCost, Variant, Workload
 
 INF = math.inf
 # Bounds add in another order than a plan's own sums; never prune on a last-ulp difference.
@@ -51,7 +51,7 @@ SLACK = 1.0 - 1e-12
 
 @dataclass
 class RangeClasses:
-    """Layer ranges of one variant (tp, ep, mbs, sp, cp, lp) grouped by what a stage's cost depends on."""
+    """Layer ranges of one :class:`Variant` grouped by what a stage's cost depends on."""
 
     costs: List[LayerCost]  # distinct layer costs, in ``Workload.variant_costs`` order
     cls: np.ndarray  # (L+1, L+1): class of range [b, e); K (no class) where e <= b
@@ -91,17 +91,16 @@ def undominated_modes(costs: List[LayerCost], modes) -> Tuple[str, ...]:
     return tuple(r for r in modes if r in keep or parse_recompute(r).kind == "every")
 
 
-def costed_modes(workload: Workload, variant: tuple, modes) -> Tuple[str, ...]:
+def costed_modes(workload: Workload, variant: Variant, modes) -> Tuple[str, ...]:
     """The modes of ``modes`` the workload costs in a variant (a layer table may give only some
     policies; ``every:<k>`` needs ``none`` and ``full``)."""
-    have = set(workload.recompute_policies(*variant))
+    have = set(workload.recompute_policies(variant))
     return tuple(r for r in modes if ({"none", "full"} if parse_recompute(r).kind == "every" else {cost_key(r)}) <= have)
 
 
-def range_classes(workload: Workload, tp: int, ep: int, mbs: int, sp: bool, cp: int, lp: bool,
-                  modes) -> RangeClasses:
+def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
     """Classes of all ranges [b, e), 0 <= b < e <= L, for one layer variant."""
-    costs, prefix, index = workload.variant_costs(tp, ep, mbs, sp, cp, lp)
+    costs, prefix, index = workload.variant_costs(variant)
     n, d = len(workload), len(costs)
     counts = np.array(prefix, dtype=np.int64).reshape(d, n + 1)
     layer = np.array(index, dtype=np.int64)
@@ -113,8 +112,8 @@ def range_classes(workload: Workload, tp: int, ep: int, mbs: int, sp: bool, cp: 
     cls = np.full((n + 1, n + 1), len(uniq), dtype=np.intp)
     cls[b, e] = inverse.ravel()
     per_cost = np.ascontiguousarray(uniq[:, :d].T)
-    out_bytes = np.array([c.out_bytes for c in costs], dtype=float)[uniq[:, d + 1]] / cp
-    searched = undominated_modes(costs, costed_modes(workload, (tp, ep, mbs, sp, cp, lp), modes))
+    out_bytes = np.array([c.out_bytes for c in costs], dtype=float)[uniq[:, d + 1]] / variant.cp
+    searched = undominated_modes(costs, costed_modes(workload, variant, modes))
     terms = {r: compute_terms(list(zip(costs, per_cost)), r) for r in searched}
     return RangeClasses(costs=costs, cls=cls, counts=per_cost, prev=uniq[:, d].copy(), out_bytes=out_bytes,
                         length=per_cost.sum(axis=0), terms=terms, modes=searched, tied=costs[index[-1]].tied_params)
@@ -190,7 +189,7 @@ class TableCache:
     def classes(self, g: GlobalConfig) -> RangeClasses:
         key = variant_of(g)
         if key not in self._classes:
-            self._classes[key] = range_classes(self.workload, *key, self.modes)
+            self._classes[key] = range_classes(self.workload, key, self.modes)
         return self._classes[key]
 
     @staticmethod
@@ -252,7 +251,7 @@ class TableCache:
         greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
         the recompute time of every plan from below."""
         zero = memory.effective_zero_stage(g.zero, p)
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.v)
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.virtual_stages)
         hit = self._forced.get(key)
         if hit is None:
             hit = self._forced[key] = self._forced_recompute(g, p, m, zero)
@@ -263,8 +262,9 @@ class TableCache:
         whole = rc.cls[0, n]
         per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
                                              param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
-                                             master_weights=o.master_weights)["total"]
-        inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.v) for i in range(p)]
+                                             master_weights=o.master_weights,
+                                             state_dtype_bytes=o.state_bytes)["total"]
+        inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
         params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
@@ -323,7 +323,7 @@ class TableCache:
             boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0
             self._work[key] = (total, boundaries)
         total, boundaries = self._work[key]
-        return total, 2 * g.v * boundaries
+        return total, 2 * g.virtual_stages * boundaries
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""
@@ -364,10 +364,10 @@ class StageTable:
         compute = base.fwd + base.bwd
         # a stage leaves every other stage a layer, and under the interleaved schedule holds one
         # layer per model chunk at least (Plan.validate, the runtime's interleaved_ranges)
-        ok = (rc.length <= n - p + 1) & (rc.length >= g.v)
+        ok = (rc.length <= n - p + 1) & (rc.length >= g.virtual_stages)
         if best < INF:
             with np.errstate(invalid="ignore"):
-                ok &= objective(compute, compute, t_opt, m, g.schedule, g.v) * SLACK < best
+                ok &= objective(compute, compute, t_opt, m, g.schedule, g.virtual_stages) * SLACK < best
         live = np.flatnonzero(ok)
         k = len(live)
         remap = np.full(rc.size + 1, k, dtype=np.intp)
@@ -393,8 +393,8 @@ class StageTable:
             tp = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, opts)
             work = stage_work(terms.fwd, terms.bwd, terms.recompute, tp, comms["ep"], comms["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
-            t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.v, opts.overlap_p2p)
-            held = np.array([memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.v)
+            t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
+            held = np.array([memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
                              for i in range(p)]).reshape(p, k)
             mem = stage_memory(states, estates, held, terms.layer_peak, rc.out_bytes[live],
                                gathered[live], unsharded[live], scratch[live], num_microbatches=m)
@@ -436,7 +436,7 @@ class StageTable:
             ok = np.isfinite(t)
             if best < INF:
                 with np.errstate(invalid="ignore"):
-                    ok &= objective(t, self._fastest_s, self.t_opt, self.m, self.g.schedule, self.g.v) * SLACK < best
+                    ok &= objective(t, self._fastest_s, self.t_opt, self.m, self.g.schedule, self.g.virtual_stages) * SLACK < best
             return ok
         return self._memoised(("alive",), best, compute)
 
@@ -489,7 +489,7 @@ class StageTable:
             t, s, q = self._fastest[i][cols], self._fastest_s[i][cols], self.t_opt[cols]
             with np.errstate(invalid="ignore"):
                 lb = objective(np.maximum(np.maximum(t_pre, t), t_suf), s_pre + s + s_suf,
-                               np.maximum(np.maximum(q_pre, q), q_suf), self.m, self.g.schedule, self.g.v)
+                               np.maximum(np.maximum(q_pre, q), q_suf), self.m, self.g.schedule, self.g.virtual_stages)
             return np.where(lb * SLACK < best, cols, self.size)
         return self._memoised(("viable", i), best, compute)
 
@@ -598,7 +598,7 @@ class StageTable:
         times = [float(self.t[r][i, c]) for i, (r, c) in enumerate(zip(modes, cols))]
         spans = [float(self.s[r][i, c]) for i, (r, c) in enumerate(zip(modes, cols))]
         if objective(max(times), sum(spans), float(self.t_opt[cols].max()), self.m, self.g.schedule,
-                     self.g.v) * SLACK >= best:
+                     self.g.virtual_stages) * SLACK >= best:
             return None
         max_t = sum_s = max_q = 0.0
         for i, (r, c, t, s) in enumerate(zip(modes, cols, times, spans)):

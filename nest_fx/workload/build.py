@@ -55,8 +55,10 @@ def workload_for_model(name: str, cluster, *, seq: Optional[int] = None, dtype: 
     timing = AnalyticalCompute.for_device(cluster.device, dtype_name)
     source = ProfiledSource(graph, timing, profile, model_name=name, seq=seq, dtype=dtype,
                             attention=attention or ("traced" if profile.device == "cpu" else "flash"))
-    return workload_from_graph(graph, timing, dims, attention=source.attention, source=source,
+    work = workload_from_graph(graph, timing, dims, attention=source.attention, source=source,
                                provenance=f"profile {profile.device_name} ({profile.dtype}) + analytical roofline")
+    work.dtype = dtype_name
+    return work
 
 
 def analytical_workload(graph: OpGraph, dims, cluster, dtype: torch.dtype, *,
@@ -68,5 +70,7 @@ def analytical_workload(graph: OpGraph, dims, cluster, dtype: torch.dtype, *,
     timing = AnalyticalCompute.for_device(cluster.device, DTYPE_NAMES.get(dtype, "fp32"))
     if attention is None:
         attention = "traced" if cluster.device.name.startswith("cpu") else "flash"
-    return workload_from_graph(graph, timing, dims, attention=attention,
+    work = workload_from_graph(graph, timing, dims, attention=attention,
                                provenance=f"analytical roofline for {cluster.device.name}")
+    work.dtype = DTYPE_NAMES.get(dtype, "fp32")
+    return work

@@ -20,6 +20,7 @@ import torch
 from nest_fx.workload.localise import LocaliseError, distinct_depth, local_graph
 from nest_fx.workload.profile_file import Profile, block_seconds, op_key
 from nest_fx.workload.traced_source import TracedSource
+from nest_fx.workload.types import WorkloadError
 
 
 class ProfiledSource(TracedSource):
@@ -36,6 +37,16 @@ class ProfiledSource(TracedSource):
         self._times: Dict[tuple, List[Tuple[float, float]]] = {}
         self.measured_s: Dict[tuple, Tuple[float, float]] = {}  # (measured, total) fwd+bwd seconds
         self.depth = distinct_depth(graph)
+
+    def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
+                    byte_scale: float = 1.0) -> "ProfiledSource":
+        """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only."""
+        if timing is not None or byte_scale != 1.0:
+            other = "--precision fp32" if self.profile.dtype == "fp32" else "--precision bf16-mixed or bf16-true"
+            raise WorkloadError(f"the profile's times were measured in {self.profile.dtype}, not in the plan's "
+                                f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
+                                "--dtype ...)")
+        return super().for_runtime(compile=compile, float8=float8)
 
     def _local_graph(self, tp: int, mbs: int):
         if (tp, mbs) not in self._local:

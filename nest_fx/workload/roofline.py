@@ -26,8 +26,8 @@ recomputed): 2.5 x the forward's FLOPs (Dao 2023, sec. 3.1.2), ``attention_backw
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, Optional
 
 # (device name part, fraction of peak) for fused attention kernels; other devices: e_max
 FUSED_ATTENTION_EFFICIENCY = (("H100", 0.35), ("H200", 0.35))
@@ -49,15 +49,30 @@ class AnalyticalCompute:
     fp8_flops: float = 0.0  # FLOP/s of fp8 tensor cores (Float8 linears); 0 = none
     attention_efficiency: Optional[float] = None  # fused attention's e_max; None: matmul_efficiency
     attention_backward_factor: float = ATTENTION_BACKWARD_FACTOR
+    peaks: Dict[str, float] = field(default_factory=dict)  # the device's peak FLOP/s per dtype (in_dtype)
+    vector_share: float = 0.125  # non-matmul FLOP/s as a fraction of the device's fastest rate (for_device)
 
     @classmethod
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
-        """Defaults for a ``DeviceSpec`` (from ``nest_fx.cluster``) and a dtype name."""
+        """Defaults for a ``DeviceSpec`` (from ``nest_fx.cluster``) and a dtype name. Non-matmul
+        ops run at ``vector_fraction`` of the device's fastest (matrix-unit) rate, at most the
+        dtype's own peak (fp32 on a GPU: its fp32 rate)."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
         attention = next((e for part, e in FUSED_ATTENTION_EFFICIENCY if part in device.name), None)
+        peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
+        share = overrides.pop("vector_fraction", cls.vector_fraction)
         fields = dict(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, fp8_flops=fp8,
-                      attention_efficiency=attention)
+                      attention_efficiency=attention, peaks=peaks, vector_share=share,
+                      vector_fraction=_vector_fraction(peaks, share, device.peak(dtype)))
         return cls(**{**fields, **overrides})
+
+    def in_dtype(self, dtype: str) -> "AnalyticalCompute":
+        """The same device computing in ``dtype`` (its peak from :attr:`peaks`); ValueError when
+        the device lists no rate for it."""
+        if dtype not in self.peaks:
+            raise ValueError(f"the device lists no peak FLOP/s for {dtype!r} (known: {sorted(self.peaks)})")
+        peak = self.peaks[dtype]
+        return replace(self, peak_flops=peak, vector_fraction=_vector_fraction(self.peaks, self.vector_share, peak))
 
     def matmul_eff(self, flops: float, attention: bool = False) -> float:
         """e_mm(F) = e_max * F / (F + F_half); ``attention``: a fused attention kernel's e_max."""
@@ -87,3 +102,10 @@ class AnalyticalCompute:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _vector_fraction(peaks: Dict[str, float], share: float, peak: float) -> float:
+    """Non-matmul FLOP/s as a fraction of ``peak``: ``share`` of the fastest non-fp8 rate of
+    ``peaks``, at most ``peak`` itself."""
+    top = max((v for k, v in peaks.items() if k != "fp8"), default=peak)
+    return min(1.0, share * top / peak)

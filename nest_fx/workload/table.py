@@ -12,7 +12,7 @@ from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY
 from nest_fx.common.names import close_matches
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
-from nest_fx.workload.types import (COMM_GROUPS, RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims,
+from nest_fx.workload.types import (COMM_GROUPS, RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims, Variant,
                                     Workload, WorkloadError)
 
 _COST_FIELDS = ("fwd_s", "bwd_s", "num_params", "param_bytes", "act_bytes", "out_bytes")
@@ -228,9 +228,9 @@ def workload_to_table(workload: Workload, tps: Sequence[int] = (1, 2, 4, 8), eps
                 if not workload.dims.ep_ok(ep):
                     continue
                 for mbs, sp, cp, lp in itertools.product(mbss, sps, cps, lps if layer.kind == "tail" else (False,)):
-                    if workload.variant_problem(tp, ep, sp, cp, lp):
+                    if workload.variant_problem(Variant(tp, ep, sequence_parallel=sp, cp=cp, loss_parallel=lp)):
                         continue
-                    cost = workload.cost(i, tp, ep, mbs, sp, cp, lp).to_dict()
+                    cost = workload.cost(i, Variant(tp, ep, mbs, sp, cp, lp)).to_dict()
                     extra = {**({"cp": cp} if cp > 1 else {}), **({"lp": True} if lp else {})}
                     variants.append(dict(tp=tp, ep=ep, mbs=mbs, sp=sp, **extra, **cost))
         signatures[f"{layer.kind}:{layer.signature}"] = variants

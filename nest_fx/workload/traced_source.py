@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from typing import Dict, List, Optional, Tuple
 
 import networkx as nx
@@ -104,19 +105,30 @@ class TracedSource:
         self.attention = attention
         self.runtime = runtime or RuntimeCosts()
         self.batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
+        self.byte_scale = 1.0  # activation bytes relative to the trace's (for_runtime with another dtype)
         self._facts: Dict[int, _BlockFacts] = {}
+        self._traced: Dict[int, _BlockFacts] = self._facts  # the facts at the trace's dtype
 
     def facts(self, block_index: int) -> _BlockFacts:
         if block_index not in self._facts:
-            self._facts[block_index] = _block_facts(self.graph, self.graph.blocks[block_index])
+            if block_index not in self._traced:
+                self._traced[block_index] = _block_facts(self.graph, self.graph.blocks[block_index])
+            facts = self._traced[block_index]
+            self._facts[block_index] = facts if self.byte_scale == 1.0 else _scaled_facts(facts, self.byte_scale)
         return self._facts[block_index]
 
-    def for_runtime(self, *, compile: bool = False, float8: bool = False) -> "TracedSource":
-        """This source with torch.compile and/or Float8 linears costed (``runtime_costs``); the
-        traced facts are shared."""
+    def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
+                    byte_scale: float = 1.0) -> "TracedSource":
+        """This source with torch.compile and/or Float8 linears costed (``runtime_costs``) and,
+        given ``timing`` and ``byte_scale``, in another dtype: the op times of ``timing`` (the
+        device's rate for that dtype) on activations ``byte_scale`` times the traced bytes
+        (``Workload.for_runtime``). The traced facts are shared."""
         derived = copy.copy(self)
         derived.runtime = RuntimeCosts(compile=compile, float8=float8)
-        derived._facts = self._facts
+        if timing is not None:
+            derived.timing = timing
+        derived.byte_scale = byte_scale
+        derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived
 
     def cp_problem(self, cp: int) -> str:
@@ -435,6 +447,20 @@ def _block_facts(graph, block) -> _BlockFacts:
                        loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
                        recomputed=block.kind == "block", tied_params=tied,
                        regions=fusion_regions(g, block.nodes, fusible) if block.kind == "block" else [])
+
+
+def _scaled_facts(facts: _BlockFacts, k: float) -> _BlockFacts:
+    """``facts`` with every activation, weight and message byte count times ``k`` (a trace
+    re-costed in a dtype ``k`` times as wide). The loss's figures stay: it computes in fp32
+    whatever the model's dtype (``_loss_facts``)."""
+    nodes = [dataclass_replace(n, bytes_moved=n.bytes_moved * k, saved=n.saved * k, saved_flash=n.saved_flash * k,
+                               param_bytes=n.param_bytes * k, score_bytes=n.score_bytes * k, q_bytes=n.q_bytes * k,
+                               kv_bytes=n.kv_bytes * k, tp_param_bytes=n.tp_param_bytes * k,
+                               kept={p: b * k for p, b in n.kept.items()}) for n in facts.nodes]
+    return dataclass_replace(facts, nodes=nodes, out_bytes=facts.out_bytes * k, in_bytes=facts.in_bytes * k,
+                             row_bytes=facts.row_bytes * k, a2a_bytes=facts.a2a_bytes * k,
+                             vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
+                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions])
 
 
 def _linear_dims(d: dict) -> Tuple[int, int, int]:

@@ -1,8 +1,8 @@
 """Workload: the chain of layers the solver consumes, with per-variant costs.
 
-A workload is a list of layers (head, repeated blocks, tail). For a *variant* — tensor-parallel
-degree ``tp``, expert-parallel degree ``ep``, microbatch size ``mbs`` (sequences), sequence
-parallelism ``sp``, context-parallel degree ``cp`` and loss parallelism ``lp`` — each layer has
+A workload is a list of layers (head, repeated blocks, tail). For a *variant* (:class:`Variant`:
+tensor-parallel degree ``tp``, expert-parallel degree ``ep``, ``microbatch_size`` (sequences),
+``sequence_parallel``, context-parallel degree ``cp`` and ``loss_parallel``) each layer has
 a :class:`LayerCost`: forward/backward seconds on one device, parameter count and bytes held per
 device, saved-activation bytes and recompute seconds per microbatch for each recompute policy
 (``nest_fx.graph.recompute_policies.LAYER_POLICIES``), the bytes it hands to the next layer (a
@@ -21,14 +21,42 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
+DTYPE_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of the dtypes a workload is costed in
 RECOMPUTE_MODES = ("none", "selective", "full")  # the policies every layer table has (defaults for the others)
 COMM_GROUPS = ("tp", "ep", "cp")
+
+
+class Variant(NamedTuple):
+    """What a layer's cost depends on besides the layer: the plan settings of the same names
+    (``nest_fx.plan.settings``). A tuple (hashable, cheap as a cache key)."""
+
+    tp: int = 1
+    ep: int = 1
+    microbatch_size: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    loss_parallel: bool = False
+
+    @classmethod
+    def of(cls, *values, **names) -> "Variant":
+        """A Variant from a Variant, from its values in field order, or by name; the short names
+        ``mbs``, ``sp``, ``lp`` of earlier versions are accepted for ``microbatch_size``,
+        ``sequence_parallel`` and ``loss_parallel``."""
+        if len(values) == 1 and not names and type(values[0]) is cls:
+            return values[0]
+        for short, name in _SHORT_NAMES.items():
+            if short in names:
+                names[name] = names.pop(short)
+        return cls(*values, **names)
+
+
+_SHORT_NAMES = {"mbs": "microbatch_size", "sp": "sequence_parallel", "lp": "loss_parallel"}
 
 
 class WorkloadError(NestFxError, ValueError):
@@ -130,7 +158,7 @@ class ModelDims:
 
 
 class Workload:
-    """Layer chain + a cost source; ``cost(i, tp, ep, mbs, sp)`` is cached per signature."""
+    """Layer chain + a cost source; ``cost(i, variant)`` is cached per signature."""
 
     def __init__(self, model: str, layers: List[Layer], dims: ModelDims, source, *, provenance: str = ""):
         self.model = model
@@ -142,34 +170,37 @@ class Workload:
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
-        self._runtime: Dict[Tuple[bool, bool], "Workload"] = {}
+        self._runtime: Dict[Tuple[bool, bool, Optional[str]], "Workload"] = {}
         self.compile = False  # costed with torch.compile on every block (for_runtime)
         self.float8 = False  # costed with Float8 linears (for_runtime)
+        self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def cost(self, index: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False, cp: int = 1,
-             lp: bool = False) -> LayerCost:
-        """The cost of layer ``index`` in a variant (module docstring); cached per distinct layer.
-        Loss parallelism changes only the tail (where the loss is), expert parallelism only MoE
-        layers."""
+    def cost(self, index: int, *variant, **names) -> LayerCost:
+        """The cost of layer ``index`` in a :class:`Variant` (given as one, or as its values:
+        :meth:`Variant.of`); cached per distinct layer. Loss parallelism changes only the tail
+        (where the loss is), expert parallelism only MoE layers."""
+        v = Variant.of(*variant, **names)
         layer = self.layers[index]
-        ep, lp = (ep if layer.is_moe else 1), (lp and layer.kind == "tail")
-        key = (layer.signature, layer.kind, tp, ep, mbs, sp, cp, lp)
+        ep, lp = (v.ep if layer.is_moe else 1), (v.loss_parallel and layer.kind == "tail")
+        key = (layer.signature, layer.kind, v.tp, ep, v.microbatch_size, v.sequence_parallel, v.cp, lp)
         if key not in self._cache:
-            c = self.source.cost(layer, tp, ep, mbs, sp, cp=cp, lp=lp)
+            c = self.source.cost(layer, v.tp, ep, v.microbatch_size, v.sequence_parallel, cp=v.cp, lp=lp)
             self._cache[key] = c if c.block == (layer.kind == "block") else replace(c, block=layer.kind == "block")
         return self._cache[key]
 
-    def variant_problem(self, tp: int, ep: int = 1, sp: bool = False, cp: int = 1, lp: bool = False) -> str:
-        """'' when every layer has a cost for this variant, else why not: the model's shapes do
-        not divide by ``tp``/``ep``/``cp`` (:class:`ModelDims`), or the cost source lacks it (a
-        layer table lists only some variants; a traced source derives every one it can run)."""
-        key = (tp, ep, sp, cp, lp)
+    def variant_problem(self, *variant, **names) -> str:
+        """'' when every layer has a cost for this variant (its microbatch size aside), else why
+        not: the model's shapes do not divide by ``tp``/``ep``/``cp`` (:class:`ModelDims`), or
+        the cost source lacks it (a layer table lists only some variants; a traced source derives
+        every one it can run). Positional values: tp, ep, sequence_parallel, cp, loss_parallel."""
+        v = _sized(variant, names)
+        key = (v.tp, v.ep, v.sequence_parallel, v.cp, v.loss_parallel)
         if key not in self._problems:
-            self._problems[key] = self._find_problem(tp, ep, sp, cp, lp)
+            self._problems[key] = self._find_problem(*key)
         return self._problems[key]
 
     def _find_problem(self, tp: int, ep: int, sp: bool, cp: int, lp: bool) -> str:
@@ -193,32 +224,34 @@ class Workload:
                     return problem
         return ""
 
-    def supports(self, tp: int, ep: int = 1, sp: bool = False, cp: int = 1, lp: bool = False) -> bool:
+    def supports(self, *variant, **names) -> bool:
         """Whether every layer has a cost for this variant (see :meth:`variant_problem`); the
         planner searches only these."""
-        return not self.variant_problem(tp, ep, sp, cp, lp)
+        return not self.variant_problem(*variant, **names)
 
-    def recompute_policies(self, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False, cp: int = 1,
-                           lp: bool = False) -> Tuple[str, ...]:
+    def recompute_policies(self, *variant, **names) -> Tuple[str, ...]:
         """The per-layer recompute policies (``LAYER_POLICIES``) every layer of a variant has a
         cost for: all of them for a traced model; a layer table may give only some."""
-        key = (tp, ep, mbs, sp, cp, lp)
+        key = Variant.of(*variant, **names)
         if key not in self._policies:
             have = set(LAYER_POLICIES)
-            for c in self.variant_costs(*key)[0]:
+            for c in self.variant_costs(key)[0]:
                 have &= set(c.act_bytes)
             self._policies[key] = tuple(p for p in LAYER_POLICIES if p in have)
         return self._policies[key]
 
-    def for_runtime(self, compile: bool = False, float8: bool = False) -> "Workload":
+    def for_runtime(self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None) -> "Workload":
         """This chain costed as the runtime runs it with ``torch.compile`` on every block and/or
-        Float8 linears (``docs/cost_model.md``); ``self`` when neither is on. WorkloadError when
-        the cost source cannot derive them (a layer table holds what was measured)."""
-        if (compile, float8) == (self.compile, self.float8):
+        Float8 linears (``docs/cost_model.md``), and computing in ``dtype`` ("fp32", "bf16":
+        the device's rate for it, activations of its width; None or a workload of unknown dtype:
+        as built); ``self`` when nothing changes. WorkloadError when the cost source cannot derive
+        them (a layer table holds what was measured; a profile, the dtype it was measured in)."""
+        dtype = dtype if dtype and self.dtype else self.dtype
+        if (compile, float8, dtype) == (self.compile, self.float8, self.dtype):
             return self
         if self.base is not None:
-            return self.base.for_runtime(compile, float8)
-        key = (compile, float8)
+            return self.base.for_runtime(compile, float8, dtype)
+        key = (compile, float8, dtype)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
             if derive is None:
@@ -226,26 +259,35 @@ class Workload:
                                     f"derive them under "
                                     f"{' and '.join(n for n, on in (('compile', compile), ('float8', float8)) if on)}"
                                     " (plan with --model, or without these options)")
-            w = Workload(self.model, self.layers, self.dims, derive(compile=compile, float8=float8),
-                         provenance=f"{self.provenance}; " + " + ".join(
-                             n for n, on in (("torch.compile", compile), ("Float8", float8)) if on))
-            w.compile, w.float8, w.base = compile, float8, self
+            changes = [n for n, on in (("torch.compile", compile), ("Float8", float8)) if on]
+            dims, kwargs = self.dims, {}
+            if dtype != self.dtype:
+                try:
+                    kwargs = dict(timing=self.source.timing.in_dtype(dtype),
+                                  byte_scale=DTYPE_WIDTH[dtype] / DTYPE_WIDTH[self.dtype])
+                except (AttributeError, KeyError, ValueError) as exc:
+                    raise WorkloadError(f"{self.model}: cannot re-cost the workload from {self.dtype} in {dtype} "
+                                        f"({exc})") from None
+                dims = replace(dims, dtype_bytes=DTYPE_WIDTH[dtype])
+                changes.append(f"in {dtype}")
+            w = Workload(self.model, self.layers, dims, derive(compile=compile, float8=float8, **kwargs),
+                         provenance=f"{self.provenance}; " + " + ".join(changes))
+            w.compile, w.float8, w.dtype, w.base = compile, float8, dtype, self
             self._runtime[key] = w
         return self._runtime[key]
 
-    def variant_costs(self, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False, cp: int = 1,
-                      lp: bool = False) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
-        """The distinct layer costs of a variant (in order of first appearance), per distinct cost
-        the prefix counts (``counts[j][i]``: layers before i with cost j) and each layer's index
-        into the distinct costs; computed once per variant."""
-        key = (tp, ep, mbs, sp, cp, lp)
+    def variant_costs(self, *variant, **names) -> Tuple[List[LayerCost], List[List[int]], List[int]]:
+        """The distinct layer costs of a :class:`Variant` (in order of first appearance), per
+        distinct cost the prefix counts (``counts[j][i]``: layers before i with cost j) and each
+        layer's index into the distinct costs; computed once per variant."""
+        key = Variant.of(*variant, **names)
         table = self._prefix.get(key)
         if table is None:
             ids: Dict[int, int] = {}
             costs: List[LayerCost] = []
             index: List[int] = []
             for i in range(len(self.layers)):
-                c = self.cost(i, tp, ep, mbs, sp, cp, lp)
+                c = self.cost(i, key)
                 k = ids.setdefault(id(c), len(costs))
                 if k == len(costs):
                     costs.append(c)
@@ -257,13 +299,13 @@ class Workload:
             table = self._prefix[key] = (costs, counts, index)
         return table
 
-    def range_costs(self, start: int, end: int, tp: int = 1, ep: int = 1, mbs: int = 1, sp: bool = False,
-                    cp: int = 1, lp: bool = False) -> List[Tuple[LayerCost, int]]:
-        """The distinct layer costs of layers [start, end) with how many layers share each.
+    def range_costs(self, start: int, end: int, *variant, **names) -> List[Tuple[LayerCost, int]]:
+        """The distinct layer costs of layers [start, end) of a :class:`Variant` with how many
+        layers share each.
 
         O(distinct layers) per call through per-variant prefix counts, so a pipeline stage of
         80 identical blocks costs as much to evaluate as a stage of one."""
-        costs, counts, _ = self.variant_costs(tp, ep, mbs, sp, cp, lp)
+        costs, counts, _ = self.variant_costs(*variant, **names)
         return [(c, row[end] - row[start]) for c, row in zip(costs, counts) if row[end] - row[start]]
 
     @property
@@ -293,6 +335,15 @@ class Workload:
                 seen.add((layer.kind, layer.signature))
                 out.append(i)
         return out
+
+
+def _sized(values: tuple, names: dict) -> Variant:
+    """:meth:`Workload.variant_problem`'s arguments (a Variant, or tp, ep, sequence_parallel, cp,
+    loss_parallel: no microbatch size, which every variant has) as a Variant."""
+    if len(values) == 1 and not names and type(values[0]) is Variant:
+        return values[0]
+    fields = ("tp", "ep", "sequence_parallel", "cp", "loss_parallel")
+    return Variant.of(**dict(zip(fields, values)), **names)
 
 
 def chain_fingerprint(layers: Iterable[Tuple[str, float]]) -> str:

@@ -1,0 +1,158 @@
+"""What may run for this model and cluster, and why not: the one question the planner and the
+runtime's checks both ask.
+
+:func:`may_run` answers for a model (and its traced graph; both optional: a model planned from
+its name has neither) on a cluster's device (optional too). Every answer is ``""`` / ``[]``
+(it runs, and computes what the single-device model computes) or the reason, naming the
+module or setting and the fix:
+
+* :meth:`MayRun.plan_problems`: everything the runtime would refuse in a plan before training
+  (``nest_fx.apply.checks`` raises the first);
+* :meth:`MayRun.degree_problem`: one setting's value (``tp``, ``pp``, ``ep``, ``cp``,
+  ``sequence_parallel``, ``loss_parallel``) on this model;
+* :meth:`MayRun.allowed`: the values of a degree the planner may search
+  (``nest_fx.solver.runtime_planner.runtime_options``);
+* :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
+* :func:`unrun_combination`: settings the runtime does not combine (on any model);
+* :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
+
+The model-level verdicts themselves live in ``nest_fx.plan.support`` (:class:`ParallelSupport`:
+how TP, PP, EP, CP and loss parallelism apply to this model's modules); this module is where
+they are asked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch.nn as nn
+
+from nest_fx.graph.opgraph import OpGraph
+from nest_fx.graph.recompute_policies import recompute_policy_problem
+from nest_fx.plan.constraints import Constraints
+from nest_fx.plan.plan import Plan
+from nest_fx.plan.support import ParallelSupport, parallel_support
+
+MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on the model's modules
+
+
+def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool) -> List[str]:
+    """[] when the runtime runs these degrees and options together, else why not (the planner
+    searches only combinations it runs): HSDP with expert parallelism (the mesh splits the
+    replicas into expert groups or into shard groups, not both); torch.compile or Float8 with
+    tensor parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8
+    TP needs torchao's float8 TP styles)."""
+    out = []
+    if hsdp and ep > 1:
+        out.append(f"dp_shard={dp_shard} with ep={ep}: HSDP does not run with expert parallelism yet "
+                   "(use dp_shard=0, or ep=1)")
+    for name, on in (("compile", compile), ("float8", float8)):
+        if on and tp > 1:
+            out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
+                       f"(use {name}=false, or tp=1)")
+    return out
+
+
+def unrun_fields(plan: Plan) -> List[str]:
+    """Combinations of plan fields the runtime refuses on any model, each with the reason:
+    unknown recompute policies and :func:`unrun_combination`."""
+    out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
+           for problem in [recompute_policy_problem(s.recompute)] if problem]
+    return out + unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
+                                   hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
+
+
+def device_problems(device, *, float8: bool = False) -> List[str]:
+    """Settings a ``DeviceSpec`` cannot run: Float8 linears need an fp8 rate (tensor cores)."""
+    if float8 and not device.peak_flops.get("fp8"):
+        return [f"float8=true: the device {device.name} has no fp8 rate (its peak_flops list no 'fp8'); Float8 "
+                "linears need fp8 tensor cores. fix: float8=false, or a device that has them"]
+    return []
+
+
+@dataclass
+class MayRun:
+    """The verdicts for one model (module docstring); ``model`` None: no model-level verdict."""
+
+    model: Optional[nn.Module] = None
+    graph: Optional[OpGraph] = None
+    cluster: object = None
+    _support: Optional[ParallelSupport] = field(default=None, repr=False)
+
+    @property
+    def support(self) -> Optional[ParallelSupport]:
+        if self._support is None and self.model is not None:
+            self._support = parallel_support(self.model, self.graph)
+        return self._support
+
+    def degree_problem(self, name: str, value, dp: Optional[int] = None) -> str:
+        """Why setting ``name`` cannot take ``value`` on this model ("" when it can): ``tp``,
+        ``pp``, ``ep`` (``dp``: the data-parallel degree the fix should also divide), ``cp``,
+        ``sequence_parallel``, ``loss_parallel`` (``value``: the last stage's TP degree) and
+        ``num_microbatches`` (forwards per replica and step: BatchNorm statistics)."""
+        s = self.support
+        if s is None:
+            return ""
+        if name == "tp":
+            return s.tp_problem(value)
+        if name == "pp":
+            return s.pp_problem(value) if self.graph is not None or value == 1 else ""
+        if name == "ep":
+            return s.ep_problem(value, dp)
+        if name == "cp":
+            return s.cp_problem(value)
+        if name == "sequence_parallel":
+            return s.sp_problem() if value else ""
+        if name == "loss_parallel":
+            return s.loss_parallel_problem(value)
+        if name == "num_microbatches":
+            return s.microbatch_problem(value)
+        return ""
+
+    def allowed(self, name: str, values: Sequence[int]) -> Tuple[int, ...]:
+        """The values of degree ``name`` (of ``values``) that run on this model."""
+        return tuple(v for v in values if not self.degree_problem(name, v))
+
+    def num_experts(self) -> Optional[int]:
+        """Experts per MoE layer expert parallelism splits (None: a dense model, or no model)."""
+        return self.support.num_experts() if self.support is not None else None
+
+    def model_problems(self, plan: Plan) -> List[str]:
+        """Why this model cannot run ``plan``'s degrees: TP of each stage (and sequence
+        parallelism under it), EP, the pipeline cut (with a traced graph)."""
+        out = [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p]
+        if plan.sequence_parallel and any(s.tp > 1 for s in plan.stages):
+            out += [p for p in [self.degree_problem("sequence_parallel", True)] if p]
+        out += [p for p in [self.degree_problem("ep", plan.ep, plan.dp)] if p]
+        if self.graph is not None:
+            out += [p for p in [self.degree_problem("pp", plan.pp)] if p]
+        return out
+
+    def plan_problems(self, plan: Plan) -> List[str]:
+        """Everything the runtime refuses in ``plan`` on this model and device, in the order the
+        runtime checks it: settings it never combines, then the model's verdicts, then the device's."""
+        out = unrun_fields(plan) + self.model_problems(plan)
+        if self.cluster is not None:
+            out += device_problems(self.cluster.device, float8=plan.float8)
+        return out
+
+    def constraint_problem(self, constraints: Optional[Constraints]) -> Optional[Tuple[str, str]]:
+        """(the constraint as the command line writes it, why not) for the first setting the user
+        fixed that this model rules out; None when every fixed setting runs."""
+        if not constraints:
+            return None
+        for degree in MODEL_DEGREES:
+            value = constraints.fix.get(degree)
+            reason = self.degree_problem(degree, int(value)) if value is not None else ""
+            if reason:
+                return f"fix {degree}={value}", reason
+        if constraints.fix.get("loss_parallel"):
+            reason = self.degree_problem("loss_parallel", 2)
+            if reason:
+                return "fix loss_parallel=true", reason
+        return None
+
+
+def may_run(model: Optional[nn.Module] = None, graph: Optional[OpGraph] = None, cluster=None) -> MayRun:
+    """What may run for ``model`` (traced as ``graph``) on ``cluster`` (module docstring)."""
+    return MayRun(model, graph, cluster)
