@@ -199,7 +199,7 @@ class Constraints:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(known), key=str)
         if unknown:
-            raise ConstraintError(f"{where}: unknown key(s) {unknown}; known: {known}")
+            raise ConstraintError(f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], known)}; known: {known}")
         for kind in ("fix", "min", "max"):
             if kind in data and not isinstance(data[kind], Mapping):
                 raise ConstraintError(f"{where}.{kind}: must map degrees to values, got {brief(data[kind])}")
@@ -216,7 +216,7 @@ def _text(value: object) -> str:
 def _degree(key: object, value: object, kind: str) -> None:
     if key not in DEGREES:
         known = list(DEGREES) + (list(FLAGS) if kind == "fix" else [])
-        raise ConstraintError(f"{kind}: unknown degree {brief(key)}; known: {known}")
+        raise ConstraintError(f"{kind}: unknown degree {brief(key)}{close_matches(key, known)}; known: {known}")
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
         raise ConstraintError(f"{kind}.{key}: must be an integer >= 1, got {brief(value)}")
 
