@@ -8,11 +8,8 @@ schedule from the simulator's stage times; :func:`write_timeline_png` draws it).
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Sequence, Tuple
 
-from nest_fx.models import NAMED_CONFIGS
-from nest_fx.plan.plan import PlanError
 from nest_fx.report import layout, timeline
 from nest_fx.report import tables as report
 from nest_fx.report.gantt import draw_gantt
@@ -34,29 +31,6 @@ TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "T
               ("optimizer", "optimizer step"))
 DETAIL_STAGES = 4  # per-category memory bars for every stage up to this depth, else the peak stage
 MAX_TIMELINE_EVENTS = 1_000_000
-
-
-# -- defaults from the plan file ----------------------------------------------------------------
-
-def default_model(plan) -> Optional[str]:
-    """The plan's ``model`` when it names a zoo model or a model spec, else None."""
-    name = plan.model or ""
-    if name in NAMED_CONFIGS or name.split(":", 1)[0] in ("gpt", "llama", "moe", "hf"):
-        return name
-    return None
-
-
-def default_cluster(plan, given: Optional[str], devices: Optional[int]) -> Tuple[str, Optional[int]]:
-    """(cluster spec, device count) for ``builders.load_cluster``: ``given`` or the plan's
-    ``cluster``; a preset name without a count takes the plan's ``world_size``.
-    ValueError when neither names a cluster."""
-    spec = given or plan.cluster
-    if not spec:
-        raise PlanError("the plan does not record its cluster: give --cluster NAME:DEVICES or a cluster file")
-    is_file = os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json"))
-    if devices is None and not is_file and ":" not in spec and plan.world_size:
-        devices = plan.world_size
-    return spec, devices
 
 
 # -- text bars ------------------------------------------------------------------------------------
