@@ -172,7 +172,7 @@ def timeline_lines(plan, result) -> List[str]:
     events, _ = step_events(plan, result)
     span = timeline.makespan(events)
     lines.append(f"event simulation of the schedule: pipeline {report.fmt_seconds(span)} "
-                 f"({100 * (span / t_pipe - 1):+.1f}% vs the cost model)")
+                 f"({round(100 * (span / t_pipe - 1), 1) + 0.0:+.1f}% vs the cost model)")  # no "-0.0"
     busy = [0.0] * plan.pp
     for e in events:
         busy[e.stage] += e.end - e.start
