@@ -26,7 +26,7 @@ from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.vocabulary import OPTIMIZER_NAMES
-from nest_fx.report.plan_file import PRECISION_OF_DTYPE, next_step_lines, plan_inputs
+from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 INPUT_FILES = (("plan", "plan"), ("workload", "workload"), ("profile", "profile"))  # (argument, what) read first
@@ -261,9 +261,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     plan, result = found.plan, found.result
-    # what it was planned for, recorded in the file (simulate and explain default to it)
+    # what it was planned for, as given (the solver records seq_len and precision); simulate and
+    # explain default to it
     plan.model, plan.cluster = args.model or workload.model, cluster_spec(args.cluster, cluster)
-    plan.seq_len, plan.precision = workload.dims.seq_len, PRECISION_OF_DTYPE[args.dtype or "bf16"]
     levels = " > ".join(f"{lv.name} {lv.group_size} @ {report.fmt_si(lv.bandwidth, 'B/s')}" for lv in cluster.levels)
     print(f"model {plan.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
           f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "

@@ -98,3 +98,29 @@ def test_an_impossible_request_is_refused_before_the_trace(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "no plan fits: binding constraint: model states" in err, err
     assert "over all 2 devices" in err and "at least" in err and "Traceback" not in err
+
+
+def test_package_re_exports_load_on_first_use(tmp_path):
+    """`import nest_fx` and `nest_fx.plan` load no torch; their names still import (PEP 562)."""
+    code = ("import sys, nest_fx, nest_fx.plan\n"
+            "assert 'torch' not in sys.modules, 'import nest_fx loaded torch'\n"
+            "from nest_fx.plan import Plan, uniform_plan\n"
+            "assert 'torch' not in sys.modules, 'nest_fx.plan.Plan loaded torch'\n"
+            "from nest_fx import auto_parallelize, trace, solve, simulate, Cluster, Constraints, OpGraph\n"
+            "assert nest_fx.Plan is Plan and 'auto_parallelize' in dir(nest_fx)\n"
+            "try:\n    nest_fx.no_such_name\nexcept AttributeError as e:\n    print('ok', e)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ok module 'nest_fx' has no attribute 'no_such_name'" in done.stdout
+
+
+@pytest.mark.parametrize("package", ["nest_fx", "nest_fx.plan"])
+def test_every_re_export_resolves(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(module._EXPORTS)
+    for name in module.__all__:
+        assert getattr(module, name) is getattr(importlib.import_module(module._EXPORTS[name]), name)

@@ -11,9 +11,19 @@ from nest_fx.common.fileio import brief
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 PLACEMENTS = ("stage-major", "replica-major")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/plan_format.md
+# the training dtype a precision computes in (activations, matmul rate): simulate rebuilds the
+# workload of a plan file in it
+DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 _RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
+
+
+def precision_of(dtype_bytes: int) -> str:
+    """The precision a workload of ``dtype_bytes``-wide activations is costed at: 2 (bf16, fp16)
+    with the cost model's default fp32 master weights and optimizer states is ``bf16-mixed``,
+    4 is ``fp32``."""
+    return "fp32" if dtype_bytes >= 4 else "bf16-mixed"
 
 
 def recompute_problem(value: object) -> str:

@@ -15,12 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from nest_fx.plan.plan import Plan, PlanError
-
-# the training dtype a precision computes in (the workload's activations and matmul rate), and back
-DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16"}
-# --dtype -> the precision the cost model prices: bf16 (and fp16, same widths) parameters with fp32
-# master weights and optimizer states (cost.options.CostOptions' defaults), or fp32 throughout
-PRECISION_OF_DTYPE = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "bf16-mixed"}
+from nest_fx.plan.vocabulary import DTYPE_OF_PRECISION
 
 
 @dataclass
@@ -32,7 +27,7 @@ class PlanInputs:
     devices: Optional[int]
     model: Optional[str]  # None with a workload table, or when neither the flag nor the plan names one
     seq: Optional[int]  # None: the model's default
-    dtype: str  # a key of PRECISION_OF_DTYPE
+    dtype: str  # fp32, bf16 or fp16 (a --dtype value)
     notes: List[str] = field(default_factory=list)
 
 

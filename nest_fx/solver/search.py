@@ -52,6 +52,7 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
+from nest_fx.plan.vocabulary import precision_of
 from nest_fx.solver.recipes import megatron
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
@@ -241,6 +242,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     order = places[o].device_order
     plan = g.plan(stages, m, workload, cluster, device_order=list(order) if order is not None else None,
                   constraints=options.constraints or None)
+    # what it was planned for: simulate / explain of the file rebuild the same workload
+    plan.seq_len, plan.precision = workload.dims.seq_len, precision_of(workload.dims.dtype_bytes)
     result = simulate(plan, workload, cluster, options.cost)
     plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
                       "model_flops_per_device": result.model_flops_per_device,
