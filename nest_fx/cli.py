@@ -20,7 +20,7 @@ import time
 from typing import Callable, List, Optional
 
 from nest_fx.cli_profile import cmd_profile, int_list
-from nest_fx.common.errors import NestFxError, UserError
+from nest_fx.common.errors import ModelError, NestFxError, UserError
 from nest_fx.common.fileio import check_readable, one_line, write_with
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
@@ -114,7 +114,6 @@ def _load_workload(args: argparse.Namespace, cluster, before_trace: Optional[Cal
                    plan: Optional[Plan] = None):
     """The --workload table, or the --model traced and costed for ``cluster``; ``plan``: the plan
     file the model spec came from (named when the spec cannot be built here)."""
-    from nest_fx.common.errors import ModelError
     from nest_fx.workload import load_workload, workload_for_model
     if args.workload:
         return load_workload(args.workload)
