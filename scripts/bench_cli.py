@@ -76,8 +76,8 @@ def measure(checkouts: Dict[str, str], repeats: int, slow_repeats: int, cases: L
                     row["cpu_s"].append(cpu)
                     row["rc"].append(rc)
                     row["message"] = last
-                print(f"  {name}: " + ", ".join(f"{label} {statistics.median(out[name][label]['wall_s']):.2f} s"
-                                                for label in checkouts), file=sys.stderr)
+            print(f"  {name}: " + ", ".join(f"{label} {statistics.median(out[name][label]['wall_s']):.2f} s"
+                                            for label in checkouts), file=sys.stderr)
     return out
 
 
