@@ -73,7 +73,7 @@ def test_simulate_and_explain_report_the_plans_figures_without_flags(planned, tm
 
     assert main(["explain", path]) == 0
     text = capsys.readouterr().out
-    assert f"global batch 32 x {SEQ} tokens" in text and "note:" not in text
+    assert f"global batch 32 x {SEQ} tokens; precision bf16-mixed" in text and "note:" not in text
 
 
 def test_a_flag_that_differs_from_the_plan_says_it_overrides_it(planned, tmp_path, capsys):

@@ -70,7 +70,7 @@ def header_lines(plan, workload, cluster, result) -> List[str]:
         f"({_gib(cluster.device.memory_bytes)} GiB); levels {levels}",
         f"plan: {report.plan_summary(plan)}",
         f"devices: {plan.devices_used} used" + (f", {idle} idle" if idle else "")
-        + f"; global batch {plan.global_batch} x {workload.dims.seq_len} tokens",
+        + f"; global batch {plan.global_batch} x {workload.dims.seq_len} tokens; precision {plan.precision}",
         f"predicted: step {report.fmt_seconds(result.step_s)}, {report.fmt_si(result.tokens_per_s)} tokens/s, "
         f"{report.fmt_si(result.model_flops_per_device, 'FLOP/s')} model FLOPs per device; {status}",
     ]
