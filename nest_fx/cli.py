@@ -110,10 +110,9 @@ def _load_cluster(args: argparse.Namespace):
     return load_cluster(args.cluster, args.devices)
 
 
-def _load_workload(args: argparse.Namespace, cluster, before_trace: Optional[Callable[[int], None]] = None,
-                   plan: Optional[Plan] = None):
-    """The --workload table, or the --model traced and costed for ``cluster``; ``plan``: the plan
-    file the model spec came from (named when the spec cannot be built here)."""
+def _load_workload(args: argparse.Namespace, cluster, before_trace: Optional[Callable[[int], None]] = None):
+    """The --workload table, or the --model traced and costed for ``cluster`` (a model spec the
+    plan file gave that cannot be built here is named as the plan's)."""
     from nest_fx.workload import load_workload, workload_for_model
     if args.workload:
         return load_workload(args.workload)
@@ -121,7 +120,7 @@ def _load_workload(args: argparse.Namespace, cluster, before_trace: Optional[Cal
         return workload_for_model(args.model, cluster, seq=args.seq, dtype=_torch_dtype(args.dtype),
                                   profile=getattr(args, "profile", None), before_trace=before_trace)
     except ModelError as exc:
-        if plan is None or args.model != plan.model:
+        if not getattr(args, "model_from_plan", False):
             raise
         raise UserError(f"{args.plan}: the plan's model {args.model!r} cannot be built here ({exc}): give --model "
                         "NAME or --workload FILE") from exc
@@ -157,6 +156,7 @@ def _inputs_from_plan(args: argparse.Namespace, plan: Plan) -> None:
         raise UserError(f"{args.plan}: the plan does not record its model: give --model NAME or --workload FILE")
     for note in inputs.notes:
         print(f"note: {note}")
+    args.model_from_plan = not args.model and not args.workload
     args.cluster, args.devices, args.model, args.seq, args.dtype = (inputs.cluster, inputs.devices, inputs.model,
                                                                      inputs.seq, inputs.dtype)
 
@@ -174,7 +174,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _inputs_from_plan(args, plan)
     cluster = _load_cluster(args)
     from nest_fx.report import tables as report
-    workload = _load_workload(args, cluster, plan=plan)
+    workload = _load_workload(args, cluster)
     _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
     print(report.sim_tables(result, plan, workload))
@@ -307,7 +307,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     from nest_fx.report import explain
     from nest_fx.solver.constraints import cost_options
-    workload = _load_workload(args, cluster, plan=plan)
+    workload = _load_workload(args, cluster)
     _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
     print(explain.explain_text(plan, workload, cluster, result, cost_options(plan.constraints)))

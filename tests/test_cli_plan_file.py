@@ -138,6 +138,9 @@ def test_a_recorded_model_that_cannot_be_built_names_the_way_out(tmp_path, capsy
     assert main(["explain", str(path)]) == 2
     err = capsys.readouterr().err
     assert "the plan's model 'my-private-model' cannot be built here" in err and "give --model NAME" in err
+    assert main(["explain", str(path), "--model", "my-other-model"]) == 2  # a flag's own error stays its own
+    err = capsys.readouterr().err
+    assert "unknown model 'my-other-model'" in err and "the plan's model" not in err
     plan.model = ""
     plan.save(str(path))
     assert main(["simulate", "--plan", str(path)]) == 2

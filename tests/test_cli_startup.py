@@ -53,6 +53,7 @@ def test_help_argument_errors_and_missing_files_do_not_import_torch(tmp_path):
         ["plan", "--workload", missing, "--cluster", "dgx-a100:8"],
         ["plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--profile", missing],
         ["plan", "--model", MODEL, "--cluster", "nope:8"],  # an unknown cluster preset
+        ["plan", "--model", MODEL, "--cluster", str(tmp_path / "missing.yaml")],  # a missing cluster file
         ["plan", "--model", MODEL, "--workload", missing, "--cluster", "dgx-a100:8"],  # conflicting options
         ["plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--fix", "tp=banana"],  # a bad constraint
     ]
@@ -67,6 +68,7 @@ def test_help_argument_errors_and_missing_files_do_not_import_torch(tmp_path):
     assert f"cannot read workload file {missing!r}" in stderr and f"cannot read profile file {missing!r}" in stderr
     assert "is a directory, not a regular file" in stderr
     assert "invalid choice: 'plna'" in stderr and "unknown cluster preset 'nope'" in stderr
+    assert f"cannot read cluster file {str(tmp_path / 'missing.yaml')!r}" in stderr
 
 
 def test_the_probe_sees_torch_when_a_command_needs_it(tmp_path):
