@@ -326,10 +326,10 @@ def _add_model_args(p: argparse.ArgumentParser, from_plan: bool = False) -> None
     planned = " (default: the plan's)" if from_plan else ""
     p.add_argument("--model", help=MODEL_HELP + " (traced and costed analytically)" + planned)
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
-    p.add_argument("--cluster", required=not from_plan, help=f"{planned.strip()} preset (dgx-a100, dgx-h100, h100-spine-leaf, "
+    p.add_argument("--cluster", required=not from_plan, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
                    "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, a cluster or topology YAML/JSON file, or a "
                    "topology generator: rail:NODES[xGPUS][,group=N,spines=S,oversub=R], "
-                   "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)")
+                   "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)" + planned)
     p.add_argument("--devices", type=_positive, help="device count for a preset (or NAME:DEVICES)")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: " + (
         "the plan's, else the model's)" if from_plan else "the model's; an HF model's config positions "
