@@ -5,9 +5,10 @@ exit with code 2; no traceback. ``NEST_FX_DEBUG=1`` shows the traceback.
 
 Start-up time: ``--help`` (of every command), argument errors and missing or unreadable input
 files are answered before torch is imported (in a fraction of a second rather than the seconds
-torch takes to import; scripts/bench_cli.py). So this module imports only torch-free modules at its top, and each command
-handler imports the rest when it runs: the function-local imports below are that, and
-tests/test_architecture.py accepts them here (and checks that nothing at the top loads torch).
+torch takes to import; scripts/bench_cli.py). So this module imports only torch-free modules at
+its top, and each command handler imports the rest when it runs: the function-local imports
+below are that, and tests/test_architecture.py accepts them here (and checks that nothing at the
+top loads torch).
 """
 from __future__ import annotations
 

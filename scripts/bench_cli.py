@@ -36,7 +36,8 @@ CASES: Dict[str, Tuple[List[str], int, bool, bool]] = {
     "nest-fx --help": (["-m", "nest_fx", "--help"], 0, True, False),
     "nest-fx plan --help": (["-m", "nest_fx", "plan", "--help"], 0, True, False),
     "argument error (--global-batch zero)": (
-        ["-m", "nest_fx", "plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "zero"], 2, True, False),
+        ["-m", "nest_fx", "plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "zero"], 2, True,
+        False),
     "missing plan file": (
         ["-m", "nest_fx", "simulate", "--plan", "missing.json", "--model", MODEL, "--cluster", "dgx-a100:8"], 2, True,
         False),

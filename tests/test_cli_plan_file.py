@@ -1,6 +1,8 @@
 """Plans record what they were planned for (model spec, cluster, sequence length, precision,
 optimizer, global batch); ``simulate`` and ``explain`` use it without flags, a differing flag says
 it overrides the plan, and ``plan`` ends with the next step."""
+import contextlib
+import io
 import json
 
 import pytest
@@ -22,9 +24,6 @@ def planned(tmp_path_factory):
     """A plan made with --seq SEQ (and what `plan` printed)."""
     folder = tmp_path_factory.mktemp("planned")
     path = str(folder / "plan.json")
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["plan", "--model", MODEL, "--cluster", "dgx-a100", "--devices", "8", "--seq", str(SEQ),
@@ -168,6 +167,6 @@ def test_plan_inputs_fill_and_name_overrides():
 def test_next_step_names_the_launch_for_the_plans_world():
     plan = uniform_plan(4, dp=16, model="llama2-7b", seq_len=4096, world_size=16, microbatch_size=2)
     lines = next_step_lines("runs/my plan.json", plan, nproc_per_node=8)
-    assert lines[0] == "next: nest-fx simulate --plan 'runs/my plan.json'            # step time and memory of each stage"
+    assert lines[0].startswith("next: nest-fx simulate --plan 'runs/my plan.json'  ")  # quoted for the shell
     assert lines[2] == "train with it (torchrun --nproc_per_node=8 --nnodes=2 train.py):"
     assert "32 x 4096 tokens per step" in lines[4]

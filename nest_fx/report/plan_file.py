@@ -94,6 +94,7 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
               "    from nest_fx import Plan, auto_parallelize",
               f"    plan = Plan.load({path or 'PLAN.json'!r})  # {made_for}{plan.global_batch} x {plan.seq_len or '?'} "
               "tokens per step",
-              "    pm = auto_parallelize(model, batch, plan=plan, global_batch_size=plan.global_batch, loss_fn=loss_fn)",
+              "    pm = auto_parallelize(model, batch, plan=plan, global_batch_size=plan.global_batch, "
+              "loss_fn=loss_fn)",
               "    loss = pm.train_step(inputs, targets); opt.step(); opt.zero_grad()  # opt over pm.parameters()"]
     return lines
