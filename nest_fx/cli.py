@@ -2,6 +2,13 @@
 
 User errors (bad names, bad files, shapes that do not fit) print one line ``error: ...`` and
 exit with code 2; no traceback. ``NEST_FX_DEBUG=1`` shows the traceback.
+
+Start-up time: ``--help`` (of every command), argument errors and missing or unreadable input
+files are answered before torch is imported (in a fraction of a second rather than the seconds
+torch takes to import; scripts/bench_cli.py). So this module imports only torch-free modules at
+its top, and each command handler imports the rest when it runs: the function-local imports
+below are that, and tests/test_architecture.py accepts them here (and checks that nothing at the
+top loads torch).
 """
 from __future__ import annotations
 
@@ -13,34 +20,17 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-import torch
-from tqdm import tqdm
-
-from nest_fx.apply.distributed import init_distributed
-from nest_fx.cluster import Cluster, GraphCluster, cluster_spec, load_cluster
-from nest_fx.cluster.topology import from_cluster, save_topology
-from nest_fx.common.errors import NestFxError
-from nest_fx.common.fileio import one_line
+from nest_fx.cli_profile import cmd_profile, int_list
+from nest_fx.common.errors import ModelError, NestFxError, UserError
+from nest_fx.common.fileio import check_readable, one_line, write_with
 from nest_fx.common.limits import MAX_COUNT
-from nest_fx.cost.step_time import simulate
-from nest_fx.graph import trace
-from nest_fx.models import build_any
-from nest_fx.plan import Plan
-from nest_fx.report import explain
-from nest_fx.report import tables as report
-from nest_fx.report.layout import placement_lines
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
+from nest_fx.plan.plan import Plan
 from nest_fx.plan.settings import add_constraint_flags, add_option_flag, constraints_data
-from nest_fx.solver import NoFeasiblePlan, SolverOptions
-from nest_fx.solver.baselines import run_baselines
-from nest_fx.solver.constraints import constrained_options, cost_options, solve_constrained
-from nest_fx.workload import Profile, load_workload, workload_for_model
-from profiler.collectives import calibrate
-from profiler.model_profile import ProfileOptions, profile_model
-from profiler.pairwise import calibrate_pairwise
+from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+INPUT_FILES = (("plan", "plan"), ("workload", "workload"), ("profile", "profile"))  # (argument, what) read first
 
 
 MODEL_HELP = ("zoo name (llama2-7b, ...), spec (gpt:hidden=..,layers=..), plain model (mlp:.., cnn:..), any "
@@ -49,15 +39,17 @@ MODEL_HELP = ("zoo name (llama2-7b, ...), spec (gpt:hidden=..,layers=..), plain 
               "hf-config:PATH[:field=value,...] for a local config.json")
 
 
-class UserError(NestFxError):
-    """A mistake on the command line itself (a missing or conflicting option, an unwritable
-    output); printed like every other :class:`NestFxError`."""
-
-
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str) -> str:
+    """A --dtype value as fp32, bf16 or fp16 (the handlers make it a torch dtype)."""
     if name not in DTYPES:
         raise argparse.ArgumentTypeError(f"unknown dtype {name!r}: use one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def _torch_dtype(name: Optional[str]):
+    """The torch dtype of a --dtype value (default bf16)."""
+    from nest_fx.workload.build import DTYPE_NAMES
+    return {short: dtype for dtype, short in DTYPE_NAMES.items()}[name or "bf16"]
 
 
 def _positive(text: str) -> int:
@@ -82,15 +74,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _write(path: str, save: Callable[[str], None]) -> None:
-    """``save(path)``, with an unwritable path (no such directory, a directory, no permission) as
-    a UserError."""
-    try:
-        save(path)
-    except OSError as exc:
-        raise UserError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
-
-
 def _dump_json(data: object, path: str) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
@@ -98,7 +81,10 @@ def _dump_json(data: object, path: str) -> None:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """Trace a model on meta tensors and print a per-block table."""
-    model, cfg, margs, mkwargs = build_any(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    from nest_fx.graph import trace
+    from nest_fx.models import build_any
+    from nest_fx.report import tables as report
+    model, cfg, margs, mkwargs = build_any(args.model, batch=args.batch, seq=args.seq, dtype=_torch_dtype(args.dtype))
     start = time.perf_counter()
     graph = trace(model, margs, mkwargs, method=args.method, leaf_modules=args.leaf or (), name=args.model)
     seconds = time.perf_counter() - start
@@ -106,27 +92,47 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.json:
         summary = graph.summary()
         summary["trace_seconds"] = seconds
-        _write(args.json, lambda path: _dump_json(summary, path))
+        write_with(args.json, lambda path: _dump_json(summary, path), UserError)
         print(f"wrote {args.json}")
     return 0
 
 
-def _load_workload(args: argparse.Namespace, cluster):
-    if bool(args.model) == bool(args.workload):
-        raise UserError("give exactly one of --model NAME or --workload FILE")
-    if args.workload:
-        return load_workload(args.workload)
-    return workload_for_model(args.model, cluster, seq=args.seq, dtype=args.dtype, profile=getattr(args, "profile", None))
+def _check_inputs(args: argparse.Namespace) -> None:
+    """The input files the command names exist and are readable regular files (the readers'
+    own messages), checked before any handler imports torch."""
+    for name, what in INPUT_FILES:
+        path = getattr(args, name, None)
+        if isinstance(path, str):
+            check_readable(path, UserError, what)
 
 
 def _load_cluster(args: argparse.Namespace):
+    from nest_fx.cluster import load_cluster
     return load_cluster(args.cluster, args.devices)
+
+
+def _load_workload(args: argparse.Namespace, cluster, before_trace: Optional[Callable[[int], None]] = None):
+    """The --workload table, or the --model traced and costed for ``cluster`` (a model spec the
+    plan file gave that cannot be built here is named as the plan's)."""
+    from nest_fx.workload import load_workload, workload_for_model
+    if args.workload:
+        return load_workload(args.workload)
+    try:
+        return workload_for_model(args.model, cluster, seq=args.seq, dtype=_torch_dtype(args.dtype),
+                                  profile=getattr(args, "profile", None), before_trace=before_trace)
+    except ModelError as exc:
+        if not getattr(args, "model_from_plan", False):
+            raise
+        raise UserError(f"{args.plan}: the plan's model {args.model!r} cannot be built here ({exc}): give --model "
+                        "NAME or --workload FILE") from exc
 
 
 def _simulate_file(path: str, plan: Plan, workload, cluster):
     """``simulate`` of a plan file under the cost options its constraints record (optimizer,
     memory headroom), its errors (the plan does not fit this model, cluster or layer table)
     prefixed with the file's name."""
+    from nest_fx.cost.step_time import simulate
+    from nest_fx.solver.constraints import cost_options
     try:
         return simulate(plan, workload, cluster, cost_options(plan.constraints))
     except NestFxError as exc:
@@ -142,15 +148,42 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     return dataclasses.replace(plan, **changes) if changes else plan
 
 
+def _inputs_from_plan(args: argparse.Namespace, plan: Plan) -> None:
+    """Fill the model, cluster, sequence length and dtype that ``args`` leaves out from what the
+    plan records; one ``note:`` line per flag that overrides a recorded value."""
+    if args.model and args.workload:
+        raise UserError("give one of --model NAME or --workload FILE, not both")
+    inputs = plan_inputs(plan, model=args.model, workload=args.workload, cluster=args.cluster, devices=args.devices,
+                         seq=args.seq, dtype=args.dtype)
+    if not inputs.model and not args.workload:
+        raise UserError(f"{args.plan}: the plan does not record its model: give --model NAME or --workload FILE")
+    for note in inputs.notes:
+        print(f"note: {note}")
+    args.model_from_plan = not args.model and not args.workload
+    args.cluster, args.devices, args.model, args.seq, args.dtype = (inputs.cluster, inputs.devices, inputs.model,
+                                                                     inputs.seq, inputs.dtype)
+
+
+def _note_table_seq(args: argparse.Namespace, plan: Plan, workload) -> None:
+    """A note when a --workload table was made for another sequence length than the plan."""
+    if args.workload and plan.seq_len and workload.dims.seq_len != plan.seq_len:
+        print(f"note: the workload table is for sequence length {workload.dims.seq_len}, the plan for {plan.seq_len}")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
-    """Predict step time and memory of a plan file."""
+    """Predict step time and memory of a plan file (for the model, cluster, sequence length and
+    precision it records, unless flags say otherwise)."""
     plan = _with_runtime_switches(Plan.load(args.plan), args)
+    _inputs_from_plan(args, plan)
     cluster = _load_cluster(args)
+    from nest_fx.report import tables as report
     workload = _load_workload(args, cluster)
+    _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
     print(report.sim_tables(result, plan, workload))
     if args.json:
-        _write(args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path))
+        write_with(args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path),
+                   UserError)
         print(f"wrote {args.json}")
     return 0 if result.feasible else 1
 
@@ -164,12 +197,42 @@ def _constraints(args: argparse.Namespace) -> Constraints:
         raise UserError(f"constraint {exc}") from None
 
 
+def _seq_source(args: argparse.Namespace) -> str:
+    """Where the sequence length ``plan`` planned for came from."""
+    from nest_fx.models.build import is_hf_name
+    from nest_fx.models.inputs import PLAN_SEQ_CAP
+    if args.seq:
+        return "--seq"
+    if args.workload:
+        return "the workload table's"
+    if is_hf_name(args.model):
+        return f"the model config's positions, at most {PLAN_SEQ_CAP}; --seq to change"
+    return "the model's; --seq to change"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the best plan within the constraints, compare it with the baselines, write the plan file."""
-    cluster = _load_cluster(args)
-    workload = _load_workload(args, cluster)
+    if bool(args.model) == bool(args.workload):
+        raise UserError("give exactly one of --model NAME or --workload FILE")
     constraints = _constraints(args)
+    cluster = _load_cluster(args)
+    from tqdm import tqdm
+
+    from nest_fx.cluster import cluster_spec
+    from nest_fx.report import tables as report
+    from nest_fx.report.layout import placement_lines
+    from nest_fx.solver import NoFeasiblePlan, SolverOptions
+    from nest_fx.solver.baselines import run_baselines
+    from nest_fx.solver.constraints import constrained_options, cost_options, solve_constrained
+    from nest_fx.solver.search import states_bound
     options = SolverOptions(time_budget=args.time_budget)
+
+    def cheap_bound(num_params: int) -> None:  # before the trace: a model the whole cluster cannot hold
+        problem = states_bound(num_params, cluster, cost_options(constraints, options.cost))
+        if problem:
+            raise UserError(f"no plan fits: {problem}")
+
+    workload = _load_workload(args, cluster, before_trace=cheap_bound)
     bar = tqdm(desc="planning", unit="config", disable=args.quiet or not sys.stderr.isatty(), leave=False)
 
     def progress(done: int, total: int) -> None:
@@ -184,10 +247,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     plan, result = found.plan, found.result
-    levels = " > ".join(f"{lv.name} {lv.group_size} @ {fmt_rate(lv.bandwidth)}" for lv in cluster.levels)
-    print(f"model {workload.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
+    # what it was planned for, as given (the solver records seq_len and precision); simulate and
+    # explain default to it
+    plan.model, plan.cluster = args.model or workload.model, cluster_spec(args.cluster, cluster)
+    levels = " > ".join(f"{lv.name} {lv.group_size} @ {report.fmt_si(lv.bandwidth, 'B/s')}" for lv in cluster.levels)
+    print(f"model {plan.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
           f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
           f"[{levels}]; global batch {args.global_batch} x {workload.dims.seq_len} tokens")
+    print(f"sequence length {plan.seq_len} ({_seq_source(args)}); precision {plan.precision}")
     print(f"constraints: {constraints.describe()}")
     coverage = getattr(workload.source, "coverage", None)
     if coverage is not None:
@@ -209,23 +276,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         baselines = run_baselines(workload, cluster, args.global_batch, searched, args.mcmc_evals,
                                   deadline=start + args.time_budget)
         print(report.baselines_table(found, found.seconds, baselines))
+    path = None
     if args.json:
-        plan.cluster = cluster_spec(args.cluster, cluster)
-        _write(args.json, plan.save)
+        write_with(args.json, plan.save, UserError)
         print(f"wrote {args.json}")
+        path = args.json
+    print()
+    print("\n".join(next_step_lines(path, plan, cluster.levels[0].group_size)))
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """Explain a plan file: rank layout per network level, memory, step time, pipeline timeline."""
+    """Explain a plan file: rank layout per network level, memory, step time, pipeline timeline
+    (for the model, cluster, sequence length and precision it records, unless flags say otherwise)."""
     plan = Plan.load(args.plan)
-    args.cluster, args.devices = explain.default_cluster(plan, args.cluster, args.devices)
-    if not args.model and not args.workload:
-        args.model = explain.default_model(plan)
-        if not args.model:
-            raise UserError(f"the plan's model {plan.model!r} is not a zoo model or spec: give --model or --workload")
+    _inputs_from_plan(args, plan)
     cluster = _load_cluster(args)
+    from nest_fx.report import explain
+    from nest_fx.solver.constraints import cost_options
     workload = _load_workload(args, cluster)
+    _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
     print(explain.explain_text(plan, workload, cluster, result, cost_options(plan.constraints)))
     if args.png:
@@ -237,104 +307,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0 if result.feasible else 1
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    """Measure per-op times of a model on a device (or collectives, with --calibrate)."""
-    if args.calibrate:
-        return _calibrate(args)
-    if args.pairwise:
-        raise UserError("--pairwise goes with --calibrate: nest-fx profile --calibrate --pairwise --out topo.yaml")
-    if not args.model:
-        raise UserError("give a MODEL to profile (or --calibrate --cluster C to measure collectives)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is visible here; run on a GPU node or use --device cpu")
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[args.dtype]
-    options = ProfileOptions(tps=args.tp, mbss=args.mbs, seq=args.seq, dtype=dtype, warmup=args.warmup,
-                             repeats=args.repeats)
-    existing = None
-    if args.append and os.path.exists(args.out):
-        existing = Profile.load(args.out)
-    bar = tqdm(desc="profiling", unit="variant", disable=args.quiet or not sys.stderr.isatty(), leave=False)
-
-    def progress(done: int, total: int, label: str) -> None:
-        bar.total = total
-        bar.set_postfix_str(label)
-        bar.update(done - bar.n)
-
-    try:
-        prof, stats = profile_model(args.model, args.device, options, profile=existing, progress=progress)
-    finally:
-        bar.close()
-    _write(args.out, prof.save)
-    print(report.profile_table(prof, args.model))
-    print(f"timed {stats.nodes_timed} ops, reused {stats.nodes_reused} (identical blocks / earlier entries) "
-          f"in {stats.seconds:.1f} s; {len(stats.skipped)} variant(s)/op(s) skipped")
-    print(f"wrote {args.out} ({len(prof.ops)} op entries, {prof.device_name}, {prof.dtype})")
-    return 0
-
-
-def _calibrate_pairwise(args: argparse.Namespace) -> int:
-    """Measure p2p between every pair of ranks and write a graph topology (--pairwise)."""
-    if not args.out.endswith((".yaml", ".yml", ".json")):
-        raise UserError(f"--out {args.out}: --pairwise writes a topology file: end it in .yaml, .yml or .json")
-    base = device = None
-    if args.cluster:  # the structure to derate: a topology, or a hierarchical cluster as a graph
-        cluster = _load_cluster(args)
-        base = cluster.topology if isinstance(cluster, GraphCluster) else from_cluster(cluster)
-    elif torch.cuda.is_available():
-        raise UserError("--pairwise on GPUs needs --cluster (the topology or cluster whose device and links "
-                        "the measurements derate)")
-    else:
-        device = Cluster.preset("cpu-gloo", 1).device
-    if "WORLD_SIZE" in os.environ:  # under torchrun: the launched world measures itself
-        init_distributed()
-    topo, fits, samples = calibrate_pairwise(nproc=args.nproc, sizes=[s * 1024 for s in args.sizes_kib],
-                                             base=base, device=device, repeats=args.repeats)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return 0
-    print(report.pairwise_table(fits, base))
-    save_topology(topo, args.out)
-    print(f"wrote {args.out} ({len(fits)} pairs, {len(samples)} samples; format nest-fx-topology/1)")
-    return 0
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    if args.pairwise:
-        return _calibrate_pairwise(args)
-    if not args.cluster:
-        raise UserError("--calibrate needs --cluster (a preset NAME:DEVICES or a file) whose levels to fit")
-    cluster = _load_cluster(args)
-    sizes = [s * 1024 for s in args.sizes_kib]
-    fitted, fits, samples = calibrate(cluster, nproc=args.nproc, sizes=sizes, repeats=args.repeats)
-    print(report.calibration_table(cluster, fits))
-    fitted.save(args.out)
-    print(f"wrote {args.out} ({len(samples)} samples)")
-    return 0
-
-
-def fmt_rate(bytes_per_s: float) -> str:
-    return report.fmt_si(bytes_per_s, "B/s")
-
-
-def _add_model_args(p: argparse.ArgumentParser, cluster_required: bool = True) -> None:
-    p.add_argument("--model", help=MODEL_HELP + " (traced and costed analytically)")
+def _add_model_args(p: argparse.ArgumentParser, from_plan: bool = False) -> None:
+    """--model/--workload, --cluster, --seq, --dtype, --profile; ``from_plan``: each defaults to
+    what the plan file records (simulate, explain)."""
+    planned = " (default: the plan's)" if from_plan else ""
+    p.add_argument("--model", help=MODEL_HELP + " (traced and costed analytically)" + planned)
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
-    p.add_argument("--cluster", required=cluster_required, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
+    p.add_argument("--cluster", required=not from_plan, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
                    "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, a cluster or topology YAML/JSON file, or a "
                    "topology generator: rail:NODES[xGPUS][,group=N,spines=S,oversub=R], "
-                   "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)")
+                   "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)" + planned)
     p.add_argument("--devices", type=_positive, help="device count for a preset (or NAME:DEVICES)")
-    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="training dtype (default bf16)")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: " + (
+        "the plan's, else the model's)" if from_plan else "the model's; an HF model's config positions "
+        "(max_position_embeddings), at most 4096)"))
+    p.add_argument("--dtype", type=_dtype, help="training dtype (default: " + (
+        "the plan's precision)" if from_plan else "bf16, recorded as precision bf16-mixed; fp32)"))
     p.add_argument("--profile", metavar="P.json", help="measured op times from `nest-fx profile` (the analytical "
                    "model covers ops the profile lacks)")
 
@@ -348,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--batch", type=_positive, default=1, help="batch size of the example input (default 1)")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="parameter/activation dtype (default bf16)")
+    p.add_argument("--dtype", type=_dtype, help="parameter/activation dtype (default bf16)")
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto", help="tracer (default auto)")
     p.add_argument("--leaf", action="append", metavar="FQN", help="treat this module as one op (repeatable)")
     p.add_argument("--all-blocks", action="store_true", help="one row per layer instead of grouping identical ones")
@@ -373,12 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "or collective bandwidth per network level (--calibrate, cluster YAML)")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="profile JSON (or cluster YAML with --calibrate)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+    p.add_argument("--device", choices=("cpu", "cuda"),
                    help="device to profile on (default: cuda when available)")
-    p.add_argument("--tp", type=_int_list, default=[1], help="TP degrees whose local shard shapes to profile, e.g. 1,2,4,8")
-    p.add_argument("--mbs", type=_int_list, default=[1], help="microbatch sizes to profile, e.g. 1,2,4")
+    p.add_argument("--tp", type=int_list, default=[1], help="TP degrees whose local shard shapes to profile, e.g. 1,2,4,8")
+    p.add_argument("--mbs", type=int_list, default=[1], help="microbatch sizes to profile, e.g. 1,2,4")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="dtype (default bf16)")
+    p.add_argument("--dtype", type=_dtype, help="dtype (default bf16)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per op (default 2)")
     p.add_argument("--repeats", type=_positive, default=5, help="timed runs per op; the median is kept (default 5)")
     p.add_argument("--append", action="store_true", help="add to an existing profile at --out (reuse its entries)")
@@ -389,14 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="with --calibrate: the cluster to fit (NAME:DEVICES or file)")
     p.add_argument("--devices", type=_positive, help="device count for a preset")
     p.add_argument("--nproc", type=_positive, default=2, help="with --calibrate outside torchrun: local ranks (default 2)")
-    p.add_argument("--sizes-kib", type=_int_list, default=[4, 64, 1024, 4096, 16384],
+    p.add_argument("--sizes-kib", type=int_list, default=[4, 64, 1024, 4096, 16384],
                    help="with --calibrate: message sizes in KiB (default 4,64,1024,4096,16384)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("simulate", help="predict step time and memory of a plan file")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a nest-fx-plan/1 file")
-    _add_model_args(p)
+    _add_model_args(p, from_plan=True)
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
     p.add_argument("--compile", action="store_true", help="cost the plan with torch.compile on (as if plan.compile "
                    "were true; the file is not changed)")
@@ -408,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "
                        "step-time breakdown, pipeline timeline (PNG)")
     p.add_argument("plan", metavar="PLAN.json", help="a nest-fx-plan/1 file")
-    _add_model_args(p, cluster_required=False)
+    _add_model_args(p, from_plan=True)
     p.add_argument("--png", metavar="OUT.png", help="draw the pipeline timeline (needs matplotlib: extra 'plot')")
     p.set_defaults(func=cmd_explain)
     return parser
@@ -418,6 +406,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_inputs(args)
         return args.func(args)
     except NestFxError as exc:
         if os.environ.get("NEST_FX_DEBUG"):

@@ -5,7 +5,10 @@
 * each pipeline package imports only packages before it in :data:`LAYERS`;
 * nothing in ``nest_fx`` but the command line imports ``profiler`` (the measuring tool sits on
   top), and no production module imports the test helpers of ``nest_fx.testing``;
-* a function-local import is an optional dependency or says why beside it;
+* a function-local import is an optional dependency or says why beside it, or sits in a
+  command-line module (:data:`STARTUP`), whose docstring says why once: start-up time;
+* nothing the command line imports at module level imports torch (``nest-fx --help`` answers
+  before torch loads), parent packages' ``__init__`` included;
 * scripts and examples import the installed package (no ``sys.path`` edits).
 """
 from __future__ import annotations
@@ -21,8 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("nest_fx", "profiler")
 # the data flow of shared/DESIGN.md: a package may import the packages before it, never after
 LAYERS = ["common", "models", "graph", "workload", "cluster", "plan", "cost", "solver", "apply", "report"]
-TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.testing"}  # may import any layer
+TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.cli_profile", "nest_fx.testing"}  # any layer
 OPTIONAL = {"matplotlib", "transformers", "torchao"}  # extras: imported where used, inside functions
+# the command line: its handlers import torch and the pipeline when they run (start-up time, the
+# module docstrings say so), so `nest-fx --help` and argument errors answer before torch loads
+STARTUP = {"nest_fx.cli", "nest_fx.cli_profile"}
+HEAVY = {"torch", "transformers", "matplotlib", "torchao", "networkx", "numpy", "tqdm", "tabulate"}
 
 
 def _modules() -> Dict[str, str]:
@@ -105,7 +112,7 @@ def _layer(module: str) -> str:
 def test_the_walk_sees_the_package():
     assert {"nest_fx.cli", "nest_fx.cost.step_time", "nest_fx.apply.api", "profiler.timer"} <= set(MODULES)
     assert GRAPH.has_edge("nest_fx.cost.step_time", "nest_fx.cost.memory")
-    assert GRAPH.has_edge("nest_fx.cli", "profiler.model_profile")
+    assert GRAPH.has_edge("nest_fx.cli_profile", "profiler.model_profile")  # inside the handler
 
 
 def test_no_import_cycle():
@@ -130,7 +137,7 @@ def test_packages_import_only_earlier_layers():
 
 def test_only_the_command_line_imports_the_profiler():
     offenders = sorted(f"{a} -> {b}" for a, b in GRAPH.edges
-                       if a.startswith("nest_fx") and b.startswith("profiler") and a != "nest_fx.cli")
+                       if a.startswith("nest_fx") and b.startswith("profiler") and a not in STARTUP)
     assert not offenders, offenders
 
 
@@ -142,6 +149,8 @@ def test_production_code_does_not_import_the_test_helpers():
 def test_function_local_imports_are_optional_or_explained():
     unexplained = []
     for module, path in MODULES.items():
+        if module in STARTUP:
+            continue
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         lines = text.splitlines()
@@ -155,6 +164,45 @@ def test_function_local_imports_are_optional_or_explained():
             if "#" not in here and not above.strip().startswith("#"):
                 unexplained.append(f"{path}:{node.lineno}: {here.strip()}")
     assert not unexplained, "function-local imports without a reason:\n" + "\n".join(unexplained)
+
+
+def _module_level_imports(module: str) -> Tuple[Set[str], Set[str]]:
+    """(project modules, top-level external packages) importing ``module`` executes at module
+    level: its own imports and those of every parent package's ``__init__``, transitively."""
+    seen: Set[str] = set()
+    external: Set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k]) in MODULES)
+        with open(MODULES[name], encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node, top in _imports(tree):
+            if not top:
+                continue
+            targets = _targets(name, node)
+            todo.extend(targets)
+            if not targets and not getattr(node, "level", 0):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                external.update(n.split(".")[0] for n in names)
+    return seen, external
+
+
+@pytest.mark.parametrize("module", sorted(STARTUP | {"nest_fx.__main__", "nest_fx.plan.plan"}))
+def test_the_command_line_imports_nothing_heavy_at_start(module):
+    modules, external = _module_level_imports(module)
+    assert not external & HEAVY, f"{module} imports {sorted(external & HEAVY)} at module level through " \
+        f"{sorted(m for m in modules if _module_level_imports(m)[1] & external & HEAVY)}: import it in the handler"
+
+
+def test_the_startup_check_sees_heavy_imports():
+    assert "torch" in _module_level_imports("nest_fx.workload.build")[1]
+    assert "torch" in _module_level_imports("nest_fx.plan.support")[1]  # through its own imports
+    assert "nest_fx.plan" in _module_level_imports("nest_fx.plan.plan")[0]  # parent packages run first
 
 
 @pytest.mark.parametrize("folder", ["scripts", "examples"])

@@ -42,7 +42,8 @@ def test_simulate_user_errors(tmp_path, capsys):
         (["--model", MODEL, "--cluster", "dgx-a100:2"], "world has 2"),
         (["--model", MODEL, "--cluster", "nope:8"], "unknown cluster preset"),
         (["--model", MODEL, "--cluster", "dgx-a100"], "needs a device count"),
-        (["--cluster", "dgx-a100:8"], "exactly one of --model"),
+        (["--cluster", "dgx-a100:8"], "the plan does not record its model: give --model NAME or --workload FILE"),
+        (["--model", MODEL, "--workload", plan, "--cluster", "dgx-a100:8"], "not both"),
         (["--model", "llama:hidden=256,layers=6,heads=4,seq=128,vocab=512", "--cluster", "dgx-a100:8"],
          "workload has 8 layers"),
     ]

@@ -79,13 +79,13 @@ def test_console_script():
 
 
 def test_trace_error_is_a_user_error(capsys, monkeypatch):
-    import nest_fx.cli
+    import nest_fx.graph
     from nest_fx.graph import TraceError
 
     def fail(*args, **kwargs):
         raise TraceError("torch.fx.symbolic_trace could not trace module 'layers.0'")
 
-    monkeypatch.setattr(nest_fx.cli, "trace", fail)
+    monkeypatch.setattr(nest_fx.graph, "trace", fail)  # the handler imports it when it runs
     monkeypatch.delenv("NEST_FX_DEBUG", raising=False)
     assert main(["trace", SPEC]) == 2
     err = capsys.readouterr().err

@@ -172,7 +172,7 @@ def test_explain_preset_without_count_takes_the_plans_world_size(tmp_path, capsy
 def test_explain_user_errors(tmp_path, capsys):
     cases = [
         ([write_plan(tmp_path, "a.json", cluster="")], "does not record its cluster"),
-        ([write_plan(tmp_path, "b.json", model="my-net")], "not a zoo model or spec"),
+        ([write_plan(tmp_path, "b.json", model="my-net")], "the plan's model 'my-net' cannot be built here"),
         ([write_plan(tmp_path, "c.json"), "--cluster", "dgx-a100:2"], "world has 2"),
         ([write_plan(tmp_path, "d.json"), "--model", "llama:hidden=256,layers=6,heads=4,seq=128,vocab=512"],
          "workload has 8 layers"),

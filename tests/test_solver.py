@@ -79,7 +79,7 @@ def test_nothing_fits_names_binding_constraint():
     cluster = load_cluster("dgx-a100:8")
     work = workload_for_model("llama2-7b", cluster, seq=256)
     tiny = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=2 * 2**30))
-    with pytest.raises(NoFeasiblePlan, match=r"binding constraint: model states.*about \d+ devices"):
+    with pytest.raises(NoFeasiblePlan, match=r"binding constraint: model states.*(about|at least) \d+ devices"):
         solve(work, tiny, 64, SolverOptions(microbatch_sizes=(1,)))
 
 
@@ -197,3 +197,26 @@ def test_forced_recompute_bounds_what_the_optimum_recomputes():
     assert TableCache(workload_for_model(CASES[0][0], roomy), roomy, SMALL_SPACE.cost,
                       SMALL_SPACE.recompute).forced_recompute(GlobalConfig.of(plan), plan.pp,
                                                               plan.num_microbatches) == 0
+
+
+@pytest.mark.parametrize("model, gib, batch", CASES[::2])
+def test_states_bound_never_exceeds_what_a_feasible_plan_holds(model, gib, batch, monkeypatch):
+    """The bound the search and the command line check first: model states spread over every
+    device. A plan that fits holds at least that on its fullest device, so the bound passes it;
+    memory just under the bound is refused before the candidates are enumerated."""
+    import nest_fx.solver.search as search
+    from nest_fx.cost.memory import model_states, usable_bytes
+
+    cluster = tight_cluster(gib)
+    work = workload_for_model(model, cluster)
+    found = solve(work, cluster, batch, SMALL_SPACE)
+    held = max(s.memory["weights"] + s.memory["grads"] + s.memory["optimizer"] for s in found.result.stages)
+    average = model_states(work.num_params, 3, cluster.num_devices, SMALL_SPACE.cost)["total"]
+    assert held >= average * (1 - 1e-12)
+    assert search.states_bound(work.num_params, cluster, SMALL_SPACE.cost) is None
+    # a device just too small for the average: refused before any candidate is built
+    capacity = 0.99 * average / usable_bytes(1.0, SMALL_SPACE.cost)  # usable bytes per byte of memory
+    small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=capacity))
+    monkeypatch.setattr(search, "candidates", lambda *a, **k: pytest.fail("enumerated candidates"))
+    with pytest.raises(NoFeasiblePlan, match=r"binding constraint: model states.* at least \d+ devices"):
+        solve(work, small, batch, SMALL_SPACE)

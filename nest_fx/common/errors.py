@@ -20,3 +20,8 @@ class ModelError(NestFxError, ValueError):
 
 class MissingDependency(NestFxError, ImportError):
     """An optional extra (``nest-fx[hf]``, ``nest-fx[plot]``) is needed and not installed."""
+
+
+class UserError(NestFxError):
+    """A mistake on the command line itself (a missing or conflicting option, an unwritable
+    output); printed like every other :class:`NestFxError`."""

@@ -1,4 +1,4 @@
-"""Reading user files with one clear error per failure (no traceback for user mistakes).
+"""Reading (and writing) user files with one clear error per failure (no traceback for user mistakes).
 
 Every reader of user data (cluster, topology, plan, workload and profile files) goes through
 :func:`read_text`, :func:`read_json` or :func:`read_document`, so each failure becomes one line
@@ -15,7 +15,7 @@ import json
 import os
 import reprlib
 import stat
-from typing import Any, Type
+from typing import Any, Callable, Type
 import yaml
 
 MAX_DEPTH = 200  # nesting of lists/mappings a document may have (ours need fewer than 10)
@@ -57,11 +57,10 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def read_bytes(path: str, error: Type[Exception], what: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file at ``path``, read once; ``error`` naming the file for an OS
-    failure, for anything that is not a regular file (checked on the opened file, which is
-    opened without blocking, so a FIFO never waits for a writer) and for more than
-    ``max_bytes`` bytes (checked on the size and on the bytes actually read)."""
+def _open_regular(path: str, error: Type[Exception], what: str, max_bytes: int) -> int:
+    """A descriptor of the regular file at ``path`` (opened without blocking, so a FIFO never
+    waits for a writer), or ``error`` naming the file for an OS failure, for anything that is not
+    a regular file (checked on the opened file) and for a size over ``max_bytes``."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -73,6 +72,28 @@ def read_bytes(path: str, error: Type[Exception], what: str, max_bytes: int = MA
         if info.st_size > max_bytes:
             raise error(f"{path}: {_size(info.st_size)}; {what} files larger than {_size(max_bytes)} are refused (is "
                         "this the right file?)")
+    except BaseException as exc:
+        os.close(fd)
+        if isinstance(exc, OSError):
+            raise error(f"cannot read {what} file {path!r}: {exc.strerror or exc}") from None
+        raise
+    return fd
+
+
+def check_readable(path: str, error: Type[Exception], what: str, max_bytes: int = MAX_FILE_BYTES) -> None:
+    """``error`` for every failure :func:`read_bytes` names before reading (missing, unreadable,
+    not a regular file, too large), with the same message; nothing is read. The command line
+    checks its input files with it before it imports torch."""
+    os.close(_open_regular(path, error, what, max_bytes))
+
+
+def read_bytes(path: str, error: Type[Exception], what: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of the regular file at ``path``, read once; ``error`` naming the file for an OS
+    failure, for anything that is not a regular file (checked on the opened file, which is
+    opened without blocking, so a FIFO never waits for a writer) and for more than
+    ``max_bytes`` bytes (checked on the size and on the bytes actually read)."""
+    fd = _open_regular(path, error, what, max_bytes)
+    try:
         chunks, total = [], 0
         while total <= max_bytes:  # bounded: a file that grows while read, or reports size 0 (/proc)
             chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
@@ -166,3 +187,12 @@ def read_document(path: str, error: Type[Exception], what: str) -> Any:
     if path.endswith(".json"):
         return parse_json(text, path, error)
     return parse_yaml(text, path, error)
+
+
+def write_with(path: str, save: Callable[[str], None], error: Type[Exception]) -> None:
+    """``save(path)``, with an unwritable path (no such directory, a directory, no permission) as
+    ``error`` naming it."""
+    try:
+        save(path)
+    except OSError as exc:
+        raise error(f"cannot write {path!r}: {exc.strerror or exc}") from exc

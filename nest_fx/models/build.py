@@ -30,9 +30,10 @@ def is_plain_name(name: str) -> bool:
 
 
 def model_example(name: str, model: torch.nn.Module, cfg: Any, *, batch: int = 1, seq: Optional[int] = None,
-                  dtype: Optional[torch.dtype] = None) -> Example:
+                  dtype: Optional[torch.dtype] = None, seq_cap: Optional[int] = None) -> Example:
     """What ``model`` (built from ``name``) takes and how it trains, for ``batch`` rows of ``seq``
-    tokens (default: the config's sequence length, 32 for HF models with longer contexts)."""
+    tokens (default: the config's sequence length; for HF models with longer contexts 32, or with
+    ``seq_cap`` the config's positions up to ``seq_cap``: ``inputs.hf_example``)."""
     if is_plain_name(name):
         return plain_example(cfg, batch, dtype or torch.float32)
     if is_hf_name(name):
@@ -40,7 +41,7 @@ def model_example(name: str, model: torch.nn.Module, cfg: Any, *, batch: int = 1
         if seq and seq_len and seq > seq_len:
             raise ModelError(f"seq={seq} exceeds {name}'s {seq_len} positions: use --seq <= {seq_len} "
                              "or a larger seq= in the spec")
-        example = hf_example(model, batch, seq or seq_len)
+        example = hf_example(model, batch, seq or seq_len, seq_cap=seq_cap)
         if dtype is not None:  # image inputs in the model's dtype
             example.inputs = [s if s.high else replace(s, dtype=dtype) for s in example.inputs]
         return example
@@ -48,12 +49,13 @@ def model_example(name: str, model: torch.nn.Module, cfg: Any, *, batch: int = 1
 
 
 def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: str | torch.device = "meta",
-              dtype: Optional[torch.dtype] = None,
-              layers: Optional[int] = None) -> Tuple[torch.nn.Module, Any, tuple, Dict[str, Any]]:
+              dtype: Optional[torch.dtype] = None, layers: Optional[int] = None,
+              seq_cap: Optional[int] = None) -> Tuple[torch.nn.Module, Any, tuple, Dict[str, Any]]:
     """Model, config and example inputs (no labels) for a zoo name, a spec, a plain model or ``hf:...``.
 
     Returns ``(model, config, args, kwargs)``; HF models take their inputs (``input_ids``, ...) as
-    keywords. ``layers`` overrides the depth (the profiler builds one instance of each distinct block).
+    keywords. ``layers`` overrides the depth (the profiler builds one instance of each distinct block);
+    ``seq_cap``: see :func:`model_example`.
     """
     depth = {"layers": layers} if layers is not None else {}
     if is_plain_name(name):
@@ -69,7 +71,7 @@ def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: s
             raise ModelError(f"seq={seq} exceeds {cfg.name}'s {cfg.seq_len} learned positions: use --seq <= {cfg.seq_len}")
         if seq > cfg.seq_len:
             model, cfg = build_model(name, device=device, dtype=dtype, seq_len=seq, **depth)
-    example = model_example(name, model, cfg, batch=batch, seq=seq, dtype=dtype)
+    example = model_example(name, model, cfg, batch=batch, seq=seq, dtype=dtype, seq_cap=seq_cap)
     args, kwargs = call_args(example, {s.name: make_tensor(s, device) for s in example.inputs})
     return model, cfg, args, kwargs
 

@@ -16,7 +16,11 @@ import torch
 
 from nest_fx.common.errors import ModelError
 
-DEFAULT_SEQ = 32
+DEFAULT_SEQ = 32  # tokens per example of an HF model without a sequence length (tests, tiny runs)
+# Planning an HF model without --seq: its config's positions (max_position_embeddings), at most
+# this many tokens; a long-context model (Llama 3: 131,072 positions) is planned at a typical
+# training length, not at its longest. docs/plan_format.md
+PLAN_SEQ_CAP = 4096
 
 
 @dataclass(frozen=True)
@@ -89,15 +93,19 @@ def _image_shape(config) -> Tuple[int, int, int]:
     return getattr(vision, "num_channels", 3), height, width
 
 
-def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None) -> Example:
-    """The inputs a HuggingFace model takes (token ids, decoder ids, pixel values) and its labels."""
+def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None,
+               seq_cap: Optional[int] = None) -> Example:
+    """The inputs a HuggingFace model takes (token ids, decoder ids, pixel values) and its labels.
+    Without ``seq``: :data:`DEFAULT_SEQ` tokens, or with ``seq_cap`` the config's positions up to
+    ``seq_cap`` (what the planner plans for)."""
     config = model.config
     params = inspect.signature(model.forward).parameters
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None)
     limit = _max_positions(config)
     if seq is None:
-        seq = min(DEFAULT_SEQ, limit) if limit else DEFAULT_SEQ
+        default = seq_cap or DEFAULT_SEQ
+        seq = min(default, limit) if limit else default
     elif limit and seq > limit:
         raise ModelError(f"seq={seq} exceeds {type(model).__name__}'s {limit} positions: use --seq <= {limit} "
                          f"or a larger max_position_embeddings=... in the name")

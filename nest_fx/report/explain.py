@@ -8,11 +8,8 @@ schedule from the simulator's stage times; :func:`write_timeline_png` draws it).
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Sequence, Tuple
 
-from nest_fx.models import NAMED_CONFIGS
-from nest_fx.plan.plan import PlanError
 from nest_fx.report import layout, timeline
 from nest_fx.report import tables as report
 from nest_fx.report.gantt import draw_gantt
@@ -35,29 +32,6 @@ TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "T
               ("optimizer", "optimizer step"))
 DETAIL_STAGES = 4  # per-category memory bars for every stage up to this depth, else the peak stage
 MAX_TIMELINE_EVENTS = 1_000_000
-
-
-# -- defaults from the plan file ----------------------------------------------------------------
-
-def default_model(plan) -> Optional[str]:
-    """The plan's ``model`` when it names a zoo model or a model spec, else None."""
-    name = plan.model or ""
-    if name in NAMED_CONFIGS or name.split(":", 1)[0] in ("gpt", "llama", "moe", "hf"):
-        return name
-    return None
-
-
-def default_cluster(plan, given: Optional[str], devices: Optional[int]) -> Tuple[str, Optional[int]]:
-    """(cluster spec, device count) for ``builders.load_cluster``: ``given`` or the plan's
-    ``cluster``; a preset name without a count takes the plan's ``world_size``.
-    ValueError when neither names a cluster."""
-    spec = given or plan.cluster
-    if not spec:
-        raise PlanError("the plan does not record its cluster: give --cluster NAME:DEVICES or a cluster file")
-    is_file = os.path.exists(spec) or spec.endswith((".yaml", ".yml", ".json"))
-    if devices is None and not is_file and ":" not in spec and plan.world_size:
-        devices = plan.world_size
-    return spec, devices
 
 
 # -- text bars ------------------------------------------------------------------------------------
@@ -97,7 +71,7 @@ def header_lines(plan, workload, cluster, result) -> List[str]:
         f"({_gib(cluster.device.memory_bytes)} GiB); levels {levels}",
         f"plan: {report.plan_summary(plan)}",
         f"devices: {plan.devices_used} used" + (f", {idle} idle" if idle else "")
-        + f"; global batch {plan.global_batch} x {workload.dims.seq_len} tokens",
+        + f"; global batch {plan.global_batch} x {workload.dims.seq_len} tokens; precision {plan.precision}",
         f"predicted: step {report.fmt_seconds(result.step_s)}, {report.fmt_si(result.tokens_per_s)} tokens/s, "
         f"{report.fmt_si(result.model_flops_per_device, 'FLOP/s')} model FLOPs per device; {status}",
     ]
@@ -199,7 +173,7 @@ def timeline_lines(plan, result) -> List[str]:
     events, _ = step_events(plan, result)
     span = timeline.makespan(events)
     lines.append(f"event simulation of the schedule: pipeline {report.fmt_seconds(span)} "
-                 f"({100 * (span / t_pipe - 1):+.1f}% vs the cost model)")
+                 f"({round(100 * (span / t_pipe - 1), 1) + 0.0:+.1f}% vs the cost model)")  # no "-0.0"
     busy = [0.0] * plan.pp
     for e in events:
         busy[e.stage] += e.end - e.start

@@ -17,6 +17,9 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
 3. the same with the exact tails q_i (exposed DP sync + optimizer step);
 4. the exact DP (``nest_dp.solve_partition``).
 
+Before any of it, :func:`states_bound` refuses a model whose states cannot fit on the whole
+cluster (the command line asks it before the trace, from the parameter count alone).
+
 Pairs sit in a heap keyed by their bound; the smallest is popped and refined one tier (solved at
 tier 4), and the search stops when the smallest bound is no better than the best plan found, so
 the answer is the optimum of the cost model over the search space. The first incumbent is the
@@ -45,6 +48,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.cost import memory
+from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
@@ -168,6 +172,9 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     deadline = start + options.time_budget if options.time_budget else None
     options = options.priced()
     workload = options.runtime_workload(workload)
+    problem = states_bound(workload.num_params, cluster, options.cost)
+    if problem:
+        raise NoFeasiblePlan(problem)
     pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
@@ -235,6 +242,8 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     order = places[o].device_order
     plan = g.plan(stages, m, workload, cluster, device_order=list(order) if order is not None else None,
                   constraints=options.constraints or None)
+    # what it was planned for: simulate / explain of the file rebuild the same workload
+    plan.seq_len = workload.dims.seq_len  # (plan.precision: options.precision, set by g.plan)
     result = simulate(plan, workload, cluster, options.cost)
     plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
                       "model_flops_per_device": result.model_flops_per_device,
@@ -256,6 +265,24 @@ def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOp
         return math.inf, None
     p = recipe.plan
     return recipe.result.step_s, (GlobalConfig.of(p), p.num_microbatches, list(p.stages), 0)
+
+
+def states_bound(num_params: float, cluster, cost: CostOptions) -> Optional[str]:
+    """Why no plan can fit, when the weights, gradients and optimizer states of ``num_params``
+    parameters spread evenly over every device of ``cluster`` (nothing replicated: ZeRO-3 over
+    all of them) exceed one device's usable memory; else None. Every plan keeps each state
+    somewhere, so some device holds at least this average (activations come on top): the bound
+    never refuses a model that fits, and needs nothing but the parameter count."""
+    devices = cluster.num_devices
+    states = memory.model_states(float(num_params), 3, devices, cost)["total"]
+    capacity = memory.usable_bytes(cluster.device.memory_bytes, cost)
+    if states <= capacity:
+        return None
+    gib = 2**30
+    return (f"binding constraint: model states. The {num_params / 1e9:.3g} G parameters' weights, gradients and "
+            f"{cost.optimizer} states take {states * devices / gib:,.1f} GiB: {states / gib:,.1f} GiB per device "
+            f"even spread over all {devices} devices > {capacity / gib:.1f} GiB usable. Smallest change: at least "
+            f"{math.ceil(states * devices / capacity):,} devices (have {devices}), or devices with more memory")
 
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:

@@ -8,13 +8,14 @@ already traced graph with the roofline alone.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
 from nest_fx.workload.roofline import AnalyticalCompute
 from nest_fx.graph import OpGraph, trace
 from nest_fx.models import build_any
+from nest_fx.models.inputs import PLAN_SEQ_CAP
 from nest_fx.workload.profile_file import Profile
 from nest_fx.workload.profiled_source import ProfiledSource
 from nest_fx.workload.traced_source import workload_from_graph
@@ -23,10 +24,15 @@ from nest_fx.workload.types import Workload, WorkloadError, dims_from_config
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None,
-                dtype: torch.dtype = torch.bfloat16) -> Tuple[OpGraph, object]:
-    """Trace a zoo/spec/hf model on meta tensors; returns (OpGraph, config)."""
-    model, cfg, args, kwargs = build_any(name, batch=batch, seq=seq, dtype=dtype)
+def trace_model(name: str, *, batch: int = 1, seq: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                seq_cap: Optional[int] = None,
+                before_trace: Optional[Callable[[int], None]] = None) -> Tuple[OpGraph, object]:
+    """Trace a zoo/spec/hf model on meta tensors; returns (OpGraph, config). ``seq_cap``: see
+    ``models.build_any``; ``before_trace(parameter count)`` runs once the model is built, before
+    the trace (a check that can refuse the model cheaply)."""
+    model, cfg, args, kwargs = build_any(name, batch=batch, seq=seq, dtype=dtype, seq_cap=seq_cap)
+    if before_trace is not None:
+        before_trace(sum(p.numel() for p in model.parameters()))
     return trace(model, args, kwargs, name=name), cfg
 
 
@@ -37,12 +43,15 @@ def traced_seq_len(graph: OpGraph) -> int:
 
 
 def workload_for_model(name: str, cluster, *, seq: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                       attention: Optional[str] = None, profile: Union[Profile, str, None] = None) -> Workload:
+                       attention: Optional[str] = None, profile: Union[Profile, str, None] = None,
+                       before_trace: Optional[Callable[[int], None]] = None) -> Workload:
     """Trace ``name`` and cost its layers for ``cluster``'s device: measured op times from
     ``profile`` (a :class:`Profile` or a path) where it has them, the analytical roofline for
-    the rest."""
-    graph, cfg = trace_model(name, seq=seq, dtype=dtype)
-    dims = dims_from_config(cfg, seq_len=seq or traced_seq_len(graph),
+    the rest. Without ``seq``: the model's sequence length (an HF model's configured positions,
+    at most ``models.inputs.PLAN_SEQ_CAP``). ``before_trace``: see :func:`trace_model`."""
+    graph, cfg = trace_model(name, seq=seq, dtype=dtype, seq_cap=PLAN_SEQ_CAP, before_trace=before_trace)
+    seq = seq or traced_seq_len(graph)
+    dims = dims_from_config(cfg, seq_len=seq,
                             dtype_bytes=torch.empty((), dtype=dtype).element_size())
     if profile is None:
         return analytical_workload(graph, dims, cluster, dtype, attention=attention)
