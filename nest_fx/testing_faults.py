@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from nest_fx.apply import auto_parallelize
+from nest_fx.apply.launch import free_port
 from nest_fx.apply.losses import lm_loss
 from nest_fx.models import build_seeded
 from nest_fx.plan import uniform_plan
@@ -97,6 +98,25 @@ def fault_reports(out: str, world: int = 4) -> Dict[str, Any]:
                 report = json.load(fh)
             ranks[rank] = dict(report, after_s=report["time"] - at)
     return {"fault": at, "ranks": ranks}
+
+
+def torchrun_fault(out: str, where: str, timeout_s: float, signal_name: str = "SIGSTOP", env=None,
+                   limit_s: float = 300) -> Dict[str, Any]:
+    """:func:`fault_run` on 4 ranks under torchrun (``--max_restarts=0``), writing into ``out``:
+    ``{"code": torchrun's exit status, "after_s": seconds from the fault until torchrun returned,
+    "ranks": the reports}``. ``env``: extra environment variables."""
+    spec = {"signal": signal_name, "where": where, "out": out, "timeout_s": timeout_s, "ckpt": os.path.join(out, "ckpt")}
+    with open(os.path.join(out, "spec.json"), "w", encoding="utf-8") as fh:
+        json.dump(spec, fh)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--max_restarts=0",
+           "--monitor_interval=0.5", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{free_port()}",
+           "-m", "nest_fx.testing_faults", os.path.join(out, "spec.json")]
+    with open(os.path.join(out, "torchrun.log"), "w", encoding="utf-8") as log:
+        done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), stdout=log,
+                              stderr=subprocess.STDOUT, timeout=limit_s)
+    ended = time.time()
+    reports = fault_reports(out)
+    return {"code": done.returncode, "after_s": ended - reports["fault"], "ranks": reports["ranks"]}
 
 
 # -- elastic runs on one machine ------------------------------------------------------------------

@@ -15,6 +15,17 @@ hang-tp / hang-dp   the same, rank 3 is SIGSTOPped (hangs without dying) before 
                     waiting peer naming the group
 kill-during-save    rank 3 is SIGKILLed halfway through writing its shard of the second
                     checkpoint; the first must stay loadable and nothing of the second remain
+stop-torchrun       the job under torchrun (``--max_restarts=0``): rank 3 SIGSTOPped before its TP
+                    all-reduce / halfway through writing its shard of the second checkpoint
+                    (stop-during-save); torchrun must return within the timeout + 5 s and
+                    nothing of the second checkpoint remain. Each is run twice: as shipped (the
+                    ranks that detect the failure SIGKILL their stopped peers) and with
+                    NEST_FX_END_STOPPED_PEERS=0 (torchrun alone: SIGTERM, 30 s, SIGKILL)
+fallback            the newest of three step directories loses its MANIFEST.json: load must
+                    refuse it naming it and the newest complete one; fallback=True loads
+                    that one and says so in one line
+load-after-full     a save that ran out of space (ENOSPC writer), then a restarted job's load
+                    while the disk is still full: refused before training
 corrupt             1 KiB of garbage inside one tensor's bytes of a 250 MB checkpoint (model +
                     AdamW); loading must refuse it naming the file. Also reported: the time of
                     the sha256 check (hashing every file, one rank) next to a load without it
@@ -27,7 +38,9 @@ full-disk           a tmpfs with room for 1.5 checkpoints, mounted in a private 
 wrong-model         a 6-layer model's checkpoint loaded into a 4-layer model
 rank-mismatch       2 ranks, one with 10x the learning rate / another global batch
 inputs              --plan /dev/zero, a FIFO named x.yaml, a 100 MB cluster file,
-                    NEST_FX_TIMEOUT_S=inf and 1e-9, a NaN time in a profile
+                    NEST_FX_TIMEOUT_S=inf and 1e-9, a NaN time in a profile, a key given twice
+                    in a plan file, ``nest-fx trace gpt:...,layers=20000``, plain ``python``
+                    with WORLD_SIZE=4 and no MASTER_ADDR
 node-loss           two torchrun agents (``--nnodes=1:2``, 2 ranks each) of
                     examples/train_elastic.py; one is killed with its workers at step >= 4,
                     later started again; the run must go on on 2 ranks, grow back to 4, and
@@ -39,7 +52,9 @@ Writes ``results/bench_faults.json`` and prints the table; exit status 1 when a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import io
 import json
 import os
 import platform
@@ -58,15 +73,17 @@ from torch.distributed.checkpoint import FileSystemWriter
 import nest_fx.apply.checkpoint_files as checkpoint_files
 from nest_fx.apply import AgreementError, CheckpointError, auto_parallelize
 from nest_fx.apply.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from nest_fx.apply.distributed import collective_timeout_s
+from nest_fx.apply.distributed import collective_timeout_s, init_distributed
 from nest_fx.apply.launch import free_port, launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import load_cluster
 from nest_fx.common.errors import NestFxError
 from nest_fx.models import build_seeded
+from nest_fx.models.build import build_any
 from nest_fx.plan import Plan, uniform_plan
 from nest_fx.testing import (FAULT_MODEL, ElasticAgents, elastic_command, fault_reports, fault_run, kill_node,
                              read_losses)
+from nest_fx.testing_faults import torchrun_fault
 from nest_fx.workload.profile_file import Profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -140,7 +157,76 @@ def probe_signal(name: str, signal_name: str, where: str, timeout_s: float, work
                launch_error=ended, **extra)
 
 
+def probe_stop_torchrun(name: str, where: str, timeout_s: float, work: str, end_peers: bool) -> Dict[str, Any]:
+    """Rank 3 SIGSTOPped under torchrun; seconds from the fault until torchrun returned."""
+    out = os.path.join(work, f"{name}-{'shipped' if end_peers else 'torchrun-alone'}")
+    os.makedirs(out)
+    result = torchrun_fault(out, where, timeout_s, env=None if end_peers else {"NEST_FX_END_STOPPED_PEERS": "0"})
+    after = result["after_s"]
+    ended = [r for r, rep in result["ranks"].items() if "ended the stopped rank 3" in rep["message"]]
+    ok = result["code"] != 0 and after <= timeout_s + SLACK_S
+    how = f"rank {ended[0]} SIGKILLed the stopped rank 3" if ended else "torchrun: SIGTERM, 30 s grace, SIGKILL"
+    outcome = f"torchrun returned {after:.1f} s after the fault ({how})"
+    extra: Dict[str, Any] = {}
+    if where == "save":
+        left = sorted(os.listdir(os.path.join(out, "ckpt")))
+        model, _ = build_seeded(FAULT_MODEL, seed=7)
+        step = load_checkpoint(model, os.path.join(out, "ckpt"))["step"]
+        ok = ok and left == ["latest", "step-00000001"] and step == 1
+        outcome += f"; checkpoint directory: {left}, loads step {step}"
+        extra["left"] = left
+    fault = f"rank 3 SIGSTOP at {where} under torchrun" + ("" if end_peers else " (NEST_FX_END_STOPPED_PEERS=0)")
+    return row(name, fault, outcome, after, ok if end_peers else True, end_peers=end_peers, **extra)
+
+
 # -- checkpoints -----------------------------------------------------------------------------------
+
+def probe_fallback(work: str) -> List[Dict[str, Any]]:
+    path = os.path.join(work, "fallback")
+    model, opt = trained(FAULT_MODEL)
+    for step in (1, 2, 3):
+        save_checkpoint(model, path, opt, step=step, keep=None)
+    newest = os.path.join(path, "step-00000003")
+    os.remove(os.path.join(newest, checkpoint_files.MANIFEST_FILE))
+    fresh, _ = build_seeded(FAULT_MODEL, seed=7)
+    detect, error = timed(lambda: load_checkpoint(fresh, path))
+    ok = (isinstance(error, CheckpointError) and f"newest checkpoint {newest}" in str(error)
+          and "newest complete checkpoint is" in str(error) and "step-00000002" in str(error))
+    rows = [row("fallback", "newest step directory lost its MANIFEST.json", f"refused: '{str(error).split('; fix')[0]}'",
+                detect, ok)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        took = load_checkpoint(fresh, path, fallback=True)["step"]
+    said = err.getvalue().strip()
+    rows.append(row("fallback", "the same, load(..., fallback=True)", f"loaded step {took}; said: '{said}'", None,
+                    took == 2 and said.count("\n") == 0 and "not loading" in said))
+    return rows
+
+
+def probe_load_after_full(work: str) -> Dict[str, Any]:
+    """A save fails with ENOSPC; a restarted job loads while the disk is still full."""
+    ckpt = os.path.join(work, "ckpt")
+    model, opt = trained(FAULT_MODEL)
+    save_checkpoint(model, ckpt, opt, step=1)
+    real_write, real_usage = FileSystemWriter.write_data, checkpoint_files.shutil.disk_usage
+
+    def enospc(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    FileSystemWriter.write_data = enospc
+    try:
+        timed(lambda: save_checkpoint(model, ckpt, opt, step=2))
+    finally:
+        FileSystemWriter.write_data = real_write
+    checkpoint_files.shutil.disk_usage = lambda p: shutil._ntuple_diskusage(1 << 30, (1 << 30) - 4096, 4096)
+    try:
+        detect, error = timed(lambda: load_checkpoint(model, ckpt, opt))
+    finally:
+        checkpoint_files.shutil.disk_usage = real_usage
+    ok = isinstance(error, CheckpointError) and "would fail again at the same save" in str(error)
+    return row("load-after-full", "load after a save that filled the disk (disk still full)",
+               f"refused before training: '{str(error).split('; fix')[0]}'", detect, ok)
+
 
 def probe_corrupt(work: str) -> Dict[str, Any]:
     path = os.path.join(work, "corrupt")
@@ -305,7 +391,39 @@ def probe_inputs(work: str) -> List[Dict[str, Any]]:
                           "--cluster", "dgx-a100:8"], capture_output=True, text=True, timeout=120)
     rows.append(row("inputs", "nest-fx simulate --plan /dev/zero", f"exit {cli.returncode}: {cli.stderr.strip()}", None,
                     cli.returncode == 2 and cli.stderr.startswith("error: ") and len(cli.stderr.splitlines()) == 1))
+    twice = os.path.join(work, "twice.json")
+    with open(twice, "w") as fh:
+        fh.write('{"format": "nest-fx-plan/1", "stages": [{"tp": 2, "tp": 4}]}')
+    detect, error = timed(lambda: Plan.load(twice))
+    rows.append(row("inputs", "a plan file with a key given twice", f"refused: '{error}'" if error else "accepted", detect,
+                    error is not None and "'tp' appears twice" in str(error)))
+    deep = "gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100"
+    for fault, argv, env, want, in_process in [
+            ("nest-fx trace gpt:hidden=64,layers=20000,...", ["-m", "nest_fx", "trace", deep], {},
+             "above the limit of 1024", lambda: build_any(deep)),
+            ("plain python, WORLD_SIZE=4, no MASTER_ADDR", ["-c", "from nest_fx.apply.distributed import "
+                                                           "init_distributed; init_distributed()"],
+             {"WORLD_SIZE": "4"}, "fix: launch with torchrun", lambda: without_rendezvous(init_distributed))]:
+        start = time.perf_counter()
+        env = {k: v for k, v in dict(os.environ, **env).items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
+        took = time.perf_counter() - start
+        detect, _ = timed(in_process)
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        rows.append(row("inputs", fault, f"exit {done.returncode} ({took:.1f} s with the process start): "
+                        f"'{last[:300]}'", detect, done.returncode != 0 and want in last))
     return rows
+
+
+def without_rendezvous(fn) -> None:
+    """``fn()`` with WORLD_SIZE=4 and no MASTER_ADDR/MASTER_PORT/RANK in the environment."""
+    saved = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ}
+    os.environ["WORLD_SIZE"] = "4"
+    try:
+        fn()
+    finally:
+        del os.environ["WORLD_SIZE"]
+        os.environ.update(saved)
 
 
 def env_timeout(value: str) -> None:
@@ -369,8 +487,8 @@ def probe_node_loss(work: str, steps: int = 40, pace: float = 0.25) -> Dict[str,
 
 # -- main -------------------------------------------------------------------------------------------------
 
-PROBES = ["kill", "hang-tp", "hang-dp", "kill-during-save", "corrupt", "full-disk", "wrong-model", "rank-mismatch",
-          "inputs", "node-loss"]
+PROBES = ["kill", "hang-tp", "hang-dp", "kill-during-save", "stop-torchrun", "corrupt", "full-disk", "fallback",
+          "load-after-full", "wrong-model", "rank-mismatch", "inputs", "node-loss"]
 
 
 def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> List[Dict[str, Any]]:
@@ -380,6 +498,14 @@ def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> Lis
         return [probe_signal(name, "SIGSTOP", name.split("-")[1], timeout_s, work)]
     if name == "kill-during-save":
         return [probe_signal(name, "SIGKILL", "save", timeout_s, work)]
+    if name == "stop-torchrun":
+        return [probe_stop_torchrun(n, where, timeout_s, work, end) for n, where in (("stop-torchrun", "tp"),
+                                                                                   ("stop-during-save", "save"))
+                for end in (False, True)]
+    if name == "fallback":
+        return probe_fallback(work)
+    if name == "load-after-full":
+        return [probe_load_after_full(work)]
     if name == "rank-mismatch":
         return [probe_mismatch("lr"), probe_mismatch("batch")]
     if name == "inputs":

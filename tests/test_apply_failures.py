@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -24,8 +23,9 @@ import time
 import pytest
 
 from nest_fx.apply import peers
-from nest_fx.apply.launch import free_port, launch
+from nest_fx.apply.launch import launch
 from nest_fx.testing import fault_reports, fault_run
+from nest_fx.testing_faults import torchrun_fault
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
 MOE = "moe:hidden=32,layers=2,heads=4,seq=16,vocab=64,experts=4,top_k=2,capacity_factor=2.0"
@@ -292,22 +292,6 @@ def test_only_stopped_registered_peers_are_ended(monkeypatch):
             child.wait()
 
 
-def _torchrun_fault(tmp_path, where: str) -> dict:
-    """4 ranks under torchrun (TP2 x DP2), rank 3 stopped at ``where``; seconds from the fault
-    until torchrun returned, and the reports."""
-    spec = {"signal": "SIGSTOP", "where": where, "out": str(tmp_path), "timeout_s": HANG_TIMEOUT_S,
-            "ckpt": str(tmp_path / "ckpt")}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--max_restarts=0",
-           "--monitor_interval=0.5", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{free_port()}",
-           "-m", "nest_fx.testing_faults", str(tmp_path / "spec.json")]
-    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=240)
-    ended = time.time()
-    reports = fault_reports(str(tmp_path))
-    return {"code": done.returncode, "after_s": ended - reports["fault"], "ranks": reports["ranks"]}
-
-
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -315,7 +299,7 @@ def _torchrun_fault(tmp_path, where: str) -> dict:
 def test_a_stopped_rank_ends_the_torchrun_job_within_the_timeout(tmp_path, where):
     """torchrun's SIGTERM cannot end a stopped process and it waits 30 s before SIGKILL: the peers
     that detect the failure end it. Inside a checkpoint write nothing of the new step is left."""
-    result = _torchrun_fault(tmp_path, where)
+    result = torchrun_fault(str(tmp_path), where, HANG_TIMEOUT_S)
     assert result["code"] != 0
     assert result["after_s"] <= HANG_TIMEOUT_S + DETECT_SLACK_S, result
     messages = [r["message"] for r in result["ranks"].values()]
