@@ -15,13 +15,16 @@ like a lost node; :func:`read_losses` reads the JSON lines rank 0 writes.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+import urllib.request
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -122,12 +125,82 @@ def torchrun_fault(out: str, where: str, timeout_s: float, signal_name: str = "S
 # -- elastic runs on one machine ------------------------------------------------------------------
 
 def elastic_command(script: str, port: int, script_args: List[str], *, nproc: int = 2, max_restarts: int = 5,
-                    last_call_s: int = 2) -> List[str]:
-    """A torchrun agent of ``script`` for a job of 1 or 2 such agents ("nodes") on this machine."""
+                    last_call_s: int = 2, backend: str = "c10d") -> List[str]:
+    """A torchrun agent of ``script`` for a job of 1 or 2 such agents ("nodes") on this machine.
+    ``backend``: ``c10d`` (the rendezvous store lives in the agent on ``localhost:port``) or
+    ``etcd-v2`` (an etcd server on ``localhost:port``, :class:`EtcdServer`)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc_per_node={nproc}",
-            f"--max_restarts={max_restarts}", "--monitor_interval=0.5", "--rdzv_backend=c10d",
+            f"--max_restarts={max_restarts}", "--monitor_interval=0.5", f"--rdzv_backend={backend}",
             f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=nest-fx-elastic", f"--rdzv_conf=last_call_timeout={last_call_s}",
             script, *script_args]
+
+
+ETCD_PACKAGE = "etcd-server"  # Debian's etcd (3.4 in bookworm): serves the v2 API with --enable-v2
+ETCD_CLIENT = "python-etcd"  # the v2 client torch's etcd rendezvous imports (``import etcd``): the 'etcd' extra
+
+
+def ensure_etcd() -> str:
+    """The path of the ``etcd`` binary and the ``etcd`` Python client, installing what is missing:
+    ``apt-get install etcd-server`` (as root) and ``pip install python-etcd``. RuntimeError saying
+    what to install where that is not possible."""
+    if importlib.util.find_spec("etcd") is None:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", ETCD_CLIENT], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"pip install {ETCD_CLIENT} failed: {done.stderr.strip()[-500:]}; fix: "
+                               "pip install -e '.[etcd]'")
+        importlib.invalidate_caches()
+    binary = shutil.which("etcd")
+    if binary is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", ETCD_PACKAGE], capture_output=True,
+                       env=env)
+        binary = shutil.which("etcd")
+    if binary is None:
+        raise RuntimeError(f"no etcd server; fix: apt-get install {ETCD_PACKAGE} (Debian/Ubuntu), or put an etcd >= 3.4 "
+                           "binary on PATH")
+    return binary
+
+
+class EtcdServer:
+    """A throw-away etcd server (v2 API enabled) on ``localhost:port`` with its data in ``directory``;
+    stopped and its data removed when the ``with`` block ends. It stands for the etcd cluster that
+    runs outside the training nodes, so that no node's loss ends the rendezvous."""
+
+    def __init__(self, directory: str, port: int, peer_port: int):
+        self.directory, self.port, self.peer_port = directory, port, peer_port
+        self.process: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "EtcdServer":
+        url, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
+        log = open(os.path.join(self.directory, "etcd.log"), "w")
+        self.process = subprocess.Popen(
+            [ensure_etcd(), "--enable-v2", "--name", "nest-fx", "--data-dir", os.path.join(self.directory, "etcd-data"),
+             "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", peer,
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"nest-fx={peer}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 60
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"etcd did not start; see {self.directory}/etcd.log")
+            time.sleep(0.2)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/keys/", timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        shutil.rmtree(os.path.join(self.directory, "etcd-data"), ignore_errors=True)
 
 
 def elastic_env() -> Dict[str, str]:
