@@ -261,6 +261,60 @@ class ElasticAgents:
             log.close()
 
 
+def elastic_node_loss(work: str, script: str, port: int, backend: str = "c10d", victim: int = 1, steps: int = 40,
+                      pace: float = 0.25) -> Dict[str, Any]:
+    """Two agents of ``script`` (examples/train_elastic.py) train on 4 ranks; agent ``victim`` is
+    killed with its workers at step >= 4, and once the survivor trains again (or has exited) the
+    lost node is started again. Returns the timings (``resume_s``, ``grow_s``, or ``ended``/
+    ``ended_s`` when the survivor exited instead), exit codes, worlds and the worst loss difference
+    to the single-device run."""
+    ref = os.path.join(work, "single.jsonl")
+    subprocess.run([sys.executable, script, "--ckpt", os.path.join(work, "single"), "--losses", ref,
+                    "--steps", str(steps)], env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
+                   capture_output=True, timeout=600)
+    want = {r["step"]: r["loss"] for r in read_losses(ref)}
+    log = os.path.join(work, "elastic.jsonl")
+    cmd = elastic_command(script, port, ["--ckpt", os.path.join(work, "ckpt"), "--losses", log, "--steps", str(steps),
+                                         "--pace", str(pace), "--timeout", "60"], max_restarts=10, backend=backend)
+    with ElasticAgents(cmd, work) as job:
+        agents = job.agents
+
+        def wait(predicate, timeout: float, what: str, watch: subprocess.Popen) -> List[dict]:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and watch.poll() is None:
+                records = read_losses(log)
+                if predicate(records):
+                    return records
+                time.sleep(0.1)
+            if watch.poll() is not None:
+                return []
+            raise RuntimeError(f"node-loss: no {what} (agent exit codes {[a.poll() for a in agents]}; logs in {work})")
+
+        job.start()
+        time.sleep(0.5)
+        job.start()
+        wait(lambda rs: any(r["world"] == 4 and r["step"] >= 4 for r in rs), 300, "step 4 on 4 ranks", agents[0])
+        survivor = agents[1 - victim]
+        killed = time.time()
+        kill_node(agents[victim])
+        records = wait(lambda rs: any(r["restart"] >= 1 for r in rs), 300, "step after the restart", survivor)
+        if not records:
+            return {"ended": True, "ended_s": time.time() - killed, "codes": [survivor.poll()]}
+        shrunk = min(r["time"] for r in records if r["restart"] >= 1)
+        rejoin = time.time()
+        job.start()
+        records = wait(lambda rs: any(r["world"] == 4 and r["time"] > rejoin for r in rs), 300,
+                       "step on 4 ranks again", survivor)
+        grown = min(r["time"] for r in records if r["world"] == 4 and r["time"] > rejoin)
+        codes = [survivor.wait(timeout=600), agents[2].wait(timeout=600)]
+    records = read_losses(log)
+    got = {r["step"]: r["loss"] for r in records}
+    worst = max(abs(got[s] - want[s]) for s in range(steps)) if sorted(got) == list(range(steps)) else float("inf")
+    return {"ended": False, "resume_s": shrunk - killed, "grow_s": grown - rejoin, "codes": codes,
+            "worst_loss_diff": worst, "steps": steps, "redone_steps": len(records) - steps,
+            "worlds": [r["world"] for r in records]}
+
+
 def read_losses(path: str) -> List[dict]:
     """The JSON lines rank 0 of ``examples/train_elastic.py --losses`` wrote (a line cut by a kill
     is skipped)."""
