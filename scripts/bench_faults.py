@@ -79,6 +79,7 @@ from nest_fx.apply.distributed import collective_timeout_s, init_distributed
 from nest_fx.apply.launch import free_port, launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import load_cluster
+from nest_fx.common.limits import MAX_LAYERS
 from nest_fx.models import build_seeded
 from nest_fx.models.build import build_any
 from nest_fx.plan import Plan, uniform_plan
@@ -294,7 +295,7 @@ def probe_inputs(work: str) -> List[Dict[str, Any]]:
     deep = "gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100"
     for fault, argv, env, want, in_process in [
             ("nest-fx trace gpt:hidden=64,layers=20000,...", ["-m", "nest_fx", "trace", deep], {},
-             "above the limit of 1024", lambda: build_any(deep)),
+             f"above the limit of {MAX_LAYERS}", lambda: build_any(deep)),
             ("plain python, WORLD_SIZE=4, no MASTER_ADDR", ["-c", "from nest_fx.apply.distributed import "
                                                            "init_distributed; init_distributed()"],
              {"WORLD_SIZE": "4"}, "fix: launch with torchrun", lambda: without_rendezvous(init_distributed))]:

@@ -110,7 +110,7 @@ def test_an_absurd_depth_is_refused_at_once():
     from nest_fx.common.limits import MAX_LAYERS
     from nest_fx.models.build import build_any
 
-    for name in ("gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100", "llama:layers=1025"):
+    for name in ("gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100", f"llama:layers={MAX_LAYERS + 1}"):
         with pytest.raises(ModelError, match=f"above the limit of {MAX_LAYERS}"):
             build_any(name)
     assert build_any("gpt:hidden=64,layers=4,heads=4,seq=16,vocab=100")[1].layers == 4
