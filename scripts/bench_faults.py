@@ -87,9 +87,8 @@ from nest_fx.testing import (FAULT_MODEL, fault_reports, fault_run)
 from nest_fx.testing_faults import EtcdServer, elastic_node_loss, torchrun_fault
 from nest_fx.workload.profile_file import Profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the probes' own modules, next to this script
-from fault_probes import (probe_corrupt, probe_fallback, probe_load_after_full, probe_wrong_model, row,  # noqa: E402
-                          timed, trained)
+from fault_probes import (probe_corrupt, probe_fallback, probe_load_after_full,  # next to this script
+                          probe_wrong_model, row, timed, trained)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
