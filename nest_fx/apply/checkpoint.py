@@ -241,7 +241,8 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
     except BaseException as e:
         if rank == 0:
             _note_if_disk_full(root, tmp, step, e)
-            shutil.rmtree(tmp, ignore_errors=True)
+        # every rank: the first to fail may be the last to run (torchrun stops the others)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final or os.path.join(root, step_name(step))
 
