@@ -19,12 +19,14 @@ import json
 import os
 import signal
 import socket
+import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 SWITCH_ENV = "NEST_FX_END_STOPPED_PEERS"
+STALE_WAIT_S = 30.0  # how long start-up waits for the entries of a previous round to be replaced
 
 Peer = Tuple[str, int, int]  # (host name, pid, start time in clock ticks since boot)
 
@@ -84,9 +86,17 @@ def register_peers(timeout_s: float = 60.0) -> int:
     store.set(f"{prefix}/{local_rank}", json.dumps([dist.get_rank(), *me]))
     keys = [f"{prefix}/{r}" for r in range(local_world)]
     store.wait(keys, timedelta(seconds=timeout_s))
-    for key in keys:
-        rank, host, pid, start = json.loads(store.get(key))
-        if host == me[0] and pid != me[1]:
+    # a store kept across torchrun rounds may still hold a previous round's entry of a rank that
+    # has not written yet: such an entry names a process that is gone, so read again
+    deadline = time.monotonic() + min(timeout_s, STALE_WAIT_S)
+    while True:
+        entries = [json.loads(store.get(key)) for key in keys]
+        stale = [e for e in entries if e[1] == me[0] and process_start(int(e[2])) != int(e[3])]
+        if not stale or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for rank, host, pid, start in entries:
+        if host == me[0] and pid != me[1] and process_start(int(pid)) == int(start):
             _PEERS[int(rank)] = (host, int(pid), int(start))
     return len(_PEERS)
 
