@@ -28,6 +28,9 @@ setup(
         "plot": ["matplotlib>=3.7"],
         # Float8 linears (plan.float8): used only on NVIDIA GPUs with fp8 tensor cores
         "float8": ["torchao"],
+        # torchrun's etcd / etcd-v2 rendezvous backends (elastic jobs that survive the loss of any node)
+        # import the etcd v2 API client `etcd`; the server is Debian's etcd-server (docs/runtime.md)
+        "etcd": ["python-etcd>=0.4.5"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "hypothesis>=6.80", "ruff>=0.5"],
     },
     entry_points={"console_scripts": ["nest-fx=nest_fx.cli:main"]},

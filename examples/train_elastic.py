@@ -15,6 +15,11 @@ plans for the new world with the same global batch (more microbatches per rank),
 on the larger world. The loss curve is the single-device one: the data position, scheduler and
 RNG states are in the checkpoint. Run it as plain ``python`` for that single-device curve.
 
+With ``--rdzv_backend=c10d`` the node at ``--rdzv_endpoint`` holds the rendezvous store and must
+survive. To survive the loss of any node, keep the rendezvous in etcd: ``pip install -e '.[etcd]'``,
+an etcd server outside the nodes (``etcd --enable-v2``, Debian's ``etcd-server``), and
+``--rdzv_backend=etcd-v2 --rdzv_endpoint=etcd0:2379`` on every node (tests/test_elastic.py).
+
 Rank 0 prints one line per step and, with ``--losses FILE``, appends it as JSON to FILE. Restart
 policy and its limits: docs/runtime.md, "Elastic training".
 """

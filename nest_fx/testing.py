@@ -14,33 +14,18 @@ imports this module. For models outside the
 named ones a spec may carry picklable callables (``build``, ``data``, ``loss``) or an explicit
 HuggingFace config (``hf_config``): see :func:`equivalence`.
 
-Fault probes (tests/test_apply_failures.py, tests/test_checkpoint.py, scripts/bench_faults.py):
-:func:`fault_run` trains a small model under TP2 x DP2 on 4 ranks and makes rank 3 stop
-(SIGSTOP: hangs without dying) or die (SIGKILL) inside a TP collective, the DP gradient
-all-reduce or a checkpoint save; every other rank writes what it raised and when
-(:func:`fault_reports`).
-
-Elastic runs on one machine (tests/test_elastic.py, scripts/bench_faults.py): two torchrun agents
-of ``examples/train_elastic.py`` stand for two nodes (:func:`elastic_command`,
-:func:`elastic_env`, :class:`ElasticAgents`); :func:`kill_node` kills an agent and its workers
-like a lost node; :func:`read_losses` reads the JSON lines rank 0 writes.
+The fault probes and the two-agent elastic harness live in :mod:`nest_fx.testing_faults` and are
+re-exported here under their old names (``fault_run``, ``fault_reports``, ``ElasticAgents``, ...).
 """
 from __future__ import annotations
 
 import copy
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor, Shard
 
 from nest_fx.apply import auto_parallelize
@@ -54,6 +39,8 @@ from nest_fx.models import build_seeded
 from nest_fx.models.build import model_example
 from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan import Plan, uniform_plan
+from nest_fx.testing_faults import (FAULT_MODEL, FAULT_RANK, ElasticAgents, elastic_command, elastic_env,  # noqa: F401
+                                    fault_reports, fault_run, kill_node, process_tree, read_losses)
 
 
 def hf_model_from_config(hf_config: Dict[str, Any], seed: int = 0) -> torch.nn.Module:
@@ -293,153 +280,3 @@ def cell_status(results, tol: float = COVERAGE_TOL) -> Dict[str, Any]:
 
 
 # -- fault probes -------------------------------------------------------------------------------
-
-FAULT_MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
-FAULT_RANK = 3
-
-
-def fault_run(spec: Dict[str, Any]) -> None:
-    """Run on 4 ranks (``launch(fault_run, 4, spec)``): TP2 x DP2 of :data:`FAULT_MODEL`, one
-    AdamW step, then rank 3 receives ``spec["signal"]`` ("SIGSTOP" or "SIGKILL") at
-    ``spec["where"]`` during the next step: "tp" (before layer 0's row-parallel linear: its TP
-    peer waits in the TP all-reduce), "dp" (before the gradient all-reduce) or "save" (halfway
-    through writing its shard of a checkpoint to ``spec["ckpt"]``, after a complete one was
-    saved). ``spec["timeout_s"]`` is the job's collective timeout. Rank 3 writes the time of the
-    fault to ``<out>/fault``; every other rank writes ``<out>/rank<r>.json`` with the error it
-    raised and when, then re-raises it."""
-    os.environ["NEST_FX_TIMEOUT_S"] = str(spec.get("timeout_s", 5))
-    model, cfg = build_seeded(FAULT_MODEL)
-    plan = uniform_plan(cfg.layers + 2, tp=2, dp=2, microbatch_size=2, num_microbatches=2)
-    x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    pm = auto_parallelize(model, x, global_batch_size=8, loss_fn=lm_loss, plan=plan, verbose=False)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    pm.train_step(x, x)
-    opt.step()
-    if spec["where"] == "save":
-        pm.save(spec["ckpt"], opt)
-    rank, out = dist.get_rank(), spec["out"]
-
-    def fault(*_):
-        with open(os.path.join(out, "fault"), "w") as fh:
-            fh.write(repr(time.time()))
-        os.kill(os.getpid(), getattr(signal, spec["signal"]))
-
-    def half_a_shard(writer, *_):
-        with open(os.path.join(writer.path, f"__{rank}_0.distcp"), "wb") as fh:
-            fh.write(b"half a shard")
-        fault()
-
-    if rank == FAULT_RANK:
-        if spec["where"] == "tp":
-            pm.module.layers[0].attn.o_proj.register_forward_pre_hook(fault)
-        elif spec["where"] == "dp":
-            pm.grad_sync.__class__.__call__ = fault
-        else:
-            FileSystemWriter.write_data = half_a_shard
-    try:
-        pm.train_step(x, x)
-        opt.step()
-        if spec["where"] == "save":
-            pm.save(spec["ckpt"], opt)
-    except Exception as e:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-            json.dump({"time": time.time(), "type": type(e).__name__, "message": str(e)}, fh)
-        raise
-
-
-def fault_reports(out: str, world: int = 4) -> Dict[str, Any]:
-    """``{"fault": time, "ranks": {rank: {"time", "type", "message", "after_s"}}}`` of a :func:`fault_run`."""
-    with open(os.path.join(out, "fault")) as fh:
-        at = float(fh.read())
-    ranks = {}
-    for rank in range(world):
-        path = os.path.join(out, f"rank{rank}.json")
-        if rank != FAULT_RANK and os.path.exists(path):
-            with open(path) as fh:
-                report = json.load(fh)
-            ranks[rank] = dict(report, after_s=report["time"] - at)
-    return {"fault": at, "ranks": ranks}
-
-
-# -- elastic runs on one machine ------------------------------------------------------------------
-
-def elastic_command(script: str, port: int, script_args: List[str], *, nproc: int = 2, max_restarts: int = 5,
-                    last_call_s: int = 2) -> List[str]:
-    """A torchrun agent of ``script`` for a job of 1 or 2 such agents ("nodes") on this machine."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc_per_node={nproc}",
-            f"--max_restarts={max_restarts}", "--monitor_interval=0.5", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=nest-fx-elastic", f"--rdzv_conf=last_call_timeout={last_call_s}",
-            script, *script_args]
-
-
-def elastic_env() -> Dict[str, str]:
-    """The environment docs/runtime.md ("Elastic training") asks for, one thread per rank."""
-    return dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_ELASTIC_WORKER_IDENTICAL="1",
-                OMP_NUM_THREADS="1")
-
-
-def process_tree(pid: int) -> List[int]:
-    """``pid`` and its descendants (torchrun starts its workers in their own sessions)."""
-    out = [pid]
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            children = [int(c) for c in fh.read().split()]
-    except OSError:
-        return out
-    for child in children:
-        out += process_tree(child)
-    return out
-
-
-def kill_node(agent: subprocess.Popen) -> None:
-    """A lost node: SIGKILL an agent and every worker it started, at once."""
-    for pid in process_tree(agent.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.wait(timeout=30)
-
-
-class ElasticAgents:
-    """The torchrun agents of one job on this machine, one per "node", started with
-    :func:`elastic_env` and their output in ``<log_dir>/agent<i>.log``; on leaving the ``with``
-    block every agent still running is killed with its workers and the logs are closed."""
-
-    def __init__(self, command: List[str], log_dir: str):
-        self.command, self.log_dir = command, log_dir
-        self.agents: List[subprocess.Popen] = []
-        self._logs: list = []
-
-    def start(self) -> subprocess.Popen:
-        """One more agent (a node joining)."""
-        log = open(os.path.join(self.log_dir, f"agent{len(self.agents)}.log"), "w")
-        self._logs.append(log)
-        self.agents.append(subprocess.Popen(self.command, env=elastic_env(), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))
-        return self.agents[-1]
-
-    def __enter__(self) -> "ElasticAgents":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for agent in self.agents:
-            if agent.poll() is None:
-                kill_node(agent)
-        for log in self._logs:
-            log.close()
-
-
-def read_losses(path: str) -> List[dict]:
-    """The JSON lines rank 0 of ``examples/train_elastic.py --losses`` wrote (a line cut by a kill
-    is skipped)."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out

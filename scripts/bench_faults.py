@@ -15,6 +15,17 @@ hang-tp / hang-dp   the same, rank 3 is SIGSTOPped (hangs without dying) before 
                     waiting peer naming the group
 kill-during-save    rank 3 is SIGKILLed halfway through writing its shard of the second
                     checkpoint; the first must stay loadable and nothing of the second remain
+stop-torchrun       the job under torchrun (``--max_restarts=0``): rank 3 SIGSTOPped before its TP
+                    all-reduce / halfway through writing its shard of the second checkpoint
+                    (stop-during-save); torchrun must return within the timeout + 5 s and
+                    nothing of the second checkpoint remain. Each is run twice: as shipped (the
+                    ranks that detect the failure SIGKILL their stopped peers) and with
+                    NEST_FX_END_STOPPED_PEERS=0 (torchrun alone: SIGTERM, 30 s, SIGKILL)
+fallback            the newest of three step directories loses its MANIFEST.json: load must
+                    refuse it naming it and the newest complete one; fallback=True loads
+                    that one and says so in one line
+load-after-full     a save that ran out of space (ENOSPC writer), then a restarted job's load
+                    while the disk is still full: refused before training
 corrupt             1 KiB of garbage inside one tensor's bytes of a 250 MB checkpoint (model +
                     AdamW); loading must refuse it naming the file. Also reported: the time of
                     the sha256 check (hashing every file, one rank) next to a load without it
@@ -27,11 +38,17 @@ full-disk           a tmpfs with room for 1.5 checkpoints, mounted in a private 
 wrong-model         a 6-layer model's checkpoint loaded into a 4-layer model
 rank-mismatch       2 ranks, one with 10x the learning rate / another global batch
 inputs              --plan /dev/zero, a FIFO named x.yaml, a 100 MB cluster file,
-                    NEST_FX_TIMEOUT_S=inf and 1e-9, a NaN time in a profile
+                    NEST_FX_TIMEOUT_S=inf and 1e-9, a NaN time in a profile, a key given twice
+                    in a plan file, ``nest-fx trace gpt:...,layers=20000``, plain ``python``
+                    with WORLD_SIZE=4 and no MASTER_ADDR
 node-loss           two torchrun agents (``--nnodes=1:2``, 2 ranks each) of
                     examples/train_elastic.py; one is killed with its workers at step >= 4,
                     later started again; the run must go on on 2 ranks, grow back to 4, and
-                    every step's loss equal the single-device run's (1e-5)
+                    every step's loss equal the single-device run's (1e-5). Three runs: the
+                    second agent lost (c10d rendezvous); the first agent lost, the one whose host
+                    holds the c10d rendezvous store (the job ends: the documented limit); the
+                    first agent lost with the etcd-v2 rendezvous (an etcd server the probe
+                    installs with apt-get/pip where missing and starts: it survives)
 ==================  ============================================================================
 
 Writes ``results/bench_faults.json`` and prints the table; exit status 1 when a probe fails.
@@ -47,59 +64,35 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 import nest_fx.apply.checkpoint_files as checkpoint_files
-from nest_fx.apply import AgreementError, CheckpointError, auto_parallelize
+from nest_fx.apply import AgreementError, auto_parallelize
 from nest_fx.apply.checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
-from nest_fx.apply.distributed import collective_timeout_s
+from nest_fx.apply.distributed import collective_timeout_s, init_distributed
 from nest_fx.apply.launch import free_port, launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import load_cluster
-from nest_fx.common.errors import NestFxError
+from nest_fx.common.limits import MAX_LAYERS
 from nest_fx.models import build_seeded
+from nest_fx.models.build import build_any
 from nest_fx.plan import Plan, uniform_plan
-from nest_fx.testing import (FAULT_MODEL, ElasticAgents, elastic_command, fault_reports, fault_run, kill_node,
-                             read_losses)
+from nest_fx.testing import (FAULT_MODEL, fault_reports, fault_run)
+from nest_fx.testing_faults import EtcdServer, elastic_node_loss, torchrun_fault
 from nest_fx.workload.profile_file import Profile
 
 from _bench_common import table as github_table, write_json
+from fault_probes import (probe_corrupt, probe_fallback, probe_load_after_full,  # next to this script
+                          probe_wrong_model, row, timed, trained)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ELASTIC_SCRIPT = os.path.join(ROOT, "examples", "train_elastic.py")
 SLACK_S = 5.0  # "the timeout + a few seconds"
-MEDIUM = "llama:hidden=512,layers=4,heads=8,seq=64,vocab=8000"  # ~21M parameters: a 250 MB checkpoint with AdamW
-
-
-def row(probe: str, fault: str, outcome: str, detect_s: Optional[float], ok: bool, **details) -> Dict[str, Any]:
-    return {"probe": probe, "fault": fault, "outcome": outcome, "detect_s": detect_s, "ok": bool(ok), **details}
-
-
-def timed(fn: Callable[[], Any]):
-    """(seconds, the NestFxError raised or None)."""
-    start = time.perf_counter()
-    try:
-        fn()
-    except NestFxError as e:
-        return time.perf_counter() - start, e
-    return time.perf_counter() - start, None
-
-
-def trained(spec: str, steps: int = 1):
-    model, cfg = build_seeded(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
-        lm_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
 
 
 # -- collectives -----------------------------------------------------------------------------------
@@ -140,43 +133,29 @@ def probe_signal(name: str, signal_name: str, where: str, timeout_s: float, work
                launch_error=ended, **extra)
 
 
+def probe_stop_torchrun(name: str, where: str, timeout_s: float, work: str, end_peers: bool) -> Dict[str, Any]:
+    """Rank 3 SIGSTOPped under torchrun; seconds from the fault until torchrun returned."""
+    out = os.path.join(work, f"{name}-{'shipped' if end_peers else 'torchrun-alone'}")
+    os.makedirs(out)
+    result = torchrun_fault(out, where, timeout_s, env=None if end_peers else {"NEST_FX_END_STOPPED_PEERS": "0"})
+    after = result["after_s"]
+    ended = [r for r, rep in result["ranks"].items() if "ended the stopped rank 3" in rep["message"]]
+    ok = result["code"] != 0 and after <= timeout_s + SLACK_S
+    how = f"rank {ended[0]} SIGKILLed the stopped rank 3" if ended else "torchrun: SIGTERM, 30 s grace, SIGKILL"
+    outcome = f"torchrun returned {after:.1f} s after the fault ({how})"
+    extra: Dict[str, Any] = {}
+    if where == "save":
+        left = sorted(os.listdir(os.path.join(out, "ckpt")))
+        model, _ = build_seeded(FAULT_MODEL, seed=7)
+        step = load_checkpoint(model, os.path.join(out, "ckpt"))["step"]
+        ok = ok and left == ["latest", "step-00000001"] and step == 1
+        outcome += f"; checkpoint directory: {left}, loads step {step}"
+        extra["left"] = left
+    fault = f"rank 3 SIGSTOP at {where} under torchrun" + ("" if end_peers else " (NEST_FX_END_STOPPED_PEERS=0)")
+    return row(name, fault, outcome, after, ok if end_peers else True, end_peers=end_peers, **extra)
+
+
 # -- checkpoints -----------------------------------------------------------------------------------
-
-def probe_corrupt(work: str) -> Dict[str, Any]:
-    path = os.path.join(work, "corrupt")
-    model, opt = trained(MEDIUM)
-    directory = save_checkpoint(model, path, opt, step=1)
-    size = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
-    fresh, _ = build_seeded(MEDIUM, seed=7)
-    fresh_opt = torch.optim.AdamW(fresh.parameters())
-    manifest = checkpoint_files.read_manifest(directory)
-    # the check alone (what verify=True adds to a load), best of 3: the machine is shared
-    hashing = min(timed(lambda: checkpoint_files.check_hashes(directory, manifest, sorted(manifest["files"])))[0]
-                  for _ in range(3))
-    unverified = min(timed(lambda: load_checkpoint(fresh, path, fresh_opt, verify=False))[0] for _ in range(3))
-    shard = os.path.join(directory, "__0_0.distcp")
-    with open(shard, "r+b") as fh:
-        fh.seek(os.path.getsize(shard) // 2)
-        fh.write(os.urandom(1024))
-    detect, error = timed(lambda: load_checkpoint(fresh, path, fresh_opt))
-    ok = isinstance(error, CheckpointError) and f"{shard} is damaged" in str(error)
-    outcome = (f"refused: '{str(error).split(';')[0]}' (checking {size / 2**20:.0f} MiB: {hashing:.2f} s of sha256; "
-               f"a load without the check {unverified:.2f} s)")
-    return row("corrupt", "1 KiB of garbage in a tensor's bytes", outcome, detect, ok,
-               checkpoint_mib=size / 2**20, sha256_s=hashing, load_unverified_s=unverified,
-               sha256_mib_per_s=size / 2**20 / hashing)
-
-
-def probe_wrong_model(work: str) -> Dict[str, Any]:
-    path = os.path.join(work, "wrong-model")
-    six, _ = build_seeded(FAULT_MODEL.replace("layers=2", "layers=6"))
-    save_checkpoint(six, path, step=0)
-    four, _ = build_seeded(FAULT_MODEL.replace("layers=2", "layers=4"))
-    detect, error = timed(lambda: load_checkpoint(four, path))
-    ok = isinstance(error, CheckpointError) and "holds another model" in str(error)
-    return row("wrong-model", "6-layer checkpoint into a 4-layer model", f"refused: '{str(error).split('; fix')[0]}'",
-               detect, ok)
-
 
 def full_disk_inner(directory: str) -> Dict[str, Any]:
     """Inside a private mount namespace: a tmpfs with room for 1.5 checkpoints at ``directory``."""
@@ -305,7 +284,39 @@ def probe_inputs(work: str) -> List[Dict[str, Any]]:
                           "--cluster", "dgx-a100:8"], capture_output=True, text=True, timeout=120)
     rows.append(row("inputs", "nest-fx simulate --plan /dev/zero", f"exit {cli.returncode}: {cli.stderr.strip()}", None,
                     cli.returncode == 2 and cli.stderr.startswith("error: ") and len(cli.stderr.splitlines()) == 1))
+    twice = os.path.join(work, "twice.json")
+    with open(twice, "w") as fh:
+        fh.write('{"format": "nest-fx-plan/1", "stages": [{"tp": 2, "tp": 4}]}')
+    detect, error = timed(lambda: Plan.load(twice))
+    rows.append(row("inputs", "a plan file with a key given twice", f"refused: '{error}'" if error else "accepted", detect,
+                    error is not None and "'tp' appears twice" in str(error)))
+    deep = "gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100"
+    for fault, argv, env, want, in_process in [
+            ("nest-fx trace gpt:hidden=64,layers=20000,...", ["-m", "nest_fx", "trace", deep], {},
+             f"above the limit of {MAX_LAYERS}", lambda: build_any(deep)),
+            ("plain python, WORLD_SIZE=4, no MASTER_ADDR", ["-c", "from nest_fx.apply.distributed import "
+                                                           "init_distributed; init_distributed()"],
+             {"WORLD_SIZE": "4"}, "fix: launch with torchrun", lambda: without_rendezvous(init_distributed))]:
+        start = time.perf_counter()
+        env = {k: v for k, v in dict(os.environ, **env).items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
+        took = time.perf_counter() - start
+        detect, _ = timed(in_process)
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        rows.append(row("inputs", fault, f"exit {done.returncode} ({took:.1f} s with the process start): "
+                        f"'{last[:300]}'", detect, done.returncode != 0 and want in last))
     return rows
+
+
+def without_rendezvous(fn) -> None:
+    """``fn()`` with WORLD_SIZE=4 and no MASTER_ADDR/MASTER_PORT/RANK in the environment."""
+    saved = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ}
+    os.environ["WORLD_SIZE"] = "4"
+    try:
+        fn()
+    finally:
+        del os.environ["WORLD_SIZE"]
+        os.environ.update(saved)
 
 
 def env_timeout(value: str) -> None:
@@ -318,59 +329,33 @@ def env_timeout(value: str) -> None:
 
 # -- node loss ------------------------------------------------------------------------------------------
 
-def probe_node_loss(work: str, steps: int = 40, pace: float = 0.25) -> Dict[str, Any]:
-    ref = os.path.join(work, "single.jsonl")
-    subprocess.run([sys.executable, ELASTIC_SCRIPT, "--ckpt", os.path.join(work, "single"), "--losses", ref,
-                    "--steps", str(steps)], env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
-                   capture_output=True, timeout=600)
-    want = {r["step"]: r["loss"] for r in read_losses(ref)}
-    log = os.path.join(work, "elastic.jsonl")
-    cmd = elastic_command(ELASTIC_SCRIPT, free_port(), ["--ckpt", os.path.join(work, "ckpt"), "--losses", log,
-                                                        "--steps", str(steps), "--pace", str(pace), "--timeout", "60"],
-                          max_restarts=10)
-    with ElasticAgents(cmd, work) as job:
-        agents = job.agents
-
-        def wait(predicate, timeout: float, what: str) -> List[dict]:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and agents[0].poll() is None:
-                records = read_losses(log)
-                if predicate(records):
-                    return records
-                time.sleep(0.1)
-            raise RuntimeError(f"node-loss probe: no {what} (agent exit codes {[a.poll() for a in agents]}; logs in "
-                               f"{work}, kept with --work)")
-
-        job.start()
-        time.sleep(0.5)
-        job.start()
-        wait(lambda rs: any(r["world"] == 4 and r["step"] >= 4 for r in rs), 300, "step 4 on 4 ranks")
-        killed = time.time()
-        kill_node(agents[1])
-        records = wait(lambda rs: any(r["restart"] >= 1 for r in rs), 300, "step after the restart")
-        shrunk = min(r["time"] for r in records if r["restart"] >= 1)
-        rejoin = time.time()
-        job.start()
-        records = wait(lambda rs: any(r["world"] == 4 and r["time"] > rejoin for r in rs), 300, "step on 4 ranks again")
-        grown = min(r["time"] for r in records if r["world"] == 4 and r["time"] > rejoin)
-        codes = [agents[0].wait(timeout=600), agents[2].wait(timeout=600)]
-    records = read_losses(log)
-    got = {r["step"]: r["loss"] for r in records}
-    worst = max(abs(got[s] - want[s]) for s in range(steps)) if sorted(got) == list(range(steps)) else float("inf")
-    worlds = [r["world"] for r in records]
-    redone = len(records) - steps
-    ok = codes == [0, 0] and worst <= 1e-5 and 2 in worlds and worlds[-1] == 4
-    outcome = (f"4 -> 2 ranks: training again {shrunk - killed:.1f} s after the kill (re-planned, resumed from the "
-               f"newest checkpoint); 2 -> 4 ranks {grown - rejoin:.1f} s after the node came back; {redone} steps "
-               f"trained twice; worst loss difference to one device {worst:.1e}")
-    return row("node-loss", "one of 2 nodes killed, later back", outcome, shrunk - killed, ok, resume_s=shrunk - killed,
-               grow_s=grown - rejoin, worst_loss_diff=worst, steps=steps, redone_steps=redone, worlds=worlds)
+def probe_node_loss(work: str, backend: str = "c10d", victim: int = 1) -> Dict[str, Any]:
+    """Two torchrun agents (2 ranks each); agent ``victim`` is killed with its workers at step >= 4
+    (0: the one that started the job, with c10d the host of the rendezvous store), later started again."""
+    os.makedirs(work, exist_ok=True)
+    if backend == "etcd-v2":
+        with EtcdServer(work, free_port(), free_port()) as etcd:
+            got = elastic_node_loss(work, ELASTIC_SCRIPT, etcd.port, backend, victim)
+    else:
+        got = elastic_node_loss(work, ELASTIC_SCRIPT, free_port(), backend, victim)
+    which = "the node that started the job" if victim == 0 else "the other node"
+    fault = f"{which} killed ({backend} rendezvous), later back"
+    if got["ended"]:
+        return row("node-loss", fault, f"the job ended: the surviving agent exited with code {got['codes'][0]} "
+                   f"{got['ended_s']:.1f} s after the kill (the rendezvous store was on the lost node)", got["ended_s"],
+                   backend == "c10d" and victim == 0, **got)
+    worst = got["worst_loss_diff"]
+    ok = got["codes"] == [0, 0] and worst <= 1e-5 and 2 in got["worlds"] and got["worlds"][-1] == 4
+    outcome = (f"4 -> 2 ranks: training again {got['resume_s']:.1f} s after the kill (re-planned, resumed from the "
+               f"newest checkpoint); 2 -> 4 ranks {got['grow_s']:.1f} s after the node came back; "
+               f"{got['redone_steps']} steps trained twice; worst loss difference to one device {worst:.1e}")
+    return row("node-loss", fault, outcome, got["resume_s"], ok, **got)
 
 
 # -- main -------------------------------------------------------------------------------------------------
 
-PROBES = ["kill", "hang-tp", "hang-dp", "kill-during-save", "corrupt", "full-disk", "wrong-model", "rank-mismatch",
-          "inputs", "node-loss"]
+PROBES = ["kill", "hang-tp", "hang-dp", "kill-during-save", "stop-torchrun", "corrupt", "full-disk", "fallback",
+          "load-after-full", "wrong-model", "rank-mismatch", "inputs", "node-loss"]
 
 
 def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> List[Dict[str, Any]]:
@@ -380,13 +365,25 @@ def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> Lis
         return [probe_signal(name, "SIGSTOP", name.split("-")[1], timeout_s, work)]
     if name == "kill-during-save":
         return [probe_signal(name, "SIGKILL", "save", timeout_s, work)]
+    if name == "stop-torchrun":
+        return [probe_stop_torchrun(n, where, timeout_s, work, end) for n, where in (("stop-torchrun", "tp"),
+                                                                                   ("stop-during-save", "save"))
+                for end in (False, True)]
+    if name == "fallback":
+        return probe_fallback(work)
+    if name == "load-after-full":
+        return [probe_load_after_full(work)]
     if name == "rank-mismatch":
         return [probe_mismatch("lr"), probe_mismatch("batch")]
     if name == "inputs":
         return probe_inputs(work)
     if name == "full-disk":
         return [probe_full_disk(work, mount)]
-    return [{"corrupt": probe_corrupt, "wrong-model": probe_wrong_model, "node-loss": probe_node_loss}[name](work)]
+    if name == "node-loss":
+        return [probe_node_loss(os.path.join(work, "c10d-other")),
+                probe_node_loss(os.path.join(work, "c10d-first"), "c10d", victim=0),
+                probe_node_loss(os.path.join(work, "etcd-first"), "etcd-v2", victim=0)]
+    return [{"corrupt": probe_corrupt, "wrong-model": probe_wrong_model}[name](work)]
 
 
 def table(rows: List[Dict[str, Any]]) -> str:

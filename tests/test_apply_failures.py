@@ -12,14 +12,20 @@
 from __future__ import annotations
 
 import math
-import re
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
+from nest_fx.apply import peers
 from nest_fx.apply.launch import launch
 from nest_fx.testing import fault_reports, fault_run
+from nest_fx.testing_faults import torchrun_fault
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
 MOE = "moe:hidden=32,layers=2,heads=4,seq=16,vocab=64,experts=4,top_k=2,capacity_factor=2.0"
@@ -246,3 +252,73 @@ def test_timeout_setting(monkeypatch):
     with pytest.raises(ApplyError, match="timeout_s='x' is not a number"):
         collective_timeout_s("x")
     assert issubclass(ApplyError, ValueError)
+
+
+# -- a stopped rank under torchrun --------------------------------------------------------------
+
+def _stopped_child():
+    """A process of ours, stopped like a hung rank."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    deadline = time.monotonic() + 10
+    while peers.process_start(child.pid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return child
+
+
+def test_only_stopped_registered_peers_are_ended(monkeypatch):
+    stopped, running, reused = _stopped_child(), _stopped_child(), _stopped_child()
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        os.kill(reused.pid, signal.SIGSTOP)
+        while peers.process_state(stopped.pid) != "T" or peers.process_state(reused.pid) != "T":
+            time.sleep(0.01)
+        host = socket.gethostname()
+        monkeypatch.setattr(peers, "_PEERS", {
+            1: (host, stopped.pid, peers.process_start(stopped.pid)),
+            2: (host, running.pid, peers.process_start(running.pid)),
+            3: (host, reused.pid, peers.process_start(reused.pid) + 1)})  # the pid now names another process
+        monkeypatch.setenv(peers.SWITCH_ENV, "0")
+        assert peers.end_stopped_peers() == []  # switched off
+        monkeypatch.delenv(peers.SWITCH_ENV)
+        assert peers.end_stopped_peers() == [1]
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert running.poll() is None and reused.poll() is None
+    finally:
+        for child in (stopped, running, reused):
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["tp", "save"])
+def test_a_stopped_rank_ends_the_torchrun_job_within_the_timeout(tmp_path, where):
+    """torchrun's SIGTERM cannot end a stopped process and it waits 30 s before SIGKILL: the peers
+    that detect the failure end it. Inside a checkpoint write nothing of the new step is left."""
+    result = torchrun_fault(str(tmp_path), where, HANG_TIMEOUT_S)
+    assert result["code"] != 0
+    assert result["after_s"] <= HANG_TIMEOUT_S + DETECT_SLACK_S, result
+    messages = [r["message"] for r in result["ranks"].values()]
+    assert any("ended the stopped rank 3 of its host with SIGKILL" in m for m in messages), messages
+    if where == "save":
+        from nest_fx.apply.checkpoint import load_checkpoint
+        from nest_fx.models import build_seeded
+
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000001"]
+        assert load_checkpoint(build_seeded(MODEL)[0], str(tmp_path / "ckpt"))["step"] == 1
+
+
+def test_several_ranks_without_a_rendezvous_address_are_explained(monkeypatch):
+    from nest_fx.apply import ApplyError
+    from nest_fx.apply.distributed import init_distributed
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ApplyError, match=r"WORLD_SIZE=4 asks for 4 ranks, but MASTER_ADDR, MASTER_PORT, RANK are not "
+                                         r"set.*fix: launch with torchrun \(e.g. torchrun --nproc_per_node=4"):
+        init_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ApplyError, match="WORLD_SIZE='four' is not a number of ranks"):
+        init_distributed()

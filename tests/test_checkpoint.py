@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, save_checkpoint
+import nest_fx.apply.checkpoint_files as files
 from nest_fx.apply.checkpoint_files import hash_file
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
@@ -274,7 +275,8 @@ def test_a_damaged_shard_that_one_rank_checks_fails_every_rank(tmp_path):
     results = launch(_save_then_load_damaged, 2, str(tmp_path / "ck"), timeout=LAUNCH_S)
     shard = results[0]["shard"]
     assert results[1]["error"].startswith(str(tmp_path / "ck" / "step-00000001" / shard) + " is damaged: its sha256")
-    assert results[0]["error"] == f"rank 1 failed: CheckpointError: {results[1]['error']}"
+    assert results[0]["error"] == results[1]["error"]  # the same refusal on every rank
+    assert "holds no complete checkpoint before step-00000001" in results[0]["error"]
     assert all(r["unchanged"] for r in results)  # refused before anything was loaded
 
 
@@ -366,10 +368,23 @@ def test_a_full_disk_leaves_nothing_behind_and_the_previous_checkpoints_intact(t
                                               "checkpoints are intact.*No space left on device"):
         save_checkpoint(model, path, opt, step=2)
     monkeypatch.undo()
-    assert sorted(os.listdir(path)) == ["latest", "step-00000001"]
+    # nothing of the failed save; a note of the room it needed, for the next load
+    assert sorted(os.listdir(path)) == ["SAVE_FAILED.json", "latest", "step-00000001"]
     fresh, fresh_opt = _fresh()
-    assert load_checkpoint(fresh, path, fresh_opt)["step"] == 1
+    assert load_checkpoint(fresh, path, fresh_opt)["step"] == 1  # this disk has room again: the load goes on
     assert_same(full_state(fresh, fresh_opt), want)
+    # while the disk is still full, a (re)started job's load stops before training towards the same failure
+    need = json.load(open(os.path.join(path, "SAVE_FAILED.json")))["need_bytes"]
+    assert need >= sum(os.path.getsize(os.path.join(path, "step-00000001", n))
+                       for n in os.listdir(os.path.join(path, "step-00000001")) if n != "MANIFEST.json")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, (1 << 30) - 4096, 4096))
+    with pytest.raises(CheckpointError, match=r"the last save into .*ck \(step 2\) failed for lack of space and its "
+                                              r"filesystem still has 0.0 MiB free.*would fail again at the same save"):
+        load_checkpoint(fresh, path, fresh_opt)
+    assert load_checkpoint(fresh, os.path.join(path, "step-00000001"), fresh_opt)["step"] == 1  # reading: allowed
+    monkeypatch.undo()
+    save_checkpoint(model, path, opt, step=2)  # a save that succeeds removes the note
+    assert sorted(os.listdir(path)) == ["latest", "step-00000001", "step-00000002"]
 
 
 def test_keep_last_n_with_a_latest_pointer(tmp_path):
@@ -483,7 +498,6 @@ def test_non_finite_state_is_not_saved(tmp_path):
 
 
 def test_crash_while_replacing_a_step_loads_the_newest_complete_copy(tmp_path, monkeypatch):
-    import nest_fx.apply.checkpoint_files as files
 
     path = str(tmp_path / "ck")
     model, opt = _trained(1)
@@ -515,7 +529,6 @@ def test_crash_while_replacing_a_step_loads_the_newest_complete_copy(tmp_path, m
 
 
 def test_resume_checks_the_directory_before_training(tmp_path, monkeypatch):
-    import nest_fx.apply.checkpoint_files as files
 
     model, opt = _trained(1)
     path = str(tmp_path / "new")

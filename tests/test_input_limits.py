@@ -68,3 +68,49 @@ def test_a_nan_time_in_a_profile_is_refused():
     entry = Profile.from_dict(_profile(fwd_s=math.nan, bwd_s=math.nan, skipped="oom")).ops["k"]
     assert not entry.usable
     assert Profile.from_dict(_profile()).ops["k"].usable
+
+
+def test_a_key_given_twice_is_refused_naming_it(tmp_path):
+    """JSON and YAML parsers keep the last of two equal keys without a word: a plan whose second
+    ``tp`` silently wins would run another plan than the one read."""
+    from nest_fx.workload import WorkloadError
+    from nest_fx.workload.table import load_workload
+
+    cases = [("plan.json", '{"format": "nest-fx-plan/1",\n "stages": [{"tp": 2, "dp": 1, "tp": 4}]}', Plan.load,
+              PlanError, "JSON"),
+             ("cluster.yaml", "name: x\ndevices: 8\nlevels: []\ndevices: 16\n", load_cluster, ClusterError,
+              "YAML"),
+             ("workload.json", '{"format": "nest-fx-workload/1", "layers": [], "layers": []}', load_workload,
+              WorkloadError, "JSON"),
+             ("profile.json", json_with_twice("fwd_s"), Profile.load, ProfileError, "JSON")]
+    for name, text, load, error, kind in cases:
+        path = tmp_path / name
+        path.write_text(text)
+        key = {"plan.json": "tp", "cluster.yaml": "devices", "workload.json": "layers", "profile.json": "fwd_s"}[name]
+        with pytest.raises(error, match=f"{name}: not valid (YAML \\()?.*key '{key}' appears twice"):
+            load(str(path))
+    # where the YAML key is
+    with pytest.raises(ClusterError, match="at line 4, column 1"):
+        load_cluster(str(tmp_path / "cluster.yaml"))
+    # a YAML merge key still overrides, as YAML defines
+    merged = fileio.parse_yaml("base: &b {a: 1, b: 2}\nother:\n  <<: *b\n  a: 3\n", "m.yaml", ClusterError)
+    assert merged["other"] == {"a": 3, "b": 2}
+
+
+def json_with_twice(key: str) -> str:
+    return ('{"format": "nest-fx-profile/1", "device": "cpu", "device_name": "x", "dtype": "float32", '
+            f'"torch_version": "2", "ops": {{"k": {{"op": "mm", "{key}": 1e-3, "bwd_s": 2e-3, "peak_bytes": 0, '
+            f'"{key}": 5e-3}}}}}}')
+
+
+def test_an_absurd_depth_is_refused_at_once():
+    """``layers=20000`` would trace for minutes without a word; the limit is documented in
+    nest_fx.common.limits.MAX_LAYERS (docs/tracer.md)."""
+    from nest_fx.common.errors import ModelError
+    from nest_fx.common.limits import MAX_LAYERS
+    from nest_fx.models.build import build_any
+
+    for name in ("gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100", f"llama:layers={MAX_LAYERS + 1}"):
+        with pytest.raises(ModelError, match=f"above the limit of {MAX_LAYERS}"):
+            build_any(name)
+    assert build_any("gpt:hidden=64,layers=4,heads=4,seq=16,vocab=100")[1].layers == 4

@@ -12,14 +12,16 @@ Modules: ``distributed`` (the default process group and the job's timeout on eve
 traced TP pairs), ``expert_parallel`` (all_to_all experts), ``context_parallel`` (sequence
 chunks, K/V all-gather), ``loss_parallel`` (vocabulary-parallel cross-entropy),
 ``data_parallel`` (replication, FSDP2 or HSDP), ``activation_checkpoint`` (recompute policies),
-``compile`` and ``float8`` (runtime options), ``checkpoint`` (saving and loading training state
-under any plan; ``checkpoint_files``: manifests, rotation; ``train_state``: data position,
-scheduler, RNG; ``fingerprint``: the model's tensors), ``runtime`` (ParallelModule), ``api``
+``compile`` and ``float8`` (runtime options), ``checkpoint`` (saving and resuming training state
+under any plan; ``checkpoint_load``: which checkpoint, verified; ``checkpoint_state``: what is in
+it; ``checkpoint_files``: manifests, rotation; ``train_state``: data position, scheduler, scaler,
+RNG; ``fingerprint``: the model's tensors), ``peers`` (ending stopped ranks of this host), ``runtime`` (ParallelModule), ``api``
 (auto_parallelize), ``launch`` (N local ranks without torchrun), ``losses``. See docs/runtime.md.
 """
 from nest_fx.apply.agreement import AgreementError
 from nest_fx.apply.api import auto_parallelize, default_plan
-from nest_fx.apply.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, save_checkpoint
+from nest_fx.apply.checkpoint import (CheckpointDamaged, CheckpointError, load_checkpoint, resume_checkpoint,
+                                      save_checkpoint)
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.collective_errors import CollectiveError
 from nest_fx.apply.distributed import collective_timeout_s, init_distributed, plan_rank_of
@@ -31,5 +33,5 @@ from nest_fx.plan.summary import plan_summary
 
 __all__ = ["auto_parallelize", "ParallelModule", "ApplyError", "build_mesh", "locate", "default_plan",
            "collective_timeout_s", "init_distributed", "plan_rank_of", "plan_summary", "all_to_all",
-           "CheckpointError", "save_checkpoint", "load_checkpoint", "resume_checkpoint", "AgreementError",
+           "CheckpointError", "CheckpointDamaged", "save_checkpoint", "load_checkpoint", "resume_checkpoint", "AgreementError",
            "CollectiveError", "EpochBatches"]

@@ -33,6 +33,7 @@ from nest_fx.common.errors import NestFxError
 MANIFEST_FILE = "MANIFEST.json"
 META_FILE = "nest_fx_checkpoint.json"
 LATEST_FILE = "latest"
+SAVE_FAILED_FILE = "SAVE_FAILED.json"  # why the last save failed for lack of space (removed by the next save)
 MANIFEST_FORMAT = "nest-fx-manifest/1"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 TMP_PREFIX = ".tmp-"
@@ -42,6 +43,11 @@ HASH_CHUNK = 8 << 20
 
 class CheckpointError(NestFxError, ValueError):
     """A checkpoint cannot be written or read; the message names the path and the fix."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A step directory is incomplete or its files are damaged (missing, truncated, altered):
+    the cases where ``load(..., fallback=True)`` may take the checkpoint before it."""
 
 
 def step_name(step: int) -> str:
@@ -103,9 +109,9 @@ def load_json(path: str, missing: str) -> Any:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except FileNotFoundError:
-        raise CheckpointError(missing) from None
+        raise CheckpointDamaged(missing) from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is damaged ({e}); fix: load another checkpoint") from None
+        raise CheckpointDamaged(f"{path} is damaged ({e}); fix: load another checkpoint") from None
 
 
 def read_manifest(directory: str) -> dict:
@@ -120,7 +126,7 @@ def read_manifest(directory: str) -> dict:
     if not (isinstance(files, dict) and _natural(step) and _natural(sequence)
             and all(isinstance(v, dict) and _natural(v.get("bytes")) and isinstance(v.get("sha256"), str)
                     for v in files.values())):
-        raise CheckpointError(f"{path} is damaged (fields missing or of the wrong type); fix: load another checkpoint")
+        raise CheckpointDamaged(f"{path} is damaged (fields missing or of the wrong type); fix: load another checkpoint")
     return manifest
 
 
@@ -135,10 +141,10 @@ def check_sizes(directory: str, manifest: dict) -> None:
         try:
             size = os.path.getsize(path)
         except OSError:
-            raise CheckpointError(f"{path} is missing (listed in {MANIFEST_FILE}); the checkpoint is damaged; "
+            raise CheckpointDamaged(f"{path} is missing (listed in {MANIFEST_FILE}); the checkpoint is damaged; "
                                   "fix: load another checkpoint") from None
         if size != entry["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, its manifest says {entry['bytes']}: the checkpoint is "
+            raise CheckpointDamaged(f"{path} has {size} bytes, its manifest says {entry['bytes']}: the checkpoint is "
                                   "damaged (truncated?); fix: load another checkpoint")
 
 
@@ -149,9 +155,9 @@ def check_hashes(directory: str, manifest: dict, names: List[str]) -> None:
         try:
             _, digest = hash_file(path)
         except OSError as e:
-            raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); fix: load another checkpoint") from None
+            raise CheckpointDamaged(f"{path} cannot be read ({e.strerror or e}); fix: load another checkpoint") from None
         if digest != manifest["files"][name]["sha256"]:
-            raise CheckpointError(f"{path} is damaged: its sha256 differs from the one in {MANIFEST_FILE} (bytes changed "
+            raise CheckpointDamaged(f"{path} is damaged: its sha256 differs from the one in {MANIFEST_FILE} (bytes changed "
                                   "after the save); fix: load another checkpoint, e.g. the previous step")
 
 
@@ -176,12 +182,84 @@ def complete_checkpoints(root: str) -> List[Tuple[int, str, dict]]:
 
 
 def is_checkpoint_root(root: str) -> bool:
-    """Whether ``root`` holds nest-fx step directories or a ``latest`` pointer."""
+    """Whether ``root`` holds nest-fx step directories, a ``latest`` pointer or a failed save's note."""
     try:
         names = os.listdir(root)
     except OSError:
         return False
-    return LATEST_FILE in names or any(_STEP_RE.match(n) for n in names)
+    return LATEST_FILE in names or SAVE_FAILED_FILE in names or any(_STEP_RE.match(n) for n in names)
+
+
+def is_step_directory(path: str) -> bool:
+    """Whether ``path`` is named like a step directory (``.../step-00000012``)."""
+    return bool(_STEP_RE.match(os.path.basename(os.path.normpath(path))))
+
+
+def reason(error: Exception) -> str:
+    """An error's message without its ``; fix: ...`` part."""
+    return " ".join(str(error).split()).split("; fix:")[0]
+
+
+def incomplete_steps(root: str) -> List[Tuple[str, Optional[int], int, str]]:
+    """(directory, sequence or None, step, why) of every step directory under ``root`` whose
+    manifest is missing or damaged; the sequence comes from its metadata file when that is readable."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in names:
+        match = _STEP_RE.match(name)
+        directory = os.path.join(root, name)
+        if not match or not os.path.isdir(directory):
+            continue
+        try:
+            read_manifest(directory)
+            continue
+        except CheckpointError as e:
+            why = reason(e)
+        try:
+            with open(os.path.join(directory, META_FILE), encoding="utf-8") as fh:
+                sequence = json.load(fh).get("sequence")
+        except (OSError, ValueError, AttributeError):
+            sequence = None
+        out.append((directory, sequence if _natural(sequence) else None, int(match.group(1)), why))
+    return out
+
+
+def newest_incomplete(root: str, complete: List[Tuple[int, str, dict]]) -> Optional[Tuple[str, str]]:
+    """(directory, why) of a step directory that is newer than the newest complete checkpoint
+    but not complete itself, or None. ``latest`` decides first: it only ever names a published
+    step, so a ``latest`` whose directory is missing or damaged is the newest checkpoint (unless a
+    set-aside copy of the same step, left by a crash while replacing it, is complete). Then a
+    damaged step directory whose metadata says it was saved later, or (without ``latest``) one of
+    a higher step whose metadata is unreadable."""
+    latest = read_latest(root)
+    if latest is not None and latest not in {d for _, d, _ in complete}:
+        name = os.path.basename(latest)
+        aside = any(os.path.basename(d).startswith(f"{OLD_PREFIX}{name}-") for _, d, _ in complete)
+        if not os.path.exists(latest) and not aside:
+            return latest, f"{latest} is missing (named by {os.path.join(root, LATEST_FILE)})"
+        known = {d: sequence for d, sequence, _, _ in incomplete_steps(root)}
+        older = known.get(latest) is not None and complete and known[latest] < complete[-1][0]
+        if os.path.exists(latest) and not older:  # older: a crash after a later step was published
+            try:
+                read_manifest(latest)
+            except CheckpointError as e:
+                return latest, reason(e)
+    top_sequence = complete[-1][0] if complete else 0
+    top_step = complete[-1][2]["step"] if complete else -1
+    newer = [(sequence if sequence is not None else step, directory, why)
+             for directory, sequence, step, why in incomplete_steps(root)
+             if (sequence is not None and sequence > top_sequence)
+             or (sequence is None and latest is None and step > top_step)]
+    return max(newer)[1:] if newer else None
+
+
+def next_sequence(root: str) -> int:
+    """One past the highest sequence of any step directory (complete, or damaged with readable metadata)."""
+    known = [s for s, _, _ in complete_checkpoints(root)] + [s for _, s, _, _ in incomplete_steps(root) if s is not None]
+    return max(known, default=0) + 1
 
 
 def read_latest(root: str) -> Optional[str]:
@@ -244,7 +322,53 @@ def publish(tmp: str, root: str, step: int, token: str, keep: Optional[int]) -> 
     if keep is not None:
         for _, directory, _ in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(directory, ignore_errors=True)
+    if os.path.exists(os.path.join(root, SAVE_FAILED_FILE)):
+        os.remove(os.path.join(root, SAVE_FAILED_FILE))
     return final
+
+
+def directory_bytes(directory: str) -> int:
+    """Bytes of the files under ``directory`` (0 when it is gone)."""
+    total = 0
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:
+                pass
+    return total
+
+
+def note_failed_save(root: str, step: int, need_bytes: int, error: str) -> None:
+    """Record in ``root`` that a save failed for lack of space, so that a restarted job's
+    ``load`` refuses to train towards the same failure (:func:`check_failed_save`)."""
+    try:
+        write_json(os.path.join(root, SAVE_FAILED_FILE), {"step": step, "need_bytes": need_bytes, "error": error,
+                                                           "time": time.time()})
+    except OSError:
+        pass  # no room even for the note: the save's own error still says what happened
+
+
+def check_failed_save(root: str) -> None:
+    """CheckpointError when the last save into ``root`` failed for lack of space and the disk
+    still has less free than that save needed: loading and training again would fail at the
+    same save (and loop under ``torchrun --max_restarts``)."""
+    path = os.path.join(root, SAVE_FAILED_FILE)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            note = json.load(fh)
+        need, step = int(note["need_bytes"]), note.get("step")
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an unreadable note says nothing: the room check of the next save still runs
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise CheckpointError(
+            f"the last save into {root} (step {step}) failed for lack of space and its filesystem still has "
+            f"{free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB: training from here would "
+            "fail again at the same save; fix: free space or move the checkpoint directory, then start again (to "
+            "read a checkpoint without saving, load its step directory)")
 
 
 def check_room(root: str, need_bytes: int) -> None:

@@ -8,7 +8,9 @@ run inside :func:`named_collective_failures`, which turns such an error into a
 :class:`CollectiveError` saying which collective on which group (``tp``, ``dp``, ``pp``, ...,
 with its ranks) this rank was waiting in and for how long. The group comes from PyTorch's flight
 recorder (``$TORCH_FR_BUFFER_SIZE``, which ``init_distributed`` turns on): the newest collective
-whose work has not been retired, else the last collective this rank started.
+whose work has not been retired, else the last collective this rank started. Before raising, the
+rank ends the peers of its host that are stopped (:func:`nest_fx.apply.peers.end_stopped_peers`):
+torchrun's SIGTERM cannot end a stopped process, and it waits 30 s before SIGKILL.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from nest_fx.apply.distributed import member_groups, group_timeout
+from nest_fx.apply.distributed import group_timeout, member_groups
+from nest_fx.apply.peers import end_stopped_peers
 from nest_fx.common.errors import NestFxError
 
 _TRANSPORT_MARKERS = ("gloo/transport", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error", "Connection closed by peer",
@@ -107,5 +110,15 @@ def named_collective_failures(what: str) -> Iterator[None]:
         yield
     except Exception as exc:
         if is_collective_failure(exc):
-            raise CollectiveError(describe_failure(exc, what)) from exc
+            message = describe_failure(exc, what)
+            ended = end_stopped_peers()  # they cannot act on torchrun's SIGTERM (peers.py)
+            if ended:
+                message += (f" This rank ended the stopped {rank_word(ended)} {', '.join(map(str, ended))} of its host "
+                            "with SIGKILL, so that the job ends now.")
+            raise CollectiveError(message) from exc
         raise
+
+
+def rank_word(ranks) -> str:
+    """``rank`` or ``ranks``."""
+    return "rank" if len(ranks) == 1 else "ranks"

@@ -21,6 +21,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 from torch.distributed.rendezvous import _create_c10d_store
 
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.peers import register_peers
 from nest_fx.cluster.ordered import is_identity
 from nest_fx.plan.plan import check_device_order
 
@@ -115,6 +116,21 @@ def plan_rank_of(device_order: Optional[Sequence[int]], launched_rank: int) -> i
                                 f"({len(device_order)} entries); re-plan for this world") from None
 
 
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK")
+
+
+def check_rendezvous_env(world: int) -> None:
+    """ApplyError with the fix when ``WORLD_SIZE`` says several ranks but the variables that tell
+    a rank where to meet the others are missing (PyTorch only says ``MASTER_ADDR expected``)."""
+    missing = [name for name in RENDEZVOUS_ENV if name not in os.environ]
+    if missing:
+        raise ApplyError(
+            f"WORLD_SIZE={world} asks for {world} ranks, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set, so this process cannot find the others; fix: launch "
+            f"with torchrun (e.g. torchrun --nproc_per_node={world} script.py), which sets them for every rank, or "
+            "unset WORLD_SIZE to run as one process, or set MASTER_ADDR, MASTER_PORT and RANK on every rank")
+
+
 def init_distributed(timeout_s: Optional[float] = None,
                      device_order: Optional[Sequence[int]] = None) -> Tuple[int, int]:
     """Initialise the default process group from the torchrun environment if needed.
@@ -143,11 +159,18 @@ def init_distributed(timeout_s: Optional[float] = None,
                 "default process group, but the group was initialised before auto_parallelize; fix: let "
                 "auto_parallelize initialise it, or call nest_fx.apply.init_distributed(device_order="
                 "plan.device_order) first (or init_process_group with rank=plan_rank_of(plan.device_order, RANK))")
+        register_peers(collective_timeout_s(timeout_s))
         return dist.get_world_size(), dist.get_rank()
     timeout = timedelta(seconds=collective_timeout_s(timeout_s))
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ApplyError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number of ranks; fix: launch with "
+                         "torchrun, which sets it, or unset it to run as one process") from None
+    if world > 1:
+        check_rendezvous_env(world)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1 and "MASTER_ADDR" not in os.environ:
@@ -167,4 +190,5 @@ def init_distributed(timeout_s: Optional[float] = None,
         _NUMBERED_FOR[0] = (tuple(device_order), id(dist.group.WORLD))
     else:
         dist.init_process_group(backend, timeout=timeout)
+    register_peers(timeout.total_seconds())
     return dist.get_world_size(), dist.get_rank()

@@ -148,35 +148,38 @@ class ParallelModule:
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
              scheduler=None, data=None, keep: Optional[int] = DEFAULT_KEEP, require_finite: bool = True,
-             loss=None) -> str:
-        """Save parameters, ``optimizer`` state, ``scheduler``, ``data`` position and RNG states as a
+             loss=None, scaler=None) -> str:
+        """Save parameters, ``optimizer`` state, ``scheduler``, ``data`` position, gradient ``scaler`` and RNG states as a
         new step directory of the checkpoint directory ``path`` (default step: ``self.step``),
         keeping the newest ``keep``; loadable under any plan. Every rank must call it. Returns the
         step directory. See :mod:`nest_fx.apply.checkpoint`."""
         if optimizer is not None:
             self.check_optimizer(optimizer)
         return save_checkpoint(self, path, optimizer, step=self.step if step is None else step, scheduler=scheduler,
-                               data=data, keep=keep, require_finite=require_finite, loss=loss)
+                               data=data, keep=keep, require_finite=require_finite, loss=loss, scaler=scaler)
 
     def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None, data=None,
-             verify: bool = True) -> dict:
-        """Load the newest complete checkpoint of ``path`` (or the step directory ``path``), saved
-        under any plan, into this rank's parameters (and ``optimizer``, ``scheduler``, ``data``);
-        returns its metadata (``step``, ``plan_summary``, ``directory``). Every rank must call it."""
+             verify: bool = True, scaler=None, fallback: bool = False) -> dict:
+        """Load the newest checkpoint of ``path`` (or the step directory ``path``), saved under any
+        plan, into this rank's parameters (and ``optimizer``, ``scheduler``, ``data``, ``scaler``);
+        returns its metadata (``step``, ``plan_summary``, ``directory``). A damaged newest
+        checkpoint is refused naming the newest complete one, which ``fallback=True`` loads
+        instead (saying so). Every rank must call it."""
         if optimizer is not None:
             self.check_optimizer(optimizer)
-        meta = load_checkpoint(self, path, optimizer, scheduler=scheduler, data=data, verify=verify)
+        meta = load_checkpoint(self, path, optimizer, scheduler=scheduler, data=data, verify=verify, scaler=scaler,
+                               fallback=fallback)
         self.step = int(meta.get("step") or 0)
         return meta
 
     def resume(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None,
-               data=None) -> int:
+               data=None, scaler=None) -> int:
         """Before training: check the checkpoint directory ``path`` (writable, room for two
         checkpoints, leftovers of crashed saves removed) and load its newest checkpoint if it
         has one. Returns the step to continue from (0 for a fresh start). Every rank must call it."""
         if optimizer is not None:
             self.check_optimizer(optimizer)
-        meta = resume_checkpoint(self, path, optimizer, scheduler=scheduler, data=data)
+        meta = resume_checkpoint(self, path, optimizer, scheduler=scheduler, data=data, scaler=scaler)
         if meta is not None:
             self.step = int(meta.get("step") or 0)
         return self.step

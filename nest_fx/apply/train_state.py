@@ -6,8 +6,14 @@ A checkpoint saves, next to the tensors (:mod:`nest_fx.apply.checkpoint`):
 * ``data``: any object with ``state_dict()`` / ``load_state_dict()``: :class:`EpochBatches`
   below, torchdata's ``StatefulDataLoader``, or the user's own sampler;
 * ``scheduler``: a ``torch.optim.lr_scheduler`` scheduler (or anything with the same two methods);
+* ``scaler``: a gradient scaler (``torch.amp.GradScaler``: its scale and growth tracker);
 * the random number generators of every rank (:func:`rng_state`): torch's CPU generator, the
-  CUDA generators, Python's ``random`` and NumPy's global generator.
+  CUDA generators, Python's ``random`` and NumPy's global generator; and DTensor's RNG tracker
+  (:func:`dtensor_rng_state`): in PyTorch 2.13 it keeps no generator of its own but advances the
+  device generator's Philox offset by each random op's global size, so that TP ranks draw
+  disjoint parts of one dropout mask; what is saved is that generator state and the tracker's
+  switch, and on restore the tracker is created *without* its first-use broadcast of rank 0's
+  state, which would otherwise overwrite every other rank's restored offset.
 
 So a run interrupted mid-epoch continues with the same batches, learning rates and random
 draws as if it had not stopped, under any plan. The states are pickled: a checkpoint is trusted
@@ -17,10 +23,11 @@ from __future__ import annotations
 
 import pickle
 import random
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed.tensor._random as dtensor_random
 
 from nest_fx.common.errors import NestFxError
 
@@ -57,13 +64,42 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def dtensor_rng_state() -> Optional[Dict[str, Any]]:
+    """DTensor's RNG tracker on this rank (None when no random op on a DTensor created one:
+    always on CPU, where DTensor draws from the CPU generator :func:`rng_state` saves)."""
+    tracker = dtensor_random._rng_tracker
+    if tracker is None:
+        return None
+    state: Dict[str, Any] = {"enabled": bool(tracker.distribute_region_enabled), "device": str(tracker._device)}
+    if isinstance(tracker, dtensor_random.OffsetBasedRNGTracker):
+        state["device_state"] = tracker._get_device_state().cpu()
+    return state
+
+
+def set_dtensor_rng_state(state: Optional[Dict[str, Any]], mesh) -> None:
+    """Restore :func:`dtensor_rng_state`'s result; ``mesh`` (the module's DeviceMesh) creates the
+    tracker when this process has none yet, without synchronising it from rank 0."""
+    if state is None:
+        return
+    tracker = dtensor_random._rng_tracker
+    if tracker is None and mesh is not None and "device_state" in state and \
+            torch.device(state["device"]).type == mesh.device_type:
+        tracker = dtensor_random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+        dtensor_random._rng_tracker = tracker
+    if tracker is None:
+        return
+    tracker.distribute_region_enabled = state["enabled"]
+    if "device_state" in state and isinstance(tracker, dtensor_random.OffsetBasedRNGTracker):
+        tracker._set_device_state(state["device_state"])
+
+
 def stateful(obj: Any, what: str) -> None:
     """NestFxError unless ``obj`` has ``state_dict`` and ``load_state_dict`` (checked before a save
     or load starts)."""
     if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
         raise DataStateError(f"{what}= needs an object with state_dict() and load_state_dict(), got "
                              f"{type(obj).__name__}; fix: pass e.g. nest_fx.apply.EpochBatches, torchdata's "
-                             "StatefulDataLoader, or a torch LR scheduler")
+                             "StatefulDataLoader, a torch LR scheduler or torch.amp.GradScaler")
 
 
 class EpochBatches:

@@ -5,8 +5,10 @@ Every reader of user data (cluster, topology, plan, workload and profile files) 
 of the reader's own error type: a missing or unreadable file, something that is not a regular
 file (a FIFO, a device such as ``/dev/zero``, a directory), a file larger than
 :data:`MAX_FILE_BYTES`, bytes that are not UTF-8, a syntax error (with its line and column),
-nesting deeper than :data:`MAX_DEPTH`, or an integer literal too long to convert. A file is read
-once, with a bounded read, and never waited on. :func:`brief` quotes a user value in a message
+nesting deeper than :data:`MAX_DEPTH`, an integer literal too long to convert, or a key given twice
+in one mapping (JSON object or YAML mapping: the parsers would silently keep the last value; YAML
+merge keys ``<<`` still override as YAML defines). A file is read once, with a bounded read, and
+never waited on. :func:`brief` quotes a user value in a message
 without printing (or walking) all of it.
 """
 from __future__ import annotations
@@ -143,10 +145,47 @@ def _shallow(data: Any, path: str, error: Type[Exception]) -> Any:
     return data
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object."""
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """``object_pairs_hook``: the object, or :class:`_DuplicateKey` naming a key given twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _DuplicateKey(key)
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (merge keys ``<<`` aside)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"key {brief(key)} appears twice (the last value would silently win; remove one)",
+                        key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def parse_json(text: str, path: str, error: Type[Exception]) -> Any:
-    """Parsed JSON text, or ``error`` naming ``path`` and the line/column of the problem."""
+    """Parsed JSON text, or ``error`` naming ``path`` and the line/column of the problem (or the
+    key given twice in one object)."""
     try:
-        return _shallow(json.loads(text), path, error)
+        return _shallow(json.loads(text, object_pairs_hook=_unique_pairs), path, error)
+    except _DuplicateKey as exc:
+        raise error(f"{path}: not valid here: key {brief(exc.args[0])} appears twice in one JSON object (the last value "
+                    "would silently win); remove one of them") from None
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:
@@ -156,9 +195,10 @@ def parse_json(text: str, path: str, error: Type[Exception]) -> Any:
 
 
 def parse_yaml(text: str, path: str, error: Type[Exception]) -> Any:
-    """Parsed YAML text (safe loader), or ``error`` naming ``path``, the problem and its line/column."""
+    """Parsed YAML text (safe loader), or ``error`` naming ``path``, the problem and its line/column
+    (for a key given twice: the key and where it appears the second time)."""
     try:
-        return _shallow(yaml.safe_load(text), path, error)
+        return _shallow(yaml.load(text, Loader=_UniqueKeyLoader), path, error)  # noqa: S506 - a SafeLoader
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

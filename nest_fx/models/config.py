@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from nest_fx.common.errors import ModelError
+from nest_fx.common.limits import MAX_LAYERS
 
 
 @dataclass
@@ -51,6 +52,9 @@ class TransformerConfig:
                      "moe_every"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layers > MAX_LAYERS:
+            problems.append(f"layers={self.layers} is above the limit of {MAX_LAYERS} (nest_fx.common.limits."
+                            "MAX_LAYERS: tracing takes about 20 ms per layer; is it a typo?)")
         if self.num_experts < 0:
             problems.append(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}")
         if not 0 <= self.norm_eps < math.inf:

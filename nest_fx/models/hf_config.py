@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nest_fx.common.errors import MissingDependency, ModelError
 from nest_fx.common.fileio import read_json
+from nest_fx.common.limits import MAX_LAYERS
 from nest_fx.common.names import close_matches
 from nest_fx.models.zoo import coerce_value
 
@@ -66,6 +67,8 @@ TASK_MAPPINGS = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASK
                  "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
                  "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
 SPECIAL_KEYS = ("shrink", "class")
+DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "encoder_layers",
+                "decoder_layers")
 
 
 def require_transformers():
@@ -207,6 +210,9 @@ def _typed_overrides(config, overrides: Dict[str, str], where: str) -> Dict[str,
                              f"{close_matches(key, sorted(accepted | set(ALIASES)))}; fix: use one of its config "
                              "fields (see its config.json)")
         out[name] = _coerce(raw, have[name], key, where)
+        if name in DEPTH_FIELDS and isinstance(out[name], int) and out[name] > MAX_LAYERS:
+            raise ModelError(f"{where}: {key}={out[name]} is above the limit of {MAX_LAYERS} layers "
+                             "(nest_fx.common.limits.MAX_LAYERS: tracing takes about 20 ms per layer; is it a typo?)")
     return out
 
 
