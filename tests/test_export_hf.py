@@ -25,6 +25,7 @@ from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cli import main
 from nest_fx.models import build_seeded
+from nest_fx.testing import disable_dropout
 
 pytestmark = [pytest.mark.hf]
 transformers = pytest.importorskip("transformers")
@@ -59,6 +60,7 @@ def _train_and_export(spec: dict) -> bytes:
     from nest_fx.plan import uniform_plan
 
     model, _ = build_seeded(spec["model"], seed=3)
+    disable_dropout(model)  # random masks are not part of what a plan must reproduce
     x, y = _data(0)
     plan = uniform_plan(4, model=spec["model"], **spec["plan"])
     pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=BATCH, loss_fn=lm_loss, plan=plan,
@@ -87,6 +89,7 @@ def _files(directory: str) -> dict:
 def _reference(spec: str):
     """The single-device run of the same step."""
     model, _ = build_seeded(spec, seed=3)
+    disable_dropout(model)
     x, y = _data(0)
     lm_loss(model(input_ids=x).logits, y).backward()
     torch.optim.SGD(model.parameters(), lr=LR).step()
