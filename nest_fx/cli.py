@@ -26,7 +26,7 @@ from nest_fx.common.fileio import one_line
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.cost.step_time import simulate
 from nest_fx.graph import trace
-from nest_fx.models import build_any
+from nest_fx.models import build_any, build_model
 from nest_fx.plan import Plan
 from nest_fx.report import explain
 from nest_fx.report import tables as report
@@ -260,7 +260,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not spec:
         raise UserError(f"{source} does not record which model it holds (its plan has no model spec): give "
                         "--model SPEC (e.g. hf:qwen2:..., hf-config:PATH/config.json)")
-    model = build_any(spec, device="meta")[0]  # names, shapes and the HF config only: no weights
+    model = build_model(spec, device="meta")[0]  # names, shapes and the HF config only: no weights
     out = export_checkpoint(source, args.directory, model, args.max_shard_size, overwrite=args.overwrite,
                             dtype=args.dtype, verify=not args.no_verify)
     files = sorted(os.listdir(out))
