@@ -2,7 +2,7 @@
 """A model no rank could train alone, started on ``meta`` from safetensors, trained, exported.
 
     python scripts/bench_big_model.py                    # Llama-shaped, 10 layers, 2.3 GB fp32, TP4
-    python scripts/bench_big_model.py --plan zero3       # the same under ZeRO-3 (FSDP2) over dp=4
+    python scripts/bench_big_model.py --plan zero3       # ZeRO-3 (FSDP2) over dp=4 (predicted 3.1 GB/rank)
     python scripts/bench_big_model.py --layers 4 --hidden 1024 --vocab 8000   # a quick small run
 
 1. The parent writes a Llama-shaped model's weights (``transformers`` ``LlamaForCausalLM``,
@@ -24,11 +24,11 @@
 5. The export is checked: every tensor's float64 sum in the written files equals the trained
    parallel model's (full tensors, gathered one at a time after the measurements).
 
-``--limit rlimit`` runs the same with ``RLIMIT_AS`` (address space) instead of the cgroup, to
-show why that does not work as a memory limit (torch and glibc reserve address space they
-never touch); ``--limit watchdog`` uses a thread that kills the rank when its RSS passes the
-limit (polling: a fast allocation can overshoot between two polls), for machines without a
-writable cgroup. Writes ``results/bench_big_model.json`` and ``results/bench_big_model.md``.
+``--limit rlimit`` uses ``RLIMIT_AS`` instead: it fails before any training (the safetensors
+reader maps whole weight files, torch and glibc reserve address space they never touch:
+``results/bench_big_model_rlimit.json``). ``--limit watchdog`` (no writable cgroup): a thread
+kills the rank when its RSS passes the limit (polled: an allocation can overshoot between polls).
+Writes ``results/bench_big_model.json`` and ``.md`` (``--out``).
 """
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def join_cgroup(name: str, limit: int) -> str:
 
 
 def cgroup_peak(path: Optional[str]) -> Optional[int]:
+    """The cgroup's peak usage (v1 ``max_usage_in_bytes``, v2 ``peak``); it counts page cache too."""
     if path is None:
         return None
     for name in ("memory.max_usage_in_bytes", "memory.peak"):
@@ -166,7 +167,6 @@ def watchdog(limit: int, period: float = 0.005) -> None:
 
 def llama_config(args):
     import transformers
-
     return transformers.LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
@@ -216,7 +216,6 @@ def write_weights(config, directory: str) -> Dict[str, int]:
 
 def plan_for(kind: str, num_blocks: int):
     from nest_fx.plan import uniform_plan
-
     if kind == "tp4":
         return uniform_plan(num_blocks, tp=RANKS, microbatch_size=BATCH, num_microbatches=1)
     if kind == "zero3":
@@ -245,7 +244,6 @@ def run_rank(spec: dict) -> dict:
     import transformers  # noqa: F401 - imported before the baseline: part of the process, not of the model
 
     import nest_fx.apply.api  # noqa: F401
-
     rank = int(os.environ["RANK"])
     limit = spec["limits"][rank]
     out: Dict[str, object] = {"rank": rank, "limit_bytes": limit, "limit_kind": spec["limit"]}

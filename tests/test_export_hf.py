@@ -252,3 +252,32 @@ def test_cli_needs_a_model_spec_when_the_checkpoint_has_none(tmp_path, capsys):
     assert "model.safetensors" in os.listdir(tmp_path / "hf")
     assert main(["export", path, "--to", "hf", str(tmp_path / "hf"), "--model", MODELS["llama"]]) == 2
     assert "non-empty" in capsys.readouterr().err
+
+
+def _load_exported(spec: dict) -> bytes:
+    """One rank: build on meta, start from the exported directory (weights=), the full tensors."""
+    from nest_fx.apply import auto_parallelize
+    from nest_fx.models import build_model
+    from nest_fx.plan import uniform_plan
+
+    model, _ = build_model(spec["model"], device="meta")
+    x, _ = _data(0)
+    pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=BATCH, loss_fn=lm_loss, verbose=False,
+                          plan=uniform_plan(4, **spec["plan"]), weights=spec["weights"])
+    return _portable(pm.full_tensors())
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_an_export_starts_a_run_on_meta_exactly(tmp_path):
+    """Mixtral exported under HF's per-expert names comes back into stacked experts sharded by EP."""
+    model, path = _checkpointed(tmp_path)
+    out = export_checkpoint(path, str(tmp_path / "hf"), model, max_shard_size=SHARD)
+    results = launch(_load_exported, 4, {"model": MODELS["mixtral"], "weights": out,
+                                         "plan": PLANS["EP2xDP4"]}, timeout=LAUNCH_S)
+    own = {n: p.detach() for n, p in model.named_parameters()}
+    for r in results:
+        got = torch.load(io.BytesIO(r))
+        assert sorted(got) == sorted(own)
+        assert all(torch.equal(got[n], own[n]) for n in own)

@@ -77,7 +77,8 @@ def _write_one(layout: ExportLayout, directory: str, file: str, source_dir: str,
     return write_file(layout, directory, file, renamed)
 
 
-def _out_dtype(layout: ExportLayout, specs: Mapping[str, TensorSpec]) -> torch.dtype:
+def _config_dtype(layout: ExportLayout, specs: Mapping[str, TensorSpec]) -> torch.dtype:
+    """The dtype ``config.json`` names: the export's, or the first floating tensor's."""
     if layout.dtype is not None:
         return layout.dtype
     floating = [getattr(torch, d) for _, d in specs.values() if getattr(torch, d).is_floating_point]
@@ -86,7 +87,7 @@ def _out_dtype(layout: ExportLayout, specs: Mapping[str, TensorSpec]) -> torch.d
 
 def _finish(layout: ExportLayout, tmp: str, final: str, hf_model) -> None:
     if hf_model is not None and hf_model[0] is not None:
-        write_config(tmp, hf_model, _out_dtype(layout, layout.source_specs))
+        write_config(tmp, hf_model, _config_dtype(layout, layout.source_specs))
     publish_destination(tmp, final, layout.index())
 
 

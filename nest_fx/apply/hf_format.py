@@ -81,13 +81,6 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def spec_bytes(spec: TensorSpec, dtype: Optional[torch.dtype] = None) -> int:
-    """Bytes of a tensor of ``spec`` (in ``dtype`` when given)."""
-    shape, name = spec
-    item = torch.empty((), dtype=dtype or _dtype(name)).element_size()
-    return _numel(shape) * item
-
-
 # -- the model's HF identity -------------------------------------------------------------------
 
 def hf_class_and_config(module: nn.Module):
