@@ -39,7 +39,9 @@ MODELS = {"llama": "hf:llama", "qwen2": "hf:qwen2:tie_word_embeddings=true", "mi
 PLANS = {"TP2xDP2": {"tp": 2, "dp": 2, "microbatch_size": 4},
          "PP2xDP2": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
          "ZeRO3-DP4": {"dp": 4, "zero": 3, "microbatch_size": 2},
-         "EP2xDP4": {"dp": 4, "ep": 2, "microbatch_size": 2}}
+         "EP2xDP4": {"dp": 4, "ep": 2, "microbatch_size": 2},
+         "CP2xDP2": {"cp": 2, "dp": 2, "microbatch_size": 4},
+         "HSDP-2x2": {"dp": 4, "zero": 3, "dp_shard": 2, "microbatch_size": 2}}
 
 
 def _data(step: int):
@@ -154,7 +156,7 @@ def test_tied_qwen2_under_pp2_dp2_exports_what_from_pretrained_loads(tmp_path):
 
 SLOW_CELLS = [("llama", "TP2xDP2"), ("qwen2", "TP2xDP2"), ("gpt2", "TP2xDP2"), ("llama", "PP2xDP2"),
               ("gpt2", "PP2xDP2"), ("llama", "ZeRO3-DP4"), ("qwen2", "ZeRO3-DP4"), ("mixtral", "EP2xDP4"),
-              ("mixtral", "ZeRO3-DP4")]
+              ("mixtral", "ZeRO3-DP4"), ("llama", "CP2xDP2"), ("llama", "HSDP-2x2")]
 
 
 @pytest.mark.dist
