@@ -45,11 +45,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nest_fx.apply.launch import launch  # noqa: E402
-from validate_cpu import _tensor_peak_bytes as tensor_peak_bytes  # noqa: E402 - scripts/ is on the path
-from nest_fx.apply.losses import lm_loss  # noqa: E402
+from nest_fx.apply.launch import launch
+from nest_fx.apply.losses import lm_loss
+from validate_cpu import _tensor_peak_bytes as tensor_peak_bytes  # the script's own folder is on the path
 
 MiB, GB = 2 ** 20, 10 ** 9
 RANKS, BATCH, SEQ, STEPS, LR = 4, 4, 64, 2, 1e-3
