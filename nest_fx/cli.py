@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 import torch
 from tqdm import tqdm
 
-from nest_fx.apply.checkpoint import _read_meta as read_checkpoint_meta, resolve as resolve_checkpoint
+from nest_fx.apply.checkpoint import read_meta as read_checkpoint_meta, resolve as resolve_checkpoint
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.export_hf import export_checkpoint
 from nest_fx.cluster import Cluster, GraphCluster, cluster_spec, load_cluster

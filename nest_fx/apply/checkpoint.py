@@ -610,3 +610,8 @@ def resume_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimiz
     if not found:
         return None
     return load_checkpoint(target, root, optimizer, scheduler=scheduler, data=data)
+
+
+# Public names of the pieces the HuggingFace export reuses (apply/export_hf.py): the same names
+# the checkpoint_state / checkpoint_load split of this module exports.
+FLAT, run_dcp, read_meta, state_to_save = _FLAT, _dcp, _read_meta, _state_to_save

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from nest_fx.apply.agreement import agree, distributed
-from nest_fx.apply.checkpoint import _FLAT, _dcp, _read_meta, _state_to_save, _verify, model_specs, resolve
+from nest_fx.apply.checkpoint import FLAT, model_specs, read_meta, resolve, run_dcp, state_to_save
+from nest_fx.apply.checkpoint_files import check_hashes, check_sizes
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.fingerprint import TensorSpec, difference, fingerprint, tensor_specs
 from nest_fx.apply.hf_format import (DEFAULT_MAX_SHARD_SIZE, ExportError, ExportLayout, export_layout,
@@ -60,7 +61,7 @@ def read_full(directory: str, names: Iterable[str], specs: Mapping[str, TensorSp
              for n in names}
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(directory), planner=DefaultLoadPlanner(**_FLAT), no_dist=True)
+        dcp.load(state, storage_reader=FileSystemReader(directory), planner=DefaultLoadPlanner(**FLAT), no_dist=True)
     return {n: state[f"{MODEL_PREFIX}{n}"] for n in names}
 
 
@@ -136,13 +137,13 @@ def _write_rounds(target, layout: ExportLayout, tmp: str, specs: Mapping[str, Te
                   world: int) -> None:
     """Step 2 of the module docstring: ``world`` files per round, file ``i`` of a round by rank ``i``."""
     files = list(layout.files)
-    held = _state_to_save(target, None)  # {"model.<name>": local tensor or shard view}; nothing is copied
+    held = state_to_save(target, None)  # {"model.<name>": local tensor or shard view}; nothing is copied
     for k, first in enumerate(range(0, len(files), world)):
         batch = files[first:first + world]
         scratch = os.path.join(tmp, SCRATCH.format(k))
         wanted = {f"{MODEL_PREFIX}{n}" for f in batch for n in _file_sources(layout, f)}
         state = {key: value for key, value in held.items() if key in wanted}
-        _dcp(dcp.save, state, storage_writer=FileSystemWriter(scratch), planner=DefaultSavePlanner(**_FLAT))
+        run_dcp(dcp.save, state, storage_writer=FileSystemWriter(scratch), planner=DefaultSavePlanner(**FLAT))
         error = None
         if rank < len(batch):
             try:
@@ -174,8 +175,11 @@ def export_checkpoint(path: str, directory: str, model: Optional[nn.Module] = No
     (sizes; hashes when ``verify``). Returns ``directory``."""
     final = os.path.abspath(os.fspath(directory))
     source, manifest = resolve(os.path.abspath(os.fspath(path)))
-    _verify(source, manifest, verify, 0, 1)
-    meta = _read_meta(source)
+    if manifest is not None:  # None: a legacy checkpoint without one (nothing to check against)
+        check_sizes(source, manifest)
+        if verify:
+            check_hashes(source, manifest, sorted(manifest["files"]))
+    meta = read_meta(source)
     specs = checkpoint_specs(meta, source)
     hf_model = hf_class_and_config(model) if model is not None else None
     if model is not None:
