@@ -197,7 +197,9 @@ def test_a_single_file_has_no_index_and_dtype_converts(tmp_path):
     own = dict(model.named_parameters())
     assert all(torch.equal(t, own[n].detach().to(torch.bfloat16)) for n, t in tensors.items())
     with open(os.path.join(out, "config.json")) as fh:
-        assert json.load(fh)["dtype"] == "bfloat16"
+        config = json.load(fh)
+    assert config["dtype"] == "bfloat16"
+    assert config["use_cache"] is True and model.config.use_cache is False  # turned off for training only
 
 
 def test_a_non_empty_directory_is_refused_and_kept(tmp_path):

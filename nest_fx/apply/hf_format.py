@@ -14,7 +14,8 @@ What ``save_pretrained`` / ``nest-fx export --to hf`` write into ``DIR`` is what
   ``max_shard_size`` bytes each (a tensor larger than that gets a shard of its own, as HF does)
   and ``model.safetensors.index.json`` (``metadata.total_size``, ``metadata.total_parameters``,
   ``weight_map``); every shard carries the ``{"format": "pt"}`` metadata.
-* ``config.json`` (and ``generation_config.json`` for models that generate) for HF models.
+* ``config.json`` (and ``generation_config.json`` for models that generate) for HF models, with
+  ``use_cache`` back at its config class's default (nest-fx turns the cache off for training).
 
 :class:`ExportLayout` is the whole plan of the files, computed from names, shapes and dtypes
 alone (the same on every rank, before anything is read): which source tensors go into which
@@ -290,6 +291,10 @@ def write_config(directory: str, hf_model, dtype: torch.dtype) -> List[str]:
     """``config.json`` (and ``generation_config.json`` for generating models) as HF writes them."""
     cls, config = hf_model
     config = config.__class__.from_dict(config.to_dict())
+    # nest-fx turns the key/value cache off for training; the exported model gets its class's default
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        if hasattr(part, "use_cache"):
+            part.use_cache = getattr(type(part)(), "use_cache", part.use_cache)
     config.architectures = [cls.__name__]
     config.dtype = str(dtype).replace("torch.", "")
     config.save_pretrained(directory)
