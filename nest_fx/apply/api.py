@@ -62,6 +62,7 @@ from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
 from nest_fx.graph import trace
+from nest_fx.graph.training_mode import training_config
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
@@ -182,6 +183,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         constraints = Constraints.from_dict(constraints)
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
+    training_config(model)  # HF models as loaded (use_cache=True): no key/value cache while training
     specs = tensor_specs(model)  # the whole model, before it is cut into stages and shards
     if graph is None:
         graph = trace(model, args, kwargs, name=type(model).__name__)
@@ -288,7 +290,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
 
     # 9. values of a model started on meta, or read from weights=: this rank's shards only (before
     # the gradient sync holds on to the parameters: to_empty may replace them)
-    if on_meta or loaded is not None:
+    # (not under the fake process group of a dry run: its ranks have no device memory to fill)
+    if (on_meta or loaded is not None) and dist.get_backend() != "fake":
         counts = materialize(chunks, skeleton, device, loaded, init_seed)
         del skeleton
         if rank == 0 and verbose:
