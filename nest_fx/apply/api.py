@@ -291,6 +291,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     # 9. values of a model started on meta, or read from weights=: this rank's shards only (before
     # the gradient sync holds on to the parameters: to_empty may replace them)
     # (not under the fake process group of a dry run: its ranks have no device memory to fill)
+    counts = None
     if (on_meta or loaded is not None) and dist.get_backend() != "fake":
         counts = materialize(chunks, skeleton, device, loaded, init_seed)
         del skeleton
@@ -319,6 +320,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
                         num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
                         pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
                         device=device, context_parallel=cp, model_specs=specs)
+    pm.materialized = counts  # tensors read / initialised, bytes this rank read (None: started with values)
     if loaded is not None and loaded.checkpoint:
         load_checkpoint(pm, loaded.path)  # DCP reads each rank's own chunks of the checkpoint
     return pm
