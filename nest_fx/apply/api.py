@@ -246,7 +246,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
         if not on_meta:  # a meta start gives both copies the same values (materialize)
             ties.sync_values()
-    if stage_plan.tp > 1:
+    dry_run = dist.get_backend() == "fake"  # a fake process group: no devices, no values (tests/test_apply_fake.py)
+    if stage_plan.tp > 1 and not dry_run:
         share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
     if norms and sync_batchnorm and plan.dp > 1:
         for chunk in chunks:
@@ -290,9 +291,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
 
     # 9. values of a model started on meta, or read from weights=: this rank's shards only (before
     # the gradient sync holds on to the parameters: to_empty may replace them)
-    # (not under the fake process group of a dry run: its ranks have no device memory to fill)
     counts = None
-    if (on_meta or loaded is not None) and dist.get_backend() != "fake":
+    if (on_meta or loaded is not None) and not dry_run:
         counts = materialize(chunks, skeleton, device, loaded, init_seed)
         del skeleton
         if rank == 0 and verbose:
