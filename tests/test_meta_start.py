@@ -191,3 +191,49 @@ def test_every_rank_refuses_a_misfit_file_before_any_collective(tmp_path):
     torch.save(state, path)
     messages = launch(_refused, 4, path, timeout=120)
     assert len(set(messages)) == 1 and "wrong shape: lm_head.weight" in messages[0]
+
+
+class _Scale(torch.nn.Module):
+    """A parameter no initialisation sets (no reset_parameters, no root _init_weights)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def _uninitialised():
+    import torch.nn.functional as F
+
+    from nest_fx.apply import auto_parallelize
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Scale(8), torch.nn.Linear(8, 4))
+    try:
+        auto_parallelize(model, torch.randn(4, 8), global_batch_size=4, loss_fn=F.cross_entropy, verbose=False)
+    except ApplyError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.dist
+def test_a_tensor_no_initialisation_sets_is_refused_on_every_rank():
+    messages = launch(_uninitialised, 2, timeout=120)
+    assert all("1.gain is not set by the model's initialisation" in m for m in messages), messages
+
+
+@pytest.mark.hf
+def test_build_model_takes_every_name_and_builds_on_meta_by_default():
+    pytest.importorskip("transformers")
+    model, _ = build_model("hf:qwen2")
+    assert type(model).__name__ == "Qwen2ForCausalLM" and next(model.parameters()).device.type == "meta"
+    model, _ = build_model("hf:qwen2", device="cpu")
+    assert next(model.parameters()).device.type == "cpu"
+    model, cfg = build_model("mlp", device="meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    model, cfg = build_model(MODEL, seq_len=32)
+    assert cfg.seq_len == 32
+    with pytest.raises(Exception, match="apply to zoo models only"):
+        build_model("hf:qwen2", seq_len=32)

@@ -6,13 +6,11 @@ share. Plus the zoo GPT on meta, the refusals, and the name/slice machinery on o
 from __future__ import annotations
 
 import io
-import json
 import os
 
 import pytest
 import torch
 
-from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 
@@ -151,3 +149,42 @@ MATRIX += [("mixtral", "EP2xDP4")]
 @pytest.mark.parametrize("family,plan", MATRIX, ids=[f"{f}-{p}" for f, p in MATRIX])
 def test_hf_on_meta_from_safetensors_matches_from_pretrained(tmp_path, family, plan):
     check_cell(tmp_path, family, plan)
+
+
+def _as_loaded(attn: str, return_dict: bool):
+    """A HF Llama as users build it (use_cache=True), ``attn`` attention, under TP2: its first
+    loss, and the reference's on this process."""
+    import copy
+    import warnings
+
+    import transformers
+
+    from nest_fx.apply import auto_parallelize
+    from nest_fx.plan import uniform_plan
+
+    fields = dict(CONFIGS["llama"])
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    assert model.config.use_cache
+    reference = copy.deepcopy(model)
+    x, y = _data()[0]
+    inputs = {"input_ids": x, "return_dict": return_dict}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = auto_parallelize(model, inputs, global_batch_size=BATCH, loss_fn=lm_loss, verbose=False,
+                              plan=uniform_plan(6, tp=2, microbatch_size=BATCH))
+    told = [str(w.message) for w in caught if "use_cache" in str(w.message)]
+    loss = float(pm.train_step(inputs, y))
+    out = reference(input_ids=x, return_dict=return_dict, use_cache=False)
+    return loss, float(lm_loss(out.logits if return_dict else out[0], y)), told
+
+
+@pytest.mark.hf
+@pytest.mark.dist
+@pytest.mark.parametrize("attn,return_dict", [("sdpa", True), ("eager", False)])
+def test_hf_model_as_loaded_traces_and_trains_under_tp2(attn, return_dict):
+    pytest.importorskip("transformers")
+    for loss, ref, told in launch(_as_loaded, 2, attn, return_dict, timeout=300):
+        assert abs(loss - ref) < TOL
+        assert len(told) == 1 and "turned the key/value cache off" in told[0]  # said once

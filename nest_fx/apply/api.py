@@ -293,8 +293,14 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     # the gradient sync holds on to the parameters: to_empty may replace them)
     counts = None
     if (on_meta or loaded is not None) and not dry_run:
-        counts = materialize(chunks, skeleton, device, loaded, init_seed)
+        failure = None
+        try:
+            counts = materialize(chunks, skeleton, device, loaded, init_seed)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it (or names the rank that did), none hangs
+            failure = exc
         del skeleton
+        with named_collective_failures("auto_parallelize, after materialising the model"):
+            agree({}, what="materialising the model", error=failure, error_cls=checks.ApplyError)
         if rank == 0 and verbose:
             print(f"materialised on {device}: {counts['read']} tensors read from {weights} "
                   f"({counts['bytes_read'] / 2**20:.1f} MiB on rank 0), {counts['initialised']} initialised "
