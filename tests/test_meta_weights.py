@@ -33,6 +33,7 @@ PLANS = {
     "ZeRO3-DP4": dict(dp=4, zero=3, microbatch_size=2),
     "CP2xDP2-ZeRO3": dict(cp=2, dp=2, zero=3, microbatch_size=4),  # FSDP over the 4 dp x cp ranks
     "EP2xDP4": dict(dp=4, ep=2, microbatch_size=2),
+    "TP2xDP2-ZeRO3": dict(tp=2, dp=2, zero=3, microbatch_size=4),  # 2-D DTensors: FSDP over TP shards
 }
 
 
@@ -140,7 +141,7 @@ def test_mixtral_on_meta_ep2_from_per_expert_safetensors_matches_from_pretrained
 # -- the matrix (slow) ------------------------------------------------------------------------------
 
 MATRIX = [(f, p) for f in ("llama", "qwen2", "gpt2", "mixtral") for p in ("TP2xDP2", "PP2xDP2", "ZeRO3-DP4", "CP2xDP2-ZeRO3")]
-MATRIX += [("mixtral", "EP2xDP4")]
+MATRIX += [("mixtral", "EP2xDP4"), ("gpt2", "TP2xDP2-ZeRO3"), ("qwen2", "TP2xDP2-ZeRO3")]
 
 
 @pytest.mark.hf

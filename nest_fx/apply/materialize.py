@@ -31,7 +31,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -255,11 +255,3 @@ def materialize(chunks: Sequence[nn.Module], skeleton: Optional[nn.Module], devi
     return {"read": len(from_file), "initialised": sum(len(v) for v in to_init.values()),
             "bytes_read": weights.bytes_read if weights is not None else 0}
 
-
-def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the local storage of ``tensors`` (DTensors: their local shards)."""
-    total = 0
-    for t in tensors:
-        t = t._local_tensor if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
