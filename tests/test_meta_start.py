@@ -53,13 +53,13 @@ def _meta_reference(spec: str, seed: int):
     return model
 
 
-def _ranks(spec: str, plan_kwargs: dict, weights, save_to=None, init_seed: int = 0):
+def _ranks(spec: str, plan_kwargs: dict, weights, save_to=None, init_seed: int = 0, device: str = "meta"):
     from torch.distributed.tensor import DTensor
 
     from nest_fx.apply import auto_parallelize
     from nest_fx.plan import uniform_plan
 
-    model, _ = build_model(spec, device="meta")
+    model, _ = build_model(spec, device=device)
     x = _data()[0][0]
     pm = auto_parallelize(model, x, global_batch_size=BATCH, loss_fn=lm_loss, plan=uniform_plan(4, **plan_kwargs),
                           weights=weights, init_seed=init_seed, verbose=False)
@@ -100,6 +100,18 @@ def test_zoo_gpt_on_meta_tp2_dp2_from_a_state_dict_then_zero3_from_its_checkpoin
         for name, p in r["start"].items():
             assert torch.equal(p, results[0]["params"][name]), name
         assert r["local_numel"] <= total // 4 + 64  # a quarter of every parameter (plus row padding)
+
+
+@pytest.mark.dist
+def test_a_model_with_values_takes_the_files_values_under_pp2_dp2(tmp_path):
+    torch.manual_seed(5)
+    eager, _ = build_model(MODEL, device="cpu")
+    path = str(tmp_path / "gpt.pt")
+    torch.save(eager.state_dict(), path)
+    ref_losses, _ = _reference(eager)
+    plan = {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}
+    for r in _run(MODEL, plan, path, None, 0, "cpu"):  # built on the CPU from another seed, then loaded
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) < TOL
 
 
 @pytest.mark.dist
