@@ -62,6 +62,7 @@ from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
 from nest_fx.graph import trace
+from nest_fx.graph.training_mode import training_config
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
@@ -182,6 +183,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         constraints = Constraints.from_dict(constraints)
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
+    training_config(model)  # HF models as loaded (use_cache=True): no key/value cache while training
     specs = tensor_specs(model)  # the whole model, before it is cut into stages and shards
     if graph is None:
         graph = trace(model, args, kwargs, name=type(model).__name__)
@@ -244,7 +246,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
         if not on_meta:  # a meta start gives both copies the same values (materialize)
             ties.sync_values()
-    if stage_plan.tp > 1:
+    dry_run = dist.get_backend() == "fake"  # a fake process group: no devices, no values (tests/test_apply_fake.py)
+    if stage_plan.tp > 1 and not dry_run:
         share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
     if norms and sync_batchnorm and plan.dp > 1:
         for chunk in chunks:
@@ -288,9 +291,16 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
 
     # 9. values of a model started on meta, or read from weights=: this rank's shards only (before
     # the gradient sync holds on to the parameters: to_empty may replace them)
-    if on_meta or loaded is not None:
-        counts = materialize(chunks, skeleton, device, loaded, init_seed)
+    counts = None
+    if (on_meta or loaded is not None) and not dry_run:
+        failure = None
+        try:
+            counts = materialize(chunks, skeleton, device, loaded, init_seed)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it (or names the rank that did), none hangs
+            failure = exc
         del skeleton
+        with named_collective_failures("auto_parallelize, after materialising the model"):
+            agree({}, what="materialising the model", error=failure, error_cls=checks.ApplyError)
         if rank == 0 and verbose:
             print(f"materialised on {device}: {counts['read']} tensors read from {weights} "
                   f"({counts['bytes_read'] / 2**20:.1f} MiB on rank 0), {counts['initialised']} initialised "
@@ -316,6 +326,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
                         num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
                         pipeline_stages=stages, grad_sync=grad_sync, fsdp=plan.zero >= 1, graph=graph,
                         device=device, context_parallel=cp, model_specs=specs)
+    pm.materialized = counts  # tensors read / initialised, bytes this rank read (None: started with values)
     if loaded is not None and loaded.checkpoint:
         load_checkpoint(pm, loaded.path)  # DCP reads each rank's own chunks of the checkpoint
     return pm

@@ -63,6 +63,11 @@ class Resolution:
 
     sources: Dict[str, object]
     unexpected: List[str]
+    aliases: Dict[str, str]  # every name of a tensor -> its first name (the key of ``sources``)
+
+    def source(self, name: str):
+        """Where the tensor ``name`` (any of its names) comes from, or None."""
+        return self.sources.get(self.aliases.get(name, name))
 
 
 def read_box(reader, source, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -206,7 +211,7 @@ def resolve_sources(model: nn.Module, file_specs: Dict[str, Spec], where: str) -
             continue
         keys = tuple(tuple(parts[j][e] for e in experts) for j in range(count))
         sources[canonical] = Stacked(keys, kind, tuple(file_specs[k[0]][0] for k in keys))
-    return Resolution(sources, sorted(unexpected))
+    return Resolution(sources, sorted(unexpected), aliases)
 
 
 def weight_problems(model: nn.Module, resolution: Resolution, ignore_missing: Sequence[str] = ()) -> List[str]:

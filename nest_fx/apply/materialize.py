@@ -31,7 +31,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.fused_params import fused_layouts, original_boxes
-from nest_fx.apply.hf_names import Resolution, read_box, resolve_sources, weight_problems
+from nest_fx.apply.hf_names import Resolution, expected_tensors, read_box, resolve_sources, weight_problems
 from nest_fx.apply.weights_in import is_nest_fx_checkpoint, open_weights
 
 # wrappers activation checkpointing and torch.compile put between a module and its children
@@ -138,6 +138,24 @@ def _entry(name: str, t: torch.Tensor, layout) -> _Held:
     return _Held(name, t, [([0] * t.dim(), list(t.shape), 0)])
 
 
+def to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device)``, then every parameter or buffer slot that shared one tensor
+    before (tied embeddings) shares the new one again: ``Module._apply`` replaces a parameter
+    per slot when it cannot swap its storage in place (meta to a device next to DTensors)."""
+    groups: Dict[int, List[Tuple[nn.Module, str, str]]] = {}
+    for sub in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for key, t in getattr(sub, kind).items():
+                if t is not None:
+                    groups.setdefault(id(t), []).append((sub, kind, key))
+    module.to_empty(device=device)
+    for slots in groups.values():
+        first, kind, key = slots[0]
+        keep = getattr(first, kind)[key]
+        for sub, sub_kind, sub_key in slots[1:]:
+            getattr(sub, sub_kind)[sub_key] = keep
+
+
 def module_seed(seed: int, module: str) -> int:
     """The generator seed of ``module``'s initialisation (the same on every rank and plan)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{module}".encode()).digest()[:8], "little") % (2**63 - 1)
@@ -214,32 +232,26 @@ def materialize(chunks: Sequence[nn.Module], skeleton: Optional[nn.Module], devi
     are already on a device). Returns counts: tensors read, initialised, bytes read."""
     for chunk in chunks:
         if any(t.device.type == "meta" for t in list(chunk.parameters()) + list(chunk.buffers())):
-            chunk.to_empty(device=device)
+            to_empty_keeping_ties(chunk, device)
     params, buffers = held_tensors(chunks)
     from_file: List[_Held] = []
     to_init: Dict[str, List[_Held]] = {}
-    sources = weights.resolution.sources if weights is not None and weights.resolution is not None else {}
+    resolution = weights.resolution if weights is not None else None
+    aliases = expected_tensors(skeleton)[1] if skeleton is not None else {}
     for h in list(params.values()) + list(buffers.values()):
-        if h.name in sources:
+        if resolution is not None and resolution.source(h.name) is not None:
             from_file.append(h)
         elif weights is not None and weights.checkpoint and h.name in params:
             continue  # the checkpoint loader fills parameters after the ParallelModule exists
         elif skeleton is not None:
+            h.name = aliases.get(h.name, h.name)  # a tied tensor is initialised by its first owner
             to_init.setdefault(_owner(h.name), []).append(h)
     with torch.no_grad():
         for h in from_file:
             for i, (offsets, sizes, _) in enumerate(h.boxes):
-                h.write(i, read_box(weights.reader, sources[h.name], offsets, sizes))
+                h.write(i, read_box(weights.reader, resolution.source(h.name), offsets, sizes))
     if to_init:
         _initialise(skeleton, to_init, device, init_seed)
     return {"read": len(from_file), "initialised": sum(len(v) for v in to_init.values()),
             "bytes_read": weights.bytes_read if weights is not None else 0}
 
-
-def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the local storage of ``tensors`` (DTensors: their local shards)."""
-    total = 0
-    for t in tensors:
-        t = t._local_tensor if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total

@@ -20,6 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Scale of one (what a model started on ``meta`` gets when materialised)."""
+        self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
         return (x.float() * norm).type_as(x) * self.weight
