@@ -271,7 +271,6 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
 
     import nest_fx.apply.api as api
     from nest_fx.apply import auto_parallelize
-    from nest_fx.apply.materialize import local_bytes
     from nest_fx.models import build_model
     from nest_fx.plan import Plan
 
@@ -304,8 +303,9 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
     phases["load"] = _status_kib("VmHWM") * 1024
     sampler.phase = "train"
     _reset_peak()
-    out["shard_bytes"] = local_bytes(pm.parameters())
-    out["bytes_read"] = int(timing.get("bytes_read", 0))
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()]
+    out["shard_bytes"] = sum(t.numel() * t.element_size() for t in local)
+    out["bytes_read"] = int((getattr(pm, "materialized", None) or timing).get("bytes_read", 0))
     out["load_s"] = timing.get("load_s")
     out["setup_s"] = t_ready - t0
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
