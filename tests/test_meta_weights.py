@@ -189,3 +189,31 @@ def test_hf_model_as_loaded_traces_and_trains_under_tp2(attn, return_dict):
     for loss, ref, told in launch(_as_loaded, 2, attn, return_dict, timeout=300):
         assert abs(loss - ref) < TOL
         assert len(told) == 1 and "turned the key/value cache off" in told[0]  # said once
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_hf_meta_start_without_weights_draws_like_from_config(family):
+    """HF ``_init_weights`` per module (and from its ancestors: GPT-2 scales ``c_proj`` from the
+    block): the same spread as ``from_config``; rotary tables and norms exactly equal."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from nest_fx.apply.materialize import materialize
+
+    fields = dict(CONFIGS[family])
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    materialize([model], copy.deepcopy(model), torch.device("cpu"), None, 0)
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        p, q = p.detach(), q.detach()
+        if q.std() == 0:  # ones / zeros: exact
+            assert torch.equal(p, q), name
+        else:
+            assert abs(float(p.std() / q.std()) - 1) < 0.25, name
+    buffers = dict(eager.named_buffers())
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name

@@ -15,6 +15,8 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 7. ``activation_checkpoint``   per-stage recompute
 8. ``compile``                 torch.compile per block (plan.compile)
 9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1)
+   ``materialize``             a model started on ``meta`` (or ``weights=``): each rank's shards
+                               allocated on its device and filled from the file or the model's init
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
                                (gradients of tied embeddings summed over the two stages each step)
 

@@ -185,6 +185,26 @@ def _whole_copy(module: nn.Module, device: torch.device) -> nn.Module:
     return temp
 
 
+def _ancestor_views(skeleton: nn.Module, path: str, temp: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name, view) of each ancestor of module ``path``, nearest first: a shallow copy whose
+    descendant at ``path`` is ``temp``, everything else the skeleton's (on meta). An ancestor's
+    initialisation that rescales its descendants (HF GPT-2 scales every ``c_proj.weight`` by
+    ``1/sqrt(2 * layers)`` from the block) so reaches ``temp``'s tensors and nothing else."""
+    parts = path.split(".") if path else []
+    views: List[Tuple[str, nn.Module]] = []
+    child = temp
+    for i in range(len(parts) - 1, -1, -1):
+        above = ".".join(parts[:i])
+        original = skeleton.get_submodule(above)
+        view = nn.Module.__new__(type(original))
+        view.__dict__ = dict(original.__dict__)
+        view._modules = dict(original._modules)
+        view._modules[parts[i]] = child
+        views.append((above, view))
+        child = view
+    return views
+
+
 def _filled(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.is_floating_point():
         return torch.full(t.shape, math.nan, dtype=t.dtype, device=device)
@@ -206,6 +226,10 @@ def _initialise(skeleton: nn.Module, wanted: Dict[str, List[_Held]], device: tor
             torch.manual_seed(module_seed(seed, path))
             for init in inits:
                 init(temp)
+            if len(inits) > 1:  # the root's _init_weights on each ancestor, as apply() runs it after the children
+                for above, view in _ancestor_views(skeleton, path, temp):
+                    torch.manual_seed(module_seed(seed, f"{path}<{above}"))
+                    inits[-1](view)
         for h in held:
             leaf = h.name.rpartition(".")[2]
             full = temp._parameters.get(leaf) if leaf in temp._parameters else temp._buffers.get(leaf)
