@@ -22,6 +22,7 @@ setup(
         "tabulate>=0.9",
         "pyyaml>=6.0",
         "tqdm>=4.60",
+        "safetensors>=0.4",  # weights= reads HF checkpoints slice by slice
     ],
     extras_require={
         "hf": ["transformers>=4.45"],

@@ -1,4 +1,4 @@
-"""``nest-fx`` command line: trace, profile, plan, simulate, explain.
+"""``nest-fx`` command line: trace, profile, plan, simulate, explain, export.
 
 User errors (bad names, bad files, shapes that do not fit) print one line ``error: ...`` and
 exit with code 2; no traceback. ``NEST_FX_DEBUG=1`` shows the traceback.
@@ -307,6 +307,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0 if result.feasible else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a nest-fx checkpoint's model in the HuggingFace format (no training script needed)."""
+    import torch
+    from nest_fx.apply.checkpoint import read_meta, resolve
+    from nest_fx.apply.export_hf import export_checkpoint
+    from nest_fx.models import build_model
+    source, _ = resolve(os.path.abspath(args.checkpoint))
+    spec = args.model or ((read_meta(source).get("plan") or {}).get("model") or "")
+    if not spec:
+        raise UserError(f"{source} does not record which model it holds (its plan has no model spec): give "
+                        "--model SPEC (e.g. hf:qwen2:..., hf-config:PATH/config.json)")
+    model = build_model(spec, device="meta")[0]  # names, shapes and the HF config only: no weights
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "")
+    out = export_checkpoint(source, args.directory, model, args.max_shard_size, overwrite=args.overwrite,
+                            dtype=dtype, verify=not args.no_verify)
+    files = sorted(os.listdir(out))
+    print(f"exported {source} ({spec}) to {out}: {', '.join(files)}")
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser, from_plan: bool = False) -> None:
     """--model/--workload, --cluster, --seq, --dtype, --profile; ``from_plan``: each defaults to
     what the plan file records (simulate, explain)."""
@@ -399,6 +419,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, from_plan=True)
     p.add_argument("--png", metavar="OUT.png", help="draw the pipeline timeline (needs matplotlib: extra 'plot')")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("export", help="write a checkpoint's model as HuggingFace safetensors shards, their index and "
+                       "config.json (transformers from_pretrained loads the directory)")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory (its newest checkpoint) or a step "
+                   "directory")
+    p.add_argument("--to", choices=("hf",), required=True, help="the format (hf: HuggingFace safetensors)")
+    p.add_argument("directory", metavar="DIR", help="where to write; must not exist or be empty (see --overwrite)")
+    p.add_argument("--model", help="the model the checkpoint holds (default: the spec its plan recorded); "
+                   + MODEL_HELP)
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file: 5GB (default), 500MiB, ...")
+    p.add_argument("--dtype", type=_dtype, default=None, help="write floating tensors in this dtype (default: as "
+                   "saved)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR as a whole")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files "
+                   "(sizes are still checked)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -15,6 +15,8 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 7. ``activation_checkpoint``   per-stage recompute
 8. ``compile``                 torch.compile per block (plan.compile)
 9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1)
+   ``materialize``             a model started on ``meta`` (or ``weights=``): each rank's shards
+                               allocated on its device and filled from the file or the model's init
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
                                (gradients of tied embeddings summed over the two stages each step)
 
@@ -28,6 +30,7 @@ replaced by the planner's plan for the ranks that joined (``docs/runtime.md``, "
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from typing import Any, Callable, List, Optional, Tuple, Union
@@ -41,6 +44,7 @@ import torch.nn as nn
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.agreement import agree
+from nest_fx.apply.checkpoint import load_checkpoint
 from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks
@@ -52,6 +56,7 @@ from nest_fx.apply.fingerprint import fingerprint, tensor_specs
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
 from nest_fx.apply.losses import token_cross_entropy_problem
+from nest_fx.apply.materialize import materialize, prepare_weights
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
@@ -60,6 +65,7 @@ from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
 from nest_fx.graph import trace
+from nest_fx.graph.training_mode import training_config
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
@@ -135,7 +141,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
                      loss_fn: Optional[Callable] = None, plan: Optional[Plan] = None,
                      planner: Optional[Planner] = None, graph=None, verbose: bool = True,
                      timeout_s: Optional[float] = None, constraints: Union[Constraints, dict, None] = None,
-                     elastic: bool = False, sync_batchnorm: bool = True) -> ParallelModule:
+                     elastic: bool = False, sync_batchnorm: bool = True, weights: Optional[str] = None,
+                     init_seed: int = 0) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -163,6 +170,14 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     (a node was lost or came back under ``torchrun --nnodes=MIN:MAX``), re-plan for this world
     with the same global batch (more or fewer microbatches) instead of refusing; then
     ``pm.resume(checkpoint_dir, optimizer, ...)`` continues from the latest checkpoint.
+    ``weights``: a HF safetensors file or directory (sharded, with its index), a torch
+    state-dict file or a nest-fx checkpoint whose values the model starts from; each rank reads
+    only the slices it owns. A model built on ``meta`` (``build_model(..., device="meta")``,
+    ``with torch.device("meta")``) is materialised on each rank's device only as far as the
+    rank owns it, from ``weights`` or, without them, from the model's own initialisation seeded
+    by ``init_seed`` (``nest_fx.apply.materialize``; docs/runtime.md, "Start on meta, load
+    pretrained weights"). A file that does not fit the model is an :class:`ApplyError` listing
+    the missing, unexpected and wrongly shaped tensors, on every rank before the first collective.
     """
     if constraints is not None and (plan is not None or planner is not None):
         raise checks.ApplyError("constraints= shape the default planner's search; with plan= or planner= they "
@@ -171,6 +186,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         constraints = Constraints.from_dict(constraints)
     world, rank = init_distributed(timeout_s, plan.device_order if plan is not None else None)
     args, kwargs = _split_example(example_inputs)
+    training_config(model)  # HF models as loaded (use_cache=True): no key/value cache while training
     specs = tensor_specs(model)  # the whole model, before it is cut into stages and shards
     if graph is None:
         graph = trace(model, args, kwargs, name=type(model).__name__)
@@ -189,16 +205,19 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     nmb = checks.run_all(plan, model, graph, world, global_batch_size, model_loss=loss_fn is None,
                          batch_statistics=sync_batchnorm)
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
+    device_type = _device_type_of(model)
+    on_meta = device_type == "meta"
+    loaded = prepare_weights(weights, model) if weights is not None else None
+    skeleton = copy.deepcopy(model) if on_meta else None  # the whole model's modules, on meta, to initialise from
+    settings = agreed_settings(plan, specs, global_batch_size, nmb, args, kwargs, loss_fn)
+    settings.update({"weights": str(weights), "start on meta": on_meta, "init_seed": init_seed})
     with named_collective_failures("auto_parallelize, comparing the ranks' settings"):
-        agree(agreed_settings(plan, specs, global_batch_size, nmb, args, kwargs, loss_fn),
-              what="auto_parallelize, before building the device mesh")
+        agree(settings, what="auto_parallelize, before building the device mesh")
     norms = batchnorm_modules(model)
     if norms and not sync_batchnorm and (plan.dp > 1 or nmb > 1) and rank == 0:
         warnings.warn(f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
                       f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
                       f"{global_batch_size} (the numbers differ from the single-device run)", stacklevel=2)
-    device_type = _device_type_of(model)
-    on_meta = device_type == "meta"
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)
     if rank == 0 and verbose:
@@ -228,10 +247,12 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         apply_job_timeout()
         broadcast_module(chunks, stage_group, 0)
     ties = None
-    if layout is not None and not on_meta:
+    if layout is not None:
         ties = CrossStageTies(chunks, 0 in indices, num_stages - 1 in indices, layout.shared, mesh["pp"].get_group())
-        ties.sync_values()
-    if not on_meta and stage_plan.tp > 1:
+        if not on_meta:  # a meta start gives both copies the same values (materialize)
+            ties.sync_values()
+    dry_run = dist.get_backend() == "fake"  # a fake process group: no devices, no values (tests/test_apply_fake.py)
+    if stage_plan.tp > 1 and not dry_run:
         share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
     if norms and sync_batchnorm and plan.dp > 1:
         for chunk in chunks:
@@ -273,6 +294,23 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
                        dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
 
+    # 9. values of a model started on meta, or read from weights=: this rank's shards only (before
+    # the gradient sync holds on to the parameters: to_empty may replace them)
+    counts = None
+    if (on_meta or loaded is not None) and not dry_run:
+        failure = None
+        try:
+            counts = materialize(chunks, skeleton, device, loaded, init_seed)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it (or names the rank that did), none hangs
+            failure = exc
+        del skeleton
+        with named_collective_failures("auto_parallelize, after materialising the model"):
+            agree({}, what="materialising the model", error=failure, error_cls=checks.ApplyError)
+        if rank == 0 and verbose:
+            print(f"materialised on {device}: {counts['read']} tensors read from {weights} "
+                  f"({counts['bytes_read'] / 2**20:.1f} MiB on rank 0), {counts['initialised']} initialised "
+                  "by the model", flush=True)
+
     # 9a. replicated data parallel (after the tied-embedding gradient sum over the two stages)
     syncs = [ties] if ties else []
     if plan.zero == 0 and replicas > 1:
@@ -289,7 +327,11 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         stages, schedule = make_schedule(plan, chunks, indices, num_stages, nmb, loss_fn,
                                          mesh["pp"].get_group(), device)
     apply_job_timeout()  # any group created on the way (FSDP, pipelining) gets the job's timeout too
-    return ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
-                          num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
-                          pipeline_stages=stages, grad_sync=grad_sync, fsdp=shards_anything(plan.zero, replicas), graph=graph,
-                          device=device, context_parallel=cp, model_specs=specs)
+    pm = ParallelModule(plan=plan, chunks=chunks, mesh=mesh, rank_info=info, loss_fn=loss_fn,
+                        num_microbatches=nmb, global_batch_size=global_batch_size, schedule=schedule,
+                        pipeline_stages=stages, grad_sync=grad_sync, fsdp=shards_anything(plan.zero, replicas), graph=graph,
+                        device=device, context_parallel=cp, model_specs=specs)
+    pm.materialized = counts  # tensors read / initialised, bytes this rank read (None: started with values)
+    if loaded is not None and loaded.checkpoint:
+        load_checkpoint(pm, loaded.path)  # DCP reads each rank's own chunks of the checkpoint
+    return pm

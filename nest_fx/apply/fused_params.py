@@ -101,6 +101,26 @@ def original_layout(tensor: torch.Tensor, layout: Optional[FusedLayout]) -> torc
     return tensor if layout is None else layout.to_original(tensor)
 
 
+def original_boxes(tensor: DTensor, layout: Optional[FusedLayout]) -> List[Tuple[List[int], List[int], int]]:
+    """The boxes of the original (unsharded, model-layout) tensor that this rank's local shard of
+    ``tensor`` holds: ``(offsets, sizes, start)`` each, ``start`` being where the box begins in
+    the local shard along ``layout.dim`` (one box at 0 for a plain slice, ``layout`` None).
+    Used by the checkpoint and by the weights reader (``apply/materialize.py``)."""
+    local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if list(tensor.to_local().shape) != list(local_shape):
+        raise ValueError(f"unexpected local shape {tuple(tensor.to_local().shape)} of a sharded parameter "
+                         f"(expected {tuple(local_shape)})")
+    if layout is None:
+        return [(list(offset), list(local_shape), 0)]
+    dim = layout.dim
+    boxes: List[Tuple[List[int], List[int], int]] = []
+    for sharded, original, length in layout.runs(offset[dim], local_shape[dim]):
+        offsets, sizes = list(offset), list(local_shape)
+        offsets[dim], sizes[dim] = original, length
+        boxes.append((offsets, sizes, sharded - offset[dim]))
+    return boxes
+
+
 class FusedCheckpointTensor(torch.Tensor):
     """A fused DTensor as DCP sees it: the original tensor, of which this rank holds the runs
     :meth:`FusedLayout.runs` names (DCP's ``__create_write_items__`` / ``__create_chunk_list__`` /
@@ -119,17 +139,8 @@ class FusedCheckpointTensor(torch.Tensor):
         super().__init__()
         self.source = tensor  # the parameter or optimizer state (DTensor) this view reads and writes
         self.fused_layout = layout
-        local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                                    tensor.placements)
         self._local = tensor.to_local()
-        if list(self._local.shape) != list(local_shape):
-            raise ValueError(f"unexpected local shape {tuple(self._local.shape)} of a fused parameter")
-        dim = layout.dim
-        self._boxes: List[Tuple[List[int], List[int], int]] = []  # (offsets, sizes, local start)
-        for sharded, original, length in layout.runs(offset[dim], local_shape[dim]):
-            offsets, sizes = list(offset), list(local_shape)
-            offsets[dim], sizes[dim] = original, length
-            self._boxes.append((offsets, sizes, sharded - offset[dim]))
+        self._boxes = original_boxes(tensor, layout)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

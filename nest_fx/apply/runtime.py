@@ -32,6 +32,7 @@ from nest_fx.apply.agreement import SCOPE_SEP, agree
 from nest_fx.apply.checkpoint import DEFAULT_KEEP, load_checkpoint, resume_checkpoint, save_checkpoint
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.collective_errors import named_collective_failures
+from nest_fx.apply.export_hf import save_pretrained
 from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.mesh import RankInfo
 from nest_fx.apply.pipeline import schedule_step, tensor_output
@@ -183,6 +184,16 @@ class ParallelModule:
         if meta is not None:
             self.step = int(meta.get("step") or 0)
         return self.step
+
+    def save_pretrained(self, directory: str, max_shard_size="5GB", *, overwrite: bool = False,
+                        dtype: Optional[torch.dtype] = None) -> str:
+        """Write the model in the HuggingFace format (safetensors shards of at most
+        ``max_shard_size``, their index, ``config.json`` for HF models) to ``directory``, which
+        ``transformers`` ``from_pretrained`` loads. Any plan; no rank holds more than one output
+        file's tensors. A non-empty ``directory`` is refused unless ``overwrite=True`` (which
+        replaces it as a whole); the files appear by one rename when all are written. Every rank
+        must call it. See :mod:`nest_fx.apply.export_hf`."""
+        return save_pretrained(self, directory, max_shard_size, overwrite=overwrite, dtype=dtype)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Compare the optimizer's type and hyperparameters across ranks (one all-gather):

@@ -16,6 +16,7 @@ from nest_fx.graph.capture import TraceError, capture
 from nest_fx.graph.moe_modules import expert_module_paths
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.tp_pairs import find_patterns
+from nest_fx.graph.training_mode import training_config
 
 
 def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[Any]] = (),
@@ -31,8 +32,10 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     ``method``: "fx" (torch.fx.symbolic_trace), "export" (non-strict torch.export, for
     ``**kwargs`` forwards and data-dependent Python control flow), or "auto" (fx, then export).
     ``leaf_modules``: module FQNs or classes that fx should keep as single ops.
-    Raises :class:`TraceError` naming the module and op that broke both tracers.
+    Raises :class:`TraceError` naming the module and op that broke both tracers. A HF model
+    with ``use_cache=True`` has its cache turned off first (``graph.training_mode``).
     """
+    training_config(model)  # HF: no key/value cache in a training graph
     args: Tuple = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     args, kwargs = on_device(args, device), on_device(dict(example_kwargs or {}), device)

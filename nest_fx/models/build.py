@@ -18,7 +18,7 @@ from nest_fx.models.config import TransformerConfig
 from nest_fx.models.hf import build_hf_model
 from nest_fx.models.inputs import Example, call_args, hf_example, make_tensor, token_example
 from nest_fx.models.plain import KINDS as PLAIN_KINDS, build_plain, parse_plain, plain_example
-from nest_fx.models.zoo import build_model, default_dtype
+from nest_fx.models.zoo import build_model as build_zoo_model, default_dtype
 
 
 def is_hf_name(name: str) -> bool:
@@ -65,12 +65,12 @@ def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: s
     elif is_hf_name(name):
         model, cfg = build_hf_model(name, device=device, dtype=dtype, **depth)
     else:
-        model, cfg = build_model(name, device=device, dtype=dtype, **depth)
+        model, cfg = build_zoo_model(name, device=device, dtype=dtype, **depth)
         seq = seq or cfg.seq_len
         if seq > cfg.seq_len and cfg.position == "learned":
             raise ModelError(f"seq={seq} exceeds {cfg.name}'s {cfg.seq_len} learned positions: use --seq <= {cfg.seq_len}")
         if seq > cfg.seq_len:
-            model, cfg = build_model(name, device=device, dtype=dtype, seq_len=seq, **depth)
+            model, cfg = build_zoo_model(name, device=device, dtype=dtype, seq_len=seq, **depth)
     example = model_example(name, model, cfg, batch=batch, seq=seq, dtype=dtype, seq_cap=seq_cap)
     args, kwargs = call_args(example, {s.name: make_tensor(s, device) for s in example.inputs})
     return model, cfg, args, kwargs
@@ -87,5 +87,25 @@ def build_seeded(name: str, seed: int = 0) -> Tuple[torch.nn.Module, Any]:
         if isinstance(cfg, TransformerConfig):  # the nest-fx-shaped families: one attention kernel
             model.config._attn_implementation = "sdpa"
         return model, cfg
-    return build_model(name, device="cpu", dtype=torch.float32)
+    return build_zoo_model(name, device="cpu", dtype=torch.float32)
+
+
+def build_model(name: str, *, device: str | torch.device = "meta", dtype: Optional[torch.dtype] = None,
+                **overrides) -> Tuple[torch.nn.Module, Any]:
+    """``(model, config)`` of any name the command line takes: a zoo name or ``gpt:`` spec, a plain
+    model (``mlp:``, ``cnn:``), ``hf:<model_type>[:...]`` or ``hf-config:PATH``. On ``meta`` (the
+    default) nothing is allocated: ``auto_parallelize(model, ..., weights=...)`` then materialises
+    each rank's part (docs/runtime.md, "Start on meta, load pretrained weights"). ``overrides``:
+    config fields of a zoo model (``seq_len=...``) or ``layers`` for any transformer."""
+    if is_hf_name(name) or is_plain_name(name):
+        unknown = sorted(set(overrides) - {"layers"})
+        if unknown:
+            raise ModelError(f"build_model({name!r}): {unknown} apply to zoo models only; put config fields in the "
+                             "name instead (hf:qwen2:hidden_size=128)")
+        if is_plain_name(name):
+            cfg: Any = parse_plain(name)
+            with torch.device(device), default_dtype(dtype):
+                return build_plain(cfg), cfg
+        return build_hf_model(name, device=device, dtype=dtype, layers=overrides.get("layers"))
+    return build_zoo_model(name, device=device, dtype=dtype, **overrides)
 

@@ -20,6 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Scale of one (what a model started on ``meta`` gets when materialised)."""
+        self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         norm = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
         return (x.float() * norm).type_as(x) * self.weight
@@ -42,10 +47,23 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_len: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
+        self.register_buffer("cos", torch.empty(max_len, (head_dim + 1) // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, (head_dim + 1) // 2, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """(Re)compute the cos/sin tables on the buffers' device (a model started on ``meta``
+        gets them when the runtime materialises it)."""
+        if self.cos.device.type == "meta":
+            return
+        device = self.cos.device
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+                                         / self.head_dim))
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=device), inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [batch, heads, seq, head_dim]
