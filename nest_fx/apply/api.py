@@ -55,6 +55,7 @@ from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
                                     stage_layer_groups)
+from nest_fx.apply.precision import apply_precision, fsdp_policy, prepare_parameters
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
@@ -217,6 +218,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     device = torch.device("cuda", torch.cuda.current_device()) if mesh_device == "cuda" else torch.device("cpu")
     if not on_meta:
         chunks = [c.to(device) for c in chunks]
+    prepare_parameters(chunks, plan.precision)  # bf16-true: bf16 parameters; bf16-mixed: fp32 masters
 
     # 2. identical replicas inside the stage (DP x CP x TP ranks); tied embeddings equal on both stages
     if not on_meta and plan.dp * plan.cp * stage_plan.tp > 1:
@@ -237,7 +239,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
     blocks_before = 0  # blocks of this stage in earlier chunks (every:<k> counts through the stage)
-    for chunk, (start, end) in zip(chunks, ranges):
+    for chunk, index, (start, end) in zip(chunks, indices, ranges):
         blocks = stage_blocks(graph, start, end)
         # 3. expert parallel
         if plan.ep > 1:
@@ -264,11 +266,13 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 8. torch.compile
         if plan.compile:
             compile_blocks(chunk, blocks)
-        # 9b. FSDP / HSDP
+        # 9. precision casts (docs/runtime.md, "Precision"); 9b. FSDP / HSDP
+        apply_precision(chunk, blocks, plan.precision, fsdp=plan.zero >= 1, last_stage=index == num_stages - 1)
         if plan.zero >= 1:
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
-                       dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
+                       dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else (),
+                       mp_policy=fsdp_policy(plan.precision))
 
     # 9a. replicated data parallel (after the tied-embedding gradient sum over the two stages)
     syncs = [ties] if ties else []

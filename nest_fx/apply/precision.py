@@ -1,0 +1,171 @@
+"""``plan.precision``: the dtypes a step computes, stores and reduces in, under every plan.
+
+``fp32``        nothing changes: the model trains in its own dtype (as before this field existed).
+``bf16-mixed``  forward and backward in bf16, fp32 master weights, fp32 gradients (accumulation
+                and data-parallel reduction) and fp32 optimizer states (the optimizer sees the
+                fp32 parameters). What the cost model prices.
+``bf16-true``   parameters, gradients and optimizer states in bf16.
+
+One rule, three mechanisms that compute the same thing (docs/runtime.md, "Precision"):
+
+- Where FSDP2 runs (zero >= 1, HSDP), ``bf16-mixed`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=
+  bf16, reduce_dtype=fp32)`` on every block and the stage root (:func:`fsdp_policy`): the fp32
+  shard is cast to bf16 when it is gathered, each microbatch's bf16 gradient is cast to fp32 for
+  the reduce-scatter and accumulation, and every sharded unit casts its floating inputs to bf16.
+- Everywhere else (replicated DP, TP, PP, CP, EP and the single-device reference run of
+  ``nest_fx.testing``) :func:`apply_precision` installs forward hooks that do the same: each module
+  holding parameters sees them cast to bf16 for its forward (``p.to(bfloat16)`` inside autograd,
+  so the gradient of the cast lands, cast back, in the fp32 parameter's ``.grad``; a DTensor
+  parameter casts as a DTensor), and the stage root and the blocks (the modules FSDP2 would shard)
+  cast their floating inputs to bf16. The cast runs again when activation checkpointing
+  recomputes a module, since the hooks are the module's own.
+- The last stage's root casts its floating outputs to fp32 in both ``bf16`` modes, so the loss
+  (``loss_fn``, or a HF model's logits next to its loss) is computed in fp32 from bf16 logits;
+  the activations a pipeline stage hands on stay bf16.
+
+Buffers (RoPE tables, BatchNorm statistics) keep their dtype in every mode: models cast their
+tables to the activation's dtype themselves. ``bf16-true`` converts the parameters in place (the
+``Parameter`` objects stay, so tied weights stay tied) and casts floating inputs as above.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_map
+
+from nest_fx.plan.vocabulary import PRECISIONS
+
+BF16 = torch.bfloat16
+HOOKS_ATTR = "_nest_fx_precision"
+
+
+def compute_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype of forward/backward under ``precision`` (None: the model's own, for ``fp32``)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
+    return None if precision == "fp32" else BF16
+
+
+def fsdp_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's policy for ``precision``: bf16 gather and compute with fp32 gradient reduction for
+    ``bf16-mixed``; None otherwise (``bf16-true`` parameters are bf16 already, so FSDP2 gathers
+    and reduces in bf16)."""
+    if precision != "bf16-mixed":
+        return None
+    return MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+
+
+def _cast_floats(dtype: torch.dtype, value: Any) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and t.dtype != dtype else t, value)
+
+
+class _ParamCast:
+    """Forward hooks giving a module bf16 casts of its own (direct) parameters for the duration of
+    its forward; the fp32 ``Parameter`` objects are put back after it (also when it raises)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.saved: List[Dict[str, nn.Parameter]] = []  # a stack: a module may call itself
+
+    def pre(self, module: nn.Module, args) -> None:
+        saved = {n: p for n, p in module._parameters.items() if p is not None and p.is_floating_point()}
+        self.saved.append(saved)
+        for name, p in saved.items():
+            module._parameters[name] = p.to(self.dtype)  # type: ignore[assignment]  # a tensor in autograd
+
+    def post(self, module: nn.Module, args, output) -> None:
+        if self.saved:
+            module._parameters.update(self.saved.pop())
+
+
+def _install(module: nn.Module, handles: list) -> None:
+    state = getattr(module, HOOKS_ATTR, None)
+    if state is None:
+        setattr(module, HOOKS_ATTR, handles)
+    else:
+        state.extend(handles)
+
+
+def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype = BF16) -> int:
+    """Hooks on every submodule of ``module`` that holds parameters: its forward sees them in
+    ``dtype`` (see :class:`_ParamCast`). Returns the number of modules hooked."""
+    count = 0
+    for m in module.modules():
+        if not any(p is not None and p.is_floating_point() for p in m._parameters.values()):
+            continue
+        cast = _ParamCast(dtype)
+        _install(m, [m.register_forward_pre_hook(cast.pre),
+                     m.register_forward_hook(cast.post, always_call=True)])
+        count += 1
+    return count
+
+
+def cast_inputs(module: nn.Module, dtype: torch.dtype = BF16) -> None:
+    """A forward pre-hook casting the floating tensors among ``module``'s inputs to ``dtype``
+    (FSDP2's ``cast_forward_inputs``)."""
+    def hook(_m, args, kwargs):
+        return _cast_floats(dtype, args), _cast_floats(dtype, kwargs)
+    _install(module, [module.register_forward_pre_hook(hook, with_kwargs=True)])
+
+
+def cast_outputs(module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """A forward hook casting the floating tensors of ``module``'s output (a tensor, a tuple or a
+    HF ``ModelOutput``) to ``dtype``."""
+    def hook(_m, _args, output):
+        if hasattr(output, "keys") and hasattr(output, "__setitem__"):  # HF ModelOutput: keep its class
+            for key in list(output.keys()):
+                output[key] = _cast_floats(dtype, output[key])
+            return output
+        return _cast_floats(dtype, output)
+    _install(module, [module.register_forward_hook(hook)])
+
+
+@torch.no_grad()
+def convert_parameters(module: nn.Module, dtype: torch.dtype, only: Callable[[torch.dtype], bool]) -> None:
+    """Convert the floating parameters of ``module`` whose dtype satisfies ``only`` to ``dtype``, in
+    place (``.data``: the ``Parameter`` objects, and so tied weights, stay)."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype and only(p.dtype):
+            p.data = p.data.to(dtype)
+
+
+def prepare_parameters(modules: Sequence[nn.Module], precision: str) -> None:
+    """Before the parameters are sharded: ``bf16-true`` converts them to bf16; ``bf16-mixed`` makes
+    sure the masters are fp32 (a model loaded in bf16 or fp16 is upcast); ``fp32`` leaves them."""
+    for m in modules:
+        if precision == "bf16-true":
+            convert_parameters(m, BF16, lambda d: True)
+        elif precision == "bf16-mixed":
+            convert_parameters(m, torch.float32, lambda d: d in (torch.bfloat16, torch.float16))
+
+
+def apply_precision(root: nn.Module, block_names: Sequence[str], precision: str, *, fsdp: bool,
+                    last_stage: bool) -> None:
+    """Install ``precision``'s casts on a stage ``root`` (the whole model for the single-device
+    reference) whose layer modules are ``block_names``. ``fsdp``: FSDP2 will shard it with
+    :func:`fsdp_policy` (which then casts parameters and inputs for ``bf16-mixed``).
+    ``last_stage``: the root's output feeds the loss (it is cast to fp32). Call
+    :func:`prepare_parameters` first (before sharding)."""
+    dtype = compute_dtype(precision)
+    if dtype is None:
+        return
+    if precision == "bf16-mixed" and not fsdp:
+        cast_parameters_in_forward(root, dtype)
+    if precision == "bf16-true" or not fsdp:
+        for name in block_names:
+            cast_inputs(root.get_submodule(name), dtype)
+        cast_inputs(root, dtype)
+    if last_stage:
+        cast_outputs(root, torch.float32)
+
+
+def prepare_reference(model: nn.Module, block_names: Sequence[str], precision: str) -> nn.Module:
+    """The single-device run of ``precision``: the same casts as a plan without FSDP, on the whole
+    model (what ``nest_fx.testing`` compares every plan with). Returns ``model``."""
+    prepare_parameters([model], precision)
+    apply_precision(model, block_names, precision, fsdp=False, last_stage=True)
+    return model
