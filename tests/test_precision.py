@@ -96,3 +96,84 @@ def test_bf16_true_every_plan():
                                                             "num_microbatches": 4}},
         {"model": MOE, "precision": "bf16-true", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
     ])
+
+
+def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) -> Dict:
+    """On each rank: one AdamW step of ``model_name`` under the plan; the dtypes the step used and kept."""
+    model, cfg = build_seeded(model_name)
+    x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    plan = uniform_plan(cfg.layers + 2, precision=precision, **plan_kwargs)
+    pm = auto_parallelize(model, x, global_batch_size=8, loss_fn=lm_loss, plan=plan, verbose=False)
+    seen: Dict[str, set] = {"forward weight": set(), "forward output": set(), "loss input": set(), "reduced": set()}
+    linear = next(m for m in pm.module.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_pre_hook(lambda m, a: seen["forward weight"].add(str(m.weight.dtype)))
+    linear.register_forward_hook(lambda m, a, out: seen["forward output"].add(str(out.dtype)))
+    loss_fn = pm.loss_fn
+
+    def recording_loss(out, target):
+        seen["loss input"].add(str(out.dtype))
+        return loss_fn(out, target)
+    pm.loss_fn = recording_loss
+
+    def recording(collective):
+        def call(tensor, *args, **kwargs):
+            seen["reduced"].add(str(kwargs.get("input", tensor).dtype))
+            return collective(tensor, *args, **kwargs)
+        return call
+    all_reduce, reduce_scatter = dist.all_reduce, dist.reduce_scatter_single
+    if pm.grad_sync is not None:  # replicated: the gradient all-reduce, and only it
+        sync = pm.grad_sync
+
+        def grad_sync():
+            dist.all_reduce = recording(all_reduce)
+            try:
+                sync()
+            finally:
+                dist.all_reduce = all_reduce
+        pm.grad_sync = grad_sync
+    dist.reduce_scatter_single = lambda output, input, *a, **k: (  # FSDP2: gradients only
+        seen["reduced"].add(str(input.dtype)), reduce_scatter(output=output, input=input, *a, **k))[1]
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    try:
+        pm.train_step(x, x)
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
+    opt.step()
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()]
+    out = {k: sorted(v) for k, v in seen.items()}
+    out["params"] = sorted({str(p.dtype) for p in local})
+    out["grads"] = sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None})
+    out["states"] = sorted({str(v.dtype) for s in opt.state.values() for k, v in s.items() if k != "step"})
+    pm.save(ckpt, opt)
+    if dist.get_rank() == 0:
+        from torch.distributed.checkpoint import FileSystemReader  # only for this probe
+        import glob
+        step_dir = sorted(glob.glob(f"{ckpt}/*/"))[-1]
+        meta = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        out["checkpoint"] = sorted({str(m.properties.dtype) for k, m in meta.items()
+                                    if hasattr(m, "properties") and m.properties.dtype.is_floating_point
+                                    and m.size != torch.Size([])})
+    return out
+
+
+EXPECTED = {
+    "bf16-mixed": {"forward weight": ["torch.bfloat16"], "forward output": ["torch.bfloat16"],
+                   "loss input": ["torch.float32"], "reduced": ["torch.float32"], "params": ["torch.float32"],
+                   "grads": ["torch.float32"], "states": ["torch.float32"]},
+    "bf16-true": {"forward weight": ["torch.bfloat16"], "forward output": ["torch.bfloat16"],
+                  "loss input": ["torch.float32"], "reduced": ["torch.bfloat16"], "params": ["torch.bfloat16"],
+                  "grads": ["torch.bfloat16"], "states": ["torch.bfloat16"]},
+}
+
+
+@pytest.mark.timeout(LAUNCH_S + 60)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("plan", [{"dp": 4, "zero": 3, "microbatch_size": 2},
+                                  {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}],
+                         ids=["zero3-dp4", "tp2-dp2"])
+def test_dtypes_masters_states_and_gradient_reduction(tmp_path, plan, precision):
+    results = launch(_dtype_probe, 4, GPT, plan, precision, str(tmp_path / "ckpt"), timeout=LAUNCH_S)
+    for r in results:
+        assert {k: r[k] for k in EXPECTED[precision]} == EXPECTED[precision], r
+    if precision == "bf16-mixed":  # the checkpoint keeps the fp32 masters (and fp32 optimizer states)
+        assert results[0]["checkpoint"] == ["torch.float32"], results[0]
