@@ -144,6 +144,11 @@ def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) 
     out["params"] = sorted({str(p.dtype) for p in local})
     out["grads"] = sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None})
     out["states"] = sorted({str(v.dtype) for s in opt.state.values() for k, v in s.items() if k != "step"})
+    # what a pipeline stage hands on (the schedule's metadata of its send buffers)
+    out["stage outputs"] = sorted({str(m.dtype) for s in pm.pipeline_stages if not s.is_last
+                                   for m in s._stage_meta.outputs})
+    if not ckpt:
+        return out
     pm.save(ckpt, opt)
     if dist.get_rank() == 0:
         from torch.distributed.checkpoint import FileSystemReader  # only for this probe
@@ -175,5 +180,17 @@ def test_dtypes_masters_states_and_gradient_reduction(tmp_path, plan, precision)
     results = launch(_dtype_probe, 4, GPT, plan, precision, str(tmp_path / "ckpt"), timeout=LAUNCH_S)
     for r in results:
         assert {k: r[k] for k in EXPECTED[precision]} == EXPECTED[precision], r
+        assert r["stage outputs"] == [], r
     if precision == "bf16-mixed":  # the checkpoint keeps the fp32 masters (and fp32 optimizer states)
         assert results[0]["checkpoint"] == ["torch.float32"], results[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_pipeline_hands_on_bf16_activations():
+    results = launch(_dtype_probe, 4, GPT, {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+                     "bf16-mixed", "", timeout=LAUNCH_S)
+    expected = dict(EXPECTED["bf16-mixed"], **{"loss input": []})  # the schedule calls the loss, not pm.loss_fn
+    for r in results:
+        assert {k: r[k] for k in expected} == expected, r
+    assert [r["stage outputs"] for r in results] == [["torch.bfloat16"]] * 2 + [[]] * 2, results
