@@ -239,7 +239,8 @@ def precision_noise(spec: Dict[str, Any], precision: str) -> Dict[str, float]:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    out["param"] = max(float((p.detach() - q.detach().float()).abs().max()) for p, q in zip(model.parameters(), low.parameters()))
+    out["param"] = max(float((p.detach() - q.detach().float()).abs().max())
+                       for p, q in zip(model.parameters(), low.parameters()))
     return out
 
 

@@ -10,11 +10,13 @@ rounds once (``nest_fx.testing.rounding_multiplicity``). ``fp32`` stays at 1e-5
 """
 from __future__ import annotations
 
+import glob
 from typing import Dict, List
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.launch import launch
@@ -75,8 +77,8 @@ def test_bf16_mixed_pp2_dp2_cp2_ep2():
         {"model": LLAMA, "precision": "bf16-mixed", "plan": {"pp": 2, "dp": 2, "microbatch_size": 1,
                                                              "num_microbatches": 4}},
         # tied embeddings on two stages
-        {"model": GPT + ",tie_embeddings=true", "precision": "bf16-mixed", "plan": {"pp": 2, "dp": 2, "microbatch_size": 2,
-                                                                      "num_microbatches": 2}},
+        {"model": GPT + ",tie_embeddings=true", "precision": "bf16-mixed",
+         "plan": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}},
         {"model": LLAMA, "precision": "bf16-mixed", "plan": {"cp": 2, "dp": 2, "microbatch_size": 2,
                                                              "num_microbatches": 2}},
         {"model": MOE, "precision": "bf16-mixed", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
@@ -151,9 +153,7 @@ def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) 
         return out
     pm.save(ckpt, opt)
     if dist.get_rank() == 0:
-        from torch.distributed.checkpoint import FileSystemReader  # only for this probe
-        import glob
-        step_dir = sorted(glob.glob(f"{ckpt}/*/"))[-1]
+        step_dir = max(glob.glob(f"{ckpt}/*/"))
         meta = FileSystemReader(step_dir).read_metadata().state_dict_metadata
         out["checkpoint"] = sorted({str(m.properties.dtype) for k, m in meta.items()
                                     if hasattr(m, "properties") and m.properties.dtype.is_floating_point
