@@ -55,15 +55,20 @@ def _is_weight(t: torch.Tensor) -> bool:
 
 
 def saved_bytes(pm, x: torch.Tensor) -> Dict[str, int]:
-    """Bytes autograd saves for backward in one ``train_step(x, x)``: activations and weights."""
-    seen, out = set(), {"activations": 0, "weights": 0}
+    """Bytes autograd saves for backward in one ``train_step(x, x)``: activations (also by dtype)
+    and weights."""
+    seen, out = set(), {"activations": 0, "weights": 0, "activations_by_dtype": {}}
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in seen:
             seen.add(key)
-            out["weights" if _is_weight(t) else "activations"] += storage.nbytes()
+            kind = "weights" if _is_weight(t) else "activations"
+            out[kind] += storage.nbytes()
+            if kind == "activations":
+                by = out["activations_by_dtype"]
+                by[str(t.dtype)] = by.get(str(t.dtype), 0) + storage.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         pm.train_step(x, x)
@@ -132,6 +137,7 @@ def main(argv: List[str] = None) -> int:
         rows[precision] = {"median_step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
                            "steps_timed": len(times), "activation_bytes": r0[precision]["saved"]["activations"],
                            "weight_bytes_saved": r0[precision]["saved"]["weights"],
+                           "activation_bytes_by_dtype": r0[precision]["saved"]["activations_by_dtype"],
                            "final_loss": r0[precision]["final_loss"], "times_s": times}
     fp32, mixed = rows["fp32"], rows["bf16-mixed"]
     ratios = {"activation_bytes": mixed["activation_bytes"] / fp32["activation_bytes"],
@@ -144,6 +150,9 @@ def main(argv: List[str] = None) -> int:
         print(f"{precision:<12}{row['median_step_s']:>15.4f}{row['mean_step_s']:>13.4f}"
               f"{row['activation_bytes'] / 2**20:>17.2f}{row['weight_bytes_saved'] / 2**20:>19.2f}"
               f"{row['final_loss']:>12.4f}")
+    for precision, row in rows.items():
+        print(f"{precision} activations by dtype (MiB): " + ", ".join(
+            f"{k.removeprefix('torch.')} {v / 2**20:.2f}" for k, v in sorted(row["activation_bytes_by_dtype"].items())))
     print(f"bf16-mixed / fp32: activations {ratios['activation_bytes']:.3f}, median step time "
           f"{ratios['median_step_s']:.3f}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

@@ -84,6 +84,9 @@ def test_bf16_mixed_pp2_dp2_cp2_ep2():
         {"model": MOE, "precision": "bf16-mixed", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
         {"model": LLAMA, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "zero": 2, "microbatch_size": 2,
                                                              "num_microbatches": 2, "recompute": "full"}},
+        # BatchNorm keeps fp32 parameters (its own FSDP2 unit) and normalises over the global batch
+        {"model": "cnn", "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
+        {"model": "cnn", "precision": "bf16-true", "plan": {"dp": 4, "microbatch_size": 2}},
     ])
 
 

@@ -55,7 +55,7 @@ from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
                                     stage_layer_groups)
-from nest_fx.apply.precision import apply_precision, fsdp_policy, prepare_parameters
+from nest_fx.apply.precision import apply_precision, fp32_modules, fsdp_policy, prepare_parameters
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
@@ -272,7 +272,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
                        dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else (),
-                       mp_policy=fsdp_policy(plan.precision))
+                       mp_policy=fsdp_policy(plan.precision), fp32_modules=fp32_modules(chunk, plan.precision))
 
     # 9a. replicated data parallel (after the tied-embedding gradient sum over the two stages)
     syncs = [ties] if ties else []

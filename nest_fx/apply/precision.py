@@ -26,6 +26,12 @@ One rule, three mechanisms that compute the same thing (docs/runtime.md, "Precis
 Buffers (RoPE tables, BatchNorm statistics) keep their dtype in every mode: models cast their
 tables to the activation's dtype themselves. ``bf16-true`` converts the parameters in place (the
 ``Parameter`` objects stay, so tied weights stay tied) and casts floating inputs as above.
+
+BatchNorm layers keep fp32 parameters in both bf16 modes (:func:`fp32_modules`): their running
+statistics are fp32 buffers, ``batch_norm`` takes a bf16 input with fp32 weights and statistics
+(computing in fp32, returning bf16), and the data-parallel BatchNorm (``batchnorm.py``) computes
+in fp32 anyway. Under FSDP2 each of them is its own unit without a cast (``apply_fsdp``'s
+``fp32_modules``), since FSDP2 gathers a unit's parameters in one dtype.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 
 from nest_fx.plan.vocabulary import PRECISIONS
@@ -47,6 +54,14 @@ def compute_dtype(precision: str) -> Optional[torch.dtype]:
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
     return None if precision == "fp32" else BF16
+
+
+def fp32_modules(module: nn.Module, precision: str) -> List[nn.Module]:
+    """The submodules of ``module`` whose parameters stay fp32 under ``precision`` (BatchNorm
+    layers in both bf16 modes; none under ``fp32``)."""
+    if precision == "fp32":
+        return []
+    return [m for m in module.modules() if isinstance(m, _BatchNorm)]
 
 
 def fsdp_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
@@ -94,8 +109,9 @@ def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype = BF16) -> 
     """Hooks on every submodule of ``module`` that holds parameters: its forward sees them in
     ``dtype`` (see :class:`_ParamCast`). Returns the number of modules hooked."""
     count = 0
+    keep = {id(m) for m in fp32_modules(module, "bf16-mixed")}
     for m in module.modules():
-        if not any(p is not None and p.is_floating_point() for p in m._parameters.values()):
+        if id(m) in keep or not any(p is not None and p.is_floating_point() for p in m._parameters.values()):
             continue
         cast = _ParamCast(dtype)
         _install(m, [m.register_forward_pre_hook(cast.pre),
@@ -125,22 +141,29 @@ def cast_outputs(module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
 
 
 @torch.no_grad()
-def convert_parameters(module: nn.Module, dtype: torch.dtype, only: Callable[[torch.dtype], bool]) -> None:
-    """Convert the floating parameters of ``module`` whose dtype satisfies ``only`` to ``dtype``, in
-    place (``.data``: the ``Parameter`` objects, and so tied weights, stay)."""
-    for p in module.parameters():
+def _convert(params, dtype: torch.dtype, only: Callable[[torch.dtype], bool]) -> None:
+    """Convert the floating ``params`` whose dtype satisfies ``only`` to ``dtype``, in place
+    (``.data``: the ``Parameter`` objects, and so tied weights, stay)."""
+    for p in params:
         if p.is_floating_point() and p.dtype != dtype and only(p.dtype):
             p.data = p.data.to(dtype)
 
 
 def prepare_parameters(modules: Sequence[nn.Module], precision: str) -> None:
-    """Before the parameters are sharded: ``bf16-true`` converts them to bf16; ``bf16-mixed`` makes
-    sure the masters are fp32 (a model loaded in bf16 or fp16 is upcast); ``fp32`` leaves them."""
-    for m in modules:
+    """Before the parameters are sharded: ``bf16-true`` converts them to bf16 (BatchNorm's to fp32);
+    ``bf16-mixed`` makes sure the masters are fp32 (a model loaded in bf16 or fp16 is upcast);
+    ``fp32`` leaves them."""
+    if precision == "fp32":
+        return
+    for module in modules:
+        kept = fp32_modules(module, precision)
+        kept_ids = {id(p) for m in kept for p in m.parameters()}
+        _convert([p for m in kept for p in m.parameters()], torch.float32, lambda d: True)
+        rest = [p for p in module.parameters() if id(p) not in kept_ids]
         if precision == "bf16-true":
-            convert_parameters(m, BF16, lambda d: True)
-        elif precision == "bf16-mixed":
-            convert_parameters(m, torch.float32, lambda d: d in (torch.bfloat16, torch.float16))
+            _convert(rest, BF16, lambda d: True)
+        else:
+            _convert(rest, torch.float32, lambda d: d in (torch.bfloat16, torch.float16))
 
 
 def apply_precision(root: nn.Module, block_names: Sequence[str], precision: str, *, fsdp: bool,
@@ -156,8 +179,10 @@ def apply_precision(root: nn.Module, block_names: Sequence[str], precision: str,
     if precision == "bf16-mixed" and not fsdp:
         cast_parameters_in_forward(root, dtype)
     if precision == "bf16-true" or not fsdp:
+        kept = {id(m) for m in fp32_modules(root, precision)}  # FSDP2 gives them no cast either
         for name in block_names:
-            cast_inputs(root.get_submodule(name), dtype)
+            if id(root.get_submodule(name)) not in kept:
+                cast_inputs(root.get_submodule(name), dtype)
         cast_inputs(root, dtype)
     if last_stage:
         cast_outputs(root, torch.float32)
