@@ -197,3 +197,13 @@ def test_pipeline_hands_on_bf16_activations():
     for r in results:
         assert {k: r[k] for k in expected} == expected, r
     assert [r["stage outputs"] for r in results] == [["torch.bfloat16"]] * 2 + [[]] * 2, results
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_bf16_mixed_hf_llama():
+    pytest.importorskip("transformers")
+    hf_llama = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
+    run(4, [{"model": hf_llama, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "microbatch_size": 4}},
+            {"model": hf_llama, "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}}])
