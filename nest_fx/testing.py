@@ -12,7 +12,9 @@ both copies: random masks are not part of what a plan must reproduce. The tests 
 can anyone checking a plan on a small model. Nothing in the package below the command line
 imports this module. For models outside the
 named ones a spec may carry picklable callables (``build``, ``data``, ``loss``) or an explicit
-HuggingFace config (``hf_config``): see :func:`equivalence`.
+HuggingFace config (``hf_config``): see :func:`equivalence`. Under a ``bf16-mixed`` or
+``bf16-true`` plan the reference runs in that precision too (``apply/precision.py``'s casts on
+the whole model); :func:`precision_noise` gives the scale of its rounding for the tolerance.
 
 Fault probes (tests/test_apply_failures.py, tests/test_checkpoint.py, scripts/bench_faults.py):
 :func:`fault_run` trains a small model under TP2 x DP2 on 4 ranks and makes rank 3 stop
@@ -242,18 +244,6 @@ def precision_noise(spec: Dict[str, Any], precision: str) -> Dict[str, float]:
     out["param"] = max(float((p.detach() - q.detach().float()).abs().max())
                        for p, q in zip(model.parameters(), low.parameters()))
     return out
-
-
-def rounding_multiplicity(plan: Plan, num_microbatches: int) -> int:
-    """At most how many bf16 roundings a value of ``plan``'s run goes through where the
-    single-device run of the same precision rounds it once (docs/runtime.md, "Precision"): TP's
-    and CP's partial results summed in bf16 (``tp``, ``cp``), and under ``bf16-true`` each
-    gradient's microbatch and data-parallel sums in bf16 (``nmb + dp*cp - 1``)."""
-    tp = max(s.tp for s in plan.stages)
-    m = max(tp, plan.cp, 1)
-    if plan.precision == "bf16-true":
-        m = max(m, num_microbatches + plan.dp * plan.cp - 1)
-    return m
 
 
 def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:

@@ -5,7 +5,7 @@ precision, and the dtypes each mode keeps.
 ("Precision"): ``(1 + m) * noise``, where ``noise`` is how far the single-device run of that
 precision is from the single-device fp32 run (``nest_fx.testing.precision_noise``, per compared
 quantity) and ``m`` the number of bf16 roundings the plan may add where the single-device run
-rounds once (``nest_fx.testing.rounding_multiplicity``). ``fp32`` stays at 1e-5
+rounds once (:func:`rounding_multiplicity`). ``fp32`` stays at 1e-5
 (tests/test_apply_parallel.py and the rest of the suite).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.models import build_seeded
 from nest_fx.plan import Plan, uniform_plan
-from nest_fx.testing import equivalence, precision_noise, rounding_multiplicity
+from nest_fx.testing import equivalence, precision_noise
 
 LAUNCH_S = 240
 GPT = "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128"
@@ -33,6 +33,18 @@ MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacit
 QUANTITIES = {"loss_diff": "loss", "grad_diff": "grad", "param_diff": "param"}
 
 pytestmark = [pytest.mark.dist]
+
+
+def rounding_multiplicity(plan: Plan, num_microbatches: int) -> int:
+    """At most how many bf16 roundings a value of ``plan``'s run goes through where the
+    single-device run of the same precision rounds it once (docs/runtime.md, "Precision"): TP's
+    and CP's partial results summed in bf16 (``tp``, ``cp``), and under ``bf16-true`` each
+    gradient's microbatch and data-parallel sums in bf16 (``nmb + dp*cp - 1``)."""
+    tp = max(s.tp for s in plan.stages)
+    m = max(tp, plan.cp, 1)
+    if plan.precision == "bf16-true":
+        m = max(m, num_microbatches + plan.dp * plan.cp - 1)
+    return m
 
 
 def _equivalences(cases: List[Dict]) -> List[Dict]:

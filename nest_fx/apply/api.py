@@ -14,7 +14,9 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 6. ``float8``                  torchao Float8 linears in the blocks (plan.float8)
 7. ``activation_checkpoint``   per-stage recompute
 8. ``compile``                 torch.compile per block (plan.compile)
-9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1)
+9. ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
+   ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1; FSDP2's
+                               MixedPrecisionPolicy under bf16-mixed)
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
                                (gradients of tied embeddings summed over the two stages each step)
 
