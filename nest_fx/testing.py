@@ -134,8 +134,9 @@ def _plan(spec_plan: Optional[dict], num_layers: int, precision: Optional[str] =
 
 
 def _reference(model: nn.Module, graph, precision: str) -> nn.Module:
-    """A copy of ``model`` that trains on one device in ``precision`` (``apply/precision.py``)."""
-    return prepare_reference(copy.deepcopy(model), stage_blocks(graph, 0, len(graph.blocks)), precision)
+    """``model`` (a copy made before tracing) set to train on one device in ``precision``
+    (``apply/precision.py``)."""
+    return prepare_reference(model, stage_blocks(graph, 0, len(graph.blocks)), precision)
 
 
 def _call_args(example, inputs) -> tuple:
@@ -225,9 +226,10 @@ def precision_noise(spec: Dict[str, Any], precision: str) -> Dict[str, float]:
     of all its bf16 roundings, ``{"loss", "grad", "param"}`` (largest absolute differences). The
     scale of the bf16 tolerance (docs/runtime.md, "Precision")."""
     model, example, loss_fn, data = _setup(spec)
+    low = copy.deepcopy(model)
     args, kwargs = _call_args(example, data[0][0])
     graph = trace(model, args, kwargs, name=spec["model"])
-    low = _reference(model, graph, precision)
+    low = _reference(low, graph, precision)
     lr = spec.get("lr", 0.5)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (model, low)]
     out = {"loss": 0.0, "grad": 0.0, "param": 0.0}
@@ -258,14 +260,13 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     always runs in the parallel plan's precision."""
     model, example, loss_fn, data = _setup(spec)
     batch, lr = spec["batch"], spec.get("lr", 0.5)
+    reference = copy.deepcopy(model)
     args, kwargs = _call_args(example, data[0][0])
     graph = trace(model, args, kwargs, name=spec["model"])
     plan = _plan(spec.get("plan"), len(graph.blocks), spec.get("precision"))
-    reference = _reference(model, graph, plan.precision if plan is not None else "fp32")
     pm = auto_parallelize(model, _model_inputs(example, data[0][0]), global_batch_size=batch, loss_fn=loss_fn, plan=plan, graph=graph,
                           verbose=spec.get("verbose", False), sync_batchnorm=spec.get("sync_batchnorm", True))
-    if pm.plan.precision != (plan.precision if plan is not None else "fp32"):  # the planner chose another
-        reference = _reference(reference, graph, pm.plan.precision)
+    reference = _reference(reference, graph, pm.plan.precision)  # the planner's, when it chose the plan
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
