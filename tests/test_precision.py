@@ -219,3 +219,19 @@ def test_bf16_mixed_hf_llama():
     hf_llama = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
     run(4, [{"model": hf_llama, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "microbatch_size": 4}},
             {"model": hf_llama, "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}}])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_bf16_mixed_loss_parallel_hsdp_interleaved_and_op_recompute():
+    run(4, [
+        {"model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127", "precision": "bf16-mixed",
+         "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "loss_parallel": True,
+                  "sequence_parallel": True}},
+        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"dp": 4, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
+                                                             "num_microbatches": 2}},
+        {"model": LLAMA, "precision": "bf16-mixed",
+         "plan": {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "interleaved",
+                  "virtual_stages": 2}},
+        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"dp": 4, "microbatch_size": 2, "recompute": "op"}},
+    ])

@@ -46,7 +46,6 @@ from torch.utils._pytree import tree_map
 from nest_fx.plan.vocabulary import PRECISIONS
 
 BF16 = torch.bfloat16
-HOOKS_ATTR = "_nest_fx_precision"
 
 
 def compute_dtype(precision: str) -> Optional[torch.dtype]:
@@ -97,14 +96,6 @@ class _ParamCast:
             module._parameters.update(self.saved.pop())
 
 
-def _install(module: nn.Module, handles: list) -> None:
-    state = getattr(module, HOOKS_ATTR, None)
-    if state is None:
-        setattr(module, HOOKS_ATTR, handles)
-    else:
-        state.extend(handles)
-
-
 def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype = BF16) -> int:
     """Hooks on every submodule of ``module`` that holds parameters: its forward sees them in
     ``dtype`` (see :class:`_ParamCast`). Returns the number of modules hooked."""
@@ -114,8 +105,8 @@ def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype = BF16) -> 
         if id(m) in keep or not any(p is not None and p.is_floating_point() for p in m._parameters.values()):
             continue
         cast = _ParamCast(dtype)
-        _install(m, [m.register_forward_pre_hook(cast.pre),
-                     m.register_forward_hook(cast.post, always_call=True)])
+        m.register_forward_pre_hook(cast.pre)
+        m.register_forward_hook(cast.post, always_call=True)
         count += 1
     return count
 
@@ -125,7 +116,7 @@ def cast_inputs(module: nn.Module, dtype: torch.dtype = BF16) -> None:
     (FSDP2's ``cast_forward_inputs``)."""
     def hook(_m, args, kwargs):
         return _cast_floats(dtype, args), _cast_floats(dtype, kwargs)
-    _install(module, [module.register_forward_pre_hook(hook, with_kwargs=True)])
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def cast_outputs(module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
@@ -137,7 +128,7 @@ def cast_outputs(module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
                 output[key] = _cast_floats(dtype, output[key])
             return output
         return _cast_floats(dtype, output)
-    _install(module, [module.register_forward_hook(hook)])
+    module.register_forward_hook(hook)
 
 
 @torch.no_grad()
