@@ -13,12 +13,12 @@ One rule, three mechanisms that compute the same thing (docs/runtime.md, "Precis
   shard is cast to bf16 when it is gathered, each microbatch's bf16 gradient is cast to fp32 for
   the reduce-scatter and accumulation, and every sharded unit casts its floating inputs to bf16.
 - Everywhere else (replicated DP, TP, PP, CP, EP and the single-device reference run of
-  ``nest_fx.testing``) :func:`apply_precision` installs forward hooks that do the same: each module
-  holding parameters sees them cast to bf16 for its forward (``p.to(bfloat16)`` inside autograd,
-  so the gradient of the cast lands, cast back, in the fp32 parameter's ``.grad``; a DTensor
-  parameter casts as a DTensor), and the stage root and the blocks (the modules FSDP2 would shard)
-  cast their floating inputs to bf16. The cast runs again when activation checkpointing
-  recomputes a module, since the hooks are the module's own.
+  ``nest_fx.testing``) :func:`apply_precision` installs forward hooks that do the same: a module's
+  forward sees its subtree's parameters cast to bf16 (``p.to(bfloat16)`` inside autograd, so the
+  gradient of the cast lands, cast back, in the fp32 parameter's ``.grad``; a DTensor parameter
+  casts as a DTensor; :class:`_ParamCast`), and the stage root and the blocks (the modules FSDP2
+  would shard) cast their floating inputs to bf16. The cast runs again when activation
+  checkpointing recomputes a block, since every module inside it has the hooks.
 - The last stage's root casts its floating outputs to fp32 in both ``bf16`` modes, so the loss
   (``loss_fn``, or a HF model's logits next to its loss) is computed in fp32 from bf16 logits;
   the activations a pipeline stage hands on stay bf16.
@@ -35,7 +35,7 @@ in fp32 anyway. Under FSDP2 each of them is its own unit without a cast (``apply
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -78,33 +78,51 @@ def _cast_floats(dtype: torch.dtype, value: Any) -> Any:
 
 
 class _ParamCast:
-    """Forward hooks giving a module bf16 casts of its own (direct) parameters for the duration of
-    its forward; the fp32 ``Parameter`` objects are put back after it (also when it raises)."""
+    """Forward hooks giving a module, for the duration of its forward, bf16 casts of the
+    parameters of its whole subtree (but those of ``keep``: BatchNorm); the fp32 ``Parameter``
+    objects are put back after it, also when it raises.
 
-    def __init__(self, dtype: torch.dtype):
+    The subtree, not only the module's own parameters: code that reads a descendant's weight
+    (``self.wo.weight.dtype`` in T5's MLP, ``projection.weight.dtype`` in ViT's embeddings, HF's
+    ``self.dtype``) sees bf16, as it does under FSDP2, where a unit's parameters are all gathered
+    in bf16 before its forward. The outermost module casts each parameter once (tied weights
+    included, as in one FSDP2 unit); inner modules find them cast already and do nothing, except
+    when activation checkpointing recomputes a block after the outer module has put the fp32
+    parameters back: they cast again (the same values)."""
+
+    def __init__(self, dtype: torch.dtype, keep: Sequence[nn.Module]):
         self.dtype = dtype
-        self.saved: List[Dict[str, nn.Parameter]] = []  # a stack: a module may call itself
+        self.keep = {id(m) for m in keep}
+        self.saved: List[List[Tuple[nn.Module, str, nn.Parameter]]] = []  # a stack: a module may call itself
 
     def pre(self, module: nn.Module, args) -> None:
-        saved = {n: p for n, p in module._parameters.items() if p is not None and p.is_floating_point()}
-        self.saved.append(saved)
-        for name, p in saved.items():
-            module._parameters[name] = p.to(self.dtype)  # type: ignore[assignment]  # a tensor in autograd
+        swapped = []
+        for m in module.modules():
+            if id(m) in self.keep:
+                continue
+            for name, p in m._parameters.items():
+                if p is not None and p.is_floating_point() and p.dtype != self.dtype:
+                    swapped.append((m, name, p))
+                    m._parameters[name] = p.to(self.dtype)  # type: ignore[assignment]  # a tensor in autograd
+        self.saved.append(swapped)
 
     def post(self, module: nn.Module, args, output) -> None:
         if self.saved:
-            module._parameters.update(self.saved.pop())
+            for m, name, p in reversed(self.saved.pop()):
+                m._parameters[name] = p
 
 
 def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype = BF16) -> int:
-    """Hooks on every submodule of ``module`` that holds parameters: its forward sees them in
-    ``dtype`` (see :class:`_ParamCast`). Returns the number of modules hooked."""
+    """Hooks on every submodule of ``module`` with floating parameters in its subtree (BatchNorm
+    excepted): its forward sees them in ``dtype`` (see :class:`_ParamCast`). Returns the number
+    of modules hooked."""
+    keep = fp32_modules(module, "bf16-mixed")
+    kept = {id(p) for m in keep for p in m.parameters()}
     count = 0
-    keep = {id(m) for m in fp32_modules(module, "bf16-mixed")}
     for m in module.modules():
-        if id(m) in keep or not any(p is not None and p.is_floating_point() for p in m._parameters.values()):
+        if not any(p.is_floating_point() and id(p) not in kept for p in m.parameters()):
             continue
-        cast = _ParamCast(dtype)
+        cast = _ParamCast(dtype, keep)
         m.register_forward_pre_hook(cast.pre)
         m.register_forward_hook(cast.post, always_call=True)
         count += 1
