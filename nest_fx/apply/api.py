@@ -12,10 +12,10 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
                                ``loss_parallel`` keeps the LM head's logits sharded
 5. ``context_parallel``        K/V all-gathered in attention, positions of the rank's tokens
 6. ``float8``                  torchao Float8 linears in the blocks (plan.float8)
+   ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
 7. ``activation_checkpoint``   per-stage recompute
 8. ``compile``                 torch.compile per block (plan.compile)
-9. ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
-   ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1; FSDP2's
+9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1; FSDP2's
                                MixedPrecisionPolicy under bf16-mixed)
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
                                (gradients of tied embeddings summed over the two stages each step)
@@ -261,6 +261,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 6. Float8 linears
         if plan.float8:
             apply_float8(chunk, blocks)
+        # 6b. precision casts (docs/runtime.md, "Precision"), inside what checkpointing recomputes
+        apply_precision(chunk, blocks, plan.precision, fsdp=plan.zero >= 1, last_stage=index == num_stages - 1)
         # 7. activation checkpointing
         layers = stage_layer_groups(graph, start, end)
         apply_checkpointing(chunk, layers, stage_plan.recompute, blocks_before)
@@ -268,8 +270,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 8. torch.compile
         if plan.compile:
             compile_blocks(chunk, blocks)
-        # 9. precision casts (docs/runtime.md, "Precision"); 9b. FSDP / HSDP
-        apply_precision(chunk, blocks, plan.precision, fsdp=plan.zero >= 1, last_stage=index == num_stages - 1)
+        # 9b. FSDP / HSDP
         if plan.zero >= 1:
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,

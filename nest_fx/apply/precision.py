@@ -13,12 +13,13 @@ One rule, three mechanisms that compute the same thing (docs/runtime.md, "Precis
   shard is cast to bf16 when it is gathered, each microbatch's bf16 gradient is cast to fp32 for
   the reduce-scatter and accumulation, and every sharded unit casts its floating inputs to bf16.
 - Everywhere else (replicated DP, TP, PP, CP, EP and the single-device reference run of
-  ``nest_fx.testing``) :func:`apply_precision` installs forward hooks that do the same: a module's
-  forward sees its subtree's parameters cast to bf16 (``p.to(bfloat16)`` inside autograd, so the
+  ``nest_fx.testing``) :func:`apply_precision` installs casts that do the same: a unit's
+  forward sees its parameters cast to bf16 (``p.to(bfloat16)`` inside autograd, so the
   gradient of the cast lands, cast back, in the fp32 parameter's ``.grad``; a DTensor parameter
-  casts as a DTensor; :class:`_ParamCast`), and the stage root and the blocks (the modules FSDP2
-  would shard) cast their floating inputs to bf16. The cast runs again when activation
-  checkpointing recomputes a block, since every module inside it has the hooks.
+  casts as a DTensor), unit by unit as FSDP2 gathers them (each block's subtree, and the root's
+  modules outside the blocks: :func:`cast_parameters_in_forward`), and the stage root and the
+  blocks cast their floating inputs to bf16. A recomputed block casts again, inside its
+  checkpointed region.
 - The last stage's root casts its floating outputs to fp32 in both ``bf16`` modes, so the loss
   (``loss_fn``, or a HF model's logits next to its loss) is computed in fp32 from bf16 logits;
   the activations a pipeline stage hands on stay bf16.
@@ -35,6 +36,7 @@ in fp32 anyway. Under FSDP2 each of them is its own unit without a cast (``apply
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -78,55 +80,66 @@ def _cast_floats(dtype: torch.dtype, value: Any) -> Any:
 
 
 class _ParamCast:
-    """Forward hooks giving a module, for the duration of its forward, bf16 casts of the
-    parameters of its whole subtree (but those of ``keep``: BatchNorm); the fp32 ``Parameter``
-    objects are put back after it, also when it raises.
+    """Swaps the floating parameters of a set of modules for their bf16 casts and back: the
+    parameters of one FSDP2-like unit (a block's subtree, or the root's modules outside the
+    blocks), BatchNorm layers excepted. The fp32 ``Parameter`` objects are put back after the
+    unit's forward, also when it raises."""
 
-    The subtree, not only the module's own parameters: code that reads a descendant's weight
-    (``self.wo.weight.dtype`` in T5's MLP, ``projection.weight.dtype`` in ViT's embeddings, HF's
-    ``self.dtype``) sees bf16, as it does under FSDP2, where a unit's parameters are all gathered
-    in bf16 before its forward. The outermost module casts each parameter once (tied weights
-    included, as in one FSDP2 unit); inner modules find them cast already and do nothing, except
-    when activation checkpointing recomputes a block after the outer module has put the fp32
-    parameters back: they cast again (the same values)."""
+    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype):
+        self.modules, self.dtype = list(modules), dtype
+        self.saved: List[List[Tuple[nn.Module, str, nn.Parameter]]] = []  # a stack: a unit may call itself
 
-    def __init__(self, dtype: torch.dtype, keep: Sequence[nn.Module]):
-        self.dtype = dtype
-        self.keep = {id(m) for m in keep}
-        self.saved: List[List[Tuple[nn.Module, str, nn.Parameter]]] = []  # a stack: a module may call itself
-
-    def pre(self, module: nn.Module, args) -> None:
+    def cast(self) -> None:
         swapped = []
-        for m in module.modules():
-            if id(m) in self.keep:
-                continue
+        for m in self.modules:
             for name, p in m._parameters.items():
                 if p is not None and p.is_floating_point() and p.dtype != self.dtype:
                     swapped.append((m, name, p))
                     m._parameters[name] = p.to(self.dtype)  # type: ignore[assignment]  # a tensor in autograd
         self.saved.append(swapped)
 
-    def post(self, module: nn.Module, args, output) -> None:
+    def restore(self) -> None:
         if self.saved:
             for m, name, p in reversed(self.saved.pop()):
                 m._parameters[name] = p
 
 
-def cast_parameters_in_forward(module: nn.Module, dtype: torch.dtype = BF16) -> int:
-    """Hooks on every submodule of ``module`` with floating parameters in its subtree (BatchNorm
-    excepted): its forward sees them in ``dtype`` (see :class:`_ParamCast`). Returns the number
-    of modules hooked."""
-    keep = fp32_modules(module, "bf16-mixed")
-    kept = {id(p) for m in keep for p in m.parameters()}
-    count = 0
-    for m in module.modules():
-        if not any(p.is_floating_point() and id(p) not in kept for p in m.parameters()):
-            continue
-        cast = _ParamCast(dtype, keep)
-        m.register_forward_pre_hook(cast.pre)
-        m.register_forward_hook(cast.post, always_call=True)
-        count += 1
-    return count
+def cast_parameters_in_forward(root: nn.Module, block_names: Sequence[str], dtype: torch.dtype = BF16) -> None:
+    """While a block of ``root`` runs its forward, its subtree's parameters are bf16 casts; while
+    ``root`` runs, so are those of its modules outside the blocks (FSDP2's units).
+
+    The cast is part of the block's own ``forward`` (replaced on the instance; call this before
+    activation checkpointing wraps that ``forward``), so a recomputed block casts again inside the
+    checkpointed region, op for op as in its forward (selective checkpointing matches ops by
+    their order). A whole unit, not each module's own parameters: code that reads a descendant's
+    weight (``self.wo.weight.dtype`` in T5's MLP, ``projection.weight.dtype`` in ViT's embeddings,
+    HF's ``self.dtype``) sees bf16 as it does under FSDP2, and a weight used twice in a unit
+    (tied embeddings on one stage) is cast once, its bf16 gradients summed before the cast."""
+    keep = {id(m) for m in fp32_modules(root, "bf16-mixed")}
+    inside = set()
+    for name in block_names:
+        block = root.get_submodule(name)
+        members = [m for m in block.modules() if id(m) not in keep]
+        inside.update(id(m) for m in block.modules())
+        if members:
+            _cast_in_forward(block, _ParamCast(members, dtype))
+    outside = [m for m in root.modules() if id(m) not in inside and id(m) not in keep]
+    cast = _ParamCast(outside, dtype)
+    root.register_forward_pre_hook(lambda _m, _a: cast.cast())
+    root.register_forward_hook(lambda _m, _a, _o: cast.restore(), always_call=True)
+
+
+def _cast_in_forward(module: nn.Module, cast: _ParamCast) -> None:
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        cast.cast()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            cast.restore()
+    module.forward = forward
 
 
 def cast_inputs(module: nn.Module, dtype: torch.dtype = BF16) -> None:
@@ -181,12 +194,13 @@ def apply_precision(root: nn.Module, block_names: Sequence[str], precision: str,
     reference) whose layer modules are ``block_names``. ``fsdp``: FSDP2 will shard it with
     :func:`fsdp_policy` (which then casts parameters and inputs for ``bf16-mixed``).
     ``last_stage``: the root's output feeds the loss (it is cast to fp32). Call
-    :func:`prepare_parameters` first (before sharding)."""
+    :func:`prepare_parameters` first (before sharding), and this before activation checkpointing
+    (``activation_checkpoint.py``) wraps the blocks' ``forward``."""
     dtype = compute_dtype(precision)
     if dtype is None:
         return
     if precision == "bf16-mixed" and not fsdp:
-        cast_parameters_in_forward(root, dtype)
+        cast_parameters_in_forward(root, block_names, dtype)
     if precision == "bf16-true" or not fsdp:
         kept = {id(m) for m in fp32_modules(root, precision)}  # FSDP2 gives them no cast either
         for name in block_names:
