@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from nest_fx.apply.activation_checkpoint import checkpoint_module
+from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.precision import fp32_modules, fsdp_policy, prepare_reference
+from nest_fx.models import build_seeded
 
 
 class Net(nn.Module):
@@ -96,3 +99,38 @@ def test_fsdp_policy():
     policy = fsdp_policy("bf16-mixed")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert fsdp_policy("fp32") is None and fsdp_policy("bf16-true") is None
+
+
+class Reader(nn.Module):
+    """Reads a descendant's weight dtype in its own forward, as T5's MLP and ViT's embeddings do."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.inner(x.to(self.inner[0].weight.dtype))
+
+
+def test_a_unit_sees_its_descendants_weights_in_bf16():
+    torch.manual_seed(0)
+    model = nn.Sequential(Reader(), Reader())
+    prepare_reference(model, ["0"], "bf16-mixed")  # block 0; block-less module 1 belongs to the root's unit
+    assert model(torch.randn(2, 8)).dtype == torch.float32  # no dtype mismatch inside either
+    assert all(p.dtype == torch.float32 and isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", "op"])
+def test_recomputed_blocks_cast_again_inside_the_checkpointed_region(recompute):
+    plain, cfg = build_seeded("llama:hidden=32,layers=2,heads=4,seq=16,vocab=64")
+    recomputed = copy.deepcopy(plain)
+    blocks = ["layers.0", "layers.1"]
+    for model in (plain, recomputed):
+        prepare_reference(model, blocks, "bf16-mixed")
+    for name in blocks:
+        checkpoint_module(recomputed.get_submodule(name), recompute)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    for model in (plain, recomputed):
+        lm_loss(model(x), x).backward()
+    for (name, p), q in zip(plain.named_parameters(), recomputed.parameters()):
+        assert torch.equal(p.grad, q.grad), name
