@@ -6,7 +6,7 @@
                 fp32 parameters). What the cost model prices.
 ``bf16-true``   parameters, gradients and optimizer states in bf16.
 
-One rule, three mechanisms that compute the same thing (docs/runtime.md, "Precision"):
+One rule, two mechanisms that compute the same thing, and one output cast (docs/runtime.md, "Precision"):
 
 - Where FSDP2 runs (zero >= 1, HSDP), ``bf16-mixed`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=
   bf16, reduce_dtype=fp32)`` on every block and the stage root (:func:`fsdp_policy`): the fp32
