@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch.distributed as dist
@@ -48,27 +47,3 @@ def single_rank():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-class FakeClock:
-    """A ``time.perf_counter`` that advances ``tick`` seconds at every reading: a deadline falls
-    after a fixed number of the code's own clock readings, however loaded the machine is."""
-
-    def __init__(self, tick: float):
-        self.tick, self.now, self.reads = tick, 0.0, 0
-
-    def __call__(self) -> float:
-        self.reads += 1
-        self.now += self.tick
-        return self.now
-
-
-@pytest.fixture
-def fake_clock(monkeypatch):
-    """``fake_clock(tick=1e-3) -> FakeClock``, installed as ``time.perf_counter`` until the test ends
-    (the solver and the baselines read their deadlines from ``time.perf_counter``)."""
-    def install(tick: float = 1e-3) -> FakeClock:
-        clock = FakeClock(tick)
-        monkeypatch.setattr(time, "perf_counter", clock)
-        return clock
-    return install

@@ -1,51 +1,43 @@
-"""The time budget on a fake clock (1 ms per reading, the ``fake_clock`` fixture): the search and
-the baselines `nest-fx plan` runs after it read their deadline, stop within a few readings of it and
-return the best plan they have. Deterministic on any machine: the wall-clock overrun under load
-(budget + 10% at 65,536 devices) is measured by ``scripts/bench_planner.py --budget-check``."""
+"""The time budget is honoured within budget + 10%: the search, and the baselines `nest-fx plan`
+runs after it, on a case whose full search takes longer than the budget (65,536 devices)."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from nest_fx.cluster import load_cluster
-from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
+from nest_fx.solver import SolverOptions, solve
 from nest_fx.solver.baselines import run_baselines
 from nest_fx.workload import workload_for_model
 
-TICK = 1e-3
-BUDGET = 1.0  # 1,000 readings; the complete search of this case reads the clock ~3,300 times
-OVERRUN = 20 * TICK  # readings the planners may take between passing the deadline and returning
+BUDGET = 5.0  # long enough that one unit of work between deadline checks is well under 10% on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
 def large():
-    cluster = load_cluster("h100-spine-leaf:1024")
-    return workload_for_model("llama3-70b", cluster, seq=2048), cluster
+    cluster = load_cluster("h100-spine-leaf:65536")
+    return workload_for_model("mixtral-8x7b", cluster), cluster
 
 
-def test_search_stops_at_its_deadline_with_its_best_plan(large, fake_clock):
+@pytest.mark.slow
+def test_search_returns_within_its_budget(large):
     work, cluster = large
-    clock = fake_clock(TICK)
+    start = time.perf_counter()
     found = solve(work, cluster, 4096, SolverOptions(time_budget=BUDGET))
-    assert clock.now <= BUDGET + OVERRUN, clock.reads
-    assert not found.complete  # the deadline cut the search short ...
-    assert found.result.feasible and found.plan.devices_used <= 1024  # ... and it kept its best plan
-    assert found.plan.predicted["step_s"] == pytest.approx(found.result.step_s)
+    elapsed = time.perf_counter() - start
+    assert elapsed <= 1.1 * BUDGET
+    assert found.result.feasible
+    # the budget bound: the full search takes longer (it would be complete otherwise)
+    assert not found.complete
 
 
-def test_a_budget_too_short_for_any_plan_says_so(large, fake_clock):
+@pytest.mark.slow
+def test_baselines_stop_at_the_deadline_and_say_so(large):
     work, cluster = large
-    fake_clock(TICK)
-    with pytest.raises(NoFeasiblePlan, match=r"within the time budget of 0.002 s .*allow more time"):
-        solve(work, cluster, 4096, SolverOptions(time_budget=2 * TICK))
-
-
-def test_baselines_stop_at_the_deadline_and_say_so(large, fake_clock):
-    work, cluster = large
-    clock = fake_clock(TICK)
-    deadline = clock() + BUDGET
-    baselines = run_baselines(work, cluster, 4096, SolverOptions(), mcmc_evaluations=100_000, deadline=deadline)
-    assert clock.now <= deadline + OVERRUN, clock.reads
-    by_name = {b.name: b for b in baselines}
-    assert by_name["megatron"].plan is not None  # the recipes finished before the deadline
-    mcmc = by_name["mcmc"]
+    start = time.perf_counter()
+    baselines = run_baselines(work, cluster, 4096, SolverOptions(), mcmc_evaluations=100_000,
+                              deadline=start + BUDGET)
+    assert time.perf_counter() - start <= 1.1 * BUDGET
+    mcmc = next(b for b in baselines if b.name == "mcmc")
     assert mcmc.evaluations < 100_000 and "stopped at the time budget" in mcmc.notes

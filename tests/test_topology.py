@@ -1,6 +1,8 @@
 """Graph topologies: generators, file format, routing, contention, agreement with the hierarchical
 model, the GraphCluster adapter in the step-time model, orderings and calibration."""
+import gc
 import json
+import time
 
 import pytest
 
@@ -401,14 +403,20 @@ def test_measured_route_derates_but_keeps_sharing_links():
 # -- performance ---------------------------------------------------------------------------
 
 
-def test_costing_1024_devices():
-    """A ring over 1,024 devices and 128 concurrent groups are costed on each kind of topology
-    (how long that takes: ``scripts/bench_topology.py``, its costing table)."""
-    for build in (lambda: from_cluster(Cluster.preset("dgx-a100", 1024)),
-                  lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0),
-                  lambda: torus([8, 8, 16])):
+def test_costing_1024_devices_is_fast():
+    timings = {}
+    for name, build in [("from_cluster(dgx-a100)", lambda: from_cluster(Cluster.preset("dgx-a100", 1024))),
+                        ("fat_tree 4:1", lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0)),
+                        ("torus 8x8x16", lambda: torus([8, 8, 16]))]:
         topo = build()
+        gc.collect()  # a full collection of the interpreter's heap is not ours to time
+        t0 = time.perf_counter()
         ring = collective_time("all_reduce", topo, range(1024), S)
+        t1 = time.perf_counter()
         groups = [[g + 128 * k for k in range(8)] for g in range(128)]
         together = concurrent_collective_time("all_reduce", topo, groups, S)
+        t2 = time.perf_counter()
+        timings[name] = (t1 - t0, t2 - t1)
         assert ring > 0 and together >= collective_time("all_reduce", topo, groups[0], S) * (1 - 1e-12)
+    print({k: f"ring {a * 1e3:.0f} ms, 128 groups {b * 1e3:.0f} ms" for k, (a, b) in timings.items()})
+    assert all(a + b < 5.0 for a, b in timings.values())  # loose: the machine is shared
