@@ -12,7 +12,9 @@ both copies: random masks are not part of what a plan must reproduce. The tests 
 can anyone checking a plan on a small model. Nothing in the package below the command line
 imports this module. For models outside the
 named ones a spec may carry picklable callables (``build``, ``data``, ``loss``) or an explicit
-HuggingFace config (``hf_config``): see :func:`equivalence`.
+HuggingFace config (``hf_config``): see :func:`equivalence`. Under a ``bf16-mixed`` or
+``bf16-true`` plan the reference runs in that precision too (``apply/precision.py``'s casts on
+the whole model); :func:`precision_noise` gives the scale of its rounding for the tolerance.
 
 The fault probes and the two-agent elastic harness live in :mod:`nest_fx.testing_faults` and are
 re-exported here under their old names (``fault_run``, ``fault_reports``, ``ElasticAgents``, ...).
@@ -30,7 +32,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.losses import lm_loss
-from nest_fx.apply.pipeline import tensor_output
+from nest_fx.apply.pipeline import stage_blocks, tensor_output
+from nest_fx.apply.precision import prepare_reference
 from nest_fx.apply.runtime import model_loss
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import one_line
@@ -104,13 +107,23 @@ def disable_dropout(model: nn.Module) -> None:
                     setattr(sub, attr, 0.0)
 
 
-def _plan(spec_plan: Optional[dict], num_layers: int) -> Optional[Plan]:
+def _plan(spec_plan: Optional[dict], num_layers: int, precision: Optional[str] = None) -> Optional[Plan]:
     plan_spec = dict(spec_plan or {})
     if not plan_spec:  # let the planner choose (auto_parallelize's default)
+        if precision is not None:
+            raise ValueError("spec['precision'] needs an explicit spec['plan'] (the planner chooses its own)")
         return None
+    if precision is not None:
+        plan_spec["precision"] = precision
     if "stages" in plan_spec:
         return Plan.from_dict({"format": "nest-fx-plan/1", **plan_spec})
     return uniform_plan(plan_spec.pop("num_layers", num_layers), **plan_spec)
+
+
+def _reference(model: nn.Module, graph, precision: str) -> nn.Module:
+    """``model`` (a copy made before tracing) set to train on one device in ``precision``
+    (``apply/precision.py``)."""
+    return prepare_reference(model, stage_blocks(graph, 0, len(graph.blocks)), precision)
 
 
 def _call_args(example, inputs) -> tuple:
@@ -194,6 +207,34 @@ def fp32_noise(spec: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def precision_noise(spec: Dict[str, Any], precision: str) -> Dict[str, float]:
+    """How far the single-device ``precision`` run of ``spec`` (the reference :func:`equivalence`
+    compares a plan with: same steps, data and SGD) is from the single-device fp32 run: the effect
+    of all its bf16 roundings, ``{"loss", "grad", "param"}`` (largest absolute differences). The
+    scale of the bf16 tolerance (docs/runtime.md, "Precision")."""
+    model, example, loss_fn, data = _setup(spec)
+    low = copy.deepcopy(model)
+    args, kwargs = _call_args(example, data[0][0])
+    graph = trace(model, args, kwargs, name=spec["model"])
+    low = _reference(low, graph, precision)
+    lr = spec.get("lr", 0.5)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (model, low)]
+    out = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for inputs, target in data:
+        losses = [_step_loss(m, example, loss_fn, inputs, target, torch.float32) for m in (model, low)]
+        for loss in losses:
+            loss.backward()
+        out["loss"] = max(out["loss"], abs(float(losses[0].detach()) - float(losses[1].detach())))
+        out["grad"] = max([out["grad"]] + [float((p.grad - q.grad.float()).abs().max())
+                                           for p, q in zip(model.parameters(), low.parameters()) if p.grad is not None])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    out["param"] = max(float((p.detach() - q.detach().float()).abs().max())
+                       for p, q in zip(model.parameters(), low.parameters()))
+    return out
+
+
 def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict, kwargs for uniform_plan, or empty
     for the planner's choice) and compare with the single-device run. Keys: model, plan, batch, seq,
@@ -201,16 +242,19 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     model's own loss from its labels), "fn" (a loss_fn on its output: token or class cross entropy) or
     "auto" (the default: "fn" for models with one input, "model" for several). A spec with
     ``hf_config`` (:func:`hf_model_from_config`) or its own ``build``/``data``/``loss`` callables
-    (:func:`_setup_custom`) trains that model instead (``model`` then only labels the run)."""
+    (:func:`_setup_custom`) trains that model instead (``model`` then only labels the run).
+    ``precision`` (default: the plan's): sets the plan's precision; the single-device reference
+    always runs in the parallel plan's precision."""
     model, example, loss_fn, data = _setup(spec)
     batch, lr = spec["batch"], spec.get("lr", 0.5)
     reference = copy.deepcopy(model)
     args, kwargs = _call_args(example, data[0][0])
     graph = trace(model, args, kwargs, name=spec["model"])
-    plan = _plan(spec.get("plan"), len(graph.blocks))
+    plan = _plan(spec.get("plan"), len(graph.blocks), spec.get("precision"))
     pm = auto_parallelize(model, _model_inputs(example, data[0][0]), global_batch_size=batch, loss_fn=loss_fn,
                           plan=plan, graph=graph, verbose=spec.get("verbose", False),
                           sync_batchnorm=spec.get("sync_batchnorm", True))
+    reference = _reference(reference, graph, pm.plan.precision)  # the planner's, when it chose the plan
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
@@ -232,7 +276,7 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["loss_diff"] = max(out["loss_diff"], abs(float(loss) - float(ref_loss.detach())))
         grads = pm.full_tensors(grads=True)
         for name, g in grads.items():
-            out["grad_diff"] = max(out["grad_diff"], float((g - ref_params[name].grad).abs().max()))
+            out["grad_diff"] = max(out["grad_diff"], float((g.float() - ref_params[name].grad.float()).abs().max()))
         out["num_grads"] = len(grads)
         opt.step()
         opt.zero_grad()
@@ -240,9 +284,10 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
         ref_opt.zero_grad()
     params = pm.full_tensors()
     for name, p in params.items():
-        out["param_diff"] = max(out["param_diff"], float((p - ref_params[name].detach()).abs().max()))
+        out["param_diff"] = max(out["param_diff"], float((p.float() - ref_params[name].detach().float()).abs().max()))
     out["num_params"] = len(params)
     out["param_names"] = sorted(params)
+    out["num_microbatches"] = pm.num_microbatches
     # running statistics (BatchNorm) and other float buffers this rank holds
     ref_buffers = dict(reference.named_buffers())
     for name, b in pm.named_buffers():

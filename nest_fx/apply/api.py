@@ -12,9 +12,11 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
                                ``loss_parallel`` keeps the LM head's logits sharded
 5. ``context_parallel``        K/V all-gathered in attention, positions of the rank's tokens
 6. ``float8``                  torchao Float8 linears in the blocks (plan.float8)
+   ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
 7. ``activation_checkpoint``   per-stage recompute
 8. ``compile``                 torch.compile per block (plan.compile)
-9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1)
+9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1; FSDP2's
+                               MixedPrecisionPolicy under bf16-mixed)
    ``materialize``             a model started on ``meta`` (or ``weights=``): each rank's shards
                                allocated on its device and filled from the file or the model's init
 10. ``pipeline.make_schedule`` PipelineStage(s) and the 1F1B / GPipe / interleaved schedule
@@ -61,6 +63,7 @@ from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
                                     stage_layer_groups)
+from nest_fx.apply.precision import apply_precision, fp32_modules, fsdp_policy, prepare_parameters
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
@@ -239,6 +242,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     device = torch.device("cuda", torch.cuda.current_device()) if mesh_device == "cuda" else torch.device("cpu")
     if not on_meta:
         chunks = [c.to(device) for c in chunks]
+    prepare_parameters(chunks, plan.precision)  # bf16-true: bf16 parameters; bf16-mixed: fp32 masters
 
     # 2. identical replicas inside the stage (DP x CP x TP ranks); tied embeddings equal on both stages
     if not on_meta and plan.dp * plan.cp * stage_plan.tp > 1:
@@ -261,7 +265,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
     blocks_before = 0  # blocks of this stage in earlier chunks (every:<k> counts through the stage)
-    for chunk, (start, end) in zip(chunks, ranges):
+    for chunk, index, (start, end) in zip(chunks, indices, ranges):
         blocks = stage_blocks(graph, start, end)
         # 3. expert parallel
         if plan.ep > 1:
@@ -281,6 +285,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 6. Float8 linears
         if plan.float8:
             apply_float8(chunk, blocks)
+        # 6b. precision casts (docs/runtime.md, "Precision"), inside what checkpointing recomputes
+        apply_precision(chunk, blocks, plan.precision, fsdp=plan.zero >= 1, last_stage=index == num_stages - 1)
         # 7. activation checkpointing
         layers = stage_layer_groups(graph, start, end)
         apply_checkpointing(chunk, layers, stage_plan.recompute, blocks_before)
@@ -292,7 +298,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         if shards_anything(plan.zero, replicas):
             apply_fsdp(chunk, blocks, data_parallel_mesh(mesh, plan), plan.zero,
                        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
-                       dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else ())
+                       dp_size=replicas, expert_modules=expert_modules(chunk) if plan.ep > 1 else (),
+                       mp_policy=fsdp_policy(plan.precision), fp32_modules=fp32_modules(chunk, plan.precision))
 
     # 9. values of a model started on meta, or read from weights=: this rank's shards only (before
     # the gradient sync holds on to the parameters: to_empty may replace them)

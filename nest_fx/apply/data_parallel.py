@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 BUCKET_BYTES = 25 * 2**20
@@ -127,18 +127,27 @@ def shards_anything(zero: int, replicas: int) -> bool:
 
 
 def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int, *, edp_mesh=None,
-               dp_size: Optional[int] = None, expert_modules: Sequence[nn.Module] = ()) -> nn.Module:
-    """FSDP2 over ``dp_mesh`` (1-D, or 2-D for HSDP): each block, then the root (see module docstring)."""
+               dp_size: Optional[int] = None, expert_modules: Sequence[nn.Module] = (),
+               mp_policy: Optional[MixedPrecisionPolicy] = None,
+               fp32_modules: Sequence[nn.Module] = ()) -> nn.Module:
+    """FSDP2 over ``dp_mesh`` (1-D, or 2-D for HSDP): each block, then the root (see module docstring).
+    ``mp_policy``: FSDP2's mixed precision (``precision.fsdp_policy``), the same on every unit but
+    ``fp32_modules`` (``precision.fp32_modules``: BatchNorm), each its own unit without a cast."""
     reshard = zero >= 3
+    policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    for kept in fp32_modules:
+        fully_shard(kept, mesh=dp_mesh, reshard_after_forward=reshard)
     for expert_mod in expert_modules:
-        fsdp_experts = fully_shard(expert_mod, mesh=edp_mesh, reshard_after_forward=reshard)
+        fsdp_experts = fully_shard(expert_mod, mesh=edp_mesh, reshard_after_forward=reshard, **policy)
         fsdp_experts.set_gradient_divide_factor(float(dp_size))
         # a divide factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks:
         # sum, then divide. Not on a group of one: FSDP2 (torch 2.13) divides that copy by the factor
         # and then, under forced sums, divides again (tests/test_apply_parallel.py EP2 x DP2 x PP2)
         if edp_mesh.size() > 1:
             fsdp_experts.set_force_sum_reduction_for_comms(True)
+    kept_ids = {id(m) for m in fp32_modules}
     for name in block_names:
-        fully_shard(module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        if id(module.get_submodule(name)) not in kept_ids:  # a layer that is a BatchNorm is one already
+            fully_shard(module.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
     return module
