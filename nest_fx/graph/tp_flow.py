@@ -48,6 +48,7 @@ ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 BATCHED_MATMULS = {"bmm", "matmul", "baddbmm"}
 IGNORED = {"_assert_tensor_metadata", "size", "sym_size", "dim"}
+COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,8 @@ class _Follower:
             return [self.reshape(node, ins)]
         if op in ("transpose", "swapaxes", "permute", "t", "numpy_T", "unsqueeze", "squeeze"):
             return [self.move_dims(node, op, ins)]
+        if op in COMPLEX_VIEWS:
+            return [self.complex_view(node, op, ins)]
         if op in SELECTS or op in ("index", "getitem"):
             return [self.select(node, op, ins)]
         if op in SPLITS:
@@ -397,6 +400,15 @@ class _Follower:
         if out[dim] != shape[f.dim]:
             raise _Stop(f"{self.where(node)} changes the sharded dim")
         return replace(f, dim=dim)
+
+    def complex_view(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
+        """Complex RoPE: ``view_as_complex`` folds the last dim (pairs of reals) into one complex
+        number, ``view_as_real`` unfolds it; the sharded heads dim before it is untouched."""
+        _, f = self.single(node, ins)
+        ndim = len(self.g.nodes[node]["in_shapes"][0])
+        if op == "view_as_complex" and f.dim >= ndim - 1:
+            raise _Stop(f"{self.where(node)} folds the sharded dim into complex numbers")
+        return f
 
     def select(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
         d = self.g.nodes[node]
