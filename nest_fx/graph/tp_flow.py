@@ -218,8 +218,9 @@ class _Follower:
     # -- per-op rules ---------------------------------------------------------------------
     def propagate(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
         d = self.g.nodes[node]
-        if op == "getitem" and isinstance(_arg(d, 1), int):
-            k = _arg(d, 1)
+        source = (d.get("inputs") or [None])[0]
+        if op == "getitem" and isinstance(_arg(d, 1), int) and len(self.g.nodes[source].get("out_shapes") or []) > 1:
+            k = _arg(d, 1)  # an item of a tuple (split, attention outputs); an index into a tensor is a select
             flows = [f for f in ins if f is not None]
             return [self.flows[d["inputs"][0]][k]] if d.get("inputs") and self.flows.get(d["inputs"][0]) else flows[:1]
         if op in ELEMENTWISE or (d.get("fx_op") == "call_module" and op in ACTIVATION_MODULES):
