@@ -11,6 +11,8 @@ name               what it stands for
 ``nanogpt``        nanoGPT's GPT: fused ``c_attn`` split with ``.split(self.n_embd, dim=2)``,
                    ``forward(idx, targets=None) -> (logits, loss)`` trained on its own loss, tied
                    ``wte``/``lm_head``, blocks in ``transformer.h``
+``nanogpt-views``  the same with its head views sized ``view(B, T, n_head, -1)`` and
+                   ``view(B, T, -1)`` (no size read from the input's width)
 ``timm-vit``       timm's VisionTransformer: ``qkv(x).reshape(B, N, 3, H, hd).permute(2, 0, 3, 1,
                    4).unbind(0)``, ``cls_token``/``pos_embed`` root parameters, ``blocks`` Sequential
 ``deit``           DeiT: the timm ViT with a distillation token and a second head
@@ -74,6 +76,18 @@ class GPTAttention(nn.Module):
         return self.c_proj(y)
 
 
+class LocalViewsAttention(GPTAttention):
+    """nanoGPT's attention with its head views sized by ``-1`` instead of the input's width: the
+    sizes it reads (``n_embd``, ``n_head``) are attributes tensor parallelism localises."""
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
 class GPTMLP(nn.Module):
     def __init__(self, n_embd: int):
         super().__init__()
@@ -96,11 +110,14 @@ class GPTBlock(nn.Module):
 
 class NanoGPT(nn.Module):
     def __init__(self, vocab: int = VOCAB, block_size: int = SEQ, n_embd: int = DIM, n_head: int = HEADS,
-                 n_layer: int = DEPTH):
+                 n_layer: int = DEPTH, local_views: bool = False):
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block_size, n_embd),
             h=nn.ModuleList([GPTBlock(n_embd, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(n_embd)))
+        if local_views:
+            for block in self.transformer.h:
+                block.attn = LocalViewsAttention(n_embd, n_head)
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -597,6 +614,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 STYLE_MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], str]] = {
     # name: (kind, constructor, loss: "model" (its own, from the targets) | "tokens" | "classes")
     "nanogpt": ("decoder", NanoGPT, "model"),
+    "nanogpt-views": ("decoder", lambda: NanoGPT(local_views=True), "model"),
     "meta-llama": ("decoder", MetaLlama, "tokens"),
     "titan-llama3": ("decoder", TitanLlama3, "tokens"),
     "timm-vit": ("vision", TimmViT, "classes"),

@@ -61,6 +61,26 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
     return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
 
 
+ATTENTION_CORES = {"scaled_dot_product_attention", "multiheadattention", "multi_head_attention_forward"}
+
+
+def unsharded_attention(graph) -> List[str]:
+    """Module FQNs of attention calls in the layers that no TP region holds (``nn.MultiheadAttention``,
+    a leaf to the tracer): under a TP plan they run whole on every TP rank while the pairs beside
+    them (the MLP) are sharded. The cost model prices them so (it divides the regions' nodes only);
+    the runtime reports them."""
+    found: List[str] = []
+    for block in graph.layer_blocks:
+        regions = [block.fqn(r) for r, kind, _ in block_regions(graph.pattern_of(block)) if kind != "expert"]
+        for node in block.nodes:
+            d = graph.graph.nodes[node]
+            module = d.get("module", "")
+            if d.get("op") in ATTENTION_CORES and not any(r == "" or module == r or module.startswith(r + ".")
+                                                           for r in regions) and module not in found:
+                found.append(module)
+    return found
+
+
 def localise_head_counts(module: nn.Module, tp: int) -> None:
     """Make an attention region count ``heads / tp`` heads: on the region's module and every module
     inside it (DeBERTa keeps its head count on ``attention.self`` while the region is
