@@ -123,9 +123,11 @@ class _Reader:
         self.block_name = {b.index: b.name for b in graph.blocks}
 
     def top_of(self, path: str) -> Optional[str]:
-        """The first module below the layer container's ancestors on ``path`` (None: root code)."""
+        """The first module below the layer container's ancestors on ``path`` (None: root code),
+        looking through ``ModuleList``/``ModuleDict`` holders, which run no code of their own
+        (ConvNeXt's ``downsample_layers[i]``, one per stage, each used by its own block)."""
         for prefix in _ancestors(path)[1:]:
-            if prefix not in self.above:
+            if prefix not in self.above and not isinstance(self.modules.get(prefix), (nn.ModuleList, nn.ModuleDict)):
                 return prefix
         return None
 
