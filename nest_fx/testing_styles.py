@@ -15,6 +15,7 @@ name               what it stands for
                    ``view(B, T, -1)`` (no size read from the input's width)
 ``timm-vit``       timm's VisionTransformer: ``qkv(x).reshape(B, N, 3, H, hd).permute(2, 0, 3, 1,
                    4).unbind(0)``, ``cls_token``/``pos_embed`` root parameters, ``blocks`` Sequential
+``timm-vit-views`` the same, its heads merged with ``reshape(B, N, -1)`` instead of ``(B, N, C)``
 ``deit``           DeiT: the timm ViT with a distillation token and a second head
 ``tv-vit``         torchvision's ViT: ``encoder.layers.encoder_layer_0`` (an OrderedDict Sequential),
                    ``nn.MultiheadAttention``, ``class_token`` root parameter, forward starts with
@@ -139,9 +140,11 @@ class NanoGPT(nn.Module):
 # -- timm ViT and DeiT -----------------------------------------------------------------------------
 
 class TimmAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
+    """``local_views``: the output merged with ``reshape(B, N, -1)`` instead of timm's ``(B, N, C)``."""
+
+    def __init__(self, dim: int, num_heads: int, local_views: bool = False):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.num_heads, self.head_dim, self.local_views = num_heads, dim // num_heads, local_views
         self.scale = self.head_dim ** -0.5
         self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
 
@@ -150,7 +153,7 @@ class TimmAttention(nn.Module):
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+        return self.proj(x.transpose(1, 2).reshape(B, N, -1 if self.local_views else C))
 
 
 class TimmMlp(nn.Module):
@@ -163,9 +166,9 @@ class TimmMlp(nn.Module):
 
 
 class TimmBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, dim: int, num_heads: int, local_views: bool = False):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), TimmAttention(dim, num_heads)
+        self.norm1, self.attn = nn.LayerNorm(dim), TimmAttention(dim, num_heads, local_views)
         self.norm2, self.mlp = nn.LayerNorm(dim), TimmMlp(dim, 4 * dim)
 
     def forward(self, x):
@@ -185,7 +188,8 @@ class PatchEmbed(nn.Module):
 class TimmViT(nn.Module):
     """timm's layout; ``distilled=True`` adds DeiT's distillation token and head."""
 
-    def __init__(self, dim: int = DIM, depth: int = DEPTH, heads: int = HEADS, patch: int = 4, distilled: bool = False):
+    def __init__(self, dim: int = DIM, depth: int = DEPTH, heads: int = HEADS, patch: int = 4, distilled: bool = False,
+                 local_views: bool = False):
         super().__init__()
         tokens = (IMAGE // patch) ** 2
         prefix = 2 if distilled else 1
@@ -193,7 +197,7 @@ class TimmViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
         self.dist_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if distilled else None
         self.pos_embed = nn.Parameter(torch.randn(1, tokens + prefix, dim) * 0.02)
-        self.blocks = nn.Sequential(*[TimmBlock(dim, heads) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[TimmBlock(dim, heads, local_views) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, CLASSES)
         self.head_dist = nn.Linear(dim, CLASSES) if distilled else None
@@ -618,6 +622,7 @@ STYLE_MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], str]] = {
     "meta-llama": ("decoder", MetaLlama, "tokens"),
     "titan-llama3": ("decoder", TitanLlama3, "tokens"),
     "timm-vit": ("vision", TimmViT, "classes"),
+    "timm-vit-views": ("vision", lambda: TimmViT(local_views=True), "classes"),
     "deit": ("vision", lambda: TimmViT(distilled=True), "classes"),
     "tv-vit": ("vision", TvViT, "classes"),
     "tv-cnn": ("vision", TvCNN, "classes"),

@@ -66,6 +66,33 @@ def test_tp_refuses_a_region_whose_own_code_fails_on_one_ranks_shard():
     assert c_attn.parts == [32, 32, 32] and c_attn.units == [8, 8, 8]  # q, k, v split by heads
 
 
+def test_a_fused_qkv_reshaped_permuted_and_unbound_is_sharded_by_heads():
+    """timm's ``qkv(x).reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)`` (and Swin's
+    ``qkv[0]``): the dim of 3 holds the fused parts, each of H heads; a rank keeps whole heads of
+    each part. timm's own ``reshape(B, N, C)`` after attention then reads the input's width (refused
+    by the rehearsal); merged with ``-1`` it shards; Swin stops at its per-head bias table."""
+    for name in ("timm-vit", "timm-vit-views"):
+        model, _, graph = _traced(name)
+        pairs = graph.pattern_of(graph.layer_blocks[0]).tp_pairs
+        qkv = next(p for pair in pairs for p in pair.params if p.name == "attn.qkv.weight")
+        assert (qkv.parts, qkv.units) == ([32, 32, 32], [8, 8, 8]), name
+    model, _, graph = _traced("timm-vit")
+    assert "cannot shard blocks.0.attn (TimmAttention)" in parallel_support(model, graph).tp_problem(2)
+    model, _, graph = _traced("timm-vit-views")
+    assert parallel_support(model, graph).tp_problem(2) == ""
+    model, _, graph = _traced("swin")
+    assert "relative_position_bias_table has one entry per sharded head" in parallel_support(model, graph).tp_problem(2)
+
+
+@pytest.mark.parametrize("name", ["timm-vit", "deit", "tv-vit", "convnext"])
+def test_pipelines_place_root_parameters_and_per_stage_downsamplers(name):
+    """timm's ``cls_token``/``pos_embed`` (DeiT's ``dist_token``), torchvision's ``class_token`` and
+    ``encoder.pos_embedding`` stay with the stage of the head that uses them; ConvNeXt's
+    ``downsample_layers[i]`` each go with the block that calls it."""
+    model, _, graph = _traced(name)
+    assert parallel_support(model, graph).pp_problem(2) == ""
+
+
 @pytest.mark.parametrize("name", ["meta-llama", "titan-llama3"])
 def test_complex_rope_is_followed_under_tp(name):
     model, _, graph = _traced(name)
@@ -137,6 +164,8 @@ def _check_cell(name: str, plan_name: str) -> dict:
     ("nanogpt-views", "TP2xDP2", "ok"),  # split(n_embd) sharded by heads
     ("meta-llama", "TP2xDP2", "ok"),  # complex RoPE
     ("tv-cnn", "PP2xDP2", "ok"),  # features[i] stages, the stem as the head
+    ("timm-vit-views", "TP2xDP2", "ok"),  # reshape(B, N, 3, H, hd).permute(...).unbind(0) sharded by heads
+    ("timm-vit", "PP2xDP2", "ok"),  # cls_token and pos_embed on the first stage
 ])
 def test_style_cells(name, plan_name, status):
     assert _check_cell(name, plan_name)["status"] == status

@@ -29,7 +29,7 @@ import networkx as nx
 
 from nest_fx.graph.opgraph import Block, HeadInput
 from nest_fx.graph.tp_flow_ops import (ACTIVATION_MODULES, ATTENTION, BATCHED_MATMULS, COMPLEX_VIEWS, ELEMENTWISE,
-                                       IGNORED, NORMS, REDUCTIONS, RESHAPES, SELECTS, SPLITS, Flow, PairLayout,
+                                       IGNORED, KEEP_FUSED, NORMS, REDUCTIONS, RESHAPES, SELECTS, SPLITS, Flow, PairLayout,
                                        ShapeRules, _arg, _float, _normalises_last, _prod, _Stop)
 
 
@@ -151,6 +151,12 @@ class _Follower(ShapeRules):
 
     # -- per-op rules ---------------------------------------------------------------------
     def propagate(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
+        flows = self.rule(node, op, ins)
+        if op in KEEP_FUSED or op in RESHAPES:  # a reshape's flow is fused only when it made the view
+            return flows
+        return [replace(f, fused=None) if f is not None and f.fused else f for f in flows]
+
+    def rule(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
         d = self.g.nodes[node]
         source = (d.get("inputs") or [None])[0]
         if op == "getitem" and isinstance(_arg(d, 1), int) and len(self.g.nodes[source].get("out_shapes") or []) > 1:
@@ -286,7 +292,7 @@ class _Follower(ShapeRules):
         for dim in range(len(out) - 1, -1, -1):
             outer = suffix * out[dim]
             if suffix <= stride and stride % suffix == 0 and extent <= outer and outer % extent == 0:
-                return replace(f, dim=dim, inner=stride // suffix)
+                return replace(f, dim=dim, inner=stride // suffix, fused=None)
             suffix = outer
         if f.heads or f.inner != 1:
             raise _Stop(f"{self.where(node)} reshapes across the sharded heads")
@@ -308,7 +314,10 @@ class _Follower(ShapeRules):
         count = out[heads_dim]
         self.terminal(f, f.count // count, node)
         self.head_counts.add(count)
-        return Flow(dim=heads_dim, count=count, heads=True)
+        fused = None
+        if len(dims) >= 3 and f.source is not None and stride == 1:  # [.., P, H, hd]: P fused parts, maybe
+            fused = f.source + (dims[-2], out[dims[-2]])
+        return Flow(dim=heads_dim, count=count, heads=True, fused=fused)
 
     def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
         d = self.g.nodes[node]

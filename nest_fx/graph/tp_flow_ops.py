@@ -7,7 +7,7 @@ join tensors, reduce or normalise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from nest_fx.graph.opgraph import HeadInput
 
@@ -31,6 +31,9 @@ ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
 BATCHED_MATMULS = {"bmm", "matmul", "baddbmm"}
 IGNORED = {"_assert_tensor_metadata", "size", "sym_size", "dim"}
 COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
+# ops that keep a flow's fused parts (they move or take the dims; any other op forgets them)
+KEEP_FUSED = {"transpose", "swapaxes", "permute", "t", "numpy_T", "contiguous", "clone", "to", "_to_copy", "alias",
+              "detach"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class Flow:
     inner: int = 1
     heads: bool = False
     source: Optional[Tuple[str, int, int]] = None
+    # features viewed as [.., P, H, hd] (timm's ``reshape(B, N, 3, H, hd)``): ``dim`` holds P (taken
+    # for the heads until an op selects or unbinds along it); ``fused`` = (column, start, size,
+    # the dim holding H, H): then each of the P parts is a projection of H heads, sharded by heads
+    fused: Optional[Tuple[str, int, int, int, int]] = None
 
     @property
     def extent(self) -> int:
@@ -164,7 +171,29 @@ class ShapeRules:
                 raise _Stop(f"{self.where(node)} squeezes the sharded dim")
         if out[dim] != shape[f.dim]:
             raise _Stop(f"{self.where(node)} changes the sharded dim")
-        return replace(f, dim=dim)
+        fused = None
+        if f.fused is not None and op in ("transpose", "swapaxes", "permute", "t", "numpy_T"):
+            sub = f.fused[3]
+            if op == "permute":
+                moved = [_norm_dim(x, n) for x in order].index(sub)
+            elif op in ("t", "numpy_T"):
+                moved = n - 1 - sub
+            else:
+                moved = b if sub == a else (a if sub == b else sub)
+            fused = f.fused[:3] + (moved, f.fused[4])
+        return replace(f, dim=dim, fused=fused)
+
+    def take_part(self, f: Flow, removed: Set[int]) -> Flow:
+        """An op removes the dim of the P fused parts (``unbind(0)``, ``qkv[0]``): each part is a
+        projection of H heads; the column's range becomes P parts of whole heads."""
+        column, start, size, sub, heads = f.fused
+        parts = f.count
+        ranges = self.ranges[column]
+        ranges.discard((start, size, size // parts))
+        for k in range(parts):
+            ranges.add((start + k * size // parts, size // parts, size // parts // heads))
+        self.head_counts.add(heads)
+        return Flow(dim=sub - sum(1 for r in removed if r < sub), count=heads, heads=True)
 
     def complex_view(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
         """Complex RoPE: ``view_as_complex`` folds the last dim (pairs of reals) into one complex
@@ -186,6 +215,8 @@ class ShapeRules:
                 return f
             raise _Stop(f"{self.where(node)} indexes the sharded dim")
         removed, sliced = dims
+        if f.dim in removed and f.fused is not None and f.fused[3] not in removed:
+            return self.take_part(f, removed)
         if f.dim in removed:
             raise _Stop(f"{self.where(node)} selects along the sharded heads/features")
         if f.dim in sliced:
@@ -203,6 +234,8 @@ class ShapeRules:
         shape, outs = d["in_shapes"][0], d["out_shapes"]
         dim = _norm_dim(_arg(d, 2 if op != "unbind" else 1, d.get("kwargs", {}).get("dim", 0)), len(shape))
         if op == "unbind":
+            if dim == f.dim and f.fused is not None:
+                return [self.take_part(f, {dim}) for _ in outs]
             if dim == f.dim:
                 raise _Stop(f"{self.where(node)} unbinds the sharded dim")
             return [replace(f, dim=f.dim - (1 if dim < f.dim else 0)) for _ in outs]
