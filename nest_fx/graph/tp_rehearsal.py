@@ -60,13 +60,12 @@ def _first_shape(output: Any):
     return None
 
 
-def _record_calls(model: nn.Module, graph, paths: List[str]) -> Dict[str, Tuple[tuple, dict, Any]]:
+def _record_calls(meta: nn.Module, graph, paths: List[str]) -> Dict[str, Tuple[tuple, dict, Any]]:
     """{region FQN: (args, kwargs, output shape)} of each region's first call in a fake forward of
-    a meta copy of ``model`` fed the traced inputs; regions not reached are missing."""
+    ``meta`` (a meta copy of the model) fed the traced inputs; regions not reached are missing."""
     inputs = traced_inputs(graph)
     if inputs is None:
         return {}
-    meta = meta_copy(model)
     calls: Dict[str, Tuple[tuple, dict, Any]] = {}
     handles = []
     for path in paths:
@@ -121,11 +120,19 @@ def _local_copy(region: nn.Module, path: str, kind: str, block, pairs, tp: int) 
 def tp_rehearsal_problem(model: nn.Module, graph, tp: int) -> str:
     """Why a TP region of ``model`` (traced as ``graph``) does not run on one rank's shard at degree
     ``tp`` (see the module docstring), or "" (also when it cannot tell: no recorded inputs)."""
+    cache = graph.__dict__.setdefault("_tp_rehearsals", {})  # the planner and the checks ask per degree
+    key = (id(model), tp)
+    if key not in cache:
+        cache[key] = _rehearse(model, graph, tp)
+    return cache[key]
+
+
+def _rehearse(model: nn.Module, graph, tp: int) -> str:
     regions = _regions(graph)
-    calls = _record_calls(model, graph, [r[0] for r in regions])
-    if not calls:
+    if not regions:
         return ""
     meta = meta_copy(model)
+    calls = _record_calls(meta, graph, [r[0] for r in regions])
     for path, kind, block, pairs in regions:
         if path not in calls:
             continue
