@@ -20,6 +20,7 @@ from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 from nest_fx.testing import COVERAGE_PLANS, cell_status, coverage_cell
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec, token_data
+from nest_fx.workload.traced_source import _block_facts
 
 BATCH, WORLD, LAUNCH_S = 8, 4, 300
 FORCED = [p for p in COVERAGE_PLANS if not p.startswith("EP")]
@@ -129,6 +130,12 @@ def test_multihead_attention_left_whole_under_tp_is_reported():
                                           "encoder.layers.encoder_layer_1.self_attention"]
     _, _, llama = _traced("meta-llama")
     assert unsharded_attention(llama) == []
+    block = graph.layer_blocks[0]  # priced as what runs: the attention whole, the MLP pair sharded
+    facts = {n: f for n, f in zip(block.nodes, _block_facts(graph, block).nodes)}
+    ops = {n: graph.graph.nodes[n].get("op") for n in block.nodes}
+    attention = [f for n, f in facts.items() if ops[n] == "multiheadattention"]
+    assert attention and all(not f.tp and f.flops > 0 for f in attention)
+    assert sum(f.tp for n, f in facts.items() if ops[n] == "linear") == 2
 
 
 def _refused_in_one_process(name: str, plan_name: str) -> str:
