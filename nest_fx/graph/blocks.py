@@ -122,12 +122,12 @@ def _fold_empty_ends(graph: nx.DiGraph, blocks: List[Block]) -> List[Block]:
     stem is ``features[0]``) leaves a head that computes nothing; the workload drops such a block
     while the runtime would count it, and a pipeline cut after it would pass no activation. Its
     first layer becomes the head instead (and likewise the last layer the tail of a forward that
-    ends with the container), while at least two layers remain."""
+    ends with the container), while a layer remains."""
     head, layers, tail = blocks[0], blocks[1:-1], blocks[-1]
-    if len(layers) > 2 and _costless(graph, head.nodes):
+    if len(layers) >= 2 and _costless(graph, head.nodes):
         first = layers.pop(0)
         head.nodes = head.nodes + first.nodes
-    if len(layers) > 2 and _costless(graph, tail.nodes):
+    if len(layers) >= 2 and _costless(graph, tail.nodes):
         last = layers.pop()
         tail.nodes = last.nodes + tail.nodes
     for k, b in enumerate([head] + layers + [tail]):
