@@ -122,12 +122,19 @@ def _fold_empty_ends(graph: nx.DiGraph, blocks: List[Block]) -> List[Block]:
     stem is ``features[0]``) leaves a head that computes nothing; the workload drops such a block
     while the runtime would count it, and a pipeline cut after it would pass no activation. Its
     first layer becomes the head instead (and likewise the last layer the tail of a forward that
-    ends with the container), while a layer remains."""
+    ends with the container), while a layer remains. Only a layer unlike its neighbour moves (a
+    stem, a classifier); identical layers all stay layers."""
     head, layers, tail = blocks[0], blocks[1:-1], blocks[-1]
-    if len(layers) >= 2 and _costless(graph, head.nodes):
+
+    def unlike(a: Block, b: Block) -> bool:  # the layers' own ops (root code between layers aside)
+        def own(block: Block) -> List[str]:
+            return [n for n in block.nodes if graph.nodes[n].get("module")]
+        return _child_key(graph, own(a)) != _child_key(graph, own(b))
+
+    if len(layers) >= 2 and _costless(graph, head.nodes) and unlike(layers[0], layers[1]):
         first = layers.pop(0)
         head.nodes = head.nodes + first.nodes
-    if len(layers) >= 2 and _costless(graph, tail.nodes):
+    if len(layers) >= 2 and _costless(graph, tail.nodes) and unlike(layers[-1], layers[-2]):
         last = layers.pop()
         tail.nodes = last.nodes + tail.nodes
     for k, b in enumerate([head] + layers + [tail]):

@@ -315,8 +315,8 @@ class _Follower(ShapeRules):
         self.terminal(f, f.count // count, node)
         self.head_counts.add(count)
         fused = None
-        if len(dims) >= 3 and f.source is not None and stride == 1:  # [.., P, H, hd]: P fused parts, maybe
-            fused = f.source + (dims[-2], out[dims[-2]])
+        if len(dims) == 3 and count in (2, 3) and f.source is not None and stride == 1:
+            fused = f.source + (dims[-2], out[dims[-2]])  # [.., P, H, hd]: maybe P fused parts (kv, qkv)
         return Flow(dim=heads_dim, count=count, heads=True, fused=fused)
 
     def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
