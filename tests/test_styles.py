@@ -122,6 +122,40 @@ def test_the_planners_plan_passes_the_runtimes_checks(name):
     checks.run_all(plan, model, graph, WORLD, BATCH, model_loss=STYLE_MODELS[name][2] == "model")
 
 
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Stack(torch.nn.Module):
+    """Identical layers fed the input directly: a head and a tail that compute nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Mlp() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_costless_head_and_tail_count_in_the_planners_chain():
+    """The workload keeps a head or tail that computes nothing as a layer of no cost, so the
+    planner's plan indexes the chain the runtime cuts (it was refused: ``plan.num_layers=4 but the
+    traced model has 6 layers``); identical layers all stay layers."""
+    model = _Stack()
+    graph = trace(model, (torch.randn(BATCH, 8, 32),))
+    assert [b.name for b in graph.blocks] == ["head", "layers.0", "layers.1", "layers.2", "layers.3", "tail"]
+    plan = planner_for(model)(graph, Cluster.preset("cpu-gloo", WORLD), WORLD, BATCH)
+    assert plan.num_layers == len(graph.blocks)
+    checks.run_all(plan, model, graph, WORLD, BATCH)
+
+
 def test_multihead_attention_left_whole_under_tp_is_reported():
     """``nn.MultiheadAttention`` is one op to the tracer: a TP plan shards the MLP pair beside it and
     reports the attention as running whole on every rank (priced so by the cost model)."""
