@@ -143,7 +143,8 @@ def _model_inputs(example, inputs):
 def _setup_custom(spec: Dict[str, Any]):
     """:func:`_setup` for a spec with an ``hf_config`` or its own ``build(seed) -> (model, config)``
     (``config`` has ``vocab_size`` and ``seq_len``), ``data(generator, batch) -> (inputs, targets)``
-    and ``loss(output, targets)`` (default: random tokens and ``lm_loss``); dropout is left as built."""
+    and ``loss(output, targets)`` (default: random tokens and ``lm_loss``; ``"model"``: the model's own
+    loss, ``forward(inputs, targets) -> (output, loss)`` as nanoGPT's); dropout is left as built."""
     if "hf_config" in spec:
         model = hf_model_from_config(spec["hf_config"], spec.get("seed", 0))
         vocab, seq = model.config.vocab_size, spec["seq"]
@@ -154,7 +155,8 @@ def _setup_custom(spec: Dict[str, Any]):
     make = spec.get("data") or (lambda g, b: (torch.randint(0, vocab, (b, seq), generator=g),
                                              torch.randint(0, vocab, (b, seq), generator=g)))
     data = [make(gen, spec["batch"]) for _ in range(spec.get("steps", 3))]
-    return model, None, spec.get("loss") or lm_loss, data
+    loss = spec.get("loss")
+    return model, None, None if loss == "model" else (loss or lm_loss), data
 
 
 def _setup(spec: Dict[str, Any]):
@@ -175,6 +177,8 @@ def _step_loss(model: nn.Module, example, loss_fn, inputs, target, dtype: torch.
     def cast(v: torch.Tensor) -> torch.Tensor:
         return v.to(dtype) if v.is_floating_point() else v
     args, kwargs = _call_args(example, cast(inputs) if example is None else {k: cast(v) for k, v in inputs.items()})
+    if example is None and loss_fn is None:  # a custom model's own loss: forward(inputs, targets)
+        args = args + (target,)
     out = model(*args, **kwargs)
     return model_loss(out) if loss_fn is None else loss_fn(tensor_output(out), target)
 
@@ -249,11 +253,13 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     batch, lr = spec["batch"], spec.get("lr", 0.5)
     reference = copy.deepcopy(model)
     args, kwargs = _call_args(example, data[0][0])
+    if example is None and loss_fn is None:  # the model's own loss from its targets: forward(inputs, targets)
+        args = args + (data[0][1],)
     graph = trace(model, args, kwargs, name=spec["model"])
     plan = _plan(spec.get("plan"), len(graph.blocks), spec.get("precision"))
-    pm = auto_parallelize(model, _model_inputs(example, data[0][0]), global_batch_size=batch, loss_fn=loss_fn,
-                          plan=plan, graph=graph, verbose=spec.get("verbose", False),
-                          sync_batchnorm=spec.get("sync_batchnorm", True))
+    pm = auto_parallelize(model, args if example is None else _model_inputs(example, data[0][0]),
+                          global_batch_size=batch, loss_fn=loss_fn, plan=plan, graph=graph,
+                          verbose=spec.get("verbose", False), sync_batchnorm=spec.get("sync_batchnorm", True))
     reference = _reference(reference, graph, pm.plan.precision)  # the planner's, when it chose the plan
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)

@@ -4,6 +4,13 @@
     python scripts/bench_coverage.py                                   # the whole matrix
     python scripts/bench_coverage.py --models hf:t5,cnn --plans planner,TP2xDP2
     python scripts/bench_coverage.py --out results/bench_coverage_before
+    python scripts/bench_coverage.py --suite styles                    # models people bring (below)
+
+``--suite styles`` runs instead the models written in the styles of the common codebases outside
+HuggingFace (``nest_fx.testing_styles.STYLE_MODELS``: a nanoGPT GPT trained on its own loss, timm's
+and torchvision's ViTs, DeiT, a torchvision CNN with nested stages, Meta's reference Llama and
+torchtitan's Llama 3 with complex RoPE, Swin, MLP-Mixer, ConvNeXt) under the same plans except
+EP, written to ``results/bench_coverage_styles``.
 
 The suite (``nest_fx.testing.COVERAGE_MODELS``): tiny configs of transformers families
 (``hf:<model_type>``: its default config shrunk, no download) of five kinds (decoders, encoders,
@@ -43,6 +50,7 @@ from typing import Any, Dict, List
 from nest_fx.apply.launch import launch
 from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, COVERAGE_TOL,
                              cell_status, coverage_cell, fp32_noise)
+from nest_fx.testing_styles import STYLE_MODELS, style_spec
 
 from _bench_common import write_json
 
@@ -56,6 +64,8 @@ MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "error": "
 
 
 def _spec(model: str, plan: Dict[str, Any]) -> Dict[str, Any]:
+    if model in STYLE_MODELS:
+        return style_spec(model, plan, batch=COVERAGE_BATCH)
     return {"model": model, "plan": dict(plan), "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "steps": 3, "lr": 0.5}
 
 
@@ -69,7 +79,7 @@ def noise(model: str) -> Dict[str, Any]:
 
 def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
     """One cell: launch, classify, time."""
-    if plan_name.startswith("EP") and COVERAGE_MODELS.get(model) != "moe":
+    if plan_name.startswith("EP") and _kind(model) != "moe":
         return {"status": "n/a", "seconds": 0.0}
     spec = _spec(model, COVERAGE_PLANS[plan_name])
     start = time.perf_counter()
@@ -87,6 +97,10 @@ def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
         break
     cell["seconds"] = round(time.perf_counter() - start, 1)
     return cell
+
+
+def _kind(model: str) -> str:
+    return STYLE_MODELS[model][0] if model in STYLE_MODELS else COVERAGE_MODELS.get(model, "?")
 
 
 def _short(reason: str, limit: int = 160) -> str:
@@ -117,7 +131,7 @@ def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
                 reasons.setdefault(key, []).append(f"{model} {plan}")
                 text += f" [{number}]"
             cells.append(text)
-        lines.append(f"| `{model}` | {COVERAGE_MODELS.get(model, '?')} | " + " | ".join(cells)
+        lines.append(f"| `{model}` | {_kind(model)} | " + " | ".join(cells)
                      + f" | {_noise_text(noises.get(model, {}))} |")
     counts: Dict[str, int] = {}
     for row in matrix.values():
@@ -133,14 +147,20 @@ def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(COVERAGE_MODELS), help="comma-separated model names")
-    parser.add_argument("--plans", default=",".join(COVERAGE_PLANS), help=f"comma-separated, of {list(COVERAGE_PLANS)}")
-    parser.add_argument("--out", default=os.path.join(ROOT, "results", "bench_coverage"),
-                        help="output path without extension (.md and .json are written)")
+    parser.add_argument("--suite", choices=("coverage", "styles"), default="coverage",
+                        help="coverage: COVERAGE_MODELS (default); styles: nest_fx.testing_styles.STYLE_MODELS")
+    parser.add_argument("--models", help="comma-separated model names (default: the suite's)")
+    parser.add_argument("--plans", help=f"comma-separated, of {list(COVERAGE_PLANS)} (default: all; styles: no EP)")
+    parser.add_argument("--out", help="output path without extension (.md and .json are written; default "
+                        "results/bench_coverage or results/bench_coverage_styles)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell before its ranks are killed")
     parser.add_argument("--reuse", metavar="JSON", help="a previous run of the same code: keep its cells and fp32 "
                         "noise, run again only its error and timeout cells and what it lacks")
     args = parser.parse_args(argv)
+    styles = args.suite == "styles"
+    args.models = args.models or ",".join(STYLE_MODELS if styles else COVERAGE_MODELS)
+    args.plans = args.plans or ",".join(p for p in COVERAGE_PLANS if not (styles and p.startswith("EP")))
+    args.out = args.out or os.path.join(ROOT, "results", "bench_coverage_styles" if styles else "bench_coverage")
     previous = json.load(open(args.reuse, encoding="utf-8")) if args.reuse else {"matrix": {}, "fp32_noise": {}}
     models = [m for m in args.models.split(",") if m]
     plans = [p for p in args.plans.split(",") if p]

@@ -24,8 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("nest_fx", "profiler")
 # the data flow of shared/DESIGN.md: a package may import the packages before it, never after
 LAYERS = ["common", "models", "graph", "workload", "cluster", "plan", "cost", "solver", "apply", "report"]
-TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.cli_profile", "nest_fx.testing",
-             "nest_fx.testing_faults"}  # may import any layer
+TEST_HELPERS = {"nest_fx.testing", "nest_fx.testing_faults", "nest_fx.testing_styles", "nest_fx.testing_vision_styles"}
+TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.cli_profile"} | TEST_HELPERS  # may import any layer
 OPTIONAL = {"matplotlib", "transformers", "torchao"}  # extras: imported where used, inside functions
 # the command line: its handlers import torch and the pipeline when they run (start-up time, the
 # module docstrings say so), so `nest-fx --help` and argument errors answer before torch loads
@@ -143,8 +143,7 @@ def test_only_the_command_line_imports_the_profiler():
 
 
 def test_production_code_does_not_import_the_test_helpers():
-    helpers = {"nest_fx.testing", "nest_fx.testing_faults"}
-    offenders = sorted(a for a, b in GRAPH.edges if b in helpers and a not in helpers)
+    offenders = sorted(a for a, b in GRAPH.edges if b in TEST_HELPERS and a not in TEST_HELPERS)
     assert not offenders, offenders
 
 

@@ -48,11 +48,13 @@ class Toy(nn.Module):
         self.head = nn.Linear(HIDDEN, VOCAB)
         if variant == "shared_layers":
             self.layers[2].linear.weight = self.layers[0].linear.weight
-        if variant == "root_parameter":
+        if variant in ("root_parameter", "root_parameter_twice"):
             self.scale = nn.Parameter(torch.ones(HIDDEN))
 
     def forward(self, tokens):
         h = first = self.embed(tokens)
+        if self.variant == "root_parameter_twice":
+            h = h * self.scale
         for layer in self.layers:
             if self.variant == "keyword":
                 h = layer(x=h)
@@ -62,7 +64,7 @@ class Toy(nn.Module):
                 h = layer(h)
         if self.variant == "skip":
             h = h + first  # the embedding's output read again after the last layer
-        if self.variant == "root_parameter":
+        if self.variant in ("root_parameter", "root_parameter_twice"):
             h = h * self.scale
         return self.head(self.norm(h))
 
@@ -127,9 +129,27 @@ def test_a_parameter_shared_by_two_layers_is_refused_with_the_models_own_config_
     assert "tie_embeddings=false in the model spec" in parallel_support(model, graph).pp_problem(2)
 
 
-def test_a_root_parameter_is_refused():
+def test_a_root_parameter_lives_on_the_stage_using_it():
+    """A parameter of the root module used by its own forward code (a class token, a position
+    embedding) is kept by the stage owning the block that uses it; the other stages hold a NaN
+    stand-in (no parameter), and the stages still compose to the model."""
     model, tokens, graph = _traced("root_parameter")
-    assert "parameter(s) ['scale'] belong to the model's root module" in parallel_support(model, graph).pp_problem(4)
+    assert parallel_support(model, graph).pp_problem(4) == ""
+    layout = stage_layout(model, graph)
+    assert layout.root_params == {"scale": len(graph.blocks) - 1}
+    expect = model(tokens)
+    stages = split_stages(copy.deepcopy(model), graph, [(0, 2), (2, len(graph.blocks))], layout)
+    arm_stages(stages)
+    assert torch.equal(run_stages(stages, (tokens,), {}), expect)
+    assert "scale" not in dict(stages[0].named_parameters()) and torch.isnan(stages[0].scale).all()
+    assert "scale" in dict(stages[1].named_parameters())
+
+
+def test_a_root_parameter_used_by_two_blocks_is_refused():
+    model, tokens, graph = _traced("root_parameter_twice")
+    problem = parallel_support(model, graph).pp_problem(4)
+    assert "parameter scale belongs to the module running the model's own forward code" in problem
+    assert "used by blocks head, tail" in problem
 
 
 def test_the_rehearsal_refuses_a_layer_called_without_its_activation():

@@ -50,12 +50,12 @@ def test_dict_inputs_and_the_models_own_loss_on_one_rank(single_rank):
     grads = pm.full_tensors(grads=True)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6)
-    with pytest.raises(ApplyError, match=r"targets given but loss_fn=None"):
+    with pytest.raises(ApplyError, match=r"targets given with keyword inputs and loss_fn=None"):
         pm.train_step(batch, batch["labels"])
     with pytest.raises(ApplyError, match=r"inputs\['decoder_input_ids'\] has 3 rows"):
         pm.train_step({**batch, "decoder_input_ids": batch["decoder_input_ids"][:3]})
     no_labels = {k: v for k, v in batch.items() if k != "labels"}
-    with pytest.raises(ApplyError, match=r"has no loss; fix: pass the labels among the inputs"):
+    with pytest.raises(ApplyError, match=r"holds no loss .*; fix: give the model its targets"):
         pm.train_step(no_labels)
 
 

@@ -61,6 +61,7 @@ from nest_fx.apply.losses import token_cross_entropy_problem
 from nest_fx.apply.materialize import materialize, prepare_weights
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
+from nest_fx.graph.tp_regions import unsharded_attention
 from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
                                     stage_layer_groups)
 from nest_fx.apply.precision import apply_precision, fp32_modules, fsdp_policy, prepare_parameters
@@ -225,6 +226,11 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
+    replicated = unsharded_attention(graph) if any(s.tp > 1 for s in plan.stages) else []
+    if replicated and rank == 0:
+        warnings.warn(f"tensor parallelism shards the linear pairs of each layer, but the attention of {replicated[:3]}"
+                      f"{' ...' if len(replicated) > 3 else ''} is no pair nest-fx can shard (e.g. nn.MultiheadAttention): "
+                      "it runs whole on every TP rank, as the cost model priced it", stacklevel=2)
 
     mesh = build_mesh(plan, mesh_device)
     info = locate(plan, rank)

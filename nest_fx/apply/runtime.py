@@ -53,12 +53,19 @@ def _counted_step(method: Callable) -> Callable:
 
 
 def model_loss(output) -> torch.Tensor:
-    """The loss a model computed itself: ``output.loss`` (HF ``ModelOutput``), ``output["loss"]``;
-    ApplyError when it returned none (no labels among the inputs)."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    """The loss a model computed itself: ``output.loss`` (HF ``ModelOutput``), ``output["loss"]``, or
+    the one scalar of a returned tuple (nanoGPT's ``(logits, loss)``); ApplyError when it returned
+    none (no labels or targets given)."""
+    if isinstance(output, (tuple, list)):
+        scalars = [v for v in output if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()]
+        loss = scalars[0] if len(scalars) == 1 else None
+    else:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor):
-        raise ApplyError(f"loss_fn=None trains on the model's own loss, but {type(output).__name__} has no loss; fix: "
-                         "pass the labels among the inputs (HF: inputs['labels']) or give auto_parallelize a loss_fn")
+        raise ApplyError(f"loss_fn=None trains on the model's own loss, but its {type(output).__name__} output holds "
+                         "no loss (one scalar tensor); fix: give the model its targets (train_step(inputs, targets) "
+                         "passes them as forward's next argument, e.g. nanoGPT's forward(idx, targets); HF: "
+                         "inputs['labels']) or give auto_parallelize a loss_fn")
     return loss
 
 
@@ -71,6 +78,16 @@ def microbatches(args: tuple, kwargs: dict, target: Optional[torch.Tensor], n: i
     target_parts = split(target)
     for i in range(n):
         yield (tuple(p[i] for p in arg_parts), {k: p[i] for k, p in kw_parts.items()}, target_parts[i])
+
+
+def _with_targets(inputs, targets: torch.Tensor) -> tuple:
+    """The model's positional inputs followed by ``targets`` (a model computing its own loss from
+    them, ``forward(idx, targets)``)."""
+    if isinstance(inputs, dict):
+        raise ApplyError("train_step: targets given with keyword inputs and loss_fn=None; fix: pass the labels "
+                         "among the inputs (HF: inputs['labels']), positional inputs (forward(idx, targets) takes "
+                         "the targets as its next argument), or give auto_parallelize a loss_fn")
+    return (inputs, targets) if isinstance(inputs, torch.Tensor) else tuple(inputs) + (targets,)
 
 
 class ParallelModule:
@@ -263,11 +280,10 @@ class ParallelModule:
         keyword inputs (HF: ``{"input_ids": ..., "decoder_input_ids": ..., "labels": ...}``); every
         tensor holds the global batch (or this rank's data-parallel shard) in dim 0. ``targets``: the
         second argument of ``loss_fn``; with ``loss_fn=None`` the model's own loss is used (its
-        ``.loss``, computed from labels among the inputs) and ``targets`` must be None."""
+        ``.loss`` or the scalar of its output tuple) and ``targets``, when given, is forward's next
+        positional argument (nanoGPT's ``forward(idx, targets) -> (logits, loss)``)."""
         if self.loss_fn is None and targets is not None:
-            raise ApplyError("train_step: targets given but loss_fn=None (the model computes its own loss from its "
-                             "inputs); fix: pass the labels among the inputs (e.g. inputs['labels']) or give "
-                             "auto_parallelize a loss_fn")
+            inputs, targets = _with_targets(inputs, targets), None
         if self.loss_fn is not None and targets is None:
             raise ApplyError("train_step: loss_fn needs targets; fix: call train_step(inputs, targets), or "
                              "auto_parallelize(..., loss_fn=None) to train on the model's own loss")

@@ -2,7 +2,7 @@
 
 For every block the stage owns, ``graph.patterns[block.signature].tp_pairs`` lists the column
 units and the row unit they feed (Megatron-style pairs), every parameter to shard with its dim
-(fused projections part by part), and what else runs per head (``graph/tp_flow.py``). We apply
+(fused projections part by part), and what else runs per head (``graph/tp_flow.py``, ``graph/tp_flow_ops.py``). We apply
 ``parallelize_module`` with the styles of :mod:`nest_fx.apply.tp_styles`: ``ColumnShard`` on
 the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, HF ``Conv1D``,
 ``x @ weight.T``), ``LocalShards`` on a module holding 3-D expert weights, ``SequenceParallel``

@@ -1,8 +1,9 @@
 """Group OpGraph nodes into head, repeated layers and tail; find identical layers.
 
 The layer container is the module path ``P`` for which nodes live under ``P.0``, ``P.1``, ...
-(an ``nn.ModuleList``/``Sequential`` of layers, the model itself when it is an
-``nn.Sequential``) and that carries the most FLOPs. Nodes before the first layer form the head,
+(an ``nn.ModuleList``/``Sequential``/``ModuleDict`` of layers, the model itself when it is an
+``nn.Sequential``), or under numbered layer names (``P.encoder_layer_0``, ``P.layer1``: an
+OrderedDict ``Sequential``), and that carries the most FLOPs. Nodes before the first layer form the head,
 nodes after the last layer the tail; nodes outside any layer that sit between layers (e.g. a
 residual add written at the model's top level) belong to the layer before them. Two layers are
 identical when their op sequences, relative module paths, shapes, dtypes and FLOPs match, which
@@ -19,6 +20,7 @@ parallelism apply; else the shortest repeat. Such a block lists its children in 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
@@ -28,13 +30,25 @@ from nest_fx.graph.opgraph import Block
 from nest_fx.graph.tp_pairs import find_pattern
 
 
+# a named layer: torchvision's ViT keeps encoder.layers.encoder_layer_0, ...; ResNet layer1..layer4
+_NAMED_LAYER = re.compile(r"^(?P<stem>[A-Za-z_]*(?:layer|block|stage)[A-Za-z_]*?)_?(?P<index>\d+)$")
+
+
+def layer_index(part: str) -> Optional[int]:
+    """The index of a layer module's name: ``3`` (a list or Sequential entry) or a numbered layer
+    name (``encoder_layer_3``, ``layer3``, ``block_3``); None for other names (``fc1``, ``norm2``)."""
+    if part.isdigit():
+        return int(part)
+    match = _NAMED_LAYER.match(part)
+    return int(match.group("index")) if match else None
+
+
 def _layer_key(module: str, container: str) -> Optional[int]:
-    """Index i when ``module`` is ``container.i`` or below it, else None."""
+    """Index i when ``module`` is ``container.i`` (or ``container.<name>_i``) or below it, else None."""
     if not module.startswith(container + ".") and container:
         return None
     rest = module[len(container) + 1:] if container else module
-    head = rest.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    return layer_index(rest.split(".", 1)[0])
 
 
 def find_layer_container(graph: nx.DiGraph) -> Optional[str]:
@@ -45,9 +59,9 @@ def find_layer_container(graph: nx.DiGraph) -> Optional[str]:
     for _, data in graph.nodes(data=True):
         parts = data.get("module", "").split(".") if data.get("module") else []
         for i, part in enumerate(parts):
-            if part.isdigit():
+            if layer_index(part) is not None:
                 container = ".".join(parts[:i])
-                indices[container].add(int(part))
+                indices[container].add(layer_index(part))
                 flops[container] += data.get("flops", 0.0) + 1e-9 * data.get("out_bytes", 0.0)
                 break  # only the outermost index: layers.3.experts.1 belongs to "layers"
     candidates = [c for c in indices if len(indices[c]) >= 2]
@@ -77,8 +91,10 @@ def detect_blocks(graph: nx.DiGraph) -> Tuple[str, List[Block]]:
 
     last = max((k for k, n in enumerate(order) if layer_of[n] is not None))
     head = Block(index=0, name="head", kind="head")
+    child_names = _child_names(graph, order, layer_of, container)
     layers = {i: Block(index=k + 1, name=_group_name(members[i]) if i in members else
-                       (f"{container}.{i}" if container else str(i)), kind="block", members=members.get(i, []))
+                       (f"{container}.{child_names[i]}" if container else child_names[i]), kind="block",
+                       members=members.get(i, []))
               for k, i in enumerate(layer_ids)}
     tail = Block(index=len(layer_ids) + 1, name="tail", kind="tail")
     current: Optional[Block] = None
@@ -91,9 +107,51 @@ def detect_blocks(graph: nx.DiGraph) -> Tuple[str, List[Block]]:
         elif current is None:
             current = head
         current.nodes.append(name)
-    blocks = [head] + [layers[i] for i in layer_ids] + [tail]
+    blocks = _fold_empty_ends(graph, [head] + [layers[i] for i in layer_ids] + [tail])
     _finish(graph, blocks, container)
     return container, blocks
+
+
+def _costless(graph: nx.DiGraph, nodes: List[str]) -> bool:
+    """No FLOPs, parameters or saved activations: what the workload drops from its chain."""
+    return not any(graph.nodes[n].get(k) for n in nodes for k in ("flops", "num_params", "saved_bytes"))
+
+
+def _fold_empty_ends(graph: nx.DiGraph, blocks: List[Block]) -> List[Block]:
+    """A forward that starts with the layer container (torchvision's ``self.features(x)``: its
+    stem is ``features[0]``) leaves a head that computes nothing; the workload drops such a block
+    while the runtime would count it, and a pipeline cut after it would pass no activation. Its
+    first layer becomes the head instead (and likewise the last layer the tail of a forward that
+    ends with the container), while a layer remains. Only a layer unlike its neighbour moves (a
+    stem, a classifier); identical layers all stay layers."""
+    head, layers, tail = blocks[0], blocks[1:-1], blocks[-1]
+
+    def unlike(a: Block, b: Block) -> bool:  # the layers' own ops (root code between layers aside)
+        def own(block: Block) -> List[str]:
+            return [n for n in block.nodes if graph.nodes[n].get("module")]
+        return _child_key(graph, own(a)) != _child_key(graph, own(b))
+
+    if len(layers) >= 2 and _costless(graph, head.nodes) and unlike(layers[0], layers[1]):
+        first = layers.pop(0)
+        head.nodes = head.nodes + first.nodes
+    if len(layers) >= 2 and _costless(graph, tail.nodes) and unlike(layers[-1], layers[-2]):
+        last = layers.pop()
+        tail.nodes = last.nodes + tail.nodes
+    for k, b in enumerate([head] + layers + [tail]):
+        b.index = k
+    return [head] + layers + [tail]
+
+
+def _child_names(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]],
+                 container: str) -> Dict[int, str]:
+    """{layer index: the child module's own name} ("3", or "encoder_layer_3")."""
+    names: Dict[int, str] = {}
+    for n in order:
+        if layer_of[n] is not None and layer_of[n] not in names:
+            module = graph.nodes[n].get("module", "")
+            rest = module[len(container) + 1:] if container else module
+            names[layer_of[n]] = rest.split(".", 1)[0]
+    return names
 
 
 def _child(container: str, index: int) -> str:

@@ -1,6 +1,7 @@
 """Capture an fx graph from a module: symbolic_trace first, torch.export as the fallback."""
 from __future__ import annotations
 
+import inspect
 import re
 import traceback
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -33,10 +34,27 @@ class _LeafTracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
-def symbolic(model: torch.nn.Module, leaf_modules: Sequence[Any] = ()) -> fx.GraphModule:
-    """torch.fx.symbolic_trace with extra leaf modules; raises the tracer's own error."""
+def absent_optional_args(model: torch.nn.Module, num_args: int, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """forward's parameters the call leaves at a default of None (nanoGPT's ``targets=None``):
+    fx must trace them as None, or ``if targets is not None`` takes the branch the call does not."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break
+        if i >= num_args and p.name not in kwargs and p.default is None:
+            out[p.name] = None
+    return out
+
+
+def symbolic(model: torch.nn.Module, leaf_modules: Sequence[Any] = (),
+             concrete_args: Optional[Dict[str, Any]] = None) -> fx.GraphModule:
+    """torch.fx.symbolic_trace with extra leaf modules and ``concrete_args``; raises the tracer's own error."""
     tracer = _LeafTracer(leaf_modules)
-    graph = tracer.trace(model)
+    graph = tracer.trace(model, concrete_args=concrete_args or None)
     return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
 
 
@@ -54,7 +72,7 @@ def capture(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any], method:
     fx_error: Optional[BaseException] = None
     if method in ("auto", "fx") and not kwargs:
         try:
-            return symbolic(model, leaf_modules), "fx"
+            return symbolic(model, leaf_modules, absent_optional_args(model, len(args), kwargs)), "fx"
         except Exception as exc:  # noqa: BLE001 - any tracer failure falls back to export
             fx_error = exc
             if method == "fx":

@@ -67,6 +67,9 @@ class StageLayout:
     ``unused``: parameterised modules no traced op uses (kept on every stage, never trained).
     ``shared``: canonical name -> every name of a parameter the head and the tail both use
     (tied embeddings): the first and the last stage each keep it and sum its gradient.
+    ``root_params``: parameter of a container's ancestor (class token, position embedding used by
+    the model's own forward code) -> the chain block whose ops use it: the stage owning that
+    block keeps it, the others hold a NaN stand-in tensor (what they compute from it is discarded).
     ``problem``: why the model cannot be cut at all ("" when it can); ``cut_problems``: per cut
     index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible; ``activations``:
     per possible cut, the traced shape and dtype of the one activation crossing it.
@@ -82,6 +85,7 @@ class StageLayout:
     problem: str = ""
     cut_problems: Dict[int, str] = field(default_factory=dict)
     activations: Dict[int, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)
+    root_params: Dict[str, int] = field(default_factory=dict)
 
     def modules_in(self, start: int, end: int) -> List[str]:
         """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
@@ -119,9 +123,11 @@ class _Reader:
         self.block_name = {b.index: b.name for b in graph.blocks}
 
     def top_of(self, path: str) -> Optional[str]:
-        """The first module below the layer container's ancestors on ``path`` (None: root code)."""
+        """The first module below the layer container's ancestors on ``path`` (None: root code),
+        looking through ``ModuleList``/``ModuleDict`` holders, which run no code of their own
+        (ConvNeXt's ``downsample_layers[i]``, one per stage, each used by its own block)."""
         for prefix in _ancestors(path)[1:]:
-            if prefix not in self.above:
+            if prefix not in self.above and not isinstance(self.modules.get(prefix), (nn.ModuleList, nn.ModuleDict)):
                 return prefix
         return None
 
@@ -150,7 +156,7 @@ class _Reader:
                          and self.has_params(p)]
         for b, paths in layout.modules.items():
             blocks_of.update({path: {b} for path in paths})
-        layout.problem = self._root_parameters() or self._sharing(layout, blocks_of)
+        layout.problem = self._root_parameters(layout) or self._sharing(layout, blocks_of)
         if not layout.problem:
             layout.cut_problems = self._cuts(layout)
         return layout
@@ -172,15 +178,25 @@ class _Reader:
         """Every module directly below one of the container's ancestors (the candidates for tops)."""
         return [p for p in self.modules if p and p not in self.above and p.rpartition(".")[0] in self.above]
 
-    def _root_parameters(self) -> str:
-        used = {name for _, d in self.graph.graph.nodes(data=True) for name in d.get("params", ())}
+    def _root_parameters(self, layout: StageLayout) -> str:
+        """Parameters of the container's ancestors (timm's ``cls_token``/``pos_embed``, used by the
+        root forward code that runs on every stage) belong to the one block whose ops use them
+        (``layout.root_params``); one used by several blocks is a problem."""
+        used: Dict[str, Set[int]] = defaultdict(set)
+        for _, d in self.graph.graph.nodes(data=True):
+            for name in list(d.get("params", ())) + [p for p in d.get("input_params") or () if p]:
+                used[name].add(d["block"])  # params: first use; input_params: every use
         root = [f"{path}.{n}" if path else n for path in sorted(self.above) if path in self.modules
                 for n, _ in self.modules[path].named_parameters(recurse=False)]
-        root = [n for n in root if n in used]
-        if root:
-            return (f"parameter(s) {root} belong to the model's root module (used by its own forward code), "
-                    "which runs on every pipeline stage, so no one stage can own them. fix: use pp=1, or move "
-                    "them into a submodule")
+        for name in root:
+            blocks = sorted(used.get(name, ()))
+            if len(blocks) > 1:
+                where = ", ".join(self.block_name[b] for b in blocks)
+                return (f"parameter {name} belongs to the module running the model's own forward code (on every "
+                        f"pipeline stage) and is used by blocks {where} of the layer chain, which stages may "
+                        "separate. fix: use pp=1, or use it in one place")
+            if blocks:
+                layout.root_params[name] = blocks[0]
         return ""
 
     def _sharing(self, layout: StageLayout, blocks_of: Dict[str, Set[int]]) -> str:

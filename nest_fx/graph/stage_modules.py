@@ -36,6 +36,7 @@ stage as on the whole model.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -260,9 +261,22 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
                 if id(q) in kept:
                     stand_in.register_shared(name, q)
             _set_submodule(base, p, stand_in)
+        for name, block in layout.root_params.items():
+            if not start <= block < end:
+                _stand_in_parameter(base, name)
         route = StageRoute(start, end, first=start == 0, last=end == n)
         _install_route(base, route, layout)
     return bases
+
+
+def _stand_in_parameter(base: nn.Module, name: str) -> None:
+    """Replace the root-code parameter ``name`` of a stage that does not own it by a NaN buffer of
+    its shape (not saved, not trained): the root forward code still runs there, on values the
+    stage then replaces by the activation it receives."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = base.get_submodule(owner_path) if owner_path else base
+    param = owner._parameters.pop(leaf)
+    owner.register_buffer(leaf, torch.full_like(param.detach(), math.nan), persistent=False)
 
 
 def _output_shapes(graph, layout: StageLayout, originals: Dict[str, nn.Module]) -> Dict[str, OutputShapes]:

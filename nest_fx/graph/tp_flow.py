@@ -22,83 +22,18 @@ becomes the pair's ``problem``: the runtime then refuses that TP degree instead 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from dataclasses import replace
+from typing import Dict, List, Optional, Set, Tuple
 
 import networkx as nx
 
 from nest_fx.graph.opgraph import Block, HeadInput
-
-ELEMENTWISE = {
-    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "neg", "pow", "rsqrt", "sqrt",
-    "exp", "log", "tanh", "sigmoid", "silu", "gelu", "relu", "softmax", "_softmax", "log_softmax", "dropout",
-    "native_dropout", "to", "_to_copy", "type_as", "contiguous", "clone", "alias", "float", "half", "bfloat16",
-    "detach", "where", "masked_fill", "masked_fill_", "clamp", "abs", "erf", "square", "reciprocal",
-    "lift_fresh_copy", "expand", "broadcast_to", "expand_as", "identity", "newgeluactivation", "geluactivation",
-    "iadd", "imul", "truediv", "floordiv", "scaled_dot_product_attention_mask",
-}
-ACTIVATION_MODULES = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "identity", "newgeluactivation",
-                      "geluactivation", "gelupytorchtanh", "siluactivation"}
-RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
-REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"}
-NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "layernorm", "rmsnorm", "fused_rms_norm"}
-SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split", "unbind", "tensor_split"}
-SELECTS = {"select", "slice", "narrow"}
-ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
-BATCHED_MATMULS = {"bmm", "matmul", "baddbmm"}
-IGNORED = {"_assert_tensor_metadata", "size", "sym_size", "dim"}
+from nest_fx.graph.tp_flow_ops import (ACTIVATION_MODULES, ATTENTION, BATCHED_MATMULS, COMPLEX_VIEWS, ELEMENTWISE,
+                                       IGNORED, KEEP_FUSED, NORMS, REDUCTIONS, RESHAPES, SELECTS, SPLITS, Flow, PairLayout,
+                                       ShapeRules, _arg, _float, _normalises_last, _prod, _Stop)
 
 
-@dataclass(frozen=True)
-class Flow:
-    """Where a tensor carries the sharded units: ``count`` units along ``dim``, each ``inner``
-    elements of that dim apart (dims merged inside it). Before the features are viewed as heads
-    (``heads=False``) ``source`` is the feature range (column node, start, size) they came from."""
-
-    dim: int
-    count: int
-    inner: int = 1
-    heads: bool = False
-    source: Optional[Tuple[str, int, int]] = None
-
-    @property
-    def extent(self) -> int:
-        return self.count * self.inner
-
-    def same_split(self, other: "Flow") -> bool:
-        """Sharded alike: same dim and extent; a rank's chunk of one is its chunk of the other
-        (q heads against their GQA key/value groups included)."""
-        return self.dim == other.dim and self.extent == other.extent
-
-
-@dataclass
-class PairLayout:
-    """What :func:`follow_pair` found (see the module docstring)."""
-
-    parts: Dict[str, List[Tuple[int, int, int]]] = field(default_factory=dict)  # column -> (start, size, unit)
-    head_norms: Dict[str, int] = field(default_factory=dict)  # module FQN -> heads dim of its input
-    head_tables: List[str] = field(default_factory=list)  # module FQNs
-    head_inputs: List[HeadInput] = field(default_factory=list)
-    problem: str = ""
-
-
-class _Stop(Exception):
-    """The sharded dim cannot be followed through an op (the message says where and why)."""
-
-
-def _norm_dim(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
-
-
-def _prod(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-class _Follower:
+class _Follower(ShapeRules):
     def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
                  units: Set[str]):
         self.g = graph
@@ -216,9 +151,16 @@ class _Follower:
 
     # -- per-op rules ---------------------------------------------------------------------
     def propagate(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
+        flows = self.rule(node, op, ins)
+        if op in KEEP_FUSED or op in RESHAPES:  # a reshape's flow is fused only when it made the view
+            return flows
+        return [replace(f, fused=None) if f is not None and f.fused else f for f in flows]
+
+    def rule(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
         d = self.g.nodes[node]
-        if op == "getitem" and isinstance(_arg(d, 1), int):
-            k = _arg(d, 1)
+        source = (d.get("inputs") or [None])[0]
+        if op == "getitem" and isinstance(_arg(d, 1), int) and len(self.g.nodes[source].get("out_shapes") or []) > 1:
+            k = _arg(d, 1)  # an item of a tuple (split, attention outputs); an index into a tensor is a select
             flows = [f for f in ins if f is not None]
             return [self.flows[d["inputs"][0]][k]] if d.get("inputs") and self.flows.get(d["inputs"][0]) else flows[:1]
         if op in ELEMENTWISE or (d.get("fx_op") == "call_module" and op in ACTIVATION_MODULES):
@@ -227,6 +169,8 @@ class _Follower:
             return [self.reshape(node, ins)]
         if op in ("transpose", "swapaxes", "permute", "t", "numpy_T", "unsqueeze", "squeeze"):
             return [self.move_dims(node, op, ins)]
+        if op in COMPLEX_VIEWS:
+            return [self.complex_view(node, op, ins)]
         if op in SELECTS or op in ("index", "getitem"):
             return [self.select(node, op, ins)]
         if op in SPLITS:
@@ -348,7 +292,7 @@ class _Follower:
         for dim in range(len(out) - 1, -1, -1):
             outer = suffix * out[dim]
             if suffix <= stride and stride % suffix == 0 and extent <= outer and outer % extent == 0:
-                return replace(f, dim=dim, inner=stride // suffix)
+                return replace(f, dim=dim, inner=stride // suffix, fused=None)
             suffix = outer
         if f.heads or f.inner != 1:
             raise _Stop(f"{self.where(node)} reshapes across the sharded heads")
@@ -370,117 +314,10 @@ class _Follower:
         count = out[heads_dim]
         self.terminal(f, f.count // count, node)
         self.head_counts.add(count)
-        return Flow(dim=heads_dim, count=count, heads=True)
-
-    def move_dims(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        _, f = self.single(node, ins)
-        shape, out = d["in_shapes"][0], d["out_shapes"][0]
-        n = len(shape)
-        if op in ("transpose", "swapaxes"):
-            a, b = (_norm_dim(x, n) for x in (_arg(d, 1, 0), _arg(d, 2, 1)))
-            dim = b if f.dim == a else (a if f.dim == b else f.dim)
-        elif op == "permute":
-            order = _arg(d, 1)
-            order = list(order) if isinstance(order, (tuple, list)) else [a for a in d.get("args", [])[1:]]
-            dim = [_norm_dim(x, n) for x in order].index(f.dim)
-        elif op in ("t", "numpy_T"):
-            dim = n - 1 - f.dim
-        elif op == "unsqueeze":
-            at = _norm_dim(_arg(d, 1, 0), n + 1)
-            dim = f.dim + 1 if at <= f.dim else f.dim
-        else:  # squeeze: drop size-1 dims
-            kept = [i for i in range(n) if not (shape[i] == 1 and len(out) < n)]
-            dim = kept.index(f.dim) if f.dim in kept else None
-            if dim is None:
-                raise _Stop(f"{self.where(node)} squeezes the sharded dim")
-        if out[dim] != shape[f.dim]:
-            raise _Stop(f"{self.where(node)} changes the sharded dim")
-        return replace(f, dim=dim)
-
-    def select(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        i, f = self.single(node, ins)
-        shape, out = d["in_shapes"][i], d["out_shapes"][0]
-        dims = _indexed_dims(d, op, len(shape))
-        if dims is None:  # a tensor index: only the dims after the sharded one may change
-            if len(out) == len(shape) and out[:f.dim + 1] == shape[:f.dim + 1]:
-                self.check_unsharded(node, f, len(out), skip={j for j in range(len(ins)) if j != i})
-                return f
-            raise _Stop(f"{self.where(node)} indexes the sharded dim")
-        removed, sliced = dims
-        if f.dim in removed:
-            raise _Stop(f"{self.where(node)} selects along the sharded heads/features")
-        if f.dim in sliced:
-            start, size = sliced[f.dim]
-            if f.heads or f.source is None or f.inner != 1 or start < 0:
-                raise _Stop(f"{self.where(node)} slices the sharded heads")
-            column, base, _ = f.source
-            return Flow(dim=f.dim - sum(1 for r in removed if r < f.dim), count=size,
-                        source=(column, base + start, size))
-        return replace(f, dim=f.dim - sum(1 for r in removed if r < f.dim))
-
-    def split(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
-        d = self.g.nodes[node]
-        _, f = self.single(node, ins)
-        shape, outs = d["in_shapes"][0], d["out_shapes"]
-        dim = _norm_dim(_arg(d, 2 if op != "unbind" else 1, d.get("kwargs", {}).get("dim", 0)), len(shape))
-        if op == "unbind":
-            if dim == f.dim:
-                raise _Stop(f"{self.where(node)} unbinds the sharded dim")
-            return [replace(f, dim=f.dim - (1 if dim < f.dim else 0)) for _ in outs]
-        if dim != f.dim:
-            return [f for _ in outs]
-        if f.heads or f.source is None or f.inner != 1:
-            raise _Stop(f"{self.where(node)} splits the sharded heads")
-        column, base, _ = f.source
-        flows, start = [], 0
-        for o in outs:
-            flows.append(Flow(dim=f.dim, count=o[dim], source=(column, base + start, o[dim])))
-            start += o[dim]
-        return flows
-
-    def concat(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        if not all(ins):
-            raise _Stop(f"{self.where(node)} joins sharded and unsharded tensors")
-        _, f = self.single(node, ins)
-        out = d["out_shapes"][0]
-        dim = _norm_dim(_arg(d, 1, d.get("kwargs", {}).get("dim", 0)), len(out))
-        if op == "stack":
-            return replace(f, dim=f.dim + 1 if dim <= f.dim else f.dim)
-        if dim == f.dim:
-            raise _Stop(f"{self.where(node)} concatenates along the sharded dim")
-        return f
-
-    def reduce(self, node: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        _, f = self.single(node, ins)
-        shape, out = d["in_shapes"][0], d["out_shapes"][0]
-        dims = _arg(d, 1, None)
-        dims = list(range(len(shape))) if dims is None else ([dims] if isinstance(dims, int) else list(dims))
-        dims = [_norm_dim(x, len(shape)) for x in dims]
-        if f.dim in dims:
-            what = "heads" if f.heads else "features"
-            raise _Stop(f"{self.where(node)} reduces over all the sharded {what} (e.g. a norm over the whole "
-                        "projection); each rank would reduce over its shard alone")
-        if len(out) == len(shape):
-            return f
-        return replace(f, dim=f.dim - sum(1 for x in dims if x < f.dim))
-
-    def norm(self, node: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        _, f = self.single(node, ins)
-        shape = d["in_shapes"][0]
-        normalized = _arg(d, 1, None)
-        count = len(normalized) if isinstance(normalized, (tuple, list)) else 1
-        if f.dim >= len(shape) - count:
-            raise _Stop(f"{self.where(node)} normalises over all the sharded features (a norm over the whole "
-                        "projection); each rank would normalise its shard alone")
-        if d.get("fx_op") == "call_module" and d.get("params"):
-            self.head_norm(node, d["params"][0], f.dim)
-        self.check_unsharded(node, f, len(d["out_shapes"][0]))
-        return f
+        fused = None
+        if len(dims) == 3 and count in (2, 3) and f.source is not None and stride == 1:
+            fused = f.source + (dims[-2], out[dims[-2]])  # [.., P, H, hd]: maybe P fused parts (kv, qkv)
+        return Flow(dim=heads_dim, count=count, heads=True, fused=fused)
 
     def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
         d = self.g.nodes[node]
@@ -559,61 +396,6 @@ class _Follower:
                 raise _Stop(f"only {pos} of the {features} output features of {d.get('weight')} reach the row "
                             f"as whole parts")
             self.layout.parts[column] = parts
-
-
-def _arg(d: dict, i: int, default=None):
-    args = d.get("args") or []
-    return args[i] if i < len(args) and args[i] is not None else default
-
-
-def _float(d: dict) -> bool:
-    return any(str(t).startswith(("float", "bfloat16", "half")) for t in d.get("out_dtypes") or [])
-
-
-def _normalises_last(op: str) -> bool:
-    return op.endswith("rmsnorm") or op.endswith("layernorm")
-
-
-def _indexed_dims(d: dict, op: str, ndim: int):
-    """(removed dims, {dim: (start, size)} of sliced dims) of a select/slice/getitem, or None for a
-    tensor index. A strided slice is reported with start -1 (it cannot cut the sharded dim)."""
-    out = d["out_shapes"][0]
-    shape = d["in_shapes"][0]
-    if op == "select":
-        return {_norm_dim(_arg(d, 1, 0), ndim)}, {}
-    if op in ("slice", "narrow"):
-        dim = _norm_dim(_arg(d, 1, 0), ndim)
-        step = _arg(d, 4, 1) if op == "slice" else 1
-        if out[dim] == shape[dim]:
-            return set(), {}
-        if step != 1:
-            return set(), {dim: (-1, out[dim])}
-        start = _arg(d, 2, 0) or 0
-        return set(), {dim: (start + shape[dim] if start < 0 else start, out[dim])}
-    if op != "getitem":
-        return None
-    index = _arg(d, 1)
-    items = list(index) if isinstance(index, tuple) else [index]
-    if "..." in items:
-        at = items.index("...")
-        items = items[:at] + [("slice", None, None, None)] * (ndim - len(items) + 1) + items[at + 1:]
-    removed, sliced = set(), {}
-    for dim, item in enumerate(items):
-        if isinstance(item, int):
-            removed.add(dim)
-        elif isinstance(item, tuple) and item and item[0] == "slice":
-            begin, stop, step = item[1], item[2], item[3]
-            if (begin, stop, step) in ((None, None, None), (None, None, 1), (0, None, None)):
-                continue
-            if step not in (None, 1) or not isinstance(begin or 0, int) or not isinstance(stop or 0, int):
-                sliced[dim] = (-1, -1)
-                continue
-            begin = (begin or 0) + (shape[dim] if (begin or 0) < 0 else 0)
-            end = shape[dim] if stop is None else min(stop + (shape[dim] if stop < 0 else 0), shape[dim])
-            sliced[dim] = (begin, end - begin)
-        else:  # None (a new axis) or a tensor index
-            return None
-    return removed, sliced
 
 
 def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,

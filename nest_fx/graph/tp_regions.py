@@ -19,9 +19,10 @@ import torch.nn as nn
 from nest_fx.graph.opgraph import HeadInput
 
 # Attributes of an attention module (and of its config) that count heads or their features; a
-# rank's copy of the module sees them divided by tp. split_size: GPT-2's split of its fused qkv.
+# rank's copy of the module sees them divided by tp. split_size: GPT-2's split of its fused qkv;
+# n_embd: nanoGPT's (``c_attn(x).split(self.n_embd, dim=2)``).
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "heads", "kv_heads", "n_head",
-                    "n_heads", "n_kv_heads", "num_kv_heads", "hidden_size", "split_size")
+                    "n_heads", "n_kv_heads", "num_kv_heads", "hidden_size", "split_size", "n_embd")
 CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "n_heads", "num_kv_heads",
                      "n_kv_heads")
 
@@ -60,6 +61,26 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
     return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
 
 
+ATTENTION_CORES = {"scaled_dot_product_attention", "multiheadattention", "multi_head_attention_forward"}
+
+
+def unsharded_attention(graph) -> List[str]:
+    """Module FQNs of attention calls in the layers that no TP region holds (``nn.MultiheadAttention``,
+    a leaf to the tracer): under a TP plan they run whole on every TP rank while the pairs beside
+    them (the MLP) are sharded. The cost model prices them so (it divides the regions' nodes only);
+    the runtime reports them."""
+    found: List[str] = []
+    for block in graph.layer_blocks:
+        regions = [block.fqn(r) for r, kind, _ in block_regions(graph.pattern_of(block)) if kind != "expert"]
+        for node in block.nodes:
+            d = graph.graph.nodes[node]
+            module = d.get("module", "")
+            if d.get("op") in ATTENTION_CORES and not any(r == "" or module == r or module.startswith(r + ".")
+                                                           for r in regions) and module not in found:
+                found.append(module)
+    return found
+
+
 def localise_head_counts(module: nn.Module, tp: int) -> None:
     """Make an attention region count ``heads / tp`` heads: on the region's module and every module
     inside it (DeBERTa keeps its head count on ``attention.self`` while the region is
@@ -83,6 +104,30 @@ def _localise_own_head_counts(module: nn.Module, tp: int) -> None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % tp == 0:
                 setattr(local, attr, value // tp)
         module.config = local
+
+
+def shrink_param(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
+    """Replace parameter ``fqn`` of ``model`` by one of rank-local size along ``dim`` (values do not
+    matter: the profiler times it, the TP rehearsal runs it on fake tensors) and keep the owning
+    module's size attributes in line with it; ValueError when ``tp`` does not divide it."""
+    owner_name, _, leaf = fqn.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    old = owner.get_parameter(leaf)
+    shape = list(old.shape)
+    if shape[dim] % tp:
+        raise ValueError(f"{fqn}: {shape[dim]} entries along dim {dim} are not divisible by tp={tp}")
+    shape[dim] //= tp
+    new = torch.empty(shape, dtype=old.dtype, device=old.device)
+    if new.device.type != "meta":
+        nn.init.normal_(new, std=0.02)
+    owner.register_parameter(leaf, nn.Parameter(new, requires_grad=old.requires_grad))
+    weight = getattr(owner, "weight", None)
+    if leaf == "weight" and isinstance(owner, nn.Linear):
+        owner.out_features, owner.in_features = weight.shape
+    elif leaf == "weight" and isinstance(owner, nn.Embedding):
+        owner.num_embeddings, owner.embedding_dim = weight.shape
+    elif leaf == "weight" and isinstance(getattr(owner, "nf", None), int) and weight.dim() == 2:
+        owner.nf = weight.shape[1]  # HF Conv1D: weight [in, out], forward reads nf
 
 
 PLAIN_EMBEDDING = "torch.nn.modules.sparse.Embedding"

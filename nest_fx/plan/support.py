@@ -24,6 +24,7 @@ from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
 from nest_fx.graph.stage_modules import rehearsal_problem
 from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS, lowest_common_module
+from nest_fx.graph.tp_rehearsal import tp_rehearsal_problem
 from nest_fx.workload.types import dims_from_config
 
 
@@ -105,15 +106,15 @@ def tp_graph_problem(model: nn.Module, graph: OpGraph, tp: int) -> str:
             if problem:
                 return problem
         pairs += len(pattern.tp_pairs)
-    if not pairs:
-        container = graph.block_container or "<root>"
-        convs = list(dict.fromkeys(graph.graph.nodes[n].get("module") for b in layers for n in b.nodes
-                                   if graph.graph.nodes[n].get("op") in CONV_OPS))
-        why = (f"; its layers compute with convolutions ({', '.join(convs[:3])}), whose channels tensor parallelism "
-               "does not shard yet (pipeline and data parallelism apply)") if convs else ""
-        return (f"tp={tp} would shard nothing: no column->row linear pair (a linear whose output features feed "
-                f"another linear through per-feature ops) was found in the layers of {container}{why}; fix: use tp=1")
-    return ""
+    if pairs:
+        return tp_rehearsal_problem(model, graph, tp)  # the model's own code on one rank's shard
+    container = graph.block_container or "<root>"
+    convs = list(dict.fromkeys(graph.graph.nodes[n].get("module") for b in layers for n in b.nodes
+                               if graph.graph.nodes[n].get("op") in CONV_OPS))
+    why = (f"; its layers compute with convolutions ({', '.join(convs[:3])}), whose channels tensor parallelism "
+           "does not shard yet (pipeline and data parallelism apply)") if convs else ""
+    return (f"tp={tp} would shard nothing: no column->row linear pair (a linear whose output features feed "
+            f"another linear through per-feature ops) was found in the layers of {container}{why}; fix: use tp=1")
 
 
 def batchnorm_modules(model: nn.Module) -> List[str]:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
-from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts
+from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, shrink_param
 from nest_fx.models import build_any
 
 
@@ -49,27 +49,11 @@ def _shard_embedding(model: nn.Module, fqn: str, tp: int) -> None:
                                        device=old.weight.device, dtype=old.weight.dtype))
 
 
-def _shard_param(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
-    """Replace parameter ``fqn`` by one of rank-local size along ``dim`` (values do not matter for
-    timing) and keep the owning module's size attributes in line with it."""
-    owner_name, _, leaf = fqn.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    old = owner.get_parameter(leaf)
-    shape = list(old.shape)
-    if shape[dim] % tp:
-        raise LocaliseError(f"{fqn}: {shape[dim]} entries along dim {dim} are not divisible by tp={tp}")
-    shape[dim] //= tp
-    new = torch.empty(shape, dtype=old.dtype, device=old.device)
-    if new.device.type != "meta":
-        nn.init.normal_(new, std=0.02)
-    owner.register_parameter(leaf, nn.Parameter(new, requires_grad=old.requires_grad))
-    weight = getattr(owner, "weight", None)
-    if leaf == "weight" and isinstance(owner, nn.Linear):
-        owner.out_features, owner.in_features = weight.shape
-    elif leaf == "weight" and isinstance(owner, nn.Embedding):
-        owner.num_embeddings, owner.embedding_dim = weight.shape
-    elif leaf == "weight" and isinstance(getattr(owner, "nf", None), int) and weight.dim() == 2:
-        owner.nf = weight.shape[1]  # HF Conv1D: weight [in, out], forward reads nf
+def _shard(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
+    try:
+        shrink_param(model, fqn, dim, tp)
+    except ValueError as exc:
+        raise LocaliseError(str(exc)) from None
 
 
 def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
@@ -91,9 +75,9 @@ def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
                     if pair.problem:
                         raise LocaliseError(f"{block.name}: {pair.problem}; profile it with --tp 1")
                     for spec in pair.params:
-                        _shard_param(model, block.fqn(spec.name), spec.dim, tp)
+                        _shard(model, block.fqn(spec.name), spec.dim, tp)
                     for table in pair.head_tables:
-                        _shard_param(model, block.fqn(table) + ".weight", 1, tp)
+                        _shard(model, block.fqn(table) + ".weight", 1, tp)
                 target = model.get_submodule(block.fqn(region))
                 if kind == "attention":
                     localise_head_counts(target, tp)

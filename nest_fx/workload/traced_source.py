@@ -546,12 +546,15 @@ def _loss_facts(g, block) -> Tuple[float, float, float, float]:
 
 def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",
                         provenance: str = "analytical", source: Optional[TracedSource] = None) -> Workload:
-    """Workload over an OpGraph's blocks (head, layers, tail; empty head/tail dropped); its costs
-    come from ``source`` (default: a TracedSource with ``timing``)."""
+    """Workload over an OpGraph's blocks (head, layers, tail), one layer per block, so a plan's
+    layer ranges index the same chain the runtime cuts (a head or tail that computes nothing is
+    kept as a layer of no cost: the planner's plan for a model whose forward starts with its layer
+    list was refused by the runtime's count); its costs come from ``source`` (default: a
+    TracedSource with ``timing``)."""
     batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
     layers = []
     for b in graph.blocks:
-        if not b.nodes or (b.kind != "block" and b.flops == 0 and b.num_params == 0 and b.saved_bytes == 0):
+        if not b.nodes:
             continue
         layers.append(Layer(name=b.name, kind=b.kind, signature=b.signature, num_params=float(b.num_params),
                             flops_per_sample=b.flops / batch, is_moe=b.is_moe))
