@@ -1,7 +1,7 @@
 """Fault probes and elastic runs on one machine (tests and scripts only; re-exported by
 :mod:`nest_fx.testing`).
 
-Fault probes (tests/test_apply_failures.py, tests/test_checkpoint.py, scripts/bench_faults.py):
+Fault probes (tests/test_apply_failures.py, tests/test_checkpoint_dist.py, scripts/bench_faults.py):
 :func:`fault_run` trains a small model under TP2 x DP2 on 4 ranks and makes rank 3 stop
 (SIGSTOP: hangs without dying) or die (SIGKILL) inside a TP collective, the DP gradient
 all-reduce or a checkpoint save; every other rank writes what it raised and when

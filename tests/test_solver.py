@@ -180,7 +180,7 @@ def test_forced_recompute_bounds_what_the_optimum_recomputes():
     """The first bound adds the recompute memory forces (TableCache.forced_recompute): never more
     than the optimum plan re-runs, and more than nothing where memory forces recompute."""
     from nest_fx.solver.space import GlobalConfig
-    from nest_fx.solver.stage_table import TableCache
+    from nest_fx.solver.table_cache import TableCache
 
     cluster = tight_cluster(0.3)
     work = workload_for_model(CASES[0][0], cluster)

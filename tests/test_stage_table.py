@@ -18,7 +18,8 @@ from nest_fx.plan import StagePlan
 from nest_fx.solver.nest_dp import solve_partition
 from nest_fx.solver.search import _network_bound, _table_bound, candidates
 from nest_fx.solver.space import SolverOptions, global_configs, stage_counts
-from nest_fx.solver.stage_table import StageTable, TableCache
+from nest_fx.solver.stage_table import StageTable
+from nest_fx.solver.table_cache import TableCache
 
 MODELS = {
     "uniform": "llama:hidden=512,layers=4,heads=8,seq=512,vocab=4096",

@@ -20,7 +20,7 @@ from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
 from nest_fx.testing import COVERAGE_PLANS, cell_status, coverage_cell
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec, token_data
-from nest_fx.workload.traced_source import _block_facts
+from nest_fx.workload.block_facts import block_facts
 
 BATCH, WORLD, LAUNCH_S = 8, 4, 300
 FORCED = [p for p in COVERAGE_PLANS if not p.startswith("EP")]
@@ -165,7 +165,7 @@ def test_multihead_attention_left_whole_under_tp_is_reported():
     _, _, llama = _traced("meta-llama")
     assert unsharded_attention(llama) == []
     block = graph.layer_blocks[0]  # priced as what runs: the attention whole, the MLP pair sharded
-    facts = {n: f for n, f in zip(block.nodes, _block_facts(graph, block).nodes)}
+    facts = {n: f for n, f in zip(block.nodes, block_facts(graph, block).nodes)}
     ops = {n: graph.graph.nodes[n].get("op") for n in block.nodes}
     attention = [f for n, f in facts.items() if ops[n] == "multiheadattention"]
     assert attention and all(not f.tp and f.flops > 0 for f in attention)

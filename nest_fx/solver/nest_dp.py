@@ -36,7 +36,8 @@ import numpy as np
 
 from nest_fx.plan import StagePlan
 from nest_fx.solver.space import objective
-from nest_fx.solver.stage_table import SLACK, StageTable
+from nest_fx.solver.stage_bounds import SLACK
+from nest_fx.solver.stage_table import StageTable
 
 # (max_t, sum_s, max_q, back-pointer)
 Entry = Tuple[float, float, float, Optional[tuple]]

@@ -57,7 +57,9 @@ from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, in_space, objective
-from nest_fx.solver.stage_table import SLACK, StageTable, TableCache
+from nest_fx.solver.stage_bounds import SLACK
+from nest_fx.solver.stage_table import StageTable
+from nest_fx.solver.table_cache import TableCache
 from nest_fx.workload.types import Variant, Workload
 
 

@@ -17,7 +17,7 @@ from nest_fx.workload import Variant, Workload
 
 ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
 # every per-layer policy and a ladder of layer intervals; the search drops those another policy
-# beats in both time and memory (stage_table.undominated_modes)
+# beats in both time and memory (range_classes.undominated_modes)
 SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "full", "every:2", "every:3",
                       "every:4")
 

@@ -1,7 +1,7 @@
 """Layer costs derived from a traced OpGraph and a per-op timing model (``TracedSource``).
 
 Every variant (tensor-parallel degree, expert-parallel degree, microbatch size, sequence
-parallelism, context-parallel degree, loss parallelism) is derived from the traced nodes: how TP
+parallelism, context-parallel degree, loss parallelism) is derived from the traced nodes (``block_facts``): how TP
 and EP shard each node follows from the TP pairs the tracer found, the vocabulary-parallel head
 and tail from the embeddings and output linears, what context parallelism splits from the
 attention calls (``docs/cost_model.md``). Each recompute policy is costed from the aten ops the
@@ -12,78 +12,15 @@ Float8 linears (``runtime_costs``). ``workload_from_graph`` turns a graph into t
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from dataclasses import replace as dataclass_replace
 from typing import Dict, List, Optional, Tuple
 
-import networkx as nx
-import torch
-
-from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
-from nest_fx.graph.tp_regions import vocab_parallel_lookup
-from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES, block_policy_costs
-from nest_fx.workload.runtime_costs import RuntimeCosts, fusion_regions
+from nest_fx.workload.block_facts import (LOSS_BACKWARD_COPIES, LOSS_STATE_BYTES, BlockFacts, block_facts,
+                                          scaled_facts, vocab_parallel_nodes)
+from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
+from nest_fx.workload.runtime_costs import RuntimeCosts
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
-
-_DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
-                for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")}
-
-
-def _bytes_of(shapes, dtypes) -> float:
-    total = 0.0
-    for shape, dtype in zip(shapes or [], dtypes or []):
-        n = 1
-        for d in shape:
-            n *= d
-        total += n * _DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
-@dataclass
-class _NodeCost:
-    flops: float
-    bytes_moved: float
-    matmul: bool
-    saved: float
-    saved_flash: float
-    attention: bool
-    tp: bool  # sharded by tensor parallelism
-    column: bool  # a column-parallel linear: computes a shard, but saves its full (replicated) input
-    expert: bool  # sharded by expert parallelism (its parameters)
-    params: float
-    param_bytes: float
-    scores: float = 0.0  # attention: elements of the (batch, heads, s_q, s_k) score matrix; 0 otherwise
-    score_bytes: float = 0.0  # ... and its bytes
-    causal: bool = False  # attention: a causal call (is_causal=True)
-    seq: int = 0  # attention: key length
-    q_bytes: float = 0.0  # attention: bytes of the query (the rest of its inputs are keys and values)
-    kv_bytes: float = 0.0  # attention: bytes of keys and values
-    kept: Dict[str, float] = field(default_factory=dict)  # op-level policy -> bytes kept (recompute_costs)
-    recomputed: Dict[str, float] = field(default_factory=dict)  # op-level policy -> share of the forward re-run
-    linear_dims: Tuple[int, int, int] = (0, 0, 0)  # a linear with a weight: (rows, in, out features)
-    tp_params: float = 0.0  # of ``params``, those tensor parallelism shards (a row's bias stays whole)
-    tp_param_bytes: float = 0.0
-
-
-@dataclass
-class _BlockFacts:
-    nodes: List[_NodeCost]
-    out_bytes: float
-    in_bytes: float
-    tp_allreduces: int  # row linears whose outputs TP must all-reduce (per direction)
-    row_bytes: float  # bytes of one such output
-    a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
-    tp_phases: Tuple[str, ...] = ("fwd", "bwd")
-    vocab_comms: Tuple[Tuple[str, float, str], ...] = ()  # head/tail under TP: (kind, bytes, phase) each
-    loss_saved: float = 0.0  # bytes the loss keeps for backward (fp32 log-softmax of the logits)
-    loss_flops: float = 0.0
-    loss_bytes_moved: float = 0.0
-    loss_tokens: float = 0.0  # rows of the logits (tokens) the loss runs over
-    recomputed: bool = True  # activation checkpointing wraps blocks only, never the head or tail
-    tied_params: float = 0.0  # the tail's LM head weight when it is the embedding's (counted once, in the head)
-    regions: List[Tuple[List[int], List[Tuple[int, float]]]] = field(default_factory=list)  # runtime_costs.fusion_regions
 
 
 class TracedSource:
@@ -106,15 +43,15 @@ class TracedSource:
         self.runtime = runtime or RuntimeCosts()
         self.batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
         self.byte_scale = 1.0  # activation bytes relative to the trace's (for_runtime with another dtype)
-        self._facts: Dict[int, _BlockFacts] = {}
-        self._traced: Dict[int, _BlockFacts] = self._facts  # the facts at the trace's dtype
+        self._facts: Dict[int, BlockFacts] = {}
+        self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
 
-    def facts(self, block_index: int) -> _BlockFacts:
+    def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
             if block_index not in self._traced:
-                self._traced[block_index] = _block_facts(self.graph, self.graph.blocks[block_index])
+                self._traced[block_index] = block_facts(self.graph, self.graph.blocks[block_index])
             facts = self._traced[block_index]
-            self._facts[block_index] = facts if self.byte_scale == 1.0 else _scaled_facts(facts, self.byte_scale)
+            self._facts[block_index] = facts if self.byte_scale == 1.0 else scaled_facts(facts, self.byte_scale)
         return self._facts[block_index]
 
     def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
@@ -148,7 +85,7 @@ class TracedSource:
         """'' when the tail's output linear can keep its logits sharded by vocabulary (an untied LM
         head), else why not (the runtime's verdict is ``ParallelSupport.loss_parallel_problem``)."""
         tail = next((b for b in self.graph.blocks if b.kind == "tail"), None)
-        if tail is None or not _vocab_parallel_nodes(self.graph, tail):
+        if tail is None or not vocab_parallel_nodes(self.graph, tail):
             return "loss_parallel: the model's tail has no untied output linear whose logits could stay sharded"
         return ""
 
@@ -203,7 +140,7 @@ class TracedSource:
             bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * loss_share, fp8_params=fp8_params,
             tied_params=facts.tied_params)
 
-    def _comms(self, facts: _BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
+    def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
         """The layer's collectives per microbatch (docs/cost_model.md): TP (all-reduce, or
         all-gather + reduce-scatter under SP) after each row linear, the vocabulary-parallel
         head/tail's, EP's all-to-alls, CP's key/value all-gather (backward: reduce-scatter)."""
@@ -332,216 +269,6 @@ def materialised_score_seconds(timing, scores: float, score_bytes: float) -> flo
     if scores <= 0:
         return 0.0
     return timing.op_seconds(SOFTMAX_FLOPS_PER_SCORE * scores, SOFTMAX_PASSES * score_bytes, False)
-
-
-def _scores(d: dict) -> Tuple[float, float]:
-    """(elements, bytes) of the score matrix of an attention node: (batch, heads, s_q) of the
-    query times s_k of the key, in the output's dtype; (0, 0) when the shapes are not recorded."""
-    shapes = d.get("in_shapes") or []
-    if len(shapes) < 2 or len(shapes[0]) < 2 or len(shapes[1]) < 2:
-        return 0.0, 0.0
-    rows = 1
-    for k in shapes[0][:-1]:
-        rows *= k
-    elements = float(rows * shapes[1][-2])
-    return elements, elements * _DTYPE_BYTES.get((d.get("out_dtypes") or ["bfloat16"])[0], 2)
-
-
-def _block_facts(graph, block) -> _BlockFacts:
-    """Classify a block's nodes: TP-sharded region, expert nodes, attention cores."""
-    g = graph.graph
-    members = set(block.nodes)
-    pattern = graph.pattern_of(block) if block.kind == "block" else None
-    weight_node = {g.nodes[n]["weight"]: n for n in block.nodes if g.nodes[n].get("weight")}
-
-    def node_for(rel: str) -> Optional[str]:
-        full = block.fqn(rel)
-        return weight_node.get(full + ".weight") or weight_node.get(full)
-
-    tp_nodes: set = set()
-    sharded = {block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem
-               for p in pair.params} | {block.fqn(t) + ".weight" for pair in (pattern.tp_pairs if pattern else [])
-                                        if not pair.problem for t in pair.head_tables}
-    column_nodes: set = set()
-    expert_nodes: set = set()
-    expert_paths = getattr(graph, "expert_modules", None)
-    rows: List[Tuple[str, str]] = []
-    for pair in (pattern.tp_pairs if pattern else []):
-        if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
-            continue
-        cols = [c for c in (node_for(x) for x in pair.column) if c]
-        row = node_for(pair.row)
-        if not cols or not row:
-            continue
-        down = set().union(*(nx.descendants(g, c) for c in cols)) & members
-        up = nx.ancestors(g, row) & members
-        region = (down & up) | set(cols) | {row}
-        tp_nodes |= region
-        column_nodes |= set(cols)
-        if pair.kind == "expert":  # the experts' nodes of it (a shared expert is dense: Qwen2-MoE)
-            expert_nodes |= {n for n in region if _in_experts(g.nodes[n].get("module", ""), expert_paths)}
-        rows.append((pair.kind, row))
-    vocab_nodes = _vocab_parallel_nodes(graph, block)
-    tp_nodes |= set(vocab_nodes)
-    column_nodes |= {n for n, kind in vocab_nodes.items() if kind == "colwise"}
-    for n in block.nodes:
-        if _in_experts(g.nodes[n].get("module", ""), expert_paths):
-            expert_nodes.add(n)
-
-    if block.kind == "block":
-        kept, recomputed = block_policy_costs(g, block.nodes)
-    else:  # never checkpointed
-        kept = recomputed = [{} for _ in block.nodes]
-    nodes = []
-    for k, n in enumerate(block.nodes):
-        d = g.nodes[n]
-        in_b = _bytes_of(d.get("in_shapes"), d.get("in_dtypes"))
-        out_b = d.get("out_bytes", 0.0)
-        attention = d.get("op") in ATTENTION_CALLS
-        saved_flash = d.get("saved_bytes", 0.0)
-        q_bytes = kv_bytes = 0.0
-        seq = 0
-        if attention and d.get("out_shapes"):
-            shape = d["out_shapes"][0]
-            lse = out_b / max(shape[-1], 1) * LSE_BYTES / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
-            saved_flash = min(saved_flash, in_b + out_b + lse)
-            q_bytes = _bytes_of(d["in_shapes"][:1], d["in_dtypes"][:1])
-            kv_bytes = _bytes_of(d["in_shapes"][1:3], d["in_dtypes"][1:3])
-            seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
-        scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
-        tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
-            sum(numel for name, numel in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
-        bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
-        nodes.append(_NodeCost(
-            flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
-            matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
-            saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
-            tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
-            params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
-            scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
-            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, kept=kept[k], recomputed=recomputed[k],
-            linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
-    in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
-                   {p for n in block.nodes for p in g.predecessors(n) if p not in members})
-    dense_rows = [r for k, r in rows if k != "expert"]
-    expert_rows = [r for k, r in rows if k == "expert"]
-    n_ar = len(dense_rows) + (1 if expert_rows else 0)
-    row_bytes = g.nodes[dense_rows[0]]["out_bytes"] if dense_rows else (block.out_bytes or 0.0)
-    a2a = sum(g.nodes[r]["out_bytes"] for r in expert_rows) if block.is_moe else 0.0
-    vocab_comms: List[Tuple[str, float, str]] = []
-    for n, kind in vocab_nodes.items():
-        d = g.nodes[n]
-        if kind == "rowwise":  # vocabulary-sharded lookup: partial outputs all-reduced (forward)
-            vocab_comms.append(("all_reduce", d.get("out_bytes", 0.0), "fwd"))
-        else:  # output linear: input gradient all-reduced (backward), logits all-gathered (forward)
-            vocab_comms += [("all_reduce", _bytes_of(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
-                            ("all_gather", d.get("out_bytes", 0.0), "fwd")]
-    loss = _loss_facts(g, block)
-    if block.kind in ("head", "tail"):
-        n_ar = 0
-    tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
-    fusible = [not (n.matmul or n.attention) and (n.flops > 0 or n.bytes_moved > 0)
-               and g.nodes[name].get("fx_op") not in ("placeholder", "output") for n, name in zip(nodes, block.nodes)]
-    return _BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
-                       row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
-                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
-                       recomputed=block.kind == "block", tied_params=tied,
-                       regions=fusion_regions(g, block.nodes, fusible) if block.kind == "block" else [])
-
-
-def _scaled_facts(facts: _BlockFacts, k: float) -> _BlockFacts:
-    """``facts`` with every activation, weight and message byte count times ``k`` (a trace
-    re-costed in a dtype ``k`` times as wide). The loss's figures stay: it computes in fp32
-    whatever the model's dtype (``_loss_facts``)."""
-    nodes = [dataclass_replace(n, bytes_moved=n.bytes_moved * k, saved=n.saved * k, saved_flash=n.saved_flash * k,
-                               param_bytes=n.param_bytes * k, score_bytes=n.score_bytes * k, q_bytes=n.q_bytes * k,
-                               kv_bytes=n.kv_bytes * k, tp_param_bytes=n.tp_param_bytes * k,
-                               kept={p: b * k for p, b in n.kept.items()}) for n in facts.nodes]
-    return dataclass_replace(facts, nodes=nodes, out_bytes=facts.out_bytes * k, in_bytes=facts.in_bytes * k,
-                             row_bytes=facts.row_bytes * k, a2a_bytes=facts.a2a_bytes * k,
-                             vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
-                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions])
-
-
-def _linear_dims(d: dict) -> Tuple[int, int, int]:
-    """(rows, in features, out features) of a node with a weight (a linear), else zeros."""
-    inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
-    if not d.get("weight") or d.get("op") != "linear" or not inputs or not outputs or not inputs[0]:
-        return 0, 0, 0
-    rows = 1
-    for k in inputs[0][:-1]:
-        rows *= k
-    return rows, inputs[0][-1], outputs[0][-1]
-
-
-def _tied_weight_params(g, node: str) -> float:
-    """Parameters of the weight a tail linear shares with an earlier layer (the tracer counts a
-    shared weight once, at its first use: a tied LM head's linear records a weight but no
-    parameters of its own)."""
-    d = g.nodes[node]
-    if d.get("op") != "linear" or not d.get("weight") or d.get("num_params"):
-        return 0.0
-    inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
-    if not inputs or not outputs or not inputs[0] or not outputs[0]:
-        return 0.0
-    return float(inputs[0][-1] * outputs[0][-1])  # in_features x out_features
-
-
-def _in_experts(module: str, expert_modules: Optional[List[str]]) -> bool:
-    """Whether a node of ``module`` computes with expert weights (sharded by expert parallelism):
-    under one of the traced model's expert modules; for a graph that did not record them, any module
-    path naming an expert. A shared expert (Qwen2-MoE ``shared_expert``) is dense and replicated."""
-    if expert_modules is None:
-        return "expert" in module
-    return any(module == p or module.startswith(p + ".") for p in expert_modules)
-
-
-def _vocab_parallel_nodes(graph, block) -> Dict[str, str]:
-    """{node: "rowwise" | "colwise"} that vocabulary parallelism shards in a head or tail block,
-    as the runtime does (``nest_fx.apply.tensor_parallel.vocab_parallel_modules``): the head's
-    embedding lookups and the tail's output linears. A tied LM head (the tracer counts its
-    shared weight once, under the embedding) stays replicated with the largest embedding."""
-    g = graph.graph
-    if block.kind == "head":
-        found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
-        tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-        tied = tail is not None and any(g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")
-                                        and not g.nodes[n].get("num_params") for n in tail.nodes)
-        if tied and found:
-            found.pop(max(found, key=lambda n: g.nodes[n].get("num_params", 0)))
-        return found
-    if block.kind == "tail":
-        return {n: "colwise" for n in block.nodes if g.nodes[n].get("op") == "linear"
-                and g.nodes[n].get("weight") and g.nodes[n].get("num_params")}
-    return {}
-
-
-LOSS_STATE_BYTES = 4  # the loss runs in fp32 (logits upcast), as usual for language-model training
-# its backward holds two fp32 logit-sized gradients at once: of the log-probabilities and of the logits
-LOSS_BACKWARD_COPIES = 2
-
-
-def _loss_facts(g, block) -> Tuple[float, float, float, float]:
-    """(saved bytes, FLOPs, bytes moved, rows) of a token-level cross-entropy on the model's
-    output, assumed for every model whose tail ends in a linear (an LM head): the fp32
-    log-softmax it keeps for backward, about 5 FLOPs per logit, and the logits read once, upcast
-    and written as log-probabilities; rows are the tokens. The loss is the user's code, not in
-    the trace; zeros otherwise."""
-    if block.kind != "tail":
-        return 0.0, 0.0, 0.0, 0.0
-    heads = [n for n in block.nodes if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")]
-    if not heads:
-        return 0.0, 0.0, 0.0, 0.0
-    d = g.nodes[heads[-1]]
-    shapes, dtypes = d.get("out_shapes") or [], d.get("out_dtypes") or []
-    if not shapes:
-        return 0.0, 0.0, 0.0, 0.0
-    numel = 1
-    for k in shapes[0]:
-        numel *= k
-    logits = numel * _DTYPE_BYTES.get(dtypes[0] if dtypes else "float32", 4)
-    rows = numel / max(shapes[0][-1], 1)
-    return numel * LOSS_STATE_BYTES, 5.0 * numel, logits + 2 * numel * LOSS_STATE_BYTES, rows
 
 
 def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",

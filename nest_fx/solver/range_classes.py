@@ -1,0 +1,95 @@
+"""Layer ranges of one layer variant grouped into classes: what a pipeline stage's cost depends on.
+
+Stage i's cost depends on its layer range [b, e) only through the range's *class*: how many
+layers of each distinct layer cost it holds, the cost of layer b - 1 (the boundary it
+receives) and of layer e - 1 (the boundary buffer it sends). With identical blocks there are
+O(L) classes for L layers instead of O(L^2) ranges. Per class and recompute mode the
+network-independent layer sums (``cost.stage_terms.compute_terms``) are computed once, on
+arrays; :mod:`nest_fx.solver.stage_table` assembles them into stage costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from nest_fx.cost.stage_terms import LayerTerms, compute_terms, forward_repeats
+from nest_fx.graph.recompute_policies import cost_key, parse_recompute
+from nest_fx.workload import LayerCost, Variant, Workload
+
+
+@dataclass
+class RangeClasses:
+    """Layer ranges of one :class:`Variant` grouped by what a stage's cost depends on."""
+
+    costs: List[LayerCost]  # distinct layer costs, in ``Workload.variant_costs`` order
+    cls: np.ndarray  # (L+1, L+1): class of range [b, e); K (no class) where e <= b
+    counts: np.ndarray  # (D, K): layers of each distinct cost in the class
+    prev: np.ndarray  # (K,) distinct cost of the layer before the range; -1 when it starts at 0
+    out_bytes: np.ndarray  # (K,) bytes the range's last layer hands on (the stage's buffers)
+    length: np.ndarray  # (K,) layers in the class's ranges
+    terms: Dict[str, LayerTerms]  # per recompute mode: network-independent sums, (K,) each
+    modes: Tuple[str, ...] = ()  # the modes worth searching (undominated_modes)
+    tied: float = 0.0  # parameters of a tied embedding (the tail's LayerCost.tied_params)
+
+    @property
+    def size(self) -> int:
+        return len(self.prev)
+
+
+def undominated_modes(costs: List[LayerCost], modes) -> Tuple[str, ...]:
+    """The recompute modes worth searching for a variant: a per-layer policy is dropped when
+    another keeps no more bytes, re-runs no more seconds and repeats no more collectives on every
+    layer (and less of one of them somewhere, or comes earlier in ``modes``): it is never better
+    in time or memory (e.g. ``selective`` with fused attention keeps more than ``none`` and
+    re-runs the attention). ``every:<k>`` mixes ``none`` and ``full`` over a stage and stays."""
+    per_layer = [r for r in modes if parse_recompute(r).kind != "every"]
+
+    def profile(r: str) -> List[float]:
+        key = cost_key(r)
+        return [x for c in costs for x in (c.act_bytes[key], c.recompute_s[key],
+                                           float(sum(forward_repeats(m, r) * m.count for m in c.comms if c.block)))]
+
+    profiles = {r: profile(r) for r in per_layer}
+    keep = []
+    for k, r in enumerate(per_layer):
+        beaten = any(all(a <= b for a, b in zip(profiles[o], profiles[r]))
+                     and (profiles[o] != profiles[r] or j < k) for j, o in enumerate(per_layer) if o != r)
+        if not beaten:
+            keep.append(r)
+    return tuple(r for r in modes if r in keep or parse_recompute(r).kind == "every")
+
+
+def costed_modes(workload: Workload, variant: Variant, modes) -> Tuple[str, ...]:
+    """The modes of ``modes`` the workload costs in a variant (a layer table may give only some
+    policies; ``every:<k>`` needs ``none`` and ``full``)."""
+    have = set(workload.recompute_policies(variant))
+    return tuple(r for r in modes if ({"none", "full"} if parse_recompute(r).kind == "every" else {cost_key(r)}) <= have)
+
+
+def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
+    """Classes of all ranges [b, e), 0 <= b < e <= L, for one layer variant."""
+    costs, prefix, index = workload.variant_costs(variant)
+    n, d = len(workload), len(costs)
+    counts = np.array(prefix, dtype=np.int64).reshape(d, n + 1)
+    layer = np.array(index, dtype=np.int64)
+    b, e = np.triu_indices(n + 1, 1)
+    held = counts[:, e] - counts[:, b]  # (D, ranges)
+    prev = np.where(b > 0, layer[np.maximum(b - 1, 0)], -1)
+    keys = np.vstack([held, prev[None, :], layer[e - 1][None, :]]).T
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    cls = np.full((n + 1, n + 1), len(uniq), dtype=np.intp)
+    cls[b, e] = inverse.ravel()
+    per_cost = np.ascontiguousarray(uniq[:, :d].T)
+    out_bytes = np.array([c.out_bytes for c in costs], dtype=float)[uniq[:, d + 1]] / variant.cp
+    searched = undominated_modes(costs, costed_modes(workload, variant, modes))
+    terms = {r: compute_terms(list(zip(costs, per_cost)), r) for r in searched}
+    return RangeClasses(costs=costs, cls=cls, counts=per_cost, prev=uniq[:, d].copy(), out_bytes=out_bytes,
+                        length=per_cost.sum(axis=0), terms=terms, modes=searched, tied=costs[index[-1]].tied_params)
+
+
+def subset_terms(terms: LayerTerms, idx: np.ndarray) -> LayerTerms:
+    """``terms`` with every per-class array indexed by ``idx`` (scalars kept)."""
+    return LayerTerms(**{f.name: getattr(terms, f.name)[idx] if isinstance(getattr(terms, f.name), np.ndarray)
+                         else getattr(terms, f.name) for f in fields(LayerTerms)})

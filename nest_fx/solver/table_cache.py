@@ -1,0 +1,259 @@
+"""What the stage tables of one search share (:class:`TableCache`).
+
+What does not depend on the whole of (g, p) is computed once: range classes and compute sums
+per layer variant (:mod:`nest_fx.solver.range_classes`), rank groups per layout (placement, tp,
+dp, ep, p), collective seconds per (layout, collective), p2p per (layout, variant), model states
+per (variant, ZeRO stage, dp), in-flight microbatches per (schedule, p, m). Caches of other
+device orders of the same devices (``share=``) share the entries that do not depend on the
+network. The cache also answers the per-pair lower bounds the search prunes with before it
+builds a table: the recompute memory forces (``forced_recompute``) and one replica's work
+(``replica_work``, ``replica_params``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from nest_fx.cost import memory
+from nest_fx.cost.collectives import group_comm_fn
+from nest_fx.cost.memory import model_states, working_sets
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.stage_terms import StageGroups, stage_groups
+from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time, tail_terms
+from nest_fx.graph.recompute_policies import cost_key, parse_recompute
+from nest_fx.plan import Plan, StagePlan
+from nest_fx.solver.candidates import variant_of
+from nest_fx.solver.range_classes import RangeClasses, range_classes
+from nest_fx.solver.space import GlobalConfig
+from nest_fx.workload import Workload
+
+
+class _LayoutPlan(Plan):
+    """A plan whose stages never change (the solver's layout template): ``Plan``'s own stage
+    offsets and replica size, each computed once instead of summed on every rank lookup."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets = [Plan.stage_offset(self, i) for i in range(len(self.stages))]
+        self._replica = Plan.devices_per_replica.fget(self)
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self._replica
+
+    def stage_offset(self, i: int) -> int:
+        return self._offsets[i]
+
+
+def _comm_work(comms: Dict[str, np.ndarray], compute: float, options: CostOptions):
+    """A lower bound on one layer's collective seconds on the critical path: TP's only without
+    async-TP overlap (with it the stage's compute may hide all of it), EP's and CP's."""
+    tp = 0.0 if options.overlap_tp_comm else comms["tp"]
+    return tp + comms["ep"] + comms["cp"]
+
+
+class TableCache:
+    """What stage tables of one search share (see module docstring)."""
+
+    def __init__(self, workload: Workload, cluster, options: CostOptions, modes,
+                 share: Optional["TableCache"] = None):
+        """``share``: a cache of the same workload and options on another view of the same
+        devices (another device order): its network-independent entries (classes, layouts,
+        model states, in-flight microbatches) are shared, the network's are not."""
+        self.workload, self.cluster, self.options, self.modes = workload, cluster, options, tuple(modes)
+        self.capacity = memory.usable_bytes(cluster.device.memory_bytes, options)
+        if share is not None and (share.workload is not workload or share.options is not options
+                                  or share.modes != self.modes or share.cluster.device != cluster.device):
+            raise ValueError("TableCache(share=...): the shared cache must have the same workload, options, "
+                             "recompute modes and device")
+        self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
+        self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
+        self._states: Dict[tuple, tuple] = {} if share is None else share._states
+        self._comm_seconds: Dict[tuple, np.ndarray] = {}
+        self._group_fns: Dict[tuple, list] = {}
+        self._p2p: Dict[tuple, np.ndarray] = {}
+        self._work: Dict[tuple, Tuple[float, float]] = {}
+        self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
+        self._forced: Dict[tuple, float] = {}
+
+    def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
+        """``step_time.comm_terms`` of every range class of g's variant under ``mode`` on each
+        stage's groups, (p, classes) per key: shared by the pairs that differ only in schedule,
+        interleave factor or ZeRO stage."""
+        key = (self._layout_key(g, p), variant_of(g), mode)
+        hit = self._comms.get(key)
+        if hit is None:
+            rc = self.classes(g)
+            out = comm_terms(list(zip(rc.costs, rc.counts)), mode, lambda comm: self.comm_seconds(g, p, comm),
+                             self.options.tp_call_overhead)
+            hit = self._comms[key] = {k: np.broadcast_to(np.asarray(v, dtype=float), (p, rc.size))
+                                      for k, v in out.items()}
+        return hit
+
+    def classes(self, g: GlobalConfig) -> RangeClasses:
+        key = variant_of(g)
+        if key not in self._classes:
+            self._classes[key] = range_classes(self.workload, key, self.modes)
+        return self._classes[key]
+
+    @staticmethod
+    def _layout_key(g: GlobalConfig, p: int) -> tuple:
+        return g.placement, g.tp, g.dp, g.ep, p, g.cp, g.dp_shard
+
+    def layout(self, g: GlobalConfig, p: int) -> List[StageGroups]:
+        """Rank groups of each stage: they depend on placement, tp, dp, ep, cp, dp_shard and p only."""
+        key = self._layout_key(g, p)
+        if key not in self._layouts:
+            plan = _LayoutPlan(stages=[StagePlan(k, k + 1, g.tp) for k in range(p)], dp=g.dp, ep=g.ep, cp=g.cp,
+                               dp_shard=g.dp_shard, zero=max(g.zero, 1 if g.dp_shard else 0),
+                               placement=g.placement, num_layers=p)
+            self._layouts[key] = [stage_groups(plan, i) for i in range(p)]
+        return self._layouts[key]
+
+    def comm_seconds(self, g: GlobalConfig, p: int, comm) -> np.ndarray:
+        """(p, 1): one in-layer collective on each stage's slowest group."""
+        layout = self._layout_key(g, p)
+        key = (layout, comm.kind, comm.group, comm.nbytes, comm.count)
+        hit = self._comm_seconds.get(key)
+        if hit is None:
+            fns = self._group_fns.get((layout, comm.kind, comm.group))
+            if fns is None:
+                fns = self._group_fns[(layout, comm.kind, comm.group)] = [
+                    group_comm_fn(self.cluster, comm.kind, getattr(s, comm.group)) for s in self.layout(g, p)]
+            hit = self._comm_seconds[key] = np.array([[f(comm)] for f in fns], dtype=float)
+        return hit
+
+    def p2p(self, g: GlobalConfig, p: int) -> np.ndarray:
+        """(p, D + 1): P_i by the distinct cost of the layer before the stage; 0 for stage 0, in
+        the last column (ranges that start at layer 0, which only stage 0 holds) and for costs no
+        layer follows (no range starts after them)."""
+        key = (self._layout_key(g, p), variant_of(g))
+        hit = self._p2p.get(key)
+        if hit is None:
+            rc, layout = self.classes(g), self.layout(g, p)
+            hit = self._p2p[key] = np.zeros((p, len(rc.costs) + 1))
+            senders = np.unique(rc.prev[rc.prev >= 0]).tolist()  # costs some layer follows
+            for i in range(1, p):
+                by_bytes: Dict[float, float] = {}
+                for d in senders:
+                    nbytes = rc.costs[d].out_bytes / g.cp
+                    if nbytes not in by_bytes:
+                        by_bytes[nbytes] = p2p_time(self.cluster, layout[i], nbytes, g.tp, g.tp)
+                    hit[i, d] = by_bytes[nbytes]
+        return hit
+
+    def forced_recompute(self, g: GlobalConfig, p: int, m: int) -> float:
+        """A lower bound on the recompute seconds per microbatch that any plan of (g, p) spends to
+        fit in memory (inf when none fits), summed over its stages.
+
+        Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
+        all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
+        (``memory.pipeline_inflight_microbatches``; other terms only add), so
+        ``A_i <= (C - k P_i) / f_i``; summed over the stages, the blocks' activations per
+        microbatch obey ``sum_l a_l <= C sum_i 1 / f_i - k P / max_i f_i``. The cheapest way to
+        meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
+        greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
+        the recompute time of every plan from below."""
+        zero = memory.effective_zero_stage(g.zero, p)
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.virtual_stages)
+        hit = self._forced.get(key)
+        if hit is None:
+            hit = self._forced[key] = self._forced_recompute(g, p, m, zero)
+        return hit
+
+    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
+        o, rc, n = self.options, self.classes(g), len(self.workload)
+        whole = rc.cls[0, n]
+        per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
+                                             param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
+                                             master_weights=o.master_weights,
+                                             state_dtype_bytes=o.state_bytes)["total"]
+        inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
+        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
+        budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
+        modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
+        if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
+            modes |= {"none", "full"}
+        kept = 0.0
+        segments: List[Tuple[float, float]] = []  # (seconds per byte saved, bytes it can save)
+        for d, c in enumerate(rc.costs):
+            count = int(rc.counts[d, whole])
+            if not c.block or not count:
+                continue
+            points = {(c.act_bytes[r], c.recompute_s[r]) for r in modes if r in c.act_bytes}
+            start = min(points, key=lambda x: (x[1], x[0]))  # the cheapest in time (none)
+            kept += count * start[0]
+            hull = [(0.0, start[1])]  # (bytes saved, seconds): the lower convex hull from the start
+            last = 0.0
+            for saved, t in sorted((start[0] - a, t) for a, t in points if a < start[0]):
+                if saved == last:
+                    continue  # the same bytes at more seconds
+                last = saved
+                while len(hull) >= 2 and _slope(hull[-2], hull[-1]) >= _slope(hull[-1], (saved, t)):
+                    hull.pop()
+                hull.append((saved, t))
+            segments += [(_slope(u, w), count * (w[0] - u[0])) for u, w in zip(hull, hull[1:])]
+        excess = kept - budget
+        seconds = 0.0
+        for rate, saved in sorted(segments):
+            if excess <= 0:
+                break
+            take = min(saved, excess)
+            seconds += rate * take
+            excess -= take
+        return seconds if excess <= 0 else math.inf
+
+    def replica_work(self, g: GlobalConfig, p: int) -> Tuple[float, float]:
+        """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p): every layer's forward
+        and backward with its collectives on the stage where they are cheapest and in the cheapest
+        mode, and each stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per
+        microbatch). ``sum_i s_i`` is at least their sum, ``max_i t_i`` at least the first's
+        over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``)."""
+        key = (self._layout_key(g, p), variant_of(g))
+        if key not in self._work:
+            rc, n = self.classes(g), len(self.workload)
+            whole = rc.cls[0, n]
+            terms = rc.terms[rc.modes[0]]
+            total = float(terms.fwd[whole] + terms.bwd[whole])
+            per_layer_modes = {r for r in rc.modes if parse_recompute(r).kind != "every"}
+            if len(per_layer_modes) < len(rc.modes):  # every:<k> runs blocks as none or full
+                per_layer_modes |= {"none", "full"}
+            for d, c in enumerate(rc.costs):
+                per_layer = min(float(np.min(_comm_work(comm_terms([(c, 1)], r, lambda x: self.comm_seconds(g, p, x)),
+                                                        c.fwd_s + c.bwd_s, self.options)))
+                                for r in per_layer_modes)
+                total += int(rc.counts[d, whole]) * per_layer
+            senders = np.unique(rc.prev[rc.prev >= 0])
+            boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0
+            self._work[key] = (total, boundaries)
+        total, boundaries = self._work[key]
+        return total, 2 * g.virtual_stages * boundaries
+
+    def replica_params(self, g: GlobalConfig) -> float:
+        """Parameters per device of one whole replica (all layers on one stage)."""
+        rc = self.classes(g)
+        return float(rc.terms[rc.modes[0]].params[rc.cls[0, len(self.workload)]])
+
+    def states(self, g: GlobalConfig, p: int) -> tuple:
+        """(dense states, expert states, dense params, expert params, optimizer seconds, then
+        ``step_time.working_sets``), (K,) each, at the ZeRO stage a depth-p pipeline really has
+        (``memory.effective_zero_stage``), with a tied embedding's second copy under pipelining."""
+        zero = memory.effective_zero_stage(g.zero, p)
+        key = (variant_of(g), zero, g.shard, g.dp // g.ep * g.cp, p > 1)
+        if key not in self._states:
+            rc = self.classes(g)
+            terms = held_terms(rc.terms[rc.modes[0]], p)
+            dense = terms.params - terms.expert_params
+            opts = self.options
+            t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.shard, zero, self.cluster, opts)[1]
+            self._states[key] = (model_states(dense, zero, g.shard, opts),
+                                 model_states(terms.expert_params, zero, max(g.dp // g.ep, 1) * g.cp, opts),
+                                 dense, terms.expert_params, t_opt, *working_sets(terms, zero, g.shard, opts))
+        return self._states[key]
+
+
+def _slope(u: Tuple[float, float], w: Tuple[float, float]) -> float:
+    """Seconds per byte saved from hull point ``u`` to ``w`` (each: bytes saved, seconds)."""
+    return (w[1] - u[1]) / (w[0] - u[0])
