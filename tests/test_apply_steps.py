@@ -9,12 +9,14 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nest_fx.apply.api as api
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.parts import BatchSchedule, LocalModel, ParallelLayout
 from nest_fx.apply.runtime import ParallelModule
+from nest_fx.graph import trace
 from nest_fx.models import build_seeded
 from nest_fx.plan import uniform_plan
 
@@ -75,3 +77,14 @@ def test_parallel_module_is_built_from_three_parts(single_rank):
     assert pm.batching.loss_fn is recording and pm.local.grad_sync is pm.grad_sync
     pm.train_step(x, y)
     assert seen == [(2, 32, 128), (2, 32, 128), "sync"] and pm.step == 1
+
+
+def test_a_setup_warning_names_the_line_that_called_auto_parallelize(single_rank):
+    """The warnings of the prepare step point at the caller's line, as when they were raised inline."""
+    model, _ = build_seeded("cnn:channels=8,blocks=1,classes=4,image=8")
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    plan = uniform_plan(len(trace(model, (x,)).blocks), microbatch_size=4, num_microbatches=2)
+    with pytest.warns(UserWarning, match="sync_batchnorm=False: BatchNorm layers") as caught:
+        auto_parallelize(model, x, global_batch_size=8, loss_fn=F.cross_entropy, plan=plan, sync_batchnorm=False,
+                         verbose=False)
+    assert {w.filename for w in caught if "BatchNorm" in str(w.message)} == {__file__}
