@@ -269,7 +269,7 @@ def run_rank(spec: dict) -> dict:
 def _train_and_export(spec: dict, out: dict, t0: float) -> None:
     import torch.distributed as dist
 
-    import nest_fx.apply.api as api
+    import nest_fx.apply.steps as steps
     from nest_fx.apply import auto_parallelize
     from nest_fx.models import build_model
     from nest_fx.plan import Plan
@@ -281,7 +281,7 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
     sampler.phase = "load"
     out["peak_reset_works"] = _reset_peak()
     timing = {}
-    original = api.materialize
+    original = steps.materialize
 
     def timed_materialize(*args, **kwargs):
         start = time.perf_counter()
@@ -289,7 +289,7 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
         timing["load_s"] = time.perf_counter() - start
         timing.update(counts)
         return counts
-    api.materialize = timed_materialize
+    steps.materialize = timed_materialize
 
     model, _ = build_model(spec["model"], device="meta")
     gen = torch.Generator().manual_seed(1)

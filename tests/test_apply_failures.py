@@ -69,7 +69,7 @@ class _Reached(Exception):
 def _count_collectives_then_parallelize():
     import torch.distributed as dist
 
-    import nest_fx.apply.api as api
+    import nest_fx.apply.steps as steps
     from nest_fx.apply import ApplyError, init_distributed
 
     init_distributed()  # the rendezvous itself; every later collective is a probe
@@ -83,7 +83,7 @@ def _count_collectives_then_parallelize():
 
     for name in COLLECTIVES:
         setattr(dist, name, probe(name))
-    api.build_mesh = probe("build_mesh")  # the first step that communicates (device mesh groups)
+    steps.build_mesh = probe("build_mesh")  # the first step that communicates (device mesh groups)
     error = None
     try:
         _parallelize(6)  # 6 rows do not split into dp=2 x 2 microbatches x 2 rows

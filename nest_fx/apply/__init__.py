@@ -15,11 +15,13 @@ chunks, K/V all-gather), ``loss_parallel`` (vocabulary-parallel cross-entropy),
 ``compile`` and ``float8`` (runtime options), ``checkpoint`` (saving and resuming training state
 under any plan; ``checkpoint_load``: which checkpoint, verified; ``checkpoint_state``: what is in
 it; ``checkpoint_files``: manifests, rotation; ``train_state``: data position, scheduler, scaler,
-RNG; ``fingerprint``: the model's tensors), ``peers`` (ending stopped ranks of this host), ``runtime`` (ParallelModule), ``api``
-(auto_parallelize), ``launch`` (N local ranks without torchrun), ``losses``. See docs/runtime.md.
+RNG; ``fingerprint``: the model's tensors), ``peers`` (ending stopped ranks of this host),
+``runtime`` (ParallelModule; ``parts``: the objects it is built from), ``api`` (auto_parallelize:
+its steps in order; ``prepare``: plan, checks and agreement before the mesh; ``steps``: the
+rewrites), ``launch`` (N local ranks without torchrun), ``losses``. See docs/runtime.md.
 """
 from nest_fx.apply.agreement import AgreementError
-from nest_fx.apply.api import auto_parallelize, default_plan
+from nest_fx.apply.api import auto_parallelize
 from nest_fx.apply.checkpoint import (CheckpointDamaged, CheckpointError, load_checkpoint, resume_checkpoint,
                                       save_checkpoint)
 from nest_fx.apply.checks import ApplyError
@@ -27,6 +29,7 @@ from nest_fx.apply.collective_errors import CollectiveError
 from nest_fx.apply.distributed import collective_timeout_s, init_distributed, plan_rank_of
 from nest_fx.apply.expert_parallel import all_to_all
 from nest_fx.apply.mesh import build_mesh, locate
+from nest_fx.apply.prepare import default_plan
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.train_state import EpochBatches
 from nest_fx.plan.summary import plan_summary

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,8 @@ from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.export_hf import save_pretrained
 from nest_fx.apply.fused_params import fused_layouts, original_layout
-from nest_fx.apply.mesh import RankInfo
+from nest_fx.apply.parts import BatchSchedule, LocalModel, ParallelLayout, field_of
 from nest_fx.apply.pipeline import schedule_step, tensor_output
-from nest_fx.plan.plan import Plan
 
 
 def _counted_step(method: Callable) -> Callable:
@@ -91,37 +90,42 @@ def _with_targets(inputs, targets: torch.Tensor) -> tuple:
 
 
 class ParallelModule:
-    """What :func:`nest_fx.apply.auto_parallelize` returns (see the module docstring).
+    """What :func:`nest_fx.apply.auto_parallelize` returns (see the module docstring), built from
+    three objects (:mod:`nest_fx.apply.parts`): ``layout`` (:class:`ParallelLayout`), ``batching``
+    (:class:`BatchSchedule`) and ``local`` (:class:`LocalModel`), whose fields are its attributes.
 
     Attributes: ``plan``; ``module`` (this rank's stage module, or an ``nn.ModuleList`` of its
     chunks under the interleaved schedule; parameter names are the original model's);
-    ``mesh`` (DeviceMesh with dims pp/dp/tp); ``rank_info`` (stage, replica, TP rank);
-    ``num_microbatches``; ``global_batch_size``; ``step`` (optimizer steps taken: the loaded
-    checkpoint's step plus one per ``train_step``); ``model_specs`` (name -> (shape, dtype) of
-    the whole model's tensors, recorded before the split; checkpoints fingerprint it).
+    ``mesh`` (DeviceMesh with dims pp/dp/tp); ``rank_info`` (stage, replica, TP rank); ``device``;
+    ``num_microbatches``; ``global_batch_size``; ``loss_fn``; ``schedule`` and ``pipeline_stages``
+    (pp > 1); ``context_parallel`` (cp > 1); ``chunks``; ``graph``; ``grad_sync``; ``fsdp``;
+    ``materialized``; ``step`` (optimizer steps taken: the loaded checkpoint's step plus one per
+    ``train_step``); ``model_specs`` (name -> (shape, dtype) of the whole model's tensors,
+    recorded before the split; checkpoints fingerprint it).
     """
 
-    def __init__(self, *, plan: Plan, chunks: Sequence[nn.Module], mesh, rank_info: RankInfo,
-                 loss_fn: Optional[Callable],
-                 num_microbatches: int, global_batch_size: int, schedule=None, pipeline_stages=(),
-                 grad_sync=None, fsdp: bool = False, graph=None, device: Optional[torch.device] = None,
-                 context_parallel=None, model_specs: Optional[Dict[str, Any]] = None):
-        self.plan = plan
-        self.chunks = list(chunks)
-        self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
-        self.mesh = mesh
-        self.rank_info = rank_info
-        self.loss_fn = loss_fn
-        self.num_microbatches = num_microbatches
-        self.global_batch_size = global_batch_size
-        self.schedule = schedule
-        self.pipeline_stages = list(pipeline_stages)
-        self.grad_sync = grad_sync
-        self.fsdp = fsdp
-        self.graph = graph
-        self.device = device or torch.device("cpu")
-        self.context_parallel = context_parallel  # ContextParallel when plan.cp > 1: the rank's tokens
-        self.model_specs = model_specs
+    plan = field_of("layout", "plan")
+    mesh = field_of("layout", "mesh")
+    rank_info = field_of("layout", "rank_info")
+    device = field_of("layout", "device")
+    global_batch_size = field_of("batching", "global_batch_size")
+    num_microbatches = field_of("batching", "num_microbatches")
+    loss_fn = field_of("batching", "loss_fn", settable=True)
+    schedule = field_of("batching", "schedule")
+    pipeline_stages = field_of("batching", "pipeline_stages")
+    context_parallel = field_of("batching", "context_parallel")  # ContextParallel when plan.cp > 1
+    chunks = field_of("local", "chunks")
+    graph = field_of("local", "graph")
+    model_specs = field_of("local", "model_specs")
+    grad_sync = field_of("local", "grad_sync", settable=True)
+    fsdp = field_of("local", "fsdp")
+    materialized = field_of("local", "materialized")
+
+    def __init__(self, layout: ParallelLayout, batching: BatchSchedule, local: LocalModel):
+        self.layout = layout
+        self.batching = batching
+        self.local = local
+        self.module = local.chunks[0] if len(local.chunks) == 1 else nn.ModuleList(local.chunks)
         self.step = 0
         self._agreed_optimizers: "weakref.WeakSet" = weakref.WeakSet()
         weakref.finalize(self, register_optimizer_step_pre_hook(_first_step_check(self)).remove)
