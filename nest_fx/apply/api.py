@@ -62,7 +62,7 @@ from nest_fx.apply.materialize import materialize, prepare_weights
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
 from nest_fx.graph.tp_regions import unsharded_attention
-from nest_fx.apply.pipeline import (interleaved_ranges, make_schedule, split_stages, stage_blocks,
+from nest_fx.apply.pipeline import (chunk_layout, make_schedule, split_stages, stage_blocks,
                                     stage_layer_groups)
 from nest_fx.apply.precision import apply_precision, fp32_modules, fsdp_policy, prepare_parameters
 from nest_fx.apply.tied_weights import CrossStageTies
@@ -119,13 +119,6 @@ def agreed_settings(plan: Plan, specs, global_batch_size: int, nmb: int, args: t
 def _device_type_of(model: nn.Module) -> str:
     p = next(model.parameters(), None)
     return p.device.type if p is not None else "cpu"
-
-
-def _chunk_ranges(plan: Plan, num_blocks: int) -> List[List[Tuple[int, int]]]:
-    """Per pipeline rank, the block ranges of its stage chunks (several under the interleaved schedule)."""
-    if plan.pp > 1 and plan.schedule == "interleaved":
-        return interleaved_ranges(plan, num_blocks)
-    return [[(s.start, s.end)] for s in plan.stages]
 
 
 def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
@@ -238,9 +231,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     n = len(graph.blocks)
 
     # 1. pipeline split
-    ranges = _chunk_ranges(plan, n)[info.stage]
+    ranges, indices = chunk_layout(plan, n)[info.stage]
     if layout is not None:
-        indices = [c * plan.pp + info.stage for c in range(len(ranges))]
         num_stages = plan.pp * len(ranges)
         chunks = split_stages(model, graph, ranges, layout)
     else:
