@@ -6,9 +6,9 @@ first layer and stops at the next stage's first layer, so it computes exactly it
 the whole model computes (per-layer indexing and root-forward code included). This module
 chooses the ranges (one per stage; ``virtual_stages`` chunks per rank laid round-robin for the
 interleaved schedules; two chunks per rank laid in a V for ``zbv`` and ``dualpipev``: rank i holds
-chunks i and 2p - 1 - i, so rank 0 runs the first and the last), wraps the stage modules in ``PipelineStage`` s with the plan's schedule, and runs a
-step: every stage gets the model's inputs (root code recomputes masks and positions from them),
-the first stage computes from them, the last one gets the targets.
+chunks i and 2p - 1 - i, so rank 0 runs the first and the last), wraps the stage modules in
+``PipelineStage`` s with the plan's schedule, and runs a step: every stage gets the model's
+inputs (root code recomputes masks and positions from them), the first stage computes from them, the last one gets the targets.
 """
 from __future__ import annotations
 

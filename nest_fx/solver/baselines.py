@@ -28,6 +28,7 @@ from nest_fx.cluster.topology.graph_cluster import GraphCluster
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.plan import interleave_problem
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.solver.baseline_result import Baseline, evaluate
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.recipes import megatron, torchtitan
@@ -119,7 +120,7 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
     n = len(workload)
 
     def score(plan: Plan) -> float:
-        if plan.schedule == "interleaved" and interleave_problem(plan.stages, plan.virtual_stages):
+        if plan.schedule in CHUNKED_SCHEDULES and interleave_problem(plan.stages, plan.virtual_stages):
             return math.inf  # a random cut left a stage fewer layers than model chunks
         r = simulate(plan, workload, cluster, options.cost)
         return r.step_s if r.feasible else math.inf
