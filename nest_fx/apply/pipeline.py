@@ -89,9 +89,11 @@ def chunk_layout(plan, num_layers: int) -> List[Tuple[List[Tuple[int, int]], Lis
     for i, s in enumerate(plan.stages):
         count = s.end - s.start
         if count < v:
-            raise ApplyError(f"stages[{i}] has {count} layers, fewer than the {v} model chunks the "
-                             f"{plan.schedule} schedule runs per device; fix: give the stage more layers"
-                             f"{' or lower virtual_stages' if plan.schedule not in V_SCHEDULES else ''}")
+            if plan.schedule in V_SCHEDULES:
+                raise ApplyError(f"stages[{i}] has {count} layer(s), fewer than the 2 model chunks the "
+                                 f"{plan.schedule} schedule runs per device; fix: give the stage more layers")
+            raise ApplyError(f"stages[{i}] has {count} layers, fewer than virtual_stages={v} chunks; fix: "
+                             f"lower virtual_stages or give the stage more layers")
         sizes.append([count * (c + 1) // v - count * c // v for c in range(v)])
     indices = [chunk_stage_indices(plan.schedule, i, p, v) for i in range(p)]
     owner = {stage: (i, c) for i in range(p) for c, stage in enumerate(indices[i])}

@@ -31,8 +31,10 @@ class SolverOptions:
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8)
     zero_stages: Sequence[int] = (0, 1, 2, 3)
     recompute: Sequence[str] = SEARCHED_RECOMPUTE
+    # dualpipev is searched when named (--schedule): torch runs its paired forward and backward one
+    # after the other, so it costs zbv's time with more memory (cost/schedules.py), never better
     schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", ANY_INTERLEAVE), ("interleaved-zb", ANY_INTERLEAVE),
-                                             ("zbv", 2), ("dualpipev", 2))
+                                            ("zbv", 2))
     placements: Sequence[str] = ("stage-major", "replica-major")
     ep_degrees: Optional[Sequence[int]] = None  # None: every divisor of the expert count
     cp_degrees: Sequence[int] = (1, 2, 4, 8)  # context parallelism (those the workload can cost)
