@@ -21,7 +21,7 @@ from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.plan.constraints import schedule_pairs
 from nest_fx.plan.may_run import unrun_schedule
 from nest_fx.plan.vocabulary import schedule_problem
-from nest_fx.solver import SolverOptions, solve
+from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.space import GlobalConfig, stage_counts
 from nest_fx.workload import workload_for_model
 
@@ -162,3 +162,20 @@ def test_the_search_chooses_a_zero_bubble_schedule_and_prices_it_as_simulate_doe
     assert found.result.step_s < plain.result.step_s
     assert simulate(found.plan, work, cluster).step_s == pytest.approx(found.result.step_s, rel=1e-9)
     assert found.result.breakdown["bubble"] < plain.result.breakdown["bubble"] / 3
+
+
+def test_selective_recompute_is_refused_and_never_planned_under_a_split_backward():
+    plan = uniform_plan(8, pp=2, schedule="interleaved-zb", virtual_stages=2, num_microbatches=4, recompute="op")
+    with pytest.raises(ApplyError, match="recompute=op: selective activation checkpointing.*fix: recompute none"):
+        check_supported(plan)
+    assert unrun_schedule("zbv", pp=2, recompute=("none", "every:2", "full")) == ""
+    cluster = tight_cluster(4.0)
+    work = workload_for_model("llama:hidden=512,layers=8,heads=8,seq=256,vocab=1024", cluster)
+    space = dict(microbatch_sizes=(1,), tp_degrees=(1,), zero_stages=(1,), recompute=("selective", "full"),
+                 degree_bounds={"pp": (4, 4)})
+    plain = solve(work, cluster, 16, SolverOptions(schedules=(("1f1b", 1),), **space))
+    assert {s.recompute for s in plain.plan.stages} == {"selective"}  # cheaper than full where it may run
+    found = solve(work, cluster, 16, SolverOptions(schedules=(("zbv", 2),), **space))
+    assert found.plan.schedule == "zbv" and {s.recompute for s in found.plan.stages} == {"full"}
+    with pytest.raises(NoFeasiblePlan):  # nothing runs: zbv with selective recompute only
+        solve(work, cluster, 16, SolverOptions(schedules=(("zbv", 2),), **{**space, "recompute": ("selective",)}))

@@ -195,6 +195,8 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
             and plan.compile == options.compile and plan.float8 == options.float8
             and (options.precision is None or plan.precision == options.precision)
+            and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
+                                   recompute=[s.recompute for s in plan.stages])
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
@@ -225,8 +227,9 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue
         if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
             continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
-        if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile):
-            continue
+        if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile) or all(
+                unrun_schedule(g.schedule, pp=p, recompute=(r,)) for r in options.recompute):
+            continue  # the runtime does not run the schedule with these settings, or with any recompute mode
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
