@@ -8,7 +8,7 @@ on pipeline rank 0, whose one tied parameter sums both uses) and the other sched
 from __future__ import annotations
 
 import pytest
-from test_apply_parallel import LAUNCH_S, LLAMA, run
+from test_apply_parallel import LAUNCH_S, LLAMA, MOE, run
 
 from nest_fx.apply.launch import launch
 from nest_fx.testing import coverage_cell
@@ -64,3 +64,12 @@ def test_zero3_is_refused_before_training():
     spec = {"model": LLAMA, "plan": _plan("interleaved-zb", 2, 2, zero=3), "batch": 8, "seq": 32, "steps": 1}
     results = launch(coverage_cell, 4, spec, timeout=LAUNCH_S)
     assert all("interleaved-zb with zero=3" in r.get("refused", "") for r in results), results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 30)
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
+def test_ep2_moe_pipeline_with_a_chunk_without_experts(schedule):
+    """Device 0's first chunk is the embedding alone: no MoE layer to convert (this crashed the
+    ranks of one stage, the others waiting in a collective, before expert_parallel let it be)."""
+    run(4, MOE, _plan(schedule, 2, 2, ep=2), batch=8)
