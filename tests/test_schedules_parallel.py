@@ -8,9 +8,13 @@ on pipeline rank 0, whose one tied parameter sums both uses) and the other sched
 from __future__ import annotations
 
 import pytest
+import torch
 from test_apply_parallel import LAUNCH_S, LLAMA, MOE, run
+from test_meta_start import MODEL as META_GPT
+from test_meta_start import TOL, _reference, _run
 
 from nest_fx.apply.launch import launch
+from nest_fx.models import build_model
 from nest_fx.testing import coverage_cell
 
 GPT = "gpt:hidden=64,layers=4,heads=4,seq=32,vocab=128"  # tied input and output embeddings
@@ -73,3 +77,19 @@ def test_ep2_moe_pipeline_with_a_chunk_without_experts(schedule):
     """Device 0's first chunk is the embedding alone: no MoE layer to convert (this crashed the
     ranks of one stage, the others waiting in a collective, before expert_parallel let it be)."""
     run(4, MOE, _plan(schedule, 2, 2, ep=2), batch=8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_zbv_tied_gpt_started_on_meta_from_a_state_dict(tmp_path):
+    """The tied embedding, one parameter in both of rank 0's chunks, materialised and read once."""
+    torch.manual_seed(1)
+    eager, _ = build_model(META_GPT, device="cpu")
+    path = str(tmp_path / "gpt.pt")
+    torch.save(eager.state_dict(), path)
+    ref_losses, ref_params = _reference(eager)
+    plan = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "zbv", "virtual_stages": 2}
+    for r in _run(META_GPT, plan, path):
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) < TOL
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=TOL)
