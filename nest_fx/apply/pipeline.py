@@ -8,7 +8,8 @@ chooses the ranges (one per stage; ``virtual_stages`` chunks per rank laid round
 interleaved schedules; two chunks per rank laid in a V for ``zbv`` and ``dualpipev``: rank i holds
 chunks i and 2p - 1 - i, so rank 0 runs the first and the last), wraps the stage modules in
 ``PipelineStage`` s with the plan's schedule, and runs a step: every stage gets the model's
-inputs (root code recomputes masks and positions from them), the first stage computes from them, the last one gets the targets.
+inputs (root code recomputes masks and positions from them), the first stage computes from
+them, the last one gets the targets.
 """
 from __future__ import annotations
 
