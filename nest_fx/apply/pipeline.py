@@ -150,5 +150,5 @@ def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs
     # return_outputs=False: otherwise the last stage keeps every microbatch's output (the
     # logits) alive until the step ends, m times the memory 1F1B is meant to hold
     schedule.step(return_outputs=False, **pack_inputs(args, kwargs), **extra)
-    _mean_over_microbatches(stages, schedule._n_microbatches)
+    _mean_over_microbatches(stages, schedule._n_microbatches)  # the m the schedule was built with (torch keeps no public name)
     return torch.stack([loss.detach().float() for loss in losses]).mean() if is_last else None
