@@ -16,6 +16,7 @@ from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
 from nest_fx.plan.may_run import may_run, unrun_fields
 from nest_fx.plan.support import model_dims, parallel_support
 from nest_fx.plan.plan import Plan, PlanError
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.workload.types import chain_fingerprint
 
 
@@ -189,8 +190,8 @@ def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_s
         check_layers(plan, graph)
     check_may_run(plan, model, graph)  # TP (and SP), EP, the pipeline cut: nest_fx.plan.may_run
     nmb = check_batch(plan, global_batch_size)
-    if plan.schedule == "interleaved" and nmb % plan.pp:
-        raise ApplyError(f"the interleaved schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")
+    if plan.schedule in CHUNKED_SCHEDULES and nmb % plan.pp:
+        raise ApplyError(f"the {plan.schedule} schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")
     check_loss(plan, model_loss)
     if batch_statistics:
         check_microbatches(plan, model, nmb)

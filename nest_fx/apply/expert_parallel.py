@@ -186,7 +186,7 @@ def apply_expert_parallel(module: nn.Module, ep: int, ep_rank: int, ep_mesh) -> 
     stacked = find_stacked_experts(module)
     for name, experts in stacked:
         _convert_stacked(name, experts, ep, ep_rank, ep_mesh)
-    if ep > 1 and not moes and not stacked:
-        raise ApplyError(f"ep={ep} but no MoE layer expert parallelism can convert was found (the zoo MoE or "
-                         "HuggingFace stacked experts); fix: use ep=1")
+    # a pipeline chunk may hold no MoE layer (the embedding alone, dense layers): nothing to convert.
+    # A model without one is refused before training, on every rank (ParallelSupport.ep_problem);
+    # raising here, on the ranks of one stage only, left the others waiting in a collective
     return len(moes) + len(stacked)

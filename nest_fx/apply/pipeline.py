@@ -4,10 +4,12 @@ Stage modules are built by :mod:`nest_fx.graph.stage_modules`: each stage runs t
 forward with the modules other stages own replaced by stand-ins, takes its activation in at its
 first layer and stops at the next stage's first layer, so it computes exactly its part of what
 the whole model computes (per-layer indexing and root-forward code included). This module
-chooses the ranges (one per stage, or ``virtual_stages`` chunks per rank for the interleaved
-schedule), wraps the stage modules in ``PipelineStage`` s with the plan's schedule, and runs a
-step: every stage gets the model's inputs (root code recomputes masks and positions from them),
-the first stage computes from them, the last one gets the targets.
+chooses the ranges (one per stage; ``virtual_stages`` chunks per rank laid round-robin for the
+interleaved schedules; two chunks per rank laid in a V for ``zbv`` and ``dualpipev``: rank i holds
+chunks i and 2p - 1 - i, so rank 0 runs the first and the last), wraps the stage modules in
+``PipelineStage`` s with the plan's schedule, and runs a step: every stage gets the model's
+inputs (root code recomputes masks and positions from them), the first stage computes from
+them, the last one gets the targets.
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 
 from nest_fx.apply.checks import ApplyError
 from nest_fx.graph.stage_modules import arm_stages, pack_inputs, split_stages, tensor_output
+from nest_fx.plan.vocabulary import V_SCHEDULES, model_chunks
 
-__all__ = ["LayerSubset", "interleaved_ranges", "make_schedule", "schedule_step", "split_stages", "stage_blocks",
+__all__ = ["LayerSubset", "chunk_layout", "interleaved_ranges", "make_schedule", "schedule_step", "split_stages", "stage_blocks",
            "tensor_output"]
 
 
@@ -56,38 +61,82 @@ def stage_layer_groups(graph, start: int, end: int) -> List[List[str]]:
 
 
 def interleaved_ranges(plan, num_layers: int) -> List[List[Tuple[int, int]]]:
-    """Chunks per device for the interleaved schedule: device i keeps its plan layer count
-    ``end_i - start_i`` split into ``v`` near-equal chunks; chunks are laid along the chain in
-    the order (chunk 0 of devices 0..p-1), (chunk 1 of devices 0..p-1), ... Returns
-    ``chunks[i] = [(start, end) of chunk 0, chunk 1, ...]`` for device (stage) i."""
-    v = plan.virtual_stages
+    """Chunks per device for the chunked schedules: device i keeps its plan layer count
+    ``end_i - start_i`` split into v near-equal chunks (v = ``model_chunks``); chunks are laid
+    along the chain in the order of :func:`chunk_layout`. Returns ``chunks[i] = [(start, end) of
+    chunk 0, chunk 1, ...]`` for device (stage) i."""
+    return [ranges for ranges, _ in chunk_layout(plan, num_layers)]
+
+
+def chunk_stage_indices(schedule: str, device: int, p: int, v: int) -> List[int]:
+    """The pipeline stage index of each of device ``device``'s ``v`` chunks: ``c p + device``
+    (round-robin), or ``device`` and ``2p - 1 - device`` for the V schedules (torch's
+    ``style="v"`` stage-to-rank mapping)."""
+    if schedule in V_SCHEDULES:
+        return [device, 2 * p - 1 - device]
+    return [c * p + device for c in range(v)]
+
+
+def chunk_layout(plan, num_layers: int) -> List[Tuple[List[Tuple[int, int]], List[int]]]:
+    """Per device (plan stage) i: the chain ranges of its model chunks and their pipeline stage
+    indices (:func:`chunk_stage_indices`). One chunk per device, ``[(start_i, end_i)]`` and
+    ``[i]``, unless the schedule runs several (``model_chunks``): device i's layer count is then
+    split into v near-equal chunks, laid along the chain in stage-index order."""
+    p = plan.pp
+    v = model_chunks(plan.schedule, plan.virtual_stages) if p > 1 else 1
+    if v == 1:
+        return [([(s.start, s.end)], [i]) for i, s in enumerate(plan.stages)]
     sizes = []
     for i, s in enumerate(plan.stages):
         count = s.end - s.start
         if count < v:
+            if plan.schedule in V_SCHEDULES:
+                raise ApplyError(f"stages[{i}] has {count} layer(s), fewer than the 2 model chunks the "
+                                 f"{plan.schedule} schedule runs per device; fix: give the stage more layers")
             raise ApplyError(f"stages[{i}] has {count} layers, fewer than virtual_stages={v} chunks; fix: "
                              f"lower virtual_stages or give the stage more layers")
         sizes.append([count * (c + 1) // v - count * c // v for c in range(v)])
-    chunks: List[List[Tuple[int, int]]] = [[] for _ in plan.stages]
+    indices = [chunk_stage_indices(plan.schedule, i, p, v) for i in range(p)]
+    owner = {stage: (i, c) for i in range(p) for c, stage in enumerate(indices[i])}
+    chunks: List[List[Tuple[int, int]]] = [[(0, 0)] * v for _ in range(p)]
     pos = 0
-    for c in range(v):
-        for i in range(plan.pp):
-            chunks[i].append((pos, pos + sizes[i][c]))
-            pos += sizes[i][c]
+    for stage in range(p * v):
+        i, c = owner[stage]
+        chunks[i][c] = (pos, pos + sizes[i][c])
+        pos += sizes[i][c]
     assert pos == num_layers
-    return chunks
+    return [(chunks[i], indices[i]) for i in range(p)]
+
+
+_MULTI = {"interleaved": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+          "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+_SINGLE = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
 def make_schedule(plan, stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], num_stages: int,
                   n_microbatches: int, loss_fn: Callable, pp_group, device: torch.device):
-    """PipelineStages for this rank's chunks and the plan's schedule over them."""
+    """PipelineStages for this rank's chunks and the plan's schedule over them. The V schedules
+    set the stages' stage-to-rank mapping themselves (``style="v"``), the one
+    :func:`chunk_stage_indices` lays chunks by."""
     arm_stages(stage_modules)
     stages = [PipelineStage(m, idx, num_stages, device, group=pp_group)
               for m, idx in zip(stage_modules, stage_indices)]
-    if plan.schedule == "interleaved":
-        return stages, ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn)
-    cls = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
-    return stages, cls(stages[0], n_microbatches, loss_fn=loss_fn)
+    # scale_grads=False: schedule_step divides each gradient by m once; torch scales per stage,
+    # twice for a tied embedding whose one parameter sits in both V chunks of rank 0
+    if plan.schedule in _MULTI:
+        return stages, _MULTI[plan.schedule](stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return stages, _SINGLE[plan.schedule](stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@torch.no_grad()
+def _mean_over_microbatches(stages: Sequence[PipelineStage], m: int) -> None:
+    """Divide the summed microbatch gradients by m, once per parameter object of this rank."""
+    seen = set()
+    for stage in stages:
+        for p in stage.submod.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                p.grad.div_(m)
 
 
 def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs: Dict[str, Any],
@@ -101,4 +150,5 @@ def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs
     # return_outputs=False: otherwise the last stage keeps every microbatch's output (the
     # logits) alive until the step ends, m times the memory 1F1B is meant to hold
     schedule.step(return_outputs=False, **pack_inputs(args, kwargs), **extra)
+    _mean_over_microbatches(stages, schedule._n_microbatches)  # the m the schedule was built with (torch keeps no public name)
     return torch.stack([loss.detach().float() for loss in losses]).mean() if is_last else None

@@ -28,7 +28,7 @@ from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
 from nest_fx.apply.materialize import materialize
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
 from nest_fx.apply.parts import BatchSchedule, ParallelLayout
-from nest_fx.apply.pipeline import interleaved_ranges, make_schedule, split_stages, stage_layer_groups
+from nest_fx.apply.pipeline import chunk_layout, make_schedule, split_stages, stage_layer_groups
 from nest_fx.apply.precision import apply_precision, fp32_modules, fsdp_policy, prepare_parameters
 from nest_fx.apply.prepare import Job
 from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
@@ -75,13 +75,6 @@ class LocalStage:
         return [c.index for c in self.chunks]
 
 
-def _chunk_ranges(plan: Plan, num_blocks: int) -> List[List[Tuple[int, int]]]:
-    """Per pipeline rank, the block ranges of its stage chunks (several under the interleaved schedule)."""
-    if plan.pp > 1 and plan.schedule == "interleaved":
-        return interleaved_ranges(plan, num_blocks)
-    return [[(s.start, s.end)] for s in plan.stages]
-
-
 def _replicas(plan: Plan) -> int:
     """Ranks holding the same parameters: gradients are averaged over them."""
     return plan.dp * plan.cp
@@ -98,9 +91,8 @@ def split_stage(job: Job, layout: ParallelLayout) -> LocalStage:
     """1. This rank's layer range(s) of the chain, on its device, with the plan's parameter dtype
     (bf16-true: bf16 parameters; bf16-mixed: fp32 masters)."""
     plan, graph, stage = job.plan, job.graph, layout.rank_info.stage
-    ranges = _chunk_ranges(plan, len(graph.blocks))[stage]
+    ranges, indices = chunk_layout(plan, len(graph.blocks))[stage]
     if job.stage_layout is not None:
-        indices = [c * plan.pp + stage for c in range(len(ranges))]
         num_stages = plan.pp * len(ranges)
         modules = split_stages(job.model, graph, ranges, job.stage_layout)
     else:

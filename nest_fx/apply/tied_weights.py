@@ -33,7 +33,9 @@ class CrossStageTies:
     ``chunks``: this rank's stage modules; ``first``/``last``: which of them (if any) is the
     pipeline's first / last stage; ``shared``: canonical name -> all names of each tied parameter
     (``StageLayout.shared``); ``pp_group``: the pipeline group, whose rank 0 holds the first
-    stage and whose last rank the last stage.
+    stage and whose last rank the last stage. A rank holding both (the V schedules put the first
+    and the last chunk on pipeline rank 0) holds one parameter object in both chunks: autograd
+    sums its two uses, and there is nothing to exchange.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], first: bool, last: bool, shared: Dict[str, Tuple[str, ...]],
@@ -43,7 +45,7 @@ class CrossStageTies:
         self.peer = -1
         self.sender = first
         self.group = pp_group
-        if not shared or pp_group is None or not (first or last):
+        if not shared or pp_group is None or not (first or last) or (first and last):
             return
         size = dist.get_world_size(pp_group)
         self.peer = dist.get_global_rank(pp_group, size - 1 if first else 0)

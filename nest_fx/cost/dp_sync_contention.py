@@ -84,7 +84,7 @@ def contended_step_s(plan: Plan, workload: Workload, cluster: GraphCluster,
     result = simulate(plan, workload, cluster, options)
     report = dp_sync_contention(plan, workload, cluster, options)
     view = placed(cluster, plan.device_order)
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages  # model chunks per device (1 unless the schedule runs several)
     t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], plan.num_microbatches, plan.schedule, v,
                               [s.span(v) for s in result.stages])
     tails = []

@@ -19,10 +19,12 @@ import numpy as np
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.optimizers import MASTER_WEIGHT_BYTES, optimizer_cost
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.schedules import zero_bubble_inflight
 from nest_fx.cost.stage_terms import LayerTerms
+from nest_fx.plan.vocabulary import SCHEDULES as PLAN_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = PLAN_SCHEDULES
 Amount = Count  # bytes or parameter counts: a number, or an array of them
 
 
@@ -231,6 +233,8 @@ def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, n
                                            p (1 + (p-1)/(p v)), the factor Korthikanti et al.
                                            2022 sec. 4.2.3 give for the first stage.
 
+        interleaved-zb, zbv, dualpipev   ``cost.schedules.zero_bubble_inflight``
+
     ``interleaved`` with v = 1 is plain 1F1B. The counts never exceed GPipe's m.
     """
     _choice(schedule, "schedule", SCHEDULES)
@@ -242,6 +246,8 @@ def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, n
         raise ValueError(f"stage: must be < num_stages ({p}), got {stage}")
     if schedule == "gpipe":
         return float(m)
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        return zero_bubble_inflight(schedule, p, m)
     if schedule == "1f1b" or v == 1:
         return float(min(p - stage, m))
     chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)

@@ -10,6 +10,7 @@ import numpy as np
 
 from nest_fx.cost.arrays import Count
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
+from nest_fx.plan.vocabulary import V_SCHEDULES
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import Comm, LayerCost
 
@@ -45,7 +46,9 @@ def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -
         shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)))
         replicate = tuple(by_cp[0][::plan.shard_degree])
     last = plan.pp - 1
-    tied = tuple((plan.rank(0, r, 0), plan.rank(last, r, 0)) for r in replicas) if i in (0, last) and last else ()
+    # the V schedules hold the first and the last chunk on device 0: one tied parameter, no exchange
+    exchange = i in (0, last) and last and plan.schedule not in V_SCHEDULES
+    tied = tuple((plan.rank(0, r, 0), plan.rank(last, r, 0)) for r in replicas) if exchange else ()
     return StageGroups(
         tp=tuple(tuple(plan.tp_group(i, r)) for r in replicas),
         ep=tuple(tuple(plan.ep_group(i, r)) for r in replicas) if plan.ep > 1 else (),

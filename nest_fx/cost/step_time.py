@@ -16,6 +16,7 @@ Pipeline (m microbatches; v model chunks per device):
     1F1B, GPipe:      T_pipe = (m - 1) max_i t_i + sum_i s_i       (Narayanan et al. 2021, eq. 1
                                                                    generalised to unequal stages)
     interleaved 1F1B: T_pipe = m max_i t_i + (sum_i s_i - max_i t_i) / v
+    zero bubble (interleaved-zb, zbv, dualpipev): the same with the factor of ``cost/schedules.py``
     bubble = T_pipe - m max_i t_i
 
 Data-parallel gradient synchronisation of stage i over its DP x CP group (ZeRO-0/1: one
@@ -55,6 +56,7 @@ from nest_fx.cost.collectives import cached_collective, collective_fn, group_com
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
+from nest_fx.cost.schedules import bubble_factor
 from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
                                       stage_groups)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem
@@ -298,9 +300,7 @@ def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tupl
 
 def pipeline_span(max_t: float, sum_s: float, m: int, schedule: str, v: int = 1) -> float:
     """T_pipe from max_i t_i and sum_i s_i (see module docstring); monotone in both."""
-    if schedule == "interleaved" and v > 1:
-        return m * max_t + (sum_s - max_t) / v
-    return (m - 1) * max_t + sum_s
+    return m * max_t + (sum_s - max_t) * bubble_factor(schedule, v)
 
 
 def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1,
@@ -356,7 +356,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
         stages = [stage_cost(workload, cluster, plan, i, options) for i in range(plan.pp)]
     except ValueError as exc:  # e.g. float8 on a device without an fp8 rate
         raise PlanError(str(exc)) from None
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages  # model chunks per device (1 unless the schedule runs several)
     times = [s.per_microbatch(v) for s in stages]
     m = plan.num_microbatches
     t_pipe, bubble = pipeline_time(times, m, plan.schedule, v, [s.span(v) for s in stages])

@@ -9,7 +9,9 @@ entry               values                                 meaning
 ``fix``             ``{degree: int}`` or ``{flag: bool}``  the plan has exactly this value
 ``min``, ``max``    ``{degree: int}``                      bounds on a degree (inclusive)
 ``schedules``       ``1f1b``, ``gpipe``, ``interleaved``,  pipeline schedules allowed (``interleaved`` alone:
-                    ``interleaved:V``                      the planner's interleave factors; ``:V`` one)
+                    ``interleaved:V``, ``interleaved-zb``, the planner's interleave factors; ``:V`` one)
+                    ``interleaved-zb:V``, ``zbv``,
+                    ``dualpipev``
 ``recompute``       recompute policies (plan forms)        per-stage recompute modes allowed
 ``microbatch_sizes`` integers >= 1                         microbatch sizes allowed
 ``zero_stages``     0..3                                   ZeRO stages allowed
@@ -42,7 +44,7 @@ from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
 from nest_fx.plan.settings import CHOICES, DEGREES, FLAGS, OPTIONS, setting
-from nest_fx.plan.vocabulary import SCHEDULES, schedule_problem  # noqa: F401  (schedule_problem: re-exported)
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, SCHEDULES, model_chunks, schedule_problem  # noqa: F401  (schedule_problem: re-exported)
 
 DEFAULT_MEMORY_HEADROOM = setting("memory_headroom").default
 _LISTS = tuple(s.allowed for s in CHOICES)  # schedules, recompute, microbatch_sizes, ... (from the declarations)
@@ -222,13 +224,14 @@ def _degree(key: object, value: object, kind: str) -> None:
 
 
 def schedule_pairs(names: Sequence[str], interleave_factors: Sequence[int]) -> List[Tuple[str, int]]:
-    """``(schedule, v)`` pairs of schedule names: ``interleaved`` takes each of
-    ``interleave_factors``, ``interleaved:V`` the one V, the others v = 1."""
+    """``(schedule, v)`` pairs of schedule names: ``interleaved`` (``interleaved-zb``) takes each of
+    ``interleave_factors``, ``interleaved:V`` the one V, the others their ``model_chunks`` (2 for
+    the V schedules, else 1)."""
     out: List[Tuple[str, int]] = []
     for name in names:
         base, _, v = name.partition(":")
-        for pair in ([(base, int(v))] if v else [(base, f) for f in interleave_factors] if base == "interleaved"
-                     else [(base, 1)]):
+        for pair in ([(base, int(v))] if v else [(base, f) for f in interleave_factors] if base in CHUNKED_SCHEDULES
+                     else [(base, model_chunks(base, 1))]):
             if pair not in out:
                 out.append(pair)
     return out

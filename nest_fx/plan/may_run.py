@@ -14,6 +14,7 @@ module or setting and the fix:
   (``nest_fx.solver.runtime_planner.runtime_options``);
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
+* :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
 
 The model-level verdicts themselves live in ``nest_fx.plan.support`` (:class:`ParallelSupport`:
@@ -28,10 +29,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from nest_fx.graph.opgraph import OpGraph
-from nest_fx.graph.recompute_policies import recompute_policy_problem
+from nest_fx.graph.recompute_policies import parse_recompute, recompute_policy_problem
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.support import ParallelSupport, parallel_support
+from nest_fx.plan.vocabulary import SPLIT_BACKWARD_SCHEDULES
 
 MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on the model's modules
 
@@ -53,11 +55,40 @@ def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: b
     return out
 
 
+def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = False,
+                   recompute: Sequence[str] = ()) -> str:
+    """'' when the runtime runs ``schedule`` on ``pp`` stages with these settings (on any model;
+    ``recompute``: the stages' policies), else why not and the fix. The zero-bubble schedules
+    (``interleaved-zb``, ``zbv``, ``dualpipev``) split each backward into an input-gradient and a
+    later weight-gradient pass: under ZeRO-3 FSDP reshards and reduces a stage's gradients after
+    the input-gradient pass, before the weight gradients exist (wrong gradients on torch 2.13,
+    measured on 4 gloo ranks); selective activation checkpointing (``selective``, ``op``) frees
+    what it saved at the first of the two passes (torch raises in the second); and torch's
+    pipelining does not split a compiled backward."""
+    if pp < 2 or schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return ""
+    sac = next((r for r in recompute if parse_recompute(r).kind in ("selective", "op")), None)
+    if sac is not None:
+        return (f"schedule {schedule} with recompute={sac}: selective activation checkpointing frees what it "
+                "saved at the input-gradient pass, before the weight-gradient pass the zero-bubble schedules run "
+                "after it; fix: recompute none, full or every:<k>, or schedule 1f1b or interleaved")
+    if zero >= 3:
+        return (f"schedule {schedule} with zero=3: the zero-bubble schedules compute weight gradients after "
+                "FSDP has resharded the stage and reduced its gradients; fix: zero <= 2, or schedule 1f1b or interleaved")
+    if compile:
+        return (f"schedule {schedule} with compile: torch's pipelining does not split a compiled backward into "
+                "input and weight gradients; fix: compile=false, or schedule 1f1b or interleaved")
+    return ""
+
+
 def unrun_fields(plan: Plan) -> List[str]:
     """Combinations of plan fields the runtime refuses on any model, each with the reason:
-    unknown recompute policies and :func:`unrun_combination`."""
+    unknown recompute policies, :func:`unrun_schedule` and :func:`unrun_combination`."""
     out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
            for problem in [recompute_policy_problem(s.recompute)] if problem]
+    if not out:  # the policies parse
+        out += [p for p in [unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
+                                           recompute=[s.recompute for s in plan.stages])] if p]
     return out + unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                    hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
 

@@ -31,7 +31,8 @@ from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.settings import PLAN_SETTINGS, STAGE_SETTINGS, add_fields
 # the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
 # `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
-from nest_fx.plan.vocabulary import PLACEMENTS, PRECISIONS, RECOMPUTE_FORMS, SCHEDULES, recompute_problem  # noqa: F401
+from nest_fx.plan.vocabulary import (CHUNKED_SCHEDULES, PLACEMENTS, PRECISIONS, RECOMPUTE_FORMS,  # noqa: F401
+                                     SCHEDULES, V_SCHEDULES, recompute_problem)
 
 PLAN_FORMAT = "nest-fx-plan/1"
 
@@ -47,7 +48,7 @@ def interleave_problem(stages: List["StagePlan"], virtual_stages: int) -> str:
     for i, s in enumerate(stages):
         if s.end - s.start < virtual_stages:
             return (f"stages[{i}] has {s.end - s.start} layer(s), fewer than virtual_stages={virtual_stages} "
-                    "(the interleaved schedule runs v chunks of at least one layer on every device); fix: "
+                    "(the interleaved schedules run v chunks of at least one layer on every device); fix: "
                     f"lower virtual_stages to at most {min(st.end - st.start for st in stages)} or give every "
                     "stage more layers")
     return ""
@@ -199,18 +200,31 @@ class Plan:
         if self.dp_shard not in (0, self.dp) and self.zero == 0:
             raise PlanError(f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
                             "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard")
-        if self.schedule == "interleaved":
+        if self.schedule in CHUNKED_SCHEDULES:
             if self.virtual_stages < 2:
-                raise PlanError("virtual_stages: the interleaved schedule needs >= 2 chunks per device")
+                raise PlanError(f"virtual_stages: the {self.schedule} schedule needs >= 2 chunks per device")
             if self.num_microbatches % self.pp:
                 raise PlanError(f"num_microbatches={self.num_microbatches} must be a multiple of the "
-                                f"{self.pp} stages for the interleaved schedule")
+                                f"{self.pp} stages for the {self.schedule} schedule")
             short = interleave_problem(self.stages, self.virtual_stages)
             if short:
                 raise PlanError(short)
+        elif self.schedule in V_SCHEDULES:
+            if self.virtual_stages != 2:
+                raise PlanError(f"virtual_stages={self.virtual_stages}: the {self.schedule} schedule runs 2 model chunks "
+                                "per device, laid in a V; set virtual_stages to 2")
+            if self.num_microbatches < 2 * self.pp:
+                raise PlanError(f"num_microbatches={self.num_microbatches}: the {self.schedule} schedule needs at least "
+                                f"2 x pp = {2 * self.pp} microbatches (one per model chunk) to fill its V; fix: raise "
+                                "num_microbatches or use the 1f1b schedule")
+            short = [i for i, st in enumerate(self.stages) if st.end - st.start < 2]
+            if short:
+                raise PlanError(f"stages[{short[0]}] has 1 layer: the {self.schedule} schedule cuts every device's "
+                                "layers into 2 model chunks; fix: give every stage 2 layers or more, or use 1f1b")
         elif self.virtual_stages != 1:
             raise PlanError(f"virtual_stages={self.virtual_stages}: model chunks per device belong to the "
-                            f"interleaved schedule; with schedule {self.schedule!r} set virtual_stages to 1")
+                            f"{', '.join(CHUNKED_SCHEDULES + V_SCHEDULES)} schedules; with schedule "
+                            f"{self.schedule!r} set virtual_stages to 1")
         ws = world_size if world_size is not None else self.world_size
         if ws and self.devices_used > ws:
             raise PlanError(f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "

@@ -189,10 +189,12 @@ SETTINGS: Tuple[Setting, ...] = (
             flag="--microbatch", metavar="B[,B]", entry_check=_size_check),
     Setting("num_microbatches", int, 1, "microbatches per step and replica", "record", minimum=1,
             example_flag="--microbatches"),
-    Setting("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (the planner's interleave "
-            "factors) or interleaved:V", "choice", values=SCHEDULES, allowed="schedules",
+    Setting("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved or interleaved-zb (the "
+            "planner's interleave factors), interleaved:V, interleaved-zb:V, zbv or dualpipev", "choice",
+            values=SCHEDULES, allowed="schedules",
             flag="--schedule", metavar="S[,S]", entry_check=schedule_problem, example_flag="--schedule"),
-    Setting("virtual_stages", int, 1, "model chunks per device (the interleaved schedule's v)", "record", minimum=1),
+    Setting("virtual_stages", int, 1, "model chunks per device (the interleaved schedules' v; 2 for zbv and dualpipev)",
+            "record", minimum=1),
     Setting("sequence_parallel", bool, False, "shard TP activations on the sequence dim between regions", "flag",
             example_flag="--sequence-parallel"),
     Setting("placement", str, "stage-major", "how stages and replicas sit on the rank order", "choice",

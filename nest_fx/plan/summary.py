@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from nest_fx.plan.plan import Plan
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 
 
 def plan_summary(plan: Plan, num_microbatches: int) -> str:
@@ -15,7 +16,7 @@ def plan_summary(plan: Plan, num_microbatches: int) -> str:
             f"{f' (ep{plan.ep})' if plan.ep > 1 else ''}; zero={plan.zero}"
             f"{f' (HSDP: shard {plan.shard_degree} x replicate {plan.replicate_degree})' if plan.replicate_degree > 1 else ''}"
             f"; schedule={plan.schedule}"
-            f"{f' v={plan.virtual_stages}' if plan.schedule == 'interleaved' else ''}; "
+            f"{f' v={plan.virtual_stages}' if plan.schedule in CHUNKED_SCHEDULES else ''}; "
             f"microbatches {num_microbatches} x {plan.microbatch_size}; sp={plan.sequence_parallel}; "
             f"placement={plan.placement}{f'; precision={plan.precision}' if plan.precision else ''}"
             f"{''.join('; ' + e for e in extras)}\n  stages: {stages}")

@@ -10,7 +10,13 @@ from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "interleaved-zb", "zbv", "dualpipev")
+# v model chunks per device laid round-robin along the chain (v >= 2, ``interleaved:V``)
+CHUNKED_SCHEDULES = ("interleaved", "interleaved-zb")
+# two chunks per device laid in a V: device i holds chunks i and 2p - 1 - i (torch's style="v")
+V_SCHEDULES = ("zbv", "dualpipev")
+# the backward split into an input-gradient and a weight-gradient pass (zero-bubble schedules)
+SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
 PLACEMENTS = ("stage-major", "replica-major")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/plan_format.md
 # the training dtype a precision computes in (activations, matmul rate): simulate rebuilds the
@@ -36,14 +42,22 @@ def recompute_problem(value: object) -> str:
     return f"{brief(value)} is not a recompute policy{close_matches(value, RECOMPUTE_NAMES)}; use {RECOMPUTE_FORMS}"
 
 
+def model_chunks(schedule: str, virtual_stages: int) -> int:
+    """Model chunks each device runs under ``schedule``: ``virtual_stages`` for the chunked
+    schedules, 2 for the V schedules, else 1."""
+    if schedule in CHUNKED_SCHEDULES:
+        return virtual_stages
+    return 2 if schedule in V_SCHEDULES else 1
+
+
 def schedule_problem(value: object) -> str:
-    """'' when ``value`` names a schedule (``interleaved:V`` with V >= 2 for a fixed interleave
-    factor), else what is wrong."""
+    """'' when ``value`` names a schedule (``interleaved:V`` / ``interleaved-zb:V`` with V >= 2
+    for a fixed interleave factor), else what is wrong."""
     if isinstance(value, str):
         name, _, v = value.partition(":")
         if name in SCHEDULES and not v:
             return ""
-        if name == "interleaved" and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
+        if name in CHUNKED_SCHEDULES and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
             return ""
-    return (f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)} or "
-            "interleaved:V (V >= 2 model chunks)")
+    return (f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)}, "
+            "interleaved:V or interleaved-zb:V (V >= 2 model chunks)")

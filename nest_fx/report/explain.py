@@ -19,6 +19,8 @@ from nest_fx.cost import memory
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.precision import priced_options
 from nest_fx.cost.step_time import pipeline_time, stage_tail
+from nest_fx.plan.plan import PlanError
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 
 GiB = 2**30
 BAR_WIDTH = 32
@@ -125,7 +127,7 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
 def time_lines(plan, cluster, result, options: CostOptions) -> List[str]:
     """Breakdown bars (terms of the slowest stage) and the DP sync that overlap hides."""
     b, step = result.breakdown, result.step_s
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages  # model chunks per device
     times = [s.per_microbatch(v) for s in result.stages]
     slow = max(range(len(times)), key=times.__getitem__)
     lines = [f"step {report.fmt_seconds(step)}; per-microbatch terms are stage {slow}'s "
@@ -147,11 +149,11 @@ def time_lines(plan, cluster, result, options: CostOptions) -> List[str]:
 def step_events(plan, result, max_microbatches: Optional[int] = None) -> Tuple[List[timeline.Event], int]:
     """The timeline's events and the microbatch count they use: the plan's m, or at most
     ``max_microbatches`` (rounded up to a multiple of the stage count for interleaved)."""
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages  # model chunks per device
     m = plan.num_microbatches
     if max_microbatches is not None and m > max_microbatches:
         m = max_microbatches
-        if plan.schedule == "interleaved":
+        if plan.schedule in CHUNKED_SCHEDULES:
             m = min(plan.num_microbatches, plan.pp * math.ceil(m / plan.pp))
     fwd, bwd = timeline.stage_blocks(result, v)
     return timeline.schedule_events(fwd, bwd, m, plan.schedule, v, timeline.stage_delays(result)), m
@@ -159,7 +161,7 @@ def step_events(plan, result, max_microbatches: Optional[int] = None) -> Tuple[L
 
 def timeline_lines(plan, result) -> List[str]:
     """Schedule, event-simulated pipeline time next to the cost model's, busy share per stage."""
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages  # model chunks per device
     times = [s.per_microbatch(v) for s in result.stages]
     t_pipe, bubble = pipeline_time(times, plan.num_microbatches, plan.schedule, v, [s.span(v) for s in result.stages])
     sched = plan.schedule + (f" (v={v} chunks per device)" if v > 1 else "")
@@ -167,6 +169,10 @@ def timeline_lines(plan, result) -> List[str]:
              f"{plan.microbatch_size} sequence(s)",
              f"cost model: pipeline {report.fmt_seconds(t_pipe)}, bubble {report.fmt_seconds(bubble)} "
              f"({100 * bubble / result.step_s:.1f}% of the step)"]
+    if plan.schedule not in timeline.SCHEDULES:
+        lines.append(f"event simulation: the timeline does not draw {plan.schedule}'s split backward (the cost "
+                     "model's bubble for it: docs/cost_model.md, \"Zero-bubble schedules\")")
+        return lines
     if 2 * plan.pp * v * plan.num_microbatches > MAX_TIMELINE_EVENTS:
         lines.append("event simulation skipped (too many microbatches x stages); --png draws a shortened one")
         return lines
@@ -201,10 +207,13 @@ def write_timeline_png(plan, cluster, result, path: str, options: Optional[CostO
     """Draw the schedule (at most ``max_microbatches`` microbatches) with each stage's DP-sync
     and optimizer tail; returns the number of microbatches drawn. ImportError without matplotlib."""
     require_pyplot()  # fail before the simulation work
+    if plan.schedule not in timeline.SCHEDULES:
+        raise PlanError(f"the timeline draws the {', '.join(timeline.SCHEDULES)} schedules, not {plan.schedule}; "
+                        "fix: leave out --png (the text report prices it)")
     options = priced_options(plan.precision, options or CostOptions())
     events, m = step_events(plan, result, max_microbatches)
     tails: Sequence[Tuple[float, float]] = [stage_tail(s, plan, cluster, options) for s in result.stages]
-    v = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    v = plan.virtual_stages  # model chunks per device
     t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], m, plan.schedule, v,
                               [s.span(v) for s in result.stages])
     shown = f"{m} microbatches" if m == plan.num_microbatches else \

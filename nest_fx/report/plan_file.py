@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.plan.vocabulary import DTYPE_OF_PRECISION
+from nest_fx.plan.vocabulary import DTYPE_OF_PRECISION, SPLIT_BACKWARD_SCHEDULES
 
 
 @dataclass
@@ -85,7 +85,9 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
     if path is None:
         lines.append("no plan file written: add --json PLAN.json to keep this plan, then")
     lines += [f"next: nest-fx simulate --plan {shown}            # step time and memory of each stage",
-              f"      nest-fx explain {shown} --png timeline.png  # rank layout, memory bars, pipeline timeline"]
+              f"      nest-fx explain {shown}" + ("                   # rank layout, memory bars, priced bubble"
+                                                  if plan.schedule in SPLIT_BACKWARD_SCHEDULES else  # no timeline drawn
+                                                  " --png timeline.png  # rank layout, memory bars, pipeline timeline")]
     nodes = max(1, -(-plan.world_size // max(1, nproc_per_node)))
     launch = f"torchrun --nproc_per_node={min(nproc_per_node, plan.world_size)}" + \
         (f" --nnodes={nodes}" if nodes > 1 else " --standalone") + " train.py"

@@ -7,6 +7,7 @@ from tabulate import tabulate
 
 from nest_fx.cluster.topology.routing import router_of
 from nest_fx.graph.opgraph import Block, OpGraph
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.solver.baseline_result import best_baseline
 
 
@@ -116,7 +117,7 @@ def sim_tables(result, plan, workload) -> str:
 def plan_summary(plan) -> str:
     """One line: the mesh and global options of a plan."""
     tp = plan.uniform_tp if plan.uniform_tp is not None else [s.tp for s in plan.stages]
-    extra = f" v={plan.virtual_stages}" if plan.schedule == "interleaved" else ""
+    extra = f" v={plan.virtual_stages}" if plan.schedule in CHUNKED_SCHEDULES else ""
     modes = sorted({s.recompute for s in plan.stages})
     flags = [name for name, on in (("sp", plan.sequence_parallel), ("loss-parallel", plan.loss_parallel),
                                    ("compile", plan.compile), ("float8", plan.float8)) if on]

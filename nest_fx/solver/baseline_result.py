@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence
 from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan
+from nest_fx.plan.may_run import unrun_fields
 from nest_fx.solver.space import SolverOptions
 from nest_fx.workload import Workload
 
@@ -24,7 +25,10 @@ class Baseline:
 
 
 def evaluate(plan: Plan, workload: Workload, cluster, options: SolverOptions) -> Optional[SimResult]:
-    """The plan's simulated result when it fits in memory, else None."""
+    """The plan's simulated result when it fits in memory and the runtime runs its settings
+    (``plan.may_run.unrun_fields``), else None."""
+    if unrun_fields(plan):
+        return None
     r = simulate(plan, workload, cluster, options.cost)
     return r if r.feasible else None
 

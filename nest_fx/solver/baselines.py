@@ -27,6 +27,7 @@ from nest_fx.cluster.spec import NetworkLevel
 from nest_fx.cluster.topology.graph_cluster import GraphCluster
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, StagePlan
+from nest_fx.plan.may_run import unrun_fields
 from nest_fx.plan.plan import interleave_problem
 from nest_fx.solver.baseline_result import Baseline, evaluate
 from nest_fx.solver.candidates import candidates
@@ -119,8 +120,10 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
     n = len(workload)
 
     def score(plan: Plan) -> float:
-        if plan.schedule == "interleaved" and interleave_problem(plan.stages, plan.virtual_stages):
+        if plan.virtual_stages > 1 and interleave_problem(plan.stages, plan.virtual_stages):
             return math.inf  # a random cut left a stage fewer layers than model chunks
+        if unrun_fields(plan):
+            return math.inf  # e.g. selective recompute under a split backward
         r = simulate(plan, workload, cluster, options.cost)
         return r.step_s if r.feasible else math.inf
 
@@ -179,7 +182,7 @@ def exhaustive(workload: Workload, cluster, global_batch: int, options: Optional
         m = g.microbatches(global_batch)
         for ranges in all_partitions(len(workload), p):
             if any(b - a < g.virtual_stages for a, b in ranges):
-                continue  # the interleaved schedule runs v chunks of at least one layer per stage
+                continue  # the interleaved and V schedules run v chunks of at least one layer per stage
             for modes in itertools.product(options.recompute, repeat=p):
                 plan = g.plan([StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,
                                  workload, cluster)

@@ -11,6 +11,8 @@ import numpy as np
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
 from nest_fx.cost.memory import model_states
+from nest_fx.cost.schedules import bubble_factor
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.cost.step_time import pipeline_span, tail_terms
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, stage_counts
 from nest_fx.workload.types import Variant, Workload
@@ -62,9 +64,9 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
         depths = depths[screens[screen_key][depths]]
         t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost)[1]
         m = g.microbatches(global_batch)
-        if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":
+        if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:
             v = len(workload) // depths  # the largest factor gives the least bound of the family
-            lbs = m * (work / depths) + (work - work / depths) / v + t_opt
+            lbs = m * (work / depths) + (work - work / depths) * bubble_factor(g.schedule, 1) / v + t_opt
         else:
             lbs = pipeline_span(work / depths, work, m, g.schedule, g.virtual_stages) + t_opt
         for lb, p in zip(lbs.tolist(), depths.tolist()):

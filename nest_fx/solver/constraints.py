@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from nest_fx.cost.options import CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.plan.settings import DEGREES, FLAGS
 from nest_fx.plan.may_run import device_problems, unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
@@ -165,7 +166,7 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
         raise ConstraintError(f"{_named(c, 'fix.dp', 'microbatch_sizes')}: dp={c.fix['dp']} does not divide the "
                               f"global batch {global_batch} into whole microbatches")
     if c.schedules is not None:
-        factors = sorted({v for name, v in options.schedules if name == "interleaved"}) or [ANY_INTERLEAVE]
+        factors = sorted({v for name, v in options.schedules if name in CHUNKED_SCHEDULES}) or [ANY_INTERLEAVE]
         changes["schedules"] = tuple(schedule_pairs(c.schedules, factors))
     for name in ("recompute", "zero_stages", "placements"):
         if getattr(c, name) is not None:
@@ -244,6 +245,6 @@ def _short(found: SolveResult) -> str:
     """The plan's degrees, ZeRO stage, schedule and step time, briefly."""
     p = found.plan
     tp = p.uniform_tp if p.uniform_tp is not None else [s.tp for s in p.stages]
-    schedule = p.schedule + (f" v={p.virtual_stages}" if p.schedule == "interleaved" else "")
+    schedule = p.schedule + (f" v={p.virtual_stages}" if p.schedule in CHUNKED_SCHEDULES else "")
     return (f"pp={p.pp} dp={p.dp} tp={tp}{f' ep={p.ep}' if p.ep > 1 else ''} zero={p.zero} "
             f"mbs={p.microbatch_size} {schedule}, {found.result.step_s:.3g} s/step")

@@ -56,6 +56,7 @@ from nest_fx.solver.recipes import megatron
 from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, in_space, objective
 from nest_fx.solver.stage_bounds import SLACK
 from nest_fx.solver.stage_table import StageTable
@@ -197,7 +198,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         pops += 1
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
-        if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
+        if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
             for h in concrete(g, workload, p):
                 lb = _network_bound(tables.caches[o], h, p, m)
                 if lb * SLACK < best_t:

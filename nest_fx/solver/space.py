@@ -12,7 +12,8 @@ from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
 from nest_fx.plan.settings import SETTINGS, add_fields
-from nest_fx.plan.may_run import unrun_combination
+from nest_fx.plan.may_run import unrun_combination, unrun_schedule
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, V_SCHEDULES, model_chunks
 from nest_fx.workload import Variant, Workload
 
 ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
@@ -30,7 +31,10 @@ class SolverOptions:
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8)
     zero_stages: Sequence[int] = (0, 1, 2, 3)
     recompute: Sequence[str] = SEARCHED_RECOMPUTE
-    schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", ANY_INTERLEAVE))
+    # dualpipev is searched when named (--schedule): torch runs its paired forward and backward one
+    # after the other, so it costs zbv's time with more memory (cost/schedules.py), never better
+    schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", ANY_INTERLEAVE), ("interleaved-zb", ANY_INTERLEAVE),
+                                            ("zbv", 2))
     placements: Sequence[str] = ("stage-major", "replica-major")
     ep_degrees: Optional[Sequence[int]] = None  # None: every divisor of the expert count
     cp_degrees: Sequence[int] = (1, 2, 4, 8)  # context parallelism (those the workload can cost)
@@ -151,7 +155,7 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                             for placement in options.placements:
                                 yield GlobalConfig(tp=tp, dp=dp, ep=ep, microbatch_size=mbs, zero=zero,
                                                    schedule=schedule, placement=placement, sequence_parallel=sp,
-                                                   virtual_stages=v if schedule == "interleaved" else 1, cp=cp,
+                                                   virtual_stages=model_chunks(schedule, v), cp=cp,
                                                    dp_shard=dp_shard, loss_parallel=lp,
                                                    precision=options.precision or "", **runtime)
 
@@ -183,7 +187,7 @@ def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, opt
 def in_space(plan, options: SolverOptions, cluster) -> bool:
     """Whether a plan lies in the search space the options define (so the search's optimum is
     never slower than it)."""
-    interleaved = plan.schedule == "interleaved"
+    interleaved = plan.schedule in CHUNKED_SCHEDULES
     schedule_ok = ((plan.schedule, plan.virtual_stages) in options.schedules
                    or (interleaved and (plan.schedule, ANY_INTERLEAVE) in options.schedules))
     return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
@@ -191,6 +195,8 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
             and plan.compile == options.compile and plan.float8 == options.float8
             and (options.precision is None or plan.precision == options.precision)
+            and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
+                                   recompute=[s.recompute for s in plan.stages])
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
@@ -217,8 +223,13 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
         most = min(most, options.max_stages)
     out = []
     for p in range(options.degree_bounds.get("pp", (1, 1))[0], most + 1):
-        if g.schedule == "interleaved" and (p < 2 or m % p or len(workload) < p * max(g.virtual_stages, 2)):
+        if g.schedule in CHUNKED_SCHEDULES and (p < 2 or m % p or len(workload) < p * max(g.virtual_stages, 2)):
             continue
+        if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
+            continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
+        if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile) or all(
+                unrun_schedule(g.schedule, pp=p, recompute=(r,)) for r in options.recompute):
+            continue  # the runtime does not run the schedule with these settings, or with any recompute mode
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
@@ -238,7 +249,7 @@ def interleave_factors(workload: Workload, p: int) -> List[int]:
 
 def concrete(g: GlobalConfig, workload: Workload, p: int) -> List[GlobalConfig]:
     """``g`` with each interleave factor it stands for at depth ``p`` (itself when concrete)."""
-    if g.schedule != "interleaved" or g.virtual_stages != ANY_INTERLEAVE:
+    if g.schedule not in CHUNKED_SCHEDULES or g.virtual_stages != ANY_INTERLEAVE:
         return [g]
     return [dataclasses.replace(g, virtual_stages=v) for v in interleave_factors(workload, p)]
 

@@ -24,6 +24,7 @@ from nest_fx.cost.stage_terms import StageGroups, stage_groups
 from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time, tail_terms
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
+from nest_fx.plan.may_run import unrun_schedule
 from nest_fx.solver.candidates import variant_of
 from nest_fx.solver.range_classes import RangeClasses, range_classes
 from nest_fx.solver.space import GlobalConfig
@@ -77,6 +78,7 @@ class TableCache:
         self._work: Dict[tuple, Tuple[float, float]] = {}
         self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
         self._forced: Dict[tuple, float] = {}
+        self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
         """``step_time.comm_terms`` of every range class of g's variant under ``mode`` on each
@@ -92,10 +94,20 @@ class TableCache:
                                       for k, v in out.items()}
         return hit
 
+    def modes_for(self, g: GlobalConfig) -> Tuple[str, ...]:
+        """The recompute modes g's schedule runs with (``plan.may_run.unrun_schedule``: no
+        selective checkpointing under a split backward)."""
+        hit = self._modes_for.get(g.schedule)
+        if hit is None:
+            hit = self._modes_for[g.schedule] = tuple(r for r in self.modes
+                                                      if not unrun_schedule(g.schedule, pp=2, recompute=(r,)))
+        return hit
+
     def classes(self, g: GlobalConfig) -> RangeClasses:
-        key = variant_of(g)
+        modes = self.modes_for(g)
+        key = (variant_of(g), modes)
         if key not in self._classes:
-            self._classes[key] = range_classes(self.workload, key, self.modes)
+            self._classes[key] = range_classes(self.workload, key[0], modes)
         return self._classes[key]
 
     @staticmethod
@@ -211,7 +223,7 @@ class TableCache:
         mode, and each stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per
         microbatch). ``sum_i s_i`` is at least their sum, ``max_i t_i`` at least the first's
         over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``)."""
-        key = (self._layout_key(g, p), variant_of(g))
+        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
         if key not in self._work:
             rc, n = self.classes(g), len(self.workload)
             whole = rc.cls[0, n]
