@@ -213,6 +213,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     on_meta = device_type == "meta"
     loaded = prepare_weights(weights, model) if weights is not None else None
     skeleton = copy.deepcopy(model) if on_meta else None  # the whole model's modules, on meta, to initialise from
+    mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)
     settings = agreed_settings(plan, specs, global_batch_size, nmb, args, kwargs, loss_fn)
     settings.update({"weights": str(weights), "start on meta": on_meta, "init_seed": init_seed})
     with named_collective_failures("auto_parallelize, comparing the ranks' settings"):
@@ -222,8 +224,6 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         warnings.warn(f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
                       f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
                       f"{global_batch_size} (the numbers differ from the single-device run)", stacklevel=2)
-    mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)
     if rank == 0 and verbose:
         print(plan_summary(plan, nmb), flush=True)
     replicated = unsharded_attention(graph) if any(s.tp > 1 for s in plan.stages) else []

@@ -13,7 +13,7 @@ import torch.nn as nn
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.float8 import float8_problem
 from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
-from nest_fx.plan.may_run import may_run, unrun_fields
+from nest_fx.plan.may_run import may_run, schedule_microbatch_problem, unrun_fields
 from nest_fx.plan.support import model_dims, parallel_support
 from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.workload.types import chain_fingerprint
@@ -189,13 +189,8 @@ def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_s
         check_layers(plan, graph)
     check_may_run(plan, model, graph)  # TP (and SP), EP, the pipeline cut: nest_fx.plan.may_run
     nmb = check_batch(plan, global_batch_size)
-    if plan.schedule == "interleaved" and nmb % plan.pp:
-        raise ApplyError(f"the interleaved schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")
+    _raise_first([schedule_microbatch_problem(plan.schedule, plan.pp, nmb)])
     check_loss(plan, model_loss)
     if batch_statistics:
         check_microbatches(plan, model, nmb)
-    if plan.pp > 1 and plan.schedule == "1f1b" and nmb < plan.pp:
-        raise ApplyError(
-            f"1F1B with pp={plan.pp} stages needs at least {plan.pp} microbatches per step, got {nmb}; "
-            f"fix: raise num_microbatches to >= {plan.pp} or use schedule 'gpipe'")
     return nmb

@@ -14,6 +14,7 @@ module or setting and the fix:
   (``nest_fx.solver.runtime_planner.runtime_options``);
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
+* :func:`schedule_microbatch_problem`: microbatch counts a pipeline schedule does not run;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
 
 The model-level verdicts themselves live in ``nest_fx.plan.support`` (:class:`ParallelSupport`:
@@ -51,6 +52,19 @@ def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: b
             out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
                        f"(use {name}=false, or tp=1)")
     return out
+
+
+def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
+    """Why a pipeline schedule cannot run ``num_microbatches`` per step on ``pp`` stages ("" when it
+    can): 1F1B needs at least one microbatch per stage (``torch.distributed.pipelining``'s
+    Schedule1F1B), the interleaved schedule a multiple of ``pp``. The planner searches only what
+    passes (``solver.space``); the runtime's checks refuse the rest."""
+    if pp > 1 and schedule == "1f1b" and num_microbatches < pp:
+        return (f"1F1B with pp={pp} stages needs at least {pp} microbatches per step, got {num_microbatches}; "
+                f"fix: raise num_microbatches to >= {pp} or use schedule 'gpipe'")
+    if pp > 1 and schedule == "interleaved" and num_microbatches % pp:
+        return f"the interleaved schedule needs num_microbatches ({num_microbatches}) to be a multiple of pp={pp}"
+    return ""
 
 
 def unrun_fields(plan: Plan) -> List[str]:
