@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from nest_fx.apply import checks
 from nest_fx.graph import trace
+from nest_fx.plan.may_run import may_run
 from nest_fx.testing_coverage import classify_failure, offered_plans, run_cell
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec, token_data
 
@@ -56,6 +57,20 @@ def test_offered_plans_follow_the_runtimes_degrees():
     offered = offered_plans(model, graph, WORLD, BATCH, F.cross_entropy)
     assert {"planner:tp2pp1", "planner:tp2pp2", "planner:tp4pp1", "planner:tp1pp4"} <= set(offered)
     assert (offered["planner:tp2pp2"].pp, offered["planner:tp2pp2"].stages[0].tp) == (2, 2)
+
+
+def test_sequence_parallelism_needs_a_sequence_tp_divides():
+    """A ViT's 16 patches and class token make 17 positions: the planner offered TP with sequence
+    parallelism, which crashed in training (uneven shards of the sequence); it is refused for that
+    degree now, and the planner's TP plans for the model run without it."""
+    model, graph = _traced("timm-vit-views")
+    problem = may_run(model, graph).degree_problem("sequence_parallel", 2)
+    assert "sequence parallelism with tp=2" in problem and "17 positions" in problem and "fix:" in problem
+    offered = offered_plans(model, graph, WORLD, BATCH, F.cross_entropy)
+    assert all(not p.sequence_parallel for p in offered.values())
+    llama, llama_graph = _traced("meta-llama")  # 16 tokens: TP plans keep sequence parallelism
+    assert may_run(llama, llama_graph).degree_problem("sequence_parallel", 2) == ""
+    assert offered_plans(llama, llama_graph, WORLD, BATCH, _loss_fn("meta-llama"))["planner:tp2pp1"].sequence_parallel
 
 
 def test_a_failure_is_classified_by_its_outcome():

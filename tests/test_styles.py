@@ -200,6 +200,7 @@ def _check_cell(name: str, plan_name: str) -> dict:
 @pytest.mark.timeout(4 * LAUNCH_S)
 @pytest.mark.parametrize("name,plan_name,status", [
     ("nanogpt", "planner", "ok"),  # its own loss from forward(idx, targets)
+    ("nanogpt", "PP2xDP2", "ok"),  # its own loss on the last stage, the targets among every stage's inputs
     ("nanogpt", "TP2xDP2", "refused"),  # crashed in training before: refused by the TP rehearsal
     ("nanogpt-views", "TP2xDP2", "ok"),  # split(n_embd) sharded by heads
     ("meta-llama", "TP2xDP2", "ok"),  # complex RoPE

@@ -102,7 +102,8 @@ class MayRun:
     def degree_problem(self, name: str, value, dp: Optional[int] = None) -> str:
         """Why setting ``name`` cannot take ``value`` on this model ("" when it can): ``tp``,
         ``pp``, ``ep`` (``dp``: the data-parallel degree the fix should also divide), ``cp``,
-        ``sequence_parallel``, ``loss_parallel`` (``value``: the last stage's TP degree) and
+        ``sequence_parallel`` (``value``: on/off, or the TP degree it runs under), ``loss_parallel``
+        (``value``: the last stage's TP degree) and
         ``num_microbatches`` (forwards per replica and step: BatchNorm statistics)."""
         s = self.support
         if s is None:
@@ -116,7 +117,8 @@ class MayRun:
         if name == "cp":
             return s.cp_problem(value)
         if name == "sequence_parallel":
-            return s.sp_problem() if value else ""
+            # value: on or off, or the TP degree it runs under (an uneven sequence refuses it there)
+            return s.sp_problem(0 if value is True else int(value)) if value else ""
         if name == "loss_parallel":
             return s.loss_parallel_problem(value)
         if name == "num_microbatches":
@@ -135,8 +137,9 @@ class MayRun:
         """Why this model cannot run ``plan``'s degrees: TP of each stage (and sequence
         parallelism under it), EP, the pipeline cut (with a traced graph)."""
         out = [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p]
-        if plan.sequence_parallel and any(s.tp > 1 for s in plan.stages):
-            out += [p for p in [self.degree_problem("sequence_parallel", True)] if p]
+        if plan.sequence_parallel:
+            out += [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1})
+                    for p in [self.degree_problem("sequence_parallel", tp)] if p][:1]
         out += [p for p in [self.degree_problem("ep", plan.ep, plan.dp)] if p]
         if self.graph is not None:
             out += [p for p in [self.degree_problem("pp", plan.pp)] if p]
