@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from nest_fx.apply import checks
 from nest_fx.graph import trace
+from nest_fx.models import build_seeded
 from nest_fx.plan.may_run import may_run
 from nest_fx.testing_coverage import classify_failure, offered_plans, run_cell
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec, token_data
@@ -171,3 +172,18 @@ def test_every_offered_plan_of_every_style_model_runs_at_parity(name):
         if cell["status"] != "ok":
             failed[label] = cell
     assert not failed, failed
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name,says", [
+    # OLMo2's q_norm / k_norm normalise all heads' features: it used to say "mixes sharded and
+    # unsharded queries, keys or values" at the attention, naming neither the norm nor why
+    ("hf:olmo2", "takes its query through 'model.layers.0.self_attn.q_norm', a norm over all the heads' 64 features"),
+    ("hf:falcon", "op 'slice' in module 'transformer.h.0.self_attention' slices the sharded heads"),
+])
+def test_tp_refusals_name_the_module_the_reason_and_the_fix(name, says):
+    pytest.importorskip("transformers")
+    model, cfg = build_seeded(name)
+    graph = trace(model, (torch.randint(0, cfg.vocab_size, (2, 8)),))
+    problem = may_run(model, graph).degree_problem("tp", 2)
+    assert says in problem and problem.endswith("fix: use tp=1 for this model"), problem
