@@ -187,3 +187,24 @@ def test_tp_refusals_name_the_module_the_reason_and_the_fix(name, says):
     graph = trace(model, (torch.randint(0, cfg.vocab_size, (2, 8)),))
     problem = may_run(model, graph).degree_problem("tp", 2)
     assert says in problem and problem.endswith("fix: use tp=1 for this model"), problem
+
+
+def _hf_model_loss_cell(model: str, plan: dict) -> dict:
+    spec = {"model": model, "plan": plan, "batch": BATCH, "seq": 16, "steps": 3, "lr": 0.5, "loss": "model"}
+    return run_cell(spec, WORLD, LAUNCH_S)
+
+
+@pytest.mark.hf
+@pytest.mark.dist
+@pytest.mark.timeout(2 * LAUNCH_S)
+@pytest.mark.parametrize("model,plan", [
+    ("hf:vit", {"tp": 2, "pp": 2, "microbatch_size": 4, "num_microbatches": 2}),  # pixel_values + labels
+    ("hf:gpt2", {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}),  # input_ids + labels, tied head
+])
+def test_pipelines_with_several_inputs_train_on_the_models_own_loss(model, plan):
+    """Several inputs reach every stage (a pipeline used to refuse them: "feeds one tensor to its
+    first stage"); the last stage's own loss is backpropagated. HF ViT reads an attribute of its
+    patch embedding on every stage (a stand-in answers from the module's meta copy)."""
+    pytest.importorskip("transformers")
+    cell = _hf_model_loss_cell(model, plan)
+    assert cell["status"] == "ok", cell
