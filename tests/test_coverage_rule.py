@@ -199,7 +199,8 @@ def _hf_model_loss_cell(model: str, plan: dict) -> dict:
 @pytest.mark.timeout(2 * LAUNCH_S)
 @pytest.mark.parametrize("model,plan", [
     ("hf:vit", {"tp": 2, "pp": 2, "microbatch_size": 4, "num_microbatches": 2}),  # pixel_values + labels
-    ("hf:gpt2", {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}),  # input_ids + labels, tied head
+    pytest.param("hf:gpt2", {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},  # labels, tied head
+                 marks=pytest.mark.slow),
 ])
 def test_pipelines_with_several_inputs_train_on_the_models_own_loss(model, plan):
     """Several inputs reach every stage (a pipeline used to refuse them: "feeds one tensor to its
