@@ -152,14 +152,18 @@ class StandIn(nn.Module):
         """What the stage does not hold, read from the module's meta copy: root code reading an
         attribute of a module another stage owns (HF ViT casts its pixels to
         ``embeddings.patch_embeddings.projection.weight.dtype`` on every stage) gets the original's
-        value, on meta, instead of failing on the stand-in."""
+        value, on meta, instead of failing on the stand-in. Values and submodules only: a method
+        (``reset_parameters``) stays missing, so code probing for one skips the stand-in."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             shapes = self.__dict__.get("shapes")
             if shapes is None or name.startswith("__"):
                 raise
-            return getattr(shapes.meta, name)
+            value = getattr(shapes.meta, name)
+            if callable(value) and not isinstance(value, nn.Module):
+                raise  # a method (reset_parameters, ...) is the stand-in's to lack: probes must not run the copy's
+            return value
 
     def register_shared(self, name: str, param: nn.Parameter) -> None:
         """Register ``param`` at the relative path ``name`` (``word_embeddings.weight``)."""
