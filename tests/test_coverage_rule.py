@@ -60,7 +60,7 @@ def test_offered_plans_follow_the_runtimes_degrees():
     assert (offered["planner:tp2pp2"].pp, offered["planner:tp2pp2"].stages[0].tp) == (2, 2)
 
 
-def test_sequence_parallelism_needs_a_sequence_tp_divides():
+def test_sequence_parallelism_needs_an_even_sequence_on_dim_1():
     """A ViT's 16 patches and class token make 17 positions: the planner offered TP with sequence
     parallelism, which crashed in training (uneven shards of the sequence); it is refused for that
     degree now, and the planner's TP plans for the model run without it."""
@@ -69,6 +69,13 @@ def test_sequence_parallelism_needs_a_sequence_tp_divides():
     assert "sequence parallelism with tp=2" in problem and "17 positions" in problem and "fix:" in problem
     offered = offered_plans(model, graph, WORLD, BATCH, F.cross_entropy)
     assert all(not p.sequence_parallel for p in offered.values())
+    # the planner's TP plans with sequence parallelism crashed in training on these too (DTensor
+    # sharding propagation): MLP-Mixer's token-mixing MLP runs over the transposed patches,
+    # ConvNeXt's linears take channels-last maps
+    mixer, mixer_graph = _traced("mixer")
+    assert "blocks.0.mlp_tokens.fc1 takes 32 there" in may_run(mixer, mixer_graph).degree_problem("sequence_parallel", 2)
+    convnext, convnext_graph = _traced("convnext")
+    assert "takes a 4-D input" in may_run(convnext, convnext_graph).degree_problem("sequence_parallel", 2)
     llama, llama_graph = _traced("meta-llama")  # 16 tokens: TP plans keep sequence parallelism
     assert may_run(llama, llama_graph).degree_problem("sequence_parallel", 2) == ""
     assert offered_plans(llama, llama_graph, WORLD, BATCH, _loss_fn("meta-llama"))["planner:tp2pp1"].sequence_parallel
@@ -154,6 +161,7 @@ def _offered_cell(name: str, label: str) -> dict:
 @pytest.mark.timeout(4 * LAUNCH_S)
 @pytest.mark.parametrize("name,label", [
     ("timm-vit-views", "planner:tp2pp2"),  # TP by heads of an unbound fused qkv, root parameters on stage 0
+    ("mixer", "planner:tp2pp1"),  # crashed in training with sequence parallelism over its transposed patches
     ("tv-cnn", "planner:tp1pp4"),  # four stages of a nested-Sequential CNN, ZeRO from the planner
 ])
 def test_offered_plans_run_at_parity(name, label):

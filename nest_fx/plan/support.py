@@ -183,16 +183,34 @@ class ParallelSupport:
         return ""
 
     def _uneven_sequence(self, tp: int) -> str:
-        """Why the sequence dim (dim 1) of the linears' 3-D inputs in the layers does not split
-        evenly over ``tp`` ranks ("" when it does): a ViT's patches plus a class token (17)."""
+        """Why the layers' activations are no ``[batch, sequence, features]`` tensors whose sequence
+        splits evenly over ``tp`` ranks ("" when they are), read from the inputs of the linears in
+        the layers (2-D inputs, an MoE's routed tokens, are the region's own business): a linear
+        fed 4-D channels-last maps (ConvNeXt), two sizes on dim 1 (MLP-Mixer's token-mixing MLP
+        over the transposed patches, Swin's windows), a sequence tp does not divide (a ViT's 16
+        patches and class token)."""
+        seen: Dict[int, str] = {}
         for block in self.graph.layer_blocks:
             for node in block.nodes:
                 data = self.graph.graph.nodes[node]
                 shapes = data.get("in_shapes") or []
-                if data.get("op") == "linear" and shapes and len(shapes[0]) == 3 and shapes[0][1] % tp:
-                    return (f"sequence parallelism with tp={tp}: {data.get('module') or block.name} takes "
-                            f"{shapes[0][1]} positions (dim 1 of {list(shapes[0])}), which tp={tp} ranks cannot "
-                            "share evenly; fix: sequence_parallel=false, or a sequence length divisible by tp")
+                if data.get("op") != "linear" or not shapes or len(shapes[0]) < 3:
+                    continue
+                shape, module = list(shapes[0]), data.get("module") or block.name
+                if len(shape) > 3:
+                    return (f"sequence parallelism shards dim 1 of [batch, sequence, features] activations, but "
+                            f"{module} takes a {len(shape)}-D input {shape}; fix: sequence_parallel=false")
+                seen.setdefault(shape[1], module)
+        if len(seen) > 1:
+            (a, first), (b, second) = list(seen.items())[:2]
+            return (f"sequence parallelism shards dim 1 of the layers' activations as their sequence, but {first} "
+                    f"takes {a} there and {second} {b} (a mixing MLP over a transposed dim, or windows); fix: "
+                    "sequence_parallel=false")
+        for positions, module in seen.items():
+            if positions % tp:
+                return (f"sequence parallelism with tp={tp}: {module} takes {positions} positions (dim 1 of its "
+                        f"input), which tp={tp} ranks cannot share evenly; fix: sequence_parallel=false, or a "
+                        "sequence length divisible by tp")
         return ""
 
     # -- pipeline parallelism -------------------------------------------------------------
