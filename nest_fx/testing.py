@@ -26,6 +26,7 @@ import os
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
@@ -243,7 +244,7 @@ def precision_noise(spec: Dict[str, Any], precision: str) -> Dict[str, float]:
     return out
 
 
-def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
+def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Train ``spec['model']`` under ``spec['plan']`` (a Plan dict, kwargs for uniform_plan, or empty
     for the planner's choice) and compare with the single-device run. Keys: model, plan, batch, seq,
     steps, lr, local_batch (feed this rank's shard), seed, verbose, sync_batchnorm, loss: "model" (the
@@ -252,7 +253,8 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
     ``hf_config`` (:func:`hf_model_from_config`) or its own ``build``/``data``/``loss`` callables
     (:func:`_setup_custom`) trains that model instead (``model`` then only labels the run).
     ``precision`` (default: the plan's): sets the plan's precision; the single-device reference
-    always runs in the parallel plan's precision."""
+    always runs in the parallel plan's precision. ``progress`` (a dict) gets ``phase = "training"``
+    once ``auto_parallelize`` has returned (:func:`coverage_cell` tells a refusal from a crash by it)."""
     model, example, loss_fn, data = _setup(spec)
     batch, lr = spec["batch"], spec.get("lr", 0.5)
     reference = copy.deepcopy(model)
@@ -274,6 +276,8 @@ def equivalence(spec: Dict[str, Any]) -> Dict[str, Any]:
            "plan": pm.plan.to_dict()}
     per = batch // pm.plan.dp
     lo = pm.rank_info.replica * per
+    if progress is not None:
+        progress["phase"] = "training"
     for inputs, target in data:
         fed, fed_target = inputs, target
         if spec.get("local_batch"):  # this rank's data-parallel shard, as a DistributedSampler would give
@@ -319,14 +323,47 @@ def _compare(out: Dict[str, Any], what: str, value: torch.Tensor, ref: torch.Ten
     out[f"{what}_excess"] = max(out[f"{what}_excess"], float((diff - FP32_RTOL * ref.float().abs()).max()))
 
 
+class CellFailure(RuntimeError):
+    """A coverage cell that ended neither at parity nor in a refusal before the first collective.
+    Its message starts with the outcome (:data:`FAILURES`) and where: ``crash (training, after 12
+    collectives): <error>``."""
+
+
+# outcomes that break the coverage rule, besides "mismatch" and "timeout": a failure once training
+# started; a NestFxError raised after the ranks' first collective (a refusal must come before it);
+# any other exception while setting up
+FAILURES = ("crash", "late-refusal", "error")
+
+
+def collectives_run() -> int:
+    """Collectives the default process group has run so far (its sequence number; 0 before the first,
+    or without a group; -1 when the backend does not count)."""
+    if not dist.is_initialized():
+        return 0
+    try:
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return -1
+
+
 def coverage_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
     """:func:`equivalence` for one cell of the coverage matrix, on every rank: its result, or
-    ``{"refused": message}`` when nest-fx refused the model or plan before training (a
-    ``NestFxError``: the checks, the planner, the model builder)."""
+    ``{"refused": message}`` when nest-fx refused the model or plan before the ranks' first
+    collective (a ``NestFxError``: the checks, the planner, the model builder). Any other failure
+    raises :class:`CellFailure` naming the outcome: ``crash`` once training started (the rule's
+    worst break), ``late-refusal`` (a NestFxError after the first collective), ``error`` (another
+    exception while setting up)."""
+    progress = {"phase": "setup"}
     try:
-        return equivalence(spec)
-    except NestFxError as exc:
-        return {"refused": f"{type(exc).__name__}: {one_line(str(exc))}"}
+        return equivalence(spec, progress)
+    except Exception as exc:  # noqa: BLE001 - every failure is classified, the original chained
+        collectives = collectives_run()
+        refusal = isinstance(exc, NestFxError)
+        if refusal and progress["phase"] == "setup" and collectives == 0:
+            return {"refused": f"{type(exc).__name__}: {one_line(str(exc))}"}
+        outcome = "crash" if progress["phase"] == "training" else "late-refusal" if refusal else "error"
+        raise CellFailure(f"{outcome} ({progress['phase']}, after {collectives} collectives): "
+                          f"{type(exc).__name__}: {one_line(str(exc))}") from exc
 
 
 def cell_status(results, tol: float = COVERAGE_TOL) -> Dict[str, Any]:

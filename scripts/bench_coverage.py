@@ -25,9 +25,16 @@ the plan with ``auto_parallelize`` and, on every rank, the same weights on one d
 ``decoder_input_ids``, its own loss from ``labels``, dropout off), and reports:
 
 * ``ok``: losses, full gradients and parameters within 1e-5 of the single-device run;
-* ``refused``: nest-fx refused the model or the plan before training, with its reason;
+* ``refused``: nest-fx refused the model or the plan before the ranks' first collective, with its
+  reason (the default group's collective count is 0 when the ``NestFxError`` is raised);
 * ``mismatch``: it trained and the numbers differ (the worst defect);
-* ``error`` / ``timeout``: it crashed or hung (the last line of the first failing rank).
+* ``crash``: it failed once training had started (a bug, whatever the model);
+* ``late refusal``: a ``NestFxError`` after the first collective (a refusal must come before it);
+* ``error`` / ``timeout``: another exception while setting up, a rank that died, or a hang (the
+  last line of the first failing rank).
+
+Only ``ok`` and ``refused`` keep the rule (``nest_fx.testing_coverage``); the exit status is 1
+when any other outcome appears.
 
 Before its cells, each model's fp32 noise is measured in this process (``testing.fp32_noise``):
 how far its single-device fp32 run drifts from the same run in fp64 over the same 3 steps (the
@@ -35,7 +42,7 @@ largest parameter difference). A model whose noise reaches the tolerance cannot 
 1e-5 by any run that sums in another order; the column says so (``over tol``).
 
 A progress line per cell (status, seconds). Writes ``<out>.md`` (the matrix and the refusal
-reasons, for the README) and ``<out>.json``. Exit status 1 when a cell mismatches.
+reasons, for the README) and ``<out>.json``.
 """
 from __future__ import annotations
 
@@ -47,20 +54,17 @@ import time
 from typing import Any, Dict, List
 
 
-from nest_fx.apply.launch import launch
-from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, COVERAGE_TOL,
-                             cell_status, coverage_cell, fp32_noise)
+from nest_fx.testing import COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, COVERAGE_TOL, fp32_noise
+from nest_fx.testing_coverage import KEPT
+from nest_fx.testing_coverage import run_cell as run_coverage_cell
 from nest_fx.testing_styles import STYLE_MODELS, style_spec
 
 from _bench_common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
-# launch failures of the machine, not of the cell: the rendezvous port taken between its probe and its
-# bind, a gloo peer connection reset while the ranks connect
-TRANSIENT = ("EADDRINUSE", "connectFullMesh failed")
-MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "error": "error", "timeout": "timeout",
-        "n/a": "-"}
+MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "crash": "**CRASH**",
+        "late-refusal": "late refusal", "error": "error", "timeout": "timeout", "n/a": "-"}
 
 
 def _spec(model: str, plan: Dict[str, Any]) -> Dict[str, Any]:
@@ -78,23 +82,11 @@ def noise(model: str) -> Dict[str, Any]:
 
 
 def run_cell(model: str, plan_name: str, timeout: float) -> Dict[str, Any]:
-    """One cell: launch, classify, time."""
+    """One cell: launch, classify (``nest_fx.testing_coverage.run_cell``), time."""
     if plan_name.startswith("EP") and _kind(model) != "moe":
         return {"status": "n/a", "seconds": 0.0}
-    spec = _spec(model, COVERAGE_PLANS[plan_name])
     start = time.perf_counter()
-    for attempt in range(2):
-        try:
-            cell = cell_status(launch(coverage_cell, WORLD, spec, timeout=timeout))
-        except TimeoutError as exc:
-            cell = {"status": "timeout", "reason": str(exc).splitlines()[0]}
-        except RuntimeError as exc:  # a rank crashed: its last traceback line
-            if attempt == 0 and any(t in str(exc) for t in TRANSIENT):
-                continue  # the rendezvous lost a race with another job on the machine: launch again
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            last = next((line for line in reversed(lines) if not line.startswith("rank ")), lines[-1] if lines else "")
-            cell = {"status": "error", "reason": last.strip()[:400]}
-        break
+    cell = run_coverage_cell(_spec(model, COVERAGE_PLANS[plan_name]), WORLD, timeout)
     cell["seconds"] = round(time.perf_counter() - start, 1)
     return cell
 
@@ -193,7 +185,7 @@ def main(argv=None) -> int:
         fh.write(table)
     print(table)
     print(f"wrote {args.out}.md and {args.out}.json")
-    return 1 if any(c["status"] == "mismatch" for r in matrix.values() for c in r.values()) else 0
+    return 1 if any(c["status"] not in KEPT + ("n/a",) for r in matrix.values() for c in r.values()) else 0
 
 
 if __name__ == "__main__":

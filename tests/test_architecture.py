@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("nest_fx", "profiler")
 # the data flow of shared/DESIGN.md: a package may import the packages before it, never after
 LAYERS = ["common", "models", "graph", "workload", "cluster", "plan", "cost", "solver", "apply", "report"]
-TEST_HELPERS = {"nest_fx.testing", "nest_fx.testing_faults", "nest_fx.testing_styles", "nest_fx.testing_vision_styles"}
+TEST_HELPERS = {"nest_fx.testing", "nest_fx.testing_faults", "nest_fx.testing_styles", "nest_fx.testing_vision_styles",
+                "nest_fx.testing_coverage"}
 TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.cli_profile"} | TEST_HELPERS  # may import any layer
 OPTIONAL = {"matplotlib", "transformers", "torchao"}  # extras: imported where used, inside functions
 # the command line: its handlers import torch and the pipeline when they run (start-up time, the

@@ -7,16 +7,16 @@ import torch
 
 from nest_fx.apply import checks
 from nest_fx.apply.launch import launch
-from nest_fx.cluster import Cluster
 from nest_fx.graph import trace
 from nest_fx.models import build_seeded
 from nest_fx.models.build import model_example
 from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan.support import parallel_support
 from nest_fx.solver import SolverOptions
-from nest_fx.solver.runtime_planner import planner_for, runtime_options
-from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, cell_status,
+from nest_fx.solver.runtime_planner import runtime_options
+from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, LOSSES, cell_status,
                              coverage_cell)
+from nest_fx.testing_coverage import offered_plans
 
 pytestmark = pytest.mark.hf
 pytest.importorskip("transformers")
@@ -36,17 +36,18 @@ def _traced(name: str):
 @pytest.mark.slow
 def test_the_planner_offers_every_coverage_model_only_what_the_runtime_runs():
     """Each model of the suite, traced with the inputs it trains on, planned by the runtime planner
-    on a cpu-gloo cluster of 4: the runtime's checks accept every plan; MoE models get expert
-    parallelism in their search space (HF stacked experts are converted)."""
-    cluster = Cluster.preset("cpu-gloo", 4)
+    on a cpu-gloo cluster of 4, its free choice and its plan for every TP x PP pair it may choose
+    (``testing_coverage.offered_plans``): the runtime's checks accept every plan; MoE models get
+    expert parallelism in their search space (HF stacked experts are converted)."""
     refused = {}
     for name, kind in COVERAGE_MODELS.items():
         model, example, graph = _traced(name)
-        plan = planner_for(model)(graph, cluster, 4, COVERAGE_BATCH)
-        try:
-            checks.run_all(plan, model, graph, 4, COVERAGE_BATCH, model_loss=example.loss == "model")
-        except checks.ApplyError as exc:
-            refused[name] = str(exc)
+        loss_fn = LOSSES.get(example.loss)
+        for label, plan in offered_plans(model, graph, 4, COVERAGE_BATCH, loss_fn).items():
+            try:
+                checks.run_all(plan, model, graph, 4, COVERAGE_BATCH, model_loss=example.loss == "model")
+            except checks.ApplyError as exc:
+                refused[f"{name} {label}"] = str(exc)
         if kind == "moe":
             experts = parallel_support(model, graph).num_experts()
             assert experts == 4, name

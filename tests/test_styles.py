@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from nest_fx.apply import checks
-from nest_fx.apply.launch import launch
 from nest_fx.apply.runtime import model_loss
 from nest_fx.cluster import Cluster
 from nest_fx.common.errors import NestFxError
@@ -18,7 +17,8 @@ from nest_fx.graph.tp_regions import unsharded_attention
 from nest_fx.plan import uniform_plan
 from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
-from nest_fx.testing import COVERAGE_PLANS, cell_status, coverage_cell
+from nest_fx.testing import COVERAGE_PLANS
+from nest_fx.testing_coverage import KEPT, run_cell
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec, token_data
 from nest_fx.workload.block_facts import block_facts
 
@@ -188,10 +188,9 @@ def _refused_in_one_process(name: str, plan_name: str) -> str:
 
 
 def _check_cell(name: str, plan_name: str) -> dict:
-    cell = cell_status(launch(coverage_cell, WORLD, style_spec(name, COVERAGE_PLANS[plan_name], batch=BATCH),
-                              timeout=LAUNCH_S))
-    assert cell["status"] in ("ok", "refused"), cell
-    if cell["status"] == "refused":  # refused by the checks that run before the first collective
+    cell = run_cell(style_spec(name, COVERAGE_PLANS[plan_name], batch=BATCH), WORLD, LAUNCH_S)
+    assert cell["status"] in KEPT, cell  # no crash, late refusal, error, hang or mismatch
+    if cell["status"] == "refused":  # refused before the first collective, by the runtime's checks
         reason = _refused_in_one_process(name, plan_name)
         assert reason and reason.splitlines()[0][:80] in cell["reason"], (cell, reason)
     return cell
@@ -201,6 +200,7 @@ def _check_cell(name: str, plan_name: str) -> dict:
 @pytest.mark.timeout(4 * LAUNCH_S)
 @pytest.mark.parametrize("name,plan_name,status", [
     ("nanogpt", "planner", "ok"),  # its own loss from forward(idx, targets)
+    ("nanogpt", "PP2xDP2", "ok"),  # its own loss on the last stage, the targets among every stage's inputs
     ("nanogpt", "TP2xDP2", "refused"),  # crashed in training before: refused by the TP rehearsal
     ("nanogpt-views", "TP2xDP2", "ok"),  # split(n_embd) sharded by heads
     ("meta-llama", "TP2xDP2", "ok"),  # complex RoPE

@@ -13,10 +13,9 @@ import torch.nn as nn
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.float8 import float8_problem
 from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
-from nest_fx.plan.may_run import may_run, unrun_fields
+from nest_fx.plan.may_run import may_run, schedule_microbatch_problem, unrun_fields
 from nest_fx.plan.support import model_dims, parallel_support
 from nest_fx.plan.plan import Plan, PlanError
-from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.workload.types import chain_fingerprint
 
 
@@ -44,8 +43,9 @@ def check_may_run(plan: Plan, model: nn.Module, graph=None) -> None:
 def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
     """ApplyError when a stage's TP degree cannot shard the model, or SP cannot run under it."""
     runs = may_run(model, graph)
-    _raise_first([runs.degree_problem("tp", tp) for tp in sorted({s.tp for s in plan.stages})]
-                 + [runs.degree_problem("sequence_parallel", plan.sequence_parallel and any(s.tp > 1 for s in plan.stages))])
+    tps = sorted({s.tp for s in plan.stages})
+    _raise_first([runs.degree_problem("tp", tp) for tp in tps]
+                 + [runs.degree_problem("sequence_parallel", tp) for tp in tps if plan.sequence_parallel and tp > 1])
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:
@@ -163,15 +163,6 @@ def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional
             raise ApplyError(problem)
 
 
-def check_loss(plan: Plan, model_loss: bool) -> None:
-    """ApplyError when the model's own loss (``loss_fn=None``) is asked of a pipeline, whose last
-    stage computes the loss from ``loss_fn(output, target)``."""
-    if model_loss and plan.pp > 1:
-        raise ApplyError(f"loss_fn=None (the model's own loss) with pp={plan.pp}: the pipeline's last stage computes "
-                         "the loss as loss_fn(output, target); fix: give auto_parallelize a loss_fn and train_step the "
-                         "targets, or use a plan with pp=1")
-
-
 def check_microbatches(plan: Plan, model: nn.Module, microbatches: int) -> None:
     """ApplyError when the model's numbers depend on the microbatch split (``ParallelSupport.microbatch_problem``)."""
     problem = parallel_support(model, None).microbatch_problem(microbatches)
@@ -190,13 +181,7 @@ def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_s
         check_layers(plan, graph)
     check_may_run(plan, model, graph)  # TP (and SP), EP, the pipeline cut: nest_fx.plan.may_run
     nmb = check_batch(plan, global_batch_size)
-    if plan.schedule in CHUNKED_SCHEDULES and nmb % plan.pp:
-        raise ApplyError(f"the {plan.schedule} schedule needs num_microbatches ({nmb}) to be a multiple of pp={plan.pp}")
-    check_loss(plan, model_loss)
+    _raise_first([schedule_microbatch_problem(plan.schedule, plan.pp, nmb)])
     if batch_statistics:
         check_microbatches(plan, model, nmb)
-    if plan.pp > 1 and plan.schedule == "1f1b" and nmb < plan.pp:
-        raise ApplyError(
-            f"1F1B with pp={plan.pp} stages needs at least {plan.pp} microbatches per step, got {nmb}; "
-            f"fix: raise num_microbatches to >= {plan.pp} or use schedule 'gpipe'")
     return nmb

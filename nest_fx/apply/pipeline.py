@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleZBVZeroBubble)
 
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.model_loss import model_loss
 from nest_fx.graph.stage_modules import arm_stages, pack_inputs, split_stages, tensor_output
 from nest_fx.plan.vocabulary import V_SCHEDULES, model_chunks
 
@@ -117,8 +118,11 @@ def make_schedule(plan, stage_modules: Sequence[nn.Module], stage_indices: Seque
                   n_microbatches: int, loss_fn: Callable, pp_group, device: torch.device):
     """PipelineStages for this rank's chunks and the plan's schedule over them. The V schedules
     set the stages' stage-to-rank mapping themselves (``style="v"``), the one
-    :func:`chunk_stage_indices` lays chunks by."""
-    arm_stages(stage_modules)
+    :func:`chunk_stage_indices` lays chunks by. ``loss_fn=None``: the model computes its own loss
+    (from labels or targets among its inputs, which every stage gets): the last stage returns it
+    (:func:`~nest_fx.apply.model_loss.model_loss`) and the schedule backpropagates it as is."""
+    arm_stages(stage_modules, last_output=model_loss if loss_fn is None else None)
+    loss_fn = loss_fn or _the_output
     stages = [PipelineStage(m, idx, num_stages, device, group=pp_group)
               for m, idx in zip(stage_modules, stage_indices)]
     # scale_grads=False: schedule_step divides each gradient by m once; torch scales per stage,
@@ -139,12 +143,21 @@ def _mean_over_microbatches(stages: Sequence[PipelineStage], m: int) -> None:
                 p.grad.div_(m)
 
 
+def _the_output(output: torch.Tensor, _target) -> torch.Tensor:
+    """The schedule's loss function when the last stage returns the model's own loss."""
+    return output
+
+
 def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs: Dict[str, Any],
-                  target: torch.Tensor) -> Optional[torch.Tensor]:
+                  target: Optional[torch.Tensor], n_microbatches: int) -> Optional[torch.Tensor]:
     """One step of the pipeline schedule over this rank's stages. Every stage gets the model's
-    inputs ``(args, kwargs)`` (split into microbatches by the schedule), the last one the target.
-    Returns the mean microbatch loss on a rank holding the last stage, else None."""
+    inputs ``(args, kwargs)`` (every tensor split into microbatches by the schedule: several inputs,
+    labels or nanoGPT's targets reach the stage whose code reads them), the last one the target
+    (``None`` for a model computing its own loss: a placeholder the schedule splits). Returns the
+    mean microbatch loss on a rank holding the last stage, else None."""
     is_last = any(s.is_last for s in stages)
+    if target is None:
+        target = torch.zeros(n_microbatches)
     losses: List[torch.Tensor] = []
     extra = {"target": target, "losses": losses} if is_last else {}
     # return_outputs=False: otherwise the last stage keeps every microbatch's output (the

@@ -215,6 +215,8 @@ def prepare(request: Request) -> Job:
     plan = resolve_plan(request, graph, constraints, world, rank)
     nmb = checks.run_all(plan, model, graph, world, request.global_batch_size, model_loss=loss_fn is None,
                          batch_statistics=request.sync_batchnorm)
+    mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)  # before the first agreement collective
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
     start = weight_start(request)
     settings = agreed_settings(plan, specs, request.global_batch_size, nmb, args, kwargs, loss_fn)
@@ -224,10 +226,9 @@ def prepare(request: Request) -> Job:
     job = Job(model=model, graph=graph, plan=plan, num_microbatches=nmb, global_batch_size=request.global_batch_size,
               loss_fn=loss_fn, model_specs=specs, stage_layout=layout, weights=start,
               batchnorms=batchnorm_modules(model), sync_batchnorm=request.sync_batchnorm, verbose=request.verbose,
-              rank=rank, mesh_device="cuda" if dist.get_backend() == "nccl" else "cpu",
+              rank=rank, mesh_device=mesh_device,
               dry_run=dist.get_backend() == "fake")
     _warn_batchnorm(job)
-    checks.check_runtime_options(plan, model, graph, loss_fn, job.mesh_device)
     if rank == 0 and request.verbose:
         print(plan_summary(plan, nmb), flush=True)
     _warn_unsharded_attention(job)

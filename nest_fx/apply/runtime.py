@@ -35,6 +35,7 @@ from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.export_hf import save_pretrained
 from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.parts import BatchSchedule, LocalModel, ParallelLayout, field_of
+from nest_fx.apply.model_loss import model_loss
 from nest_fx.apply.pipeline import schedule_step, tensor_output
 
 
@@ -49,23 +50,6 @@ def _counted_step(method: Callable) -> Callable:
         self.step += 1
         return out
     return step
-
-
-def model_loss(output) -> torch.Tensor:
-    """The loss a model computed itself: ``output.loss`` (HF ``ModelOutput``), ``output["loss"]``, or
-    the one scalar of a returned tuple (nanoGPT's ``(logits, loss)``); ApplyError when it returned
-    none (no labels or targets given)."""
-    if isinstance(output, (tuple, list)):
-        scalars = [v for v in output if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()]
-        loss = scalars[0] if len(scalars) == 1 else None
-    else:
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        raise ApplyError(f"loss_fn=None trains on the model's own loss, but its {type(output).__name__} output holds "
-                         "no loss (one scalar tensor); fix: give the model its targets (train_step(inputs, targets) "
-                         "passes them as forward's next argument, e.g. nanoGPT's forward(idx, targets); HF: "
-                         "inputs['labels']) or give auto_parallelize a loss_fn")
-    return loss
 
 
 def microbatches(args: tuple, kwargs: dict, target: Optional[torch.Tensor], n: int):
@@ -304,10 +288,7 @@ class ParallelModule:
             y = self.context_parallel.shard(y)
         nmb = self.num_microbatches
         if self.schedule is not None:
-            if len(tensors) != 1:
-                raise ApplyError(f"train_step: a pipeline feeds one input tensor to its first stage, got "
-                                 f"{len(tensors)}; fix: plan without pipeline parallelism (pp=1)")
-            local = schedule_step(self.schedule, self.pipeline_stages, args, kwargs, y)
+            local = schedule_step(self.schedule, self.pipeline_stages, args, kwargs, y, nmb)
             is_last = local is not None
         else:
             module = self.module

@@ -103,6 +103,8 @@ class StageRoute:
     last: bool
     exit_after: str = ""  # a layer whose *output* ends the stage (armed after TP/FSDP hooks)
     armed: bool = False
+    # what the last stage passes to the schedule's loss function, from the model's output
+    last_output: Callable[[Any], torch.Tensor] = tensor_output
     received: Optional[torch.Tensor] = None
 
     def take(self, where: str) -> torch.Tensor:
@@ -206,7 +208,7 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             if not route.last:
                 raise SplitError(f"pipeline stage [{route.start}, {route.end}) ran to the model's end without "
                                  "reaching the next stage's first layer. fix: use pp=1")
-            output = tensor_output(output)
+            output = route.last_output(output)
         finally:
             pending, route.received = route.received, None
         if pending is not None:
@@ -315,12 +317,16 @@ def _install_route(base: nn.Module, route: StageRoute, layout: StageLayout) -> N
     base.forward = _stage_forward(route, base.forward)
 
 
-def arm_stages(stages: Sequence[nn.Module]) -> None:
+def arm_stages(stages: Sequence[nn.Module], last_output: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
     """Install the "out" hooks that stop a stage at a layer's *output*. They must run after every
     other forward hook of that layer (sequence-parallel gather, FSDP's post-forward), so this is
-    the last step of building a stage; calling it again does nothing."""
+    the last step of building a stage; calling it again does nothing. ``last_output``: what the
+    last stage returns of the model's output (default :func:`tensor_output`; the runtime's
+    ``model_loss`` for a model computing its own loss)."""
     for stage in stages:
         route = stage_route(stage)
+        if last_output is not None:
+            route.last_output = last_output
         if route.exit_after and not route.armed:
             stage.get_submodule(route.exit_after).register_forward_hook(_exit_at_output(route.exit_after))
         route.armed = True

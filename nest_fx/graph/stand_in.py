@@ -148,15 +148,34 @@ class StandIn(nn.Module):
         self.__dict__["shapes"] = shapes  # not a submodule: its meta copy holds no state of the stage
         self.path = path
 
+    def __getattr__(self, name: str) -> Any:
+        """What the stage does not hold, read from the module's meta copy: root code reading an
+        attribute of a module another stage owns (HF ViT casts its pixels to
+        ``embeddings.patch_embeddings.projection.weight.dtype`` on every stage) gets the original's
+        value, on meta, instead of failing on the stand-in. Values and submodules only: a method
+        (``reset_parameters``) stays missing, so code probing for one skips the stand-in."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shapes = self.__dict__.get("shapes")
+            if shapes is None or name.startswith("__"):
+                raise
+            value = getattr(shapes.meta, name)
+            if callable(value) and not isinstance(value, nn.Module):
+                raise  # a method (reset_parameters, ...) is the stand-in's to lack: probes must not run the copy's
+            return value
+
     def register_shared(self, name: str, param: nn.Parameter) -> None:
         """Register ``param`` at the relative path ``name`` (``word_embeddings.weight``)."""
         owner: nn.Module = self
         *parents, leaf = name.split(".")
+        # straight into the registries: hasattr (add_module's and register_parameter's check) would
+        # find the meta copy's attribute of that name through __getattr__
         for part in parents:
             if part not in owner._modules:
-                owner.add_module(part, nn.Module())
+                owner._modules[part] = nn.Module()
             owner = owner._modules[part]
-        owner.register_parameter(leaf, param)
+        owner._parameters[leaf] = param
 
     def outputs(self, args: tuple, kwargs: dict) -> Any:
         """NaN-filled real tensors shaped like the module's output for these inputs."""

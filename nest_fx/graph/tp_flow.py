@@ -319,12 +319,32 @@ class _Follower(ShapeRules):
             fused = f.source + (dims[-2], out[dims[-2]])  # [.., P, H, hd]: maybe P fused parts (kv, qkv)
         return Flow(dim=heads_dim, count=count, heads=True, fused=fused)
 
+    def whole_width_norm(self, node: str, ins: List[Optional[Flow]]) -> str:
+        """Why an attention's query, key or value is left unsharded, when a norm over its whole
+        projection (all heads' features: OLMo2's ``q_norm``/``k_norm``) stands between it and its
+        linear, so that linear is no column of the pair ("" when none does)."""
+        d = self.g.nodes[node]
+        head_dim = d["in_shapes"][0][-1]
+        block = self.g.subgraph(self.block.nodes)
+        for name, flow, what in zip(d.get("inputs", [])[:3], ins[:3], ("query", "key", "value")):
+            if flow is not None or name not in block:
+                continue
+            for source in (n for n in self.block.nodes if n in nx.ancestors(block, name) and self.inside(n)):
+                a = self.g.nodes[source]
+                op, shape = a.get("op", ""), (a.get("in_shapes") or [[]])[0]
+                if (op in NORMS or _normalises_last(op) or op in REDUCTIONS) and shape and shape[-1] > head_dim:
+                    return (f"{self.where(node)} takes its {what} through {a.get('module')!r}, a norm over all the "
+                            f"heads' {shape[-1]} features (not per head of {head_dim}); a TP rank holds only its "
+                            "heads' features, and nest-fx does not all-gather them for such a norm yet")
+        return ""
+
     def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
         d = self.g.nodes[node]
         shapes = d["in_shapes"]
         q = ins[0]
         if q is None or any(f is None for f in ins[1:3]):
-            raise _Stop(f"{self.where(node)} mixes sharded and unsharded queries, keys or values")
+            raise _Stop(self.whole_width_norm(node, ins)
+                        or f"{self.where(node)} mixes sharded and unsharded queries, keys or values")
         nd = len(shapes[0])
         if q.dim >= nd - 2 or not all(f.dim == q.dim for f in ins[1:3]):
             raise _Stop(f"{self.where(node)}: the sharded dim is not the heads dim of the attention")

@@ -15,6 +15,7 @@ module or setting and the fix:
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
 * :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
+* :func:`schedule_microbatch_problem`: microbatch counts a pipeline schedule does not run;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
 
 The model-level verdicts themselves live in ``nest_fx.plan.support`` (:class:`ParallelSupport`:
@@ -33,7 +34,7 @@ from nest_fx.graph.recompute_policies import parse_recompute, recompute_policy_p
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.support import ParallelSupport, parallel_support
-from nest_fx.plan.vocabulary import SPLIT_BACKWARD_SCHEDULES
+from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on the model's modules
 
@@ -78,6 +79,16 @@ def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = Fal
     if compile:
         return (f"schedule {schedule} with compile: torch's pipelining does not split a compiled backward into "
                 "input and weight gradients; fix: compile=false, or schedule 1f1b or interleaved")
+def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
+    """Why a pipeline schedule cannot run ``num_microbatches`` per step on ``pp`` stages ("" when it
+    can): 1F1B needs at least one microbatch per stage (``torch.distributed.pipelining``'s
+    Schedule1F1B), the interleaved schedule a multiple of ``pp``. The planner searches only what
+    passes (``solver.space``); the runtime's checks refuse the rest."""
+    if pp > 1 and schedule == "1f1b" and num_microbatches < pp:
+        return (f"1F1B with pp={pp} stages needs at least {pp} microbatches per step, got {num_microbatches}; "
+                f"fix: raise num_microbatches to >= {pp} or use schedule 'gpipe'")
+    if pp > 1 and schedule in CHUNKED_SCHEDULES and num_microbatches % pp:
+        return f"the {schedule} schedule needs num_microbatches ({num_microbatches}) to be a multiple of pp={pp}"
     return ""
 
 
@@ -119,7 +130,8 @@ class MayRun:
     def degree_problem(self, name: str, value, dp: Optional[int] = None) -> str:
         """Why setting ``name`` cannot take ``value`` on this model ("" when it can): ``tp``,
         ``pp``, ``ep`` (``dp``: the data-parallel degree the fix should also divide), ``cp``,
-        ``sequence_parallel``, ``loss_parallel`` (``value``: the last stage's TP degree) and
+        ``sequence_parallel`` (``value``: on/off, or the TP degree it runs under), ``loss_parallel``
+        (``value``: the last stage's TP degree) and
         ``num_microbatches`` (forwards per replica and step: BatchNorm statistics)."""
         s = self.support
         if s is None:
@@ -133,7 +145,8 @@ class MayRun:
         if name == "cp":
             return s.cp_problem(value)
         if name == "sequence_parallel":
-            return s.sp_problem() if value else ""
+            # value: on or off, or the TP degree it runs under (an uneven sequence refuses it there)
+            return s.sp_problem(0 if value is True else int(value)) if value else ""
         if name == "loss_parallel":
             return s.loss_parallel_problem(value)
         if name == "num_microbatches":
@@ -152,8 +165,9 @@ class MayRun:
         """Why this model cannot run ``plan``'s degrees: TP of each stage (and sequence
         parallelism under it), EP, the pipeline cut (with a traced graph)."""
         out = [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p]
-        if plan.sequence_parallel and any(s.tp > 1 for s in plan.stages):
-            out += [p for p in [self.degree_problem("sequence_parallel", True)] if p]
+        if plan.sequence_parallel:
+            out += [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1})
+                    for p in [self.degree_problem("sequence_parallel", tp)] if p][:1]
         out += [p for p in [self.degree_problem("ep", plan.ep, plan.dp)] if p]
         if self.graph is not None:
             out += [p for p in [self.degree_problem("pp", plan.pp)] if p]

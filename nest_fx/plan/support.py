@@ -157,11 +157,16 @@ class ParallelSupport:
             return ""
         return tp_graph_problem(self.model, self.graph, tp)
 
-    def sp_problem(self) -> str:
+    def sp_problem(self, tp: int = 0) -> str:
         """Why sequence parallelism (TP's activations sharded on the sequence dim between regions)
-        cannot run on this model ("" when it can)."""
+        cannot run on this model ("" when it can); with ``tp`` > 1, also under that degree: each
+        rank keeps an equal share of the sequence, so the layers' sequence dim must divide by it."""
         if self.graph is None:
             return ""
+        if tp > 1:
+            uneven = self._uneven_sequence(tp)
+            if uneven:
+                return uneven
         groups = [b.name for b in self.graph.layer_blocks if b.members]
         if groups:
             return (f"sequence parallelism shards the sequence dim of activations between layer modules, but the "
@@ -177,20 +182,41 @@ class ParallelSupport:
                         "of the layer, so the region would be the whole layer; fix: sequence_parallel=false")
         return ""
 
+    def _uneven_sequence(self, tp: int) -> str:
+        """Why the layers' activations are no ``[batch, sequence, features]`` tensors whose sequence
+        splits evenly over ``tp`` ranks ("" when they are), read from the inputs of the linears in
+        the layers (2-D inputs, an MoE's routed tokens, are the region's own business): a linear
+        fed 4-D channels-last maps (ConvNeXt), two sizes on dim 1 (MLP-Mixer's token-mixing MLP
+        over the transposed patches, Swin's windows), a sequence tp does not divide (a ViT's 16
+        patches and class token)."""
+        seen: Dict[int, str] = {}
+        for block in self.graph.layer_blocks:
+            for node in block.nodes:
+                data = self.graph.graph.nodes[node]
+                shapes = data.get("in_shapes") or []
+                if data.get("op") != "linear" or not shapes or len(shapes[0]) < 3:
+                    continue
+                shape, module = list(shapes[0]), data.get("module") or block.name
+                if len(shape) > 3:
+                    return (f"sequence parallelism shards dim 1 of [batch, sequence, features] activations, but "
+                            f"{module} takes a {len(shape)}-D input {shape}; fix: sequence_parallel=false")
+                seen.setdefault(shape[1], module)
+        if len(seen) > 1:
+            (a, first), (b, second) = list(seen.items())[:2]
+            return (f"sequence parallelism shards dim 1 of the layers' activations as their sequence, but {first} "
+                    f"takes {a} there and {second} {b} (a mixing MLP over a transposed dim, or windows); fix: "
+                    "sequence_parallel=false")
+        for positions, module in seen.items():
+            if positions % tp:
+                return (f"sequence parallelism with tp={tp}: {module} takes {positions} positions (dim 1 of its "
+                        f"input), which tp={tp} ranks cannot share evenly; fix: sequence_parallel=false, or a "
+                        "sequence length divisible by tp")
+        return ""
+
     # -- pipeline parallelism -------------------------------------------------------------
     def pp_problem(self, pp: int) -> str:
         """Why the model cannot be split into ``pp`` pipeline stages ("" when it can)."""
-        return "" if pp == 1 else (self.inputs_problem(pp) or self._cached("pp", pp, self._pp_problem))
-
-    def inputs_problem(self, pp: int) -> str:
-        """Why the model's traced inputs cannot enter a ``pp``-stage pipeline ("" when they can): the
-        schedule feeds one tensor to the first stage."""
-        names = getattr(self.graph, "input_names", None) or []
-        if len(names) <= 1:
-            return ""
-        return (f"pp={pp}: {type(self.model).__name__} takes {len(names)} inputs ({', '.join(names)}) but a pipeline "
-                "feeds one tensor to its first stage (labels for the model's own loss count as an input); fix: use "
-                "pp=1, or pass one input and compute the loss with loss_fn on the last stage's output")
+        return "" if pp == 1 else self._cached("pp", pp, self._pp_problem)
 
     def _pp_problem(self, pp: int) -> str:
         if self.graph is None:

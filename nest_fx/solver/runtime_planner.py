@@ -47,8 +47,9 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
         loss_parallel = False
     return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages,
                                cp_degrees=cps, loss_parallel=loss_parallel,
-                               sequence_parallel=options.sequence_parallel and not runs.degree_problem(
-                                   "sequence_parallel", True))
+                               sequence_parallel=options.sequence_parallel and not any(
+                                   runs.degree_problem("sequence_parallel", t) for t in tps or (1,) if t > 1)
+                               and not runs.degree_problem("sequence_parallel", True))
 
 
 def check_runtime_constraints(constraints: Optional[Constraints], model: torch.nn.Module, graph) -> None:

@@ -12,7 +12,7 @@ from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
 from nest_fx.plan.settings import SETTINGS, add_fields
-from nest_fx.plan.may_run import unrun_combination, unrun_schedule
+from nest_fx.plan.may_run import schedule_microbatch_problem, unrun_combination, unrun_schedule
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, V_SCHEDULES, model_chunks
 from nest_fx.workload import Variant, Workload
 
@@ -197,6 +197,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and (options.precision is None or plan.precision == options.precision)
             and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
                                    recompute=[s.recompute for s in plan.stages])
+            and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
@@ -232,6 +233,8 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue  # the runtime does not run the schedule with these settings, or with any recompute mode
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
+        if g.schedule == "1f1b" and schedule_microbatch_problem(g.schedule, p, m):
+            continue  # the runtime refuses it (checks.run_all)
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
             continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
         if p == 1 and g.placement != options.placements[0]:
