@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply.checks import ApplyError
@@ -186,10 +187,20 @@ class _AttentionIntercept(TorchFunctionMode):
 def _intercept_attention(module: nn.Module, cp: ContextParallel, where: str) -> None:
     inner = module.forward
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
+    def intercepted(*args, **kwargs):
         with _AttentionIntercept(cp, where):
             return inner(*args, **kwargs)
+
+    # dynamo cannot trace the intercept over DTensor inputs (sequence parallelism hands the
+    # attention region a gathered DTensor; torch 2.13 recurses without end building the graph):
+    # under torch.compile such a call runs eagerly, between two compiled graphs
+    eager = torch.compiler.disable(intercepted)
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+            return eager(*args, **kwargs)
+        return intercepted(*args, **kwargs)
 
     module.forward = forward
 
