@@ -31,9 +31,10 @@ def _equivalences(cases: List[Dict], compile_backend: Optional[str] = None) -> L
     return [equivalence({"batch": 8, "seq": 32, "steps": 3, "lr": 0.5, **case}) for case in cases]
 
 
-def run(world: int, cases: List[Dict], compile_backend: Optional[str] = None) -> List[List[Dict]]:
+def run(world: int, cases: List[Dict], compile_backend: Optional[str] = None,
+        timeout: float = LAUNCH_S) -> List[List[Dict]]:
     """Launch ``world`` ranks over ``cases``; assert parity for each; per case, the ranks' results."""
-    per_rank = launch(_equivalences, world, cases, compile_backend, timeout=LAUNCH_S)
+    per_rank = launch(_equivalences, world, cases, compile_backend, timeout=timeout)
     per_case = [[rank[k] for rank in per_rank] for k in range(len(cases))]
     for case, results in zip(cases, per_case):
         worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
