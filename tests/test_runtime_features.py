@@ -1,5 +1,5 @@
 """Multi-process (gloo, CPU) parity of the runtime features: context parallelism, loss parallel,
-HSDP, recompute policies and torch.compile. Each launch runs several plans one after the other on
+HSDP (with TP, CP and EP), recompute policies and torch.compile. Each launch runs several plans one after the other on
 the same ranks (one process group, one start-up) and compares every plan with the single-device
 run of the same weights and data: losses of all 3 SGD steps, full gradients of every step and
 the parameters after the last step within 1e-5 (``nest_fx.testing.equivalence``)."""
@@ -84,6 +84,9 @@ def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
          "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "loss_parallel": True}},
         {"model": LLAMA, "plan": {"dp": 4, "dp_shard": 2, "zero": 2, "microbatch_size": 1, "num_microbatches": 2}},
         {"model": LLAMA, "plan": {"dp": 4, "dp_shard": 2, "zero": 3, "microbatch_size": 1, "num_microbatches": 2}},
+        # HSDP x EP: experts on the (dp_replicate, edp_shard) mesh, here (2, 1): replicated, not scattered
+        {"model": MOE, "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
+                                "num_microbatches": 2}},
     ]
     per_case = run(4, cases)
     for r in per_case[4]:  # loss parallel: the LM head is sharded by vocabulary
@@ -91,14 +94,21 @@ def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(LAUNCH_S + 30)
-def test_eight_ranks_hsdp_with_tp_and_with_cp():
+@pytest.mark.timeout(2 * LAUNCH_S + 30)
+def test_eight_ranks_hsdp_with_tp_and_with_cp_and_ep():
     run(8, [
         {"model": LLAMA2, "plan": {"dp": 4, "tp": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
                                    "num_microbatches": 2}},
         {"model": LLAMA2, "plan": {"dp": 4, "cp": 2, "dp_shard": 2, "zero": 2, "microbatch_size": 1,
                                    "num_microbatches": 2}},
-    ])
+        # HSDP x EP: experts sharded over edp_shard (2 replicas; with CP, x cp) and replicated across
+        {"model": MOE, "plan": {"dp": 8, "ep": 2, "dp_shard": 4, "zero": 3, "microbatch_size": 1,
+                                "num_microbatches": 1}},
+        {"model": MOE, "plan": {"dp": 4, "cp": 2, "ep": 2, "dp_shard": 2, "zero": 2, "microbatch_size": 1,
+                                "num_microbatches": 2}},
+        {"model": MOE, "plan": {"dp": 4, "tp": 2, "ep": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
+                                "num_microbatches": 2}},
+    ], timeout=2 * LAUNCH_S)
 
 
 @pytest.mark.slow

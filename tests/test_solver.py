@@ -220,3 +220,16 @@ def test_states_bound_never_exceeds_what_a_feasible_plan_holds(model, gib, batch
     monkeypatch.setattr(search, "candidates", lambda *a, **k: pytest.fail("enumerated candidates"))
     with pytest.raises(NoFeasiblePlan, match=r"binding constraint: model states.* at least \d+ devices"):
         solve(work, small, batch, SMALL_SPACE)
+
+
+def test_hsdp_shard_groups_with_experts_are_multiples_of_ep():
+    """HSDP x EP runs when the expert groups lie inside the shard groups (plan.may_run): the
+    search offers those shard groups with ep > 1, and only those."""
+    from nest_fx.solver.space import shard_candidates  # the search space's own helper
+
+    cluster = load_cluster("dgx-h100:32")  # nodes of 8
+    options = SolverOptions()
+    assert shard_candidates(cluster, 16, 1, 1, 2, 3, options) == [0, 8]
+    assert shard_candidates(cluster, 16, 1, 1, 16, 3, options) == [0]  # no shard group holds 16 expert ranks
+    bounded = dataclasses.replace(options, degree_bounds={"dp_shard": (1, 16)})
+    assert shard_candidates(cluster, 16, 1, 1, 4, 3, bounded) == [4, 8, 0]

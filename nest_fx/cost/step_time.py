@@ -169,7 +169,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     # -- memory -------------------------------------------------------------------------------
     held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
                                         plan.virtual_stages)
-    expert_shard = max(plan.dp // plan.ep, 1) * plan.cp
+    expert_shard = (plan.shard_degree if plan.replicate_degree > 1 else plan.dp) // plan.ep * plan.cp
     mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
                                           memory.model_states(terms.expert_params, zero, expert_shard, options),
                                           held, terms.layer_peak,
@@ -236,7 +236,9 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
         return 0.0
     total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params)
     if dp // ep > 1 and _any(expert_params):
-        experts = dataclasses.replace(groups, dp=groups.expert_dp, shard=(), replicate=())
+        # under HSDP the experts shard inside the shard group and replicate across (apply/mesh.py)
+        experts = dataclasses.replace(groups, dp=groups.expert_dp, shard=groups.expert_shard,
+                                      replicate=groups.replicate if groups.expert_shard else ())
         total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):

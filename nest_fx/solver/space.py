@@ -157,24 +157,24 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
-    """HSDP shard groups searched (``dp_shard``; 0 = shard over all of dp). By default, under
-    ZeRO >= 2 and without expert parallelism (the runtime does not combine them): per network
-    level, the largest number of whole replicas dividing dp whose ranks fit in one group of that
+    """HSDP shard groups searched (``dp_shard``; 0 = shard over all of dp), multiples of ``ep``
+    (the expert groups lie inside the shard groups: ``plan.may_run``). By default, under
+    ZeRO >= 2: per network level, the largest number of whole replicas dividing dp whose ranks fit in one group of that
     level. A smaller group inside the same level holds more states for traffic on the same
     levels, and under ZeRO-0/1 HSDP moves what a hierarchical all-reduce moves, with more memory.
     A user's bound on ``dp_shard`` searches every divisor of dp inside it (under ZeRO >= 1)."""
     if "dp_shard" in options.degree_bounds:
         lo, hi = options.degree_bounds["dp_shard"]
-        if zero < 1 or ep > 1:
+        if zero < 1:
             return [0] if lo <= dp <= hi else []
-        return [0 if d == dp else d for d in divisors(dp) if lo <= d <= hi]
+        return [0 if d == dp else d for d in divisors(dp) if lo <= d <= hi and d % ep == 0]
     out = [0]
-    if not options.hsdp or zero < 2 or ep > 1 or dp < 2:
+    if not options.hsdp or zero < 2 or dp < 2:
         return out
     unit = tp * cp
     for level in cluster.levels:
-        fits = [d for d in divisors(dp)
-                if d < dp and d * unit <= level.group_size and level.group_size % (d * unit) == 0]
+        fits = [d for d in divisors(dp) if d < dp and d % ep == 0
+                and d * unit <= level.group_size and level.group_size % (d * unit) == 0]
         if fits and fits[-1] > 1 and fits[-1] not in out:
             out.append(fits[-1])
     return out
