@@ -8,11 +8,12 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
                                first stage's values to the last (``tied_weights``)
    ``batchnorm.sync_batchnorm`` BatchNorm statistics over the data-parallel group's batch
 3. ``expert_parallel``         keep E/ep experts, exchange tokens with all_to_all
+   ``float8``                  torchao Float8 linears in the blocks (plan.float8), before TP
+                               shards them
 4. ``tensor_parallel``         Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
                                ``loss_parallel`` keeps the LM head's logits sharded
 5. ``context_parallel``        K/V all-gathered in attention, positions of the rank's tokens
-6. ``float8``                  torchao Float8 linears in the blocks (plan.float8)
-   ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
+6. ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
 7. ``activation_checkpoint``   per-stage recompute
 8. ``compile``                 torch.compile per block (plan.compile)
 9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1; FSDP2's
@@ -276,6 +277,9 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 3. expert parallel
         if plan.ep > 1:
             apply_expert_parallel(chunk, plan.ep, info.ep_rank, mesh["ep"])
+        # 3b. Float8 linears, before TP shards them (their modules are replaced: TP's hooks would be lost)
+        if plan.float8:
+            apply_float8(chunk, blocks)
         # 4. tensor (+ sequence) parallel; loss parallel keeps the LM head's logits sharded
         if stage_plan.tp > 1:
             apply_tensor_parallel(chunk, graph, blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
@@ -288,9 +292,6 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         # 5. context parallel
         if cp is not None:
             apply_context_parallel(chunk, graph, cp)
-        # 6. Float8 linears
-        if plan.float8:
-            apply_float8(chunk, blocks)
         # 6b. precision casts (docs/runtime.md, "Precision"), inside what checkpointing recomputes
         apply_precision(chunk, blocks, plan.precision, fsdp=plan.zero >= 1, last_stage=index == num_stages - 1)
         # 7. activation checkpointing

@@ -39,16 +39,13 @@ MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on t
 def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool) -> List[str]:
     """[] when the runtime runs these degrees and options together, else why not (the planner
     searches only combinations it runs): HSDP with expert groups that cross the shard groups
-    (``ep`` must divide ``dp_shard``: ``nest_fx.apply.mesh``); Float8 with tensor parallelism
-    (Float8 TP needs torchao's float8 TP styles). torch.compile runs with every degree
-    (``nest_fx.apply.compile``)."""
+    (``ep`` must divide ``dp_shard``: ``nest_fx.apply.mesh``). torch.compile and Float8 run with
+    every degree (``nest_fx.apply.compile``, ``nest_fx.apply.float8``); whether the device runs
+    Float8 at all is :func:`device_problems`' question."""
     out = []
     if hsdp and ep > 1 and dp_shard % ep:
         out.append(f"dp_shard={dp_shard} with ep={ep}: under HSDP the expert groups must lie inside the shard groups "
                    f"(use a dp_shard that is a multiple of ep={ep}, dp_shard=0, or ep=1)")
-    if float8 and tp > 1:
-        out.append(f"float8 with tp={tp}: the runtime does not run float8 with tensor parallelism yet "
-                   "(use float8=false, or tp=1)")
     return out
 
 
