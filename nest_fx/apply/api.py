@@ -15,7 +15,8 @@ Order of the rewrites on each rank (each one a module of ``nest_fx.apply``):
 5. ``context_parallel``        K/V all-gathered in attention, positions of the rank's tokens
 6. ``precision``               plan.precision: bf16 casts with fp32 masters, or bf16 parameters
 7. ``activation_checkpoint``   per-stage recompute
-8. ``compile``                 torch.compile per block (plan.compile)
+8. ``compile``                 torch.compile per block (plan.compile); ``async_tp``: inductor's
+                               micro-pipelined TP over symmetric memory (plan.async_tp, CUDA)
 9. ``data_parallel``           gradient all-reduce (zero=0) or FSDP2 / HSDP (zero>=1; FSDP2's
                                MixedPrecisionPolicy under bf16-mixed)
    ``materialize``             a model started on ``meta`` (or ``weights=``): each rank's shards
@@ -50,6 +51,7 @@ from nest_fx.apply.agreement import agree
 from nest_fx.apply.checkpoint import load_checkpoint
 from nest_fx.apply.batchnorm import sync_batchnorm as sync_batchnorm_modules
 from nest_fx.apply.collective_errors import named_collective_failures
+from nest_fx.apply.async_tp import enable_async_tp
 from nest_fx.apply.compile import compile_blocks
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module, shards_anything
@@ -265,6 +267,8 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     dry_run = dist.get_backend() == "fake"  # a fake process group: no devices, no values (tests/test_apply_fake.py)
     if stage_plan.tp > 1 and not dry_run:
         share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
+    if plan.async_tp:
+        enable_async_tp(mesh["tp"])  # before the first compiled forward (checks: CUDA, inductor)
     if norms and sync_batchnorm and plan.dp > 1:
         for chunk in chunks:
             sync_batchnorm_modules(chunk, submesh(mesh, "dp").get_group())

@@ -344,6 +344,8 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     ``precision``: ``Workload.for_runtime``) and its model states and gradient traffic in the
     bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
     options = priced_options(plan.precision, options or CostOptions())
+    if plan.async_tp:  # micro-pipelined TP: the TP collectives run under the matmuls (exposed_tp)
+        options = dataclasses.replace(options, overlap_tp_comm=True)
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
     for problem in device_problems(cluster.device, float8=plan.float8):

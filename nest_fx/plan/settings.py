@@ -177,6 +177,10 @@ SETTINGS: Tuple[Setting, ...] = (
             flag="--compile", example_flag="--compile"),
     Setting("float8", bool, False, "Float8 linears (torchao) on devices with fp8 tensor cores (costed: fp8 GEMM "
             "rate, casts, fp8 weight all-gathers; docs/cost_model.md)", "flag", flag="--float8"),
+    Setting("async_tp", bool, False, "async TP: PyTorch's micro-pipelined TP (inductor fuses sequence parallelism's "
+            "all-gather / reduce-scatter with the matmuls over symmetric memory); needs tp > 1, sequence_parallel, "
+            "compile and CUDA (costed: TP collectives under the stage's compute; docs/cost_model.md)", "flag",
+            flag="--async-tp"),
     # -- training options (costed, never relaxed) ----------------------------------------------
     Setting("precision", str, "", "fp32 | bf16-mixed (bf16 parameters and compute, fp32 master weights, "
             "optimizer states and gradient reduction) | bf16-true (everything bf16); '' = not recorded (costed "
@@ -234,7 +238,7 @@ BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
 PLAN_SETTINGS = tuple(s for s in SETTINGS if s.scope == "plan")
 STAGE_SETTINGS = tuple(s for s in SETTINGS if s.scope == "stage")
 DEGREES = tuple(s.name for s in SETTINGS if s.role == "degree")  # tp, pp, dp, ep, cp, dp_shard
-FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, sequence_parallel
+FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, async_tp, sequence_parallel
 CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Constraints list
 OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, optimizer, memory_headroom
 
