@@ -273,7 +273,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
         for chunk in chunks:
             sync_batchnorm_modules(chunk, submesh(mesh, "dp").get_group())
 
-    cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank) if plan.cp > 1 else None
+    cp = ContextParallel(mesh["cp"].get_group(), plan.cp, info.cp_rank, plan.cp_mode) if plan.cp > 1 else None
     replicas = plan.dp * plan.cp  # ranks holding the same parameters: gradients are averaged over them
     blocks_before = 0  # blocks of this stage in earlier chunks (every:<k> counts through the stage)
     for chunk, index, (start, end) in zip(chunks, indices, ranges):

@@ -167,6 +167,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("zero", int, 0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2; e.g. 3)",
             "choice", values=(0, 1, 2, 3), allowed="zero_stages", flag="--zero", metavar="Z[,Z]",
             entry_check=_zero_check, example_flag="--zero"),
+    Setting("cp_mode", str, "allgather", "how context parallelism exchanges K/V: allgather (gathered before "
+            "attention) or ring (blocks passed around the CP ring, each transfer under the previous block's "
+            "attention); the planner keeps allgather", "record", values=("allgather", "ring")),
     Setting("dp_shard", int, 0, "HSDP: shard over groups of dp_shard consecutive replicas, replicate across; "
             "0 = all of dp", "degree", minimum=0, example_flag="--dp-shard"),
     # -- flags (Constraints fix) ---------------------------------------------------------------
