@@ -93,9 +93,9 @@ def _merge(acc: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], score
     o_block = F.dropout(p, dropout_p) @ values if dropout_p else p @ values
     if acc is None:
         return m_block, l_block, o_block
-    m, l, o = acc
+    m, norm, o = acc
     rescale = torch.exp(m - m_block)
-    return m_block, l * rescale + l_block, o * rescale + o_block
+    return m_block, norm * rescale + l_block, o * rescale + o_block
 
 
 def ring_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: Ring,
@@ -129,7 +129,7 @@ def ring_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
             scores = q[..., half * c:(half + 1) * c, :] @ torch.cat(keys, dim=-2).transpose(-1, -2)
             scores = scores.masked_fill(~torch.cat(masks, dim=-1), float("-inf"))
             acc[half] = _merge(acc[half], scores, torch.cat(vals, dim=-2), dropout_p)
-    return torch.cat([o / l for _, l, o in acc], dim=-2).to(query.dtype)
+    return torch.cat([o / norm for _, norm, o in acc], dim=-2).to(query.dtype)
 
 
 def _zip_blocks(key: torch.Tensor, value: torch.Tensor, ring: Ring):
