@@ -173,3 +173,11 @@ def test_hsdp_with_experts_shards_them_inside_the_shard_group(h100):
     groups = stage_groups(plans[8], 0)
     assert len(groups.expert_shard) == 4 and set(groups.expert_shard) <= set(groups.shard)
     assert results[8].stages[0].dp_sync < results[0].stages[0].dp_sync
+
+
+def test_ring_cp_hides_the_forward_transfers_under_compute(gpt, h100):
+    """cp_mode=ring moves the all-gather mode's K/V bytes, the forward's under the blocks' compute
+    (apply/ring_attention.py), the backward's exposed: at least half of the all-gather's seconds."""
+    gather = simulate(uniform_plan(len(gpt), cp=2, dp=8), gpt, h100).stages[0]
+    ring = simulate(uniform_plan(len(gpt), cp=2, dp=8, cp_mode="ring"), gpt, h100).stages[0]
+    assert gather.cp_comm > 0 and gather.cp_comm / 2 <= ring.cp_comm < gather.cp_comm

@@ -50,6 +50,8 @@ def run(world: int, cases: List[Dict], compile_backend: Optional[str] = None,
 def test_two_ranks_cp_loss_parallel_and_recompute_policies():
     cases = [
         {"model": LLAMA, "plan": {"cp": 2, "microbatch_size": 4, "num_microbatches": 2}},
+        # ring attention (apply/ring_attention.py): K/V blocks passed around the CP ring
+        {"model": LLAMA, "plan": {"cp": 2, "cp_mode": "ring", "microbatch_size": 4, "num_microbatches": 2}},
         # learned positions (embed.pos) instead of rotary tables
         {"model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128", "plan": {"cp": 2, "microbatch_size": 8}},
         # vocabulary not divisible by tp: shards of 64 and 63 rows
@@ -91,6 +93,19 @@ def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
     per_case = run(4, cases)
     for r in per_case[4]:  # loss parallel: the LM head is sharded by vocabulary
         assert "lm_head.weight" in r["sharded"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_four_ranks_ring_attention():
+    """Ring CP with four ranks in the ring (two distinct neighbours), under TP with SP, and compiled."""
+    run(4, [
+        {"model": LLAMA, "plan": {"cp": 4, "cp_mode": "ring", "microbatch_size": 4, "num_microbatches": 2}},
+        {"model": LLAMA, "plan": {"cp": 2, "tp": 2, "cp_mode": "ring", "microbatch_size": 4, "num_microbatches": 2,
+                                  "sequence_parallel": True}},
+        {"model": LLAMA, "plan": {"cp": 2, "dp": 2, "zero": 3, "compile": True, "cp_mode": "ring",
+                                  "microbatch_size": 2, "num_microbatches": 2}},
+    ], compile_backend="aot_eager")
 
 
 @pytest.mark.slow

@@ -132,6 +132,14 @@ def exposed_tp(tp_comm: Count, work: Count, options: CostOptions) -> Count:
     return positive_part(tp_comm - work) if options.overlap_tp_comm else tp_comm
 
 
+def exposed_ring(cp_comm: Count, fwd: Count) -> Count:
+    """CP seconds left on the critical path under ring attention (``plan.cp_mode = "ring"``,
+    ``apply/ring_attention.py``): the K/V bytes are those the all-gather mode moves (``cp_comm``:
+    the forward gather and the backward reduce-scatter, half each); the forward's block transfers
+    run under the stage's forward compute, the backward's reverse shifts are not overlapped."""
+    return cp_comm / 2 + positive_part(cp_comm / 2 - fwd)
+
+
 def shard_degree(plan_or_dp: int, dp_shard: int, cp: int) -> int:
     """Ranks ZeRO/FSDP shards a stage's states over: the HSDP shard group (``dp_shard``
     replicas), or all ``dp`` replicas, times the CP ranks (which hold the same parameters)."""
@@ -152,7 +160,8 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
                        options.tp_call_overhead)
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
-    sc.ep_comm, sc.cp_comm = comms["ep"], comms["cp"]
+    sc.ep_comm = comms["ep"]
+    sc.cp_comm = exposed_ring(comms["cp"], terms.fwd) if plan.cp_mode == "ring" else comms["cp"]
     sc.tp_comm = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, options)
     if i > 0:
         prev = plan.stages[i - 1]
