@@ -73,6 +73,18 @@ def test_cp2_hf_llama():
     run(2, [{"model": HF_LLAMA, "plan": {"cp": 2, "microbatch_size": 4, "num_microbatches": 2}}])
 
 
+@pytest.mark.slow
+@pytest.mark.hf
+@pytest.mark.timeout(LAUNCH_S + 30)
+def test_hsdp_with_ep_on_hf_stacked_experts():
+    """HSDP x EP where the experts are HF stacked-expert modules (DTensor on the ep dim)."""
+    pytest.importorskip("transformers")
+    run(4, [{"model": "hf:mixtral", "seq": 16, "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 3,
+                                                         "microbatch_size": 2}},
+            {"model": "hf:qwen3_moe", "seq": 16, "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 2,
+                                                           "microbatch_size": 2}}])
+
+
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
     cases = [
