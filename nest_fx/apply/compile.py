@@ -66,8 +66,13 @@ def compile_problem(device_type: str) -> str:
 
 def compile_blocks(module: nn.Module, block_names: Sequence[str], backend: Optional[str] = None) -> int:
     """Compile the forward of each named block of ``module`` (``backend``: :func:`compile_backend`
-    when None); returns how many."""
+    when None); returns how many. Resets dynamo first (``torch._dynamo.reset``: code compiled
+    earlier in this process, the user's included, is compiled again on its next call)."""
     backend = backend or compile_backend()
+    # forget code compiled for an earlier model of this process: dynamo's cache is per code object
+    # (the block class's forward), and recompiling it under another plan's guards failed on torch
+    # 2.13 (CP x TP x SP after a TP model: a recursion without end building the graph)
+    torch._dynamo.reset()
     for name in block_names:
         block = module.get_submodule(name)
         block.forward = _compiled(block.forward, backend)
