@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from nest_fx.apply import auto_parallelize
+from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.pipeline import stage_blocks, tensor_output
 from nest_fx.apply.precision import prepare_reference
@@ -125,10 +126,13 @@ def _plan(spec_plan: Optional[dict], num_layers: int, precision: Optional[str] =
     return uniform_plan(plan_spec.pop("num_layers", num_layers), **plan_spec)
 
 
-def _reference(model: nn.Module, graph, precision: str) -> nn.Module:
+def _reference(model: nn.Module, graph, precision: str, float8: bool = False) -> nn.Module:
     """``model`` (a copy made before tracing) set to train on one device in ``precision``
-    (``apply/precision.py``)."""
-    return prepare_reference(model, stage_blocks(graph, 0, len(graph.blocks)), precision)
+    (``apply/precision.py``), with the plan's Float8 linears when ``float8``."""
+    blocks = stage_blocks(graph, 0, len(graph.blocks))
+    if float8:
+        apply_float8(model, blocks)
+    return prepare_reference(model, blocks, precision)
 
 
 def _call_args(example, inputs) -> tuple:
@@ -266,7 +270,7 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
     pm = auto_parallelize(model, args if example is None else _model_inputs(example, data[0][0]),
                           global_batch_size=batch, loss_fn=loss_fn, plan=plan, graph=graph,
                           verbose=spec.get("verbose", False), sync_batchnorm=spec.get("sync_batchnorm", True))
-    reference = _reference(reference, graph, pm.plan.precision)  # the planner's, when it chose the plan
+    reference = _reference(reference, graph, pm.plan.precision, pm.plan.float8)  # the planner's, when it chose the plan
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())

@@ -31,6 +31,18 @@ def test_plan_that_cannot_fit_is_a_user_error(capsys):
     assert rc == 2 and "no plan fits" in err and "binding constraint" in err and "Traceback" not in err
 
 
+def test_async_tp_flag_plans_tp_with_sequence_parallel_and_compile(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", MODEL, "--cluster", "dgx-h100:8", "--global-batch", "16", "--json", str(out),
+               "--no-baselines", "--quiet", "--compile", "--float8", "--async-tp"])
+    assert rc == 0, capsys.readouterr().err
+    plan = Plan.load(str(out))
+    assert plan.async_tp and plan.compile and plan.float8 and plan.sequence_parallel and plan.stages[0].tp > 1
+    rc = main(["plan", "--model", MODEL, "--cluster", "dgx-h100:8", "--global-batch", "16", "--no-baselines",
+               "--quiet", "--async-tp"])
+    assert rc == 2 and "async_tp needs compile=true" in capsys.readouterr().err
+
+
 def test_compile_and_float8_flags_are_recorded_in_the_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", MODEL, "--cluster", "dgx-h100:8", "--global-batch", "16", "--json", str(out),

@@ -144,8 +144,6 @@ def test_headroom_and_optimizer_change_what_fits(small):
     (Constraints(fix={"pp": 9}), "--fix pp=9: the model has 7 layers"),
     (Constraints(fix={"cp": 3}), "--fix cp=3: cp=3 does not divide the sequence: 1024 tokens"),
     (Constraints(fix={"float8": True}), "--fix float8=true: the device .* has no fp8 rate"),
-    (Constraints(fix={"compile": True, "tp": 2}), "--fix compile=true, --fix tp=2: compile with tp=2: the runtime "
-                                                  "does not run compile with tensor parallelism"),
     (Constraints(recompute=["op:fancy"]), "--recompute op:fancy: .*unknown op policy 'fancy'"),
     (Constraints(microbatch_sizes=[3]), "--microbatch 3: no microbatch size divides the global batch 16"),
     (Constraints(fix={"dp": 3}), "--fix dp=3: dp=3 does not divide the global batch 16"),
@@ -155,6 +153,14 @@ def test_what_the_model_or_cluster_rules_out_is_refused_at_once(small, constrain
     work, cluster = small
     with pytest.raises(ConstraintError, match=message):
         solve_constrained(work, cluster, 16, constraints, SPACE)
+
+
+def test_compile_no_longer_holds_the_planner_to_tp1(small):
+    """torch.compile runs with tensor parallelism (tests/test_compile_parallel.py): a fixed tp=2
+    under --compile is planned, not refused, and the plan records both."""
+    work, cluster = small
+    plan = solve_constrained(work, cluster, 16, Constraints(fix={"compile": True, "tp": 2}), SPACE).plan
+    assert plan.compile and {s.tp for s in plan.stages} == {2}
 
 
 def test_the_binding_constraint_is_named():

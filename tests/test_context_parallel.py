@@ -227,6 +227,19 @@ def test_hsdp_mesh_is_replicate_by_shard_times_cp(fake_world):
     assert hsdp.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_hsdp_with_experts_meshes(fake_world):
+    """HSDP x EP: replica r = i dp_shard + j ep + b; dense parameters on (dp_replicate, dp_shard),
+    the experts of EP rank b on (dp_replicate, edp_shard), tokens exchanged inside "ep"."""
+    plan = uniform_plan(4, dp=8, ep=2, dp_shard=4, zero=3)
+    fake_world(6, 8)
+    mesh = build_mesh(plan, "cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp_replicate", "edp_shard", "ep", "tp")
+    assert data_parallel_mesh(mesh, plan).mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    experts = data_parallel_mesh(mesh, plan, experts=True)
+    assert experts.mesh.tolist() == [[0, 2], [4, 6]] and experts.mesh_dim_names[0] == "dp_replicate"
+    assert mesh["ep"].mesh.tolist() == [6, 7] and locate(plan, 6).ep_rank == 0
+
+
 def _apply_on_meta(plan, spec="llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"):
     from nest_fx.apply import auto_parallelize
     from nest_fx.models import build_model
@@ -268,5 +281,7 @@ def test_the_runtime_runs_and_the_cost_model_costs_the_same_plan():
     assert unrun_fields(plan) == []
     result = simulate(plan, work, cluster)
     assert result.feasible and result.stages[0].cp_comm > 0 and result.devices_used == 16
-    assert unrun_fields(uniform_plan(6, dp=4, ep=2, dp_shard=2, zero=1)) == [
-        "dp_shard=2 with ep=2: HSDP does not run with expert parallelism yet (use dp_shard=0, or ep=1)"]
+    assert unrun_fields(uniform_plan(6, dp=4, ep=2, dp_shard=2, zero=1)) == []  # HSDP x EP runs
+    assert unrun_fields(uniform_plan(6, dp=8, ep=4, dp_shard=2, zero=1)) == [
+        "dp_shard=2 with ep=4: under HSDP the expert groups must lie inside the shard groups (use a dp_shard "
+        "that is a multiple of ep=4, dp_shard=0, or ep=1)"]

@@ -10,6 +10,7 @@ import torch
 from nest_fx.cluster import Cluster, load_cluster
 from nest_fx.cost.memory import held_activation_bytes, interleaved_chunk_states, pipeline_inflight_microbatches
 from nest_fx.cost.options import ALLOCATOR_OVERHEAD, USABLE_MEMORY_FRACTION
+from nest_fx.cost.stage_terms import stage_groups
 from nest_fx.cost.step_time import simulate
 from nest_fx.models import build_seeded
 from nest_fx.plan import uniform_plan
@@ -158,3 +159,25 @@ def test_fused_attention_runs_at_flash_attention_2s_rate_per_device(h100):
     assert hopper.op_seconds(flops, 0, True, attention=True) == pytest.approx(
         hopper.op_seconds(flops, 0, True) * 0.75 / 0.35, rel=1e-2)  # + one launch
     assert ampere.op_seconds(flops, 0, True, attention=True) == ampere.op_seconds(flops, 0, True)
+
+
+def test_hsdp_with_experts_shards_them_inside_the_shard_group(h100):
+    """HSDP x EP (apply/mesh.py): the experts shard over the shard group's replicas owning them
+    (dp_shard / ep) and replicate across the groups, so halving the shard group doubles every
+    state, dense and expert alike, and their gradient traffic keeps to the shard group's node."""
+    moe = workload_for_model("moe:hidden=256,layers=2,heads=8,seq=256,vocab=4096,experts=8,top_k=2", h100)
+    plans = {s: uniform_plan(len(moe), dp=16, ep=2, zero=3, dp_shard=s) for s in (0, 8)}
+    results = {s: simulate(plan, moe, h100) for s, plan in plans.items()}
+    for term in ("weights", "optimizer"):
+        assert results[8].stages[0].memory[term] == pytest.approx(2 * results[0].stages[0].memory[term])
+    groups = stage_groups(plans[8], 0)
+    assert len(groups.expert_shard) == 4 and set(groups.expert_shard) <= set(groups.shard)
+    assert results[8].stages[0].dp_sync < results[0].stages[0].dp_sync
+
+
+def test_ring_cp_hides_the_forward_transfers_under_compute(gpt, h100):
+    """cp_mode=ring moves the all-gather mode's K/V bytes, the forward's under the blocks' compute
+    (apply/ring_attention.py), the backward's exposed: at least half of the all-gather's seconds."""
+    gather = simulate(uniform_plan(len(gpt), cp=2, dp=8), gpt, h100).stages[0]
+    ring = simulate(uniform_plan(len(gpt), cp=2, dp=8, cp_mode="ring"), gpt, h100).stages[0]
+    assert gather.cp_comm > 0 and gather.cp_comm / 2 <= ring.cp_comm < gather.cp_comm

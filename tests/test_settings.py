@@ -31,7 +31,7 @@ def test_one_spelling_for_every_setting():
     for short in ("lp", "mbs", "sp", "usable_memory_fraction", "headroom"):
         assert short not in names
     assert set(DEGREES) == {"tp", "pp", "dp", "ep", "cp", "dp_shard"}
-    assert set(FLAGS) == {"sequence_parallel", "loss_parallel", "compile", "float8"}
+    assert set(FLAGS) == {"sequence_parallel", "loss_parallel", "compile", "float8", "async_tp"}
     assert {s.name for s in OPTIONS} == {"precision", "optimizer", "memory_headroom"}
 
 

@@ -161,19 +161,21 @@ def test_torchtitan_pipelines_the_405b_class():
 
 
 def test_the_search_never_returns_a_combination_the_runtime_refuses():
-    """The Megatron incumbent (TP inside a node) is not offered when torch.compile is on: the
-    runtime does not run compile with tensor parallelism."""
+    """Under async TP the search (and its Megatron incumbent) offers only plans the runtime runs:
+    tp > 1 with sequence parallelism and compile. compile alone no longer holds TP back."""
+    from nest_fx.plan import uniform_plan
     from nest_fx.plan.may_run import unrun_fields
 
     cluster = load_cluster("dgx-h100:16")
     work = workload_for_model("llama:hidden=2048,layers=4,heads=16,seq=1024,vocab=8192", cluster)
-    found = solve(work, cluster, 32, SolverOptions(compile=True, time_budget=30))
-    assert found.plan.compile and unrun_fields(found.plan) == [] and found.plan.stages[0].tp == 1
-    from nest_fx.plan import uniform_plan
-
-    with_tp = uniform_plan(len(work), tp=2, dp=8, num_microbatches=4, compile=True)
-    assert in_space(dataclasses.replace(with_tp, compile=False), SolverOptions(), cluster)
-    assert not in_space(with_tp, SolverOptions(compile=True), cluster)  # how the incumbent is screened
+    found = solve(work, cluster, 32, SolverOptions(compile=True, async_tp=True, time_budget=30))
+    plan = found.plan
+    assert plan.compile and plan.async_tp and unrun_fields(plan) == [] and plan.stages[0].tp > 1
+    with_tp = uniform_plan(len(work), tp=2, dp=8, num_microbatches=4, compile=True, async_tp=True,
+                           sequence_parallel=True)
+    options = SolverOptions(compile=True, async_tp=True)
+    assert in_space(with_tp, options, cluster)
+    assert not in_space(dataclasses.replace(with_tp, sequence_parallel=False), options, cluster)  # how the incumbent is screened
 
 
 def test_forced_recompute_bounds_what_the_optimum_recomputes():
@@ -220,3 +222,16 @@ def test_states_bound_never_exceeds_what_a_feasible_plan_holds(model, gib, batch
     monkeypatch.setattr(search, "candidates", lambda *a, **k: pytest.fail("enumerated candidates"))
     with pytest.raises(NoFeasiblePlan, match=r"binding constraint: model states.* at least \d+ devices"):
         solve(work, small, batch, SMALL_SPACE)
+
+
+def test_hsdp_shard_groups_with_experts_are_multiples_of_ep():
+    """HSDP x EP runs when the expert groups lie inside the shard groups (plan.may_run): the
+    search offers those shard groups with ep > 1, and only those."""
+    from nest_fx.solver.space import shard_candidates  # the search space's own helper
+
+    cluster = load_cluster("dgx-h100:32")  # nodes of 8
+    options = SolverOptions()
+    assert shard_candidates(cluster, 16, 1, 1, 2, 3, options) == [0, 8]
+    assert shard_candidates(cluster, 16, 1, 1, 16, 3, options) == [0]  # no shard group holds 16 expert ranks
+    bounded = dataclasses.replace(options, degree_bounds={"dp_shard": (1, 16)})
+    assert shard_candidates(cluster, 16, 1, 1, 4, 3, bounded) == [4, 8, 0]

@@ -16,13 +16,15 @@ hold one function each; each calls a module of ``nest_fx.apply`` to do the work)
    ``steps.context_parallel_group`` the rank's CP group and share of every sequence
    then on each chunk of the stage (several under the interleaved schedule):
 3. ``steps.expert_parallel``    keep E/ep experts, exchange tokens with all_to_all
+   ``steps.float8_linears``     torchao Float8 linears in the blocks (plan.float8), before TP shards them
 4. ``steps.tensor_parallel``    Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
                                 ``loss_parallel`` keeps the LM head's logits sharded
-5. ``steps.context_parallel``   K/V all-gathered in attention, positions of the rank's tokens
-6. ``steps.precision``          torchao Float8 linears in the blocks (plan.float8); plan.precision:
-                                bf16 casts with fp32 masters, or bf16 parameters
+5. ``steps.context_parallel``   K/V all-gathered (or passed around a ring: plan.cp_mode) in attention,
+                                positions of the rank's tokens
+6. ``steps.precision``          plan.precision: bf16 casts with fp32 masters, or bf16 parameters
 7. ``steps.recompute``          per-stage activation checkpointing
-8. ``steps.compile_chunk``      torch.compile per block (plan.compile)
+8. ``steps.compile_chunk``      torch.compile per block (plan.compile); async TP (plan.async_tp, CUDA)
+                                was switched on for the TP group in step 2
 9. ``steps.shard_data_parallel`` FSDP2 / HSDP (zero>=1; FSDP2's MixedPrecisionPolicy under bf16-mixed)
    then on the whole stage:
 10. ``steps.materialize_weights`` a model started on ``meta`` (or ``weights=``): each rank's shards
@@ -51,7 +53,7 @@ from nest_fx.apply.checkpoint import load_checkpoint
 from nest_fx.apply.parts import LocalModel
 from nest_fx.apply.prepare import Planner, Request, prepare
 from nest_fx.apply.runtime import ParallelModule
-from nest_fx.apply.steps import (compile_chunk, context_parallel, context_parallel_group, expert_parallel,
+from nest_fx.apply.steps import (compile_chunk, context_parallel, context_parallel_group, expert_parallel, float8_linears,
                                  fsdp_applied, gradient_sync, materialize_weights, pipeline_schedule, place,
                                  precision, recompute, replicate, shard_data_parallel, split_stage,
                                  tensor_parallel)
@@ -112,6 +114,7 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     loss_fn = job.loss_fn
     for chunk in stage.chunks:
         expert_parallel(chunk, job, layout)  # 3.
+        float8_linears(chunk, job)  # 3b.
         loss_fn = tensor_parallel(chunk, job, layout, loss_fn)  # 4. (loss parallel: the vocabulary-parallel loss)
         context_parallel(chunk, job, cp)  # 5.
         precision(chunk, job)  # 6.

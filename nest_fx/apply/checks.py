@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from nest_fx.apply.async_tp import async_tp_problem
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.float8 import float8_problem
 from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
@@ -149,7 +150,7 @@ def check_loss_parallel(plan: Plan, model: nn.Module, graph, loss_fn: Optional[C
 
 
 def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional[Callable], device_type: str) -> None:
-    """The runtime features of the plan (context parallel, loss parallel, compile, float8):
+    """The runtime features of the plan (context parallel, loss parallel, compile, float8, async TP):
     everything they need, named before any collective."""
     check_context_parallel(plan, model, graph, loss_fn)
     check_loss_parallel(plan, model, graph, loss_fn)
@@ -159,6 +160,10 @@ def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional
             raise ApplyError(problem)
     if plan.float8:
         problem = float8_problem(device_type)
+        if problem:
+            raise ApplyError(problem)
+    if plan.async_tp:
+        problem = async_tp_problem(device_type)
         if problem:
             raise ApplyError(problem)
 

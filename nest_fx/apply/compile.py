@@ -15,9 +15,21 @@ inductor's code generation would take most of the test time). Compiling happens 
 ``train_step`` (forward and backward graphs of each distinct block shape), and again when the
 input shapes change: measured on this project's 2-core CPU machine, inductor takes about 30 s for
 one small block's forward and backward, ``aot_eager`` about 2.5 s.
+
+Under tensor (and sequence) parallelism the compiled region holds the TP styles' hooks of the
+linears inside the block (``DTensor.from_local`` / ``redistribute`` / ``to_local``: dynamo
+traces DTensor code into the graph), while the hooks on the block itself (sequence parallelism's
+slice on the first block, gather on the last) run in eager mode before and after it. One thing
+breaks at that boundary on torch 2.13: a block input that is a *view made inside a custom
+autograd Function* (``DTensor.to_local`` returns ``local.view_as(local)``: the vocabulary-parallel
+embedding's output, sequence parallelism's slice) gets no gradient from the compiled backward
+(AOT autograd regenerates the view from its base and sends the gradient there), so the layers
+before the block silently stop learning. :func:`compile_blocks` hands the compiled forward a
+copy of such an input (one activation copy per step, at the stage's first block only).
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from typing import Optional, Sequence
@@ -54,9 +66,33 @@ def compile_problem(device_type: str) -> str:
 
 def compile_blocks(module: nn.Module, block_names: Sequence[str], backend: Optional[str] = None) -> int:
     """Compile the forward of each named block of ``module`` (``backend``: :func:`compile_backend`
-    when None); returns how many."""
+    when None); returns how many. Resets dynamo first (``torch._dynamo.reset``: code compiled
+    earlier in this process, the user's included, is compiled again on its next call)."""
     backend = backend or compile_backend()
+    # forget code compiled for an earlier model of this process: dynamo's cache is per code object
+    # (the block class's forward), and recompiling it under another plan's guards failed on torch
+    # 2.13 (CP x TP x SP after a TP model: a recursion without end building the graph)
+    torch._dynamo.reset()
     for name in block_names:
         block = module.get_submodule(name)
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = _compiled(block.forward, backend)
     return len(block_names)
+
+
+def _compiled(forward, backend: str):
+    """``torch.compile(forward)`` that owns its tensor inputs (module docstring: views made by
+    ``DTensor.to_local`` would lose their gradient)."""
+    compiled = torch.compile(forward, backend=backend)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return compiled(*(_owned(a) for a in args), **{k: _owned(v) for k, v in kwargs.items()})
+
+    return run
+
+
+def _owned(value):
+    """``value``, or a copy of it when it is a view that needs a gradient."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and value._is_view():
+        return value.clone()
+    return value

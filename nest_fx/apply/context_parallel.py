@@ -1,4 +1,6 @@
-"""Context parallelism: each stage replica's sequences split over ``cp`` ranks, K/V all-gathered.
+"""Context parallelism: each stage replica's sequences split over ``cp`` ranks, K/V all-gathered
+(``plan.cp_mode = "allgather"``, below) or passed around a ring (``"ring"``: ``ring_attention.py``,
+the same layout and positions, only the attention call differs).
 
 Layout (causal load balancing). A sequence of ``S`` tokens is cut into ``2 cp`` chunks of
 ``c = S / (2 cp)``; CP rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (in that order), so
@@ -43,9 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.ring_attention import Ring, ring_causal_attention
 from nest_fx.graph.context_sites import attention_sites, position_sites
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -111,8 +115,9 @@ class _GatherSequence(torch.autograd.Function):
 class ContextParallel:
     """The CP group of one rank and what it needs: its token shard, positions and attention."""
 
-    def __init__(self, group, cp: int, rank: int):
-        self.group, self.cp, self.rank = group, cp, rank
+    def __init__(self, group, cp: int, rank: int, mode: str = "allgather"):
+        self.group, self.cp, self.rank, self.mode = group, cp, rank, mode
+        self.ring = Ring(group, cp, rank) if mode == "ring" else None
         self._positions: Dict[tuple, torch.Tensor] = {}
         self._orders: Dict[tuple, torch.Tensor] = {}
 
@@ -136,6 +141,8 @@ class ContextParallel:
         kw = dict(dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
         if query.device.type == "meta":  # shape propagation only (fake process groups)
             return F.scaled_dot_product_attention(query, key, value, is_causal=True, **kw)
+        if self.ring is not None:
+            return ring_causal_attention(query, key, value, self.ring, **kw)
         if key.shape == value.shape:
             both = _GatherSequence.apply(torch.stack([key, value]), self.group, self.cp)  # [cp, 2, B, H, S_l, D]
             keys, values = self._in_order(both[:, 0]), self._in_order(both[:, 1])
@@ -186,10 +193,21 @@ class _AttentionIntercept(TorchFunctionMode):
 def _intercept_attention(module: nn.Module, cp: ContextParallel, where: str) -> None:
     inner = module.forward
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
+    def intercepted(*args, **kwargs):
         with _AttentionIntercept(cp, where):
             return inner(*args, **kwargs)
+
+    # dynamo cannot trace the intercept over DTensor inputs (sequence parallelism hands the
+    # attention region a gathered DTensor; torch 2.13 recurses without end building the graph):
+    # under torch.compile such a call runs eagerly, between two compiled graphs
+    eager = torch.compiler.disable(intercepted)
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        # the ring's transfers (P2P work handles) are not traced either
+        if cp.ring is not None or any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+            return eager(*args, **kwargs)
+        return intercepted(*args, **kwargs)
 
     module.forward = forward
 

@@ -16,7 +16,9 @@ zero>=1 FSDP2 ``fully_shard`` on every block, then on the stage root: parameters
         FSDP2 (:func:`shards_anything`), as zero=0 does, and without its hooks and warnings.
 HSDP   ``dp_shard`` below ``dp``: the FSDP2 mesh is 2-D ``(dp_replicate, dp_shard)``; FSDP2
         shards inside a group, replicates across groups and all-reduces the reduce-scattered
-        gradients across them (``mesh.data_parallel_mesh``).
+        gradients across them (``mesh.data_parallel_mesh``). With expert parallelism the
+        experts' mesh is ``(dp_replicate, edp_shard)``: the shard group's replicas owning the
+        same experts shard them, the groups replicate them (``mesh`` module docstring).
 
 With context parallelism the CP ranks of a replica hold the same parameters too: every group
 above then spans ``dp x cp`` ranks and the divisor is ``dp * cp`` (the caller passes the mesh
@@ -141,9 +143,10 @@ def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int
         fsdp_experts = fully_shard(expert_mod, mesh=edp_mesh, reshard_after_forward=reshard, **policy)
         fsdp_experts.set_gradient_divide_factor(float(dp_size))
         # a divide factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks:
-        # sum, then divide. Not on a group of one: FSDP2 (torch 2.13) divides that copy by the factor
-        # and then, under forced sums, divides again (tests/test_apply_parallel.py EP2 x DP2 x PP2)
-        if edp_mesh.size() > 1:
+        # sum, then divide. Not on a shard group of one (1-D, or HSDP's (replicate, 1)): FSDP2 (torch
+        # 2.13) divides that copy by the factor and then, under forced sums, divides again
+        # (tests/test_apply_parallel.py EP2 x DP2 x PP2, tests/test_runtime_features.py HSDP x EP)
+        if edp_mesh.size(edp_mesh.ndim - 1) > 1:
             fsdp_experts.set_force_sum_reduction_for_comms(True)
     kept_ids = {id(m) for m in fp32_modules}
     for name in block_names:

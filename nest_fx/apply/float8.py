@@ -10,25 +10,38 @@ What is converted (:func:`float8_linear_filter`): the ``nn.Linear`` layers insid
 whose input and output sizes are multiples of 16 (the fp8 GEMM's alignment); the embedding, the
 LM head and everything outside the blocks stay in their dtype (torchtitan does the same for the
 output layer). Conversion uses ``torchao.float8.convert_to_float8_training`` with its default
-(tensorwise dynamic scaling) recipe, before activation checkpointing, torch.compile and FSDP2;
-FSDP2 all-gathers the high-precision weights. With ``tp > 1`` the TP styles would need torchao's
-float8 variants: refused for now (``nest_fx.plan.may_run.unrun_fields``).
+(tensorwise dynamic scaling) recipe, before tensor parallelism, activation checkpointing,
+torch.compile and FSDP2; FSDP2 all-gathers the high-precision weights.
+
+With tensor parallelism (as torchtitan runs it without its float8 all-gather option): the TP
+styles shard the Float8 linears' weights like any linear's, each rank casts its shards and
+inputs to fp8 with the *global* tensorwise scale (torchao reduces the amax of a DTensor over
+its mesh) and runs the fp8 matmul on its shard; the collectives carry the high-precision
+activations, as the cost model prices them. torchao's ``Float8ColwiseParallel`` /
+``Float8RowwiseParallel`` (fp8 all-gathers under sequence parallelism) are not used.
+
+``$NEST_FX_FLOAT8_EMULATE=1`` lets Float8 run on CPU through torch's CPU ``_scaled_mm`` (fp8
+values, fp32 accumulation, no fp8 units: slow): for the multi-rank parity tests only.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import List, Sequence
 
 import torch
 import torch.nn as nn
 
 FP8_CAPABILITY = (8, 9)
+EMULATE_ENV = "NEST_FX_FLOAT8_EMULATE"
 
 
 def float8_problem(device_type: str) -> str:
     """'' when Float8 training can run here, else everything that is missing, in one sentence."""
     missing = []
-    if device_type != "cuda" or not torch.cuda.is_available():
+    if device_type != "cuda" and os.environ.get(EMULATE_ENV) == "1":
+        pass  # emulated on CPU (module docstring): tests only
+    elif device_type != "cuda" or not torch.cuda.is_available():
         missing.append("no CUDA device (the runtime runs on CPU)")
     else:
         capability = torch.cuda.get_device_capability()

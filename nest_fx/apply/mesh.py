@@ -27,6 +27,14 @@ over are kept as flattened meshes (:func:`submesh` names): ``dp_cp`` (the data-p
 ranks: every rank holding the same parameters), ``edp_cp`` (the same for experts) and ``hsdp``
 (the 2-D ``(dp_replicate, dp_shard x cp)`` mesh FSDP2 shards and replicates over).
 
+HSDP with expert parallelism: the expert groups lie inside the shard groups (``ep`` divides
+``dp_shard``), so replica ``r = i * dp_shard + j * ep + b`` sits at ``("dp_replicate",
+"edp_shard", "ep") = (i, j, b)``. Dense parameters shard over ``("edp_shard", "ep")`` (the shard
+group, flattened as ``dp_shard``) and replicate over ``dp_replicate``, as without experts; the
+experts of rank ``b`` shard over ``edp_shard`` (the shard group's replicas owning the same
+experts) and replicate over ``dp_replicate``: the 2-D mesh ``ehsdp``. ``edp`` (every replica
+owning the same experts) is then ``(dp_replicate, edp_shard)`` flattened.
+
 The runtime needs one TP degree for all stages (a stage boundary between different TP degrees
 would need a resharding send that PipelineStage does not do); :func:`build_mesh` raises a
 :class:`~nest_fx.plan.PlanError` otherwise.
@@ -97,6 +105,11 @@ def _dp_dims(plan: Plan) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
     if plan.ep > 1:
         if plan.dp % plan.ep:
             raise PlanError(f"ep={plan.ep} must divide dp={plan.dp}")
+        if plan.replicate_degree > 1:
+            if plan.shard_degree % plan.ep:
+                raise PlanError(f"dp_shard={plan.dp_shard} with ep={plan.ep}: the expert groups must lie inside the "
+                                f"HSDP shard groups; fix: a dp_shard that is a multiple of ep={plan.ep}")
+            return ("dp_replicate", "edp_shard", "ep"), (plan.replicate_degree, plan.shard_degree // plan.ep, plan.ep)
         return ("edp", "ep"), (plan.dp // plan.ep, plan.ep)
     if plan.replicate_degree > 1:
         return ("dp_replicate", "dp_shard"), (plan.replicate_degree, plan.shard_degree)
@@ -104,8 +117,9 @@ def _dp_dims(plan: Plan) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
 
 
 def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
-    """DeviceMesh with dims ("pp", "dp", "tp"); "dp" is ("edp", "ep") when ep > 1 and
-    ("dp_replicate", "dp_shard") under HSDP (each then also kept flattened as "dp"), and a "cp"
+    """DeviceMesh with dims ("pp", "dp", "tp"); "dp" is ("edp", "ep") when ep > 1,
+    ("dp_replicate", "dp_shard") under HSDP and ("dp_replicate", "edp_shard", "ep") under both
+    (each then also kept flattened as "dp"), and a "cp"
     dim sits before "tp" when cp > 1 (see the module docstring for the flattened meshes).
 
     Needs an initialised default process group whose size equals ``plan.devices_used``. Every
@@ -122,15 +136,27 @@ def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
     flat: Dict[str, DeviceMesh] = {}
     if len(dp_names) > 1:
         flat["dp"] = mesh[dp_names]._flatten("dp")
+    hsdp_ep = plan.replicate_degree > 1 and plan.ep > 1
+    edp_names = ("dp_replicate", "edp_shard") if hsdp_ep else ("edp",)
+    if hsdp_ep:
+        flat["edp"] = mesh[edp_names]._flatten("edp")
     if cp_names:
         flat["dp_cp"] = mesh[(*dp_names, "cp")]._flatten("dp_cp")
         if plan.ep > 1:
-            flat["edp_cp"] = mesh["edp", "cp"]._flatten("edp_cp")
+            flat["edp_cp"] = mesh[(*edp_names, "cp")]._flatten("edp_cp")
     if plan.replicate_degree > 1:
-        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if cp_names else mesh["dp_shard"]
-        flat["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+        shard_names = ("edp_shard", "ep") if hsdp_ep else ("dp_shard",)
+        flat["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], _flat(mesh, (*shard_names, *cp_names),
+                                                                           "dp_shard_cp" if cp_names else "dp_shard")])
+        if hsdp_ep:
+            flat["ehsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], _flat(mesh, ("edp_shard", *cp_names), "edp_shard_cp")])
     mesh._nest_fx_flat = flat
     return with_job_timeout(mesh)
+
+
+def _flat(mesh: DeviceMesh, names: Tuple[str, ...], name: str) -> DeviceMesh:
+    """The dims ``names`` of ``mesh`` as one dim (the dim itself when there is one)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten(name)
 
 
 def data_parallel_mesh(mesh: DeviceMesh, plan: Plan, experts: bool = False) -> DeviceMesh:
@@ -139,6 +165,8 @@ def data_parallel_mesh(mesh: DeviceMesh, plan: Plan, experts: bool = False) -> D
     over it; under HSDP it is the 2-D (replicate, shard) mesh. ``experts``: for expert
     parameters (replicas owning the same experts: ``edp``)."""
     if experts:
+        if plan.replicate_degree > 1:
+            return submesh(mesh, "ehsdp")
         return submesh(mesh, "edp_cp" if plan.cp > 1 else "edp")
     if plan.replicate_degree > 1:
         return submesh(mesh, "hsdp")
@@ -147,7 +175,8 @@ def data_parallel_mesh(mesh: DeviceMesh, plan: Plan, experts: bool = False) -> D
 
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """The mesh of dim ``name`` for this rank: a dim ("pp", "dp", "cp", "tp", "ep", "edp",
-    "dp_replicate", "dp_shard") or a flattened one ("dp", "dp_cp", "edp_cp", "hsdp")."""
+    "dp_replicate", "dp_shard", "edp_shard") or a flattened one ("dp", "dp_cp", "edp", "edp_cp",
+    "hsdp", "ehsdp")."""
     flat = getattr(mesh, "_nest_fx_flat", {})
     return flat[name] if name in flat else mesh[name]
 

@@ -23,6 +23,7 @@ from nest_fx.apply.context_parallel import ContextParallel, apply_context_parall
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module, shards_anything
 from nest_fx.apply.distributed import apply_job_timeout
 from nest_fx.apply.expert_parallel import apply_expert_parallel
+from nest_fx.apply.async_tp import enable_async_tp
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
 from nest_fx.apply.materialize import materialize
@@ -128,6 +129,8 @@ def replicate(stage: LocalStage, job: Job, layout: ParallelLayout) -> Optional[C
             ties.sync_values()
     if stage_tp > 1 and not job.dry_run:
         share_rng_state(mesh["tp"])  # TP ranks must draw the same dropout masks on replicated activations
+    if plan.async_tp:
+        enable_async_tp(mesh["tp"])  # before the first compiled forward (checks: CUDA, inductor)
     if job.batchnorms and job.sync_batchnorm and plan.dp > 1:
         for module in stage.modules:
             sync_batchnorm(module, submesh(mesh, "dp").get_group())
@@ -137,13 +140,21 @@ def replicate(stage: LocalStage, job: Job, layout: ParallelLayout) -> Optional[C
 def context_parallel_group(job: Job, layout: ParallelLayout) -> Optional[ContextParallel]:
     """The rank's CP group and its share of every sequence (None when cp == 1)."""
     plan = job.plan
-    return ContextParallel(layout.mesh["cp"].get_group(), plan.cp, layout.rank_info.cp_rank) if plan.cp > 1 else None
+    return (ContextParallel(layout.mesh["cp"].get_group(), plan.cp, layout.rank_info.cp_rank, plan.cp_mode)
+            if plan.cp > 1 else None)
 
 
 def expert_parallel(chunk: Chunk, job: Job, layout: ParallelLayout) -> None:
     """3. E/ep experts per rank, tokens exchanged with all_to_all."""
     if job.plan.ep > 1:
         apply_expert_parallel(chunk.module, job.plan.ep, layout.rank_info.ep_rank, layout.mesh["ep"])
+
+
+def float8_linears(chunk: Chunk, job: Job) -> None:
+    """3b. torchao Float8 linears in the blocks (``plan.float8``), before TP shards them: the
+    modules are replaced, so TP's hooks on the old ones would be lost."""
+    if job.plan.float8:
+        apply_float8(chunk.module, chunk.blocks)
 
 
 def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout,
@@ -174,11 +185,9 @@ def context_parallel(chunk: Chunk, job: Job, cp: Optional[ContextParallel]) -> N
 
 
 def precision(chunk: Chunk, job: Job) -> None:
-    """6. Float8 linears in the blocks (``plan.float8``), then the casts of ``plan.precision``
-    (docs/runtime.md, "Precision"), inside what checkpointing recomputes."""
+    """6. The casts of ``plan.precision`` (docs/runtime.md, "Precision"), inside what
+    checkpointing recomputes."""
     plan, blocks = job.plan, chunk.blocks
-    if plan.float8:
-        apply_float8(chunk.module, blocks)
     apply_precision(chunk.module, blocks, plan.precision, fsdp=plan.zero >= 1, last_stage=chunk.last)
 
 

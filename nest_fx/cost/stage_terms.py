@@ -31,6 +31,7 @@ class StageGroups:
     cp: Tuple[Tuple[int, ...], ...] = ()  # CP group per checked replica; empty when cp == 1
     shard: Tuple[int, ...] = ()  # HSDP: the first shard group (dp_shard x cp ranks); empty without HSDP
     replicate: Tuple[int, ...] = ()  # HSDP: the ranks holding the same shard across shard groups
+    expert_shard: Tuple[int, ...] = ()  # HSDP x EP: the first shard group's ranks holding the same experts
     tied: Tuple[Tuple[int, int], ...] = ()  # (first-stage rank, last-stage rank) exchanging tied gradients
 
 
@@ -41,10 +42,12 @@ def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -
     by_cp = [plan.dp_group(i, 0, c) for c in range(plan.cp)]
     dp = tuple(sorted(r for group in by_cp for r in group))
     expert = tuple(sorted(r for group in by_cp for r in group[::plan.ep]))
-    shard = replicate = ()
+    shard = replicate = expert_shard = ()
     if plan.replicate_degree > 1:
         shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)))
         replicate = tuple(by_cp[0][::plan.shard_degree])
+        if plan.ep > 1:  # ep divides dp_shard (plan.may_run): the shard group's replicas 0, ep, 2 ep, ...
+            expert_shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)[::plan.ep]))
     last = plan.pp - 1
     # the V schedules hold the first and the last chunk on device 0: one tied parameter, no exchange
     exchange = i in (0, last) and last and plan.schedule not in V_SCHEDULES
@@ -55,7 +58,7 @@ def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -
         p2p=tuple((plan.rank(i - 1, r, 0), plan.rank(i, r, 0)) for r in replicas) if i > 0 else (),
         dp=dp, expert_dp=expert,
         cp=tuple(tuple(plan.cp_group(i, r)) for r in replicas) if plan.cp > 1 else (),
-        shard=shard, replicate=replicate, tied=tied)
+        shard=shard, replicate=replicate, expert_shard=expert_shard, tied=tied)
 
 
 @dataclass

@@ -134,6 +134,14 @@ def exposed_tp(tp_comm: Count, work: Count, options: CostOptions) -> Count:
     return positive_part(tp_comm - work) if options.overlap_tp_comm else tp_comm
 
 
+def exposed_ring(cp_comm: Count, fwd: Count) -> Count:
+    """CP seconds left on the critical path under ring attention (``plan.cp_mode = "ring"``,
+    ``apply/ring_attention.py``): the K/V bytes are those the all-gather mode moves (``cp_comm``:
+    the forward gather and the backward reduce-scatter, half each); the forward's block transfers
+    run under the stage's forward compute, the backward's reverse shifts are not overlapped."""
+    return cp_comm / 2 + positive_part(cp_comm / 2 - fwd)
+
+
 def shard_degree(plan_or_dp: int, dp_shard: int, cp: int) -> int:
     """Ranks ZeRO/FSDP shards a stage's states over: the HSDP shard group (``dp_shard``
     replicas), or all ``dp`` replicas, times the CP ranks (which hold the same parameters)."""
@@ -154,7 +162,8 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
                        options.tp_call_overhead)
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
-    sc.ep_comm, sc.cp_comm = comms["ep"], comms["cp"]
+    sc.ep_comm = comms["ep"]
+    sc.cp_comm = exposed_ring(comms["cp"], terms.fwd) if plan.cp_mode == "ring" else comms["cp"]
     sc.tp_comm = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, options)
     if i > 0:
         prev = plan.stages[i - 1]
@@ -171,7 +180,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     # -- memory -------------------------------------------------------------------------------
     held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
                                         plan.virtual_stages)
-    expert_shard = max(plan.dp // plan.ep, 1) * plan.cp
+    expert_shard = (plan.shard_degree if plan.replicate_degree > 1 else plan.dp) // plan.ep * plan.cp
     mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
                                           memory.model_states(terms.expert_params, zero, expert_shard, options),
                                           held, terms.layer_peak,
@@ -238,7 +247,9 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
         return 0.0
     total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params)
     if dp // ep > 1 and _any(expert_params):
-        experts = dataclasses.replace(groups, dp=groups.expert_dp, shard=(), replicate=())
+        # under HSDP the experts shard inside the shard group and replicate across (apply/mesh.py)
+        experts = dataclasses.replace(groups, dp=groups.expert_dp, shard=groups.expert_shard,
+                                      replicate=groups.replicate if groups.expert_shard else ())
         total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):
@@ -342,6 +353,8 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     ``precision``: ``Workload.for_runtime``) and its model states and gradient traffic in the
     bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
     options = priced_options(plan.precision, options or CostOptions())
+    if plan.async_tp:  # micro-pipelined TP: the TP collectives run under the matmuls (exposed_tp)
+        options = dataclasses.replace(options, overlap_tp_comm=True)
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
     for problem in device_problems(cluster.device, float8=plan.float8):

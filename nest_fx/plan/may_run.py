@@ -39,20 +39,24 @@ from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on the model's modules
 
 
-def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool) -> List[str]:
+def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool,
+                      async_tp: bool = False, sequence_parallel: bool = False) -> List[str]:
     """[] when the runtime runs these degrees and options together, else why not (the planner
-    searches only combinations it runs): HSDP with expert parallelism (the mesh splits the
-    replicas into expert groups or into shard groups, not both); torch.compile or Float8 with
-    tensor parallelism (a compiled block with TP's hooks fails in backward on torch 2.13; Float8
-    TP needs torchao's float8 TP styles)."""
+    searches only combinations it runs): HSDP with expert groups that cross the shard groups
+    (``ep`` must divide ``dp_shard``: ``nest_fx.apply.mesh``). torch.compile and Float8 run with
+    every degree (``nest_fx.apply.compile``, ``nest_fx.apply.float8``); whether the device runs
+    Float8 at all is :func:`device_problems`' question. Async TP fuses sequence parallelism's
+    collectives with the matmuls in inductor's graphs: it needs ``tp > 1``, sequence parallelism
+    and compile (``nest_fx.apply.async_tp``; CUDA is the runtime's check)."""
     out = []
-    if hsdp and ep > 1:
-        out.append(f"dp_shard={dp_shard} with ep={ep}: HSDP does not run with expert parallelism yet "
-                   "(use dp_shard=0, or ep=1)")
-    for name, on in (("compile", compile), ("float8", float8)):
-        if on and tp > 1:
-            out.append(f"{name} with tp={tp}: the runtime does not run {name} with tensor parallelism yet "
-                       f"(use {name}=false, or tp=1)")
+    if async_tp and (tp == 1 or not sequence_parallel or not compile):
+        missing = [what for what, ok in ((f"tp > 1 (tp={tp})", tp > 1), ("sequence_parallel=true", sequence_parallel),
+                                         ("compile=true", compile)) if not ok]
+        out.append(f"async_tp needs {', '.join(missing)}: it fuses sequence parallelism's all-gathers and "
+                   "reduce-scatters with the matmuls of torch.compile's graphs (set them, or async_tp=false)")
+    if hsdp and ep > 1 and dp_shard % ep:
+        out.append(f"dp_shard={dp_shard} with ep={ep}: under HSDP the expert groups must lie inside the shard groups "
+                   f"(use a dp_shard that is a multiple of ep={ep}, dp_shard=0, or ep=1)")
     return out
 
 
@@ -101,7 +105,8 @@ def unrun_fields(plan: Plan) -> List[str]:
         out += [p for p in [unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
                                            recompute=[s.recompute for s in plan.stages])] if p]
     return out + unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
-                                   hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
+                                   hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8,
+                                   async_tp=plan.async_tp, sequence_parallel=plan.sequence_parallel)
 
 
 def device_problems(device, *, float8: bool = False) -> List[str]:

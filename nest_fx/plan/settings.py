@@ -167,6 +167,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("zero", int, 0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2; e.g. 3)",
             "choice", values=(0, 1, 2, 3), allowed="zero_stages", flag="--zero", metavar="Z[,Z]",
             entry_check=_zero_check, example_flag="--zero"),
+    Setting("cp_mode", str, "allgather", "how context parallelism exchanges K/V: allgather (gathered before "
+            "attention) or ring (blocks passed around the CP ring, each transfer under the previous block's "
+            "attention); the planner keeps allgather", "record", values=("allgather", "ring")),
     Setting("dp_shard", int, 0, "HSDP: shard over groups of dp_shard consecutive replicas, replicate across; "
             "0 = all of dp", "degree", minimum=0, example_flag="--dp-shard"),
     # -- flags (Constraints fix) ---------------------------------------------------------------
@@ -177,6 +180,10 @@ SETTINGS: Tuple[Setting, ...] = (
             flag="--compile", example_flag="--compile"),
     Setting("float8", bool, False, "Float8 linears (torchao) on devices with fp8 tensor cores (costed: fp8 GEMM "
             "rate, casts, fp8 weight all-gathers; docs/cost_model.md)", "flag", flag="--float8"),
+    Setting("async_tp", bool, False, "async TP: PyTorch's micro-pipelined TP (inductor fuses sequence parallelism's "
+            "all-gather / reduce-scatter with the matmuls over symmetric memory); needs tp > 1, sequence_parallel, "
+            "compile and CUDA (costed: TP collectives under the stage's compute; docs/cost_model.md)", "flag",
+            flag="--async-tp"),
     # -- training options (costed, never relaxed) ----------------------------------------------
     Setting("precision", str, "", "fp32 | bf16-mixed (bf16 parameters and compute, fp32 master weights, "
             "optimizer states and gradient reduction) | bf16-true (everything bf16); '' = not recorded (costed "
@@ -236,7 +243,7 @@ BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
 PLAN_SETTINGS = tuple(s for s in SETTINGS if s.scope == "plan")
 STAGE_SETTINGS = tuple(s for s in SETTINGS if s.scope == "stage")
 DEGREES = tuple(s.name for s in SETTINGS if s.role == "degree")  # tp, pp, dp, ep, cp, dp_shard
-FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, sequence_parallel
+FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, async_tp, sequence_parallel
 CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Constraints list
 OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, optimizer, memory_headroom
 

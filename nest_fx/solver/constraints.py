@@ -30,7 +30,8 @@ from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
 from nest_fx.workload import Variant, Workload
 
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
-NEVER_RELAXED = ("optimizer", "precision", "fix.compile", "fix.float8")  # how the model is trained, not a preference
+# how the model is trained, not a preference
+NEVER_RELAXED = ("optimizer", "precision", "fix.compile", "fix.float8", "fix.async_tp")
 
 
 def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
@@ -69,10 +70,11 @@ def _check_runtime_options(c: Constraints, options: SolverOptions, cluster) -> N
     fp8 tensor cores, either with a fixed TP degree the runtime does not combine them with."""
     for problem in device_problems(cluster.device, float8=options.float8):
         raise ConstraintError(f"--fix {problem}")
-    tp = c.fix.get("tp", 1)
-    problem = unrun_combination(tp=tp, ep=1, dp_shard=0, hsdp=False, compile=options.compile, float8=options.float8)
+    tp = c.fix.get("tp", max(options.tp_degrees))  # a fixed TP degree, else the most any plan may have
+    problem = unrun_combination(tp=tp, ep=1, dp_shard=0, hsdp=False, compile=options.compile, float8=options.float8,
+                                async_tp=options.async_tp, sequence_parallel=options.sequence_parallel)
     if problem:
-        flags = [f"fix.{f}" for f in ("compile", "float8") if c.fix.get(f)]
+        flags = [f"fix.{f}" for f in ("compile", "float8", "async_tp", "sequence_parallel") if f in c.fix]
         raise ConstraintError(f"{_named(c, *flags, 'fix.tp')}: {problem[0]}")
 
 
@@ -217,7 +219,7 @@ def binding_constraints(workload: Workload, cluster, global_batch: int, constrai
     RELAXED_SOLVE_BUDGET_S."""
     keys = [(k, text) for k, text in constraints.items() if k not in NEVER_RELAXED]
     kept = Constraints(optimizer=constraints.optimizer, precision=constraints.precision,
-                       fix={f: constraints.fix[f] for f in ("compile", "float8") if f in constraints.fix})
+                       fix={f: constraints.fix[f] for f in ("compile", "float8", "async_tp") if f in constraints.fix})
     trials = [kept] + [constraints.without(k) for k, _ in keys]
     found: List[Optional[SolveResult]] = []
     for k, trial in enumerate(trials):

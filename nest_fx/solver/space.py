@@ -42,6 +42,7 @@ class SolverOptions:
     loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
     compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
     float8: bool = False  # cost Float8 linears (likewise)
+    async_tp: bool = False  # cost async TP (TP collectives under compute; likewise: a user's choice)
     # the precision plans train in (a plan setting, costed by nest_fx.cost.precision, not searched).
     # None: not recorded, costed as ``cost`` says; solve_constrained (nest-fx plan, auto_parallelize)
     # sets the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
@@ -61,6 +62,8 @@ class SolverOptions:
         """These options with the cost options priced in :attr:`precision` (the search and the
         baselines cost every plan in it); ``self`` when none is set or they already are."""
         cost = priced_options(self.precision or "", self.cost)
+        if self.async_tp:  # micro-pipelined TP runs the TP collectives under the matmuls
+            cost = dataclasses.replace(cost, overlap_tp_comm=True)
         return self if cost == self.cost else dataclasses.replace(self, cost=cost)
 
     def for_device(self, device) -> "SolverOptions":
@@ -127,14 +130,14 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
     else:
         eps = [1]
-    runtime = dict(compile=options.compile, float8=options.float8)
+    runtime = dict(compile=options.compile, float8=options.float8, async_tp=options.async_tp)
     # (tp, ep, cp, lp) variants the workload has costs for (a layer table may list only some)
     variants = []
     for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in options.cp_degrees):
         sp = options.sequence_parallel and tp > 1
         if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
                 or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
-                or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, **runtime)
+                or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, sequence_parallel=sp, **runtime)
                 or not workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp))):
             continue
         lp = (tp > 1 and options.loss_parallel is not False
@@ -161,24 +164,24 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
-    """HSDP shard groups searched (``dp_shard``; 0 = shard over all of dp). By default, under
-    ZeRO >= 2 and without expert parallelism (the runtime does not combine them): per network
-    level, the largest number of whole replicas dividing dp whose ranks fit in one group of that
+    """HSDP shard groups searched (``dp_shard``; 0 = shard over all of dp), multiples of ``ep``
+    (the expert groups lie inside the shard groups: ``plan.may_run``). By default, under
+    ZeRO >= 2: per network level, the largest number of whole replicas dividing dp whose ranks fit in one group of that
     level. A smaller group inside the same level holds more states for traffic on the same
     levels, and under ZeRO-0/1 HSDP moves what a hierarchical all-reduce moves, with more memory.
     A user's bound on ``dp_shard`` searches every divisor of dp inside it (under ZeRO >= 1)."""
     if "dp_shard" in options.degree_bounds:
         lo, hi = options.degree_bounds["dp_shard"]
-        if zero < 1 or ep > 1:
+        if zero < 1:
             return [0] if lo <= dp <= hi else []
-        return [0 if d == dp else d for d in divisors(dp) if lo <= d <= hi]
+        return [0 if d == dp else d for d in divisors(dp) if lo <= d <= hi and d % ep == 0]
     out = [0]
-    if not options.hsdp or zero < 2 or ep > 1 or dp < 2:
+    if not options.hsdp or zero < 2 or dp < 2:
         return out
     unit = tp * cp
     for level in cluster.levels:
-        fits = [d for d in divisors(dp)
-                if d < dp and d * unit <= level.group_size and level.group_size % (d * unit) == 0]
+        fits = [d for d in divisors(dp) if d < dp and d % ep == 0
+                and d * unit <= level.group_size and level.group_size % (d * unit) == 0]
         if fits and fits[-1] > 1 and fits[-1] not in out:
             out.append(fits[-1])
     return out
@@ -193,13 +196,14 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
     return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
-            and plan.compile == options.compile and plan.float8 == options.float8
+            and plan.compile == options.compile and plan.float8 == options.float8 and plan.async_tp == options.async_tp
             and (options.precision is None or plan.precision == options.precision)
             and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
                                    recompute=[s.recompute for s in plan.stages])
             and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
-                                      hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
+                                      hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8,
+                                      async_tp=plan.async_tp, sequence_parallel=plan.sequence_parallel)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
                 cluster, plan.dp, plan.stages[0].tp, plan.cp, plan.ep, plan.zero, options))
             and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
