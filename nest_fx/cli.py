@@ -145,6 +145,8 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
     if getattr(args, "precision", None):  # --precision
         changes["precision"] = args.precision
+    if getattr(args, "kernels", None):  # --kernels
+        changes["kernels"] = args.kernels
     return dataclasses.replace(plan, **changes) if changes else plan
 
 
@@ -411,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--float8", action="store_true", help="cost the plan with Float8 linears (as if plan.float8 were "
                    "true; the file is not changed)")
     add_option_flag(p, "precision", "cost the plan in this precision instead of the plan's (the file is not changed): ")
+    add_option_flag(p, "kernels", "cost the plan with this kernel backend instead of the plan's (the file is not "
+                    "changed): ")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional
 
 from nest_fx.cluster import Cluster
 from nest_fx.common.errors import NestFxError
+import nest_fx.cost.options as cost_options_module
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, StagePlan
@@ -96,6 +97,12 @@ class Row:
     @property
     def bf16(self) -> bool:
         return not self.float8
+
+    @property
+    def kernels(self) -> str:
+        """The kernel backend the row's system ran (nest_fx.workload.kernels): torchtitan runs
+        PyTorch's eager ops, or torch.compile'd blocks."""
+        return "compile" if self.compile else "eager"
 
 
 def published_rows() -> List[Row]:
@@ -176,9 +183,11 @@ def even_split(work, p: int):
 
 
 def cost_options(row: Row):
+    """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
+    cost model before it had overlap as a switch: on)."""
     options = CostOptions(optimizer="adamw")
     if row.async_tp and hasattr(options, "overlap_tp_comm"):
-        options = CostOptions(optimizer="adamw", overlap_tp_comm=True)
+        options = CostOptions(optimizer="adamw", overlap_tp_comm=getattr(cost_options_module, "ASYNC_TP_OVERLAP", True))
     return options
 
 
@@ -285,13 +294,14 @@ def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], plan
         bm = b.get("memory_gib") if b.get("expressible") else None
         bcell = "not expressible" if b and not b.get("expressible") else _fmt(bt)
         notes = "; ".join(b.get("notes", []))
-        flags = " (bf16)" if r.bf16 else " (fp8)"
+        flags = f" ({'bf16' if r.bf16 else 'fp8'}, {r.kernels})"
         lines.append(
             f"| {r.key} | {r.label}{flags} | {r.tps_per_gpu:,.0f} | {r.memory_gib:.1f} | {bcell}"
             f"{' [' + notes + ']' if notes else ''} | {_fmt(_err(bt, r.tps_per_gpu), pct=True)} | {_fmt(bm, '.1f')} | "
             f"{_fmt(_err(bm, r.memory_gib), pct=True)} | {_fmt(a.get('tps_per_gpu'))} | "
             f"{_fmt(_err(a.get('tps_per_gpu'), r.tps_per_gpu), pct=True)} | {_fmt(a.get('memory_gib'), '.1f')} | "
-            f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)} | {_fmt(p.get('tps_per_gpu'))} | "
+            f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)}{'' if a.get('feasible', True) else ' INFEASIBLE'} | "
+            f"{_fmt(p.get('tps_per_gpu'))} | "
             f"{p.get('plan', p.get('why', '-'))} |")
     return "\n".join(lines)
 
@@ -312,6 +322,10 @@ def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], pl
                                           "expressible": sum(1 for r in subset if preds.get(r.key, {}).get("expressible"))}
     slower = [r.key for r in rows if planner.get(r.key, {}).get("found")
               and planner[r.key]["tps_per_gpu"] < after[r.key]["tps_per_gpu"] * (1 - 1e-9)]
+    for label, preds in (("before", before), ("after", after)):
+        if preds:
+            out[f"{label}_infeasible"] = [r.key for r in rows if preds.get(r.key, {}).get("expressible")
+                                          and not preds[r.key].get("feasible", True)]
     out["planner_slower_than_published"] = slower
     out["planner_not_found"] = [r.key for r in rows if planner and not planner.get(r.key, {}).get("found")]
     return out

@@ -140,7 +140,7 @@ def time_lines(plan, cluster, result, options: CostOptions) -> List[str]:
         exposed = max(t[0] for t in tails)
         lines.append(f"DP gradient sync: up to {report.fmt_seconds(sync)} per stage per step, "
                      f"{report.fmt_seconds(exposed)} exposed after the last backward"
-                     + (" (overlap on)" if options.overlap_grad_sync else " (overlap off)"))
+                     + f" (overlap share {float(options.overlap_grad_sync):g})")
     return lines
 
 

@@ -42,6 +42,9 @@ class SolverOptions:
     # None: not recorded, costed as ``cost`` says; solve_constrained (nest-fx plan, auto_parallelize)
     # sets the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
     precision: Optional[str] = None
+    # the kernel backend plans are costed with (the kernels setting; nest_fx.workload.kernels): None or
+    # '' = what the runtime runs (compile when ``compile``, else eager); "fused" predicts TE/Megatron
+    kernels: Optional[str] = None
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
@@ -65,7 +68,8 @@ class SolverOptions:
 
     def runtime_workload(self, workload: Workload) -> Workload:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
-        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""))
+        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""),
+                                    self.kernels or "")
 
     def allows(self, degree: str, value: int) -> bool:
         """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
@@ -153,7 +157,8 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                                                    schedule=schedule, placement=placement, sequence_parallel=sp,
                                                    virtual_stages=v if schedule == "interleaved" else 1, cp=cp,
                                                    dp_shard=dp_shard, loss_parallel=lp,
-                                                   precision=options.precision or "", **runtime)
+                                                   precision=options.precision or "", kernels=options.kernels or "",
+                                                   **runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -191,6 +196,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
             and plan.compile == options.compile and plan.float8 == options.float8
             and (options.precision is None or plan.precision == options.precision)
+            and (plan.kernels or "") == (options.kernels or "")
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8)
             and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(

@@ -36,7 +36,7 @@ from nest_fx.cost.memory import model_states, stage_memory, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import microbatch_time, stage_work
 from nest_fx.cost.stage_terms import LayerTerms, StageGroups, compute_terms, forward_repeats, stage_groups
-from nest_fx.cost.step_time import (comm_terms, dp_sync_time, exposed_tp, fsdp_units, held_terms, p2p_time, tail_terms,
+from nest_fx.cost.step_time import (comm_terms, dp_sync_time, exposed_comms, fsdp_units, held_terms, p2p_time, tail_terms,
                                     tied_sync_time)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
@@ -142,10 +142,9 @@ class _LayoutPlan(Plan):
 
 
 def _comm_work(comms: Dict[str, np.ndarray], compute: float, options: CostOptions):
-    """A lower bound on one layer's collective seconds on the critical path: TP's only without
-    async-TP overlap (with it the stage's compute may hide all of it), EP's and CP's."""
-    tp = 0.0 if options.overlap_tp_comm else comms["tp"]
-    return tp + comms["ep"] + comms["cp"]
+    """A lower bound on one layer's collective seconds on the critical path: of each group's,
+    the share its overlap option leaves exposed however much compute there is (``exposed_comms``)."""
+    return sum(comms[k] * (1 - float(getattr(options, f"overlap_{k}_comm"))) for k in ("tp", "ep", "cp"))
 
 
 class TableCache:
@@ -390,8 +389,8 @@ class StageTable:
         for r in self.modes:
             terms = self.terms[r]
             comms = {key: v[:, live] for key, v in cache.comms(g, p, r).items()}
-            tp = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, opts)
-            work = stage_work(terms.fwd, terms.bwd, terms.recompute, tp, comms["ep"], comms["cp"])
+            exposed = exposed_comms(comms, terms.fwd + terms.bwd + terms.recompute, opts)
+            work = stage_work(terms.fwd, terms.bwd, terms.recompute, exposed["tp"], exposed["ep"], exposed["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
             t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
             held = np.array([memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)

@@ -23,6 +23,7 @@ from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
+from nest_fx.workload.kernels import kernel_backend, region_kept_bytes
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES, block_policy_costs
 from nest_fx.workload.runtime_costs import RuntimeCosts, fusion_regions
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
@@ -84,6 +85,7 @@ class _BlockFacts:
     recomputed: bool = True  # activation checkpointing wraps blocks only, never the head or tail
     tied_params: float = 0.0  # the tail's LM head weight when it is the embedding's (counted once, in the head)
     regions: List[Tuple[List[int], List[Tuple[int, float]]]] = field(default_factory=list)  # runtime_costs.fusion_regions
+    region_kept: List[float] = field(default_factory=list)  # per region, bytes kept fused (kernels.region_kept_bytes)
 
 
 class TracedSource:
@@ -94,7 +96,8 @@ class TracedSource:
     "flash" keeps O(s) bytes for fused attention (q, k, v, out, log-sum-exp) as flash
     attention does on GPUs, and a causal call computes the lower triangle only; "traced" keeps
     what the traced kernel saved and computes every score (the math path).
-    ``runtime``: torch.compile / Float8 costs (``runtime_costs.RuntimeCosts``; off by default).
+    ``runtime``: the kernel backend and Float8 (``runtime_costs.RuntimeCosts``; eager, no Float8
+    by default).
     """
 
     def __init__(self, graph, timing, *, attention: str = "flash", runtime: Optional[RuntimeCosts] = None):
@@ -118,15 +121,19 @@ class TracedSource:
         return self._facts[block_index]
 
     def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
-                    byte_scale: float = 1.0) -> "TracedSource":
-        """This source with torch.compile and/or Float8 linears costed (``runtime_costs``) and,
-        given ``timing`` and ``byte_scale``, in another dtype: the op times of ``timing`` (the
-        device's rate for that dtype) on activations ``byte_scale`` times the traced bytes
-        (``Workload.for_runtime``). The traced facts are shared."""
+                    byte_scale: float = 1.0, kernels: str = "") -> "TracedSource":
+        """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
+        when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
+        (``runtime_costs``) and, given ``timing`` and ``byte_scale``, in another dtype: the op
+        times of ``timing`` (the device's rate for that dtype) on activations ``byte_scale``
+        times the traced bytes (``Workload.for_runtime``). The traced facts are shared."""
         derived = copy.copy(self)
-        derived.runtime = RuntimeCosts(compile=compile, float8=float8)
-        if timing is not None:
-            derived.timing = timing
+        backend = kernel_backend(kernels, compile)
+        derived.runtime = RuntimeCosts(backend=backend, float8=float8)
+        base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
+        derived._plain_timing = base
+        with_kernels = getattr(base, "with_kernels", None)
+        derived.timing = with_kernels(backend.hopper_attention) if with_kernels else base
         derived.byte_scale = byte_scale
         derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived
@@ -165,9 +172,9 @@ class TracedSource:
         act = dict.fromkeys(LAYER_POLICIES, 0.0)
         rec = dict.fromkeys(LAYER_POLICIES, 0.0)
         params = param_bytes = expert_params = fp8_params = 0.0
-        for n, (t, _) in zip(facts.nodes, times):
+        keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in facts.nodes]
+        for n, (t, _), keep in zip(facts.nodes, times, keeps):
             flash = n.saved_flash if n.attention else n.saved
-            keep = tp if (sp or (n.tp and not n.column)) else 1
             none = (flash if self.attention == "flash" else n.saved) * tokens / keep
             if n.attention and cp > 1:  # the gathered keys and values are whole sequences
                 none += n.kv_bytes * scale / keep * (1 - 1 / cp)
@@ -184,6 +191,10 @@ class TracedSource:
                 expert_params += node_params
             if self.runtime.float8_node(block.kind, n):
                 fp8_params += node_params
+        if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
+            for (members, _), kept in zip(facts.regions, facts.region_kept):
+                act["none"] += kept * tokens / keeps[members[0]] - sum(facts.nodes[k].saved * tokens / keeps[k]
+                                                                       for k in members)
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
@@ -442,11 +453,14 @@ def _block_facts(graph, block) -> _BlockFacts:
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
     fusible = [not (n.matmul or n.attention) and (n.flops > 0 or n.bytes_moved > 0)
                and g.nodes[name].get("fx_op") not in ("placeholder", "output") for n, name in zip(nodes, block.nodes)]
+    regions = fusion_regions(g, block.nodes, fusible) if block.kind == "block" else []
+    saved = [n.saved for n in nodes]
     return _BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
                        row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
                        loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
                        recomputed=block.kind == "block", tied_params=tied,
-                       regions=fusion_regions(g, block.nodes, fusible) if block.kind == "block" else [])
+                       regions=regions, region_kept=[region_kept_bytes(g, block.nodes, members, saved)
+                                                     for members, _ in regions])
 
 
 def _scaled_facts(facts: _BlockFacts, k: float) -> _BlockFacts:
@@ -460,7 +474,8 @@ def _scaled_facts(facts: _BlockFacts, k: float) -> _BlockFacts:
     return dataclass_replace(facts, nodes=nodes, out_bytes=facts.out_bytes * k, in_bytes=facts.in_bytes * k,
                              row_bytes=facts.row_bytes * k, a2a_bytes=facts.a2a_bytes * k,
                              vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
-                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions])
+                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
+                             region_kept=[b * k for b in facts.region_kept])
 
 
 def _linear_dims(d: dict) -> Tuple[int, int, int]:
