@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from nest_fx.cost.optimizers import optimizer_cost
-from nest_fx.plan.settings import setting
+from nest_fx.plan.settings import OVERLAPS, setting
 
 # device memory left unused: the CUDA context, NCCL buffers and cuBLAS workspaces (the declared
 # default of the memory_headroom setting, nest_fx.plan.settings)
@@ -21,8 +21,6 @@ ALLOCATOR_OVERHEAD = 0.10
 # H100 benchmark (Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8; AsyncTP 876 vs 829 tokens/s/GPU =
 # 1.057x; the cost model reproduces 1.057x with 0.23 and 1.31x with full overlap). docs/cost_model.md
 ASYNC_TP_OVERLAP = 0.25
-# the overlap shares (settings of the same names)
-OVERLAPS = ("overlap_tp_comm", "overlap_ep_comm", "overlap_cp_comm", "overlap_grad_sync", "overlap_p2p")
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -89,6 +89,9 @@ class SimResult:
     binding: str = ""  # "" when feasible, else "stage i: <term>"
     devices_used: int = 0
     world_size: int = 0
+    # relative error of the step time from published runs (cost.error_bands; None: unchecked) and its rows
+    error_band: Optional[float] = None
+    error_basis: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

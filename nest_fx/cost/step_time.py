@@ -53,6 +53,7 @@ from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
+from nest_fx.cost.error_bands import error_band
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
@@ -410,7 +411,9 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
                    f"{worst.reserved / 2**30:.1f} GiB) > "
                    f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
                    f"(largest term: {worst.binding})")
+    band = error_band(plan)
     return SimResult(
+        error_band=band.rel, error_basis=band.basis,
         step_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
         model_flops_per_device=model_flops / step / used,
         hardware_flops_per_device=(model_flops + recompute_flops) / step / used,

@@ -256,7 +256,9 @@ STAGE_SETTINGS = tuple(s for s in SETTINGS if s.scope == "stage")
 DEGREES = tuple(s.name for s in SETTINGS if s.role == "degree")  # tp, pp, dp, ep, cp, dp_shard
 FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, sequence_parallel
 CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Constraints list
-OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, optimizer, memory_headroom
+OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels, optimizer, memory_headroom, overlap_*
+# the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")
+OVERLAPS = tuple(s.name for s in SETTINGS if s.name.startswith("overlap_"))
 
 
 def setting(name: str) -> Setting:
