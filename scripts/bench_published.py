@@ -223,18 +223,28 @@ def published_plan(row: Row, work, **overrides):
         fields.pop("kernels")  # a cost model without the kernels setting costs eager kernels
     fields.update(overrides)
     recompute = fields.pop("recompute", row.recompute)
-    split = block_split(work, row.pp) or even_split(work, row.pp)
+    if row.system == "llama3":
+        split = even_split(work, row.pp, lighter_ends=True)
+    else:
+        split = block_split(work, row.pp) or even_split(work, row.pp)
     return Plan(stages=[StagePlan(a, b, row.tp, recompute) for a, b in split], num_layers=len(work), **fields)
 
 
-def even_split(work, p: int):
+def even_split(work, p: int, lighter_ends: bool = False):
     """The blocks as evenly as ``p`` stages allow when p does not divide them (the first stages
-    take one more, as torchtitan's generated split points do), embedding first, output last."""
+    take one more, as torchtitan's generated split points do), embedding first, output last.
+    ``lighter_ends``: Llama 3's split (Grattafiori et al. 2024, sec. 3.3.2): the first and the
+    last stage one block fewer than the others (126 blocks over 16 stages: 7, 8 x 14, 7)."""
     blocks = [i for i, layer in enumerate(work.layers) if layer.kind == "block"]
-    per, extra = divmod(len(blocks), p)
+    if lighter_ends:
+        per = (len(blocks) + 2) // p
+        sizes = [per - 1] + [per] * (p - 2) + [len(blocks) - (per - 1) - per * (p - 2)]
+    else:
+        per, extra = divmod(len(blocks), p)
+        sizes = [per + (1 if k < extra else 0) for k in range(p)]
     bounds = [blocks[0]]
-    for k in range(p):
-        bounds.append(bounds[-1] + per + (1 if k < extra else 0))
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
     bounds[0], bounds[-1] = 0, len(work)
     return list(zip(bounds[:-1], bounds[1:]))
 
