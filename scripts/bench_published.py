@@ -219,9 +219,9 @@ def published_plan(row: Row, work, **overrides):
                   cp=row.cp, loss_parallel=lp, compile=row.compile, float8=row.float8)
     if row.backend:
         fields["kernels"] = row.backend
+    fields.update(overrides)
     if fields.get("kernels", "") is None or (fields.get("kernels") and not hasattr(Plan, "kernels")):
         fields.pop("kernels")  # a cost model without the kernels setting costs eager kernels
-    fields.update(overrides)
     recompute = fields.pop("recompute", row.recompute)
     if row.system == "llama3":
         split = even_split(work, row.pp, lighter_ends=True)
@@ -441,6 +441,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         after[r.key] = predict(r)
         print(f"{r.key}: after {after[r.key]}", flush=True)
     planner = {} if args.no_planner else {r.key: run_planner(r, args.budget) for r in rows}
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "bench_published_partial.json"), {"after": after, "planner": planner})
     before = {} if args.no_before else predictions_of(args.before_commit, [r.key for r in rows])
     text = table(rows, before, after, planner)
     stats = summary(rows, before, after, planner)
