@@ -26,7 +26,7 @@ from nest_fx.common.fileio import check_readable, one_line, write_with
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.settings import add_constraint_flags, add_option_flag, constraints_data
+from nest_fx.plan.settings import OVERLAPS, add_constraint_flags, add_option_flag, constraints_data, setting
 from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
@@ -140,11 +140,22 @@ def _simulate_file(path: str, plan: Plan, workload, cluster):
 
 
 def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
-    """``plan`` with torch.compile / Float8 switched on where ``--compile`` / ``--float8`` ask
-    (what the plan would cost with them; the file itself is left as it is)."""
+    """``plan`` with torch.compile / Float8 switched on where ``--compile`` / ``--float8`` ask, and
+    the precision, kernel backend and overlap shares the flags name (what the plan would cost
+    with them; the file itself is left as it is)."""
     changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
     if getattr(args, "precision", None):  # --precision
         changes["precision"] = args.precision
+    if getattr(args, "kernels", None):  # --kernels
+        changes["kernels"] = args.kernels
+    overlaps = {name: parse_fraction(getattr(args, name), setting(name).flag) for name in OVERLAPS
+                if getattr(args, name, None) is not None}
+    if overlaps:  # costed through the plan's constraints, as a plan made with these flags records them
+        data = plan.constraints.to_dict() if plan.constraints else {}
+        try:
+            changes["constraints"] = Constraints.from_dict({**data, **overlaps})
+        except ConstraintError as exc:
+            raise UserError(f"constraint {exc}") from None
     return dataclasses.replace(plan, **changes) if changes else plan
 
 
@@ -411,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--float8", action="store_true", help="cost the plan with Float8 linears (as if plan.float8 were "
                    "true; the file is not changed)")
     add_option_flag(p, "precision", "cost the plan in this precision instead of the plan's (the file is not changed): ")
+    add_option_flag(p, "kernels", "cost the plan with this kernel backend instead of the plan's (the file is not "
+                    "changed): ")
+    for name in OVERLAPS:
+        add_option_flag(p, name, "cost the plan with this overlap share instead of the plan's: ")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "

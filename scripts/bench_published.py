@@ -24,8 +24,13 @@ no such form: the row was not expressible. Then the planner searches the same mo
 global batch (the same compile / Float8 / AsyncTP options, every device used) and its plan is
 compared with the published one under the same (after) model.
 
-Targets (issue 19): bf16 rows (no Float8) within 10% in throughput and memory; every row
-expressible; the planner never slower than the published configuration.
+Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
+per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
+``fused`` kernel backend; their cluster and what is assumed are in ``published_rows`` and
+``meta_h100``. Every row names its kernel backend (``nest_fx.workload.kernels``).
+
+Targets (issue 26): bf16 rows within 10% in throughput, all rows 15%; no published configuration
+infeasible; every row expressible; the planner never slower than the published configuration.
 
     python scripts/bench_published.py                    # all rows, before and after (~5 min)
     python scripts/bench_published.py --rows t1 --no-before --no-planner
@@ -46,6 +51,7 @@ from typing import Dict, List, Optional
 
 from nest_fx.cluster import Cluster
 from nest_fx.common.errors import NestFxError
+import nest_fx.cost.options as cost_options_module
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import Plan, StagePlan
@@ -57,6 +63,7 @@ from _bench_common import write_json
 
 GiB = 2 ** 30
 SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)")
+LLAMA3_SOURCE = "Grattafiori et al. 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B pre-training, H100 80 GB)"
 MODELS = {
     "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
     "70b": "llama3-70b",
@@ -88,6 +95,11 @@ class Row:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     notes: List[str] = field(default_factory=list)
+    system: str = "torchtitan"  # torchtitan (Grand Teton H100 96 GB, 500 W) or llama3 (Meta's H100 80 GB, 700 W)
+    tflops_per_gpu: float = 0.0  # what the source publishes instead of tokens/s (model TFLOP/s per GPU); 0: tokens/s
+    backend: str = ""  # the kernel backend the system ran, when not torchtitan's eager / compile
+    zero: int = 3
+    loss_parallel: Optional[bool] = None  # None: with TP (torchtitan's default)
 
     @property
     def global_batch(self) -> int:
@@ -96,6 +108,18 @@ class Row:
     @property
     def bf16(self) -> bool:
         return not self.float8
+
+    @property
+    def kernels(self) -> str:
+        """The kernel backend the row's system ran (nest_fx.workload.kernels): torchtitan runs
+        PyTorch's eager ops, or torch.compile'd blocks; Meta's Llama 3 stack fused kernels."""
+        return self.backend or ("compile" if self.compile else "eager")
+
+    @property
+    def published(self) -> float:
+        """The published figure compared: model TFLOP/s per GPU where the source gives that, else
+        tokens/s per GPU."""
+        return self.tflops_per_gpu or self.tps_per_gpu
 
 
 def published_rows() -> List[Row]:
@@ -123,7 +147,42 @@ def published_rows() -> List[Row]:
         rows.append(Row(f"t6.{k + 1}", "6", f"405B 512 GPUs FSDP {fsdp} TP 8 PP 8 CP {cp} seq {seq}", "405b", 512,
                         seq, 8, tps, mem, fsdp=fsdp, tp=8, pp=8, cp=cp, recompute="full", compile=True, float8=True,
                         async_tp=True))
+    # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
+    # H100 80 GB (700 W), BF16, TP 8 x CP x PP 16 x DP; batch size per DP replica; TFLOP/s per GPU.
+    # Stated there: interleaved pipeline schedule, FSDP sharding optimizer states and gradients
+    # but not the weights after forward (ZeRO-1/2 memory under PP), asynchronous pipeline sends,
+    # "pre-train Llama 3 on 8K sequences without activation checkpointing". Assumed (not stated):
+    # 2 model chunks per rank, microbatch 1, no loss parallel, fused kernels. The long-context
+    # row's DP is 8 (GPUs / (TP CP PP) = 16,384 / 2,048 and 16M tokens / (16 x 131,072)).
+    for k, (gpus, cp, dp, seq, per_dp, tflops) in enumerate(((8192, 1, 64, 8192, 32, 430),
+                                                             (16384, 1, 128, 8192, 16, 400),
+                                                             (16384, 16, 8, 131072, 16, 380))):
+        rows.append(Row(f"m{k + 1}", "L3", f"405B {gpus} GPUs TP 8 CP {cp} PP 16 DP {dp} seq {seq}", "405b", gpus,
+                        seq, per_dp, 0.0, 0.0, fsdp=dp, tp=8, pp=16, cp=cp, recompute="none",
+                        schedule="interleaved", virtual_stages=2, system="llama3", tflops_per_gpu=tflops,
+                        backend="fused", zero=1, loss_parallel=False))
     return rows
+
+
+def meta_h100(gpus: int):
+    """Meta's Llama 3 cluster (Grattafiori et al. 2024, sec. 3.3.1): 8 H100 SXM (80 GB HBM3,
+    700 W) per server on NVLink, RoCE at 400 Gb/s (50 GB/s) per GPU inside a 3,072-GPU pod, 1:7
+    oversubscribed between pods; SXM peaks (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
+    levels = [{"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+              {"name": "pod", "group_size": min(3072, gpus), "bandwidth": 50e9, "latency": 1e-5}]
+    if gpus > 3072:
+        levels.append({"name": "cluster", "group_size": -(-gpus // 3072) * 3072, "bandwidth": 50e9 / 7,
+                       "latency": 2e-5})
+    return Cluster.from_dict({
+        "format": "nest-fx-cluster/1", "name": "meta-h100", "num_devices": gpus,
+        "device": {"name": "H100-SXM-80GB", "memory_bytes": 85_031_714_816, "mem_bandwidth": 3.35e12,
+                   "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}},
+        "levels": levels})
+
+
+def cluster_of(row: "Row"):
+    """The row's cluster."""
+    return meta_h100(row.gpus) if row.system == "llama3" else grand_teton(row.gpus)
 
 
 def grand_teton(gpus: int):
@@ -144,7 +203,7 @@ _WORKLOADS: Dict[tuple, object] = {}
 
 
 def workload(row: Row, cluster):
-    key = (row.model, row.seq)
+    key = (row.model, row.seq, row.system)  # the analytical op times are the system's device's
     if key not in _WORKLOADS:
         _WORKLOADS[key] = workload_for_model(MODELS[row.model], cluster, seq=row.seq)
     return _WORKLOADS[key]
@@ -153,32 +212,49 @@ def workload(row: Row, cluster):
 def published_plan(row: Row, work, **overrides):
     """The row's configuration as a plan (the blocks evenly over the stages, embedding first,
     output layer last, as torchtitan splits them)."""
-    fields = dict(dp=row.fsdp, zero=3, microbatch_size=1 if row.pp > 1 else row.local_batch,
+    lp = row.tp > 1 if row.loss_parallel is None else row.loss_parallel
+    fields = dict(dp=row.fsdp, zero=row.zero, microbatch_size=1 if row.pp > 1 else row.local_batch,
                   num_microbatches=row.local_batch if row.pp > 1 else 1, schedule=row.schedule,
                   virtual_stages=row.virtual_stages, sequence_parallel=row.tp > 1, placement="stage-major",
-                  cp=row.cp, loss_parallel=row.tp > 1, compile=row.compile, float8=row.float8)
+                  cp=row.cp, loss_parallel=lp, compile=row.compile, float8=row.float8)
+    if row.backend:
+        fields["kernels"] = row.backend
     fields.update(overrides)
+    if fields.get("kernels", "") is None or (fields.get("kernels") and not hasattr(Plan, "kernels")):
+        fields.pop("kernels")  # a cost model without the kernels setting costs eager kernels
     recompute = fields.pop("recompute", row.recompute)
-    split = block_split(work, row.pp) or even_split(work, row.pp)
+    if row.system == "llama3":
+        split = even_split(work, row.pp, lighter_ends=True)
+    else:
+        split = block_split(work, row.pp) or even_split(work, row.pp)
     return Plan(stages=[StagePlan(a, b, row.tp, recompute) for a, b in split], num_layers=len(work), **fields)
 
 
-def even_split(work, p: int):
+def even_split(work, p: int, lighter_ends: bool = False):
     """The blocks as evenly as ``p`` stages allow when p does not divide them (the first stages
-    take one more, as torchtitan's generated split points do), embedding first, output last."""
+    take one more, as torchtitan's generated split points do), embedding first, output last.
+    ``lighter_ends``: Llama 3's split (Grattafiori et al. 2024, sec. 3.3.2): the first and the
+    last stage one block fewer than the others (126 blocks over 16 stages: 7, 8 x 14, 7)."""
     blocks = [i for i, layer in enumerate(work.layers) if layer.kind == "block"]
-    per, extra = divmod(len(blocks), p)
+    if lighter_ends:
+        per = (len(blocks) + 2) // p
+        sizes = [per - 1] + [per] * (p - 2) + [len(blocks) - (per - 1) - per * (p - 2)]
+    else:
+        per, extra = divmod(len(blocks), p)
+        sizes = [per + (1 if k < extra else 0) for k in range(p)]
     bounds = [blocks[0]]
-    for k in range(p):
-        bounds.append(bounds[-1] + per + (1 if k < extra else 0))
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
     bounds[0], bounds[-1] = 0, len(work)
     return list(zip(bounds[:-1], bounds[1:]))
 
 
 def cost_options(row: Row):
+    """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
+    cost model before it had overlap as a switch: on)."""
     options = CostOptions(optimizer="adamw")
     if row.async_tp and hasattr(options, "overlap_tp_comm"):
-        options = CostOptions(optimizer="adamw", overlap_tp_comm=True)
+        options = CostOptions(optimizer="adamw", overlap_tp_comm=getattr(cost_options_module, "ASYNC_TP_OVERLAP", True))
     return options
 
 
@@ -186,20 +262,23 @@ def cost_options(row: Row):
 FALLBACKS = (("recompute", "op", "selective", "op-level SAC run as 'selective'"),
              ("loss_parallel", True, False, "loss parallel dropped"),
              ("compile", True, False, "torch.compile dropped"),
-             ("float8", True, False, "Float8 dropped"))
+             ("float8", True, False, "Float8 dropped"),
+             ("kernels", "fused", None, "fused kernels not costed: eager"))
 
 
 def predict(row: Row) -> dict:
     """The published configuration costed by the nest_fx this process imports (the installed
     tree, or the archive of the before commit): tokens/s per GPU and peak memory (reserved
     where the model has it)."""
-    cluster = grand_teton(row.gpus)
+    cluster = cluster_of(row)
     try:
         work = workload(row, cluster)
     except NestFxError as exc:
         return {"expressible": False, "why": str(exc)}
     overrides: dict = {}
     notes: List[str] = []
+    if row.backend and not hasattr(Plan, "kernels"):
+        overrides["kernels"], notes = None, ["fused kernels not costed: eager"]
     while True:
         try:
             plan = published_plan(row, work, **overrides)
@@ -215,22 +294,25 @@ def predict(row: Row) -> dict:
             notes.append(step[2])
     reserved = getattr(result, "peak_reserved", 0.0)
     live = max(s.memory["total"] for s in result.stages)
-    return {"expressible": True, "notes": notes, "tps_per_gpu": result.tokens_per_s / row.gpus,
+    tps = result.tokens_per_s / row.gpus
+    return {"expressible": True, "notes": notes, "tps_per_gpu": tps,
+            "tflops_per_gpu": result.model_flops_per_device / 1e12,
+            "value": result.model_flops_per_device / 1e12 if row.tflops_per_gpu else tps,
             "memory_gib": (reserved or live) / GiB, "live_gib": live / GiB, "reserved_model": bool(reserved),
             "feasible": result.feasible, "step_s": result.step_s}
 
 
 def _uses(row: Row, plan_field: str, value) -> bool:
-    return {"recompute": row.recompute, "loss_parallel": row.tp > 1, "compile": row.compile,
-            "float8": row.float8}[plan_field] == value
+    return {"recompute": row.recompute, "loss_parallel": row.tp > 1 if row.loss_parallel is None else row.loss_parallel,
+            "compile": row.compile, "float8": row.float8, "kernels": row.backend}[plan_field] == value
 
 
 def run_planner(row: Row, budget: float) -> dict:
     """The planner on the row's model, cluster and global batch, its options as the row's."""
-    cluster = grand_teton(row.gpus)
+    cluster = cluster_of(row)
     work = workload(row, cluster)
     options = SolverOptions(time_budget=budget, compile=row.compile, float8=row.float8, use_all_devices=True,
-                            cost=cost_options(row))
+                            cost=cost_options(row), kernels=row.backend or None)
     try:
         found = solve(work, cluster, row.global_batch, options)
     except NoFeasiblePlan as exc:
@@ -264,7 +346,7 @@ def predictions_of(commit: str, keys: List[str]) -> Dict[str, dict]:
 
 
 def _err(pred: Optional[float], published: float) -> Optional[float]:
-    return None if pred is None else 100.0 * (pred / published - 1.0)
+    return None if pred is None or not published else 100.0 * (pred / published - 1.0)
 
 
 def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
@@ -274,42 +356,62 @@ def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
 
 
 def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
-    lines = [f"Source: {SOURCE}. Memory is reserved GiB (torchtitan's figure); 'before' predicted live bytes.",
+    lines = [f"Sources: {SOURCE}; {LLAMA3_SOURCE}. Throughput is tokens/s per GPU (torchtitan) or model TFLOP/s "
+             "per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's figure; Llama 3 publishes none, "
+             "its rows check feasibility). Each row names its kernel backend.",
              "",
-             "| row | configuration | published tok/s/GPU | GiB | before tok/s | err | before GiB | err | "
-             "after tok/s | err | after GiB | err | planner tok/s | planner plan |",
+             "| row | configuration | published | GiB | before | err | before GiB | err | "
+             "after | err | after GiB | err | planner tok/s | planner plan |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         b, a, p = before.get(r.key, {}), after[r.key], planner.get(r.key, {})
-        bt = b.get("tps_per_gpu") if b.get("expressible") else None
+        bt = _value(r, b) if b.get("expressible") else None
         bm = b.get("memory_gib") if b.get("expressible") else None
         bcell = "not expressible" if b and not b.get("expressible") else _fmt(bt)
         notes = "; ".join(b.get("notes", []))
-        flags = " (bf16)" if r.bf16 else " (fp8)"
+        flags = f" ({'bf16' if r.bf16 else 'fp8'}, {r.kernels})"
+        unit = " TF" if r.tflops_per_gpu else ""
         lines.append(
-            f"| {r.key} | {r.label}{flags} | {r.tps_per_gpu:,.0f} | {r.memory_gib:.1f} | {bcell}"
-            f"{' [' + notes + ']' if notes else ''} | {_fmt(_err(bt, r.tps_per_gpu), pct=True)} | {_fmt(bm, '.1f')} | "
-            f"{_fmt(_err(bm, r.memory_gib), pct=True)} | {_fmt(a.get('tps_per_gpu'))} | "
-            f"{_fmt(_err(a.get('tps_per_gpu'), r.tps_per_gpu), pct=True)} | {_fmt(a.get('memory_gib'), '.1f')} | "
-            f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)} | {_fmt(p.get('tps_per_gpu'))} | "
+            f"| {r.key} | {r.label}{flags} | {r.published:,.0f}{unit} | {_fmt(r.memory_gib or None, '.1f')} | {bcell}"
+            f"{' [' + notes + ']' if notes else ''}{'' if b.get('feasible', True) else ' INFEASIBLE'} | "
+            f"{_fmt(_err(bt, r.published), pct=True)} | {_fmt(bm, '.1f')} | "
+            f"{_fmt(_err(bm, r.memory_gib), pct=True)} | {_fmt(_value(r, a))} | "
+            f"{_fmt(_err(_value(r, a), r.published), pct=True)} | {_fmt(a.get('memory_gib'), '.1f')} | "
+            f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)}{'' if a.get('feasible', True) else ' INFEASIBLE'} | "
+            f"{_fmt(p.get('tps_per_gpu'))} | "
             f"{p.get('plan', p.get('why', '-'))} |")
     return "\n".join(lines)
 
 
+def _value(row: Row, pred: dict) -> Optional[float]:
+    """The predicted figure the row's source publishes (model TFLOP/s or tokens/s per GPU)."""
+    if not pred.get("expressible"):
+        return None
+    return pred.get("tflops_per_gpu") if row.tflops_per_gpu else pred.get("tps_per_gpu")
+
+
 def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> dict:
-    def stats(preds: Dict[str, dict], subset: List[Row], what: str, published: str) -> dict:
-        errs = [abs(_err(preds[r.key][what], getattr(r, published)))
-                for r in subset if preds.get(r.key, {}).get("expressible")]
+    def stats(preds: Dict[str, dict], subset: List[Row], memory: bool) -> dict:
+        errs = [abs(_err(preds[r.key]["memory_gib"] if memory else _value(r, preds[r.key]),
+                         r.memory_gib if memory else r.published))
+                for r in subset if preds.get(r.key, {}).get("expressible") and (r.memory_gib or not memory)]
         return {"rows": len(errs), "mean_abs_pct": sum(errs) / len(errs) if errs else None,
                 "max_abs_pct": max(errs) if errs else None}
 
     out = {}
-    for name, subset in (("bf16", [r for r in rows if r.bf16]), ("all", rows)):
+    groups = [("bf16", [r for r in rows if r.bf16]), ("all", rows)]
+    groups += [(f"kernels_{k}", [r for r in rows if r.kernels == k]) for k in ("eager", "compile", "fused")]
+    for name, subset in groups:
+        if not subset:
+            continue
         for label, preds in (("before", before), ("after", after)):
             if preds:
-                out[f"{label}_{name}"] = {"throughput": stats(preds, subset, "tps_per_gpu", "tps_per_gpu"),
-                                          "memory": stats(preds, subset, "memory_gib", "memory_gib"),
+                out[f"{label}_{name}"] = {"throughput": stats(preds, subset, False), "memory": stats(preds, subset, True),
                                           "expressible": sum(1 for r in subset if preds.get(r.key, {}).get("expressible"))}
+    for label, preds in (("before", before), ("after", after)):
+        if preds:
+            out[f"{label}_infeasible"] = [r.key for r in rows if preds.get(r.key, {}).get("expressible")
+                                          and not preds[r.key].get("feasible", True)]
     slower = [r.key for r in rows if planner.get(r.key, {}).get("found")
               and planner[r.key]["tps_per_gpu"] < after[r.key]["tps_per_gpu"] * (1 - 1e-9)]
     out["planner_slower_than_published"] = slower
@@ -321,7 +423,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="*", help="row keys or prefixes (t1, t2.3, ...); default all")
     parser.add_argument("--out", default="results", help="output folder (default results)")
-    parser.add_argument("--before-commit", default="3d94d5a", help="the cost model before the change")
+    parser.add_argument("--before-commit", default="9abf3b6", help="the cost model before the change (default: "
+                        "before kernel backends and overlap shares, issue 26)")
     parser.add_argument("--no-before", action="store_true", help="skip the before column")
     parser.add_argument("--no-planner", action="store_true", help="skip the planner runs")
     parser.add_argument("--budget", type=float, default=30.0, help="planner seconds per row (default 30)")
@@ -338,6 +441,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         after[r.key] = predict(r)
         print(f"{r.key}: after {after[r.key]}", flush=True)
     planner = {} if args.no_planner else {r.key: run_planner(r, args.budget) for r in rows}
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "bench_published_partial.json"), {"after": after, "planner": planner})
     before = {} if args.no_before else predictions_of(args.before_commit, [r.key for r in rows])
     text = table(rows, before, after, planner)
     stats = summary(rows, before, after, planner)

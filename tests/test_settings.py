@@ -32,7 +32,8 @@ def test_one_spelling_for_every_setting():
         assert short not in names
     assert set(DEGREES) == {"tp", "pp", "dp", "ep", "cp", "dp_shard"}
     assert set(FLAGS) == {"sequence_parallel", "loss_parallel", "compile", "float8", "async_tp"}
-    assert {s.name for s in OPTIONS} == {"precision", "optimizer", "memory_headroom"}
+    assert {s.name for s in OPTIONS} == {"precision", "kernels", "optimizer", "memory_headroom", "overlap_tp_comm",
+                                         "overlap_ep_comm", "overlap_cp_comm", "overlap_grad_sync", "overlap_p2p"}
 
 
 def test_constraints_vocabulary_is_made_from_the_declarations():

@@ -63,10 +63,13 @@ def _slot_plan(work, cluster, g, p, m, i, start, end, mode, n):
     return plan
 
 
-@pytest.mark.parametrize("overlap, overheads", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("overlap, overheads", [(True, False), (False, False), (True, True), (0.5, False)])
 def test_table_equals_stage_cost_exactly(case, overlap, overheads):
     work, cluster = case
     cost = CostOptions(overlap_grad_sync=overlap)
+    if overlap == 0.5:  # measured shares (docs/cost_model.md, "Overlap") of every kind at once
+        cost = CostOptions(overlap_grad_sync=0.5, overlap_tp_comm=0.25, overlap_ep_comm=0.5, overlap_cp_comm=0.5,
+                           overlap_p2p=0.5)
     if overheads:  # the runtime's host work per TP and FSDP collective (CPU-like figures)
         cost = CostOptions(tp_call_overhead=(2e-3, 1e-9), fsdp_call_overhead=(5e-3, 2e-9))
     cache = TableCache(work, cluster, cost, SPACE.recompute)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from nest_fx.cost.optimizers import optimizer_cost
-from nest_fx.plan.settings import setting
+from nest_fx.plan.settings import OVERLAPS, setting
 
 # device memory left unused: the CUDA context, NCCL buffers and cuBLAS workspaces (the declared
 # default of the memory_headroom setting, nest_fx.plan.settings)
@@ -16,6 +16,11 @@ USABLE_MEMORY_FRACTION = 1.0 - MEMORY_HEADROOM  # 0.95
 # allocator sees"). Reserved = allocated x (1 + this); an assumption, checked against published
 # reserved-memory figures by scripts/bench_published.py.
 ALLOCATOR_OVERHEAD = 0.10
+# Async TP (torch's micro-pipelined all-gather/matmul and matmul/reduce-scatter, as torchtitan runs it
+# with torch.compile) hides about a quarter of the TP collectives: measured from torchtitan's published
+# H100 benchmark (Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8; AsyncTP 876 vs 829 tokens/s/GPU =
+# 1.057x; the cost model reproduces 1.057x with 0.23 and 1.31x with full overlap). docs/cost_model.md
+ASYNC_TP_OVERLAP = 0.25
 
 
 @dataclass
@@ -30,17 +35,22 @@ class CostOptions:
     # bf16-mixed reduces in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)): 4
     reduce_bytes: Optional[int] = None
     state_bytes: int = 4  # width of the optimizer's state tensors (bf16-true keeps them in bf16: 2)
-    overlap_grad_sync: bool = True
+    # Overlap of communication with compute, each a share in [0, 1] hidden under the compute that
+    # can cover it (docs/cost_model.md, "Overlap"; the declared defaults of the overlap_* settings,
+    # nest_fx.plan.settings: what nest-fx's runtime does). True/False read as 1/0.
+    overlap_grad_sync: float = setting("overlap_grad_sync").default
     bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
     memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
     allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
-    overlap_p2p: bool = True
-    # TP collectives run under the GEMMs (async TP, as torchtitan runs it with torch.compile); the
-    # runtime's DTensor TP does not overlap them (step_time.exposed_tp).
-    overlap_tp_comm: bool = False
+    overlap_p2p: float = setting("overlap_p2p").default
+    # TP collectives under the GEMMs (async TP, as torchtitan runs it with torch.compile: a measured
+    # share); the runtime's DTensor TP does not overlap them (step_time.exposed_comms).
+    overlap_tp_comm: float = setting("overlap_tp_comm").default
+    overlap_ep_comm: float = setting("overlap_ep_comm").default  # expert all-to-alls
+    overlap_cp_comm: float = setting("overlap_cp_comm").default  # context-parallel key/value exchange
     # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
     # byte of the collective's buffer): DTensor dispatch and copies around a TP/EP collective,
     # FSDP's copy-in/out and bookkeeping around each unit's all-gather/reduce-scatter.
@@ -51,6 +61,10 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         optimizer_cost(self.optimizer)  # a ValueError naming the known optimizers
+        for name in OVERLAPS:
+            value = float(getattr(self, name))
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: a share in [0, 1], got {value!r}")
 
     @property
     def usable_memory_fraction(self) -> float:

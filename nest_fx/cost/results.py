@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -14,7 +14,7 @@ def stage_work(fwd: Count, bwd: Count, recompute: Count, tp_comm: Count, ep_comm
     return fwd + bwd + recompute + tp_comm + ep_comm + cp_comm
 
 
-def microbatch_time(work: Count, p2p: Count, v: int = 1, overlap: bool = False) -> Tuple[Count, Count]:
+def microbatch_time(work: Count, p2p: Count, v: int = 1, overlap: float = 0.0) -> Tuple[Count, Count]:
     """(t_i, s_i) of a stage from its per-microbatch ``work`` (compute, recompute, collectives)
     and its incoming p2p transfer ``p2p`` (v chunks: v transfers each way per microbatch).
 
@@ -23,12 +23,16 @@ def microbatch_time(work: Count, p2p: Count, v: int = 1, overlap: bool = False) 
     wait: t_i = s_i = work + 2 v p2p. With overlap (the runtime's pipeline schedules send
     asynchronously) the transfers run under the next microbatch's compute: t_i = max(work, v p2p)
     (a link slower than the stage paces it), and the first forward and last backward still cross
-    each boundary: s_i = t_i + 2 v p2p."""
-    if not overlap:
+    each boundary: s_i = t_i + 2 v p2p. ``overlap`` is the share ``f`` of the sends run under
+    compute (``CostOptions.overlap_p2p``; True/False read as 1/0): t_i = max(work + (1 - f) 2 v
+    p2p, v p2p), s_i = t_i + f 2 v p2p, the two forms above at f = 1 and f = 0."""
+    f = float(overlap)
+    if f <= 0:
         t = work + 2 * p2p * v
         return t, t
-    t = np.maximum(work, p2p * v) if isinstance(work, np.ndarray) or isinstance(p2p, np.ndarray) else max(work, p2p * v)
-    return t, t + 2 * p2p * v
+    waited = work + (1 - f) * 2 * p2p * v
+    t = np.maximum(waited, p2p * v) if isinstance(work, np.ndarray) or isinstance(p2p, np.ndarray) else max(waited, p2p * v)
+    return t, t + f * 2 * p2p * v
 
 
 @dataclass
@@ -43,13 +47,13 @@ class StageCost:
     fwd_compute: float = 0.0
     bwd_compute: float = 0.0
     recompute_s: float = 0.0
-    tp_comm: float = 0.0  # exposed (CostOptions.overlap_tp_comm)
+    tp_comm: float = 0.0  # exposed (CostOptions.overlap_tp_comm; ep_comm, cp_comm likewise)
     ep_comm: float = 0.0
     cp_comm: float = 0.0
     memory: Dict[str, float] = field(default_factory=dict)  # bytes per device by term, and "total"
     reserved: float = 0.0  # what the caching allocator reserves at the peak (memory.reserved_bytes)
     p2p: float = 0.0
-    overlap_p2p: bool = False  # sends run under compute (CostOptions.overlap_p2p)
+    overlap_p2p: float = 0.0  # share of the sends run under compute (CostOptions.overlap_p2p)
     dp_sync: float = 0.0
     tied_sync: float = 0.0  # after backward: the tied embedding's gradient exchanged with its twin stage
     num_params: float = 0.0
@@ -85,6 +89,9 @@ class SimResult:
     binding: str = ""  # "" when feasible, else "stage i: <term>"
     devices_used: int = 0
     world_size: int = 0
+    # relative error of the step time from published runs (cost.error_bands; None: unchecked) and its rows
+    error_band: Optional[float] = None
+    error_basis: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,7 +5,8 @@ variant (TP degree, EP, microbatch, SP, CP degree, loss parallelism; ``Workload.
 
     W_i = sum_l fwd_s(l) + bwd_s(l) + recompute_s(l, policy) + TP/EP/CP collectives
           (a block's forward collectives again where its recompute re-runs them:
-          ``stage_terms.forward_repeats``; TP's exposed part only under ``overlap_tp_comm``)
+          ``stage_terms.forward_repeats``; of each, the part its overlap share leaves
+          exposed: ``exposed_comms``)
     P_i = p2p(boundary bytes / (tp_{i-1} cp)) from stage i-1 at the network level the two
           stages span, then an all-gather inside stage i's TP group (scatter/gather
           optimisation, Narayanan et al. 2021, sec. 4.1); P_0 = 0
@@ -53,7 +54,8 @@ from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
-from nest_fx.cost.options import CostOptions
+from nest_fx.cost.error_bands import error_band
+from nest_fx.cost.options import ASYNC_TP_OVERLAP, CostOptions
 from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.schedules import bubble_factor
@@ -128,10 +130,25 @@ def _any(x: Count) -> bool:
     return bool(x.any()) if isinstance(x, np.ndarray) else bool(x)
 
 
-def exposed_tp(tp_comm: Count, work: Count, options: CostOptions) -> Count:
-    """The TP collective seconds left on the critical path: all of them, or with
-    ``overlap_tp_comm`` (async TP) what the stage's compute ``work`` does not cover."""
-    return positive_part(tp_comm - work) if options.overlap_tp_comm else tp_comm
+def exposed_comms(comms: Dict[str, Count], work: Count, options: CostOptions) -> Dict[str, Count]:
+    """The TP, EP and CP collective seconds left on the critical path (``docs/cost_model.md``,
+    "Overlap"): of each group's seconds ``c``, the share ``f`` its overlap option names
+    (``overlap_tp_comm``, ``overlap_ep_comm``, ``overlap_cp_comm``) may run under the stage's
+    compute ``work``, which hides at most itself once over all groups (TP first, then EP, then
+    CP): exposed = c - min(f c, compute not yet used). All shares 0 (the runtime): all of them."""
+    left = work
+    out: Dict[str, Count] = {}
+    for key in COMM_KEYS:
+        share = float(getattr(options, f"overlap_{key}_comm"))
+        c = comms[key]
+        if share <= 0:
+            out[key] = c
+            continue
+        hidden = np.minimum(share * c, left) if isinstance(c, np.ndarray) or isinstance(left, np.ndarray) \
+            else min(share * c, left)
+        out[key] = c - hidden
+        left = left - hidden
+    return out
 
 
 def exposed_ring(cp_comm: Count, fwd: Count) -> Count:
@@ -162,9 +179,10 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
                        options.tp_call_overhead)
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
-    sc.ep_comm = comms["ep"]
-    sc.cp_comm = exposed_ring(comms["cp"], terms.fwd) if plan.cp_mode == "ring" else comms["cp"]
-    sc.tp_comm = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, options)
+    exposed = exposed_comms(comms, terms.fwd + terms.bwd + terms.recompute, options)
+    sc.tp_comm, sc.ep_comm, sc.cp_comm = exposed["tp"], exposed["ep"], exposed["cp"]
+    if plan.cp_mode == "ring":
+        sc.cp_comm = exposed_ring(comms["cp"], terms.fwd)
     if i > 0:
         prev = plan.stages[i - 1]
         out = workload.cost(prev.end - 1, variant._replace(tp=prev.tp)).out_bytes / plan.cp
@@ -294,9 +312,12 @@ def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count
     """(exposed DP sync, optimizer step) after a stage's last backward, from its terms; ``dp``:
     the ranks the optimizer states are sharded over; ``after_backward``: work that runs after the
     backward and is never overlapped (the tied-gradient exchange), added to the exposed part."""
-    # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps its own
-    window = bwd + recompute_s if options.overlap_grad_sync and zero >= 1 else 0.0
-    exposed = positive_part(dp_sync - window) + after_backward
+    # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps the share
+    # overlap_grad_sync of its own with the backward
+    share = float(options.overlap_grad_sync) if zero >= 1 else 0.0
+    exposed = np.maximum(dp_sync * (1 - share), dp_sync - (bwd + recompute_s)) if isinstance(dp_sync, np.ndarray) \
+        or isinstance(bwd, np.ndarray) else max(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
+    exposed = exposed + after_backward
     updated = num_params / (dp if zero >= 1 else 1)
     t_opt = updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
     return exposed, t_opt
@@ -349,18 +370,18 @@ def check_variants(plan: Plan, workload: Workload) -> None:
 def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Optional[CostOptions] = None) -> SimResult:
     """Predict step time, throughput and per-device memory of ``plan`` (validated first), with
     its plan ranks on the cluster ranks its ``device_order`` names (``cost.placement.placed``),
-    its layers costed as the plan runs them (``compile``, ``float8``, the compute dtype of its
+    its layers costed as the plan runs them (``kernels``, ``compile``, ``float8``, the compute dtype of its
     ``precision``: ``Workload.for_runtime``) and its model states and gradient traffic in the
     bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
     options = priced_options(plan.precision, options or CostOptions())
     if plan.async_tp:  # micro-pipelined TP: the TP collectives run under the matmuls (exposed_tp)
-        options = dataclasses.replace(options, overlap_tp_comm=True)
+        options = dataclasses.replace(options, overlap_tp_comm=max(float(options.overlap_tp_comm), ASYNC_TP_OVERLAP))
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
     for problem in device_problems(cluster.device, float8=plan.float8):
         raise PlanError(problem)
     try:
-        workload = workload.for_runtime(plan.compile, plan.float8, compute_dtype(plan.precision))
+        workload = workload.for_runtime(plan.compile, plan.float8, compute_dtype(plan.precision), plan.kernels)
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None
     check_variants(plan, workload)
@@ -404,7 +425,9 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
                    f"{worst.reserved / 2**30:.1f} GiB) > "
                    f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
                    f"(largest term: {worst.binding})")
+    band = error_band(plan)
     return SimResult(
+        error_band=band.rel, error_basis=band.basis,
         step_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
         model_flops_per_device=model_flops / step / used,
         hardware_flops_per_device=(model_flops + recompute_flops) / step / used,

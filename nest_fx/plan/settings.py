@@ -37,8 +37,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
-from nest_fx.plan.vocabulary import (OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, SCHEDULES, recompute_problem,
-                                     schedule_problem)
+from nest_fx.plan.vocabulary import (KERNELS, OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, SCHEDULES,
+                                     recompute_problem, schedule_problem)
 
 ROLES = ("degree", "flag", "choice", "option", "record")
 SCOPES = ("plan", "stage", "derived", "run")
@@ -190,6 +190,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "as the cost options say; the runtime keeps the model's dtype). Planner default: bf16-mixed on "
             "devices with bf16 matrix units, fp32 elsewhere", "option", values=("",) + PRECISIONS,
             flag="--precision", example_flag="--precision"),
+    Setting("kernels", str, "", "the kernel backend the plan is costed with: eager (PyTorch ops one kernel each: "
+            "nest-fx's runtime), compile (torch.compile per block: the runtime with compile), fused (Transformer "
+            "Engine / Megatron-LM fused norm, RoPE, SwiGLU and FlashAttention-3 attention: to predict those "
+            "systems); '' = compile when compile is set, else eager (docs/cost_model.md, Kernel backends)",
+            "option", values=("",) + KERNELS, flag="--kernels"),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),
     # -- choices (Constraints lists of allowed values) -----------------------------------------
     Setting("microbatch_size", int, 1, "sequences per microbatch (e.g. 2)", "choice", minimum=1, allowed="microbatch_sizes",
@@ -234,6 +239,21 @@ SETTINGS: Tuple[Setting, ...] = (
             "(default 0.05: the CUDA context and allocator fragmentation), e.g. 0.1 or 10%", "option", scope="run",
             entry_check=_fraction_check,
             flag="--memory-headroom", metavar="F"),
+    # overlap of communication with compute, as measured fractions (docs/cost_model.md, "Overlap")
+    Setting("overlap_tp_comm", float, 0.0, "share of the TP collectives hidden under the stage's compute, 0..1 "
+            "(0: DTensor TP, the runtime; 0.25: torchtitan's async TP, measured; 1: all)", "option", scope="run",
+            minimum=0.0, maximum=1.0, flag="--overlap-tp-comm", metavar="F"),
+    Setting("overlap_ep_comm", float, 0.0, "share of the expert all-to-alls hidden under compute, 0..1 (0: the "
+            "runtime, which waits for them)", "option", scope="run", minimum=0.0, maximum=1.0,
+            flag="--overlap-ep-comm", metavar="F"),
+    Setting("overlap_cp_comm", float, 0.0, "share of the context-parallel key/value exchange hidden under "
+            "attention, 0..1 (0: the runtime's all-gather before attention)", "option", scope="run",
+            minimum=0.0, maximum=1.0, flag="--overlap-cp-comm", metavar="F"),
+    Setting("overlap_grad_sync", float, 1.0, "share of the FSDP/ZeRO gradient and parameter traffic that may run "
+            "under the backward (FSDP2's prefetch and asynchronous reduce-scatter: 1), 0..1", "option", scope="run",
+            minimum=0.0, maximum=1.0, flag="--overlap-grad-sync", metavar="F"),
+    Setting("overlap_p2p", float, 1.0, "share of the pipeline sends run under compute (the runtime's asynchronous "
+            "sends: 1), 0..1", "option", scope="run", minimum=0.0, maximum=1.0, flag="--overlap-p2p", metavar="F"),
     Setting("optimizer", str, "adam", "the optimizer trained with: its state bytes and update traffic are costed "
             "(sgd is PyTorch's SGD without momentum)", "option", scope="run",
             values=OPTIMIZER_NAMES, flag="--optimizer"),
@@ -245,7 +265,9 @@ STAGE_SETTINGS = tuple(s for s in SETTINGS if s.scope == "stage")
 DEGREES = tuple(s.name for s in SETTINGS if s.role == "degree")  # tp, pp, dp, ep, cp, dp_shard
 FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, async_tp, sequence_parallel
 CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Constraints list
-OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, optimizer, memory_headroom
+OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels, optimizer, memory_headroom, overlap_*
+# the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")
+OVERLAPS = tuple(s.name for s in SETTINGS if s.name.startswith("overlap_"))
 
 
 def setting(name: str) -> Setting:

@@ -22,6 +22,8 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/
 # the training dtype a precision computes in (activations, matmul rate): simulate rebuilds the
 # workload of a plan file in it
 DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+# kernel backends a plan is costed with (nest_fx.workload.kernels.KERNEL_BACKENDS, the same names)
+KERNELS = ("eager", "compile", "fused")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches

@@ -16,6 +16,7 @@ from nest_fx.report.gantt import draw_gantt
 from nest_fx.report.plotting import require_pyplot
 from nest_fx.cluster.ordered import placed
 from nest_fx.cost import memory
+from nest_fx.cost.error_bands import ErrorBand
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.precision import priced_options
 from nest_fx.cost.step_time import pipeline_time, stage_tail
@@ -142,8 +143,15 @@ def time_lines(plan, cluster, result, options: CostOptions) -> List[str]:
         exposed = max(t[0] for t in tails)
         lines.append(f"DP gradient sync: up to {report.fmt_seconds(sync)} per stage per step, "
                      f"{report.fmt_seconds(exposed)} exposed after the last backward"
-                     + (" (overlap on)" if options.overlap_grad_sync else " (overlap off)"))
+                     + f" (overlap share {float(options.overlap_grad_sync):g})")
+    lines.append(f"kernels {plan.kernels or ('compile' if plan.compile else 'eager')}; "
+                 f"error band of the step time: {band_text(result)}")
     return lines
+
+
+def band_text(result) -> str:
+    """The prediction's error band in words (``cost.error_bands``)."""
+    return ErrorBand(result.error_band, result.error_basis or "not recorded").text()
 
 
 def step_events(plan, result, max_microbatches: Optional[int] = None) -> Tuple[List[timeline.Event], int]:

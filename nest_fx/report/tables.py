@@ -7,6 +7,7 @@ from tabulate import tabulate
 
 from nest_fx.cluster.topology.routing import router_of
 from nest_fx.graph.opgraph import Block, OpGraph
+from nest_fx.cost.error_bands import ErrorBand, within_error
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.solver.baseline_result import best_baseline
 
@@ -94,7 +95,8 @@ def sim_tables(result, plan, workload) -> str:
     head = (f"plan: {plan_summary(plan)}; {result.devices_used}/{result.world_size} devices; "
             f"global batch {plan.global_batch}")
     perf = (f"throughput {fmt_si(result.tokens_per_s)} tokens/s; model {fmt_si(result.model_flops_per_device, 'FLOP/s')} "
-            f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute)")
+            f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute); step time error band "
+            f"{ErrorBand(result.error_band, result.error_basis or 'not recorded').text()}")
     # the runtime's working sets get a column when some stage has them (docs/cost_model.md)
     terms = ["weights", "grads", "optimizer", "activations", "buffers"]
     terms += [k for k in ("fsdp_unsharded", "optimizer_step") if any(st.memory.get(k, 0) for st in result.stages)]
@@ -126,7 +128,8 @@ def plan_summary(plan) -> str:
             + f" zero={plan.zero}" + (f" hsdp={plan.shard_degree}x{plan.replicate_degree}"
                                        if plan.replicate_degree > 1 else "")
             + f" mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
-            + "".join(f" {f}" for f in flags) + (f" {plan.precision}" if plan.precision else "") + f" {plan.placement}"
+            + "".join(f" {f}" for f in flags) + (f" {plan.precision}" if plan.precision else "")
+            + (f" kernels={plan.kernels}" if plan.kernels else "") + f" {plan.placement}"
             + (f" rc={'/'.join(modes)}" if modes != ["none"] else ""))
 
 
@@ -161,7 +164,11 @@ def baselines_table(nest, nest_seconds: float, baselines) -> str:
                       tablefmt="simple")]
     best = best_baseline(baselines)
     if best is not None:
-        lines.append(f"speedup over the best baseline ({best.name}): {best.result.step_s / nest.result.step_s:.2f}x")
+        gain = best.result.step_s / nest.result.step_s
+        lines.append(f"speedup over the best baseline ({best.name}): {gain:.2f}x")
+        band = ErrorBand(nest.result.error_band, nest.result.error_basis or "not recorded")
+        if within_error(gain, band):
+            lines.append(f"within the model's error ({band.text()}): measure both")
     return "\n".join(lines + notes)
 
 

@@ -19,7 +19,7 @@ import math
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from nest_fx.cost.options import CostOptions
+from nest_fx.cost.options import OVERLAPS, CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -31,12 +31,12 @@ from nest_fx.workload import Variant, Workload
 
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
 # how the model is trained, not a preference
-NEVER_RELAXED = ("optimizer", "precision", "fix.compile", "fix.float8", "fix.async_tp")
+NEVER_RELAXED = ("optimizer", "precision", "kernels", "fix.compile", "fix.float8", "fix.async_tp") + OVERLAPS
 
 
 def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
-    """``base`` with the optimizer and memory headroom the constraints carry (a plan file's
-    constraints give the options it was costed under)."""
+    """``base`` with the optimizer, memory headroom and overlap shares the constraints carry (a
+    plan file's constraints give the options it was costed under)."""
     base = base or CostOptions()
     if not constraints:
         return base
@@ -45,6 +45,9 @@ def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions]
         changes["optimizer"] = constraints.optimizer
     if constraints.memory_headroom is not None:
         changes["memory_headroom"] = constraints.memory_headroom
+    for name in OVERLAPS:
+        if getattr(constraints, name) is not None:
+            changes[name] = getattr(constraints, name)
     return dataclasses.replace(base, **changes)
 
 
@@ -127,6 +130,8 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
             changes[flag] = bool(c.fix[flag])
     if c.precision is not None:
         changes["precision"] = c.precision
+    if c.kernels is not None:
+        changes["kernels"] = c.kernels
     options = dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "constraints"})
     _check_runtime_options(c, options, cluster)
     changes["tp_degrees"] = _tp_degrees(c, options, workload, cluster)
@@ -218,7 +223,8 @@ def binding_constraints(workload: Workload, cluster, global_batch: int, constrai
     time left before ``deadline`` (a ``time.perf_counter()`` value), at most
     RELAXED_SOLVE_BUDGET_S."""
     keys = [(k, text) for k, text in constraints.items() if k not in NEVER_RELAXED]
-    kept = Constraints(optimizer=constraints.optimizer, precision=constraints.precision,
+    kept = Constraints(optimizer=constraints.optimizer, precision=constraints.precision, kernels=constraints.kernels,
+                       **{name: getattr(constraints, name) for name in OVERLAPS},
                        fix={f: constraints.fix[f] for f in ("compile", "float8", "async_tp") if f in constraints.fix})
     trials = [kept] + [constraints.without(k) for k, _ in keys]
     found: List[Optional[SolveResult]] = []

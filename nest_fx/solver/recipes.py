@@ -89,7 +89,7 @@ def _plan(workload: Workload, cluster, ranges: Sequence[Tuple[int, int]], tp: in
     lp = tp > 1 and workload.supports(Variant(tp, ep, sequence_parallel=True, loss_parallel=True))
     return Plan(stages=[StagePlan(a, b, tp, recompute) for a, b in ranges], dp=dp, ep=ep, zero=zero,
                 loss_parallel=lp, compile=options.compile, float8=options.float8, async_tp=options.async_tp,
-                precision=options.precision or "",
+                precision=options.precision or "", kernels=options.kernels or "",
                 microbatch_size=mbs, num_microbatches=m, schedule=schedule, virtual_stages=v,
                 sequence_parallel=tp > 1, placement="stage-major", model=workload.model,
                 model_fingerprint=workload.fingerprint, num_layers=len(workload), world_size=cluster.num_devices)

@@ -93,7 +93,7 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
     work += cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
     if math.isinf(work):
         return math.inf
-    paced = work if cache.options.overlap_p2p else work + sends
+    paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
     return pipeline_span(paced / p, work + sends, m, g.schedule, g.virtual_stages) + t_opt
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
-from nest_fx.cost.options import CostOptions
+from nest_fx.cost.options import ASYNC_TP_OVERLAP, CostOptions
 from nest_fx.cost.precision import compute_dtype, default_precision, priced_options
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
@@ -47,6 +47,9 @@ class SolverOptions:
     # None: not recorded, costed as ``cost`` says; solve_constrained (nest-fx plan, auto_parallelize)
     # sets the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
     precision: Optional[str] = None
+    # the kernel backend plans are costed with (the kernels setting; nest_fx.workload.kernels): None or
+    # '' = what the runtime runs (compile when ``compile``, else eager); "fused" predicts TE/Megatron
+    kernels: Optional[str] = None
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
@@ -63,7 +66,7 @@ class SolverOptions:
         baselines cost every plan in it); ``self`` when none is set or they already are."""
         cost = priced_options(self.precision or "", self.cost)
         if self.async_tp:  # micro-pipelined TP runs the TP collectives under the matmuls
-            cost = dataclasses.replace(cost, overlap_tp_comm=True)
+            cost = dataclasses.replace(cost, overlap_tp_comm=max(float(cost.overlap_tp_comm), ASYNC_TP_OVERLAP))
         return self if cost == self.cost else dataclasses.replace(self, cost=cost)
 
     def for_device(self, device) -> "SolverOptions":
@@ -72,7 +75,8 @@ class SolverOptions:
 
     def runtime_workload(self, workload: Workload) -> Workload:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
-        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""))
+        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""),
+                                    self.kernels or "")
 
     def allows(self, degree: str, value: int) -> bool:
         """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
@@ -160,7 +164,8 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                                                    schedule=schedule, placement=placement, sequence_parallel=sp,
                                                    virtual_stages=model_chunks(schedule, v), cp=cp,
                                                    dp_shard=dp_shard, loss_parallel=lp,
-                                                   precision=options.precision or "", **runtime)
+                                                   precision=options.precision or "", kernels=options.kernels or "",
+                                                   **runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -201,6 +206,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
                                    recompute=[s.recompute for s in plan.stages])
             and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
+            and (plan.kernels or "") == (options.kernels or "")
             and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
                                       hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8,
                                       async_tp=plan.async_tp, sequence_parallel=plan.sequence_parallel)

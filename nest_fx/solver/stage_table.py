@@ -24,7 +24,7 @@ import numpy as np
 from nest_fx.cost import memory
 from nest_fx.cost.memory import stage_memory
 from nest_fx.cost.results import microbatch_time, stage_work
-from nest_fx.cost.step_time import dp_sync_time, exposed_tp, fsdp_units, held_terms, tail_terms, tied_sync_time
+from nest_fx.cost.step_time import dp_sync_time, exposed_comms, fsdp_units, held_terms, tail_terms, tied_sync_time
 from nest_fx.solver.range_classes import subset_terms
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.solver.stage_bounds import INF, SLACK, StageBounds
@@ -75,8 +75,8 @@ class StageTable(StageBounds):
         for r in self.modes:
             terms = self.terms[r]
             comms = {key: v[:, live] for key, v in cache.comms(g, p, r).items()}
-            tp = exposed_tp(comms["tp"], terms.fwd + terms.bwd + terms.recompute, opts)
-            work = stage_work(terms.fwd, terms.bwd, terms.recompute, tp, comms["ep"], comms["cp"])
+            exposed = exposed_comms(comms, terms.fwd + terms.bwd + terms.recompute, opts)
+            work = stage_work(terms.fwd, terms.bwd, terms.recompute, exposed["tp"], exposed["ep"], exposed["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
             t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
             held = np.array([memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)

@@ -49,10 +49,9 @@ class _LayoutPlan(Plan):
 
 
 def _comm_work(comms: Dict[str, np.ndarray], compute: float, options: CostOptions):
-    """A lower bound on one layer's collective seconds on the critical path: TP's only without
-    async-TP overlap (with it the stage's compute may hide all of it), EP's and CP's."""
-    tp = 0.0 if options.overlap_tp_comm else comms["tp"]
-    return tp + comms["ep"] + comms["cp"]
+    """A lower bound on one layer's collective seconds on the critical path: of each group's,
+    the share its overlap option leaves exposed however much compute there is (``exposed_comms``)."""
+    return sum(comms[k] * (1 - float(getattr(options, f"overlap_{k}_comm"))) for k in ("tp", "ep", "cp"))
 
 
 class TableCache:

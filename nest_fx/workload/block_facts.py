@@ -22,6 +22,7 @@ import torch
 from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.recompute_costs import block_policy_costs
+from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
 _DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
@@ -81,6 +82,7 @@ class BlockFacts:
     recomputed: bool = True  # activation checkpointing wraps blocks only, never the head or tail
     tied_params: float = 0.0  # the tail's LM head weight when it is the embedding's (counted once, in the head)
     regions: List[Tuple[List[int], List[Tuple[int, float]]]] = field(default_factory=list)  # runtime_costs.fusion_regions
+    region_kept: List[float] = field(default_factory=list)  # per region, bytes kept fused (kernels.region_kept_bytes)
 
 
 def _scores(d: dict) -> Tuple[float, float]:
@@ -191,11 +193,14 @@ def block_facts(graph, block) -> BlockFacts:
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
     fusible = [not (n.matmul or n.attention) and (n.flops > 0 or n.bytes_moved > 0)
                and g.nodes[name].get("fx_op") not in ("placeholder", "output") for n, name in zip(nodes, block.nodes)]
+    regions = fusion_regions(g, block.nodes, fusible) if block.kind == "block" else []
+    saved = [n.saved for n in nodes]
     return BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
-                       row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
-                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
-                       recomputed=block.kind == "block", tied_params=tied,
-                       regions=fusion_regions(g, block.nodes, fusible) if block.kind == "block" else [])
+                      row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
+                      loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
+                      recomputed=block.kind == "block", tied_params=tied,
+                      regions=regions, region_kept=[region_kept_bytes(g, block.nodes, members, saved)
+                                                    for members, _ in regions])
 
 
 def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
@@ -209,7 +214,8 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
     return dataclass_replace(facts, nodes=nodes, out_bytes=facts.out_bytes * k, in_bytes=facts.in_bytes * k,
                              row_bytes=facts.row_bytes * k, a2a_bytes=facts.a2a_bytes * k,
                              vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
-                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions])
+                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
+                             region_kept=[b * k for b in facts.region_kept])
 
 
 def _linear_dims(d: dict) -> Tuple[int, int, int]:

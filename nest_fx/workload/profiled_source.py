@@ -39,14 +39,14 @@ class ProfiledSource(TracedSource):
         self.depth = distinct_depth(graph)
 
     def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
-                    byte_scale: float = 1.0) -> "ProfiledSource":
+                    byte_scale: float = 1.0, kernels: str = "") -> "ProfiledSource":
         """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only."""
         if timing is not None or byte_scale != 1.0:
             other = "--precision fp32" if self.profile.dtype == "fp32" else "--precision bf16-mixed or bf16-true"
             raise WorkloadError(f"the profile's times were measured in {self.profile.dtype}, not in the plan's "
                                 f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
                                 "--dtype ...)")
-        return super().for_runtime(compile=compile, float8=float8)
+        return super().for_runtime(compile=compile, float8=float8, kernels=kernels)
 
     def _local_graph(self, tp: int, mbs: int):
         if (tp, mbs) not in self._local:

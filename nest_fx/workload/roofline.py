@@ -23,14 +23,22 @@ tensor-core instructions (Shah et al. 2024, "FlashAttention-3", sec. 1): ``atten
 replaces ``e_max`` for them (:data:`FUSED_ATTENTION_EFFICIENCY` by device family; the GEMM
 figure elsewhere). Their backward runs five GEMMs for the forward's two (the scores are
 recomputed): 2.5 x the forward's FLOPs (Dao 2023, sec. 3.1.2), ``attention_backward_factor``.
+
+Under the ``fused`` kernel backend (``nest_fx.workload.kernels``: Transformer Engine / Megatron-LM
+with cuDNN or FlashAttention-3 attention) attention on Hopper runs at FlashAttention-3's rate:
+about 75% of an H100's bf16 peak in forward (740 TFLOP/s, Shah et al. 2024, sec. 4.1, Fig. 5,
+head dimension 128, long sequences) and about 55% in backward (1.5-1.75x FlashAttention-2's
+backward, ibid. Fig. 6): :data:`FA3_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 # (device name part, fraction of peak) for fused attention kernels; other devices: e_max
 FUSED_ATTENTION_EFFICIENCY = (("H100", 0.35), ("H200", 0.35))
+# (device name part, forward, backward fraction of peak) of FlashAttention-3 / cuDNN attention
+FA3_ATTENTION = (("H100", 0.75, 0.55), ("H200", 0.75, 0.55))
 ATTENTION_BACKWARD_FACTOR = 2.5
 
 
@@ -51,6 +59,7 @@ class AnalyticalCompute:
     attention_backward_factor: float = ATTENTION_BACKWARD_FACTOR
     peaks: Dict[str, float] = field(default_factory=dict)  # the device's peak FLOP/s per dtype (in_dtype)
     vector_share: float = 0.125  # non-matmul FLOP/s as a fraction of the device's fastest rate (for_device)
+    fa3_attention: Optional[Tuple[float, float]] = None  # (forward, backward) e_max under kernels=fused
 
     @classmethod
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
@@ -59,10 +68,11 @@ class AnalyticalCompute:
         dtype's own peak (fp32 on a GPU: its fp32 rate)."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
         attention = next((e for part, e in FUSED_ATTENTION_EFFICIENCY if part in device.name), None)
+        fa3 = next(((f, b) for part, f, b in FA3_ATTENTION if part in device.name), None)
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
         fields = dict(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, fp8_flops=fp8,
-                      attention_efficiency=attention, peaks=peaks, vector_share=share,
+                      attention_efficiency=attention, peaks=peaks, vector_share=share, fa3_attention=fa3,
                       vector_fraction=_vector_fraction(peaks, share, device.peak(dtype)))
         return cls(**{**fields, **overrides})
 
@@ -73,6 +83,15 @@ class AnalyticalCompute:
             raise ValueError(f"the device lists no peak FLOP/s for {dtype!r} (known: {sorted(self.peaks)})")
         peak = self.peaks[dtype]
         return replace(self, peak_flops=peak, vector_fraction=_vector_fraction(self.peaks, self.vector_share, peak))
+
+    def with_kernels(self, hopper_attention: bool) -> "AnalyticalCompute":
+        """This timing under a kernel backend: with ``hopper_attention`` (``kernels=fused``) fused
+        attention at FlashAttention-3's forward rate and its backward at its own (the factor
+        2.5 x forward / backward efficiency), where the device has those figures; else ``self``."""
+        if not hopper_attention or self.fa3_attention is None:
+            return self
+        fwd, bwd = self.fa3_attention
+        return replace(self, attention_efficiency=fwd, attention_backward_factor=ATTENTION_BACKWARD_FACTOR * fwd / bwd)
 
     def matmul_eff(self, flops: float, attention: bool = False) -> float:
         """e_mm(F) = e_max * F / (F + F_half); ``attention``: a fused attention kernel's e_max."""

@@ -1,5 +1,6 @@
-"""What ``torch.compile`` and Float8 linears change in a block's op times (plan fields
-``compile`` and ``float8``; ``Workload.for_runtime``).
+"""What the kernel backend (``compile``, ``fused``: ``nest_fx.workload.kernels``) and Float8
+linears change in a block's op times (plan fields ``kernels``, ``compile`` and ``float8``;
+``Workload.for_runtime``).
 
 torch.compile (inductor, the runtime compiles each block's forward): every maximal connected set
 of a block's elementwise and reduction nodes (anything but matmuls and attention) runs as one
@@ -7,7 +8,9 @@ fused kernel: its FLOPs as before, its memory traffic only the tensors that cros
 boundary (read once, written once), one launch. Ansel et al. 2024 ("PyTorch 2: Faster Machine
 Learning Through Dynamic Python Bytecode Transformation and Graph Compilation", ASPLOS) describe
 inductor's fusion of pointwise and reduction ops into one kernel per chain. The backward keeps
-the forward's ratio (``backward_factor`` of the fused forward in the analytical model).
+the forward's ratio (``backward_factor`` of the fused forward in the analytical model). A
+backend realises the share ``fusion`` of that saving (``kernels.KERNEL_BACKENDS``: compile's
+measured, 1 for hand-written fused kernels).
 
 Float8 (torchao ``convert_to_float8_training``, tensorwise dynamic scaling: the blocks' linears
 whose sizes are multiples of 16): the three GEMMs of each linear (forward, input gradient,
@@ -26,8 +29,10 @@ unfused, fp8 over bf16), so measured op times (a profile) are scaled the same wa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Sequence, Set, Tuple
+
+from nest_fx.workload.kernels import KERNEL_BACKENDS, KernelBackend
 
 CAST_BYTES_EAGER = 5.0  # bytes per element: amax pass (read 2) + cast pass (read 2, write 1)
 CAST_BYTES_COMPILED = 3.0  # one fused pass: read 2, write 1
@@ -38,10 +43,15 @@ FP8_MULTIPLE = 16  # torchao converts linears whose in and out features are mult
 
 @dataclass(frozen=True)
 class RuntimeCosts:
-    """Which of torch.compile and Float8 a workload is costed with (module docstring)."""
+    """The kernel backend and whether Float8 linears a workload is costed with (module docstring)."""
 
-    compile: bool = False
+    backend: KernelBackend = field(default_factory=lambda: KERNEL_BACKENDS["eager"])
     float8: bool = False
+
+    @property
+    def fuses(self) -> bool:
+        """Whether elementwise regions run fused (any backend but eager)."""
+        return self.backend.fusion > 0
 
     def float8_node(self, block_kind: str, n) -> bool:
         """Whether node ``n`` of a block is a linear torchao converts to Float8."""
@@ -53,18 +63,20 @@ class RuntimeCosts:
     def apply(self, source, block, nodes: Sequence, times: List[Tuple[float, float]], tp: int, mbs: int, sp: bool,
               cp: int) -> List[Tuple[float, float]]:
         """``times`` (forward, backward per node of ``block``) under torch.compile and Float8."""
-        if block.kind != "block" or not (self.compile or self.float8):
+        if block.kind != "block" or not (self.fuses or self.float8):
             return times
         timing = source.timing
         out = list(times)
         shares = source.node_shares(block, tp, mbs, sp, cp)
-        if self.compile:
+        if self.fuses:
+            realised = self.backend.fusion
             for members, boundary in source.facts(block.index).regions:
                 unfused = sum(timing.op_seconds(nodes[k].flops * shares[k], nodes[k].bytes_moved * shares[k], False)
                               for k in members)
                 flops = sum(nodes[k].flops * shares[k] for k in members)
                 nbytes = sum(b * shares[k] for k, b in boundary)
                 ratio = timing.op_seconds(flops, nbytes, False) / unfused if unfused > 0 else 1.0
+                ratio = 1.0 - realised * (1.0 - ratio)
                 for k in members:
                     out[k] = (out[k][0] * ratio, out[k][1] * ratio)
         if self.float8:
@@ -85,8 +97,8 @@ class RuntimeCosts:
         bf16 = timing.op_seconds(flops, n.bytes_moved * share, True)
         fp8 = timing.op_seconds(flops, (x + w) * FP8_BYTES + 2 * y, True, fp8=True)
         ratio = fp8 / bf16 if bf16 > 0 else 1.0
-        per_cast = CAST_BYTES_COMPILED if self.compile else CAST_BYTES_EAGER
-        launches = 0 if self.compile else 2
+        per_cast = CAST_BYTES_COMPILED if self.backend.fused_casts else CAST_BYTES_EAGER
+        launches = 0 if self.backend.fused_casts else 2
         fwd_cast = timing.memory_seconds((x + w) * per_cast, 2 * launches)
         bwd_cast = timing.memory_seconds(y * per_cast + (x + w) * TRANSPOSE_BYTES, launches + 2)
         return times[0] * ratio + fwd_cast, times[1] * ratio + bwd_cast

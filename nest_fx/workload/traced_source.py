@@ -19,6 +19,7 @@ from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.workload.block_facts import (LOSS_BACKWARD_COPIES, LOSS_STATE_BYTES, BlockFacts, block_facts,
                                           scaled_facts, vocab_parallel_nodes)
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
+from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.runtime_costs import RuntimeCosts
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
 
@@ -31,7 +32,8 @@ class TracedSource:
     "flash" keeps O(s) bytes for fused attention (q, k, v, out, log-sum-exp) as flash
     attention does on GPUs, and a causal call computes the lower triangle only; "traced" keeps
     what the traced kernel saved and computes every score (the math path).
-    ``runtime``: torch.compile / Float8 costs (``runtime_costs.RuntimeCosts``; off by default).
+    ``runtime``: the kernel backend and Float8 (``runtime_costs.RuntimeCosts``; eager, no Float8
+    by default).
     """
 
     def __init__(self, graph, timing, *, attention: str = "flash", runtime: Optional[RuntimeCosts] = None):
@@ -55,15 +57,19 @@ class TracedSource:
         return self._facts[block_index]
 
     def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
-                    byte_scale: float = 1.0) -> "TracedSource":
-        """This source with torch.compile and/or Float8 linears costed (``runtime_costs``) and,
-        given ``timing`` and ``byte_scale``, in another dtype: the op times of ``timing`` (the
-        device's rate for that dtype) on activations ``byte_scale`` times the traced bytes
-        (``Workload.for_runtime``). The traced facts are shared."""
+                    byte_scale: float = 1.0, kernels: str = "") -> "TracedSource":
+        """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
+        when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
+        (``runtime_costs``) and, given ``timing`` and ``byte_scale``, in another dtype: the op
+        times of ``timing`` (the device's rate for that dtype) on activations ``byte_scale``
+        times the traced bytes (``Workload.for_runtime``). The traced facts are shared."""
         derived = copy.copy(self)
-        derived.runtime = RuntimeCosts(compile=compile, float8=float8)
-        if timing is not None:
-            derived.timing = timing
+        backend = kernel_backend(kernels, compile)
+        derived.runtime = RuntimeCosts(backend=backend, float8=float8)
+        base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
+        derived._plain_timing = base
+        with_kernels = getattr(base, "with_kernels", None)
+        derived.timing = with_kernels(backend.hopper_attention) if with_kernels else base
         derived.byte_scale = byte_scale
         derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived
@@ -102,9 +108,9 @@ class TracedSource:
         act = dict.fromkeys(LAYER_POLICIES, 0.0)
         rec = dict.fromkeys(LAYER_POLICIES, 0.0)
         params = param_bytes = expert_params = fp8_params = 0.0
-        for n, (t, _) in zip(facts.nodes, times):
+        keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in facts.nodes]
+        for n, (t, _), keep in zip(facts.nodes, times, keeps):
             flash = n.saved_flash if n.attention else n.saved
-            keep = tp if (sp or (n.tp and not n.column)) else 1
             none = (flash if self.attention == "flash" else n.saved) * tokens / keep
             if n.attention and cp > 1:  # the gathered keys and values are whole sequences
                 none += n.kv_bytes * scale / keep * (1 - 1 / cp)
@@ -121,6 +127,10 @@ class TracedSource:
                 expert_params += node_params
             if self.runtime.float8_node(block.kind, n):
                 fp8_params += node_params
+        if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
+            for (members, _), kept in zip(facts.regions, facts.region_kept):
+                act["none"] += kept * tokens / keeps[members[0]] - sum(facts.nodes[k].saved * tokens / keeps[k]
+                                                                       for k in members)
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard

@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.workload.kernels import kernel_backend
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
 DTYPE_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of the dtypes a workload is costed in
@@ -170,8 +171,9 @@ class Workload:
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
-        self._runtime: Dict[Tuple[bool, bool, Optional[str]], "Workload"] = {}
+        self._runtime: Dict[Tuple[str, bool, Optional[str]], "Workload"] = {}
         self.compile = False  # costed with torch.compile on every block (for_runtime)
+        self.kernels = "eager"  # the kernel backend it is costed with (for_runtime; nest_fx.workload.kernels)
         self.float8 = False  # costed with Float8 linears (for_runtime)
         self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
@@ -240,26 +242,31 @@ class Workload:
             self._policies[key] = tuple(p for p in LAYER_POLICIES if p in have)
         return self._policies[key]
 
-    def for_runtime(self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None) -> "Workload":
-        """This chain costed as the runtime runs it with ``torch.compile`` on every block and/or
-        Float8 linears (``docs/cost_model.md``), and computing in ``dtype`` ("fp32", "bf16":
-        the device's rate for it, activations of its width; None or a workload of unknown dtype:
-        as built); ``self`` when nothing changes. WorkloadError when the cost source cannot derive
-        them (a layer table holds what was measured; a profile, the dtype it was measured in)."""
+    def for_runtime(self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None,
+                    kernels: str = "") -> "Workload":
+        """This chain costed as the runtime runs it: with the kernel backend ``kernels`` (eager,
+        compile, fused; '' = compile when ``compile`` is set, else eager:
+        ``nest_fx.workload.kernels``), Float8 linears (``docs/cost_model.md``), and computing in
+        ``dtype`` ("fp32", "bf16": the device's rate for it, activations of its width; None or a
+        workload of unknown dtype: as built); ``self`` when nothing changes. WorkloadError when
+        the cost source cannot derive them (a layer table holds what was measured; a profile, the
+        dtype it was measured in)."""
         dtype = dtype if dtype and self.dtype else self.dtype
-        if (compile, float8, dtype) == (self.compile, self.float8, self.dtype):
+        backend = kernel_backend(kernels, compile).name
+        if (backend, float8, dtype) == (self.kernels, self.float8, self.dtype):
             return self
         if self.base is not None:
-            return self.base.for_runtime(compile, float8, dtype)
-        key = (compile, float8, dtype)
+            return self.base.for_runtime(False, float8, dtype, backend)
+        key = (backend, float8, dtype)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
+            named = [n for n, on in (("kernels=" + backend, backend != "eager"), ("float8", float8)) if on]
             if derive is None:
                 raise WorkloadError(f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
-                                    f"derive them under "
-                                    f"{' and '.join(n for n, on in (('compile', compile), ('float8', float8)) if on)}"
-                                    " (plan with --model, or without these options)")
-            changes = [n for n, on in (("torch.compile", compile), ("Float8", float8)) if on]
+                                    f"derive them under {' and '.join(named)} (plan with --model, or without these "
+                                    "options)")
+            changes = [n for n, on in (({"compile": "torch.compile", "fused": "fused kernels"}.get(backend, ""),
+                                        backend != "eager"), ("Float8", float8)) if on]
             dims, kwargs = self.dims, {}
             if dtype != self.dtype:
                 try:
@@ -270,9 +277,10 @@ class Workload:
                                         f"({exc})") from None
                 dims = replace(dims, dtype_bytes=DTYPE_WIDTH[dtype])
                 changes.append(f"in {dtype}")
-            w = Workload(self.model, self.layers, dims, derive(compile=compile, float8=float8, **kwargs),
+            w = Workload(self.model, self.layers, dims, derive(float8=float8, kernels=backend, **kwargs),
                          provenance=f"{self.provenance}; " + " + ".join(changes))
-            w.compile, w.float8, w.dtype, w.base = compile, float8, dtype, self
+            w.kernels, w.float8, w.dtype, w.base = backend, float8, dtype, self
+            w.compile = backend == "compile"
             self._runtime[key] = w
         return self._runtime[key]
 

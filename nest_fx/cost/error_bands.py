@@ -1,0 +1,76 @@
+"""How sure a step-time prediction is: an error band per kernel backend and per feature, from
+the published runs ``scripts/bench_published.py`` checks (``results/bench_published.json``).
+
+A band is the largest relative error of the predicted throughput against the published one over
+a set of rows (rounded up to a whole percent): a backend's over its rows that use none of the
+features below; a feature's (in the order ``float8``, context parallelism ``cp``, tensor
+parallelism ``tp``, pipelining ``pp``) over the rows that use it and no feature later in that
+order, so every published row is covered by the band of its last feature. A plan's band is the
+widest of its backend's and of each feature it uses. A backend no published run checks has no
+band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/test_error_bands.py``
+checks every band against the benchmark's JSON, so a cost-model change that moves the errors
+outside the bands fails until they are measured again.
+
+A plan's predicted gain over another (``g = T_other / T_plan``) is inside the model's error when
+both step times may be off by the band ``e`` in opposite directions: ``g <= (1 + e) / (1 - e)``
+(:func:`within_error`); ``nest-fx plan`` then says "within the model's error: measure both".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+
+@dataclass(frozen=True)
+class ErrorBand:
+    """Relative error of a step-time prediction (``rel``; None: no published run checks it) and
+    the rows it comes from (``basis``)."""
+
+    rel: Optional[float]
+    basis: str
+
+    def text(self) -> str:
+        """'+-6% (torchtitan eager rows)' or 'unchecked (...)'."""
+        if self.rel is None:
+            return f"unchecked ({self.basis})"
+        return f"+-{100 * self.rel:.0f}% ({self.basis})"
+
+
+SOURCE = "scripts/bench_published.py, results/bench_published.json"
+
+BACKEND_BANDS: Dict[str, ErrorBand] = {
+    "eager": ErrorBand(0.06, "torchtitan Llama 3.1 8B eager rows t1.1, t3.1"),
+    "compile": ErrorBand(0.06, "torchtitan Llama 3.1 8B compile rows t1.2, t3.2 (compile's factor measured on them)"),
+    "fused": ErrorBand(None, "no published fused-kernel run without pipelining checked; Llama 3 rows m1-m3 are in pp's band"),
+}
+FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
+    "float8": ErrorBand(0.18, "torchtitan Float8 rows t1.3, t3.3, t2.1 (8B, FSDP, 8K-32K tokens)"),
+    "cp": ErrorBand(0.61, "torchtitan context-parallel rows t2.2-t2.4 (8B, 64K-262K tokens)"),
+    "tp": ErrorBand(0.15, "torchtitan 70B TP rows t4.1, t4.2"),
+    "pp": ErrorBand(0.79, "torchtitan 405B pipeline rows t5, t6 and Llama 3 405B rows m1-m3"),
+}
+
+
+def plan_features(plan) -> List[str]:
+    """The features of ``plan`` that have bands of their own (FEATURE_BANDS keys)."""
+    used = {"float8": plan.float8, "cp": plan.cp > 1, "tp": max(s.tp for s in plan.stages) > 1, "pp": plan.pp > 1}
+    return [name for name, on in used.items() if on]
+
+
+def error_band(plan) -> ErrorBand:
+    """The band of ``plan``'s step time: the widest of its kernel backend's and its features'
+    (module docstring); unchecked when any of them is."""
+    backend = plan.kernels or ("compile" if plan.compile else "eager")
+    bands = [BACKEND_BANDS[backend]] + [FEATURE_BANDS[f] for f in plan_features(plan)]
+    unchecked = [b for b in bands if b.rel is None]
+    if unchecked:
+        return unchecked[0]
+    return max(bands, key=lambda b: b.rel)
+
+
+def within_error(gain: float, band: ErrorBand) -> bool:
+    """Whether a predicted gain ``gain`` (other step / this step) could vanish within the band:
+    ``gain <= (1 + e) / (1 - e)``; always True for an unchecked band."""
+    if band.rel is None:
+        return True
+    return gain <= (1 + band.rel) / (1 - band.rel)
