@@ -159,6 +159,14 @@ def exposed_ring(cp_comm: Count, fwd: Count) -> Count:
     return cp_comm / 2 + positive_part(cp_comm / 2 - fwd)
 
 
+def expert_shard_degree(dp: int, dp_shard: int, ep: int, cp: int) -> int:
+    """Ranks ZeRO/FSDP shards an expert's states over: the replicas of its shard group (HSDP's
+    ``dp_shard`` when it splits ``dp``, else ``dp``) that hold the same experts (one in ``ep``),
+    at least one, times the CP ranks."""
+    replicas = dp_shard if 0 < dp_shard < dp else dp
+    return max(replicas // ep, 1) * cp
+
+
 def shard_degree(plan_or_dp: int, dp_shard: int, cp: int) -> int:
     """Ranks ZeRO/FSDP shards a stage's states over: the HSDP shard group (``dp_shard``
     replicas), or all ``dp`` replicas, times the CP ranks (which hold the same parameters)."""
@@ -198,9 +206,10 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     # -- memory -------------------------------------------------------------------------------
     held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
                                         plan.virtual_stages)
-    expert_shard = (plan.shard_degree if plan.replicate_degree > 1 else plan.dp) // plan.ep * plan.cp
     mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
-                                          memory.model_states(terms.expert_params, zero, expert_shard, options),
+                                          memory.model_states(terms.expert_params, zero,
+                                                              expert_shard_degree(plan.dp, plan.dp_shard, plan.ep,
+                                                                                  plan.cp), options),
                                           held, terms.layer_peak,
                                           workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
                                           *memory.working_sets(terms, zero, shard, options),

@@ -21,7 +21,7 @@ from nest_fx.cost.collectives import group_comm_fn
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
-from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time, tail_terms
+from nest_fx.cost.step_time import comm_terms, expert_shard_degree, held_terms, p2p_time, tail_terms
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
@@ -260,7 +260,7 @@ class TableCache:
             opts = self.options
             t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.shard, zero, self.cluster, opts)[1]
             self._states[key] = (model_states(dense, zero, g.shard, opts),
-                                 model_states(terms.expert_params, zero, max(g.dp // g.ep, 1) * g.cp, opts),
+                                 model_states(terms.expert_params, zero, expert_shard_degree(g.dp, g.dp_shard, g.ep, g.cp), opts),
                                  dense, terms.expert_params, t_opt, *working_sets(terms, zero, g.shard, opts))
         return self._states[key]
 
