@@ -23,6 +23,7 @@ from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
+from nest_fx.workload.attention_share import attention_window, window_share
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES, block_policy_costs
 from nest_fx.workload.runtime_costs import RuntimeCosts, fusion_regions
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
@@ -60,6 +61,7 @@ class _NodeCost:
     seq: int = 0  # attention: key length
     q_bytes: float = 0.0  # attention: bytes of the query (the rest of its inputs are keys and values)
     kv_bytes: float = 0.0  # attention: bytes of keys and values
+    window: int = 0  # attention: causal sliding window (0: none; workload.attention_share)
     kept: Dict[str, float] = field(default_factory=dict)  # op-level policy -> bytes kept (recompute_costs)
     recomputed: Dict[str, float] = field(default_factory=dict)  # op-level policy -> share of the forward re-run
     linear_dims: Tuple[int, int, int] = (0, 0, 0)  # a linear with a weight: (rows, in, out features)
@@ -284,6 +286,8 @@ class TracedSource:
                 out.append(self.timing.op_seconds(n.flops * share / cp, n.bytes_moved * share / cp, n.matmul))
                 continue
             work = attention_work(n.seq, cp, n.causal and (self.attention == "flash" or cp > 1))
+            if n.window and self.attention == "flash":  # the band of a windowed kernel (CP refuses windows)
+                work = window_share(n.seq, n.window)
             nbytes = (n.bytes_moved - n.kv_bytes) / cp + n.kv_bytes
             extra = n.score_bytes * SCORE_GEMM_PASSES * work if self.attention == "traced" else 0.0
             t = self.timing.op_seconds(n.flops * share * work, (nbytes + extra) * share, n.matmul,
@@ -400,13 +404,16 @@ def _block_facts(graph, block) -> _BlockFacts:
         attention = d.get("op") in ATTENTION_CALLS
         saved_flash = d.get("saved_bytes", 0.0)
         q_bytes = kv_bytes = 0.0
-        seq = 0
+        seq = window = 0
         if attention and d.get("out_shapes"):
             shape = d["out_shapes"][0]
             lse = out_b / max(shape[-1], 1) * LSE_BYTES / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
-            saved_flash = min(saved_flash, in_b + out_b + lse)
             q_bytes = _bytes_of(d["in_shapes"][:1], d["in_dtypes"][:1])
             kv_bytes = _bytes_of(d["in_shapes"][1:3], d["in_dtypes"][1:3])
+            window = attention_window(g, n)
+            if window:  # a windowed fused kernel reads and keeps no mask
+                in_b = q_bytes + kv_bytes
+            saved_flash = min(saved_flash, in_b + out_b + lse)
             seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
         tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
@@ -419,7 +426,7 @@ def _block_facts(graph, block) -> _BlockFacts:
             tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
             scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
-            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, kept=kept[k], recomputed=recomputed[k],
+            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, window=window, kept=kept[k], recomputed=recomputed[k],
             linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
