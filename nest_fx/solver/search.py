@@ -79,19 +79,28 @@ class SolveResult:
     placements: List[Placement] = field(default_factory=list)  # the candidates searched
 
 
-def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
+def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf) -> float:
     """Tier 1: ``pipeline_span(T / p, W + X) + T_opt(N / p)`` with (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
     (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
-    overlapped."""
+    overlapped. The network is asked last: when the same bound without collectives or sends (W
+    the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
+    dropped either way), that bound is returned and the pair's groups are never resolved."""
     if _states_exceed_memory(cache, g, p):
         return math.inf
-    work, sends = cache.replica_work(g, p)
-    work += cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
-    if math.isinf(work):
+    forced = cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
+    if math.isinf(forced):
         return math.inf
-    paced = work if cache.options.overlap_p2p else work + sends
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
+    rc = cache.classes(g)
+    terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
+    compute = float(terms.fwd[whole] + terms.bwd[whole]) + forced  # replica_work's W without collectives
+    cheap = pipeline_span(compute / p, compute, m, g.schedule, g.virtual_stages) + t_opt
+    if cheap * SLACK >= best:
+        return cheap
+    work, sends = cache.replica_work(g, p)
+    work += forced
+    paced = work if cache.options.overlap_p2p else work + sends
     return pipeline_span(paced / p, work + sends, m, g.schedule, g.virtual_stages) + t_opt
 
 
@@ -197,7 +206,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
             for h in concrete(g, workload, p):
-                lb = _network_bound(tables.caches[o], h, p, m)
+                lb = _network_bound(tables.caches[o], h, p, m, best_t)
                 if lb * SLACK < best_t:
                     pairs.append((lb, h, p))
                     heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
@@ -206,7 +215,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
             continue
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
-                lb = _network_bound(tables.caches[o], g, p, m)
+                lb = _network_bound(tables.caches[o], g, p, m, best_t)
             else:
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:
