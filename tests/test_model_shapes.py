@@ -19,6 +19,7 @@ from nest_fx.models.layers import sliding_window_mask
 from nest_fx.models.mamba import ssd_scan
 from nest_fx.workload.attention_share import window_share
 from nest_fx.workload.types import dims_from_config
+from test_apply_parallel import run as parity_run  # the parity harness: launch + fp32 tolerances
 
 # (name, published total, published active or None, relative tolerance)
 PUBLISHED = [
@@ -213,3 +214,27 @@ def test_named_shapes_build_on_meta():
         model, cfg = build_model(name, layers=4)
         assert param_counts(cfg)[0] == sum(p.numel() for p in model.parameters())
     assert get_config("deepseek-v3").is_moe_layer(3) and not get_config("deepseek-v3").is_moe_layer(2)
+
+
+# -- the runtime runs them: parallel == single device (fp32, gloo) -----------------------------
+SHARED_MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=2.0,shared=1,moe_ffn=32"
+HYBRID = ("llama:hidden=64,layers=4,heads=4,kv=2,seq=32,vocab=128,pattern=M-*-,mamba_head_dim=16,mamba_groups=2,"
+          "mamba_state=8,mamba_chunk=8,activation=relu2")
+WINDOWED = "llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128,window=8,head_dim=24,activation=geglu"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_shared_experts_under_expert_parallelism():
+    parity_run(2, SHARED_MOE, {"dp": 2, "ep": 2, "microbatch_size": 2})
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model,plan", [
+    (HYBRID, {"pp": 2, "microbatch_size": 2, "num_microbatches": 2, "schedule": "1f1b"}),
+    (WINDOWED, {"tp": 2, "microbatch_size": 2, "sequence_parallel": True}),
+])
+def test_hybrid_and_windowed_models_in_parallel(model, plan):
+    parity_run(2, model, plan)
