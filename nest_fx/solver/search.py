@@ -43,6 +43,8 @@ import heapq
 import math
 import time
 from collections import OrderedDict
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -53,7 +55,7 @@ from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import candidates
+from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, in_space, objective
@@ -79,11 +81,13 @@ class SolveResult:
     placements: List[Placement] = field(default_factory=list)  # the candidates searched
 
 
-def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf) -> float:
-    """Tier 1: ``pipeline_span(T / p, W + X) + T_opt(N / p)`` with (W, X) =
+def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf,
+                   floors: Optional[Dict[Variant, np.ndarray]] = None) -> float:
+    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + T_opt(N / p)`` with (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
     (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
-    overlapped. The network is asked last: when the same bound without collectives or sends (W
+    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor``). The
+    network is asked last: when the same bound without collectives or sends (W
     the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
     dropped either way), that bound is returned and the pair's groups are never resolved."""
     if _states_exceed_memory(cache, g, p):
@@ -95,13 +99,17 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: flo
     rc = cache.classes(g)
     terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
     compute = float(terms.fwd[whole] + terms.bwd[whole]) + forced  # replica_work's W without collectives
-    cheap = pipeline_span(compute / p, compute, m, g.schedule, g.virtual_stages) + t_opt
+    floors = {} if floors is None else floors
+    if g.variant not in floors:
+        floors[g.variant] = layer_floors(cache.workload, g.variant)
+    busiest = float(busiest_stage_floor(floors[g.variant], p))
+    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages) + t_opt
     if cheap * SLACK >= best:
         return cheap
     work, sends = cache.replica_work(g, p)
     work += forced
     paced = work if cache.options.overlap_p2p else work + sends
-    return pipeline_span(paced / p, work + sends, m, g.schedule, g.virtual_stages) + t_opt
+    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + t_opt
 
 
 def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
@@ -192,6 +200,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     first = TableCache(workload, cluster, options.cost, options.recompute)
     tables = _Tables([first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first)
                                 for pl in places[1:]], global_batch)
+    floors: Dict[Variant, np.ndarray] = {}  # candidates.layer_floors per variant
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
     runs = pops = settled = 0
@@ -206,7 +215,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
             for h in concrete(g, workload, p):
-                lb = _network_bound(tables.caches[o], h, p, m, best_t)
+                lb = _network_bound(tables.caches[o], h, p, m, best_t, floors)
                 if lb * SLACK < best_t:
                     pairs.append((lb, h, p))
                     heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
@@ -215,7 +224,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
             continue
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
-                lb = _network_bound(tables.caches[o], g, p, m, best_t)
+                lb = _network_bound(tables.caches[o], g, p, m, best_t, floors)
             else:
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:
