@@ -8,7 +8,8 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
    forward + backward seconds and N its per-device parameters (max_i t_i >= W / p,
    sum_i t_i >= W, the span is monotone in both, and the largest stage's optimizer step is at
    least that of N / p parameters), after a memory screen (the leanest model states of p
-   stages, N / p parameters each, must fit);
+   stages, N / p parameters each, must fit); max_i t_i is also at least the busiest stage's
+   compute (``candidates.busiest_stage_floor``: ceil(L / p) layers);
 1. ``_network_bound``: the same with W' >= W adding each layer's collectives on the stage where
    they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``);
 2. the pair's stage table (``stage_table.StageTable``: every stage slot, layer range and
