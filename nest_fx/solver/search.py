@@ -44,8 +44,6 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -83,27 +81,27 @@ class SolveResult:
 
 
 def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf,
-                   floors: Optional[Dict[Variant, np.ndarray]] = None) -> float:
+                   memo: Optional[Dict[tuple, object]] = None) -> float:
     """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + T_opt(N / p)`` with (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
     (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
     overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor``). The
     network is asked last: when the same bound without collectives or sends (W
     the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
-    dropped either way), that bound is returned and the pair's groups are never resolved."""
-    if _states_exceed_memory(cache, g, p):
+    dropped either way), that bound is returned and the pair's groups are never resolved.
+    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
+    memo = {} if memo is None else memo
+    key = (id(cache), g.variant, g.zero, g.shard, p)
+    if key not in memo:  # (t_opt, the layers' compute, the busiest stage's), or None when states cannot fit
+        memo[key] = None if _states_exceed_memory(cache, g, p) else _compute_terms(cache, g, p, memo)
+    base = memo[key]
+    if base is None:
         return math.inf
+    t_opt, compute, busiest = base
     forced = cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
     if math.isinf(forced):
         return math.inf
-    t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
-    rc = cache.classes(g)
-    terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
-    compute = float(terms.fwd[whole] + terms.bwd[whole]) + forced  # replica_work's W without collectives
-    floors = {} if floors is None else floors
-    if g.variant not in floors:
-        floors[g.variant] = layer_floors(cache.workload, g.variant)
-    busiest = float(busiest_stage_floor(floors[g.variant], p))
+    compute += forced  # replica_work's W without collectives
     cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages) + t_opt
     if cheap * SLACK >= best:
         return cheap
@@ -111,6 +109,18 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: flo
     work += forced
     paced = work if cache.options.overlap_p2p else work + sends
     return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + t_opt
+
+
+def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
+    """(T_opt(N / p), the replica's forward + backward seconds, the busiest stage's floor)."""
+    floors = memo.get(("floors", g.variant))
+    if floors is None:
+        floors = memo[("floors", g.variant)] = layer_floors(cache.workload, g.variant)
+    t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
+    rc = cache.classes(g)
+    terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
+    busiest = float(busiest_stage_floor(floors, p))
+    return t_opt, float(terms.fwd[whole] + terms.bwd[whole]), busiest
 
 
 def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
@@ -201,7 +211,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     first = TableCache(workload, cluster, options.cost, options.recompute)
     tables = _Tables([first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first)
                                 for pl in places[1:]], global_batch)
-    floors: Dict[Variant, np.ndarray] = {}  # candidates.layer_floors per variant
+    bounds: Dict[tuple, object] = {}  # _network_bound's network-independent terms
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
     runs = pops = settled = 0
@@ -216,7 +226,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule == "interleaved":  # a family: one entry per factor
             for h in concrete(g, workload, p):
-                lb = _network_bound(tables.caches[o], h, p, m, best_t, floors)
+                lb = _network_bound(tables.caches[o], h, p, m, best_t, bounds)
                 if lb * SLACK < best_t:
                     pairs.append((lb, h, p))
                     heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
@@ -225,7 +235,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
             continue
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
-                lb = _network_bound(tables.caches[o], g, p, m, best_t, floors)
+                lb = _network_bound(tables.caches[o], g, p, m, best_t, bounds)
             else:
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:
