@@ -36,7 +36,7 @@ def _floors(times) -> np.ndarray:
 def layer_floors(workload: Workload, variant: Variant) -> np.ndarray:
     """(L + 1,): entry k is the least forward + backward seconds of any k of the L layers (prefix
     sums of the sorted per-layer times)."""
-    return _floors([workload.cost(i, variant).fwd_s + workload.cost(i, variant).bwd_s for i in range(len(workload))])
+    return _floors([c.fwd_s + c.bwd_s for c in (workload.cost(i, variant) for i in range(len(workload)))])
 
 
 def busiest_stage_floor(floors: np.ndarray, depths):
