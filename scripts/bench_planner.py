@@ -122,7 +122,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--clusters", nargs="+", default=CLUSTERS)
-    ap.add_argument("--devices", nargs="+", type=int, default=DEVICES)
+    ap.add_argument("--devices", nargs="*", type=int, default=DEVICES,
+                    help="device counts of the planner comparison (none: only the search-time scaling)")
     ap.add_argument("--global-batch", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=30.0, help="search seconds per planner per case")
     ap.add_argument("--mcmc-evals", type=int, default=1000)

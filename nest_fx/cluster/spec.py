@@ -201,7 +201,9 @@ class Cluster:
         arr = np.asarray(ranks) if not isinstance(ranks, np.ndarray) else ranks
         if arr.ndim == 1 and arr.size and arr.dtype.kind in "iu":
             arr = arr.astype(np.int64, copy=False)
-            if arr.min() >= 0 and arr.max() < self.num_devices and np.unique(arr).size == arr.size:
+            if arr.min() >= 0 and arr.max() < self.num_devices and (
+                    bool((arr[1:] > arr[:-1]).all())  # ascending (what placements give): distinct, no sort
+                    or np.unique(arr).size == arr.size):
                 return arr
         return np.array(self._check_ranks(ranks), dtype=np.int64)  # the per-rank path names the bad one
 
@@ -317,8 +319,12 @@ class Cluster:
     def cost_key(self) -> str:
         """What the cost model's collective memo is keyed on: the device count and every level's
         figures as they are now (a cluster is mutable; a changed figure gives a new key)."""
-        figures = [(lv.group_size, float(lv.bandwidth), float(lv.latency)) for lv in self.levels]
-        return f"levels:{self.num_devices}:{figures!r}"
+        figures = tuple((lv.group_size, float(lv.bandwidth), float(lv.latency)) for lv in self.levels)
+        state = (self.num_devices, figures)
+        memo = self.__dict__.get("_cost_key_memo")
+        if memo is None or memo[0] != state:  # formatting the figures is the costly part: once per state
+            memo = self.__dict__["_cost_key_memo"] = (state, f"levels:{self.num_devices}:{list(figures)!r}")
+        return memo[1]
 
     def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float) -> float:
         """Seconds of collective ``kind`` over ``ranks`` on an ``nbytes`` buffer (hierarchical

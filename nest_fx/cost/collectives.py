@@ -44,10 +44,12 @@ def p2p(cluster: ClusterModel, src: int, dst: int, nbytes: float) -> float:
     return cluster.p2p_time(src, dst, nbytes)
 
 
-def _affine(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...]) -> Optional[Tuple[float, float]]:
+def _affine(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...],
+            cost_key: Optional[str] = None) -> Optional[Tuple[float, float]]:
     """The cluster's (alpha, beta) of ``kind`` over ``ranks`` (memoised), or None when its cost is
-    not affine in the size (graph topologies)."""
-    key = (cluster.cost_key, kind, ranks)
+    not affine in the size (graph topologies). ``cost_key``: ``cluster.cost_key`` when the caller
+    has it (asking a cluster for it formats its figures)."""
+    key = (cluster.cost_key if cost_key is None else cost_key, kind, ranks)
     if key not in _AFFINE_CACHE:
         if len(_AFFINE_CACHE) > _CACHE_LIMIT:
             _AFFINE_CACHE.clear()
@@ -126,5 +128,15 @@ def group_comm_time(cluster: ClusterModel, comm: Comm, groups: Sequence[Sequence
 def group_comm_fn(cluster: ClusterModel, kind: str, groups: Sequence[Sequence[int]]) -> Callable[[Comm], float]:
     """``comm -> group_comm_time(cluster, comm, groups)`` for collectives of ``kind``, with the
     groups resolved once (:func:`comm_time` of each group: single-rank groups cost 0)."""
-    fns = [collective_fn(kind, cluster, g) for g in groups if len(g) > 1]
+    distinct = list(dict.fromkeys(tuple(g) for g in groups if len(g) > 1))
+    cost_key = cluster.cost_key
+    lines = [_affine(kind, cluster, g, cost_key) for g in distinct]
+    if distinct and all(line is not None for line in lines):
+        # affine costs: only the upper envelope of the (alpha, beta) lines can be the slowest group
+        # (a data-parallel layout at 65,536 devices has thousands of groups, a few distinct lines)
+        kept = [(a, b) for a, b in set(lines) if not any(a2 >= a and b2 >= b and (a2, b2) != (a, b)
+                                                           for a2, b2 in set(lines))]
+        return lambda comm: (max(comm.count * (a + b * comm.nbytes) for a, b in kept)
+                             if comm.nbytes > 0 else 0.0)
+    fns = [collective_fn(kind, cluster, g) for g in distinct]
     return lambda comm: max((comm.count * f(comm.nbytes) for f in fns), default=0.0)

@@ -34,6 +34,11 @@ _SMALL = "hidden=64,layers=2,heads=4,seq=32,vocab=128"
 
 def hf_config(family: str, cfg: TransformerConfig):
     """The ``transformers`` config of ``family`` with the shapes of ``cfg``."""
+    unmapped = cfg.zoo_only_fields()
+    if unmapped:
+        raise ModelError(f"hf:{cfg.name}: {', '.join(unmapped)} have no equivalent in the HuggingFace {family} config "
+                         "nest-fx maps zoo shapes onto; use the zoo name without hf: (the nest-fx module builds it), "
+                         "or hf:<model_type> of an architecture transformers ships (e.g. hf:deepseek_v3)")
     tf = require_transformers()
     common: Dict[str, Any] = dict(vocab_size=cfg.vocab_size, use_cache=False)
     if family == "gpt2":

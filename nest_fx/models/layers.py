@@ -1,4 +1,5 @@
-"""The layers of the zoo transformer: norms, rotary positions, attention and the MLPs.
+"""The layers of the zoo transformer: norms, rotary positions, attention and the MLPs
+(multi-head latent attention: ``mla.py``; Mamba-2: ``mamba.py``).
 
 Written so that ``torch.fx.symbolic_trace`` traces them (no data-dependent Python control
 flow); see ``transformer.py`` for the module names they get in a model.
@@ -73,18 +74,37 @@ class Rotary(nn.Module):
         return rotated.flatten(-2)
 
 
-class Attention(nn.Module):
-    """Multi-head (or grouped-query) self-attention with fused SDPA."""
+@torch.fx.wrap
+def sliding_window_mask(q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean [q_len, k_len] mask of causal attention over the last ``window`` keys (query i sees
+    keys i - window + 1 .. i). A leaf for fx taking sizes only (so tensor parallelism follows the
+    heads past it); the cost model reads ``window`` from this call's literal argument
+    (``workload.attention_share``)."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    cols = torch.arange(k_len, device=device).unsqueeze(0)
+    return (cols <= rows) & (rows - cols < window)
 
-    def __init__(self, cfg: TransformerConfig):
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int, gqa: bool) -> torch.Tensor:
+    """SDPA, causal or over a sliding window (an explicit band mask)."""
+    if window:
+        mask = sliding_window_mask(q.size(-2), k.size(-2), window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) self-attention with fused SDPA; ``window > 0``: over a sliding window."""
+
+    def __init__(self, cfg: TransformerConfig, window: int = 0):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.causal = cfg.causal
+        self.causal, self.window = cfg.causal, window
         kv_dim = cfg.kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
-        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
         self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.position == "rope" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,38 +115,48 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, enable_gqa=self.kv_heads != self.heads
-        )
+        out = attend(q, k, v, self.causal, self.window, self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
-class SwiGLU(nn.Module):
-    """Gated MLP of Llama: down(silu(gate(x)) * up(x))."""
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = False):
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP of Llama: down(silu(gate(x)) * up(x)); ``act="gelu"``: GeGLU (Gemma, Shazeer 2020)."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = False, act: str = "silu"):
         super().__init__()
+        self.act = F.silu if act == "silu" else _gelu
         self.gate = nn.Linear(hidden, ffn_hidden, bias=bias)
         self.up = nn.Linear(hidden, ffn_hidden, bias=bias)
         self.down = nn.Linear(ffn_hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 class GeluMLP(nn.Module):
-    """GPT-2/BERT MLP: proj(gelu(fc(x)))."""
+    """GPT-2/BERT MLP: proj(gelu(fc(x))); ``act="relu2"``: squared ReLU (Primer, Nemotron)."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True):
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True, act: str = "gelu"):
         super().__init__()
+        self.act = _gelu if act == "gelu" else _relu2
         self.fc = nn.Linear(hidden, ffn_hidden, bias=bias)
         self.proj = nn.Linear(ffn_hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(self.act(self.fc(x)))
 
 
-def make_mlp(cfg: TransformerConfig) -> nn.Module:
-    if cfg.activation == "swiglu":
-        return SwiGLU(cfg.hidden, cfg.ffn_hidden, cfg.bias)
-    return GeluMLP(cfg.hidden, cfg.ffn_hidden, cfg.bias)
+def make_mlp(cfg: TransformerConfig, ffn_hidden: int = 0) -> nn.Module:
+    """The config's MLP (``ffn_hidden`` wide, default the config's)."""
+    width = ffn_hidden or cfg.ffn_hidden
+    if cfg.activation in ("swiglu", "geglu"):
+        return SwiGLU(cfg.hidden, width, cfg.bias, act="silu" if cfg.activation == "swiglu" else "gelu")
+    return GeluMLP(cfg.hidden, width, cfg.bias, act=cfg.activation)

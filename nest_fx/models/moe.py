@@ -10,6 +10,8 @@ Tokens past an expert's capacity are dropped (they pass through the residual). B
 capacity is per sequence, splitting the batch over data- or expert-parallel ranks does not
 change which tokens are dropped, so a parallel run computes exactly the single-device model.
 The buffer's expert dimension is what expert parallelism exchanges with all_to_all.
+``shared_experts > 0`` adds one always-on MLP of ``shared_experts x moe_ffn_hidden`` (DeepSeek-V2/V3,
+Qwen-MoE: the shared experts fused into one), a dense module that stays replicated under EP.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nest_fx.models.config import TransformerConfig
-from nest_fx.models.layers import SwiGLU
+from nest_fx.models.layers import make_mlp
 
 # Capacity factor as an integer ratio, so capacity is integer arithmetic that fx can trace.
 _CF_SCALE = 1000
@@ -31,16 +33,16 @@ def expert_capacity(seq: int, top_k: int, experts: int, capacity_factor: float) 
 
 
 class MoE(nn.Module):
-    """Router ``gate`` + ``experts.{e}`` SwiGLU FFNs (``gate``/``up`` column, ``down`` row)."""
+    """Router ``gate`` + ``experts.{e}`` FFNs (``gate``/``up`` column, ``down`` row) (+ ``shared``)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.capacity_factor = cfg.capacity_factor
         self.gate = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            SwiGLU(cfg.hidden, cfg.ffn_hidden, cfg.bias) for _ in range(cfg.num_experts)
-        )
+        self.experts = nn.ModuleList(make_mlp(cfg, cfg.moe_ffn_hidden) for _ in range(cfg.num_experts))
+        if cfg.shared_experts:
+            self.shared = make_mlp(cfg, cfg.shared_experts * cfg.moe_ffn_hidden)
 
     def route(self, x: torch.Tensor):
         """Return (slot index [B, S*k], combine weight [B, S*k, 1], capacity)."""
@@ -82,4 +84,5 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slot, weight, capacity = self.route(x)
         out = self.run_experts(self.dispatch(x, slot, capacity))
-        return self.combine(out, slot, weight, x.size(1))
+        routed = self.combine(out, slot, weight, x.size(1))
+        return routed + self.shared(x) if hasattr(self, "shared") else routed

@@ -23,14 +23,31 @@ def variant_of(g: GlobalConfig) -> Variant:
     return g.variant
 
 
-def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float]:
-    """(per-microbatch fwd + bwd seconds, per-device parameters) of one replica at g's variant."""
-    work = params = 0.0
-    for i in range(len(workload)):
-        c = workload.cost(i, g.variant)
-        work += c.fwd_s + c.bwd_s
-        params += c.num_params
-    return work, params
+def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float, np.ndarray]:
+    """(per-microbatch fwd + bwd seconds, per-device parameters, :func:`layer_floors`) of one
+    replica at g's variant."""
+    times = [workload.cost(i, g.variant) for i in range(len(workload))]
+    work = sum(c.fwd_s + c.bwd_s for c in times)
+    return work, sum(c.num_params for c in times), _floors([c.fwd_s + c.bwd_s for c in times])
+
+
+def _floors(times) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.sort(np.asarray(times, dtype=float)))])
+
+
+def layer_floors(workload: Workload, variant: Variant) -> np.ndarray:
+    """(L + 1,): entry k is the least forward + backward seconds of any k of the L layers (prefix
+    sums of the sorted per-layer times)."""
+    return _floors([c.fwd_s + c.bwd_s for c in (workload.cost(i, variant) for i in range(len(workload)))])
+
+
+def busiest_stage_floor(floors: np.ndarray, depths):
+    """A lower bound on max_i t_i of any split into ``depths`` stages (an int or an array): the
+    stage holding the most layers holds at least ceil(L / p) of them, and its per-microbatch time is
+    at least their forward + backward seconds (``results.microbatch_time``: collectives,
+    recompute and sends only add), hence at least the ceil(L / p) cheapest layers' sum."""
+    layers = len(floors) - 1
+    return floors[-(-layers // np.asarray(depths))]
 
 
 def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, options: SolverOptions,
@@ -43,7 +60,7 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     options = options.priced()
     workload = options.runtime_workload(workload)
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
-    works: Dict[tuple, Tuple[float, float]] = {}
+    works: Dict[tuple, Tuple[float, float, np.ndarray]] = {}
     screens: Dict[tuple, np.ndarray] = {}
     out = []
     for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
@@ -52,7 +69,7 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
         key = variant_of(g)
         if key not in works:
             works[key] = _replica_work(workload, g)
-        work, params = works[key]
+        work, params, floors = works[key]
         depths = np.array(stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp)
         if not depths.size:
             continue
@@ -64,11 +81,12 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
         depths = depths[screens[screen_key][depths]]
         t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost)[1]
         m = g.microbatches(global_batch)
+        max_t = np.maximum(work / depths, busiest_stage_floor(floors, depths))
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:
             v = len(workload) // depths  # the largest factor gives the least bound of the family
-            lbs = m * (work / depths) + (work - work / depths) * bubble_factor(g.schedule, 1) / v + t_opt
+            lbs = m * max_t + (work - max_t) * bubble_factor(g.schedule, 1) / v + t_opt
         else:
-            lbs = pipeline_span(work / depths, work, m, g.schedule, g.virtual_stages) + t_opt
+            lbs = pipeline_span(max_t, work, m, g.schedule, g.virtual_stages) + t_opt
         for lb, p in zip(lbs.tolist(), depths.tolist()):
             out.extend((lb, h, p) for h in (concrete(g, workload, p) if expand else [g]))
     out.sort(key=lambda x: x[0])

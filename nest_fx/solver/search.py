@@ -8,7 +8,8 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
    forward + backward seconds and N its per-device parameters (max_i t_i >= W / p,
    sum_i t_i >= W, the span is monotone in both, and the largest stage's optimizer step is at
    least that of N / p parameters), after a memory screen (the leanest model states of p
-   stages, N / p parameters each, must fit);
+   stages, N / p parameters each, must fit); max_i t_i is also at least the busiest stage's
+   compute (``candidates.busiest_stage_floor``: ceil(L / p) layers);
 1. ``_network_bound``: the same with W' >= W adding each layer's collectives on the stage where
    they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``);
 2. the pair's stage table (``stage_table.StageTable``: every stage slot, layer range and
@@ -53,7 +54,7 @@ from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import candidates
+from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -82,20 +83,47 @@ class SolveResult:
     placements: List[Placement] = field(default_factory=list)  # the candidates searched
 
 
-def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int) -> float:
-    """Tier 1: ``pipeline_span(T / p, W + X) + T_opt(N / p)`` with (W, X) =
+def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf,
+                   memo: Optional[Dict[tuple, object]] = None) -> float:
+    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + T_opt(N / p)`` with (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
     (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
-    overlapped."""
-    if _states_exceed_memory(cache, g, p):
+    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor``). The
+    network is asked last: when the same bound without collectives or sends (W
+    the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
+    dropped either way), that bound is returned and the pair's groups are never resolved.
+    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
+    memo = {} if memo is None else memo
+    key = (id(cache), g.variant, g.zero, g.shard, p)
+    if key not in memo:  # (t_opt, the layers' compute, the busiest stage's), or None when states cannot fit
+        memo[key] = None if _states_exceed_memory(cache, g, p) else _compute_terms(cache, g, p, memo)
+    base = memo[key]
+    if base is None:
         return math.inf
+    t_opt, compute, busiest = base
+    forced = cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
+    if math.isinf(forced):
+        return math.inf
+    compute += forced  # replica_work's W without collectives
+    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages) + t_opt
+    if cheap * SLACK >= best:
+        return cheap
     work, sends = cache.replica_work(g, p)
-    work += cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
-    if math.isinf(work):
-        return math.inf
+    work += forced
     paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
+    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + t_opt
+
+
+def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
+    """(T_opt(N / p), the replica's forward + backward seconds, the busiest stage's floor)."""
+    floors = memo.get(("floors", g.variant))
+    if floors is None:
+        floors = memo[("floors", g.variant)] = layer_floors(cache.workload, g.variant)
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
-    return pipeline_span(paced / p, work + sends, m, g.schedule, g.virtual_stages) + t_opt
+    rc = cache.classes(g)
+    terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
+    busiest = float(busiest_stage_floor(floors, p))
+    return t_opt, float(terms.fwd[whole] + terms.bwd[whole]), busiest
 
 
 def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
@@ -186,6 +214,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     first = TableCache(workload, cluster, options.cost, options.recompute)
     tables = _Tables([first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first)
                                 for pl in places[1:]], global_batch)
+    bounds: Dict[tuple, object] = {}  # _network_bound's network-independent terms
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
     runs = pops = settled = 0
@@ -200,7 +229,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
             for h in concrete(g, workload, p):
-                lb = _network_bound(tables.caches[o], h, p, m)
+                lb = _network_bound(tables.caches[o], h, p, m, best_t, bounds)
                 if lb * SLACK < best_t:
                     pairs.append((lb, h, p))
                     heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
@@ -209,7 +238,7 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
             continue
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
-                lb = _network_bound(tables.caches[o], g, p, m)
+                lb = _network_bound(tables.caches[o], g, p, m, best_t, bounds)
             else:
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:

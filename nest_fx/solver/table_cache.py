@@ -228,13 +228,10 @@ class TableCache:
             whole = rc.cls[0, n]
             terms = rc.terms[rc.modes[0]]
             total = float(terms.fwd[whole] + terms.bwd[whole])
-            per_layer_modes = {r for r in rc.modes if parse_recompute(r).kind != "every"}
-            if len(per_layer_modes) < len(rc.modes):  # every:<k> runs blocks as none or full
-                per_layer_modes |= {"none", "full"}
+            # each collective once ("none": no recompute re-runs one), the least of every mode's
             for d, c in enumerate(rc.costs):
-                per_layer = min(float(np.min(_comm_work(comm_terms([(c, 1)], r, lambda x: self.comm_seconds(g, p, x)),
-                                                        c.fwd_s + c.bwd_s, self.options)))
-                                for r in per_layer_modes)
+                per_layer = float(np.min(_comm_work(comm_terms([(c, 1)], "none", lambda x: self.comm_seconds(g, p, x)),
+                                                    c.fwd_s + c.bwd_s, self.options)))
                 total += int(rc.counts[d, whole]) * per_layer
             senders = np.unique(rc.prev[rc.prev >= 0])
             boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0

@@ -22,6 +22,7 @@ import torch
 from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.recompute_costs import block_policy_costs
+from nest_fx.workload.attention_share import attention_window
 from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
@@ -56,6 +57,7 @@ class NodeCost:
     score_bytes: float = 0.0  # ... and its bytes
     causal: bool = False  # attention: a causal call (is_causal=True)
     seq: int = 0  # attention: key length
+    window: int = 0  # attention: causal sliding window (0: none; workload.attention_share)
     q_bytes: float = 0.0  # attention: bytes of the query (the rest of its inputs are keys and values)
     kv_bytes: float = 0.0  # attention: bytes of keys and values
     kept: Dict[str, float] = field(default_factory=dict)  # op-level policy -> bytes kept (recompute_costs)
@@ -151,13 +153,16 @@ def block_facts(graph, block) -> BlockFacts:
         attention = d.get("op") in ATTENTION_CALLS
         saved_flash = d.get("saved_bytes", 0.0)
         q_bytes = kv_bytes = 0.0
-        seq = 0
+        seq = window = 0
         if attention and d.get("out_shapes"):
             shape = d["out_shapes"][0]
             lse = out_b / max(shape[-1], 1) * LSE_BYTES / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
-            saved_flash = min(saved_flash, in_b + out_b + lse)
             q_bytes = _bytes_of(d["in_shapes"][:1], d["in_dtypes"][:1])
             kv_bytes = _bytes_of(d["in_shapes"][1:3], d["in_dtypes"][1:3])
+            window = attention_window(g, n)
+            if window:  # a windowed fused kernel reads and keeps no mask
+                in_b = q_bytes + kv_bytes
+            saved_flash = min(saved_flash, in_b + out_b + lse)
             seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
         tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
@@ -170,7 +175,7 @@ def block_facts(graph, block) -> BlockFacts:
             tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
             scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
-            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, kept=kept[k], recomputed=recomputed[k],
+            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, window=window, kept=kept[k], recomputed=recomputed[k],
             linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})

@@ -127,9 +127,10 @@ def local_graph(name: str, tp: int, mbs: int, *, seq: Optional[int], dtype: torc
     Returns (OpGraph, model, args, kwargs); the token ids fit the local vocabulary shard."""
     model, cfg, args, kwargs = build_any(name, batch=mbs, seq=seq, device=device, dtype=dtype, layers=layers)
     if tp > 1:
-        localise_tp(model, trace(model, args, kwargs, name=name), tp, cfg.vocab_size)
+        rows = getattr(cfg, "padded_vocab", cfg.vocab_size)  # the embedding's rows (zoo: padded)
+        localise_tp(model, trace(model, args, kwargs, name=name), tp, rows)
         if torch.device(device).type != "meta":
-            vocab = local_vocab(cfg.vocab_size, tp)
+            vocab = local_vocab(rows, tp)
             args = tuple(torch.randint(0, vocab, a.shape, device=device) if isinstance(a, torch.Tensor) else a
                          for a in args)
             kwargs = {k: torch.randint(0, vocab, v.shape, device=device) if isinstance(v, torch.Tensor) else v

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.workload.attention_share import window_share
 from nest_fx.workload.block_facts import (LOSS_BACKWARD_COPIES, LOSS_STATE_BYTES, BlockFacts, block_facts,
                                           scaled_facts, vocab_parallel_nodes)
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
@@ -231,6 +232,8 @@ class TracedSource:
                 out.append(self.timing.op_seconds(n.flops * share / cp, n.bytes_moved * share / cp, n.matmul))
                 continue
             work = attention_work(n.seq, cp, n.causal and (self.attention == "flash" or cp > 1))
+            if n.window and self.attention == "flash":  # the band of a windowed kernel (CP refuses windows)
+                work = window_share(n.seq, n.window)
             nbytes = (n.bytes_moved - n.kv_bytes) / cp + n.kv_bytes
             extra = n.score_bytes * SCORE_GEMM_PASSES * work if self.attention == "traced" else 0.0
             t = self.timing.op_seconds(n.flops * share * work, (nbytes + extra) * share, n.matmul,

@@ -373,5 +373,5 @@ def dims_from_config(cfg, *, seq_len: int, dtype_bytes: int = 2) -> ModelDims:
                      kv_heads=get("kv_heads", "num_key_value_heads", "heads", "num_attention_heads", "n_head"),
                      ffn_hidden=get("ffn_hidden", "intermediate_size", "n_inner"),
                      num_experts=get("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-                     vocab_size=get("vocab_size"),
+                     vocab_size=get("padded_vocab", "vocab_size"),
                      dtype_bytes=dtype_bytes)
