@@ -79,3 +79,34 @@ def test_a_truncated_file_is_an_apply_error(weights, tmp_path):
     with pytest.raises(ApplyError, match="not a readable safetensors file"):
         open_weights(bad)
     assert os.path.exists(bad)
+
+
+def test_materialize_reads_into_bf16_parameters_without_mapping_the_file(tmp_path, monkeypatch):
+    """A meta model whose parameters are bf16 (``bf16-true``), filled from an fp32 safetensors
+    file: the values are the file's converted, read straight into the parameters (the reader
+    never calls safe_open, which would map the file), and only the file's bytes are read."""
+    import copy
+
+    import safetensors
+
+    from nest_fx.apply.materialize import materialize, prepare_weights
+    from nest_fx.apply.precision import prepare_parameters
+    from nest_fx.models import build_model
+
+    spec = "llama:hidden=32,layers=2,heads=4,kv=2,seq=16,vocab=64"
+    source, _ = build_model(spec, device="cpu")
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, path)
+    model, _ = build_model(spec, device="meta")
+    skeleton = copy.deepcopy(model)
+    loaded = prepare_weights(path, model)
+    prepare_parameters([model], "bf16-true")
+
+    def no_mapping(*args, **kwargs):
+        raise AssertionError("safe_open maps the file")
+    monkeypatch.setattr(safetensors, "safe_open", no_mapping)
+    counts = materialize([model], skeleton, torch.device("cpu"), loaded)
+    want = source.state_dict()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), want[name].to(torch.bfloat16)), name
+    assert counts["bytes_read"] == sum(t.numel() * 4 for t in want.values() if t.is_floating_point())
