@@ -17,16 +17,18 @@
 4. 4 CPU ranks (gloo, one thread each). Each rank first moves itself into a memory cgroup of its
    own whose limit it cannot exceed (the kernel reclaims page cache, then kills the rank): the
    model's fp32 bytes / ``--fraction`` (3) minus the rank's RSS at that moment, so that the
-   rank's whole resident memory stays under a third of the model. Then: build the model on
+   rank's whole resident memory stays under a third of the model. Each rank sets glibc's
+   ``M_MMAP_THRESHOLD`` to ``--mmap-threshold`` (1 MiB; 0 keeps glibc's adaptive default). Then: build the model on
    ``meta``, ``auto_parallelize(..., weights=DIR)`` (each rank reads its boxes only), 2 SGD
    steps, ``pm.save_pretrained`` (100 MB files).
 5. Per rank: peak RSS and its anonymous part per phase (setup: build, trace, parallelise; load;
    train; export), live-tensor peak of step 2 (``torch.profiler`` memory events), all against
-   the prediction; bytes read against the shard's bytes in the file's dtype (``rchar``) and
-   what the kernel fetched from storage (``read_bytes``, readahead included); load throughput;
+   the prediction; bytes read (the reader's count, ``preadv``) against the shard's bytes in the
+   file's dtype, and what the kernel fetched from storage (``/proc/self/io`` ``read_bytes``,
+   readahead included); load throughput;
    time to the end of the first optimizer step; export time; the cgroup's peak.
 6. The export is checked: every tensor's float64 sum in the written files equals the trained
-   parallel model's (full tensors, gathered one at a time after the measurements).
+   parallel model's (each rank's shard summed, the sums all-reduced: nothing gathered).
 
 ``--limit rlimit`` uses ``RLIMIT_AS`` (address space) instead of the cgroup; ``--limit
 watchdog`` polls the RSS. Writes ``results/bench_big_model.json`` and ``.md`` (``--out``).
