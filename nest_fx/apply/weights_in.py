@@ -9,9 +9,12 @@
   ``"state_dict"`` or ``"model"`` is accepted), memory-mapped, so slicing reads only the pages of
   the slice.
 
-Every reader lists ``{name: (shape, dtype)}`` from the file headers alone (``specs``) and reads a
-box ``read(name, offsets, sizes)`` of a tensor; safetensors reads go through
-``safe_open(...).get_slice(name)[slices]``, which reads exactly the bytes of the box.
+Every reader lists ``{name: (shape, dtype)}`` from the file headers alone (``specs``), reads a
+box ``read(name, offsets, sizes)`` of a tensor, or fills a tensor with one
+(``read_into(name, offsets, sizes, out)``, converting to ``out``'s dtype: what
+``apply/materialize.py`` uses, so a rank's shard is written in place with no whole-box copy).
+Safetensors files are not memory-mapped: each box is read with ``os.preadv``, only its bytes,
+and dropped from the page cache after (:mod:`nest_fx.apply.safetensors_read`).
 ``bytes_read`` counts what a rank read (tests and ``scripts/bench_*`` compare it with the rank's
 share). A nest-fx checkpoint directory is not read here: the runtime loads it through
 :func:`nest_fx.apply.checkpoint.load_checkpoint` (:func:`is_nest_fx_checkpoint`).
@@ -20,24 +23,19 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from nest_fx.apply.checkpoint_files import META_FILE, is_checkpoint_root
 from nest_fx.apply.checks import ApplyError
+from nest_fx.apply.safetensors_read import SafetensorsFile, read_header
 from nest_fx.common.fileio import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 Spec = Tuple[Tuple[int, ...], torch.dtype]
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-                       "F8_E5M2": torch.float8_e5m2}
-
 
 def is_nest_fx_checkpoint(path: str) -> bool:
     """Whether ``path`` is a nest-fx checkpoint directory (a root of step directories or one step)."""
@@ -49,29 +47,38 @@ def _box(offsets: Sequence[int], sizes: Sequence[int]) -> tuple:
 
 
 class SafetensorsWeights:
-    """A safetensors file or directory (see the module docstring)."""
+    """A safetensors file or directory (see the module docstring), read box by box with
+    ``os.preadv`` straight into the destination (:mod:`nest_fx.apply.safetensors_read`)."""
 
     def __init__(self, path: str):
         self.path = path
-        self.bytes_read = 0
-        files = self._files(path)
-        self._handles: Dict[str, object] = {}
-        self._where: Dict[str, str] = {}
+        self._files: Dict[str, SafetensorsFile] = {}
+        self._where: Dict[str, SafetensorsFile] = {}
         self._specs: Dict[str, Spec] = {}
-        for file in files:
-            handle = self._open(file)
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-                if dtype is None:
+        self._staging: List[Optional[torch.Tensor]] = [None]
+        for file in self._paths(path):
+            try:
+                entries = read_header(file)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ApplyError(f"weights={path}: {os.path.basename(file)} is not a readable safetensors file "
+                                 f"({type(exc).__name__}: {exc}); fix: write it again with save_pretrained or "
+                                 "safetensors.torch.save_file") from None
+            handle = self._files[file] = SafetensorsFile(file, entries)
+            for name, entry in entries.items():
+                if entry.dtype is None:
                     raise ApplyError(f"weights={path}: tensor {name} in {os.path.basename(file)} has dtype "
-                                     f"{piece.get_dtype()}, which nest-fx does not read; fix: convert the file to "
+                                     f"{entry.dtype_name}, which nest-fx does not read; fix: convert the file to "
                                      "a floating-point dtype")
-                self._specs[name] = (tuple(piece.get_shape()), dtype)
-                self._where[name] = file
+                self._specs[name] = (entry.shape, entry.dtype)
+                self._where[name] = handle
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data read so far (each box's own bytes)."""
+        return sum(f.bytes_read for f in self._files.values())
 
     @staticmethod
-    def _files(path: str) -> List[str]:
+    def _paths(path: str) -> List[str]:
         if os.path.isfile(path):
             return [path]
         index = os.path.join(path, INDEX_FILE)
@@ -87,23 +94,26 @@ class SafetensorsWeights:
         single = os.path.join(path, SINGLE_FILE)
         return [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
-    def _open(self, file: str):
-        from safetensors import safe_open  # a dependency of nest-fx; imported here to keep import time low
-
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt", device="cpu")
-        return self._handles[file]
-
     def specs(self) -> Dict[str, Spec]:
         """{name: (shape, dtype)} of every tensor, from the headers."""
         return dict(self._specs)
 
+    def read_into(self, name: str, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor) -> None:
+        """Fill ``out`` (shape ``sizes``; converted to its dtype) with the box ``[offsets, offsets +
+        sizes)`` of tensor ``name``, reading only the box's bytes and no whole-box copy."""
+        self._where[name].read_into(name, offsets, sizes, out, self._staging)
+
     def read(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """The box ``[offsets, offsets + sizes)`` of tensor ``name`` (only its bytes are read)."""
-        piece = self._open(self._where[name]).get_slice(name)
-        out = piece[_box(offsets, sizes)] if sizes else piece[:]
-        self.bytes_read += out.numel() * out.element_size()
+        out = torch.empty(list(sizes), dtype=self._specs[name][1])
+        self.read_into(name, offsets, sizes, out)
         return out
+
+    def close(self) -> None:
+        """Close the files and free the staging buffer (a later read opens them again)."""
+        for f in self._files.values():
+            f.close()
+        self._staging[0] = None
 
 
 class StateDictWeights:
@@ -135,6 +145,16 @@ class StateDictWeights:
         out = t[_box(offsets, sizes)] if sizes else t
         self.bytes_read += out.numel() * out.element_size()
         return out.clone()
+
+    def read_into(self, name: str, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the box into ``out`` (converted to its dtype) with no intermediate tensor."""
+        t = self._tensors[name]
+        box = t[_box(offsets, sizes)] if sizes else t
+        self.bytes_read += box.numel() * box.element_size()
+        out.copy_(box.reshape(out.shape))
+
+    def close(self) -> None:
+        """Nothing to close (the mapping goes with the reader)."""
 
 
 def open_weights(path: str):
