@@ -16,9 +16,7 @@ results/bench_cli.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -26,6 +24,7 @@ import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
+from _bench_common import environment_line, write_json  # next to this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_S = 0.5
@@ -114,27 +113,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkouts = {"before": os.path.abspath(args.before)} if args.before else {}
     checkouts["after"] = ROOT
     cases = [name for name, (_, _, _, slow) in CASES.items() if not (slow and args.skip_slow)]
-    load = os.getloadavg()
     data = measure(checkouts, args.repeats, args.slow_repeats, cases)
     text, misses = table(data, list(checkouts))
     print(text)
-    print(f"target: --help and a missing-file error under {TARGET_S} s (median wall); load average before the run "
-          f"{load[0]:.2f}, after {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"target: --help and a missing-file error under {TARGET_S} s (median wall); {environment_line()}")
     for miss in misses:
         print(f"MISSED {miss}")
     result = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_before": load, "load_after": os.getloadavg()},
         "checkouts": checkouts, "repeats": args.repeats, "slow_repeats": args.slow_repeats, "target_s": TARGET_S,
         "cases": {name: {"argv": CASES[name][0], **per} for name, per in data.items()},
         "medians": {name: {label: {"wall_s": statistics.median(v["wall_s"]), "cpu_s": statistics.median(v["cpu_s"])}
                            for label, v in per.items()} for name, per in data.items()},
         "misses": misses,
     }
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, result, indent=2)
     return 1 if misses else 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.models import build_seeded
 from nest_fx.plan import uniform_plan
+from _bench_common import write_json  # next to this script
 
 PRECISIONS = ("fp32", "bf16-mixed")
 
@@ -155,12 +155,8 @@ def main(argv: List[str] = None) -> int:
             f"{k.removeprefix('torch.')} {v / 2**20:.2f}" for k, v in sorted(row["activation_bytes_by_dtype"].items())))
     print(f"bf16-mixed / fp32: activations {ratios['activation_bytes']:.3f}, median step time "
           f"{ratios['median_step_s']:.3f}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump({"model": a.model, "plan": plan, "batch": a.batch, "world": a.world, "threads": a.threads,
-                   "machine": f"{platform.machine()} {platform.processor()} ({os.cpu_count()} cores)",
-                   "torch": torch.__version__, "rows": rows, "ratios": ratios}, fh, indent=1)
-    print(f"wrote {a.out}")
+    write_json(a.out, {"model": a.model, "plan": plan, "batch": a.batch, "world": a.world, "threads": a.threads,
+                       "rows": rows, "ratios": ratios})
     return 0
 
 

@@ -383,7 +383,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     ``precision``: ``Workload.for_runtime``) and its model states and gradient traffic in the
     bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
     options = priced_options(plan.precision, options or CostOptions())
-    if plan.async_tp:  # micro-pipelined TP: the TP collectives run under the matmuls (exposed_tp)
+    if plan.async_tp:  # micro-pipelined TP: the TP collectives run under the matmuls (exposed_comms)
         options = dataclasses.replace(options, overlap_tp_comm=max(float(options.overlap_tp_comm), ASYNC_TP_OVERLAP))
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
