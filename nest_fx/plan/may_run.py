@@ -83,6 +83,9 @@ def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = Fal
     if compile:
         return (f"schedule {schedule} with compile: torch's pipelining does not split a compiled backward into "
                 "input and weight gradients; fix: compile=false, or schedule 1f1b or interleaved")
+    return ""
+
+
 def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
     """Why a pipeline schedule cannot run ``num_microbatches`` per step on ``pp`` stages ("" when it
     can): 1F1B needs at least one microbatch per stage (``torch.distributed.pipelining``'s
