@@ -40,6 +40,19 @@ def wait_for(predicate, timeout: float, what: str, agents: List[subprocess.Popen
         time.sleep(0.2)
 
 
+def _assert_resumed_on_survivors(log: str, killed_at: int, want) -> None:
+    """Every step logged; 4 ranks up to the kill, 2 after the restart to the last step; each
+    step's last loss equal to the single-process run's (``want``)."""
+    records = read_losses(log)
+    got = last_loss_per_step(records)
+    assert sorted(got) == list(range(STEPS))
+    assert {r["world"] for r in records if r["step"] <= killed_at} >= {4}
+    after = [r for r in records if r["restart"] >= 1]
+    assert after and all(r["world"] == 2 for r in after) and after[-1]["step"] == STEPS - 1
+    worst = max(abs(got[s] - want[s]) for s in range(STEPS))
+    assert worst <= PARITY_TOL, (worst, got, want)
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(400)
@@ -63,14 +76,7 @@ def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
         killed_at = max(r["step"] for r in read_losses(log))
         kill_node(second)
         assert first.wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
-    records = read_losses(log)
-    got = last_loss_per_step(records)
-    assert sorted(got) == list(range(STEPS))
-    assert {r["world"] for r in records if r["step"] <= killed_at} >= {4}
-    after = [r for r in records if r["restart"] >= 1]
-    assert after and all(r["world"] == 2 for r in after) and after[-1]["step"] == STEPS - 1
-    worst = max(abs(got[s] - want[s]) for s in range(STEPS))
-    assert worst <= PARITY_TOL, (worst, got, want)
+    _assert_resumed_on_survivors(log, killed_at, want)
 
 
 @pytest.mark.dist
@@ -101,11 +107,4 @@ def test_with_an_etcd_rendezvous_losing_the_node_that_started_the_job_is_survive
             killed_at = max(r["step"] for r in read_losses(log))
             kill_node(first)  # the node that started the job
             assert second.wait(timeout=300) == 0, (tmp_path / "agent1.log").read_text()[-3000:]
-    records = read_losses(log)
-    got = last_loss_per_step(records)
-    assert sorted(got) == list(range(STEPS))
-    assert {r["world"] for r in records if r["step"] <= killed_at} >= {4}
-    after = [r for r in records if r["restart"] >= 1]
-    assert after and all(r["world"] == 2 for r in after) and after[-1]["step"] == STEPS - 1
-    worst = max(abs(got[s] - want[s]) for s in range(STEPS))
-    assert worst <= PARITY_TOL, (worst, got, want)
+    _assert_resumed_on_survivors(log, killed_at, want)
