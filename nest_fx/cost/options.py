@@ -1,6 +1,8 @@
 """What the cost model takes besides the plan: :class:`CostOptions`."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -92,3 +94,9 @@ class CostOptions:
         fields = dict(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, master_weights=dtype_bytes < 4)
         fields.update(overrides)
         return cls(**fields)
+
+
+def with_async_tp(options: CostOptions) -> CostOptions:
+    """``options`` as a plan with ``async_tp`` runs: at least ``ASYNC_TP_OVERLAP`` of the TP
+    collectives under the matmuls (a larger ``overlap_tp_comm`` the user set is kept)."""
+    return dataclasses.replace(options, overlap_tp_comm=max(float(options.overlap_tp_comm), ASYNC_TP_OVERLAP))

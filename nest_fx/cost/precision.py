@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from nest_fx.cost.options import CostOptions
+from nest_fx.plan.vocabulary import DTYPE_OF_PRECISION
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,12 @@ class PrecisionCost:
 
 
 PRECISION_COSTS: Dict[str, PrecisionCost] = {
-    "fp32": PrecisionCost("fp32", param_bytes=4, grad_bytes=4, reduce_bytes=4, master_weights=False, state_bytes=4),
-    "bf16-mixed": PrecisionCost("bf16", param_bytes=2, grad_bytes=2, reduce_bytes=4, master_weights=True,
-                                state_bytes=4),
-    "bf16-true": PrecisionCost("bf16", param_bytes=2, grad_bytes=2, reduce_bytes=2, master_weights=False,
-                               state_bytes=2),
+    "fp32": PrecisionCost(DTYPE_OF_PRECISION["fp32"], param_bytes=4, grad_bytes=4, reduce_bytes=4,
+                          master_weights=False, state_bytes=4),
+    "bf16-mixed": PrecisionCost(DTYPE_OF_PRECISION["bf16-mixed"], param_bytes=2, grad_bytes=2, reduce_bytes=4,
+                                master_weights=True, state_bytes=4),
+    "bf16-true": PrecisionCost(DTYPE_OF_PRECISION["bf16-true"], param_bytes=2, grad_bytes=2, reduce_bytes=2,
+                               master_weights=False, state_bytes=2),
 }
 
 

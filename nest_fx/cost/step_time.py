@@ -55,7 +55,7 @@ from nest_fx.cost import memory
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
 from nest_fx.cost.error_bands import error_band
-from nest_fx.cost.options import ASYNC_TP_OVERLAP, CostOptions
+from nest_fx.cost.options import CostOptions, with_async_tp
 from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.schedules import bubble_factor
@@ -384,7 +384,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     bytes of its precision (``cost.precision``; a plan that records none: ``options`` as given)."""
     options = priced_options(plan.precision, options or CostOptions())
     if plan.async_tp:  # micro-pipelined TP: the TP collectives run under the matmuls (exposed_comms)
-        options = dataclasses.replace(options, overlap_tp_comm=max(float(options.overlap_tp_comm), ASYNC_TP_OVERLAP))
+        options = with_async_tp(options)
     plan.validate(num_layers=len(workload), world_size=cluster.num_devices)
     plan.check_model(workload.fingerprint, f"the workload ({workload.model})")
     for problem in device_problems(cluster.device, float8=plan.float8):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
-from nest_fx.cost.options import ASYNC_TP_OVERLAP, CostOptions
+from nest_fx.cost.options import CostOptions, with_async_tp
 from nest_fx.cost.precision import compute_dtype, default_precision, priced_options
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
@@ -66,7 +66,7 @@ class SolverOptions:
         baselines cost every plan in it); ``self`` when none is set or they already are."""
         cost = priced_options(self.precision or "", self.cost)
         if self.async_tp:  # micro-pipelined TP runs the TP collectives under the matmuls
-            cost = dataclasses.replace(cost, overlap_tp_comm=max(float(cost.overlap_tp_comm), ASYNC_TP_OVERLAP))
+            cost = with_async_tp(cost)
         return self if cost == self.cost else dataclasses.replace(self, cost=cost)
 
     def for_device(self, device) -> "SolverOptions":
