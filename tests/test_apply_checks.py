@@ -20,6 +20,7 @@ from nest_fx.models import build_seeded
 from nest_fx.graph import trace
 from nest_fx.models import build_model
 from nest_fx.plan import Plan, PlanError, StagePlan, uniform_plan
+from nest_fx.plan.may_run import unrun_kernels
 from nest_fx.graph.stage_layout import stage_layout
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
@@ -343,3 +344,17 @@ def test_plan_for_another_model_with_the_same_layer_count_is_refused(single_rank
     with pytest.raises(ApplyError, match="model_fingerprint.*the traced model"):
         auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=plan)
     assert _untouched(model)
+
+
+def test_a_plan_priced_for_kernels_the_runtime_does_not_run_is_refused_before_training():
+    """kernels=fused (or compile without plan.compile) prices other systems: plan/simulate take it,
+    the runtime refuses to run it as if it were what was priced."""
+    model, _ = build_seeded("llama:hidden=64,layers=2,heads=4,seq=32,vocab=128")
+    for kernels in ("", "eager"):
+        checks.check_runtime_options(uniform_plan(2, dp=2, kernels=kernels), model, None, lm_loss, "cpu")
+    for kernels, compile in (("", False), ("eager", False), ("compile", True), ("", True)):
+        assert unrun_kernels(kernels, compile) == ""
+    with pytest.raises(ApplyError, match=r"kernels=fused: .*runtime runs eager kernels.*fix: use kernels ''"):
+        checks.check_runtime_options(uniform_plan(2, dp=2, kernels="fused"), model, None, lm_loss, "cpu")
+    with pytest.raises(ApplyError, match=r"kernels=compile: .*fix: set compile=true"):
+        checks.check_runtime_options(uniform_plan(2, dp=2, kernels="compile"), model, None, lm_loss, "cpu")

@@ -15,6 +15,7 @@ module or setting and the fix:
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
 * :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
+* :func:`unrun_kernels`: a kernel backend the runtime does not run for the plan;
 * :func:`schedule_microbatch_problem`: microbatch counts a pipeline schedule does not run;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
 
@@ -84,6 +85,19 @@ def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = Fal
         return (f"schedule {schedule} with compile: torch's pipelining does not split a compiled backward into "
                 "input and weight gradients; fix: compile=false, or schedule 1f1b or interleaved")
     return ""
+
+
+def unrun_kernels(kernels: str, compile: bool) -> str:
+    """'' when nest-fx's runtime runs the kernels a plan is priced with (``""``: what it runs;
+    ``eager`` without ``compile``, ``compile`` with it), else why not and the fix. Other backends
+    (``fused``: Transformer-Engine-style kernels) price other systems for ``plan``/``simulate``;
+    a run under them would not be what was priced."""
+    runs = "compile" if compile else "eager"
+    if kernels in ("", runs):
+        return ""
+    fix = "set compile=true" if kernels == "compile" else "use kernels '' (what nest-fx runs)"
+    return (f"kernels={kernels}: the plan is priced for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
+            f"for it (that backend predicts other systems with nest-fx plan/simulate); fix: {fix}")
 
 
 def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
