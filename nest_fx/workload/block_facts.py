@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import networkx as nx
 import torch
 
-from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS
+from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
@@ -65,6 +65,9 @@ class NodeCost:
     linear_dims: Tuple[int, int, int] = (0, 0, 0)  # a linear with a weight: (rows, in, out features)
     tp_params: float = 0.0  # of ``params``, those tensor parallelism shards (a row's bias stays whole)
     tp_param_bytes: float = 0.0
+    # a linear whose input is an attention output seen through view ops only (the output
+    # projection): the tensor it saves is the one the attention kernel saved (attention_output_reader)
+    reads_attention_output: bool = False
 
 
 @dataclass
@@ -176,7 +179,8 @@ def block_facts(graph, block) -> BlockFacts:
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
             scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
             seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, window=window, kept=kept[k], recomputed=recomputed[k],
-            linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per))
+            linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per,
+            reads_attention_output=attention_output_reader(g, n)))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]
@@ -221,6 +225,34 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
                              vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
                              regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
                              region_kept=[b * k for b in facts.region_kept])
+
+
+def attention_output_reader(g, node: str) -> bool:
+    """Whether ``node`` is a linear whose input is an attention call's output seen through view
+    ops only (``transpose``/``reshape``/``contiguous``: the attention output projection) and no
+    larger than it. A fused runtime feeds the attention kernel's output to that linear in place
+    (Megatron-LM / Transformer Engine lay it out ``[s, b, heads x head_dim]``), so the tensor the
+    linear saves for its weight gradient is the one the attention kernel saved for its backward."""
+    d = g.nodes[node]
+    if d.get("op") != "linear" or not d.get("weight"):
+        return False
+    seen = set()
+    current = _tensor_input(g, node)
+    while current is not None and current not in seen:
+        seen.add(current)
+        c = g.nodes[current]
+        if c.get("op") in ATTENTION_CALLS:
+            return d.get("saved_bytes", 0.0) <= c.get("out_bytes", 0.0) * (1 + 1e-6)
+        if c.get("op") not in VIEW_OPS:
+            return False
+        current = _tensor_input(g, current)
+    return False
+
+
+def _tensor_input(g, node: str) -> Optional[str]:
+    """The largest input of ``node`` (its data; the others are sizes or weights), None without one."""
+    preds = list(g.predecessors(node))
+    return max(preds, key=lambda p: g.nodes[p].get("out_bytes", 0.0)) if preds else None
 
 
 def _linear_dims(d: dict) -> Tuple[int, int, int]:

@@ -17,8 +17,11 @@ system, not of the model. Three backends, each a row of :data:`KERNEL_BACKENDS`:
              RMSNorm, RoPE, SwiGLU, bias-dropout-add; cuDNN / FlashAttention-3 attention on
              Hopper): every elementwise region is one kernel at its boundary traffic
              (``fusion`` 1), a fused norm keeps its bf16 input and not its fp32 copies, a fused
-             SwiGLU its two inputs and not its SiLU output; attention at FlashAttention-3's rate
-             on Hopper (``roofline.FA3_ATTENTION``). For predicting those systems
+             SwiGLU its two inputs and not its SiLU output, and the attention output projection
+             saves the attention kernel's own output (Megatron-LM's core attention writes it as
+             ``[s, b, heads x head_dim]``, which ``linear_proj`` reads without a copy: one
+             tensor, not two); attention at FlashAttention-3's rate on Hopper
+             (``roofline.FA3_ATTENTION``). For predicting those systems
              (``--kernels fused``); nest-fx's runtime does not run them.
 
 Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
@@ -35,9 +38,14 @@ Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
   Korthikanti et al. 2022 (sec. 5, the fused kernels of Megatron-LM) and the Transformer Engine
   documentation (fused norm + linear, fused SwiGLU) describe the fusion.
 * Activations of fused runtimes: Korthikanti et al. 2022, Table 2: 34 bytes per token per hidden
-  unit for a GPT block with fused kernels; for a Llama block the min-cut rule gives about 36 (the
-  SwiGLU keeps two 3.5h inputs where GeLU keeps one 4h one) against 59 traced eagerly
-  (``tests/test_kernels.py``).
+  unit for a GPT block with fused kernels (its attention block keeps the attention output once,
+  as the projection's input: "linear projection stores its input activations with size 2sbh").
+  For a Llama block (bf16, no dropout) the tensors a fused runtime keeps are, in bytes per token
+  per hidden unit: the two norm inputs 2 + 2, the two norm outputs 2 + 2, the rotated query 2
+  and the keys and values 4 kv/heads, the attention output 2 (once), the SwiGLU's gate and up
+  4 f/h and the down projection's input 2 f/h: 12 + 4 kv/heads + 6 f/h, 31.75 for Llama 3
+  405B (f/h = 3.25, kv/heads = 1/16) and 34 for Llama 3 8B (3.5, 1/4), against 56-59 traced
+  eagerly (``tests/test_kernels.py``, ``tests/test_fused_activations.py``).
 """
 from __future__ import annotations
 
@@ -55,12 +63,16 @@ class KernelBackend:
     fused_activations: bool  # an elementwise region keeps only the min-cut tensors of its backward
     hopper_attention: bool  # attention at FlashAttention-3's rate on Hopper (roofline.FA3_ATTENTION)
     fused_casts: bool  # Float8 casts fused into their producers (one pass, no extra launch)
+    # the attention output projection reads the attention kernel's output in place, so the
+    # tensor its weight gradient needs is the one the kernel saved (counted once)
+    shared_attention_output: bool = False
 
 
 KERNEL_BACKENDS: Dict[str, KernelBackend] = {
     "eager": KernelBackend("eager", fusion=0.0, fused_activations=False, hopper_attention=False, fused_casts=False),
     "compile": KernelBackend("compile", fusion=0.5, fused_activations=True, hopper_attention=False, fused_casts=True),
-    "fused": KernelBackend("fused", fusion=1.0, fused_activations=True, hopper_attention=True, fused_casts=True),
+    "fused": KernelBackend("fused", fusion=1.0, fused_activations=True, hopper_attention=True, fused_casts=True,
+                           shared_attention_output=True),
 }
 KERNELS = tuple(KERNEL_BACKENDS)  # the plan's vocabulary lists the same names (plan.vocabulary.KERNELS)
 

@@ -132,6 +132,9 @@ class TracedSource:
             for (members, _), kept in zip(facts.regions, facts.region_kept):
                 act["none"] += kept * tokens / keeps[members[0]] - sum(facts.nodes[k].saved * tokens / keeps[k]
                                                                        for k in members)
+        if self.runtime.backend.shared_attention_output:  # the projection's input is the kernel's output
+            act["none"] -= sum(n.saved * tokens / keep for n, keep in zip(facts.nodes, keeps)
+                               if n.reads_attention_output and self.attention == "flash")
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
