@@ -336,23 +336,41 @@ _STATES_CACHE: Dict[tuple, Tuple[float, float, float, float]] = {}
 _STATE_KEYS = ("weights", "grads", "optimizer", "total")
 
 
-def model_states(params: Count, zero: int, dp: int, options: CostOptions) -> Dict[str, Count]:
-    """``memory.model_state_bytes`` under the cost options; for an array, per distinct entry
-    (memoised: the solver's tables ask for the same parameter counts over and over)."""
+def held_grad_bytes(zero: int, pipelined: bool, options: CostOptions) -> float:
+    """Bytes per element of the gradients a stage holds between backward and the optimizer step.
+
+    ``options.grad_bytes`` (the parameters' dtype), except where FSDP2 defers the gradient
+    reduction to the last microbatch: under pipelining (``torch.distributed.pipelining`` turns
+    gradient sync off until the last backward, so ZeRO-2/3 run as ZeRO-1,
+    :func:`effective_zero_stage`) FSDP2 accumulates each unsharded gradient in its
+    ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed`` upcasts the first microbatch's
+    gradient to it, PyTorch 2.4+), so a bf16-mixed plan reducing in fp32 holds the stage's
+    gradients in fp32: ``options.reduce_dtype_bytes()`` (4)."""
+    if pipelined and zero == 1:
+        return float(max(options.grad_bytes, options.reduce_dtype_bytes()))
+    return float(options.grad_bytes)
+
+
+def model_states(params: Count, zero: int, dp: int, options: CostOptions, pipelined: bool = False) -> Dict[str, Count]:
+    """``memory.model_state_bytes`` under the cost options, gradients held as
+    :func:`held_grad_bytes` says (``pipelined``: the plan has more than one pipeline stage);
+    for an array, per distinct entry (memoised: the solver's tables ask for the same parameter
+    counts over and over)."""
+    grad_bytes = held_grad_bytes(zero, pipelined, options)
     if not isinstance(params, np.ndarray):
         return model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
-                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=options.grad_bytes,
+                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=grad_bytes,
                                         master_weights=options.master_weights, state_dtype_bytes=options.state_bytes)
     values, inverse = np.unique(params.ravel(), return_inverse=True)
     rows = np.empty((len(values), len(_STATE_KEYS)))
     for j, v in enumerate(values.tolist()):
-        key = (v, zero, dp, options.optimizer, options.param_bytes, options.grad_bytes, options.master_weights,
+        key = (v, zero, dp, options.optimizer, options.param_bytes, grad_bytes, options.master_weights,
                options.state_bytes)
         row = _STATES_CACHE.get(key)
         if row is None:
             if len(_STATES_CACHE) > 1_000_000:
                 _STATES_CACHE.clear()
-            states = model_states(v, zero, dp, options)
+            states = model_states(v, zero, dp, options, pipelined)
             row = _STATES_CACHE[key] = tuple(states[k] for k in _STATE_KEYS)
         rows[j] = row
     return {k: rows[inverse, c].reshape(params.shape) for c, k in enumerate(_STATE_KEYS)}

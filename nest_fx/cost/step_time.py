@@ -206,10 +206,11 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     # -- memory -------------------------------------------------------------------------------
     held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
                                         plan.virtual_stages)
-    mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options),
+    piped = plan.pp > 1
+    mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options, piped),
                                           memory.model_states(terms.expert_params, zero,
                                                               expert_shard_degree(plan.dp, plan.dp_shard, plan.ep,
-                                                                                  plan.cp), options),
+                                                                                  plan.cp), options, piped),
                                           held, terms.layer_peak,
                                           workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
                                           *memory.working_sets(terms, zero, shard, options),

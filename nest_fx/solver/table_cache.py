@@ -256,8 +256,9 @@ class TableCache:
             dense = terms.params - terms.expert_params
             opts = self.options
             t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.shard, zero, self.cluster, opts)[1]
-            self._states[key] = (model_states(dense, zero, g.shard, opts),
-                                 model_states(terms.expert_params, zero, expert_shard_degree(g.dp, g.dp_shard, g.ep, g.cp), opts),
+            self._states[key] = (model_states(dense, zero, g.shard, opts, p > 1),
+                                 model_states(terms.expert_params, zero, expert_shard_degree(g.dp, g.dp_shard, g.ep, g.cp), opts,
+                                              p > 1),
                                  dense, terms.expert_params, t_opt, *working_sets(terms, zero, g.shard, opts))
         return self._states[key]
 

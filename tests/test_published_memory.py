@@ -1,0 +1,78 @@
+"""Memory of the published runs' configurations, term by term (scripts/bench_published.py).
+
+* Gradients under pipelining: FSDP2 inside ``torch.distributed.pipelining`` defers the
+  gradient reduction to the last microbatch and accumulates each unsharded gradient in its
+  ``reduce_dtype`` (``memory.held_grad_bytes``): fp32 for a bf16-mixed plan reducing in fp32.
+* Meta's Llama 3 405B rows (Grattafiori et al. 2024, Table 4): 8 model chunks of one layer per
+  rank (the paper's "the first model chunk on the first stage has only the embedding"), the
+  interleaved schedule's in-flight chunks (Narayanan et al. 2021) and the fused backend's
+  activation bytes per layer; m1 and m2 differ in their microbatch count (32 vs 16), which caps
+  the warm-up at m v chunks.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from nest_fx.cost.memory import held_grad_bytes, interleaved_chunk_states, model_states, \
+    pipeline_inflight_microbatches
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.step_time import simulate
+
+GiB = 2 ** 30
+
+
+def test_pipelined_fsdp_accumulates_gradients_in_the_reduce_dtype():
+    fp32_reduce = CostOptions(reduce_bytes=4)
+    assert held_grad_bytes(1, True, fp32_reduce) == 4  # pipelined ZeRO-1 (and 2/3, which run as 1)
+    assert held_grad_bytes(1, False, fp32_reduce) == 2  # no pipeline: as the parameters
+    assert held_grad_bytes(0, True, fp32_reduce) == 2  # replicated: no FSDP2
+    assert held_grad_bytes(1, True, CostOptions()) == 2  # reduced in bf16: accumulated in bf16
+    states = model_states(1e9, 1, 8, fp32_reduce, pipelined=True)
+    assert states["grads"] == 4e9 and states["weights"] == 2e9 and states["optimizer"] == 12e9 / 8
+    assert model_states(1e9, 1, 8, fp32_reduce)["grads"] == 2e9
+
+
+@pytest.mark.parametrize("m, v, stage, expected", [
+    (32, 8, 0, (7 * 16 + 2 * 15 + 1) / 8),  # m1, first rank: (v-1) p + 2 (p-1) + 1 chunks
+    (32, 8, 1, (7 * 16 + 2 * 14 + 1) / 8),  # m1, second rank: 141 chunks of one layer
+    (16, 8, 1, 16 * 8 / 8),  # m2: the warm-up is capped at m v = 128 chunks (all of them)
+    (32, 2, 0, 47 / 2),  # with 2 chunks, m1's first rank: 23.5 microbatches of its layers
+    (16, 2, 0, 32 / 2),  # ... and m2's: 16 (capped at m v = 32), the 30 GiB between them
+])
+def test_meta_rows_in_flight_microbatches(m, v, stage, expected):
+    assert pipeline_inflight_microbatches("interleaved", stage, 16, m, v) == pytest.approx(expected)
+    assert max(s[0] for s in interleaved_chunk_states(stage, 16, m, v)) == pytest.approx(expected)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # the rows are defined once, in the benchmark script (not a package): import it from there
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        import bench_published
+    finally:
+        sys.path.pop(0)
+    return bench_published
+
+
+def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations(bench):
+    """m1's binding rank: 8 layers, 141 chunk-microbatches of one layer each, 12 + 4/16 + 6 x 3.25
+    = 31.75 bytes per token per hidden unit / TP 8 (``workload.kernels``): about 70 GiB of
+    activations; the model states and the rest are the other terms."""
+    row = next(r for r in bench.published_rows() if r.key == "m1")
+    assert (row.virtual_stages, row.pp, row.tp, row.local_batch) == (8, 16, 8, 32)
+    cluster = bench.cluster_of(row)
+    work = bench.workload(row, cluster)
+    plan = bench.published_plan(row, work)
+    result = simulate(plan, work, cluster, bench.cost_options(row))
+    stage = result.stages[1]
+    assert stage.layers[1] - stage.layers[0] == 8
+    per_layer = 31.75 * 8192 * 16384 / 8
+    held = stage.memory["activations"]
+    assert held == pytest.approx(141 * per_layer, rel=0.03)  # + one layer's backward working set
+    weights = stage.num_params * 2
+    assert stage.memory["weights"] == pytest.approx(weights)
+    assert stage.memory["grads"] == pytest.approx(2 * weights)  # unsharded fp32 (torch pipelining's FSDP2)
