@@ -2,7 +2,8 @@
 
 * Gradients under pipelining: FSDP2 inside ``torch.distributed.pipelining`` defers the
   gradient reduction to the last microbatch and accumulates each unsharded gradient in its
-  ``reduce_dtype`` (``memory.held_grad_bytes``): fp32 for a bf16-mixed plan reducing in fp32.
+  ``reduce_dtype`` (``memory.held_grad_bytes``): fp32 for a bf16-mixed plan reducing in fp32;
+  checked on the installed torch (one gloo rank, gradient sync off as the schedules turn it).
 * Meta's Llama 3 405B rows (Grattafiori et al. 2024, Table 4): 8 model chunks of one layer per
   rank (the paper's "the first model chunk on the first stage has only the embedding"), the
   interleaved schedule's in-flight chunks (Narayanan et al. 2021) and the fused backend's
@@ -16,6 +17,10 @@ import os
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from nest_fx.cost.memory import held_grad_bytes, interleaved_chunk_states, model_states, \
     pipeline_inflight_microbatches
@@ -36,6 +41,30 @@ def test_pipelined_fsdp_accumulates_gradients_in_the_reduce_dtype():
     states = model_states(1e9, 1, 8, fp32_reduce, pipelined=True)
     assert states["grads"] == 4e9 and states["weights"] == 2e9 and states["optimizer"] == 12e9 / 8
     assert model_states(1e9, 1, 8, fp32_reduce)["grads"] == 2e9
+
+
+def test_fsdp2_accumulates_unsharded_gradients_in_its_reduce_dtype(single_rank, tmp_path):
+    """What ``held_grad_bytes`` prices, on the installed torch: with gradient sync off (as the
+    pipeline schedules turn it until the last microbatch) a bf16-mixed FSDP2 unit keeps each
+    parameter's unsharded gradient in fp32 after the second microbatch's backward."""
+    # FSDP2 keeps the accumulated gradient on its internal FSDPParam; no public API shows it
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    model.set_requires_gradient_sync(False)
+    for _ in range(2):
+        model(torch.randn(4, 64)).float().sum().backward()
+    held = [p.unsharded_accumulated_grad for layer in model
+            for p in _get_module_fsdp_state(layer)._fsdp_param_group.fsdp_params]
+    assert held and all(g is not None and g.dtype == torch.float32 for g in held)
+    assert sum(g.numel() * g.element_size() for g in held) == 2 * 64 * 64 * held_grad_bytes(1, True, CostOptions(
+        reduce_bytes=4))
 
 
 @pytest.mark.parametrize("m, v, stage, expected", [
