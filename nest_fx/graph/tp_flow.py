@@ -137,7 +137,9 @@ class _Follower(ShapeRules):
         return Flow(dim=dim, count=features, source=(node, 0, features))
 
     def source_flows(self, node: str) -> List[Optional[Flow]]:
-        """An embedding inside the region with one output column per head is a per-head table."""
+        """An embedding inside the region with one output column per head is a per-head table; so
+        is a 2-D parameter of [entries, heads] indexed by an integer tensor (Swin's
+        ``relative_position_bias_table[relative_position_index]``)."""
         d = self.g.nodes[node]
         n_out = len(d.get("out_shapes") or [])
         params = [p for p in d.get("input_params", []) if p]
@@ -147,7 +149,27 @@ class _Follower(ShapeRules):
                 out = d["out_shapes"][0]
                 self.layout.head_tables.append(d.get("module", ""))
                 return [Flow(dim=len(out) - 1, count=shape[1], heads=True)]
+        table = self.indexed_table(node)
+        if table:
+            out = d["out_shapes"][0]
+            self.layout.head_params[table] = 1
+            return [Flow(dim=len(out) - 1, count=out[-1], heads=True)]
         return [None] * n_out
+
+    def indexed_table(self, node: str) -> str:
+        """The parameter ``node`` looks up rows of when it is ``param[index]`` with ``param`` a
+        [entries, heads] table of this pair's head count and ``index`` an integer tensor (the output
+        keeps the heads as its last dim), else ""."""
+        d = self.g.nodes[node]
+        names, shapes, dtypes = d.get("input_params") or [], d.get("in_shapes") or [], d.get("in_dtypes") or []
+        if d.get("op") not in ("getitem", "index") or len(names) < 2 or len(shapes) < 2 or len(dtypes) < 2 \
+                or not self.inside(node):
+            return ""
+        table, shape, out = names[0], shapes[0], (d.get("out_shapes") or [[]])[0]
+        if not table or names[1] or len(shape) != 2 or shape[1] not in self.head_counts or not out \
+                or out[-1] != shape[1] or not str(dtypes[1]).startswith("int"):
+            return ""
+        return table
 
     # -- per-op rules ---------------------------------------------------------------------
     def propagate(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:

@@ -119,6 +119,8 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     pair.head_norms = {_rel(m, block): d for m, d in layout.head_norms.items()}
     pair.head_tables = sorted({_rel(m, block) for m in layout.head_tables})
     pair.head_inputs = layout.head_inputs
+    # a per-head parameter of the region (Swin's relative_position_bias_table): sharded by heads
+    pair.params += [TPParam(name=_rel(name, block), dim=dim, units=[1]) for name, dim in layout.head_params.items()]
     for c in columns:
         pair.params += _column_params(graph, block, params, c, units[c], layout.parts.get(c, []))
     d = graph.nodes[row]
