@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from nest_fx.apply.fused_params import FusedLayout, register_layout
 from nest_fx.graph.opgraph import TPParam
+from nest_fx.graph.tp_mha import local_forward
 
 
 def shard_parameter(module: nn.Module, name: str, spec: TPParam, mesh: DeviceMesh) -> None:
@@ -196,3 +197,22 @@ class HeadParams(LocalShards):
     left as they are; each shard's gradient comes from its own heads only, as a column's does."""
 
     reduce = False
+
+
+class MultiheadShard(ParallelStyle):
+    """Shard an ``nn.MultiheadAttention`` by heads (``params``: {name: TPParam} relative to it: q, k
+    and v of ``in_proj_*`` by heads, ``out_proj.weight`` by input features; ``out_proj.bias`` stays
+    whole) and run ``graph.tp_mha.head_sharded_forward`` in place of its forward, with Megatron's
+    f and g over the TP group (torch's own forward cannot run on a shard)."""
+
+    def __init__(self, params: Dict[str, TPParam]):
+        super().__init__()
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, spec in self.params.items():
+            shard_parameter(module, name, spec, device_mesh)
+        group = device_mesh.get_group()
+        comms = (partial(copy_to_tp, group=group), partial(reduce_from_tp, group=group))
+        module.forward = local_forward(module, device_mesh.get_local_rank(), device_mesh.size(), comms)
+        return module
