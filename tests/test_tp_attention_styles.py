@@ -1,0 +1,194 @@
+"""Attention modules tensor parallelism used to leave whole under a TP plan, sharded by heads:
+``nn.MultiheadAttention`` (torchvision's ViT, user code; ``graph.tp_mha``) and Swin's window
+attention with its per-head ``relative_position_bias_table`` (``graph.tp_flow``).
+
+In one process: the head-sharded MHA forward equals torch's (the ranks' partial outputs sum to
+it, in every layout and mask kind), the pairs the tracer finds, what stays whole and why, and what
+the cost model prices sharded. On 4 gloo ranks (TP2xDP2): parity with one device, and the
+parameters the runtime shards are exactly the ones the cost model prices as sharded.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nest_fx.apply.launch import launch
+from nest_fx.graph import trace
+from nest_fx.graph.tp_mha import MHA_OP, local_forward
+from nest_fx.graph.tp_regions import unsharded_attention
+from nest_fx.plan.support import parallel_support
+from nest_fx.testing import COVERAGE_PLANS, equivalence
+from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec
+from nest_fx.workload.block_facts import block_facts
+
+BATCH, WORLD, LAUNCH_S, TOL = 8, 4, 300, 1e-5
+
+
+def _traced(name: str):
+    model, _ = build_style(name)
+    x, _ = image_data(torch.Generator().manual_seed(0), BATCH)
+    return model, trace(model, (x,), name=name)
+
+
+def _rank_copy(mha: nn.MultiheadAttention, rank: int, tp: int) -> nn.MultiheadAttention:
+    """``mha`` as TP rank ``rank`` holds it (q, k, v each cut by heads, out_proj by input features),
+    running the head-sharded forward without collectives."""
+    local = copy.deepcopy(mha)
+    parts = lambda t: torch.cat([p.chunk(tp)[rank] for p in t.detach().split(mha.embed_dim)])  # noqa: E731
+    local.in_proj_weight = nn.Parameter(parts(mha.in_proj_weight))
+    local.in_proj_bias = nn.Parameter(parts(mha.in_proj_bias))
+    local.out_proj.weight = nn.Parameter(mha.out_proj.weight.detach().chunk(tp, 1)[rank].contiguous())
+    local.forward = local_forward(local, rank, tp)
+    return local
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("masks", ["none", "causal-bool", "per-head-float", "padding", "both"])
+def test_head_sharded_multihead_forward_equals_torchs(batch_first, batched, masks):
+    """What each TP rank computes on its heads, summed over the ranks as the row's all-reduce
+    sums it (``out_proj.bias`` added once), is torch's own ``nn.MultiheadAttention`` output."""
+    torch.manual_seed(0)
+    heads, width, length, batch, tp = 4, 16, 5, 3, 2
+    mha = nn.MultiheadAttention(width, heads, batch_first=batch_first)
+    shape = (batch, length, width) if batch_first else (length, batch, width)
+    x = torch.randn(shape if batched else (length, width))
+    n = batch if batched else 1
+    kwargs = {}
+    if masks in ("causal-bool", "both"):
+        kwargs["attn_mask"] = torch.ones(length, length, dtype=torch.bool).triu(1)
+    if masks == "per-head-float":
+        kwargs["attn_mask"] = torch.randn(n * heads, length, length)
+    if masks in ("padding", "both"):
+        padding = torch.zeros(n, length, dtype=torch.bool)
+        padding[:, -2:] = True
+        kwargs["key_padding_mask"] = padding if batched else padding[0]
+    ref, _ = mha(x, x, x, need_weights=False, **kwargs)
+    bias = mha.out_proj.bias
+    outs = [_rank_copy(mha, r, tp)(x, x, x, need_weights=False, **kwargs) for r in range(tp)]
+    assert all(w is None for _, w in outs)
+    total = sum(out - bias for out, _ in outs) + bias
+    assert total.shape == ref.shape
+    assert torch.allclose(total, ref, atol=1e-6, rtol=1e-5), float((total - ref).abs().max())
+
+
+def test_multihead_attention_is_a_pair_sharded_by_heads_and_priced_so():
+    """torchvision's ViT: each ``nn.MultiheadAttention`` becomes an attention pair (q, k and v of
+    ``in_proj_*`` cut by heads, ``out_proj`` the row), nothing is left whole, and the cost model
+    prices the call as sharded: its q/k/v and output weights (not ``out_proj.bias``), one more
+    all-reduce per layer, its input saved whole on every rank."""
+    model, graph = _traced("tv-vit")
+    assert unsharded_attention(graph) == [] and graph.replicated_attention == {}
+    block = graph.layer_blocks[0]
+    pair = next(p for p in graph.pattern_of(block).tp_pairs if p.leaf)
+    assert pair.leaf == "self_attention" and pair.row == "self_attention.out_proj" and not pair.problem
+    qkv = next(p for p in pair.params if p.name == "self_attention.in_proj_weight")
+    assert (qkv.dim, qkv.parts, qkv.units) == (0, [32, 32, 32], [8, 8, 8])
+    assert parallel_support(model, graph).tp_problem(2) == ""  # the TP rehearsal runs the sharded forward
+    assert "does not divide" in parallel_support(model, graph).tp_problem(8)  # 4 heads
+    assert "nn.MultiheadAttention" in parallel_support(model, graph).sp_problem()
+    facts = block_facts(graph, block)
+    call = next(f for n, f in zip(block.nodes, facts.nodes) if graph.graph.nodes[n].get("op") == MHA_OP)
+    mha = model.get_submodule(block.fqn("self_attention"))
+    assert call.tp and not call.column and call.matmul
+    assert call.tp_params == mha.in_proj_weight.numel() + mha.in_proj_bias.numel() + mha.out_proj.weight.numel()
+    assert call.params - call.tp_params == mha.out_proj.bias.numel()
+    assert call.saved_whole == 8 * 17 * 32 * 4  # its input [batch, tokens, width] in fp32
+    assert facts.tp_allreduces == 2  # the attention's output and the MLP's
+
+
+class _Custom(nn.Module):
+    """User layers around an ``nn.MultiheadAttention``: ``reads_weights``: the model uses the
+    attention weights it returns; ``kdim``: keys and values of their own width (the first ``kdim``
+    features)."""
+
+    def __init__(self, reads_weights: bool = False, kdim: int = 16):
+        super().__init__()
+        self.reads_weights, self.kdim = reads_weights, kdim
+        self.layers = nn.ModuleList(nn.ModuleDict({"attn": nn.MultiheadAttention(16, 4, kdim=kdim, vdim=kdim,
+                                                                                  batch_first=True),
+                                                   "fc1": nn.Linear(16, 32), "fc2": nn.Linear(32, 16)})
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            memory = x[..., :self.kdim]
+            out, weights = layer["attn"](x, memory, memory)  # need_weights=True, torch's default
+            x = x + out + (weights.mean() if self.reads_weights else 0)
+            x = x + layer["fc2"](torch.relu(layer["fc1"](x)))
+        return x
+
+
+@pytest.mark.parametrize("reads_weights,kdim,why", [(True, 16, "need_weights=False"), (False, 8, "kdim/vdim"),
+                                                    (False, 16, "")])
+def test_multihead_attention_it_cannot_shard_stays_whole_reported_and_priced_whole(reads_weights, kdim, why):
+    """A call whose attention weights the model reads (the default ``need_weights=True``, used), or
+    with keys and values of their own width, stays whole on every rank: named with the reason, and
+    priced whole. Weights returned but never read do not stop it (cross-attention included)."""
+    model = _Custom(reads_weights, kdim)
+    graph = trace(model, (torch.randn(2, 6, 16),))
+    block = graph.layer_blocks[0]
+    facts = block_facts(graph, block)
+    call = next(f for n, f in zip(block.nodes, facts.nodes) if graph.graph.nodes[n].get("op") == MHA_OP)
+    if not why:
+        assert unsharded_attention(graph) == [] and graph.replicated_attention == {}
+        assert call.tp and facts.tp_allreduces == 2
+        assert parallel_support(model, graph).tp_problem(2) == ""
+        return
+    assert unsharded_attention(graph) == ["layers.0.attn", "layers.1.attn"]
+    assert why in graph.replicated_attention["layers.0.attn"]
+    assert not call.tp and call.tp_params == 0 and call.saved_whole == 0
+    assert facts.tp_allreduces == 1  # the MLP's only
+
+
+def test_swin_bias_table_is_sharded_with_the_heads():
+    """Swin's ``relative_position_bias_table[relative_position_index]`` ([entries, heads]) is a
+    per-head table: sharded along its heads dim with the qkv/proj pair, its lookup priced sharded.
+    The original Swin's ``reshape(B_, N, 3, heads, C // heads)`` reads the input's width: refused by
+    the TP rehearsal with the fix; timm's ``-1`` spelling shards."""
+    model, graph = _traced("swin-views")
+    block = graph.layer_blocks[0]
+    pair = next(p for p in graph.pattern_of(block).tp_pairs if p.kind == "attention")
+    table = next(p for p in pair.params if p.name.endswith("relative_position_bias_table"))
+    assert (table.name, table.dim) == ("blocks.0.attn.relative_position_bias_table", 1) and not pair.problem
+    assert parallel_support(model, graph).tp_problem(2) == ""
+    assert "does not divide" in parallel_support(model, graph).tp_problem(4)  # the first stage has 2 heads
+    facts = dict(zip(block.nodes, block_facts(graph, block).nodes))
+    lookup = [n for n in block.nodes if (graph.graph.nodes[n].get("input_params") or [None])[0] == block.fqn(table.name)]
+    assert lookup and all(facts[n].tp for n in lookup)  # the gather of the table and its views
+    assert facts[lookup[0]].tp_params == model.get_parameter(block.fqn(table.name)).numel()
+    original, graph = _traced("swin")
+    problem = parallel_support(original, graph).tp_problem(2)
+    assert "cannot shard layers.0.blocks.0.attn (WindowAttention)" in problem and "-1" in problem
+
+
+def _priced_sharded(name: str) -> float:
+    """Parameters the cost model prices as TP-sharded (every block's facts), summed."""
+    _, graph = _traced(name)
+    return sum(n.tp_params for block in graph.blocks for n in block_facts(graph, block).nodes)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(2 * LAUNCH_S)
+@pytest.mark.parametrize("name,sharded", [
+    ("tv-vit", "encoder.layers.encoder_layer_1.self_attention.in_proj_weight"),
+    ("swin-views", "layers.1.blocks.1.attn.relative_position_bias_table"),
+])
+def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded):
+    """TP2xDP2 on 4 gloo ranks: loss, gradients and parameters equal one device's, the attention is
+    sharded, and the parameters the runtime shards are, to the element, those the cost model
+    prices as sharded."""
+    spec = style_spec(name, COVERAGE_PLANS["TP2xDP2"], batch=BATCH)
+    ranks = launch(equivalence, WORLD, spec, timeout=LAUNCH_S)
+    worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_excess", "param_excess")}
+    print(name, {k: f"{v:.1e}" for k, v in worst.items()},
+          f"grad_diff={max(r['grad_diff'] for r in ranks):.1e} param_diff={max(r['param_diff'] for r in ranks):.1e}")
+    assert all(v < TOL for v in worst.values()), worst
+    run = set(ranks[0]["sharded"])
+    assert sharded in run
+    model, _ = build_style(name)
+    assert sum(model.get_parameter(p).numel() for p in run) == _priced_sharded(name)
+    assert STYLE_MODELS[name][0] == "vision"
