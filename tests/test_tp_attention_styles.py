@@ -20,9 +20,11 @@ from nest_fx.graph import trace
 from nest_fx.graph.tp_mha import MHA_OP, local_forward
 from nest_fx.graph.tp_regions import unsharded_attention
 from nest_fx.plan.support import parallel_support
+from nest_fx.report.tables import trace_table
 from nest_fx.testing import COVERAGE_PLANS, equivalence
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec
 from nest_fx.workload.block_facts import block_facts
+from nest_fx.workload.localise import localise_tp
 
 BATCH, WORLD, LAUNCH_S, TOL = 8, 4, 300, 1e-5
 
@@ -100,6 +102,17 @@ def test_multihead_attention_is_a_pair_sharded_by_heads_and_priced_so():
     assert facts.tp_allreduces == 2  # the attention's output and the MLP's
 
 
+def test_the_profilers_one_rank_copy_runs_the_head_sharded_attention():
+    """``workload.localise`` (what ``nest-fx profile --tp 2`` times): each ``nn.MultiheadAttention``
+    keeps rank 0's heads and runs the head-sharded forward on them."""
+    model, graph = _traced("tv-vit")
+    x, _ = image_data(torch.Generator().manual_seed(0), BATCH)
+    local = localise_tp(model, graph, 2, vocab_size=-1)
+    mha = local.get_submodule("encoder.layers.encoder_layer_0.self_attention")
+    assert tuple(mha.in_proj_weight.shape) == (48, 32) and tuple(mha.out_proj.weight.shape) == (32, 16)
+    assert tuple(local(x).shape) == (BATCH, 10)
+
+
 class _Custom(nn.Module):
     """User layers around an ``nn.MultiheadAttention``: ``reads_weights``: the model uses the
     attention weights it returns; ``kdim``: keys and values of their own width (the first ``kdim``
@@ -140,6 +153,7 @@ def test_multihead_attention_it_cannot_shard_stays_whole_reported_and_priced_who
         return
     assert unsharded_attention(graph) == ["layers.0.attn", "layers.1.attn"]
     assert why in graph.replicated_attention["layers.0.attn"]
+    assert "whole under TP: attn" in trace_table(graph, 0.0)  # `nest-fx trace` names it per layer
     assert not call.tp and call.tp_params == 0 and call.saved_whole == 0
     assert facts.tp_allreduces == 1  # the MLP's only
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
-from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, shrink_param
 from nest_fx.graph.tp_mha import local_forward
+from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, shrink_param
 from nest_fx.models import build_any
 
 
