@@ -22,7 +22,7 @@ from nest_fx.graph.tp_regions import unsharded_attention
 from nest_fx.plan.support import parallel_support
 from nest_fx.report.tables import trace_table
 from nest_fx.testing import COVERAGE_PLANS, equivalence
-from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, style_spec
+from nest_fx.testing_styles import STYLE_MODELS, StyleConfig, build_style, image_data, style_spec
 from nest_fx.workload.block_facts import block_facts
 from nest_fx.workload.localise import localise_tp
 
@@ -206,3 +206,56 @@ def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded):
     model, _ = build_style(name)
     assert sum(model.get_parameter(p).numel() for p in run) == _priced_sharded(name)
     assert STYLE_MODELS[name][0] == "vision"
+
+
+class _CausalLayer(nn.Module):
+    """A decoder layer around a sequence-first ``nn.MultiheadAttention`` under a boolean causal
+    mask, called with torch's defaults (``need_weights=True``, the weights left unread)."""
+
+    def __init__(self, width: int = 32, heads: int = 4, seq: int = 16):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(width), nn.MultiheadAttention(width, heads)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x):
+        h = self.ln1(x).transpose(0, 1)  # [seq, batch, width]
+        out, _ = self.attn(h, h, h, attn_mask=self.mask)
+        x = x + out.transpose(0, 1)
+        return x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
+
+
+class _CausalLM(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(_CausalLayer(width) for _ in range(2))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build_causal_lm(seed: int = 0):
+    """The harness's ``build(seed) -> (model, config)`` of :class:`_CausalLM`."""
+    torch.manual_seed(seed)
+    return _CausalLM(), StyleConfig(vocab_size=64, seq_len=16)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(2 * LAUNCH_S)
+def test_sequence_first_masked_multihead_attention_tp2_dp2_parity():
+    """A sequence-first ``nn.MultiheadAttention`` under a boolean causal mask, its weights returned
+    and unread: sharded by heads, at parity with one device on 4 gloo ranks (TP2xDP2)."""
+    spec = {"model": "causal-mha", "build": build_causal_lm, "plan": COVERAGE_PLANS["TP2xDP2"], "batch": BATCH,
+            "seq": 16, "steps": 3, "lr": 0.5}
+    ranks = launch(equivalence, WORLD, spec, timeout=LAUNCH_S)
+    worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_excess", "param_excess")}
+    print({k: f"{v:.1e}" for k, v in worst.items()},
+          f"grad_diff={max(r['grad_diff'] for r in ranks):.1e} param_diff={max(r['param_diff'] for r in ranks):.1e}")
+    assert all(v < TOL for v in worst.values()), worst
+    assert "layers.1.attn.in_proj_weight" in ranks[0]["sharded"]
+    assert ranks[0]["plan"]["stages"][0]["tp"] == 2
