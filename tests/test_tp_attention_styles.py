@@ -23,6 +23,7 @@ from nest_fx.plan.support import parallel_support
 from nest_fx.report.tables import trace_table
 from nest_fx.testing import COVERAGE_PLANS, equivalence
 from nest_fx.testing_styles import STYLE_MODELS, StyleConfig, build_style, image_data, style_spec
+from nest_fx.testing_vision_styles import WindowAttention
 from nest_fx.workload.block_facts import block_facts
 from nest_fx.workload.localise import localise_tp
 
@@ -259,3 +260,47 @@ def test_sequence_first_masked_multihead_attention_tp2_dp2_parity():
     assert all(v < TOL for v in worst.values()), worst
     assert "layers.1.attn.in_proj_weight" in ranks[0]["sharded"]
     assert ranks[0]["plan"]["stages"][0]["tp"] == 2
+
+
+class _TableRegularised(WindowAttention):
+    """Reads its bias table a second time, outside the attention (a penalty on the whole table)."""
+
+    def forward(self, x):
+        return super().forward(x) + self.relative_position_bias_table.sum()
+
+
+class _TableReadByParent(nn.Module):
+    """Its parent reads the child's bias table, outside the child's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = WindowAttention(16, 4, 2, local_views=True)
+
+    def forward(self, x):
+        return self.attn(x) + self.attn.relative_position_bias_table.mean()
+
+
+class _Windows(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layers = nn.ModuleList(layer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("layer,says", [
+    (lambda: _TableRegularised(16, 4, 2, local_views=True), "also used by op 'sum'"),
+    (_TableReadByParent, "is read outside the forward of its module 'layers.0.attn'"),
+])
+def test_a_bias_table_used_beyond_its_heads_lookup_is_refused(layer, says):
+    """A per-head table is sharded only when all its uses carry its heads to the pair, inside its
+    own module's forward (where the runtime swaps in the shard): otherwise tp is refused, naming it."""
+    model = _Windows(layer)
+    graph = trace(model, (torch.randn(2, 16, 16),))
+    problem = parallel_support(model, graph).tp_problem(2)
+    assert "relative_position_bias_table" in problem and says in problem and "fix:" in problem
+    plain = _Windows(lambda: WindowAttention(16, 4, 2, local_views=True))  # the table read once, by its lookup
+    assert parallel_support(plain, trace(plain, (torch.randn(2, 16, 16),))).tp_problem(2) == ""

@@ -92,6 +92,7 @@ class _Follower(ShapeRules):
             self.check_row()
             self.finish_parts()
             self.check_contained(core, members)
+            self.check_head_params()
         except _Stop as stop:
             self.layout.problem = str(stop)
         return self.layout
@@ -106,6 +107,25 @@ class _Follower(ShapeRules):
                 if user not in core and user != self.row and (user not in members or user in live):
                     raise _Stop(f"the sharded output of {self.where(node)} is also used by {self.where(user)}, "
                                 "outside the pair's region")
+
+    def check_head_params(self) -> None:
+        """A per-head parameter is sharded only when every use of it in the block carries its heads
+        to the pair (a use elsewhere would see one rank's heads), and only inside the forward of its
+        own module (the runtime swaps in its shard there: ``apply.tp_styles.HeadParams``)."""
+        for param in self.layout.head_params:
+            owner = param.rpartition(".")[0]
+            for node in self.block.nodes:
+                d = self.g.nodes[node]
+                if param not in (d.get("input_params") or []):
+                    continue
+                module = d.get("module", "")
+                if not (module == owner or module.startswith(owner + ".")):
+                    raise _Stop(f"parameter {param} is read outside the forward of its module {owner!r} "
+                                f"({self.where(node)}); tensor parallelism shards such a per-head table only "
+                                "where its own module reads it")
+                if not any(self.flows.get(node) or []):
+                    raise _Stop(f"parameter {param} has one entry per sharded head and is also used by "
+                                f"{self.where(node)}, which does not carry its heads to the pair")
 
     def visit(self, node: str, core: Set[str]) -> None:
         d = self.g.nodes[node]
