@@ -10,15 +10,19 @@ parameters the runtime shards are exactly the ones the cost model prices as shar
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
 import torch.nn as nn
 
+from nest_fx.apply import auto_parallelize
+from nest_fx.apply.checkpoint import load_checkpoint
 from nest_fx.apply.launch import launch
 from nest_fx.graph import trace
 from nest_fx.graph.tp_mha import MHA_OP, local_forward
 from nest_fx.graph.tp_regions import unsharded_attention
+from nest_fx.plan import uniform_plan
 from nest_fx.plan.support import parallel_support
 from nest_fx.report.tables import trace_table
 from nest_fx.testing import COVERAGE_PLANS, equivalence
@@ -304,3 +308,35 @@ def test_a_bias_table_used_beyond_its_heads_lookup_is_refused(layer, says):
     assert "relative_position_bias_table" in problem and says in problem and "fix:" in problem
     plain = _Windows(lambda: WindowAttention(16, 4, 2, local_views=True))  # the table read once, by its lookup
     assert parallel_support(plain, trace(plain, (torch.randn(2, 16, 16),))).tp_problem(2) == ""
+
+
+def _save_tv_vit_tp2(path: str):
+    """One SGD step of torchvision's ViT under TP2 (2 ranks), saved; its parameters in the model's
+    layout (``full_tensors``), as bytes."""
+    model, _ = build_style("tv-vit", seed=1)
+    x, y = image_data(torch.Generator().manual_seed(0), 4)
+    pm = auto_parallelize(model, x, global_batch_size=4, loss_fn=nn.functional.cross_entropy, verbose=False,
+                          plan=uniform_plan(4, tp=2, microbatch_size=4))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    pm.train_step(x, y)
+    opt.step()
+    pm.save(path, opt, step=1)
+    buf = io.BytesIO()
+    torch.save({k: v.detach().clone() for k, v in pm.full_tensors().items()}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(2 * LAUNCH_S)
+def test_a_head_sharded_multihead_attention_checkpoints_in_the_models_layout(tmp_path):
+    """``in_proj_weight`` sharded by q/k/v heads is saved in torch's own layout: loaded on one
+    device, every parameter equals the TP2 run's, bit for bit."""
+    blobs = launch(_save_tv_vit_tp2, 2, str(tmp_path / "tp2"), timeout=LAUNCH_S)
+    run = torch.load(io.BytesIO(blobs[0]))
+    model, _ = build_style("tv-vit", seed=7)
+    load_checkpoint(model, str(tmp_path / "tp2"))
+    loaded = dict(model.named_parameters())
+    assert sorted(run) == sorted(loaded)
+    assert not [k for k in run if not torch.equal(run[k], loaded[k].detach())]
+    assert not torch.equal(run["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"],
+                           build_style("tv-vit", seed=1)[0].encoder.layers.encoder_layer_0.self_attention.in_proj_weight)
