@@ -3,9 +3,12 @@
 attention with its per-head ``relative_position_bias_table`` (``graph.tp_flow``).
 
 In one process: the head-sharded MHA forward equals torch's (the ranks' partial outputs sum to
-it, in every layout and mask kind), the pairs the tracer finds, what stays whole and why, and what
-the cost model prices sharded. On 4 gloo ranks (TP2xDP2): parity with one device, and the
-parameters the runtime shards are exactly the ones the cost model prices as sharded.
+it, in every layout and mask kind), the pairs the tracer finds, what stays whole and why (and is
+priced whole), what the cost model prices sharded, the profiler's one-rank copy, and the per-head
+tables refused when used beyond their heads' lookup. On gloo ranks: TP2xDP2 parity with one device
+(torchvision's ViT, Swin in timm's spelling, a sequence-first causal MHA), the parameters the
+runtime shards exactly those the cost model prices as sharded, and a TP2 checkpoint in torch's
+layout.
 """
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ the width of the whole projection from its input (``unflatten(-1, (3, E))``) and
 projections, no appended key/value positions, the attention weights unused (returned as
 ``None``); batch-first or sequence-first, batched or not, an ``attn_mask`` (2-D, or 3-D per head:
 each rank keeps its heads' masks) and a ``key_padding_mask``, boolean or additive, and dropout
-(each rank draws its own heads' masks). The runtime (``apply.tp_styles.MultiheadShard``), the TP
-rehearsal and the profiler's one-rank copy all run it.
+(on its heads, from the random state the TP ranks share, as in the other regions). The runtime
+(``apply.tp_styles.MultiheadShard``), the TP rehearsal and the profiler's one-rank copy all run it.
 """
 from __future__ import annotations
 
