@@ -195,15 +195,20 @@ def _priced_sharded(name: str) -> float:
 
 @pytest.mark.dist
 @pytest.mark.timeout(2 * LAUNCH_S)
-@pytest.mark.parametrize("name,sharded", [
-    ("tv-vit", "encoder.layers.encoder_layer_1.self_attention.in_proj_weight"),
-    ("swin-views", "layers.1.blocks.1.attn.relative_position_bias_table"),
+@pytest.mark.parametrize("name,sharded,recompute", [
+    ("tv-vit", "encoder.layers.encoder_layer_1.self_attention.in_proj_weight", False),
+    ("swin-views", "layers.1.blocks.1.attn.relative_position_bias_table", False),
+    ("swin-views", "layers.0.blocks.0.attn.relative_position_bias_table", True),
 ])
-def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded):
+def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded, recompute):
     """TP2xDP2 on 4 gloo ranks: loss, gradients and parameters equal one device's, the attention is
     sharded, and the parameters the runtime shards are, to the element, those the cost model
-    prices as sharded."""
-    spec = style_spec(name, COVERAGE_PLANS["TP2xDP2"], batch=BATCH)
+    prices as sharded. ``recompute``: two microbatches, each layer recomputed in the backward (the
+    bias table's shard swapped in again while its forward reruns)."""
+    plan = dict(COVERAGE_PLANS["TP2xDP2"])
+    if recompute:
+        plan.update(microbatch_size=2, num_microbatches=2, recompute="full")
+    spec = style_spec(name, plan, batch=BATCH)
     ranks = launch(equivalence, WORLD, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_excess", "param_excess")}
     print(name, {k: f"{v:.1e}" for k, v in worst.items()},
@@ -211,6 +216,7 @@ def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded):
     assert all(v < TOL for v in worst.values()), worst
     run = set(ranks[0]["sharded"])
     assert sharded in run
+    assert ranks[0]["plan"]["stages"][0]["recompute"] == ("full" if recompute else "none")
     model, _ = build_style(name)
     assert sum(model.get_parameter(p).numel() for p in run) == _priced_sharded(name)
     assert STYLE_MODELS[name][0] == "vision"
