@@ -18,6 +18,7 @@ import io
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.checkpoint import load_checkpoint
@@ -349,3 +350,30 @@ def test_a_head_sharded_multihead_attention_checkpoints_in_the_models_layout(tmp
     assert not [k for k in run if not torch.equal(run[k], loaded[k].detach())]
     assert not torch.equal(run["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"],
                            build_style("tv-vit", seed=1)[0].encoder.layers.encoder_layer_0.self_attention.in_proj_weight)
+
+
+class _FunctionalProjections(nn.Module):
+    """torchvision's Swin style: ``F.linear(x, self.qkv.weight, self.qkv.bias)`` in the attention's
+    forward, the ``qkv``/``proj`` modules never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj, self.num_heads = nn.Linear(32, 96), nn.Linear(32, 32), 4
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).reshape(B, N, 3, self.num_heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, -1)
+        return F.linear(y, self.proj.weight, self.proj.bias)
+
+
+def test_a_linears_weight_read_outside_its_own_forward_is_refused():
+    """The runtime shards a linear module through its own forward; a weight another module's forward
+    reads (``F.linear(x, self.qkv.weight)``) would meet the input as a DTensor and crash in training
+    (it did: ``aten.addmm.default got mixed torch.Tensor and DTensor``): refused, naming it."""
+    model = _Windows(_FunctionalProjections)
+    graph = trace(model, (torch.randn(2, 8, 32),))
+    problem = parallel_support(model, graph).tp_problem(2)
+    assert "the weight of module layers.0.qkv is used by op 'linear' in the forward of 'layers.0'" in problem
+    assert "`self.qkv(x)`" in problem and "fix:" in problem
