@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.checkpoint import load_checkpoint
@@ -377,3 +381,27 @@ def test_a_linears_weight_read_outside_its_own_forward_is_refused():
     problem = parallel_support(model, graph).tp_problem(2)
     assert "the weight of module layers.0.qkv is used by op 'linear' in the forward of 'layers.0'" in problem
     assert "`self.qkv(x)`" in problem and "fix:" in problem
+
+
+@pytest.mark.parametrize("reads_weights", [True, False])
+def test_the_setup_names_attention_left_whole_with_its_reason(reads_weights):
+    """On the fake process group (one process, no data): a TP2xDP2 setup warns, naming the
+    ``nn.MultiheadAttention`` it leaves whole and why (its ``in_proj_weight`` whole: 48 x 16 on
+    the rank); with the weights unread it shards it (24 rows: q, k, v each 16 / 2) and says nothing."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm = auto_parallelize(_Custom(reads_weights), torch.randn(4, 6, 16), global_batch_size=4,
+                                  loss_fn=lambda out, _: out.mean(), verbose=False,
+                                  plan=uniform_plan(4, tp=2, dp=2, microbatch_size=2))
+    finally:
+        dist.destroy_process_group()
+    said = [str(w.message) for w in caught if "runs whole on every TP rank" in str(w.message)]
+    if reads_weights:
+        assert len(said) == 1 and "['layers.0.attn', 'layers.1.attn']" in said[0] and "need_weights=False" in said[0]
+    else:
+        assert said == []
+    weight = dict(pm.named_parameters())["layers.0.attn.in_proj_weight"]
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    assert tuple(local.shape) == ((48, 16) if reads_weights else (24, 16))
