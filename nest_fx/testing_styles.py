@@ -28,6 +28,8 @@ name               what it stands for
                    ``repeat_kv``, complex RoPE, SDPA
 ``swin``           Swin: window attention with a relative position bias table, shifted windows
                    (``torch.roll``), ``layers.i.blocks.j``, patch merging between stages
+``swin-views``     the same in timm's current spelling: ``reshape(B_, N, 3, heads, -1)``,
+                   ``unbind(0)``, heads merged with ``reshape(B_, N, -1)``
 ``mixer``          MLP-Mixer: token-mixing MLP over the transposed patch dim
 ``convnext``       ConvNeXt: ``stages[i]`` Sequential blocks, depthwise conv, channels-last
                    LayerNorm and Linear, layer scale ``gamma``, downsample layers
@@ -300,6 +302,7 @@ STYLE_MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], str]] = {
     "tv-vit": ("vision", TvViT, "classes"),
     "tv-cnn": ("vision", TvCNN, "classes"),
     "swin": ("vision", Swin, "classes"),
+    "swin-views": ("vision", lambda: Swin(local_views=True), "classes"),
     "mixer": ("vision", Mixer, "classes"),
     "convnext": ("vision", ConvNeXt, "classes"),
 }

@@ -190,9 +190,13 @@ def window_reverse(windows: torch.Tensor, w: int, H: int, W: int) -> torch.Tenso
 
 
 class WindowAttention(nn.Module):
-    def __init__(self, dim: int, window: int, num_heads: int):
+    """The original Swin's window attention (``reshape(B_, N, 3, heads, C // heads)``, ``qkv[i]``,
+    ``reshape(B_, N, C)``); ``local_views``: timm's current spelling, its views sized with -1 and
+    ``qkv.unbind(0)``."""
+
+    def __init__(self, dim: int, window: int, num_heads: int, local_views: bool = False):
         super().__init__()
-        self.window, self.num_heads = window, num_heads
+        self.window, self.num_heads, self.local_views = window, num_heads, local_views
         self.scale = (dim // num_heads) ** -0.5
         self.relative_position_bias_table = nn.Parameter(torch.randn((2 * window - 1) ** 2, num_heads) * 0.02)
         coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
@@ -203,19 +207,22 @@ class WindowAttention(nn.Module):
 
     def forward(self, x):
         B_, N, C = x.shape
-        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.local_views:
+            q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
         attn = (q * self.scale) @ k.transpose(-2, -1)
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(N, N, -1)
         attn = (attn + bias.permute(2, 0, 1).contiguous().unsqueeze(0)).softmax(dim=-1)
-        return self.proj((attn @ v).transpose(1, 2).reshape(B_, N, C))
+        return self.proj((attn @ v).transpose(1, 2).reshape(B_, N, -1 if self.local_views else C))
 
 
 class SwinBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, resolution: int, window: int, shift: int):
+    def __init__(self, dim: int, heads: int, resolution: int, window: int, shift: int, local_views: bool = False):
         super().__init__()
         self.resolution, self.window, self.shift = resolution, window, shift
-        self.norm1, self.attn = nn.LayerNorm(dim), WindowAttention(dim, window, heads)
+        self.norm1, self.attn = nn.LayerNorm(dim), WindowAttention(dim, window, heads, local_views)
         self.norm2, self.mlp = nn.LayerNorm(dim), TimmMlp(dim, 4 * dim)
 
     def forward(self, x):
@@ -246,9 +253,9 @@ class PatchMerging(nn.Module):
 
 
 class SwinStage(nn.Module):
-    def __init__(self, dim: int, heads: int, resolution: int, depth: int, merge: bool):
+    def __init__(self, dim: int, heads: int, resolution: int, depth: int, merge: bool, local_views: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList([SwinBlock(dim, heads, resolution, 4, 0 if i % 2 == 0 else 2)
+        self.blocks = nn.ModuleList([SwinBlock(dim, heads, resolution, 4, 0 if i % 2 == 0 else 2, local_views)
                                      for i in range(depth)])
         self.downsample = PatchMerging(dim, resolution) if merge else None
 
@@ -259,11 +266,11 @@ class SwinStage(nn.Module):
 
 
 class Swin(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 2):
+    def __init__(self, dim: int = 16, heads: int = 2, local_views: bool = False):
         super().__init__()
         self.patch_embed = PatchEmbed(2, dim)
-        self.layers = nn.ModuleList([SwinStage(dim, heads, IMAGE // 2, 2, merge=True),
-                                     SwinStage(2 * dim, 2 * heads, IMAGE // 4, 2, merge=False)])
+        self.layers = nn.ModuleList([SwinStage(dim, heads, IMAGE // 2, 2, merge=True, local_views=local_views),
+                                     SwinStage(2 * dim, 2 * heads, IMAGE // 4, 2, merge=False, local_views=local_views)])
         self.norm, self.head = nn.LayerNorm(2 * dim), nn.Linear(2 * dim, CLASSES)
 
     def forward(self, x):

@@ -71,7 +71,9 @@ def test_a_fused_qkv_reshaped_permuted_and_unbound_is_sharded_by_heads():
     """timm's ``qkv(x).reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)`` (and Swin's
     ``qkv[0]``): the dim of 3 holds the fused parts, each of H heads; a rank keeps whole heads of
     each part. timm's own ``reshape(B, N, C)`` after attention then reads the input's width (refused
-    by the rehearsal); merged with ``-1`` it shards; Swin stops at its per-head bias table."""
+    by the rehearsal); merged with ``-1`` it shards. Swin's per-head bias table is sharded with the
+    heads; the original Swin's ``C // num_heads`` view is refused by the rehearsal, timm's ``-1``
+    views shard."""
     for name in ("timm-vit", "timm-vit-views"):
         model, _, graph = _traced(name)
         pairs = graph.pattern_of(graph.layer_blocks[0]).tp_pairs
@@ -82,7 +84,9 @@ def test_a_fused_qkv_reshaped_permuted_and_unbound_is_sharded_by_heads():
     model, _, graph = _traced("timm-vit-views")
     assert parallel_support(model, graph).tp_problem(2) == ""
     model, _, graph = _traced("swin")
-    assert "relative_position_bias_table has one entry per sharded head" in parallel_support(model, graph).tp_problem(2)
+    assert "cannot shard layers.0.blocks.0.attn (WindowAttention)" in parallel_support(model, graph).tp_problem(2)
+    model, _, graph = _traced("swin-views")
+    assert parallel_support(model, graph).tp_problem(2) == ""
 
 
 @pytest.mark.parametrize("name", ["timm-vit", "deit", "tv-vit", "convnext"])
@@ -156,19 +160,19 @@ def test_a_costless_head_and_tail_count_in_the_planners_chain():
     checks.run_all(plan, model, graph, WORLD, BATCH)
 
 
-def test_multihead_attention_left_whole_under_tp_is_reported():
-    """``nn.MultiheadAttention`` is one op to the tracer: a TP plan shards the MLP pair beside it and
-    reports the attention as running whole on every rank (priced so by the cost model)."""
+def test_multihead_attention_is_no_longer_left_whole_under_tp():
+    """``nn.MultiheadAttention`` is one op to the tracer: it used to run whole on every rank beside
+    the sharded MLP; it is now a pair of its own, sharded by heads and priced so (what stays whole
+    and why: tests/test_tp_attention_styles.py)."""
+    for name in ("tv-vit", "meta-llama"):
+        _, _, graph = _traced(name)
+        assert unsharded_attention(graph) == [], name
     _, _, graph = _traced("tv-vit")
-    assert unsharded_attention(graph) == ["encoder.layers.encoder_layer_0.self_attention",
-                                          "encoder.layers.encoder_layer_1.self_attention"]
-    _, _, llama = _traced("meta-llama")
-    assert unsharded_attention(llama) == []
-    block = graph.layer_blocks[0]  # priced as what runs: the attention whole, the MLP pair sharded
+    block = graph.layer_blocks[0]
     facts = {n: f for n, f in zip(block.nodes, block_facts(graph, block).nodes)}
     ops = {n: graph.graph.nodes[n].get("op") for n in block.nodes}
     attention = [f for n, f in facts.items() if ops[n] == "multiheadattention"]
-    assert attention and all(not f.tp and f.flops > 0 for f in attention)
+    assert attention and all(f.tp and f.flops > 0 for f in attention)
     assert sum(f.tp for n, f in facts.items() if ops[n] == "linear") == 2
 
 

@@ -198,9 +198,11 @@ def _warn_batchnorm(job: Job) -> None:
 def _warn_unsharded_attention(job: Job) -> None:
     replicated = unsharded_attention(job.graph) if any(s.tp > 1 for s in job.plan.stages) else []
     if replicated and job.rank == 0:
+        why = (getattr(job.graph, "replicated_attention", None) or {}).get(replicated[0])
         warnings.warn(f"tensor parallelism shards the linear pairs of each layer, but the attention of {replicated[:3]}"
-                      f"{' ...' if len(replicated) > 3 else ''} is no pair nest-fx can shard (e.g. nn.MultiheadAttention): "
-                      "it runs whole on every TP rank, as the cost model priced it", stacklevel=_CALLER)
+                      f"{' ...' if len(replicated) > 3 else ''} is no pair nest-fx can shard"
+                      f"{f' ({replicated[0]}: {why})' if why else ''}: it runs whole on every TP rank, as the cost "
+                      "model priced it", stacklevel=_CALLER)
 
 
 def prepare(request: Request) -> Job:

@@ -6,8 +6,10 @@ units and the row unit they feed (Megatron-style pairs), every parameter to shar
 ``parallelize_module`` with the styles of :mod:`nest_fx.apply.tp_styles`: ``ColumnShard`` on
 the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, HF ``Conv1D``,
 ``x @ weight.T``), ``LocalShards`` on a module holding 3-D expert weights, ``SequenceParallel``
-(on the heads dim) on per-head norms and ``ColwiseParallel`` on per-head tables; per-head inputs
-(ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
+(on the heads dim) on per-head norms, ``ColwiseParallel`` on per-head tables and ``HeadParams`` on
+per-head parameters of the region module itself (Swin's ``relative_position_bias_table``) and
+``MultiheadShard`` on an ``nn.MultiheadAttention`` (its forward replaced by a head-sharded one);
+per-head inputs (ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
 linears (attention, activation) runs on the local shard; the region module of an attention pair
 counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
 of a HF config with its head counts divided).
@@ -40,7 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nest_fx.apply.tp_styles import ColumnShard, LocalShards, RowShard
+from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard
 from nest_fx.graph.opgraph import TPParam
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
@@ -188,6 +190,10 @@ def share_rng_state(tp_mesh: DeviceMesh) -> None:
 def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str, object]:
     """{module path (relative to the block): ParallelStyle} sharding one TP pair (see tp_styles)."""
     styles: Dict[str, object] = {}
+    if pair.leaf:  # nn.MultiheadAttention: its own parameters, a head-sharded forward (graph.tp_mha)
+        if pair.leaf in present:
+            styles[pair.leaf] = MultiheadShard({spec.name[len(pair.leaf) + 1:]: spec for spec in pair.params})
+        return styles
     by_owner: Dict[str, Dict[str, TPParam]] = {}
     modules = set(pair.column) | {pair.row}
     for spec in pair.params:
@@ -197,7 +203,9 @@ def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str
     for owner, params in by_owner.items():
         if owner not in present:
             continue  # e.g. an expert another EP rank holds
-        if owner not in modules:  # 3-D expert parameters: the module runs on its local shards
+        if owner not in modules and pair.kind != "expert":  # per-head tables of the region module (Swin)
+            styles[owner] = HeadParams(params)
+        elif owner not in modules:  # 3-D expert parameters: the module runs on its local shards
             styles[owner] = LocalShards(params)
         elif owner == pair.row:
             styles[owner] = RowShard(params, output_layouts=Shard(1)) if sp_here else RowShard(params)
@@ -232,7 +240,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
                           sequence_parallel: bool = False) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
 
-    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table"} of what
+    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table" | "head_param" | "multihead"} of what
     was sharded (for reports and tests).
     """
     tp = tp_mesh.size()
@@ -241,7 +249,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
     applied: Dict[str, str] = {}
     owned = owned_blocks(graph, block_names)
     kinds = {ColumnShard: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
-             ColwiseParallel: "head_table"}
+             ColwiseParallel: "head_table", HeadParams: "head_param", MultiheadShard: "multihead"}
     for index, block in enumerate(owned):
         name = block.name
         pattern = graph.patterns.get(block.signature)

@@ -13,6 +13,8 @@
   token gathers) runs unchanged on one rank's slice of every expert. Its floating-point inputs
   pass through :func:`copy_to_tp` (identity forward, gradient all-reduced over TP) and its
   output through :func:`reduce_from_tp` (all-reduce forward): Megatron's f and g.
+* :class:`HeadParams`: per-head parameters of an attention region's own module (Swin's relative
+  position bias table), sharded by heads and swapped for their local shards during its forward.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from nest_fx.apply.fused_params import FusedLayout, register_layout
 from nest_fx.graph.opgraph import TPParam
+from nest_fx.graph.tp_mha import local_forward
 
 
 def shard_parameter(module: nn.Module, name: str, spec: TPParam, mesh: DeviceMesh) -> None:
@@ -145,6 +148,8 @@ class LocalShards(ParallelStyle):
     """Shard a module's own parameters (``params``) and run its forward on the local shards; its
     output is the sum of the ranks' partial outputs (see the module docstring)."""
 
+    reduce = True  # the module holds a whole pair: its inputs are copied to, its output reduced over, TP
+
     def __init__(self, params: Dict[str, TPParam]):
         super().__init__()
         self.params = params
@@ -157,6 +162,8 @@ class LocalShards(ParallelStyle):
         inner = module.forward
 
         def fix(value):
+            if not self.reduce:
+                return value
             return copy_to_tp(value, group) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
         # The swap is undone in ``finally``, not in a forward hook: a non-reentrant activation
@@ -171,10 +178,41 @@ class LocalShards(ParallelStyle):
                 output = inner(*(fix(a) for a in args), **{k: fix(v) for k, v in kwargs.items()})
             finally:
                 module._parameters.update(held)
+            if not self.reduce:
+                return output
             if not isinstance(output, torch.Tensor):
                 raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor parallelism on "
                                 "local shards needs a module that returns one tensor")
             return reduce_from_tp(output, group)
 
         module.forward = forward
+        return module
+
+
+class HeadParams(LocalShards):
+    """Shard per-head parameters a TP region's own module holds (Swin's
+    ``relative_position_bias_table``, [entries, heads]) by heads, and run the module's forward on
+    its local shards: each rank looks up its own heads' entries. The module's projections are the
+    pair's column and row linears (sharded by their own styles), so its inputs and output are
+    left as they are; each shard's gradient comes from its own heads only, as a column's does."""
+
+    reduce = False
+
+
+class MultiheadShard(ParallelStyle):
+    """Shard an ``nn.MultiheadAttention`` by heads (``params``: {name: TPParam} relative to it: q, k
+    and v of ``in_proj_*`` by heads, ``out_proj.weight`` by input features; ``out_proj.bias`` stays
+    whole) and run ``graph.tp_mha.head_sharded_forward`` in place of its forward, with Megatron's
+    f and g over the TP group (torch's own forward cannot run on a shard)."""
+
+    def __init__(self, params: Dict[str, TPParam]):
+        super().__init__()
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, spec in self.params.items():
+            shard_parameter(module, name, spec, device_mesh)
+        group = device_mesh.get_group()
+        comms = (partial(copy_to_tp, group=group), partial(reduce_from_tp, group=group))
+        module.forward = local_forward(module, device_mesh.get_local_rank(), device_mesh.size(), comms)
         return module

@@ -118,7 +118,9 @@ class TPPair:
     ``params`` (every sharded parameter), ``head_norms`` (norms applied per head inside the region,
     module -> the heads dim of their input; weights stay replicated), ``head_tables`` (embeddings
     with one column per head, sharded with the heads), ``head_inputs`` (see :class:`HeadInput`);
-    ``problem`` is why the pair cannot be sharded exactly ("" when it can).
+    ``problem`` is why the pair cannot be sharded exactly ("" when it can). ``leaf``: the module
+    (relative to the block) whose one traced call holds the whole pair (``nn.MultiheadAttention``:
+    ``graph.tp_mha``); the runtime replaces its forward by a head-sharded one ("" for other pairs).
     """
 
     kind: str
@@ -129,6 +131,7 @@ class TPPair:
     head_tables: List[str] = field(default_factory=list)
     head_inputs: List[HeadInput] = field(default_factory=list)
     problem: str = ""
+    leaf: str = ""
 
 
 @dataclass
@@ -157,6 +160,8 @@ class OpGraph:
         self.module = None  # the captured torch.fx.GraphModule, when traced in this process
         self.input_names: List[str] = []  # the model's inputs given to the trace (forward argument names)
         self.expert_modules: Optional[List[str]] = None  # FQNs holding expert weights (None: not recorded)
+        # attention modules TP leaves whole on every rank -> why (graph.tp_mha; None: not recorded)
+        self.replicated_attention: Optional[Dict[str, str]] = None
 
     # -- access ---------------------------------------------------------------------------
     def nodes(self, block: Optional[int] = None) -> Iterable[dict]:

@@ -92,6 +92,7 @@ class _Follower(ShapeRules):
             self.check_row()
             self.finish_parts()
             self.check_contained(core, members)
+            self.check_head_params()
         except _Stop as stop:
             self.layout.problem = str(stop)
         return self.layout
@@ -106,6 +107,25 @@ class _Follower(ShapeRules):
                 if user not in core and user != self.row and (user not in members or user in live):
                     raise _Stop(f"the sharded output of {self.where(node)} is also used by {self.where(user)}, "
                                 "outside the pair's region")
+
+    def check_head_params(self) -> None:
+        """A per-head parameter is sharded only when every use of it in the block carries its heads
+        to the pair (a use elsewhere would see one rank's heads), and only inside the forward of its
+        own module (the runtime swaps in its shard there: ``apply.tp_styles.HeadParams``)."""
+        for param in self.layout.head_params:
+            owner = param.rpartition(".")[0]
+            for node in self.block.nodes:
+                d = self.g.nodes[node]
+                if param not in (d.get("input_params") or []):
+                    continue
+                module = d.get("module", "")
+                if not (module == owner or module.startswith(owner + ".")):
+                    raise _Stop(f"parameter {param} is read outside the forward of its module {owner!r} "
+                                f"({self.where(node)}); tensor parallelism shards such a per-head table only "
+                                "where its own module reads it")
+                if not any(self.flows.get(node) or []):
+                    raise _Stop(f"parameter {param} has one entry per sharded head and is also used by "
+                                f"{self.where(node)}, which does not carry its heads to the pair")
 
     def visit(self, node: str, core: Set[str]) -> None:
         d = self.g.nodes[node]
@@ -137,7 +157,9 @@ class _Follower(ShapeRules):
         return Flow(dim=dim, count=features, source=(node, 0, features))
 
     def source_flows(self, node: str) -> List[Optional[Flow]]:
-        """An embedding inside the region with one output column per head is a per-head table."""
+        """An embedding inside the region with one output column per head is a per-head table; so
+        is a 2-D parameter of [entries, heads] indexed by an integer tensor (Swin's
+        ``relative_position_bias_table[relative_position_index]``)."""
         d = self.g.nodes[node]
         n_out = len(d.get("out_shapes") or [])
         params = [p for p in d.get("input_params", []) if p]
@@ -147,7 +169,27 @@ class _Follower(ShapeRules):
                 out = d["out_shapes"][0]
                 self.layout.head_tables.append(d.get("module", ""))
                 return [Flow(dim=len(out) - 1, count=shape[1], heads=True)]
+        table = self.indexed_table(node)
+        if table:
+            out = d["out_shapes"][0]
+            self.layout.head_params[table] = 1
+            return [Flow(dim=len(out) - 1, count=out[-1], heads=True)]
         return [None] * n_out
+
+    def indexed_table(self, node: str) -> str:
+        """The parameter ``node`` looks up rows of when it is ``param[index]`` with ``param`` a
+        [entries, heads] table of this pair's head count and ``index`` an integer tensor (the output
+        keeps the heads as its last dim), else ""."""
+        d = self.g.nodes[node]
+        names, shapes, dtypes = d.get("input_params") or [], d.get("in_shapes") or [], d.get("in_dtypes") or []
+        if d.get("op") not in ("getitem", "index") or len(names) < 2 or len(shapes) < 2 or len(dtypes) < 2 \
+                or not self.inside(node):
+            return ""
+        table, shape, out = names[0], shapes[0], (d.get("out_shapes") or [[]])[0]
+        if not table or names[1] or len(shape) != 2 or shape[1] not in self.head_counts or not out \
+                or out[-1] != shape[1] or not str(dtypes[1]).startswith("int"):
+            return ""
+        return table
 
     # -- per-op rules ---------------------------------------------------------------------
     def propagate(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:

@@ -69,6 +69,7 @@ class PairLayout:
     parts: Dict[str, List[Tuple[int, int, int]]] = field(default_factory=dict)  # column -> (start, size, unit)
     head_norms: Dict[str, int] = field(default_factory=dict)  # module FQN -> heads dim of its input
     head_tables: List[str] = field(default_factory=list)  # module FQNs
+    head_params: Dict[str, int] = field(default_factory=dict)  # per-head parameter FQN -> its heads dim
     head_inputs: List[HeadInput] = field(default_factory=list)
     problem: str = ""
 

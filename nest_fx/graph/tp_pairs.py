@@ -119,6 +119,8 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     pair.head_norms = {_rel(m, block): d for m, d in layout.head_norms.items()}
     pair.head_tables = sorted({_rel(m, block) for m in layout.head_tables})
     pair.head_inputs = layout.head_inputs
+    # a per-head parameter of the region (Swin's relative_position_bias_table): sharded by heads
+    pair.params += [TPParam(name=_rel(name, block), dim=dim, units=[1]) for name, dim in layout.head_params.items()]
     for c in columns:
         pair.params += _column_params(graph, block, params, c, units[c], layout.parts.get(c, []))
     d = graph.nodes[row]
@@ -148,6 +150,14 @@ def _unit_problem(graph: nx.DiGraph, block: Block, params: _BlockParams, units: 
     """Why the pair's linear-like modules or expert parameters cannot be sharded as units ("" = they can)."""
     members = block.nodes
     for node, (name, is_module) in units.items():
+        caller = graph.nodes[node].get("module", "")
+        if is_module and caller != name:
+            # torchvision's Swin: F.linear(x, self.qkv.weight, ...) in the attention's forward; the
+            # runtime shards a module through its own forward, which never runs here
+            return (f"the weight of module {name} is used by op {graph.nodes[node].get('op')!r} in the forward of "
+                    f"{caller or '<root>'!r}, not by {name}'s own forward, which tensor parallelism shards it through; "
+                    f"it shards once the forward calls the module (`self.{name.rpartition('.')[2]}(x)`) instead of "
+                    "reading its weight")
         if is_module:
             extra = sorted({graph.nodes[n].get("op") for n in members
                             if graph.nodes[n].get("module") == name and graph.nodes[n].get("op") not in _PROJECTION_OPS})

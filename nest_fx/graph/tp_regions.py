@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from nest_fx.graph.opgraph import HeadInput
+from nest_fx.graph.tp_mha import MHA_OP
 
 # Attributes of an attention module (and of its config) that count heads or their features; a
 # rank's copy of the module sees them divided by tp. split_size: GPT-2's split of its fused qkv;
@@ -61,22 +62,30 @@ def block_regions(pattern, routers: Sequence[str] = ()) -> List[Tuple[str, str, 
     return [(path, kind, pairs) for path, (kind, pairs) in regions.items()]
 
 
-ATTENTION_CORES = {"scaled_dot_product_attention", "multiheadattention", "multi_head_attention_forward"}
+ATTENTION_CORES = {"scaled_dot_product_attention", MHA_OP, "multi_head_attention_forward"}
 
 
 def unsharded_attention(graph) -> List[str]:
-    """Module FQNs of attention calls in the layers that no TP region holds (``nn.MultiheadAttention``,
-    a leaf to the tracer): under a TP plan they run whole on every TP rank while the pairs beside
-    them (the MLP) are sharded. The cost model prices them so (it divides the regions' nodes only);
-    the runtime reports them."""
+    """Module FQNs of attention calls in the layers that no TP region holds (an
+    ``nn.MultiheadAttention`` call ``graph.tp_mha`` cannot shard: ``graph.replicated_attention``
+    says why): under a TP plan they run whole on every TP rank while the pairs beside them (the
+    MLP) are sharded. The cost model prices them so (it divides the regions' nodes only); the
+    runtime reports them."""
     found: List[str] = []
     for block in graph.layer_blocks:
-        regions = [block.fqn(r) for r, kind, _ in block_regions(graph.pattern_of(block)) if kind != "expert"]
+        pattern = graph.pattern_of(block)
+        regions = [block.fqn(r) for r, kind, _ in block_regions(pattern) if kind != "expert"]
+        leaves = {block.fqn(p.leaf) for p in pattern.tp_pairs if p.leaf}
         for node in block.nodes:
             d = graph.graph.nodes[node]
-            module = d.get("module", "")
-            if d.get("op") in ATTENTION_CORES and not any(r == "" or module == r or module.startswith(r + ".")
-                                                           for r in regions) and module not in found:
+            module, op = d.get("module", ""), d.get("op")
+            if op not in ATTENTION_CORES or module in found:
+                continue
+            if op == MHA_OP and d.get("fx_op") == "call_module":  # sharded only as a pair of its own
+                held = module in leaves
+            else:
+                held = any(r == "" or module == r or module.startswith(r + ".") for r in regions)
+            if not held:
                 found.append(module)
     return found
 

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from nest_fx.graph.stage_modules import traced_inputs
 from nest_fx.graph.stand_in import meta_copy, run_on_fake
+from nest_fx.graph.tp_mha import local_forward
 from nest_fx.graph.tp_regions import (HEAD_COUNT_ATTRS, block_regions, head_input_hook, localise_head_counts,
                                       shrink_param)
 
@@ -111,6 +112,10 @@ def _local_copy(region: nn.Module, path: str, kind: str, block, pairs, tp: int) 
             shrink_param(local, block.fqn(table)[len(prefix):] + ".weight", 1, tp)
     if kind == "attention":
         localise_head_counts(local, tp)
+    for pair in pairs:
+        if pair.leaf:  # nn.MultiheadAttention runs nest-fx's head-sharded forward, as the runtime runs it
+            leaf = local.get_submodule(block.fqn(pair.leaf)[len(prefix):])
+            leaf.forward = local_forward(leaf, 0, tp)
     heads = [h for pair in pairs for h in pair.head_inputs]
     if heads:
         local.register_forward_pre_hook(head_input_hook(heads, tp, 0), with_kwargs=True)

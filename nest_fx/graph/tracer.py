@@ -16,6 +16,7 @@ from nest_fx.graph.capture import TraceError, capture
 from nest_fx.graph.moe_modules import expert_module_paths
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.tp_pairs import find_patterns
+from nest_fx.graph.tp_mha import add_multihead_pairs
 from nest_fx.graph.training_mode import training_config
 
 
@@ -58,6 +59,7 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     opgraph.module = gm  # the captured GraphModule: the profiler runs it node by node
     opgraph.input_names = input_names(model, args, kwargs)
     opgraph.expert_modules = expert_module_paths(model)
+    add_multihead_pairs(opgraph, model)
     return opgraph
 
 

@@ -174,6 +174,11 @@ class ParallelSupport:
                     "fix: sequence_parallel=false")
         for block in self.graph.layer_blocks:
             pattern = self.graph.patterns.get(block.signature)
+            leaf = [p.leaf for p in (pattern.tp_pairs if pattern else []) if p.leaf]
+            if leaf:
+                return (f"sequence parallelism gathers the sequence on entry to each TP region, but "
+                        f"{block.fqn(leaf[0])} is an nn.MultiheadAttention, which nest-fx shards by heads with a "
+                        "forward of its own that takes whole sequences only; fix: sequence_parallel=false")
             whole = [p for p in (pattern.tp_pairs if pattern else []) if p.kind != "expert"
                      and not lowest_common_module(list(p.column) + [p.row])]
             if whole:

@@ -50,6 +50,9 @@ def _pairs_text(graph: OpGraph, block: Block) -> str:
         parts.append(f"experts x{len(experts)}: {cols}->{p.row.rsplit('.', 1)[-1]}")
     if pattern.routers:
         parts.append("router: " + ",".join(pattern.routers))
+    whole = [block.rel(m) for m in (graph.replicated_attention or {}) if block.rel(m) != m]
+    if whole:  # attention TP leaves whole on every rank (graph.tp_mha)
+        parts.append("whole under TP: " + ",".join(whole))
     return "; ".join(parts) if parts else "-"
 
 

@@ -20,6 +20,7 @@ import networkx as nx
 import torch
 
 from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS, VIEW_OPS
+from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
@@ -68,6 +69,7 @@ class NodeCost:
     # a linear whose input is an attention output seen through view ops only (the output
     # projection): the tensor it saves is the one the attention kernel saved (attention_output_reader)
     reads_attention_output: bool = False
+    saved_whole: float = 0.0  # of ``saved``, what every TP rank keeps whole (a sharded call's replicated input)
 
 
 @dataclass
@@ -103,6 +105,17 @@ def _scores(d: dict) -> Tuple[float, float]:
     return elements, elements * _DTYPE_BYTES.get((d.get("out_dtypes") or ["bfloat16"])[0], 2)
 
 
+def _head_table_nodes(g, block, pair, up: set) -> set:
+    """The nodes feeding ``pair``'s row that read its per-head tables (Swin's bias table lookup,
+    T5's bias embedding): each rank looks up its own heads' entries only."""
+    if pair.kind == "expert":
+        return set()
+    units = set(pair.column) | {pair.row}
+    tables = {block.fqn(p.name) for p in pair.params if not any(p.name.startswith(u + ".") for u in units)}
+    tables |= {block.fqn(t) + ".weight" for t in pair.head_tables}
+    return {n for n in up if tables & set(g.nodes[n].get("input_params") or [])} if tables else set()
+
+
 def block_facts(graph, block) -> BlockFacts:
     """Classify a block's nodes: TP-sharded region, expert nodes, attention cores."""
     g = graph.graph
@@ -115,6 +128,7 @@ def block_facts(graph, block) -> BlockFacts:
         return weight_node.get(full + ".weight") or weight_node.get(full)
 
     tp_nodes: set = set()
+    leaf_calls: set = set()  # nn.MultiheadAttention calls TP shards: each saves its whole input
     sharded = {block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem
                for p in pair.params} | {block.fqn(t) + ".weight" for pair in (pattern.tp_pairs if pattern else [])
                                         if not pair.problem for t in pair.head_tables}
@@ -125,6 +139,14 @@ def block_facts(graph, block) -> BlockFacts:
     for pair in (pattern.tp_pairs if pattern else []):
         if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
             continue
+        if pair.leaf:  # nn.MultiheadAttention: one node computes the pair; its output is all-reduced
+            call = next((n for n in block.nodes if g.nodes[n].get("module") == block.fqn(pair.leaf)
+                         and g.nodes[n].get("fx_op") == "call_module"), None)
+            if call is not None:
+                tp_nodes.add(call)
+                leaf_calls.add(call)
+                rows.append((pair.kind, call))
+            continue
         cols = [c for c in (node_for(x) for x in pair.column) if c]
         row = node_for(pair.row)
         if not cols or not row:
@@ -132,7 +154,7 @@ def block_facts(graph, block) -> BlockFacts:
         down = set().union(*(nx.descendants(g, c) for c in cols)) & members
         up = nx.ancestors(g, row) & members
         region = (down & up) | set(cols) | {row}
-        tp_nodes |= region
+        tp_nodes |= region | _head_table_nodes(g, block, pair, up)
         column_nodes |= set(cols)
         if pair.kind == "expert":  # the experts' nodes of it (a shared expert is dense: Qwen2-MoE)
             expert_nodes |= {n for n in region if _in_experts(g.nodes[n].get("module", ""), expert_paths)}
@@ -173,14 +195,15 @@ def block_facts(graph, block) -> BlockFacts:
         bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
         nodes.append(NodeCost(
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
-            matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or attention,
+            matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or d.get("op") == MHA_OP or attention,
             saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
             tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
             params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
             scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
             seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, window=window, kept=kept[k], recomputed=recomputed[k],
             linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per,
-            reads_attention_output=attention_output_reader(g, n)))
+            reads_attention_output=attention_output_reader(g, n),
+            saved_whole=min(d.get("saved_bytes", 0.0), in_b) if n in leaf_calls else 0.0))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]
@@ -219,6 +242,7 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
     nodes = [dataclass_replace(n, bytes_moved=n.bytes_moved * k, saved=n.saved * k, saved_flash=n.saved_flash * k,
                                param_bytes=n.param_bytes * k, score_bytes=n.score_bytes * k, q_bytes=n.q_bytes * k,
                                kv_bytes=n.kv_bytes * k, tp_param_bytes=n.tp_param_bytes * k,
+                               saved_whole=n.saved_whole * k,
                                kept={p: b * k for p, b in n.kept.items()}) for n in facts.nodes]
     return dataclass_replace(facts, nodes=nodes, out_bytes=facts.out_bytes * k, in_bytes=facts.in_bytes * k,
                              row_bytes=facts.row_bytes * k, a2a_bytes=facts.a2a_bytes * k,

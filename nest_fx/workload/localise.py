@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
+from nest_fx.graph.tp_mha import local_forward
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, shrink_param
 from nest_fx.models import build_any
 
@@ -81,6 +82,10 @@ def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
                 target = model.get_submodule(block.fqn(region))
                 if kind == "attention":
                     localise_head_counts(target, tp)
+                for pair in pairs:
+                    if pair.leaf:  # nn.MultiheadAttention: the head-sharded forward the runtime runs
+                        leaf = model.get_submodule(block.fqn(pair.leaf))
+                        leaf.forward = local_forward(leaf, 0, tp)
                 heads = [h for pair in pairs for h in pair.head_inputs]
                 if heads:
                     target.register_forward_pre_hook(head_input_hook(heads, tp, 0), with_kwargs=True)

@@ -112,7 +112,8 @@ class TracedSource:
         keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in facts.nodes]
         for n, (t, _), keep in zip(facts.nodes, times, keeps):
             flash = n.saved_flash if n.attention else n.saved
-            none = (flash if self.attention == "flash" else n.saved) * tokens / keep
+            whole = n.saved_whole if keep > 1 else 0.0  # a sharded call's input, kept whole on every rank
+            none = ((flash if self.attention == "flash" else n.saved) - whole) * tokens / keep + whole * tokens
             if n.attention and cp > 1:  # the gathered keys and values are whole sequences
                 none += n.kv_bytes * scale / keep * (1 - 1 / cp)
             act["none"] += none
