@@ -7,7 +7,7 @@ Start-up time: ``--help`` (of every command), argument errors and missing or unr
 files are answered before torch is imported (in a fraction of a second rather than the seconds
 torch takes to import; scripts/bench_cli.py). So this module imports only torch-free modules at
 its top, and each command handler imports the rest when it runs: the function-local imports
-below are that, and tests/test_architecture.py accepts them here (and checks that nothing at the
+below are that, and tests/unit/repo/test_architecture.py accepts them here (and checks that nothing at the
 top loads torch).
 """
 from __future__ import annotations

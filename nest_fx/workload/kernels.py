@@ -37,7 +37,7 @@ Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
 * Activations of fused runtimes: Korthikanti et al. 2022, Table 2: 34 bytes per token per hidden
   unit for a GPT block with fused kernels; for a Llama block the min-cut rule gives about 36 (the
   SwiGLU keeps two 3.5h inputs where GeLU keeps one 4h one) against 59 traced eagerly
-  (``tests/test_kernels.py``).
+  (``tests/unit/workload/test_kernels.py``).
 """
 from __future__ import annotations
 
