@@ -1,5 +1,6 @@
 """The settings declaration (nest_fx.plan.settings): one declaration per plan setting, from which
-the plan's fields and checks, the constraints' vocabulary and the command-line flags are made."""
+the plan's fields and checks, the constraints' vocabulary, the planner's options and the
+command-line flags are made."""
 import argparse
 import dataclasses
 import os
@@ -10,8 +11,11 @@ import pytest
 
 from nest_fx.plan import Plan, StagePlan, uniform_plan
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
-from nest_fx.plan.settings import (CHOICES, DEGREES, FLAGS, OPTIONS, PLAN_SETTINGS, SETTINGS, STAGE_SETTINGS,
-                                   add_constraint_flags, constraints_data, default, setting)
+from nest_fx.plan.settings import (CHOICES, COSTED_FLAGS, DEGREES, FLAGS, OPTIONS, PLAN_SETTINGS, SEARCHED, SETTINGS,
+                                   STAGE_SETTINGS, UNSEARCHED, Setting, add_constraint_flags, add_fields,
+                                   constraints_data, default, setting)
+from nest_fx.solver.constraints import NEVER_RELAXED
+from nest_fx.solver.space import SolverOptions
 from repo_root import ROOT
 
 
@@ -78,6 +82,34 @@ def test_command_line_flags_come_from_the_declarations():
     assert c.memory_headroom == pytest.approx(0.1) and c.optimizer == "sgd" and c.schedules == ["gpipe"]
     with pytest.raises(SystemExit):
         p.parse_args(["--precision", "fp8"])
+
+
+def test_the_planner_options_are_made_from_the_declarations():
+    """SolverOptions has one field per setting with a ``search``, named and defaulted as declared."""
+    made = {f.name: f.default for f in dataclasses.fields(SolverOptions)}
+    for s in SEARCHED:
+        assert made[s.search_name()] == s.search, s.name
+    assert {s.search_name() for s in SEARCHED} == {
+        "tp_degrees", "ep_degrees", "cp_degrees", "zero_stages", "microbatch_sizes", "schedules", "placements",
+        "recompute", "loss_parallel", "sequence_parallel", "compile", "float8", "async_tp", "precision", "kernels"}
+    assert {s.name for s in SETTINGS if s.search is UNSEARCHED and s.role == "degree"} == {"pp", "dp", "dp_shard"}
+    assert COSTED_FLAGS == ("compile", "float8", "async_tp")  # never searched: costed when the user sets them
+    assert {"fix.compile", "fix.float8", "fix.async_tp", "optimizer", "precision"} <= set(NEVER_RELAXED)
+    assert "memory_headroom" not in NEVER_RELAXED and "fix.sequence_parallel" not in NEVER_RELAXED
+
+
+def test_a_new_declaration_gets_its_planner_field():
+    degree = Setting("xp", int, 1, "a new degree", "degree", minimum=1, search=(1, 2))
+    choice = Setting("mode", str, "a", "a new choice", "choice", values=("a", "b"), allowed="modes", search=("a",))
+    flag = Setting("turbo", bool, False, "a new flag", "flag", search=False)
+
+    @dataclasses.dataclass
+    @add_fields((degree, choice, flag), search=True)
+    class Options:
+        pass
+
+    assert Options() == Options(xp_degrees=(1, 2), modes=("a",), turbo=False)
+    assert [f.type for f in dataclasses.fields(Options)] == ["Sequence[int]", "Sequence[str]", "bool"]
 
 
 def test_old_plan_files_load():
