@@ -18,7 +18,7 @@ RNG states are in the checkpoint. Run it as plain ``python`` for that single-dev
 With ``--rdzv_backend=c10d`` the node at ``--rdzv_endpoint`` holds the rendezvous store and must
 survive. To survive the loss of any node, keep the rendezvous in etcd: ``pip install -e '.[etcd]'``,
 an etcd server outside the nodes (``etcd --enable-v2``, Debian's ``etcd-server``), and
-``--rdzv_backend=etcd-v2 --rdzv_endpoint=etcd0:2379`` on every node (tests/test_elastic.py).
+``--rdzv_backend=etcd-v2 --rdzv_endpoint=etcd0:2379`` on every node (tests/distributed/apply/test_elastic.py).
 
 Rank 0 prints one line per step and, with ``--losses FILE``, appends it as JSON to FILE. Restart
 policy and its limits: docs/runtime.md, "Elastic training".

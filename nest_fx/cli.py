@@ -7,7 +7,7 @@ Start-up time: ``--help`` (of every command), argument errors and missing or unr
 files are answered before torch is imported (in a fraction of a second rather than the seconds
 torch takes to import; scripts/bench_cli.py). So this module imports only torch-free modules at
 its top, and each command handler imports the rest when it runs: the function-local imports
-below are that, and tests/test_architecture.py accepts them here (and checks that nothing at the
+below are that, and tests/unit/repo/test_architecture.py accepts them here (and checks that nothing at the
 top loads torch).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nest_fx.common.fileio import check_readable, one_line, write_with
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.settings import OVERLAPS, add_constraint_flags, add_option_flag, constraints_data, setting
+from nest_fx.plan.settings import OPTIONS, OVERLAPS, add_constraint_flags, add_option_flag, constraints_data, dest, setting
 from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
@@ -144,10 +144,9 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     the precision, kernel backend and overlap shares the flags name (what the plan would cost
     with them; the file itself is left as it is)."""
     changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
-    if getattr(args, "precision", None):  # --precision
-        changes["precision"] = args.precision
-    if getattr(args, "kernels", None):  # --kernels
-        changes["kernels"] = args.kernels
+    for s in OPTIONS:  # --precision, --kernels: the plan's own options
+        if s.scope == "plan" and getattr(args, dest(s), None):
+            changes[s.name] = getattr(args, dest(s))
     overlaps = {name: parse_fraction(getattr(args, name), setting(name).flag) for name in OVERLAPS
                 if getattr(args, name, None) is not None}
     if overlaps:  # costed through the plan's constraints, as a plan made with these flags records them
@@ -421,9 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "were true; the file is not changed)")
     p.add_argument("--float8", action="store_true", help="cost the plan with Float8 linears (as if plan.float8 were "
                    "true; the file is not changed)")
-    add_option_flag(p, "precision", "cost the plan in this precision instead of the plan's (the file is not changed): ")
-    add_option_flag(p, "kernels", "cost the plan with this kernel backend instead of the plan's (the file is not "
-                    "changed): ")
+    for s in OPTIONS:  # --precision, --kernels
+        if s.scope == "plan":
+            add_option_flag(p, s.name, f"cost the plan with this {s.name} instead of the plan's (the file is not "
+                            "changed): ")
     for name in OVERLAPS:
         add_option_flag(p, name, "cost the plan with this overlap share instead of the plan's: ")
     p.set_defaults(func=cmd_simulate)

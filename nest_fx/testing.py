@@ -68,7 +68,7 @@ LOSSES = {"lm": lm_loss, "classify": F.cross_entropy, "model": None}
 
 # The coverage suite: tiny configs of transformers families and two plain PyTorch models, each
 # trained under the plans of COVERAGE_PLANS on 4 ranks (scripts/bench_coverage.py; a few cells in
-# tests/test_coverage.py). Values are the family's kind, for the table.
+# tests/distributed/apply/test_coverage.py). Values are the family's kind, for the table.
 COVERAGE_MODELS: Dict[str, str] = {
     **{f"hf:{t}": "decoder" for t in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox",
                                       "opt", "bloom", "falcon", "olmo2", "starcoder2", "gptj")},

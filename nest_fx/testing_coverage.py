@@ -11,7 +11,7 @@ every forced plan is parity or a refusal before the first collective.
   ``late-refusal`` (a ``NestFxError`` after the first collective), ``error`` (any other exception
   while setting up, or a rank that died), ``timeout``.
 
-``scripts/bench_coverage.py`` (the table) and ``tests/test_coverage_rule.py`` (the property) use
+``scripts/bench_coverage.py`` (the table) and ``tests/distributed/apply/test_coverage_rule.py`` (the property) use
 both. Nothing in the package below the command line imports this module.
 """
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Fault probes and elastic runs on one machine (tests and scripts only; re-exported by
 :mod:`nest_fx.testing`).
 
-Fault probes (tests/test_apply_failures.py, tests/test_checkpoint_dist.py, scripts/bench_faults.py):
+Fault probes (tests/distributed/apply/test_apply_failures.py, tests/distributed/apply/test_checkpoint_dist.py,
+scripts/bench_faults.py):
 :func:`fault_run` trains a small model under TP2 x DP2 on 4 ranks and makes rank 3 stop
 (SIGSTOP: hangs without dying) or die (SIGKILL) inside a TP collective, the DP gradient
 all-reduce or a checkpoint save; every other rank writes what it raised and when
 (:func:`fault_reports`). It runs under :func:`nest_fx.apply.launch.launch` or under torchrun:
 ``torchrun --nproc_per_node=4 -m nest_fx.testing_faults SPEC.json`` (:func:`main`).
 
-Elastic runs on one machine (tests/test_elastic.py, scripts/bench_faults.py): two torchrun agents
+Elastic runs on one machine (tests/distributed/apply/test_elastic.py, scripts/bench_faults.py): two torchrun agents
 of ``examples/train_elastic.py`` stand for two nodes (:func:`elastic_command`,
 :func:`elastic_env`, :class:`ElasticAgents`); :func:`kill_node` kills an agent and its workers
 like a lost node; :func:`read_losses` reads the JSON lines rank 0 writes.

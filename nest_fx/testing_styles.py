@@ -3,7 +3,7 @@
 Each mirrors how a common codebase writes its model, not its weights or sizes: the module names,
 containers and the ops of its attention, because that is what tracing, block detection and tensor
 parallelism read. Used by the style part of the coverage matrix (``scripts/bench_coverage.py
---suite styles``) and ``tests/test_styles.py``:
+--suite styles``) and ``tests/distributed/apply/test_styles.py``:
 
 =================  =============================================================================
 name               what it stands for

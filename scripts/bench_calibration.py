@@ -1,7 +1,7 @@
 """Pairwise p2p calibration on local gloo ranks: how well the fit holds on this machine, now.
 
-The unit tests check the fit on exact synthetic transfers (tests/test_calibration.py,
-tests/test_cli_topology.py); whether a real ping-pong on a loaded CPU box gives a bandwidth term
+The unit tests check the fit on exact synthetic transfers (tests/distributed/profiler/test_calibration.py,
+tests/unit/cli/test_cli_topology.py); whether a real ping-pong on a loaded CPU box gives a bandwidth term
 at all (the 8 MiB transfer must dwarf the noise) is a measurement, made here: each round runs
 ``profiler.pairwise.calibrate_pairwise`` on ``--nproc`` ranks and records, per pair, the fitted
 bandwidth and latency and their mean relative error, or why no fit was possible.

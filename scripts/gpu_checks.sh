@@ -17,7 +17,7 @@ step environment
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 step timer test
-timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_profiler.py -k "timer" || rc=1
+timeout 300 $PY -m pytest -q -p no:cacheprovider tests/unit/profiler/test_profiler.py -k "timer" || rc=1
 step bench_profiler
 timeout 600 $PY scripts/bench_profiler.py --device cuda --dtype bf16 --mbs 1 2 4 --repeats 10 \
     --models gpt2-small "$LLAMA7B_BLOCKS" --json "$OUT/bench_profiler_h100.json" || rc=1

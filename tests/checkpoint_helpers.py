@@ -1,4 +1,4 @@
-"""What tests/test_checkpoint.py (one process) and tests/test_checkpoint_dist.py (gloo) share:
+"""What tests/unit/apply/test_checkpoint.py (one process) and tests/distributed/apply/test_checkpoint_dist.py (gloo) share:
 the model, a fixed batch per step, a trained or fresh model with AdamW, and exact comparison of
 full (unsharded) parameters and optimizer state."""
 from __future__ import annotations

@@ -27,6 +27,13 @@ def _traced(name: str, seq: int, batch: int):
     return model, cfg, args, graph
 
 
+def pytest_collection_modifyitems(items):
+    """The single-process tests first (tests/unit/ before tests/distributed/, which pytest collects
+    first by name): a failure in a quick test shows before the multi-process runs. The sort is
+    stable, so the order within each kind is the collected one."""
+    items.sort(key=lambda item: "distributed" in item.path.parts)
+
+
 @pytest.fixture(scope="session")
 def zoo():
     """``zoo(name, seq=128, batch=1) -> (model, cfg, args, graph)``, cached across test files."""

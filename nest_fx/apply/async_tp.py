@@ -7,7 +7,7 @@ those ``all_gather -> mm`` and ``mm -> reduce_scatter`` pairs of each compiled b
 ops that split the matmul into per-rank pieces and move each piece over CUDA symmetric memory
 while the next one computes. The numbers are those of the unfused pair (the same matmul, summed
 in the same order per output element), so the parity of ``compile`` x TP x SP on CPU
-(``tests/test_compile_parallel.py``) is the parity of its arithmetic.
+(``tests/distributed/apply/test_compile_parallel.py``) is the parity of its arithmetic.
 
 What it needs (``nest_fx.plan.may_run.unrun_combination`` and :func:`async_tp_problem`, before
 training): ``tp > 1``, ``sequence_parallel`` (without it TP all-reduces, which the pass does not

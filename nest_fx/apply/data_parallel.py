@@ -145,7 +145,8 @@ def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int
         # a divide factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks:
         # sum, then divide. Not on a shard group of one (1-D, or HSDP's (replicate, 1)): FSDP2 (torch
         # 2.13) divides that copy by the factor and then, under forced sums, divides again
-        # (tests/test_apply_parallel.py EP2 x DP2 x PP2, tests/test_runtime_features.py HSDP x EP)
+        # (tests/distributed/apply/test_apply_parallel.py EP2 x DP2 x PP2,
+        # tests/distributed/apply/test_runtime_features.py HSDP x EP)
         if edp_mesh.size(edp_mesh.ndim - 1) > 1:
             fsdp_experts.set_force_sum_reduction_for_comms(True)
     kept_ids = {id(m) for m in fp32_modules}

@@ -100,7 +100,7 @@ class Job:
     verbose: bool
     rank: int
     mesh_device: str  # "cuda" under NCCL, else "cpu"
-    dry_run: bool  # a fake process group: no devices, no values (tests/test_apply_fake.py)
+    dry_run: bool  # a fake process group: no devices, no values (tests/unit/apply/test_apply_fake.py)
 
 
 def default_plan(graph, world_size: int, global_batch_size: int, model_name: str = "") -> Plan:

@@ -18,7 +18,7 @@ Backward: autograd runs through the blocks' attention; each received block's gra
 back to the rank it came from (one ring shift per step in reverse, not overlapped). The scores
 are computed with matmuls in fp32 (the K/V heads repeated for GQA), not with SDPA's fused kernels
 (which do not return the softmax statistics the merge needs): the numbers equal SDPA's to fp32
-rounding (``tests/test_context_parallel.py``).
+rounding (``tests/unit/apply/test_context_parallel.py``).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ features below; a feature's (in the order ``float8``, context parallelism ``cp``
 parallelism ``tp``, pipelining ``pp``) over the rows that use it and no feature later in that
 order, so every published row is covered by the band of its last feature. A plan's band is the
 widest of its backend's and of each feature it uses. A backend no published run checks has no
-band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/test_error_bands.py``
+band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/unit/cost/test_error_bands.py``
 checks every band against the benchmark's JSON, so a cost-model change that moves the errors
 outside the bands fails until they are measured again.
 

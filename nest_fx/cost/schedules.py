@@ -23,7 +23,7 @@ matmuls of the forward's size, one for the input gradient and one for the weight
 For zbv and dualpipev the row is torch's own action order (``torch.distributed.pipelining``
 ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) event-simulated with T_F = T_B = T_W: its
 bubble is (p - 1) T_F per chunk, a third of the chunk time, for m >= 2p
-(``tests/test_schedules_cost.py`` checks every row against that simulation). torch runs
+(``tests/unit/cost/test_schedules_cost.py`` checks every row against that simulation). torch runs
 DualPipeV's overlapped forward-backward pairs one after the other (no custom overlap
 function), so the F&B overlap of the DeepSeek report is not priced.
 

@@ -1,6 +1,6 @@
 """Parameter counts of a ``TransformerConfig`` from closed formulas (``docs/cost_model.md``,
 "Model shapes"): total and active (per token: top-k routed experts + shared ones), without
-building the model. ``tests/test_model_shapes.py`` checks them against the built modules' numel and
+building the model. ``tests/distributed/models/test_model_shapes.py`` checks them against the built modules' numel and
 against published totals (Llama 3, Mixtral, DeepSeek-V3, Mistral, Gemma 2, Nemotron-H).
 """
 from __future__ import annotations

@@ -8,7 +8,9 @@ Made from these declarations (nothing else lists the settings):
   degrees and flags, the lists of allowed values, the training options);
 * the constraint flags of ``nest-fx plan`` (:func:`add_constraint_flags`) and their conversion
   into constraints (:func:`constraints_data`), and the plan flags of ``examples/_common.py``;
-* the search space's reading of a plan (``nest_fx.solver.space``).
+* the search space: the planner's options (``SolverOptions``: one field per setting with a
+  :attr:`Setting.search`, e.g. ``tp_degrees``, ``zero_stages``, ``compile``, ``precision``) and
+  its per-configuration settings (``GlobalConfig``), both in ``nest_fx.solver.space``.
 
 Roles (:attr:`Setting.role`):
 
@@ -37,11 +39,25 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
-from nest_fx.plan.vocabulary import (KERNELS, OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, SCHEDULES,
+from nest_fx.plan.vocabulary import (ANY_INTERLEAVE, KERNELS, OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, SCHEDULES,
                                      recompute_problem, schedule_problem)
 
 ROLES = ("degree", "flag", "choice", "option", "record")
 SCOPES = ("plan", "stage", "derived", "run")
+
+
+class _Unsearched:
+    """The :attr:`Setting.search` of a setting the planner's options have no field for."""
+
+    def __repr__(self) -> str:
+        return "UNSEARCHED"
+
+
+UNSEARCHED = _Unsearched()
+# every per-layer policy and a ladder of layer intervals; the search drops those another policy
+# beats in both time and memory (solver.range_classes.undominated_modes)
+SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "full", "every:2", "every:3",
+                      "every:4")
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,14 @@ class Setting:
     factory: Optional[Callable[[], Any]] = None  # default_factory for mutable defaults
     optional: bool = False  # None is allowed (absent)
     annotation: str = ""  # the dataclass annotation, when not the type's name
+    # what the planner tries unless told otherwise: the default of this setting's field of the
+    # planner's options (SolverOptions, named by search_name()), in the planner's form. A degree's
+    # candidate values (None: from the model, e.g. every divisor of the expert count); a choice's
+    # list (schedules as (schedule, interleave factor) pairs); a flag's policy (True: wherever it
+    # applies; None: wherever allowed, never slower; False: off unless the user sets it, then
+    # costed, never searched); an option's value (None: the user's, else a default per device).
+    # UNSEARCHED: no field (the search derives it: pp, dp, dp_shard; or it is a record)
+    search: Any = UNSEARCHED
 
     def type_problem(self, value: object) -> str:
         """'' when ``value`` has this setting's type (and a count is within MAX_COUNT), else what
@@ -121,6 +145,22 @@ class Setting:
             return self.name, ann, field(default_factory=self.factory)
         return self.name, ann, field(default=self.default)
 
+    def search_name(self) -> str:
+        """The planner's field of this setting: ``<name>_degrees`` for a degree (``tp_degrees``),
+        the constraints' list for a choice (``zero_stages``), else the setting's name."""
+        if self.role == "degree":
+            return f"{self.name}_degrees"
+        return self.allowed if self.role == "choice" else self.name
+
+    def search_field(self) -> Tuple[str, str, Any]:
+        """(name, annotation, dataclasses.field) of the planner's field, defaulting to :attr:`search`."""
+        if self.role in ("degree", "choice"):
+            entry = "Tuple[str, int]" if self.search and isinstance(self.search[0], tuple) else self.type.__name__
+            ann = f"Sequence[{entry}]"
+        else:
+            ann = self.type.__name__
+        return self.search_name(), ann if self.search is not None else f"Optional[{ann}]", field(default=self.search)
+
 
 def _choices_text(values: Tuple[Any, ...]) -> str:
     shown = [v for v in values if v != ""]
@@ -156,17 +196,17 @@ def _recompute_check(value: object) -> str:
 SETTINGS: Tuple[Setting, ...] = (
     # -- degrees (searched; Constraints fix/min/max) ------------------------------------------
     Setting("tp", int, 1, "tensor-parallel degree of a stage", "degree", scope="stage", minimum=1,
-            example_flag="--tp"),
+            example_flag="--tp", search=(1, 2, 4, 8)),
     Setting("pp", int, 1, "pipeline stages (the number of stages)", "degree", scope="derived", minimum=1,
             example_flag="--pp"),
     Setting("dp", int, 1, "data-parallel replicas of the pipeline", "degree", minimum=1),
     Setting("ep", int, 1, "expert-parallel degree: ep consecutive replicas split the experts (divides dp)",
-            "degree", minimum=1, example_flag="--ep"),
+            "degree", minimum=1, example_flag="--ep", search=None),
     Setting("cp", int, 1, "context parallel: each stage replica's sequence is split over cp x tp devices",
-            "degree", minimum=1, example_flag="--cp"),
+            "degree", minimum=1, example_flag="--cp", search=(1, 2, 4, 8)),
     Setting("zero", int, 0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2; e.g. 3)",
             "choice", values=(0, 1, 2, 3), allowed="zero_stages", flag="--zero", metavar="Z[,Z]",
-            entry_check=_zero_check, example_flag="--zero"),
+            entry_check=_zero_check, example_flag="--zero", search=(0, 1, 2, 3)),
     Setting("cp_mode", str, "allgather", "how context parallelism exchanges K/V: allgather (gathered before "
             "attention) or ring (blocks passed around the CP ring, each transfer under the previous block's "
             "attention); the planner keeps allgather", "record", values=("allgather", "ring")),
@@ -174,49 +214,52 @@ SETTINGS: Tuple[Setting, ...] = (
             "0 = all of dp", "degree", minimum=0, example_flag="--dp-shard"),
     # -- flags (Constraints fix) ---------------------------------------------------------------
     Setting("loss_parallel", bool, False, "vocabulary-parallel cross-entropy over the last stage's TP group",
-            "flag", example_flag="--loss-parallel"),
+            "flag", example_flag="--loss-parallel", search=None),
     Setting("compile", bool, False, "torch.compile each block (costed: fused elementwise ops, fewer launches; "
             "docs/cost_model.md)", "flag",
-            flag="--compile", example_flag="--compile"),
+            flag="--compile", example_flag="--compile", search=False),
     Setting("float8", bool, False, "Float8 linears (torchao) on devices with fp8 tensor cores (costed: fp8 GEMM "
-            "rate, casts, fp8 weight all-gathers; docs/cost_model.md)", "flag", flag="--float8"),
+            "rate, casts, fp8 weight all-gathers; docs/cost_model.md)", "flag", flag="--float8", search=False),
     Setting("async_tp", bool, False, "async TP: PyTorch's micro-pipelined TP (inductor fuses sequence parallelism's "
             "all-gather / reduce-scatter with the matmuls over symmetric memory); needs tp > 1, sequence_parallel, "
             "compile and CUDA (costed: TP collectives under the stage's compute; docs/cost_model.md)", "flag",
-            flag="--async-tp"),
+            flag="--async-tp", search=False),
     # -- training options (costed, never relaxed) ----------------------------------------------
     Setting("precision", str, "", "fp32 | bf16-mixed (bf16 parameters and compute, fp32 master weights, "
             "optimizer states and gradient reduction) | bf16-true (everything bf16); '' = not recorded (costed "
             "as the cost options say; the runtime keeps the model's dtype). Planner default: bf16-mixed on "
             "devices with bf16 matrix units, fp32 elsewhere", "option", values=("",) + PRECISIONS,
-            flag="--precision", example_flag="--precision"),
+            flag="--precision", example_flag="--precision", search=None),
     Setting("kernels", str, "", "the kernel backend the plan is costed with: eager (PyTorch ops one kernel each: "
             "nest-fx's runtime), compile (torch.compile per block: the runtime with compile), fused (Transformer "
             "Engine / Megatron-LM fused norm, RoPE, SwiGLU and FlashAttention-3 attention: to predict those "
             "systems); '' = compile when compile is set, else eager (docs/cost_model.md, Kernel backends)",
-            "option", values=("",) + KERNELS, flag="--kernels"),
+            "option", values=("",) + KERNELS, flag="--kernels", search=None),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),
     # -- choices (Constraints lists of allowed values) -----------------------------------------
     Setting("microbatch_size", int, 1, "sequences per microbatch (e.g. 2)", "choice", minimum=1, allowed="microbatch_sizes",
-            flag="--microbatch", metavar="B[,B]", entry_check=_size_check),
+            flag="--microbatch", metavar="B[,B]", entry_check=_size_check, search=(1, 2, 4, 8)),
     Setting("num_microbatches", int, 1, "microbatches per step and replica", "record", minimum=1,
             example_flag="--microbatches"),
     Setting("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved or interleaved-zb (the "
             "planner's interleave factors), interleaved:V, interleaved-zb:V, zbv or dualpipev", "choice",
             values=SCHEDULES, allowed="schedules",
-            flag="--schedule", metavar="S[,S]", entry_check=schedule_problem, example_flag="--schedule"),
+            flag="--schedule", metavar="S[,S]", entry_check=schedule_problem, example_flag="--schedule",
+            # dualpipev is searched when named (--schedule): torch runs its paired forward and backward one
+            # after the other, so it costs zbv's time with more memory (cost/schedules.py), never better
+            search=(("1f1b", 1), ("interleaved", ANY_INTERLEAVE), ("interleaved-zb", ANY_INTERLEAVE), ("zbv", 2))),
     Setting("virtual_stages", int, 1, "model chunks per device (the interleaved schedules' v; 2 for zbv and dualpipev)",
             "record", minimum=1),
     Setting("sequence_parallel", bool, False, "shard TP activations on the sequence dim between regions", "flag",
-            example_flag="--sequence-parallel"),
+            example_flag="--sequence-parallel", search=True),
     Setting("placement", str, "stage-major", "how stages and replicas sit on the rank order", "choice",
             values=PLACEMENTS, allowed="placements", flag="--placement", metavar="P[,P]",
-            entry_check=_placement_check),
+            entry_check=_placement_check, search=PLACEMENTS),
     Setting("recompute", str, "none", "activation recomputation of a stage: none, full, every:K (every K-th "
             "block), op (torchtitan's op-level selective checkpointing), op:POLICY, selective (attention core "
             "only); the planner tries all, dropping those never better in time and memory", "choice",
             scope="stage", allowed="recompute", flag="--recompute", metavar="R[,R]", entry_check=_recompute_check,
-            example_flag="--recompute"),
+            example_flag="--recompute", search=SEARCHED_RECOMPUTE),
     # -- records -------------------------------------------------------------------------------
     Setting("model", str, "", "the model the plan was made for", "record"),
     Setting("model_fingerprint", str, "", "chain_fingerprint of the model's layer chain; '' = not recorded",
@@ -268,6 +311,9 @@ CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Cons
 OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels, optimizer, memory_headroom, overlap_*
 # the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")
 OVERLAPS = tuple(s.name for s in SETTINGS if s.name.startswith("overlap_"))
+SEARCHED = tuple(s for s in SETTINGS if s.search is not UNSEARCHED)  # each a field of the planner's options
+# flags the planner never turns on: the user's choice of how to train, costed when set (compile, float8, async_tp)
+COSTED_FLAGS = tuple(s.name for s in SEARCHED if s.role == "flag" and s.search is False)
 
 
 def setting(name: str) -> Setting:
@@ -289,12 +335,13 @@ def fields_of(settings: Tuple[Setting, ...]) -> List[Tuple[str, str, Any]]:
     return [s.dataclass_field() for s in settings]
 
 
-def add_fields(settings: Tuple[Setting, ...]):
+def add_fields(settings: Tuple[Setting, ...], search: bool = False):
     """Class decorator: the declared ``settings`` as annotated class attributes (after those the
-    class body declares), ready for ``@dataclass``."""
+    class body declares), ready for ``@dataclass``; ``search``: their planner fields instead
+    (:meth:`Setting.search_field`: ``tp_degrees = (1, 2, 4, 8)``, ...)."""
     def wrap(cls):
         annotations = dict(cls.__dict__.get("__annotations__", {}))
-        for name, annotation, f in fields_of(settings):
+        for name, annotation, f in ([s.search_field() for s in settings] if search else fields_of(settings)):
             annotations[name] = annotation
             setattr(cls, name, f)
         cls.__annotations__ = annotations

@@ -18,6 +18,9 @@ V_SCHEDULES = ("zbv", "dualpipev")
 # the backward split into an input-gradient and a weight-gradient pass (zero-bubble schedules)
 SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
 PLACEMENTS = ("stage-major", "replica-major")
+# (schedule, ANY_INTERLEAVE) in the planner's schedules: every interleave factor from 2 to the layers of the
+# shortest stage (the search expands it)
+ANY_INTERLEAVE = 0
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/plan_format.md
 # the training dtype a precision computes in (activations, matmul rate): simulate rebuilds the
 # workload of a plan file in it

@@ -19,19 +19,21 @@ import math
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from nest_fx.cost.options import OVERLAPS, CostOptions
+from nest_fx.cost.options import CostOptions
 from nest_fx.graph.recompute_policies import recompute_policy_problem
 from nest_fx.plan.constraints import ConstraintError, Constraints, schedule_pairs
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
-from nest_fx.plan.settings import DEGREES, FLAGS
+from nest_fx.plan.settings import CHOICES, COSTED_FLAGS, DEGREES, FLAGS, OPTIONS
 from nest_fx.plan.may_run import device_problems, unrun_combination
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
-from nest_fx.solver.space import ANY_INTERLEAVE, SolverOptions
+from nest_fx.solver.space import ANY_INTERLEAVE, SEARCHED_OPTIONS, SolverOptions
 from nest_fx.workload import Variant, Workload
 
 RELAXED_SOLVE_BUDGET_S = 10.0  # per re-plan when looking for the binding constraint
-# how the model is trained, not a preference
-NEVER_RELAXED = ("optimizer", "precision", "kernels", "fix.compile", "fix.float8", "fix.async_tp") + OVERLAPS
+# how the model is trained, not a preference: every option (optimizer, precision, kernels, the
+# overlap shares) but the memory headroom, the user's margin, and the flags the planner only costs
+KEPT_OPTIONS = tuple(s.name for s in OPTIONS if s.name != "memory_headroom")
+NEVER_RELAXED = KEPT_OPTIONS + tuple(f"fix.{flag}" for flag in COSTED_FLAGS)
 
 
 def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions] = None) -> CostOptions:
@@ -40,14 +42,9 @@ def cost_options(constraints: Optional[Constraints], base: Optional[CostOptions]
     base = base or CostOptions()
     if not constraints:
         return base
-    changes = {}
-    if constraints.optimizer is not None:
-        changes["optimizer"] = constraints.optimizer
-    if constraints.memory_headroom is not None:
-        changes["memory_headroom"] = constraints.memory_headroom
-    for name in OVERLAPS:
-        if getattr(constraints, name) is not None:
-            changes[name] = getattr(constraints, name)
+    # the options recorded in the constraints only: CostOptions fields of the same names
+    changes = {s.name: getattr(constraints, s.name) for s in OPTIONS
+               if s.scope == "run" and getattr(constraints, s.name) is not None}
     return dataclasses.replace(base, **changes)
 
 
@@ -77,7 +74,7 @@ def _check_runtime_options(c: Constraints, options: SolverOptions, cluster) -> N
     problem = unrun_combination(tp=tp, ep=1, dp_shard=0, hsdp=False, compile=options.compile, float8=options.float8,
                                 async_tp=options.async_tp, sequence_parallel=options.sequence_parallel)
     if problem:
-        flags = [f"fix.{f}" for f in ("compile", "float8", "async_tp", "sequence_parallel") if f in c.fix]
+        flags = [f"fix.{f}" for f in COSTED_FLAGS + ("sequence_parallel",) if f in c.fix]
         raise ConstraintError(f"{_named(c, *flags, 'fix.tp')}: {problem[0]}")
 
 
@@ -128,10 +125,9 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
     for flag in FLAGS:
         if flag in c.fix:
             changes[flag] = bool(c.fix[flag])
-    if c.precision is not None:
-        changes["precision"] = c.precision
-    if c.kernels is not None:
-        changes["kernels"] = c.kernels
+    for name in SEARCHED_OPTIONS:  # precision, kernels: the user's value is every plan's
+        if getattr(c, name) is not None:
+            changes[name] = getattr(c, name)
     options = dataclasses.replace(options, **{k: v for k, v in changes.items() if k != "constraints"})
     _check_runtime_options(c, options, cluster)
     changes["tp_degrees"] = _tp_degrees(c, options, workload, cluster)
@@ -175,9 +171,9 @@ def constrained_options(options: SolverOptions, constraints: Optional[Constraint
     if c.schedules is not None:
         factors = sorted({v for name, v in options.schedules if name in CHUNKED_SCHEDULES}) or [ANY_INTERLEAVE]
         changes["schedules"] = tuple(schedule_pairs(c.schedules, factors))
-    for name in ("recompute", "zero_stages", "placements"):
-        if getattr(c, name) is not None:
-            changes[name] = tuple(getattr(c, name))
+    for s in CHOICES:  # the other lists of allowed values (recompute, zero_stages, placements) as given
+        if s.allowed not in changes and getattr(c, s.allowed) is not None:
+            changes[s.allowed] = tuple(getattr(c, s.allowed))
     return dataclasses.replace(options, **changes)
 
 
@@ -223,9 +219,8 @@ def binding_constraints(workload: Workload, cluster, global_batch: int, constrai
     time left before ``deadline`` (a ``time.perf_counter()`` value), at most
     RELAXED_SOLVE_BUDGET_S."""
     keys = [(k, text) for k, text in constraints.items() if k not in NEVER_RELAXED]
-    kept = Constraints(optimizer=constraints.optimizer, precision=constraints.precision, kernels=constraints.kernels,
-                       **{name: getattr(constraints, name) for name in OVERLAPS},
-                       fix={f: constraints.fix[f] for f in ("compile", "float8", "async_tp") if f in constraints.fix})
+    kept = Constraints(**{name: getattr(constraints, name) for name in KEPT_OPTIONS},
+                       fix={f: constraints.fix[f] for f in COSTED_FLAGS if f in constraints.fix})
     trials = [kept] + [constraints.without(k) for k, _ in keys]
     found: List[Optional[SolveResult]] = []
     for k, trial in enumerate(trials):

@@ -11,47 +11,34 @@ from nest_fx.cost.precision import compute_dtype, default_precision, priced_opti
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan, StagePlan
-from nest_fx.plan.settings import SETTINGS, add_fields
+from nest_fx.plan.settings import COSTED_FLAGS, SEARCHED, SEARCHED_RECOMPUTE, SETTINGS, add_fields  # noqa: F401
 from nest_fx.plan.may_run import schedule_microbatch_problem, unrun_combination, unrun_schedule
-from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, V_SCHEDULES, model_chunks
+from nest_fx.plan.vocabulary import ANY_INTERLEAVE, CHUNKED_SCHEDULES, V_SCHEDULES, model_chunks
 from nest_fx.workload import Variant, Workload
 
-ANY_INTERLEAVE = 0  # ("interleaved", ANY_INTERLEAVE): every v from 2 to the layers of the shortest stage
-# every per-layer policy and a ladder of layer intervals; the search drops those another policy
-# beats in both time and memory (range_classes.undominated_modes)
-SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "full", "every:2", "every:3",
-                      "every:4")
+# re-exported: ANY_INTERLEAVE (the search and the candidates read it here), SEARCHED_RECOMPUTE
+# the options of a plan the planner takes as given, costs and records in every plan: precision, kernels
+SEARCHED_OPTIONS = tuple(s.name for s in SEARCHED if s.role == "option")
 
 
 @dataclass
+@add_fields(SEARCHED, search=True)
 class SolverOptions:
-    """What the planner may choose. Defaults follow common practice (Megatron-LM, torchtitan)."""
+    """What the planner may choose. Defaults follow common practice (Megatron-LM, torchtitan).
 
-    tp_degrees: Sequence[int] = (1, 2, 4, 8)
-    microbatch_sizes: Sequence[int] = (1, 2, 4, 8)
-    zero_stages: Sequence[int] = (0, 1, 2, 3)
-    recompute: Sequence[str] = SEARCHED_RECOMPUTE
-    # dualpipev is searched when named (--schedule): torch runs its paired forward and backward one
-    # after the other, so it costs zbv's time with more memory (cost/schedules.py), never better
-    schedules: Sequence[Tuple[str, int]] = (("1f1b", 1), ("interleaved", ANY_INTERLEAVE), ("interleaved-zb", ANY_INTERLEAVE),
-                                            ("zbv", 2))
-    placements: Sequence[str] = ("stage-major", "replica-major")
-    ep_degrees: Optional[Sequence[int]] = None  # None: every divisor of the expert count
-    cp_degrees: Sequence[int] = (1, 2, 4, 8)  # context parallelism (those the workload can cost)
+    One field per setting with a ``search`` (``nest_fx.plan.settings``), named and defaulted as
+    declared: ``tp_degrees``, ``ep_degrees`` (None: every divisor of the expert count),
+    ``cp_degrees`` (those the workload can cost), ``zero_stages``, ``loss_parallel`` (None:
+    whenever tp > 1 and the model allows it, never slower), ``compile``, ``float8``, ``async_tp``
+    (the user's choices of how to train: costed, recorded, never searched), ``precision`` (None:
+    not recorded, costed as ``cost`` says; ``solve_constrained`` sets the device's default,
+    ``cost.precision.default_precision``), ``kernels`` (None or '': what the runtime runs),
+    ``microbatch_sizes``, ``schedules`` ((schedule, interleave factor) pairs; ANY_INTERLEAVE:
+    every factor), ``sequence_parallel`` (True: whenever tp > 1, same traffic, less memory),
+    ``placements``, ``recompute``. The fields below are the search's own."""
+
     hsdp: bool = True  # search HSDP shard groups (shard_candidates) under ZeRO >= 2
-    loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
-    compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
-    float8: bool = False  # cost Float8 linears (likewise)
-    async_tp: bool = False  # cost async TP (TP collectives under compute; likewise: a user's choice)
-    # the precision plans train in (a plan setting, costed by nest_fx.cost.precision, not searched).
-    # None: not recorded, costed as ``cost`` says; solve_constrained (nest-fx plan, auto_parallelize)
-    # sets the device's default (cost.precision.default_precision: bf16-mixed on GPUs, fp32 on CPUs)
-    precision: Optional[str] = None
-    # the kernel backend plans are costed with (the kernels setting; nest_fx.workload.kernels): None or
-    # '' = what the runtime runs (compile when ``compile``, else eager); "fused" predicts TE/Megatron
-    kernels: Optional[str] = None
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
-    sequence_parallel: bool = True  # use SP whenever tp > 1 (same traffic, less memory)
     max_stages: Optional[int] = None
     use_all_devices: bool = False  # the runtime needs world size == devices used (no idle ranks)
     time_budget: Optional[float] = None  # seconds; None = search to optimality
@@ -134,7 +121,8 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
     else:
         eps = [1]
-    runtime = dict(compile=options.compile, float8=options.float8, async_tp=options.async_tp)
+    runtime = {flag: getattr(options, flag) for flag in COSTED_FLAGS}  # compile, float8, async_tp: as the user set them
+    given = {name: getattr(options, name) or "" for name in SEARCHED_OPTIONS}  # precision, kernels ('' = not recorded)
     # (tp, ep, cp, lp) variants the workload has costs for (a layer table may list only some)
     variants = []
     for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in options.cp_degrees):
@@ -163,9 +151,7 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                                 yield GlobalConfig(tp=tp, dp=dp, ep=ep, microbatch_size=mbs, zero=zero,
                                                    schedule=schedule, placement=placement, sequence_parallel=sp,
                                                    virtual_stages=model_chunks(schedule, v), cp=cp,
-                                                   dp_shard=dp_shard, loss_parallel=lp,
-                                                   precision=options.precision or "", kernels=options.kernels or "",
-                                                   **runtime)
+                                                   dp_shard=dp_shard, loss_parallel=lp, **given, **runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -201,7 +187,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
     return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
             and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
-            and plan.compile == options.compile and plan.float8 == options.float8 and plan.async_tp == options.async_tp
+            and all(getattr(plan, flag) == getattr(options, flag) for flag in COSTED_FLAGS)
             and (options.precision is None or plan.precision == options.precision)
             and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
                                    recompute=[s.recompute for s in plan.stages])

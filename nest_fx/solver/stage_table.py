@@ -5,7 +5,7 @@ Stage i's cost depends on its layer range [b, e) only through the range's class
 (:mod:`nest_fx.solver.range_classes`). Per (stage index, class, recompute mode) the table
 assembles the simulator's own terms (``step_time.compute_terms``, ``comm_terms``,
 ``microbatch_time``, ``model_states``, ``stage_memory``, ``dp_sync_time``, ``tail_terms``) on
-arrays, so every entry equals ``step_time.stage_cost`` exactly (``tests/test_stage_table.py``).
+arrays, so every entry equals ``step_time.stage_cost`` exactly (``tests/unit/solver/test_stage_table.py``).
 What the tables of one search share is in :class:`~nest_fx.solver.table_cache.TableCache`.
 
 A table only holds the classes that can be part of a plan faster than the best plan known when

@@ -45,7 +45,7 @@ Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
   and the keys and values 4 kv/heads, the attention output 2 (once), the SwiGLU's gate and up
   4 f/h and the down projection's input 2 f/h: 12 + 4 kv/heads + 6 f/h, 31.75 for Llama 3
   405B (f/h = 3.25, kv/heads = 1/16) and 34 for Llama 3 8B (3.5, 1/4), against 56-59 traced
-  eagerly (``tests/test_kernels.py``, ``tests/test_fused_activations.py``).
+  eagerly (``tests/unit/workload/test_kernels.py``, ``tests/unit/workload/test_fused_activations.py``).
 """
 from __future__ import annotations
 

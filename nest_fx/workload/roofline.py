@@ -13,7 +13,7 @@ a saturating GEMM efficiency: large GEMMs reach ``e_max`` of peak, a GEMM of ``F
 FLOPs reaches half of that. Defaults (``e_max`` 0.75, ``F_half`` 2 GFLOP, ``e_mem`` 0.7,
 5 us per kernel) are the usual figures for A100/H100 cuBLAS and elementwise kernels; they are
 assumptions, written down here, and checked end to end against Narayanan et al. 2021's GPT-3
-175B throughput in ``tests/test_published.py``. Backward ops cost twice their forward
+175B throughput in ``tests/unit/cost/test_published.py``. Backward ops cost twice their forward
 (two GEMMs per forward GEMM: input gradient and weight gradient).
 
 Fused (flash) attention kernels are costed apart: PyTorch's flash SDPA backend is

@@ -1,0 +1,98 @@
+"""Error bands of step-time predictions (nest_fx.cost.error_bands) against the published-run
+benchmark's own results (results/bench_published.json), and how plan/explain show them."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from nest_fx.cluster import load_cluster
+from nest_fx.cost.error_bands import BACKEND_BANDS, FEATURE_BANDS, ErrorBand, error_band, within_error
+from nest_fx.cost.step_time import simulate
+from nest_fx.plan import uniform_plan
+from nest_fx.report.tables import baselines_table
+from nest_fx.solver.baseline_result import Baseline
+from nest_fx.workload import workload_for_model
+from repo_root import ROOT
+
+RESULTS = os.path.join(ROOT, "results", "bench_published.json")
+
+
+def _features(row: dict) -> set:
+    return {name for name, on in (("float8", row["float8"]), ("cp", row["cp"] > 1), ("pp", row["pp"] > 1),
+                                  ("tp", row["tp"] > 1)) if on}
+
+
+def _backend(row: dict) -> str:
+    return row.get("backend") or ("compile" if row["compile"] else "eager")
+
+
+def _errors():
+    with open(RESULTS, encoding="utf-8") as fh:
+        data = json.load(fh)
+    out = []
+    for row in data["rows"]:
+        pred = data["after"][row["key"]]
+        published = row.get("tflops_per_gpu") or row["tps_per_gpu"]
+        value = pred["tflops_per_gpu"] if row.get("tflops_per_gpu") else pred["tps_per_gpu"]
+        out.append((row, abs(value / published - 1)))
+    return out
+
+
+def test_every_band_covers_the_published_rows_it_names():
+    errors = _errors()
+    for name, band in BACKEND_BANDS.items():
+        rows = [e for row, e in errors if _backend(row) == name and not _features(row)]
+        if band.rel is None:
+            assert not rows, f"{name}: published rows check it now; give it a band"
+            continue
+        assert rows and max(rows) <= band.rel, name
+    order = list(FEATURE_BANDS)
+    assert order == ["float8", "cp", "tp", "pp"]
+    for k, (name, band) in enumerate(FEATURE_BANDS.items()):
+        rows = [e for row, e in errors if name in _features(row) and not _features(row) & set(order[k + 1:])]
+        assert rows and max(rows) <= band.rel, name
+
+
+def test_a_plans_band_is_the_widest_of_its_backend_and_features():
+    plan = uniform_plan(4, dp=8)
+    assert error_band(plan) == BACKEND_BANDS["eager"]
+    assert error_band(dataclasses.replace(plan, compile=True)) == BACKEND_BANDS["compile"]
+    assert error_band(dataclasses.replace(plan, float8=True)).rel == max(BACKEND_BANDS["eager"].rel,
+                                                                         FEATURE_BANDS["float8"].rel)
+    assert error_band(dataclasses.replace(plan, kernels="fused")).rel is None  # no published fused run checks it
+    assert error_band(uniform_plan(4, pp=2, tp=2, dp=2)).rel == max(FEATURE_BANDS["pp"].rel, FEATURE_BANDS["tp"].rel)
+
+
+@pytest.mark.parametrize("gain, rel, inside", [(1.05, 0.06, True), (1.13, 0.06, False), (1.12, 0.06, True),
+                                               (3.0, None, True), (1.0, 0.0, True), (1.01, 0.0, False)])
+def test_a_gain_is_within_the_error_when_both_predictions_may_be_off_by_the_band(gain, rel, inside):
+    assert within_error(gain, ErrorBand(rel, "x")) is inside
+
+
+def test_plan_says_measure_both_when_its_gain_lies_inside_the_band():
+    cluster = load_cluster("dgx-h100:8")
+    work = workload_for_model("gpt:hidden=256,layers=4,heads=8,seq=256,vocab=4096", cluster)
+    plan = uniform_plan(len(work), dp=8, microbatch_size=1, num_microbatches=1)
+    result = simulate(plan, work, cluster)
+    assert result.error_band == BACKEND_BANDS["eager"].rel and result.error_basis == BACKEND_BANDS["eager"].basis
+    nest = type("Found", (), {"plan": plan, "result": result})()
+    for factor, shown in ((1.05, True), (1.5, False)):
+        slower = dataclasses.replace(result, step_s=result.step_s * factor)
+        text = baselines_table(nest, 0.1, [Baseline("megatron", plan, slower, 1)])
+        assert ("within the model's error (+-6%" in text) is shown, text
+
+
+def test_explain_shows_the_backend_and_its_band():
+    from nest_fx.report.explain import explain_text
+
+    cluster = load_cluster("dgx-h100:8")
+    work = workload_for_model("gpt:hidden=256,layers=4,heads=8,seq=256,vocab=4096", cluster)
+    plan = uniform_plan(len(work), dp=8, microbatch_size=1, num_microbatches=1)
+    text = explain_text(plan, work, cluster, simulate(plan, work, cluster))
+    assert "kernels eager; error band of the step time: +-6% (torchtitan Llama 3.1 8B eager rows" in text
+    fused = dataclasses.replace(plan, kernels="fused")
+    assert "kernels fused; error band of the step time: unchecked (" in explain_text(fused, work, cluster,
+                                                                                   simulate(fused, work, cluster))

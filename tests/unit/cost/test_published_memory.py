@@ -1,0 +1,116 @@
+"""Memory of the published runs' configurations, term by term (scripts/bench_published.py).
+
+* Gradients under pipelining: FSDP2 inside ``torch.distributed.pipelining`` defers the
+  gradient reduction to the last microbatch and accumulates each unsharded gradient in its
+  ``reduce_dtype`` (``memory.held_grad_bytes``): fp32 for a bf16-mixed plan reducing in fp32;
+  checked on the installed torch (one gloo rank, gradient sync off as the schedules turn it).
+* Meta's Llama 3 405B rows (Grattafiori et al. 2024, Table 4): 8 model chunks of one layer per
+  rank (the paper's "the first model chunk on the first stage has only the embedding"), the
+  interleaved schedule's in-flight chunks (Narayanan et al. 2021) and the fused backend's
+  activation bytes per layer; m1 and m2 differ in their microbatch count (32 vs 16), which caps
+  the warm-up at m v chunks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from nest_fx.cost.memory import held_grad_bytes, interleaved_chunk_states, model_states, \
+    pipeline_inflight_microbatches
+from nest_fx.cost.options import CostOptions
+from nest_fx.cost.step_time import simulate
+from nest_fx.workload import workload_for_model
+from nest_fx.workload.types import Workload
+from repo_root import ROOT
+
+GiB = 2 ** 30
+
+
+def test_pipelined_fsdp_accumulates_gradients_in_the_reduce_dtype():
+    fp32_reduce = CostOptions(reduce_bytes=4)
+    assert held_grad_bytes(1, True, fp32_reduce) == 4  # pipelined ZeRO-1 (and 2/3, which run as 1)
+    assert held_grad_bytes(1, False, fp32_reduce) == 2  # no pipeline: as the parameters
+    assert held_grad_bytes(0, True, fp32_reduce) == 2  # replicated: no FSDP2
+    assert held_grad_bytes(1, True, CostOptions()) == 2  # reduced in bf16: accumulated in bf16
+    states = model_states(1e9, 1, 8, fp32_reduce, pipelined=True)
+    assert states["grads"] == 4e9 and states["weights"] == 2e9 and states["optimizer"] == 12e9 / 8
+    assert model_states(1e9, 1, 8, fp32_reduce)["grads"] == 2e9
+
+
+def test_fsdp2_accumulates_unsharded_gradients_in_its_reduce_dtype(single_rank, tmp_path):
+    """What ``held_grad_bytes`` prices, on the installed torch: with gradient sync off (as the
+    pipeline schedules turn it until the last microbatch) a bf16-mixed FSDP2 unit keeps each
+    parameter's unsharded gradient in fp32 after the second microbatch's backward."""
+    # FSDP2 keeps the accumulated gradient on its internal FSDPParam; no public API shows it
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    model.set_requires_gradient_sync(False)
+    for _ in range(2):
+        model(torch.randn(4, 64)).float().sum().backward()
+    held = [p.unsharded_accumulated_grad for layer in model
+            for p in _get_module_fsdp_state(layer)._fsdp_param_group.fsdp_params]
+    assert held and all(g is not None and g.dtype == torch.float32 for g in held)
+    assert sum(g.numel() * g.element_size() for g in held) == 2 * 64 * 64 * held_grad_bytes(1, True, CostOptions(
+        reduce_bytes=4))
+
+
+@pytest.mark.parametrize("m, v, stage, expected", [
+    (32, 8, 0, (7 * 16 + 2 * 15 + 1) / 8),  # m1, first rank: (v-1) p + 2 (p-1) + 1 chunks
+    (32, 8, 1, (7 * 16 + 2 * 14 + 1) / 8),  # m1, second rank: 141 chunks of one layer
+    (16, 8, 1, 16 * 8 / 8),  # m2: the warm-up is capped at m v = 128 chunks (all of them)
+    (32, 2, 0, 47 / 2),  # with 2 chunks, m1's first rank: 23.5 microbatches of its layers
+    (16, 2, 0, 32 / 2),  # ... and m2's: 16 (capped at m v = 32), the 30 GiB between them
+])
+def test_meta_rows_in_flight_microbatches(m, v, stage, expected):
+    assert pipeline_inflight_microbatches("interleaved", stage, 16, m, v) == pytest.approx(expected)
+    assert max(s[0] for s in interleaved_chunk_states(stage, 16, m, v)) == pytest.approx(expected)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # the rows are defined once, in the benchmark script (not a package): import it from there
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench_published
+    finally:
+        sys.path.pop(0)
+    return bench_published
+
+
+def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations(bench):
+    """m1's binding rank: 8 layers, 141 chunk-microbatches of one layer each, 12 + 4/16 + 6 x 3.25
+    = 31.75 bytes per token per hidden unit / TP 8 (``workload.kernels``): about 70 GiB of
+    activations; the model states and the rest are the other terms."""
+    row = next(r for r in bench.published_rows() if r.key == "m1")
+    assert (row.virtual_stages, row.pp, row.tp, row.local_batch) == (8, 16, 8, 32)
+    cluster = bench.cluster_of(row)
+    # the 126 identical blocks from a trace of two (identical blocks cost the same: as tracing
+    # all of them gives, in a fraction of the time; tests/unit/cost/test_published.py does the same)
+    two = workload_for_model(bench.MODELS[row.model].replace("layers=126", "layers=2"), cluster, seq=row.seq)
+    head, block, tail = two.layers[0], two.layers[1], two.layers[-1]
+    chain = [head] + [dataclasses.replace(block, name=f"layers.{i}") for i in range(126)] + [tail]
+    work = Workload(two.model, chain, two.dims, two.source)
+    plan = bench.published_plan(row, work)
+    result = simulate(plan, work, cluster, bench.cost_options(row))
+    stage = result.stages[1]
+    assert stage.layers[1] - stage.layers[0] == 8
+    per_layer = 31.75 * 8192 * 16384 / 8
+    held = stage.memory["activations"]
+    assert held == pytest.approx(141 * per_layer, rel=0.03)  # + one layer's backward working set
+    weights = stage.num_params * 2
+    assert stage.memory["weights"] == pytest.approx(weights)
+    assert stage.memory["grads"] == pytest.approx(2 * weights)  # unsharded fp32 (torch pipelining's FSDP2)
