@@ -6,8 +6,9 @@ units and the row unit they feed (Megatron-style pairs), every parameter to shar
 ``parallelize_module`` with the styles of :mod:`nest_fx.apply.tp_styles`: ``ColumnShard`` on
 the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, HF ``Conv1D``,
 ``x @ weight.T``), ``LocalShards`` on a module holding 3-D expert weights, ``SequenceParallel``
-(on the heads dim) on per-head norms and ``ColwiseParallel`` on per-head tables; per-head inputs
-(ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
+(on the heads dim) on per-head norms, ``WholeWidthNorm`` on norms over a whole projection
+(:mod:`nest_fx.apply.tp_wide_norm`: statistics all-reduced) and ``ColwiseParallel`` on per-head
+tables; per-head inputs (ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
 linears (attention, activation) runs on the local shard; the region module of an attention pair
 counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
 of a HF config with its head counts divided).
@@ -41,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from nest_fx.apply.tp_styles import ColumnShard, LocalShards, RowShard
+from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
@@ -194,15 +196,21 @@ def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str
         unit = next((m for m in modules if spec.name.startswith(m + ".")), None)
         owner = unit if unit is not None and unit in present else spec.name.rpartition(".")[0]
         by_owner.setdefault(owner, {})[spec.name[len(owner) + 1:] if owner else spec.name] = spec
+    wide: Dict[str, Dict[str, TPParam]] = {norm: {} for norm in pair.wide_norms}
     for owner, params in by_owner.items():
         if owner not in present:
             continue  # e.g. an expert another EP rank holds
-        if owner not in modules:  # 3-D expert parameters: the module runs on its local shards
+        if owner in wide:
+            wide[owner] = params
+        elif owner not in modules:  # 3-D expert parameters: the module runs on its local shards
             styles[owner] = LocalShards(params)
         elif owner == pair.row:
             styles[owner] = RowShard(params, output_layouts=Shard(1)) if sp_here else RowShard(params)
         else:
             styles[owner] = ColumnShard(params)
+    for norm, params in wide.items():
+        if norm in present:
+            styles[norm] = WholeWidthNorm(params)
     for norm, dim in pair.head_norms.items():
         if norm in present:
             styles[norm] = SequenceParallel(sequence_dim=dim, use_local_output=True)
@@ -232,7 +240,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
                           sequence_parallel: bool = False) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
 
-    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table"} of what
+    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table" | "wide_norm"} of what
     was sharded (for reports and tests).
     """
     tp = tp_mesh.size()
@@ -241,7 +249,7 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
     applied: Dict[str, str] = {}
     owned = owned_blocks(graph, block_names)
     kinds = {ColumnShard: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
-             ColwiseParallel: "head_table"}
+             ColwiseParallel: "head_table", WholeWidthNorm: "wide_norm"}
     for index, block in enumerate(owned):
         name = block.name
         pattern = graph.patterns.get(block.signature)

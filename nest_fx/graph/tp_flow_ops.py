@@ -70,6 +70,8 @@ class PairLayout:
     head_norms: Dict[str, int] = field(default_factory=dict)  # module FQN -> heads dim of its input
     head_tables: List[str] = field(default_factory=list)  # module FQNs
     head_inputs: List[HeadInput] = field(default_factory=list)
+    wide_norms: Dict[str, Tuple[str, int, int]] = field(default_factory=dict)  # module -> (column, start, size)
+    wide_params: Dict[str, int] = field(default_factory=dict)  # their parameters -> the dim sharded
     problem: str = ""
 
 
