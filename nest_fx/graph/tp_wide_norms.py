@@ -29,8 +29,9 @@ from nest_fx.graph.tp_flow_ops import REDUCTIONS, Flow, _arg, _norm_dim, _Stop
 
 # reductions over the sharded features the runtime makes global (their statistic all-reduced)
 GATHERED_REDUCTIONS = {"mean"}
-# whole-tensor norm ops the runtime computes from all-reduced statistics: op -> all-reduces each
-GATHERED_NORMS = {"rms_norm": 1, "layer_norm": 2}
+# norm ops (``F.rms_norm``, ``F.layer_norm``; ``nn.RMSNorm``, ``nn.LayerNorm`` traced as leaves) the
+# runtime computes from all-reduced statistics: op -> all-reduces each (a layer norm: mean, variance)
+GATHERED_NORMS = {"rms_norm": 1, "rmsnorm": 1, "layer_norm": 2, "layernorm": 2}
 STATISTIC_BYTES = 4  # the runtime all-reduces its statistics in fp32
 _FLOAT = ("float", "bfloat16", "half")
 
@@ -131,6 +132,9 @@ class WideNormRules:
             raise _Stop(f"the norm {module} normalises features of two projections ({self.where(node)})")
         if op in REDUCTIONS:
             return [None] * len(d.get("out_shapes") or [[]])
+        if d.get("fx_op") == "call_module":  # nn.LayerNorm / nn.RMSNorm: its parameters are no inputs
+            for param, numel in zip(d.get("params") or [], d.get("param_numels") or []):
+                self.wide_param(node, param, 0, numel == f.count)
         self.check_unsharded(node, f, len(d["out_shapes"][0]))
         return [f]
 
