@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 from nest_fx.apply.launch import launch
+from nest_fx.apply.tp_wide_norm import WholeWidthNorm
+from nest_fx.graph.opgraph import TPParam
 from nest_fx.graph import trace
 from nest_fx.models import build_seeded
 from nest_fx.plan.may_run import may_run
@@ -79,6 +86,73 @@ def build_normed(seed: int = 0, functional: bool = False):
             if "_norm." in name:
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
     return model, SimpleNamespace(vocab_size=128, seq_len=16)
+
+
+class TorchLayerNorm(nn.Module):
+    """``torch.layer_norm`` called directly, over the width of its input."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return torch.layer_norm(x, x.shape[-1:], self.weight, self.bias, 1e-5)
+
+
+class MeanRMSNorm(nn.Module):
+    """A hand-written RMSNorm (HF's, with the mean taken without keepdim)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        variance = torch.mean(x.float().pow(2), dim=-1)
+        return self.weight * (x * torch.rsqrt(variance + 1e-6).unsqueeze(-1))
+
+
+NORMS = {"nn.LayerNorm": lambda: nn.LayerNorm(64), "nn.RMSNorm": lambda: nn.RMSNorm(64),
+         "nn.RMSNorm without weight": lambda: nn.RMSNorm(64, elementwise_affine=False),
+         "torch.layer_norm": lambda: TorchLayerNorm(64), "hand-written mean": lambda: MeanRMSNorm(64)}
+
+
+def _norm_parity(_):
+    """On each of 2 ranks: every norm of NORMS on the rank's 32 of 64 features (WholeWidthNorm)
+    against the whole norm on one device; the largest difference of output, input gradient and
+    parameter gradients per norm, and the collectives one forward and backward issued."""
+    dist.init_process_group("gloo")
+    mesh, rank = init_device_mesh("cpu", (2,)), dist.get_rank()
+    own = slice(32 * rank, 32 * rank + 32)
+    out = {}
+    for name, make in NORMS.items():
+        torch.manual_seed(0)
+        whole = make()
+        with torch.no_grad():
+            for p in whole.parameters():
+                p.normal_(1.0, 0.5)
+        x = torch.randn(2, 8, 64, requires_grad=True)
+        probe = torch.randn(2, 8, 64)
+        (whole(x) * probe).sum().backward()
+        local = parallelize_module(copy.deepcopy(whole), mesh,
+                                   WholeWidthNorm({n: TPParam(name=n, dim=0) for n, _ in whole.named_parameters()}))
+        xl = x.detach()[..., own].clone().requires_grad_()
+        y = local(xl)
+        (y * probe[..., own]).sum().backward()
+        diffs = [(y - whole(x)[..., own]).abs().max(), (xl.grad - x.grad[..., own]).abs().max()]
+        diffs += [(p.grad.to_local() - whole.get_parameter(n).grad[own]).abs().max()
+                  for n, p in local.named_parameters()]
+        out[name] = float(max(diffs))
+    return out
+
+
+def test_whole_width_norm_computes_the_whole_norm_on_each_ranks_features():
+    """nn.LayerNorm and nn.RMSNorm (F.layer_norm, F.rms_norm), torch.layer_norm and a hand-written
+    mean of squares, on 2 gloo ranks each holding half the features: outputs and gradients equal
+    the whole norm's to fp32 rounding."""
+    results = launch(_norm_parity, 2, None, timeout=120)
+    for name in NORMS:
+        worst = max(r[name] for r in results)
+        assert worst < 1e-5, (name, worst)
 
 
 def _traced(name_or_build):

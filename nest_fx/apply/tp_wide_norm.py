@@ -57,6 +57,11 @@ class _GlobalStatistics(TorchFunctionMode):
     ranks' features; every other call runs as written."""
 
     _MEANS = (torch.mean, torch.Tensor.mean)
+    # norm functions -> their parameters in order (bound from positional and keyword arguments)
+    _NORMS = {F.rms_norm: ("input", "normalized_shape", "weight", "eps"),
+              torch.rms_norm: ("input", "normalized_shape", "weight", "eps"),
+              F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
+              torch.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps")}
 
     def __init__(self, group, tp: int, local: int):
         super().__init__()
@@ -79,18 +84,26 @@ class _GlobalStatistics(TorchFunctionMode):
                                    "nest-fx gathers means over the last dim only")
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             return self.mean(x, keepdim, kwargs.get("dtype"))
-        if func is F.rms_norm:
-            weight, eps = kwargs.get("weight"), kwargs.get("eps")
-            eps = torch.finfo(x.dtype).eps if eps is None else eps
-            out = x * torch.rsqrt(self.mean(x * x) + eps)
-            return out * weight if weight is not None else out
-        if func is F.layer_norm:
-            weight, bias, eps = kwargs.get("weight"), kwargs.get("bias"), kwargs.get("eps", 1e-5)
-            centred = x - self.mean(x)
-            out = centred * torch.rsqrt(self.mean(centred * centred) + eps)
-            out = out * weight if weight is not None else out
-            return out + bias if bias is not None else out
+        if func in self._NORMS:
+            bound = {**dict(zip(self._NORMS[func], args)), **kwargs}
+            shape = bound.get("normalized_shape")
+            if len(shape) != 1:
+                raise RuntimeError(f"a whole-width norm under tensor parallelism normalises over {list(shape)}; "
+                                   "nest-fx gathers statistics over the last dim only")
+            return self.norm(x, bound.get("weight"), bound.get("bias"), bound.get("eps"),
+                             layer=func in (F.layer_norm, torch.layer_norm))
         return func(*args, **kwargs)
+
+    def norm(self, x: torch.Tensor, weight, bias, eps, layer: bool) -> torch.Tensor:
+        """``F.layer_norm`` (``layer``: mean and variance) or ``F.rms_norm`` over all ranks' features."""
+        if layer:
+            x = x - self.mean(x)
+            eps = 1e-5 if eps is None else eps
+        elif eps is None:
+            eps = torch.finfo(x.dtype).eps
+        out = x * torch.rsqrt(self.mean(x * x) + eps)
+        out = out * weight if weight is not None else out
+        return out + bias if bias is not None else out
 
 
 class WholeWidthNorm(ParallelStyle):
