@@ -152,6 +152,7 @@ def test_whole_width_norm_computes_the_whole_norm_on_each_ranks_features():
     results = launch(_norm_parity, 2, None, timeout=120)
     for name in NORMS:
         worst = max(r[name] for r in results)
+        print(f"{name}: {worst:.1e}")
         assert worst < 1e-5, (name, worst)
 
 
