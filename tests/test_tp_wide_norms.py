@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -34,11 +35,11 @@ class NormedAttention(nn.Module):
     """Attention whose query and key are normalised over the whole projection by torch's own norm
     modules (``nn.LayerNorm``: mean and variance; ``nn.RMSNorm``: ``F.rms_norm``)."""
 
-    def __init__(self, dim: int, heads: int, functional: bool = False):
+    def __init__(self, dim: int, heads: int, functional: bool = False, affine: bool = True):
         super().__init__()
         self.heads, self.functional = heads, functional
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.q_norm, self.k_norm = nn.LayerNorm(dim), nn.RMSNorm(dim)
+        self.q_norm, self.k_norm = nn.LayerNorm(dim, elementwise_affine=affine), nn.RMSNorm(dim)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -52,10 +53,10 @@ class NormedAttention(nn.Module):
 
 
 class NormedBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, functional: bool):
+    def __init__(self, dim: int, heads: int, functional: bool, affine: bool):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = NormedAttention(dim, heads, functional)
+        self.attn = NormedAttention(dim, heads, functional, affine)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, x):
@@ -64,10 +65,11 @@ class NormedBlock(nn.Module):
 
 
 class NormedLM(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2, functional: bool = False):
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2, functional: bool = False,
+                 affine: bool = True):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(NormedBlock(dim, heads, functional) for _ in range(layers))
+        self.layers = nn.ModuleList(NormedBlock(dim, heads, functional, affine) for _ in range(layers))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, ids):
@@ -77,10 +79,11 @@ class NormedLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_normed(seed: int = 0, functional: bool = False):
-    """A picklable ``build(seed)`` for ``equivalence``: non-trivial norm weights and biases."""
+def build_normed(seed: int = 0, functional: bool = False, affine: bool = True):
+    """A picklable ``build(seed)`` for ``equivalence``: non-trivial norm weights and biases
+    (``affine=False``: a query norm without them)."""
     torch.manual_seed(seed)
-    model = NormedLM(functional=functional)
+    model = NormedLM(functional=functional, affine=affine)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "_norm." in name:
@@ -184,6 +187,11 @@ def test_torch_norm_modules_over_the_whole_projection_are_sharded():
     assert attn.wide_norms == ["attn.k_norm", "attn.q_norm"] and not attn.problem
     assert {"attn.q_norm.weight", "attn.q_norm.bias", "attn.k_norm.weight"} <= {p.name for p in attn.params}
     assert may_run(model, graph).degree_problem("tp", 2) == ""
+    # without a weight to shard, the norm's own normalized_shape is localised all the same
+    model, graph = _traced(functools.partial(build_normed, affine=False))
+    attn = next(p for p in graph.pattern_of(graph.layer_blocks[0]).tp_pairs if p.kind == "attention")
+    assert attn.wide_norms == ["attn.k_norm", "attn.q_norm"] and "attn.q_norm.weight" not in {p.name for p in attn.params}
+    assert may_run(model, graph).degree_problem("tp", 2) == ""
 
 
 def test_a_norm_in_the_attentions_own_forward_is_refused_naming_it():
@@ -263,6 +271,7 @@ def test_sequence_parallel_moe_and_zero3_with_whole_width_norms():
     pytest.importorskip("transformers")
     sp = dict(TP2_DP2, sequence_parallel=True)
     _check([_spec("hf:olmo2", sp), _spec("hf:olmoe", TP2_DP2), _spec("normed", sp, build=build_normed),
+            _spec("normed, no q_norm weight", TP2_DP2, build=functools.partial(build_normed, affine=False)),
             _spec(OLMO2_GQA, dict(TP2_DP2, zero=3, recompute="full"))])
 
 

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply.tp_styles import local_parameters, shard_parameter
 from nest_fx.graph.opgraph import TPParam
-from nest_fx.graph.tp_regions import localise_normalized_shape
+from nest_fx.graph.tp_regions import localise_normalized_shape, localise_wide_norm
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -118,8 +118,11 @@ class WholeWidthNorm(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, spec in self.params.items():
             shard_parameter(module, name, spec, device_mesh)
-        if "weight" in self.params:  # nn.LayerNorm / nn.RMSNorm: the rank's features, as the profiler's copy
+        # nn.LayerNorm / nn.RMSNorm: the rank's features, as the TP rehearsal's and the profiler's copies
+        if "weight" in self.params:
             localise_normalized_shape(module, module.weight.to_local().shape[-1])
+        else:
+            localise_wide_norm(module, device_mesh.size())
         names: Sequence[str] = list(self.params)
         tp, group = device_mesh.size(), device_mesh.get_group()
         inner = module.forward

@@ -140,6 +140,14 @@ def localise_normalized_shape(module: nn.Module, features: int) -> None:
         module.normalized_shape = (features,)
 
 
+def localise_wide_norm(module: nn.Module, tp: int) -> None:
+    """A whole-width norm without a weight (``elementwise_affine=False``; :func:`shrink_param`
+    localises the others with their weight) normalises ``1/tp`` of its features per rank."""
+    shape = getattr(module, "normalized_shape", None)
+    if getattr(module, "weight", None) is None and isinstance(shape, tuple) and len(shape) == 1:
+        localise_normalized_shape(module, shape[0] // tp)
+
+
 PLAIN_EMBEDDING = "torch.nn.modules.sparse.Embedding"
 
 
