@@ -31,7 +31,8 @@ from nest_fx.apply.materialize import LoadedWeights, prepare_weights
 from nest_fx.graph import trace
 from nest_fx.graph.tp_regions import unsharded_attention
 from nest_fx.graph.training_mode import training_config
-from nest_fx.plan.constraints import Constraints
+from nest_fx.plan.constraints import ConstraintError, Constraints
+from nest_fx.plan.may_run import unrun_constraints
 from nest_fx.plan.plan import Plan, uniform_plan
 from nest_fx.plan.summary import plan_summary
 from nest_fx.plan.support import batchnorm_modules, model_dims, parallel_support
@@ -142,12 +143,18 @@ def agreed_settings(plan: Plan, specs, global_batch_size: int, nmb: int, args: t
 
 
 def _constraints(request: Request) -> Optional[Constraints]:
-    """``constraints=`` as a :class:`Constraints`; refused beside ``plan=`` or ``planner=``, which would ignore them."""
+    """``constraints=`` as a :class:`Constraints`; refused beside ``plan=`` or ``planner=``, which would ignore them,
+    and when they ask for what the runtime does not run on any model (``may_run.unrun_constraints``), before the
+    trace, the search and the first collective."""
     constraints = request.constraints
     if constraints is not None and (request.plan is not None or request.planner is not None):
         raise checks.ApplyError("constraints= shape the default planner's search; with plan= or planner= they "
                                 "would be ignored: pass constraints alone, or put them in your planner")
-    return Constraints.from_dict(constraints) if isinstance(constraints, dict) else constraints
+    constraints = Constraints.from_dict(constraints) if isinstance(constraints, dict) else constraints
+    found = unrun_constraints(constraints)
+    if found:
+        raise ConstraintError(f"constraints= {found[0]}: {found[1]}")
+    return constraints
 
 
 def resolve_plan(request: Request, graph, constraints: Optional[Constraints], world: int, rank: int) -> Plan:

@@ -6,9 +6,11 @@ units and the row unit they feed (Megatron-style pairs), every parameter to shar
 ``parallelize_module`` with the styles of :mod:`nest_fx.apply.tp_styles`: ``ColumnShard`` on
 the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, HF ``Conv1D``,
 ``x @ weight.T``), ``LocalShards`` on a module holding 3-D expert weights, ``SequenceParallel``
-(on the heads dim) on per-head norms, ``ColwiseParallel`` on per-head tables and ``HeadParams`` on
-per-head parameters of the region module itself (Swin's ``relative_position_bias_table``) and
-``MultiheadShard`` on an ``nn.MultiheadAttention`` (its forward replaced by a head-sharded one);
+(on the heads dim) on per-head norms, ``WholeWidthNorm`` on norms over a whole projection
+(:mod:`nest_fx.apply.tp_wide_norm`: statistics all-reduced), ``ColwiseParallel`` on per-head tables,
+``HeadParams`` on per-head parameters of the region module itself (Swin's
+``relative_position_bias_table``) and ``MultiheadShard`` on an ``nn.MultiheadAttention`` (its
+forward replaced by a head-sharded one);
 per-head inputs (ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
 linears (attention, activation) runs on the local shard; the region module of an attention pair
 counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
@@ -43,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard
+from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
@@ -200,10 +203,13 @@ def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str
         unit = next((m for m in modules if spec.name.startswith(m + ".")), None)
         owner = unit if unit is not None and unit in present else spec.name.rpartition(".")[0]
         by_owner.setdefault(owner, {})[spec.name[len(owner) + 1:] if owner else spec.name] = spec
+    wide: Dict[str, Dict[str, TPParam]] = {norm: {} for norm in pair.wide_norms}
     for owner, params in by_owner.items():
         if owner not in present:
             continue  # e.g. an expert another EP rank holds
-        if owner not in modules and pair.kind != "expert":  # per-head tables of the region module (Swin)
+        if owner in wide:
+            wide[owner] = params
+        elif owner not in modules and pair.kind != "expert":  # per-head tables of the region module (Swin)
             styles[owner] = HeadParams(params)
         elif owner not in modules:  # 3-D expert parameters: the module runs on its local shards
             styles[owner] = LocalShards(params)
@@ -211,6 +217,9 @@ def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str
             styles[owner] = RowShard(params, output_layouts=Shard(1)) if sp_here else RowShard(params)
         else:
             styles[owner] = ColumnShard(params)
+    for norm, params in wide.items():
+        if norm in present:
+            styles[norm] = WholeWidthNorm(params)
     for norm, dim in pair.head_norms.items():
         if norm in present:
             styles[norm] = SequenceParallel(sequence_dim=dim, use_local_output=True)
@@ -240,7 +249,8 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
                           sequence_parallel: bool = False) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
 
-    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table" | "head_param" | "multihead"} of what
+    Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table" | "head_param" |
+    "multihead" | "wide_norm"} of what
     was sharded (for reports and tests).
     """
     tp = tp_mesh.size()
@@ -249,7 +259,8 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
     applied: Dict[str, str] = {}
     owned = owned_blocks(graph, block_names)
     kinds = {ColumnShard: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
-             ColwiseParallel: "head_table", HeadParams: "head_param", MultiheadShard: "multihead"}
+             ColwiseParallel: "head_table", HeadParams: "head_param", MultiheadShard: "multihead",
+             WholeWidthNorm: "wide_norm"}
     for index, block in enumerate(owned):
         name = block.name
         pattern = graph.patterns.get(block.signature)

@@ -18,9 +18,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from functools import partial
-from typing import Dict
+from typing import Dict, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,21 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+@contextlib.contextmanager
+def local_parameters(module: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Swap the DTensor parameters ``names`` of ``module`` for their local shards (differentiable:
+    their gradients land in the DTensor parameters) while the block runs. The swap is undone in
+    ``finally``, not in a forward hook: a non-reentrant activation checkpoint stops its
+    recomputation with an exception once it has what it needs."""
+    held = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in held.items():
+            module._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
+        yield
+    finally:
+        module._parameters.update(held)
+
+
 class LocalShards(ParallelStyle):
     """Shard a module's own parameters (``params``) and run its forward on the local shards; its
     output is the sum of the ranks' partial outputs (see the module docstring)."""
@@ -166,18 +182,10 @@ class LocalShards(ParallelStyle):
                 return value
             return copy_to_tp(value, group) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
-        # The swap is undone in ``finally``, not in a forward hook: a non-reentrant activation
-        # checkpoint stops its recomputation with an exception once it has what it needs.
         @functools.wraps(inner)
         def forward(*args, **kwargs):
-            held = {n: module._parameters[n] for n in names}
-            try:
-                for n, p in held.items():
-                    # the local shard, differentiable: its gradient lands in the DTensor parameter
-                    module._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
+            with local_parameters(module, names):
                 output = inner(*(fix(a) for a in args), **{k: fix(v) for k, v in kwargs.items()})
-            finally:
-                module._parameters.update(held)
             if not self.reduce:
                 return output
             if not isinstance(output, torch.Tensor):

@@ -130,6 +130,7 @@ class TPPair:
     head_norms: Dict[str, int] = field(default_factory=dict)
     head_tables: List[str] = field(default_factory=list)
     head_inputs: List[HeadInput] = field(default_factory=list)
+    wide_norms: List[str] = field(default_factory=list)  # whole-width norms (graph.tp_wide_norms); params in ``params``
     problem: str = ""
     leaf: str = ""
 

@@ -14,11 +14,15 @@ forward, and collects what the runtime must do besides sharding the linears:
 * per-head norms: a norm whose weight is applied to every head (Qwen3's ``q_norm``); its weight
   stays replicated and its gradient is summed over the TP ranks;
 * per-head tables: an embedding with one column per head (T5's relative position bias);
-* per-head inputs: tensors entering the region with a heads dim (ALiBi), sliced on entry.
+* per-head inputs: tensors entering the region with a heads dim (ALiBi), sliced on entry;
+* whole-width norms: a norm over a whole projection's features (OLMo2's ``q_norm``), its
+  statistic all-reduced over the TP ranks and its weight sharded like the projection
+  (:mod:`nest_fx.graph.tp_wide_norms`).
 
 Anything it cannot follow (an op it does not know acting on the sharded dim, a norm over all
-features of a projection, a per-head tensor built inside the region from the global head count)
-becomes the pair's ``problem``: the runtime then refuses that TP degree instead of guessing.
+features of a projection that is not a whole-width norm module, a per-head tensor built inside
+the region from the global head count) becomes the pair's ``problem``: the runtime then refuses
+that TP degree instead of guessing.
 """
 from __future__ import annotations
 
@@ -31,12 +35,14 @@ from nest_fx.graph.opgraph import Block, HeadInput
 from nest_fx.graph.tp_flow_ops import (ACTIVATION_MODULES, ATTENTION, BATCHED_MATMULS, COMPLEX_VIEWS, ELEMENTWISE,
                                        IGNORED, KEEP_FUSED, NORMS, REDUCTIONS, RESHAPES, SELECTS, SPLITS, Flow, PairLayout,
                                        ShapeRules, _arg, _float, _normalises_last, _prod, _Stop)
+from nest_fx.graph.tp_wide_norms import WideNormRules
 
 
-class _Follower(ShapeRules):
+class _Follower(ShapeRules, WideNormRules):
     def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
-                 units: Set[str]):
+                 units: Set[str], wide: Set[str] = frozenset()):
         self.g = graph
+        self.wide = wide  # candidate whole-width norm modules (tp_wide_norms.projection_norms)
         self.units = units  # the pair's linear-like modules (absolute FQNs)
         self.block = block
         self.columns = columns
@@ -91,6 +97,7 @@ class _Follower(ShapeRules):
                 self.visit(node, core)
             self.check_row()
             self.finish_parts()
+            self.check_wide_norms()
             self.check_contained(core, members)
             self.check_head_params()
         except _Stop as stop:
@@ -205,6 +212,10 @@ class _Follower(ShapeRules):
             k = _arg(d, 1)  # an item of a tuple (split, attention outputs); an index into a tensor is a select
             flows = [f for f in ins if f is not None]
             return [self.flows[d["inputs"][0]][k]] if d.get("inputs") and self.flows.get(d["inputs"][0]) else flows[:1]
+        if op in REDUCTIONS or op in NORMS or _normalises_last(op):
+            gathered = self.wide_statistic(node, op, ins)
+            if gathered is not None:
+                return gathered
         if op in ELEMENTWISE or (d.get("fx_op") == "call_module" and op in ACTIVATION_MODULES):
             return [self.elementwise(node, ins)]
         if op in RESHAPES:
@@ -252,6 +263,8 @@ class _Follower(ShapeRules):
             at = flow_out.dim - (out_ndim - len(shape))
             carries = 0 <= at < len(shape) and shape[at] != 1
             if param:
+                if self.wide_param(node, param, at, carries):
+                    continue
                 if carries:
                     raise _Stop(f"parameter {param} has one entry per sharded head/feature ({self.where(node)}); "
                                 "tensor parallelism does not shard such parameters yet")
@@ -377,7 +390,8 @@ class _Follower(ShapeRules):
                 if (op in NORMS or _normalises_last(op) or op in REDUCTIONS) and shape and shape[-1] > head_dim:
                     return (f"{self.where(node)} takes its {what} through {a.get('module')!r}, a norm over all the "
                             f"heads' {shape[-1]} features (not per head of {head_dim}); a TP rank holds only its "
-                            "heads' features, and nest-fx does not all-gather them for such a norm yet")
+                            "heads' features, and nest-fx gathers the statistic only for a norm module of the attention "
+                            "applied to the whole output of one projection (OLMo2's q_norm)")
         return ""
 
     def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
@@ -461,8 +475,9 @@ class _Follower(ShapeRules):
 
 
 def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
-                units: Set[str] = frozenset()) -> PairLayout:
+                units: Set[str] = frozenset(), wide: Set[str] = frozenset()) -> PairLayout:
     """Follow the sharded features of ``columns`` (node names) to ``row`` (node name) inside the
     region module ``region`` (an absolute module FQN); ``units``: the pair's linear-like modules,
-    whose own parameters are sharded with them. See the module docstring."""
-    return _Follower(graph, block, columns, row, region, set(units)).run()
+    whose own parameters are sharded with them; ``wide``: the block's candidate whole-width norm
+    modules. See the module docstring."""
+    return _Follower(graph, block, columns, row, region, set(units), set(wide)).run()

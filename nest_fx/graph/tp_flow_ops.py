@@ -71,6 +71,8 @@ class PairLayout:
     head_tables: List[str] = field(default_factory=list)  # module FQNs
     head_params: Dict[str, int] = field(default_factory=dict)  # per-head parameter FQN -> its heads dim
     head_inputs: List[HeadInput] = field(default_factory=list)
+    wide_norms: Dict[str, Tuple[str, int, int]] = field(default_factory=dict)  # module -> (column, start, size)
+    wide_params: Dict[str, int] = field(default_factory=dict)  # their parameters -> the dim sharded
     problem: str = ""
 
 
@@ -222,6 +224,13 @@ class ShapeRules:
             raise _Stop(f"{self.where(node)} selects along the sharded heads/features")
         if f.dim in sliced:
             start, size = sliced[f.dim]
+            if f.heads and start >= 0 and f.inner == 1:
+                raise _Stop(f"{self.where(node)} slices the sharded heads: it takes {size} of the {f.count} heads a fused "
+                            "projection is viewed as (as a multi-query layout does, e.g. Falcon's `qkv[..., :-2, :]`: "
+                            "the query heads, then one key and one value head they all share); tensor parallelism "
+                            "shards a fused projection by whole key/value groups, and this one has a single group "
+                            "every rank would need (replicating it is not implemented; Falcon's "
+                            "new_decoder_architecture with num_kv_heads divisible by tp runs)")
             if f.heads or f.source is None or f.inner != 1 or start < 0:
                 raise _Stop(f"{self.where(node)} slices the sharded heads")
             column, base, _ = f.source

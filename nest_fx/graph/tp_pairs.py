@@ -7,8 +7,9 @@ A's features independently: elementwise ops, reshapes into heads, per-head norms
 embeddings and attention. We find the pairs by walking backwards from every parameterised
 matmul over floating-point data flow inside the block, stopping at other parameterised matmuls
 (the columns) and at norms of the residual stream (whose width is the row's output width), which
-mix all features and so end the sharded region. Integer tensors (token indices, routing slots)
-are not followed: they carry no features.
+mix all features and so end the sharded region; a norm module applied to the whole output of a
+projection of the same attention (OLMo2's ``q_norm``: ``graph.tp_wide_norms``) does not end it.
+Integer tensors (token indices, routing slots) are not followed: they carry no features.
 
 A "parameterised matmul" is whatever the tracer saw multiply activations by a parameter:
 ``nn.Linear``, HF's ``Conv1D`` (``addmm`` with a [in, out] weight), ``x @ self.weight.T``,
@@ -30,6 +31,7 @@ from nest_fx.graph.annotate import MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.opgraph import Block, BlockPattern, TPPair, TPParam
 from nest_fx.graph.tp_flow import follow_pair
 from nest_fx.graph.tp_regions import lowest_common_module
+from nest_fx.graph.tp_wide_norms import projection_norms
 
 NORM_OPS = {"layernorm", "layer_norm", "native_layer_norm", "rmsnorm", "rms_norm", "mean", "var",
             "var_mean", "groupnorm", "group_norm", "batchnorm", "batch_norm"}
@@ -84,11 +86,12 @@ def find_pattern(graph: nx.DiGraph, block: Block) -> BlockPattern:
     params = _BlockParams(graph, block)
     routers = sorted({_rel(_unit(graph, n, params)[0], block) for n in linears if _reaches_topk(graph, n, members)})
     pairs: List[TPPair] = []
+    wide = projection_norms(graph, block.nodes)
     for row in linears:
-        columns, through_attention, stops = _columns_feeding(graph, row, members)
+        columns, through_attention, stops = _columns_feeding(graph, row, members, wide)
         if not columns:
             continue
-        pair = _make_pair(graph, block, params, columns, row, through_attention, bool(routers), stops)
+        pair = _make_pair(graph, block, params, columns, row, through_attention, bool(routers), stops, wide)
         if pair.row in routers or set(pair.column) & set(routers):
             continue
         pairs.append(pair)
@@ -96,7 +99,7 @@ def find_pattern(graph: nx.DiGraph, block: Block) -> BlockPattern:
 
 
 def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: List[str], row: str,
-               through_attention: bool, moe: bool, stops: List[str]) -> TPPair:
+               through_attention: bool, moe: bool, stops: List[str], wide: Set[str] = frozenset()) -> TPPair:
     units = {n: _unit(graph, n, params) for n in columns + [row]}
     col_names = sorted({_rel(units[c][0], block) for c in columns})
     row_name = _rel(units[row][0], block)
@@ -108,7 +111,8 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     problem = _unit_problem(graph, block, params, units, columns, row)
     owners = [u if is_module else u.rpartition(".")[0] for u, is_module in units.values()]
     region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
-    layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module})
+    layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module},
+                         wide)
     pair.problem = problem or layout.problem
     inside = [graph.nodes[n].get("module", "") for n in stops
               if graph.nodes[n].get("module", "").startswith(region + ".") and region]
@@ -121,6 +125,8 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     pair.head_inputs = layout.head_inputs
     # a per-head parameter of the region (Swin's relative_position_bias_table): sharded by heads
     pair.params += [TPParam(name=_rel(name, block), dim=dim, units=[1]) for name, dim in layout.head_params.items()]
+    pair.wide_norms = sorted(_rel(m, block) for m in layout.wide_norms)
+    pair.params += [TPParam(name=_rel(p, block), dim=dim) for p, dim in layout.wide_params.items()]
     for c in columns:
         pair.params += _column_params(graph, block, params, c, units[c], layout.parts.get(c, []))
     d = graph.nodes[row]
@@ -180,10 +186,11 @@ def _unit_problem(graph: nx.DiGraph, block: Block, params: _BlockParams, units: 
     return ""
 
 
-def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str]):
+def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str], wide: Set[str] = frozenset()):
     """Parameterised matmuls reached walking back from ``row``; whether attention lies between.
     Norms over as many features as the row reads (the residual stream a block's norm normalises)
-    end the walk; norms over fewer (one head's features) are part of the region."""
+    end the walk; norms over fewer (one head's features) are part of the region, and so are the
+    candidate whole-width norms ``wide`` (modules, ``tp_wide_norms.projection_norms``)."""
     columns: List[str] = []
     stops: List[str] = []
     through_attention = False
@@ -202,7 +209,9 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str]):
             columns.append(node)
             continue
         op = data.get("op", "")
-        if (op in NORM_OPS and _last_dim(data) == width) or _normalises(graph, node, width):
+        if data.get("module", "") in wide:
+            pass  # a whole-width norm: tp_flow decides whether its statistic can be gathered
+        elif (op in NORM_OPS and _last_dim(data) == width) or _normalises(graph, node, width, wide):
             stops.append(node)
             continue
         if op in ATTENTION_OPS or (op in MATMUL_OPS and not data.get("weight")):
@@ -216,7 +225,8 @@ def _last_dim(data: dict) -> Optional[int]:
     return shapes[0][-1] if shapes and shapes[0] else None
 
 
-def _normalises(graph: nx.DiGraph, node: str, width: Optional[int], depth: int = 6) -> bool:
+def _normalises(graph: nx.DiGraph, node: str, width: Optional[int], wide: Set[str] = frozenset(),
+                depth: int = 6) -> bool:
     """True when a reduction over the residual stream's features (mean/var/norm) lies a few ops
     upstream of ``node`` with no matmul in between, as in a hand-written RMSNorm
     ``(x * rsqrt(mean(x^2) + eps)) * w``. Per-head norms (over a head's features) do not count."""
@@ -225,7 +235,8 @@ def _normalises(graph: nx.DiGraph, node: str, width: Optional[int], depth: int =
 
     frontier = floats(node)
     for _ in range(depth):
-        if any(graph.nodes[n].get("op") in _STATISTICS and _last_dim(graph.nodes[n]) == width for n in frontier):
+        if any(graph.nodes[n].get("op") in _STATISTICS and _last_dim(graph.nodes[n]) == width
+               and graph.nodes[n].get("module", "") not in wide for n in frontier):
             return True
         frontier = {p for n in frontier if not graph.nodes[n].get("weight")
                     and graph.nodes[n].get("op") not in ATTENTION_OPS | MATMUL_OPS for p in floats(n)}

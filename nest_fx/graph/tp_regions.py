@@ -137,6 +137,24 @@ def shrink_param(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
         owner.num_embeddings, owner.embedding_dim = weight.shape
     elif leaf == "weight" and isinstance(getattr(owner, "nf", None), int) and weight.dim() == 2:
         owner.nf = weight.shape[1]  # HF Conv1D: weight [in, out], forward reads nf
+    elif leaf == "weight":
+        localise_normalized_shape(owner, weight.shape[-1])
+
+
+def localise_normalized_shape(module: nn.Module, features: int) -> None:
+    """A norm over one dim (``nn.LayerNorm``, ``nn.RMSNorm``) sharded by features (a whole-width
+    norm under tensor parallelism: ``graph.tp_wide_norms``) normalises ``features`` per rank."""
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, tuple) and len(shape) == 1:
+        module.normalized_shape = (features,)
+
+
+def localise_wide_norm(module: nn.Module, tp: int) -> None:
+    """A whole-width norm without a weight (``elementwise_affine=False``; :func:`shrink_param`
+    localises the others with their weight) normalises ``1/tp`` of its features per rank."""
+    shape = getattr(module, "normalized_shape", None)
+    if getattr(module, "weight", None) is None and isinstance(shape, tuple) and len(shape) == 1:
+        localise_normalized_shape(module, shape[0] // tp)
 
 
 PLAIN_EMBEDDING = "torch.nn.modules.sparse.Embedding"

@@ -28,7 +28,7 @@ from nest_fx.graph.stage_modules import traced_inputs
 from nest_fx.graph.stand_in import meta_copy, run_on_fake
 from nest_fx.graph.tp_mha import local_forward
 from nest_fx.graph.tp_regions import (HEAD_COUNT_ATTRS, block_regions, head_input_hook, localise_head_counts,
-                                      shrink_param)
+                                      localise_wide_norm, shrink_param)
 
 
 class _AllSeen(Exception):
@@ -110,6 +110,8 @@ def _local_copy(region: nn.Module, path: str, kind: str, block, pairs, tp: int) 
             shrink_param(local, block.fqn(spec.name)[len(prefix):], spec.dim, tp)
         for table in pair.head_tables:
             shrink_param(local, block.fqn(table)[len(prefix):] + ".weight", 1, tp)
+        for norm in pair.wide_norms:
+            localise_wide_norm(local.get_submodule(block.fqn(norm)[len(prefix):]), tp)
     if kind == "attention":
         localise_head_counts(local, tp)
     for pair in pairs:

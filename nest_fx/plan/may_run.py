@@ -15,7 +15,8 @@ module or setting and the fix:
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
 * :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
-* :func:`unrun_kernels`: a kernel backend the runtime does not run for the plan;
+* :func:`unrun_kernels`: a kernel backend the runtime does not run for the plan (or for the
+  plans ``constraints`` ask for: :func:`unrun_constraints`, asked before planning);
 * :func:`schedule_microbatch_problem`: microbatch counts a pipeline schedule does not run;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
 
@@ -87,17 +88,37 @@ def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = Fal
     return ""
 
 
-def unrun_kernels(kernels: str, compile: bool) -> str:
+def unrun_kernels(kernels: str, compile: bool, constraints: bool = False) -> str:
     """'' when nest-fx's runtime runs the kernels a plan is priced with (``""``: what it runs;
     ``eager`` without ``compile``, ``compile`` with it), else why not and the fix. Other backends
     (``fused``: Transformer-Engine-style kernels) price other systems for ``plan``/``simulate``;
-    a run under them would not be what was priced."""
+    a run under them would not be what was priced. ``constraints``: the setting is a planner
+    constraint of ``auto_parallelize`` (the reason is worded for ``constraints=``, without the
+    setting's name, which :func:`unrun_constraints` returns beside it)."""
     runs = "compile" if compile else "eager"
     if kernels in ("", runs):
         return ""
+    if constraints:
+        fix = ("add fix compile=true to the constraints" if kernels == "compile" else
+               f"drop kernels from constraints= (or set it to '' or {runs}); kernels={kernels} is for predicting "
+               "other systems with nest-fx plan/simulate")
+        return (f"auto_parallelize would plan for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
+                f"(it runs eager, or compile with fix compile=true); fix: {fix}")
     fix = "set compile=true" if kernels == "compile" else "use kernels '' (what nest-fx runs)"
     return (f"kernels={kernels}: the plan is priced for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
             f"for it (that backend predicts other systems with nest-fx plan/simulate); fix: {fix}")
+
+
+def unrun_constraints(constraints: Optional[Constraints]) -> Optional[Tuple[str, str]]:
+    """(the constraint as the command line writes it, why not and the fix) when planner
+    ``constraints`` ask for what nest-fx's runtime does not run on any model: kernels it does not
+    run (:func:`unrun_kernels`; compile is a user's choice, ``fix.compile``, never searched); None
+    when it runs them. ``auto_parallelize`` asks before it traces, plans or joins a collective;
+    :meth:`MayRun.constraint_problem` asks it first, then the model-level verdicts."""
+    if not constraints or not constraints.kernels:
+        return None
+    reason = unrun_kernels(constraints.kernels, bool(constraints.fix.get("compile", False)), constraints=True)
+    return (f"kernels={constraints.kernels}", reason) if reason else None
 
 
 def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
@@ -208,6 +229,9 @@ class MayRun:
         fixed that this model rules out; None when every fixed setting runs."""
         if not constraints:
             return None
+        found = unrun_constraints(constraints)
+        if found:
+            return found
         for degree in MODEL_DEGREES:
             value = constraints.fix.get(degree)
             reason = self.degree_problem(degree, int(value)) if value is not None else ""

@@ -22,6 +22,7 @@ import torch
 from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
+from nest_fx.graph.tp_wide_norms import statistic_bytes
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
 from nest_fx.workload.kernels import region_kept_bytes
@@ -82,6 +83,9 @@ class BlockFacts:
     a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
     tp_phases: Tuple[str, ...] = ("fwd", "bwd")
     vocab_comms: Tuple[Tuple[str, float, str], ...] = ()  # head/tail under TP: (kind, bytes, phase) each
+    # whole-width norms under TP (graph.tp_wide_norms): (kind, bytes, phase) of each statistic's
+    # all-reduce, fp32 whatever the model's dtype (not scaled by scaled_facts)
+    norm_comms: Tuple[Tuple[str, float, str], ...] = ()
     loss_saved: float = 0.0  # bytes the loss keeps for backward (fp32 log-softmax of the logits)
     loss_flops: float = 0.0
     loss_bytes_moved: float = 0.0
@@ -219,6 +223,9 @@ def block_facts(graph, block) -> BlockFacts:
         else:  # output linear: input gradient all-reduced (backward), logits all-gathered (forward)
             vocab_comms += [("all_reduce", _bytes_of(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
                             ("all_gather", d.get("out_bytes", 0.0), "fwd")]
+    wide = {block.fqn(m) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem for m in pair.wide_norms}
+    norm_comms = tuple((kind, nbytes, phase) for nbytes in statistic_bytes(g, block.nodes, wide)
+                       for kind, phase in (("all_reduce", "fwd"), ("all_reduce", "bwd")))
     loss = _loss_facts(g, block)
     if block.kind in ("head", "tail"):
         n_ar = 0
@@ -228,7 +235,7 @@ def block_facts(graph, block) -> BlockFacts:
     regions = fusion_regions(g, block.nodes, fusible) if block.kind == "block" else []
     saved = [n.saved for n in nodes]
     return BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
-                      row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms),
+                      row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms), norm_comms=norm_comms,
                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
                       recomputed=block.kind == "block", tied_params=tied,
                       regions=regions, region_kept=[region_kept_bytes(g, block.nodes, members, saved)

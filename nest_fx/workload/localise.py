@@ -18,7 +18,8 @@ import torch.nn as nn
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
 from nest_fx.graph.tp_mha import local_forward
-from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, shrink_param
+from nest_fx.graph.tp_regions import (block_regions, head_input_hook, localise_head_counts, localise_wide_norm,
+                                      shrink_param)
 from nest_fx.models import build_any
 
 
@@ -79,6 +80,8 @@ def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
                         _shard(model, block.fqn(spec.name), spec.dim, tp)
                     for table in pair.head_tables:
                         _shard(model, block.fqn(table) + ".weight", 1, tp)
+                    for norm in pair.wide_norms:
+                        localise_wide_norm(model.get_submodule(block.fqn(norm)), tp)
                 target = model.get_submodule(block.fqn(region))
                 if kind == "attention":
                     localise_head_counts(target, tp)

@@ -158,7 +158,8 @@ class TracedSource:
     def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
         """The layer's collectives per microbatch (docs/cost_model.md): TP (all-reduce, or
         all-gather + reduce-scatter under SP) after each row linear, the vocabulary-parallel
-        head/tail's, EP's all-to-alls, CP's key/value all-gather (backward: reduce-scatter)."""
+        head/tail's, the statistics of whole-width norms, EP's all-to-alls, CP's key/value
+        all-gather (backward: reduce-scatter)."""
         tokens = scale / cp
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
@@ -170,7 +171,7 @@ class TracedSource:
             else:
                 comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
         if tp > 1:
-            for kind, nbytes, phase in facts.vocab_comms:
+            for kind, nbytes, phase in facts.vocab_comms + facts.norm_comms:
                 if lp and kind == "all_gather":  # loss parallel: the logits stay sharded
                     continue
                 comms.append(Comm(kind, "tp", nbytes * tokens, phase))

@@ -184,9 +184,8 @@ def test_every_offered_plan_of_every_style_model_runs_at_parity(name):
 
 @pytest.mark.hf
 @pytest.mark.parametrize("name,says", [
-    # OLMo2's q_norm / k_norm normalise all heads' features: it used to say "mixes sharded and
-    # unsharded queries, keys or values" at the attention, naming neither the norm nor why
-    ("hf:olmo2", "takes its query through 'model.layers.0.self_attn.q_norm', a norm over all the heads' 64 features"),
+    # (OLMo2's whole-width q_norm / k_norm run under TP now: tests/distributed/apply/test_tp_wide_norms.py; a norm of
+    # the attention's own forward over the whole query is refused there, naming it)
     ("hf:falcon", "op 'slice' in module 'transformer.h.0.self_attention' slices the sharded heads"),
 ])
 def test_tp_refusals_name_the_module_the_reason_and_the_fix(name, says):

@@ -203,6 +203,18 @@ class ProjectionNormAttention(nn.Module):
         return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h))
 
 
+class OwnProjectionNormAttention(ProjectionNormAttention):
+    """The norm over the whole query in the attention's own forward, not a module of its own: no
+    module for TP to run with gathered statistics (a ``q_norm`` module runs: test_tp_wide_norms.py)."""
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q = F.layer_norm(self.q_proj(x), (h,)).view(b, s, -1, h // self.heads).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, h // self.heads).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, h // self.heads).transpose(1, 2)
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, h))
+
+
 class HeadScaledAttention(ProjectionNormAttention):
     """Attention with a learned per-head temperature applied to the scores."""
 
@@ -244,7 +256,8 @@ class Stack(nn.Module):
 
 
 @pytest.mark.parametrize("make,expected", [
-    (ProjectionNormAttention, r"layers.0: attention pair .*module layers.0.q_norm normalises over all the features"),
+    (OwnProjectionNormAttention, r"layers.0: attention pair .*takes its query through 'layers.0', a norm over all the "
+                                 r"heads' 32 features"),
     (HeadScaledAttention, r"parameter layers.0.temperature has one entry per sharded head"),
     (LeakyAttention, r"the sharded output of op 'linear' in module 'layers.0.q_proj' is also used by op 'add'"),
     (lambda: nn.Linear(32, 32), r"would shard nothing: no column->row linear pair"),
