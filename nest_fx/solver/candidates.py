@@ -62,6 +62,7 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float, np.ndarray]] = {}
     screens: Dict[tuple, np.ndarray] = {}
+    depth_memo: Dict[tuple, np.ndarray] = {}
     out = []
     for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
         if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
@@ -70,7 +71,13 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
         if key not in works:
             works[key] = _replica_work(workload, g)
         work, params, floors = works[key]
-        depths = np.array(stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp)
+        # stage_counts reads only these of g (and the workload, cluster and options, fixed here)
+        depth_key = (g.dp * g.tp * g.cp, g.dp * g.microbatch_size, g.schedule, g.virtual_stages, g.zero, g.compile,
+                     g.placement == options.placements[0])
+        depths = depth_memo.get(depth_key)
+        if depths is None:
+            depths = depth_memo[depth_key] = np.array(stage_counts(workload, cluster, g, global_batch, options),
+                                                      dtype=np.intp)
         if not depths.size:
             continue
         screen_key = (params, g.zero, g.shard, int(depths[-1]))

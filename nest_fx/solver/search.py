@@ -111,7 +111,10 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: flo
     work, sends = cache.replica_work(g, p)
     work += forced
     paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + t_opt
+    span = pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages)
+    if (span + t_opt) * SLACK >= best:
+        return span + t_opt
+    return span + max(t_opt, cache.tail_floor(g, p, m))
 
 
 def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
@@ -146,6 +149,8 @@ def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
     if table.too_short(best):
         return math.inf
     t, s, q = (float(a[0]) for a in table.suffix_bounds(best, exact_tails)[0])
+    if not exact_tails:  # q bounded by the optimizer step alone: tier 1's tail floor is a bound too
+        q = max(q, table.cache.tail_floor(table.g, table.p, table.m))
     if math.isinf(t) or math.isinf(s) or math.isinf(q):
         return math.inf
     return objective(t, s, q, table.m, table.g.schedule, table.g.virtual_stages)
@@ -247,8 +252,9 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
                     if step < best_t:
                         best_t, best = step, (g, m, even[3], o)
                 lb = _table_bound(table, best_t, exact_tails=tier == 2)
+            lb = max(bound, lb)  # each tier's bound is valid: keep the largest
             if lb * SLACK < best_t:
-                heapq.heappush(heap, (max(bound, lb), tier + 1, k, o))
+                heapq.heappush(heap, (lb, tier + 1, k, o))
             else:
                 tables.drop((k, o))
                 settled += 1

@@ -21,7 +21,7 @@ from nest_fx.cost.collectives import group_comm_fn
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
-from nest_fx.cost.step_time import comm_terms, expert_shard_degree, held_terms, p2p_time, tail_terms
+from nest_fx.cost.step_time import comm_terms, dp_sync_time, expert_shard_degree, held_terms, p2p_time, tail_terms
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
@@ -77,6 +77,7 @@ class TableCache:
         self._work: Dict[tuple, Tuple[float, float]] = {}
         self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
         self._forced: Dict[tuple, float] = {}
+        self._tail_floor: Dict[tuple, float] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -238,6 +239,60 @@ class TableCache:
             self._work[key] = (total, boundaries)
         total, boundaries = self._work[key]
         return total, 2 * g.virtual_stages * boundaries
+
+    def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
+        """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
+
+        q_i = max((1 - share) y_i, y_i - B_i - R_i) + O_i (``step_time.tail_terms``; the tied
+        exchange only adds) with y_i the stage's DP sync seconds, B_i its backward and R_i its
+        recompute seconds per microbatch (R_i <= the replica's most recompute, summed), O_i its
+        optimizer step (linear in its parameters). Two bounds:
+
+        * some stage holds at least D / p of the replica's D dense parameters, and y_i grows
+          with them (collectives are monotone in their bytes): ``(1 - share) min_i y_i(D / p) +
+          O(D / p)``; likewise for the E expert parameters;
+        * where the network is affine in the size (``collective_coefficients``: hierarchical
+          clusters), y_i >= b_i D_i + c_i E_i with b_i, c_i its slopes, so the stages' mean
+          ``(min b D + min c E - B - R_max) / p + O(N / p)`` bounds the largest q_i.
+
+        The FSDP per-call overhead is left out (it only adds)."""
+        zero = memory.effective_zero_stage(g.zero, p)
+        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g), zero, m if zero >= 2 else 0, g.float8)
+        hit = self._tail_floor.get(key)
+        if hit is None:
+            hit = self._tail_floor[key] = self._tail_floor_of(g, p, m, zero)
+        return hit
+
+    def _tail_floor_of(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
+        rc, o, cluster = self.classes(g), self.options, self.cluster
+        terms = rc.terms[rc.modes[0]]
+        whole = rc.cls[0, len(self.workload)]
+        total_e = float(terms.expert_params[whole])
+        total_d = float(terms.params[whole]) - total_e
+        share = float(o.overlap_grad_sync) if zero >= 1 else 0.0
+        layout = self.layout(g, p)
+
+        def opt(params: float) -> float:
+            return float(tail_terms(0.0, 0.0, 0.0, params, g.shard, zero, cluster, o)[1])
+
+        def sync(groups, d: float, e: float) -> float:
+            return float(dp_sync_time(cluster, groups, d, e, g.dp * g.cp, g.ep, zero, m, o, 0.0,
+                                      d if g.float8 else 0.0))
+
+        best = opt((total_d + total_e) / p)
+        slopes = 0.0
+        affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+        for d, e in ((total_d / p, 0.0), (0.0, total_e / p)):
+            if d + e <= 0:
+                continue
+            at = [sync(groups, d, e) for groups in layout]
+            best = max(best, (1 - share) * min(at) + opt(d + e))
+            if affine:  # the least slope over the stages, times all of these parameters
+                slopes += min((sync(groups, 2 * d, 2 * e) - y) / (d + e) for groups, y in zip(layout, at)) * (d + e) * p
+        if affine:
+            work = float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)
+            best = max(best, (slopes - work) / p + opt((total_d + total_e) / p))
+        return best
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""
