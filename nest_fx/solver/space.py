@@ -23,6 +23,12 @@ SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "
                       "every:4")
 
 
+# the fewest tokens per context-parallel rank at which long_context_cp searches CP degrees beyond
+# cp_degrees: Llama 3 405B's long-context stage, 131,072 tokens over CP 16 (Grattafiori et al. 2024,
+# sec. 3.3.2), the smallest share of a published run
+LONG_CONTEXT_TOKENS = 8192
+
+
 @dataclass
 class SolverOptions:
     """What the planner may choose. Defaults follow common practice (Megatron-LM, torchtitan)."""
@@ -38,6 +44,9 @@ class SolverOptions:
     placements: Sequence[str] = ("stage-major", "replica-major")
     ep_degrees: Optional[Sequence[int]] = None  # None: every divisor of the expert count
     cp_degrees: Sequence[int] = (1, 2, 4, 8)  # context parallelism (those the workload can cost)
+    # long sequences: also every power of two above max(cp_degrees) that leaves each CP rank at least
+    # LONG_CONTEXT_TOKENS tokens (Llama 3 405B trained 131,072-token sequences on CP 16); see cp_searched
+    long_context_cp: bool = True
     hsdp: bool = True  # search HSDP shard groups (shard_candidates) under ZeRO >= 2
     loss_parallel: Optional[bool] = None  # None: whenever tp > 1 and the model allows it (never slower)
     compile: bool = False  # cost torch.compile (a user's choice, recorded in the plan; not searched)
@@ -77,6 +86,18 @@ class SolverOptions:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
         return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""),
                                     self.kernels or "")
+
+    def cp_searched(self, seq_len: int) -> Tuple[int, ...]:
+        """The CP degrees searched for sequences of ``seq_len`` tokens (0: unknown): ``cp_degrees``,
+        and with :attr:`long_context_cp` the powers of two above them that leave every CP rank at
+        least :data:`LONG_CONTEXT_TOKENS` tokens."""
+        out = tuple(self.cp_degrees)
+        if self.long_context_cp and out and seq_len:
+            cp = max(out) * 2
+            while seq_len >= cp * LONG_CONTEXT_TOKENS:
+                out += (cp,)
+                cp *= 2
+        return out
 
     def allows(self, degree: str, value: int) -> bool:
         """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
@@ -137,7 +158,8 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
     runtime = dict(compile=options.compile, float8=options.float8, async_tp=options.async_tp)
     # (tp, ep, cp, lp) variants the workload has costs for (a layer table may list only some)
     variants = []
-    for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in options.cp_degrees):
+    cps = options.cp_searched(workload.dims.seq_len)
+    for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in cps):
         sp = options.sequence_parallel and tp > 1
         if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
                 or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
@@ -200,7 +222,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
                    or (interleaved and (plan.schedule, ANY_INTERLEAVE) in options.schedules))
     return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
-            and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
+            and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_searched(plan.seq_len)
             and plan.compile == options.compile and plan.float8 == options.float8 and plan.async_tp == options.async_tp
             and (options.precision is None or plan.precision == options.precision)
             and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
