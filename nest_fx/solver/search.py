@@ -105,16 +105,17 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: flo
     if math.isinf(forced):
         return math.inf
     compute += forced  # replica_work's W without collectives
-    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages) + t_opt
-    if cheap * SLACK >= best:
-        return cheap
+    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages)
+    if (cheap + t_opt) * SLACK >= best:
+        return cheap + t_opt
+    # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
+    tail = max(t_opt, cache.tail_floor(g, p, m))
+    if (cheap + tail) * SLACK >= best:
+        return cheap + tail
     work, sends = cache.replica_work(g, p)
     work += forced
     paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-    span = pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages)
-    if (span + t_opt) * SLACK >= best:
-        return span + t_opt
-    return span + max(t_opt, cache.tail_floor(g, p, m))
+    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + tail
 
 
 def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:

@@ -78,6 +78,7 @@ class TableCache:
         self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
         self._forced: Dict[tuple, float] = {}
         self._tail_floor: Dict[tuple, float] = {}
+        self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -270,29 +271,39 @@ class TableCache:
         total_e = float(terms.expert_params[whole])
         total_d = float(terms.params[whole]) - total_e
         share = float(o.overlap_grad_sync) if zero >= 1 else 0.0
-        layout = self.layout(g, p)
 
         def opt(params: float) -> float:
             return float(tail_terms(0.0, 0.0, 0.0, params, g.shard, zero, cluster, o)[1])
 
-        def sync(groups, d: float, e: float) -> float:
-            return float(dp_sync_time(cluster, groups, d, e, g.dp * g.cp, g.ep, zero, m, o, 0.0,
-                                      d if g.float8 else 0.0))
-
         best = opt((total_d + total_e) / p)
-        slopes = 0.0
-        affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+        slopes, affine = 0.0, True
         for d, e in ((total_d / p, 0.0), (0.0, total_e / p)):
-            if d + e <= 0:
-                continue
-            at = [sync(groups, d, e) for groups in layout]
-            best = max(best, (1 - share) * min(at) + opt(d + e))
-            if affine:  # the least slope over the stages, times all of these parameters
-                slopes += min((sync(groups, 2 * d, 2 * e) - y) / (d + e) for groups, y in zip(layout, at)) * (d + e) * p
+            if d + e > 0:
+                least, slope, affine = self._stage_syncs(g, p, m, zero, d, e)
+                best = max(best, (1 - share) * least + opt(d + e))
+                slopes += slope * (d + e) * p
         if affine:
             work = float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)
             best = max(best, (slopes - work) / p + opt((total_d + total_e) / p))
         return best
+
+    def _stage_syncs(self, g: GlobalConfig, p: int, m: int, zero: int, d: float, e: float) -> Tuple[float, float, bool]:
+        """(least DP sync seconds of d dense and e expert parameters over the stages, least slope in
+        seconds per parameter where the network is affine in the size, whether it is), shared by
+        the variants of one layout with the same parameters (microbatch sizes, loss parallel)."""
+        key = (self._layout_key(g, p), d, e, zero, m if zero >= 2 else 0, g.float8)
+        hit = self._syncs.get(key)
+        if hit is None:
+            layout, cluster = self.layout(g, p), self.cluster
+            affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+            sizes = np.array([1.0, 2.0])
+            at = [dp_sync_time(cluster, groups, d * sizes, e * sizes, g.dp * g.cp, g.ep, zero, m, self.options, 0.0,
+                               d * sizes if g.float8 else 0.0) for groups in layout]
+            at = [np.broadcast_to(np.asarray(y, dtype=float), (2,)) for y in at]
+            least = min(float(y[0]) for y in at)
+            slope = min(float(y[1] - y[0]) for y in at) / (d + e) if affine else 0.0
+            hit = self._syncs[key] = (least, slope, affine)
+        return hit
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""
