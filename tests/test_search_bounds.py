@@ -1,16 +1,18 @@
-"""The search's tier-1 tail bound (``TableCache.tail_floor``) never exceeds the largest tail
+"""The search's tier-1 bounds: the tail bound (``TableCache.tail_floor``) never exceeds the largest tail
 q_i = exposed DP sync + optimizer step of any plan of its (g, p), checked against every
 partition and recompute choice of small cases, and it bites (it prunes what the optimizer step
-alone would not)."""
+alone would not); the linear-partition floor on the busiest stage's compute."""
 import dataclasses
 import itertools
 import math
+import random
 
 import pytest
 
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate, stage_tail
 from nest_fx.plan import StagePlan
+from nest_fx.solver.candidates import partition_floor
 from nest_fx.solver.space import SolverOptions
 from nest_fx.solver.table_cache import TableCache
 from nest_fx.workload import workload_for_model
@@ -54,3 +56,18 @@ def test_tail_floor_never_exceeds_any_plans_largest_tail(model, share):
         checked += 1
     assert checked >= 20
     assert bites >= 1  # the DP sync term raises the floor above the optimizer step somewhere
+
+
+def test_partition_floor_is_the_linear_partition_optimum_from_below():
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        times = [rng.choice([0.0, rng.uniform(0.01, 1.0), 5.0 * rng.random()]) for _ in range(n)]
+        prefix = [0.0, *itertools.accumulate(times)]
+        for p in range(1, n + 1):
+            optimum = min(max(prefix[b] - prefix[a] for a, b in zip((0, *cuts), (*cuts, n)))
+                          for cuts in itertools.combinations(range(1, n), p - 1))
+            floor = partition_floor(prefix, p)
+            assert floor <= optimum
+            if p < n:
+                assert floor >= optimum * (1 - 1e-3)  # the bisection gets within its precision

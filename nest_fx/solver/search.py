@@ -54,7 +54,7 @@ from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors
+from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors, layer_prefix, partition_floor
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -123,10 +123,16 @@ def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple,
     floors = memo.get(("floors", g.variant))
     if floors is None:
         floors = memo[("floors", g.variant)] = layer_floors(cache.workload, g.variant)
+    busiest = memo.get(("busiest", g.variant, p))
+    if busiest is None:  # the busiest stage's compute: by layer count, and by the layers' order
+        prefix = memo.get(("prefix", g.variant))
+        if prefix is None:
+            prefix = memo[("prefix", g.variant)] = layer_prefix(cache.workload, g.variant)
+        busiest = memo[("busiest", g.variant, p)] = max(float(busiest_stage_floor(floors, p)),
+                                                          partition_floor(prefix, p))
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
     rc = cache.classes(g)
     terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
-    busiest = float(busiest_stage_floor(floors, p))
     return t_opt, float(terms.fwd[whole] + terms.bwd[whole]), busiest
 
 
