@@ -11,7 +11,10 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
    stages, N / p parameters each, must fit); max_i t_i is also at least the busiest stage's
    compute (``candidates.busiest_stage_floor``: ceil(L / p) layers);
 1. ``_network_bound``: the same with W' >= W adding each layer's collectives on the stage where
-   they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``);
+   they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``), the
+   busiest stage also at least the linear-partition optimum of the layers in order
+   (``candidates.partition_floor``), and the largest tail q_i at least the DP sync floor of an
+   average stage (``TableCache.tail_floor``; tier 2 keeps it);
 2. the pair's stage table (``stage_table.StageTable``: every stage slot, layer range and
    recompute mode, memory-forced recomputation included) and its suffix bounds, with q_i
    bounded by the optimizer step (no DP-sync traffic asked of the network yet);
@@ -85,13 +88,16 @@ class SolveResult:
 
 def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf,
                    memo: Optional[Dict[tuple, object]] = None) -> float:
-    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + T_opt(N / p)`` with (W, X) =
+    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
+    least T_opt(N / p)) and (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
     (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
-    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor``). The
+    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor`` and
+    ``partition_floor``). The
     network is asked last: when the same bound without collectives or sends (W
     the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
-    dropped either way), that bound is returned and the pair's groups are never resolved.
+    dropped either way), that bound is returned and the pair's groups are never resolved; the
+    DP groups (the tail floor) are asked before the layers' collectives.
     ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
     memo = {} if memo is None else memo
     key = (id(cache), g.variant, g.zero, g.shard, p)
