@@ -79,6 +79,7 @@ class TableCache:
         self._forced: Dict[tuple, float] = {}
         self._tail_floor: Dict[tuple, float] = {}
         self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
+        self._hulls: Dict[tuple, tuple] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -177,20 +178,40 @@ class TableCache:
         return hit
 
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
-        o, rc, n = self.options, self.classes(g), len(self.workload)
-        whole = rc.cls[0, n]
+        o = self.options
         per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
                                              param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
                                              master_weights=o.master_weights,
                                              state_dtype_bytes=o.state_bytes)["total"]
         inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
-        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
+        params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
+        excess = kept - budget
+        seconds = 0.0
+        for rate, saved in segments:
+            if excess <= 0:
+                break
+            take = min(saved, excess)
+            seconds += rate * take
+            excess -= take
+        return seconds if excess <= 0 else math.inf
+
+    def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
+        """(the replica's parameters, its blocks' activation bytes per microbatch kept without
+        recompute, the segments (seconds per byte saved, bytes it can save) of the blocks' lower
+        convex hulls, cheapest first): what ``forced_recompute`` reads of g's variant."""
+        rc = self.classes(g)
+        key = (variant_of(g), rc.modes)
+        hit = self._hulls.get(key)
+        if hit is not None:
+            return hit
+        whole = rc.cls[0, len(self.workload)]
+        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
         modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
         if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
             modes |= {"none", "full"}
         kept = 0.0
-        segments: List[Tuple[float, float]] = []  # (seconds per byte saved, bytes it can save)
+        segments: List[Tuple[float, float]] = []
         for d, c in enumerate(rc.costs):
             count = int(rc.counts[d, whole])
             if not c.block or not count:
@@ -208,15 +229,8 @@ class TableCache:
                     hull.pop()
                 hull.append((saved, t))
             segments += [(_slope(u, w), count * (w[0] - u[0])) for u, w in zip(hull, hull[1:])]
-        excess = kept - budget
-        seconds = 0.0
-        for rate, saved in sorted(segments):
-            if excess <= 0:
-                break
-            take = min(saved, excess)
-            seconds += rate * take
-            excess -= take
-        return seconds if excess <= 0 else math.inf
+        hit = self._hulls[key] = (params, kept, sorted(segments))
+        return hit
 
     def replica_work(self, g: GlobalConfig, p: int) -> Tuple[float, float]:
         """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p): every layer's forward
