@@ -3,8 +3,9 @@ on its step time that needs no network model (``solver.search`` refines it; the 
 enumerate the same pairs)."""
 from __future__ import annotations
 
+import bisect
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,6 +42,13 @@ def layer_floors(workload: Workload, variant: Variant) -> np.ndarray:
     return _floors([c.fwd_s + c.bwd_s for c in (workload.cost(i, variant) for i in range(len(workload)))])
 
 
+def layer_prefix(workload: Workload, variant: Variant) -> list:
+    """(L + 1,) prefix sums of the layers' forward + backward seconds in layer order (a list, for
+    :func:`partition_floor`'s bisection)."""
+    times = [c.fwd_s + c.bwd_s for c in (workload.cost(i, variant) for i in range(len(workload)))]
+    return np.concatenate([[0.0], np.cumsum(times)]).tolist()
+
+
 def busiest_stage_floor(floors: np.ndarray, depths):
     """A lower bound on max_i t_i of any split into ``depths`` stages (an int or an array): the
     stage holding the most layers holds at least ceil(L / p) of them, and its per-microbatch time is
@@ -48,6 +56,42 @@ def busiest_stage_floor(floors: np.ndarray, depths):
     recompute and sends only add), hence at least the ceil(L / p) cheapest layers' sum."""
     layers = len(floors) - 1
     return floors[-(-layers // np.asarray(depths))]
+
+
+def partition_floor(prefix: Sequence[float], p: int, iterations: int = 16) -> float:
+    """A lower bound on max_i t_i of any split of the layers into ``p`` contiguous stages:
+    ``prefix`` holds the prefix sums of the layers' forward + backward seconds in layer order
+    (t_i is at least its layers' sum: ``busiest_stage_floor``'s argument), and no split into p
+    parts has a smaller largest part than the least cap a greedy cut fits into p parts (the
+    classic linear partition). Returns the largest cap found too small by a binary search (so
+    the optimum exceeds it), a hair below for rounding; 0 for p >= the layers."""
+    layers = len(prefix) - 1
+    if p >= layers:
+        return 0.0
+    total = prefix[-1]
+    lo = max(total / p, max(b - a for a, b in zip(prefix, prefix[1:])))
+    if _fits(prefix, p, lo):
+        return lo * (1 - 1e-9)
+    hi = 2 * lo
+    while not _fits(prefix, p, hi):
+        lo, hi = hi, 2 * hi
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if _fits(prefix, p, mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo * (1 - 1e-9)
+
+
+def _fits(prefix: Sequence[float], p: int, cap: float) -> bool:
+    """Whether greedy cuts (each stage takes layers while their sum stays <= cap) need at most p stages."""
+    pos, last = 0, len(prefix) - 1
+    for _ in range(p):
+        pos = bisect.bisect_right(prefix, prefix[pos] + cap, pos) - 1
+        if pos >= last:
+            return True
+    return False
 
 
 def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, options: SolverOptions,
@@ -62,6 +106,7 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     works: Dict[tuple, Tuple[float, float, np.ndarray]] = {}
     screens: Dict[tuple, np.ndarray] = {}
+    depth_memo: Dict[tuple, np.ndarray] = {}
     out = []
     for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
         if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
@@ -70,7 +115,13 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
         if key not in works:
             works[key] = _replica_work(workload, g)
         work, params, floors = works[key]
-        depths = np.array(stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp)
+        # stage_counts reads only these of g (and the workload, cluster and options, fixed here)
+        depth_key = (g.dp * g.tp * g.cp, g.dp * g.microbatch_size, g.schedule, g.virtual_stages, g.zero, g.compile,
+                     g.placement == options.placements[0])
+        depths = depth_memo.get(depth_key)
+        if depths is None:
+            depths = depth_memo[depth_key] = np.array(stage_counts(workload, cluster, g, global_batch, options),
+                                                      dtype=np.intp)
         if not depths.size:
             continue
         screen_key = (params, g.zero, g.shard, int(depths[-1]))

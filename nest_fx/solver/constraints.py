@@ -96,7 +96,7 @@ def _searched_degrees(c: Constraints, degree: str, tried: Sequence[int], what: s
 
 
 def _cp_degrees(c: Constraints, options: SolverOptions, workload: Workload) -> Tuple[int, ...]:
-    return _searched_degrees(c, "cp", options.cp_degrees, "context-parallel",
+    return _searched_degrees(c, "cp", options.cp_searched(workload.dims.seq_len), "context-parallel",
                              lambda cp: workload.variant_problem(Variant(cp=cp)) if cp > 1 else "")
 
 

@@ -11,7 +11,10 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
    stages, N / p parameters each, must fit); max_i t_i is also at least the busiest stage's
    compute (``candidates.busiest_stage_floor``: ceil(L / p) layers);
 1. ``_network_bound``: the same with W' >= W adding each layer's collectives on the stage where
-   they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``);
+   they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``), the
+   busiest stage also at least the linear-partition optimum of the layers in order
+   (``candidates.partition_floor``), and the largest tail q_i at least the DP sync floor of an
+   average stage (``TableCache.tail_floor``; tier 2 keeps it);
 2. the pair's stage table (``stage_table.StageTable``: every stage slot, layer range and
    recompute mode, memory-forced recomputation included) and its suffix bounds, with q_i
    bounded by the optimizer step (no DP-sync traffic asked of the network yet);
@@ -54,7 +57,7 @@ from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors
+from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors, layer_prefix, partition_floor
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -85,13 +88,16 @@ class SolveResult:
 
 def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf,
                    memo: Optional[Dict[tuple, object]] = None) -> float:
-    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + T_opt(N / p)`` with (W, X) =
+    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
+    least T_opt(N / p)) and (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
     (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
-    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor``). The
+    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor`` and
+    ``partition_floor``). The
     network is asked last: when the same bound without collectives or sends (W
     the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
-    dropped either way), that bound is returned and the pair's groups are never resolved.
+    dropped either way), that bound is returned and the pair's groups are never resolved; the
+    DP groups (the tail floor) are asked before the layers' collectives.
     ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
     memo = {} if memo is None else memo
     key = (id(cache), g.variant, g.zero, g.shard, p)
@@ -105,13 +111,17 @@ def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: flo
     if math.isinf(forced):
         return math.inf
     compute += forced  # replica_work's W without collectives
-    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages) + t_opt
-    if cheap * SLACK >= best:
-        return cheap
+    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages)
+    if (cheap + t_opt) * SLACK >= best:
+        return cheap + t_opt
+    # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
+    tail = max(t_opt, cache.tail_floor(g, p, m))
+    if (cheap + tail) * SLACK >= best:
+        return cheap + tail
     work, sends = cache.replica_work(g, p)
     work += forced
     paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + t_opt
+    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + tail
 
 
 def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
@@ -119,10 +129,16 @@ def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple,
     floors = memo.get(("floors", g.variant))
     if floors is None:
         floors = memo[("floors", g.variant)] = layer_floors(cache.workload, g.variant)
+    busiest = memo.get(("busiest", g.variant, p))
+    if busiest is None:  # the busiest stage's compute: by layer count, and by the layers' order
+        prefix = memo.get(("prefix", g.variant))
+        if prefix is None:
+            prefix = memo[("prefix", g.variant)] = layer_prefix(cache.workload, g.variant)
+        busiest = memo[("busiest", g.variant, p)] = max(float(busiest_stage_floor(floors, p)),
+                                                          partition_floor(prefix, p))
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
     rc = cache.classes(g)
     terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
-    busiest = float(busiest_stage_floor(floors, p))
     return t_opt, float(terms.fwd[whole] + terms.bwd[whole]), busiest
 
 
@@ -146,6 +162,8 @@ def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
     if table.too_short(best):
         return math.inf
     t, s, q = (float(a[0]) for a in table.suffix_bounds(best, exact_tails)[0])
+    if not exact_tails:  # q bounded by the optimizer step alone: tier 1's tail floor is a bound too
+        q = max(q, table.cache.tail_floor(table.g, table.p, table.m))
     if math.isinf(t) or math.isinf(s) or math.isinf(q):
         return math.inf
     return objective(t, s, q, table.m, table.g.schedule, table.g.virtual_stages)
@@ -247,8 +265,9 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
                     if step < best_t:
                         best_t, best = step, (g, m, even[3], o)
                 lb = _table_bound(table, best_t, exact_tails=tier == 2)
+            lb = max(bound, lb)  # each tier's bound is valid: keep the largest
             if lb * SLACK < best_t:
-                heapq.heappush(heap, (max(bound, lb), tier + 1, k, o))
+                heapq.heappush(heap, (lb, tier + 1, k, o))
             else:
                 tables.drop((k, o))
                 settled += 1

@@ -21,6 +21,12 @@ from nest_fx.workload import Variant, Workload
 SEARCHED_OPTIONS = tuple(s.name for s in SEARCHED if s.role == "option")
 
 
+# the fewest tokens per context-parallel rank at which long_context_cp searches CP degrees beyond
+# cp_degrees: Llama 3 405B's long-context stage, 131,072 tokens over CP 16 (Grattafiori et al. 2024,
+# sec. 3.3.2), the smallest share of a published run
+LONG_CONTEXT_TOKENS = 8192
+
+
 @dataclass
 @add_fields(SEARCHED, search=True)
 class SolverOptions:
@@ -37,6 +43,9 @@ class SolverOptions:
     every factor), ``sequence_parallel`` (True: whenever tp > 1, same traffic, less memory),
     ``placements``, ``recompute``. The fields below are the search's own."""
 
+    # long sequences: also every power of two above max(cp_degrees) that leaves each CP rank at least
+    # LONG_CONTEXT_TOKENS tokens (Llama 3 405B trained 131,072-token sequences on CP 16); see cp_searched
+    long_context_cp: bool = True
     hsdp: bool = True  # search HSDP shard groups (shard_candidates) under ZeRO >= 2
     tp_within_node: bool = True  # keep TP groups inside the innermost network level
     max_stages: Optional[int] = None
@@ -64,6 +73,18 @@ class SolverOptions:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
         return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""),
                                     self.kernels or "")
+
+    def cp_searched(self, seq_len: int) -> Tuple[int, ...]:
+        """The CP degrees searched for sequences of ``seq_len`` tokens (0: unknown): ``cp_degrees``,
+        and with :attr:`long_context_cp` the powers of two above them that leave every CP rank at
+        least :data:`LONG_CONTEXT_TOKENS` tokens."""
+        out = tuple(self.cp_degrees)
+        if self.long_context_cp and out and seq_len:
+            cp = max(out) * 2
+            while seq_len >= cp * LONG_CONTEXT_TOKENS:
+                out += (cp,)
+                cp *= 2
+        return out
 
     def allows(self, degree: str, value: int) -> bool:
         """Whether ``degree`` (tp, pp, dp, ep, cp, dp_shard) may take ``value`` under :attr:`degree_bounds`."""
@@ -125,7 +146,8 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
     given = {name: getattr(options, name) or "" for name in SEARCHED_OPTIONS}  # precision, kernels ('' = not recorded)
     # (tp, ep, cp, lp) variants the workload has costs for (a layer table may list only some)
     variants = []
-    for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in options.cp_degrees):
+    cps = options.cp_searched(workload.dims.seq_len)
+    for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in cps):
         sp = options.sequence_parallel and tp > 1
         if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
                 or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
@@ -186,7 +208,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
                    or (interleaved and (plan.schedule, ANY_INTERLEAVE) in options.schedules))
     return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
             and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
-            and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_degrees
+            and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_searched(plan.seq_len)
             and all(getattr(plan, flag) == getattr(options, flag) for flag in COSTED_FLAGS)
             and (options.precision is None or plan.precision == options.precision)
             and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,

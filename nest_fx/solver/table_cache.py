@@ -21,7 +21,7 @@ from nest_fx.cost.collectives import group_comm_fn
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
-from nest_fx.cost.step_time import comm_terms, expert_shard_degree, held_terms, p2p_time, tail_terms
+from nest_fx.cost.step_time import comm_terms, dp_sync_time, expert_shard_degree, held_terms, p2p_time, tail_terms
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
@@ -77,6 +77,9 @@ class TableCache:
         self._work: Dict[tuple, Tuple[float, float]] = {}
         self._comms: Dict[tuple, Dict[str, np.ndarray]] = {}
         self._forced: Dict[tuple, float] = {}
+        self._tail_floor: Dict[tuple, float] = {}
+        self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
+        self._hulls: Dict[tuple, tuple] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -175,20 +178,40 @@ class TableCache:
         return hit
 
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
-        o, rc, n = self.options, self.classes(g), len(self.workload)
-        whole = rc.cls[0, n]
+        o = self.options
         per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
                                              param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
                                              master_weights=o.master_weights,
                                              state_dtype_bytes=o.state_bytes)["total"]
         inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
-        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
+        params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
+        excess = kept - budget
+        seconds = 0.0
+        for rate, saved in segments:
+            if excess <= 0:
+                break
+            take = min(saved, excess)
+            seconds += rate * take
+            excess -= take
+        return seconds if excess <= 0 else math.inf
+
+    def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
+        """(the replica's parameters, its blocks' activation bytes per microbatch kept without
+        recompute, the segments (seconds per byte saved, bytes it can save) of the blocks' lower
+        convex hulls, cheapest first): what ``forced_recompute`` reads of g's variant."""
+        rc = self.classes(g)
+        key = (variant_of(g), rc.modes)
+        hit = self._hulls.get(key)
+        if hit is not None:
+            return hit
+        whole = rc.cls[0, len(self.workload)]
+        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
         modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
         if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
             modes |= {"none", "full"}
         kept = 0.0
-        segments: List[Tuple[float, float]] = []  # (seconds per byte saved, bytes it can save)
+        segments: List[Tuple[float, float]] = []
         for d, c in enumerate(rc.costs):
             count = int(rc.counts[d, whole])
             if not c.block or not count:
@@ -206,15 +229,8 @@ class TableCache:
                     hull.pop()
                 hull.append((saved, t))
             segments += [(_slope(u, w), count * (w[0] - u[0])) for u, w in zip(hull, hull[1:])]
-        excess = kept - budget
-        seconds = 0.0
-        for rate, saved in sorted(segments):
-            if excess <= 0:
-                break
-            take = min(saved, excess)
-            seconds += rate * take
-            excess -= take
-        return seconds if excess <= 0 else math.inf
+        hit = self._hulls[key] = (params, kept, sorted(segments))
+        return hit
 
     def replica_work(self, g: GlobalConfig, p: int) -> Tuple[float, float]:
         """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p): every layer's forward
@@ -238,6 +254,70 @@ class TableCache:
             self._work[key] = (total, boundaries)
         total, boundaries = self._work[key]
         return total, 2 * g.virtual_stages * boundaries
+
+    def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
+        """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
+
+        q_i = max((1 - share) y_i, y_i - B_i - R_i) + O_i (``step_time.tail_terms``; the tied
+        exchange only adds) with y_i the stage's DP sync seconds, B_i its backward and R_i its
+        recompute seconds per microbatch (R_i <= the replica's most recompute, summed), O_i its
+        optimizer step (linear in its parameters). Two bounds:
+
+        * some stage holds at least D / p of the replica's D dense parameters, and y_i grows
+          with them (collectives are monotone in their bytes): ``(1 - share) min_i y_i(D / p) +
+          O(D / p)``; likewise for the E expert parameters;
+        * where the network is affine in the size (``collective_coefficients``: hierarchical
+          clusters), y_i >= b_i D_i + c_i E_i with b_i, c_i its slopes, so the stages' mean
+          ``(min b D + min c E - B - R_max) / p + O(N / p)`` bounds the largest q_i.
+
+        The FSDP per-call overhead is left out (it only adds)."""
+        zero = memory.effective_zero_stage(g.zero, p)
+        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g), zero, m if zero >= 2 else 0, g.float8)
+        hit = self._tail_floor.get(key)
+        if hit is None:
+            hit = self._tail_floor[key] = self._tail_floor_of(g, p, m, zero)
+        return hit
+
+    def _tail_floor_of(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
+        rc, o, cluster = self.classes(g), self.options, self.cluster
+        terms = rc.terms[rc.modes[0]]
+        whole = rc.cls[0, len(self.workload)]
+        total_e = float(terms.expert_params[whole])
+        total_d = float(terms.params[whole]) - total_e
+        share = float(o.overlap_grad_sync) if zero >= 1 else 0.0
+
+        def opt(params: float) -> float:
+            return float(tail_terms(0.0, 0.0, 0.0, params, g.shard, zero, cluster, o)[1])
+
+        best = opt((total_d + total_e) / p)
+        slopes, affine = 0.0, True
+        for d, e in ((total_d / p, 0.0), (0.0, total_e / p)):
+            if d + e > 0:
+                least, slope, affine = self._stage_syncs(g, p, m, zero, d, e)
+                best = max(best, (1 - share) * least + opt(d + e))
+                slopes += slope * (d + e) * p
+        if affine:
+            work = float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)
+            best = max(best, (slopes - work) / p + opt((total_d + total_e) / p))
+        return best
+
+    def _stage_syncs(self, g: GlobalConfig, p: int, m: int, zero: int, d: float, e: float) -> Tuple[float, float, bool]:
+        """(least DP sync seconds of d dense and e expert parameters over the stages, least slope in
+        seconds per parameter where the network is affine in the size, whether it is), shared by
+        the variants of one layout with the same parameters (microbatch sizes, loss parallel)."""
+        key = (self._layout_key(g, p), d, e, zero, m if zero >= 2 else 0, g.float8)
+        hit = self._syncs.get(key)
+        if hit is None:
+            layout, cluster = self.layout(g, p), self.cluster
+            affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+            sizes = np.array([1.0, 2.0])
+            at = [dp_sync_time(cluster, groups, d * sizes, e * sizes, g.dp * g.cp, g.ep, zero, m, self.options, 0.0,
+                               d * sizes if g.float8 else 0.0) for groups in layout]
+            at = [np.broadcast_to(np.asarray(y, dtype=float), (2,)) for y in at]
+            least = min(float(y[0]) for y in at)
+            slope = min(float(y[1] - y[0]) for y in at) / (d + e) if affine else 0.0
+            hit = self._syncs[key] = (least, slope, affine)
+        return hit
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""
