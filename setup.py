@@ -1,4 +1,5 @@
 """nest-fx: network- and memory-aware auto-parallelization for PyTorch."""
+
 from setuptools import find_packages, setup
 
 setup(

@@ -1,4 +1,5 @@
 """Shared bits of the examples: command-line plan options, synthetic data, the training loop."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def parser(description: str, model: str, **defaults) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save", metavar="DIR", help="save model + optimizer to DIR after training")
     p.add_argument("--resume", metavar="DIR", help="load a checkpoint (saved under any plan) before training")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a collective may wait before failing (default: $NEST_FX_TIMEOUT_S or 600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a collective may wait before failing (default: $NEST_FX_TIMEOUT_S or 600)",
+    )
     return p
 
 
@@ -46,8 +51,9 @@ def make_plan(args, num_layers: int):
     mbs = args.batch // (dp * microbatches)
     if mbs < 1 or args.batch % (dp * microbatches):
         raise SystemExit(f"--batch {args.batch} must be a multiple of dp*microbatches = {dp * microbatches}")
-    return uniform_plan(num_layers, dp=dp, microbatch_size=mbs, virtual_stages=2 if args.schedule == "interleaved" else 1,
-                        **given)
+    return uniform_plan(
+        num_layers, dp=dp, microbatch_size=mbs, virtual_stages=2 if args.schedule == "interleaved" else 1, **given
+    )
 
 
 def synthetic_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
@@ -80,8 +86,11 @@ def train(pm, args, seq: int, vocab: int) -> None:
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
         if rank == 0:
-            print(f"step {step}: loss {float(loss):.4f}  {args.batch * seq / elapsed:,.0f} tokens/s "
-                  f"({elapsed * 1e3:.0f} ms)", flush=True)
+            print(
+                f"step {step}: loss {float(loss):.4f}  {args.batch * seq / elapsed:,.0f} tokens/s "
+                f"({elapsed * 1e3:.0f} ms)",
+                flush=True,
+            )
     if args.save:
         pm.save(args.save, opt, step=first + args.steps)
         if rank == 0:

@@ -13,6 +13,7 @@ hf-config:DIR/config.json ... --json PLAN``; without it the planner chooses. The
 fixed random token stream (replace ``batches`` with your own loader); the model computes its
 own loss from ``labels``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,13 @@ def main() -> None:
     model, config = build_model(f"hf-config:{os.path.join(args.weights, 'config.json')}", device="meta")
     data = batches(config.vocab_size, args.batch, args.seq)
     plan = Plan.load(args.plan) if args.plan else None
-    pm = auto_parallelize(model, next(batches(config.vocab_size, args.batch, args.seq)), global_batch_size=args.batch,
-                          plan=plan, weights=args.weights)
+    pm = auto_parallelize(
+        model,
+        next(batches(config.vocab_size, args.batch, args.seq)),
+        global_batch_size=args.batch,
+        plan=plan,
+        weights=args.weights,
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     for step in range(args.steps):
         loss = pm.train_step(next(data))

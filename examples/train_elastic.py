@@ -23,6 +23,7 @@ an etcd server outside the nodes (``etcd --enable-v2``, Debian's ``etcd-server``
 Rank 0 prints one line per step and, with ``--losses FILE``, appends it as JSON to FILE. Restart
 policy and its limits: docs/runtime.md, "Elastic training".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,9 +74,10 @@ def main() -> None:
 
     model, cfg = build_seeded(args.model, seed=0)
     data = dataset(args.samples, cfg.seq_len, cfg.vocab_size)
-    example = data[:args.batch, :-1]
-    pm = auto_parallelize(model, example, global_batch_size=args.batch, loss_fn=lm_loss, elastic=True,
-                          timeout_s=args.timeout)
+    example = data[: args.batch, :-1]
+    pm = auto_parallelize(
+        model, example, global_batch_size=args.batch, loss_fn=lm_loss, elastic=True, timeout_s=args.timeout
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     batches = EpochBatches(args.samples, args.batch, seed=1)
@@ -83,8 +85,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
-        print(f"world {world}, restart {restart}: {'resumed at step ' + str(start) if start else 'fresh start'}; "
-              f"{pm.plan.dp} replicas x {pm.num_microbatches} microbatches", flush=True)
+        print(
+            f"world {world}, restart {restart}: {'resumed at step ' + str(start) if start else 'fresh start'}; "
+            f"{pm.plan.dp} replicas x {pm.num_microbatches} microbatches",
+            flush=True,
+        )
     for step in range(start, args.steps):
         rows = data[next(batches)]
         loss = float(pm.train_step(rows[:, :-1], rows[:, 1:]))
@@ -94,8 +99,9 @@ def main() -> None:
         if rank == 0:
             print(f"step {step}: loss {loss:.6f} (world {world})", flush=True)
             if args.losses:
-                log_line(args.losses, {"step": step, "loss": loss, "world": world, "restart": restart,
-                                    "time": time.time()})
+                log_line(
+                    args.losses, {"step": step, "loss": loss, "world": world, "restart": restart, "time": time.time()}
+                )
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             pm.save(args.ckpt, opt, scheduler=sched, data=batches, keep=args.keep, loss=loss)
         if args.pace:

@@ -6,6 +6,7 @@
 
 Prints the global-batch loss and tokens/s on rank 0.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ def main() -> None:
     torch.manual_seed(0)
     model, cfg = build_model(args.model, device="cpu", dtype=torch.float32)
     example = torch.zeros(args.batch, cfg.seq_len, dtype=torch.long)
-    pm = auto_parallelize(model, example, global_batch_size=args.batch, loss_fn=lm_loss,
-                          plan=make_plan(args, cfg.layers + 2), timeout_s=args.timeout)
+    pm = auto_parallelize(
+        model,
+        example,
+        global_batch_size=args.batch,
+        loss_fn=lm_loss,
+        plan=make_plan(args, cfg.layers + 2),
+        timeout_s=args.timeout,
+    )
     train(pm, args, cfg.seq_len, cfg.vocab_size)
 
 

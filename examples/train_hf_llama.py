@@ -5,6 +5,7 @@
 
 The TP pairs (q/k/v -> o, gate/up -> down) come from the tracer; nothing HF-specific is written.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ def main() -> None:
     model, cfg = build_hf_model(args.model, device="cpu", dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     example = {"input_ids": torch.zeros(args.batch, cfg.seq_len, dtype=torch.long)}
-    pm = auto_parallelize(model, example, global_batch_size=args.batch, loss_fn=lm_loss,
-                          plan=make_plan(args, cfg.layers + 2), timeout_s=args.timeout)
+    pm = auto_parallelize(
+        model,
+        example,
+        global_batch_size=args.batch,
+        loss_fn=lm_loss,
+        plan=make_plan(args, cfg.layers + 2),
+        timeout_s=args.timeout,
+    )
     train(pm, args, cfg.seq_len, cfg.vocab_size)
 
 

@@ -7,6 +7,7 @@ own loss: train_step takes the model's inputs as a dict (input_ids, decoder_inpu
 
 The task is to copy the source sequence: the loss falls within a few steps.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,14 @@ def main() -> None:
 
     example = batch()
     graph = trace(model, (), example)  # labels included: the trace (and the plan) see the loss
-    pm = auto_parallelize(model, example, global_batch_size=args.batch, graph=graph,
-                          plan=make_plan(args, len(graph.blocks)), timeout_s=args.timeout)  # loss_fn=None
+    pm = auto_parallelize(
+        model,
+        example,
+        global_batch_size=args.batch,
+        graph=graph,
+        plan=make_plan(args, len(graph.blocks)),
+        timeout_s=args.timeout,
+    )  # loss_fn=None
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     for step in range(args.steps):
         start = time.perf_counter()

@@ -10,6 +10,7 @@ its top, and each command handler imports the rest when it runs: the function-lo
 below are that, and tests/unit/repo/test_architecture.py accepts them here (and checks that nothing at the
 top loads torch).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,27 @@ from nest_fx.common.fileio import check_readable, one_line, write_with
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.settings import OPTIONS, OVERLAPS, add_constraint_flags, add_option_flag, constraints_data, dest, setting
+from nest_fx.plan.settings import (
+    OPTIONS,
+    OVERLAPS,
+    add_constraint_flags,
+    add_option_flag,
+    constraints_data,
+    dest,
+    setting,
+)
 from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 INPUT_FILES = (("plan", "plan"), ("workload", "workload"), ("profile", "profile"))  # (argument, what) read first
 
 
-MODEL_HELP = ("zoo name (llama2-7b, ...), spec (gpt:hidden=..,layers=..), plain model (mlp:.., cnn:..), any "
-              "transformers architecture as hf:<model_type>[:field=value,...] (its default config shrunk to a tiny "
-              "model; e.g. hf:qwen2:hidden_size=64,num_hidden_layers=2, hf:t5, hf:vit, hf:mixtral-8x7b), or "
-              "hf-config:PATH[:field=value,...] for a local config.json")
+MODEL_HELP = (
+    "zoo name (llama2-7b, ...), spec (gpt:hidden=..,layers=..), plain model (mlp:.., cnn:..), any "
+    "transformers architecture as hf:<model_type>[:field=value,...] (its default config shrunk to a tiny "
+    "model; e.g. hf:qwen2:hidden_size=64,num_hidden_layers=2, hf:t5, hf:vit, hf:mixtral-8x7b), or "
+    "hf-config:PATH[:field=value,...] for a local config.json"
+)
 
 
 def _dtype(name: str) -> str:
@@ -49,6 +60,7 @@ def _dtype(name: str) -> str:
 def _torch_dtype(name: Optional[str]):
     """The torch dtype of a --dtype value (default bf16)."""
     from nest_fx.workload.build import DTYPE_NAMES
+
     return {short: dtype for dtype, short in DTYPE_NAMES.items()}[name or "bf16"]
 
 
@@ -84,6 +96,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from nest_fx.graph import trace
     from nest_fx.models import build_any
     from nest_fx.report import tables as report
+
     model, cfg, margs, mkwargs = build_any(args.model, batch=args.batch, seq=args.seq, dtype=_torch_dtype(args.dtype))
     start = time.perf_counter()
     graph = trace(model, margs, mkwargs, method=args.method, leaf_modules=args.leaf or (), name=args.model)
@@ -108,6 +121,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
 def _load_cluster(args: argparse.Namespace):
     from nest_fx.cluster import load_cluster
+
     return load_cluster(args.cluster, args.devices)
 
 
@@ -115,16 +129,25 @@ def _load_workload(args: argparse.Namespace, cluster, before_trace: Optional[Cal
     """The --workload table, or the --model traced and costed for ``cluster`` (a model spec the
     plan file gave that cannot be built here is named as the plan's)."""
     from nest_fx.workload import load_workload, workload_for_model
+
     if args.workload:
         return load_workload(args.workload)
     try:
-        return workload_for_model(args.model, cluster, seq=args.seq, dtype=_torch_dtype(args.dtype),
-                                  profile=getattr(args, "profile", None), before_trace=before_trace)
+        return workload_for_model(
+            args.model,
+            cluster,
+            seq=args.seq,
+            dtype=_torch_dtype(args.dtype),
+            profile=getattr(args, "profile", None),
+            before_trace=before_trace,
+        )
     except ModelError as exc:
         if not getattr(args, "model_from_plan", False):
             raise
-        raise UserError(f"{args.plan}: the plan's model {args.model!r} cannot be built here ({exc}): give --model "
-                        "NAME or --workload FILE") from exc
+        raise UserError(
+            f"{args.plan}: the plan's model {args.model!r} cannot be built here ({exc}): give --model "
+            "NAME or --workload FILE"
+        ) from exc
 
 
 def _simulate_file(path: str, plan: Plan, workload, cluster):
@@ -133,6 +156,7 @@ def _simulate_file(path: str, plan: Plan, workload, cluster):
     prefixed with the file's name."""
     from nest_fx.cost.step_time import simulate
     from nest_fx.solver.constraints import cost_options
+
     try:
         return simulate(plan, workload, cluster, cost_options(plan.constraints))
     except NestFxError as exc:
@@ -147,8 +171,11 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     for s in OPTIONS:  # --precision, --kernels: the plan's own options
         if s.scope == "plan" and getattr(args, dest(s), None):
             changes[s.name] = getattr(args, dest(s))
-    overlaps = {name: parse_fraction(getattr(args, name), setting(name).flag) for name in OVERLAPS
-                if getattr(args, name, None) is not None}
+    overlaps = {
+        name: parse_fraction(getattr(args, name), setting(name).flag)
+        for name in OVERLAPS
+        if getattr(args, name, None) is not None
+    }
     if overlaps:  # costed through the plan's constraints, as a plan made with these flags records them
         data = plan.constraints.to_dict() if plan.constraints else {}
         try:
@@ -163,15 +190,27 @@ def _inputs_from_plan(args: argparse.Namespace, plan: Plan) -> None:
     plan records; one ``note:`` line per flag that overrides a recorded value."""
     if args.model and args.workload:
         raise UserError("give one of --model NAME or --workload FILE, not both")
-    inputs = plan_inputs(plan, model=args.model, workload=args.workload, cluster=args.cluster, devices=args.devices,
-                         seq=args.seq, dtype=args.dtype)
+    inputs = plan_inputs(
+        plan,
+        model=args.model,
+        workload=args.workload,
+        cluster=args.cluster,
+        devices=args.devices,
+        seq=args.seq,
+        dtype=args.dtype,
+    )
     if not inputs.model and not args.workload:
         raise UserError(f"{args.plan}: the plan does not record its model: give --model NAME or --workload FILE")
     for note in inputs.notes:
         print(f"note: {note}")
     args.model_from_plan = not args.model and not args.workload
-    args.cluster, args.devices, args.model, args.seq, args.dtype = (inputs.cluster, inputs.devices, inputs.model,
-                                                                     inputs.seq, inputs.dtype)
+    args.cluster, args.devices, args.model, args.seq, args.dtype = (
+        inputs.cluster,
+        inputs.devices,
+        inputs.model,
+        inputs.seq,
+        inputs.dtype,
+    )
 
 
 def _note_table_seq(args: argparse.Namespace, plan: Plan, workload) -> None:
@@ -187,13 +226,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _inputs_from_plan(args, plan)
     cluster = _load_cluster(args)
     from nest_fx.report import tables as report
+
     workload = _load_workload(args, cluster)
     _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
     print(report.sim_tables(result, plan, workload))
     if args.json:
-        write_with(args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path),
-                   UserError)
+        write_with(
+            args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path), UserError
+        )
         print(f"wrote {args.json}")
     return 0 if result.feasible else 1
 
@@ -211,6 +252,7 @@ def _seq_source(args: argparse.Namespace) -> str:
     """Where the sequence length ``plan`` planned for came from."""
     from nest_fx.models.build import is_hf_name
     from nest_fx.models.inputs import PLAN_SEQ_CAP
+
     if args.seq:
         return "--seq"
     if args.workload:
@@ -235,6 +277,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from nest_fx.solver.baselines import run_baselines
     from nest_fx.solver.constraints import constrained_options, cost_options, solve_constrained
     from nest_fx.solver.search import states_bound
+
     options = SolverOptions(time_budget=args.time_budget)
 
     def cheap_bound(num_params: int) -> None:  # before the trace: a model the whole cluster cannot hold
@@ -261,19 +304,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # explain default to it
     plan.model, plan.cluster = args.model or workload.model, cluster_spec(args.cluster, cluster)
     levels = " > ".join(f"{lv.name} {lv.group_size} @ {report.fmt_si(lv.bandwidth, 'B/s')}" for lv in cluster.levels)
-    print(f"model {plan.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
-          f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
-          f"[{levels}]; global batch {args.global_batch} x {workload.dims.seq_len} tokens")
+    print(
+        f"model {plan.model} ({len(workload)} layers, {report.fmt_si(workload.num_params)} params; "
+        f"{workload.provenance}) on {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
+        f"[{levels}]; global batch {args.global_batch} x {workload.dims.seq_len} tokens"
+    )
     print(f"sequence length {plan.seq_len} ({_seq_source(args)}); precision {plan.precision}")
     print(f"constraints: {constraints.describe()}")
     coverage = getattr(workload.source, "coverage", None)
     if coverage is not None:
         tp = plan.uniform_tp or 1
-        print(f"compute time of the chosen variant (tp={tp}, microbatch {plan.microbatch_size}): "
-              f"{100 * coverage(tp, plan.microbatch_size, plan.sequence_parallel):.0f}% measured, the rest modelled")
+        print(
+            f"compute time of the chosen variant (tp={tp}, microbatch {plan.microbatch_size}): "
+            f"{100 * coverage(tp, plan.microbatch_size, plan.sequence_parallel):.0f}% measured, the rest modelled"
+        )
     what = "(config, depth, device order) triples" if len(found.placements) > 1 else "(config, depth) pairs"
-    print(f"searched {found.candidates} {what}, {found.dp_runs} exact DP runs in "
-          f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)"))
+    print(
+        f"searched {found.candidates} {what}, {found.dp_runs} exact DP runs in "
+        f"{found.seconds:.2f} s" + ("" if found.complete else " (time budget reached: best plan so far)")
+    )
     if len(found.placements) > 1 or plan.device_order is not None:  # a graph topology: which devices
         print("\n".join(placement_lines(plan, cluster, found.placement, [p.name for p in found.placements])))
     print()
@@ -283,8 +332,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.no_baselines:
         print()
         searched = constrained_options(options, constraints, workload, cluster, args.global_batch)
-        baselines = run_baselines(workload, cluster, args.global_batch, searched, args.mcmc_evals,
-                                  deadline=start + args.time_budget)
+        baselines = run_baselines(
+            workload, cluster, args.global_batch, searched, args.mcmc_evals, deadline=start + args.time_budget
+        )
         print(report.baselines_table(found, found.seconds, baselines))
     path = None
     if args.json:
@@ -304,6 +354,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     from nest_fx.report import explain
     from nest_fx.solver.constraints import cost_options
+
     workload = _load_workload(args, cluster)
     _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
@@ -323,15 +374,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     from nest_fx.apply.checkpoint import read_meta, resolve
     from nest_fx.apply.export_hf import export_checkpoint
     from nest_fx.models import build_model
+
     source, _ = resolve(os.path.abspath(args.checkpoint))
     spec = args.model or ((read_meta(source).get("plan") or {}).get("model") or "")
     if not spec:
-        raise UserError(f"{source} does not record which model it holds (its plan has no model spec): give "
-                        "--model SPEC (e.g. hf:qwen2:..., hf-config:PATH/config.json)")
+        raise UserError(
+            f"{source} does not record which model it holds (its plan has no model spec): give "
+            "--model SPEC (e.g. hf:qwen2:..., hf-config:PATH/config.json)"
+        )
     model = build_model(spec, device="meta")[0]  # names, shapes and the HF config only: no weights
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "")
-    out = export_checkpoint(source, args.directory, model, args.max_shard_size, overwrite=args.overwrite,
-                            dtype=dtype, verify=not args.no_verify)
+    out = export_checkpoint(
+        source,
+        args.directory,
+        model,
+        args.max_shard_size,
+        overwrite=args.overwrite,
+        dtype=dtype,
+        verify=not args.no_verify,
+    )
     files = sorted(os.listdir(out))
     print(f"exported {source} ({spec}) to {out}: {', '.join(files)}")
     return 0
@@ -343,23 +404,43 @@ def _add_model_args(p: argparse.ArgumentParser, from_plan: bool = False) -> None
     planned = " (default: the plan's)" if from_plan else ""
     p.add_argument("--model", help=MODEL_HELP + " (traced and costed analytically)" + planned)
     p.add_argument("--workload", metavar="FILE", help="a nest-fx-workload/1 layer table instead of --model")
-    p.add_argument("--cluster", required=not from_plan, help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
-                   "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, a cluster or topology YAML/JSON file, or a "
-                   "topology generator: rail:NODES[xGPUS][,group=N,spines=S,oversub=R], "
-                   "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)" + planned)
+    p.add_argument(
+        "--cluster",
+        required=not from_plan,
+        help="preset (dgx-a100, dgx-h100, h100-spine-leaf, "
+        "tpuv4-fat-tree, cpu-gloo) as NAME:DEVICES, a cluster or topology YAML/JSON file, or a "
+        "topology generator: rail:NODES[xGPUS][,group=N,spines=S,oversub=R], "
+        "fat-tree:NODES[xGPUS][,leaf=N,spines=S,oversub=R], torus:AxB[xC] (docs/topology.md)" + planned,
+    )
     p.add_argument("--devices", type=_positive, help="device count for a preset (or NAME:DEVICES)")
-    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: " + (
-        "the plan's, else the model's)" if from_plan else "the model's; an HF model's config positions "
-        "(max_position_embeddings), at most 4096)"))
-    p.add_argument("--dtype", type=_dtype, help="training dtype (default: " + (
-        "the plan's precision)" if from_plan else "bf16, recorded as precision bf16-mixed; fp32)"))
-    p.add_argument("--profile", metavar="P.json", help="measured op times from `nest-fx profile` (the analytical "
-                   "model covers ops the profile lacks)")
+    p.add_argument(
+        "--seq",
+        type=_positive,
+        default=None,
+        help="sequence length (default: "
+        + (
+            "the plan's, else the model's)"
+            if from_plan
+            else "the model's; an HF model's config positions (max_position_embeddings), at most 4096)"
+        ),
+    )
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        help="training dtype (default: "
+        + ("the plan's precision)" if from_plan else "bf16, recorded as precision bf16-mixed; fp32)"),
+    )
+    p.add_argument(
+        "--profile",
+        metavar="P.json",
+        help="measured op times from `nest-fx profile` (the analytical model covers ops the profile lacks)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="nest-fx", description="Trace, cost and plan hybrid parallelism for PyTorch models.")
+        prog="nest-fx", description="Trace, cost and plan hybrid parallelism for PyTorch models."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("trace", help="trace a model on meta tensors; per-block table")
@@ -377,23 +458,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--global-batch", type=_positive, default=4096, help="sequences per step (default 4096)")
     p.add_argument("--json", metavar="PLAN.json", help="write the plan (format nest-fx-plan/1)")
-    p.add_argument("--time-budget", type=_seconds, default=60.0, help="seconds for the search and the baselines: "
-                   "the best plan so far is returned when they run out, and the baselines stop with theirs (default 60)")
+    p.add_argument(
+        "--time-budget",
+        type=_seconds,
+        default=60.0,
+        help="seconds for the search and the baselines: "
+        "the best plan so far is returned when they run out, and the baselines stop with theirs (default 60)",
+    )
     p.add_argument("--no-baselines", action="store_true", help="skip the Megatron/torchtitan/Phaze/MCMC comparison")
-    c = p.add_argument_group("constraints", "what the plan must satisfy (recorded in the plan file; "
-                             "docs/solver.md#constraints)")
+    c = p.add_argument_group(
+        "constraints", "what the plan must satisfy (recorded in the plan file; docs/solver.md#constraints)"
+    )
     add_constraint_flags(c)  # one flag per declared setting (nest_fx.plan.settings)
     p.add_argument("--mcmc-evals", type=_positive, default=2000, help="MCMC baseline evaluations (default 2000)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("profile", help="measure per-op times of a model on this machine's device (JSON profile), "
-                       "or collective bandwidth per network level (--calibrate, cluster YAML)")
+    p = sub.add_parser(
+        "profile",
+        help="measure per-op times of a model on this machine's device (JSON profile), "
+        "or collective bandwidth per network level (--calibrate, cluster YAML)",
+    )
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="profile JSON (or cluster YAML with --calibrate)")
-    p.add_argument("--device", choices=("cpu", "cuda"),
-                   help="device to profile on (default: cuda when available)")
-    p.add_argument("--tp", type=int_list, default=[1], help="TP degrees whose local shard shapes to profile, e.g. 1,2,4,8")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device to profile on (default: cuda when available)")
+    p.add_argument(
+        "--tp", type=int_list, default=[1], help="TP degrees whose local shard shapes to profile, e.g. 1,2,4,8"
+    )
     p.add_argument("--mbs", type=int_list, default=[1], help="microbatch sizes to profile, e.g. 1,2,4")
     p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", type=_dtype, help="dtype (default bf16)")
@@ -401,14 +492,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=5, help="timed runs per op; the median is kept (default 5)")
     p.add_argument("--append", action="store_true", help="add to an existing profile at --out (reuse its entries)")
     p.add_argument("--calibrate", action="store_true", help="measure collectives and fit the cluster's levels")
-    p.add_argument("--pairwise", action="store_true", help="with --calibrate: measure p2p bandwidth and latency "
-                   "between every pair of ranks and write a graph topology (nest-fx-topology/1) to --out; "
-                   "with --cluster its routes are derated to the measurements, without it the ranks get direct links")
+    p.add_argument(
+        "--pairwise",
+        action="store_true",
+        help="with --calibrate: measure p2p bandwidth and latency "
+        "between every pair of ranks and write a graph topology (nest-fx-topology/1) to --out; "
+        "with --cluster its routes are derated to the measurements, without it the ranks get direct links",
+    )
     p.add_argument("--cluster", help="with --calibrate: the cluster to fit (NAME:DEVICES or file)")
     p.add_argument("--devices", type=_positive, help="device count for a preset")
-    p.add_argument("--nproc", type=_positive, default=2, help="with --calibrate outside torchrun: local ranks (default 2)")
-    p.add_argument("--sizes-kib", type=int_list, default=[4, 64, 1024, 4096, 16384],
-                   help="with --calibrate: message sizes in KiB (default 4,64,1024,4096,16384)")
+    p.add_argument(
+        "--nproc", type=_positive, default=2, help="with --calibrate outside torchrun: local ranks (default 2)"
+    )
+    p.add_argument(
+        "--sizes-kib",
+        type=int_list,
+        default=[4, 64, 1024, 4096, 16384],
+        help="with --calibrate: message sizes in KiB (default 4,64,1024,4096,16384)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 
@@ -416,39 +517,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="a nest-fx-plan/1 file")
     _add_model_args(p, from_plan=True)
     p.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
-    p.add_argument("--compile", action="store_true", help="cost the plan with torch.compile on (as if plan.compile "
-                   "were true; the file is not changed)")
-    p.add_argument("--float8", action="store_true", help="cost the plan with Float8 linears (as if plan.float8 were "
-                   "true; the file is not changed)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="cost the plan with torch.compile on (as if plan.compile were true; the file is not changed)",
+    )
+    p.add_argument(
+        "--float8",
+        action="store_true",
+        help="cost the plan with Float8 linears (as if plan.float8 were true; the file is not changed)",
+    )
     for s in OPTIONS:  # --precision, --kernels
         if s.scope == "plan":
-            add_option_flag(p, s.name, f"cost the plan with this {s.name} instead of the plan's (the file is not "
-                            "changed): ")
+            add_option_flag(
+                p, s.name, f"cost the plan with this {s.name} instead of the plan's (the file is not changed): "
+            )
     for name in OVERLAPS:
         add_option_flag(p, name, "cost the plan with this overlap share instead of the plan's: ")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("explain", help="a plan in words: rank layout per network level, memory bars, "
-                       "step-time breakdown, pipeline timeline (PNG)")
+    p = sub.add_parser(
+        "explain",
+        help="a plan in words: rank layout per network level, memory bars, "
+        "step-time breakdown, pipeline timeline (PNG)",
+    )
     p.add_argument("plan", metavar="PLAN.json", help="a nest-fx-plan/1 file")
     _add_model_args(p, from_plan=True)
     p.add_argument("--png", metavar="OUT.png", help="draw the pipeline timeline (needs matplotlib: extra 'plot')")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("export", help="write a checkpoint's model as HuggingFace safetensors shards, their index and "
-                       "config.json (transformers from_pretrained loads the directory)")
-    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory (its newest checkpoint) or a step "
-                   "directory")
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as HuggingFace safetensors shards, their index and "
+        "config.json (transformers from_pretrained loads the directory)",
+    )
+    p.add_argument(
+        "checkpoint", metavar="CKPT", help="a checkpoint directory (its newest checkpoint) or a step directory"
+    )
     p.add_argument("--to", choices=("hf",), required=True, help="the format (hf: HuggingFace safetensors)")
     p.add_argument("directory", metavar="DIR", help="where to write; must not exist or be empty (see --overwrite)")
-    p.add_argument("--model", help="the model the checkpoint holds (default: the spec its plan recorded); "
-                   + MODEL_HELP)
+    p.add_argument(
+        "--model", help="the model the checkpoint holds (default: the spec its plan recorded); " + MODEL_HELP
+    )
     p.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file: 5GB (default), 500MiB, ...")
-    p.add_argument("--dtype", type=_dtype, default=None, help="write floating tensors in this dtype (default: as "
-                   "saved)")
+    p.add_argument(
+        "--dtype", type=_dtype, default=None, help="write floating tensors in this dtype (default: as saved)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR as a whole")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files "
-                   "(sizes are still checked)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the sha256 check of the checkpoint's files (sizes are still checked)",
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

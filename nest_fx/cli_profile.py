@@ -2,6 +2,7 @@
 cluster (``--calibrate``, ``--pairwise``). Each handler imports torch and the profiler when it
 runs, not at the top (start-up time: ``nest_fx.cli`` imports this module for ``--help``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from nest_fx.report import tables as report
     from nest_fx.workload import Profile
     from profiler.model_profile import ProfileOptions, profile_model
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible here; run on a GPU node or use --device cpu")
-    options = ProfileOptions(tps=args.tp, mbss=args.mbs, seq=args.seq, dtype=args.dtype or "bf16", warmup=args.warmup,
-                             repeats=args.repeats)
+    options = ProfileOptions(
+        tps=args.tp, mbss=args.mbs, seq=args.seq, dtype=args.dtype or "bf16", warmup=args.warmup, repeats=args.repeats
+    )
     existing = None
     if args.append and os.path.exists(args.out):
         existing = Profile.load(args.out)
@@ -59,8 +62,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         bar.close()
     write_with(args.out, prof.save, UserError)
     print(report.profile_table(prof, args.model))
-    print(f"timed {stats.nodes_timed} ops, reused {stats.nodes_reused} (identical blocks / earlier entries) "
-          f"in {stats.seconds:.1f} s; {len(stats.skipped)} variant(s)/op(s) skipped")
+    print(
+        f"timed {stats.nodes_timed} ops, reused {stats.nodes_reused} (identical blocks / earlier entries) "
+        f"in {stats.seconds:.1f} s; {len(stats.skipped)} variant(s)/op(s) skipped"
+    )
     print(f"wrote {args.out} ({len(prof.ops)} op entries, {prof.device_name}, {prof.dtype})")
     return 0
 
@@ -76,19 +81,23 @@ def _calibrate_pairwise(args: argparse.Namespace) -> int:
     from nest_fx.cluster.topology import from_cluster, save_topology
     from nest_fx.report import tables as report
     from profiler.pairwise import calibrate_pairwise
+
     base = device = None
     if args.cluster:  # the structure to derate: a topology, or a hierarchical cluster as a graph
         cluster = load_cluster(args.cluster, args.devices)
         base = cluster.topology if isinstance(cluster, GraphCluster) else from_cluster(cluster)
     elif torch.cuda.is_available():
-        raise UserError("--pairwise on GPUs needs --cluster (the topology or cluster whose device and links "
-                        "the measurements derate)")
+        raise UserError(
+            "--pairwise on GPUs needs --cluster (the topology or cluster whose device and links "
+            "the measurements derate)"
+        )
     else:
         device = Cluster.preset("cpu-gloo", 1).device
     if "WORLD_SIZE" in os.environ:  # under torchrun: the launched world measures itself
         init_distributed()
-    topo, fits, samples = calibrate_pairwise(nproc=args.nproc, sizes=[s * 1024 for s in args.sizes_kib],
-                                             base=base, device=device, repeats=args.repeats)
+    topo, fits, samples = calibrate_pairwise(
+        nproc=args.nproc, sizes=[s * 1024 for s in args.sizes_kib], base=base, device=device, repeats=args.repeats
+    )
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     print(report.pairwise_table(fits, base))
@@ -104,9 +113,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not args.cluster:
         raise UserError("--calibrate needs --cluster (a preset NAME:DEVICES or a file) whose levels to fit")
     from nest_fx.cluster import load_cluster
+
     cluster = load_cluster(args.cluster, args.devices)
     from nest_fx.report import tables as report
     from profiler.collectives import calibrate
+
     sizes = [s * 1024 for s in args.sizes_kib]
     fitted, fits, samples = calibrate(cluster, nproc=args.nproc, sizes=sizes, repeats=args.repeats)
     print(report.calibration_table(cluster, fits))

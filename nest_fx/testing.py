@@ -19,6 +19,7 @@ the whole model); :func:`precision_noise` gives the scale of its rounding for th
 The fault probes and the two-agent elastic harness live in :mod:`nest_fx.testing_faults` and are
 re-exported here under their old names (``fault_run``, ``fault_reports``, ``ElasticAgents``, ...).
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,8 +45,18 @@ from nest_fx.models import build_seeded
 from nest_fx.models.build import model_example
 from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan import Plan, uniform_plan
-from nest_fx.testing_faults import (FAULT_MODEL, FAULT_RANK, ElasticAgents, elastic_command, elastic_env,  # noqa: F401
-                                    fault_reports, fault_run, kill_node, process_tree, read_losses)
+from nest_fx.testing_faults import (  # noqa: F401
+    FAULT_MODEL,
+    FAULT_RANK,
+    ElasticAgents,
+    elastic_command,
+    elastic_env,
+    fault_reports,
+    fault_run,
+    kill_node,
+    process_tree,
+    read_losses,
+)
 
 
 def hf_model_from_config(hf_config: Dict[str, Any], seed: int = 0) -> torch.nn.Module:
@@ -70,15 +81,33 @@ LOSSES = {"lm": lm_loss, "classify": F.cross_entropy, "model": None}
 # trained under the plans of COVERAGE_PLANS on 4 ranks (scripts/bench_coverage.py; a few cells in
 # tests/distributed/apply/test_coverage.py). Values are the family's kind, for the table.
 COVERAGE_MODELS: Dict[str, str] = {
-    **{f"hf:{t}": "decoder" for t in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox",
-                                      "opt", "bloom", "falcon", "olmo2", "starcoder2", "gptj")},
+    **{
+        f"hf:{t}": "decoder"
+        for t in (
+            "gpt2",
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "gemma2",
+            "phi3",
+            "gpt_neox",
+            "opt",
+            "bloom",
+            "falcon",
+            "olmo2",
+            "starcoder2",
+            "gptj",
+        )
+    },
     **{f"hf:{t}": "encoder" for t in ("bert", "roberta", "distilbert", "electra", "deberta-v2")},
     **{f"hf:{t}": "encoder-decoder" for t in ("t5", "bart")},
     **{f"hf:{t}": "moe" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")},
     # vision models whose fp32 run is reproducible to 1e-5 over the cells' 3 SGD steps (fp32_noise):
     # not hf:resnet (1e-4: BatchNorm over 8 images; the BatchNorm CNN below stands for it), hf:deit (7e-4)
     **{f"hf:{t}": "vision" for t in ("vit", "dinov2", "convnext")},
-    "mlp": "plain", "cnn": "plain",
+    "mlp": "plain",
+    "cnn": "plain",
 }
 # plan name -> kwargs of uniform_plan ({}: the planner's choice); batch 8 on 4 ranks
 COVERAGE_PLANS: Dict[str, Dict[str, Any]] = {
@@ -93,9 +122,22 @@ COVERAGE_BATCH, COVERAGE_SEQ, COVERAGE_TOL = 8, 16, 1e-5
 # with atol = COVERAGE_TOL and this rtol; a gradient of size 10 summed in another order differs by
 # more than 1e-5 from rounding alone (docs/runtime.md, "What parity means")
 FP32_RTOL = 1.3e-6
-_DROPOUT_ATTRS = ("dropout", "dropout_p", "dropout_rate", "attention_dropout", "attn_dropout", "hidden_dropout",
-                  "activation_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
-                  "embd_pdrop", "attn_pdrop", "classifier_dropout", "drop_path_rate")
+_DROPOUT_ATTRS = (
+    "dropout",
+    "dropout_p",
+    "dropout_rate",
+    "attention_dropout",
+    "attn_dropout",
+    "hidden_dropout",
+    "activation_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "classifier_dropout",
+    "drop_path_rate",
+)
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -161,8 +203,9 @@ def _setup_custom(spec: Dict[str, Any]):
         model, cfg = spec["build"](spec.get("seed", 0))
         vocab, seq = cfg.vocab_size, spec.get("seq", cfg.seq_len)
     gen = torch.Generator().manual_seed(1234)
-    make = spec.get("data") or (lambda g, b: (torch.randint(0, vocab, (b, seq), generator=g),
-                                             torch.randint(0, vocab, (b, seq), generator=g)))
+    make = spec.get("data") or (
+        lambda g, b: (torch.randint(0, vocab, (b, seq), generator=g), torch.randint(0, vocab, (b, seq), generator=g))
+    )
     data = [make(gen, spec["batch"]) for _ in range(spec.get("steps", 3))]
     loss = spec.get("loss")
     return model, None, None if loss == "model" else (loss or lm_loss), data
@@ -185,6 +228,7 @@ def _setup(spec: Dict[str, Any]):
 def _step_loss(model: nn.Module, example, loss_fn, inputs, target, dtype: torch.dtype) -> torch.Tensor:
     def cast(v: torch.Tensor) -> torch.Tensor:
         return v.to(dtype) if v.is_floating_point() else v
+
     args, kwargs = _call_args(example, cast(inputs) if example is None else {k: cast(v) for k, v in inputs.items()})
     if example is None and loss_fn is None:  # a custom model's own loss: forward(inputs, targets)
         args = args + (target,)
@@ -208,9 +252,14 @@ def fp32_noise(spec: Dict[str, Any]) -> Dict[str, Any]:
         for inputs, target in data:
             for m, dtype in ((model, torch.float32), (wide, torch.float64)):
                 _step_loss(m, example, loss_fn, inputs, target, dtype).backward()
-            out["grad"] = max([out["grad"]] + [float((p.grad.double() - q.grad).abs().max())
-                                               for p, q in zip(model.parameters(), wide.parameters())
-                                               if p.grad is not None])
+            out["grad"] = max(
+                [out["grad"]]
+                + [
+                    float((p.grad.double() - q.grad).abs().max())
+                    for p, q in zip(model.parameters(), wide.parameters())
+                    if p.grad is not None
+                ]
+            )
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
@@ -238,13 +287,20 @@ def precision_noise(spec: Dict[str, Any], precision: str) -> Dict[str, float]:
         for loss in losses:
             loss.backward()
         out["loss"] = max(out["loss"], abs(float(losses[0].detach()) - float(losses[1].detach())))
-        out["grad"] = max([out["grad"]] + [float((p.grad - q.grad.float()).abs().max())
-                                           for p, q in zip(model.parameters(), low.parameters()) if p.grad is not None])
+        out["grad"] = max(
+            [out["grad"]]
+            + [
+                float((p.grad - q.grad.float()).abs().max())
+                for p, q in zip(model.parameters(), low.parameters())
+                if p.grad is not None
+            ]
+        )
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    out["param"] = max(float((p.detach() - q.detach().float()).abs().max())
-                       for p, q in zip(model.parameters(), low.parameters()))
+    out["param"] = max(
+        float((p.detach() - q.detach().float()).abs().max()) for p, q in zip(model.parameters(), low.parameters())
+    )
     return out
 
 
@@ -267,17 +323,34 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
         args = args + (data[0][1],)
     graph = trace(model, args, kwargs, name=spec["model"])
     plan = _plan(spec.get("plan"), len(graph.blocks), spec.get("precision"))
-    pm = auto_parallelize(model, args if example is None else _model_inputs(example, data[0][0]),
-                          global_batch_size=batch, loss_fn=loss_fn, plan=plan, graph=graph,
-                          verbose=spec.get("verbose", False), sync_batchnorm=spec.get("sync_batchnorm", True))
+    pm = auto_parallelize(
+        model,
+        args if example is None else _model_inputs(example, data[0][0]),
+        global_batch_size=batch,
+        loss_fn=loss_fn,
+        plan=plan,
+        graph=graph,
+        verbose=spec.get("verbose", False),
+        sync_batchnorm=spec.get("sync_batchnorm", True),
+    )
     reference = _reference(reference, graph, pm.plan.precision, pm.plan.float8)  # the planner's, when it chose the plan
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
-    out = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "buffer_diff": 0.0, "grad_excess": 0.0,
-           "param_excess": 0.0, "losses": [], "ref_losses": [],
-           "rank": int(os.environ.get("RANK", 0)), "stage": pm.rank_info.stage, "num_params": 0,
-           "plan": pm.plan.to_dict()}
+    out = {
+        "loss_diff": 0.0,
+        "grad_diff": 0.0,
+        "param_diff": 0.0,
+        "buffer_diff": 0.0,
+        "grad_excess": 0.0,
+        "param_excess": 0.0,
+        "losses": [],
+        "ref_losses": [],
+        "rank": int(os.environ.get("RANK", 0)),
+        "stage": pm.rank_info.stage,
+        "num_params": 0,
+        "plan": pm.plan.to_dict(),
+    }
     per = batch // pm.plan.dp
     lo = pm.rank_info.replica * per
     if progress is not None:
@@ -285,8 +358,8 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
     for inputs, target in data:
         fed, fed_target = inputs, target
         if spec.get("local_batch"):  # this rank's data-parallel shard, as a DistributedSampler would give
-            fed = inputs[lo:lo + per] if example is None else {k: v[lo:lo + per] for k, v in inputs.items()}
-            fed_target = target[lo:lo + per] if target is not None else None
+            fed = inputs[lo : lo + per] if example is None else {k: v[lo : lo + per] for k, v in inputs.items()}
+            fed_target = target[lo : lo + per] if target is not None else None
         loss = pm.train_step(_model_inputs(example, fed), fed_target)
         ref_loss = _step_loss(reference, example, loss_fn, inputs, target, torch.float32)
         ref_loss.backward()
@@ -313,8 +386,11 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
         ref = ref_buffers.get(name)
         if ref is not None and b.is_floating_point() and b.shape == ref.shape:
             out["buffer_diff"] = max(out["buffer_diff"], float((b - ref).abs().max()))
-    out["sharded"] = sorted(name for name, p in pm.named_parameters()
-                            if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements))
+    out["sharded"] = sorted(
+        name
+        for name, p in pm.named_parameters()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+    )
     return out
 
 
@@ -366,8 +442,10 @@ def coverage_cell(spec: Dict[str, Any]) -> Dict[str, Any]:
         if refusal and progress["phase"] == "setup" and collectives == 0:
             return {"refused": f"{type(exc).__name__}: {one_line(str(exc))}"}
         outcome = "crash" if progress["phase"] == "training" else "late-refusal" if refusal else "error"
-        raise CellFailure(f"{outcome} ({progress['phase']}, after {collectives} collectives): "
-                          f"{type(exc).__name__}: {one_line(str(exc))}") from exc
+        raise CellFailure(
+            f"{outcome} ({progress['phase']}, after {collectives} collectives): "
+            f"{type(exc).__name__}: {one_line(str(exc))}"
+        ) from exc
 
 
 def cell_status(results, tol: float = COVERAGE_TOL) -> Dict[str, Any]:
@@ -377,11 +455,15 @@ def cell_status(results, tol: float = COVERAGE_TOL) -> Dict[str, Any]:
     refused = [r["refused"] for r in results if "refused" in r]
     if refused:
         return {"status": "refused", "reason": refused[0]}
-    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff", "buffer_diff",
-                                                     "grad_excess", "param_excess")}
+    worst = {
+        k: max(r[k] for r in results)
+        for k in ("loss_diff", "grad_diff", "param_diff", "buffer_diff", "grad_excess", "param_excess")
+    }
     plan = results[0]["plan"]
-    chosen = (f"pp={len(plan['stages'])} dp={plan['dp']} tp={plan['stages'][0]['tp']} ep={plan.get('ep', 1)} "
-              f"zero={plan.get('zero', 0)} mbs={plan['microbatch_size']}")
+    chosen = (
+        f"pp={len(plan['stages'])} dp={plan['dp']} tp={plan['stages'][0]['tp']} ep={plan.get('ep', 1)} "
+        f"zero={plan.get('zero', 0)} mbs={plan['microbatch_size']}"
+    )
     same = all(len({round(r["losses"][i], 6) for r in results}) == 1 for i in range(len(results[0]["losses"])))
     checked = ("loss_diff", "buffer_diff", "grad_excess", "param_excess")  # the raw diffs are reported
     ok = all(worst[k] < tol for k in checked) and same

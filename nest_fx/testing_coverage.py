@@ -14,6 +14,7 @@ every forced plan is parity or a refusal before the first collective.
 ``scripts/bench_coverage.py`` (the table) and ``tests/distributed/apply/test_coverage_rule.py`` (the property) use
 both. Nothing in the package below the command line imports this module.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,12 +45,14 @@ def _planner(model: nn.Module, loss_fn: Optional[Callable], constraints: Optiona
     """The planner ``auto_parallelize`` builds when given no plan (loss parallelism only where the
     loss is token cross entropy, one microbatch per step for BatchNorm models)."""
     vocab = model_dims(model)["vocab"] or 8
-    return planner_for(model, constraints=constraints,
-                       loss_parallel=loss_fn is None or not token_cross_entropy_problem(loss_fn, vocab))
+    return planner_for(
+        model, constraints=constraints, loss_parallel=loss_fn is None or not token_cross_entropy_problem(loss_fn, vocab)
+    )
 
 
-def offered_plans(model: nn.Module, graph, world: int, batch: int, loss_fn: Optional[Callable] = None,
-                  cluster=None) -> Dict[str, Plan]:
+def offered_plans(
+    model: nn.Module, graph, world: int, batch: int, loss_fn: Optional[Callable] = None, cluster=None
+) -> Dict[str, Plan]:
     """Every plan the runtime planner can offer ``model`` (traced as ``graph``) on ``world`` devices
     of ``cluster`` (default: the ``cpu-gloo`` preset) for a global ``batch``: ``"planner"`` (its free
     choice) and ``"planner:tp<t>pp<p>"``, its plan with those degrees fixed, for each TP degree the

@@ -14,6 +14,7 @@ of ``examples/train_elastic.py`` stand for two nodes (:func:`elastic_command`,
 :func:`elastic_env`, :class:`ElasticAgents`); :func:`kill_node` kills an agent and its workers
 like a lost node; :func:`read_losses` reads the JSON lines rank 0 writes.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -104,20 +105,42 @@ def fault_reports(out: str, world: int = 4) -> Dict[str, Any]:
     return {"fault": at, "ranks": ranks}
 
 
-def torchrun_fault(out: str, where: str, timeout_s: float, signal_name: str = "SIGSTOP", env=None,
-                   limit_s: float = 300) -> Dict[str, Any]:
+def torchrun_fault(
+    out: str, where: str, timeout_s: float, signal_name: str = "SIGSTOP", env=None, limit_s: float = 300
+) -> Dict[str, Any]:
     """:func:`fault_run` on 4 ranks under torchrun (``--max_restarts=0``), writing into ``out``:
     ``{"code": torchrun's exit status, "after_s": seconds from the fault until torchrun returned,
     "ranks": the reports}``. ``env``: extra environment variables."""
-    spec = {"signal": signal_name, "where": where, "out": out, "timeout_s": timeout_s, "ckpt": os.path.join(out, "ckpt")}
+    spec = {
+        "signal": signal_name,
+        "where": where,
+        "out": out,
+        "timeout_s": timeout_s,
+        "ckpt": os.path.join(out, "ckpt"),
+    }
     with open(os.path.join(out, "spec.json"), "w", encoding="utf-8") as fh:
         json.dump(spec, fh)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--max_restarts=0",
-           "--monitor_interval=0.5", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{free_port()}",
-           "-m", "nest_fx.testing_faults", os.path.join(out, "spec.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--max_restarts=0",
+        "--monitor_interval=0.5",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=localhost:{free_port()}",
+        "-m",
+        "nest_fx.testing_faults",
+        os.path.join(out, "spec.json"),
+    ]
     with open(os.path.join(out, "torchrun.log"), "w", encoding="utf-8") as log:
-        done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), stdout=log,
-                              stderr=subprocess.STDOUT, timeout=limit_s)
+        done = subprocess.run(
+            cmd,
+            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=limit_s,
+        )
     ended = time.time()
     reports = fault_reports(out)
     return {"code": done.returncode, "after_s": ended - reports["fault"], "ranks": reports["ranks"]}
@@ -125,15 +148,35 @@ def torchrun_fault(out: str, where: str, timeout_s: float, signal_name: str = "S
 
 # -- elastic runs on one machine ------------------------------------------------------------------
 
-def elastic_command(script: str, port: int, script_args: List[str], *, nproc: int = 2, max_restarts: int = 5,
-                    last_call_s: int = 2, backend: str = "c10d") -> List[str]:
+
+def elastic_command(
+    script: str,
+    port: int,
+    script_args: List[str],
+    *,
+    nproc: int = 2,
+    max_restarts: int = 5,
+    last_call_s: int = 2,
+    backend: str = "c10d",
+) -> List[str]:
     """A torchrun agent of ``script`` for a job of 1 or 2 such agents ("nodes") on this machine.
     ``backend``: ``c10d`` (the rendezvous store lives in the agent on ``localhost:port``) or
     ``etcd-v2`` (an etcd server on ``localhost:port``, :class:`EtcdServer`)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc_per_node={nproc}",
-            f"--max_restarts={max_restarts}", "--monitor_interval=0.5", f"--rdzv_backend={backend}",
-            f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=nest-fx-elastic", f"--rdzv_conf=last_call_timeout={last_call_s}",
-            script, *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        f"--nproc_per_node={nproc}",
+        f"--max_restarts={max_restarts}",
+        "--monitor_interval=0.5",
+        f"--rdzv_backend={backend}",
+        f"--rdzv_endpoint=localhost:{port}",
+        "--rdzv_id=nest-fx-elastic",
+        f"--rdzv_conf=last_call_timeout={last_call_s}",
+        script,
+        *script_args,
+    ]
 
 
 ETCD_PACKAGE = "etcd-server"  # Debian's etcd (3.4 in bookworm): serves the v2 API with --enable-v2
@@ -145,22 +188,26 @@ def ensure_etcd() -> str:
     ``apt-get install etcd-server`` (as root) and ``pip install python-etcd``. RuntimeError saying
     what to install where that is not possible."""
     if importlib.util.find_spec("etcd") is None:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", ETCD_CLIENT], capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", ETCD_CLIENT], capture_output=True, text=True
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"pip install {ETCD_CLIENT} failed: {done.stderr.strip()[-500:]}; fix: "
-                               "pip install -e '.[etcd]'")
+            raise RuntimeError(
+                f"pip install {ETCD_CLIENT} failed: {done.stderr.strip()[-500:]}; fix: pip install -e '.[etcd]'"
+            )
         importlib.invalidate_caches()
     binary = shutil.which("etcd")
     if binary is None and os.geteuid() == 0 and shutil.which("apt-get"):
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", ETCD_PACKAGE], capture_output=True,
-                       env=env)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", ETCD_PACKAGE], capture_output=True, env=env
+        )
         binary = shutil.which("etcd")
     if binary is None:
-        raise RuntimeError(f"no etcd server; fix: apt-get install {ETCD_PACKAGE} (Debian/Ubuntu), or put an etcd >= 3.4 "
-                           "binary on PATH")
+        raise RuntimeError(
+            f"no etcd server; fix: apt-get install {ETCD_PACKAGE} (Debian/Ubuntu), or put an etcd >= 3.4 binary on PATH"
+        )
     return binary
 
 
@@ -177,10 +224,28 @@ class EtcdServer:
         url, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
         log = open(os.path.join(self.directory, "etcd.log"), "w")
         self.process = subprocess.Popen(
-            [ensure_etcd(), "--enable-v2", "--name", "nest-fx", "--data-dir", os.path.join(self.directory, "etcd-data"),
-             "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"nest-fx={peer}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                ensure_etcd(),
+                "--enable-v2",
+                "--name",
+                "nest-fx",
+                "--data-dir",
+                os.path.join(self.directory, "etcd-data"),
+                "--listen-client-urls",
+                url,
+                "--advertise-client-urls",
+                url,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"nest-fx={peer}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + 60
         while not self._healthy():
@@ -206,8 +271,9 @@ class EtcdServer:
 
 def elastic_env() -> Dict[str, str]:
     """The environment docs/runtime.md ("Elastic training") asks for, one thread per rank."""
-    return dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_ELASTIC_WORKER_IDENTICAL="1",
-                OMP_NUM_THREADS="1")
+    return dict(
+        os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCH_ELASTIC_WORKER_IDENTICAL="1", OMP_NUM_THREADS="1"
+    )
 
 
 def process_tree(pid: int) -> List[int]:
@@ -247,8 +313,11 @@ class ElasticAgents:
         """One more agent (a node joining)."""
         log = open(os.path.join(self.log_dir, f"agent{len(self.agents)}.log"), "w")
         self._logs.append(log)
-        self.agents.append(subprocess.Popen(self.command, env=elastic_env(), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))
+        self.agents.append(
+            subprocess.Popen(
+                self.command, env=elastic_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
         return self.agents[-1]
 
     def __enter__(self) -> "ElasticAgents":
@@ -262,21 +331,42 @@ class ElasticAgents:
             log.close()
 
 
-def elastic_node_loss(work: str, script: str, port: int, backend: str = "c10d", victim: int = 1, steps: int = 40,
-                      pace: float = 0.25) -> Dict[str, Any]:
+def elastic_node_loss(
+    work: str, script: str, port: int, backend: str = "c10d", victim: int = 1, steps: int = 40, pace: float = 0.25
+) -> Dict[str, Any]:
     """Two agents of ``script`` (examples/train_elastic.py) train on 4 ranks; agent ``victim`` is
     killed with its workers at step >= 4, and once the survivor trains again (or has exited) the
     lost node is started again. Returns the timings (``resume_s``, ``grow_s``, or ``ended``/
     ``ended_s`` when the survivor exited instead), exit codes, worlds and the worst loss difference
     to the single-device run."""
     ref = os.path.join(work, "single.jsonl")
-    subprocess.run([sys.executable, script, "--ckpt", os.path.join(work, "single"), "--losses", ref,
-                    "--steps", str(steps)], env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, script, "--ckpt", os.path.join(work, "single"), "--losses", ref, "--steps", str(steps)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     want = {r["step"]: r["loss"] for r in read_losses(ref)}
     log = os.path.join(work, "elastic.jsonl")
-    cmd = elastic_command(script, port, ["--ckpt", os.path.join(work, "ckpt"), "--losses", log, "--steps", str(steps),
-                                         "--pace", str(pace), "--timeout", "60"], max_restarts=10, backend=backend)
+    cmd = elastic_command(
+        script,
+        port,
+        [
+            "--ckpt",
+            os.path.join(work, "ckpt"),
+            "--losses",
+            log,
+            "--steps",
+            str(steps),
+            "--pace",
+            str(pace),
+            "--timeout",
+            "60",
+        ],
+        max_restarts=10,
+        backend=backend,
+    )
     with ElasticAgents(cmd, work) as job:
         agents = job.agents
 
@@ -304,16 +394,24 @@ def elastic_node_loss(work: str, script: str, port: int, backend: str = "c10d", 
         shrunk = min(r["time"] for r in records if r["restart"] >= 1)
         rejoin = time.time()
         job.start()
-        records = wait(lambda rs: any(r["world"] == 4 and r["time"] > rejoin for r in rs), 300,
-                       "step on 4 ranks again", survivor)
+        records = wait(
+            lambda rs: any(r["world"] == 4 and r["time"] > rejoin for r in rs), 300, "step on 4 ranks again", survivor
+        )
         grown = min(r["time"] for r in records if r["world"] == 4 and r["time"] > rejoin)
         codes = [survivor.wait(timeout=600), agents[2].wait(timeout=600)]
     records = read_losses(log)
     got = {r["step"]: r["loss"] for r in records}
     worst = max(abs(got[s] - want[s]) for s in range(steps)) if sorted(got) == list(range(steps)) else float("inf")
-    return {"ended": False, "resume_s": shrunk - killed, "grow_s": grown - rejoin, "codes": codes,
-            "worst_loss_diff": worst, "steps": steps, "redone_steps": len(records) - steps,
-            "worlds": [r["world"] for r in records]}
+    return {
+        "ended": False,
+        "resume_s": shrunk - killed,
+        "grow_s": grown - rejoin,
+        "codes": codes,
+        "worst_loss_diff": worst,
+        "steps": steps,
+        "redone_steps": len(records) - steps,
+        "worlds": [r["world"] for r in records],
+    }
 
 
 def read_losses(path: str) -> List[dict]:

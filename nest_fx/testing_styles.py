@@ -37,6 +37,7 @@ name               what it stands for
 
 ``style_spec(name, plan)`` is the :func:`nest_fx.testing.equivalence` spec of one cell.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,6 +62,7 @@ class StyleConfig:
 
 
 # -- nanoGPT ---------------------------------------------------------------------------------------
+
 
 class GPTAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int):
@@ -113,12 +115,24 @@ class GPTBlock(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    def __init__(self, vocab: int = VOCAB, block_size: int = SEQ, n_embd: int = DIM, n_head: int = HEADS,
-                 n_layer: int = DEPTH, local_views: bool = False):
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        block_size: int = SEQ,
+        n_embd: int = DIM,
+        n_head: int = HEADS,
+        n_layer: int = DEPTH,
+        local_views: bool = False,
+    ):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block_size, n_embd),
-            h=nn.ModuleList([GPTBlock(n_embd, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(n_embd)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                h=nn.ModuleList([GPTBlock(n_embd, n_head) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(n_embd),
+            )
+        )
         if local_views:
             for block in self.transformer.h:
                 block.attn = LocalViewsAttention(n_embd, n_head)
@@ -141,6 +155,7 @@ class NanoGPT(nn.Module):
 
 
 # -- Llama: Meta's reference and torchtitan's ------------------------------------------------------
+
 
 def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
@@ -166,8 +181,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     bs, slen, n_kv_heads, head_dim = x.shape
     if n_rep == 1:
         return x
-    return x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim).reshape(bs, slen, n_kv_heads * n_rep,
-                                                                                     head_dim)
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, slen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, slen, n_kv_heads * n_rep, head_dim)
+    )
 
 
 class RMSNorm(nn.Module):
@@ -257,8 +275,9 @@ class MetaLlama(nn.Module):
 class TitanLlama3(nn.Module):
     """torchtitan's layout: ``layers`` ModuleDict keyed by layer id, GQA, SDPA, ``freqs_cis`` buffer."""
 
-    def __init__(self, dim: int = DIM, n_layers: int = DEPTH, n_heads: int = HEADS, n_kv_heads: int = 2,
-                 vocab: int = VOCAB):
+    def __init__(
+        self, dim: int = DIM, n_layers: int = DEPTH, n_heads: int = HEADS, n_kv_heads: int = 2, vocab: int = VOCAB
+    ):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.register_buffer("freqs_cis", precompute_freqs_cis(dim // n_heads, SEQ), persistent=False)
@@ -274,6 +293,7 @@ class TitanLlama3(nn.Module):
 
 
 # -- the suite -------------------------------------------------------------------------------------
+
 
 def token_data(gen: torch.Generator, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Random token ids and next-token targets."""
@@ -328,8 +348,15 @@ def style_spec(name: str, plan: Dict[str, Any], *, batch: int = 8, steps: int = 
     """The :func:`nest_fx.testing.equivalence` spec of ``name`` under ``plan`` (kwargs of
     ``uniform_plan``; ``{}``: the planner's choice)."""
     kind, _, loss = STYLE_MODELS[name]
-    spec: Dict[str, Any] = {"model": name, "build": _Builder(name), "plan": dict(plan), "batch": batch,
-                            "steps": steps, "lr": lr, "seq": SEQ,
-                            "data": token_data if kind == "decoder" else image_data}
+    spec: Dict[str, Any] = {
+        "model": name,
+        "build": _Builder(name),
+        "plan": dict(plan),
+        "batch": batch,
+        "steps": steps,
+        "lr": lr,
+        "seq": SEQ,
+        "data": token_data if kind == "decoder" else image_data,
+    }
     spec["loss"] = {"model": "model", "tokens": token_loss, "classes": F.cross_entropy}[loss]
     return spec

@@ -1,5 +1,6 @@
 """The vision models of :mod:`nest_fx.testing_styles` (our own code, in the styles of timm,
 torchvision, Swin, MLP-Mixer and ConvNeXt; see that module for what each stands for)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -13,13 +14,14 @@ DIM, HEADS, DEPTH, CLASSES, IMAGE = 32, 4, 2, 10, 16
 
 # -- timm ViT and DeiT -----------------------------------------------------------------------------
 
+
 class TimmAttention(nn.Module):
     """``local_views``: the output merged with ``reshape(B, N, -1)`` instead of timm's ``(B, N, C)``."""
 
     def __init__(self, dim: int, num_heads: int, local_views: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.local_views = num_heads, dim // num_heads, local_views
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
 
     def forward(self, x):
@@ -62,8 +64,15 @@ class PatchEmbed(nn.Module):
 class TimmViT(nn.Module):
     """timm's layout; ``distilled=True`` adds DeiT's distillation token and head."""
 
-    def __init__(self, dim: int = DIM, depth: int = DEPTH, heads: int = HEADS, patch: int = 4, distilled: bool = False,
-                 local_views: bool = False):
+    def __init__(
+        self,
+        dim: int = DIM,
+        depth: int = DEPTH,
+        heads: int = HEADS,
+        patch: int = 4,
+        distilled: bool = False,
+        local_views: bool = False,
+    ):
         super().__init__()
         tokens = (IMAGE // patch) ** 2
         prefix = 2 if distilled else 1
@@ -91,6 +100,7 @@ class TimmViT(nn.Module):
 
 # -- torchvision ViT -------------------------------------------------------------------------------
 
+
 class TvMLPBlock(nn.Sequential):
     def __init__(self, dim: int, hidden: int):
         super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(0.0), nn.Linear(hidden, dim), nn.Dropout(0.0))
@@ -116,8 +126,9 @@ class TvEncoder(nn.Module):
         super().__init__()
         self.pos_embedding = nn.Parameter(torch.empty(1, seq, dim).normal_(std=0.02))
         self.dropout = nn.Dropout(0.0)
-        self.layers = nn.Sequential(OrderedDict(
-            (f"encoder_layer_{i}", TvEncoderBlock(heads, dim, hidden)) for i in range(layers)))
+        self.layers = nn.Sequential(
+            OrderedDict((f"encoder_layer_{i}", TvEncoderBlock(heads, dim, hidden)) for i in range(layers))
+        )
         self.ln = nn.LayerNorm(dim)
 
     def forward(self, input):
@@ -148,13 +159,18 @@ class TvViT(nn.Module):
 
 # -- torchvision CNN with nested stages ------------------------------------------------------------
 
+
 class InvertedResidual(nn.Module):
     def __init__(self, channels: int, expand: int = 2):
         super().__init__()
         hidden = channels * expand
-        self.conv = nn.Sequential(nn.Conv2d(channels, hidden, 1), nn.ReLU6(),
-                                  nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden), nn.ReLU6(),
-                                  nn.Conv2d(hidden, channels, 1))
+        self.conv = nn.Sequential(
+            nn.Conv2d(channels, hidden, 1),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, channels, 1),
+        )
 
     def forward(self, x):
         return x + self.conv(x)
@@ -165,7 +181,8 @@ class TvCNN(nn.Module):
         super().__init__()
         self.features = nn.Sequential(
             nn.Sequential(nn.Conv2d(3, channels, 3, stride=2, padding=1), nn.ReLU6()),
-            *[nn.Sequential(InvertedResidual(channels), InvertedResidual(channels)) for _ in range(stages)])
+            *[nn.Sequential(InvertedResidual(channels), InvertedResidual(channels)) for _ in range(stages)],
+        )
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(channels, CLASSES))
 
@@ -176,6 +193,7 @@ class TvCNN(nn.Module):
 
 
 # -- Swin ------------------------------------------------------------------------------------------
+
 
 def window_partition(x: torch.Tensor, w: int) -> torch.Tensor:
     B, H, W, C = x.shape
@@ -201,8 +219,9 @@ class WindowAttention(nn.Module):
         self.relative_position_bias_table = nn.Parameter(torch.randn((2 * window - 1) ** 2, num_heads) * 0.02)
         coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
         rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
-        self.register_buffer("relative_position_index", rel[:, :, 0] * (2 * window - 1) + rel[:, :, 1],
-                             persistent=False)
+        self.register_buffer(
+            "relative_position_index", rel[:, :, 0] * (2 * window - 1) + rel[:, :, 1], persistent=False
+        )
         self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
 
     def forward(self, x):
@@ -255,8 +274,9 @@ class PatchMerging(nn.Module):
 class SwinStage(nn.Module):
     def __init__(self, dim: int, heads: int, resolution: int, depth: int, merge: bool, local_views: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList([SwinBlock(dim, heads, resolution, 4, 0 if i % 2 == 0 else 2, local_views)
-                                     for i in range(depth)])
+        self.blocks = nn.ModuleList(
+            [SwinBlock(dim, heads, resolution, 4, 0 if i % 2 == 0 else 2, local_views) for i in range(depth)]
+        )
         self.downsample = PatchMerging(dim, resolution) if merge else None
 
     def forward(self, x):
@@ -269,8 +289,12 @@ class Swin(nn.Module):
     def __init__(self, dim: int = 16, heads: int = 2, local_views: bool = False):
         super().__init__()
         self.patch_embed = PatchEmbed(2, dim)
-        self.layers = nn.ModuleList([SwinStage(dim, heads, IMAGE // 2, 2, merge=True, local_views=local_views),
-                                     SwinStage(2 * dim, 2 * heads, IMAGE // 4, 2, merge=False, local_views=local_views)])
+        self.layers = nn.ModuleList(
+            [
+                SwinStage(dim, heads, IMAGE // 2, 2, merge=True, local_views=local_views),
+                SwinStage(2 * dim, 2 * heads, IMAGE // 4, 2, merge=False, local_views=local_views),
+            ]
+        )
         self.norm, self.head = nn.LayerNorm(2 * dim), nn.Linear(2 * dim, CLASSES)
 
     def forward(self, x):
@@ -281,6 +305,7 @@ class Swin(nn.Module):
 
 
 # -- MLP-Mixer and ConvNeXt ------------------------------------------------------------------------
+
 
 class MixerBlock(nn.Module):
     def __init__(self, dim: int, tokens: int):
@@ -331,13 +356,16 @@ class ConvNeXtBlock(nn.Module):
 class ConvNeXt(nn.Module):
     def __init__(self, dims=(16, 32), depths=(2, 2)):
         super().__init__()
-        self.downsample_layers = nn.ModuleList([nn.Sequential(nn.Conv2d(3, dims[0], 4, stride=4),
-                                                              ChannelsFirstNorm(dims[0]))])
+        self.downsample_layers = nn.ModuleList(
+            [nn.Sequential(nn.Conv2d(3, dims[0], 4, stride=4), ChannelsFirstNorm(dims[0]))]
+        )
         for i in range(len(dims) - 1):
-            self.downsample_layers.append(nn.Sequential(ChannelsFirstNorm(dims[i]),
-                                                        nn.Conv2d(dims[i], dims[i + 1], 2, stride=2)))
-        self.stages = nn.ModuleList([nn.Sequential(*[ConvNeXtBlock(d) for _ in range(n)])
-                                     for d, n in zip(dims, depths)])
+            self.downsample_layers.append(
+                nn.Sequential(ChannelsFirstNorm(dims[i]), nn.Conv2d(dims[i], dims[i + 1], 2, stride=2))
+            )
+        self.stages = nn.ModuleList(
+            [nn.Sequential(*[ConvNeXtBlock(d) for _ in range(n)]) for d, n in zip(dims, depths)]
+        )
         self.norm, self.head = nn.LayerNorm(dims[-1], eps=1e-6), nn.Linear(dims[-1], CLASSES)
 
     def forward(self, x):

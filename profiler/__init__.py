@@ -6,10 +6,20 @@
 
 See docs/profiler.md.
 """
+
 from profiler.collectives import calibrate, fit_cluster
 from profiler.model_profile import ProfileOptions, profile_model
 from nest_fx.workload.profile_file import OpEntry, Profile, ProfileError, op_key
 from profiler.timer import Timer
 
-__all__ = ["calibrate", "fit_cluster", "ProfileOptions", "profile_model", "OpEntry", "Profile", "ProfileError",
-           "op_key", "Timer"]
+__all__ = [
+    "calibrate",
+    "fit_cluster",
+    "ProfileOptions",
+    "profile_model",
+    "OpEntry",
+    "Profile",
+    "ProfileError",
+    "op_key",
+    "Timer",
+]

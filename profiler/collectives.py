@@ -16,6 +16,7 @@ and bandwidth 1). Inner levels are fitted first and their share is subtracted fr
 levels' samples. The fit minimises relative error (weighted least squares), so small and large
 messages count alike.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,10 +38,10 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _HUGE_BW = 1e30
 
 
-
 class CalibrationError(NestFxError, ValueError):
     """Collectives cannot be measured or fitted as asked (too few ranks, no level to fit, a
     sample set no alpha-beta model fits); the message names the fix."""
+
 
 @dataclass
 class Sample:
@@ -96,8 +97,9 @@ def _buffers(kind: str, nbytes: int, n: int, device) -> Tuple[torch.Tensor, torc
     return torch.ones(elems, device=device), torch.empty(elems, device=device)
 
 
-def measure_collectives(cluster: Cluster, sizes: Sequence[int], kinds: Sequence[str] = KINDS, *,
-                        warmup: int = 2, repeats: int = 5) -> List[Sample]:
+def measure_collectives(
+    cluster: Cluster, sizes: Sequence[int], kinds: Sequence[str] = KINDS, *, warmup: int = 2, repeats: int = 5
+) -> List[Sample]:
     """Time every (level, kind, size) on the initialised default process group; every rank must
     call it, and every rank gets the same samples. ``sizes`` in bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -153,8 +155,9 @@ def model_time(kind: str, cluster: Cluster, ranks: Sequence[int], nbytes: float)
     return collective_time(kind, cluster, ranks, nbytes)
 
 
-def _with_level(cluster: Cluster, index: int, latency: float, bandwidth: float,
-                zero_levels: Sequence[int] = ()) -> Cluster:
+def _with_level(
+    cluster: Cluster, index: int, latency: float, bandwidth: float, zero_levels: Sequence[int] = ()
+) -> Cluster:
     c = copy.deepcopy(cluster)
     c.levels[index].latency, c.levels[index].bandwidth = latency, bandwidth
     for j in zero_levels:
@@ -179,7 +182,9 @@ def fit_cluster(cluster: Cluster, samples: Sequence[Sample]) -> Tuple[Cluster, L
             kind = s.kind
             c_lat = model_time(kind, _with_level(fitted, index, 1.0, _HUGE_BW, range(index)), s.ranks, s.nbytes)
             c_inv_bw = model_time(kind, _with_level(fitted, index, 0.0, 1.0, range(index)), s.ranks, s.nbytes)
-            inner = model_time(kind, _with_level(fitted, index, 0.0, reference), s.ranks, s.nbytes) - c_inv_bw / reference
+            inner = (
+                model_time(kind, _with_level(fitted, index, 0.0, reference), s.ranks, s.nbytes) - c_inv_bw / reference
+            )
             a.append(c_lat / s.seconds)
             b.append(c_inv_bw / s.seconds)
             y.append(1.0 - inner / s.seconds)
@@ -210,6 +215,7 @@ def nonnegative_lstsq(a: List[float], b: List[float], y: List[float]) -> Tuple[f
 
     def loss(x):
         return sum((x[0] * u + x[1] * v - t) ** 2 for u, v, t in zip(a, b, y))
+
     return min(candidates, key=loss)
 
 
@@ -219,9 +225,16 @@ def _calibrate_rank(cluster_dict: dict, sizes: List[int], kinds: List[str], warm
     return [asdict(s) for s in measure_collectives(cluster, sizes, kinds, warmup=warmup, repeats=repeats)]
 
 
-def calibrate(cluster: Cluster, *, nproc: int = 2, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),
-              kinds: Sequence[str] = KINDS, warmup: int = 2, repeats: int = 5,
-              timeout: float = 600.0) -> Tuple[Cluster, List[LevelFit], List[Sample]]:
+def calibrate(
+    cluster: Cluster,
+    *,
+    nproc: int = 2,
+    sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),
+    kinds: Sequence[str] = KINDS,
+    warmup: int = 2,
+    repeats: int = 5,
+    timeout: float = 600.0,
+) -> Tuple[Cluster, List[LevelFit], List[Sample]]:
     """Measure collectives and fit ``cluster``'s levels. Under torchrun (the default group is
     initialised) the world measures itself; otherwise ``nproc`` local gloo ranks are spawned."""
     if dist.is_available() and dist.is_initialized():
@@ -229,8 +242,9 @@ def calibrate(cluster: Cluster, *, nproc: int = 2, sizes: Sequence[int] = (2**12
     else:
         if nproc < 2:
             raise CalibrationError(f"--nproc {nproc}: calibration needs at least 2 ranks")
-        rows = launch(_calibrate_rank, nproc, cluster.to_dict(), list(sizes), list(kinds), warmup, repeats,
-                      timeout=timeout)[0]
+        rows = launch(
+            _calibrate_rank, nproc, cluster.to_dict(), list(sizes), list(kinds), warmup, repeats, timeout=timeout
+        )[0]
         samples = [Sample(**r) for r in rows]
     if not samples:
         raise CalibrationError(f"{nproc} ranks reach no network level of {cluster.name} with two or more ranks")

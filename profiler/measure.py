@@ -15,6 +15,7 @@ shapes and values the model produces). For each node picked for timing it then:
 
 An op that raises out-of-memory is recorded as skipped, the cache is emptied and the run goes on.
 """
+
 from __future__ import annotations
 
 import math
@@ -100,17 +101,20 @@ class _MeasuringInterpreter(fx.Interpreter):
 
     def _measure_with(self, n: fx.Node, args, kwargs, cuda: bool, copy_inputs: bool) -> NodeMeasurement:
         """Forward as in training (autograd recording), then the backward of that forward."""
+
         def leaf(t):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 return t.detach().requires_grad_(True)
             return t
+
         args_g, kwargs_g = tree_map(leaf, args), tree_map(leaf, kwargs)
         inputs = _float_tensors((args_g, kwargs_g)) + self._params(n)
 
         def call():
             if copy_inputs:
-                a, k = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t,
-                                (args_g, kwargs_g))
+                a, k = tree_map(
+                    lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, (args_g, kwargs_g)
+                )
                 return self._call(n, a, k)
             return self._call(n, args_g, kwargs_g)
 
@@ -121,6 +125,7 @@ class _MeasuringInterpreter(fx.Interpreter):
         def pack(t):
             saved[0] += t.numel() * t.element_size()
             return t
+
         base = 0
         if cuda:
             torch.cuda.synchronize(self.timer.device)
@@ -134,7 +139,8 @@ class _MeasuringInterpreter(fx.Interpreter):
             grads = [torch.randn_like(t) for t in outs]
             bwd, bwd_host = self.timer.measure_split(
                 lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True),
-                cpu_offset=self.grad_overhead)
+                cpu_offset=self.grad_overhead,
+            )
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.timer.device) - base
         else:
@@ -153,8 +159,14 @@ def _grad_call_overhead(timer: Timer) -> float:
     return timer.measure_host(lambda: torch.autograd.grad(y, x, g, retain_graph=True))
 
 
-def measure_nodes(gm: fx.GraphModule, args: tuple, kwargs: Optional[dict], timer: Timer,
-                  nodes: Optional[Set[str]] = None, progress=None) -> Dict[str, NodeMeasurement]:
+def measure_nodes(
+    gm: fx.GraphModule,
+    args: tuple,
+    kwargs: Optional[dict],
+    timer: Timer,
+    nodes: Optional[Set[str]] = None,
+    progress=None,
+) -> Dict[str, NodeMeasurement]:
     """Time forward and backward of each node of ``gm`` named in ``nodes`` (all ops when None).
 
     ``args``/``kwargs`` are real inputs on the timer's device; ``gm``'s parameters must be there
@@ -168,8 +180,7 @@ def measure_nodes(gm: fx.GraphModule, args: tuple, kwargs: Optional[dict], timer
     return interp.results
 
 
-def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], timer: Timer,
-                 loss: str = "sum") -> float:
+def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], timer: Timer, loss: str = "sum") -> float:
     """Median seconds of one eager forward + backward of the whole model: the figure per-op sums
     are checked against. ``loss="sum"``: the sum of its float outputs (next to nothing), for a
     sum over the traced ops; ``"cross_entropy"``: token-level cross entropy of its logits in fp32
@@ -190,4 +201,5 @@ def measure_step(model: torch.nn.Module, args: tuple, kwargs: Optional[dict], ti
         objective(out).backward()
         for p in model.parameters():
             p.grad = None
+
     return timer.measure_step(step)

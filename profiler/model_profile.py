@@ -6,6 +6,7 @@ once is never measured again (identical blocks, and other variants or models tha
 op, reuse the entry). For each TP degree the model is shrunk to one rank's shard
 (``nest_fx.workload.localise``) so the ops run at the shapes a TP rank runs.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,8 +64,13 @@ def device_description(device: torch.device) -> str:
 
 
 def new_profile(device: torch.device, dtype: str) -> Profile:
-    return Profile(device=device.type, device_name=device_description(device), dtype=dtype,
-                   torch_version=torch.__version__, cuda_version=torch.version.cuda or "")
+    return Profile(
+        device=device.type,
+        device_name=device_description(device),
+        dtype=dtype,
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda or "",
+    )
 
 
 def _estimated_bytes(graph) -> float:
@@ -75,9 +81,13 @@ def _estimated_bytes(graph) -> float:
     return 2 * params + acts
 
 
-def profile_model(name: str, device: str | torch.device, options: Optional[ProfileOptions] = None,
-                  profile: Optional[Profile] = None, progress: Optional[Callable[[int, int, str], None]] = None
-                  ) -> tuple[Profile, ProfileStats]:
+def profile_model(
+    name: str,
+    device: str | torch.device,
+    options: Optional[ProfileOptions] = None,
+    profile: Optional[Profile] = None,
+    progress: Optional[Callable[[int, int, str], None]] = None,
+) -> tuple[Profile, ProfileStats]:
     """Measure ``name``'s ops on ``device`` for every (tp, mbs) of ``options``; returns the profile
     (``profile`` extended when given) and the work statistics. Variants that do not fit in GPU
     memory, or TP degrees the model's shapes do not divide, are skipped with a warning."""
@@ -109,13 +119,15 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
                 _skip(profile, stats, f"{label}: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free; skipped")
                 continue
         todo = _nodes_to_time(meta_graph, profile, options.reuse)
-        stats.nodes_reused += sum(1 for _, d in meta_graph.graph.nodes(data=True)
-                                  if d.get("fx_op") not in _NOT_OPS) - len(todo)
+        stats.nodes_reused += sum(
+            1 for _, d in meta_graph.graph.nodes(data=True) if d.get("fx_op") not in _NOT_OPS
+        ) - len(todo)
         if progress:
             progress(k, len(variants), label)
         torch.manual_seed(options.seed)
-        graph, model, args, kwargs = local_graph(name, tp, mbs, seq=options.seq, dtype=dtype, layers=depth,
-                                                 device=device)
+        graph, model, args, kwargs = local_graph(
+            name, tp, mbs, seq=options.seq, dtype=dtype, layers=depth, device=device
+        )
         try:
             measured = measure_nodes(graph.module, args, kwargs, timer, nodes=set(todo))
             step_s = measure_step(model, args, kwargs, timer) if options.check_step else float("nan")
@@ -128,12 +140,22 @@ def profile_model(name: str, device: str | torch.device, options: Optional[Profi
             continue
         g = graph.graph
         for node, m in measured.items():
-            profile.ops[op_key(g.nodes[node])] = OpEntry(op=g.nodes[node]["op"], fwd_s=m.fwd_s, bwd_s=m.bwd_s,
-                                                         peak_bytes=m.peak_bytes, flops=g.nodes[node].get("flops", 0.0),
-                                                         skipped=m.skipped, fwd_host_s=m.fwd_host_s,
-                                                         bwd_host_s=m.bwd_host_s)
+            profile.ops[op_key(g.nodes[node])] = OpEntry(
+                op=g.nodes[node]["op"],
+                fwd_s=m.fwd_s,
+                bwd_s=m.bwd_s,
+                peak_bytes=m.peak_bytes,
+                flops=g.nodes[node].get("flops", 0.0),
+                skipped=m.skipped,
+                fwd_host_s=m.fwd_host_s,
+                bwd_host_s=m.bwd_host_s,
+            )
             if m.skipped:
-                _skip(profile, stats, f"{label}: op {node} ({g.nodes[node]['op']}) {m.skipped}; the analytical model covers it")
+                _skip(
+                    profile,
+                    stats,
+                    f"{label}: op {node} ({g.nodes[node]['op']}) {m.skipped}; the analytical model covers it",
+                )
         stats.nodes_timed += len(measured)
         profile.blocks += _block_records(name, graph, profile, tp, mbs, step_s, device)
         del model, graph
@@ -173,8 +195,29 @@ def _block_records(name: str, graph, profile: Profile, tp: int, mbs: int, step_s
         entries = [e for e in (profile.lookup(op_key(graph.graph.nodes[n])) for n in b.nodes) if e is not None]
         fwd, bwd = block_seconds([(e.fwd_s, e.bwd_s) for e in entries], [e.host for e in entries])
         total += fwd + bwd
-        records.append(dict(model=name, block=b.name, kind=b.kind, signature=b.signature, tp=tp, mbs=mbs,
-                            fwd_s=fwd, bwd_s=bwd, flops=b.flops))
-    records.append(dict(model=name, block="<step>", kind="step", tp=tp, mbs=mbs, ops_sum_s=total,
-                        eager_step_s=step_s, layers=len(graph.layer_blocks)))
+        records.append(
+            dict(
+                model=name,
+                block=b.name,
+                kind=b.kind,
+                signature=b.signature,
+                tp=tp,
+                mbs=mbs,
+                fwd_s=fwd,
+                bwd_s=bwd,
+                flops=b.flops,
+            )
+        )
+    records.append(
+        dict(
+            model=name,
+            block="<step>",
+            kind="step",
+            tp=tp,
+            mbs=mbs,
+            ops_sum_s=total,
+            eager_step_s=step_s,
+            layers=len(graph.layer_blocks),
+        )
+    )
     return records

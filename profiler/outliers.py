@@ -9,6 +9,7 @@ needs no model of the device; small ops that run below peak because of their fix
 not flagged (they are compared with larger ops' absolute times). The shipped H100 profile has no
 flagged entry; ``results/validate_cpu-profile.json`` (a loaded 2-core CPU box) has one, 17x.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,12 @@ def _structure(key: str, entry: OpEntry) -> tuple:
     except ValueError:
         shapes = []
     shapes = [s for s in shapes if isinstance(s, list)]
-    return (entry.op, parts[3] if len(parts) > 3 else "", tuple(len(s) for s in shapes),
-            tuple(s == shapes[0] for s in shapes))
+    return (
+        entry.op,
+        parts[3] if len(parts) > 3 else "",
+        tuple(len(s) for s in shapes),
+        tuple(s == shapes[0] for s in shapes),
+    )
 
 
 OUTLIER_PREFIX = "outlier: "
@@ -52,15 +57,20 @@ def find_outliers(profile: Profile, factor: float = FACTOR) -> List[str]:
         for key, entry in entries:
             for phase in ("fwd_s", "bwd_s"):
                 mine = getattr(entry, phase)
-                peers = [(getattr(p, phase), pk) for pk, p in entries
-                         if pk != key and _work(p)[1] >= _work(entry)[1] and getattr(p, phase) > 0]
+                peers = [
+                    (getattr(p, phase), pk)
+                    for pk, p in entries
+                    if pk != key and _work(p)[1] >= _work(entry)[1] and getattr(p, phase) > 0
+                ]
                 if not peers:
                     continue
                 best, peer = min(peers)
                 if mine > factor * best:
-                    found.append(f"{OUTLIER_PREFIX}{key} {phase[:3]} {mine * 1e3:.3g} ms is {mine / best:.1f}x the "
-                                 f"{best * 1e3:.3g} ms of {peer}, which does at least as many {unit}; "
-                                 "re-measure it on a quiet machine (nest-fx profile ... --append keeps the rest)")
+                    found.append(
+                        f"{OUTLIER_PREFIX}{key} {phase[:3]} {mine * 1e3:.3g} ms is {mine / best:.1f}x the "
+                        f"{best * 1e3:.3g} ms of {peer}, which does at least as many {unit}; "
+                        "re-measure it on a quiet machine (nest-fx profile ... --append keeps the rest)"
+                    )
     return found
 
 

@@ -15,6 +15,7 @@ bandwidth (and no latency) to read off the coefficients of latency and 1/bandwid
 size; the two are fitted per pair by non-negative least squares on the relative error
 (``profiler.collectives.nonnegative_lstsq``), so small and large messages count alike.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -59,8 +60,9 @@ class PairFit:
     mean_abs_error: float  # relative
 
 
-def measure_pairs(sizes: Sequence[int], *, warmup: int = 2, repeats: int = 5,
-                  pairs: Optional[Sequence[Tuple[int, int]]] = None) -> List[PairSample]:
+def measure_pairs(
+    sizes: Sequence[int], *, warmup: int = 2, repeats: int = 5, pairs: Optional[Sequence[Tuple[int, int]]] = None
+) -> List[PairSample]:
     """Ping-pong every pair (default: all i < j of the world) at every size (bytes) on the
     initialised default group; every rank must call it and gets the same samples."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -120,8 +122,10 @@ def fit_pairs(samples: Sequence[PairSample]) -> List[PairFit]:
         b = [_model_seconds(s.nbytes, 1.0, 0.0) / s.seconds for s in rows]  # 1/bandwidth coefficient
         latency, inv_bw = nonnegative_lstsq(a, b, [1.0] * len(rows))
         if inv_bw <= 0:  # every size took the same time: the pair is latency-bound at these sizes
-            raise CalibrationError(f"pair ({src}, {dst}): no bandwidth term fits the samples; measure larger messages "
-                             f"(--sizes-kib up to 16384 or more)")
+            raise CalibrationError(
+                f"pair ({src}, {dst}): no bandwidth term fits the samples; measure larger messages "
+                f"(--sizes-kib up to 16384 or more)"
+            )
         bandwidth = 1.0 / inv_bw
         errors = [abs(_model_seconds(s.nbytes, bandwidth, latency) - s.seconds) / s.seconds for s in rows]
         fits.append(PairFit(src, dst, bandwidth, latency, len(rows), sum(errors) / len(errors)))
@@ -133,10 +137,17 @@ def _pairwise_rank(sizes: List[int], warmup: int, repeats: int) -> List[dict]:
     return [asdict(s) for s in measure_pairs(sizes, warmup=warmup, repeats=repeats)]
 
 
-def calibrate_pairwise(*, nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, base: Optional[Topology] = None,
-                       device: Optional[DeviceSpec] = None, warmup: int = 2, repeats: int = 5,
-                       timeout: float = 600.0, name: Optional[str] = None
-                       ) -> Tuple[Topology, List[PairFit], List[PairSample]]:
+def calibrate_pairwise(
+    *,
+    nproc: int = 2,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    base: Optional[Topology] = None,
+    device: Optional[DeviceSpec] = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    timeout: float = 600.0,
+    name: Optional[str] = None,
+) -> Tuple[Topology, List[PairFit], List[PairSample]]:
     """Measure every pair of ranks and build a topology from the fits
     (:func:`nest_fx.cluster.topology.calibrate`): with ``base``, its routes derated to the measured
     figures; without, direct links between the measured ranks (``device`` required). Under
@@ -154,10 +165,13 @@ def calibrate_pairwise(*, nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, 
         rows = launch(_pairwise_rank, nproc, list(sizes), warmup, repeats, timeout=timeout)[0]
         samples = [PairSample(**r) for r in rows]
     if base is not None and base.num_devices < world:
-        raise CalibrationError(f"the base topology has {base.num_devices} devices but {world} ranks were measured: "
-                         f"give a topology with at least {world} devices")
+        raise CalibrationError(
+            f"the base topology has {base.num_devices} devices but {world} ranks were measured: "
+            f"give a topology with at least {world} devices"
+        )
     fits = fit_pairs(samples)
     measured = {(f.src, f.dst): (f.bandwidth, f.latency) for f in fits}
-    topo = calibrate(measured, base, device=device, name=name or (f"{base.name}+measured" if base else
-                                                                   f"measured-{world}-ranks"))
+    topo = calibrate(
+        measured, base, device=device, name=name or (f"{base.name}+measured" if base else f"measured-{world}-ranks")
+    )
     return topo, fits, samples

@@ -15,6 +15,7 @@ equals what ``torch.autograd.graph.saved_tensors_hooks`` sees being packed
 prediction of the same number is compared with it (see docs/runtime.md, Activation
 checkpointing).
 """
+
 from __future__ import annotations
 
 import copy

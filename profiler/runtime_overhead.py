@@ -25,6 +25,7 @@ one-microbatch training step under the runtime takes beyond the cost model's own
 
 Times are medians of ``repeats`` steps after ``warmup`` steps, slowest rank.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -72,8 +73,11 @@ class RuntimeOverheads:
     samples: List[OverheadSample]
 
     def to_dict(self) -> dict:
-        return {"tp_call_overhead": list(self.tp_call_overhead), "fsdp_call_overhead": list(self.fsdp_call_overhead),
-                "samples": [asdict(s) for s in self.samples]}
+        return {
+            "tp_call_overhead": list(self.tp_call_overhead),
+            "fsdp_call_overhead": list(self.fsdp_call_overhead),
+            "samples": [asdict(s) for s in self.samples],
+        }
 
 
 def _median_time(fn: Callable[[], None], warmup: int, repeats: int, sync: bool = True) -> float:
@@ -119,6 +123,7 @@ def _runtime_step(model_name: str, plan_kwargs: dict, mbs: int, warmup: int, rep
         pm.train_step(xs, ys)
         for p in pm.parameters():
             p.grad = None
+
     return _median_time(step, warmup, repeats)
 
 
@@ -128,11 +133,13 @@ def _local_step(model: torch.nn.Module, cfg, mbs: int, warmup: int, repeats: int
     def step() -> None:
         lm_loss(model(x), y).backward()
         model.zero_grad(set_to_none=True)
+
     return _median_time(step, warmup, repeats, sync=False)
 
 
-def measure_tp(model_name: str, workload, cluster: Cluster, microbatches: Sequence[int], warmup: int = 2,
-               repeats: int = 5) -> List[OverheadSample]:
+def measure_tp(
+    model_name: str, workload, cluster: Cluster, microbatches: Sequence[int], warmup: int = 2, repeats: int = 5
+) -> List[OverheadSample]:
     """TP samples on the initialised default group (every rank calls it; tp = world size)."""
     world = dist.get_world_size()
     ranks = list(range(world))
@@ -141,19 +148,22 @@ def measure_tp(model_name: str, workload, cluster: Cluster, microbatches: Sequen
         measured = _runtime_step(model_name, {"tp": world}, mbs, warmup, repeats)
         model, cfg = build_seeded(model_name, seed=0)
         graph = trace(model, _tokens(cfg, mbs)[:1])
-        local = _local_step(localise_tp(model, graph, world, cfg.vocab_size), cfg, mbs, warmup, repeats,
-                            vocab=cfg.vocab_size // world)
+        local = _local_step(
+            localise_tp(model, graph, world, cfg.vocab_size), cfg, mbs, warmup, repeats, vocab=cfg.vocab_size // world
+        )
         comms = [c for i in range(len(workload)) for c in workload.cost(i, world, 1, mbs, False).comms]
         calls = sum(c.count for c in comms)
         network = sum(c.count * collective_time(c.kind, cluster, ranks, c.nbytes) for c in comms)
         nbytes = sum(c.count * c.nbytes for c in comms) / max(calls, 1)
-        out.append(OverheadSample("tp", mbs, calls, nbytes, measured, local, network,
-                                  max(measured - local - network, 0.0)))
+        out.append(
+            OverheadSample("tp", mbs, calls, nbytes, measured, local, network, max(measured - local - network, 0.0))
+        )
     return out
 
 
-def measure_fsdp(model_name: str, workload, cluster: Cluster, mbs: int = 1, warmup: int = 2,
-                 repeats: int = 5) -> OverheadSample:
+def measure_fsdp(
+    model_name: str, workload, cluster: Cluster, mbs: int = 1, warmup: int = 2, repeats: int = 5
+) -> OverheadSample:
     """The FSDP sample on the initialised default group (every rank calls it; dp = world size)."""
     world = dist.get_world_size()
     ranks = list(range(world))
@@ -163,19 +173,23 @@ def measure_fsdp(model_name: str, workload, cluster: Cluster, mbs: int = 1, warm
     param_bytes = [workload.cost(i, 1, 1, mbs, False).num_params * 4 for i in range(len(workload))]
     units = [b for i, b in enumerate(param_bytes) if workload.layers[i].kind == "block"]
     units.append(sum(b for i, b in enumerate(param_bytes) if workload.layers[i].kind != "block"))
-    network = sum(2 * collective_time("all_gather", cluster, ranks, b) + collective_time("reduce_scatter", cluster,
-                                                                                         ranks, b) for b in units)
+    network = sum(
+        2 * collective_time("all_gather", cluster, ranks, b) + collective_time("reduce_scatter", cluster, ranks, b)
+        for b in units
+    )
     calls = 3 * len(units)
-    return OverheadSample("fsdp", mbs, calls, 3 * sum(units) / calls, measured, local, network,
-                          max(measured - local - network, 0.0))
+    return OverheadSample(
+        "fsdp", mbs, calls, 3 * sum(units) / calls, measured, local, network, max(measured - local - network, 0.0)
+    )
 
 
 def fit_tp(samples: Sequence[OverheadSample]) -> Tuple[float, float]:
     """(seconds per call, seconds per byte) >= 0 with ``extra_s / calls = a + b * nbytes``."""
     if not samples:
         return 0.0, 0.0
-    return nonnegative_lstsq([1.0] * len(samples), [s.nbytes for s in samples],
-                             [s.extra_s / max(s.calls, 1) for s in samples])
+    return nonnegative_lstsq(
+        [1.0] * len(samples), [s.nbytes for s in samples], [s.extra_s / max(s.calls, 1) for s in samples]
+    )
 
 
 def fit_fsdp(sample: OverheadSample) -> Tuple[float, float]:
@@ -193,8 +207,9 @@ def _measure_rank(model_name: str, cluster_dict: dict, microbatches: List[int]) 
     return [asdict(s) for s in samples]
 
 
-def measure_runtime_overheads(model_name: str, cluster: Cluster, *, nproc: int = 2,
-                              microbatches: Sequence[int] = (1, 4), timeout: float = 600.0) -> RuntimeOverheads:
+def measure_runtime_overheads(
+    model_name: str, cluster: Cluster, *, nproc: int = 2, microbatches: Sequence[int] = (1, 4), timeout: float = 600.0
+) -> RuntimeOverheads:
     """Measure and fit both overheads for ``model_name`` (fp32) on ``nproc`` spawned local ranks
     (CPU, gloo), against ``cluster``'s collective model: calibrate the cluster first, the
     overhead is what its network model leaves unexplained."""

@@ -30,6 +30,7 @@ last-level cache (``flush_bytes``; 0 turns it off). An op repeated on the same i
 otherwise find its inputs and weights in cache, which it never does inside a training step
 (the ops in between evict them), and the per-op sum would undershoot the step.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -46,8 +47,14 @@ _MAX_HOLD_S = 0.05  # longest GPU hold per repeat; an op dispatching for longer 
 class Timer:
     """Median (or minimum) seconds of a callable on a CPU or CUDA device."""
 
-    def __init__(self, device: torch.device, warmup: int = 2, repeats: int = 5, flush_bytes: Optional[int] = None,
-                 statistic: str = "median"):
+    def __init__(
+        self,
+        device: torch.device,
+        warmup: int = 2,
+        repeats: int = 5,
+        flush_bytes: Optional[int] = None,
+        statistic: str = "median",
+    ):
         if warmup < 0 or repeats < 1:
             raise ProfileError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
         if statistic not in ("median", "min"):

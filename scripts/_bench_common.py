@@ -9,6 +9,7 @@ Scripts run as ``python scripts/NAME.py``, so this sibling module is importable 
     print_table(rows, headers=["model", "step s"])
     write_json("results/bench_x.json", {"cases": rows})   # adds "environment"; prints "wrote ..."
 """
+
 from __future__ import annotations
 
 import datetime
@@ -51,12 +52,21 @@ def environment_line() -> str:
     """One line for a script's log: versions, CPUs, GPU and load."""
     env = environment()
     load = env["load_average"]
-    return (f"torch {env['torch']}, python {env['python']}, {env['machine']}"
-            + (f", {env['gpu']}" if env["gpu"] else "") + (f", load {load[0]:.1f}" if load else ""))
+    return (
+        f"torch {env['torch']}, python {env['python']}, {env['machine']}"
+        + (f", {env['gpu']}" if env["gpu"] else "")
+        + (f", load {load[0]:.1f}" if load else "")
+    )
 
 
-def write_json(path: str, payload: Dict[str, Any], *, indent: int = 1, quiet: bool = False,
-               default: Optional[Callable[[Any], Any]] = None) -> str:
+def write_json(
+    path: str,
+    payload: Dict[str, Any],
+    *,
+    indent: int = 1,
+    quiet: bool = False,
+    default: Optional[Callable[[Any], Any]] = None,
+) -> str:
     """Write ``payload`` and its ``environment`` to ``path`` (folders created); prints where.
     ``default``: as for ``json.dump`` (``str`` for values JSON has no type for)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

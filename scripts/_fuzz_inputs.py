@@ -4,6 +4,7 @@ and the valid documents (clusters, plans, workload tables) the mutations start f
 The random draws are made in a fixed order from the caller's ``random.Random``, so a seed gives
 the same inputs every run.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,12 +27,78 @@ OTHER_MODEL = "gpt:hidden=64,layers=3,heads=4,seq=32,vocab=128"
 # -- random values -------------------------------------------------------------------------
 
 _SCALARS: List[Any] = [
-    None, True, False, 0, 1, -1, 2, 3, 4, 7, 8, 16, 64, 1000, 2**31, 2**63, 10**30, 10**400, 0.5, 1.5, -0.0,
-    -2.5, 1e-300, 1e-30, 1e30, 1e308, float("nan"), float("inf"), float("-inf"),
-    "", " ", "0", "1", "-1", "8", "abc", "80GiB", "80G", "-3GB", "5us", "-5us", "300GB/s", "200Gb/s", "1e999",
-    "nan", "inf", "-inf", "312T", "1_000", "\u0663", "\x00", "a" * 300, "none", "full", "selective", "1f1b",
-    "interleaved", "gpipe", "stage-major", "replica-major", "tp", "ep", "fwd", "bwd", "all_reduce",
-    "all_to_all", "head", "block", "tail", "nest-fx-plan/1", "nest-fx-cluster/1", "nest-fx-workload/1",
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    16,
+    64,
+    1000,
+    2**31,
+    2**63,
+    10**30,
+    10**400,
+    0.5,
+    1.5,
+    -0.0,
+    -2.5,
+    1e-300,
+    1e-30,
+    1e30,
+    1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "",
+    " ",
+    "0",
+    "1",
+    "-1",
+    "8",
+    "abc",
+    "80GiB",
+    "80G",
+    "-3GB",
+    "5us",
+    "-5us",
+    "300GB/s",
+    "200Gb/s",
+    "1e999",
+    "nan",
+    "inf",
+    "-inf",
+    "312T",
+    "1_000",
+    "\u0663",
+    "\x00",
+    "a" * 300,
+    "none",
+    "full",
+    "selective",
+    "1f1b",
+    "interleaved",
+    "gpipe",
+    "stage-major",
+    "replica-major",
+    "tp",
+    "ep",
+    "fwd",
+    "bwd",
+    "all_reduce",
+    "all_to_all",
+    "head",
+    "block",
+    "tail",
+    "nest-fx-plan/1",
+    "nest-fx-cluster/1",
+    "nest-fx-workload/1",
 ]
 
 
@@ -70,8 +137,15 @@ def _tweak(rng: random.Random, value: Any) -> Any:
     if isinstance(value, bool):
         return rng.choice([not value, int(value), str(value).lower()])
     if isinstance(value, (int, float)):
-        options: List[Callable[[], Any]] = [lambda: -value, lambda: 0, lambda: value * 10**30, lambda: str(value),
-                                            lambda: [value], lambda: float("nan"), lambda: value + 0.5]
+        options: List[Callable[[], Any]] = [
+            lambda: -value,
+            lambda: 0,
+            lambda: value * 10**30,
+            lambda: str(value),
+            lambda: [value],
+            lambda: float("nan"),
+            lambda: value + 0.5,
+        ]
         if isinstance(value, int):
             options += [lambda: value * 10**400, lambda: float(value) if abs(value) < 1e300 else value]
         else:
@@ -123,7 +197,7 @@ def mutate_text(rng: random.Random, text: str) -> bytes:
         elif op < 0.55:
             text = text[:i] + "".join(rng.choice(_TEXT_NOISE) for _ in range(rng.randint(1, 4))) + text[i:]
         elif op < 0.8:
-            text = text[:i] + text[i + rng.randint(1, 20):]
+            text = text[:i] + text[i + rng.randint(1, 20) :]
         else:
             lines = text.splitlines(True)
             if lines:
@@ -137,10 +211,31 @@ def mutate_text(rng: random.Random, text: str) -> bytes:
     return data
 
 
-_SPECIAL_TEXTS = [b"", b"   \n", b"null", b"[]", b"{}", b"0", b'"x"', b"- a\n- b", b"\xff\xfe\x00", b"[" * 5000,
-                  b"{" * 100 + b"}" * 100, b"a: &a [*a]", b"!!python/object/apply:os.system ['true']",
-                  b"a: 1\na: 2", b"? [1, 2]\n: 3", b"1" * 5000, b"format: " + b"9" * 5000, b"NaN", b"Infinity",
-                  b"\xef\xbb\xbf{}", b"x: !!binary aGVsbG8=", b"x: 2024-01-01", b"---\n...\n---\n"]
+_SPECIAL_TEXTS = [
+    b"",
+    b"   \n",
+    b"null",
+    b"[]",
+    b"{}",
+    b"0",
+    b'"x"',
+    b"- a\n- b",
+    b"\xff\xfe\x00",
+    b"[" * 5000,
+    b"{" * 100 + b"}" * 100,
+    b"a: &a [*a]",
+    b"!!python/object/apply:os.system ['true']",
+    b"a: 1\na: 2",
+    b"? [1, 2]\n: 3",
+    b"1" * 5000,
+    b"format: " + b"9" * 5000,
+    b"NaN",
+    b"Infinity",
+    b"\xef\xbb\xbf{}",
+    b"x: !!binary aGVsbG8=",
+    b"x: 2024-01-01",
+    b"---\n...\n---\n",
+]
 
 
 def _dump(rng: random.Random, doc: Any, yaml_ok: bool) -> bytes:
@@ -165,8 +260,16 @@ levels:
 
 
 def valid_clusters() -> List[dict]:
-    docs = [Cluster.preset(name, n).to_dict() for name, n in
-            (("dgx-a100", 8), ("dgx-h100", 64), ("tpuv4-fat-tree", 33), ("cpu-gloo", 2), ("h100-spine-leaf", 4))]
+    docs = [
+        Cluster.preset(name, n).to_dict()
+        for name, n in (
+            ("dgx-a100", 8),
+            ("dgx-h100", 64),
+            ("tpuv4-fat-tree", 33),
+            ("cpu-gloo", 2),
+            ("h100-spine-leaf", 4),
+        )
+    ]
     return docs + [HUMAN_CLUSTER]
 
 
@@ -174,38 +277,84 @@ def valid_plans(num_layers: int = 4) -> List[dict]:
     plans = [
         uniform_plan(num_layers, pp=2, tp=1, dp=2, num_microbatches=4, model=MODEL, world_size=8),
         uniform_plan(num_layers, pp=1, tp=2, dp=4, zero=3, recompute="full", model=MODEL, world_size=8),
-        uniform_plan(num_layers, pp=2, tp=2, dp=2, schedule="interleaved", virtual_stages=2, num_microbatches=4,
-                     sequence_parallel=True, placement="replica-major"),
+        uniform_plan(
+            num_layers,
+            pp=2,
+            tp=2,
+            dp=2,
+            schedule="interleaved",
+            virtual_stages=2,
+            num_microbatches=4,
+            sequence_parallel=True,
+            placement="replica-major",
+        ),
         uniform_plan(num_layers, pp=4, tp=1, dp=1, num_microbatches=8, schedule="gpipe", recompute="selective"),
     ]
     return [json.loads(json.dumps(p.to_dict())) for p in plans]
 
 
 def _variant(tp: int, mbs: int = 1, scale: float = 1.0, comms: bool = True) -> dict:
-    v = {"tp": tp, "ep": 1, "mbs": mbs, "sp": False, "fwd_s": 1e-3 * scale / tp, "bwd_s": 2e-3 * scale / tp,
-         "num_params": 1e6 / tp, "param_bytes": 2e6 / tp,
-         "act_bytes": {"none": 4e6 / tp, "selective": 3e6 / tp, "full": 1e5},
-         "recompute_s": {"none": 0.0, "selective": 1e-4, "full": 1e-3 / tp}, "out_bytes": 1e5,
-         "comms": [], "expert_params": 0.0}
+    v = {
+        "tp": tp,
+        "ep": 1,
+        "mbs": mbs,
+        "sp": False,
+        "fwd_s": 1e-3 * scale / tp,
+        "bwd_s": 2e-3 * scale / tp,
+        "num_params": 1e6 / tp,
+        "param_bytes": 2e6 / tp,
+        "act_bytes": {"none": 4e6 / tp, "selective": 3e6 / tp, "full": 1e5},
+        "recompute_s": {"none": 0.0, "selective": 1e-4, "full": 1e-3 / tp},
+        "out_bytes": 1e5,
+        "comms": [],
+        "expert_params": 0.0,
+    }
     if comms and tp > 1:
-        v["comms"] = [{"kind": "all_reduce", "group": "tp", "nbytes": 1e5, "phase": p, "count": 2}
-                      for p in ("fwd", "bwd")]
+        v["comms"] = [
+            {"kind": "all_reduce", "group": "tp", "nbytes": 1e5, "phase": p, "count": 2} for p in ("fwd", "bwd")
+        ]
     return v
 
 
 def hand_table(blocks: int = 2) -> dict:
     """A small hand-written ``nest-fx-workload/1`` table (head, ``blocks`` blocks, tail)."""
-    layers = ([{"name": "head", "kind": "head", "signature": "emb", "num_params": 1e6, "flops_per_sample": 0}]
-              + [{"name": f"layers.{i}", "kind": "block", "signature": "dec", "num_params": 1e6,
-                  "flops_per_sample": 1e9, "is_moe": False} for i in range(blocks)]
-              + [{"name": "tail", "kind": "tail", "signature": "lmh", "num_params": 1e6, "flops_per_sample": 1e8}])
-    costs = {key: [_variant(tp, scale=s) for tp in (1, 2)] for key, s in
-             (("head:emb", 0.1), ("block:dec", 1.0), ("tail:lmh", 0.5))}
+    layers = (
+        [{"name": "head", "kind": "head", "signature": "emb", "num_params": 1e6, "flops_per_sample": 0}]
+        + [
+            {
+                "name": f"layers.{i}",
+                "kind": "block",
+                "signature": "dec",
+                "num_params": 1e6,
+                "flops_per_sample": 1e9,
+                "is_moe": False,
+            }
+            for i in range(blocks)
+        ]
+        + [{"name": "tail", "kind": "tail", "signature": "lmh", "num_params": 1e6, "flops_per_sample": 1e8}]
+    )
+    costs = {
+        key: [_variant(tp, scale=s) for tp in (1, 2)]
+        for key, s in (("head:emb", 0.1), ("block:dec", 1.0), ("tail:lmh", 0.5))
+    }
     costs["block:dec"].append(_variant(1, mbs=2, scale=2.0))
-    return {"format": "nest-fx-workload/1", "model": MODEL, "provenance": "hand-written",
-            "dims": {"seq_len": 32, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn_hidden": 256,
-                     "num_experts": 0, "vocab_size": 128, "dtype_bytes": 2},
-            "layers": layers, "costs": costs}
+    return {
+        "format": "nest-fx-workload/1",
+        "model": MODEL,
+        "provenance": "hand-written",
+        "dims": {
+            "seq_len": 32,
+            "hidden": 64,
+            "heads": 4,
+            "kv_heads": 4,
+            "ffn_hidden": 256,
+            "num_experts": 0,
+            "vocab_size": 128,
+            "dtype_bytes": 2,
+        },
+        "layers": layers,
+        "costs": costs,
+    }
 
 
 @functools.lru_cache(maxsize=None)

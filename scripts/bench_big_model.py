@@ -33,6 +33,7 @@
 ``--limit rlimit`` uses ``RLIMIT_AS`` (address space) instead of the cgroup; ``--limit
 watchdog`` polls the RSS. Writes ``results/bench_big_model.json`` and ``.md`` (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,25 @@ from typing import Dict, List
 import torch
 
 from _bench_common import table, write_json
-from big_model_memory import (MiB, Sampler, baseline_rank, cgroup_peak, io_counters, join_cgroup, memory_now,
-                              remove_cgroup, reset_peak, set_mmap_threshold, status_kib, watchdog)
+from big_model_memory import (
+    MiB,
+    Sampler,
+    baseline_rank,
+    cgroup_peak,
+    io_counters,
+    join_cgroup,
+    memory_now,
+    remove_cgroup,
+    reset_peak,
+    set_mmap_threshold,
+    status_kib,
+    watchdog,
+)
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 from validate_cpu import _tensor_peak_bytes as tensor_peak_bytes
 
-GB = 10 ** 9
+GB = 10**9
 RANKS, STEPS, LR = 4, 2, 1e-3
 WEIGHT_SHARD, EXPORT_SHARD = "1GB", "100MB"
 TARGET = 1.25
@@ -63,12 +76,22 @@ SUM_TOL = 1e-12  # float64 sums of the same values, added in another order (a wr
 
 # -- the model and its weights file -----------------------------------------------------------
 
+
 def llama_config(args):
     import transformers
+
     return transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-        max_position_embeddings=2048, tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
 
 
 def write_weights(config, directory: str) -> Dict[str, int]:
@@ -97,7 +120,9 @@ def write_weights(config, directory: str) -> Dict[str, int]:
         file = SHARD_NAME.format(index=i + 1, count=len(groups))
         tensors = {}
         for name, shape in group:
-            tensors[name] = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+            tensors[name] = (
+                torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+            )
             weight_map[name] = file
             total += tensors[name].numel() * 4
             params += tensors[name].numel()
@@ -122,11 +147,13 @@ def drop_page_cache(path: str) -> None:
 
 def plan_for(kind: str, num_blocks: int, precision: str, batch: int):
     from nest_fx.plan import uniform_plan
+
     if kind == "tp4":
         return uniform_plan(num_blocks, tp=RANKS, microbatch_size=batch, num_microbatches=1, precision=precision)
     if kind == "zero3":
-        return uniform_plan(num_blocks, dp=RANKS, zero=3, microbatch_size=batch // RANKS, num_microbatches=1,
-                            precision=precision)
+        return uniform_plan(
+            num_blocks, dp=RANKS, zero=3, microbatch_size=batch // RANKS, num_microbatches=1, precision=precision
+        )
     raise SystemExit(f"unknown plan {kind!r}")
 
 
@@ -150,10 +177,12 @@ def predict(spec: str, kinds: List[str], precision: str, batch: int, seq: int):
 
 # -- one rank ---------------------------------------------------------------------------------
 
+
 def run_rank(spec: dict) -> dict:
     import transformers  # noqa: F401 - imported before the join: part of the process, not of the model
 
     import nest_fx.apply.api  # noqa: F401
+
     rank = int(os.environ["RANK"])
     out: Dict[str, object] = {"rank": rank, "limit_kind": spec["limit"]}
     if spec["mmap_threshold"]:
@@ -193,8 +222,9 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
 
     hwm: Dict[str, int] = {}
     marks: Dict[str, Dict[str, int]] = {}
-    sampler = Sampler(progress=os.path.join(spec["work"], f"rank{os.environ['RANK']}.progress"),
-                      cgroup=out.get("cgroup_path"))
+    sampler = Sampler(
+        progress=os.path.join(spec["work"], f"rank{os.environ['RANK']}.progress"), cgroup=out.get("cgroup_path")
+    )
     sampler.phase = "setup"
     out["peak_reset_works"] = reset_peak()
     timing: Dict[str, float] = {}
@@ -220,6 +250,7 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
         timing["storage_read_bytes"] = io_after.get("read_bytes", 0) - io_before.get("read_bytes", 0)
         marks["after_load"] = memory_now()
         return counts
+
     prepare_module.trace, steps.materialize = traced, timed_materialize
 
     model, _ = build_model(spec["model"], device="meta")
@@ -228,8 +259,15 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
     x = torch.randint(0, spec["vocab"], (batch, seq), generator=gen)
     y = torch.randint(0, spec["vocab"], (batch, seq), generator=gen)
     out["phase"] = "auto_parallelize"
-    pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=batch, loss_fn=lm_loss,
-                          plan=Plan.from_dict(spec["plan"]), weights=spec["weights"], verbose=False)
+    pm = auto_parallelize(
+        model,
+        {"input_ids": x},
+        global_batch_size=batch,
+        loss_fn=lm_loss,
+        plan=Plan.from_dict(spec["plan"]),
+        weights=spec["weights"],
+        verbose=False,
+    )
     del model
     t_ready = time.perf_counter()
     hwm["load"] = status_kib("VmHWM") * 1024
@@ -299,6 +337,7 @@ def _train_and_export(spec: dict, out: dict, t0: float) -> None:
 
 # -- the report -------------------------------------------------------------------------------
 
+
 def check_export(directory: str, sums: Dict[str, float]) -> Dict[str, object]:
     """Every exported tensor's float64 sum against the trained model's (one tensor at a time)."""
     from safetensors import safe_open
@@ -315,21 +354,33 @@ def check_export(directory: str, sums: Dict[str, float]) -> Dict[str, object]:
                 want = sums[key]
                 worst = max(worst, abs(value - want) / max(1e-30, abs(want)))
                 seen.add(key)
-    return {"tensors": len(seen), "dtypes": sorted(dtypes), "missing": sorted(set(sums) - seen)[:5],
-            "extra": sorted(seen - set(sums))[:5], "max_rel_diff_of_sums": worst,
-            "ok": seen == set(sums) and worst <= SUM_TOL}
+    return {
+        "tensors": len(seen),
+        "dtypes": sorted(dtypes),
+        "missing": sorted(set(sums) - seen)[:5],
+        "extra": sorted(seen - set(sums))[:5],
+        "max_rel_diff_of_sums": worst,
+        "ok": seen == set(sums) and worst <= SUM_TOL,
+    }
 
 
 def summarise(r: dict, pred: float, empty_rss: float, bound: int) -> dict:
     """Derived per-rank figures (bytes and ratios) of one rank's raw measurements."""
     peak = max(r["peak_rss_bytes"].values())
     anon = max(v["anon_bytes"] for v in r["sampled_peaks"].values())
-    r.update(predicted_bytes=pred, peak_rss=peak, peak_anon=anon,
-             peak_over_empty=peak - empty_rss, peak_over_bound=peak / bound if bound else None, ratio=(peak - empty_rss) / pred,
-             ratio_with_empty=peak / pred, tensor_ratio=r["tensor_peak_bytes"] / pred,
-             read_over_shard=r["bytes_read"] / r["shard_file_bytes"],
-             load_mb_s=r["bytes_read"] / 1e6 / r["load_s"],
-             trace_bytes=r["marks"]["after_trace"]["anon"] - r["marks"]["before_trace"]["anon"])
+    r.update(
+        predicted_bytes=pred,
+        peak_rss=peak,
+        peak_anon=anon,
+        peak_over_empty=peak - empty_rss,
+        peak_over_bound=peak / bound if bound else None,
+        ratio=(peak - empty_rss) / pred,
+        ratio_with_empty=peak / pred,
+        tensor_ratio=r["tensor_peak_bytes"] / pred,
+        read_over_shard=r["bytes_read"] / r["shard_file_bytes"],
+        load_mb_s=r["bytes_read"] / 1e6 / r["load_s"],
+        trace_bytes=r["marks"]["after_trace"]["anon"] - r["marks"]["before_trace"]["anon"],
+    )
     return r
 
 
@@ -346,10 +397,18 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="bf16-true", choices=("fp32", "bf16-true", "bf16-mixed"))
     parser.add_argument("--plan", choices=("auto", "tp4", "zero3"), default="auto")
     parser.add_argument("--limit", choices=("cgroup", "rlimit", "watchdog"), default="cgroup")
-    parser.add_argument("--fraction", type=float, default=3.0,
-                        help="each rank's whole memory is bounded by the model's fp32 bytes / this (0: no limit)")
-    parser.add_argument("--mmap-threshold", type=int, default=2 ** 20,
-                        help="glibc M_MMAP_THRESHOLD of each rank, bytes (0: glibc's adaptive default)")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=3.0,
+        help="each rank's whole memory is bounded by the model's fp32 bytes / this (0: no limit)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=2**20,
+        help="glibc M_MMAP_THRESHOLD of each rank, bytes (0: glibc's adaptive default)",
+    )
     parser.add_argument("--workdir", default=None, help="where the weights and the export go (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the weights and the export")
     parser.add_argument("--out", default="results/bench_big_model")
@@ -366,8 +425,11 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         written = write_weights(config, weights)
         written["seconds"] = time.perf_counter() - start
-        print(f"wrote {written['params'] / 1e6:.0f} M parameters, {written['bytes'] / GB:.2f} GB fp32, in "
-              f"{written['files']} files to {weights} ({written['seconds']:.0f} s)", flush=True)
+        print(
+            f"wrote {written['params'] / 1e6:.0f} M parameters, {written['bytes'] / GB:.2f} GB fp32, in "
+            f"{written['files']} files to {weights} ({written['seconds']:.0f} s)",
+            flush=True,
+        )
     else:
         for name in os.listdir(weights):
             if name.endswith(".safetensors"):
@@ -377,23 +439,40 @@ def main(argv=None) -> int:
     spec_name = f"hf-config:{os.path.join(weights, 'config.json')}"
     kinds = ["tp4", "zero3"] if args.plan == "auto" else [args.plan]
     predictions = predict(spec_name, kinds, args.precision, args.batch, args.seq)
-    per_rank = {k: [terms[0 if p.pp == 1 else r // (RANKS // p.pp)]["total"] for r in range(RANKS)]
-                for k, (p, terms) in predictions.items()}
+    per_rank = {
+        k: [terms[0 if p.pp == 1 else r // (RANKS // p.pp)]["total"] for r in range(RANKS)]
+        for k, (p, terms) in predictions.items()
+    }
     kind = min(kinds, key=lambda k: max(per_rank[k]))
     plan, predicted = predictions[kind]
     pred_bytes = per_rank[kind]
     bound = int(model_bytes / args.fraction) if args.fraction else 0
-    print(f"predicted per rank ({args.precision}, SGD): " + ", ".join(f"{k} {max(v) / MiB:.0f} MiB" for k, v in per_rank.items())
-          + f"; running {kind}; model {model_bytes / MiB:.0f} MiB fp32; each rank's bound "
-          f"{bound / MiB:.0f} MiB ({args.limit})", flush=True)
+    print(
+        f"predicted per rank ({args.precision}, SGD): "
+        + ", ".join(f"{k} {max(v) / MiB:.0f} MiB" for k, v in per_rank.items())
+        + f"; running {kind}; model {model_bytes / MiB:.0f} MiB fp32; each rank's bound "
+        f"{bound / MiB:.0f} MiB ({args.limit})",
+        flush=True,
+    )
     empty = launch(baseline_rank, RANKS, timeout=300)
     empty_rss = max(e["gloo"]["rss"] for e in empty)
     print(f"an empty rank (torch, transformers, nest-fx, gloo): RSS {empty_rss / MiB:.0f} MiB", flush=True)
     token = f"{os.getpid()}"
-    spec = {"model": spec_name, "vocab": args.vocab, "weights": weights, "export": export, "work": work,
-            "plan": plan.to_dict(), "bound": bound, "limit": args.limit, "token": token, "batch": args.batch,
-            "seq": args.seq, "mmap_threshold": args.mmap_threshold,
-            "export_dtype": torch.bfloat16 if args.precision == "bf16-true" else None}
+    spec = {
+        "model": spec_name,
+        "vocab": args.vocab,
+        "weights": weights,
+        "export": export,
+        "work": work,
+        "plan": plan.to_dict(),
+        "bound": bound,
+        "limit": args.limit,
+        "token": token,
+        "batch": args.batch,
+        "seq": args.seq,
+        "mmap_threshold": args.mmap_threshold,
+        "export_dtype": torch.bfloat16 if args.precision == "bf16-true" else None,
+    }
     start = time.perf_counter()
     try:
         ranks = launch(run_rank, RANKS, spec, timeout=args.timeout)
@@ -408,14 +487,34 @@ def main(argv=None) -> int:
         for r in range(RANKS):
             remove_cgroup(f"nestfx-bench-{token}-rank{r}")
     wall = time.perf_counter() - start
-    result = {"machine": "2-core CPU box (Xeon, AMX), 24 GiB shared with other jobs; gloo, 4 ranks, 1 thread each",
-              "plan": kind, "plan_dict": plan.to_dict(), "precision": args.precision,
-              "model": {"layers": args.layers, "hidden": args.hidden, "ffn": args.ffn, "vocab": args.vocab,
-                        "bytes_fp32": model_bytes, "params": model_bytes // 4},
-              "written": written, "batch": args.batch, "seq": args.seq, "steps": STEPS, "optimizer": "SGD (no momentum)",
-              "limit": args.limit, "fraction": args.fraction, "mmap_threshold": args.mmap_threshold,
-              "bound_bytes": bound, "wall_s": wall,
-              "predicted_per_rank": per_rank, "predicted_terms": predicted, "empty_rank": empty, "ranks": []}
+    result = {
+        "machine": "2-core CPU box (Xeon, AMX), 24 GiB shared with other jobs; gloo, 4 ranks, 1 thread each",
+        "plan": kind,
+        "plan_dict": plan.to_dict(),
+        "precision": args.precision,
+        "model": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "ffn": args.ffn,
+            "vocab": args.vocab,
+            "bytes_fp32": model_bytes,
+            "params": model_bytes // 4,
+        },
+        "written": written,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": STEPS,
+        "optimizer": "SGD (no momentum)",
+        "limit": args.limit,
+        "fraction": args.fraction,
+        "mmap_threshold": args.mmap_threshold,
+        "bound_bytes": bound,
+        "wall_s": wall,
+        "predicted_per_rank": per_rank,
+        "predicted_terms": predicted,
+        "empty_rank": empty,
+        "ranks": [],
+    }
     if args.limit == "rlimit" and any("failed" in r for r in ranks):
         result["ranks"] = ranks
         print(json.dumps(ranks, indent=1))
@@ -437,32 +536,64 @@ def write_markdown(path: str, result: dict, empty_rss: float) -> None:
     m, rows = result["model"], []
     for r in result["ranks"]:
         cg = f"{r['cgroup_peak_bytes'] / MiB:.0f}" if r.get("cgroup_peak_bytes") else "-"
-        rows.append([r["rank"], f"{r['limit_bytes'] / MiB:.0f} + {r['at_join']['rss'] / MiB:.0f}",
-                     f"{r['predicted_bytes'] / MiB:.0f}",
-                     " / ".join(f"{v / MiB:.0f}" for v in r["peak_rss_bytes"].values()),
-                     f"{r['profiled_step_rss_bytes'] / MiB:.0f}",
-                     f"{r['peak_over_bound']:.2f}" if r["peak_over_bound"] else "-",
-                     f"{r['peak_over_empty'] / MiB:.0f}", f"{r['ratio']:.2f}", f"{r['ratio_with_empty']:.2f}",
-                     f"{r['peak_anon'] / MiB:.0f}", f"{r['tensor_peak_bytes'] / MiB:.0f}", f"{r['tensor_ratio']:.2f}",
-                     f"{r['trace_bytes'] / MiB:.0f}",
-                     f"{r['bytes_read'] / MiB:.0f} / {r['shard_file_bytes'] / MiB:.0f} ({r['read_over_shard']:.2f})",
-                     f"{r['storage_read_bytes'] / MiB:.0f}", f"{r['load_s']:.1f} ({r['load_mb_s']:.0f})",
-                     f"{r['first_step_end_s']:.0f}", " / ".join(f"{s:.1f}" for s in r["step_s"]),
-                     f"{r['export_s']:.1f}", cg])
-    head = ["rank", "limit + RSS at join MiB", "predicted MiB", "peak RSS setup / load / step 1 / export MiB",
-            "RSS profiled step 2 MiB", "peak RSS / bound",
-            "peak - empty rank MiB", "ratio (- empty)", "ratio (whole RSS)", "anon peak MiB", "live tensors MiB",
-            "tensors ratio", "trace MiB", "read / shard MiB", "storage read MiB", "load s (MB/s)",
-            "first step at s", "steps s", "export s", "cgroup peak MiB"]
+        rows.append(
+            [
+                r["rank"],
+                f"{r['limit_bytes'] / MiB:.0f} + {r['at_join']['rss'] / MiB:.0f}",
+                f"{r['predicted_bytes'] / MiB:.0f}",
+                " / ".join(f"{v / MiB:.0f}" for v in r["peak_rss_bytes"].values()),
+                f"{r['profiled_step_rss_bytes'] / MiB:.0f}",
+                f"{r['peak_over_bound']:.2f}" if r["peak_over_bound"] else "-",
+                f"{r['peak_over_empty'] / MiB:.0f}",
+                f"{r['ratio']:.2f}",
+                f"{r['ratio_with_empty']:.2f}",
+                f"{r['peak_anon'] / MiB:.0f}",
+                f"{r['tensor_peak_bytes'] / MiB:.0f}",
+                f"{r['tensor_ratio']:.2f}",
+                f"{r['trace_bytes'] / MiB:.0f}",
+                f"{r['bytes_read'] / MiB:.0f} / {r['shard_file_bytes'] / MiB:.0f} ({r['read_over_shard']:.2f})",
+                f"{r['storage_read_bytes'] / MiB:.0f}",
+                f"{r['load_s']:.1f} ({r['load_mb_s']:.0f})",
+                f"{r['first_step_end_s']:.0f}",
+                " / ".join(f"{s:.1f}" for s in r["step_s"]),
+                f"{r['export_s']:.1f}",
+                cg,
+            ]
+        )
+    head = [
+        "rank",
+        "limit + RSS at join MiB",
+        "predicted MiB",
+        "peak RSS setup / load / step 1 / export MiB",
+        "RSS profiled step 2 MiB",
+        "peak RSS / bound",
+        "peak - empty rank MiB",
+        "ratio (- empty)",
+        "ratio (whole RSS)",
+        "anon peak MiB",
+        "live tensors MiB",
+        "tensors ratio",
+        "trace MiB",
+        "read / shard MiB",
+        "storage read MiB",
+        "load s (MB/s)",
+        "first step at s",
+        "steps s",
+        "export s",
+        "cgroup peak MiB",
+    ]
     bound = result["bound_bytes"]
-    text = (f"# bench_big_model ({result['machine']})\n\n"
-            f"Llama-shaped model, {m['layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, vocab {m['vocab']}: "
-            f"{m['params'] / 1e9:.2f} B parameters, {m['bytes_fp32'] / GB:.2f} GB fp32 safetensors; plan "
-            f"{result['plan']}, precision {result['precision']}; batch {result['batch']} x {result['seq']}; "
-            f"{result['steps']} SGD steps. Each rank's bound (cgroup limit + RSS at the join): "
-            f"{bound / MiB:.0f} MiB = model / {result['fraction']:g}. An empty rank (torch, transformers, "
-            f"nest-fx, a gloo group): {empty_rss / MiB:.0f} MiB. Export check: {result['export_check']}.\n\n"
-            + table(rows, head) + "\n")
+    text = (
+        f"# bench_big_model ({result['machine']})\n\n"
+        f"Llama-shaped model, {m['layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, vocab {m['vocab']}: "
+        f"{m['params'] / 1e9:.2f} B parameters, {m['bytes_fp32'] / GB:.2f} GB fp32 safetensors; plan "
+        f"{result['plan']}, precision {result['precision']}; batch {result['batch']} x {result['seq']}; "
+        f"{result['steps']} SGD steps. Each rank's bound (cgroup limit + RSS at the join): "
+        f"{bound / MiB:.0f} MiB = model / {result['fraction']:g}. An empty rank (torch, transformers, "
+        f"nest-fx, a gloo group): {empty_rss / MiB:.0f} MiB. Export check: {result['export_check']}.\n\n"
+        + table(rows, head)
+        + "\n"
+    )
     with open(path, "w") as fh:
         fh.write(text)
     print(text)

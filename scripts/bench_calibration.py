@@ -9,6 +9,7 @@ bandwidth and latency and their mean relative error, or why no fit was possible.
     python scripts/bench_calibration.py                      # 3 rounds, 3 ranks, 64 KiB and 8 MiB
     python scripts/bench_calibration.py --rounds 1 --nproc 2 --sizes-kib 64 1024
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,20 @@ def one_round(nproc: int, sizes_kib, repeats: int, base_spec: str) -> dict:
     base = load_cluster(base_spec).topology
     start = time.perf_counter()
     try:
-        _, fits, samples = calibrate_pairwise(nproc=nproc, sizes=[s * 1024 for s in sizes_kib], base=base,
-                                              repeats=repeats)
+        _, fits, samples = calibrate_pairwise(
+            nproc=nproc, sizes=[s * 1024 for s in sizes_kib], base=base, repeats=repeats
+        )
     except (CalibrationError, ValueError) as exc:
         return {"ok": False, "error": str(exc), "seconds": time.perf_counter() - start}
-    return {"ok": True, "seconds": time.perf_counter() - start, "samples": len(samples),
-            "pairs": [{"pair": [f.src, f.dst], "bandwidth": f.bandwidth, "latency": f.latency,
-                       "mean_abs_error": f.mean_abs_error} for f in fits]}
+    return {
+        "ok": True,
+        "seconds": time.perf_counter() - start,
+        "samples": len(samples),
+        "pairs": [
+            {"pair": [f.src, f.dst], "bandwidth": f.bandwidth, "latency": f.latency, "mean_abs_error": f.mean_abs_error}
+            for f in fits
+        ],
+    }
 
 
 def main() -> int:
@@ -52,13 +60,29 @@ def main() -> int:
             rows.append([k, "-", "-", "-", f"no fit: {r['error'][:80]}"])
             continue
         for p in r["pairs"]:
-            rows.append([k, f"{p['pair'][0]} - {p['pair'][1]}", f"{p['bandwidth'] / 1e9:.2f}",
-                         f"{p['latency'] * 1e6:.0f}", f"{100 * p['mean_abs_error']:.1f}%"])
+            rows.append(
+                [
+                    k,
+                    f"{p['pair'][0]} - {p['pair'][1]}",
+                    f"{p['bandwidth'] / 1e9:.2f}",
+                    f"{p['latency'] * 1e6:.0f}",
+                    f"{100 * p['mean_abs_error']:.1f}%",
+                ]
+            )
     print_table(rows, headers=["round", "pair", "GB/s", "latency us", "mean error"])
     fitted = sum(r["ok"] for r in rounds)
     print(f"a bandwidth term fitted in {fitted}/{len(rounds)} rounds")
-    write_json(args.out, {"nproc": args.nproc, "sizes_kib": args.sizes_kib, "repeats": args.repeats,
-                          "base": args.base, "rounds": rounds, "fitted_rounds": fitted})
+    write_json(
+        args.out,
+        {
+            "nproc": args.nproc,
+            "sizes_kib": args.sizes_kib,
+            "repeats": args.repeats,
+            "base": args.base,
+            "rounds": rounds,
+            "fitted_rounds": fitted,
+        },
+    )
     return 0
 
 

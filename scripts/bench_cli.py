@@ -13,6 +13,7 @@ less. Target (issue 23): ``nest-fx --help`` and a missing-file error under 0.5 s
 when a case of this checkout misses it or exits with an unexpected code. Writes
 results/bench_cli.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,17 +36,29 @@ CASES: Dict[str, Tuple[List[str], int, bool, bool]] = {
     "nest-fx --help": (["-m", "nest_fx", "--help"], 0, True, False),
     "nest-fx plan --help": (["-m", "nest_fx", "plan", "--help"], 0, True, False),
     "argument error (--global-batch zero)": (
-        ["-m", "nest_fx", "plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "zero"], 2, True,
-        False),
+        ["-m", "nest_fx", "plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "zero"],
+        2,
+        True,
+        False,
+    ),
     "missing plan file": (
-        ["-m", "nest_fx", "simulate", "--plan", "missing.json", "--model", MODEL, "--cluster", "dgx-a100:8"], 2, True,
-        False),
+        ["-m", "nest_fx", "simulate", "--plan", "missing.json", "--model", MODEL, "--cluster", "dgx-a100:8"],
+        2,
+        True,
+        False,
+    ),
     "impossible: gpt3-175b on cpu-gloo:2": (
-        ["-m", "nest_fx", "plan", "--model", "gpt3-175b", "--cluster", "cpu-gloo:2", "--no-baselines", "--quiet"], 2,
-        False, True),
+        ["-m", "nest_fx", "plan", "--model", "gpt3-175b", "--cluster", "cpu-gloo:2", "--no-baselines", "--quiet"],
+        2,
+        False,
+        True,
+    ),
     "impossible: gpt3-175b on dgx-a100:8": (
-        ["-m", "nest_fx", "plan", "--model", "gpt3-175b", "--cluster", "dgx-a100:8", "--no-baselines", "--quiet"], 2,
-        False, True),
+        ["-m", "nest_fx", "plan", "--model", "gpt3-175b", "--cluster", "dgx-a100:8", "--no-baselines", "--quiet"],
+        2,
+        False,
+        True,
+    ),
 }
 
 
@@ -76,8 +89,11 @@ def measure(checkouts: Dict[str, str], repeats: int, slow_repeats: int, cases: L
                     row["cpu_s"].append(cpu)
                     row["rc"].append(rc)
                     row["message"] = last
-            print(f"  {name}: " + ", ".join(f"{label} {statistics.median(out[name][label]['wall_s']):.2f} s"
-                                            for label in checkouts), file=sys.stderr)
+            print(
+                f"  {name}: "
+                + ", ".join(f"{label} {statistics.median(out[name][label]['wall_s']):.2f} s" for label in checkouts),
+                file=sys.stderr,
+            )
     return out
 
 
@@ -120,10 +136,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     for miss in misses:
         print(f"MISSED {miss}")
     result = {
-        "checkouts": checkouts, "repeats": args.repeats, "slow_repeats": args.slow_repeats, "target_s": TARGET_S,
+        "checkouts": checkouts,
+        "repeats": args.repeats,
+        "slow_repeats": args.slow_repeats,
+        "target_s": TARGET_S,
         "cases": {name: {"argv": CASES[name][0], **per} for name, per in data.items()},
-        "medians": {name: {label: {"wall_s": statistics.median(v["wall_s"]), "cpu_s": statistics.median(v["cpu_s"])}
-                           for label, v in per.items()} for name, per in data.items()},
+        "medians": {
+            name: {
+                label: {"wall_s": statistics.median(v["wall_s"]), "cpu_s": statistics.median(v["cpu_s"])}
+                for label, v in per.items()
+            }
+            for name, per in data.items()
+        },
         "misses": misses,
     }
     write_json(args.json, result, indent=2)

@@ -44,6 +44,7 @@ largest parameter difference). A model whose noise reaches the tolerance cannot 
 A progress line per cell (status, seconds). Writes ``<out>.md`` (the matrix and the refusal
 reasons, for the README) and ``<out>.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,16 @@ from _bench_common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
-MARK = {"ok": "ok", "refused": "refused", "mismatch": "**MISMATCH**", "crash": "**CRASH**",
-        "late-refusal": "late refusal", "error": "error", "timeout": "timeout", "n/a": "-"}
+MARK = {
+    "ok": "ok",
+    "refused": "refused",
+    "mismatch": "**MISMATCH**",
+    "crash": "**CRASH**",
+    "late-refusal": "late refusal",
+    "error": "error",
+    "timeout": "timeout",
+    "n/a": "-",
+}
 
 
 def _spec(model: str, plan: Dict[str, Any]) -> Dict[str, Any]:
@@ -96,7 +105,7 @@ def _kind(model: str) -> str:
 
 
 def _short(reason: str, limit: int = 160) -> str:
-    return reason if len(reason) <= limit else reason[:limit - 3] + "..."
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def _noise_text(row: Dict[str, Any]) -> str:
@@ -106,8 +115,7 @@ def _noise_text(row: Dict[str, Any]) -> str:
     return f"{row['param']:.0e}{flag}"
 
 
-def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
-             noises: Dict[str, Dict[str, Any]]) -> str:
+def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str], noises: Dict[str, Dict[str, Any]]) -> str:
     """The matrix (one row per model, one column per plan, the model's fp32 drift from fp64) and the
     distinct refusal/error reasons."""
     lines = ["| model | kind | " + " | ".join(plans) + " | fp32 noise |", "|---|---|" + "---|" * (len(plans) + 1)]
@@ -123,8 +131,9 @@ def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
                 reasons.setdefault(key, []).append(f"{model} {plan}")
                 text += f" [{number}]"
             cells.append(text)
-        lines.append(f"| `{model}` | {_kind(model)} | " + " | ".join(cells)
-                     + f" | {_noise_text(noises.get(model, {}))} |")
+        lines.append(
+            f"| `{model}` | {_kind(model)} | " + " | ".join(cells) + f" | {_noise_text(noises.get(model, {}))} |"
+        )
     counts: Dict[str, int] = {}
     for row in matrix.values():
         for cell in row.values():
@@ -139,15 +148,26 @@ def markdown(matrix: Dict[str, Dict[str, Dict[str, Any]]], plans: List[str],
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=("coverage", "styles"), default="coverage",
-                        help="coverage: COVERAGE_MODELS (default); styles: nest_fx.testing_styles.STYLE_MODELS")
+    parser.add_argument(
+        "--suite",
+        choices=("coverage", "styles"),
+        default="coverage",
+        help="coverage: COVERAGE_MODELS (default); styles: nest_fx.testing_styles.STYLE_MODELS",
+    )
     parser.add_argument("--models", help="comma-separated model names (default: the suite's)")
     parser.add_argument("--plans", help=f"comma-separated, of {list(COVERAGE_PLANS)} (default: all; styles: no EP)")
-    parser.add_argument("--out", help="output path without extension (.md and .json are written; default "
-                        "results/bench_coverage or results/bench_coverage_styles)")
+    parser.add_argument(
+        "--out",
+        help="output path without extension (.md and .json are written; default "
+        "results/bench_coverage or results/bench_coverage_styles)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell before its ranks are killed")
-    parser.add_argument("--reuse", metavar="JSON", help="a previous run of the same code: keep its cells and fp32 "
-                        "noise, run again only its error and timeout cells and what it lacks")
+    parser.add_argument(
+        "--reuse",
+        metavar="JSON",
+        help="a previous run of the same code: keep its cells and fp32 "
+        "noise, run again only its error and timeout cells and what it lacks",
+    )
     args = parser.parse_args(argv)
     styles = args.suite == "styles"
     args.models = args.models or ",".join(STYLE_MODELS if styles else COVERAGE_MODELS)
@@ -174,13 +194,27 @@ def main(argv=None) -> int:
             matrix[model][plan] = cell
             done = sum(len(r) for r in matrix.values())
             detail = cell.get("plan") or _short(cell.get("reason", ""), 100)
-            print(f"[{done}/{total}] {model:<16} {plan:<8} {cell['status']:<8} {cell['seconds']:6.1f}s  {detail}",
-                  flush=True)
+            print(
+                f"[{done}/{total}] {model:<16} {plan:<8} {cell['status']:<8} {cell['seconds']:6.1f}s  {detail}",
+                flush=True,
+            )
     table = markdown(matrix, plans, noises)
-    write_json(args.out + ".json", {"world": WORLD, "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ, "tolerance": 1e-5,
-                                    "plans": {p: COVERAGE_PLANS[p] for p in plans}, "matrix": matrix,
-                                    "fp32_noise": noises, "seconds": round(time.perf_counter() - start, 1),
-                                    "reused_run_seconds": previous.get("seconds")}, indent=2, quiet=True)
+    write_json(
+        args.out + ".json",
+        {
+            "world": WORLD,
+            "batch": COVERAGE_BATCH,
+            "seq": COVERAGE_SEQ,
+            "tolerance": 1e-5,
+            "plans": {p: COVERAGE_PLANS[p] for p in plans},
+            "matrix": matrix,
+            "fp32_noise": noises,
+            "seconds": round(time.perf_counter() - start, 1),
+            "reused_run_seconds": previous.get("seconds"),
+        },
+        indent=2,
+        quiet=True,
+    )
     with open(args.out + ".md", "w", encoding="utf-8") as fh:
         fh.write(table)
     print(table)

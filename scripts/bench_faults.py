@@ -53,6 +53,7 @@ node-loss           two torchrun agents (``--nnodes=1:2``, 2 ranks each) of
 
 Writes ``results/bench_faults.json`` and prints the table; exit status 1 when a probe fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,13 +82,20 @@ from nest_fx.common.limits import MAX_LAYERS
 from nest_fx.models import build_seeded
 from nest_fx.models.build import build_any
 from nest_fx.plan import Plan, uniform_plan
-from nest_fx.testing import (FAULT_MODEL, fault_reports, fault_run)
+from nest_fx.testing import FAULT_MODEL, fault_reports, fault_run
 from nest_fx.testing_faults import EtcdServer, elastic_node_loss, torchrun_fault
 from nest_fx.workload.profile_file import Profile
 
 from _bench_common import table as github_table, write_json
-from fault_probes import (probe_corrupt, probe_fallback, probe_load_after_full,  # next to this script
-                          probe_wrong_model, row, timed, trained)
+from fault_probes import (
+    probe_corrupt,
+    probe_fallback,
+    probe_load_after_full,  # next to this script
+    probe_wrong_model,
+    row,
+    timed,
+    trained,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -97,11 +105,17 @@ SLACK_S = 5.0  # "the timeout + a few seconds"
 
 # -- collectives -----------------------------------------------------------------------------------
 
+
 def probe_signal(name: str, signal_name: str, where: str, timeout_s: float, work: str) -> Dict[str, Any]:
     out = os.path.join(work, name)
     os.makedirs(out)
-    spec = {"signal": signal_name, "where": where, "out": out, "timeout_s": timeout_s,
-            "ckpt": os.path.join(out, "ckpt")}
+    spec = {
+        "signal": signal_name,
+        "where": where,
+        "out": out,
+        "timeout_s": timeout_s,
+        "ckpt": os.path.join(out, "ckpt"),
+    }
     start = time.monotonic()
     try:
         launch(fault_run, 4, spec, timeout=120 + timeout_s)
@@ -117,7 +131,7 @@ def probe_signal(name: str, signal_name: str, where: str, timeout_s: float, work
     peer = {"tp": 2, "dp": 1}.get(where)
     outcome = f"ranks 0-2 ended with CollectiveError; launch ended after {total:.1f} s"
     if peer is not None and peer in named:
-        outcome += f"; rank {peer}: '{named[peer][len(f'rank {peer}: '):]}'"
+        outcome += f"; rank {peer}: '{named[peer][len(f'rank {peer}: ') :]}'"
         group = {"tp": "tp group (ranks 2, 3)", "dp": "dp group (ranks 1, 3)"}[where]
         ok = ok and group in named[peer]
     extra: Dict[str, Any] = {}
@@ -129,8 +143,17 @@ def probe_signal(name: str, signal_name: str, where: str, timeout_s: float, work
         ok = ok and left == ["latest", "step-00000001"] and step == 1
         outcome += f"; checkpoint directory: {left}, loads step {step}"
         extra["left"] = left
-    return row(name, f"rank 3 {signal_name} at {where}", outcome, detect, ok, launch_s=total, messages=named,
-               launch_error=ended, **extra)
+    return row(
+        name,
+        f"rank 3 {signal_name} at {where}",
+        outcome,
+        detect,
+        ok,
+        launch_s=total,
+        messages=named,
+        launch_error=ended,
+        **extra,
+    )
 
 
 def probe_stop_torchrun(name: str, where: str, timeout_s: float, work: str, end_peers: bool) -> Dict[str, Any]:
@@ -157,12 +180,16 @@ def probe_stop_torchrun(name: str, where: str, timeout_s: float, work: str, end_
 
 # -- checkpoints -----------------------------------------------------------------------------------
 
+
 def full_disk_inner(directory: str) -> Dict[str, Any]:
     """Inside a private mount namespace: a tmpfs with room for 1.5 checkpoints at ``directory``."""
     model, opt = trained(FAULT_MODEL)
     probe = tempfile.mkdtemp()
-    one = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(save_checkpoint(model, probe, opt, step=0))
-              for n in names)
+    one = sum(
+        os.path.getsize(os.path.join(d, n))
+        for d, _, names in os.walk(save_checkpoint(model, probe, opt, step=0))
+        for n in names
+    )
     shutil.rmtree(probe)
     size_kib = max(64, int(1.5 * one / 1024))
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", directory], check=True)
@@ -179,8 +206,15 @@ def disk_outcomes(directory: str, model, opt, setup: str) -> Dict[str, Any]:
     left = sorted(os.listdir(ckpt))
     fresh, _ = build_seeded(FAULT_MODEL, seed=7)
     step = load_checkpoint(fresh, ckpt, torch.optim.AdamW(fresh.parameters()))["step"]
-    return {"setup": setup, "preflight_s": preflight_s, "preflight": str(preflight), "save_s": save_s,
-            "save_error": str(failed), "left": left, "loads_step": step}
+    return {
+        "setup": setup,
+        "preflight_s": preflight_s,
+        "preflight": str(preflight),
+        "save_s": save_s,
+        "save_error": str(failed),
+        "left": left,
+        "loads_step": step,
+    }
 
 
 def probe_full_disk(work: str, mount: bool = True) -> Dict[str, Any]:
@@ -191,20 +225,29 @@ def probe_full_disk(work: str, mount: bool = True) -> Dict[str, Any]:
     prefixes = (prefixes + [["unshare", "--user", "--map-root-user", "--mount"]]) if mount else []
     result = None
     for prefix in prefixes if shutil.which("unshare") else []:
-        done = subprocess.run(prefix + [sys.executable, __file__, "--full-disk-inner", directory, result_path],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            prefix + [sys.executable, __file__, "--full-disk-inner", directory, result_path],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode == 0:
             with open(result_path) as fh:
                 result = json.load(fh)
             break
     if result is None:
         result = simulated_full_disk(directory)
-    ok = ("two checkpoints need" in result["preflight"] and "nothing was left behind" in result["save_error"]
-          and ("No space left on device" in result["save_error"] or "disk full?" in result["save_error"])
-          and result["left"] == ["latest", "step-00000001"] and result["loads_step"] == 1)
-    outcome = (f"{result['setup']}: resume refused before training ('{result['preflight'].split('; fix')[0]}'); "
-               f"the save on the full disk failed in {result['save_s']:.2f} s "
-               f"('{result['save_error'].split(';')[0].split(' failed')[1].strip()}'), left {result['left']}, step 1 loads")
+    ok = (
+        "two checkpoints need" in result["preflight"]
+        and "nothing was left behind" in result["save_error"]
+        and ("No space left on device" in result["save_error"] or "disk full?" in result["save_error"])
+        and result["left"] == ["latest", "step-00000001"]
+        and result["loads_step"] == 1
+    )
+    outcome = (
+        f"{result['setup']}: resume refused before training ('{result['preflight'].split('; fix')[0]}'); "
+        f"the save on the full disk failed in {result['save_s']:.2f} s "
+        f"('{result['save_error'].split(';')[0].split(' failed')[1].strip()}'), left {result['left']}, step 1 loads"
+    )
     return row("full-disk", "disk full", outcome, result["preflight_s"], ok, **result)
 
 
@@ -232,6 +275,7 @@ def simulated_full_disk(directory: str) -> Dict[str, Any]:
 
 # -- settings and inputs -----------------------------------------------------------------------------
 
+
 def mismatch_run(kind: str) -> Dict[str, Any]:
     """2 ranks; rank 1 differs in ``kind`` ("lr": 10x the learning rate; "batch": another global batch)."""
     rank = int(os.environ["RANK"])
@@ -257,8 +301,13 @@ def probe_mismatch(kind: str) -> Dict[str, Any]:
     field = {"lr": "optimizer default lr", "batch": "global_batch_size"}[kind]
     ok = all(r["error"] == error for r in results) and error.startswith(f"ranks disagree on {field}")
     fault = {"lr": "rank 1 with 10x the learning rate", "batch": "rank 1 with another global batch"}[kind]
-    return row(f"rank-mismatch-{kind}", fault, f"both ranks refused: '{error.split(' (')[0]}'",
-               max(r["detect_s"] or 0 for r in results), ok)
+    return row(
+        f"rank-mismatch-{kind}",
+        fault,
+        f"both ranks refused: '{error.split(' (')[0]}'",
+        max(r["detect_s"] or 0 for r in results),
+        ok,
+    )
 
 
 def probe_inputs(work: str) -> List[Dict[str, Any]]:
@@ -267,44 +316,105 @@ def probe_inputs(work: str) -> List[Dict[str, Any]]:
     big = os.path.join(work, "big.yaml")
     with open(big, "w") as fh:
         fh.write("levels:\n" + "  - {name: l, size: 2, bandwidth: 1e9, latency: 1e-6}\n" * 1_800_000)
-    profile = {"format": "nest-fx-profile/1", "device": "cpu", "device_name": "x", "dtype": "float32",
-               "torch_version": "2", "ops": {"k": {"op": "mm", "fwd_s": float("nan"), "bwd_s": 1e-3, "peak_bytes": 0}}}
-    cases = [("--plan /dev/zero", lambda: Plan.load("/dev/zero")),
-             ("a FIFO named x.yaml as --cluster", lambda: load_cluster(fifo)),
-             (f"a {os.path.getsize(big) / 1e6:.0f} MB cluster file", lambda: load_cluster(big)),
-             ("NEST_FX_TIMEOUT_S=inf", lambda: env_timeout("inf")),
-             ("NEST_FX_TIMEOUT_S=1e-9", lambda: env_timeout("1e-9")),
-             ("a NaN time in a profile", lambda: Profile.from_dict(profile))]
+    profile = {
+        "format": "nest-fx-profile/1",
+        "device": "cpu",
+        "device_name": "x",
+        "dtype": "float32",
+        "torch_version": "2",
+        "ops": {"k": {"op": "mm", "fwd_s": float("nan"), "bwd_s": 1e-3, "peak_bytes": 0}},
+    }
+    cases = [
+        ("--plan /dev/zero", lambda: Plan.load("/dev/zero")),
+        ("a FIFO named x.yaml as --cluster", lambda: load_cluster(fifo)),
+        (f"a {os.path.getsize(big) / 1e6:.0f} MB cluster file", lambda: load_cluster(big)),
+        ("NEST_FX_TIMEOUT_S=inf", lambda: env_timeout("inf")),
+        ("NEST_FX_TIMEOUT_S=1e-9", lambda: env_timeout("1e-9")),
+        ("a NaN time in a profile", lambda: Profile.from_dict(profile)),
+    ]
     rows = []
     for fault, fn in cases:
         detect, error = timed(fn)
-        rows.append(row("inputs", fault, f"refused: '{str(error)}'" if error else "accepted", detect,
-                        error is not None and detect < 1.0))
-    cli = subprocess.run([sys.executable, "-m", "nest_fx", "simulate", "--plan", "/dev/zero", "--model", "gpt2-small",
-                          "--cluster", "dgx-a100:8"], capture_output=True, text=True, timeout=120)
-    rows.append(row("inputs", "nest-fx simulate --plan /dev/zero", f"exit {cli.returncode}: {cli.stderr.strip()}", None,
-                    cli.returncode == 2 and cli.stderr.startswith("error: ") and len(cli.stderr.splitlines()) == 1))
+        rows.append(
+            row(
+                "inputs",
+                fault,
+                f"refused: '{str(error)}'" if error else "accepted",
+                detect,
+                error is not None and detect < 1.0,
+            )
+        )
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nest_fx",
+            "simulate",
+            "--plan",
+            "/dev/zero",
+            "--model",
+            "gpt2-small",
+            "--cluster",
+            "dgx-a100:8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows.append(
+        row(
+            "inputs",
+            "nest-fx simulate --plan /dev/zero",
+            f"exit {cli.returncode}: {cli.stderr.strip()}",
+            None,
+            cli.returncode == 2 and cli.stderr.startswith("error: ") and len(cli.stderr.splitlines()) == 1,
+        )
+    )
     twice = os.path.join(work, "twice.json")
     with open(twice, "w") as fh:
         fh.write('{"format": "nest-fx-plan/1", "stages": [{"tp": 2, "tp": 4}]}')
     detect, error = timed(lambda: Plan.load(twice))
-    rows.append(row("inputs", "a plan file with a key given twice", f"refused: '{error}'" if error else "accepted", detect,
-                    error is not None and "'tp' appears twice" in str(error)))
+    rows.append(
+        row(
+            "inputs",
+            "a plan file with a key given twice",
+            f"refused: '{error}'" if error else "accepted",
+            detect,
+            error is not None and "'tp' appears twice" in str(error),
+        )
+    )
     deep = "gpt:hidden=64,layers=20000,heads=4,seq=16,vocab=100"
     for fault, argv, env, want, in_process in [
-            ("nest-fx trace gpt:hidden=64,layers=20000,...", ["-m", "nest_fx", "trace", deep], {},
-             f"above the limit of {MAX_LAYERS}", lambda: build_any(deep)),
-            ("plain python, WORLD_SIZE=4, no MASTER_ADDR", ["-c", "from nest_fx.apply.distributed import "
-                                                           "init_distributed; init_distributed()"],
-             {"WORLD_SIZE": "4"}, "fix: launch with torchrun", lambda: without_rendezvous(init_distributed))]:
+        (
+            "nest-fx trace gpt:hidden=64,layers=20000,...",
+            ["-m", "nest_fx", "trace", deep],
+            {},
+            f"above the limit of {MAX_LAYERS}",
+            lambda: build_any(deep),
+        ),
+        (
+            "plain python, WORLD_SIZE=4, no MASTER_ADDR",
+            ["-c", "from nest_fx.apply.distributed import init_distributed; init_distributed()"],
+            {"WORLD_SIZE": "4"},
+            "fix: launch with torchrun",
+            lambda: without_rendezvous(init_distributed),
+        ),
+    ]:
         start = time.perf_counter()
         env = {k: v for k, v in dict(os.environ, **env).items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
         done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
         took = time.perf_counter() - start
         detect, _ = timed(in_process)
         last = (done.stderr.strip().splitlines() or [""])[-1]
-        rows.append(row("inputs", fault, f"exit {done.returncode} ({took:.1f} s with the process start): "
-                        f"'{last[:300]}'", detect, done.returncode != 0 and want in last))
+        rows.append(
+            row(
+                "inputs",
+                fault,
+                f"exit {done.returncode} ({took:.1f} s with the process start): '{last[:300]}'",
+                detect,
+                done.returncode != 0 and want in last,
+            )
+        )
     return rows
 
 
@@ -329,6 +439,7 @@ def env_timeout(value: str) -> None:
 
 # -- node loss ------------------------------------------------------------------------------------------
 
+
 def probe_node_loss(work: str, backend: str = "c10d", victim: int = 1) -> Dict[str, Any]:
     """Two torchrun agents (2 ranks each); agent ``victim`` is killed with its workers at step >= 4
     (0: the one that started the job, with c10d the host of the rendezvous store), later started again."""
@@ -341,21 +452,42 @@ def probe_node_loss(work: str, backend: str = "c10d", victim: int = 1) -> Dict[s
     which = "the node that started the job" if victim == 0 else "the other node"
     fault = f"{which} killed ({backend} rendezvous), later back"
     if got["ended"]:
-        return row("node-loss", fault, f"the job ended: the surviving agent exited with code {got['codes'][0]} "
-                   f"{got['ended_s']:.1f} s after the kill (the rendezvous store was on the lost node)", got["ended_s"],
-                   backend == "c10d" and victim == 0, **got)
+        return row(
+            "node-loss",
+            fault,
+            f"the job ended: the surviving agent exited with code {got['codes'][0]} "
+            f"{got['ended_s']:.1f} s after the kill (the rendezvous store was on the lost node)",
+            got["ended_s"],
+            backend == "c10d" and victim == 0,
+            **got,
+        )
     worst = got["worst_loss_diff"]
     ok = got["codes"] == [0, 0] and worst <= 1e-5 and 2 in got["worlds"] and got["worlds"][-1] == 4
-    outcome = (f"4 -> 2 ranks: training again {got['resume_s']:.1f} s after the kill (re-planned, resumed from the "
-               f"newest checkpoint); 2 -> 4 ranks {got['grow_s']:.1f} s after the node came back; "
-               f"{got['redone_steps']} steps trained twice; worst loss difference to one device {worst:.1e}")
+    outcome = (
+        f"4 -> 2 ranks: training again {got['resume_s']:.1f} s after the kill (re-planned, resumed from the "
+        f"newest checkpoint); 2 -> 4 ranks {got['grow_s']:.1f} s after the node came back; "
+        f"{got['redone_steps']} steps trained twice; worst loss difference to one device {worst:.1e}"
+    )
     return row("node-loss", fault, outcome, got["resume_s"], ok, **got)
 
 
 # -- main -------------------------------------------------------------------------------------------------
 
-PROBES = ["kill", "hang-tp", "hang-dp", "kill-during-save", "stop-torchrun", "corrupt", "full-disk", "fallback",
-          "load-after-full", "wrong-model", "rank-mismatch", "inputs", "node-loss"]
+PROBES = [
+    "kill",
+    "hang-tp",
+    "hang-dp",
+    "kill-during-save",
+    "stop-torchrun",
+    "corrupt",
+    "full-disk",
+    "fallback",
+    "load-after-full",
+    "wrong-model",
+    "rank-mismatch",
+    "inputs",
+    "node-loss",
+]
 
 
 def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> List[Dict[str, Any]]:
@@ -366,9 +498,11 @@ def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> Lis
     if name == "kill-during-save":
         return [probe_signal(name, "SIGKILL", "save", timeout_s, work)]
     if name == "stop-torchrun":
-        return [probe_stop_torchrun(n, where, timeout_s, work, end) for n, where in (("stop-torchrun", "tp"),
-                                                                                   ("stop-during-save", "save"))
-                for end in (False, True)]
+        return [
+            probe_stop_torchrun(n, where, timeout_s, work, end)
+            for n, where in (("stop-torchrun", "tp"), ("stop-during-save", "save"))
+            for end in (False, True)
+        ]
     if name == "fallback":
         return probe_fallback(work)
     if name == "load-after-full":
@@ -380,16 +514,29 @@ def run_probe(name: str, work: str, timeout_s: float, mount: bool = True) -> Lis
     if name == "full-disk":
         return [probe_full_disk(work, mount)]
     if name == "node-loss":
-        return [probe_node_loss(os.path.join(work, "c10d-other")),
-                probe_node_loss(os.path.join(work, "c10d-first"), "c10d", victim=0),
-                probe_node_loss(os.path.join(work, "etcd-first"), "etcd-v2", victim=0)]
+        return [
+            probe_node_loss(os.path.join(work, "c10d-other")),
+            probe_node_loss(os.path.join(work, "c10d-first"), "c10d", victim=0),
+            probe_node_loss(os.path.join(work, "etcd-first"), "etcd-v2", victim=0),
+        ]
     return [{"corrupt": probe_corrupt, "wrong-model": probe_wrong_model}[name](work)]
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    return github_table([[r["probe"], r["fault"], r["outcome"], "-" if r["detect_s"] is None else f"{r['detect_s']:.2f} s",
-                          "yes" if r["ok"] else "NO"] for r in rows],
-                        headers=["probe", "fault", "outcome", "detected in", "ok"], maxcolwidths=[None, 30, 90])
+    return github_table(
+        [
+            [
+                r["probe"],
+                r["fault"],
+                r["outcome"],
+                "-" if r["detect_s"] is None else f"{r['detect_s']:.2f} s",
+                "yes" if r["ok"] else "NO",
+            ]
+            for r in rows
+        ],
+        headers=["probe", "fault", "outcome", "detected in", "ok"],
+        maxcolwidths=[None, 30, 90],
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -14,6 +14,7 @@ memory) so that values that parse but break later count as crashes too.
     python scripts/bench_fuzz.py                 # 2,000 inputs per parser, writes results/bench_fuzz.json
     python scripts/bench_fuzz.py --inputs 300 --parsers cluster-dict plan-file
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,19 @@ from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.workload import Workload, WorkloadError, load_workload, workload_from_table
 
 from _bench_common import print_table, write_json
-from _fuzz_inputs import (HUMAN_CLUSTER, MODEL, OTHER_MODEL, fuzz_docs, fuzz_files, hand_table, mutate, traced_table,
-                          valid_clusters, valid_plans, valid_workloads)
+from _fuzz_inputs import (
+    HUMAN_CLUSTER,
+    MODEL,
+    OTHER_MODEL,
+    fuzz_docs,
+    fuzz_files,
+    hand_table,
+    mutate,
+    traced_table,
+    valid_clusters,
+    valid_plans,
+    valid_workloads,
+)
 
 OUR_ERRORS = (ClusterError, PlanError, WorkloadError)
 
@@ -80,8 +92,15 @@ class Tally:
             self.crash(given, outcome)
 
     def row(self) -> dict:
-        return {"parser": self.name, "inputs": self.inputs, "accepted": self.accepted, "rejected": self.rejected,
-                "crashes": self.crashes, "seconds": round(self.seconds, 2), "examples": self.examples}
+        return {
+            "parser": self.name,
+            "inputs": self.inputs,
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "crashes": self.crashes,
+            "seconds": round(self.seconds, 2),
+            "examples": self.examples,
+        }
 
 
 def _one_line(exc: Exception) -> str:
@@ -182,32 +201,76 @@ class CliFiles:
         os.makedirs(os.path.join(root, "dir.json"))
         self.counter = 0
         table = json.loads(traced_table())
-        good_plan = uniform_plan(len(table["layers"]), pp=2, tp=1, dp=2, num_microbatches=4, model=MODEL,
-                                 world_size=8).to_dict()
+        good_plan = uniform_plan(
+            len(table["layers"]), pp=2, tp=1, dp=2, num_microbatches=4, model=MODEL, world_size=8
+        ).to_dict()
         # each list is (plausible, broken); a plausible file may still not fit the model or cluster
-        self.plans = ([self.write("plan.json", json.dumps(good_plan)),
-                       self.write("plan_tp2.json", json.dumps(valid_plans(len(table["layers"]))[1])),
-                       self.write("plan_other.json", json.dumps(dict(good_plan, model=OTHER_MODEL))),
-                       self.write("plan_big.json", json.dumps(dict(good_plan, world_size=4096))),
-                       self.write("plan_tp8.json", json.dumps(
-                           uniform_plan(len(table["layers"]), tp=8, model=MODEL, world_size=8).to_dict()))],
-                      [self.write("empty.json", ""), self.write("latin1.json", b"\xff\xfe{}"),
-                       os.path.join(root, "dir.json"), os.path.join(root, "missing.json"), "-"])
-        self.workloads = ([self.write("w.json", json.dumps(table)),
-                           self.write("w_hand.json", json.dumps(hand_table())),
-                           self.write("w_tp1.json", json.dumps(dict(table, costs={
-                               k: [v for v in vs if v["tp"] == 1] for k, vs in table["costs"].items()})))],
-                          [self.write("w_bad.json", json.dumps(mutate(rng, table, 2))),
-                           self.write("empty.json", ""), os.path.join(root, "dir.json"),
-                           os.path.join(root, "missing.json")])
+        self.plans = (
+            [
+                self.write("plan.json", json.dumps(good_plan)),
+                self.write("plan_tp2.json", json.dumps(valid_plans(len(table["layers"]))[1])),
+                self.write("plan_other.json", json.dumps(dict(good_plan, model=OTHER_MODEL))),
+                self.write("plan_big.json", json.dumps(dict(good_plan, world_size=4096))),
+                self.write(
+                    "plan_tp8.json",
+                    json.dumps(uniform_plan(len(table["layers"]), tp=8, model=MODEL, world_size=8).to_dict()),
+                ),
+            ],
+            [
+                self.write("empty.json", ""),
+                self.write("latin1.json", b"\xff\xfe{}"),
+                os.path.join(root, "dir.json"),
+                os.path.join(root, "missing.json"),
+                "-",
+            ],
+        )
+        self.workloads = (
+            [
+                self.write("w.json", json.dumps(table)),
+                self.write("w_hand.json", json.dumps(hand_table())),
+                self.write(
+                    "w_tp1.json",
+                    json.dumps(
+                        dict(table, costs={k: [v for v in vs if v["tp"] == 1] for k, vs in table["costs"].items()})
+                    ),
+                ),
+            ],
+            [
+                self.write("w_bad.json", json.dumps(mutate(rng, table, 2))),
+                self.write("empty.json", ""),
+                os.path.join(root, "dir.json"),
+                os.path.join(root, "missing.json"),
+            ],
+        )
         small = Cluster.preset("dgx-a100", 8).to_dict()
-        self.clusters = (["dgx-a100:8", "cpu-gloo:2", "dgx-h100:16", "tpuv4-fat-tree:4", "dgx-a100: 8",
-                          self.write("c.yaml", yaml.safe_dump(HUMAN_CLUSTER)), self.write("c.json", json.dumps(small))],
-                         ["dgx-a100", "nope:8", "dgx-a100:abc", "dgx-a100:0", "dgx-a100:-3", "dgx-a100:1e3",
-                          "dgx-a100:8:9", "dgx-a100:99999999999999999999", "", ":",
-                          self.write("c_bad.yaml", "levels: [1"), self.write("c.txt", "x"),
-                          self.write("c_empty.yaml", ""), os.path.join(root, "dir.json"),
-                          os.path.join(root, "missing.yaml")])
+        self.clusters = (
+            [
+                "dgx-a100:8",
+                "cpu-gloo:2",
+                "dgx-h100:16",
+                "tpuv4-fat-tree:4",
+                "dgx-a100: 8",
+                self.write("c.yaml", yaml.safe_dump(HUMAN_CLUSTER)),
+                self.write("c.json", json.dumps(small)),
+            ],
+            [
+                "dgx-a100",
+                "nope:8",
+                "dgx-a100:abc",
+                "dgx-a100:0",
+                "dgx-a100:-3",
+                "dgx-a100:1e3",
+                "dgx-a100:8:9",
+                "dgx-a100:99999999999999999999",
+                "",
+                ":",
+                self.write("c_bad.yaml", "levels: [1"),
+                self.write("c.txt", "x"),
+                self.write("c_empty.yaml", ""),
+                os.path.join(root, "dir.json"),
+                os.path.join(root, "missing.yaml"),
+            ],
+        )
 
     def write(self, name: str, content) -> str:
         path = os.path.join(self.root, name)
@@ -223,13 +286,39 @@ class CliFiles:
 
 
 _GOOD_NUMBERS = ["1", "2", "4", "8", "16", " 4", "\u0664"]  # int() reads " 4" and the Arabic-Indic digit 4
-_BAD_NUMBERS = ["0", "-1", "-8", "1.5", "nan", "inf", "-inf", "1e3", "abc", "", "0x10", "99999999999999999999999",
-                "1_0"]
+_BAD_NUMBERS = [
+    "0",
+    "-1",
+    "-8",
+    "1.5",
+    "nan",
+    "inf",
+    "-inf",
+    "1e3",
+    "abc",
+    "",
+    "0x10",
+    "99999999999999999999999",
+    "1_0",
+]
 _BUDGETS = (["0.05", "0.1", "0.2", "1e-9"], ["0", "-1", "nan", "inf", "-inf", "abc", "1e400", ""])
-_MODELS = ([MODEL, OTHER_MODEL, "llama:hidden=64,layers=3,heads=4,kv=2,seq=16,vocab=128"],
-           ["no-such-model", "gpt:hidden=64,heads=3", "gpt:hiden=64", "llama:heads=0",
-            "llama:hidden=64,layers=2,heads=4,kv=0,seq=32,vocab=128", "llama:hidden=-64,heads=4", "gpt:",
-            "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128,norm_eps=nan", "hf:nope", "", ":", "gpt:layers=1e3"])
+_MODELS = (
+    [MODEL, OTHER_MODEL, "llama:hidden=64,layers=3,heads=4,kv=2,seq=16,vocab=128"],
+    [
+        "no-such-model",
+        "gpt:hidden=64,heads=3",
+        "gpt:hiden=64",
+        "llama:heads=0",
+        "llama:hidden=64,layers=2,heads=4,kv=0,seq=32,vocab=128",
+        "llama:hidden=-64,heads=4",
+        "gpt:",
+        "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128,norm_eps=nan",
+        "hf:nope",
+        "",
+        ":",
+        "gpt:layers=1e3",
+    ],
+)
 
 
 def _pick(rng: random.Random, choices: Tuple[List[str], List[str]], good: float = 0.8) -> str:
@@ -253,13 +342,24 @@ def cli_argv(rng: random.Random, command: str, files: CliFiles) -> List[str]:
     if rng.random() < 0.97:
         argv += ["--cluster", _pick(rng, files.clusters)]
     numbers = (_GOOD_NUMBERS, _BAD_NUMBERS)
-    options = [("--devices", numbers), ("--seq", (_GOOD_NUMBERS + ["32"], _BAD_NUMBERS)),
-               ("--dtype", (["fp32", "bf16"], ["int8", ""])),
-               ("--json", ([os.path.join(files.root, "out.json")], [os.path.join(files.root, "dir.json"),
-                                                                    os.path.join(files.root, "no", "such", "d.json")]))]
+    options = [
+        ("--devices", numbers),
+        ("--seq", (_GOOD_NUMBERS + ["32"], _BAD_NUMBERS)),
+        ("--dtype", (["fp32", "bf16"], ["int8", ""])),
+        (
+            "--json",
+            (
+                [os.path.join(files.root, "out.json")],
+                [os.path.join(files.root, "dir.json"), os.path.join(files.root, "no", "such", "d.json")],
+            ),
+        ),
+    ]
     if command == "plan":
-        options += [("--global-batch", (_GOOD_NUMBERS + ["32", "64", "7", "4096"], _BAD_NUMBERS)),
-                    ("--time-budget", _BUDGETS), ("--mcmc-evals", (["10", "20"], ["0", "-5", "x"]))]
+        options += [
+            ("--global-batch", (_GOOD_NUMBERS + ["32", "64", "7", "4096"], _BAD_NUMBERS)),
+            ("--time-budget", _BUDGETS),
+            ("--mcmc-evals", (["10", "20"], ["0", "-5", "x"])),
+        ]
     for flag, values in options:
         if rng.random() < 0.25:
             argv += [flag, _pick(rng, values, good=0.8)]
@@ -313,16 +413,24 @@ def run(parsers: List[str], n: int, seed: int, keep: int) -> List[Tally]:
         files = CliFiles(root, rng)
         specs: Dict[str, Callable[[], Tuple[List[Any], Callable[[Any], Callable[[], str]]]]] = {
             "cluster-dict": lambda: (fuzz_docs(rng, valid_clusters(), n), lambda d: lambda: check_cluster_dict(d)),
-            "cluster-file": lambda: (fuzz_files(rng, valid_clusters(), n, True), lambda f: _file_check(
-                root, f, Cluster.load, ClusterError, use_cluster)),
+            "cluster-file": lambda: (
+                fuzz_files(rng, valid_clusters(), n, True),
+                lambda f: _file_check(root, f, Cluster.load, ClusterError, use_cluster),
+            ),
             "plan-dict": lambda: (fuzz_docs(rng, valid_plans(), n), lambda d: lambda: check_plan_dict(d)),
-            "plan-file": lambda: (fuzz_files(rng, valid_plans(), n, False), lambda f: _file_check(
-                root, f, Plan.load, PlanError, use_plan)),
+            "plan-file": lambda: (
+                fuzz_files(rng, valid_plans(), n, False),
+                lambda f: _file_check(root, f, Plan.load, PlanError, use_plan),
+            ),
             "workload-dict": lambda: (fuzz_docs(rng, valid_workloads(), n), lambda d: lambda: check_workload_dict(d)),
-            "workload-file": lambda: (fuzz_files(rng, valid_workloads(), n, False), lambda f: _file_check(
-                root, f, load_workload, WorkloadError, use_workload)),
-            "cli-simulate": lambda: ([cli_argv(rng, "simulate", files) for _ in range(n)],
-                                     lambda a: lambda: check_cli(a)),
+            "workload-file": lambda: (
+                fuzz_files(rng, valid_workloads(), n, False),
+                lambda f: _file_check(root, f, load_workload, WorkloadError, use_workload),
+            ),
+            "cli-simulate": lambda: (
+                [cli_argv(rng, "simulate", files) for _ in range(n)],
+                lambda a: lambda: check_cli(a),
+            ),
             "cli-plan": lambda: ([cli_argv(rng, "plan", files) for _ in range(n)], lambda a: lambda: check_cli(a)),
         }
         for name in parsers:
@@ -349,8 +457,16 @@ def _file_check(root: str, given: Tuple[str, bytes], load, error, use) -> Callab
     return check
 
 
-PARSERS = ["cluster-dict", "cluster-file", "plan-dict", "plan-file", "workload-dict", "workload-file",
-           "cli-simulate", "cli-plan"]
+PARSERS = [
+    "cluster-dict",
+    "cluster-file",
+    "plan-dict",
+    "plan-file",
+    "workload-dict",
+    "workload-file",
+    "cli-simulate",
+    "cli-plan",
+]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -364,14 +480,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.perf_counter()
     tallies = run(args.parsers, args.inputs, args.seed, args.tracebacks)
     rows = [t.row() for t in tallies]
-    print_table([[r["parser"], r["inputs"], r["accepted"], r["rejected"], r["crashes"], r["seconds"]] for r in rows],
-                headers=["parser", "inputs", "accepted", "rejected (our error)", "crashes", "seconds"],
-                tablefmt="simple")
+    print_table(
+        [[r["parser"], r["inputs"], r["accepted"], r["rejected"], r["crashes"], r["seconds"]] for r in rows],
+        headers=["parser", "inputs", "accepted", "rejected (our error)", "crashes", "seconds"],
+        tablefmt="simple",
+    )
     for r in rows:
         for ex in r["examples"]:
             print(f"\n--- crash in {r['parser']}: {ex['input']}\n{ex['traceback']}")
-    write_json(args.out, {"seed": args.seed, "inputs_per_parser": args.inputs,
-                          "seconds": round(time.perf_counter() - start, 1), "parsers": rows}, indent=2)
+    write_json(
+        args.out,
+        {
+            "seed": args.seed,
+            "inputs_per_parser": args.inputs,
+            "seconds": round(time.perf_counter() - start, 1),
+            "parsers": rows,
+        },
+        indent=2,
+    )
     return 1 if any(r["crashes"] for r in rows) else 0
 
 

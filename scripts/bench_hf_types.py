@@ -12,6 +12,7 @@ default config shrunk, on the meta device, batch 2) and traces it on fake tensor
 first line of the error. A progress line per type; ``results/bench_hf_types.json`` holds every
 type's status and the counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ from nest_fx.models import build_any
 from _bench_common import write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASKS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-         "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")
+TASKS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+)
 
 
 class _Slow(Exception):
@@ -45,6 +50,7 @@ def _alarm(signum, frame):
 def model_types_with_a_head():
     """Model types that have one of the :data:`TASKS` classes, sorted."""
     from transformers.models.auto import modeling_auto  # optional extra
+
     return sorted({t for task in TASKS for t in getattr(modeling_auto, task)})
 
 
@@ -57,9 +63,14 @@ def check(model_type: str, limit: float) -> Dict[str, Any]:
         model, _, args, kwargs = build_any(name, batch=2, dtype=torch.float32)
         stage = "trace"
         graph = trace(model, args, kwargs, name=name)
-        return {"status": "traced", "container": graph.block_container, "layers": len(graph.layer_blocks),
-                "moe": any(b.is_moe for b in graph.blocks), "inputs": graph.input_names,
-                "class": type(model).__name__}
+        return {
+            "status": "traced",
+            "container": graph.block_container,
+            "layers": len(graph.layer_blocks),
+            "moe": any(b.is_moe for b in graph.blocks),
+            "inputs": graph.input_names,
+            "class": type(model).__name__,
+        }
     except _Slow:
         return {"status": stage, "error": f"more than {limit:.0f} s"}
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
@@ -86,13 +97,15 @@ def main(argv=None) -> int:
         rows[model_type] = check(model_type, args.limit)
         rows[model_type]["seconds"] = round(time.perf_counter() - t0, 2)
         row = rows[model_type]
-        print(f"[{i}/{len(types)}] {model_type:<28} {row['status']:<7} {row['seconds']:6.1f}s  "
-              f"{row.get('error', row.get('class', ''))[:120]}", flush=True)
+        print(
+            f"[{i}/{len(types)}] {model_type:<28} {row['status']:<7} {row['seconds']:6.1f}s  "
+            f"{row.get('error', row.get('class', ''))[:120]}",
+            flush=True,
+        )
     counts: Dict[str, int] = {}
     for row in rows.values():
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    write_json(args.out, {"counts": counts, "seconds": round(time.perf_counter() - start, 1), "types": rows},
-               indent=2)
+    write_json(args.out, {"counts": counts, "seconds": round(time.perf_counter() - start, 1), "types": rows}, indent=2)
     print(f"{counts} of {len(types)} model types")
     return 0
 

@@ -17,6 +17,7 @@ Reported: the sum of the stages over the whole model (1.0 = no overhead; the sta
 root code every stage re-runs are the difference) and the stand-in cost. Writes
 ``results/bench_pipeline_stages.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,17 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join("results", "bench_pipeline_stages.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = {"model_type": "llama", "vocab_size": 1024, "hidden_size": args.hidden,
-              "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "max_position_embeddings": args.seq, "use_cache": False}
+    config = {
+        "model_type": "llama",
+        "vocab_size": 1024,
+        "hidden_size": args.hidden,
+        "intermediate_size": 4 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": args.seq,
+        "use_cache": False,
+    }
     model = hf_model_from_config(config).eval()
     tokens = torch.randint(0, 1024, (1, args.seq))
     graph = trace(model, (), {"input_ids": tokens})
@@ -77,18 +86,26 @@ def main() -> int:
             acts.append((stage(*acts[-1], **packed),))
         stand_in = stages[-1].get_submodule("model.layers.0")
         layer_args = (acts[1][0],)
-        layer_kwargs = {"position_embeddings": model.model.rotary_emb(acts[1][0], torch.arange(args.seq)[None]),
-                        "attention_mask": None, "position_ids": torch.arange(args.seq)[None]}
+        layer_kwargs = {
+            "position_embeddings": model.model.rotary_emb(acts[1][0], torch.arange(args.seq)[None]),
+            "attention_mask": None,
+            "position_ids": torch.arange(args.seq)[None],
+        }
         whole, per_stage, stand_ins = [], [[] for _ in stages], []
         for _ in range(args.rounds):
             whole.append(_median_ms(lambda: model(input_ids=tokens), args.repeats))
             for i, stage in enumerate(stages):
                 per_stage[i].append(_median_ms(lambda: stage(*acts[i], **packed), args.repeats))
-            stand_ins.append(1e3 * _median_ms(lambda: _calls(stand_in, layer_args, layer_kwargs, 100), args.repeats)
-                             / 100)
-    result = {"config": vars(args), "ranges": ranges, "whole_ms": statistics.median(whole),
-              "stage_ms": [statistics.median(t) for t in per_stage],
-              "stand_in_us": statistics.median(stand_ins)}
+            stand_ins.append(
+                1e3 * _median_ms(lambda: _calls(stand_in, layer_args, layer_kwargs, 100), args.repeats) / 100
+            )
+    result = {
+        "config": vars(args),
+        "ranges": ranges,
+        "whole_ms": statistics.median(whole),
+        "stage_ms": [statistics.median(t) for t in per_stage],
+        "stand_in_us": statistics.median(stand_ins),
+    }
     result["stages_over_whole"] = sum(result["stage_ms"]) / result["whole_ms"]
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, PP{args.pp} {ranges}")
     print(f"whole model forward      {result['whole_ms']:8.2f} ms")

@@ -21,6 +21,7 @@ layer uses, which FSDP2 holds as its unsharded parameter. Reported per precision
 mean step time, activation and weight bytes saved, the ratios bf16-mixed / fp32, and the final
 losses. Writes ``results/bench_precision.json`` (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,8 @@ def _is_weight(t: torch.Tensor) -> bool:
         return t.requires_grad
     fn = t.grad_fn
     return type(fn).__name__ == "ToCopyBackward0" and any(
-        n is not None and type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions)
+        n is not None and type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions
+    )
 
 
 def saved_bytes(pm, x: torch.Tensor) -> Dict[str, int]:
@@ -70,6 +72,7 @@ def saved_bytes(pm, x: torch.Tensor) -> Dict[str, int]:
                 by = out["activations_by_dtype"]
                 by[str(t.dtype)] = by.get(str(t.dtype), 0) + storage.nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         pm.train_step(x, x)
     return out
@@ -127,36 +130,73 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--out", default=os.path.join("results", "bench_precision.json"))
     a = ap.parse_args(argv)
     plan = json.loads(a.plan) or {"dp": a.world, "microbatch_size": a.batch // a.world}
-    args = {"model": a.model, "plan": plan, "batch": a.batch, "threads": a.threads, "warmup": a.warmup,
-            "steps": a.steps, "rounds": a.rounds}
+    args = {
+        "model": a.model,
+        "plan": plan,
+        "batch": a.batch,
+        "threads": a.threads,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "rounds": a.rounds,
+    }
     per_rank = launch(worker, a.world, args, timeout=3600)
     r0 = per_rank[0]
     rows = {}
     for precision in PRECISIONS:
         times = r0[precision]["times"]
-        rows[precision] = {"median_step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
-                           "steps_timed": len(times), "activation_bytes": r0[precision]["saved"]["activations"],
-                           "weight_bytes_saved": r0[precision]["saved"]["weights"],
-                           "activation_bytes_by_dtype": r0[precision]["saved"]["activations_by_dtype"],
-                           "final_loss": r0[precision]["final_loss"], "times_s": times}
+        rows[precision] = {
+            "median_step_s": statistics.median(times),
+            "mean_step_s": statistics.mean(times),
+            "steps_timed": len(times),
+            "activation_bytes": r0[precision]["saved"]["activations"],
+            "weight_bytes_saved": r0[precision]["saved"]["weights"],
+            "activation_bytes_by_dtype": r0[precision]["saved"]["activations_by_dtype"],
+            "final_loss": r0[precision]["final_loss"],
+            "times_s": times,
+        }
     fp32, mixed = rows["fp32"], rows["bf16-mixed"]
-    ratios = {"activation_bytes": mixed["activation_bytes"] / fp32["activation_bytes"],
-              "median_step_s": mixed["median_step_s"] / fp32["median_step_s"]}
-    print(f"{a.model}, plan {plan}, batch {a.batch}, {a.world} rank(s) x {a.threads} thread(s), "
-          f"{len(fp32['times_s'])} timed steps each")
-    print(f"{'precision':<12}{'median step s':>15}{'mean step s':>13}{'activations MiB':>17}"
-          f"{'weights saved MiB':>19}{'final loss':>12}")
+    ratios = {
+        "activation_bytes": mixed["activation_bytes"] / fp32["activation_bytes"],
+        "median_step_s": mixed["median_step_s"] / fp32["median_step_s"],
+    }
+    print(
+        f"{a.model}, plan {plan}, batch {a.batch}, {a.world} rank(s) x {a.threads} thread(s), "
+        f"{len(fp32['times_s'])} timed steps each"
+    )
+    print(
+        f"{'precision':<12}{'median step s':>15}{'mean step s':>13}{'activations MiB':>17}"
+        f"{'weights saved MiB':>19}{'final loss':>12}"
+    )
     for precision, row in rows.items():
-        print(f"{precision:<12}{row['median_step_s']:>15.4f}{row['mean_step_s']:>13.4f}"
-              f"{row['activation_bytes'] / 2**20:>17.2f}{row['weight_bytes_saved'] / 2**20:>19.2f}"
-              f"{row['final_loss']:>12.4f}")
+        print(
+            f"{precision:<12}{row['median_step_s']:>15.4f}{row['mean_step_s']:>13.4f}"
+            f"{row['activation_bytes'] / 2**20:>17.2f}{row['weight_bytes_saved'] / 2**20:>19.2f}"
+            f"{row['final_loss']:>12.4f}"
+        )
     for precision, row in rows.items():
-        print(f"{precision} activations by dtype (MiB): " + ", ".join(
-            f"{k.removeprefix('torch.')} {v / 2**20:.2f}" for k, v in sorted(row["activation_bytes_by_dtype"].items())))
-    print(f"bf16-mixed / fp32: activations {ratios['activation_bytes']:.3f}, median step time "
-          f"{ratios['median_step_s']:.3f}")
-    write_json(a.out, {"model": a.model, "plan": plan, "batch": a.batch, "world": a.world, "threads": a.threads,
-                       "rows": rows, "ratios": ratios})
+        print(
+            f"{precision} activations by dtype (MiB): "
+            + ", ".join(
+                f"{k.removeprefix('torch.')} {v / 2**20:.2f}"
+                for k, v in sorted(row["activation_bytes_by_dtype"].items())
+            )
+        )
+    print(
+        f"bf16-mixed / fp32: activations {ratios['activation_bytes']:.3f}, median step time "
+        f"{ratios['median_step_s']:.3f}"
+    )
+    write_json(
+        a.out,
+        {
+            "model": a.model,
+            "plan": plan,
+            "batch": a.batch,
+            "world": a.world,
+            "threads": a.threads,
+            "rows": rows,
+            "ratios": ratios,
+        },
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ per block the slower of the GPU's kernel time and the host's dispatch time) with
 eager forward + backward of the full model (error %), and shows the two sides alone. Writes JSON.
 Target (profiler issue): per-op sums within 20% of the step on CPU, 15% on GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ from profiler.timer import Timer
 
 from _bench_common import print_table, write_json
 
-MODELS = ["gpt:hidden=256,layers=12,heads=4,seq=128,vocab=4096",
-          "llama:hidden=256,layers=12,heads=8,kv=4,seq=128,vocab=4096"]
+MODELS = [
+    "gpt:hidden=256,layers=12,heads=4,seq=128,vocab=4096",
+    "llama:hidden=256,layers=12,heads=8,kv=4,seq=128,vocab=4096",
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -49,20 +52,34 @@ def bench_one(name: str, device: str, dtype: str, mbs: int, repeats: int, statis
     def step_sum(p) -> tuple:
         wl = workload_for_model(name, cluster, dtype=DTYPES[dtype], profile=p)
         return sum(wl.cost(i, tp=1, mbs=mbs).fwd_s + wl.cost(i, tp=1, mbs=mbs).bwd_s for i in range(len(wl))), wl
+
     predicted, wl = step_sum(prof)
     # the two sides alone: kernels only (host figures dropped), and host dispatch only
     device_only = step_sum(_with_ops(prof, lambda e: replace(e, fwd_host_s=None, bwd_host_s=None)))[0]
     host_only = step_sum(_with_ops(prof, lambda e: replace(e, fwd_s=e.host[0], bwd_s=e.host[1])))[0]
     torch.manual_seed(0)
     model, _, args, kwargs = build_any(name, batch=mbs, device=device, dtype=DTYPES[dtype])
-    eager = measure_step(model, args, kwargs, Timer(device, warmup=3, repeats=repeats, statistic=statistic),
-                         loss="cross_entropy")  # the step the workload costs: its tail carries the loss
-    return dict(model=name, device=device, dtype=dtype, mbs=mbs, layers=len(wl) - 2,
-                reuse_s=reuse.seconds, naive_s=naive.seconds, speedup=naive.seconds / reuse.seconds,
-                reuse_nodes=reuse.nodes_timed, naive_nodes=naive.nodes_timed,
-                predicted_step_s=predicted, eager_step_s=eager, error=predicted / eager - 1,
-                device_sum_s=device_only, host_sum_s=host_only,
-                coverage=wl.source.coverage(1, mbs))
+    eager = measure_step(
+        model, args, kwargs, Timer(device, warmup=3, repeats=repeats, statistic=statistic), loss="cross_entropy"
+    )  # the step the workload costs: its tail carries the loss
+    return dict(
+        model=name,
+        device=device,
+        dtype=dtype,
+        mbs=mbs,
+        layers=len(wl) - 2,
+        reuse_s=reuse.seconds,
+        naive_s=naive.seconds,
+        speedup=naive.seconds / reuse.seconds,
+        reuse_nodes=reuse.nodes_timed,
+        naive_nodes=naive.nodes_timed,
+        predicted_step_s=predicted,
+        eager_step_s=eager,
+        error=predicted / eager - 1,
+        device_sum_s=device_only,
+        host_sum_s=host_only,
+        coverage=wl.source.coverage(1, mbs),
+    )
 
 
 def _with_ops(prof, change):
@@ -85,14 +102,42 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     statistic = "min" if args.device == "cpu" else "median"
     rows = [bench_one(m, args.device, args.dtype, b, args.repeats, statistic) for m in args.models for b in args.mbs]
-    print_table([[r["model"][:40], r["mbs"], r["naive_nodes"], r["reuse_nodes"], f"{r['naive_s']:.1f}",
-                     f"{r['reuse_s']:.1f}", f"{r['speedup']:.1f}x", f"{r['predicted_step_s'] * 1e3:.1f}",
-                     f"{r['eager_step_s'] * 1e3:.1f}", f"{100 * r['error']:+.1f}%",
-                     f"{r['device_sum_s'] * 1e3:.1f}", f"{r['host_sum_s'] * 1e3:.1f}", f"{100 * r['coverage']:.0f}%"]
-                 for r in rows],
-                headers=["model", "mbs", "ops timed (naive)", "ops timed (reuse)", "naive s", "reuse s",
-                         "reuse speedup", "per-op sum ms", "eager step ms", "error", "device-only ms",
-                         "host-only ms", "measured"], tablefmt="simple")
+    print_table(
+        [
+            [
+                r["model"][:40],
+                r["mbs"],
+                r["naive_nodes"],
+                r["reuse_nodes"],
+                f"{r['naive_s']:.1f}",
+                f"{r['reuse_s']:.1f}",
+                f"{r['speedup']:.1f}x",
+                f"{r['predicted_step_s'] * 1e3:.1f}",
+                f"{r['eager_step_s'] * 1e3:.1f}",
+                f"{100 * r['error']:+.1f}%",
+                f"{r['device_sum_s'] * 1e3:.1f}",
+                f"{r['host_sum_s'] * 1e3:.1f}",
+                f"{100 * r['coverage']:.0f}%",
+            ]
+            for r in rows
+        ],
+        headers=[
+            "model",
+            "mbs",
+            "ops timed (naive)",
+            "ops timed (reuse)",
+            "naive s",
+            "reuse s",
+            "reuse speedup",
+            "per-op sum ms",
+            "eager step ms",
+            "error",
+            "device-only ms",
+            "host-only ms",
+            "measured",
+        ],
+        tablefmt="simple",
+    )
     write_json(args.json, {"device": args.device, "threads": torch.get_num_threads(), "rows": rows})
     limit = 0.20 if args.device == "cpu" else 0.15
     return 0 if all(abs(r["error"]) <= limit for r in rows) else 1

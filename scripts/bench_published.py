@@ -43,6 +43,7 @@ infeasible; every row expressible; the planner never slower than the published c
 
 Writes ``OUT/bench_published.{md,json}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,8 @@ from nest_fx.workload import workload_for_model
 
 from _bench_common import write_json
 
-GiB = 2 ** 30
-SOURCE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)")
+GiB = 2**30
+SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)"
 LLAMA3_SOURCE = "Grattafiori et al. 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B pre-training, H100 80 GB)"
 MODELS = {
     "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
@@ -131,28 +132,119 @@ class Row:
 def published_rows() -> List[Row]:
     """Tables 1-6 of the source, row by row."""
     rows = []
-    for t, gpus, tps in (("1", 8, (5762, 82.4, 6667, 77.0, 8532, 76.8)), ("3", 128, (5605, 67.0, 6514, 62.0, 8380, 61.8))):
-        for k, (label, comp, f8) in enumerate((("FSDP", False, False), ("FSDP + compile", True, False),
-                                               ("FSDP + compile + Float8", True, True))):
-            rows.append(Row(f"t{t}.{k + 1}", t, f"8B {gpus} GPUs {label}", "8b", gpus, 8192, 2, tps[2 * k],
-                            tps[2 * k + 1], fsdp=gpus, compile=comp, float8=f8))
-    for k, (fsdp, cp, seq, tps, mem) in enumerate(((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2),
-                                                   (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5))):
-        rows.append(Row(f"t2.{k + 1}", "2", f"8B 8 GPUs FSDP {fsdp} CP {cp} seq {seq}", "8b", 8, seq, 1, tps, mem,
-                        fsdp=fsdp, cp=cp, recompute="full", compile=True, float8=True))
+    for t, gpus, tps in (
+        ("1", 8, (5762, 82.4, 6667, 77.0, 8532, 76.8)),
+        ("3", 128, (5605, 67.0, 6514, 62.0, 8380, 61.8)),
+    ):
+        for k, (label, comp, f8) in enumerate(
+            (("FSDP", False, False), ("FSDP + compile", True, False), ("FSDP + compile + Float8", True, True))
+        ):
+            rows.append(
+                Row(
+                    f"t{t}.{k + 1}",
+                    t,
+                    f"8B {gpus} GPUs {label}",
+                    "8b",
+                    gpus,
+                    8192,
+                    2,
+                    tps[2 * k],
+                    tps[2 * k + 1],
+                    fsdp=gpus,
+                    compile=comp,
+                    float8=f8,
+                )
+            )
+    for k, (fsdp, cp, seq, tps, mem) in enumerate(
+        ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5))
+    ):
+        rows.append(
+            Row(
+                f"t2.{k + 1}",
+                "2",
+                f"8B 8 GPUs FSDP {fsdp} CP {cp} seq {seq}",
+                "8b",
+                8,
+                seq,
+                1,
+                tps,
+                mem,
+                fsdp=fsdp,
+                cp=cp,
+                recompute="full",
+                compile=True,
+                float8=True,
+            )
+        )
     for k, (label, atp, tps, mem) in enumerate((("2D", False, 829, 71.9), ("2D + AsyncTP", True, 876, 67.6))):
-        rows.append(Row(f"t4.{k + 1}", "4", f"70B 256 GPUs FSDP 32 TP 8 {label}", "70b", 256, 8192, 16, tps, mem,
-                        fsdp=32, tp=8, recompute="full", compile=True, float8=True, async_tp=atp))
-    for k, (label, schedule, v, tps, mem) in enumerate((("1F1B", "1f1b", 1, 100, 82.5),
-                                                         ("Interleaved 1F1B", "interleaved", 2, 128, 72.7))):
-        rows.append(Row(f"t5.{k + 1}", "5", f"405B 512 GPUs FSDP 8 TP 8 PP 8 {label}", "405b", 512, 8192, 32, tps,
-                        mem, fsdp=8, tp=8, pp=8, recompute="full", compile=True, float8=True, async_tp=True,
-                        schedule=schedule, virtual_stages=v))
-    for k, (fsdp, cp, seq, tps, mem) in enumerate(((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9),
-                                                   (2, 4, 131072, 31, 77.1), (1, 8, 262144, 16, 84.9))):
-        rows.append(Row(f"t6.{k + 1}", "6", f"405B 512 GPUs FSDP {fsdp} TP 8 PP 8 CP {cp} seq {seq}", "405b", 512,
-                        seq, 8, tps, mem, fsdp=fsdp, tp=8, pp=8, cp=cp, recompute="full", compile=True, float8=True,
-                        async_tp=True))
+        rows.append(
+            Row(
+                f"t4.{k + 1}",
+                "4",
+                f"70B 256 GPUs FSDP 32 TP 8 {label}",
+                "70b",
+                256,
+                8192,
+                16,
+                tps,
+                mem,
+                fsdp=32,
+                tp=8,
+                recompute="full",
+                compile=True,
+                float8=True,
+                async_tp=atp,
+            )
+        )
+    for k, (label, schedule, v, tps, mem) in enumerate(
+        (("1F1B", "1f1b", 1, 100, 82.5), ("Interleaved 1F1B", "interleaved", 2, 128, 72.7))
+    ):
+        rows.append(
+            Row(
+                f"t5.{k + 1}",
+                "5",
+                f"405B 512 GPUs FSDP 8 TP 8 PP 8 {label}",
+                "405b",
+                512,
+                8192,
+                32,
+                tps,
+                mem,
+                fsdp=8,
+                tp=8,
+                pp=8,
+                recompute="full",
+                compile=True,
+                float8=True,
+                async_tp=True,
+                schedule=schedule,
+                virtual_stages=v,
+            )
+        )
+    for k, (fsdp, cp, seq, tps, mem) in enumerate(
+        ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9), (2, 4, 131072, 31, 77.1), (1, 8, 262144, 16, 84.9))
+    ):
+        rows.append(
+            Row(
+                f"t6.{k + 1}",
+                "6",
+                f"405B 512 GPUs FSDP {fsdp} TP 8 PP 8 CP {cp} seq {seq}",
+                "405b",
+                512,
+                seq,
+                8,
+                tps,
+                mem,
+                fsdp=fsdp,
+                tp=8,
+                pp=8,
+                cp=cp,
+                recompute="full",
+                compile=True,
+                float8=True,
+                async_tp=True,
+            )
+        )
     # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
     # H100 80 GB (700 W), BF16, TP 8 x CP x PP 16 x DP; batch size per DP replica; TFLOP/s per GPU.
     # Stated there: interleaved pipeline schedule, FSDP sharding optimizer states and gradients
@@ -168,13 +260,34 @@ def published_rows() -> List[Row]:
     # pipelining; the paper says Meta's FSDP shards them, not expressible under pipelining).
     # The long-context row's DP is 8 (GPUs / (TP CP PP) = 16,384 / 2,048 and 16M tokens /
     # (16 x 131,072)).
-    for k, (gpus, cp, dp, seq, per_dp, tflops) in enumerate(((8192, 1, 64, 8192, 32, 430),
-                                                             (16384, 1, 128, 8192, 16, 400),
-                                                             (16384, 16, 8, 131072, 16, 380))):
-        rows.append(Row(f"m{k + 1}", "L3", f"405B {gpus} GPUs TP 8 CP {cp} PP 16 DP {dp} seq {seq}", "405b", gpus,
-                        seq, per_dp, 0.0, 0.0, fsdp=dp, tp=8, pp=16, cp=cp, recompute="none",
-                        schedule="interleaved", virtual_stages=8, system="llama3", tflops_per_gpu=tflops,
-                        backend="fused", zero=1, loss_parallel=False))
+    for k, (gpus, cp, dp, seq, per_dp, tflops) in enumerate(
+        ((8192, 1, 64, 8192, 32, 430), (16384, 1, 128, 8192, 16, 400), (16384, 16, 8, 131072, 16, 380))
+    ):
+        rows.append(
+            Row(
+                f"m{k + 1}",
+                "L3",
+                f"405B {gpus} GPUs TP 8 CP {cp} PP 16 DP {dp} seq {seq}",
+                "405b",
+                gpus,
+                seq,
+                per_dp,
+                0.0,
+                0.0,
+                fsdp=dp,
+                tp=8,
+                pp=16,
+                cp=cp,
+                recompute="none",
+                schedule="interleaved",
+                virtual_stages=8,
+                system="llama3",
+                tflops_per_gpu=tflops,
+                backend="fused",
+                zero=1,
+                loss_parallel=False,
+            )
+        )
     return rows
 
 
@@ -182,16 +295,28 @@ def meta_h100(gpus: int):
     """Meta's Llama 3 cluster (Grattafiori et al. 2024, sec. 3.3.1): 8 H100 SXM (80 GB HBM3,
     700 W) per server on NVLink, RoCE at 400 Gb/s (50 GB/s) per GPU inside a 3,072-GPU pod, 1:7
     oversubscribed between pods; SXM peaks (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
-    levels = [{"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
-              {"name": "pod", "group_size": min(3072, gpus), "bandwidth": 50e9, "latency": 1e-5}]
+    levels = [
+        {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+        {"name": "pod", "group_size": min(3072, gpus), "bandwidth": 50e9, "latency": 1e-5},
+    ]
     if gpus > 3072:
-        levels.append({"name": "cluster", "group_size": -(-gpus // 3072) * 3072, "bandwidth": 50e9 / 7,
-                       "latency": 2e-5})
-    return Cluster.from_dict({
-        "format": "nest-fx-cluster/1", "name": "meta-h100", "num_devices": gpus,
-        "device": {"name": "H100-SXM-80GB", "memory_bytes": 85_031_714_816, "mem_bandwidth": 3.35e12,
-                   "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}},
-        "levels": levels})
+        levels.append(
+            {"name": "cluster", "group_size": -(-gpus // 3072) * 3072, "bandwidth": 50e9 / 7, "latency": 2e-5}
+        )
+    return Cluster.from_dict(
+        {
+            "format": "nest-fx-cluster/1",
+            "name": "meta-h100",
+            "num_devices": gpus,
+            "device": {
+                "name": "H100-SXM-80GB",
+                "memory_bytes": 85_031_714_816,
+                "mem_bandwidth": 3.35e12,
+                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+            },
+            "levels": levels,
+        }
+    )
 
 
 def cluster_of(row: "Row"):
@@ -202,15 +327,26 @@ def cluster_of(row: "Row"):
 def grand_teton(gpus: int):
     """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction), 400 Gb/s
     (50 GB/s) per GPU between hosts, 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
-    levels = [{"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
-              {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5}]
+    levels = [
+        {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+        {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
+    ]
     if gpus > 32:
         levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
-    return Cluster.from_dict({
-        "format": "nest-fx-cluster/1", "name": "grand-teton-h100", "num_devices": gpus,
-        "device": {"name": "H100-96GB-HBM2e-500W", "memory_bytes": 95 * GiB, "mem_bandwidth": 2.4e12,
-                   "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12}},
-        "levels": levels})
+    return Cluster.from_dict(
+        {
+            "format": "nest-fx-cluster/1",
+            "name": "grand-teton-h100",
+            "num_devices": gpus,
+            "device": {
+                "name": "H100-96GB-HBM2e-500W",
+                "memory_bytes": 95 * GiB,
+                "mem_bandwidth": 2.4e12,
+                "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12},
+            },
+            "levels": levels,
+        }
+    )
 
 
 _WORKLOADS: Dict[tuple, object] = {}
@@ -227,10 +363,20 @@ def published_plan(row: Row, work, **overrides):
     """The row's configuration as a plan (the blocks evenly over the stages, embedding first,
     output layer last, as torchtitan splits them)."""
     lp = row.tp > 1 if row.loss_parallel is None else row.loss_parallel
-    fields = dict(dp=row.fsdp, zero=row.zero, microbatch_size=1 if row.pp > 1 else row.local_batch,
-                  num_microbatches=row.local_batch if row.pp > 1 else 1, schedule=row.schedule,
-                  virtual_stages=row.virtual_stages, sequence_parallel=row.tp > 1, placement="stage-major",
-                  cp=row.cp, loss_parallel=lp, compile=row.compile, float8=row.float8)
+    fields = dict(
+        dp=row.fsdp,
+        zero=row.zero,
+        microbatch_size=1 if row.pp > 1 else row.local_batch,
+        num_microbatches=row.local_batch if row.pp > 1 else 1,
+        schedule=row.schedule,
+        virtual_stages=row.virtual_stages,
+        sequence_parallel=row.tp > 1,
+        placement="stage-major",
+        cp=row.cp,
+        loss_parallel=lp,
+        compile=row.compile,
+        float8=row.float8,
+    )
     if row.backend:
         fields["kernels"] = row.backend
     fields.update(overrides)
@@ -278,11 +424,13 @@ def cost_options(row: Row):
 
 
 # what the cost model as merged did not cost, and the nearest form it did (in order)
-FALLBACKS = (("recompute", "op", "selective", "op-level SAC run as 'selective'"),
-             ("loss_parallel", True, False, "loss parallel dropped"),
-             ("compile", True, False, "torch.compile dropped"),
-             ("float8", True, False, "Float8 dropped"),
-             ("kernels", "fused", None, "fused kernels not costed: eager"))
+FALLBACKS = (
+    ("recompute", "op", "selective", "op-level SAC run as 'selective'"),
+    ("loss_parallel", True, False, "loss parallel dropped"),
+    ("compile", True, False, "torch.compile dropped"),
+    ("float8", True, False, "Float8 dropped"),
+    ("kernels", "fused", None, "fused kernels not costed: eager"),
+)
 
 
 def predict(row: Row) -> dict:
@@ -305,8 +453,14 @@ def predict(row: Row) -> dict:
             break
         except NestFxError as exc:
             message = str(exc)
-            step = next(((name, new, note) for name, old, new, note in FALLBACKS
-                         if name not in overrides and _uses(row, plan_field=name, value=old)), None)
+            step = next(
+                (
+                    (name, new, note)
+                    for name, old, new, note in FALLBACKS
+                    if name not in overrides and _uses(row, plan_field=name, value=old)
+                ),
+                None,
+            )
             if step is None or row.cp > 1 and "cp" in message:
                 return {"expressible": False, "why": message.splitlines()[0][:200]}
             overrides[step[0]] = step[1]
@@ -314,35 +468,61 @@ def predict(row: Row) -> dict:
     reserved = getattr(result, "peak_reserved", 0.0)
     live = max(s.memory["total"] for s in result.stages)
     tps = result.tokens_per_s / row.gpus
-    return {"expressible": True, "notes": notes, "tps_per_gpu": tps,
-            "tflops_per_gpu": result.model_flops_per_device / 1e12,
-            "value": result.model_flops_per_device / 1e12 if row.tflops_per_gpu else tps,
-            "memory_gib": (reserved or live) / GiB, "live_gib": live / GiB, "reserved_model": bool(reserved),
-            "feasible": result.feasible, "step_s": result.step_s}
+    return {
+        "expressible": True,
+        "notes": notes,
+        "tps_per_gpu": tps,
+        "tflops_per_gpu": result.model_flops_per_device / 1e12,
+        "value": result.model_flops_per_device / 1e12 if row.tflops_per_gpu else tps,
+        "memory_gib": (reserved or live) / GiB,
+        "live_gib": live / GiB,
+        "reserved_model": bool(reserved),
+        "feasible": result.feasible,
+        "step_s": result.step_s,
+    }
 
 
 def _uses(row: Row, plan_field: str, value) -> bool:
-    return {"recompute": row.recompute, "loss_parallel": row.tp > 1 if row.loss_parallel is None else row.loss_parallel,
-            "compile": row.compile, "float8": row.float8, "kernels": row.backend}[plan_field] == value
+    return {
+        "recompute": row.recompute,
+        "loss_parallel": row.tp > 1 if row.loss_parallel is None else row.loss_parallel,
+        "compile": row.compile,
+        "float8": row.float8,
+        "kernels": row.backend,
+    }[plan_field] == value
 
 
 def run_planner(row: Row, budget: float) -> dict:
     """The planner on the row's model, cluster and global batch, its options as the row's."""
     cluster = cluster_of(row)
     work = workload(row, cluster)
-    options = SolverOptions(time_budget=budget, compile=row.compile, float8=row.float8, use_all_devices=True,
-                            cost=cost_options(row), kernels=row.backend or None)
+    options = SolverOptions(
+        time_budget=budget,
+        compile=row.compile,
+        float8=row.float8,
+        use_all_devices=True,
+        cost=cost_options(row),
+        kernels=row.backend or None,
+    )
     try:
         found = solve(work, cluster, row.global_batch, options)
     except NoFeasiblePlan as exc:
         return {"found": False, "why": str(exc)[:200]}
     p = found.plan
-    what = (f"pp={p.pp} dp={p.dp} tp={p.stages[0].tp} cp={p.cp} zero={p.zero}"
-            + (f" dp_shard={p.dp_shard}" if p.dp_shard else "") + f" mbs={p.microbatch_size} {p.schedule}"
-            + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
-            + f" rc={'/'.join(sorted({s.recompute for s in p.stages}))}")
-    return {"found": True, "plan": what, "tps_per_gpu": found.result.tokens_per_s / row.gpus,
-            "memory_gib": found.result.peak_reserved / GiB, "search_s": found.seconds}
+    what = (
+        f"pp={p.pp} dp={p.dp} tp={p.stages[0].tp} cp={p.cp} zero={p.zero}"
+        + (f" dp_shard={p.dp_shard}" if p.dp_shard else "")
+        + f" mbs={p.microbatch_size} {p.schedule}"
+        + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
+        + f" rc={'/'.join(sorted({s.recompute for s in p.stages}))}"
+    )
+    return {
+        "found": True,
+        "plan": what,
+        "tps_per_gpu": found.result.tokens_per_s / row.gpus,
+        "memory_gib": found.result.peak_reserved / GiB,
+        "search_s": found.seconds,
+    }
 
 
 def predictions_of(commit: str, keys: List[str]) -> Dict[str, dict]:
@@ -358,8 +538,12 @@ def predictions_of(commit: str, keys: List[str]) -> Dict[str, dict]:
         # the before column needs the old commit's package, which no install provides: the child
         # process imports it from the archive (this process keeps the installed nest_fx)
         env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "tree"))
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--predict-only", out, "--rows", *keys],
-                       check=True, env=env, cwd=tmp)
+        subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--predict-only", out, "--rows", *keys],
+            check=True,
+            env=env,
+            cwd=tmp,
+        )
         with open(out, encoding="utf-8") as fh:
             return json.load(fh)
 
@@ -375,13 +559,15 @@ def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
 
 
 def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
-    lines = [f"Sources: {SOURCE}; {LLAMA3_SOURCE}. Throughput is tokens/s per GPU (torchtitan) or model TFLOP/s "
-             "per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's figure; Llama 3 publishes none, "
-             "its rows check feasibility). Each row names its kernel backend.",
-             "",
-             "| row | configuration | published | GiB | before | err | before GiB | err | "
-             "after | err | after GiB | err | planner tok/s | planner plan |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Sources: {SOURCE}; {LLAMA3_SOURCE}. Throughput is tokens/s per GPU (torchtitan) or model TFLOP/s "
+        "per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's figure; Llama 3 publishes none, "
+        "its rows check feasibility). Each row names its kernel backend.",
+        "",
+        "| row | configuration | published | GiB | before | err | before GiB | err | "
+        "after | err | after GiB | err | planner tok/s | planner plan |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         b, a, p = before.get(r.key, {}), after[r.key], planner.get(r.key, {})
         bt = _value(r, b) if b.get("expressible") else None
@@ -398,7 +584,8 @@ def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], plan
             f"{_fmt(_err(_value(r, a), r.published), pct=True)} | {_fmt(a.get('memory_gib'), '.1f')} | "
             f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)}{'' if a.get('feasible', True) else ' INFEASIBLE'} | "
             f"{_fmt(p.get('tps_per_gpu'))} | "
-            f"{p.get('plan', p.get('why', '-'))} |")
+            f"{p.get('plan', p.get('why', '-'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -411,11 +598,21 @@ def _value(row: Row, pred: dict) -> Optional[float]:
 
 def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> dict:
     def stats(preds: Dict[str, dict], subset: List[Row], memory: bool) -> dict:
-        errs = [abs(_err(preds[r.key]["memory_gib"] if memory else _value(r, preds[r.key]),
-                         r.memory_gib if memory else r.published))
-                for r in subset if preds.get(r.key, {}).get("expressible") and (r.memory_gib or not memory)]
-        return {"rows": len(errs), "mean_abs_pct": sum(errs) / len(errs) if errs else None,
-                "max_abs_pct": max(errs) if errs else None}
+        errs = [
+            abs(
+                _err(
+                    preds[r.key]["memory_gib"] if memory else _value(r, preds[r.key]),
+                    r.memory_gib if memory else r.published,
+                )
+            )
+            for r in subset
+            if preds.get(r.key, {}).get("expressible") and (r.memory_gib or not memory)
+        ]
+        return {
+            "rows": len(errs),
+            "mean_abs_pct": sum(errs) / len(errs) if errs else None,
+            "max_abs_pct": max(errs) if errs else None,
+        }
 
     out = {}
     groups = [("bf16", [r for r in rows if r.bf16]), ("all", rows)]
@@ -425,14 +622,24 @@ def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], pl
             continue
         for label, preds in (("before", before), ("after", after)):
             if preds:
-                out[f"{label}_{name}"] = {"throughput": stats(preds, subset, False), "memory": stats(preds, subset, True),
-                                          "expressible": sum(1 for r in subset if preds.get(r.key, {}).get("expressible"))}
+                out[f"{label}_{name}"] = {
+                    "throughput": stats(preds, subset, False),
+                    "memory": stats(preds, subset, True),
+                    "expressible": sum(1 for r in subset if preds.get(r.key, {}).get("expressible")),
+                }
     for label, preds in (("before", before), ("after", after)):
         if preds:
-            out[f"{label}_infeasible"] = [r.key for r in rows if preds.get(r.key, {}).get("expressible")
-                                          and not preds[r.key].get("feasible", True)]
-    slower = [r.key for r in rows if planner.get(r.key, {}).get("found")
-              and planner[r.key]["tps_per_gpu"] < after[r.key]["tps_per_gpu"] * (1 - 1e-9)]
+            out[f"{label}_infeasible"] = [
+                r.key
+                for r in rows
+                if preds.get(r.key, {}).get("expressible") and not preds[r.key].get("feasible", True)
+            ]
+    slower = [
+        r.key
+        for r in rows
+        if planner.get(r.key, {}).get("found")
+        and planner[r.key]["tps_per_gpu"] < after[r.key]["tps_per_gpu"] * (1 - 1e-9)
+    ]
     out["planner_slower_than_published"] = slower
     out["planner_not_found"] = [r.key for r in rows if planner and not planner.get(r.key, {}).get("found")]
     return out
@@ -442,15 +649,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="*", help="row keys or prefixes (t1, t2.3, ...); default all")
     parser.add_argument("--out", default="results", help="output folder (default results)")
-    parser.add_argument("--before-commit", default="9abf3b6", help="the cost model before the change (default: "
-                        "before kernel backends and overlap shares, issue 26)")
+    parser.add_argument(
+        "--before-commit",
+        default="9abf3b6",
+        help="the cost model before the change (default: before kernel backends and overlap shares, issue 26)",
+    )
     parser.add_argument("--no-before", action="store_true", help="skip the before column")
     parser.add_argument("--no-planner", action="store_true", help="skip the planner runs")
     parser.add_argument("--budget", type=float, default=30.0, help="planner seconds per row (default 30)")
     parser.add_argument("--predict-only", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    rows = [r for r in published_rows() if not args.rows or any(r.key == k or r.key.startswith(k + ".")
-                                                                  or r.key.startswith(k) for k in args.rows)]
+    rows = [
+        r
+        for r in published_rows()
+        if not args.rows or any(r.key == k or r.key.startswith(k + ".") or r.key.startswith(k) for k in args.rows)
+    ]
     if args.predict_only:
         with open(args.predict_only, "w", encoding="utf-8") as fh:
             json.dump({r.key: predict(r) for r in rows}, fh)
@@ -469,12 +682,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps(stats, indent=1))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
-        fh.write("# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100) against nest-fx\n\n"
-                 "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
-                 "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n")
-    write_json(os.path.join(args.out, "bench_published.json"),
-               {"source": SOURCE, "rows": [r.__dict__ for r in rows], "before": before, "after": after,
-                "planner": planner, "summary": stats, "before_commit": args.before_commit})
+        fh.write(
+            "# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100) against nest-fx\n\n"
+            "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
+            "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n"
+        )
+    write_json(
+        os.path.join(args.out, "bench_published.json"),
+        {
+            "source": SOURCE,
+            "rows": [r.__dict__ for r in rows],
+            "before": before,
+            "after": after,
+            "planner": planner,
+            "summary": stats,
+            "before_commit": args.before_commit,
+        },
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ These are the numbers the cost model's per-policy activation bytes and recompute
 compared with (docs/runtime.md, Activation checkpointing). Writes
 ``results/bench_recompute.json`` and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     shape = f"hidden={args.hidden},layers=1,heads={args.heads},seq={args.seq},vocab=256"
-    models = {"llama": f"llama:{shape}", "gpt": f"gpt:{shape}",
-              "moe": f"moe:{shape},experts=4,top_k=2,capacity_factor=2.0"}
+    models = {
+        "llama": f"llama:{shape}",
+        "gpt": f"gpt:{shape}",
+        "moe": f"moe:{shape},experts=4,top_k=2,capacity_factor=2.0",
+    }
     rows, records = [], []
     for label, spec in models.items():
         model, _ = build_seeded(spec)
@@ -75,10 +79,27 @@ def main() -> None:
         none_bytes, none_s = measured["none"]
         assert none_bytes == packed, f"{label}: storage census {none_bytes} != saved_tensors_hooks {packed}"
         for policy, (kept, seconds) in measured.items():
-            records.append({"model": label, "spec": spec, "policy": policy, "kept_bytes": kept,
-                            "kept_vs_none": kept / none_bytes, "step_s": seconds, "step_vs_none": seconds / none_s})
-            rows.append([label, policy, f"{kept / 2**20:.2f}", f"{kept / none_bytes:.2f}", f"{seconds * 1e3:.1f}",
-                         f"{seconds / none_s:.2f}"])
+            records.append(
+                {
+                    "model": label,
+                    "spec": spec,
+                    "policy": policy,
+                    "kept_bytes": kept,
+                    "kept_vs_none": kept / none_bytes,
+                    "step_s": seconds,
+                    "step_vs_none": seconds / none_s,
+                }
+            )
+            rows.append(
+                [
+                    label,
+                    policy,
+                    f"{kept / 2**20:.2f}",
+                    f"{kept / none_bytes:.2f}",
+                    f"{seconds * 1e3:.1f}",
+                    f"{seconds / none_s:.2f}",
+                ]
+            )
     print_table(rows, headers=["block", "recompute", "kept MiB", "vs none", "fwd+bwd ms", "vs none"], tablefmt="simple")
     write_json(args.out, {"args": vars(args), "records": records}, indent=2)
 

@@ -38,6 +38,7 @@ loop would not all-reduce it every step; nest-fx's ``train_step`` does, one scal
 Writes ``results/bench_runtime.json``; exit status 1 when a case misses the target or the losses
 disagree by more than ``--loss-tol``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,6 +66,7 @@ TP_ROWWISE = ("attn.o_proj", "mlp.down")
 
 # -- the hand-written variants ------------------------------------------------------------------
 
+
 class HandStep:
     """The plan written by hand: setup in __init__, one training step in __call__."""
 
@@ -82,8 +84,10 @@ class HandStep:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             # vocabulary-parallel embedding and LM head, as torchtitan writes them (the plan's own)
-            styles = {"embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                      "lm_head": ColwiseParallel(output_layouts=Replicate())}
+            styles = {
+                "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate()),
+            }
             for i in range(len(model.layers)):
                 styles.update({f"layers.{i}.{n}": ColwiseParallel() for n in TP_COLWISE})
                 styles.update({f"layers.{i}.{n}": RowwiseParallel() for n in TP_ROWWISE})
@@ -116,7 +120,7 @@ class HandStep:
 
         if self.dp > 1:
             lo = self.rank * self.per
-            x, y = x[lo:lo + self.per], y[lo:lo + self.per]
+            x, y = x[lo : lo + self.per], y[lo : lo + self.per]
         loss = lm_loss(self.module(x), y)
         loss.backward()
         if self.flat_sync:
@@ -141,10 +145,16 @@ class NestStep:
         from nest_fx.apply.losses import lm_loss
         from nest_fx.plan import uniform_plan
 
-        plan = uniform_plan(cfg.layers + 2, dp=case["dp"], tp=case["tp"], zero=case["zero"],
-                            microbatch_size=batch // case["dp"], num_microbatches=1, world_size=case["dp"] * case["tp"])
-        self.pm = auto_parallelize(model, example, global_batch_size=batch, loss_fn=lm_loss, plan=plan,
-                                   verbose=False)
+        plan = uniform_plan(
+            cfg.layers + 2,
+            dp=case["dp"],
+            tp=case["tp"],
+            zero=case["zero"],
+            microbatch_size=batch // case["dp"],
+            num_microbatches=1,
+            world_size=case["dp"] * case["tp"],
+        )
+        self.pm = auto_parallelize(model, example, global_batch_size=batch, loss_fn=lm_loss, plan=plan, verbose=False)
         self.opt = torch.optim.SGD(self.pm.parameters(), lr=lr)
 
     def __call__(self, x, y):
@@ -155,6 +165,7 @@ class NestStep:
 
 
 # -- one case on every rank -----------------------------------------------------------------------
+
 
 def run_case(spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch
@@ -170,8 +181,13 @@ def run_case(spec: Dict[str, Any]) -> Dict[str, Any]:
     hand_model = copy.deepcopy(model)  # same weights on both variants (and on every rank: same seed)
     seq = cfg.seq_len
     gen = torch.Generator().manual_seed(1234)
-    data = [(torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen),
-             torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)) for _ in range(spec["batches"])]
+    data = [
+        (
+            torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen),
+            torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen),
+        )
+        for _ in range(spec["batches"])
+    ]
 
     t0 = time.perf_counter()
     nest = NestStep(model, cfg, case, batch, spec["lr"], data[0][0])
@@ -226,6 +242,7 @@ def run_case(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 # -- driver ---------------------------------------------------------------------------------------
 
+
 def summarise(name: str, spec: Dict[str, Any], result: Dict[str, Any], target: float, loss_tol: float) -> dict:
     nest_t, hand_t = result["nest_times"], result["hand_times"]
     nest_med, hand_med = statistics.median(nest_t), statistics.median(hand_t)
@@ -239,8 +256,9 @@ def summarise(name: str, spec: Dict[str, Any], result: Dict[str, Any], target: f
     return {
         "case": name,
         "label": CASES[name]["label"],
-        "hand_written": ("DDP" if spec["dp_hand"] == "ddp" else "flat all-reduce") if name == "dp0" else
-                        ("fully_shard per block + root" if name == "dp1" else "parallelize_module Colwise/Rowwise"),
+        "hand_written": ("DDP" if spec["dp_hand"] == "ddp" else "flat all-reduce")
+        if name == "dp0"
+        else ("fully_shard per block + root" if name == "dp1" else "parallelize_module Colwise/Rowwise"),
         "nest_median_ms": nest_med * 1e3,
         "hand_median_ms": hand_med * 1e3,
         "nest_mean_ms": statistics.fmean(nest_t) * 1e3,
@@ -271,11 +289,26 @@ def table(rows: List[dict], target: float) -> str:
         verdict = "pass" if r["pass"] else "FAIL"
         if not r["losses_agree"]:
             verdict += " (losses differ)"
-        out.append([f"{r['case']}: {r['label']}", f"{r['nest_median_ms']:.1f} ({r['nest_mean_ms']:.1f})",
-                    f"{r['hand_median_ms']:.1f} ({r['hand_mean_ms']:.1f})", f"{r['ratio']:.3f}",
-                    " ".join(f"{x:.3f}" for x in r["ratio_per_round"]), f"{r['loss_max_diff']:.1e}", verdict])
-    headers = ["case", "nest-fx ms median (mean)", "hand ms median (mean)", "ratio", "ratio per round",
-               "loss max diff", f"<= {target:g}"]
+        out.append(
+            [
+                f"{r['case']}: {r['label']}",
+                f"{r['nest_median_ms']:.1f} ({r['nest_mean_ms']:.1f})",
+                f"{r['hand_median_ms']:.1f} ({r['hand_mean_ms']:.1f})",
+                f"{r['ratio']:.3f}",
+                " ".join(f"{x:.3f}" for x in r["ratio_per_round"]),
+                f"{r['loss_max_diff']:.1e}",
+                verdict,
+            ]
+        )
+    headers = [
+        "case",
+        "nest-fx ms median (mean)",
+        "hand ms median (mean)",
+        "ratio",
+        "ratio per round",
+        "loss max diff",
+        f"<= {target:g}",
+    ]
     return github_table(out, headers)
 
 
@@ -289,8 +322,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --steps (the first variant alternates)")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--dp-hand", choices=("ddp", "allreduce"), default="ddp",
-                        help="hand-written zero=0 baseline: DistributedDataParallel or one flat all-reduce")
+    parser.add_argument(
+        "--dp-hand",
+        choices=("ddp", "allreduce"),
+        default="ddp",
+        help="hand-written zero=0 baseline: DistributedDataParallel or one flat all-reduce",
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--target", type=float, default=1.05, help="max nest-fx / hand step-time ratio")
     parser.add_argument("--loss-tol", type=float, default=1e-4)
@@ -303,8 +340,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     started = time.perf_counter()
     for name in opts.cases:
-        spec = dict(case=name, model=opts.model, batch=opts.batch, warmup=opts.warmup, steps=opts.steps,
-                    rounds=opts.rounds, batches=opts.batches, lr=opts.lr, dp_hand=opts.dp_hand)
+        spec = dict(
+            case=name,
+            model=opts.model,
+            batch=opts.batch,
+            warmup=opts.warmup,
+            steps=opts.steps,
+            rounds=opts.rounds,
+            batches=opts.batches,
+            lr=opts.lr,
+            dp_hand=opts.dp_hand,
+        )
         t0 = time.perf_counter()
         try:
             results = launch(run_case, opts.world, spec, timeout=opts.timeout)
@@ -315,18 +361,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = summarise(name, spec, results[0], opts.target, opts.loss_tol)
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
-        print(f"{name}: nest-fx {row['nest_median_ms']:.1f} ms, hand {row['hand_median_ms']:.1f} ms, "
-              f"ratio {row['ratio']:.3f} (per round {', '.join(f'{x:.3f}' for x in row['ratio_per_round'])}), "
-              f"loss max diff {row['loss_max_diff']:.2e}, {row['wall_s']:.0f} s", flush=True)
+        print(
+            f"{name}: nest-fx {row['nest_median_ms']:.1f} ms, hand {row['hand_median_ms']:.1f} ms, "
+            f"ratio {row['ratio']:.3f} (per round {', '.join(f'{x:.3f}' for x in row['ratio_per_round'])}), "
+            f"loss max diff {row['loss_max_diff']:.2e}, {row['wall_s']:.0f} s",
+            flush=True,
+        )
 
     print()
-    print(f"{opts.model}, fp32, CPU gloo, {opts.world} ranks x 1 thread, global batch {opts.batch}, SGD; "
-          f"{opts.warmup} warm-up + {opts.rounds} x {opts.steps} timed steps per variant, interleaved")
+    print(
+        f"{opts.model}, fp32, CPU gloo, {opts.world} ranks x 1 thread, global batch {opts.batch}, SGD; "
+        f"{opts.warmup} warm-up + {opts.rounds} x {opts.steps} timed steps per variant, interleaved"
+    )
     print(table(rows, opts.target))
     for r in rows:
         if "error" not in r:
-            print(f"  {r['case']}: loss max diff {r['loss_max_diff']:.2e} (first {r['first_loss']:.4f}, last "
-                  f"{r['last_loss']:.4f}); setup nest-fx {r['nest_setup_s']:.2f} s, hand {r['hand_setup_s']:.2f} s")
+            print(
+                f"  {r['case']}: loss max diff {r['loss_max_diff']:.2e} (first {r['first_loss']:.4f}, last "
+                f"{r['last_loss']:.4f}); setup nest-fx {r['nest_setup_s']:.2f} s, hand {r['hand_setup_s']:.2f} s"
+            )
     report = {
         "benchmark": "runtime overhead: nest-fx auto_parallelize vs the same plan by hand",
         "model": opts.model,

@@ -7,6 +7,7 @@ with the schedules of before (1F1B and interleaved) and with every schedule the 
 Predictions of the cost model (docs/cost_model.md, "Zero-bubble schedules"), not measured step
 times; the search times are the machine's. Writes results/bench_schedules.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,36 @@ def main() -> None:
             seconds = time.perf_counter() - start
             p, r = found.plan, found.result
             chosen = p.schedule + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
-            case = {"model": model, "cluster": cluster_name, "global_batch": batch, "schedules": label,
-                    "chosen": chosen, "pp": p.pp, "tp": p.stages[0].tp, "dp": p.dp, "m": p.num_microbatches,
-                    "step_s": r.step_s, "bubble_s": r.breakdown["bubble"], "search_s": seconds}
+            case = {
+                "model": model,
+                "cluster": cluster_name,
+                "global_batch": batch,
+                "schedules": label,
+                "chosen": chosen,
+                "pp": p.pp,
+                "tp": p.stages[0].tp,
+                "dp": p.dp,
+                "m": p.num_microbatches,
+                "step_s": r.step_s,
+                "bubble_s": r.breakdown["bubble"],
+                "search_s": seconds,
+            }
             cases.append(case)
-            rows.append([model, cluster_name, label, chosen, f"pp{p.pp} tp{p.stages[0].tp} dp{p.dp} m{p.num_microbatches}",
-                         f"{r.step_s:.4f}", f"{r.breakdown['bubble']:.4f}", f"{seconds:.1f}"])
-    print_table(rows, headers=["model", "cluster", "schedules searched", "chosen", "degrees", "step s",
-                               "bubble s", "search s"])
+            rows.append(
+                [
+                    model,
+                    cluster_name,
+                    label,
+                    chosen,
+                    f"pp{p.pp} tp{p.stages[0].tp} dp{p.dp} m{p.num_microbatches}",
+                    f"{r.step_s:.4f}",
+                    f"{r.breakdown['bubble']:.4f}",
+                    f"{seconds:.1f}",
+                ]
+            )
+    print_table(
+        rows, headers=["model", "cluster", "schedules searched", "chosen", "degrees", "step s", "bubble s", "search s"]
+    )
     write_json("results/bench_schedules.json", {"cases": cases})
 
 

@@ -8,6 +8,7 @@ which the timings on a shared box do. Writes one JSON line per case to ``--out``
     python scripts/bench_search_time.py --devices 1024 65536 --out results/bench_search_time.jsonl \
         --before results/bench_search_time_before.jsonl   # and the side-by-side markdown table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,14 +45,25 @@ def main() -> None:
                     gc.collect()
                     wall, cpu = time.perf_counter(), time.process_time()
                     found = solve(work, cluster, args.global_batch, SolverOptions(time_budget=None))
-                    row = {"cluster": cl, "model": model, "devices": n, "cpu": time.process_time() - cpu,
-                           "wall": time.perf_counter() - wall, "step_s": found.result.step_s,
-                           "tables": found.stats["tables"], "heap_pops": found.stats["heap_pops"],
-                           "dp_runs": found.dp_runs, "plan": report.plan_summary(found.plan)}
+                    row = {
+                        "cluster": cl,
+                        "model": model,
+                        "devices": n,
+                        "cpu": time.process_time() - cpu,
+                        "wall": time.perf_counter() - wall,
+                        "step_s": found.result.step_s,
+                        "tables": found.stats["tables"],
+                        "heap_pops": found.stats["heap_pops"],
+                        "dp_runs": found.dp_runs,
+                        "plan": report.plan_summary(found.plan),
+                    }
                     out.write(json.dumps(row) + "\n")
                     out.flush()
-                    print(f"{cl} {model} {n}: CPU {row['cpu']:.2f} s (wall {row['wall']:.2f} s), {row['tables']} tables, "
-                          f"{row['heap_pops']} pops, step {row['step_s']:.4g} s, {row['plan']}", flush=True)
+                    print(
+                        f"{cl} {model} {n}: CPU {row['cpu']:.2f} s (wall {row['wall']:.2f} s), {row['tables']} tables, "
+                        f"{row['heap_pops']} pops, step {row['step_s']:.4g} s, {row['plan']}",
+                        flush=True,
+                    )
     print(environment_line())
     if args.before:
         print(compare(_read(args.before), _read(args.out)))
@@ -66,20 +78,26 @@ def _read(path: str) -> dict:
 def compare(before: dict, after: dict) -> str:
     """A markdown table of the cases run both times: CPU seconds, the work counters, the step
     time and whether the plan is the same; then the largest CPU time per device count."""
-    lines = ["| cluster | model | devices | CPU s before | CPU s after | tables before -> after | "
-             "heap pops before -> after | predicted step s before | after | same plan |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cluster | model | devices | CPU s before | CPU s after | tables before -> after | "
+        "heap pops before -> after | predicted step s before | after | same plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     keys = [k for k in after if k in before]
     for k in keys:
         b, a = before[k], after[k]
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {b['cpu']:.2f} | {a['cpu']:.2f} | {b['tables']} -> {a['tables']} | "
-                     f"{b['heap_pops']} -> {a['heap_pops']} | {b['step_s']:.6g} | {a['step_s']:.6g} | "
-                     f"{b['plan'] == a['plan']} |")
+        lines.append(
+            f"| {k[0]} | {k[1]} | {k[2]} | {b['cpu']:.2f} | {a['cpu']:.2f} | {b['tables']} -> {a['tables']} | "
+            f"{b['heap_pops']} -> {a['heap_pops']} | {b['step_s']:.6g} | {a['step_s']:.6g} | "
+            f"{b['plan'] == a['plan']} |"
+        )
     for n in sorted({k[2] for k in keys}):
         at = [k for k in keys if k[2] == n]
-        lines.append(f"\nmax CPU s at {n}: before {max(before[k]['cpu'] for k in at):.2f}, after "
-                     f"{max(after[k]['cpu'] for k in at):.2f}; sum before {sum(before[k]['cpu'] for k in at):.2f}, "
-                     f"after {sum(after[k]['cpu'] for k in at):.2f}")
+        lines.append(
+            f"\nmax CPU s at {n}: before {max(before[k]['cpu'] for k in at):.2f}, after "
+            f"{max(after[k]['cpu'] for k in at):.2f}; sum before {sum(before[k]['cpu'] for k in at):.2f}, "
+            f"after {sum(after[k]['cpu'] for k in at):.2f}"
+        )
     worse = [k for k in keys if after[k]["step_s"] > before[k]["step_s"] * (1 + 1e-9)]
     lines.append(f"\ncases with a worse predicted step time after: {worse or 'none'}")
     return "\n".join(lines)

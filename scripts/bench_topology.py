@@ -16,6 +16,7 @@ results/bench_topology.json and results/bench_topology.png.
     python scripts/bench_topology.py --quick            # llama2-7b only
     python scripts/bench_topology.py --models llama3-70b --topologies fat-tree-2to1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,22 @@ import os
 import time
 
 
-
 from nest_fx.report import tables as report
 from nest_fx.cluster import Cluster, load_cluster
 from nest_fx.workload import workload_for_model
 from nest_fx.report.plotting import pyplot_or_none
 from nest_fx.cost.step_time import simulate
 from nest_fx.solver import SolverOptions, solve
-from nest_fx.cluster.topology import (GraphCluster, calibrate, collective_time, concurrent_collective_time, fat_tree,
-                                      from_cluster, pairwise_figures, torus)
+from nest_fx.cluster.topology import (
+    GraphCluster,
+    calibrate,
+    collective_time,
+    concurrent_collective_time,
+    fat_tree,
+    from_cluster,
+    pairwise_figures,
+    torus,
+)
 from nest_fx.cost.dp_sync_contention import contended_step_s
 
 from _bench_common import print_table, write_json
@@ -65,17 +73,28 @@ def run_case(topo_name: str, cluster: GraphCluster, model: str, work, batch: int
     g_cont, g_report = contended_step_s(graph.plan, work, cluster)
     h_cont, h_report = contended_step_s(hier.plan, work, cluster)
     return {
-        "topology": topo_name, "spec": TOPOLOGIES[topo_name], "model": model, "devices": cluster.num_devices,
-        "graph_plan": report.plan_summary(graph.plan), "placement": graph.placement,
+        "topology": topo_name,
+        "spec": TOPOLOGIES[topo_name],
+        "model": model,
+        "devices": cluster.num_devices,
+        "graph_plan": report.plan_summary(graph.plan),
+        "placement": graph.placement,
         "placements_searched": [p.name for p in graph.placements],
-        "graph_step_s": graph.result.step_s, "graph_tokens_s": graph.result.tokens_per_s,
-        "graph_search_s": graph.seconds, "graph_complete": graph.complete,
-        "hier_plan": report.plan_summary(hier.plan), "hier_predicted_step_s": hier.result.step_s,
-        "hier_step_on_graph_s": on_graph.step_s, "hier_tokens_on_graph_s": on_graph.tokens_per_s,
-        "hier_search_s": hier.seconds, "hier_complete": hier.complete,
+        "graph_step_s": graph.result.step_s,
+        "graph_tokens_s": graph.result.tokens_per_s,
+        "graph_search_s": graph.seconds,
+        "graph_complete": graph.complete,
+        "hier_plan": report.plan_summary(hier.plan),
+        "hier_predicted_step_s": hier.result.step_s,
+        "hier_step_on_graph_s": on_graph.step_s,
+        "hier_tokens_on_graph_s": on_graph.tokens_per_s,
+        "hier_search_s": hier.seconds,
+        "hier_complete": hier.complete,
         "throughput_ratio": graph.result.tokens_per_s / on_graph.tokens_per_s,
-        "graph_dp_slowdown": g_report.slowdown, "hier_dp_slowdown": h_report.slowdown,
-        "graph_contended_step_s": g_cont, "hier_contended_step_s": h_cont,
+        "graph_dp_slowdown": g_report.slowdown,
+        "hier_dp_slowdown": h_report.slowdown,
+        "graph_contended_step_s": g_cont,
+        "hier_contended_step_s": h_cont,
         "contended_ratio": h_cont / g_cont,
     }
 
@@ -83,9 +102,11 @@ def run_case(topo_name: str, cluster: GraphCluster, model: str, work, batch: int
 def costing_times(size: float = 2**30) -> dict:
     """Seconds to cost an all-reduce over 1,024 devices and 128 concurrent groups of 8 on each
     kind of topology (the target: well under a second, so the planner can cost many of them)."""
-    builds = {"from_cluster(dgx-a100)": lambda: from_cluster(Cluster.preset("dgx-a100", 1024)),
-              "fat_tree 4:1": lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0),
-              "torus 8x8x16": lambda: torus([8, 8, 16])}
+    builds = {
+        "from_cluster(dgx-a100)": lambda: from_cluster(Cluster.preset("dgx-a100", 1024)),
+        "fat_tree 4:1": lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0),
+        "torus 8x8x16": lambda: torus([8, 8, 16]),
+    }
     out = {}
     for name, build in builds.items():
         topo = build()
@@ -95,8 +116,10 @@ def costing_times(size: float = 2**30) -> dict:
         t1 = time.perf_counter()
         concurrent_collective_time("all_reduce", topo, [[g + 128 * k for k in range(8)] for g in range(128)], size)
         out[name] = {"ring_s": t1 - t0, "groups_s": time.perf_counter() - t1}
-    print_table([[k, f"{v['ring_s'] * 1e3:.0f}", f"{v['groups_s'] * 1e3:.0f}"] for k, v in out.items()],
-                headers=["1,024 devices", "ring all-reduce ms", "128 concurrent groups ms"])
+    print_table(
+        [[k, f"{v['ring_s'] * 1e3:.0f}", f"{v['groups_s'] * 1e3:.0f}"] for k, v in out.items()],
+        headers=["1,024 devices", "ring all-reduce ms", "128 concurrent groups ms"],
+    )
     return out
 
 
@@ -111,8 +134,11 @@ def plot(rows, path: str) -> None:
     ax1.bar([i + 0.2 for i in x], [r["contended_ratio"] for r in rows], 0.4, label="with DP-sync contention")
     ax1.axhline(1.0, color="grey", lw=0.5)
     ax1.set_ylabel("throughput: graph plan / hierarchical plan")
-    ax1.set_title("plans found on the graph (with placement search) vs on its hierarchical approximation, "
-                  "both costed on the graph", fontsize=9)
+    ax1.set_title(
+        "plans found on the graph (with placement search) vs on its hierarchical approximation, "
+        "both costed on the graph",
+        fontsize=9,
+    )
     ax1.legend(fontsize=8)
     ax2.bar([i - 0.2 for i in x], [r["graph_search_s"] for r in rows], 0.4, label="graph + placement search")
     ax2.bar([i + 0.2 for i in x], [r["hier_search_s"] for r in rows], 0.4, label="hierarchical")
@@ -148,26 +174,64 @@ def main() -> None:
                 workloads[model] = workload_for_model(model, cluster)
             row = run_case(name, cluster, model, workloads[model], args.global_batch, args.budget)
             rows.append(row)
-            print(f"  {model}: graph {row['graph_plan']} [{row['placement']}] {row['graph_search_s']:.2f} s; "
-                  f"hierarchical {row['hier_plan']} {row['hier_search_s']:.2f} s; "
-                  f"ratio {row['throughput_ratio']:.3f}", flush=True)
-    table = [[r["topology"], r["model"], r["graph_plan"], r["placement"], report.fmt_seconds(r["graph_step_s"]),
-              r["hier_plan"], report.fmt_seconds(r["hier_predicted_step_s"]),
-              report.fmt_seconds(r["hier_step_on_graph_s"]), f"{r['throughput_ratio']:.3f}x",
-              f"{r['graph_search_s']:.2f}", f"{r['hier_search_s']:.2f}",
-              f"{r['graph_dp_slowdown']:.2f} / {r['hier_dp_slowdown']:.2f}", f"{r['contended_ratio']:.3f}x"]
-             for r in rows]
-    print_table(table, headers=["topology", "model", "graph plan", "device order", "step",
-                                "hierarchical plan", "step (hier. model)", "step on graph", "throughput ratio",
-                                "graph search s", "hier. search s", "DP-sync slowdown g / h",
-                                "ratio with contention"])
+            print(
+                f"  {model}: graph {row['graph_plan']} [{row['placement']}] {row['graph_search_s']:.2f} s; "
+                f"hierarchical {row['hier_plan']} {row['hier_search_s']:.2f} s; "
+                f"ratio {row['throughput_ratio']:.3f}",
+                flush=True,
+            )
+    table = [
+        [
+            r["topology"],
+            r["model"],
+            r["graph_plan"],
+            r["placement"],
+            report.fmt_seconds(r["graph_step_s"]),
+            r["hier_plan"],
+            report.fmt_seconds(r["hier_predicted_step_s"]),
+            report.fmt_seconds(r["hier_step_on_graph_s"]),
+            f"{r['throughput_ratio']:.3f}x",
+            f"{r['graph_search_s']:.2f}",
+            f"{r['hier_search_s']:.2f}",
+            f"{r['graph_dp_slowdown']:.2f} / {r['hier_dp_slowdown']:.2f}",
+            f"{r['contended_ratio']:.3f}x",
+        ]
+        for r in rows
+    ]
+    print_table(
+        table,
+        headers=[
+            "topology",
+            "model",
+            "graph plan",
+            "device order",
+            "step",
+            "hierarchical plan",
+            "step (hier. model)",
+            "step on graph",
+            "throughput ratio",
+            "graph search s",
+            "hier. search s",
+            "DP-sync slowdown g / h",
+            "ratio with contention",
+        ],
+    )
     worst = max(r["graph_search_s"] for r in rows)
-    print(f"graph search (placement included) at {rows[0]['devices']} devices: max {worst:.2f} s; "
-          f"all optimal: {all(r['graph_complete'] for r in rows)}")
-    write_json(args.out, {"global_batch": args.global_batch, "budget_s": args.budget,
-                          "topologies": {k: TOPOLOGIES[k] for k in args.topologies},
-                          "slow_pair": {"pair": list(SLOW_PAIR), "factor": SLOW_FACTOR}, "cases": rows,
-                          "costing_1024": costing_times()})
+    print(
+        f"graph search (placement included) at {rows[0]['devices']} devices: max {worst:.2f} s; "
+        f"all optimal: {all(r['graph_complete'] for r in rows)}"
+    )
+    write_json(
+        args.out,
+        {
+            "global_batch": args.global_batch,
+            "budget_s": args.budget,
+            "topologies": {k: TOPOLOGIES[k] for k in args.topologies},
+            "slow_pair": {"pair": list(SLOW_PAIR), "factor": SLOW_FACTOR},
+            "cases": rows,
+            "costing_1024": costing_times(),
+        },
+    )
     plot(rows, os.path.splitext(args.out)[0] + ".png")
 
 

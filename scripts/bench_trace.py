@@ -10,6 +10,7 @@ child, which includes importing torch) belongs to that model alone. Target (the 
 llama2-7b at seq 4096 traces in under 30 s using under 2 GiB. Exit status 1 if a target is missed
 or a child fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,18 @@ def child(name: str, batch: int, seq: Optional[int], dtype_name: str, method: st
 
 
 def run_child(name: str, opts: argparse.Namespace) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--batch", str(opts.batch),
-           "--dtype", opts.dtype, "--method", opts.method]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        name,
+        "--batch",
+        str(opts.batch),
+        "--dtype",
+        opts.dtype,
+        "--method",
+        opts.method,
+    ]
     if opts.seq:
         cmd += ["--seq", str(opts.seq)]
     start = time.perf_counter()
@@ -113,10 +124,32 @@ def table(rows: List[dict]) -> str:
         if "error" in r:
             out.append([r["model"]] + ["-"] * 8 + [verdict(r)])
             continue
-        out.append([r["model"], r["seq"], r["ops"], r["layers"], r["distinct_blocks"], f"{r['params'] / 1e9:.2f} B",
-                    f"{r['fwd_flops'] / 1e12:.1f}", f"{r['trace_s']:.2f}", f"{r['peak_rss_gib']:.2f}", r["verdict"]])
-    headers = ["model", "seq", "ops", "layers", "distinct blocks", "params", "fwd TFLOPs", "trace s",
-               "peak RSS GiB", "target"]
+        out.append(
+            [
+                r["model"],
+                r["seq"],
+                r["ops"],
+                r["layers"],
+                r["distinct_blocks"],
+                f"{r['params'] / 1e9:.2f} B",
+                f"{r['fwd_flops'] / 1e12:.1f}",
+                f"{r['trace_s']:.2f}",
+                f"{r['peak_rss_gib']:.2f}",
+                r["verdict"],
+            ]
+        )
+    headers = [
+        "model",
+        "seq",
+        "ops",
+        "layers",
+        "distinct blocks",
+        "params",
+        "fwd TFLOPs",
+        "trace s",
+        "peak RSS GiB",
+        "target",
+    ]
     return github_table(out, headers)
 
 

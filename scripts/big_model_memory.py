@@ -10,6 +10,7 @@
 * :func:`baseline_rank`: an empty rank (torch, transformers and nest-fx imported, a gloo group,
   one all-reduce): what every process has before any model.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import threading
 import time
 from typing import Dict, Optional
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def status_kib(field: str) -> int:
@@ -148,9 +149,11 @@ class Sampler:
             if self.progress and time.monotonic() - last > 0.5:
                 last = time.monotonic()
                 with open(self.progress, "w") as fh:  # what is left of a rank the kernel killed
-                    fh.write(f"phase {self.phase}: anon {anon / MiB:.0f} MiB, file {file / MiB:.0f} MiB; peaks "
-                             + ", ".join(f"{k} {v[0] / MiB:.0f}+{v[1] / MiB:.0f}" for k, v in self.peaks.items())
-                             + f"; cgroup {cgroup_stat(self.cgroup)}")
+                    fh.write(
+                        f"phase {self.phase}: anon {anon / MiB:.0f} MiB, file {file / MiB:.0f} MiB; peaks "
+                        + ", ".join(f"{k} {v[0] / MiB:.0f}+{v[1] / MiB:.0f}" for k, v in self.peaks.items())
+                        + f"; cgroup {cgroup_stat(self.cgroup)}"
+                    )
             time.sleep(period)
 
     def report(self) -> Dict[str, Dict[str, int]]:
@@ -169,6 +172,7 @@ def watchdog(limit: int, period: float = 0.005) -> None:
                 print(f"watchdog: RSS {rss / MiB:.0f} MiB > limit {limit / MiB:.0f} MiB: killing rank", flush=True)
                 os._exit(137)
             time.sleep(period)
+
     threading.Thread(target=run, daemon=True).start()
 
 
@@ -187,8 +191,12 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
 def memory_now() -> Dict[str, int]:
     """RSS, its anonymous and file-backed parts and the high-water mark, in bytes."""
-    return {"rss": status_kib("VmRSS") * 1024, "anon": status_kib("RssAnon") * 1024,
-            "file": status_kib("RssFile") * 1024, "hwm": status_kib("VmHWM") * 1024}
+    return {
+        "rss": status_kib("VmRSS") * 1024,
+        "anon": status_kib("RssAnon") * 1024,
+        "file": status_kib("RssFile") * 1024,
+        "hwm": status_kib("VmHWM") * 1024,
+    }
 
 
 def baseline_rank() -> Dict[str, int]:
@@ -199,6 +207,7 @@ def baseline_rank() -> Dict[str, int]:
     import transformers  # noqa: F401 - part of every rank of the benchmark
 
     import nest_fx.apply.api  # noqa: F401
+
     before = memory_now()
     dist.init_process_group("gloo")
     t = torch.ones(MiB // 4)

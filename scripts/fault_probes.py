@@ -1,6 +1,7 @@
 """Probes of scripts/bench_faults.py that need no process group: damaged, incomplete and other-model
 checkpoints, a load after a save that filled the disk; and the helpers every probe uses (``row``,
 ``timed``, ``trained``). Run them through ``python scripts/bench_faults.py``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,6 @@ def trained(spec: str, steps: int = 1):
     return model, opt
 
 
-
-
 def probe_fallback(work: str) -> List[Dict[str, Any]]:
     path = os.path.join(work, "fallback")
     model, opt = trained(FAULT_MODEL)
@@ -62,16 +61,34 @@ def probe_fallback(work: str) -> List[Dict[str, Any]]:
     os.remove(os.path.join(newest, checkpoint_files.MANIFEST_FILE))
     fresh, _ = build_seeded(FAULT_MODEL, seed=7)
     detect, error = timed(lambda: load_checkpoint(fresh, path))
-    ok = (isinstance(error, CheckpointError) and f"newest checkpoint {newest}" in str(error)
-          and "newest complete checkpoint is" in str(error) and "step-00000002" in str(error))
-    rows = [row("fallback", "newest step directory lost its MANIFEST.json", f"refused: '{str(error).split('; fix')[0]}'",
-                detect, ok)]
+    ok = (
+        isinstance(error, CheckpointError)
+        and f"newest checkpoint {newest}" in str(error)
+        and "newest complete checkpoint is" in str(error)
+        and "step-00000002" in str(error)
+    )
+    rows = [
+        row(
+            "fallback",
+            "newest step directory lost its MANIFEST.json",
+            f"refused: '{str(error).split('; fix')[0]}'",
+            detect,
+            ok,
+        )
+    ]
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         took = load_checkpoint(fresh, path, fallback=True)["step"]
     said = err.getvalue().strip()
-    rows.append(row("fallback", "the same, load(..., fallback=True)", f"loaded step {took}; said: '{said}'", None,
-                    took == 2 and said.count("\n") == 0 and "not loading" in said))
+    rows.append(
+        row(
+            "fallback",
+            "the same, load(..., fallback=True)",
+            f"loaded step {took}; said: '{said}'",
+            None,
+            took == 2 and said.count("\n") == 0 and "not loading" in said,
+        )
+    )
     return rows
 
 
@@ -96,8 +113,13 @@ def probe_load_after_full(work: str) -> Dict[str, Any]:
     finally:
         checkpoint_files.shutil.disk_usage = real_usage
     ok = isinstance(error, CheckpointError) and "would fail again at the same save" in str(error)
-    return row("load-after-full", "load after a save that filled the disk (disk still full)",
-               f"refused before training: '{str(error).split('; fix')[0]}'", detect, ok)
+    return row(
+        "load-after-full",
+        "load after a save that filled the disk (disk still full)",
+        f"refused before training: '{str(error).split('; fix')[0]}'",
+        detect,
+        ok,
+    )
 
 
 def probe_corrupt(work: str) -> Dict[str, Any]:
@@ -109,8 +131,10 @@ def probe_corrupt(work: str) -> Dict[str, Any]:
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     manifest = checkpoint_files.read_manifest(directory)
     # the check alone (what verify=True adds to a load), best of 3: the machine is shared
-    hashing = min(timed(lambda: checkpoint_files.check_hashes(directory, manifest, sorted(manifest["files"])))[0]
-                  for _ in range(3))
+    hashing = min(
+        timed(lambda: checkpoint_files.check_hashes(directory, manifest, sorted(manifest["files"])))[0]
+        for _ in range(3)
+    )
     unverified = min(timed(lambda: load_checkpoint(fresh, path, fresh_opt, verify=False))[0] for _ in range(3))
     shard = os.path.join(directory, "__0_0.distcp")
     with open(shard, "r+b") as fh:
@@ -118,11 +142,21 @@ def probe_corrupt(work: str) -> Dict[str, Any]:
         fh.write(os.urandom(1024))
     detect, error = timed(lambda: load_checkpoint(fresh, path, fresh_opt))
     ok = isinstance(error, CheckpointError) and f"{shard} is damaged" in str(error)
-    outcome = (f"refused: '{str(error).split(';')[0]}' (checking {size / 2**20:.0f} MiB: {hashing:.2f} s of sha256; "
-               f"a load without the check {unverified:.2f} s)")
-    return row("corrupt", "1 KiB of garbage in a tensor's bytes", outcome, detect, ok,
-               checkpoint_mib=size / 2**20, sha256_s=hashing, load_unverified_s=unverified,
-               sha256_mib_per_s=size / 2**20 / hashing)
+    outcome = (
+        f"refused: '{str(error).split(';')[0]}' (checking {size / 2**20:.0f} MiB: {hashing:.2f} s of sha256; "
+        f"a load without the check {unverified:.2f} s)"
+    )
+    return row(
+        "corrupt",
+        "1 KiB of garbage in a tensor's bytes",
+        outcome,
+        detect,
+        ok,
+        checkpoint_mib=size / 2**20,
+        sha256_s=hashing,
+        load_unverified_s=unverified,
+        sha256_mib_per_s=size / 2**20 / hashing,
+    )
 
 
 def probe_wrong_model(work: str) -> Dict[str, Any]:
@@ -132,5 +166,10 @@ def probe_wrong_model(work: str) -> Dict[str, Any]:
     four, _ = build_seeded(FAULT_MODEL.replace("layers=2", "layers=4"))
     detect, error = timed(lambda: load_checkpoint(four, path))
     ok = isinstance(error, CheckpointError) and "holds another model" in str(error)
-    return row("wrong-model", "6-layer checkpoint into a 4-layer model", f"refused: '{str(error).split('; fix')[0]}'",
-               detect, ok)
+    return row(
+        "wrong-model",
+        "6-layer checkpoint into a 4-layer model",
+        f"refused: '{str(error).split('; fix')[0]}'",
+        detect,
+        ok,
+    )

@@ -10,6 +10,7 @@ tp=4. For one microbatch the cost model puts the peak at the parameters plus the
 gradients and all activations (here the gradients). The script also lists the operators that
 allocated 30 MiB or more on rank 0 under tp=4. Writes ``results/probe_tp_embedding_grad.json``.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ from nest_fx.apply.losses import lm_loss
 from validate_cpu import _tensor_peak_bytes as tensor_peak_bytes
 
 SPEC = "llama:hidden=1024,layers=4,heads=16,kv=4,seq=32,vocab=32000,ffn=2752"
-MiB = 2 ** 20
+MiB = 2**20
 BIG = 30 * MiB
 
 
@@ -45,6 +46,7 @@ def plain() -> dict:
         lm_loss(model(x).float(), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     step()
     live, rise = tensor_peak_bytes(model, opt, step)
     return {"params_mib": live / MiB, "rise_mib": rise / MiB}
@@ -70,30 +72,46 @@ def parallel() -> dict:
     x, y = _data()
     model, _ = build_model(SPEC, device="meta")
     tp = int(os.environ["WORLD_SIZE"])
-    pm = auto_parallelize(model, x, global_batch_size=4, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(6, tp=tp, microbatch_size=4, precision="bf16-true"))
+    pm = auto_parallelize(
+        model,
+        x,
+        global_batch_size=4,
+        loss_fn=lm_loss,
+        verbose=False,
+        plan=uniform_plan(6, tp=tp, microbatch_size=4, precision="bf16-true"),
+    )
     opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
 
     def step() -> None:
         pm.train_step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     step()
     live, rise = tensor_peak_bytes(pm, opt, step)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         step()
-    big = sorted({(_chain(e), round(e.cpu_memory_usage / MiB, 1)) for e in prof.events()
-                  if e.cpu_memory_usage >= BIG and e.cpu_memory_usage - sum(c.cpu_memory_usage for c in e.cpu_children)
-                  >= BIG})
+    big = sorted(
+        {
+            (_chain(e), round(e.cpu_memory_usage / MiB, 1))
+            for e in prof.events()
+            if e.cpu_memory_usage >= BIG and e.cpu_memory_usage - sum(c.cpu_memory_usage for c in e.cpu_children) >= BIG
+        }
+    )
     return {"params_mib": live / MiB, "rise_mib": rise / MiB, "allocations_of_30_mib_or_more": big}
 
 
 def main() -> int:
-    rows = {"plain, 1 process": plain(), "nest-fx tp=1": launch(parallel, 1, timeout=600)[0],
-            "nest-fx tp=4 (rank 0)": launch(parallel, 4, timeout=600)[0]}
+    rows = {
+        "plain, 1 process": plain(),
+        "nest-fx tp=1": launch(parallel, 1, timeout=600)[0],
+        "nest-fx tp=4 (rank 0)": launch(parallel, 4, timeout=600)[0],
+    }
     for name, r in rows.items():
-        print(f"{name}: parameters {r['params_mib']:.1f} MiB, rise during the step {r['rise_mib']:.1f} MiB "
-              f"(gradients: {r['params_mib']:.1f} MiB; excess {r['rise_mib'] - r['params_mib']:.1f} MiB)")
+        print(
+            f"{name}: parameters {r['params_mib']:.1f} MiB, rise during the step {r['rise_mib']:.1f} MiB "
+            f"(gradients: {r['params_mib']:.1f} MiB; excess {r['rise_mib'] - r['params_mib']:.1f} MiB)"
+        )
         for op in r.get("allocations_of_30_mib_or_more", []):
             print(f"    {op[1]} MiB: {op[0]}")
     write_json("results/probe_tp_embedding_grad.json", {"model": SPEC, "precision": "bf16-true", "runs": rows})

@@ -19,6 +19,7 @@ Writes ``OUT/reproduce_nest.{md,json}`` and PNGs (``_quick`` in the names with `
     python scripts/reproduce_nest.py --quick                     # a small subset, ~1-2 minutes
     python scripts/reproduce_nest.py --parts fig6 --models llama2-7b
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,20 +42,41 @@ from nest_fx.workload import workload_for_model
 from _bench_common import write_json
 
 PLANNERS = ("nest", "megatron", "torchtitan", "phaze", "mcmc")
-LABELS = {"nest": "nest-fx", "megatron": "Manual (Megatron)", "torchtitan": "torchtitan", "phaze": "Phaze-style",
-          "mcmc": "MCMC"}
+LABELS = {
+    "nest": "nest-fx",
+    "megatron": "Manual (Megatron)",
+    "torchtitan": "torchtitan",
+    "phaze": "Phaze-style",
+    "mcmc": "MCMC",
+}
 MICROBATCHES = (1, 2, 4, 8)
 FIG6_DEVICES = 256
 TABLE3 = (("mixtral-8x7b", 128), ("mixtral-8x7b", 1024), ("gpt3-175b", 128))
 TABLE3_CLUSTER = "h100-spine-leaf"
-QUICK = {"models": ["bert-large", "llama2-7b"], "clusters": ["tpuv4-fat-tree"], "devices": [64, 256],
-         "fig6_models": ["llama2-7b"], "table3": (("mixtral-8x7b", 128),), "budget": 2.0, "mcmc": 200}
+QUICK = {
+    "models": ["bert-large", "llama2-7b"],
+    "clusters": ["tpuv4-fat-tree"],
+    "devices": [64, 256],
+    "fig6_models": ["llama2-7b"],
+    "table3": (("mixtral-8x7b", 128),),
+    "budget": 2.0,
+    "mcmc": 200,
+}
 
 
 # -- experiments ---------------------------------------------------------------------------
 
-def figure5(models: Sequence[str], clusters: Sequence[str], devices: Sequence[int], batch: int, budget: float,
-            mcmc_evals: int, workloads: dict, log=print) -> List[dict]:
+
+def figure5(
+    models: Sequence[str],
+    clusters: Sequence[str],
+    devices: Sequence[int],
+    batch: int,
+    budget: float,
+    mcmc_evals: int,
+    workloads: dict,
+    log=print,
+) -> List[dict]:
     """One run_case row per (cluster, model, devices)."""
     rows = []
     for cl in clusters:
@@ -62,8 +84,13 @@ def figure5(models: Sequence[str], clusters: Sequence[str], devices: Sequence[in
             for n in devices:
                 row = run_case(model, cl, n, batch, budget, mcmc_evals, workloads)
                 rows.append(row)
-                log(f"fig5 {cl} {model} {n}: " + (row.get("error") or
-                    f"{row['plan']}, {row['nest_tokens_s']:.3g} tok/s, search {row['search_s']:.1f} s"))
+                log(
+                    f"fig5 {cl} {model} {n}: "
+                    + (
+                        row.get("error")
+                        or f"{row['plan']}, {row['nest_tokens_s']:.3g} tok/s, search {row['search_s']:.1f} s"
+                    )
+                )
     return rows
 
 
@@ -74,8 +101,9 @@ def _workload(model: str, cluster_name: str, cluster, workloads: dict):
     return workloads[key]
 
 
-def microbatch_case(model: str, cluster_name: str, devices: int, mbs: int, batch: int, budget: float,
-                    mcmc_evals: int, workloads: dict) -> dict:
+def microbatch_case(
+    model: str, cluster_name: str, devices: int, mbs: int, batch: int, budget: float, mcmc_evals: int, workloads: dict
+) -> dict:
     """Best plan of nest-fx, Phaze-style and MCMC when every plan must use microbatch size ``mbs``."""
     cluster = load_cluster(f"{cluster_name}:{devices}")
     work = _workload(model, cluster_name, cluster, workloads)
@@ -83,12 +111,18 @@ def microbatch_case(model: str, cluster_name: str, devices: int, mbs: int, batch
     row: Dict[str, object] = {"model": model, "cluster": cluster_name, "devices": devices, "mbs": mbs}
     try:
         found = solve(work, cluster, batch, options)
-        row.update(nest_tokens_s=found.result.tokens_per_s, search_s=found.seconds, complete=found.complete,
-                   plan=report.plan_summary(found.plan))
+        row.update(
+            nest_tokens_s=found.result.tokens_per_s,
+            search_s=found.seconds,
+            complete=found.complete,
+            plan=report.plan_summary(found.plan),
+        )
     except NoFeasiblePlan as exc:
         row["error"] = str(exc)
-    for name, run in (("phaze", lambda: phaze(work, cluster, batch, options)),
-                      ("mcmc", lambda: mcmc(work, cluster, batch, options, evaluations=mcmc_evals))):
+    for name, run in (
+        ("phaze", lambda: phaze(work, cluster, batch, options)),
+        ("mcmc", lambda: mcmc(work, cluster, batch, options, evaluations=mcmc_evals)),
+    ):
         start = time.perf_counter()
         b = run()
         row[f"{name}_search_s"] = time.perf_counter() - start
@@ -97,20 +131,24 @@ def microbatch_case(model: str, cluster_name: str, devices: int, mbs: int, batch
     return row
 
 
-def figure6(models: Sequence[str], cluster_name: str, batch: int, budget: float, mcmc_evals: int,
-            workloads: dict, log=print) -> List[dict]:
+def figure6(
+    models: Sequence[str], cluster_name: str, batch: int, budget: float, mcmc_evals: int, workloads: dict, log=print
+) -> List[dict]:
     rows = []
     for model in models:
         for mbs in MICROBATCHES:
             row = microbatch_case(model, cluster_name, FIG6_DEVICES, mbs, batch, budget, mcmc_evals, workloads)
             rows.append(row)
-            log(f"fig6 {cluster_name} {model} mbs={mbs}: " + (row.get("error") or
-                f"{row['plan']}, {row['nest_tokens_s']:.3g} tok/s"))
+            log(
+                f"fig6 {cluster_name} {model} mbs={mbs}: "
+                + (row.get("error") or f"{row['plan']}, {row['nest_tokens_s']:.3g} tok/s")
+            )
     return rows
 
 
-def table3(cases: Sequence[tuple], batch: int, budget: float, mcmc_evals: int, workloads: dict,
-           done: Sequence[dict], log=print) -> List[dict]:
+def table3(
+    cases: Sequence[tuple], batch: int, budget: float, mcmc_evals: int, workloads: dict, done: Sequence[dict], log=print
+) -> List[dict]:
     """Rows of the Table 3 cases, reusing Figure 5 rows that already cover them."""
     rows = []
     for model, n in cases:
@@ -123,6 +161,7 @@ def table3(cases: Sequence[tuple], batch: int, budget: float, mcmc_evals: int, w
 
 
 # -- output --------------------------------------------------------------------------------
+
 
 def _tok(v: Optional[float]) -> str:
     return report.fmt_si(v) if v else "-"
@@ -141,13 +180,18 @@ def summary(rows: Sequence[dict]) -> List[str]:
         if name == "best":
             ratios = [r["best_ratio"] for r in rows if r.get("best_ratio")]
         else:
-            ratios = [r["nest_tokens_s"] / r[f"{name}_tokens_s"] for r in rows
-                      if r.get("nest_tokens_s") and r.get(f"{name}_tokens_s")]
+            ratios = [
+                r["nest_tokens_s"] / r[f"{name}_tokens_s"]
+                for r in rows
+                if r.get("nest_tokens_s") and r.get(f"{name}_tokens_s")
+            ]
         if not ratios:
             continue
         ok = sum(x >= 1 - 1e-9 for x in ratios)
-        out.append(f"vs {LABELS.get(name, 'the best baseline')}: nest-fx at least as fast in {ok}/{len(ratios)} cases; "
-                   f"speedup median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x, min {min(ratios):.2f}x")
+        out.append(
+            f"vs {LABELS.get(name, 'the best baseline')}: nest-fx at least as fast in {ok}/{len(ratios)} cases; "
+            f"speedup median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x, min {min(ratios):.2f}x"
+        )
     return out
 
 
@@ -167,17 +211,55 @@ def _best(row: dict) -> str:
 
 
 def fig5_table(rows: Sequence[dict]) -> str:
-    body = [[r["cluster"], r["model"], r["devices"], _tok(r.get("nest_tokens_s")),
-             *[_tok(r.get(f"{name}_tokens_s")) for name in PLANNERS[1:]],
-             *[_ratio(r, name) for name in PLANNERS[1:]], _best(r), _search(r), r.get("plan", r.get("error", ""))]
-            for r in rows]
-    return _github(body, ["cluster", "model", "devices", "nest-fx tok/s", "Manual", "torchtitan", "Phaze", "MCMC",
-                          "vs Manual", "vs torchtitan", "vs Phaze", "vs MCMC", "vs best", "search s", "nest-fx plan"])
+    body = [
+        [
+            r["cluster"],
+            r["model"],
+            r["devices"],
+            _tok(r.get("nest_tokens_s")),
+            *[_tok(r.get(f"{name}_tokens_s")) for name in PLANNERS[1:]],
+            *[_ratio(r, name) for name in PLANNERS[1:]],
+            _best(r),
+            _search(r),
+            r.get("plan", r.get("error", "")),
+        ]
+        for r in rows
+    ]
+    return _github(
+        body,
+        [
+            "cluster",
+            "model",
+            "devices",
+            "nest-fx tok/s",
+            "Manual",
+            "torchtitan",
+            "Phaze",
+            "MCMC",
+            "vs Manual",
+            "vs torchtitan",
+            "vs Phaze",
+            "vs MCMC",
+            "vs best",
+            "search s",
+            "nest-fx plan",
+        ],
+    )
 
 
 def fig6_table(rows: Sequence[dict]) -> str:
-    body = [[r["model"], r["mbs"], _tok(r.get("nest_tokens_s")), _tok(r.get("phaze_tokens_s")),
-             _tok(r.get("mcmc_tokens_s")), _search(r), r.get("plan", r.get("error", ""))] for r in rows]
+    body = [
+        [
+            r["model"],
+            r["mbs"],
+            _tok(r.get("nest_tokens_s")),
+            _tok(r.get("phaze_tokens_s")),
+            _tok(r.get("mcmc_tokens_s")),
+            _search(r),
+            r.get("plan", r.get("error", "")),
+        ]
+        for r in rows
+    ]
     return _github(body, ["model", "microbatch", "nest-fx tok/s", "Phaze", "MCMC", "search s", "nest-fx plan"])
 
 
@@ -189,32 +271,48 @@ def table3_table(rows: Sequence[dict]) -> str:
             plan = r.get("plan") if name == "nest" else r.get(f"{name}_plan")
             speed = "1.00x" if name == "nest" else _ratio(r, name)
             stopped = "*" if name == "nest" and not r.get("complete") else ""
-            body.append([f"{r['model']} @ {r['devices']}", LABELS[name], _tok(r.get(f"{name}_tokens_s")), speed,
-                         f"{r[key]:.2f}{stopped}" if r.get(key) is not None else "-",
-                         plan or r.get("error", "no feasible plan")])
+            body.append(
+                [
+                    f"{r['model']} @ {r['devices']}",
+                    LABELS[name],
+                    _tok(r.get(f"{name}_tokens_s")),
+                    speed,
+                    f"{r[key]:.2f}{stopped}" if r.get(key) is not None else "-",
+                    plan or r.get("error", "no feasible plan"),
+                ]
+            )
     return _github(body, ["case (h100-spine-leaf)", "planner", "tokens/s", "nest-fx speedup", "search s", "plan"])
 
 
 def markdown(results: dict) -> str:
     """The report: command, settings, the three tables and the win/loss summary."""
-    lines = ["# NEST paper experiments, reproduced with nest-fx", "",
-             f"Command: `{results['command']}`", "",
-             f"Run {results['date']} in {results['seconds'] / 60:.1f} min; global batch {results['global_batch']} "
-             f"sequences; search budget {results['budget_s']:g} s per nest-fx solve; MCMC "
-             f"{results['mcmc_evals']} evaluations. Throughputs are predictions of nest-fx's cost model "
-             "(analytical roofline compute), the same model for every planner; search times are wall-clock "
-             "seconds on the machine that ran the script. `*` marks a nest-fx search stopped by the budget "
-             "(best plan so far). The baselines run as their authors run them (docs/solver.md, Baselines): "
-             "Megatron-LM with its stage split (blocks evenly, embedding first, output layer last), its "
-             "interleaving and microbatch rules; torchtitan's Llama 3 recipes (op-level SAC costed as "
-             "selective); \"vs best\" is the speedup over the fastest baseline of each case.", ""]
+    lines = [
+        "# NEST paper experiments, reproduced with nest-fx",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Run {results['date']} in {results['seconds'] / 60:.1f} min; global batch {results['global_batch']} "
+        f"sequences; search budget {results['budget_s']:g} s per nest-fx solve; MCMC "
+        f"{results['mcmc_evals']} evaluations. Throughputs are predictions of nest-fx's cost model "
+        "(analytical roofline compute), the same model for every planner; search times are wall-clock "
+        "seconds on the machine that ran the script. `*` marks a nest-fx search stopped by the budget "
+        "(best plan so far). The baselines run as their authors run them (docs/solver.md, Baselines): "
+        "Megatron-LM with its stage split (blocks evenly, embedding first, output layer last), its "
+        "interleaving and microbatch rules; torchtitan's Llama 3 recipes (op-level SAC costed as "
+        'selective); "vs best" is the speedup over the fastest baseline of each case.',
+        "",
+    ]
     if results.get("fig5"):
         lines += ["## Figure 5: throughput vs devices", "", fig5_table(results["fig5"]), ""]
         lines += [f"- {x}" for x in summary(results["fig5"])] + [""]
         lines += [f"![Figure 5, {c}]({os.path.basename(p)})" for c, p in results.get("fig5_png", {}).items()] + [""]
     if results.get("fig6"):
-        lines += [f"## Figure 6: fixed microbatch size, {FIG6_DEVICES} devices, {results['fig6'][0]['cluster']}", "",
-                  fig6_table(results["fig6"]), ""]
+        lines += [
+            f"## Figure 6: fixed microbatch size, {FIG6_DEVICES} devices, {results['fig6'][0]['cluster']}",
+            "",
+            fig6_table(results["fig6"]),
+            "",
+        ]
         if results.get("fig6_png"):
             lines += [f"![Figure 6]({os.path.basename(results['fig6_png'])})", ""]
     if results.get("table3"):
@@ -276,10 +374,12 @@ def plot_fig6(rows: Sequence[dict], path: str) -> bool:
 
 # -- main ----------------------------------------------------------------------------------
 
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=None, help="search seconds per nest-fx solve (default 10; "
-                    "quick: 2)")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="search seconds per nest-fx solve (default 10; quick: 2)"
+    )
     ap.add_argument("--mcmc-evals", type=int, default=None, help="MCMC evaluations (default 500; quick: 200)")
     ap.add_argument("--quick", action="store_true", help="a small subset for a smoke run (~1-2 minutes)")
     ap.add_argument("--out", default="results", help="output folder (default results/)")
@@ -304,9 +404,14 @@ def run(args: argparse.Namespace, log=print) -> dict:
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     workloads: dict = {}
-    results: dict = {"command": shlex.join(["python", "scripts/reproduce_nest.py", *_argv(args)]),
-                     "date": time.strftime("%Y-%m-%d %H:%M"), "global_batch": args.global_batch, "budget_s": budget,
-                     "mcmc_evals": evals, "quick": quick}
+    results: dict = {
+        "command": shlex.join(["python", "scripts/reproduce_nest.py", *_argv(args)]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "global_batch": args.global_batch,
+        "budget_s": budget,
+        "mcmc_evals": evals,
+        "quick": quick,
+    }
     if "fig5" in args.parts:
         results["fig5"] = figure5(models, clusters, devices, args.global_batch, budget, evals, workloads, log)
         results["fig5_png"] = {}
@@ -334,12 +439,20 @@ def _argv(args: argparse.Namespace) -> List[str]:
     out: List[str] = []
     if args.quick:
         out.append("--quick")
-    for flag, value in (("--budget", args.budget), ("--mcmc-evals", args.mcmc_evals), ("--out", args.out),
-                        ("--global-batch", args.global_batch if args.global_batch != 4096 else None)):
+    for flag, value in (
+        ("--budget", args.budget),
+        ("--mcmc-evals", args.mcmc_evals),
+        ("--out", args.out),
+        ("--global-batch", args.global_batch if args.global_batch != 4096 else None),
+    ):
         if value is not None:
             out += [flag, str(value)]
-    for flag, values in (("--parts", args.parts if len(args.parts) < 3 else None), ("--models", args.models),
-                         ("--clusters", args.clusters), ("--devices", args.devices)):
+    for flag, values in (
+        ("--parts", args.parts if len(args.parts) < 3 else None),
+        ("--models", args.models),
+        ("--clusters", args.clusters),
+        ("--devices", args.devices),
+    ):
         if values:
             out += [flag, *map(str, values)]
     return out

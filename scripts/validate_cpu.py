@@ -33,6 +33,7 @@ Targets (issue 7): step-time MAPE <= 15%, memory error <= 10%, tau >= 0.8, the p
 among the measured best two. Timings need a quiet machine: other load on the 2 cores shows up
 directly as error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,11 +74,25 @@ def candidate_plans(num_layers: int, ranks: int, batch: int, tp_ok=lambda tp: Tr
             if m < pp:
                 continue
             for recompute, zero, schedule, sp in itertools.product(
-                    ("none", "full"), (0, 3) if dp > 1 else (0,), ("1f1b", "gpipe") if pp > 1 else ("1f1b",),
-                    (False, True) if tp > 1 else (False,)):
-                plans.append(uniform_plan(num_layers, pp=pp, tp=tp, dp=dp, zero=zero, microbatch_size=mbs,
-                                          num_microbatches=m, schedule=schedule, recompute=recompute,
-                                          sequence_parallel=sp))
+                ("none", "full"),
+                (0, 3) if dp > 1 else (0,),
+                ("1f1b", "gpipe") if pp > 1 else ("1f1b",),
+                (False, True) if tp > 1 else (False,),
+            ):
+                plans.append(
+                    uniform_plan(
+                        num_layers,
+                        pp=pp,
+                        tp=tp,
+                        dp=dp,
+                        zero=zero,
+                        microbatch_size=mbs,
+                        num_microbatches=m,
+                        schedule=schedule,
+                        recompute=recompute,
+                        sequence_parallel=sp,
+                    )
+                )
     return plans
 
 
@@ -139,9 +154,14 @@ def run_plan(spec: dict) -> dict:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, peaks)
     medians = [statistics.median(p) for p in per_rank]
-    return {"step_s": statistics.median(times) if times else None, "times": times, "peak_bytes": max(medians),
-            "peak_per_rank": medians, "peak_range": [min(min(p) for p in per_rank), max(max(p) for p in per_rank)],
-            "rss_peak_bytes": float(rss_peak)}
+    return {
+        "step_s": statistics.median(times) if times else None,
+        "times": times,
+        "peak_bytes": max(medians),
+        "peak_per_rank": medians,
+        "peak_range": [min(min(p) for p in per_rank), max(max(p) for p in per_rank)],
+        "rss_peak_bytes": float(rss_peak),
+    }
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -158,12 +178,15 @@ def _tensor_peak_bytes(pm, opt, step) -> Tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
 
     live = sum(_local_bytes(p) for p in pm.parameters())
-    live += sum(_local_bytes(v) for state in opt.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    live += sum(
+        _local_bytes(v)
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     current = highest = 0
     for _, nbytes in events:
         current += nbytes
@@ -176,7 +199,7 @@ def kendall_tau(a: List[float], b: List[float]) -> float:
     n, s = len(a), 0
     for i in range(n):
         for j in range(i + 1, n):
-            s += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
+            s += 1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0
     return s / (n * (n - 1) / 2) if n > 1 else 1.0
 
 
@@ -224,16 +247,31 @@ def measure(items, ranks: int, args, workload, cluster, options, chosen_name: st
             print(f"[{k + 1}/{len(items)}] {name}: runtime refused or failed: {str(exc).splitlines()[-1]}")
             continue
         pred_mem = max(sc.memory["total"] for sc in pred.stages)
-        row = dict(plan=name, ranks=ranks, predicted_s=pred.step_s, measured_s=out["step_s"], times=out["times"],
-                   predicted_bytes=pred_mem, measured_bytes=out["peak_bytes"],
-                   predicted_per_stage=[sc.memory for sc in pred.stages], measured_per_rank=out["peak_per_rank"],
-                   measured_range=out["peak_range"],
-                   rss_peak_bytes=out["rss_peak_bytes"], chosen=name == chosen_name)
+        row = dict(
+            plan=name,
+            ranks=ranks,
+            predicted_s=pred.step_s,
+            measured_s=out["step_s"],
+            times=out["times"],
+            predicted_bytes=pred_mem,
+            measured_bytes=out["peak_bytes"],
+            predicted_per_stage=[sc.memory for sc in pred.stages],
+            measured_per_rank=out["peak_per_rank"],
+            measured_range=out["peak_range"],
+            rss_peak_bytes=out["rss_peak_bytes"],
+            chosen=name == chosen_name,
+        )
         rows.append(row)
-        timing = (f"predicted {pred.step_s * 1e3:8.1f} ms  measured {out['step_s'] * 1e3:8.1f} ms   "
-                  if out["step_s"] is not None else "")
-        print(f"[{k + 1}/{len(items)}] {ranks} ranks {name:40s} {timing}memory {pred_mem / 2**20:7.1f} / "
-              f"{out['peak_bytes'] / 2**20:7.1f} MiB", flush=True)
+        timing = (
+            f"predicted {pred.step_s * 1e3:8.1f} ms  measured {out['step_s'] * 1e3:8.1f} ms   "
+            if out["step_s"] is not None
+            else ""
+        )
+        print(
+            f"[{k + 1}/{len(items)}] {ranks} ranks {name:40s} {timing}memory {pred_mem / 2**20:7.1f} / "
+            f"{out['peak_bytes'] / 2**20:7.1f} MiB",
+            flush=True,
+        )
     return rows
 
 
@@ -245,30 +283,46 @@ def retime(rows: List[dict], items, ranks: int, args) -> None:
 
     plans = dict(items)
     for k, row in enumerate(reversed(rows)):
-        spec = {"model": args.model, "plan": plans[row["plan"]].to_dict(), "batch": args.batch, "steps": args.steps,
-                "memory": False}
+        spec = {
+            "model": args.model,
+            "plan": plans[row["plan"]].to_dict(),
+            "batch": args.batch,
+            "steps": args.steps,
+            "memory": False,
+        }
         again = launch(run_plan, ranks, spec, timeout=600)[0]["step_s"]
         row["pass_s"] = [row["measured_s"], again]
         row["measured_s"] = min(row["measured_s"], again)
-        print(f"[pass 2, {k + 1}/{len(rows)}] {row['plan']:40s} {again * 1e3:8.1f} ms (first {row['pass_s'][0] * 1e3:.1f})",
-              flush=True)
+        print(
+            f"[pass 2, {k + 1}/{len(rows)}] {row['plan']:40s} {again * 1e3:8.1f} ms (first {row['pass_s'][0] * 1e3:.1f})",
+            flush=True,
+        )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the timed runs (2 on a 2-core machine)")
-    ap.add_argument("--memory-ranks", type=int, default=4,
-                    help="ranks of the memory-only runs (up to 8; 0 to skip)")
+    ap.add_argument("--memory-ranks", type=int, default=4, help="ranks of the memory-only runs (up to 8; 0 to skip)")
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--max-plans", type=int, default=0, help="time at most this many plans (0 = all)")
-    ap.add_argument("--passes", type=int, default=2, choices=(1, 2),
-                    help="timing passes; with 2 each plan's step time is the faster of two (default)")
-    ap.add_argument("--max-memory-plans", type=int, default=24,
-                    help="memory-only runs: at most this many plans, spread over the enumeration (0 = all)")
-    ap.add_argument("--memory-only", action="store_true",
-                    help="skip the timed runs (peak memory does not need a quiet machine)")
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="timing passes; with 2 each plan's step time is the faster of two (default)",
+    )
+    ap.add_argument(
+        "--max-memory-plans",
+        type=int,
+        default=24,
+        help="memory-only runs: at most this many plans, spread over the enumeration (0 = all)",
+    )
+    ap.add_argument(
+        "--memory-only", action="store_true", help="skip the timed runs (peak memory does not need a quiet machine)"
+    )
     ap.add_argument("--out", default="results/validate_cpu")
     args = ap.parse_args()
     if not 0 <= args.memory_ranks <= 8:
@@ -288,24 +342,36 @@ def main() -> int:
     tps = sorted({p.stages[0].tp for p in timed + mem_plans})
     mbss = sorted({p.microbatch_size for p in timed + mem_plans})
     t0 = time.perf_counter()
-    profile, stats = profile_model(args.model, "cpu", ProfileOptions(tps=tps, mbss=mbss, dtype="fp32", repeats=7,
-                                                                     statistic="min", check_step=False))
+    profile, stats = profile_model(
+        args.model,
+        "cpu",
+        ProfileOptions(tps=tps, mbss=mbss, dtype="fp32", repeats=7, statistic="min", check_step=False),
+    )
     profile.save(args.out + "-profile.json")
     print(f"profiled {stats.nodes_timed} ops in {stats.seconds:.1f} s")
     # The raw collectives the runtime issues itself are the ZeRO-0 gradient all-reduce and the
     # pipeline's p2p; TP and FSDP collectives go through DTensor and FSDP, whose host work is
     # measured with them below.
-    cluster, fits, _ = calibrate(load_cluster(f"cpu-gloo:{args.ranks}"), nproc=args.ranks, repeats=5,
-                                 kinds=("all_reduce", "p2p"))
+    cluster, fits, _ = calibrate(
+        load_cluster(f"cpu-gloo:{args.ranks}"), nproc=args.ranks, repeats=5, kinds=("all_reduce", "p2p")
+    )
     cluster.save(args.out + "-cluster.yaml")
-    print(f"calibrated host level: {fits[0].bandwidth / 1e9:.2f} GB/s, {fits[0].latency * 1e6:.0f} us "
-          f"(fit error {100 * fits[0].mean_abs_error:.0f}%)")
+    print(
+        f"calibrated host level: {fits[0].bandwidth / 1e9:.2f} GB/s, {fits[0].latency * 1e6:.0f} us "
+        f"(fit error {100 * fits[0].mean_abs_error:.0f}%)"
+    )
     overheads = measure_runtime_overheads(args.model, cluster, nproc=args.ranks)
-    print(f"runtime host work per collective: TP {overheads.tp_call_overhead[0] * 1e3:.2f} ms + "
-          f"{overheads.tp_call_overhead[1] * 1e9:.2f} ns/B, FSDP {overheads.fsdp_call_overhead[1] * 1e9:.2f} ns/B")
+    print(
+        f"runtime host work per collective: TP {overheads.tp_call_overhead[0] * 1e3:.2f} ms + "
+        f"{overheads.tp_call_overhead[1] * 1e9:.2f} ns/B, FSDP {overheads.fsdp_call_overhead[1] * 1e9:.2f} ns/B"
+    )
     # fp32 AdamW; on CPU ranks the collectives run on the cores that compute: nothing overlaps
-    options = CostOptions.for_dtype(4, overlap_grad_sync=False, tp_call_overhead=overheads.tp_call_overhead,
-                                    fsdp_call_overhead=overheads.fsdp_call_overhead)
+    options = CostOptions.for_dtype(
+        4,
+        overlap_grad_sync=False,
+        tp_call_overhead=overheads.tp_call_overhead,
+        fsdp_call_overhead=overheads.fsdp_call_overhead,
+    )
     workload = workload_for_model(args.model, cluster, dtype=torch.float32, profile=profile, attention="traced")
     chosen = solve(workload, cluster, args.batch, SolverOptions(time_budget=30, cost=options)).plan
     chosen_name = describe(chosen)
@@ -314,8 +380,9 @@ def main() -> int:
         items.append((chosen_name, chosen))
     if args.memory_only:
         items = spread(items, args.max_memory_plans)
-    rows = measure(items, args.ranks, args, workload, cluster, options, chosen_name,
-                   0 if args.memory_only else args.steps)
+    rows = measure(
+        items, args.ranks, args, workload, cluster, options, chosen_name, 0 if args.memory_only else args.steps
+    )
     if not rows:
         print("no plan ran")
         return 1
@@ -324,8 +391,9 @@ def main() -> int:
     mem_rows = []
     if args.memory_ranks:
         mem_cluster = load_cluster(f"cpu-gloo:{args.memory_ranks}")
-        mem_items = spread(list(feasible_plans(mem_plans, workload, mem_cluster, options).items()),
-                           args.max_memory_plans)
+        mem_items = spread(
+            list(feasible_plans(mem_plans, workload, mem_cluster, options).items()), args.max_memory_plans
+        )
         mem_rows = measure(mem_items, args.memory_ranks, args, workload, mem_cluster, options, "", 0)
     timed_rows = [r for r in rows if r["measured_s"] is not None]
     time_err = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in timed_rows] or [float("nan")]
@@ -333,34 +401,75 @@ def main() -> int:
     tau = kendall_tau([r["predicted_s"] for r in timed_rows], [r["measured_s"] for r in timed_rows])
     order = sorted(timed_rows, key=lambda r: r["measured_s"])
     chosen_rank = next((i + 1 for i, r in enumerate(order) if r["chosen"]), None)
-    summary = dict(model=args.model, ranks=args.ranks, memory_ranks=args.memory_ranks, batch=args.batch,
-                   plans=len(timed_rows), memory_plans=len(rows) - len(timed_rows) + len(mem_rows),
-                   step_mape=statistics.mean(time_err),
-                   step_max_error=max(time_err), memory_mape=statistics.mean(mem_err) if mem_err else None,
-                   memory_max_error=max(mem_err) if mem_err else None, kendall_tau=tau, chosen=chosen_name,
-                   chosen_measured_rank=chosen_rank, calibrated_bandwidth=fits[0].bandwidth,
-                   calibrated_latency=fits[0].latency, runtime_overheads=overheads.to_dict(),
-                   seconds=time.perf_counter() - t0)
+    summary = dict(
+        model=args.model,
+        ranks=args.ranks,
+        memory_ranks=args.memory_ranks,
+        batch=args.batch,
+        plans=len(timed_rows),
+        memory_plans=len(rows) - len(timed_rows) + len(mem_rows),
+        step_mape=statistics.mean(time_err),
+        step_max_error=max(time_err),
+        memory_mape=statistics.mean(mem_err) if mem_err else None,
+        memory_max_error=max(mem_err) if mem_err else None,
+        kendall_tau=tau,
+        chosen=chosen_name,
+        chosen_measured_rank=chosen_rank,
+        calibrated_bandwidth=fits[0].bandwidth,
+        calibrated_latency=fits[0].latency,
+        runtime_overheads=overheads.to_dict(),
+        seconds=time.perf_counter() - t0,
+    )
 
     def pct(pred: float, meas: float) -> str:
         return f"{100 * (pred / max(meas, 1e-30) - 1):+.0f}%"
 
-    print_table([[r["plan"] + (" *" if r["chosen"] else ""), f"{r['predicted_s'] * 1e3:.1f}",
-                  f"{r['measured_s'] * 1e3:.1f}", pct(r["predicted_s"], r["measured_s"]),
-                  f"{r['predicted_bytes'] / 2**20:.0f}", f"{r['measured_bytes'] / 2**20:.0f}",
-                  pct(r["predicted_bytes"], r["measured_bytes"])] for r in order],
-                headers=[f"plan on {args.ranks} ranks (* = planner)", "pred ms", "meas ms", "err", "pred MiB",
-                         "meas MiB", "err"], tablefmt="simple")
+    print_table(
+        [
+            [
+                r["plan"] + (" *" if r["chosen"] else ""),
+                f"{r['predicted_s'] * 1e3:.1f}",
+                f"{r['measured_s'] * 1e3:.1f}",
+                pct(r["predicted_s"], r["measured_s"]),
+                f"{r['predicted_bytes'] / 2**20:.0f}",
+                f"{r['measured_bytes'] / 2**20:.0f}",
+                pct(r["predicted_bytes"], r["measured_bytes"]),
+            ]
+            for r in order
+        ],
+        headers=[
+            f"plan on {args.ranks} ranks (* = planner)",
+            "pred ms",
+            "meas ms",
+            "err",
+            "pred MiB",
+            "meas MiB",
+            "err",
+        ],
+        tablefmt="simple",
+    )
     untimed = [r for r in rows + mem_rows if r["measured_s"] is None]
     if untimed:
-        print_table([[r["plan"], r["ranks"], f"{r['predicted_bytes'] / 2**20:.0f}",
-                      f"{r['measured_bytes'] / 2**20:.0f}", pct(r["predicted_bytes"], r["measured_bytes"])]
-                     for r in untimed],
-                    headers=["plan (memory only)", "ranks", "pred MiB", "meas MiB", "err"], tablefmt="simple")
-    print(f"step-time MAPE {100 * summary['step_mape']:.1f}% (max {100 * summary['step_max_error']:.0f}%)  "
-          f"peak-memory MAPE {100 * (summary['memory_mape'] or 0):.1f}% (max "
-          f"{100 * (summary['memory_max_error'] or 0):.0f}%, {len(mem_err)} plans)  Kendall tau {tau:.2f}  "
-          f"planner's plan measured #{chosen_rank} of {len(rows)}")
+        print_table(
+            [
+                [
+                    r["plan"],
+                    r["ranks"],
+                    f"{r['predicted_bytes'] / 2**20:.0f}",
+                    f"{r['measured_bytes'] / 2**20:.0f}",
+                    pct(r["predicted_bytes"], r["measured_bytes"]),
+                ]
+                for r in untimed
+            ],
+            headers=["plan (memory only)", "ranks", "pred MiB", "meas MiB", "err"],
+            tablefmt="simple",
+        )
+    print(
+        f"step-time MAPE {100 * summary['step_mape']:.1f}% (max {100 * summary['step_max_error']:.0f}%)  "
+        f"peak-memory MAPE {100 * (summary['memory_mape'] or 0):.1f}% (max "
+        f"{100 * (summary['memory_max_error'] or 0):.0f}%, {len(mem_err)} plans)  Kendall tau {tau:.2f}  "
+        f"planner's plan measured #{chosen_rank} of {len(rows)}"
+    )
     write_json(args.out + ".json", {"summary": summary, "rows": rows, "memory_rows": mem_rows}, quiet=True)
     _scatter(rows, mem_rows, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
@@ -372,21 +481,30 @@ def _scatter(rows: List[dict], mem_rows: List[dict], path: str) -> None:
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, key, scale, unit, data in ((axes[0], "s", 1e3, "ms", [r for r in rows if r["measured_s"] is not None]),
-                                       (axes[1], "bytes", 2**-20, "MiB", rows + mem_rows)):
+    for ax, key, scale, unit, data in (
+        (axes[0], "s", 1e3, "ms", [r for r in rows if r["measured_s"] is not None]),
+        (axes[1], "bytes", 2**-20, "MiB", rows + mem_rows),
+    ):
         if not data:
             continue
         meas = [r[f"measured_{key}"] * scale for r in data]
         pred = [r[f"predicted_{key}"] * scale for r in data]
-        ax.scatter(meas, pred, c=["tab:red" if r["chosen"] else "tab:blue" if r["ranks"] == rows[0]["ranks"]
-                                  else "tab:green" for r in data])
+        ax.scatter(
+            meas,
+            pred,
+            c=[
+                "tab:red" if r["chosen"] else "tab:blue" if r["ranks"] == rows[0]["ranks"] else "tab:green"
+                for r in data
+            ],
+        )
         lo, hi = min(meas + pred) * 0.9, max(meas + pred) * 1.1
         ax.plot([lo, hi], [lo, hi], "k--", lw=1)
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
         ax.set_title("step time" if key == "s" else "peak memory per rank")
-    fig.suptitle("nest-fx prediction vs measurement on CPU/gloo (red: the planner's plan; "
-                 "green: memory-only runs on more ranks)")
+    fig.suptitle(
+        "nest-fx prediction vs measurement on CPU/gloo (red: the planner's plan; green: memory-only runs on more ranks)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

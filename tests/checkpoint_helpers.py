@@ -1,6 +1,7 @@
 """What tests/unit/apply/test_checkpoint.py (one process) and tests/distributed/apply/test_checkpoint_dist.py (gloo) share:
 the model, a fixed batch per step, a trained or fresh model with AdamW, and exact comparison of
 full (unsharded) parameters and optimizer state."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,7 @@ BATCH, SEQ, LR = 8, 16, 1e-3
 def fixed_batch(step: int, vocab: int = 64):
     """A fixed batch per step (for the tests that need no data position)."""
     gen = torch.Generator().manual_seed(1000 + step)
-    return (torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
-            torch.randint(0, vocab, (BATCH, SEQ), generator=gen))
+    return (torch.randint(0, vocab, (BATCH, SEQ), generator=gen), torch.randint(0, vocab, (BATCH, SEQ), generator=gen))
 
 
 def full_state(target, optimizer) -> dict:

@@ -1,4 +1,5 @@
 """Shared fixtures: traced zoo models are cached for the session (tracing llama2-7b takes ~1 s)."""
+
 from __future__ import annotations
 
 import functools
@@ -42,13 +43,25 @@ def zoo():
 
 def tight_cluster(memory_gib: float, devices: int = 8) -> Cluster:
     """2 devices per node on a fast link, slow links above: pipelining and placement matter."""
-    return Cluster.from_dict({
-        "format": "nest-fx-cluster/1", "name": "tight", "num_devices": devices,
-        "device": {"name": "toy", "memory_bytes": memory_gib * 2**30,
-                   "peak_flops": {"bf16": 100e12, "fp32": 20e12}, "mem_bandwidth": 1e12},
-        "levels": [{"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
-                   {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5}],
-    })
+    return Cluster.from_dict(
+        {
+            "format": "nest-fx-cluster/1",
+            "name": "tight",
+            "num_devices": devices,
+            "device": {
+                "name": "toy",
+                "memory_bytes": memory_gib * 2**30,
+                "peak_flops": {"bf16": 100e12, "fp32": 20e12},
+                "mem_bandwidth": 1e12,
+            },
+            "levels": [
+                {"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
+                {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5},
+            ],
+        }
+    )
+
+
 @pytest.fixture
 def single_rank():
     """For tests that let ``auto_parallelize`` create a one-rank process group: destroyed after."""
@@ -78,8 +91,10 @@ class FakeClock:
 def fake_clock(monkeypatch):
     """``fake_clock(tick=1e-3) -> FakeClock``, installed as ``time.perf_counter`` until the test ends
     (the solver and the baselines read their deadlines from ``time.perf_counter``)."""
+
     def install(tick: float = 1e-3) -> FakeClock:  # tick=0: time passes only by ``advance``
         clock = FakeClock(tick)
         monkeypatch.setattr(time, "perf_counter", clock)
         return clock
+
     return install

@@ -1,6 +1,7 @@
 """The parity harness of the multi-process tests (tests/distributed/): launch N gloo ranks, train a tiny
 fp32 model for 3 SGD steps under a plan and the same model on one device on every rank, and assert
 that the losses, full gradients and parameters agree within :data:`TOL` (docs/runtime.md, "Verified")."""
+
 from __future__ import annotations
 
 from nest_fx.apply.launch import launch

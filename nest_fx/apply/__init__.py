@@ -20,10 +20,16 @@ RNG; ``fingerprint``: the model's tensors), ``peers`` (ending stopped ranks of t
 its steps in order; ``prepare``: plan, checks and agreement before the mesh; ``steps``: the
 rewrites), ``launch`` (N local ranks without torchrun), ``losses``. See docs/runtime.md.
 """
+
 from nest_fx.apply.agreement import AgreementError
 from nest_fx.apply.api import auto_parallelize
-from nest_fx.apply.checkpoint import (CheckpointDamaged, CheckpointError, load_checkpoint, resume_checkpoint,
-                                      save_checkpoint)
+from nest_fx.apply.checkpoint import (
+    CheckpointDamaged,
+    CheckpointError,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.collective_errors import CollectiveError
 from nest_fx.apply.distributed import collective_timeout_s, init_distributed, plan_rank_of
@@ -34,7 +40,24 @@ from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.train_state import EpochBatches
 from nest_fx.plan.summary import plan_summary
 
-__all__ = ["auto_parallelize", "ParallelModule", "ApplyError", "build_mesh", "locate", "default_plan",
-           "collective_timeout_s", "init_distributed", "plan_rank_of", "plan_summary", "all_to_all",
-           "CheckpointError", "CheckpointDamaged", "save_checkpoint", "load_checkpoint", "resume_checkpoint", "AgreementError",
-           "CollectiveError", "EpochBatches"]
+__all__ = [
+    "auto_parallelize",
+    "ParallelModule",
+    "ApplyError",
+    "build_mesh",
+    "locate",
+    "default_plan",
+    "collective_timeout_s",
+    "init_distributed",
+    "plan_rank_of",
+    "plan_summary",
+    "all_to_all",
+    "CheckpointError",
+    "CheckpointDamaged",
+    "save_checkpoint",
+    "load_checkpoint",
+    "resume_checkpoint",
+    "AgreementError",
+    "CollectiveError",
+    "EpochBatches",
+]

@@ -13,6 +13,7 @@ them with non-reentrant ``torch.utils.checkpoint``:
 The block's ``forward`` is replaced on the instance (no wrapper module), so parameter names do
 not change and hooks put on the block by TP/FSDP stay outside the checkpointed region.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,9 @@ def checkpoint_module(module: nn.Module, recompute: str) -> None:
     module._nest_fx_recompute = recompute
 
 
-def apply_checkpointing(module: nn.Module, blocks: Sequence[Union[str, Sequence[str]]], recompute: str,
-                        first_index: int = 0) -> int:
+def apply_checkpointing(
+    module: nn.Module, blocks: Sequence[Union[str, Sequence[str]]], recompute: str, first_index: int = 0
+) -> int:
     """Checkpoint the blocks of ``module`` that ``recompute`` selects; returns how many blocks.
 
     Each entry of ``blocks`` is one layer block: its module path, or the paths of the children a
@@ -68,7 +70,7 @@ def apply_checkpointing(module: nn.Module, blocks: Sequence[Union[str, Sequence[
     wrapped = 0
     for index, block in enumerate(blocks, start=first_index):
         if index in chosen:
-            for name in ([block] if isinstance(block, str) else block):
+            for name in [block] if isinstance(block, str) else block:
                 checkpoint_module(module.get_submodule(name), mode)
             wrapped += 1
     return wrapped

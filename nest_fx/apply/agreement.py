@@ -14,6 +14,7 @@ A field is compared among the ranks that send it. Its key may carry a *scope* af
 :data:`SCOPE_SEP` (not shown in messages), so that, e.g., a parameter group's learning rate is
 compared only between ranks holding the same parameters.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
@@ -77,11 +78,17 @@ def first_difference(records: Sequence[Mapping[str, Any]]) -> Optional[str]:
 
 
 def _cut(text: str) -> str:
-    return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS - 3] + "..."
+    return text if len(text) <= BRIEF_CHARS else text[: BRIEF_CHARS - 3] + "..."
 
 
-def agree(fields: Mapping[str, Any], *, what: str, error: Optional[BaseException] = None,
-          error_cls: Type[Exception] = AgreementError, shared: Any = None) -> List[Any]:
+def agree(
+    fields: Mapping[str, Any],
+    *,
+    what: str,
+    error: Optional[BaseException] = None,
+    error_cls: Type[Exception] = AgreementError,
+    shared: Any = None,
+) -> List[Any]:
     """Gather ``fields``, ``error`` and ``shared`` from every rank and decide the same on all of them.
 
     Raises, on every rank: this rank's own ``error`` if it had one; else ``error_cls`` naming
@@ -100,6 +107,8 @@ def agree(fields: Mapping[str, Any], *, what: str, error: Optional[BaseException
             raise error_cls(f"rank {rank} failed: {record['error']}")
     difference = first_difference([r["fields"] for r in records])
     if difference is not None:
-        raise AgreementError(f"ranks disagree on {difference} ({what}); fix: start every rank with the same "
-                             "arguments, environment and code (the same command line)")
+        raise AgreementError(
+            f"ranks disagree on {difference} ({what}); fix: start every rank with the same "
+            "arguments, environment and code (the same command line)"
+        )
     return [r["shared"] for r in records]

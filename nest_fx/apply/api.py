@@ -43,6 +43,7 @@ the runtime creates gets the job's timeout, and a collective that fails during t
 its group (``collective_errors``). ``elastic=True``: a plan made for another world size is
 replaced by the planner's plan for the ranks that joined (``docs/runtime.md``, "Elastic").
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Union
@@ -53,20 +54,46 @@ from nest_fx.apply.checkpoint import load_checkpoint
 from nest_fx.apply.parts import LocalModel
 from nest_fx.apply.prepare import Planner, Request, prepare
 from nest_fx.apply.runtime import ParallelModule
-from nest_fx.apply.steps import (compile_chunk, context_parallel, context_parallel_group, expert_parallel, float8_linears,
-                                 fsdp_applied, gradient_sync, materialize_weights, pipeline_schedule, place,
-                                 precision, recompute, replicate, shard_data_parallel, split_stage,
-                                 tensor_parallel)
+from nest_fx.apply.steps import (
+    compile_chunk,
+    context_parallel,
+    context_parallel_group,
+    expert_parallel,
+    float8_linears,
+    fsdp_applied,
+    gradient_sync,
+    materialize_weights,
+    pipeline_schedule,
+    place,
+    precision,
+    recompute,
+    replicate,
+    shard_data_parallel,
+    split_stage,
+    tensor_parallel,
+)
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
 
 
-def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_batch_size: int,
-                     loss_fn: Optional[Callable] = None, plan: Optional[Plan] = None,
-                     planner: Optional[Planner] = None, graph=None, verbose: bool = True,
-                     timeout_s: Optional[float] = None, constraints: Union[Constraints, dict, None] = None,
-                     elastic: bool = False, sync_batchnorm: bool = True, weights: Optional[str] = None,
-                     init_seed: int = 0) -> ParallelModule:
+def auto_parallelize(
+    model: nn.Module,
+    example_inputs,
+    *,
+    cluster=None,
+    global_batch_size: int,
+    loss_fn: Optional[Callable] = None,
+    plan: Optional[Plan] = None,
+    planner: Optional[Planner] = None,
+    graph=None,
+    verbose: bool = True,
+    timeout_s: Optional[float] = None,
+    constraints: Union[Constraints, dict, None] = None,
+    elastic: bool = False,
+    sync_batchnorm: bool = True,
+    weights: Optional[str] = None,
+    init_seed: int = 0,
+) -> ParallelModule:
     """Parallelise ``model`` for training under torchrun and return a :class:`ParallelModule`.
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF
@@ -103,10 +130,25 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     pretrained weights"). A file that does not fit the model is an :class:`ApplyError` listing
     the missing, unexpected and wrongly shaped tensors, on every rank before the first collective.
     """
-    job = prepare(Request(model, example_inputs, global_batch_size, cluster=cluster, loss_fn=loss_fn, plan=plan,
-                          planner=planner, graph=graph, verbose=verbose, timeout_s=timeout_s,
-                          constraints=constraints, elastic=elastic, sync_batchnorm=sync_batchnorm,
-                          weights=weights, init_seed=init_seed))  # 0. plan, checks, agreement
+    job = prepare(
+        Request(
+            model,
+            example_inputs,
+            global_batch_size,
+            cluster=cluster,
+            loss_fn=loss_fn,
+            plan=plan,
+            planner=planner,
+            graph=graph,
+            verbose=verbose,
+            timeout_s=timeout_s,
+            constraints=constraints,
+            elastic=elastic,
+            sync_batchnorm=sync_batchnorm,
+            weights=weights,
+            init_seed=init_seed,
+        )
+    )  # 0. plan, checks, agreement
     layout = place(job)  # the device mesh: the first collective groups
     stage = split_stage(job, layout)  # 1.
     ties = replicate(stage, job, layout)  # 2.
@@ -124,9 +166,18 @@ def auto_parallelize(model: nn.Module, example_inputs, *, cluster=None, global_b
     materialized = materialize_weights(stage, job, layout)  # 10.
     grad_sync = gradient_sync(stage, ties, job, layout)  # 11.
     batching = pipeline_schedule(stage, job, layout, loss_fn, cp)  # 12.
-    pm = ParallelModule(layout, batching, LocalModel(chunks=tuple(stage.modules), graph=job.graph,
-                                                     model_specs=job.model_specs, grad_sync=grad_sync,
-                                                     fsdp=fsdp_applied(job), materialized=materialized))
+    pm = ParallelModule(
+        layout,
+        batching,
+        LocalModel(
+            chunks=tuple(stage.modules),
+            graph=job.graph,
+            model_specs=job.model_specs,
+            grad_sync=grad_sync,
+            fsdp=fsdp_applied(job),
+            materialized=materialized,
+        ),
+    )
     if job.weights.loaded is not None and job.weights.loaded.checkpoint:
         load_checkpoint(pm, job.weights.loaded.path)  # DCP reads each rank's own chunks of the checkpoint
     return pm

@@ -16,6 +16,7 @@ memory (NCCL ranks on GPUs). On CPU it is refused: gloo has no symmetric memory,
 that asks for overlap must not run without it silently. The cost model prices it as
 ``CostOptions.overlap_tp_comm`` (the TP collectives under the stage's compute).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,9 +36,11 @@ def async_tp_problem(device_type: str) -> str:
         missing.append(f"the compile backend is {compile_backend()!r}, not inductor (whose pass fuses the collectives)")
     if not missing:
         return ""
-    return (f"async_tp: micro-pipelined TP needs CUDA GPUs with symmetric memory and torch.compile's inductor; here: "
-            f"{'; '.join(missing)}. fix: run on NCCL GPU ranks, or set async_tp=false (the same TP, collectives "
-            "not overlapped)")
+    return (
+        f"async_tp: micro-pipelined TP needs CUDA GPUs with symmetric memory and torch.compile's inductor; here: "
+        f"{'; '.join(missing)}. fix: run on NCCL GPU ranks, or set async_tp=false (the same TP, collectives "
+        "not overlapped)"
+    )
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

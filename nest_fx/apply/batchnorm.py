@@ -16,6 +16,7 @@ one microbatch: statistics are per microbatch, whatever the synchronisation; the
 checks refuse that unless the user asked for per-replica statistics
 (``auto_parallelize(..., sync_batchnorm=False)``, the behaviour of DDP).
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -54,8 +55,7 @@ class DataParallelBatchNorm(_BatchNorm):
     """A BatchNorm whose training statistics cover the batch of every rank of ``group``."""
 
     def __init__(self, bn: _BatchNorm, group) -> None:
-        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                         device="meta")
+        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device="meta")
         self._check_dims = bn._check_input_dim
         # the original tensors, so names, optimizer references and checkpoints are unchanged
         self._parameters = bn._parameters
@@ -102,4 +102,3 @@ def sync_batchnorm(module: nn.Module, group) -> List[str]:
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, leaf, DataParallelBatchNorm(parent.get_submodule(leaf), group))
     return names
-

@@ -35,6 +35,7 @@ What protects the run:
 * every error one rank could see alone is agreed on first (:func:`nest_fx.apply.agreement.agree`),
   so all ranks raise the same :class:`CheckpointError` instead of some waiting in a collective.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,14 +54,41 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from nest_fx.apply.agreement import agree, distributed
-from nest_fx.apply.checkpoint_files import (META_FILE, TMP_PREFIX, CheckpointDamaged, CheckpointError, check_room,
-                                            clean_stale, complete_checkpoints, directory_bytes, hash_file,
-                                            incomplete_steps, is_checkpoint_root, next_sequence, note_failed_save,
-                                            publish, step_name, write_json, write_manifest)
+from nest_fx.apply.checkpoint_files import (
+    META_FILE,
+    TMP_PREFIX,
+    CheckpointDamaged,
+    CheckpointError,
+    check_room,
+    clean_stale,
+    complete_checkpoints,
+    directory_bytes,
+    hash_file,
+    incomplete_steps,
+    is_checkpoint_root,
+    next_sequence,
+    note_failed_save,
+    publish,
+    step_name,
+    write_json,
+    write_manifest,
+)
 from nest_fx.apply.checkpoint_load import checkpoint_choices, load_checkpoint, resolve
-from nest_fx.apply.checkpoint_state import (DCP_META_FILE, FLAT, FORMAT, LEGACY_FORMAT, checkpoint_meta,
-                                            dcp_failures, low_space, model_specs, model_tensors, read_meta,
-                                            run_dcp, state_to_save, train_state_to_save)
+from nest_fx.apply.checkpoint_state import (
+    DCP_META_FILE,
+    FLAT,
+    FORMAT,
+    LEGACY_FORMAT,
+    checkpoint_meta,
+    dcp_failures,
+    low_space,
+    model_specs,
+    model_tensors,
+    read_meta,
+    run_dcp,
+    state_to_save,
+    train_state_to_save,
+)
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.fingerprint import state_bytes
 from nest_fx.apply.train_state import stateful
@@ -68,13 +96,25 @@ from nest_fx.apply.train_state import stateful
 DEFAULT_KEEP = 3
 OPTIMIZER_STATE_FACTOR = 2  # AdamW's two moments per parameter: the room check's estimate before a first save
 
-__all__ = ["CheckpointError", "CheckpointDamaged", "save_checkpoint", "load_checkpoint", "resume_checkpoint",
-           "resolve", "checkpoint_choices", "model_tensors", "model_specs", "read_meta", "FORMAT", "LEGACY_FORMAT",
-           "DCP_META_FILE"]
-
+__all__ = [
+    "CheckpointError",
+    "CheckpointDamaged",
+    "save_checkpoint",
+    "load_checkpoint",
+    "resume_checkpoint",
+    "resolve",
+    "checkpoint_choices",
+    "model_tensors",
+    "model_specs",
+    "read_meta",
+    "FORMAT",
+    "LEGACY_FORMAT",
+    "DCP_META_FILE",
+]
 
 
 # -- save -------------------------------------------------------------------------------------
+
 
 def _valid_step(step) -> bool:
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0
@@ -82,11 +122,14 @@ def _valid_step(step) -> bool:
 
 def _check_save_args(step, keep, scheduler, data, scaler) -> None:
     if step is not None and not _valid_step(step):
-        raise CheckpointError(f"step={step!r}: a checkpoint's step must be a non-negative integer (the optimizer steps "
-                              "taken); fix: pass step=<int>")
+        raise CheckpointError(
+            f"step={step!r}: a checkpoint's step must be a non-negative integer (the optimizer steps "
+            "taken); fix: pass step=<int>"
+        )
     if keep is not None and not (_valid_step(keep) and keep >= 1):
-        raise CheckpointError(f"keep={keep!r}: the number of checkpoints to keep must be an integer >= 1, or None to "
-                              "keep all")
+        raise CheckpointError(
+            f"keep={keep!r}: the number of checkpoints to keep must be an integer >= 1, or None to keep all"
+        )
     if scheduler is not None:
         stateful(scheduler, "scheduler")
     if data is not None:
@@ -98,16 +141,19 @@ def _check_save_args(step, keep, scheduler, data, scaler) -> None:
 def _check_finite(target, loss) -> None:
     """CheckpointError when ``loss`` or a parameter of this rank is NaN or infinite."""
     if loss is not None and not math.isfinite(float(loss)):
-        raise CheckpointError(f"not saving: the loss is {float(loss)} (training diverged?); the previous checkpoints "
-                              "are kept; fix: resume from the latest one with a lower learning rate, or pass "
-                              "require_finite=False")
+        raise CheckpointError(
+            f"not saving: the loss is {float(loss)} (training diverged?); the previous checkpoints "
+            "are kept; fix: resume from the latest one with a lower learning rate, or pass "
+            "require_finite=False"
+        )
     for name, p in target.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-            raise CheckpointError(f"not saving: parameter {name} holds NaN or infinite values (training diverged?); "
-                                  "the previous checkpoints are kept; fix: resume from the latest one with a lower "
-                                  "learning rate, or pass require_finite=False")
-
+            raise CheckpointError(
+                f"not saving: parameter {name} holds NaN or infinite values (training diverged?); "
+                "the previous checkpoints are kept; fix: resume from the latest one with a lower "
+                "learning rate, or pass require_finite=False"
+            )
 
 
 def _digest(blob: Optional[bytes]) -> Optional[str]:
@@ -120,18 +166,27 @@ def _prepare_directory(root: str) -> None:
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"cannot save to {root}: it is a file; fix: pass a directory path")
     if os.path.isfile(os.path.join(root, META_FILE)):
-        raise CheckpointError(f"cannot save into {root}: it is a single checkpoint (a step directory, or written by an "
-                              "older nest-fx); fix: pass a new directory: checkpoints are kept in its step-* "
-                              "subdirectories")
-    if os.path.isdir(root) and not is_checkpoint_root(root) and \
-            any(not name.startswith(TMP_PREFIX) for name in os.listdir(root)):
-        raise CheckpointError(f"refusing to save into {root}: it is a non-empty directory that holds no nest-fx "
-                              "checkpoints; fix: choose a new or empty directory")
+        raise CheckpointError(
+            f"cannot save into {root}: it is a single checkpoint (a step directory, or written by an "
+            "older nest-fx); fix: pass a new directory: checkpoints are kept in its step-* "
+            "subdirectories"
+        )
+    if (
+        os.path.isdir(root)
+        and not is_checkpoint_root(root)
+        and any(not name.startswith(TMP_PREFIX) for name in os.listdir(root))
+    ):
+        raise CheckpointError(
+            f"refusing to save into {root}: it is a non-empty directory that holds no nest-fx "
+            "checkpoints; fix: choose a new or empty directory"
+        )
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"cannot create the checkpoint directory {root} ({e.strerror or e}); fix: pass a "
-                              "directory this job can write") from None
+        raise CheckpointError(
+            f"cannot create the checkpoint directory {root} ({e.strerror or e}); fix: pass a "
+            "directory this job can write"
+        ) from None
     clean_stale(root)
 
 
@@ -177,9 +232,19 @@ def _note_if_disk_full(root: str, tmp: str, step: int, error: BaseException) -> 
     note_failed_save(root, step, need, text[:500])
 
 
-def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                    step: Optional[int] = None, scheduler=None, data=None, keep: Optional[int] = DEFAULT_KEEP,
-                    require_finite: bool = True, loss=None, scaler=None) -> str:
+def save_checkpoint(
+    target,
+    path: str,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    step: Optional[int] = None,
+    scheduler=None,
+    data=None,
+    keep: Optional[int] = DEFAULT_KEEP,
+    require_finite: bool = True,
+    loss=None,
+    scaler=None,
+) -> str:
     """Write the model (and ``optimizer``, ``scheduler``, ``data`` position, gradient ``scaler``, RNG) state of
     ``target`` as a new step directory of the checkpoint directory ``path``; returns it.
 
@@ -192,8 +257,12 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
     root = os.path.abspath(os.fspath(path))
     rank = dist.get_rank() if distributed() else 0
     state, error, proposal = None, None, None
-    fields: Dict[str, Any] = {"checkpoint directory": root, "step": step, "keep": keep,
-                              "optimizer": type(optimizer).__name__ if optimizer is not None else None}
+    fields: Dict[str, Any] = {
+        "checkpoint directory": root,
+        "step": step,
+        "keep": keep,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+    }
     try:
         _check_save_args(step, keep, scheduler, data, scaler)
         if require_finite:
@@ -208,8 +277,9 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
             proposal = {"token": uuid.uuid4().hex[:12], "next": _next_from_directory(root)}
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         error = e
-    proposal = agree(fields, what=f"saving a checkpoint to {root}", error=error, error_cls=CheckpointError,
-                     shared=proposal)[0]
+    proposal = agree(
+        fields, what=f"saving a checkpoint to {root}", error=error, error_cls=CheckpointError, shared=proposal
+    )[0]
     sequence, default_step = proposal["next"]
     step = default_step if step is None else step
     tmp = os.path.join(root, f"{TMP_PREFIX}{step_name(step)}-{proposal['token']}")
@@ -219,15 +289,22 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
             try:
                 run_dcp(dcp.save, state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(**FLAT))
             except CheckpointException as e:  # DCP gathers every rank's failure and raises it everywhere
-                raise CheckpointError(f"{what} failed{low_space(root)}; nothing was left behind and the previous "
-                                      f"checkpoints are intact: {dcp_failures(e)}") from e
+                raise CheckpointError(
+                    f"{what} failed{low_space(root)}; nothing was left behind and the previous "
+                    f"checkpoints are intact: {dcp_failures(e)}"
+                ) from e
             files, error = None, None
             try:
                 if rank == 0:
-                    write_json(os.path.join(tmp, META_FILE), checkpoint_meta(target, step, sequence, optimizer, scheduler, data))
+                    write_json(
+                        os.path.join(tmp, META_FILE),
+                        checkpoint_meta(target, step, sequence, optimizer, scheduler, data),
+                    )
                 files = _own_files(tmp, rank)
             except Exception as e:  # noqa: BLE001 - agreed on below
-                error = CheckpointError(f"{what}: writing the manifest failed ({e}); the previous checkpoints are intact")
+                error = CheckpointError(
+                    f"{what}: writing the manifest failed ({e}); the previous checkpoints are intact"
+                )
             parts = agree({}, what=what, error=error, error_cls=CheckpointError, shared=files)
             final, error = None, None
             if rank == 0:
@@ -235,8 +312,9 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
                     _write_manifest(tmp, parts, step, sequence)
                     final = publish(tmp, root, step, proposal["token"], keep)
                 except Exception as e:  # noqa: BLE001 - agreed on below: the other ranks wait for rank 0
-                    error = CheckpointError(f"{what}: putting the checkpoint in place failed ({e}); the previous "
-                                            "checkpoints are intact")
+                    error = CheckpointError(
+                        f"{what}: putting the checkpoint in place failed ({e}); the previous checkpoints are intact"
+                    )
             agree({}, what=what, error=error, error_cls=CheckpointError)  # nobody returns before it is in place
     except BaseException as e:
         if rank == 0:
@@ -249,8 +327,10 @@ def save_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
 
 # -- resume -----------------------------------------------------------------------------------
 
-def resume_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None,
-                      data=None, scaler=None) -> Optional[dict]:
+
+def resume_checkpoint(
+    target, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None, data=None, scaler=None
+) -> Optional[dict]:
     """Before training: make the checkpoint directory ``path`` if needed, delete leftovers of
     interrupted saves, check that it is writable and has room for two checkpoints (the size of
     the newest one, or the model's bytes times 1 + 2 for AdamW's moments before the first save),
@@ -273,8 +353,13 @@ def resume_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimiz
             found = bool(newest) or bool(incomplete_steps(root))
     except Exception as e:  # noqa: BLE001 - agreed on below
         error = e
-    found = agree({"checkpoint directory": root}, what=f"resuming from {root}", error=error,
-                  error_cls=CheckpointError, shared=found)[0]
+    found = agree(
+        {"checkpoint directory": root},
+        what=f"resuming from {root}",
+        error=error,
+        error_cls=CheckpointError,
+        shared=found,
+    )[0]
     if not found:
         return None
     return load_checkpoint(target, root, optimizer, scheduler=scheduler, data=data, scaler=scaler, fallback=True)

@@ -18,6 +18,7 @@ checkpoint is the newest, so a run that went back to an older step and saved aga
 correctly; keep-last-N deletes the oldest complete ones by sequence and never touches a directory
 without a nest-fx manifest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -99,8 +100,10 @@ def hash_file(path: str) -> Tuple[int, str]:
 
 def write_manifest(directory: str, files: Dict[str, Dict[str, Any]], step: int, sequence: int) -> None:
     """The manifest of ``directory``: ``files`` is {name: {"bytes", "sha256"}} of every other file."""
-    write_json(os.path.join(directory, MANIFEST_FILE),
-               {"format": MANIFEST_FORMAT, "step": step, "sequence": sequence, "files": files})
+    write_json(
+        os.path.join(directory, MANIFEST_FILE),
+        {"format": MANIFEST_FORMAT, "step": step, "sequence": sequence, "files": files},
+    )
 
 
 def load_json(path: str, missing: str) -> Any:
@@ -117,16 +120,28 @@ def load_json(path: str, missing: str) -> Any:
 def read_manifest(directory: str) -> dict:
     """The manifest of a complete checkpoint, validated; CheckpointError naming the problem."""
     path = os.path.join(directory, MANIFEST_FILE)
-    manifest = load_json(path, f"{directory} is not a complete nest-fx checkpoint (no {MANIFEST_FILE}: the save did "
-                               "not finish, or this is another kind of directory); fix: load another checkpoint")
+    manifest = load_json(
+        path,
+        f"{directory} is not a complete nest-fx checkpoint (no {MANIFEST_FILE}: the save did "
+        "not finish, or this is another kind of directory); fix: load another checkpoint",
+    )
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise CheckpointError(f"{path}: not a {MANIFEST_FORMAT} manifest; fix: load it with the nest-fx version "
-                              "that wrote it")
+        raise CheckpointError(
+            f"{path}: not a {MANIFEST_FORMAT} manifest; fix: load it with the nest-fx version that wrote it"
+        )
     files, step, sequence = manifest.get("files"), manifest.get("step"), manifest.get("sequence")
-    if not (isinstance(files, dict) and _natural(step) and _natural(sequence)
-            and all(isinstance(v, dict) and _natural(v.get("bytes")) and isinstance(v.get("sha256"), str)
-                    for v in files.values())):
-        raise CheckpointDamaged(f"{path} is damaged (fields missing or of the wrong type); fix: load another checkpoint")
+    if not (
+        isinstance(files, dict)
+        and _natural(step)
+        and _natural(sequence)
+        and all(
+            isinstance(v, dict) and _natural(v.get("bytes")) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        )
+    ):
+        raise CheckpointDamaged(
+            f"{path} is damaged (fields missing or of the wrong type); fix: load another checkpoint"
+        )
     return manifest
 
 
@@ -141,11 +156,15 @@ def check_sizes(directory: str, manifest: dict) -> None:
         try:
             size = os.path.getsize(path)
         except OSError:
-            raise CheckpointDamaged(f"{path} is missing (listed in {MANIFEST_FILE}); the checkpoint is damaged; "
-                                  "fix: load another checkpoint") from None
+            raise CheckpointDamaged(
+                f"{path} is missing (listed in {MANIFEST_FILE}); the checkpoint is damaged; "
+                "fix: load another checkpoint"
+            ) from None
         if size != entry["bytes"]:
-            raise CheckpointDamaged(f"{path} has {size} bytes, its manifest says {entry['bytes']}: the checkpoint is "
-                                  "damaged (truncated?); fix: load another checkpoint")
+            raise CheckpointDamaged(
+                f"{path} has {size} bytes, its manifest says {entry['bytes']}: the checkpoint is "
+                "damaged (truncated?); fix: load another checkpoint"
+            )
 
 
 def check_hashes(directory: str, manifest: dict, names: List[str]) -> None:
@@ -155,10 +174,14 @@ def check_hashes(directory: str, manifest: dict, names: List[str]) -> None:
         try:
             _, digest = hash_file(path)
         except OSError as e:
-            raise CheckpointDamaged(f"{path} cannot be read ({e.strerror or e}); fix: load another checkpoint") from None
+            raise CheckpointDamaged(
+                f"{path} cannot be read ({e.strerror or e}); fix: load another checkpoint"
+            ) from None
         if digest != manifest["files"][name]["sha256"]:
-            raise CheckpointDamaged(f"{path} is damaged: its sha256 differs from the one in {MANIFEST_FILE} (bytes changed "
-                                  "after the save); fix: load another checkpoint, e.g. the previous step")
+            raise CheckpointDamaged(
+                f"{path} is damaged: its sha256 differs from the one in {MANIFEST_FILE} (bytes changed "
+                "after the save); fix: load another checkpoint, e.g. the previous step"
+            )
 
 
 def complete_checkpoints(root: str) -> List[Tuple[int, str, dict]]:
@@ -249,16 +272,20 @@ def newest_incomplete(root: str, complete: List[Tuple[int, str, dict]]) -> Optio
                 return latest, reason(e)
     top_sequence = complete[-1][0] if complete else 0
     top_step = complete[-1][2]["step"] if complete else -1
-    newer = [(sequence if sequence is not None else step, directory, why)
-             for directory, sequence, step, why in incomplete_steps(root)
-             if (sequence is not None and sequence > top_sequence)
-             or (sequence is None and latest is None and step > top_step)]
+    newer = [
+        (sequence if sequence is not None else step, directory, why)
+        for directory, sequence, step, why in incomplete_steps(root)
+        if (sequence is not None and sequence > top_sequence)
+        or (sequence is None and latest is None and step > top_step)
+    ]
     return max(newer)[1:] if newer else None
 
 
 def next_sequence(root: str) -> int:
     """One past the highest sequence of any step directory (complete, or damaged with readable metadata)."""
-    known = [s for s, _, _ in complete_checkpoints(root)] + [s for _, s, _, _ in incomplete_steps(root) if s is not None]
+    known = [s for s, _, _ in complete_checkpoints(root)] + [
+        s for _, s, _, _ in incomplete_steps(root) if s is not None
+    ]
     return max(known, default=0) + 1
 
 
@@ -284,7 +311,7 @@ def clean_stale(root: str) -> List[str]:
         path = os.path.join(root, name)
         stale = name.startswith(TMP_PREFIX)
         if name.startswith(OLD_PREFIX):
-            step = name[len(OLD_PREFIX):].rsplit("-", 1)[0]
+            step = name[len(OLD_PREFIX) :].rsplit("-", 1)[0]
             try:
                 read_manifest(os.path.join(root, step))
                 stale = True
@@ -343,8 +370,10 @@ def note_failed_save(root: str, step: int, need_bytes: int, error: str) -> None:
     """Record in ``root`` that a save failed for lack of space, so that a restarted job's
     ``load`` refuses to train towards the same failure (:func:`check_failed_save`)."""
     try:
-        write_json(os.path.join(root, SAVE_FAILED_FILE), {"step": step, "need_bytes": need_bytes, "error": error,
-                                                           "time": time.time()})
+        write_json(
+            os.path.join(root, SAVE_FAILED_FILE),
+            {"step": step, "need_bytes": need_bytes, "error": error, "time": time.time()},
+        )
     except OSError:
         pass  # no room even for the note: the save's own error still says what happened
 
@@ -368,7 +397,8 @@ def check_failed_save(root: str) -> None:
             f"the last save into {root} (step {step}) failed for lack of space and its filesystem still has "
             f"{free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB: training from here would "
             "fail again at the same save; fix: free space or move the checkpoint directory, then start again (to "
-            "read a checkpoint without saving, load its step directory)")
+            "read a checkpoint without saving, load its step directory)"
+        )
 
 
 def check_room(root: str, need_bytes: int) -> None:
@@ -382,10 +412,14 @@ def check_room(root: str, need_bytes: int) -> None:
             os.fsync(fh.fileno())
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"checkpoint directory {root} is not writable ({e.strerror or e}); fix: pass a directory "
-                              "this job can write (on a filesystem every node sees)") from None
+        raise CheckpointError(
+            f"checkpoint directory {root} is not writable ({e.strerror or e}); fix: pass a directory "
+            "this job can write (on a filesystem every node sees)"
+        ) from None
     free = shutil.disk_usage(root).free
     if free < need_bytes:
-        raise CheckpointError(f"checkpoint directory {root} has {free / 2**20:.1f} MiB free, two checkpoints need about "
-                              f"{need_bytes / 2**20:.1f} MiB (the new one is written before the old one is deleted); "
-                              "fix: free space, use another directory, or lower keep")
+        raise CheckpointError(
+            f"checkpoint directory {root} has {free / 2**20:.1f} MiB free, two checkpoints need about "
+            f"{need_bytes / 2**20:.1f} MiB (the new one is written before the old one is deleted); "
+            "fix: free space, use another directory, or lower keep"
+        )

@@ -8,6 +8,7 @@ than every complete one) is incomplete or damaged, the load is refused with a
 ``fallback=True`` (which ``resume`` passes) takes the newest complete one instead and every rank
 says so in one line on stderr. Saving: :mod:`nest_fx.apply.checkpoint`.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,13 +24,33 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from nest_fx.apply.agreement import agree, distributed, gather
-from nest_fx.apply.checkpoint_files import (MANIFEST_FILE, META_FILE, CheckpointDamaged, CheckpointError,
-                                            check_failed_save, check_hashes, check_sizes, complete_checkpoints,
-                                            is_checkpoint_root, is_step_directory, newest_incomplete, read_manifest,
-                                            reason)
-from nest_fx.apply.checkpoint_state import (DCP_META_FILE, FLAT, check_model, dcp_failures, install_optimizer_state,
-                                            read_meta, restore_train_state, run_dcp, state_to_load,
-                                            train_state_to_load)
+from nest_fx.apply.checkpoint_files import (
+    MANIFEST_FILE,
+    META_FILE,
+    CheckpointDamaged,
+    CheckpointError,
+    check_failed_save,
+    check_hashes,
+    check_sizes,
+    complete_checkpoints,
+    is_checkpoint_root,
+    is_step_directory,
+    newest_incomplete,
+    read_manifest,
+    reason,
+)
+from nest_fx.apply.checkpoint_state import (
+    DCP_META_FILE,
+    FLAT,
+    check_model,
+    dcp_failures,
+    install_optimizer_state,
+    read_meta,
+    restore_train_state,
+    run_dcp,
+    state_to_load,
+    train_state_to_load,
+)
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.common.fileio import one_line
 
@@ -54,8 +75,9 @@ def checkpoint_choices(path: str) -> List[Choice]:
     if os.path.isfile(os.path.join(path, META_FILE)) and os.path.isfile(os.path.join(path, DCP_META_FILE)):
         return [(path, None, None)]
     hint = " (it holds step directories, none complete)" if is_checkpoint_root(path) else ""
-    raise CheckpointError(f"no checkpoint at {path}{hint}; fix: check the path, or save one first with "
-                          "pm.save(path, optimizer)")
+    raise CheckpointError(
+        f"no checkpoint at {path}{hint}; fix: check the path, or save one first with pm.save(path, optimizer)"
+    )
 
 
 def _refusal(root: str, choices: List[Choice], why: str) -> CheckpointError:
@@ -63,11 +85,15 @@ def _refusal(root: str, choices: List[Choice], why: str) -> CheckpointError:
     source = choices[0][0]
     older = next((d for d, _, bad in choices[1:] if bad is None), None)
     if older is None:
-        return CheckpointDamaged(f"{why}; {root} holds no complete checkpoint before {os.path.basename(source)}; fix: "
-                                 "restore the files, or remove that step directory to start afresh")
-    return CheckpointDamaged(f"{root}: its newest checkpoint {source} cannot be loaded ({why}); the newest complete "
-                             f"checkpoint is {older}; fix: load it on purpose (pm.load('{older}')), or pass "
-                             "fallback=True (pm.resume does) to take it")
+        return CheckpointDamaged(
+            f"{why}; {root} holds no complete checkpoint before {os.path.basename(source)}; fix: "
+            "restore the files, or remove that step directory to start afresh"
+        )
+    return CheckpointDamaged(
+        f"{root}: its newest checkpoint {source} cannot be loaded ({why}); the newest complete "
+        f"checkpoint is {older}; fix: load it on purpose (pm.load('{older}')), or pass "
+        "fallback=True (pm.resume does) to take it"
+    )
 
 
 def resolve(path: str) -> Tuple[str, Optional[dict]]:
@@ -85,8 +111,12 @@ def _verify(source: str, manifest: Optional[dict], verify: bool, rank: int, worl
     """Sizes of every file on every rank; the small files' hashes on every rank (they are read
     first), the shards' hashes split over the ranks."""
     if manifest is None:
-        warnings.warn(f"{source} was written by an older nest-fx without a manifest: loaded without checking its "
-                      "files; save again to get a verified checkpoint", RuntimeWarning, stacklevel=5)
+        warnings.warn(
+            f"{source} was written by an older nest-fx without a manifest: loaded without checking its "
+            "files; save again to get a verified checkpoint",
+            RuntimeWarning,
+            stacklevel=5,
+        )
         return
     check_sizes(source, manifest)
     if not verify:
@@ -107,15 +137,25 @@ def _prepare(target, optimizer, scheduler, data, scaler, choice: Choice, verify:
     try:
         metadata = FileSystemReader(source).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
-        raise CheckpointDamaged(f"{source}/{DCP_META_FILE} cannot be read ({type(e).__name__}: {e}); fix: load "
-                                "another checkpoint") from e
+        raise CheckpointDamaged(
+            f"{source}/{DCP_META_FILE} cannot be read ({type(e).__name__}: {e}); fix: load another checkpoint"
+        ) from e
     state = state_to_load(target, optimizer, metadata, source)
     state.update(train_state_to_load(scheduler, data, scaler, metadata, meta, rank, source))
     return meta, state
 
 
-def load_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None,
-                    data=None, scaler=None, verify: bool = True, fallback: bool = False) -> dict:
+def load_checkpoint(
+    target,
+    path: str,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    scheduler=None,
+    data=None,
+    scaler=None,
+    verify: bool = True,
+    fallback: bool = False,
+) -> dict:
     """Load the checkpoint ``path`` names (a step directory, or the newest checkpoint of a
     checkpoint directory), saved under any plan, into ``target`` and ``optimizer`` (whose
     state is replaced), ``scheduler``, ``data`` and ``scaler`` (a gradient scaler), and restore
@@ -148,17 +188,33 @@ def load_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
             meta, state = _prepare(target, optimizer, scheduler, data, scaler, choice, verify, rank, world)
         except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
             error = e
-        failures = [(r, f) for r, f in enumerate(gather(None if error is None else (
-            isinstance(error, CheckpointDamaged), f"{type(error).__name__}: {one_line(error)}", reason(error))))
-            if f is not None]
+        failures = [
+            (r, f)
+            for r, f in enumerate(
+                gather(
+                    None
+                    if error is None
+                    else (
+                        isinstance(error, CheckpointDamaged),
+                        f"{type(error).__name__}: {one_line(error)}",
+                        reason(error),
+                    )
+                )
+            )
+            if f is not None
+        ]
         if not failures:
             break
         why = failures[0][1][2]
         if not explicit and all(f[0] for _, f in failures):
-            older = next((c for c in choices[i + 1:] if c[2] is None), None)
+            older = next((c for c in choices[i + 1 :] if c[2] is None), None)
             if fallback and older is not None:
-                print(f"nest-fx rank {rank}: not loading {choice[0]} ({why}); loading {older[0]}, the newest complete "
-                      "checkpoint before it", file=sys.stderr, flush=True)
+                print(
+                    f"nest-fx rank {rank}: not loading {choice[0]} ({why}); loading {older[0]}, the newest complete "
+                    "checkpoint before it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             if i == 0:
                 raise _refusal(root, choices, why)
@@ -176,4 +232,3 @@ def load_checkpoint(target, path: str, optimizer: Optional[torch.optim.Optimizer
         install_optimizer_state(target, optimizer, state)
     restore_train_state(target, state, scheduler, data, scaler)
     return dict(meta, directory=source)
-

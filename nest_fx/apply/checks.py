@@ -3,6 +3,7 @@
 Each check raises :class:`ApplyError` naming what does not fit and how to fix it, instead of
 letting a rank hang in a collective or die inside a reshape.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -32,7 +33,8 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"per replica: stage tp={[s.tp for s in plan.stages]}{f' x cp={plan.cp}' if plan.cp > 1 else ''}) "
             f"but {world_size} processes were launched; "
             f"fix: run torchrun --nproc_per_node={used} (or nnodes x nproc = {used}), or re-plan for "
-            f"{world_size} devices (idle ranks are not supported by the runtime)")
+            f"{world_size} devices (idle ranks are not supported by the runtime)"
+        )
 
 
 def check_may_run(plan: Plan, model: nn.Module, graph=None) -> None:
@@ -45,8 +47,10 @@ def check_tp(plan: Plan, model: nn.Module, graph=None) -> None:
     """ApplyError when a stage's TP degree cannot shard the model, or SP cannot run under it."""
     runs = may_run(model, graph)
     tps = sorted({s.tp for s in plan.stages})
-    _raise_first([runs.degree_problem("tp", tp) for tp in tps]
-                 + [runs.degree_problem("sequence_parallel", tp) for tp in tps if plan.sequence_parallel and tp > 1])
+    _raise_first(
+        [runs.degree_problem("tp", tp) for tp in tps]
+        + [runs.degree_problem("sequence_parallel", tp) for tp in tps if plan.sequence_parallel and tp > 1]
+    )
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:
@@ -73,7 +77,8 @@ def check_batch(plan: Plan, global_batch_size: int) -> int:
         raise ApplyError(
             f"global batch {global_batch_size} is not divisible by dp * microbatch_size * num_microbatches = "
             f"{plan.dp} * {plan.microbatch_size} * {plan.num_microbatches} = {unit}; fix: use a global batch "
-            f"that is a multiple of {unit}, or a plan with num_microbatches = global_batch / (dp * microbatch_size)")
+            f"that is a multiple of {unit}, or a plan with num_microbatches = global_batch / (dp * microbatch_size)"
+        )
     return global_batch_size // (plan.dp * plan.microbatch_size)
 
 
@@ -82,7 +87,8 @@ def check_layers(plan: Plan, graph) -> None:
     if plan.num_layers and plan.num_layers != n:
         raise ApplyError(
             f"plan.num_layers={plan.num_layers} but the traced model has {n} layers in its workload chain "
-            f"(head + {n - 2} blocks + tail); fix: plan for this model (a plan for another model?)")
+            f"(head + {n - 2} blocks + tail); fix: plan for this model (a plan for another model?)"
+        )
     plan.validate(num_layers=n)
     try:
         plan.check_model(chain_fingerprint((b.kind, b.num_params) for b in graph.blocks), "the traced model")
@@ -118,17 +124,23 @@ def _check_token_mean(loss_fn: Callable, cp: int, vocab: int) -> None:
     logits = torch.randn(2, 4 * cp, vocab, generator=gen)
     targets = torch.randint(0, vocab, (2, 4 * cp), generator=gen)
     pieces = [(logits[:, k::cp], targets[:, k::cp]) for k in range(cp)]
-    fix = ("with cp > 1 each CP rank computes loss_fn on its part of every sequence and the runtime averages "
-           "them, so loss_fn must be a mean over tokens (like nest_fx.apply.losses.lm_loss); fix: use such a "
-           "loss or cp=1")
+    fix = (
+        "with cp > 1 each CP rank computes loss_fn on its part of every sequence and the runtime averages "
+        "them, so loss_fn must be a mean over tokens (like nest_fx.apply.losses.lm_loss); fix: use such a "
+        "loss or cp=1"
+    )
     try:
         whole = float(loss_fn(logits, targets))
         parts = sum(float(loss_fn(x, y)) for x, y in pieces) / cp
     except Exception as exc:  # noqa: BLE001 - any failure on the probe means it cannot be verified
-        raise ApplyError(f"cp={cp}: loss_fn failed on a probe of [2, {4 * cp}, {vocab}] logits ({exc}); {fix}") from None
+        raise ApplyError(
+            f"cp={cp}: loss_fn failed on a probe of [2, {4 * cp}, {vocab}] logits ({exc}); {fix}"
+        ) from None
     if abs(whole - parts) > 1e-5 * max(1.0, abs(whole)):
-        raise ApplyError(f"cp={cp}: loss_fn is not a mean over tokens (the whole batch gives {whole:.6g}, the "
-                         f"mean over its token parts {parts:.6g}); {fix}")
+        raise ApplyError(
+            f"cp={cp}: loss_fn is not a mean over tokens (the whole batch gives {whole:.6g}, the "
+            f"mean over its token parts {parts:.6g}); {fix}"
+        )
 
 
 def check_loss_parallel(plan: Plan, model: nn.Module, graph, loss_fn: Optional[Callable]) -> None:
@@ -140,10 +152,12 @@ def check_loss_parallel(plan: Plan, model: nn.Module, graph, loss_fn: Optional[C
     reason = token_cross_entropy_problem(loss_fn, model_dims(model)["vocab"] or 8) if loss_fn is not None else ""
     if reason:
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
-        raise ApplyError(f"loss_parallel: the plan computes the token-mean cross-entropy "
-                         f"(nest_fx.apply.losses.lm_loss) from vocabulary-sharded logits, but loss_fn {name} {reason}; "
-                         "fix: pass loss_fn=lm_loss, or keep your loss on full logits: a plan with "
-                         "loss_parallel=false (planner: constraints={'fix': {'loss_parallel': False}})")
+        raise ApplyError(
+            f"loss_parallel: the plan computes the token-mean cross-entropy "
+            f"(nest_fx.apply.losses.lm_loss) from vocabulary-sharded logits, but loss_fn {name} {reason}; "
+            "fix: pass loss_fn=lm_loss, or keep your loss on full logits: a plan with "
+            "loss_parallel=false (planner: constraints={'fix': {'loss_parallel': False}})"
+        )
     problem = parallel_support(model, graph).loss_parallel_problem(plan.stages[-1].tp)
     if problem:
         raise ApplyError(problem)
@@ -177,8 +191,16 @@ def check_microbatches(plan: Plan, model: nn.Module, microbatches: int) -> None:
         raise ApplyError(problem)
 
 
-def run_all(plan: Plan, model: nn.Module, graph, world_size: int, global_batch_size: int, *,
-            model_loss: bool = False, batch_statistics: bool = True) -> int:
+def run_all(
+    plan: Plan,
+    model: nn.Module,
+    graph,
+    world_size: int,
+    global_batch_size: int,
+    *,
+    model_loss: bool = False,
+    batch_statistics: bool = True,
+) -> int:
     """Every check, cheapest first; returns the number of microbatches per step. ``model_loss``:
     the model computes its own loss (``loss_fn=None``); ``batch_statistics``: BatchNorm must see the
     whole batch (``sync_batchnorm=True``)."""

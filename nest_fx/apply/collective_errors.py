@@ -12,6 +12,7 @@ whose work has not been retired, else the last collective this rank started. Bef
 rank ends the peers of its host that are stopped (:func:`nest_fx.apply.peers.end_stopped_peers`):
 torchrun's SIGTERM cannot end a stopped process, and it waits 30 s before SIGKILL.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ from nest_fx.apply.distributed import group_timeout, member_groups
 from nest_fx.apply.peers import end_stopped_peers
 from nest_fx.common.errors import NestFxError
 
-_TRANSPORT_MARKERS = ("gloo/transport", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error", "Connection closed by peer",
-                      "Connection reset by peer", "Broken pipe")
+_TRANSPORT_MARKERS = (
+    "gloo/transport",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "NCCL error",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+)
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 
 
@@ -48,7 +56,7 @@ def is_collective_failure(exc: BaseException) -> bool:
 def group_label(desc: str, name: str) -> str:
     """``mesh_tp`` -> ``tp group``; the default group; else the group's description or name."""
     if desc.startswith("mesh_"):
-        return f"{desc[len('mesh_'):]} group"
+        return f"{desc[len('mesh_') :]} group"
     if desc in ("default_pg", "") and name in ("0", ""):
         return "default group"
     return f"group {desc or name}"
@@ -97,9 +105,11 @@ def describe_failure(exc: BaseException, what: str) -> str:
         happened = f"did not complete{timeout}: a rank of that group stopped or hung"
     else:
         happened = "failed: a rank of that group died or closed its connection"
-    return (f"rank {rank}: {where} {happened} (during {what}); the job cannot continue. fix: find the rank that "
-            f"stopped in the logs; restart the job from its latest checkpoint (torchrun --max_restarts does it, "
-            f"docs/runtime.md 'Failures and timeouts'). [{text[:300]}]")
+    return (
+        f"rank {rank}: {where} {happened} (during {what}); the job cannot continue. fix: find the rank that "
+        f"stopped in the logs; restart the job from its latest checkpoint (torchrun --max_restarts does it, "
+        f"docs/runtime.md 'Failures and timeouts'). [{text[:300]}]"
+    )
 
 
 @contextmanager
@@ -113,8 +123,10 @@ def named_collective_failures(what: str) -> Iterator[None]:
             message = describe_failure(exc, what)
             ended = end_stopped_peers()  # they cannot act on torchrun's SIGTERM (peers.py)
             if ended:
-                message += (f" This rank ended the stopped {rank_word(ended)} {', '.join(map(str, ended))} of its host "
-                            "with SIGKILL, so that the job ends now.")
+                message += (
+                    f" This rank ended the stopped {rank_word(ended)} {', '.join(map(str, ended))} of its host "
+                    "with SIGKILL, so that the job ends now."
+                )
             raise CollectiveError(message) from exc
         raise
 

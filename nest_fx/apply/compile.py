@@ -27,6 +27,7 @@ embedding's output, sequence parallelism's slice) gets no gradient from the comp
 before the block silently stop learning. :func:`compile_blocks` hands the compiled forward a
 copy of such an input (one activation copy per step, at the stage's first block only).
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,15 +54,18 @@ def compile_problem(device_type: str) -> str:
         return ""
     if device_type == "cuda":
         from torch.utils._triton import has_triton  # torch's own probe; imported here: CUDA only
+
         if not has_triton():
             return "compile: torch.compile on CUDA needs triton (pip install triton), or set compile=false"
         return ""
     wanted = os.environ.get("CXX")
     if (wanted and shutil.which(wanted)) or any(shutil.which(c) for c in _CPU_COMPILERS):
         return ""
-    return ("compile: torch.compile (inductor) on CPU needs a C++ compiler and none was found "
-            f"({'$CXX=' + wanted + ', ' if wanted else ''}{', '.join(_CPU_COMPILERS)} not on the PATH); "
-            "fix: install gcc (e.g. apt-get install g++) or set compile=false")
+    return (
+        "compile: torch.compile (inductor) on CPU needs a C++ compiler and none was found "
+        f"({'$CXX=' + wanted + ', ' if wanted else ''}{', '.join(_CPU_COMPILERS)} not on the PATH); "
+        "fix: install gcc (e.g. apt-get install g++) or set compile=false"
+    )
 
 
 def compile_blocks(module: nn.Module, block_names: Sequence[str], backend: Optional[str] = None) -> int:

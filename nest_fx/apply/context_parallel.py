@@ -36,6 +36,7 @@ On CUDA the same path runs (masked SDPA picks the memory-efficient kernel); torc
 ``context_parallel`` (ring attention over DTensor) has no CPU SDPA sharding, and one code
 path keeps the CPU parity tests meaningful for GPUs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,9 +59,11 @@ _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attenti
 def load_balanced_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Positions of CP rank ``rank``'s tokens: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
     if seq_len % (2 * cp):
-        raise ApplyError(f"context parallelism: sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} "
-                         f"(each CP rank holds two of 2 x cp equal chunks); fix: a sequence length that is a "
-                         f"multiple of {2 * cp}")
+        raise ApplyError(
+            f"context parallelism: sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} "
+            f"(each CP rank holds two of 2 x cp equal chunks); fix: a sequence length that is a "
+            f"multiple of {2 * cp}"
+        )
     c = seq_len // (2 * cp)
     first = torch.arange(rank * c, (rank + 1) * c)
     second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
@@ -78,19 +81,23 @@ def gathered_order(local_len: int, cp: int) -> torch.Tensor:
     return torch.cat(order)
 
 
-def local_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rank: int, cp: int,
-                           **sdpa_kwargs) -> torch.Tensor:
+def local_causal_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rank: int, cp: int, **sdpa_kwargs
+) -> torch.Tensor:
     """Causal attention of CP rank ``rank``'s queries (its two chunks, [..., S/cp, D]) over the
     whole sequence's ``keys``/``values`` in position order ([..., S, D]): chunk ``g`` sees keys
     ``[0, (g + 1) c)`` under a lower-right causal mask."""
     c = query.size(-2) // 2
     outs = []
     for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
-        q = query[..., half * c:(half + 1) * c, :]
+        q = query[..., half * c : (half + 1) * c, :]
         visible = (chunk + 1) * c
         mask = torch.ones(c, visible, dtype=torch.bool, device=query.device).tril(visible - c)
-        outs.append(F.scaled_dot_product_attention(q, keys[..., :visible, :], values[..., :visible, :],
-                                                   attn_mask=mask, **sdpa_kwargs))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q, keys[..., :visible, :], values[..., :visible, :], attn_mask=mask, **sdpa_kwargs
+            )
+        )
     return torch.cat(outs, dim=-2)
 
 
@@ -133,8 +140,18 @@ class ContextParallel:
             self._positions[key] = load_balanced_indices(local_len * self.cp, self.cp, self.rank).to(device)
         return self._positions[key]
 
-    def attention(self, where: str, query, key, value, attn_mask=None, dropout_p: float = 0.0,
-                  is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False):
+    def attention(
+        self,
+        where: str,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+        enable_gqa: bool = False,
+    ):
         """Causal SDPA of this rank's queries over the whole sequence's keys/values (module docstring)."""
         local = query.size(-2)
         self._check_causal(where, local, attn_mask, is_causal, query.device)
@@ -165,15 +182,21 @@ class ContextParallel:
     def _check_causal(where: str, local: int, attn_mask, is_causal: bool, device) -> None:
         if attn_mask is None and is_causal:
             return
-        if attn_mask is not None and not is_causal and attn_mask.dtype == torch.bool \
-                and attn_mask.shape[-2:] == (local, local):
+        if (
+            attn_mask is not None
+            and not is_causal
+            and attn_mask.dtype == torch.bool
+            and attn_mask.shape[-2:] == (local, local)
+        ):
             causal = torch.ones(local, local, dtype=torch.bool, device=device).tril()
             if bool((attn_mask == causal).all()):
                 return
         what = "a mask that is not the causal mask of its tokens" if attn_mask is not None else "is_causal=False"
-        raise ApplyError(f"context parallelism: {where} calls scaled_dot_product_attention with {what}; the CP path "
-                         "runs causal attention only (a padding, sliding-window or custom mask would be computed "
-                         "wrongly). fix: use cp=1 for this model")
+        raise ApplyError(
+            f"context parallelism: {where} calls scaled_dot_product_attention with {what}; the CP path "
+            "runs causal attention only (a padding, sliding-window or custom mask would be computed "
+            "wrongly). fix: use cp=1 for this model"
+        )
 
 
 class _AttentionIntercept(TorchFunctionMode):
@@ -214,16 +237,19 @@ def _intercept_attention(module: nn.Module, cp: ContextParallel, where: str) -> 
 
 def _rope_table_hook(cp: ContextParallel, tables: Dict[str, torch.Tensor]):
     """Zoo rotary: the cos/sin rows the module slices (``[:seq]``) become the rank's positions' rows."""
+
     def hook(module, args):
         x = args[0]
         positions = cp.positions(x.size(-2), x.device)
         for name, full in tables.items():
             module._buffers[name] = full.index_select(0, positions)
+
     return hook
 
 
 def _position_ids_hook(cp: ContextParallel):
     """HF rotary: ``position_ids`` (0 .. S_l-1 for a rank's tokens) -> the tokens' positions."""
+
     def hook(module, args, kwargs):
         if "position_ids" in kwargs:
             ids = kwargs["position_ids"]
@@ -232,22 +258,27 @@ def _position_ids_hook(cp: ContextParallel):
             ids = args[1]
             args = (args[0], _remap(cp, ids, module), *args[2:])
         return args, kwargs
+
     return hook
 
 
 def _embedding_hook(cp: ContextParallel):
     """Learned positions: arange indices -> the rank's positions."""
+
     def hook(module, args):
         return (_remap(cp, args[0], module), *args[1:])
+
     return hook
 
 
 def _remap(cp: ContextParallel, ids: torch.Tensor, module: nn.Module) -> torch.Tensor:
     local = ids.size(-1)
     if ids.numel() and int(ids.max()) >= local:
-        raise ApplyError(f"context parallelism: {type(module).__name__} got position ids up to {int(ids.max())} for "
-                         f"{local} local tokens; the CP path remaps positions 0..{local - 1} of a rank's tokens only "
-                         "(no KV cache or offsets in training). fix: use cp=1")
+        raise ApplyError(
+            f"context parallelism: {type(module).__name__} got position ids up to {int(ids.max())} for "
+            f"{local} local tokens; the CP path remaps positions 0..{local - 1} of a rank's tokens only "
+            "(no KV cache or offsets in training). fix: use cp=1"
+        )
     return cp.positions(local, ids.device)[ids]
 
 

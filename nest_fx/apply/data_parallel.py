@@ -24,6 +24,7 @@ With context parallelism the CP ranks of a replica hold the same parameters too:
 above then spans ``dp x cp`` ranks and the divisor is ``dp * cp`` (the caller passes the mesh
 and ``dp_size``).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -89,8 +90,14 @@ def _buckets(tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> List
 class GradientSync:
     """All-reduce gradients over the DP group (zero=0) after the local backward."""
 
-    def __init__(self, params: Sequence[nn.Parameter], dp_group, dp_size: int, edp_group=None,
-                 expert_params: Sequence[nn.Parameter] = ()):
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        dp_group,
+        dp_size: int,
+        edp_group=None,
+        expert_params: Sequence[nn.Parameter] = (),
+    ):
         self.params = list(params)
         self.expert_ids = {id(p) for p in expert_params}
         self.dp_group, self.dp_size, self.edp_group = dp_group, dp_size, edp_group
@@ -128,10 +135,18 @@ def shards_anything(zero: int, replicas: int) -> bool:
     return zero >= 1 and replicas > 1
 
 
-def apply_fsdp(module: nn.Module, block_names: Sequence[str], dp_mesh, zero: int, *, edp_mesh=None,
-               dp_size: Optional[int] = None, expert_modules: Sequence[nn.Module] = (),
-               mp_policy: Optional[MixedPrecisionPolicy] = None,
-               fp32_modules: Sequence[nn.Module] = ()) -> nn.Module:
+def apply_fsdp(
+    module: nn.Module,
+    block_names: Sequence[str],
+    dp_mesh,
+    zero: int,
+    *,
+    edp_mesh=None,
+    dp_size: Optional[int] = None,
+    expert_modules: Sequence[nn.Module] = (),
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    fp32_modules: Sequence[nn.Module] = (),
+) -> nn.Module:
     """FSDP2 over ``dp_mesh`` (1-D, or 2-D for HSDP): each block, then the root (see module docstring).
     ``mp_policy``: FSDP2's mixed precision (``precision.fsdp_policy``), the same on every unit but
     ``fp32_modules`` (``precision.fp32_modules``: BatchNorm), each its own unit without a cast."""

@@ -8,6 +8,7 @@ PyTorch gives every group created later (``new_group``, DeviceMesh dims, flatten
 own default of 30 minutes (10 for NCCL) whatever the default group has, so
 :func:`apply_job_timeout` sets the default group's timeout on each of them.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,9 +58,11 @@ def collective_timeout_s(timeout_s: Optional[float] = None) -> float:
     except (TypeError, ValueError):
         raise ApplyError(f"timeout_s={timeout_s!r} is not a number of seconds; fix: e.g. timeout_s=600") from None
     if not (math.isfinite(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
-        raise ApplyError(f"{source}: the collective timeout must be a finite number of seconds between "
-                         f"{MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} (a week), got {value:g}; fix: e.g. "
-                         f"{TIMEOUT_ENV}=600")
+        raise ApplyError(
+            f"{source}: the collective timeout must be a finite number of seconds between "
+            f"{MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} (a week), got {value:g}; fix: e.g. "
+            f"{TIMEOUT_ENV}=600"
+        )
     return value
 
 
@@ -78,8 +81,13 @@ def group_timeout(group) -> Optional[timedelta]:
 
 def member_groups() -> Dict[str, "dist.ProcessGroup"]:
     """{group name: group} of every process group this rank belongs to (default group included)."""
-    return {pg.group_name: pg for pg in _world.pg_map if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER
-            and dist.get_rank() in dist.get_process_group_ranks(pg)}
+    return {
+        pg.group_name: pg
+        for pg in _world.pg_map
+        if pg is not None
+        and pg != dist.GroupMember.NON_GROUP_MEMBER
+        and dist.get_rank() in dist.get_process_group_ranks(pg)
+    }
 
 
 def with_job_timeout(obj):
@@ -112,8 +120,10 @@ def plan_rank_of(device_order: Optional[Sequence[int]], launched_rank: int) -> i
     try:
         return list(device_order).index(launched_rank)
     except ValueError:
-        raise ApplyError(f"device_order: rank {launched_rank} is not in the plan's device order "
-                                f"({len(device_order)} entries); re-plan for this world") from None
+        raise ApplyError(
+            f"device_order: rank {launched_rank} is not in the plan's device order "
+            f"({len(device_order)} entries); re-plan for this world"
+        ) from None
 
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK")
@@ -128,11 +138,13 @@ def check_rendezvous_env(world: int) -> None:
             f"WORLD_SIZE={world} asks for {world} ranks, but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not set, so this process cannot find the others; fix: launch "
             f"with torchrun (e.g. torchrun --nproc_per_node={world} script.py), which sets them for every rank, or "
-            "unset WORLD_SIZE to run as one process, or set MASTER_ADDR, MASTER_PORT and RANK on every rank")
+            "unset WORLD_SIZE to run as one process, or set MASTER_ADDR, MASTER_PORT and RANK on every rank"
+        )
 
 
-def init_distributed(timeout_s: Optional[float] = None,
-                     device_order: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+def init_distributed(
+    timeout_s: Optional[float] = None, device_order: Optional[Sequence[int]] = None
+) -> Tuple[int, int]:
     """Initialise the default process group from the torchrun environment if needed.
 
     Reads WORLD_SIZE / RANK / LOCAL_RANK; gloo on CPU, nccl on CUDA. Without a launcher (no
@@ -158,7 +170,8 @@ def init_distributed(timeout_s: Optional[float] = None,
                 "device_order: the plan places its ranks on other devices, which the runtime does by numbering the "
                 "default process group, but the group was initialised before auto_parallelize; fix: let "
                 "auto_parallelize initialise it, or call nest_fx.apply.init_distributed(device_order="
-                "plan.device_order) first (or init_process_group with rank=plan_rank_of(plan.device_order, RANK))")
+                "plan.device_order) first (or init_process_group with rank=plan_rank_of(plan.device_order, RANK))"
+            )
         register_peers(collective_timeout_s(timeout_s))
         return dist.get_world_size(), dist.get_rank()
     timeout = timedelta(seconds=collective_timeout_s(timeout_s))
@@ -167,8 +180,10 @@ def init_distributed(timeout_s: Optional[float] = None,
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
-        raise ApplyError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number of ranks; fix: launch with "
-                         "torchrun, which sets it, or unset it to run as one process") from None
+        raise ApplyError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number of ranks; fix: launch with "
+            "torchrun, which sets it, or unset it to run as one process"
+        ) from None
     if world > 1:
         check_rendezvous_env(world)
     if cuda:
@@ -179,14 +194,16 @@ def init_distributed(timeout_s: Optional[float] = None,
         if len(device_order) != world:
             raise ApplyError(
                 f"device_order: lists {len(device_order)} ranks but WORLD_SIZE is {world}; launch "
-                f"{len(device_order)} processes or re-plan for {world} devices")
+                f"{len(device_order)} processes or re-plan for {world} devices"
+            )
         check_device_order(device_order, world)
         launched = int(os.environ.get("RANK", "0"))
         # the launcher's rendezvous store, hosted as the launcher arranged it (torchrun's agent, or
         # the process launched as rank 0 on MASTER_ADDR), not by whichever process plays plan rank 0
         store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched, world, timeout)
-        dist.init_process_group(backend, store=store, rank=plan_rank_of(device_order, launched), world_size=world,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=plan_rank_of(device_order, launched), world_size=world, timeout=timeout
+        )
         _NUMBERED_FOR[0] = (tuple(device_order), id(dist.group.WORLD))
     else:
         dist.init_process_group(backend, timeout=timeout)

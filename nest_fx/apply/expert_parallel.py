@@ -39,6 +39,7 @@ whose tokens it processed, so the data-parallel sync *sums* it over ``edp`` and 
 ``dp`` (see ``data_parallel.py``), which equals the single-device gradient of the mean loss.
 ``nest_fx.graph.moe_modules.expert_parameters`` lists them.
 """
+
 from __future__ import annotations
 
 import types
@@ -60,8 +61,9 @@ class _AllToAll(torch.autograd.Function):
     The backward is the reverse exchange applied to the gradient."""
 
     @staticmethod
-    def forward(ctx, group, x: torch.Tensor, send: Optional[List[int]] = None,
-                recv: Optional[List[int]] = None) -> torch.Tensor:
+    def forward(
+        ctx, group, x: torch.Tensor, send: Optional[List[int]] = None, recv: Optional[List[int]] = None
+    ) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]) if recv is not None else x.shape)
@@ -76,8 +78,9 @@ class _AllToAll(torch.autograd.Function):
         return None, out, None, None
 
 
-def all_to_all(x: torch.Tensor, group=None, send: Optional[Sequence[int]] = None,
-               recv: Optional[Sequence[int]] = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, group=None, send: Optional[Sequence[int]] = None, recv: Optional[Sequence[int]] = None
+) -> torch.Tensor:
     """Autograd-aware all_to_all over dim 0: even chunks (``x.size(0)`` divisible by the group
     size) or ``send``/``recv`` rows per rank."""
     size = dist.get_world_size(group)
@@ -89,6 +92,7 @@ def all_to_all(x: torch.Tensor, group=None, send: Optional[Sequence[int]] = None
 
 
 # -- the zoo MoE ----------------------------------------------------------------------------------
+
 
 def _ep_run_experts(self, buffer: torch.Tensor) -> torch.Tensor:
     """run_experts under expert parallelism (bound to a zoo MoE instance)."""
@@ -120,8 +124,10 @@ def _convert_zoo_moe(moe: nn.Module, ep: int, ep_rank: int, ep_group) -> None:
 
 # -- HuggingFace stacked experts -----------------------------------------------------------------
 
-def _run_local_experts(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
+
+def _run_local_experts(
+    module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """The module's own forward (its class's, whatever ``experts_implementation`` it dispatches
     to) on this rank's expert shards: the DTensor parameters are swapped for their local tensors
     for the call (``to_local`` is differentiable, so gradients reach the DTensors)."""
@@ -135,8 +141,9 @@ def _run_local_experts(module: nn.Module, hidden: torch.Tensor, index: torch.Ten
         params.update(saved)
 
 
-def _ep_stacked_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor) -> torch.Tensor:
+def _ep_stacked_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """forward of a HF stacked-experts module under expert parallelism (see the module docstring)."""
     ep, group, local = self._ep_size, self._ep_group, self.num_experts
     tokens, k = top_k_index.shape
@@ -162,11 +169,13 @@ def _convert_stacked(name: str, module: nn.Module, ep: int, ep_rank: int, ep_mes
         raise ApplyError(f"expert parallelism: {problem}; fix: use ep=1")
     experts = module.num_experts
     if experts % ep:
-        raise ApplyError(f"ep={ep} does not divide the {experts} experts of {name}; fix: use ep in "
-                         f"{[d for d in range(1, experts + 1) if experts % d == 0]}")
+        raise ApplyError(
+            f"ep={ep} does not divide the {experts} experts of {name}; fix: use ep in "
+            f"{[d for d in range(1, experts + 1) if experts % d == 0]}"
+        )
     local = experts // ep
     for pname, p in list(module.named_parameters(recurse=False)):
-        shard = p.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
+        shard = p.detach()[ep_rank * local : (ep_rank + 1) * local].clone()
         dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
         setattr(module, pname, nn.Parameter(dt, requires_grad=p.requires_grad))
     module._nest_fx_global_experts = experts

@@ -25,6 +25,7 @@ checkpoint: the files are read straight from the checkpoint's DCP shards, one ou
 time; the tensor names and shapes come from the checkpoint, the HF class and config from
 ``model`` (a ``transformers`` model, e.g. built on ``meta`` from the spec the plan recorded).
 """
+
 from __future__ import annotations
 
 import os
@@ -44,9 +45,17 @@ from nest_fx.apply.checkpoint import FLAT, model_specs, read_meta, resolve, run_
 from nest_fx.apply.checkpoint_files import check_hashes, check_sizes
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.fingerprint import TensorSpec, difference, fingerprint, tensor_specs
-from nest_fx.apply.hf_format import (DEFAULT_MAX_SHARD_SIZE, ExportError, ExportLayout, export_layout,
-                                     hf_class_and_config, prepare_destination, publish_destination, write_config,
-                                     write_file)
+from nest_fx.apply.hf_format import (
+    DEFAULT_MAX_SHARD_SIZE,
+    ExportError,
+    ExportLayout,
+    export_layout,
+    hf_class_and_config,
+    prepare_destination,
+    publish_destination,
+    write_config,
+    write_file,
+)
 
 __all__ = ["save_pretrained", "export_checkpoint", "ExportError"]
 
@@ -57,8 +66,7 @@ MODEL_PREFIX = "model."
 def read_full(directory: str, names: Iterable[str], specs: Mapping[str, TensorSpec]) -> Dict[str, torch.Tensor]:
     """The full tensors ``names`` (the model's own names) from the DCP files in ``directory``,
     read in this process alone (only the bytes of those tensors), in their saved dtype."""
-    state = {f"{MODEL_PREFIX}{n}": torch.empty(tuple(specs[n][0]), dtype=getattr(torch, specs[n][1]))
-             for n in names}
+    state = {f"{MODEL_PREFIX}{n}": torch.empty(tuple(specs[n][0]), dtype=getattr(torch, specs[n][1])) for n in names}
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=FileSystemReader(directory), planner=DefaultLoadPlanner(**FLAT), no_dist=True)
@@ -70,8 +78,9 @@ def _file_sources(layout: ExportLayout, file: str) -> List[str]:
     return [layout.origin[s] for s in layout.file_sources(file)]
 
 
-def _write_one(layout: ExportLayout, directory: str, file: str, source_dir: str,
-               specs: Mapping[str, TensorSpec]) -> int:
+def _write_one(
+    layout: ExportLayout, directory: str, file: str, source_dir: str, specs: Mapping[str, TensorSpec]
+) -> int:
     tensors = read_full(source_dir, _file_sources(layout, file), specs)
     renamed = {s: tensors[layout.origin[s]] for s in layout.file_sources(file)}
     del tensors
@@ -92,8 +101,14 @@ def _finish(layout: ExportLayout, tmp: str, final: str, hf_model) -> None:
     publish_destination(tmp, final, layout.index())
 
 
-def save_pretrained(target, directory: str, max_shard_size=DEFAULT_MAX_SHARD_SIZE, *, overwrite: bool = False,
-                    dtype: Optional[torch.dtype] = None) -> str:
+def save_pretrained(
+    target,
+    directory: str,
+    max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+    *,
+    overwrite: bool = False,
+    dtype: Optional[torch.dtype] = None,
+) -> str:
     """Write ``target`` (a ParallelModule) to ``directory`` in the HuggingFace format; returns it.
 
     Collective: every rank calls it with the same arguments. ``max_shard_size``: bytes per
@@ -106,8 +121,13 @@ def save_pretrained(target, directory: str, max_shard_size=DEFAULT_MAX_SHARD_SIZ
     specs = model_specs(target)
     hf_model = hf_class_and_config(getattr(target, "chunks", [target])[0])
     layout, tmp, error = None, None, None
-    fields = {"export directory": final, "max_shard_size": str(max_shard_size), "overwrite": overwrite,
-              "dtype": str(dtype), "model fingerprint": fingerprint(specs)}
+    fields = {
+        "export directory": final,
+        "max_shard_size": str(max_shard_size),
+        "overwrite": overwrite,
+        "dtype": str(dtype),
+        "model fingerprint": fingerprint(specs),
+    }
     try:
         layout = export_layout(specs, max_shard_size, hf_model, dtype=dtype)
         if rank == 0:
@@ -123,8 +143,9 @@ def save_pretrained(target, directory: str, max_shard_size=DEFAULT_MAX_SHARD_SIZ
                 try:
                     _finish(layout, tmp, final, hf_model)
                 except Exception as e:  # noqa: BLE001 - agreed on below
-                    error = ExportError(f"exporting to {final}: putting the files in place failed ({e}); {final} is "
-                                        "as it was")
+                    error = ExportError(
+                        f"exporting to {final}: putting the files in place failed ({e}); {final} is as it was"
+                    )
             agree({}, what=f"exporting to {final}", error=error, error_cls=ExportError)
     except BaseException:
         if rank == 0:
@@ -133,13 +154,14 @@ def save_pretrained(target, directory: str, max_shard_size=DEFAULT_MAX_SHARD_SIZ
     return final
 
 
-def _write_rounds(target, layout: ExportLayout, tmp: str, specs: Mapping[str, TensorSpec], rank: int,
-                  world: int) -> None:
+def _write_rounds(
+    target, layout: ExportLayout, tmp: str, specs: Mapping[str, TensorSpec], rank: int, world: int
+) -> None:
     """Step 2 of the module docstring: ``world`` files per round, file ``i`` of a round by rank ``i``."""
     files = list(layout.files)
     held = state_to_save(target, None)  # {"model.<name>": local tensor or shard view}; nothing is copied
     for k, first in enumerate(range(0, len(files), world)):
-        batch = files[first:first + world]
+        batch = files[first : first + world]
         scratch = os.path.join(tmp, SCRATCH.format(k))
         wanted = {f"{MODEL_PREFIX}{n}" for f in batch for n in _file_sources(layout, f)}
         state = {key: value for key, value in held.items() if key in wanted}
@@ -159,14 +181,23 @@ def checkpoint_specs(meta: dict, source: str) -> Dict[str, TensorSpec]:
     """{name: (shape, dtype)} of the model a checkpoint holds (its recorded tensors)."""
     tensors = (meta.get("model") or {}).get("tensors")
     if not tensors:
-        raise ExportError(f"{source} does not record its model's tensors (an older nest-fx checkpoint); fix: load it "
-                          "into the model and call pm.save_pretrained(DIR)")
+        raise ExportError(
+            f"{source} does not record its model's tensors (an older nest-fx checkpoint); fix: load it "
+            "into the model and call pm.save_pretrained(DIR)"
+        )
     return {n: (tuple(int(d) for d in s), d_) for n, (s, d_) in tensors.items()}
 
 
-def export_checkpoint(path: str, directory: str, model: Optional[nn.Module] = None,
-                      max_shard_size=DEFAULT_MAX_SHARD_SIZE, *, overwrite: bool = False,
-                      dtype: Optional[torch.dtype] = None, verify: bool = True) -> str:
+def export_checkpoint(
+    path: str,
+    directory: str,
+    model: Optional[nn.Module] = None,
+    max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+    *,
+    overwrite: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    verify: bool = True,
+) -> str:
     """Write the model of the nest-fx checkpoint ``path`` (a checkpoint directory: its newest
     complete checkpoint; or a step directory) to ``directory`` in the HuggingFace format, in this
     process, one output file at a time. ``model``: the model (any device, ``meta`` is enough) whose
@@ -185,8 +216,10 @@ def export_checkpoint(path: str, directory: str, model: Optional[nn.Module] = No
     if model is not None:
         own = tensor_specs(model)
         if fingerprint(own) != fingerprint(specs):
-            raise ExportError(f"{source} holds another model than the one given ({difference(specs, own)}); fix: "
-                              "pass the model the checkpoint was trained with (--model SPEC)")
+            raise ExportError(
+                f"{source} holds another model than the one given ({difference(specs, own)}); fix: "
+                "pass the model the checkpoint was trained with (--model SPEC)"
+            )
     layout = export_layout(specs, max_shard_size, hf_model, dtype=dtype)
     tmp = prepare_destination(final, overwrite)
     try:
@@ -197,4 +230,3 @@ def export_checkpoint(path: str, directory: str, model: Optional[nn.Module] = No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-

@@ -6,6 +6,7 @@ so every rank knows the model it trains (its own stage holds only part of it). C
 store it and refuse to load into another model (a 6-layer checkpoint into a 4-layer model), and
 the ranks compare the digest before the first collective of the mesh.
 """
+
 from __future__ import annotations
 
 import hashlib

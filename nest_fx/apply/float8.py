@@ -23,6 +23,7 @@ activations, as the cost model prices them. torchao's ``Float8ColwiseParallel`` 
 ``$NEST_FX_FLOAT8_EMULATE=1`` lets Float8 run on CPU through torch's CPU ``_scaled_mm`` (fp8
 values, fp32 accumulation, no fp8 units: slow): for the multi-rank parity tests only.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,14 +47,18 @@ def float8_problem(device_type: str) -> str:
     else:
         capability = torch.cuda.get_device_capability()
         if capability < FP8_CAPABILITY:
-            missing.append(f"the GPU {torch.cuda.get_device_name()} (compute capability "
-                           f"{capability[0]}.{capability[1]}) has no fp8 tensor cores (needs 8.9 or higher)")
+            missing.append(
+                f"the GPU {torch.cuda.get_device_name()} (compute capability "
+                f"{capability[0]}.{capability[1]}) has no fp8 tensor cores (needs 8.9 or higher)"
+            )
     if importlib.util.find_spec("torchao") is None:
         missing.append("torchao is not installed (pip install 'nest-fx[float8]')")
     if not missing:
         return ""
-    return ("float8: Float8 linears need an NVIDIA GPU with fp8 tensor cores (H100, L40, RTX 4090) and torchao; "
-            f"here: {'; '.join(missing)}. fix: run on such a GPU with nest-fx[float8], or set float8=false")
+    return (
+        "float8: Float8 linears need an NVIDIA GPU with fp8 tensor cores (H100, L40, RTX 4090) and torchao; "
+        f"here: {'; '.join(missing)}. fix: run on such a GPU with nest-fx[float8], or set float8=false"
+    )
 
 
 def float8_linear_filter(module: nn.Module, fqn: str) -> bool:

@@ -18,6 +18,7 @@ are (:class:`FusedCheckpointTensor`), so checkpoints hold plan-independent tenso
 model's own layout and load under any plan or on one device. The permutation depends only on
 the part sizes and ``tp``, recorded per parameter in :func:`register_layout`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -108,8 +109,10 @@ def original_boxes(tensor: DTensor, layout: Optional[FusedLayout]) -> List[Tuple
     Used by the checkpoint and by the weights reader (``apply/materialize.py``)."""
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     if list(tensor.to_local().shape) != list(local_shape):
-        raise ValueError(f"unexpected local shape {tuple(tensor.to_local().shape)} of a sharded parameter "
-                         f"(expected {tuple(local_shape)})")
+        raise ValueError(
+            f"unexpected local shape {tuple(tensor.to_local().shape)} of a sharded parameter "
+            f"(expected {tuple(local_shape)})"
+        )
     if layout is None:
         return [(list(offset), list(local_shape), 0)]
     dim = layout.dim
@@ -151,10 +154,14 @@ class FusedCheckpointTensor(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
         props = TensorProperties.create_from_tensor(self._local)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=self._chunk(offsets, sizes), properties=props,
-                                                      size=self.shape))
-                for offsets, sizes, _ in self._boxes]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=self._chunk(offsets, sizes), properties=props, size=self.shape),
+            )
+            for offsets, sizes, _ in self._boxes
+        ]
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
         return [self._chunk(offsets, sizes) for offsets, sizes, _ in self._boxes]
@@ -172,4 +179,3 @@ def checkpoint_view(tensor, layout: Optional[FusedLayout]):
     if layout is None or not isinstance(tensor, DTensor):
         return tensor
     return FusedCheckpointTensor(tensor, layout)
-

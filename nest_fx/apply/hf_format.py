@@ -28,6 +28,7 @@ exist, or be an empty directory; anything else is refused with :class:`ExportErr
 sibling ``.<name>.tmp-export-<token>`` and appear under ``DIR`` by one rename once all are
 complete, so ``DIR`` holds either its old content or the whole export, never a mix.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,18 @@ SAFETENSORS_METADATA = {"format": "pt"}
 TMP_MARK = ".tmp-export-"
 OLD_MARK = ".old-export-"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class ExportError(NestFxError, ValueError):
@@ -66,8 +77,9 @@ def parse_size(size) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
     if not match or float(match.group(1)) <= 0:
-        raise ExportError(f"max_shard_size={size!r} is not a size; fix: pass bytes (int) or a string like '5GB' "
-                          "or '500MiB'")
+        raise ExportError(
+            f"max_shard_size={size!r} is not a size; fix: pass bytes (int) or a string like '5GB' or '500MiB'"
+        )
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
@@ -83,6 +95,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 # -- the model's HF identity -------------------------------------------------------------------
+
 
 def hf_class_and_config(module: nn.Module):
     """(model class, config) of a ``transformers`` model (or a stage of one, which keeps its class;
@@ -134,8 +147,10 @@ class ExportLayout:
         """The ``model.safetensors.index.json`` content, or None for a single file."""
         if len(self.files) <= 1:
             return None
-        return {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_size},
-                "weight_map": dict(sorted(self.weight_map().items()))}
+        return {
+            "metadata": {"total_parameters": self.total_parameters, "total_size": self.total_size},
+            "weight_map": dict(sorted(self.weight_map().items())),
+        }
 
 
 def _meta_tensor(spec: TensorSpec) -> torch.Tensor:
@@ -161,14 +176,18 @@ def _hf_sources(skeleton: nn.Module, specs: Mapping[str, TensorSpec]) -> Dict[st
             continue
         twin = [n for n in group_of.get(name, []) if n in kept]
         if not twin:
-            raise ExportError(f"{name} is a tensor of the trained model but not of {type(skeleton).__name__} as "
-                              "transformers builds it from its config; fix: export a model built from its "
-                              "transformers config")
+            raise ExportError(
+                f"{name} is a tensor of the trained model but not of {type(skeleton).__name__} as "
+                "transformers builds it from its config; fix: export a model built from its "
+                "transformers config"
+            )
         mapping[name] = twin[0]
     missing = sorted(kept - set(mapping.values()))
     if missing:
-        raise ExportError(f"{type(skeleton).__name__} has tensors the trained model lacks: {missing[:3]}; fix: export "
-                          "a model built from its transformers config")
+        raise ExportError(
+            f"{type(skeleton).__name__} has tensors the trained model lacks: {missing[:3]}; fix: export "
+            "a model built from its transformers config"
+        )
     return mapping
 
 
@@ -209,8 +228,12 @@ def _split(outputs: Sequence[str], nbytes: Mapping[str, int], limit: int) -> Lis
     return files
 
 
-def export_layout(specs: Mapping[str, TensorSpec], max_shard_size, hf_model: Optional[Tuple[type, object]] = None,
-                  dtype: Optional[torch.dtype] = None) -> ExportLayout:
+def export_layout(
+    specs: Mapping[str, TensorSpec],
+    max_shard_size,
+    hf_model: Optional[Tuple[type, object]] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> ExportLayout:
     """Plan the output files of a model with tensors ``specs`` (see the module docstring): the
     files, names and order ``transformers`` ``save_pretrained`` gives the same model.
 
@@ -239,12 +262,16 @@ def export_layout(specs: Mapping[str, TensorSpec], max_shard_size, hf_model: Opt
             for out, t in convert_names(skeleton, {name: _meta_tensor(source_specs[name])}).items():
                 made_from[out] = name
                 if shapes.get(out) != tuple(t.shape):
-                    raise ExportError(f"{type(skeleton).__name__}: transformers converts {name} together with other "
-                                      "weights when it saves, which a file-by-file export cannot reproduce; fix: "
-                                      "report it to nest-fx")
+                    raise ExportError(
+                        f"{type(skeleton).__name__}: transformers converts {name} together with other "
+                        "weights when it saves, which a file-by-file export cannot reproduce; fix: "
+                        "report it to nest-fx"
+                    )
         if set(made_from) != set(shapes):
-            raise ExportError(f"{type(skeleton).__name__}: the weights transformers saves are not made one source "
-                              "tensor at a time; fix: report it to nest-fx")
+            raise ExportError(
+                f"{type(skeleton).__name__}: the weights transformers saves are not made one source "
+                "tensor at a time; fix: report it to nest-fx"
+            )
         outputs = list(whole)
     else:
         made_from = {n: n for n in order}
@@ -278,8 +305,10 @@ def write_file(layout: ExportLayout, directory: str, file: str, tensors: Dict[st
     for name in layout.files[file]:
         t = converted.get(name)
         if t is None or tuple(t.shape) != layout.shapes[name]:
-            raise ExportError(f"{file}: {name} is {'missing' if t is None else f'of shape {tuple(t.shape)}'}, "
-                              f"planned {layout.shapes[name]}; fix: report it to nest-fx")
+            raise ExportError(
+                f"{file}: {name} is {'missing' if t is None else f'of shape {tuple(t.shape)}'}, "
+                f"planned {layout.shapes[name]}; fix: report it to nest-fx"
+            )
         out[name] = t.contiguous()
     del converted
     path = os.path.join(directory, file)
@@ -309,6 +338,7 @@ def write_config(directory: str, hf_model, dtype: torch.dtype) -> List[str]:
 
 # -- the destination ---------------------------------------------------------------------------
 
+
 def _siblings(final: str, mark: str) -> List[str]:
     parent, base = os.path.split(final)
     prefix = f".{base}{mark}"
@@ -324,23 +354,27 @@ def prepare_destination(final: str, overwrite: bool) -> str:
     if os.path.exists(final) and not os.path.isdir(final):
         raise ExportError(f"cannot export to {final}: it is a file; fix: pass a directory path")
     if os.path.isdir(final) and os.listdir(final) and not overwrite:
-        raise ExportError(f"refusing to export into {final}: it is a non-empty directory and its files would be "
-                          "replaced; fix: choose a new or empty directory, or pass overwrite=True (--overwrite) to "
-                          "replace it as a whole")
+        raise ExportError(
+            f"refusing to export into {final}: it is a non-empty directory and its files would be "
+            "replaced; fix: choose a new or empty directory, or pass overwrite=True (--overwrite) to "
+            "replace it as a whole"
+        )
     parent = os.path.dirname(final) or "."
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
-        raise ExportError(f"cannot create {parent} ({e.strerror or e}); fix: pass a directory this job can "
-                          "write") from None
+        raise ExportError(
+            f"cannot create {parent} ({e.strerror or e}); fix: pass a directory this job can write"
+        ) from None
     for stale in _siblings(final, TMP_MARK):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = os.path.join(parent, f".{os.path.basename(final)}{TMP_MARK}{uuid.uuid4().hex[:12]}")
     try:
         os.makedirs(tmp)
     except OSError as e:
-        raise ExportError(f"cannot write into {parent} ({e.strerror or e}); fix: pass a directory this job can "
-                          "write") from None
+        raise ExportError(
+            f"cannot write into {parent} ({e.strerror or e}); fix: pass a directory this job can write"
+        ) from None
     return tmp
 
 
@@ -352,8 +386,9 @@ def publish_destination(tmp: str, final: str, index: Optional[dict]) -> None:
     aside = None
     if os.path.isdir(final):
         if os.listdir(final):
-            aside = os.path.join(os.path.dirname(final) or ".",
-                                 f".{os.path.basename(final)}{OLD_MARK}{uuid.uuid4().hex[:12]}")
+            aside = os.path.join(
+                os.path.dirname(final) or ".", f".{os.path.basename(final)}{OLD_MARK}{uuid.uuid4().hex[:12]}"
+            )
             os.rename(final, aside)
         else:
             os.rmdir(final)

@@ -19,6 +19,7 @@ tensor (``lm_head.weight`` tied to ``model.embed_tokens.weight``) is read under 
 names; a file holding both is fine. Converters of another kind (split, transpose, permute)
 are refused by name: their output is not a box of the file's tensors.
 """
+
 from __future__ import annotations
 
 import re
@@ -135,8 +136,8 @@ def _with_prefix(name: str, prefix: Optional[str], known: Dict[str, str]) -> str
     """``name`` with the base-model prefix added or stripped when that makes it a module name."""
     if name in known or not prefix:
         return name
-    if name.startswith(prefix + ".") and name[len(prefix) + 1:] in known:
-        return name[len(prefix) + 1:]
+    if name.startswith(prefix + ".") and name[len(prefix) + 1 :] in known:
+        return name[len(prefix) + 1 :]
     if f"{prefix}.{name}" in known:
         return f"{prefix}.{name}"
     return name
@@ -196,10 +197,12 @@ def resolve_sources(model: nn.Module, file_specs: Dict[str, Spec], where: str) -
             unexpected.append(key)
             continue
         if kind is None or part is None:
-            raise ApplyError(f"weights={where}: transformers converts {key} into {canonical} with "
-                             f"{[type(op).__name__ for op in converter.operations]}, which the sliced reader "
-                             "does not do; fix: load the model once with from_pretrained and save it with "
-                             "torch.save(model.state_dict(), PATH), then pass weights=PATH")
+            raise ApplyError(
+                f"weights={where}: transformers converts {key} into {canonical} with "
+                f"{[type(op).__name__ for op in converter.operations]}, which the sliced reader "
+                "does not do; fix: load the model once with from_pretrained and save it with "
+                "torch.save(model.state_dict(), PATH), then pass weights=PATH"
+            )
         entry = stacks.setdefault(canonical, (converter, kind, {}))
         entry[2].setdefault(part, {})[_expert_index(originals[part], name)] = key
     for canonical, (converter, kind, parts) in stacks.items():
@@ -218,11 +221,17 @@ def weight_problems(model: nn.Module, resolution: Resolution, ignore_missing: Se
     """Lines naming the missing, unexpected and wrongly shaped tensors (empty when the file fits)."""
     expected, _ = expected_tensors(model)
     missing = [n for n in expected if n not in resolution.sources and not any(re.search(p, n) for p in ignore_missing)]
-    shapes = [f"{n}: file {list(s.shape)}, model {list(expected[n][0])}"
-              for n, s in resolution.sources.items() if n in expected and tuple(s.shape) != expected[n][0]]
+    shapes = [
+        f"{n}: file {list(s.shape)}, model {list(expected[n][0])}"
+        for n, s in resolution.sources.items()
+        if n in expected and tuple(s.shape) != expected[n][0]
+    ]
     lines = []
-    for label, items in (("missing from the file", missing), ("in the file but not in the model",
-                                                               resolution.unexpected), ("wrong shape", shapes)):
+    for label, items in (
+        ("missing from the file", missing),
+        ("in the file but not in the model", resolution.unexpected),
+        ("wrong shape", shapes),
+    ):
         if items:
             shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
             lines.append(f"{label}: {shown}")

@@ -7,6 +7,7 @@ runs past ``timeout`` kills every rank (a hung collective fails instead of hangi
 profiler's collective calibration uses it outside torchrun; the tests and benchmarks use it to
 run plans on CPU ranks.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+
 def free_port() -> int:
     """A TCP port on the loopback interface that is free now."""
     with socket.socket() as s:
@@ -28,8 +30,14 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     try:
         result = fn(*args)
@@ -68,8 +76,9 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> List
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: Dict[int, Any] = {}
@@ -83,8 +92,9 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> List
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
                 if errors:
                     first = next(iter(errors))
-                    raise RuntimeError(f"rank {first} failed (rank(s) {missing} then hung and were "
-                                       f"killed):\n{errors[first]}")
+                    raise RuntimeError(
+                        f"rank {first} failed (rank(s) {missing} then hung and were killed):\n{errors[first]}"
+                    )
                 raise TimeoutError(f"launch: rank(s) {missing} did not finish in {timeout:.0f}s; killed")
             if errors and not grace:  # one rank failed: the others may hang in a collective
                 grace = True
@@ -94,26 +104,34 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = 120.0) -> List
             except queue_mod.Empty:
                 # a rank that died without reporting (killed, os._exit, a native crash) counts as
                 # failed, so the others get the grace period instead of the whole timeout
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                ]
                 if dead and queue.empty():
                     for r in dead:
-                        errors[r] = (f"rank {r} exited with code {procs[r].exitcode} without reporting "
-                                     "(killed, os._exit or a crash in native code)\n")
+                        errors[r] = (
+                            f"rank {r} exited with code {procs[r].exitcode} without reporting "
+                            "(killed, os._exit or a crash in native code)\n"
+                        )
                     continue
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     missing = sorted(set(range(world_size)) - set(results) - set(errors))
                     if missing:
-                        raise RuntimeError(f"launch: rank(s) {missing} exited without a result (exit codes "
-                                           f"{[p.exitcode for p in procs]})")
+                        raise RuntimeError(
+                            f"launch: rank(s) {missing} exited without a result (exit codes "
+                            f"{[p.exitcode for p in procs]})"
+                        )
                 continue
             (results if status == "ok" else errors)[rank] = value
         if errors:
             first = next(iter(errors))  # the first failure; later ones are usually its consequence
             others = sorted(set(errors) - {first})
             tails = "".join(f"\nrank {r}: {errors[r].strip().splitlines()[-1]}" for r in others)
-            raise RuntimeError(f"rank {first} failed" + (f" (then rank(s) {others})" if others else "")
-                               + f":\n{errors[first]}" + tails)
+            raise RuntimeError(
+                f"rank {first} failed" + (f" (then rank(s) {others})" if others else "") + f":\n{errors[first]}" + tails
+            )
     finally:
         for p in procs:
             p.join(timeout=0.5 if (errors or len(results) < world_size) else 2.0)

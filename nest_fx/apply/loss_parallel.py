@@ -21,6 +21,7 @@ e.g. ``F.cross_entropy(logits.flatten(0, 1), y.flatten())``). A plan with ``loss
 another loss is refused before training, naming the setting that turns it off; the default
 planner does not choose loss parallelism for such a loss.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -49,8 +50,9 @@ def _target_logit(logits: torch.Tensor, target: torch.Tensor, start: int, ignore
     return torch.where(held, picked, torch.zeros_like(picked)), held
 
 
-def shard_statistics(logits: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int = -100
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shard_statistics(
+    logits: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int = -100
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token (max, sum of exp(logit - max), target logit or 0) of one vocabulary shard:
     ``logits`` [N, V_j] holds rows ``[start, start + V_j)``. What each rank contributes."""
     local_max = logits.max(dim=-1).values
@@ -95,8 +97,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * (grad / count), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int, group,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, start: int, group, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over tokens from this rank's vocabulary shard ``logits`` [N, V_j]
     (rows ``[start, start + V_j)``) and the full ``target`` [N] (the same on every rank of
     ``group``); the same value on every rank. ``group=None``: one shard holds the whole
@@ -115,10 +118,11 @@ class VocabParallelLMLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.size(-1) != self.width:
-            raise ValueError(f"loss parallel: logits have {logits.size(-1)} vocabulary rows, expected this rank's "
-                             f"shard of {self.width} of {self.vocab}")
-        return vocab_parallel_cross_entropy(logits.reshape(-1, self.width), targets.reshape(-1), self.start,
-                                            self.group)
+            raise ValueError(
+                f"loss parallel: logits have {logits.size(-1)} vocabulary rows, expected this rank's "
+                f"shard of {self.width} of {self.vocab}"
+            )
+        return vocab_parallel_cross_entropy(logits.reshape(-1, self.width), targets.reshape(-1), self.start, self.group)
 
 
 def shard_lm_head(module: nn.Module, graph, start: int, end: int, tp_mesh: DeviceMesh) -> List[str]:

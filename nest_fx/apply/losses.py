@@ -1,4 +1,5 @@
 """Loss functions the runtime and its tests train with."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -15,7 +16,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def token_cross_entropy_problem(loss_fn: Callable, vocab: int) -> str:
-    """"" when ``loss_fn(logits [B, S, V], targets [B, S])`` is :func:`lm_loss` in value and
+    """ "" when ``loss_fn(logits [B, S, V], targets [B, S])`` is :func:`lm_loss` in value and
     gradient on random probes (e.g. ``F.cross_entropy(logits.flatten(0, 1), y.flatten())``): loss
     parallelism computes exactly that from vocabulary shards; else what differs."""
     if loss_fn is lm_loss:
@@ -33,8 +34,10 @@ def token_cross_entropy_problem(loss_fn: Callable, vocab: int) -> str:
         ref = lm_loss(want, targets)
         ref.backward()
         if got.numel() != 1 or not torch.allclose(got.detach().float(), ref.detach(), rtol=1e-5, atol=1e-6):
-            return (f"is not the token-mean cross-entropy (on a probe it gives {got.detach().flatten()[0].item():.6g}, "
-                    f"the cross-entropy {ref.item():.6g})")
+            return (
+                f"is not the token-mean cross-entropy (on a probe it gives {got.detach().flatten()[0].item():.6g}, "
+                f"the cross-entropy {ref.item():.6g})"
+            )
         if mine.grad is None or not torch.allclose(mine.grad.float(), want.grad, rtol=1e-5, atol=1e-7):
             return "has another gradient than the token-mean cross-entropy"
     return ""

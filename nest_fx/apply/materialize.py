@@ -26,6 +26,7 @@ device (``to_empty``), then fills each one:
 No rank holds more than its own tensors plus one module's tensors whole (during its
 initialisation); the file is read box by box.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -74,12 +75,17 @@ def prepare_weights(path: str, model: nn.Module) -> LoadedWeights:
     ignore = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
     ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     if ignore_unexpected:
-        resolution.unexpected = [k for k in resolution.unexpected if not any(re.search(p, k) for p in ignore_unexpected)]
+        resolution.unexpected = [
+            k for k in resolution.unexpected if not any(re.search(p, k) for p in ignore_unexpected)
+        ]
     problems = weight_problems(model, resolution, ignore)
     if problems:
-        raise ApplyError(f"weights={path} does not fit {type(model).__name__}: " + "; ".join(problems)
-                         + "; fix: pass the weights saved from this model (same config), or build the model from "
-                         "the config saved with them")
+        raise ApplyError(
+            f"weights={path} does not fit {type(model).__name__}: "
+            + "; ".join(problems)
+            + "; fix: pass the weights saved from this model (same config), or build the model from "
+            "the config saved with them"
+        )
     return LoadedWeights(path, reader, resolution)
 
 
@@ -168,10 +174,12 @@ def module_seed(seed: int, module: str) -> int:
 
 def _initializers(root: nn.Module) -> List[Callable[[nn.Module], None]]:
     """What initialises one module: its ``reset_parameters``, then the root's ``_init_weights``."""
+
     def own(module: nn.Module) -> None:
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
+
     found = [own]
     root_init = getattr(root, "_init_weights", None)
     if callable(root_init):
@@ -184,8 +192,10 @@ def _whole_copy(module: nn.Module, device: torch.device) -> nn.Module:
     its children left as they are (on meta: writes to them are no-ops)."""
     temp = nn.Module.__new__(type(module))
     temp.__dict__ = dict(module.__dict__)
-    temp._parameters = {k: None if p is None else nn.Parameter(_filled(p, device), requires_grad=p.requires_grad)
-                        for k, p in module._parameters.items()}
+    temp._parameters = {
+        k: None if p is None else nn.Parameter(_filled(p, device), requires_grad=p.requires_grad)
+        for k, p in module._parameters.items()
+    }
     temp._buffers = {k: None if b is None else _filled(b, device) for k, b in module._buffers.items()}
     return temp
 
@@ -221,7 +231,9 @@ def _initialise(skeleton: nn.Module, wanted: Dict[str, List[_Held]], device: tor
     """Run the model's initialisation on each module owning a tensor of ``wanted`` ({module name:
     held tensors}) and copy the rank's boxes out (module docstring)."""
     inits = _initializers(skeleton)
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     for path, module in skeleton.named_modules():
         held = wanted.get(path)
         if not held:
@@ -242,9 +254,11 @@ def _initialise(skeleton: nn.Module, wanted: Dict[str, List[_Held]], device: tor
                 raise ApplyError(f"materialising {h.name}: the module {path or '<root>'} holds no tensor {leaf}")
             full = full.detach()
             if full.is_floating_point() and bool(torch.isnan(full).any()):
-                raise ApplyError(f"starting on meta: {h.name} is not set by the model's initialisation "
-                                 f"({type(module).__name__} has no reset_parameters and _init_weights leaves it); "
-                                 "fix: pass weights=, or give the module a reset_parameters() that sets it")
+                raise ApplyError(
+                    f"starting on meta: {h.name} is not set by the model's initialisation "
+                    f"({type(module).__name__} has no reset_parameters and _init_weights leaves it); "
+                    "fix: pass weights=, or give the module a reset_parameters() that sets it"
+                )
             for i, (offsets, sizes, _) in enumerate(h.boxes):
                 h.write(i, full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
 
@@ -266,8 +280,13 @@ def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def materialize(chunks: Sequence[nn.Module], skeleton: Optional[nn.Module], device: torch.device,
-                weights: Optional[LoadedWeights] = None, init_seed: int = 0) -> Dict[str, int]:
+def materialize(
+    chunks: Sequence[nn.Module],
+    skeleton: Optional[nn.Module],
+    device: torch.device,
+    weights: Optional[LoadedWeights] = None,
+    init_seed: int = 0,
+) -> Dict[str, int]:
     """Allocate this rank's tensors of ``chunks`` on ``device`` when they are on meta and give
     them values (module docstring). ``skeleton``: the whole model as built (on meta), whose
     modules initialise what the weights do not hold (None: nothing to initialise, the chunks
@@ -296,6 +315,8 @@ def materialize(chunks: Sequence[nn.Module], skeleton: Optional[nn.Module], devi
             close()  # the files and the staging buffer (a later read opens them again)
     if to_init:
         _initialise(skeleton, to_init, device, init_seed)
-    return {"read": len(from_file), "initialised": sum(len(v) for v in to_init.values()),
-            "bytes_read": weights.bytes_read if weights is not None else 0}
-
+    return {
+        "read": len(from_file),
+        "initialised": sum(len(v) for v in to_init.values()),
+        "bytes_read": weights.bytes_read if weights is not None else 0,
+    }

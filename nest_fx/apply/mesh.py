@@ -39,6 +39,7 @@ The runtime needs one TP degree for all stages (a stage boundary between differe
 would need a resharding send that PipelineStage does not do); :func:`build_mesh` raises a
 :class:`~nest_fx.plan.PlanError` otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ def require_uniform_tp(plan: Plan) -> int:
         raise PlanError(
             f"stages[*].tp: the runtime needs the same TP degree in every stage, got "
             f"{[s.tp for s in plan.stages]}; re-plan with one TP degree (e.g. uniform_plan(..., tp=N)) "
-            "or merge stages")
+            "or merge stages"
+        )
     return tp
 
 
@@ -107,8 +109,10 @@ def _dp_dims(plan: Plan) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
             raise PlanError(f"ep={plan.ep} must divide dp={plan.dp}")
         if plan.replicate_degree > 1:
             if plan.shard_degree % plan.ep:
-                raise PlanError(f"dp_shard={plan.dp_shard} with ep={plan.ep}: the expert groups must lie inside the "
-                                f"HSDP shard groups; fix: a dp_shard that is a multiple of ep={plan.ep}")
+                raise PlanError(
+                    f"dp_shard={plan.dp_shard} with ep={plan.ep}: the expert groups must lie inside the "
+                    f"HSDP shard groups; fix: a dp_shard that is a multiple of ep={plan.ep}"
+                )
             return ("dp_replicate", "edp_shard", "ep"), (plan.replicate_degree, plan.shard_degree // plan.ep, plan.ep)
         return ("edp", "ep"), (plan.dp // plan.ep, plan.ep)
     if plan.replicate_degree > 1:
@@ -146,10 +150,13 @@ def build_mesh(plan: Plan, device_type: Optional[str] = None) -> DeviceMesh:
             flat["edp_cp"] = mesh[(*edp_names, "cp")]._flatten("edp_cp")
     if plan.replicate_degree > 1:
         shard_names = ("edp_shard", "ep") if hsdp_ep else ("dp_shard",)
-        flat["hsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], _flat(mesh, (*shard_names, *cp_names),
-                                                                           "dp_shard_cp" if cp_names else "dp_shard")])
+        flat["hsdp"] = DeviceMesh._concatenate(
+            [mesh["dp_replicate"], _flat(mesh, (*shard_names, *cp_names), "dp_shard_cp" if cp_names else "dp_shard")]
+        )
         if hsdp_ep:
-            flat["ehsdp"] = DeviceMesh._concatenate([mesh["dp_replicate"], _flat(mesh, ("edp_shard", *cp_names), "edp_shard_cp")])
+            flat["ehsdp"] = DeviceMesh._concatenate(
+                [mesh["dp_replicate"], _flat(mesh, ("edp_shard", *cp_names), "edp_shard_cp")]
+            )
     mesh._nest_fx_flat = flat
     return with_job_timeout(mesh)
 

@@ -1,6 +1,7 @@
 """The loss a model computes itself (``loss_fn=None``): HF's ``output.loss`` from its labels,
 nanoGPT's ``(logits, loss)`` from its targets. The runtime's steps and the pipeline's last stage
 read it the same way."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,10 @@ def model_loss(output) -> torch.Tensor:
     else:
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor):
-        raise ApplyError(f"loss_fn=None trains on the model's own loss, but its {type(output).__name__} output holds "
-                         "no loss (one scalar tensor); fix: give the model its targets (train_step(inputs, targets) "
-                         "passes them as forward's next argument, e.g. nanoGPT's forward(idx, targets); HF: "
-                         "inputs['labels']) or give auto_parallelize a loss_fn")
+        raise ApplyError(
+            f"loss_fn=None trains on the model's own loss, but its {type(output).__name__} output holds "
+            "no loss (one scalar tensor); fix: give the model its targets (train_step(inputs, targets) "
+            "passes them as forward's next argument, e.g. nanoGPT's forward(idx, targets); HF: "
+            "inputs['labels']) or give auto_parallelize a loss_fn"
+        )
     return loss

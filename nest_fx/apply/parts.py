@@ -10,6 +10,7 @@
 ``auto_parallelize`` fills them step by step (``nest_fx.apply.steps``); a ``ParallelModule``
 exposes their fields as its attributes (``pm.plan``, ``pm.num_microbatches``, ``pm.chunks`` ...).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,9 +68,11 @@ class LocalModel:
 
 def field_of(part: str, name: str, settable: bool = False) -> property:
     """A ``ParallelModule`` attribute ``name`` read from (and, ``settable``, written to) its part ``part``."""
+
     def get(self):
         return getattr(getattr(self, part), name)
 
     def put(self, value) -> None:
         setattr(getattr(self, part), name, value)
+
     return property(get, put if settable else None, doc=f"``{part}.{name}`` (:mod:`nest_fx.apply.parts`)")

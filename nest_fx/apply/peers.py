@@ -13,6 +13,7 @@ that the pid still belongs to the same process (its start time). A process stopp
 (``t``, tracing stop) is left alone, and so is any process that is not a rank of this job.
 ``NEST_FX_END_STOPPED_PEERS=0`` turns this off (e.g. to attach to a stopped rank on purpose).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,13 +54,15 @@ def _stat_fields(pid: int) -> Optional[List[str]]:
             text = fh.read()
     except OSError:
         return None
-    return text[text.rfind(")") + 2:].split()
+    return text[text.rfind(")") + 2 :].split()
 
 
 def _prefix() -> str:
     env = os.environ
-    return (f"nest_fx/peers/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-            f"{env.get('MASTER_PORT', '')}/{env.get('GROUP_RANK', '0')}")
+    return (
+        f"nest_fx/peers/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        f"{env.get('MASTER_PORT', '')}/{env.get('GROUP_RANK', '0')}"
+    )
 
 
 def register_peers(timeout_s: float = 60.0) -> int:
@@ -74,8 +77,12 @@ def register_peers(timeout_s: float = 60.0) -> int:
     _PEERS.clear()
     _REGISTERED[0] = group_id
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if dist.get_world_size() == 1 or local_world <= 1 or "MASTER_ADDR" not in os.environ \
-            or dist.get_backend() == "fake":
+    if (
+        dist.get_world_size() == 1
+        or local_world <= 1
+        or "MASTER_ADDR" not in os.environ
+        or dist.get_backend() == "fake"
+    ):
         return 0
     try:
         store = dist.distributed_c10d._get_default_store()

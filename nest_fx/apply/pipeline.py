@@ -11,23 +11,38 @@ chunks i and 2p - 1 - i, so rank 0 runs the first and the last), wraps the stage
 inputs (root code recomputes masks and positions from them), the first stage computes from
 them, the last one gets the targets.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.model_loss import model_loss
 from nest_fx.graph.stage_modules import arm_stages, pack_inputs, split_stages, tensor_output
 from nest_fx.plan.vocabulary import V_SCHEDULES, model_chunks
 
-__all__ = ["LayerSubset", "chunk_layout", "interleaved_ranges", "make_schedule", "schedule_step", "split_stages", "stage_blocks",
-           "tensor_output"]
+__all__ = [
+    "LayerSubset",
+    "chunk_layout",
+    "interleaved_ranges",
+    "make_schedule",
+    "schedule_step",
+    "split_stages",
+    "stage_blocks",
+    "tensor_output",
+]
 
 
 class LayerSubset(nn.ModuleList):
@@ -92,10 +107,14 @@ def chunk_layout(plan, num_layers: int) -> List[Tuple[List[Tuple[int, int]], Lis
         count = s.end - s.start
         if count < v:
             if plan.schedule in V_SCHEDULES:
-                raise ApplyError(f"stages[{i}] has {count} layer(s), fewer than the 2 model chunks the "
-                                 f"{plan.schedule} schedule runs per device; fix: give the stage more layers")
-            raise ApplyError(f"stages[{i}] has {count} layers, fewer than virtual_stages={v} chunks; fix: "
-                             f"lower virtual_stages or give the stage more layers")
+                raise ApplyError(
+                    f"stages[{i}] has {count} layer(s), fewer than the 2 model chunks the "
+                    f"{plan.schedule} schedule runs per device; fix: give the stage more layers"
+                )
+            raise ApplyError(
+                f"stages[{i}] has {count} layers, fewer than virtual_stages={v} chunks; fix: "
+                f"lower virtual_stages or give the stage more layers"
+            )
         sizes.append([count * (c + 1) // v - count * c // v for c in range(v)])
     indices = [chunk_stage_indices(plan.schedule, i, p, v) for i in range(p)]
     owner = {stage: (i, c) for i in range(p) for c, stage in enumerate(indices[i])}
@@ -109,13 +128,25 @@ def chunk_layout(plan, num_layers: int) -> List[Tuple[List[Tuple[int, int]], Lis
     return [(chunks[i], indices[i]) for i in range(p)]
 
 
-_MULTI = {"interleaved": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
-          "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+_MULTI = {
+    "interleaved": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 _SINGLE = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
-def make_schedule(plan, stage_modules: Sequence[nn.Module], stage_indices: Sequence[int], num_stages: int,
-                  n_microbatches: int, loss_fn: Callable, pp_group, device: torch.device):
+def make_schedule(
+    plan,
+    stage_modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    num_stages: int,
+    n_microbatches: int,
+    loss_fn: Callable,
+    pp_group,
+    device: torch.device,
+):
     """PipelineStages for this rank's chunks and the plan's schedule over them. The V schedules
     set the stages' stage-to-rank mapping themselves (``style="v"``), the one
     :func:`chunk_stage_indices` lays chunks by. ``loss_fn=None``: the model computes its own loss
@@ -123,8 +154,7 @@ def make_schedule(plan, stage_modules: Sequence[nn.Module], stage_indices: Seque
     (:func:`~nest_fx.apply.model_loss.model_loss`) and the schedule backpropagates it as is."""
     arm_stages(stage_modules, last_output=model_loss if loss_fn is None else None)
     loss_fn = loss_fn or _the_output
-    stages = [PipelineStage(m, idx, num_stages, device, group=pp_group)
-              for m, idx in zip(stage_modules, stage_indices)]
+    stages = [PipelineStage(m, idx, num_stages, device, group=pp_group) for m, idx in zip(stage_modules, stage_indices)]
     # scale_grads=False: schedule_step divides each gradient by m once; torch scales per stage,
     # twice for a tied embedding whose one parameter sits in both V chunks of rank 0
     if plan.schedule in _MULTI:
@@ -148,8 +178,14 @@ def _the_output(output: torch.Tensor, _target) -> torch.Tensor:
     return output
 
 
-def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs: Dict[str, Any],
-                  target: Optional[torch.Tensor], n_microbatches: int) -> Optional[torch.Tensor]:
+def schedule_step(
+    schedule,
+    stages: Sequence[PipelineStage],
+    args: tuple,
+    kwargs: Dict[str, Any],
+    target: Optional[torch.Tensor],
+    n_microbatches: int,
+) -> Optional[torch.Tensor]:
     """One step of the pipeline schedule over this rank's stages. Every stage gets the model's
     inputs ``(args, kwargs)`` (every tensor split into microbatches by the schedule: several inputs,
     labels or nanoGPT's targets reach the stage whose code reads them), the last one the target
@@ -163,5 +199,7 @@ def schedule_step(schedule, stages: Sequence[PipelineStage], args: tuple, kwargs
     # return_outputs=False: otherwise the last stage keeps every microbatch's output (the
     # logits) alive until the step ends, m times the memory 1F1B is meant to hold
     schedule.step(return_outputs=False, **pack_inputs(args, kwargs), **extra)
-    _mean_over_microbatches(stages, schedule._n_microbatches)  # the m the schedule was built with (torch keeps no public name)
+    _mean_over_microbatches(
+        stages, schedule._n_microbatches
+    )  # the m the schedule was built with (torch keeps no public name)
     return torch.stack([loss.detach().float() for loss in losses]).mean() if is_last else None

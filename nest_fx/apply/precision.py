@@ -34,6 +34,7 @@ statistics are fp32 buffers, ``batch_norm`` takes a bf16 input with fp32 weights
 in fp32 anyway. Under FSDP2 each of them is its own unit without a cast (``apply_fsdp``'s
 ``fp32_modules``), since FSDP2 gathers a unit's parameters in one dtype.
 """
+
 from __future__ import annotations
 
 import functools
@@ -79,8 +80,10 @@ def fsdp_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
 
 
 def _cast_floats(dtype: torch.dtype, value: Any) -> Any:
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                    and t.dtype != dtype else t, value)
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t,
+        value,
+    )
 
 
 class _ParamCast:
@@ -143,26 +146,31 @@ def _cast_in_forward(module: nn.Module, cast: _ParamCast) -> None:
             return inner(*args, **kwargs)
         finally:
             cast.restore()
+
     module.forward = forward
 
 
 def cast_inputs(module: nn.Module, dtype: torch.dtype = BF16) -> None:
     """A forward pre-hook casting the floating tensors among ``module``'s inputs to ``dtype``
     (FSDP2's ``cast_forward_inputs``)."""
+
     def hook(_m, args, kwargs):
         return _cast_floats(dtype, args), _cast_floats(dtype, kwargs)
+
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def cast_outputs(module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
     """A forward hook casting the floating tensors of ``module``'s output (a tensor, a tuple or a
     HF ``ModelOutput``) to ``dtype``."""
+
     def hook(_m, _args, output):
         if hasattr(output, "keys") and hasattr(output, "__setitem__"):  # HF ModelOutput: keep its class
             for key in list(output.keys()):
                 output[key] = _cast_floats(dtype, output[key])
             return output
         return _cast_floats(dtype, output)
+
     module.register_forward_hook(hook)
 
 
@@ -192,8 +200,9 @@ def prepare_parameters(modules: Sequence[nn.Module], precision: str) -> None:
             _convert(rest, torch.float32, lambda d: d in (torch.bfloat16, torch.float16))
 
 
-def apply_precision(root: nn.Module, block_names: Sequence[str], precision: str, *, fsdp: bool,
-                    last_stage: bool) -> None:
+def apply_precision(
+    root: nn.Module, block_names: Sequence[str], precision: str, *, fsdp: bool, last_stage: bool
+) -> None:
     """Install ``precision``'s casts on a stage ``root`` (the whole model for the single-device
     reference) whose layer modules are ``block_names``. ``fsdp``: FSDP2 will shard it with
     :func:`fsdp_policy` (which then casts parameters and inputs for ``bf16-mixed``).

@@ -8,6 +8,7 @@ the plan summary. What it returns, a :class:`Job`, is what the rewrites of
 ``nest_fx.apply.steps`` read. Nothing here builds a group or moves a parameter, so a plan that
 cannot run fails on every rank with the same ``ApplyError`` before the first collective.
 """
+
 from __future__ import annotations
 
 import copy
@@ -111,10 +112,19 @@ def default_plan(graph, world_size: int, global_batch_size: int, model_name: str
         raise checks.ApplyError(
             f"no plan given and the default plan (pure data parallel over {world_size} ranks) needs the global "
             f"batch ({global_batch_size}) divisible by {world_size}; fix: pass plan= or planner=, or a batch "
-            f"that is a multiple of {world_size}")
-    return uniform_plan(n, pp=1, tp=1, dp=world_size, microbatch_size=global_batch_size // world_size,
-                        num_microbatches=1, model=model_name, world_size=world_size,
-                        notes="default: pure data parallel")
+            f"that is a multiple of {world_size}"
+        )
+    return uniform_plan(
+        n,
+        pp=1,
+        tp=1,
+        dp=world_size,
+        microbatch_size=global_batch_size // world_size,
+        num_microbatches=1,
+        model=model_name,
+        world_size=world_size,
+        notes="default: pure data parallel",
+    )
 
 
 def split_example(example_inputs) -> Tuple[tuple, dict]:
@@ -131,15 +141,21 @@ def _shapes(args: tuple, kwargs: dict) -> list:
     return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]
 
 
-def agreed_settings(plan: Plan, specs, global_batch_size: int, nmb: int, args: tuple, kwargs: dict,
-                    loss_fn: Callable) -> dict:
+def agreed_settings(
+    plan: Plan, specs, global_batch_size: int, nmb: int, args: tuple, kwargs: dict, loss_fn: Callable
+) -> dict:
     """The settings every rank must share, as the fields of the setup's agreement."""
     plan_text = json.dumps(plan.to_dict(), sort_keys=True, default=str)
-    return {"global_batch_size": global_batch_size, "num_microbatches": nmb, "model fingerprint": fingerprint(specs),
-            "example input shapes": _shapes(args, kwargs),
-            "loss_fn": getattr(loss_fn, "__qualname__", type(loss_fn).__name__),
-            "collective timeout": str(job_timeout()), "torch": torch.__version__,
-            "plan": f"{plan_summary(plan, nmb).splitlines()[0]} [{hashlib.sha256(plan_text.encode()).hexdigest()[:12]}]"}
+    return {
+        "global_batch_size": global_batch_size,
+        "num_microbatches": nmb,
+        "model fingerprint": fingerprint(specs),
+        "example input shapes": _shapes(args, kwargs),
+        "loss_fn": getattr(loss_fn, "__qualname__", type(loss_fn).__name__),
+        "collective timeout": str(job_timeout()),
+        "torch": torch.__version__,
+        "plan": f"{plan_summary(plan, nmb).splitlines()[0]} [{hashlib.sha256(plan_text.encode()).hexdigest()[:12]}]",
+    }
 
 
 def _constraints(request: Request) -> Optional[Constraints]:
@@ -148,8 +164,10 @@ def _constraints(request: Request) -> Optional[Constraints]:
     trace, the search and the first collective."""
     constraints = request.constraints
     if constraints is not None and (request.plan is not None or request.planner is not None):
-        raise checks.ApplyError("constraints= shape the default planner's search; with plan= or planner= they "
-                                "would be ignored: pass constraints alone, or put them in your planner")
+        raise checks.ApplyError(
+            "constraints= shape the default planner's search; with plan= or planner= they "
+            "would be ignored: pass constraints alone, or put them in your planner"
+        )
     constraints = Constraints.from_dict(constraints) if isinstance(constraints, dict) else constraints
     found = unrun_constraints(constraints)
     if found:
@@ -163,8 +181,11 @@ def resolve_plan(request: Request, graph, constraints: Optional[Constraints], wo
     plan = request.plan
     if request.elastic and plan is not None and plan.devices_used != world:
         if rank == 0 and request.verbose:
-            print(f"elastic: the plan uses {plan.devices_used} devices, {world} ranks joined: re-planning for {world} "
-                  f"with global batch {request.global_batch_size}", flush=True)
+            print(
+                f"elastic: the plan uses {plan.devices_used} devices, {world} ranks joined: re-planning for {world} "
+                f"with global batch {request.global_batch_size}",
+                flush=True,
+            )
         plan = None
     if plan is not None:
         return plan
@@ -172,8 +193,12 @@ def resolve_plan(request: Request, graph, constraints: Optional[Constraints], wo
     if planner is None:
         model, loss_fn = request.model, request.loss_fn
         vocab = model_dims(model)["vocab"] or 8
-        planner = planner_for(model, constraints=constraints, one_microbatch=request.sync_batchnorm,
-                              loss_parallel=loss_fn is None or not token_cross_entropy_problem(loss_fn, vocab))
+        planner = planner_for(
+            model,
+            constraints=constraints,
+            one_microbatch=request.sync_batchnorm,
+            loss_parallel=loss_fn is None or not token_cross_entropy_problem(loss_fn, vocab),
+        )
     plan = planner(graph, request.cluster, world, request.global_batch_size)
     init_distributed(request.timeout_s, plan.device_order)  # a placed plan needs the group numbered for it
     return plan
@@ -190,26 +215,37 @@ def weight_start(request: Request) -> WeightStart:
     model = request.model
     on_meta = _device_type_of(model) == "meta"
     loaded = prepare_weights(request.weights, model) if request.weights is not None else None
-    return WeightStart(on_meta=on_meta, loaded=loaded, skeleton=copy.deepcopy(model) if on_meta else None,
-                       path=request.weights, init_seed=request.init_seed)
+    return WeightStart(
+        on_meta=on_meta,
+        loaded=loaded,
+        skeleton=copy.deepcopy(model) if on_meta else None,
+        path=request.weights,
+        init_seed=request.init_seed,
+    )
 
 
 def _warn_batchnorm(job: Job) -> None:
     norms, plan = job.batchnorms, job.plan
     if norms and not job.sync_batchnorm and (plan.dp > 1 or job.num_microbatches > 1) and job.rank == 0:
-        warnings.warn(f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
-                      f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
-                      f"{job.global_batch_size} (the numbers differ from the single-device run)", stacklevel=_CALLER)
+        warnings.warn(
+            f"sync_batchnorm=False: BatchNorm layers {norms[:4]}{' ...' if len(norms) > 4 else ''} normalise "
+            f"each microbatch of {plan.microbatch_size} samples on its own replica, not the global batch of "
+            f"{job.global_batch_size} (the numbers differ from the single-device run)",
+            stacklevel=_CALLER,
+        )
 
 
 def _warn_unsharded_attention(job: Job) -> None:
     replicated = unsharded_attention(job.graph) if any(s.tp > 1 for s in job.plan.stages) else []
     if replicated and job.rank == 0:
         why = (getattr(job.graph, "replicated_attention", None) or {}).get(replicated[0])
-        warnings.warn(f"tensor parallelism shards the linear pairs of each layer, but the attention of {replicated[:3]}"
-                      f"{' ...' if len(replicated) > 3 else ''} is no pair nest-fx can shard"
-                      f"{f' ({replicated[0]}: {why})' if why else ''}: it runs whole on every TP rank, as the cost "
-                      "model priced it", stacklevel=_CALLER)
+        warnings.warn(
+            f"tensor parallelism shards the linear pairs of each layer, but the attention of {replicated[:3]}"
+            f"{' ...' if len(replicated) > 3 else ''} is no pair nest-fx can shard"
+            f"{f' ({replicated[0]}: {why})' if why else ''}: it runs whole on every TP rank, as the cost "
+            "model priced it",
+            stacklevel=_CALLER,
+        )
 
 
 def prepare(request: Request) -> Job:
@@ -222,8 +258,15 @@ def prepare(request: Request) -> Job:
     specs = tensor_specs(model)  # the whole model, before it is cut into stages and shards
     graph = request.graph if request.graph is not None else trace(model, args, kwargs, name=type(model).__name__)
     plan = resolve_plan(request, graph, constraints, world, rank)
-    nmb = checks.run_all(plan, model, graph, world, request.global_batch_size, model_loss=loss_fn is None,
-                         batch_statistics=request.sync_batchnorm)
+    nmb = checks.run_all(
+        plan,
+        model,
+        graph,
+        world,
+        request.global_batch_size,
+        model_loss=loss_fn is None,
+        batch_statistics=request.sync_batchnorm,
+    )
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)  # before the first agreement collective
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
@@ -232,11 +275,23 @@ def prepare(request: Request) -> Job:
     settings.update({"weights": str(request.weights), "start on meta": start.on_meta, "init_seed": request.init_seed})
     with named_collective_failures("auto_parallelize, comparing the ranks' settings"):
         agree(settings, what="auto_parallelize, before building the device mesh")
-    job = Job(model=model, graph=graph, plan=plan, num_microbatches=nmb, global_batch_size=request.global_batch_size,
-              loss_fn=loss_fn, model_specs=specs, stage_layout=layout, weights=start,
-              batchnorms=batchnorm_modules(model), sync_batchnorm=request.sync_batchnorm, verbose=request.verbose,
-              rank=rank, mesh_device=mesh_device,
-              dry_run=dist.get_backend() == "fake")
+    job = Job(
+        model=model,
+        graph=graph,
+        plan=plan,
+        num_microbatches=nmb,
+        global_batch_size=request.global_batch_size,
+        loss_fn=loss_fn,
+        model_specs=specs,
+        stage_layout=layout,
+        weights=start,
+        batchnorms=batchnorm_modules(model),
+        sync_batchnorm=request.sync_batchnorm,
+        verbose=request.verbose,
+        rank=rank,
+        mesh_device=mesh_device,
+        dry_run=dist.get_backend() == "fake",
+    )
     _warn_batchnorm(job)
     if rank == 0 and request.verbose:
         print(plan_summary(plan, nmb), flush=True)

@@ -20,6 +20,7 @@ are computed with matmuls in fp32 (the K/V heads repeated for GQA), not with SDP
 (which do not return the softmax statistics the merge needs): the numbers equal SDPA's to fp32
 rounding (``tests/unit/apply/test_context_parallel.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -80,8 +81,12 @@ def _blocks(own: torch.Tensor, ring: Ring):
             current = _Received.apply(current, pending[1], pending[2], ring)
 
 
-def _merge(acc: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scores: torch.Tensor,
-           values: torch.Tensor, dropout_p: float):
+def _merge(
+    acc: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    dropout_p: float,
+):
     """Fold one block's ``scores`` [..., q, k] (masked entries -inf) and ``values`` [..., k, D]
     into the running (max, normaliser, output)."""
     m_block = scores.amax(-1, keepdim=True).detach()
@@ -98,9 +103,15 @@ def _merge(acc: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], score
     return m_block, norm * rescale + l_block, o * rescale + o_block
 
 
-def ring_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: Ring,
-                          scale: Optional[float] = None, dropout_p: float = 0.0,
-                          enable_gqa: bool = False) -> torch.Tensor:
+def ring_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ring: Ring,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """Causal attention of this rank's queries (its two chunks, [B, H, S/cp, D]) over the whole
     sequence, K/V ([B, H_kv, S/cp, D]) passed around ``ring`` (module docstring)."""
     cp, rank = ring.cp, ring.rank
@@ -121,12 +132,12 @@ def ring_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
             for k_half, k_chunk in enumerate((source, 2 * cp - 1 - source)):
                 if k_chunk > chunk:
                     continue
-                keys.append(k[..., k_half * c:(k_half + 1) * c, :])
-                vals.append(v[..., k_half * c:(k_half + 1) * c, :])
+                keys.append(k[..., k_half * c : (k_half + 1) * c, :])
+                vals.append(v[..., k_half * c : (k_half + 1) * c, :])
                 masks.append(causal if k_chunk == chunk else torch.ones_like(causal))
             if not keys:
                 continue
-            scores = q[..., half * c:(half + 1) * c, :] @ torch.cat(keys, dim=-2).transpose(-1, -2)
+            scores = q[..., half * c : (half + 1) * c, :] @ torch.cat(keys, dim=-2).transpose(-1, -2)
             scores = scores.masked_fill(~torch.cat(masks, dim=-1), float("-inf"))
             acc[half] = _merge(acc[half], scores, torch.cat(vals, dim=-2), dropout_p)
     return torch.cat([o / norm for _, norm, o in acc], dim=-2).to(query.dtype)

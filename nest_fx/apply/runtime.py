@@ -15,6 +15,7 @@ synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`
 DistributedSampler would give); each is split into the step's microbatches along dim 0. The caller owns the optimizer:
 ``opt = torch.optim.AdamW(pm.parameters())``; ``pm.train_step(x, y); opt.step(); opt.zero_grad()``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,19 +44,23 @@ def _counted_step(method: Callable) -> Callable:
     """``train_step`` inside :func:`named_collective_failures` (a collective that fails, because a
     peer stopped, hung or died, raises a ``CollectiveError`` naming its group and the step), and
     ``self.step`` counted."""
+
     @functools.wraps(method)
     def step(self, *args, **kwargs):
         with named_collective_failures(f"train_step at step {self.step}"):
             out = method(self, *args, **kwargs)
         self.step += 1
         return out
+
     return step
 
 
 def microbatches(args: tuple, kwargs: dict, target: Optional[torch.Tensor], n: int):
     """``n`` (args, kwargs, target) microbatches: every tensor split in dim 0, other values repeated."""
+
     def split(value):
         return value.chunk(n) if isinstance(value, torch.Tensor) else [value] * n
+
     arg_parts = [split(a) for a in args]
     kw_parts = {k: split(v) for k, v in kwargs.items()}
     target_parts = split(target)
@@ -67,9 +72,11 @@ def _with_targets(inputs, targets: torch.Tensor) -> tuple:
     """The model's positional inputs followed by ``targets`` (a model computing its own loss from
     them, ``forward(idx, targets)``)."""
     if isinstance(inputs, dict):
-        raise ApplyError("train_step: targets given with keyword inputs and loss_fn=None; fix: pass the labels "
-                         "among the inputs (HF: inputs['labels']), positional inputs (forward(idx, targets) takes "
-                         "the targets as its next argument), or give auto_parallelize a loss_fn")
+        raise ApplyError(
+            "train_step: targets given with keyword inputs and loss_fn=None; fix: pass the labels "
+            "among the inputs (HF: inputs['labels']), positional inputs (forward(idx, targets) takes "
+            "the targets as its next argument), or give auto_parallelize a loss_fn"
+        )
     return (inputs, targets) if isinstance(inputs, torch.Tensor) else tuple(inputs) + (targets,)
 
 
@@ -152,20 +159,49 @@ class ParallelModule:
         return out
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, step: Optional[int] = None,
-             scheduler=None, data=None, keep: Optional[int] = DEFAULT_KEEP, require_finite: bool = True,
-             loss=None, scaler=None) -> str:
+    def save(
+        self,
+        path: str,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        step: Optional[int] = None,
+        scheduler=None,
+        data=None,
+        keep: Optional[int] = DEFAULT_KEEP,
+        require_finite: bool = True,
+        loss=None,
+        scaler=None,
+    ) -> str:
         """Save parameters, ``optimizer`` state, ``scheduler``, ``data`` position, gradient ``scaler`` and RNG states as a
         new step directory of the checkpoint directory ``path`` (default step: ``self.step``),
         keeping the newest ``keep``; loadable under any plan. Every rank must call it. Returns the
         step directory. See :mod:`nest_fx.apply.checkpoint`."""
         if optimizer is not None:
             self.check_optimizer(optimizer)
-        return save_checkpoint(self, path, optimizer, step=self.step if step is None else step, scheduler=scheduler,
-                               data=data, keep=keep, require_finite=require_finite, loss=loss, scaler=scaler)
+        return save_checkpoint(
+            self,
+            path,
+            optimizer,
+            step=self.step if step is None else step,
+            scheduler=scheduler,
+            data=data,
+            keep=keep,
+            require_finite=require_finite,
+            loss=loss,
+            scaler=scaler,
+        )
 
-    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None, data=None,
-             verify: bool = True, scaler=None, fallback: bool = False) -> dict:
+    def load(
+        self,
+        path: str,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        scheduler=None,
+        data=None,
+        verify: bool = True,
+        scaler=None,
+        fallback: bool = False,
+    ) -> dict:
         """Load the newest checkpoint of ``path`` (or the step directory ``path``), saved under any
         plan, into this rank's parameters (and ``optimizer``, ``scheduler``, ``data``, ``scaler``);
         returns its metadata (``step``, ``plan_summary``, ``directory``). A damaged newest
@@ -173,13 +209,15 @@ class ParallelModule:
         instead (saying so). Every rank must call it."""
         if optimizer is not None:
             self.check_optimizer(optimizer)
-        meta = load_checkpoint(self, path, optimizer, scheduler=scheduler, data=data, verify=verify, scaler=scaler,
-                               fallback=fallback)
+        meta = load_checkpoint(
+            self, path, optimizer, scheduler=scheduler, data=data, verify=verify, scaler=scaler, fallback=fallback
+        )
         self.step = int(meta.get("step") or 0)
         return meta
 
-    def resume(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None,
-               data=None, scaler=None) -> int:
+    def resume(
+        self, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *, scheduler=None, data=None, scaler=None
+    ) -> int:
         """Before training: check the checkpoint directory ``path`` (writable, room for two
         checkpoints, leftovers of crashed saves removed) and load its newest checkpoint if it
         has one. Returns the step to continue from (0 for a fresh start). Every rank must call it."""
@@ -190,8 +228,9 @@ class ParallelModule:
             self.step = int(meta.get("step") or 0)
         return self.step
 
-    def save_pretrained(self, directory: str, max_shard_size="5GB", *, overwrite: bool = False,
-                        dtype: Optional[torch.dtype] = None) -> str:
+    def save_pretrained(
+        self, directory: str, max_shard_size="5GB", *, overwrite: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> str:
         """Write the model in the HuggingFace format (safetensors shards of at most
         ``max_shard_size``, their index, ``config.json`` for HF models) to ``directory``, which
         ``transformers`` ``from_pretrained`` loads. Any plan; no rank holds more than one output
@@ -230,12 +269,14 @@ class ParallelModule:
         if t.dim() and t.size(0) == g and dp > 1:
             per = g // dp
             r = self.rank_info.replica
-            return t[r * per:(r + 1) * per]
+            return t[r * per : (r + 1) * per]
         if not t.dim() or t.size(0) != g // dp:
             rows = t.size(0) if t.dim() else "no"
-            raise ApplyError(f"train_step: {name} has {rows} rows (shape {list(t.shape)}); expected the global batch "
-                             f"({g}) or this rank's data-parallel shard ({g // dp}) in dim 0; fix: pass "
-                             "global_batch_size rows in every tensor input")
+            raise ApplyError(
+                f"train_step: {name} has {rows} rows (shape {list(t.shape)}); expected the global batch "
+                f"({g}) or this rank's data-parallel shard ({g // dp}) in dim 0; fix: pass "
+                "global_batch_size rows in every tensor input"
+            )
         return t
 
     def _batch(self, inputs) -> Tuple[tuple, dict]:
@@ -248,12 +289,18 @@ class ParallelModule:
         elif isinstance(inputs, dict):
             args, kwargs = (), dict(inputs)
         else:
-            raise ApplyError(f"train_step: inputs must be a tensor, a tuple of model inputs or a dict of keyword "
-                             f"inputs, got {type(inputs).__name__}")
+            raise ApplyError(
+                f"train_step: inputs must be a tensor, a tuple of model inputs or a dict of keyword "
+                f"inputs, got {type(inputs).__name__}"
+            )
+
         def local(value, name):
             return self._shard(value, name).to(self.device) if isinstance(value, torch.Tensor) else value
-        return (tuple(local(a, f"inputs[{i}]") for i, a in enumerate(args)),
-                {k: local(v, f"inputs[{k!r}]") for k, v in kwargs.items()})
+
+        return (
+            tuple(local(a, f"inputs[{i}]") for i, a in enumerate(args)),
+            {k: local(v, f"inputs[{k!r}]") for k, v in kwargs.items()},
+        )
 
     def _loss(self, output, target: Optional[torch.Tensor]) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -273,17 +320,22 @@ class ParallelModule:
         if self.loss_fn is None and targets is not None:
             inputs, targets = _with_targets(inputs, targets), None
         if self.loss_fn is not None and targets is None:
-            raise ApplyError("train_step: loss_fn needs targets; fix: call train_step(inputs, targets), or "
-                             "auto_parallelize(..., loss_fn=None) to train on the model's own loss")
+            raise ApplyError(
+                "train_step: loss_fn needs targets; fix: call train_step(inputs, targets), or "
+                "auto_parallelize(..., loss_fn=None) to train on the model's own loss"
+            )
         args, kwargs = self._batch(inputs)
         y = self._shard(targets, "targets").to(self.device) if targets is not None else None
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values()
-                                                                      if isinstance(v, torch.Tensor)]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+            v for v in kwargs.values() if isinstance(v, torch.Tensor)
+        ]
         if self.context_parallel is not None:
             if len(tensors) != 1 or y is None:
-                raise ApplyError(f"train_step: context parallelism splits one token tensor and its targets by "
-                                 f"sequence, got {len(tensors)} input tensors{'' if y is not None else ' and no targets'}; "
-                                 "fix: pass the token ids alone with a loss_fn, or plan with cp=1")
+                raise ApplyError(
+                    f"train_step: context parallelism splits one token tensor and its targets by "
+                    f"sequence, got {len(tensors)} input tensors{'' if y is not None else ' and no targets'}; "
+                    "fix: pass the token ids alone with a loss_fn, or plan with cp=1"
+                )
             args, kwargs = (self.context_parallel.shard(tensors[0]),), {}
             y = self.context_parallel.shard(y)
         nmb = self.num_microbatches
@@ -325,19 +377,25 @@ class ParallelModule:
 
     def __call__(self, *args, **kwargs):
         if self.schedule is not None:
-            raise ApplyError("a pipelined ParallelModule runs through train_step (the schedule); calling "
-                             "the local stage module directly runs one stage only: use pm.module")
+            raise ApplyError(
+                "a pipelined ParallelModule runs through train_step (the schedule); calling "
+                "the local stage module directly runs one stage only: use pm.module"
+            )
         if self.context_parallel is not None:
-            raise ApplyError("a context-parallel ParallelModule runs through train_step, which gives each rank its "
-                             "part of every sequence; calling it on whole sequences would read wrong positions. "
-                             "fix: use train_step, or a plan with cp=1 for inference")
+            raise ApplyError(
+                "a context-parallel ParallelModule runs through train_step, which gives each rank its "
+                "part of every sequence; calling it on whole sequences would read wrong positions. "
+                "fix: use train_step, or a plan with cp=1 for inference"
+            )
         return tensor_output(self.module(*args, **kwargs))
 
     def __repr__(self) -> str:
         i = self.rank_info
-        return (f"ParallelModule(rank={i.rank}, stage={i.stage}/{self.plan.pp}, replica={i.replica}/{self.plan.dp}, "
-                f"tp_rank={i.tp_rank}/{self.plan.stages[i.stage].tp}, ep={self.plan.ep}, zero={self.plan.zero}, "
-                f"microbatches={self.num_microbatches})")
+        return (
+            f"ParallelModule(rank={i.rank}, stage={i.stage}/{self.plan.pp}, replica={i.replica}/{self.plan.dp}, "
+            f"tp_rank={i.tp_rank}/{self.plan.stages[i.stage].tp}, ep={self.plan.ep}, zero={self.plan.zero}, "
+            f"microbatches={self.num_microbatches})"
+        )
 
 
 def _first_step_check(pm: ParallelModule) -> Callable:
@@ -352,4 +410,5 @@ def _first_step_check(pm: ParallelModule) -> Callable:
             return
         if any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
             owner.check_optimizer(optimizer)
+
     return hook

@@ -12,6 +12,7 @@ page cache, not the rank's resident set, and each piece's file range is dropped 
 cache after it is copied (``posix_fadvise(DONTNEED)``), so under a memory limit that counts page
 cache (a cgroup, a container) a rank's load holds its own shards plus one staging buffer.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,12 +24,23 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-STAGING_BYTES = 16 * 2 ** 20  # the largest piece read through the staging buffer at a time
-_MAX_HEADER = 100 * 2 ** 20
+STAGING_BYTES = 16 * 2**20  # the largest piece read through the staging buffer at a time
+_MAX_HEADER = 100 * 2**20
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-          "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class Entry:
@@ -65,8 +77,10 @@ def read_header(path: str) -> Dict[str, Entry]:
         entry = Entry(info["dtype"], shape, data + int(begin))
         dtype = entry.dtype
         if dtype is not None and (end - begin != math.prod(shape) * dtype.itemsize or data + end > size):
-            raise ValueError(f"tensor {name}: data_offsets {info['data_offsets']} do not hold {info['dtype']} "
-                             f"{list(shape)} within the file's {size} bytes")
+            raise ValueError(
+                f"tensor {name}: data_offsets {info['data_offsets']} do not hold {info['dtype']} "
+                f"{list(shape)} within the file's {size} bytes"
+            )
         entries[name] = entry
     return entries
 
@@ -81,7 +95,7 @@ def box_runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int])
     k = nd - 1
     while k > 0 and offsets[k] == 0 and sizes[k] == shape[k]:
         k -= 1
-    strides = [math.prod(shape[d + 1:]) for d in range(nd)]
+    strides = [math.prod(shape[d + 1 :]) for d in range(nd)]
     run = sizes[k] * strides[k]
     base = offsets[k] * strides[k]
     leading = [range(o, o + s) for o, s in zip(offsets[:k], sizes[:k])]
@@ -122,15 +136,24 @@ class SafetensorsFile:
             done += n
         self.bytes_read += len(view)
 
-    def read_into(self, name: str, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor,
-                  staging: List[Optional[torch.Tensor]]) -> None:
+    def read_into(
+        self,
+        name: str,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        out: torch.Tensor,
+        staging: List[Optional[torch.Tensor]],
+    ) -> None:
         """Fill ``out`` (shape ``sizes``, any dtype and strides, on the CPU) with the box
         ``[offsets, offsets + sizes)`` of tensor ``name``. ``staging``: a one-element list
         holding the caller's reusable staging buffer (uint8, grown on demand)."""
         entry = self.entries[name]
         dtype, shape = entry.dtype, entry.shape
-        if list(out.shape) != list(sizes) or len(sizes) != len(shape) or any(
-                o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+        if (
+            list(out.shape) != list(sizes)
+            or len(sizes) != len(shape)
+            or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape))
+        ):
             raise ValueError(f"{name}: box {list(offsets)}+{list(sizes)} of {list(shape)} into {list(out.shape)}")
         if out.numel() == 0:
             return
@@ -160,7 +183,7 @@ class SafetensorsFile:
             lo = hi = None
             for i, start in enumerate(starts):
                 at = entry.start + start * item
-                self._pread(view[i * run_bytes:(i + 1) * run_bytes], at)
+                self._pread(view[i * run_bytes : (i + 1) * run_bytes], at)
                 lo = at if lo is None else lo
                 hi = at + run_bytes
             if not direct:

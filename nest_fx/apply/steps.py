@@ -5,6 +5,7 @@ Each step reads the agreed :class:`~nest_fx.apply.prepare.Job` and the rank's
 :class:`~nest_fx.apply.parts.ParallelLayout`; the per-chunk steps (3-9) take one
 :class:`Chunk` of the rank's stage and change its module in place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -123,8 +124,13 @@ def replicate(stage: LocalStage, job: Job, layout: ParallelLayout) -> Optional[C
         broadcast_module(stage.modules, stage_group, 0)
     ties = None
     if job.stage_layout is not None:
-        ties = CrossStageTies(stage.modules, 0 in stage.indices, stage.num_stages - 1 in stage.indices,
-                              job.stage_layout.shared, mesh["pp"].get_group())
+        ties = CrossStageTies(
+            stage.modules,
+            0 in stage.indices,
+            stage.num_stages - 1 in stage.indices,
+            job.stage_layout.shared,
+            mesh["pp"].get_group(),
+        )
         if not job.weights.on_meta:  # a meta start gives both copies the same values (materialize)
             ties.sync_values()
     if stage_tp > 1 and not job.dry_run:
@@ -140,8 +146,11 @@ def replicate(stage: LocalStage, job: Job, layout: ParallelLayout) -> Optional[C
 def context_parallel_group(job: Job, layout: ParallelLayout) -> Optional[ContextParallel]:
     """The rank's CP group and its share of every sequence (None when cp == 1)."""
     plan = job.plan
-    return (ContextParallel(layout.mesh["cp"].get_group(), plan.cp, layout.rank_info.cp_rank, plan.cp_mode)
-            if plan.cp > 1 else None)
+    return (
+        ContextParallel(layout.mesh["cp"].get_group(), plan.cp, layout.rank_info.cp_rank, plan.cp_mode)
+        if plan.cp > 1
+        else None
+    )
 
 
 def expert_parallel(chunk: Chunk, job: Job, layout: ParallelLayout) -> None:
@@ -157,8 +166,7 @@ def float8_linears(chunk: Chunk, job: Job) -> None:
         apply_float8(chunk.module, chunk.blocks)
 
 
-def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout,
-                    loss_fn: Optional[Callable]) -> Optional[Callable]:
+def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout, loss_fn: Optional[Callable]) -> Optional[Callable]:
     """4. Colwise/Rowwise on the traced TP pairs (+ sequence parallel) and vocabulary-parallel
     embeddings; under loss parallel the LM head's logits stay sharded and the returned loss is
     the vocabulary-parallel cross-entropy (else ``loss_fn`` unchanged)."""
@@ -167,8 +175,7 @@ def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout,
     if stage_plan.tp == 1:
         return loss_fn
     start, end = chunk.start, chunk.end
-    apply_tensor_parallel(chunk.module, graph, chunk.blocks, mesh["tp"],
-                          sequence_parallel=plan.sequence_parallel)
+    apply_tensor_parallel(chunk.module, graph, chunk.blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     vocab_end = min(end, len(graph.blocks) - 1) if plan.loss_parallel else end
     apply_vocab_parallel(chunk.module, graph, start, vocab_end, mesh["tp"])
     if vocab_end < end:
@@ -209,10 +216,17 @@ def shard_data_parallel(chunk: Chunk, job: Job, layout: ParallelLayout) -> None:
     plan, mesh, module = job.plan, layout.mesh, chunk.module
     if not shards_anything(plan.zero, _replicas(plan)):
         return
-    apply_fsdp(module, chunk.blocks, data_parallel_mesh(mesh, plan), plan.zero,
-               edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
-               dp_size=_replicas(plan), expert_modules=expert_modules(module) if plan.ep > 1 else (),
-               mp_policy=fsdp_policy(plan.precision), fp32_modules=fp32_modules(module, plan.precision))
+    apply_fsdp(
+        module,
+        chunk.blocks,
+        data_parallel_mesh(mesh, plan),
+        plan.zero,
+        edp_mesh=data_parallel_mesh(mesh, plan, experts=True) if plan.ep > 1 else None,
+        dp_size=_replicas(plan),
+        expert_modules=expert_modules(module) if plan.ep > 1 else (),
+        mp_policy=fsdp_policy(plan.precision),
+        fp32_modules=fp32_modules(module, plan.precision),
+    )
 
 
 def materialize_weights(stage: LocalStage, job: Job, layout: ParallelLayout) -> Optional[dict]:
@@ -230,9 +244,12 @@ def materialize_weights(stage: LocalStage, job: Job, layout: ParallelLayout) -> 
     with named_collective_failures("auto_parallelize, after materialising the model"):
         agree({}, what="materialising the model", error=failure, error_cls=checks.ApplyError)
     if job.rank == 0 and job.verbose:
-        print(f"materialised on {layout.device}: {counts['read']} tensors read from {start.path} "
-              f"({counts['bytes_read'] / 2**20:.1f} MiB on rank 0), {counts['initialised']} initialised "
-              "by the model", flush=True)
+        print(
+            f"materialised on {layout.device}: {counts['read']} tensors read from {start.path} "
+            f"({counts['bytes_read'] / 2**20:.1f} MiB on rank 0), {counts['initialised']} initialised "
+            "by the model",
+            flush=True,
+        )
     return counts
 
 
@@ -246,11 +263,13 @@ def _in_order(syncs: List[Callable[[], None]]) -> Optional[Callable[[], None]]:
     def run() -> None:
         for sync in syncs:
             sync()
+
     return run
 
 
-def gradient_sync(stage: LocalStage, ties: Optional[CrossStageTies], job: Job,
-                  layout: ParallelLayout) -> Optional[Callable[[], None]]:
+def gradient_sync(
+    stage: LocalStage, ties: Optional[CrossStageTies], job: Job, layout: ParallelLayout
+) -> Optional[Callable[[], None]]:
     """11. What runs after each backward: the tied-embedding gradient sum over the two stages, then
     the replicated data-parallel all-reduce (zero=0; FSDP reduces inside the backward)."""
     plan, mesh = job.plan, layout.mesh
@@ -258,23 +277,44 @@ def gradient_sync(stage: LocalStage, ties: Optional[CrossStageTies], job: Job,
     if plan.zero == 0 and _replicas(plan) > 1:
         params = [p for m in stage.modules for p in m.parameters()]
         experts = [p for m in stage.modules for p in expert_parameters(m)] if plan.ep > 1 else []
-        syncs.append(GradientSync(params, data_parallel_mesh(mesh, plan).get_group(), _replicas(plan),
-                                  edp_group=data_parallel_mesh(mesh, plan, experts=True).get_group()
-                                  if plan.ep > 1 else None, expert_params=experts))
+        syncs.append(
+            GradientSync(
+                params,
+                data_parallel_mesh(mesh, plan).get_group(),
+                _replicas(plan),
+                edp_group=data_parallel_mesh(mesh, plan, experts=True).get_group() if plan.ep > 1 else None,
+                expert_params=experts,
+            )
+        )
     return _in_order(syncs)
 
 
-def pipeline_schedule(stage: LocalStage, job: Job, layout: ParallelLayout, loss_fn: Optional[Callable],
-                      cp: Optional[ContextParallel]) -> BatchSchedule:
+def pipeline_schedule(
+    stage: LocalStage, job: Job, layout: ParallelLayout, loss_fn: Optional[Callable], cp: Optional[ContextParallel]
+) -> BatchSchedule:
     """12. The PipelineStage(s) and the plan's 1F1B / GPipe / interleaved schedule (pp > 1), and
     how ``train_step`` runs a batch; then the job's timeout on every group created on the way."""
     schedule, stages = None, []
     if job.plan.pp > 1:
-        stages, schedule = make_schedule(job.plan, stage.modules, stage.indices, stage.num_stages,
-                                         job.num_microbatches, loss_fn, layout.mesh["pp"].get_group(), layout.device)
+        stages, schedule = make_schedule(
+            job.plan,
+            stage.modules,
+            stage.indices,
+            stage.num_stages,
+            job.num_microbatches,
+            loss_fn,
+            layout.mesh["pp"].get_group(),
+            layout.device,
+        )
     apply_job_timeout()  # any group created on the way (FSDP, pipelining) gets the job's timeout too
-    return BatchSchedule(global_batch_size=job.global_batch_size, num_microbatches=job.num_microbatches,
-                         loss_fn=loss_fn, schedule=schedule, pipeline_stages=tuple(stages), context_parallel=cp)
+    return BatchSchedule(
+        global_batch_size=job.global_batch_size,
+        num_microbatches=job.num_microbatches,
+        loss_fn=loss_fn,
+        schedule=schedule,
+        pipeline_stages=tuple(stages),
+        context_parallel=cp,
+    )
 
 
 def fsdp_applied(job: Job) -> bool:

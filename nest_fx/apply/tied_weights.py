@@ -11,6 +11,7 @@ rank at the same data- and tensor-parallel coordinates on the other stage, which
 parameter out the same way. Both stages name the parameter as the whole model does (the first
 name in ``named_parameters()``), so a checkpoint stores it once and loads it into both.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -38,8 +39,9 @@ class CrossStageTies:
     sums its two uses, and there is nothing to exchange.
     """
 
-    def __init__(self, chunks: Sequence[nn.Module], first: bool, last: bool, shared: Dict[str, Tuple[str, ...]],
-                 pp_group) -> None:
+    def __init__(
+        self, chunks: Sequence[nn.Module], first: bool, last: bool, shared: Dict[str, Tuple[str, ...]], pp_group
+    ) -> None:
         self.chunks = list(chunks)
         self.names: List[str] = []
         self.peer = -1
@@ -58,8 +60,9 @@ class CrossStageTies:
         held = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
         missing = [name for name in self.names if name not in held]
         if missing:
-            raise SplitError(f"tied parameters {missing} are missing from the {'first' if self.sender else 'last'} "
-                             "pipeline stage")
+            raise SplitError(
+                f"tied parameters {missing} are missing from the {'first' if self.sender else 'last'} pipeline stage"
+            )
         return [held[name] for name in self.names]
 
     def __bool__(self) -> bool:
@@ -71,8 +74,9 @@ class CrossStageTies:
         if not self.names:
             return
         op = dist.isend if self.sender else dist.irecv
-        for req in dist.batch_isend_irecv([dist.P2POp(op, _local(p.data), self.peer, self.group)
-                                           for p in self.params()]):
+        for req in dist.batch_isend_irecv(
+            [dist.P2POp(op, _local(p.data), self.peer, self.group) for p in self.params()]
+        ):
             req.wait()
 
     @torch.no_grad()

@@ -15,6 +15,7 @@ back (each rank's is the part its own features contribute), the same size. The c
 prices both all-reduces (``workload.block_facts``: ``tokens x 4`` bytes per statistic and
 direction).
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,10 +59,12 @@ class _GlobalStatistics(TorchFunctionMode):
 
     _MEANS = (torch.mean, torch.Tensor.mean)
     # norm functions -> their parameters in order (bound from positional and keyword arguments)
-    _NORMS = {F.rms_norm: ("input", "normalized_shape", "weight", "eps"),
-              torch.rms_norm: ("input", "normalized_shape", "weight", "eps"),
-              F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
-              torch.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps")}
+    _NORMS = {
+        F.rms_norm: ("input", "normalized_shape", "weight", "eps"),
+        torch.rms_norm: ("input", "normalized_shape", "weight", "eps"),
+        F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
+        torch.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
+    }
 
     def __init__(self, group, tp: int, local: int):
         super().__init__()
@@ -80,18 +83,27 @@ class _GlobalStatistics(TorchFunctionMode):
         if func in self._MEANS:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if not _last_dim_only(dim, x.dim()):
-                raise RuntimeError(f"a whole-width norm under tensor parallelism takes a mean over dims {dim}; "
-                                   "nest-fx gathers means over the last dim only")
+                raise RuntimeError(
+                    f"a whole-width norm under tensor parallelism takes a mean over dims {dim}; "
+                    "nest-fx gathers means over the last dim only"
+                )
             keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             return self.mean(x, keepdim, kwargs.get("dtype"))
         if func in self._NORMS:
             bound = {**dict(zip(self._NORMS[func], args)), **kwargs}
             shape = bound.get("normalized_shape")
             if len(shape) != 1:
-                raise RuntimeError(f"a whole-width norm under tensor parallelism normalises over {list(shape)}; "
-                                   "nest-fx gathers statistics over the last dim only")
-            return self.norm(x, bound.get("weight"), bound.get("bias"), bound.get("eps"),
-                             layer=func in (F.layer_norm, torch.layer_norm))
+                raise RuntimeError(
+                    f"a whole-width norm under tensor parallelism normalises over {list(shape)}; "
+                    "nest-fx gathers statistics over the last dim only"
+                )
+            return self.norm(
+                x,
+                bound.get("weight"),
+                bound.get("bias"),
+                bound.get("eps"),
+                layer=func in (F.layer_norm, torch.layer_norm),
+            )
         return func(*args, **kwargs)
 
     def norm(self, x: torch.Tensor, weight, bias, eps, layer: bool) -> torch.Tensor:

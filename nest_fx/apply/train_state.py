@@ -19,6 +19,7 @@ So a run interrupted mid-epoch continues with the same batches, learning rates a
 draws as if it had not stopped, under any plan. The states are pickled: a checkpoint is trusted
 data, and its files are checked against the manifest's sha256 before anything is unpickled.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -48,8 +49,11 @@ def unpack(blob: bytes) -> Any:
 
 def rng_state() -> Dict[str, Any]:
     """This process's random number generator states."""
-    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()}
+    state: Dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -82,8 +86,12 @@ def set_dtensor_rng_state(state: Optional[Dict[str, Any]], mesh) -> None:
     if state is None:
         return
     tracker = dtensor_random._rng_tracker
-    if tracker is None and mesh is not None and "device_state" in state and \
-            torch.device(state["device"]).type == mesh.device_type:
+    if (
+        tracker is None
+        and mesh is not None
+        and "device_state" in state
+        and torch.device(state["device"]).type == mesh.device_type
+    ):
         tracker = dtensor_random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
         dtensor_random._rng_tracker = tracker
     if tracker is None:
@@ -97,9 +105,11 @@ def stateful(obj: Any, what: str) -> None:
     """NestFxError unless ``obj`` has ``state_dict`` and ``load_state_dict`` (checked before a save
     or load starts)."""
     if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-        raise DataStateError(f"{what}= needs an object with state_dict() and load_state_dict(), got "
-                             f"{type(obj).__name__}; fix: pass e.g. nest_fx.apply.EpochBatches, torchdata's "
-                             "StatefulDataLoader, a torch LR scheduler or torch.amp.GradScaler")
+        raise DataStateError(
+            f"{what}= needs an object with state_dict() and load_state_dict(), got "
+            f"{type(obj).__name__}; fix: pass e.g. nest_fx.apply.EpochBatches, torchdata's "
+            "StatefulDataLoader, a torch LR scheduler or torch.amp.GradScaler"
+        )
 
 
 class EpochBatches:
@@ -141,19 +151,27 @@ class EpochBatches:
             self._order = self._permutation(self.epoch)
         start = self.batch * self.batch_size
         self.batch += 1
-        return self._order[start:start + self.batch_size]
+        return self._order[start : start + self.batch_size]
 
     def state_dict(self) -> Dict[str, int]:
         """The position: the next batch is batch ``batch`` of epoch ``epoch``."""
-        return {"num_samples": self.num_samples, "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "epoch": self.epoch, "batch": self.batch}
+        return {
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "batch": self.batch,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a saved position; DataStateError when the dataset or batch size changed."""
         for key in ("num_samples", "batch_size", "seed", "shuffle"):
             if state.get(key) != getattr(self, key):
-                raise DataStateError(f"EpochBatches: the checkpoint's data position is for {key}={state.get(key)!r}, "
-                                     f"this run has {getattr(self, key)!r}; fix: resume with the same dataset, global "
-                                     "batch and seed")
+                raise DataStateError(
+                    f"EpochBatches: the checkpoint's data position is for {key}={state.get(key)!r}, "
+                    f"this run has {getattr(self, key)!r}; fix: resume with the same dataset, global "
+                    "batch and seed"
+                )
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
         self._order = self._permutation(self.epoch)

@@ -19,6 +19,7 @@ and dropped from the page cache after (:mod:`nest_fx.apply.safetensors_read`).
 share). A nest-fx checkpoint directory is not read here: the runtime loads it through
 :func:`nest_fx.apply.checkpoint.load_checkpoint` (:func:`is_nest_fx_checkpoint`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,6 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 Spec = Tuple[Tuple[int, ...], torch.dtype]
+
 
 def is_nest_fx_checkpoint(path: str) -> bool:
     """Whether ``path`` is a nest-fx checkpoint directory (a root of step directories or one step)."""
@@ -60,15 +62,19 @@ class SafetensorsWeights:
             try:
                 entries = read_header(file)
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ApplyError(f"weights={path}: {os.path.basename(file)} is not a readable safetensors file "
-                                 f"({type(exc).__name__}: {exc}); fix: write it again with save_pretrained or "
-                                 "safetensors.torch.save_file") from None
+                raise ApplyError(
+                    f"weights={path}: {os.path.basename(file)} is not a readable safetensors file "
+                    f"({type(exc).__name__}: {exc}); fix: write it again with save_pretrained or "
+                    "safetensors.torch.save_file"
+                ) from None
             handle = self._files[file] = SafetensorsFile(file, entries)
             for name, entry in entries.items():
                 if entry.dtype is None:
-                    raise ApplyError(f"weights={path}: tensor {name} in {os.path.basename(file)} has dtype "
-                                     f"{entry.dtype_name}, which nest-fx does not read; fix: convert the file to "
-                                     "a floating-point dtype")
+                    raise ApplyError(
+                        f"weights={path}: tensor {name} in {os.path.basename(file)} has dtype "
+                        f"{entry.dtype_name}, which nest-fx does not read; fix: convert the file to "
+                        "a floating-point dtype"
+                    )
                 self._specs[name] = (entry.shape, entry.dtype)
                 self._where[name] = handle
 
@@ -87,9 +93,11 @@ class SafetensorsWeights:
             files = sorted({os.path.join(path, f) for f in weight_map.values()})
             missing = [f for f in files if not os.path.exists(f)]
             if missing:
-                raise ApplyError(f"weights={path}: {INDEX_FILE} names {len(missing)} file(s) that are not there "
-                                 f"({', '.join(os.path.basename(f) for f in missing[:3])}); fix: copy the whole "
-                                 "directory")
+                raise ApplyError(
+                    f"weights={path}: {INDEX_FILE} names {len(missing)} file(s) that are not there "
+                    f"({', '.join(os.path.basename(f) for f in missing[:3])}); fix: copy the whole "
+                    "directory"
+                )
             return files
         single = os.path.join(path, SINGLE_FILE)
         return [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -125,16 +133,20 @@ class StateDictWeights:
         try:
             obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:  # torch raises many types for a file it cannot read
-            raise ApplyError(f"weights={path}: not a safetensors file, a directory of them, a torch state dict "
-                             f"or a nest-fx checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                             "fix: pass a model directory written by save_pretrained or a torch.save'd "
-                             "state_dict") from None
+            raise ApplyError(
+                f"weights={path}: not a safetensors file, a directory of them, a torch state dict "
+                f"or a nest-fx checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                "fix: pass a model directory written by save_pretrained or a torch.save'd "
+                "state_dict"
+            ) from None
         for key in ("state_dict", "model"):
             if isinstance(obj, dict) and isinstance(obj.get(key), dict):
                 obj = obj[key]
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            raise ApplyError(f"weights={path}: the file holds a {type(obj).__name__}, not a state dict of tensors; "
-                             "fix: torch.save(model.state_dict(), PATH)")
+            raise ApplyError(
+                f"weights={path}: the file holds a {type(obj).__name__}, not a state dict of tensors; "
+                "fix: torch.save(model.state_dict(), PATH)"
+            )
         self._tensors: Dict[str, torch.Tensor] = obj
 
     def specs(self) -> Dict[str, Spec]:
@@ -160,13 +172,17 @@ class StateDictWeights:
 def open_weights(path: str):
     """A reader for ``path``: safetensors (file or directory) or a torch state-dict file."""
     if not os.path.exists(path):
-        raise ApplyError(f"weights={path}: no such file or directory; fix: pass the directory save_pretrained "
-                         "wrote, a .safetensors file or a torch state-dict file")
+        raise ApplyError(
+            f"weights={path}: no such file or directory; fix: pass the directory save_pretrained "
+            "wrote, a .safetensors file or a torch state-dict file"
+        )
     if os.path.isdir(path):
         reader = SafetensorsWeights(path)
         if not reader.specs():
-            raise ApplyError(f"weights={path}: the directory holds no *.safetensors file and is not a nest-fx "
-                             "checkpoint; fix: pass the directory save_pretrained wrote")
+            raise ApplyError(
+                f"weights={path}: the directory holds no *.safetensors file and is not a nest-fx "
+                "checkpoint; fix: pass the directory save_pretrained wrote"
+            )
         return reader
     if path.endswith(".safetensors"):
         return SafetensorsWeights(path)

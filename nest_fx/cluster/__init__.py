@@ -7,6 +7,7 @@ plan's device order), ``topology`` (graph networks of devices, switches and link
 ``protocol`` (:class:`ClusterModel`, the interface every kind offers the cost model) and
 ``load`` (a ``--cluster`` argument to a cluster). See docs/cluster_format.md.
 """
+
 from nest_fx.cluster import presets  # noqa: F401  (fills spec.PRESETS, which Cluster.preset reads)
 from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.load import cluster_spec, load_cluster
@@ -17,6 +18,26 @@ from nest_fx.cluster.quantities import UNITS, parse_quantity
 from nest_fx.cluster.spec import CLUSTER_FORMAT, MAX_DEVICES, PRESETS, Cluster, DeviceSpec, LevelSpan, NetworkLevel
 from nest_fx.cluster.topology import GraphCluster, Topology, TopologyError
 
-__all__ = ["A100_80GB", "CLUSTER_FORMAT", "Cluster", "ClusterError", "ClusterModel", "DeviceSpec", "GraphCluster",
-           "H100_SXM", "LevelSpan", "MAX_DEVICES", "NetworkLevel", "OrderedCluster", "PRESETS", "Topology",
-           "TopologyError", "UNITS", "cluster_spec", "is_identity", "load_cluster", "parse_quantity", "placed"]
+__all__ = [
+    "A100_80GB",
+    "CLUSTER_FORMAT",
+    "Cluster",
+    "ClusterError",
+    "ClusterModel",
+    "DeviceSpec",
+    "GraphCluster",
+    "H100_SXM",
+    "LevelSpan",
+    "MAX_DEVICES",
+    "NetworkLevel",
+    "OrderedCluster",
+    "PRESETS",
+    "Topology",
+    "TopologyError",
+    "UNITS",
+    "cluster_spec",
+    "is_identity",
+    "load_cluster",
+    "parse_quantity",
+    "placed",
+]

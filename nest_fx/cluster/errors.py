@@ -1,4 +1,5 @@
 """``ClusterError``: a malformed cluster or topology description, or an impossible query on one."""
+
 from __future__ import annotations
 
 from nest_fx.common.errors import NestFxError

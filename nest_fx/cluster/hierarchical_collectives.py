@@ -30,6 +30,7 @@ it, path included (how the presets and a calibration give it), so latencies are 
 Sizes are in bytes, results in seconds; no efficiency factor is applied (the figures are ideal
 link rates). A group of one rank, or zero bytes, costs 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,6 +82,7 @@ def ring_pass(n: int, nbytes: float, level: NetworkLevel, bandwidth: Optional[fl
 # Every algorithm below is affine in the buffer size: a sum over levels of latency terms and of
 # a share of the buffer over a bandwidth. Each kind gives its (alpha, beta) from the rank set's
 # spans, so a group is resolved once and costed at any size (the solver asks for thousands).
+
 
 def _ring_coefficients(spans: List[LevelSpan]) -> Affine:
     """Reduce-scatter / all-gather: sum over levels of ``ring_pass(f_i, S_i)``, S_0 = S and

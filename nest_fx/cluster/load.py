@@ -3,6 +3,7 @@
 A preset (``dgx-a100:1024``), a cluster or topology file (``.yaml``/``.yml``/``.json``), or a
 topology generator spec (``rail:128x8``); see docs/cluster_format.md and docs/topology.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,15 +44,19 @@ def load_cluster(spec: str, devices: Optional[int] = None) -> ClusterModel:
     if is_topology_spec(spec):
         cluster = GraphCluster(topology_from_spec(spec))
         if devices is not None and devices != cluster.num_devices:
-            raise ClusterError(f"--devices {devices} differs from the {cluster.num_devices} devices of {spec!r}: "
-                               "leave --devices out (the spec gives the size)")
+            raise ClusterError(
+                f"--devices {devices} differs from the {cluster.num_devices} devices of {spec!r}: "
+                "leave --devices out (the spec gives the size)"
+            )
         return cluster
     name, _, count = spec.partition(":")
     if name not in PRESETS:
-        raise ClusterError(f"unknown cluster preset {name!r} in {spec!r}{close_matches(name, PRESETS)}: "
-                           f"use NAME:DEVICES with NAME in "
-                           f"{sorted(PRESETS)}, a topology spec (docs/topology.md) or a cluster file (.yaml, .yml "
-                           "or .json)")
+        raise ClusterError(
+            f"unknown cluster preset {name!r} in {spec!r}{close_matches(name, PRESETS)}: "
+            f"use NAME:DEVICES with NAME in "
+            f"{sorted(PRESETS)}, a topology spec (docs/topology.md) or a cluster file (.yaml, .yml "
+            "or .json)"
+        )
     if count:
         try:
             devices = int(count)

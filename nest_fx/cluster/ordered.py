@@ -13,6 +13,7 @@ on plan ranks throughout, so a placed plan is costed on a *view* of the cluster 
 Both are :class:`~nest_fx.cluster.protocol.ClusterModel` s whose ``cost_key`` names the order,
 so the cost model's collective memo never serves one order's result for another.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -96,5 +97,7 @@ def placed(cluster: ClusterModel, order: Optional[Sequence[int]]) -> ClusterMode
         return OrderedCluster(cluster.base, [cluster.order[r] for r in order])
     if isinstance(cluster, Cluster):
         return OrderedCluster(cluster, order)
-    raise ClusterError(f"device_order: cannot place a plan on a {type(cluster).__name__}; expected a Cluster, "
-                       "an OrderedCluster or a GraphCluster")
+    raise ClusterError(
+        f"device_order: cannot place a plan on a {type(cluster).__name__}; expected a Cluster, "
+        "an OrderedCluster or a GraphCluster"
+    )

@@ -2,6 +2,7 @@
 CPU test machine. Each builder takes a device count; :meth:`Cluster.preset` looks them up in
 :data:`PRESETS`. Hardware figures are from the datasheets and the NEST paper, as each builder's
 docstring says (see docs/cluster_format.md)."""
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -13,8 +14,9 @@ GiB = 2**30
 NODE, RACK = 8, 32  # NEST's hierarchy: 8 devices per node, 4 nodes per rack
 
 
-def _gpu_levels(devices: int, node: Tuple[float, float], rack: Tuple[float, float],
-                spine: Tuple[float, float]) -> List[NetworkLevel]:
+def _gpu_levels(
+    devices: int, node: Tuple[float, float], rack: Tuple[float, float], spine: Tuple[float, float]
+) -> List[NetworkLevel]:
     """node (8) / rack (32) / spine (devices rounded up to 32; omitted when <= 32) levels.
 
     Each tuple is (bandwidth bytes/s per device per direction, latency s). Latencies are
@@ -30,13 +32,15 @@ def _gpu_levels(devices: int, node: Tuple[float, float], rack: Tuple[float, floa
 
 A100_80GB = DeviceSpec(
     # A100-SXM4-80GB datasheet: dense tensor-core peaks; "80GB" is taken as 80 GiB of HBM2e.
-    name="A100-SXM4-80GB", memory_bytes=80 * GiB,
+    name="A100-SXM4-80GB",
+    memory_bytes=80 * GiB,
     peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
     mem_bandwidth=2.039e12,
 )
 H100_SXM = DeviceSpec(
     # H100-SXM5 datasheet, dense (no sparsity) peaks; 80 GiB HBM3 at 3.35 TB/s.
-    name="H100-SXM5-80GB", memory_bytes=80 * GiB,
+    name="H100-SXM5-80GB",
+    memory_bytes=80 * GiB,
     peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
     mem_bandwidth=3.35e12,
 )
@@ -44,7 +48,8 @@ B200 = DeviceSpec(
     # DGX B200 datasheet, per GPU (system figures / 8), dense peaks (half the sparse figures):
     # FP8 72 PFLOP/s sparse -> 4.5 PFLOP/s dense, BF16/FP16 2.25 PFLOP/s, TF32 1.1 PFLOP/s,
     # FP32 75 TFLOP/s; 1,440 GB HBM3e -> 180 GB at 8 TB/s (64 TB/s per system).
-    name="B200-SXM-180GB", memory_bytes=180e9,
+    name="B200-SXM-180GB",
+    memory_bytes=180e9,
     peak_flops={"fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
     mem_bandwidth=8e12,
 )
@@ -52,7 +57,8 @@ GB200 = DeviceSpec(
     # GB200 NVL72 datasheet, per GPU (rack figures / 72), dense peaks (half the sparse figures):
     # FP8 720 PFLOP/s sparse -> 5 PFLOP/s dense, BF16/FP16 360 -> 2.5 PFLOP/s, TF32 180 -> 1.25
     # PFLOP/s, FP32 5,760 TFLOP/s -> 80 TFLOP/s; 13.4 TB HBM3e -> 186 GB at 8 TB/s (576 TB/s per rack).
-    name="GB200-186GB", memory_bytes=186e9,
+    name="GB200-186GB",
+    memory_bytes=186e9,
     peak_flops={"fp32": 80e12, "tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15},
     mem_bandwidth=8e12,
 )
@@ -62,21 +68,22 @@ NVL72 = 72  # GPUs in one GB200 NVLink domain
 def _dgx_a100(devices: int) -> Cluster:
     """DGX A100: NVLink3 300 GB/s per GPU per direction inside a node; 8x HDR 200 Gb/s IB per node
     = 25 GB/s per GPU across nodes on a non-blocking fat tree (same rate at rack and spine)."""
-    return Cluster("dgx-a100", _copy(A100_80GB), devices,
-                   _gpu_levels(devices, (300e9, 5e-6), (25e9, 1e-5), (25e9, 1.5e-5)))
+    return Cluster(
+        "dgx-a100", _copy(A100_80GB), devices, _gpu_levels(devices, (300e9, 5e-6), (25e9, 1e-5), (25e9, 1.5e-5))
+    )
 
 
 def _dgx_h100(devices: int) -> Cluster:
     """DGX H100: NVLink4 450 GB/s per GPU per direction; 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
-    return Cluster("dgx-h100", _copy(H100_SXM), devices,
-                   _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+    return Cluster(
+        "dgx-h100", _copy(H100_SXM), devices, _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    )
 
 
 def _dgx_b200(devices: int) -> Cluster:
     """DGX B200: NVLink5 1.8 TB/s per GPU bidirectional = 900 GB/s per direction inside a node;
     8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU across nodes (non-blocking fat tree)."""
-    return Cluster("dgx-b200", _copy(B200), devices,
-                   _gpu_levels(devices, (900e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+    return Cluster("dgx-b200", _copy(B200), devices, _gpu_levels(devices, (900e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
 
 
 def _gb200_nvl72(devices: int) -> Cluster:
@@ -96,16 +103,18 @@ def _h100_spine_leaf(devices: int) -> Cluster:
     leaf (rack) 12.5 GB/s, spine 50 GB/s, 90 GiB per device. The spine is faster than the leaf
     in the paper's figures; they are kept as given, not "corrected"."""
     device = DeviceSpec("H100 (NEST spine-leaf)", 90 * GiB, dict(H100_SXM.peak_flops), H100_SXM.mem_bandwidth)
-    return Cluster("h100-spine-leaf", device, devices,
-                   _gpu_levels(devices, (900e9, 5e-6), (12.5e9, 1e-5), (50e9, 1.5e-5)))
+    return Cluster(
+        "h100-spine-leaf", device, devices, _gpu_levels(devices, (900e9, 5e-6), (12.5e9, 1e-5), (50e9, 1.5e-5))
+    )
 
 
 def _tpuv4_fat_tree(devices: int) -> Cluster:
     """TPUv4 on a fat tree, NEST figures: 900/100/400 GB/s (node/rack/spine), 64 GiB per device,
     bf16 275 TFLOP/s, HBM 1.2 TB/s. Only bf16 is listed: the MXUs have no native fp32 rate."""
     device = DeviceSpec("TPUv4", 64 * GiB, {"bf16": 275e12}, 1.2e12)
-    return Cluster("tpuv4-fat-tree", device, devices,
-                   _gpu_levels(devices, (900e9, 5e-6), (100e9, 1e-5), (400e9, 1.5e-5)))
+    return Cluster(
+        "tpuv4-fat-tree", device, devices, _gpu_levels(devices, (900e9, 5e-6), (100e9, 1e-5), (400e9, 1.5e-5))
+    )
 
 
 def _cpu_gloo(devices: int) -> Cluster:
@@ -120,12 +129,14 @@ def _copy(device: DeviceSpec) -> DeviceSpec:
     return DeviceSpec(device.name, device.memory_bytes, dict(device.peak_flops), device.mem_bandwidth)
 
 
-PRESETS.update({
-    "dgx-a100": _dgx_a100,
-    "dgx-h100": _dgx_h100,
-    "dgx-b200": _dgx_b200,
-    "gb200-nvl72": _gb200_nvl72,
-    "h100-spine-leaf": _h100_spine_leaf,
-    "tpuv4-fat-tree": _tpuv4_fat_tree,
-    "cpu-gloo": _cpu_gloo,
-})
+PRESETS.update(
+    {
+        "dgx-a100": _dgx_a100,
+        "dgx-h100": _dgx_h100,
+        "dgx-b200": _dgx_b200,
+        "gb200-nvl72": _gb200_nvl72,
+        "h100-spine-leaf": _h100_spine_leaf,
+        "tpuv4-fat-tree": _tpuv4_fat_tree,
+        "cpu-gloo": _cpu_gloo,
+    }
+)

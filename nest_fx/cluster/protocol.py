@@ -16,6 +16,7 @@ is one, so a group is resolved once for all sizes), ``span`` / ``levels_spanned`
 levels, and ``cost_key`` keys every memo of collective times (one key scheme, a string that
 differs whenever the figures or the device order differ).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple, runtime_checkable

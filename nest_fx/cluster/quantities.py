@@ -1,5 +1,6 @@
 """Quantities in cluster files: numbers in SI units, or strings such as ``"80GiB"``,
 ``"300GB/s"``, ``"200Gb/s"``, ``"5us"`` or ``"312TFLOPS"`` (see :func:`parse_quantity`)."""
+
 from __future__ import annotations
 
 import math

@@ -12,6 +12,7 @@ alpha of the alpha-beta model). File values may be numbers or strings such as ``
 ``"300GB/s"``, ``"200Gb/s"``, ``"5us"`` or ``"312TFLOPS"`` (see :func:`parse_quantity`).
 See docs/cluster_format.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def _real(value: object, path: str, *, strict: bool) -> None:
     if value < 0 or (strict and value == 0):
         raise ClusterError(f"{path}: must be {bound}, got {brief(value)}")
     if strict and value < MIN_RATE:
-        raise ClusterError(f"{path}: must be at least {MIN_RATE:g} (SI units: bytes, bytes/s, FLOP/s), "
-                           f"got {brief(value)}")
+        raise ClusterError(
+            f"{path}: must be at least {MIN_RATE:g} (SI units: bytes, bytes/s, FLOP/s), got {brief(value)}"
+        )
     if value > MAX_QUANTITY:
         raise ClusterError(f"{path}: must be at most {MAX_QUANTITY:g} (SI units), got {brief(value)}")
 
@@ -96,8 +98,10 @@ class DeviceSpec:
         _name(self.name, f"{prefix}name")
         _real(self.memory_bytes, f"{prefix}memory_bytes", strict=True)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
-            raise ClusterError(f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
-                               f"(e.g. {{'bf16': 312e12}}), got {brief(self.peak_flops)}")
+            raise ClusterError(
+                f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
+                f"(e.g. {{'bf16': 312e12}}), got {brief(self.peak_flops)}"
+            )
         for dtype, flops in self.peak_flops.items():
             _name(dtype, f"{prefix}peak_flops key")
             _real(flops, f"{prefix}peak_flops.{dtype}", strict=True)
@@ -108,8 +112,9 @@ class DeviceSpec:
         try:
             return float(self.peak_flops[dtype])
         except KeyError:
-            raise ClusterError(f"device {self.name!r} has no peak_flops entry for dtype {dtype!r}; "
-                               f"known: {sorted(self.peak_flops)}") from None
+            raise ClusterError(
+                f"device {self.name!r} has no peak_flops entry for dtype {dtype!r}; known: {sorted(self.peak_flops)}"
+            ) from None
 
 
 @dataclass
@@ -184,15 +189,20 @@ class Cluster:
         for i in range(1, len(self.levels)):
             inner, outer = self.levels[i - 1].group_size, self.levels[i].group_size
             if outer <= inner:
-                raise ClusterError(f"levels[{i}].group_size: must be greater than levels[{i - 1}].group_size "
-                                   f"({inner}), got {outer} (group sizes are cumulative device counts)")
+                raise ClusterError(
+                    f"levels[{i}].group_size: must be greater than levels[{i - 1}].group_size "
+                    f"({inner}), got {outer} (group sizes are cumulative device counts)"
+                )
             if outer % inner:
-                raise ClusterError(f"levels[{i}].group_size: must be a multiple of levels[{i - 1}].group_size "
-                                   f"({inner}), got {outer}")
+                raise ClusterError(
+                    f"levels[{i}].group_size: must be a multiple of levels[{i - 1}].group_size ({inner}), got {outer}"
+                )
         top = len(self.levels) - 1
         if self.levels[top].group_size < self.num_devices:
-            raise ClusterError(f"levels[{top}].group_size: the outermost level must hold all "
-                               f"{self.num_devices} devices (num_devices), got {self.levels[top].group_size}")
+            raise ClusterError(
+                f"levels[{top}].group_size: the outermost level must hold all "
+                f"{self.num_devices} devices (num_devices), got {self.levels[top].group_size}"
+            )
 
     # -- placement -------------------------------------------------------------------------
     def _rank_array(self, ranks: Sequence[int]) -> np.ndarray:
@@ -201,9 +211,14 @@ class Cluster:
         arr = np.asarray(ranks) if not isinstance(ranks, np.ndarray) else ranks
         if arr.ndim == 1 and arr.size and arr.dtype.kind in "iu":
             arr = arr.astype(np.int64, copy=False)
-            if arr.min() >= 0 and arr.max() < self.num_devices and (
+            if (
+                arr.min() >= 0
+                and arr.max() < self.num_devices
+                and (
                     bool((arr[1:] > arr[:-1]).all())  # ascending (what placements give): distinct, no sort
-                    or np.unique(arr).size == arr.size):
+                    or np.unique(arr).size == arr.size
+                )
+            ):
                 return arr
         return np.array(self._check_ranks(ranks), dtype=np.int64)  # the per-rank path names the bad one
 
@@ -221,7 +236,9 @@ class Cluster:
             raise ClusterError("ranks: must be a non-empty sequence of device ranks")
         for r in rs:
             if not 0 <= r < self.num_devices:
-                raise ClusterError(f"ranks: {brief(r)} is not a rank of this cluster (integers 0..{self.num_devices - 1})")
+                raise ClusterError(
+                    f"ranks: {brief(r)} is not a rank of this cluster (integers 0..{self.num_devices - 1})"
+                )
         if len(set(rs)) != len(rs):
             raise ClusterError(f"ranks: duplicate rank(s) in {rs}")
         return rs
@@ -297,8 +314,9 @@ class Cluster:
                 g = r // level.group_size
                 members.setdefault(g, set()).add(r // inner_size)
                 counts[g] = counts.get(g, 0) + 1
-            spans.append(LevelSpan(level, max(len(m) for m in members.values()), max(counts.values()),
-                                   min(counts.values())))
+            spans.append(
+                LevelSpan(level, max(len(m) for m in members.values()), max(counts.values()), min(counts.values()))
+            )
             inner_size = level.group_size
         return spans
 
@@ -357,8 +375,9 @@ class Cluster:
         try:
             build = PRESETS[name]
         except KeyError:
-            raise ClusterError(f"unknown cluster preset {brief(name)}{close_matches(name, PRESETS)}; "
-                               f"valid names: {sorted(PRESETS)}") from None
+            raise ClusterError(
+                f"unknown cluster preset {brief(name)}{close_matches(name, PRESETS)}; valid names: {sorted(PRESETS)}"
+            ) from None
         _positive_int(devices, "devices", MAX_DEVICES)
         return build(devices)
 
@@ -375,8 +394,10 @@ class Cluster:
                 "peak_flops": dict(self.device.peak_flops),
                 "mem_bandwidth": self.device.mem_bandwidth,
             },
-            "levels": [{"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth,
-                        "latency": lv.latency} for lv in self.levels],
+            "levels": [
+                {"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth, "latency": lv.latency}
+                for lv in self.levels
+            ],
         }
 
     @classmethod
@@ -415,8 +436,10 @@ def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tu
         raise ClusterError(f"{where}: missing key(s) {missing}")
     unknown = sorted(set(data) - set(required) - set(optional), key=str)  # YAML keys need not be strings
     if unknown:
-        raise ClusterError(f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
-                           f"expected {list(required + optional)}")
+        raise ClusterError(
+            f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
+            f"expected {list(required + optional)}"
+        )
     return data
 
 
@@ -428,23 +451,31 @@ def _cluster_from_dict(data: object) -> Cluster:
     flops = dev["peak_flops"]
     if not isinstance(flops, dict) or not flops:
         raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {brief(flops)}")
-    device = _prefixed("device.", lambda: DeviceSpec(
-        name=dev["name"],
-        memory_bytes=parse_quantity(dev["memory_bytes"], "B", "memory_bytes"),
-        peak_flops={str(k): parse_quantity(v, "FLOP/s", f"peak_flops.{k}") for k, v in flops.items()},
-        mem_bandwidth=parse_quantity(dev["mem_bandwidth"], "B/s", "mem_bandwidth"),
-    ))
+    device = _prefixed(
+        "device.",
+        lambda: DeviceSpec(
+            name=dev["name"],
+            memory_bytes=parse_quantity(dev["memory_bytes"], "B", "memory_bytes"),
+            peak_flops={str(k): parse_quantity(v, "FLOP/s", f"peak_flops.{k}") for k, v in flops.items()},
+            mem_bandwidth=parse_quantity(dev["mem_bandwidth"], "B/s", "mem_bandwidth"),
+        ),
+    )
     if not isinstance(d["levels"], list) or not d["levels"]:
         raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
     levels = []
     for i, raw in enumerate(d["levels"]):
         lv = _check_keys(raw, f"levels[{i}]", ("name", "group_size", "bandwidth", "latency"))
-        levels.append(_prefixed(f"levels[{i}].", lambda lv=lv: NetworkLevel(
-            name=lv["name"],
-            group_size=lv["group_size"],
-            bandwidth=parse_quantity(lv["bandwidth"], "B/s", "bandwidth"),
-            latency=parse_quantity(lv["latency"], "s", "latency"),
-        )))
+        levels.append(
+            _prefixed(
+                f"levels[{i}].",
+                lambda lv=lv: NetworkLevel(
+                    name=lv["name"],
+                    group_size=lv["group_size"],
+                    bandwidth=parse_quantity(lv["bandwidth"], "B/s", "bandwidth"),
+                    latency=parse_quantity(lv["latency"], "s", "latency"),
+                ),
+            )
+        )
     return Cluster(name=d["name"], device=device, num_devices=d["num_devices"], levels=levels)
 
 

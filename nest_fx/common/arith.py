@@ -1,4 +1,5 @@
 """Integer helpers the planner and the runtime's checks share."""
+
 from __future__ import annotations
 
 import math

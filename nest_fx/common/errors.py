@@ -6,6 +6,7 @@ command line catches one type and prints its message as one ``error:`` line. The
 keep the standard base they had (``ValueError`` for bad values, ``ImportError`` for a missing
 extra), so code that catches those still does.
 """
+
 from __future__ import annotations
 
 

@@ -11,6 +11,7 @@ merge keys ``<<`` still override as YAML defines). A file is read once, with a b
 never waited on. :func:`brief` quotes a user value in a message
 without printing (or walking) all of it.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ MAX_FILE_BYTES = 64 * 2**20
 """Largest user file read (64 MiB): the largest graph topology the generators make (65,536
 devices) is 14 MiB of JSON, and YAML parsing needs about 17 bytes of memory per byte of text."""
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 BRIEF_CHARS = 120  # longest quote of a user value in an error message
 _REPR = reprlib.Repr()
@@ -43,7 +49,7 @@ def brief(value: Any) -> str:
         text = one_line(_REPR.repr(value))
     except (ValueError, RecursionError):  # an int with more digits than Python will print
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= BRIEF_CHARS else text[:BRIEF_CHARS - 3] + "..."
+    return text if len(text) <= BRIEF_CHARS else text[: BRIEF_CHARS - 3] + "..."
 
 
 def one_line(text: str) -> str:
@@ -72,8 +78,10 @@ def _open_regular(path: str, error: Type[Exception], what: str, max_bytes: int) 
         if not stat.S_ISREG(info.st_mode):
             raise error(f"{path}: is {_kind(info.st_mode)}, not a regular file; pass the path of a {what} file")
         if info.st_size > max_bytes:
-            raise error(f"{path}: {_size(info.st_size)}; {what} files larger than {_size(max_bytes)} are refused (is "
-                        "this the right file?)")
+            raise error(
+                f"{path}: {_size(info.st_size)}; {what} files larger than {_size(max_bytes)} are refused (is "
+                "this the right file?)"
+            )
     except BaseException as exc:
         os.close(fd)
         if isinstance(exc, OSError):
@@ -119,8 +127,10 @@ def read_text(path: str, error: Type[Exception], what: str) -> str:
     try:
         return data.decode("utf-8-sig")  # a leading byte-order mark is dropped
     except UnicodeDecodeError as exc:
-        raise error(f"{path}: not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
-                    f"save the {what} file as UTF-8") from None
+        raise error(
+            f"{path}: not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            f"save the {what} file as UTF-8"
+        ) from None
 
 
 def _depth(data: Any) -> int:
@@ -171,9 +181,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 key = self.construct_object(key_node, deep=True)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
-                        "while reading a mapping", node.start_mark,
+                        "while reading a mapping",
+                        node.start_mark,
                         f"key {brief(key)} appears twice (the last value would silently win; remove one)",
-                        key_node.start_mark)
+                        key_node.start_mark,
+                    )
                 seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -184,8 +196,10 @@ def parse_json(text: str, path: str, error: Type[Exception]) -> Any:
     try:
         return _shallow(json.loads(text, object_pairs_hook=_unique_pairs), path, error)
     except _DuplicateKey as exc:
-        raise error(f"{path}: not valid here: key {brief(exc.args[0])} appears twice in one JSON object (the last value "
-                    "would silently win); remove one of them") from None
+        raise error(
+            f"{path}: not valid here: key {brief(exc.args[0])} appears twice in one JSON object (the last value "
+            "would silently win); remove one of them"
+        ) from None
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:

@@ -5,6 +5,7 @@ fingerprint; with eager imports ``import nest_fx.cli`` would load torch before `
 could answer. A package declares ``{name: module}`` and gets a module ``__getattr__`` that
 imports ``module`` when ``name`` is first asked for (``from nest_fx import Plan`` included).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ finite: sums and products of a few counts and quantities stay below the float ra
 simulator never meets ``inf - inf`` (NaN) or an ``int`` too large to convert to a float.
 Readers refuse values outside them with an error naming the field and the limit.
 """
+
 from __future__ import annotations
 
 MAX_COUNT = 2**24

@@ -1,4 +1,5 @@
 """Suggestions for a mistyped name: every "unknown X" error lists the closest known names."""
+
 from __future__ import annotations
 
 import difflib

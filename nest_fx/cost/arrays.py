@@ -4,6 +4,7 @@
 of a stage slot at once (arrays, one entry per range). The formulas are written once for both:
 ``+``, ``*`` and ``/`` broadcast, and the helpers here cover what does not.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Union

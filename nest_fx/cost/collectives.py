@@ -14,6 +14,7 @@ Both memos are keyed on (``cluster.cost_key``, kind, ranks): one key scheme, a s
 the network's figures and the plan's device order, so a result is never served across two
 clusters or two orders.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -44,8 +45,9 @@ def p2p(cluster: ClusterModel, src: int, dst: int, nbytes: float) -> float:
     return cluster.p2p_time(src, dst, nbytes)
 
 
-def _affine(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...],
-            cost_key: Optional[str] = None) -> Optional[Tuple[float, float]]:
+def _affine(
+    kind: str, cluster: ClusterModel, ranks: Tuple[int, ...], cost_key: Optional[str] = None
+) -> Optional[Tuple[float, float]]:
     """The cluster's (alpha, beta) of ``kind`` over ``ranks`` (memoised), or None when its cost is
     not affine in the size (graph topologies). ``cost_key``: ``cluster.cost_key`` when the caller
     has it (asking a cluster for it formats its figures)."""
@@ -134,9 +136,11 @@ def group_comm_fn(cluster: ClusterModel, kind: str, groups: Sequence[Sequence[in
     if distinct and all(line is not None for line in lines):
         # affine costs: only the upper envelope of the (alpha, beta) lines can be the slowest group
         # (a data-parallel layout at 65,536 devices has thousands of groups, a few distinct lines)
-        kept = [(a, b) for a, b in set(lines) if not any(a2 >= a and b2 >= b and (a2, b2) != (a, b)
-                                                           for a2, b2 in set(lines))]
-        return lambda comm: (max(comm.count * (a + b * comm.nbytes) for a, b in kept)
-                             if comm.nbytes > 0 else 0.0)
+        kept = [
+            (a, b)
+            for a, b in set(lines)
+            if not any(a2 >= a and b2 >= b and (a2, b2) != (a, b) for a2, b2 in set(lines))
+        ]
+        return lambda comm: max(comm.count * (a + b * comm.nbytes) for a, b in kept) if comm.nbytes > 0 else 0.0
     fns = [collective_fn(kind, cluster, g) for g in distinct]
     return lambda comm: max((comm.count * f(comm.nbytes) for f in fns), default=0.0)

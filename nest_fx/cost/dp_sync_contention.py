@@ -7,6 +7,7 @@ oversubscribed network their rings share uplinks. This module costs both and rep
 slowdown. Gradients are the stage's dense parameters times ``options.grad_bytes``; expert
 parameters are left out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -50,8 +51,9 @@ def stage_gradient_bytes(plan: Plan, workload: Workload, options: CostOptions) -
     return out
 
 
-def dp_sync_contention(plan: Plan, workload: Workload, cluster: GraphCluster,
-                       options: Optional[CostOptions] = None) -> DpSyncContention:
+def dp_sync_contention(
+    plan: Plan, workload: Workload, cluster: GraphCluster, options: Optional[CostOptions] = None
+) -> DpSyncContention:
     """DP all-reduce of every stage, alone and with all DP groups of the step at once (plan
     ranks on the devices of the plan's ``device_order``)."""
     options = options or CostOptions()
@@ -61,16 +63,22 @@ def dp_sync_contention(plan: Plan, workload: Workload, cluster: GraphCluster,
         return DpSyncContention([0.0] * plan.pp, [0.0] * plan.pp)
     isolated = [cluster.collective_time("all_reduce", plan.dp_group(i, 0), grads[i]) for i in range(plan.pp)]
     groups = dp_groups(plan)
-    times = algorithms.concurrent_times("all_reduce", cluster.topology, [cluster.devices_of(g) for _, g in groups],
-                                        [grads[i] for i, _ in groups], all_to_all=cluster.all_to_all)
+    times = algorithms.concurrent_times(
+        "all_reduce",
+        cluster.topology,
+        [cluster.devices_of(g) for _, g in groups],
+        [grads[i] for i, _ in groups],
+        all_to_all=cluster.all_to_all,
+    )
     concurrent = [0.0] * plan.pp
     for (i, _), t in zip(groups, times):
         concurrent[i] = max(concurrent[i], t)
     return DpSyncContention(isolated, concurrent)
 
 
-def contended_step_s(plan: Plan, workload: Workload, cluster: GraphCluster,
-                     options: Optional[CostOptions] = None) -> Tuple[float, DpSyncContention]:
+def contended_step_s(
+    plan: Plan, workload: Workload, cluster: GraphCluster, options: Optional[CostOptions] = None
+) -> Tuple[float, DpSyncContention]:
     """(step seconds with every stage's DP sync stretched by its contention, the contention).
 
     ``simulate`` charges each stage's DP traffic as one group alone; here stage i's
@@ -85,8 +93,13 @@ def contended_step_s(plan: Plan, workload: Workload, cluster: GraphCluster,
     report = dp_sync_contention(plan, workload, cluster, options)
     view = placed(cluster, plan.device_order)
     v = plan.virtual_stages  # model chunks per device (1 unless the schedule runs several)
-    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], plan.num_microbatches, plan.schedule, v,
-                              [s.span(v) for s in result.stages])
+    t_pipe, _ = pipeline_time(
+        [s.per_microbatch(v) for s in result.stages],
+        plan.num_microbatches,
+        plan.schedule,
+        v,
+        [s.span(v) for s in result.stages],
+    )
     tails = []
     for i, sc in enumerate(result.stages):
         stretch = report.concurrent[i] / report.isolated[i] if report.isolated[i] > 0 else 1.0

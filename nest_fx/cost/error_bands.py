@@ -15,6 +15,7 @@ A plan's predicted gain over another (``g = T_other / T_plan``) is inside the mo
 both step times may be off by the band ``e`` in opposite directions: ``g <= (1 + e) / (1 - e)``
 (:func:`within_error`); ``nest-fx plan`` then says "within the model's error: measure both".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ SOURCE = "scripts/bench_published.py, results/bench_published.json"
 BACKEND_BANDS: Dict[str, ErrorBand] = {
     "eager": ErrorBand(0.06, "torchtitan Llama 3.1 8B eager rows t1.1, t3.1"),
     "compile": ErrorBand(0.06, "torchtitan Llama 3.1 8B compile rows t1.2, t3.2 (compile's factor measured on them)"),
-    "fused": ErrorBand(None, "no published fused-kernel run without pipelining checked; Llama 3 rows m1-m3 are in pp's band"),
+    "fused": ErrorBand(
+        None, "no published fused-kernel run without pipelining checked; Llama 3 rows m1-m3 are in pp's band"
+    ),
 }
 FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
     "float8": ErrorBand(0.18, "torchtitan Float8 rows t1.3, t3.3, t2.1 (8B, FSDP, 8K-32K tokens)"),

@@ -8,6 +8,7 @@ Pure functions on numbers (bytes). Sources:
     Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
         Megatron-LM" (SC'21) -- pipeline schedules (GPipe, 1F1B, interleaved 1F1B).
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,9 +72,17 @@ def optimizer_bytes_per_param(optimizer: str = "adam", master_weights: bool = Tr
     return optimizer_cost(optimizer).state_bytes * state_bytes / 4 + (MASTER_WEIGHT_BYTES if master_weights else 0)
 
 
-def model_state_bytes(num_params: float, *, zero_stage: int, dp: int, optimizer: str = "adam",
-                      param_dtype_bytes: float = 2, grad_dtype_bytes: float = 2,
-                      master_weights: bool = True, state_dtype_bytes: float = 4) -> Dict[str, float]:
+def model_state_bytes(
+    num_params: float,
+    *,
+    zero_stage: int,
+    dp: int,
+    optimizer: str = "adam",
+    param_dtype_bytes: float = 2,
+    grad_dtype_bytes: float = 2,
+    master_weights: bool = True,
+    state_dtype_bytes: float = 4,
+) -> Dict[str, float]:
     """Bytes per device of weights, gradients and optimizer states (keys weights, grads, optimizer, total).
 
     Per parameter: ``param_dtype_bytes`` of weights, ``grad_dtype_bytes`` of gradients and
@@ -116,9 +125,16 @@ def effective_zero_stage(zero_stage: int, num_stages: int) -> int:
     return min(zero_stage, 1) if num_stages > 1 else zero_stage
 
 
-def fsdp_unsharded_bytes(num_params: Amount, root_params: Amount, unit_params: Amount, *, zero_stage: int, dp: int,
-                         param_dtype_bytes: float = 2,
-                         grad_dtype_bytes: float = 2) -> Tuple[Amount, Amount]:
+def fsdp_unsharded_bytes(
+    num_params: Amount,
+    root_params: Amount,
+    unit_params: Amount,
+    *,
+    zero_stage: int,
+    dp: int,
+    param_dtype_bytes: float = 2,
+    grad_dtype_bytes: float = 2,
+) -> Tuple[Amount, Amount]:
     """(parameter bytes, gradient bytes) FSDP2 (``fully_shard`` per block, then the stage root)
     holds on top of :func:`model_state_bytes` during forward/backward, per device.
 
@@ -172,9 +188,17 @@ def optimizer_step_bytes(updated_params: Amount, optimizer: str = "adam") -> Amo
 # -- activations ----------------------------------------------------------------------------
 
 
-def korthikanti_activation_bytes(seq: int, microbatch: int, hidden: int, heads: int, *, tp: int = 1,
-                                 sequence_parallel: bool = False, recompute: str = "none",
-                                 dtype_bytes: float = 2) -> float:
+def korthikanti_activation_bytes(
+    seq: int,
+    microbatch: int,
+    hidden: int,
+    heads: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    dtype_bytes: float = 2,
+) -> float:
     """Activation bytes one transformer layer keeps for backward, per device (Korthikanti 2022, Table 2).
 
     With s = ``seq``, b = ``microbatch``, h = ``hidden``, a = ``heads``, t = ``tp``:
@@ -214,8 +238,9 @@ def korthikanti_activation_bytes(seq: int, microbatch: int, hidden: int, heads: 
 # -- pipeline schedules ---------------------------------------------------------------------
 
 
-def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int,
-                                   virtual_stages: int = 1) -> float:
+def pipeline_inflight_microbatches(
+    schedule: str, stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> float:
     """Microbatches whose activations pipeline stage ``stage`` (0-based) holds at its peak.
 
     The unit is one microbatch's activations of *all* the layers on the stage's device, so
@@ -255,8 +280,9 @@ def pipeline_inflight_microbatches(schedule: str, stage: int, num_stages: int, n
 
 
 @functools.lru_cache(maxsize=65536)
-def interleaved_chunk_states(stage: int, num_stages: int, num_microbatches: int,
-                             virtual_stages: int) -> Tuple[Tuple[float, float, float], ...]:
+def interleaved_chunk_states(
+    stage: int, num_stages: int, num_microbatches: int, virtual_stages: int
+) -> Tuple[Tuple[float, float, float], ...]:
     """The in-flight microbatches of device ``stage``'s model chunks over its interleaved 1F1B
     schedule, as torch's ``ScheduleInterleaved1F1B`` orders it: warm-up of
     ``min((v - 1) r + 2 (p - 1 - stage), m v)`` chunk-forwards (``r`` microbatches per round, p
@@ -292,8 +318,15 @@ def interleaved_chunk_states(stage: int, num_stages: int, num_microbatches: int,
     return tuple(sorted(states))
 
 
-def held_activation_bytes(act: Count, act_root: Count, schedule: str, stage: int, num_stages: int,
-                          num_microbatches: int, virtual_stages: int = 1) -> Count:
+def held_activation_bytes(
+    act: Count,
+    act_root: Count,
+    schedule: str,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+) -> Count:
     """Activation bytes a pipeline stage holds at its peak: per-microbatch bytes ``act`` of its
     layers (``act_root`` of them the head's and tail's) times the in-flight microbatches of the
     schedule. GPipe and 1F1B hold every layer equally (:func:`pipeline_inflight_microbatches`);
@@ -310,18 +343,28 @@ def held_activation_bytes(act: Count, act_root: Count, schedule: str, stage: int
 
 
 @functools.lru_cache(maxsize=65536)
-def _chunk_peaks(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> Tuple[Tuple[float, float], ...]:
+def _chunk_peaks(
+    stage: int, num_stages: int, num_microbatches: int, virtual_stages: int
+) -> Tuple[Tuple[float, float], ...]:
     """The (all chunks / v, the root's chunk) in-flight counts of :func:`interleaved_chunk_states`
     that can be a peak: held bytes grow with both (``act >= act_root >= 0``), so a state another
     matches or exceeds in both is never the maximum and is dropped."""
     edge = 1 if stage == 0 else (2 if stage == num_stages - 1 else 0)
-    pairs = {(spread, (first, last)[edge - 1] if edge else spread)
-             for spread, first, last in interleaved_chunk_states(stage, num_stages, num_microbatches, virtual_stages)}
+    pairs = {
+        (spread, (first, last)[edge - 1] if edge else spread)
+        for spread, first, last in interleaved_chunk_states(stage, num_stages, num_microbatches, virtual_stages)
+    }
     return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
 
 
-def stage_activation_bytes(per_microbatch_bytes: float, schedule: str, stage: int, num_stages: int,
-                           num_microbatches: int, virtual_stages: int = 1) -> float:
+def stage_activation_bytes(
+    per_microbatch_bytes: float,
+    schedule: str,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+) -> float:
     """Peak activation bytes of a pipeline stage: per-microbatch activations of its layers x
     :func:`pipeline_inflight_microbatches` (Narayanan et al. 2021; Korthikanti et al. 2022 sec. 4.2.3)."""
     per_mb = _require_number(per_microbatch_bytes, "per_microbatch_bytes")
@@ -358,14 +401,29 @@ def model_states(params: Count, zero: int, dp: int, options: CostOptions, pipeli
     counts over and over)."""
     grad_bytes = held_grad_bytes(zero, pipelined, options)
     if not isinstance(params, np.ndarray):
-        return model_state_bytes(params, zero_stage=zero, dp=dp, optimizer=options.optimizer,
-                                        param_dtype_bytes=options.param_bytes, grad_dtype_bytes=grad_bytes,
-                                        master_weights=options.master_weights, state_dtype_bytes=options.state_bytes)
+        return model_state_bytes(
+            params,
+            zero_stage=zero,
+            dp=dp,
+            optimizer=options.optimizer,
+            param_dtype_bytes=options.param_bytes,
+            grad_dtype_bytes=grad_bytes,
+            master_weights=options.master_weights,
+            state_dtype_bytes=options.state_bytes,
+        )
     values, inverse = np.unique(params.ravel(), return_inverse=True)
     rows = np.empty((len(values), len(_STATE_KEYS)))
     for j, v in enumerate(values.tolist()):
-        key = (v, zero, dp, options.optimizer, options.param_bytes, grad_bytes, options.master_weights,
-               options.state_bytes)
+        key = (
+            v,
+            zero,
+            dp,
+            options.optimizer,
+            options.param_bytes,
+            grad_bytes,
+            options.master_weights,
+            options.state_bytes,
+        )
         row = _STATES_CACHE.get(key)
         if row is None:
             if len(_STATES_CACHE) > 1_000_000:
@@ -384,16 +442,31 @@ def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) ->
     of a stage: ``memory.fsdp_unsharded_bytes`` of its dense parameters at ``zero`` (the
     effective stage) and ``memory.optimizer_step_bytes`` of the parameters it updates."""
     dense = terms.params - terms.expert_params
-    params, grads = fsdp_unsharded_bytes(dense, terms.root_params, terms.unit_params, zero_stage=zero, dp=dp,
-                                                param_dtype_bytes=options.param_bytes,
-                                                grad_dtype_bytes=options.grad_bytes)
+    params, grads = fsdp_unsharded_bytes(
+        dense,
+        terms.root_params,
+        terms.unit_params,
+        zero_stage=zero,
+        dp=dp,
+        param_dtype_bytes=options.param_bytes,
+        grad_dtype_bytes=options.grad_bytes,
+    )
     scratch = optimizer_step_bytes(terms.params / (dp if zero >= 1 else 1), options.optimizer)
     return params, grads, scratch
 
 
-def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], held_act: Count, layer_peak: Count,
-                 out_bytes: Count, unsharded_params: Count = 0.0, unsharded_grads: Count = 0.0,
-                 optimizer_scratch: Count = 0.0, *, num_microbatches: int) -> Dict[str, Count]:
+def stage_memory(
+    states: Dict[str, Count],
+    expert_states: Dict[str, Count],
+    held_act: Count,
+    layer_peak: Count,
+    out_bytes: Count,
+    unsharded_params: Count = 0.0,
+    unsharded_grads: Count = 0.0,
+    optimizer_scratch: Count = 0.0,
+    *,
+    num_microbatches: int,
+) -> Dict[str, Count]:
     """Per-device memory terms of a stage at its peak (see module docstring) and their total;
     ``held_act``: the in-flight activations (:func:`held_activation_bytes`).
 
@@ -414,8 +487,10 @@ def stage_memory(states: Dict[str, Count], expert_states: Dict[str, Count], held
     mem["activations"] = held_act + layer_peak
     if num_microbatches == 1:
         grads_later = mem["grads"] >= mem["activations"]
-        mem["activations"], mem["grads"] = (np.where(grads_later, 0.0, mem["activations"]),
-                                            np.where(grads_later, mem["grads"], 0.0))
+        mem["activations"], mem["grads"] = (
+            np.where(grads_later, 0.0, mem["activations"]),
+            np.where(grads_later, mem["grads"], 0.0),
+        )
         if not isinstance(grads_later, np.ndarray):
             mem["activations"], mem["grads"] = float(mem["activations"]), float(mem["grads"])
     mem["buffers"] = 2 * out_bytes

@@ -25,6 +25,7 @@ through device memory (it is memory-bound: ``T_opt = params * update B / (W * ef
 parameters). The Adam figure is the cost model's earlier constant (36 B/param); the others
 follow the same accounting.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ MASTER_WEIGHT_BYTES = 4  # the fp32 copy of bf16/fp16 weights the optimizer upda
 def optimizer_cost(name: object) -> OptimizerCost:
     """The costs of optimizer ``name``; ValueError listing the known names otherwise."""
     if not isinstance(name, str) or name not in OPTIMIZERS:
-        raise ValueError(f"optimizer: must be one of {list(OPTIMIZERS)}, got {name!r} (sgd is PyTorch's default "
-                         "SGD without momentum; sgd-momentum keeps a momentum buffer)")
+        raise ValueError(
+            f"optimizer: must be one of {list(OPTIMIZERS)}, got {name!r} (sgd is PyTorch's default "
+            "SGD without momentum; sgd-momentum keeps a momentum buffer)"
+        )
     return OPTIMIZERS[name]

@@ -1,4 +1,5 @@
 """What the cost model takes besides the plan: :class:`CostOptions`."""
+
 from __future__ import annotations
 
 import dataclasses

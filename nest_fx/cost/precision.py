@@ -19,6 +19,7 @@ same 16 bytes with no second copy). A plan that records no precision (``""``) is
 cost options say (their defaults are ``bf16-mixed``'s memory with bf16 gradient reduction, the
 figures before precision was a setting) on the workload as it was built.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +43,25 @@ class PrecisionCost:
 
 
 PRECISION_COSTS: Dict[str, PrecisionCost] = {
-    "fp32": PrecisionCost(DTYPE_OF_PRECISION["fp32"], param_bytes=4, grad_bytes=4, reduce_bytes=4,
-                          master_weights=False, state_bytes=4),
-    "bf16-mixed": PrecisionCost(DTYPE_OF_PRECISION["bf16-mixed"], param_bytes=2, grad_bytes=2, reduce_bytes=4,
-                                master_weights=True, state_bytes=4),
-    "bf16-true": PrecisionCost(DTYPE_OF_PRECISION["bf16-true"], param_bytes=2, grad_bytes=2, reduce_bytes=2,
-                               master_weights=False, state_bytes=2),
+    "fp32": PrecisionCost(
+        DTYPE_OF_PRECISION["fp32"], param_bytes=4, grad_bytes=4, reduce_bytes=4, master_weights=False, state_bytes=4
+    ),
+    "bf16-mixed": PrecisionCost(
+        DTYPE_OF_PRECISION["bf16-mixed"],
+        param_bytes=2,
+        grad_bytes=2,
+        reduce_bytes=4,
+        master_weights=True,
+        state_bytes=4,
+    ),
+    "bf16-true": PrecisionCost(
+        DTYPE_OF_PRECISION["bf16-true"],
+        param_bytes=2,
+        grad_bytes=2,
+        reduce_bytes=2,
+        master_weights=False,
+        state_bytes=2,
+    ),
 }
 
 
@@ -67,9 +81,14 @@ def priced_options(precision: str, options: CostOptions) -> CostOptions:
     p = precision_cost(precision)
     if p is None:
         return options
-    return dataclasses.replace(options, param_bytes=p.param_bytes, grad_bytes=p.grad_bytes,
-                               reduce_bytes=p.reduce_bytes, master_weights=p.master_weights,
-                               state_bytes=p.state_bytes)
+    return dataclasses.replace(
+        options,
+        param_bytes=p.param_bytes,
+        grad_bytes=p.grad_bytes,
+        reduce_bytes=p.reduce_bytes,
+        master_weights=p.master_weights,
+        state_bytes=p.state_bytes,
+    )
 
 
 def compute_dtype(precision: str) -> Optional[str]:

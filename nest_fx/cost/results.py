@@ -1,5 +1,6 @@
 """What the cost model answers: :class:`StageCost` per stage, :class:`SimResult` per plan, and
 ``microbatch_time``, the per-microbatch stage time t_i both report (and the solver tabulates)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -8,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nest_fx.cost.arrays import Count
+
 
 def stage_work(fwd: Count, bwd: Count, recompute: Count, tp_comm: Count, ep_comm: Count, cp_comm: Count) -> Count:
     """A stage's per-microbatch work: compute, recompute and its in-layer collectives."""
@@ -31,7 +33,11 @@ def microbatch_time(work: Count, p2p: Count, v: int = 1, overlap: float = 0.0) -
         t = work + 2 * p2p * v
         return t, t
     waited = work + (1 - f) * 2 * p2p * v
-    t = np.maximum(waited, p2p * v) if isinstance(work, np.ndarray) or isinstance(p2p, np.ndarray) else max(waited, p2p * v)
+    t = (
+        np.maximum(waited, p2p * v)
+        if isinstance(work, np.ndarray) or isinstance(p2p, np.ndarray)
+        else max(waited, p2p * v)
+    )
     return t, t + f * 2 * p2p * v
 
 
@@ -63,7 +69,9 @@ class StageCost:
     @property
     def work(self) -> float:
         """Compute, recompute and in-layer collectives per microbatch."""
-        return stage_work(self.fwd_compute, self.bwd_compute, self.recompute_s, self.tp_comm, self.ep_comm, self.cp_comm)
+        return stage_work(
+            self.fwd_compute, self.bwd_compute, self.recompute_s, self.tp_comm, self.ep_comm, self.cp_comm
+        )
 
     def per_microbatch(self, v: int = 1) -> float:
         """t_i (``microbatch_time``): what the stage takes per microbatch in steady state."""

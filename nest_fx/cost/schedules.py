@@ -38,6 +38,7 @@ its activations from its forward to its weight gradient):
 (counted on torch's orders as above). 1F1B, GPipe and interleaved are in
 ``memory.pipeline_inflight_microbatches``.
 """
+
 from __future__ import annotations
 
 from nest_fx.plan.vocabulary import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES

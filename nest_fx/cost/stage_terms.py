@@ -1,6 +1,7 @@
 """What a stage's costs are made of: the sums over its layers (:class:`LayerTerms`) and the rank
 groups it communicates in (:class:`StageGroups`). ``simulate`` builds them for one plan's
 stages, the solver's stage tables for every layer range at once (arrays; ``cost.arrays``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan.vocabulary import V_SCHEDULES
 from nest_fx.plan.plan import Plan
 from nest_fx.workload.types import Comm, LayerCost
+
 
 def _replicas_to_check(dp: int) -> List[int]:
     return sorted({0, dp // 2, dp - 1})
@@ -41,13 +43,13 @@ def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -
     replicas = _replicas_to_check(plan.dp) if replicas is None else replicas
     by_cp = [plan.dp_group(i, 0, c) for c in range(plan.cp)]
     dp = tuple(sorted(r for group in by_cp for r in group))
-    expert = tuple(sorted(r for group in by_cp for r in group[::plan.ep]))
+    expert = tuple(sorted(r for group in by_cp for r in group[:: plan.ep]))
     shard = replicate = expert_shard = ()
     if plan.replicate_degree > 1:
         shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)))
-        replicate = tuple(by_cp[0][::plan.shard_degree])
+        replicate = tuple(by_cp[0][:: plan.shard_degree])
         if plan.ep > 1:  # ep divides dp_shard (plan.may_run): the shard group's replicas 0, ep, 2 ep, ...
-            expert_shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)[::plan.ep]))
+            expert_shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)[:: plan.ep]))
     last = plan.pp - 1
     # the V schedules hold the first and the last chunk on device 0: one tied parameter, no exchange
     exchange = i in (0, last) and last and plan.schedule not in V_SCHEDULES
@@ -56,9 +58,14 @@ def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -
         tp=tuple(tuple(plan.tp_group(i, r)) for r in replicas),
         ep=tuple(tuple(plan.ep_group(i, r)) for r in replicas) if plan.ep > 1 else (),
         p2p=tuple((plan.rank(i - 1, r, 0), plan.rank(i, r, 0)) for r in replicas) if i > 0 else (),
-        dp=dp, expert_dp=expert,
+        dp=dp,
+        expert_dp=expert,
         cp=tuple(tuple(plan.cp_group(i, r)) for r in replicas) if plan.cp > 1 else (),
-        shard=shard, replicate=replicate, expert_shard=expert_shard, tied=tied)
+        shard=shard,
+        replicate=replicate,
+        expert_shard=expert_shard,
+        tied=tied,
+    )
 
 
 @dataclass
@@ -138,9 +145,21 @@ def compute_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str) -
             # a recomputed layer rebuilds, for its backward, what it did not keep
             rebuilt = max(c.act_bytes["none"] - c.act_bytes[mode], 0.0) if mode != "none" else 0.0
             act_full = _running_max(act_full, rebuilt + c.bwd_scratch, n)
-    return LayerTerms(fwd=fwd, bwd=bwd, recompute=rec, params=params, expert_params=expert, act=act,
-                      layer_peak=act_full, root_params=root, unit_params=unit, blocks=blocks, act_root=act_root,
-                      fp8_params=fp8, tied_params=tied)
+    return LayerTerms(
+        fwd=fwd,
+        bwd=bwd,
+        recompute=rec,
+        params=params,
+        expert_params=expert,
+        act=act,
+        layer_peak=act_full,
+        root_params=root,
+        unit_params=unit,
+        blocks=blocks,
+        act_root=act_root,
+        fp8_params=fp8,
+        tied_params=tied,
+    )
 
 
 def _running_max(current: Count, value: float, count: Count) -> Count:

@@ -42,6 +42,7 @@ activations the schedule keeps in flight (``memory.held_activation_bytes``) + th
 one-layer backward working set + two boundary buffers + the runtime's working sets; it fits when
 what the caching allocator reserves for it fits (``memory.usable_bytes``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,14 @@ from nest_fx.cost.options import CostOptions, with_async_tp
 from nest_fx.cost.precision import compute_dtype, priced_options
 from nest_fx.cost.results import SimResult, StageCost
 from nest_fx.cost.schedules import bubble_factor
-from nest_fx.cost.stage_terms import (LayerTerms, StageGroups, compute_terms, forward_repeats, recomputed_counts,
-                                      stage_groups)
+from nest_fx.cost.stage_terms import (
+    LayerTerms,
+    StageGroups,
+    compute_terms,
+    forward_repeats,
+    recomputed_counts,
+    stage_groups,
+)
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute, recompute_policy_problem
 from nest_fx.plan.may_run import device_problems
 from nest_fx.plan.plan import Plan, PlanError
@@ -69,8 +76,12 @@ from nest_fx.workload.types import Comm, LayerCost, Variant, Workload, WorkloadE
 COMM_KEYS = ("tp", "ep", "cp")
 
 
-def comm_terms(distinct: Sequence[Tuple[LayerCost, Count]], recompute: str,
-               seconds: Callable[[Comm], Count], overhead: Tuple[float, float] = (0.0, 0.0)) -> Dict[str, Count]:
+def comm_terms(
+    distinct: Sequence[Tuple[LayerCost, Count]],
+    recompute: str,
+    seconds: Callable[[Comm], Count],
+    overhead: Tuple[float, float] = (0.0, 0.0),
+) -> Dict[str, Count]:
     """TP, EP and CP collective seconds of a stage's layers (keys ``tp``, ``ep``, ``cp``);
     ``seconds(comm)`` is one collective on the stage's slowest group (an array, one entry per
     stage, broadcasts against array counts). A block's forward collectives run again where its
@@ -122,8 +133,9 @@ def held_terms(terms: LayerTerms, num_stages: int) -> LayerTerms:
     its root FSDP unit), which the trace counts once, at the head."""
     if num_stages == 1 or not _any(terms.tied_params):
         return terms
-    return dataclasses.replace(terms, params=terms.params + terms.tied_params,
-                               root_params=terms.root_params + terms.tied_params)
+    return dataclasses.replace(
+        terms, params=terms.params + terms.tied_params, root_params=terms.root_params + terms.tied_params
+    )
 
 
 def _any(x: Count) -> bool:
@@ -144,8 +156,11 @@ def exposed_comms(comms: Dict[str, Count], work: Count, options: CostOptions) ->
         if share <= 0:
             out[key] = c
             continue
-        hidden = np.minimum(share * c, left) if isinstance(c, np.ndarray) or isinstance(left, np.ndarray) \
+        hidden = (
+            np.minimum(share * c, left)
+            if isinstance(c, np.ndarray) or isinstance(left, np.ndarray)
             else min(share * c, left)
+        )
         out[key] = c - hidden
         left = left - hidden
     return out
@@ -177,15 +192,24 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     """Per-microbatch time terms and per-device memory of stage i (``workload`` already costed
     for the plan's compile/float8: ``Workload.for_runtime``)."""
     stage = plan.stages[i]
-    sc = StageCost(index=i, layers=(stage.start, stage.end), tp=stage.tp, recompute=stage.recompute,
-                   overlap_p2p=options.overlap_p2p)
+    sc = StageCost(
+        index=i,
+        layers=(stage.start, stage.end),
+        tp=stage.tp,
+        recompute=stage.recompute,
+        overlap_p2p=options.overlap_p2p,
+    )
     groups = stage_groups(plan, i)
     variant = stage_variant(plan, i)
     distinct = workload.range_costs(stage.start, stage.end, variant)
     terms = held_terms(compute_terms(distinct, stage.recompute), plan.pp)
     by_group = {"tp": groups.tp, "ep": groups.ep, "cp": groups.cp}
-    comms = comm_terms(distinct, stage.recompute, lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
-                       options.tp_call_overhead)
+    comms = comm_terms(
+        distinct,
+        stage.recompute,
+        lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
+        options.tp_call_overhead,
+    )
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params
     exposed = exposed_comms(comms, terms.fwd + terms.bwd + terms.recompute, options)
     sc.tp_comm, sc.ep_comm, sc.cp_comm = exposed["tp"], exposed["ep"], exposed["cp"]
@@ -199,22 +223,36 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     dense = terms.params - terms.expert_params
     zero = memory.effective_zero_stage(plan.zero, plan.pp)
     shard = shard_degree(plan.dp, plan.dp_shard, plan.cp)
-    sc.dp_sync = dp_sync_time(cluster, groups, dense, terms.expert_params, plan.dp * plan.cp, plan.ep, zero,
-                              plan.num_microbatches, options, fsdp_units(terms),
-                              terms.fp8_params if plan.float8 else 0.0)
+    sc.dp_sync = dp_sync_time(
+        cluster,
+        groups,
+        dense,
+        terms.expert_params,
+        plan.dp * plan.cp,
+        plan.ep,
+        zero,
+        plan.num_microbatches,
+        options,
+        fsdp_units(terms),
+        terms.fp8_params if plan.float8 else 0.0,
+    )
     sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
-    held = memory.held_activation_bytes(terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches,
-                                        plan.virtual_stages)
+    held = memory.held_activation_bytes(
+        terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches, plan.virtual_stages
+    )
     piped = plan.pp > 1
-    mem = sc.memory = memory.stage_memory(memory.model_states(dense, zero, shard, options, piped),
-                                          memory.model_states(terms.expert_params, zero,
-                                                              expert_shard_degree(plan.dp, plan.dp_shard, plan.ep,
-                                                                                  plan.cp), options, piped),
-                                          held, terms.layer_peak,
-                                          workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
-                                          *memory.working_sets(terms, zero, shard, options),
-                                          num_microbatches=plan.num_microbatches)
+    mem = sc.memory = memory.stage_memory(
+        memory.model_states(dense, zero, shard, options, piped),
+        memory.model_states(
+            terms.expert_params, zero, expert_shard_degree(plan.dp, plan.dp_shard, plan.ep, plan.cp), options, piped
+        ),
+        held,
+        terms.layer_peak,
+        workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
+        *memory.working_sets(terms, zero, shard, options),
+        num_microbatches=plan.num_microbatches,
+    )
     sc.reserved = memory.reserved_bytes(mem["total"], options)
     sc.fits, binding = memory.check_fits(mem, memory.usable_bytes(cluster.device.memory_bytes, options))
     sc.binding = binding or ""
@@ -223,8 +261,9 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
 
 def stage_variant(plan: Plan, i: int) -> Variant:
     """The workload variant stage ``i`` of ``plan`` runs (``Workload.cost``)."""
-    return Variant(plan.stages[i].tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp,
-                   plan.loss_parallel)
+    return Variant(
+        plan.stages[i].tp, plan.ep, plan.microbatch_size, plan.sequence_parallel, plan.cp, plan.loss_parallel
+    )
 
 
 def tied_params(workload: Workload, variant: Variant) -> float:
@@ -261,9 +300,19 @@ def fsdp_units(terms: LayerTerms) -> Count:
     return terms.blocks + (root.astype(float) if isinstance(root, np.ndarray) else float(root))
 
 
-def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_params: Count, dp: int, ep: int,
-                 zero: int, num_microbatches: int, options: CostOptions, units: Count = 1.0,
-                 fp8_params: Count = 0.0) -> Count:
+def dp_sync_time(
+    cluster,
+    groups: StageGroups,
+    dense_params: Count,
+    expert_params: Count,
+    dp: int,
+    ep: int,
+    zero: int,
+    num_microbatches: int,
+    options: CostOptions,
+    units: Count = 1.0,
+    fp8_params: Count = 0.0,
+) -> Count:
     """Seconds of gradient (and ZeRO-2/3 parameter) traffic of a stage per step, not yet
     overlapped: dense parameters over its DP x CP group (or, under HSDP, inside the shard group
     and across the replicas), expert parameters over the replicas holding the same experts, plus
@@ -276,8 +325,12 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
     total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params)
     if dp // ep > 1 and _any(expert_params):
         # under HSDP the experts shard inside the shard group and replicate across (apply/mesh.py)
-        experts = dataclasses.replace(groups, dp=groups.expert_dp, shard=groups.expert_shard,
-                                      replicate=groups.replicate if groups.expert_shard else ())
+        experts = dataclasses.replace(
+            groups,
+            dp=groups.expert_dp,
+            shard=groups.expert_shard,
+            replicate=groups.replicate if groups.expert_shard else (),
+        )
         total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):
@@ -285,13 +338,15 @@ def dp_sync_time(cluster, groups: StageGroups, dense_params: Count, expert_param
         # (all-gathers, reduce-scatters) per unit and step, as the runtime issues them
         gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero]
         params = dense_params + expert_params
-        total = total + units * (gathers + scatters) * per_call + per_byte * params * (
-            gathers * pbytes + scatters * gbytes)
+        total = (
+            total + units * (gathers + scatters) * per_call + per_byte * params * (gathers * pbytes + scatters * gbytes)
+        )
     return total
 
 
-def _sync_volume_time(cluster, groups: StageGroups, params: Count, zero: int, m: int, options: CostOptions,
-                      fp8_params: Count = 0.0) -> Count:
+def _sync_volume_time(
+    cluster, groups: StageGroups, params: Count, zero: int, m: int, options: CostOptions, fp8_params: Count = 0.0
+) -> Count:
     """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic for ``params``
     parameters (a number, or an array of them: ``collective_fn`` takes either) over
     ``groups.dp``, or under HSDP over ``groups.shard`` and ``groups.replicate``."""
@@ -317,27 +372,50 @@ def _sync_volume_time(cluster, groups: StageGroups, params: Count, zero: int, m:
     return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
 
 
-def tail_terms(dp_sync: Count, bwd: Count, recompute_s: Count, num_params: Count, dp: int, zero: int, cluster,
-               options: CostOptions, after_backward: Count = 0.0) -> Tuple[Count, Count]:
+def tail_terms(
+    dp_sync: Count,
+    bwd: Count,
+    recompute_s: Count,
+    num_params: Count,
+    dp: int,
+    zero: int,
+    cluster,
+    options: CostOptions,
+    after_backward: Count = 0.0,
+) -> Tuple[Count, Count]:
     """(exposed DP sync, optimizer step) after a stage's last backward, from its terms; ``dp``:
     the ranks the optimizer states are sharded over; ``after_backward``: work that runs after the
     backward and is never overlapped (the tied-gradient exchange), added to the exposed part."""
     # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps the share
     # overlap_grad_sync of its own with the backward
     share = float(options.overlap_grad_sync) if zero >= 1 else 0.0
-    exposed = np.maximum(dp_sync * (1 - share), dp_sync - (bwd + recompute_s)) if isinstance(dp_sync, np.ndarray) \
-        or isinstance(bwd, np.ndarray) else max(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
+    exposed = (
+        np.maximum(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
+        if isinstance(dp_sync, np.ndarray) or isinstance(bwd, np.ndarray)
+        else max(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
+    )
     exposed = exposed + after_backward
     updated = num_params / (dp if zero >= 1 else 1)
-    t_opt = updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    t_opt = (
+        updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+    )
     return exposed, t_opt
 
 
 def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:
     """(exposed DP sync and tied exchange, optimizer step) of a stage after its last backward:
     q_i's terms."""
-    return tail_terms(sc.dp_sync, sc.bwd_compute, sc.recompute_s, sc.num_params,
-                      shard_degree(plan.dp, plan.dp_shard, plan.cp), plan.zero, cluster, options, sc.tied_sync)
+    return tail_terms(
+        sc.dp_sync,
+        sc.bwd_compute,
+        sc.recompute_s,
+        sc.num_params,
+        shard_degree(plan.dp, plan.dp_shard, plan.cp),
+        plan.zero,
+        cluster,
+        options,
+        sc.tied_sync,
+    )
 
 
 def pipeline_span(max_t: float, sum_s: float, m: int, schedule: str, v: int = 1) -> float:
@@ -345,8 +423,9 @@ def pipeline_span(max_t: float, sum_s: float, m: int, schedule: str, v: int = 1)
     return m * max_t + (sum_s - max_t) * bubble_factor(schedule, v)
 
 
-def pipeline_time(stage_times: Sequence[float], m: int, schedule: str, v: int = 1,
-                  spans: Optional[Sequence[float]] = None) -> Tuple[float, float]:
+def pipeline_time(
+    stage_times: Sequence[float], m: int, schedule: str, v: int = 1, spans: Optional[Sequence[float]] = None
+) -> Tuple[float, float]:
     """(T_pipe, bubble) for per-microbatch stage times t_i and spans s_i (``microbatch_time``;
     default: the times, as without overlapped sends)."""
     t_max = max(stage_times)
@@ -363,8 +442,9 @@ def check_variants(plan: Plan, workload: Workload) -> None:
         variant = stage_variant(plan, i)
         problem = workload.variant_problem(variant._replace(loss_parallel=plan.loss_parallel and i == plan.pp - 1))
         if problem:
-            raise PlanError(f"stages[{i}]: {problem} (a plan for another model, or a layer table "
-                            "without this variant?)")
+            raise PlanError(
+                f"stages[{i}]: {problem} (a plan for another model, or a layer table without this variant?)"
+            )
         have = workload.recompute_policies(variant)
         problem = recompute_policy_problem(stage.recompute)
         if problem:
@@ -373,8 +453,10 @@ def check_variants(plan: Plan, workload: Workload) -> None:
         needed = ("none", "full") if spec.kind == "every" else (cost_key(stage.recompute),)
         missing = [k for k in needed if k not in have]
         if missing:
-            raise PlanError(f"stages[{i}].recompute={stage.recompute}: the layer table gives no costs for "
-                            f"{missing[0]!r}; it costs {list(have)}")
+            raise PlanError(
+                f"stages[{i}].recompute={stage.recompute}: the layer table gives no costs for "
+                f"{missing[0]!r}; it costs {list(have)}"
+            )
 
 
 def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Optional[CostOptions] = None) -> SimResult:
@@ -431,18 +513,28 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     binding = ""
     if infeasible:
         worst = max(infeasible, key=lambda s: s.memory["total"])
-        binding = (f"stage {worst.index}: memory {worst.memory['total'] / 2**30:.1f} GiB (reserved "
-                   f"{worst.reserved / 2**30:.1f} GiB) > "
-                   f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
-                   f"(largest term: {worst.binding})")
+        binding = (
+            f"stage {worst.index}: memory {worst.memory['total'] / 2**30:.1f} GiB (reserved "
+            f"{worst.reserved / 2**30:.1f} GiB) > "
+            f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
+            f"(largest term: {worst.binding})"
+        )
     band = error_band(plan)
     return SimResult(
-        error_band=band.rel, error_basis=band.basis,
-        step_s=step, breakdown=breakdown, tokens_per_s=tokens / step,
+        error_band=band.rel,
+        error_basis=band.basis,
+        step_s=step,
+        breakdown=breakdown,
+        tokens_per_s=tokens / step,
         model_flops_per_device=model_flops / step / used,
         hardware_flops_per_device=(model_flops + recompute_flops) / step / used,
-        stages=stages, feasible=not infeasible, peak_reserved=max(s.reserved for s in stages), binding=binding,
-        devices_used=used, world_size=cluster.num_devices)
+        stages=stages,
+        feasible=not infeasible,
+        peak_reserved=max(s.reserved for s in stages),
+        binding=binding,
+        devices_used=used,
+        world_size=cluster.num_devices,
+    )
 
 
 def _recompute_flops(workload: Workload, plan: Plan, stage, sc: StageCost) -> float:

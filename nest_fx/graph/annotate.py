@@ -12,6 +12,7 @@ cost model can tell what an op-level recompute policy keeps (``recompute_policie
 An attention call counts as one fused kernel whose outputs are the attention output and its fp32
 log-sum-exp, whatever kernel the trace's device picks (on meta tensors SDPA runs the math path).
 """
+
 from __future__ import annotations
 
 import operator
@@ -30,18 +31,66 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from nest_fx.graph.capture import clean_fqn
 from nest_fx.graph.recompute_policies import ATTENTION_KERNELS, aten_kind
 
-MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "grouped_mm",
-              "grouped_mm_fallback", "einsum"}
+MATMUL_OPS = {
+    "linear",
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "_grouped_mm",
+    "grouped_mm",
+    "grouped_mm_fallback",
+    "einsum",
+}
 # Ops that move or re-type a tensor without computing on it: a parameter seen through them is
 # still "the weight" of the matmul that consumes it.
-VIEW_OPS = {"view", "t", "transpose", "permute", "reshape", "expand", "contiguous", "to", "_to_copy",
-            "unsqueeze", "squeeze", "select", "slice", "index", "getitem", "alias", "type_as", "float",
-            "half", "bfloat16", "detach", "clone", "_unsafe_view", "chunk", "split", "unbind", "numpy_T", "mT",
-            "adjoint", "lift_fresh_copy"}
+VIEW_OPS = {
+    "view",
+    "t",
+    "transpose",
+    "permute",
+    "reshape",
+    "expand",
+    "contiguous",
+    "to",
+    "_to_copy",
+    "unsqueeze",
+    "squeeze",
+    "select",
+    "slice",
+    "index",
+    "getitem",
+    "alias",
+    "type_as",
+    "float",
+    "half",
+    "bfloat16",
+    "detach",
+    "clone",
+    "_unsafe_view",
+    "chunk",
+    "split",
+    "unbind",
+    "numpy_T",
+    "mT",
+    "adjoint",
+    "lift_fresh_copy",
+}
 # Views that keep every dim of the parameter in place (dims follow through unchanged).
-_SAME_DIMS = {"to", "_to_copy", "contiguous", "type_as", "float", "half", "bfloat16", "detach", "clone", "alias",
-              "lift_fresh_copy"}
-
+_SAME_DIMS = {
+    "to",
+    "_to_copy",
+    "contiguous",
+    "type_as",
+    "float",
+    "half",
+    "bfloat16",
+    "detach",
+    "clone",
+    "alias",
+    "lift_fresh_copy",
+}
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -60,7 +109,7 @@ def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     numel * K."""
     k = a_shape[-1]
     out = 1
-    for d in (out_shape or [a_shape[0], b_shape[-1]]):
+    for d in out_shape or [a_shape[0], b_shape[-1]]:
         out *= d
     return 2 * out * k
 
@@ -133,8 +182,12 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
-ATTENTION_CALLS = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
-                   "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+ATTENTION_CALLS = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+}
 LSE_BYTES = 4  # the fused kernels' log-sum-exp is fp32, one value per query row and head
 
 
@@ -186,8 +239,11 @@ class _FakeInterpreter(fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         mod = self.module.get_submodule(target)
-        state = {k: self.meta_of[id(v)] for k, v in
-                 list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))}
+        state = {
+            k: self.meta_of[id(v)]
+            for k, v in list(mod.named_parameters(remove_duplicate=False))
+            + list(mod.named_buffers(remove_duplicate=False))
+        }
         return functional_call(mod, state, tuple(args), dict(kwargs), tie_weights=False)
 
     # -- recording ------------------------------------------------------------------------
@@ -330,8 +386,14 @@ def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] =
         if rec is None or (node.op == "call_module" and str(node.target).startswith("_guards")):
             continue
         kind = op_kind(node, gm)
-        attrs = dict(rec, op=kind, target=_target_str(node), module=module_of(node), fx_op=node.op,
-                     module_class=module_class_of(node, gm))
+        attrs = dict(
+            rec,
+            op=kind,
+            target=_target_str(node),
+            module=module_of(node),
+            fx_op=node.op,
+            module_class=module_class_of(node, gm),
+        )
         weight = _weight_of(node, kind, gm, param_source, param_rank)
         if weight:
             attrs["weight"] = weight
@@ -351,8 +413,9 @@ def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] =
     return graph
 
 
-def _weight_of(node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[str, str],
-               param_rank: Dict[str, int]) -> str:
+def _weight_of(
+    node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[str, str], param_rank: Dict[str, int]
+) -> str:
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
         return f"{node.target}.weight"
     if kind in MATMUL_OPS:
@@ -395,8 +458,14 @@ def _view_dims(kind: str, node: fx.Node, dims: List[Optional[int]], rec: dict) -
 _OPERANDS = {"addmm": (1, 2), "baddbmm": (1, 2)}  # (A, B) of A @ B; other matmuls take them first
 
 
-def _weight_dims(node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[str, str],
-                 param_dims: Dict[str, List[Optional[int]]], weight: str) -> List[Optional[int]]:
+def _weight_dims(
+    node: fx.Node,
+    kind: str,
+    gm: fx.GraphModule,
+    param_source: Dict[str, str],
+    param_dims: Dict[str, List[Optional[int]]],
+    weight: str,
+) -> List[Optional[int]]:
     """[output-feature dim, input-feature dim] of the parameter ``weight`` in this matmul (None
     when the tracer cannot tell): what tensor parallelism shards for a column and a row."""
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
@@ -433,6 +502,7 @@ def _literal(value: Any) -> Any:
 def _literal_args(node: fx.Node) -> str:
     """The node's literal (non-tensor) arguments, e.g. ``is_causal=True``: with the shapes they
     decide what an op computes, so they are part of a profile entry's key."""
+
     def lit(v: Any) -> Any:
         if isinstance(v, (bool, int, float, str)) or v is None:
             return v
@@ -442,6 +512,7 @@ def _literal_args(node: fx.Node) -> str:
         if isinstance(v, torch.dtype):
             return _dtype_name(v)
         return _SKIP
+
     parts = [repr(a) for a in map(lit, node.args) if a is not _SKIP]
     parts += [f"{k}={a!r}" for k, a in ((k, lit(v)) for k, v in node.kwargs.items()) if a is not _SKIP]
     return ",".join(parts)[:200]
@@ -455,4 +526,3 @@ def _target_str(node: fx.Node) -> str:
     if isinstance(t, str):
         return t
     return getattr(t, "__qualname__", None) or str(t)
-

@@ -17,6 +17,7 @@ repeat whose copies hold a whole tensor-parallel pair (``Linear-GELU-Linear-GELU
 exists with at least two copies (a copy too few joins the tail), so both pipeline and tensor
 parallelism apply; else the shortest repeat. Such a block lists its children in ``Block.members``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,7 +48,7 @@ def _layer_key(module: str, container: str) -> Optional[int]:
     """Index i when ``module`` is ``container.i`` (or ``container.<name>_i``) or below it, else None."""
     if not module.startswith(container + ".") and container:
         return None
-    rest = module[len(container) + 1:] if container else module
+    rest = module[len(container) + 1 :] if container else module
     return layer_index(rest.split(".", 1)[0])
 
 
@@ -92,10 +93,17 @@ def detect_blocks(graph: nx.DiGraph) -> Tuple[str, List[Block]]:
     last = max((k for k, n in enumerate(order) if layer_of[n] is not None))
     head = Block(index=0, name="head", kind="head")
     child_names = _child_names(graph, order, layer_of, container)
-    layers = {i: Block(index=k + 1, name=_group_name(members[i]) if i in members else
-                       (f"{container}.{child_names[i]}" if container else child_names[i]), kind="block",
-                       members=members.get(i, []))
-              for k, i in enumerate(layer_ids)}
+    layers = {
+        i: Block(
+            index=k + 1,
+            name=_group_name(members[i])
+            if i in members
+            else (f"{container}.{child_names[i]}" if container else child_names[i]),
+            kind="block",
+            members=members.get(i, []),
+        )
+        for k, i in enumerate(layer_ids)
+    }
     tail = Block(index=len(layer_ids) + 1, name="tail", kind="tail")
     current: Optional[Block] = None
     for k, name in enumerate(order):
@@ -129,6 +137,7 @@ def _fold_empty_ends(graph: nx.DiGraph, blocks: List[Block]) -> List[Block]:
     def unlike(a: Block, b: Block) -> bool:  # the layers' own ops (root code between layers aside)
         def own(block: Block) -> List[str]:
             return [n for n in block.nodes if graph.nodes[n].get("module")]
+
         return _child_key(graph, own(a)) != _child_key(graph, own(b))
 
     if len(layers) >= 2 and _costless(graph, head.nodes) and unlike(layers[0], layers[1]):
@@ -142,14 +151,15 @@ def _fold_empty_ends(graph: nx.DiGraph, blocks: List[Block]) -> List[Block]:
     return [head] + layers + [tail]
 
 
-def _child_names(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]],
-                 container: str) -> Dict[int, str]:
+def _child_names(
+    graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]], container: str
+) -> Dict[int, str]:
     """{layer index: the child module's own name} ("3", or "encoder_layer_3")."""
     names: Dict[int, str] = {}
     for n in order:
         if layer_of[n] is not None and layer_of[n] not in names:
             module = graph.nodes[n].get("module", "")
-            rest = module[len(container) + 1:] if container else module
+            rest = module[len(container) + 1 :] if container else module
             names[layer_of[n]] = rest.split(".", 1)[0]
     return names
 
@@ -164,20 +174,30 @@ def _group_name(members: List[str]) -> str:
 
 def _leaf_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]], container: str) -> bool:
     """True when every child of the container is a single module (no submodule ran an op)."""
-    return all(graph.nodes[n].get("module", "") == _child(container, layer_of[n])
-               for n in order if layer_of[n] is not None)
+    return all(
+        graph.nodes[n].get("module", "") == _child(container, layer_of[n]) for n in order if layer_of[n] is not None
+    )
 
 
 def _child_key(graph: nx.DiGraph, nodes: List[str]) -> tuple:
-    return tuple((graph.nodes[n].get("op"), graph.nodes[n].get("module_class"), repr(graph.nodes[n].get("out_shapes")),
-                  repr(graph.nodes[n].get("in_shapes")), graph.nodes[n].get("param_bytes")) for n in nodes)
+    return tuple(
+        (
+            graph.nodes[n].get("op"),
+            graph.nodes[n].get("module_class"),
+            repr(graph.nodes[n].get("out_shapes")),
+            repr(graph.nodes[n].get("in_shapes")),
+            graph.nodes[n].get("param_bytes"),
+        )
+        for n in nodes
+    )
 
 
 MAX_UNIT = 32  # children in a repeated unit (longer repeats are not looked for)
 
 
-def _group_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]], child_ids: List[int],
-                    container: str) -> Tuple[Dict[str, Optional[int]], Dict[int, List[str]]]:
+def _group_children(
+    graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Optional[int]], child_ids: List[int], container: str
+) -> Tuple[Dict[str, Optional[int]], Dict[int, List[str]]]:
     """Group leaf children into layers: the longest run of a repeated unit (module docstring).
     Returns the new layer id of every node (None: head/tail) and each layer's member FQNs."""
     nodes_of: Dict[int, List[str]] = defaultdict(list)
@@ -191,8 +211,10 @@ def _group_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Opt
     for unit in range(1, min(MAX_UNIT, n // 2) + 1):
         for start in range(0, n - 2 * unit + 1):
             copies = 1
-            while start + (copies + 1) * unit <= n and \
-                    keys[start + copies * unit:start + (copies + 1) * unit] == keys[start:start + unit]:
+            while (
+                start + (copies + 1) * unit <= n
+                and keys[start + copies * unit : start + (copies + 1) * unit] == keys[start : start + unit]
+            ):
                 copies += 1
             if copies >= 2:
                 rank = (unit * copies, -unit, has_params[start], -start)
@@ -201,13 +223,19 @@ def _group_children(graph: nx.DiGraph, order: List[str], layer_of: Dict[str, Opt
     if best is None:
         return {k: None for k in layer_of}, {}
     _, start, unit, copies = best
-    scale = next((m for m in range(1, copies // 2 + 1)
-                  if _holds_pair(graph, [n for i in child_ids[start:start + m * unit] for n in nodes_of[i]])), 1)
+    scale = next(
+        (
+            m
+            for m in range(1, copies // 2 + 1)
+            if _holds_pair(graph, [n for i in child_ids[start : start + m * unit] for n in nodes_of[i]])
+        ),
+        1,
+    )
     size = unit * scale
     layer_of = {k: None for k in layer_of}
     members: Dict[int, List[str]] = {}
     for j in range(copies // scale):
-        ids = child_ids[start + j * size:start + (j + 1) * size]
+        ids = child_ids[start + j * size : start + (j + 1) * size]
         members[j] = [_child(container, i) for i in ids]
         for i in ids:
             for node in nodes_of[i]:
@@ -256,6 +284,17 @@ def _signature(graph: nx.DiGraph, block: Block, container: str) -> str:
         d = graph.nodes[name]
         module = d.get("module", "")
         rel = block.rel(module)
-        h.update(repr((d.get("op"), rel, d.get("out_shapes"), d.get("out_dtypes"), d.get("in_shapes"),
-                       d.get("flops"), d.get("param_bytes"))).encode())
+        h.update(
+            repr(
+                (
+                    d.get("op"),
+                    rel,
+                    d.get("out_shapes"),
+                    d.get("out_dtypes"),
+                    d.get("in_shapes"),
+                    d.get("flops"),
+                    d.get("param_bytes"),
+                )
+            ).encode()
+        )
     return h.hexdigest()[:12]

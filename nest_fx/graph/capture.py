@@ -1,4 +1,5 @@
 """Capture an fx graph from a module: symbolic_trace first, torch.export as the fallback."""
+
 from __future__ import annotations
 
 import inspect
@@ -16,8 +17,10 @@ class TraceError(NestFxError, RuntimeError):
     """Neither tracer could capture the model; the message names the module and op."""
 
 
-_FX_HINT = ("mark the module as a leaf so tracing treats it as one op: "
-            "trace(model, inputs, leaf_modules=['{fqn}']) or `--leaf {fqn}` on the CLI")
+_FX_HINT = (
+    "mark the module as a leaf so tracing treats it as one op: "
+    "trace(model, inputs, leaf_modules=['{fqn}']) or `--leaf {fqn}` on the CLI"
+)
 
 
 class _LeafTracer(fx.Tracer):
@@ -50,8 +53,9 @@ def absent_optional_args(model: torch.nn.Module, num_args: int, kwargs: Dict[str
     return out
 
 
-def symbolic(model: torch.nn.Module, leaf_modules: Sequence[Any] = (),
-             concrete_args: Optional[Dict[str, Any]] = None) -> fx.GraphModule:
+def symbolic(
+    model: torch.nn.Module, leaf_modules: Sequence[Any] = (), concrete_args: Optional[Dict[str, Any]] = None
+) -> fx.GraphModule:
     """torch.fx.symbolic_trace with extra leaf modules and ``concrete_args``; raises the tracer's own error."""
     tracer = _LeafTracer(leaf_modules)
     graph = tracer.trace(model, concrete_args=concrete_args or None)
@@ -64,8 +68,9 @@ def export(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> fx.Gr
     return program.module()
 
 
-def capture(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any], method: str = "auto",
-            leaf_modules: Sequence[Any] = ()) -> Tuple[fx.GraphModule, str]:
+def capture(
+    model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any], method: str = "auto", leaf_modules: Sequence[Any] = ()
+) -> Tuple[fx.GraphModule, str]:
     """Return (graph module, method used). ``method`` is "auto", "fx" or "export"."""
     if method not in ("auto", "fx", "export"):
         raise ValueError(f"trace method {method!r}: use 'auto', 'fx' or 'export'")
@@ -94,8 +99,11 @@ def describe_failure(model: torch.nn.Module, exc: BaseException, tracer: str) ->
     lines = [f"{tracer} could not trace module '{fqn_text}' ({type(exc).__name__}: {op[:300]})"]
     if where:
         lines.append(f"  at {where}")
-    lines.append("  fix: " + _FX_HINT.format(fqn=fqn or "<module fqn>")
-                 + ", or remove the data-dependent Python control flow from its forward().")
+    lines.append(
+        "  fix: "
+        + _FX_HINT.format(fqn=fqn or "<module fqn>")
+        + ", or remove the data-dependent Python control flow from its forward()."
+    )
     return "\n".join(lines)
 
 

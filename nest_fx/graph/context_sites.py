@@ -17,6 +17,7 @@ earlier tokens held by other ranks) and positions (a rank's tokens are not at po
 ``nest_fx.plan.support.ParallelSupport.cp_problem`` turns what it finds into a verdict;
 ``nest_fx.apply.context_parallel`` rewrites the sites.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,8 +30,21 @@ import torch.nn as nn
 from nest_fx.graph.opgraph import OpGraph
 
 SDPA = "scaled_dot_product_attention"
-_INDEX_PASSTHROUGH = {"add", "sub", "unsqueeze", "expand", "view", "reshape", "to", "alias", "slice", "getitem",
-                      "_assert_tensor_metadata", "clone", "contiguous"}
+_INDEX_PASSTHROUGH = {
+    "add",
+    "sub",
+    "unsqueeze",
+    "expand",
+    "view",
+    "reshape",
+    "to",
+    "alias",
+    "slice",
+    "getitem",
+    "_assert_tensor_metadata",
+    "clone",
+    "contiguous",
+}
 
 
 @dataclass
@@ -59,8 +73,14 @@ def attention_sites(graph: OpGraph) -> List[AttentionSite]:
             d = graph.graph.nodes[node]
             if d.get("op") == SDPA:
                 consts = d.get("consts", "")
-                out.append(AttentionSite(module=d.get("module", ""), block=block.name,
-                                         causal="is_causal=True" in consts, mask=len(d.get("in_shapes", [])) >= 4))
+                out.append(
+                    AttentionSite(
+                        module=d.get("module", ""),
+                        block=block.name,
+                        causal="is_causal=True" in consts,
+                        mask=len(d.get("in_shapes", [])) >= 4,
+                    )
+                )
     return out
 
 

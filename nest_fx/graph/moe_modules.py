@@ -17,6 +17,7 @@ e.g. older HuggingFace MoEs with a ``ModuleList`` of expert MLPs and their own l
 by :func:`unconvertible_experts`, so the planner and the runtime can refuse expert parallelism
 for it by name.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -28,9 +29,12 @@ _ZOO_STEPS = ("route", "dispatch", "run_experts", "combine")
 
 def find_moe_modules(module: nn.Module) -> List[nn.Module]:
     """Zoo MoE modules: ones with ``experts`` (a ModuleList) and the route/dispatch/run_experts/combine API."""
-    return [m for m in module.modules()
-            if isinstance(getattr(m, "experts", None), nn.ModuleList)
-            and all(callable(getattr(m, f, None)) for f in _ZOO_STEPS)]
+    return [
+        m
+        for m in module.modules()
+        if isinstance(getattr(m, "experts", None), nn.ModuleList)
+        and all(callable(getattr(m, f, None)) for f in _ZOO_STEPS)
+    ]
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
@@ -40,8 +44,13 @@ def is_stacked_experts(module: nn.Module) -> bool:
     count = getattr(module, "_nest_fx_global_experts", None) or getattr(module, "num_experts", None)
     own = list(module.parameters(recurse=False))
     local = getattr(module, "num_experts", None)
-    return (hasattr(module, "_is_expert_parallel") and isinstance(count, int) and count > 0 and bool(own)
-            and all(p.dim() >= 2 and p.shape[0] in (count, local) for p in own))
+    return (
+        hasattr(module, "_is_expert_parallel")
+        and isinstance(count, int)
+        and count > 0
+        and bool(own)
+        and all(p.dim() >= 2 and p.shape[0] in (count, local) for p in own)
+    )
 
 
 def find_stacked_experts(module: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -53,8 +62,10 @@ def stacked_experts_problem(name: str, module: nn.Module) -> str:
     """Why expert parallelism cannot split this stacked-experts module ("" when it can)."""
     shared = sorted(n for n, p in module.named_parameters() if "." in n)
     if shared:
-        return (f"{name} ({type(module).__name__}) has parameters shared by all its experts ({', '.join(shared)}); "
-                "expert parallelism splits only per-expert (stacked) parameters")
+        return (
+            f"{name} ({type(module).__name__}) has parameters shared by all its experts ({', '.join(shared)}); "
+            "expert parallelism splits only per-expert (stacked) parameters"
+        )
     return ""
 
 

@@ -29,6 +29,7 @@ block (separately in the recompute, so both passes decide alike) and the odd one
 ``mm`` only), and the attention kernels include the CPU flash kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) so the policy means the same on CPU ranks.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,9 +41,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 # aten op kinds (overload packet names) -------------------------------------------------------
 ATTENTION_KERNELS: Tuple[str, ...] = (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable")
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
 MATMULS: Tuple[str, ...] = ("mm", "addmm")  # what a linear layer runs (without / with a bias)
 REDUCE_SCATTERS: Tuple[str, ...] = ("_c10d_functional.reduce_scatter_tensor",)  # DTensor's reduce-scatter
 AMAX: Tuple[str, ...] = ("max",)  # max(abs(x)) of Float8 scaling
@@ -50,9 +55,23 @@ AMAX: Tuple[str, ...] = ("max",)  # max(abs(x)) of Float8 scaling
 ATTENTION_CORE: Tuple[str, ...] = ATTENTION_KERNELS + ("_softmax", "bmm", "baddbmm")
 # Fresh buffers are free to recreate, and a saved one would break if the model fills it in place
 # (the MoE router does ``new_zeros(...).scatter_(...)``): selective recomputes them too.
-FACTORIES: Tuple[str, ...] = ("zeros", "zeros_like", "new_zeros", "new_empty", "new_full", "new_ones", "empty",
-                              "empty_like", "empty_strided", "full", "full_like", "ones", "ones_like", "arange",
-                              "scalar_tensor")
+FACTORIES: Tuple[str, ...] = (
+    "zeros",
+    "zeros_like",
+    "new_zeros",
+    "new_empty",
+    "new_full",
+    "new_ones",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "full",
+    "full_like",
+    "ones",
+    "ones_like",
+    "arange",
+    "scalar_tensor",
+)
 
 
 @dataclass(frozen=True)
@@ -79,14 +98,29 @@ class OpPolicy:
         return kind in self.save
 
 
-OP_POLICIES: Dict[str, OpPolicy] = {p.name: p for p in (
-    OpPolicy("default", ATTENTION_KERNELS + REDUCE_SCATTERS + AMAX, 2,
-             "torchtitan's op SAC: attention outputs, reduce-scatters, amax and every other matmul kept"),
-    OpPolicy("matmuls", ATTENTION_KERNELS + REDUCE_SCATTERS + AMAX, 1,
-             "every matmul and attention output kept; norms, activations and other elementwise ops recomputed"),
-    OpPolicy("attention", ATTENTION_KERNELS + REDUCE_SCATTERS, 0,
-             "only attention outputs and reduce-scatters kept; matmuls recomputed too"),
-)}
+OP_POLICIES: Dict[str, OpPolicy] = {
+    p.name: p
+    for p in (
+        OpPolicy(
+            "default",
+            ATTENTION_KERNELS + REDUCE_SCATTERS + AMAX,
+            2,
+            "torchtitan's op SAC: attention outputs, reduce-scatters, amax and every other matmul kept",
+        ),
+        OpPolicy(
+            "matmuls",
+            ATTENTION_KERNELS + REDUCE_SCATTERS + AMAX,
+            1,
+            "every matmul and attention output kept; norms, activations and other elementwise ops recomputed",
+        ),
+        OpPolicy(
+            "attention",
+            ATTENTION_KERNELS + REDUCE_SCATTERS,
+            0,
+            "only attention outputs and reduce-scatters kept; matmuls recomputed too",
+        ),
+    )
+}
 
 _FORM = re.compile(r"^(none|selective|full|op|op:(?P<policy>[a-z0-9_-]+)|every:(?P<every>[0-9]+))$")
 
@@ -114,8 +148,10 @@ def recompute_policy_problem(value: str) -> str:
     m = _FORM.match(value) if isinstance(value, str) else None
     known = ", ".join(f"op:{name}" for name in OP_POLICIES)
     if m is None:
-        return (f"recompute={value!r} is not a recompute policy; use none, selective, full, op (= op:default), "
-                f"{known} or every:<k> (k >= 2)")
+        return (
+            f"recompute={value!r} is not a recompute policy; use none, selective, full, op (= op:default), "
+            f"{known} or every:<k> (k >= 2)"
+        )
     if m.group("policy") and m.group("policy") not in OP_POLICIES:
         return f"recompute={value!r}: unknown op policy {m.group('policy')!r}; known: {known} (op = op:default)"
     if m.group("every") and int(m.group("every")) < 2:
@@ -137,6 +173,7 @@ def parse_recompute(value: str) -> Recompute:
 
 
 # -- the policies as torch.utils.checkpoint policy functions --------------------------------
+
 
 def aten_kind(op: torch._ops.OpOverload) -> str:
     """The kind of an aten op in these policies: its overload packet name of an aten op (``mm`` for
@@ -166,6 +203,7 @@ def selective_policy_fn() -> Callable:
         if selective_saves(aten_kind(op), _is_mutable(op)):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
     return policy
 
 
@@ -180,6 +218,7 @@ def op_policy_fn(policy: OpPolicy) -> Callable:
             counts[ctx.is_recompute] += 1
         keep = policy.saves(kind, counts[ctx.is_recompute]) and not _is_mutable(op)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
     return decide
 
 
@@ -224,4 +263,5 @@ def cost_key(value: str) -> str:
 
 # Policies costed per layer (the others, ``every:<k>``, mix ``none`` and ``full`` over a stage).
 LAYER_POLICIES: Tuple[str, ...] = ("none", "selective", "full", "op") + tuple(
-    f"op:{name}" for name in OP_POLICIES if name != "default")
+    f"op:{name}" for name in OP_POLICIES if name != "default"
+)

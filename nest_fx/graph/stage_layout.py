@@ -30,6 +30,7 @@ the previous one's output (groups of them form the layers), which that forward n
 :class:`~nest_fx.plan.support.ParallelSupport.pp_problem` refuses pipelining when any cut or the
 layout has a problem, so the planner never offers a split the runtime would run wrong.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -150,10 +151,12 @@ class _Reader:
                 top = self.top_of(g.graph.nodes[node].get("module", ""))
                 if top is not None:
                     blocks_of[top].add(b.index)
-        layout.owned = {top: tuple(sorted(bs)) for top, bs in blocks_of.items()
-                        if top not in layer_paths and self.has_params(top)}
-        layout.unused = [p for p in self._child_tops() if p not in blocks_of and p not in layer_paths
-                         and self.has_params(p)]
+        layout.owned = {
+            top: tuple(sorted(bs)) for top, bs in blocks_of.items() if top not in layer_paths and self.has_params(top)
+        }
+        layout.unused = [
+            p for p in self._child_tops() if p not in blocks_of and p not in layer_paths and self.has_params(p)
+        ]
         for b, paths in layout.modules.items():
             blocks_of.update({path: {b} for path in paths})
         layout.problem = self._root_parameters(layout) or self._sharing(layout, blocks_of)
@@ -164,14 +167,18 @@ class _Reader:
     def _container_problem(self) -> str:
         """Why the chain has no layer container a pipeline can cut ("" when it has one)."""
         if not any(b.kind == "block" for b in self.graph.blocks):
-            return ("the tracer found no list of repeated layers (e.g. model.layers) to cut between; "
-                    "a pipeline needs one. fix: use pp=1")
+            return (
+                "the tracer found no list of repeated layers (e.g. model.layers) to cut between; "
+                "a pipeline needs one. fix: use pp=1"
+            )
         container = self.modules.get(self.container)
         if isinstance(container, nn.Sequential) and type(container).forward is not nn.Sequential.forward:
-            return (f"{self.container or 'the model'} is a {type(container).__name__}, an nn.Sequential with its own "
-                    "forward; pipeline stages are cut between its children as if nn.Sequential's forward ran "
-                    "them in order, each on the previous one's output, which that forward need not do. "
-                    "fix: use pp=1")
+            return (
+                f"{self.container or 'the model'} is a {type(container).__name__}, an nn.Sequential with its own "
+                "forward; pipeline stages are cut between its children as if nn.Sequential's forward ran "
+                "them in order, each on the previous one's output, which that forward need not do. "
+                "fix: use pp=1"
+            )
         return ""
 
     def _child_tops(self) -> List[str]:
@@ -186,15 +193,21 @@ class _Reader:
         for _, d in self.graph.graph.nodes(data=True):
             for name in list(d.get("params", ())) + [p for p in d.get("input_params") or () if p]:
                 used[name].add(d["block"])  # params: first use; input_params: every use
-        root = [f"{path}.{n}" if path else n for path in sorted(self.above) if path in self.modules
-                for n, _ in self.modules[path].named_parameters(recurse=False)]
+        root = [
+            f"{path}.{n}" if path else n
+            for path in sorted(self.above)
+            if path in self.modules
+            for n, _ in self.modules[path].named_parameters(recurse=False)
+        ]
         for name in root:
             blocks = sorted(used.get(name, ()))
             if len(blocks) > 1:
                 where = ", ".join(self.block_name[b] for b in blocks)
-                return (f"parameter {name} belongs to the module running the model's own forward code (on every "
-                        f"pipeline stage) and is used by blocks {where} of the layer chain, which stages may "
-                        "separate. fix: use pp=1, or use it in one place")
+                return (
+                    f"parameter {name} belongs to the module running the model's own forward code (on every "
+                    f"pipeline stage) and is used by blocks {where} of the layer chain, which stages may "
+                    "separate. fix: use pp=1, or use it in one place"
+                )
             if blocks:
                 layout.root_params[name] = blocks[0]
         return ""
@@ -217,9 +230,11 @@ class _Reader:
                 layout.shared[fqns[0]] = tuple(fqns)
                 continue
             where = ", ".join(self.block_name[b] for b in sorted(blocks))
-            return (f"parameter {fqns[0]} (also {fqns[1:]}) is used by blocks {where} of the layer chain, which "
-                    f"pipeline stages may separate; only a parameter shared by the head and the tail (tied "
-                    f"embeddings) is kept on two stages. fix: {untie_advice(self.model)}, or use pp=1")
+            return (
+                f"parameter {fqns[0]} (also {fqns[1:]}) is used by blocks {where} of the layer chain, which "
+                f"pipeline stages may separate; only a parameter shared by the head and the tail (tied "
+                f"embeddings) is kept on two stages. fix: {untie_advice(self.model)}, or use pp=1"
+            )
         return ""
 
     def _entry_problem(self, layout: StageLayout, c: int, value: str, cut: str) -> str:
@@ -230,18 +245,25 @@ class _Reader:
         if c not in layout.layers:  # the cut before the tail: the last layer's output is replaced
             last = layout.exit_module(c - 1)
             if self.top_of(g.nodes[value].get("module", "")) != last:
-                return (f"a pipeline cut {cut}: the value reaching the tail is computed outside {last} "
-                        f"({g.nodes[value].get('op')} in {g.nodes[value].get('module') or '<root>'}), but a stage "
-                        "can only pass on the last layer's output. fix: use pp=1")
+                return (
+                    f"a pipeline cut {cut}: the value reaching the tail is computed outside {last} "
+                    f"({g.nodes[value].get('op')} in {g.nodes[value].get('module') or '<root>'}), but a stage "
+                    "can only pass on the last layer's output. fix: use pp=1"
+                )
             return ""
         layer = layout.entry_module(c)
-        readers = [s for s in g.successors(value) if g.nodes[s]["block"] >= c
-                   and self.top_of(g.nodes[s].get("module", "")) != layer]
+        readers = [
+            s
+            for s in g.successors(value)
+            if g.nodes[s]["block"] >= c and self.top_of(g.nodes[s].get("module", "")) != layer
+        ]
         if readers:
             what = "; ".join(f"{g.nodes[r].get('op')} in {g.nodes[r].get('module') or '<root>'}" for r in readers)
-            return (f"a pipeline cut {cut}: besides {layer}, code after the cut reads the activation entering it "
-                    f"({what}; e.g. a residual or skip connection written in the model's own forward), but a "
-                    f"stage can only replace {layer}'s input. fix: use pp=1")
+            return (
+                f"a pipeline cut {cut}: besides {layer}, code after the cut reads the activation entering it "
+                f"({what}; e.g. a residual or skip connection written in the model's own forward), but a "
+                f"stage can only replace {layer}'s input. fix: use pp=1"
+            )
         return ""
 
     def _cuts(self, layout: StageLayout) -> Dict[int, str]:
@@ -259,11 +281,15 @@ class _Reader:
             carried = [n for n in local if g.nodes[n]["block"] < c <= last_use[n]]
             cut = f"between {self.block_name[c - 1]} and {self.block_name[c]}"
             if len(carried) != 1:
-                what = "; ".join(f"{g.nodes[n].get('op')} in {g.nodes[n].get('module') or '<root>'} "
-                                 f"{g.nodes[n].get('out_shapes')}" for n in sorted(carried, key=position.get))
-                problems[c] = (f"a pipeline cut {cut} would have to pass {len(carried)} values computed by the "
-                               f"stage before it ({what or 'none'}), but a stage passes exactly one activation. "
-                               "fix: use pp=1")
+                what = "; ".join(
+                    f"{g.nodes[n].get('op')} in {g.nodes[n].get('module') or '<root>'} {g.nodes[n].get('out_shapes')}"
+                    for n in sorted(carried, key=position.get)
+                )
+                problems[c] = (
+                    f"a pipeline cut {cut} would have to pass {len(carried)} values computed by the "
+                    f"stage before it ({what or 'none'}), but a stage passes exactly one activation. "
+                    "fix: use pp=1"
+                )
             else:
                 problems.update({c: p for p in [self._entry_problem(layout, c, carried[0], cut)] if p})
                 data = g.nodes[carried[0]]

@@ -33,6 +33,7 @@ also registered on the stand-ins of its other holders, so the first name wins as
 model), so TP, FSDP2, activation checkpointing, expert parallelism and checkpoints work on the
 stage as on the whole model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -75,9 +76,10 @@ def unpack_inputs(packed: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
     args, kwargs = [], {}
     for key, value in packed.items():
         if not key.startswith(INPUT_PREFIX):
-            raise SplitError(f"pipeline stage: unexpected keyword {key!r}; stages take the model's inputs packed "
-                             "by pack_inputs")
-        name = key[len(INPUT_PREFIX):]
+            raise SplitError(
+                f"pipeline stage: unexpected keyword {key!r}; stages take the model's inputs packed by pack_inputs"
+            )
+        name = key[len(INPUT_PREFIX) :]
         if name.isdigit():
             args.append((int(name), value))
         else:
@@ -109,8 +111,10 @@ class StageRoute:
 
     def take(self, where: str) -> torch.Tensor:
         if self.received is None:
-            raise SplitError(f"pipeline stage [{self.start}, {self.end}): {where} was reached twice or without an "
-                             "activation; the model calls it more than once per forward. fix: use pp=1")
+            raise SplitError(
+                f"pipeline stage [{self.start}, {self.end}): {where} was reached twice or without an "
+                "activation; the model calls it more than once per forward. fix: use pp=1"
+            )
         value, self.received = self.received, None
         return value
 
@@ -121,23 +125,29 @@ def _hidden_argument(args: tuple, kwargs: dict, path: str) -> Tuple[str, Any, to
         return "arg", 0, args[0]
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return "kw", "hidden_states", kwargs["hidden_states"]
-    raise SplitError(f"pipeline: {path} is called without a tensor as its first argument or hidden_states=; "
-                     "the stage cannot tell which input is the activation. fix: use pp=1")
+    raise SplitError(
+        f"pipeline: {path} is called without a tensor as its first argument or hidden_states=; "
+        "the stage cannot tell which input is the activation. fix: use pp=1"
+    )
 
 
 def _first_tensor(value, path: str) -> torch.Tensor:
     found = tensor_output(value) if isinstance(value, (torch.Tensor, tuple, list)) else None
     if found is None:
-        raise SplitError(f"pipeline: {path} returns a {type(value).__name__}, not a tensor or a tuple starting "
-                         "with one; the stage cannot pass it on. fix: use pp=1")
+        raise SplitError(
+            f"pipeline: {path} returns a {type(value).__name__}, not a tensor or a tuple starting "
+            "with one; the stage cannot pass it on. fix: use pp=1"
+        )
     return found
 
 
 def _same_shape(old: torch.Tensor, new: torch.Tensor, path: str) -> None:
     if tuple(old.shape) != tuple(new.shape):
-        raise SplitError(f"pipeline: the activation received for {path} has shape {tuple(new.shape)}, but the "
-                         f"model gives it {tuple(old.shape)}; the previous stage did not end where this one "
-                         "starts. fix: use pp=1")
+        raise SplitError(
+            f"pipeline: the activation received for {path} has shape {tuple(new.shape)}, but the "
+            f"model gives it {tuple(old.shape)}; the previous stage did not end where this one "
+            "starts. fix: use pp=1"
+        )
 
 
 def _inject_input(route: StageRoute, path: str):
@@ -148,6 +158,7 @@ def _inject_input(route: StageRoute, path: str):
         if where == "arg":
             return (new, *args[1:]), kwargs
         return args, {**kwargs, key: new}
+
     return hook
 
 
@@ -159,18 +170,21 @@ def _inject_output(route: StageRoute, path: str):
         if isinstance(output, torch.Tensor):
             return new
         return type(output)([new, *output[1:]])
+
     return hook
 
 
 def _exit_at_input(path: str):
     def hook(module, args, kwargs):
         raise _StageExit(_hidden_argument(args, kwargs, path)[2])
+
     return hook
 
 
 def _exit_at_output(path: str):
     def hook(module, args, output):
         raise _StageExit(_first_tensor(output, path))
+
     return hook
 
 
@@ -190,11 +204,14 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
     """The stage's forward: ``stage(*received, **pack_inputs(args, kwargs))``."""
+
     def run(*received, **packed):
         args, kwargs = unpack_inputs(packed)
         if len(received) != (0 if route.first else 1):
-            raise SplitError(f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; "
-                             f"expected {0 if route.first else 1}")
+            raise SplitError(
+                f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; "
+                f"expected {0 if route.first else 1}"
+            )
         route.received = _ContiguousGrad.apply(received[0]) if received else None
         try:
             output = forward(*args, **kwargs)
@@ -206,15 +223,20 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             output = stop.hidden.contiguous()
         else:
             if not route.last:
-                raise SplitError(f"pipeline stage [{route.start}, {route.end}) ran to the model's end without "
-                                 "reaching the next stage's first layer. fix: use pp=1")
+                raise SplitError(
+                    f"pipeline stage [{route.start}, {route.end}) ran to the model's end without "
+                    "reaching the next stage's first layer. fix: use pp=1"
+                )
             output = route.last_output(output)
         finally:
             pending, route.received = route.received, None
         if pending is not None:
-            raise SplitError(f"pipeline stage [{route.start}, {route.end}): the received activation was never used "
-                             "(the stage's first layer did not run). fix: use pp=1")
+            raise SplitError(
+                f"pipeline stage [{route.start}, {route.end}): the received activation was never used "
+                "(the stage's first layer did not run). fix: use pp=1"
+            )
         return output
+
     return run
 
 
@@ -229,8 +251,9 @@ def stage_route(module: nn.Module) -> StageRoute:
     return module.__dict__["_nest_fx_route"]
 
 
-def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
-                 layout: Optional[StageLayout] = None) -> List[nn.Module]:
+def split_stages(
+    model: nn.Module, graph, ranges: Sequence[Tuple[int, int]], layout: Optional[StageLayout] = None
+) -> List[nn.Module]:
     """One stage module per block range ``[start, end)`` of the layer chain (see the module docstring).
 
     With one range the model becomes the stage in place; with several (interleaved chunks on one
@@ -238,7 +261,9 @@ def split_stages(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]],
     Call :func:`arm_stages` once the stage's other hooks (TP, FSDP) are installed.
     """
     layout = layout or stage_layout(model, graph)
-    problem = layout.problem or next((layout.cut_problems[c] for r in ranges for c in r if c in layout.cut_problems), "")
+    problem = layout.problem or next(
+        (layout.cut_problems[c] for r in ranges for c in r if c in layout.cut_problems), ""
+    )
     if problem:
         raise SplitError(problem)
     n = layout.num_blocks
@@ -303,8 +328,9 @@ def _install_route(base: nn.Module, route: StageRoute, layout: StageLayout) -> N
     if not route.first:
         if route.start in layers:
             path = layout.entry_module(route.start)
-            base.get_submodule(path).register_forward_pre_hook(_inject_input(route, path), with_kwargs=True,
-                                                               prepend=True)
+            base.get_submodule(path).register_forward_pre_hook(
+                _inject_input(route, path), with_kwargs=True, prepend=True
+            )
         else:  # the stage owns only the tail: the last layer's stand-in returns the activation
             base.get_submodule(last_layer).register_forward_hook(_inject_output(route, last_layer))
     if not route.last:
@@ -341,8 +367,14 @@ def run_stages(stages: Sequence[nn.Module], args: tuple, kwargs: Dict[str, Any])
     return received[0]
 
 
-def rehearse_split(model: nn.Module, graph, ranges: Sequence[Tuple[int, int]], args: tuple,
-                   kwargs: Dict[str, Any], layout: Optional[StageLayout] = None) -> torch.Size:
+def rehearse_split(
+    model: nn.Module,
+    graph,
+    ranges: Sequence[Tuple[int, int]],
+    args: tuple,
+    kwargs: Dict[str, Any],
+    layout: Optional[StageLayout] = None,
+) -> torch.Size:
     """Run the stages of a split, in order, on a meta copy of ``model`` and fake inputs (no memory,
     no values): each must hand the next an activation of the shape it expects. Returns the last
     stage's output shape; raises :class:`SplitError` naming the stage and module. The model
@@ -360,9 +392,11 @@ def _on_fake(fn: Callable, args: tuple, kwargs: Dict[str, Any], ranges) -> Any:
     except SplitError:
         raise
     except Exception as exc:  # noqa: BLE001 - report which split failed, not a raw trace
-        raise SplitError(f"pipeline: running the stages {list(ranges)} on fake tensors failed: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
-                         "fix: use pp=1") from exc
+        raise SplitError(
+            f"pipeline: running the stages {list(ranges)} on fake tensors failed: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+            "fix: use pp=1"
+        ) from exc
 
 
 def traced_inputs(graph) -> Optional[Tuple[tuple, Dict[str, Any]]]:
@@ -421,6 +455,7 @@ def rehearsal_problem(model: nn.Module, graph, layout: Optional[StageLayout] = N
 
 def _probe(stage: nn.Module, start: int, end: int, layout: StageLayout, inputs) -> None:
     """Run one stage on fake tensors, fed an activation of the traced shape at its first cut."""
+
     def run(*args, **kwargs):
         received = ()
         if start > 0:
@@ -428,7 +463,10 @@ def _probe(stage: nn.Module, start: int, end: int, layout: StageLayout, inputs) 
             received = (torch.empty(shape, dtype=getattr(torch, dtype), device="meta"),)
         out = stage(*received, **pack_inputs(args, kwargs))
         if end in layout.activations and tuple(out.shape) != layout.activations[end][0]:
-            raise SplitError(f"pipeline: stage [{start}, {end}) hands on shape {tuple(out.shape)}, but the "
-                             f"activation the model passes there has shape {layout.activations[end][0]}. "
-                             "fix: use pp=1")
+            raise SplitError(
+                f"pipeline: stage [{start}, {end}) hands on shape {tuple(out.shape)}, but the "
+                f"activation the model passes there has shape {layout.activations[end][0]}. "
+                "fix: use pp=1"
+            )
+
     _on_fake(run, inputs[0], inputs[1], [(start, end)])

@@ -9,6 +9,7 @@ these values (its first layer's input is replaced by the activation it received)
 ever let one of them reach a real computation, the loss would be NaN instead of a plausible
 wrong number.
 """
+
 from __future__ import annotations
 
 import copy
@@ -101,8 +102,9 @@ def run_on_fake(fn: Callable, args: tuple, kwargs: dict) -> Any:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         mode.__enter__()
     try:
-        fargs, fkwargs = tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"),
-                                       (args, kwargs))
+        fargs, fkwargs = tree_map_only(
+            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), (args, kwargs)
+        )
         return fn(*fargs, **fkwargs)
     finally:
         if entered:
@@ -132,7 +134,8 @@ class OutputShapes:
                     f"pipeline: the stand-in for {self.path} (a module another stage owns) runs a copy of it on "
                     f"fake tensors to learn its output shape, and that failed: {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0] if str(exc) else ''} (a forward that needs real values, such as "
-                    "data-dependent shapes, cannot run there); fix: use pp=1") from exc
+                    "data-dependent shapes, cannot run there); fix: use pp=1"
+                ) from exc
         return self.templates[key]
 
 

@@ -23,6 +23,7 @@ each rank keeps its heads' masks) and a ``key_padding_mask``, boolean or additiv
 (on its heads, from the random state the TP ranks share, as in the other regions). The runtime
 (``apply.tp_styles.MultiheadShard``), the TP rehearsal and the profiler's one-rank copy all run it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,8 +63,10 @@ def multihead_problem(module: nn.Module, g: nx.DiGraph, node: str) -> str:
     if module.bias_k is not None or module.bias_v is not None or module.add_zero_attn:
         return "it appends learned or zero key/value positions (add_bias_kv / add_zero_attn)"
     if _weights_used(g, node):
-        return ("the model reads the attention weights it returns (need_weights=True): they average all heads, "
-                "which one rank does not hold; fix: call it with need_weights=False")
+        return (
+            "the model reads the attention weights it returns (need_weights=True): they average all heads, "
+            "which one rank does not hold; fix: call it with need_weights=False"
+        )
     return ""
 
 
@@ -75,8 +78,7 @@ def multihead_pair(module: nn.Module, rel: str) -> TPPair:
     if module.in_proj_bias is not None:
         params.append(TPParam(name=f"{rel}.in_proj_bias", **fused))
     params.append(TPParam(name=f"{rel}.out_proj.weight", dim=1))
-    return TPPair(kind="attention", column=[f"{rel}.in_proj_weight"], row=f"{rel}.out_proj", params=params,
-                  leaf=rel)
+    return TPPair(kind="attention", column=[f"{rel}.in_proj_weight"], row=f"{rel}.out_proj", params=params, leaf=rel)
 
 
 def add_multihead_pairs(graph, model: nn.Module) -> Dict[str, str]:
@@ -117,8 +119,17 @@ def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torc
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
-def _merged_mask(attn_mask, key_padding_mask, batch: int, heads: int, local_heads: int, rank: int,
-                 target: int, source: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _merged_mask(
+    attn_mask,
+    key_padding_mask,
+    batch: int,
+    heads: int,
+    local_heads: int,
+    rank: int,
+    target: int,
+    source: int,
+    dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
     """One additive mask broadcasting against [batch, local heads, target, source]."""
     mask = _additive(attn_mask, dtype)
     if mask is not None and mask.dim() == 3:  # [batch * heads, L, S]: this rank's heads
@@ -130,12 +141,20 @@ def _merged_mask(attn_mask, key_padding_mask, batch: int, heads: int, local_head
     return mask
 
 
-def head_sharded_forward(module: nn.MultiheadAttention, rank: int, tp: int, comms: Optional[Tuple[Callable, Callable]],
-                         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         key_padding_mask: Optional[torch.Tensor] = None,
-                         need_weights: bool = True, attn_mask: Optional[torch.Tensor] = None,
-                         average_attn_weights: bool = True, is_causal: bool = False
-                         ) -> Tuple[torch.Tensor, None]:
+def head_sharded_forward(
+    module: nn.MultiheadAttention,
+    rank: int,
+    tp: int,
+    comms: Optional[Tuple[Callable, Callable]],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    need_weights: bool = True,
+    attn_mask: Optional[torch.Tensor] = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> Tuple[torch.Tensor, None]:
     """``module``'s attention on TP rank ``rank``'s ``1/tp`` of its heads, its parameters already cut
     to that rank's shard (DTensors or plain tensors). ``comms``: (copy to TP, reduce from TP), the
     runtime's Megatron f and g (None: no collectives, for a copy shrunk to one rank's shapes, as the
@@ -165,10 +184,15 @@ def head_sharded_forward(module: nn.MultiheadAttention, rank: int, tp: int, comm
     def heads(x, w, b):
         return F.linear(x, w, b).view(x.shape[0], x.shape[1], -1, head_dim).transpose(1, 2)
 
-    q, k, v = heads(query, weights[0], biases[0]), heads(key, weights[1], biases[1]), heads(value, weights[2], biases[2])
+    q, k, v = (
+        heads(query, weights[0], biases[0]),
+        heads(key, weights[1], biases[1]),
+        heads(value, weights[2], biases[2]),
+    )
     local_heads = q.shape[1]
-    mask = _merged_mask(attn_mask, key_padding_mask, batch, local_heads * tp, local_heads, rank, target, source,
-                        q.dtype)
+    mask = _merged_mask(
+        attn_mask, key_padding_mask, batch, local_heads * tp, local_heads, rank, target, source, q.dtype
+    )
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=module.dropout if module.training else 0.0)
     out = F.linear(y.transpose(1, 2).reshape(batch, target, -1), _local(module.out_proj.weight))
     if comms is not None:
@@ -180,7 +204,8 @@ def head_sharded_forward(module: nn.MultiheadAttention, rank: int, tp: int, comm
     return (out.squeeze(1) if unbatched else out), None
 
 
-def local_forward(module: nn.MultiheadAttention, rank: int, tp: int,
-                  comms: Optional[Tuple[Callable, Callable]] = None) -> Callable:
+def local_forward(
+    module: nn.MultiheadAttention, rank: int, tp: int, comms: Optional[Tuple[Callable, Callable]] = None
+) -> Callable:
     """:func:`head_sharded_forward` bound to ``module``: its forward once its parameters are cut."""
     return functools.partial(head_sharded_forward, module, rank, tp, comms)

@@ -18,6 +18,7 @@ all-reduces for the cost model; :mod:`nest_fx.graph.tp_flow` decides whether a c
 (it normalises exactly one whole part of a column, with statistics the runtime gathers:
 :data:`GATHERED_REDUCTIONS`, :data:`GATHERED_NORMS`).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -115,19 +116,25 @@ class WideNormRules:
             if f.dim not in dims:
                 return None
             if op not in GATHERED_REDUCTIONS or dims != [last]:
-                raise _Stop(f"{self.where(node)} reduces over the sharded features of the whole-width norm {module}; "
-                            f"tensor parallelism gathers only {sorted(GATHERED_REDUCTIONS)} over the last dim there")
+                raise _Stop(
+                    f"{self.where(node)} reduces over the sharded features of the whole-width norm {module}; "
+                    f"tensor parallelism gathers only {sorted(GATHERED_REDUCTIONS)} over the last dim there"
+                )
         else:
             normalized = _arg(d, 1, None)
             count = len(normalized) if isinstance(normalized, (tuple, list)) else 1
             if f.dim < len(shape) - count:
                 return None  # a per-head norm: the ordinary rule
             if op not in GATHERED_NORMS or count != 1:
-                raise _Stop(f"{self.where(node)} normalises the sharded features of {module} with an op tensor "
-                            f"parallelism does not gather statistics for (it does for {sorted(GATHERED_NORMS)})")
+                raise _Stop(
+                    f"{self.where(node)} normalises the sharded features of {module} with an op tensor "
+                    f"parallelism does not gather statistics for (it does for {sorted(GATHERED_NORMS)})"
+                )
         if f.heads or f.inner != 1 or f.source is None or f.dim != last or f.count != f.source[2]:
-            raise _Stop(f"{self.where(node)}: the norm {module} normalises features that are not one whole "
-                        "projection's; tensor parallelism cannot gather a statistic for them")
+            raise _Stop(
+                f"{self.where(node)}: the norm {module} normalises features that are not one whole "
+                "projection's; tensor parallelism cannot gather a statistic for them"
+            )
         if self.layout.wide_norms.setdefault(module, f.source) != f.source:
             raise _Stop(f"the norm {module} normalises features of two projections ({self.where(node)})")
         if op in REDUCTIONS:
@@ -145,8 +152,10 @@ class WideNormRules:
         if module not in self.wide:
             return False
         if not carries:
-            raise _Stop(f"parameter {param} of the whole-width norm {module} meets the sharded features without "
-                        f"one entry per feature ({self.where(node)}); tensor parallelism cannot shard it")
+            raise _Stop(
+                f"parameter {param} of the whole-width norm {module} meets the sharded features without "
+                f"one entry per feature ({self.where(node)}); tensor parallelism cannot shard it"
+            )
         self.layout.wide_params[param] = at
         return True
 
@@ -156,5 +165,7 @@ class WideNormRules:
         for module, (column, start, size) in self.layout.wide_norms.items():
             parts = self.layout.parts.get(column, [])
             if not any(s == start and n == size for s, n, _ in parts):
-                raise _Stop(f"the norm {module} normalises {size} features of {self.g.nodes[column].get('weight')} "
-                            "that are not one of the parts tensor parallelism shards it into")
+                raise _Stop(
+                    f"the norm {module} normalises {size} features of {self.g.nodes[column].get('weight')} "
+                    "that are not one of the parts tensor parallelism shards it into"
+                )

@@ -1,4 +1,5 @@
 """``trace(model, example_inputs) -> OpGraph``: capture, annotate, group into blocks, find TP pairs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +21,15 @@ from nest_fx.graph.tp_mha import add_multihead_pairs
 from nest_fx.graph.training_mode import training_config
 
 
-def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[Any]] = (),
-          example_kwargs: Optional[Dict[str, Any]] = None, *, method: str = "auto",
-          leaf_modules: Sequence[Any] = (), name: str = "") -> OpGraph:
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Union[torch.Tensor, Sequence[Any]] = (),
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    method: str = "auto",
+    leaf_modules: Sequence[Any] = (),
+    name: str = "",
+) -> OpGraph:
     """Trace ``model`` on meta tensors into an :class:`OpGraph`.
 
     ``example_inputs`` (a tensor or a tuple) and ``example_kwargs`` only provide shapes and
@@ -47,10 +54,12 @@ def trace(model: torch.nn.Module, example_inputs: Union[torch.Tensor, Sequence[A
     except Exception as exc:  # noqa: BLE001 - report the failing op, not a raw interpreter trace
         node = getattr(exc, "fx_node", None)
         where = f" at node {node.name!r} (op {node.target}, module {module_of(node) or '<root>'!r})" if node else ""
-        raise TraceError(f"captured the model with {used} but running it on fake tensors failed{where}: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
-                         "  fix: the op needs real data (data-dependent shape or value); rewrite it with "
-                         "static shapes, or give the op a meta/fake kernel") from exc
+        raise TraceError(
+            f"captured the model with {used} but running it on fake tensors failed{where}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+            "  fix: the op needs real data (data-dependent shape or value); rewrite it with "
+            "static shapes, or give the op a meta/fake kernel"
+        ) from exc
     shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
     shapes += [list(t.shape) for t in kwargs.values() if isinstance(t, torch.Tensor)]
     opgraph = OpGraph(graph, model_name=name or type(model).__name__, method=used, input_shapes=shapes)
@@ -67,8 +76,11 @@ def input_names(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> 
     """Names of the tensor inputs given to ``model``: forward's parameter names for positional
     arguments (``arg<i>`` where it has none), then the keywords."""
     try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p.name
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         params = []
     names = [params[i] if i < len(params) else f"arg{i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -90,10 +102,12 @@ def _fake_tensor_log_muted():
 
 def on_device(value: Any, device: torch.device) -> Any:
     """Inputs on ``device``: meta tensors become empty (uninitialised) tensors of that shape."""
+
     def move(t):
         if not isinstance(t, torch.Tensor) or t.device == device:
             return t
         if t.device.type == "meta":
             return torch.zeros(t.shape, dtype=t.dtype, device=device)
         return t.to(device)
+
     return tree_map(move, value)

@@ -8,6 +8,7 @@ from a trainer, and says so once per process. ``return_dict=False`` (tuple outpu
 ``sdpa`` and ``eager`` attention implementations need nothing: the tracer and the runtime
 read tuples (``tensor_output``, ``model_loss``) and both kernels trace.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -44,6 +45,9 @@ def training_config(model: nn.Module) -> bool:
             changed = True
     if changed and not _TOLD[0]:
         _TOLD[0] = True
-        warnings.warn(f"{type(model).__name__}: use_cache=True in its config; nest-fx turned the key/value cache "
-                      "off for training (config.use_cache=False): a training step never reads it", stacklevel=3)
+        warnings.warn(
+            f"{type(model).__name__}: use_cache=True in its config; nest-fx turned the key/value cache "
+            "off for training (config.use_cache=False): a training step never reads it",
+            stacklevel=3,
+        )
     return changed

@@ -6,6 +6,7 @@ PyTorch model (``mlp:...``, ``cnn:...``) or a HuggingFace model from its config 
 how it is trained (``nest_fx.models.inputs``); ``build_seeded`` builds one on the CPU in fp32
 from a seed, the reference a parallel run is compared with.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -29,8 +30,16 @@ def is_plain_name(name: str) -> bool:
     return name.partition(":")[0] in PLAIN_KINDS
 
 
-def model_example(name: str, model: torch.nn.Module, cfg: Any, *, batch: int = 1, seq: Optional[int] = None,
-                  dtype: Optional[torch.dtype] = None, seq_cap: Optional[int] = None) -> Example:
+def model_example(
+    name: str,
+    model: torch.nn.Module,
+    cfg: Any,
+    *,
+    batch: int = 1,
+    seq: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    seq_cap: Optional[int] = None,
+) -> Example:
     """What ``model`` (built from ``name``) takes and how it trains, for ``batch`` rows of ``seq``
     tokens (default: the config's sequence length; for HF models with longer contexts 32, or with
     ``seq_cap`` the config's positions up to ``seq_cap``: ``inputs.hf_example``)."""
@@ -39,8 +48,9 @@ def model_example(name: str, model: torch.nn.Module, cfg: Any, *, batch: int = 1
     if is_hf_name(name):
         seq_len = getattr(cfg, "seq_len", None)
         if seq and seq_len and seq > seq_len:
-            raise ModelError(f"seq={seq} exceeds {name}'s {seq_len} positions: use --seq <= {seq_len} "
-                             "or a larger seq= in the spec")
+            raise ModelError(
+                f"seq={seq} exceeds {name}'s {seq_len} positions: use --seq <= {seq_len} or a larger seq= in the spec"
+            )
         example = hf_example(model, batch, seq or seq_len, seq_cap=seq_cap)
         if dtype is not None:  # image inputs in the model's dtype
             example.inputs = [s if s.high else replace(s, dtype=dtype) for s in example.inputs]
@@ -48,9 +58,16 @@ def model_example(name: str, model: torch.nn.Module, cfg: Any, *, batch: int = 1
     return token_example(batch, seq or cfg.seq_len, cfg.vocab_size)
 
 
-def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: str | torch.device = "meta",
-              dtype: Optional[torch.dtype] = None, layers: Optional[int] = None,
-              seq_cap: Optional[int] = None) -> Tuple[torch.nn.Module, Any, tuple, Dict[str, Any]]:
+def build_any(
+    name: str,
+    *,
+    batch: int = 1,
+    seq: Optional[int] = None,
+    device: str | torch.device = "meta",
+    dtype: Optional[torch.dtype] = None,
+    layers: Optional[int] = None,
+    seq_cap: Optional[int] = None,
+) -> Tuple[torch.nn.Module, Any, tuple, Dict[str, Any]]:
     """Model, config and example inputs (no labels) for a zoo name, a spec, a plain model or ``hf:...``.
 
     Returns ``(model, config, args, kwargs)``; HF models take their inputs (``input_ids``, ...) as
@@ -68,7 +85,9 @@ def build_any(name: str, *, batch: int = 1, seq: Optional[int] = None, device: s
         model, cfg = build_zoo_model(name, device=device, dtype=dtype, **depth)
         seq = seq or cfg.seq_len
         if seq > cfg.seq_len and cfg.position == "learned":
-            raise ModelError(f"seq={seq} exceeds {cfg.name}'s {cfg.seq_len} learned positions: use --seq <= {cfg.seq_len}")
+            raise ModelError(
+                f"seq={seq} exceeds {cfg.name}'s {cfg.seq_len} learned positions: use --seq <= {cfg.seq_len}"
+            )
         if seq > cfg.seq_len:
             model, cfg = build_zoo_model(name, device=device, dtype=dtype, seq_len=seq, **depth)
     example = model_example(name, model, cfg, batch=batch, seq=seq, dtype=dtype, seq_cap=seq_cap)
@@ -90,8 +109,9 @@ def build_seeded(name: str, seed: int = 0) -> Tuple[torch.nn.Module, Any]:
     return build_zoo_model(name, device="cpu", dtype=torch.float32)
 
 
-def build_model(name: str, *, device: str | torch.device = "meta", dtype: Optional[torch.dtype] = None,
-                **overrides) -> Tuple[torch.nn.Module, Any]:
+def build_model(
+    name: str, *, device: str | torch.device = "meta", dtype: Optional[torch.dtype] = None, **overrides
+) -> Tuple[torch.nn.Module, Any]:
     """``(model, config)`` of any name the command line takes: a zoo name or ``gpt:`` spec, a plain
     model (``mlp:``, ``cnn:``), ``hf:<model_type>[:...]`` or ``hf-config:PATH``. On ``meta`` (the
     default) nothing is allocated: ``auto_parallelize(model, ..., weights=...)`` then materialises
@@ -100,12 +120,13 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: Option
     if is_hf_name(name) or is_plain_name(name):
         unknown = sorted(set(overrides) - {"layers"})
         if unknown:
-            raise ModelError(f"build_model({name!r}): {unknown} apply to zoo models only; put config fields in the "
-                             "name instead (hf:qwen2:hidden_size=128)")
+            raise ModelError(
+                f"build_model({name!r}): {unknown} apply to zoo models only; put config fields in the "
+                "name instead (hf:qwen2:hidden_size=128)"
+            )
         if is_plain_name(name):
             cfg: Any = parse_plain(name)
             with torch.device(device), default_dtype(dtype):
                 return build_plain(cfg), cfg
         return build_hf_model(name, device=device, dtype=dtype, layers=overrides.get("layers"))
     return build_zoo_model(name, device=device, dtype=dtype, **overrides)
-

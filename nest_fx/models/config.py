@@ -1,5 +1,6 @@
 """``TransformerConfig``: shape and flavour of every model in the zoo (GPT-2/3, BERT, Llama, MoE,
 DeepSeek MLA + shared experts, sliding-window attention, hybrid Mamba-2 / attention stacks)."""
+
 from __future__ import annotations
 
 import math
@@ -101,17 +102,40 @@ class TransformerConfig:
 
     def _problems(self) -> List[str]:
         problems = []
-        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "seq_len", "top_k",
-                     "moe_every", "head_dim", "moe_ffn_hidden", "v_head_dim", "vocab_multiple", "vocab_tp"):
+        for name in (
+            "vocab_size",
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "ffn_hidden",
+            "seq_len",
+            "top_k",
+            "moe_every",
+            "head_dim",
+            "moe_ffn_hidden",
+            "v_head_dim",
+            "vocab_multiple",
+            "vocab_tp",
+        ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank", "sliding_window",
-                     "global_every", "num_experts"):
+        for name in (
+            "shared_experts",
+            "dense_layers",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "sliding_window",
+            "global_every",
+            "num_experts",
+        ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.layers > MAX_LAYERS:
-            problems.append(f"layers={self.layers} is above the limit of {MAX_LAYERS} (nest_fx.common.limits."
-                            "MAX_LAYERS: tracing takes about 20 ms per layer; is it a typo?)")
+            problems.append(
+                f"layers={self.layers} is above the limit of {MAX_LAYERS} (nest_fx.common.limits."
+                "MAX_LAYERS: tracing takes about 20 ms per layer; is it a typo?)"
+            )
         if not 0 <= self.norm_eps < math.inf:
             problems.append(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
         for name in ("rope_theta", "capacity_factor"):
@@ -137,8 +161,10 @@ class TransformerConfig:
             problems.append("sliding_window needs causal attention (causal=true)")
         bad = sorted(set(self.layer_pattern) - set(PATTERN_KINDS))
         if bad:
-            problems.append(f"layer_pattern={self.layer_pattern!r}: unknown {bad}; use M (Mamba-2), * (attention), "
-                            "- (MLP), E (mixture of experts)")
+            problems.append(
+                f"layer_pattern={self.layer_pattern!r}: unknown {bad}; use M (Mamba-2), * (attention), "
+                "- (MLP), E (mixture of experts)"
+            )
         if "E" in self.layer_pattern and self.num_experts <= 0:
             problems.append("layer_pattern has E (mixture of experts) but num_experts=0")
         if "M" in self.layer_pattern:
@@ -177,8 +203,11 @@ class TransformerConfig:
         return ["attention", "moe" if self.is_moe_layer(index) else "mlp"]
 
     def is_moe_layer(self, index: int) -> bool:
-        return (self.num_experts > 0 and index >= self.dense_layers
-                and (index - self.dense_layers) % self.moe_every == self.moe_every - 1)
+        return (
+            self.num_experts > 0
+            and index >= self.dense_layers
+            and (index - self.dense_layers) % self.moe_every == self.moe_every - 1
+        )
 
     def window_of(self, index: int) -> int:
         """Sliding window of layer ``index``'s attention (0: full causal attention)."""
@@ -189,14 +218,17 @@ class TransformerConfig:
     def zoo_only_fields(self) -> List[str]:
         """The shapes set here that the four HuggingFace families nest-fx maps zoo configs onto
         (``models.hf.hf_config``: GPT-2, BERT, Llama, Mixtral) cannot express."""
-        checks = {"head_dim": self.heads > 0 and self.head_dim * self.heads != self.hidden,
-                  "kv_lora_rank (multi-head latent attention)": self.mla,
-                  "shared_experts": self.shared_experts > 0,
-                  "moe_ffn_hidden": self.num_experts > 0 and self.moe_ffn_hidden != self.ffn_hidden,
-                  "dense_layers": self.dense_layers > 0, "sliding_window": self.sliding_window > 0,
-                  "layer_pattern": bool(self.layer_pattern),
-                  f"activation={self.activation}": self.activation in ("geglu", "relu2"),
-                  "vocab_multiple/vocab_tp (vocabulary padding)": self.padded_vocab != self.vocab_size}
+        checks = {
+            "head_dim": self.heads > 0 and self.head_dim * self.heads != self.hidden,
+            "kv_lora_rank (multi-head latent attention)": self.mla,
+            "shared_experts": self.shared_experts > 0,
+            "moe_ffn_hidden": self.num_experts > 0 and self.moe_ffn_hidden != self.ffn_hidden,
+            "dense_layers": self.dense_layers > 0,
+            "sliding_window": self.sliding_window > 0,
+            "layer_pattern": bool(self.layer_pattern),
+            f"activation={self.activation}": self.activation in ("geglu", "relu2"),
+            "vocab_multiple/vocab_tp (vocabulary padding)": self.padded_vocab != self.vocab_size,
+        }
         return [name for name, used in checks.items() if used]
 
     def to_dict(self) -> dict:

@@ -3,6 +3,7 @@
 building the model. ``tests/distributed/models/test_model_shapes.py`` checks them against the built modules' numel and
 against published totals (Llama 3, Mixtral, DeepSeek-V3, Mistral, Gemma 2, Nemotron-H).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -22,10 +23,16 @@ def attention_params(cfg: TransformerConfig) -> int:
     h, heads = cfg.hidden, cfg.heads
     if cfg.mla:
         qk = cfg.head_dim + cfg.rope_head_dim
-        q = (h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * heads * qk) if cfg.q_lora_rank \
+        q = (
+            (h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * heads * qk)
+            if cfg.q_lora_rank
             else h * heads * qk
-        kv = h * (cfg.kv_lora_rank + cfg.rope_head_dim) + cfg.kv_lora_rank \
+        )
+        kv = (
+            h * (cfg.kv_lora_rank + cfg.rope_head_dim)
+            + cfg.kv_lora_rank
             + cfg.kv_lora_rank * heads * (cfg.head_dim + cfg.v_head_dim)
+        )
         return q + kv + heads * cfg.v_head_dim * h
     q_out, kv_out = heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     weights = h * q_out + 2 * h * kv_out + q_out * h
@@ -56,8 +63,9 @@ def mamba_params(cfg: TransformerConfig) -> int:
     h, inner, heads = cfg.hidden, cfg.mamba_inner, cfg.mamba_heads
     conv_dim = inner + 2 * cfg.mamba_groups * cfg.mamba_state
     in_out = inner + conv_dim + heads
-    return (h * in_out + conv_dim * (cfg.mamba_conv + 1) + 3 * heads + inner + inner * h
-            + ((in_out + h) if cfg.bias else 0))
+    return (
+        h * in_out + conv_dim * (cfg.mamba_conv + 1) + 3 * heads + inner + inner * h + ((in_out + h) if cfg.bias else 0)
+    )
 
 
 def sublayer_params(cfg: TransformerConfig, kind: str) -> Tuple[int, int]:

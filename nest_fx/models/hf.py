@@ -14,6 +14,7 @@ Names (``nest-fx plan|trace --model ...``, ``build_any``):
 ``build_hf_model`` returns ``(model, config)``: the ``TransformerConfig`` for the nest-fx shapes,
 the transformers config otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -24,8 +25,14 @@ import torch
 from nest_fx.common.errors import ModelError
 from nest_fx.common.names import close_matches
 from nest_fx.models.config import TransformerConfig
-from nest_fx.models.hf_config import (config_from_file, config_from_type, model_class, require_transformers,
-                                      split_file_name, split_name)
+from nest_fx.models.hf_config import (
+    config_from_file,
+    config_from_type,
+    model_class,
+    require_transformers,
+    split_file_name,
+    split_name,
+)
 from nest_fx.models.zoo import SPEC_ALIASES, NAMED_CONFIGS, default_dtype, parse_spec
 
 FAMILIES = ("gpt2", "llama", "mixtral", "bert")
@@ -36,23 +43,47 @@ def hf_config(family: str, cfg: TransformerConfig):
     """The ``transformers`` config of ``family`` with the shapes of ``cfg``."""
     unmapped = cfg.zoo_only_fields()
     if unmapped:
-        raise ModelError(f"hf:{cfg.name}: {', '.join(unmapped)} have no equivalent in the HuggingFace {family} config "
-                         "nest-fx maps zoo shapes onto; use the zoo name without hf: (the nest-fx module builds it), "
-                         "or hf:<model_type> of an architecture transformers ships (e.g. hf:deepseek_v3)")
+        raise ModelError(
+            f"hf:{cfg.name}: {', '.join(unmapped)} have no equivalent in the HuggingFace {family} config "
+            "nest-fx maps zoo shapes onto; use the zoo name without hf: (the nest-fx module builds it), "
+            "or hf:<model_type> of an architecture transformers ships (e.g. hf:deepseek_v3)"
+        )
     tf = require_transformers()
     common: Dict[str, Any] = dict(vocab_size=cfg.vocab_size, use_cache=False)
     if family == "gpt2":
-        return tf.GPT2Config(n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads, n_positions=cfg.seq_len,
-                             n_inner=cfg.ffn_hidden if cfg.activation == "gelu" else None,
-                             bos_token_id=0, eos_token_id=0, **common)
+        return tf.GPT2Config(
+            n_embd=cfg.hidden,
+            n_layer=cfg.layers,
+            n_head=cfg.heads,
+            n_positions=cfg.seq_len,
+            n_inner=cfg.ffn_hidden if cfg.activation == "gelu" else None,
+            bos_token_id=0,
+            eos_token_id=0,
+            **common,
+        )
     if family == "bert":
-        return tf.BertConfig(hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                             intermediate_size=cfg.ffn_hidden, max_position_embeddings=cfg.seq_len,
-                             pad_token_id=0, **common)
-    llama_like = dict(hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.layers,
-                      num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                      max_position_embeddings=cfg.seq_len, tie_word_embeddings=cfg.tie_embeddings,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0, **common)
+        return tf.BertConfig(
+            hidden_size=cfg.hidden,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            intermediate_size=cfg.ffn_hidden,
+            max_position_embeddings=cfg.seq_len,
+            pad_token_id=0,
+            **common,
+        )
+    llama_like = dict(
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **common,
+    )
     if family == "llama":
         return tf.LlamaConfig(**llama_like)
     if family == "mixtral":
@@ -63,14 +94,18 @@ def hf_config(family: str, cfg: TransformerConfig):
 
 def _model_class(family: str):
     tf = require_transformers()
-    return {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "mixtral": tf.MixtralForCausalLM,
-            "bert": tf.BertForMaskedLM}[family]
+    return {
+        "gpt2": tf.GPT2LMHeadModel,
+        "llama": tf.LlamaForCausalLM,
+        "mixtral": tf.MixtralForCausalLM,
+        "bert": tf.BertForMaskedLM,
+    }[family]
 
 
 def is_zoo_shaped(name: str) -> bool:
     """Whether ``name`` is a named zoo config or one of :data:`FAMILIES` with only ``gpt:`` spec keys
     (built from a ``TransformerConfig``), rather than a transformers model type with config fields."""
-    body = name[len("hf:"):] if name.startswith("hf:") else name
+    body = name[len("hf:") :] if name.startswith("hf:") else name
     if body in NAMED_CONFIGS:
         return True
     family, _, spec = body.partition(":")
@@ -81,16 +116,21 @@ def is_zoo_shaped(name: str) -> bool:
 
 def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
     """``hf:FAMILY[:spec]`` or ``hf:NAMED`` (the nest-fx shapes, :func:`is_zoo_shaped`) -> (family, shapes)."""
-    body = name[len("hf:"):] if name.startswith("hf:") else name
+    body = name[len("hf:") :] if name.startswith("hf:") else name
     if body in NAMED_CONFIGS:
         cfg = NAMED_CONFIGS[body]
-        family = "mixtral" if cfg.num_experts else ("bert" if not cfg.causal else
-                                                     ("llama" if cfg.activation == "swiglu" else "gpt2"))
+        family = (
+            "mixtral"
+            if cfg.num_experts
+            else ("bert" if not cfg.causal else ("llama" if cfg.activation == "swiglu" else "gpt2"))
+        )
         return family, cfg
     family, _, spec = body.partition(":")
     if family not in FAMILIES:
-        raise ModelError(f"{name!r} is not one of the nest-fx-shaped HuggingFace names hf:{{{','.join(FAMILIES)}}}"
-                         f"[:key=value,...] or hf:<named config> with one of {sorted(NAMED_CONFIGS)}")
+        raise ModelError(
+            f"{name!r} is not one of the nest-fx-shaped HuggingFace names hf:{{{','.join(FAMILIES)}}}"
+            f"[:key=value,...] or hf:<named config> with one of {sorted(NAMED_CONFIGS)}"
+        )
     base = "gpt" if family in ("gpt2", "bert") else ("moe" if family == "mixtral" else "llama")
     cfg = parse_spec(f"{base}:{spec or _SMALL}")
     if family == "mixtral" and not spec:
@@ -101,10 +141,10 @@ def parse_hf_name(name: str) -> Tuple[str, TransformerConfig]:
 def hf_config_for(name: str, layers: Optional[int] = None):
     """(transformers config, model class) of ``hf:<model_type>[:...]`` or ``hf-config:PATH[:...]``."""
     if name.startswith("hf-config:"):
-        path, overrides = split_file_name(name[len("hf-config:"):])
+        path, overrides = split_file_name(name[len("hf-config:") :])
         config = config_from_file(path, overrides, name)
     else:
-        model_type, overrides = split_name(name[len("hf:"):])
+        model_type, overrides = split_name(name[len("hf:") :])
         config = config_from_type(model_type, overrides, name)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     for part in {id(config): config, id(text): text}.values():  # training: no key/value cache returned
@@ -115,8 +155,9 @@ def hf_config_for(name: str, layers: Optional[int] = None):
     return config, model_class(config, overrides.get("class"))
 
 
-def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None,
-                   layers: Optional[int] = None) -> Tuple[torch.nn.Module, Any]:
+def build_hf_model(
+    name: str, *, device: str | torch.device = "meta", dtype=None, layers: Optional[int] = None
+) -> Tuple[torch.nn.Module, Any]:
     """Build a HuggingFace model from a config alone (weights random, or none on meta);
     ``layers`` overrides the depth. Returns (model, config): see the module docstring."""
     if name.startswith("hf:") and is_zoo_shaped(name):
@@ -132,6 +173,8 @@ def build_hf_model(name: str, *, device: str | torch.device = "meta", dtype=None
         with torch.device(device), default_dtype(dtype):
             model = cls(config)
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as exc:
-        raise ModelError(f"{name}: transformers could not build {cls.__name__} from this config: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise ModelError(
+            f"{name}: transformers could not build {cls.__name__} from this config: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     return model, config

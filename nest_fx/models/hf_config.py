@@ -12,6 +12,7 @@ The model class is the first of: sequence-to-sequence LM, masked LM, causal LM, 
 classification, sequence classification, the base model (so BERT trains as a masked LM, T5 as
 a sequence-to-sequence LM, Llama as a causal LM, ViT as an image classifier).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,48 +28,116 @@ from nest_fx.models.zoo import coerce_value
 # Tiny sizes, by the standard config names (translated through each config's attribute_map).
 # Applied only to fields the model type's config has; experts only when it has experts.
 SMALL: Dict[str, int] = {
-    "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "embed_dim": 64,
-    "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "num_decoder_layers": 2,
-    "encoder_layers": 2, "decoder_layers": 2,
-    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
-    "encoder_attention_heads": 4, "decoder_attention_heads": 4,
-    "head_dim": 16, "d_kv": 16, "kv_channels": 16,
-    "intermediate_size": 128, "d_ff": 128, "ffn_dim": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-    "hidden_dim": 128, "n_inner": 128,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "dim": 64,
+    "embed_dim": 64,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "head_dim": 16,
+    "d_kv": 16,
+    "kv_channels": 16,
+    "intermediate_size": 128,
+    "d_ff": 128,
+    "ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "hidden_dim": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "expert_intermediate_size": 32,
     "vocab_size": 128,
-    "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "max_seq_len": 64,
-    "image_size": 32, "patch_size": 8,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_ctx": 64,
+    "max_seq_len": 64,
+    "image_size": 32,
+    "patch_size": 8,
     "num_labels": 4,
-    "rotary_dim": 8, "window_size": 4,
+    "rotary_dim": 8,
+    "window_size": 4,
     # multi-head latent attention (DeepSeek-V2/V3)
-    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
     "qk_head_dim": 24,
 }
 SHRUNK_IMAGE = 64  # example image side of a shrunk convolutional net with no image_size field
 # hierarchical vision backbones (a ``depths`` list per stage) count stages with these: kept
 STAGE_KEEP = ("num_layers", "num_stages", "hidden_size", "patch_size")
-EXPERT_FIELDS = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-                 "num_experts_per_tok": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+EXPERT_FIELDS = {
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_k": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
 KV_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
-TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-                   "cls_token_id", "mask_token_id")
+TOKEN_ID_FIELDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+)
 # list-valued stage sizes of vision backbones (ResNet, ConvNeXt, Swin, ...): shrunk per stage
-STAGE_LISTS = {"hidden_sizes": lambda i: 16 * 2 ** i, "depths": lambda i: 1, "num_heads": lambda i: 2}
+STAGE_LISTS = {"hidden_sizes": lambda i: 16 * 2**i, "depths": lambda i: 1, "num_heads": lambda i: 2}
 
 # nest-fx spec keys (``hf:llama:hidden=..``) as config fields
-ALIASES = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-           "kv": "num_key_value_heads", "kv_heads": "num_key_value_heads", "ffn": "intermediate_size",
-           "ffn_hidden": "intermediate_size", "seq": "max_position_embeddings",
-           "seq_len": "max_position_embeddings", "vocab": "vocab_size", "top_k": "num_experts_per_tok",
-           "topk": "num_experts_per_tok"}
+ALIASES = {
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv": "num_key_value_heads",
+    "kv_heads": "num_key_value_heads",
+    "ffn": "intermediate_size",
+    "ffn_hidden": "intermediate_size",
+    "seq": "max_position_embeddings",
+    "seq_len": "max_position_embeddings",
+    "vocab": "vocab_size",
+    "top_k": "num_experts_per_tok",
+    "topk": "num_experts_per_tok",
+}
 
-TASK_MAPPINGS = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-                 "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-                 "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+TASK_MAPPINGS = (
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+)
 SPECIAL_KEYS = ("shrink", "class")
-DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "encoder_layers",
-                "decoder_layers")
+DEPTH_FIELDS = (
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "num_layers",
+    "num_decoder_layers",
+    "encoder_layers",
+    "decoder_layers",
+)
 
 
 def require_transformers():
@@ -83,6 +152,7 @@ def require_transformers():
 def model_types() -> List[str]:
     """Every model type the installed transformers knows (``CONFIG_MAPPING``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # optional extra
+
     return list(CONFIG_MAPPING_NAMES)
 
 
@@ -139,14 +209,22 @@ def shrunk_fields(config) -> Dict[str, Any]:
             put(name, value)
     if isinstance(have.get("qk_rope_head_dim"), int):  # MLA: the rotary part is the head_dim
         out["head_dim"] = SMALL["qk_rope_head_dim"]
-    heads = next((have[_native(config, n)] for n in ("num_attention_heads", "n_head", "num_heads")
-                  if isinstance(have.get(_native(config, n)), int)), None)
+    heads = next(
+        (
+            have[_native(config, n)]
+            for n in ("num_attention_heads", "n_head", "num_heads")
+            if isinstance(have.get(_native(config, n)), int)
+        ),
+        None,
+    )
     for name in KV_FIELDS:
         kv = have.get(name)
         if isinstance(kv, int) and kv > 0:
             out[name] = 2 if heads and kv < heads else 4  # keep grouped-query attention grouped
-    if any(isinstance(have.get(n), int) and have.get(n) > 0
-           for n in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")):
+    if any(
+        isinstance(have.get(n), int) and have.get(n) > 0
+        for n in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    ):
         for name, value in EXPERT_FIELDS.items():
             put(name, value, unset_too=True)  # some defaults leave top-k unset (DeepSeek-V2)
     for name, rule in STAGE_LISTS.items():
@@ -166,9 +244,11 @@ def config_from_type(model_type: str, overrides: Dict[str, str], where: str):
     tf = require_transformers()
     known = model_types()
     if model_type not in known:
-        raise ModelError(f"unknown HuggingFace model type {model_type!r} in {where!r}{close_matches(model_type, known)}; "
-                         "use one of transformers' model types (transformers.CONFIG_MAPPING), e.g. hf:llama, "
-                         "hf:qwen2, hf:t5, hf:vit")
+        raise ModelError(
+            f"unknown HuggingFace model type {model_type!r} in {where!r}{close_matches(model_type, known)}; "
+            "use one of transformers' model types (transformers.CONFIG_MAPPING), e.g. hf:llama, "
+            "hf:qwen2, hf:t5, hf:vit"
+        )
     default = tf.AutoConfig.for_model(model_type)
     shrink = _coerce(overrides.get("shrink", "true"), True, "shrink", where)
     kwargs = shrunk_fields(default) if shrink else {}
@@ -187,7 +267,7 @@ def config_from_file(path: str, overrides: Dict[str, str], where: str):
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     data = read_json(file, ModelError, "HuggingFace config")
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ModelError(f"{file}: a HuggingFace config.json needs a \"model_type\" string (e.g. \"llama\")")
+        raise ModelError(f'{file}: a HuggingFace config.json needs a "model_type" string (e.g. "llama")')
     model_type = data.pop("model_type")
     known = model_types()
     if model_type not in known:
@@ -206,13 +286,17 @@ def _typed_overrides(config, overrides: Dict[str, str], where: str) -> Dict[str,
             continue
         name = _native(config, ALIASES.get(key, key) if key not in accepted else key)
         if name not in have:
-            raise ModelError(f"{where}: {type(config).__name__} has no field {key!r}"
-                             f"{close_matches(key, sorted(accepted | set(ALIASES)))}; fix: use one of its config "
-                             "fields (see its config.json)")
+            raise ModelError(
+                f"{where}: {type(config).__name__} has no field {key!r}"
+                f"{close_matches(key, sorted(accepted | set(ALIASES)))}; fix: use one of its config "
+                "fields (see its config.json)"
+            )
         out[name] = _coerce(raw, have[name], key, where)
         if name in DEPTH_FIELDS and isinstance(out[name], int) and out[name] > MAX_LAYERS:
-            raise ModelError(f"{where}: {key}={out[name]} is above the limit of {MAX_LAYERS} layers "
-                             "(nest_fx.common.limits.MAX_LAYERS: tracing takes about 20 ms per layer; is it a typo?)")
+            raise ModelError(
+                f"{where}: {key}={out[name]} is above the limit of {MAX_LAYERS} layers "
+                "(nest_fx.common.limits.MAX_LAYERS: tracing takes about 20 ms per layer; is it a typo?)"
+            )
     return out
 
 
@@ -220,7 +304,9 @@ def _make(build, where: str):
     try:
         return build()
     except (ValueError, TypeError, KeyError, AssertionError) as exc:
-        raise ModelError(f"{where}: transformers refused the config: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        raise ModelError(
+            f"{where}: transformers refused the config: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from None
 
 
 def model_class(config, class_name: Optional[str] = None):
@@ -229,18 +315,23 @@ def model_class(config, class_name: Optional[str] = None):
     if class_name:
         cls = getattr(tf, class_name, None)
         if cls is None or not hasattr(cls, "_from_config"):
-            raise ModelError(f"class={class_name}: transformers has no model class of that name"
-                             f"{close_matches(class_name, [n for n in dir(tf) if n[:1].isupper()])}")
+            raise ModelError(
+                f"class={class_name}: transformers has no model class of that name"
+                f"{close_matches(class_name, [n for n in dir(tf) if n[:1].isupper()])}"
+            )
         return cls
     from transformers.models.auto import modeling_auto  # optional extra
+
     for mapping in TASK_MAPPINGS:
         name = getattr(modeling_auto, mapping).get(config.model_type)
         if isinstance(name, (tuple, list)):
             name = name[0]
         if name and hasattr(tf, name):
             return getattr(tf, name)
-    raise ModelError(f"hf:{config.model_type}: transformers has no model class for this config (a part of "
-                     "another model, e.g. a vision tower); use the parent model's type")
+    raise ModelError(
+        f"hf:{config.model_type}: transformers has no model class for this config (a part of "
+        "another model, e.g. a vision tower); use the parent model's type"
+    )
 
 
 def split_name(body: str) -> Tuple[str, Dict[str, str]]:

@@ -6,6 +6,7 @@ cross entropy; plain classifiers: class cross entropy), or with the model's own 
 from a ``labels`` input (HuggingFace models, ``loss="model"``). The tracer and the planner use
 the inputs without labels; :func:`make_batch` draws real tensors for them.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -54,8 +55,9 @@ def make_tensor(spec: InputSpec, device: Any = "meta", generator: Optional[torch
     return torch.randn(spec.shape, generator=generator, dtype=spec.dtype).to(device)
 
 
-def make_batch(example: Example, device: Any = "cpu", generator: Optional[torch.Generator] = None, *,
-               labels: bool = True) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+def make_batch(
+    example: Example, device: Any = "cpu", generator: Optional[torch.Generator] = None, *, labels: bool = True
+) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """(model inputs by name, target) of one batch; the labels inputs of ``loss="model"`` included
     when ``labels``. Names of positional inputs keep the forward's order."""
     specs = example.inputs + (example.labels if labels else [])
@@ -73,8 +75,11 @@ def call_args(example: Example, inputs: Dict[str, torch.Tensor]) -> Tuple[tuple,
 
 def token_example(batch: int, seq: int, vocab: int) -> Example:
     """A zoo language model: token ids in, token targets for the LM loss."""
-    return Example([InputSpec("tokens", (batch, seq), high=vocab, positional=True)], "lm",
-                   target=InputSpec("target", (batch, seq), high=vocab))
+    return Example(
+        [InputSpec("tokens", (batch, seq), high=vocab, positional=True)],
+        "lm",
+        target=InputSpec("target", (batch, seq), high=vocab),
+    )
 
 
 def _max_positions(config) -> Optional[int]:
@@ -93,8 +98,7 @@ def _image_shape(config) -> Tuple[int, int, int]:
     return getattr(vision, "num_channels", 3), height, width
 
 
-def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None,
-               seq_cap: Optional[int] = None) -> Example:
+def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None, seq_cap: Optional[int] = None) -> Example:
     """The inputs a HuggingFace model takes (token ids, decoder ids, pixel values) and its labels.
     Without ``seq``: :data:`DEFAULT_SEQ` tokens, or with ``seq_cap`` the config's positions up to
     ``seq_cap`` (what the planner plans for)."""
@@ -107,8 +111,10 @@ def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None,
         default = seq_cap or DEFAULT_SEQ
         seq = min(default, limit) if limit else default
     elif limit and seq > limit:
-        raise ModelError(f"seq={seq} exceeds {type(model).__name__}'s {limit} positions: use --seq <= {limit} "
-                         f"or a larger max_position_embeddings=... in the name")
+        raise ModelError(
+            f"seq={seq} exceeds {type(model).__name__}'s {limit} positions: use --seq <= {limit} "
+            f"or a larger max_position_embeddings=... in the name"
+        )
     inputs: List[InputSpec] = []
     if "input_ids" in params and isinstance(vocab, int):
         inputs.append(InputSpec("input_ids", (batch, seq), high=vocab))
@@ -118,8 +124,10 @@ def hf_example(model: torch.nn.Module, batch: int, seq: Optional[int] = None,
         inputs.append(InputSpec("pixel_values", (batch, *_image_shape(config)), dtype=torch.float32))
     if not inputs:
         needs = [n for n in params if n not in ("self", "kwargs", "args")][:3]
-        raise ModelError(f"{type(model).__name__} takes {needs}: nest-fx makes example inputs for token ids and "
-                         "images only; build the model yourself and pass example_inputs to auto_parallelize")
+        raise ModelError(
+            f"{type(model).__name__} takes {needs}: nest-fx makes example inputs for token ids and "
+            "images only; build the model yourself and pass example_inputs to auto_parallelize"
+        )
     labels: List[InputSpec] = []
     if "labels" in params:
         name = type(model).__name__
@@ -136,5 +144,4 @@ def with_loss_fn(example: Example) -> Example:
     if example.loss != "model" or len(example.labels) != 1:
         return example
     label = example.labels[0]
-    return Example(example.inputs, "lm" if len(label.shape) == 2 else "classify",
-                   target=replace(label, name="target"))
+    return Example(example.inputs, "lm" if len(label.shape) == 2 else "classify", target=replace(label, name="target"))

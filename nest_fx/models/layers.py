@@ -4,6 +4,7 @@
 Written so that ``torch.fx.symbolic_trace`` traces them (no data-dependent Python control
 flow); see ``transformer.py`` for the module names they get in a model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,8 +61,9 @@ class Rotary(nn.Module):
         if self.cos.device.type == "meta":
             return
         device = self.cos.device
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
-                                         / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
+        )
         angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=device), inv_freq)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())

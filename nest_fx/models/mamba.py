@@ -10,6 +10,7 @@ RMSNorm per group and the output projection. Parameters (``docs/cost_model.md``,
 ``in_proj`` hidden x (2 d_inner + 2 groups state + heads), ``conv`` (d_inner + 2 groups state) x
 (conv + 1), ``dt_bias``/``A_log``/``D`` one per head, ``norm`` d_inner, ``out_proj`` d_inner x hidden.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,9 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.fx.wrap
-def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-             chunk: int) -> torch.Tensor:
+def ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """The SSD recurrence h_t = exp(dt_t a) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t from a zero state.
 
     x [batch, seq, heads, p], dt [batch, seq, heads], a [heads], b/c [batch, seq, groups, n] ->
@@ -68,13 +70,18 @@ class Mamba2(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.heads, self.head_dim, self.groups, self.state = (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_groups,
-                                                              cfg.mamba_state)
+        self.heads, self.head_dim, self.groups, self.state = (
+            cfg.mamba_heads,
+            cfg.mamba_head_dim,
+            cfg.mamba_groups,
+            cfg.mamba_state,
+        )
         self.inner, self.chunk, self.eps = cfg.mamba_inner, cfg.mamba_chunk, cfg.norm_eps
         self.conv_dim = self.inner + 2 * self.groups * self.state
         self.in_proj = nn.Linear(cfg.hidden, self.inner + self.conv_dim + self.heads, bias=cfg.bias)
-        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.mamba_conv, groups=self.conv_dim,
-                              padding=cfg.mamba_conv - 1)
+        self.conv = nn.Conv1d(
+            self.conv_dim, self.conv_dim, cfg.mamba_conv, groups=self.conv_dim, padding=cfg.mamba_conv - 1
+        )
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
         self.D = nn.Parameter(torch.empty(self.heads))
@@ -100,8 +107,14 @@ class Mamba2(nn.Module):
         xs, b, c = xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
         xs = xs.view(bsz, seq, self.heads, self.head_dim)
         dt = F.softplus(dt + self.dt_bias)
-        y = ssd_scan(xs, dt, -torch.exp(self.A_log.float()).to(x.dtype), b.view(bsz, seq, self.groups, self.state),
-                     c.view(bsz, seq, self.groups, self.state), self.chunk)
+        y = ssd_scan(
+            xs,
+            dt,
+            -torch.exp(self.A_log.float()).to(x.dtype),
+            b.view(bsz, seq, self.groups, self.state),
+            c.view(bsz, seq, self.groups, self.state),
+            self.chunk,
+        )
         y = (y + xs * self.D.unsqueeze(-1)).view(bsz, seq, self.groups, -1)
         gated = (y * F.silu(z.view(bsz, seq, self.groups, -1))).float()
         normed = gated * gated.pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()

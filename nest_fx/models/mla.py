@@ -9,6 +9,7 @@ heads. Training runs the uncompressed form (the latent absorbed into the project
 inference trick), so attention is ordinary SDPA with q.k width head_dim + rope_head_dim and value
 width v_head_dim.
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ The buffer's expert dimension is what expert parallelism exchanges with all_to_a
 ``shared_experts > 0`` adds one always-on MLP of ``shared_experts x moe_ffn_hidden`` (DeepSeek-V2/V3,
 Qwen-MoE: the shared experts fused into one), a dense module that stays replicated under EP.
 """
+
 from __future__ import annotations
 
 import torch

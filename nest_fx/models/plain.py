@@ -7,6 +7,7 @@
 Conv-BatchNorm-ReLU, global average pooling and a linear classifier, in one ``nn.Sequential``;
 input ``[batch, 3, image, image]``. Both train with class cross entropy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ def parse_plain(name: str) -> PlainConfig:
         key, eq, raw = item.partition("=")
         key = _ALIASES.get(key.strip(), key.strip())
         if not eq or key not in _KEYS[kind]:
-            raise ModelError(f"bad field {item!r} in {name!r}: expected key=value with key one of "
-                             f"{sorted(_KEYS[kind])}")
+            raise ModelError(
+                f"bad field {item!r} in {name!r}: expected key=value with key one of {sorted(_KEYS[kind])}"
+            )
         try:
             values[key] = int(raw)
         except ValueError:
@@ -82,5 +84,8 @@ def build_plain(cfg: PlainConfig) -> nn.Module:
 def plain_example(cfg: PlainConfig, batch: int, dtype: torch.dtype = torch.float32) -> Example:
     """Inputs and class targets of a plain model."""
     shape: Tuple[int, ...] = (batch, cfg.features) if cfg.kind == "mlp" else (batch, 3, cfg.image, cfg.image)
-    return Example([InputSpec("x", shape, dtype=dtype, positional=True)], "classify",
-                   target=InputSpec("target", (batch,), high=cfg.classes))
+    return Example(
+        [InputSpec("x", shape, dtype=dtype, positional=True)],
+        "classify",
+        target=InputSpec("target", (batch,), high=cfg.classes),
+    )

@@ -17,6 +17,7 @@ with readable fully-qualified names:
                                     attention, MLP or MoE) behind its norm
     norm, lm_head                   final norm and output projection
 """
+
 from __future__ import annotations
 
 import torch

@@ -27,6 +27,7 @@ Sources for the shapes:
                   131072 vocab; the pattern places the 4 attention layers evenly (reconstructed from
                   the report's counts, see docs/cost_model.md)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,56 +47,175 @@ _LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
 
 NAMED_CONFIGS: Dict[str, TransformerConfig] = {
     "gpt2-small": TransformerConfig(
-        name="gpt2-small", vocab_size=50257, hidden=768, layers=12, heads=12, seq_len=1024,
-        tie_embeddings=True, **_GPT),
+        name="gpt2-small", vocab_size=50257, hidden=768, layers=12, heads=12, seq_len=1024, tie_embeddings=True, **_GPT
+    ),
     "bert-large": TransformerConfig(
-        name="bert-large", vocab_size=30522, hidden=1024, layers=24, heads=16, seq_len=512,
-        causal=False, tie_embeddings=True, norm_eps=1e-12, **_GPT),
+        name="bert-large",
+        vocab_size=30522,
+        hidden=1024,
+        layers=24,
+        heads=16,
+        seq_len=512,
+        causal=False,
+        tie_embeddings=True,
+        norm_eps=1e-12,
+        **_GPT,
+    ),
     "llama2-7b": TransformerConfig(
-        name="llama2-7b", vocab_size=32000, hidden=4096, layers=32, heads=32, ffn_hidden=11008,
-        seq_len=4096, **_LLAMA),
+        name="llama2-7b", vocab_size=32000, hidden=4096, layers=32, heads=32, ffn_hidden=11008, seq_len=4096, **_LLAMA
+    ),
     "llama3-70b": TransformerConfig(
-        name="llama3-70b", vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8,
-        ffn_hidden=28672, seq_len=8192, rope_theta=500000.0, **_LLAMA),
+        name="llama3-70b",
+        vocab_size=128256,
+        hidden=8192,
+        layers=80,
+        heads=64,
+        kv_heads=8,
+        ffn_hidden=28672,
+        seq_len=8192,
+        rope_theta=500000.0,
+        **_LLAMA,
+    ),
     "mixtral-8x7b": TransformerConfig(
-        name="mixtral-8x7b", vocab_size=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
-        ffn_hidden=14336, seq_len=4096, num_experts=8, top_k=2, rope_theta=1e6, **_LLAMA),
+        name="mixtral-8x7b",
+        vocab_size=32000,
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=14336,
+        seq_len=4096,
+        num_experts=8,
+        top_k=2,
+        rope_theta=1e6,
+        **_LLAMA,
+    ),
     "gpt3-175b": TransformerConfig(
-        name="gpt3-175b", vocab_size=50257, hidden=12288, layers=96, heads=96, seq_len=2048,
-        **_GPT),
+        name="gpt3-175b", vocab_size=50257, hidden=12288, layers=96, heads=96, seq_len=2048, **_GPT
+    ),
     "llama3-8b": TransformerConfig(
-        name="llama3-8b", vocab_size=128256, hidden=4096, layers=32, heads=32, kv_heads=8,
-        ffn_hidden=14336, seq_len=8192, rope_theta=500000.0, **_LLAMA),
+        name="llama3-8b",
+        vocab_size=128256,
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=14336,
+        seq_len=8192,
+        rope_theta=500000.0,
+        **_LLAMA,
+    ),
     "llama3-405b": TransformerConfig(
-        name="llama3-405b", vocab_size=128256, hidden=16384, layers=126, heads=128, kv_heads=8,
-        ffn_hidden=53248, seq_len=8192, rope_theta=500000.0, **_LLAMA),
+        name="llama3-405b",
+        vocab_size=128256,
+        hidden=16384,
+        layers=126,
+        heads=128,
+        kv_heads=8,
+        ffn_hidden=53248,
+        seq_len=8192,
+        rope_theta=500000.0,
+        **_LLAMA,
+    ),
     "mistral-7b": TransformerConfig(
-        name="mistral-7b", vocab_size=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
-        ffn_hidden=14336, seq_len=8192, sliding_window=4096, **_LLAMA),
+        name="mistral-7b",
+        vocab_size=32000,
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=14336,
+        seq_len=8192,
+        sliding_window=4096,
+        **_LLAMA,
+    ),
     "gemma2-9b": TransformerConfig(
-        name="gemma2-9b", vocab_size=256000, hidden=3584, layers=42, heads=16, kv_heads=8, head_dim=256,
-        ffn_hidden=14336, seq_len=8192, sliding_window=4096, global_every=2, tie_embeddings=True,
-        norm_eps=1e-6, **dict(_LLAMA, activation="geglu")),
+        name="gemma2-9b",
+        vocab_size=256000,
+        hidden=3584,
+        layers=42,
+        heads=16,
+        kv_heads=8,
+        head_dim=256,
+        ffn_hidden=14336,
+        seq_len=8192,
+        sliding_window=4096,
+        global_every=2,
+        tie_embeddings=True,
+        norm_eps=1e-6,
+        **dict(_LLAMA, activation="geglu"),
+    ),
     "deepseek-v3": TransformerConfig(
-        name="deepseek-v3", vocab_size=129280, hidden=7168, layers=61, heads=128, ffn_hidden=18432,
-        seq_len=4096, num_experts=256, top_k=8, moe_ffn_hidden=2048, shared_experts=1, dense_layers=3,
-        q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, head_dim=128, v_head_dim=128, norm_eps=1e-6,
-        **_LLAMA),
+        name="deepseek-v3",
+        vocab_size=129280,
+        hidden=7168,
+        layers=61,
+        heads=128,
+        ffn_hidden=18432,
+        seq_len=4096,
+        num_experts=256,
+        top_k=8,
+        moe_ffn_hidden=2048,
+        shared_experts=1,
+        dense_layers=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        rope_head_dim=64,
+        head_dim=128,
+        v_head_dim=128,
+        norm_eps=1e-6,
+        **_LLAMA,
+    ),
     "qwen1.5-moe-a2.7b": TransformerConfig(
-        name="qwen1.5-moe-a2.7b", vocab_size=151936, hidden=2048, layers=24, heads=16, ffn_hidden=5632,
-        seq_len=8192, num_experts=60, top_k=4, moe_ffn_hidden=1408, shared_experts=4, norm_eps=1e-6,
-        rope_theta=1e6, **_LLAMA),
+        name="qwen1.5-moe-a2.7b",
+        vocab_size=151936,
+        hidden=2048,
+        layers=24,
+        heads=16,
+        ffn_hidden=5632,
+        seq_len=8192,
+        num_experts=60,
+        top_k=4,
+        moe_ffn_hidden=1408,
+        shared_experts=4,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        **_LLAMA,
+    ),
     "nemotron-h-8b": TransformerConfig(
-        name="nemotron-h-8b", vocab_size=131072, hidden=4096, layers=52, heads=32, kv_heads=8, head_dim=128,
-        ffn_hidden=21504, seq_len=8192, layer_pattern="M-M-M-M*-" * 4 + "M-M-M-M-" * 2, mamba_heads=128,
-        mamba_head_dim=64, mamba_state=128, mamba_groups=8, mamba_conv=4,
-        **dict(_LLAMA, activation="relu2")),
+        name="nemotron-h-8b",
+        vocab_size=131072,
+        hidden=4096,
+        layers=52,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffn_hidden=21504,
+        seq_len=8192,
+        layer_pattern="M-M-M-M*-" * 4 + "M-M-M-M-" * 2,
+        mamba_heads=128,
+        mamba_head_dim=64,
+        mamba_state=128,
+        mamba_groups=8,
+        mamba_conv=4,
+        **dict(_LLAMA, activation="relu2"),
+    ),
 }
 
-SPEC_ALIASES = {"vocab": "vocab_size", "seq": "seq_len", "ffn": "ffn_hidden", "experts": "num_experts",
-                 "kv": "kv_heads", "topk": "top_k", "window": "sliding_window", "pattern": "layer_pattern",
-                 "shared": "shared_experts", "moe_ffn": "moe_ffn_hidden", "q_lora": "q_lora_rank",
-                 "kv_lora": "kv_lora_rank"}
+SPEC_ALIASES = {
+    "vocab": "vocab_size",
+    "seq": "seq_len",
+    "ffn": "ffn_hidden",
+    "experts": "num_experts",
+    "kv": "kv_heads",
+    "topk": "top_k",
+    "window": "sliding_window",
+    "pattern": "layer_pattern",
+    "shared": "shared_experts",
+    "moe_ffn": "moe_ffn_hidden",
+    "q_lora": "q_lora_rank",
+    "kv_lora": "kv_lora_rank",
+}
 
 
 def parse_spec(spec: str) -> TransformerConfig:
@@ -110,8 +230,10 @@ def parse_spec(spec: str) -> TransformerConfig:
     family, _, body = spec.partition(":")
     base = {"gpt": _GPT, "llama": _LLAMA, "moe": dict(_LLAMA, num_experts=8, top_k=2)}.get(family)
     if base is None:
-        raise ModelError(f"unknown model family {family!r} in {spec!r}{close_matches(family, ('gpt', 'llama', 'moe'))}: "
-                         "use gpt:, llama: or moe:")
+        raise ModelError(
+            f"unknown model family {family!r} in {spec!r}{close_matches(family, ('gpt', 'llama', 'moe'))}: "
+            "use gpt:, llama: or moe:"
+        )
     valid = {f.name: f.type for f in fields(TransformerConfig)}
     kwargs = dict(base)
     for item in filter(None, (s.strip() for s in body.split(","))):
@@ -120,13 +242,20 @@ def parse_spec(spec: str) -> TransformerConfig:
         if not eq or key not in valid or key == "name":
             raise ModelError(
                 f"bad field {item!r} in model spec {spec!r}: expected key=value with key one of "
-                f"{sorted(set(valid) - {'name'} | set(SPEC_ALIASES))}")
+                f"{sorted(set(valid) - {'name'} | set(SPEC_ALIASES))}"
+            )
         kwargs[key] = coerce_value(value.strip(), kwargs.get(key, getattr(TransformerConfig, key, None)), item)
     return TransformerConfig(name=spec, **kwargs)
 
 
-_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a JSON list",
-          dict: "a JSON object"}
+_KINDS = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a JSON list",
+    dict: "a JSON object",
+}
 
 
 def coerce_value(value: str, default, item: str):
@@ -160,12 +289,14 @@ def get_config(name: str, **overrides) -> TransformerConfig:
             f"unknown model {name!r}{close_matches(name, NAMED_CONFIGS)}: use one of {sorted(NAMED_CONFIGS)}, a "
             "spec like 'gpt:hidden=768,layers=12,heads=12,seq=1024,vocab=50257' (or llama:, moe:), a plain model "
             "(mlp:..., cnn:...), hf:<model_type> for any architecture transformers ships (e.g. hf:llama, hf:qwen2) "
-            "or hf-config:PATH")
+            "or hf-config:PATH"
+        )
     return replace(cfg, **overrides) if overrides else cfg
 
 
-def build_model(name: str, *, device: str | torch.device = "meta", dtype: Optional[torch.dtype] = None,
-                **overrides) -> Tuple[torch.nn.Module, TransformerConfig]:
+def build_model(
+    name: str, *, device: str | torch.device = "meta", dtype: Optional[torch.dtype] = None, **overrides
+) -> Tuple[torch.nn.Module, TransformerConfig]:
     """Build a zoo model; on ``meta`` no memory is allocated (a 175B model builds in seconds)."""
     cfg = get_config(name, **overrides)
     with torch.device(device), default_dtype(dtype):

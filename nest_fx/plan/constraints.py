@@ -34,6 +34,7 @@ parallelism, HSDP, loss parallel, compile, Float8) is written the same way and r
 solver with that reason until it is searched (``nest_fx.solver.constraints``). This module
 checks the form; whether a set can be met on a model and cluster is the solver's question.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -118,8 +119,10 @@ class Constraints:
                 continue
             shown = [v for v in s.values if v != ""]
             if shown and value not in shown:
-                raise ConstraintError(f"{s.name}: must be one of {shown}, got {brief(value)}"
-                                      f"{close_matches(value, [str(v) for v in shown])}")
+                raise ConstraintError(
+                    f"{s.name}: must be one of {shown}, got {brief(value)}"
+                    f"{close_matches(value, [str(v) for v in shown])}"
+                )
             problem = s.check(value)
             if problem:
                 raise ConstraintError(f"{s.name}: {problem}")
@@ -188,8 +191,9 @@ class Constraints:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and value != {}:
-                out[f.name] = dict(value) if isinstance(value, dict) else (list(value) if isinstance(value, list)
-                                                                           else value)
+                out[f.name] = (
+                    dict(value) if isinstance(value, dict) else (list(value) if isinstance(value, list) else value)
+                )
         return out
 
     @classmethod
@@ -201,7 +205,9 @@ class Constraints:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(known), key=str)
         if unknown:
-            raise ConstraintError(f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], known)}; known: {known}")
+            raise ConstraintError(
+                f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], known)}; known: {known}"
+            )
         for kind in ("fix", "min", "max"):
             if kind in data and not isinstance(data[kind], Mapping):
                 raise ConstraintError(f"{where}.{kind}: must map degrees to values, got {brief(data[kind])}")
@@ -230,14 +236,20 @@ def schedule_pairs(names: Sequence[str], interleave_factors: Sequence[int]) -> L
     out: List[Tuple[str, int]] = []
     for name in names:
         base, _, v = name.partition(":")
-        for pair in ([(base, int(v))] if v else [(base, f) for f in interleave_factors] if base in CHUNKED_SCHEDULES
-                     else [(base, model_chunks(base, 1))]):
+        for pair in (
+            [(base, int(v))]
+            if v
+            else [(base, f) for f in interleave_factors]
+            if base in CHUNKED_SCHEDULES
+            else [(base, model_chunks(base, 1))]
+        ):
             if pair not in out:
                 out.append(pair)
     return out
 
 
 # -- the command line's text forms ----------------------------------------------------------
+
 
 def parse_assignments(text: str, kind: str) -> Dict[str, Union[int, bool]]:
     """``"tp=8,pp=16"`` -> ``{"tp": 8, "pp": 16}`` (``fix`` also takes flags: ``compile=false``);

@@ -24,6 +24,7 @@ The model-level verdicts themselves live in ``nest_fx.plan.support`` (:class:`Pa
 how TP, PP, EP, CP and loss parallelism apply to this model's modules); this module is where
 they are asked.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,8 +42,17 @@ from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on the model's modules
 
 
-def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: bool, float8: bool,
-                      async_tp: bool = False, sequence_parallel: bool = False) -> List[str]:
+def unrun_combination(
+    *,
+    tp: int,
+    ep: int,
+    dp_shard: int,
+    hsdp: bool,
+    compile: bool,
+    float8: bool,
+    async_tp: bool = False,
+    sequence_parallel: bool = False,
+) -> List[str]:
     """[] when the runtime runs these degrees and options together, else why not (the planner
     searches only combinations it runs): HSDP with expert groups that cross the shard groups
     (``ep`` must divide ``dp_shard``: ``nest_fx.apply.mesh``). torch.compile and Float8 run with
@@ -52,18 +62,30 @@ def unrun_combination(*, tp: int, ep: int, dp_shard: int, hsdp: bool, compile: b
     and compile (``nest_fx.apply.async_tp``; CUDA is the runtime's check)."""
     out = []
     if async_tp and (tp == 1 or not sequence_parallel or not compile):
-        missing = [what for what, ok in ((f"tp > 1 (tp={tp})", tp > 1), ("sequence_parallel=true", sequence_parallel),
-                                         ("compile=true", compile)) if not ok]
-        out.append(f"async_tp needs {', '.join(missing)}: it fuses sequence parallelism's all-gathers and "
-                   "reduce-scatters with the matmuls of torch.compile's graphs (set them, or async_tp=false)")
+        missing = [
+            what
+            for what, ok in (
+                (f"tp > 1 (tp={tp})", tp > 1),
+                ("sequence_parallel=true", sequence_parallel),
+                ("compile=true", compile),
+            )
+            if not ok
+        ]
+        out.append(
+            f"async_tp needs {', '.join(missing)}: it fuses sequence parallelism's all-gathers and "
+            "reduce-scatters with the matmuls of torch.compile's graphs (set them, or async_tp=false)"
+        )
     if hsdp and ep > 1 and dp_shard % ep:
-        out.append(f"dp_shard={dp_shard} with ep={ep}: under HSDP the expert groups must lie inside the shard groups "
-                   f"(use a dp_shard that is a multiple of ep={ep}, dp_shard=0, or ep=1)")
+        out.append(
+            f"dp_shard={dp_shard} with ep={ep}: under HSDP the expert groups must lie inside the shard groups "
+            f"(use a dp_shard that is a multiple of ep={ep}, dp_shard=0, or ep=1)"
+        )
     return out
 
 
-def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = False,
-                   recompute: Sequence[str] = ()) -> str:
+def unrun_schedule(
+    schedule: str, *, pp: int, zero: int = 0, compile: bool = False, recompute: Sequence[str] = ()
+) -> str:
     """'' when the runtime runs ``schedule`` on ``pp`` stages with these settings (on any model;
     ``recompute``: the stages' policies), else why not and the fix. The zero-bubble schedules
     (``interleaved-zb``, ``zbv``, ``dualpipev``) split each backward into an input-gradient and a
@@ -76,15 +98,21 @@ def unrun_schedule(schedule: str, *, pp: int, zero: int = 0, compile: bool = Fal
         return ""
     sac = next((r for r in recompute if parse_recompute(r).kind in ("selective", "op")), None)
     if sac is not None:
-        return (f"schedule {schedule} with recompute={sac}: selective activation checkpointing frees what it "
-                "saved at the input-gradient pass, before the weight-gradient pass the zero-bubble schedules run "
-                "after it; fix: recompute none, full or every:<k>, or schedule 1f1b or interleaved")
+        return (
+            f"schedule {schedule} with recompute={sac}: selective activation checkpointing frees what it "
+            "saved at the input-gradient pass, before the weight-gradient pass the zero-bubble schedules run "
+            "after it; fix: recompute none, full or every:<k>, or schedule 1f1b or interleaved"
+        )
     if zero >= 3:
-        return (f"schedule {schedule} with zero=3: the zero-bubble schedules compute weight gradients after "
-                "FSDP has resharded the stage and reduced its gradients; fix: zero <= 2, or schedule 1f1b or interleaved")
+        return (
+            f"schedule {schedule} with zero=3: the zero-bubble schedules compute weight gradients after "
+            "FSDP has resharded the stage and reduced its gradients; fix: zero <= 2, or schedule 1f1b or interleaved"
+        )
     if compile:
-        return (f"schedule {schedule} with compile: torch's pipelining does not split a compiled backward into "
-                "input and weight gradients; fix: compile=false, or schedule 1f1b or interleaved")
+        return (
+            f"schedule {schedule} with compile: torch's pipelining does not split a compiled backward into "
+            "input and weight gradients; fix: compile=false, or schedule 1f1b or interleaved"
+        )
     return ""
 
 
@@ -99,14 +127,21 @@ def unrun_kernels(kernels: str, compile: bool, constraints: bool = False) -> str
     if kernels in ("", runs):
         return ""
     if constraints:
-        fix = ("add fix compile=true to the constraints" if kernels == "compile" else
-               f"drop kernels from constraints= (or set it to '' or {runs}); kernels={kernels} is for predicting "
-               "other systems with nest-fx plan/simulate")
-        return (f"auto_parallelize would plan for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
-                f"(it runs eager, or compile with fix compile=true); fix: {fix}")
+        fix = (
+            "add fix compile=true to the constraints"
+            if kernels == "compile"
+            else f"drop kernels from constraints= (or set it to '' or {runs}); kernels={kernels} is for predicting "
+            "other systems with nest-fx plan/simulate"
+        )
+        return (
+            f"auto_parallelize would plan for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
+            f"(it runs eager, or compile with fix compile=true); fix: {fix}"
+        )
     fix = "set compile=true" if kernels == "compile" else "use kernels '' (what nest-fx runs)"
-    return (f"kernels={kernels}: the plan is priced for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
-            f"for it (that backend predicts other systems with nest-fx plan/simulate); fix: {fix}")
+    return (
+        f"kernels={kernels}: the plan is priced for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
+        f"for it (that backend predicts other systems with nest-fx plan/simulate); fix: {fix}"
+    )
 
 
 def unrun_constraints(constraints: Optional[Constraints]) -> Optional[Tuple[str, str]]:
@@ -127,8 +162,10 @@ def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -
     Schedule1F1B), the interleaved schedule a multiple of ``pp``. The planner searches only what
     passes (``solver.space``); the runtime's checks refuse the rest."""
     if pp > 1 and schedule == "1f1b" and num_microbatches < pp:
-        return (f"1F1B with pp={pp} stages needs at least {pp} microbatches per step, got {num_microbatches}; "
-                f"fix: raise num_microbatches to >= {pp} or use schedule 'gpipe'")
+        return (
+            f"1F1B with pp={pp} stages needs at least {pp} microbatches per step, got {num_microbatches}; "
+            f"fix: raise num_microbatches to >= {pp} or use schedule 'gpipe'"
+        )
     if pp > 1 and schedule in CHUNKED_SCHEDULES and num_microbatches % pp:
         return f"the {schedule} schedule needs num_microbatches ({num_microbatches}) to be a multiple of pp={pp}"
     return ""
@@ -137,21 +174,45 @@ def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -
 def unrun_fields(plan: Plan) -> List[str]:
     """Combinations of plan fields the runtime refuses on any model, each with the reason:
     unknown recompute policies, :func:`unrun_schedule` and :func:`unrun_combination`."""
-    out = [f"stages[{i}]: {problem}" for i, s in enumerate(plan.stages)
-           for problem in [recompute_policy_problem(s.recompute)] if problem]
+    out = [
+        f"stages[{i}]: {problem}"
+        for i, s in enumerate(plan.stages)
+        for problem in [recompute_policy_problem(s.recompute)]
+        if problem
+    ]
     if not out:  # the policies parse
-        out += [p for p in [unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
-                                           recompute=[s.recompute for s in plan.stages])] if p]
-    return out + unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
-                                   hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8,
-                                   async_tp=plan.async_tp, sequence_parallel=plan.sequence_parallel)
+        out += [
+            p
+            for p in [
+                unrun_schedule(
+                    plan.schedule,
+                    pp=plan.pp,
+                    zero=plan.zero,
+                    compile=plan.compile,
+                    recompute=[s.recompute for s in plan.stages],
+                )
+            ]
+            if p
+        ]
+    return out + unrun_combination(
+        tp=max(s.tp for s in plan.stages),
+        ep=plan.ep,
+        dp_shard=plan.dp_shard,
+        hsdp=plan.replicate_degree > 1,
+        compile=plan.compile,
+        float8=plan.float8,
+        async_tp=plan.async_tp,
+        sequence_parallel=plan.sequence_parallel,
+    )
 
 
 def device_problems(device, *, float8: bool = False) -> List[str]:
     """Settings a ``DeviceSpec`` cannot run: Float8 linears need an fp8 rate (tensor cores)."""
     if float8 and not device.peak_flops.get("fp8"):
-        return [f"float8=true: the device {device.name} has no fp8 rate (its peak_flops list no 'fp8'); Float8 "
-                "linears need fp8 tensor cores. fix: float8=false, or a device that has them"]
+        return [
+            f"float8=true: the device {device.name} has no fp8 rate (its peak_flops list no 'fp8'); Float8 "
+            "linears need fp8 tensor cores. fix: float8=false, or a device that has them"
+        ]
     return []
 
 
@@ -207,10 +268,16 @@ class MayRun:
     def model_problems(self, plan: Plan) -> List[str]:
         """Why this model cannot run ``plan``'s degrees: TP of each stage (and sequence
         parallelism under it), EP, the pipeline cut (with a traced graph)."""
-        out = [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p]
+        out = [
+            p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p
+        ]
         if plan.sequence_parallel:
-            out += [p for tp in sorted({s.tp for s in plan.stages if s.tp > 1})
-                    for p in [self.degree_problem("sequence_parallel", tp)] if p][:1]
+            out += [
+                p
+                for tp in sorted({s.tp for s in plan.stages if s.tp > 1})
+                for p in [self.degree_problem("sequence_parallel", tp)]
+                if p
+            ][:1]
         out += [p for p in [self.degree_problem("ep", plan.ep, plan.dp)] if p]
         if self.graph is not None:
             out += [p for p in [self.degree_problem("pp", plan.pp)] if p]

@@ -18,6 +18,7 @@ Devices past ``dp * P`` are idle. ``device_order`` (optional) places the plan ra
 cluster: plan rank r runs on cluster rank ``device_order[r]`` (absent = identity; chosen by the
 planner on graph topologies). See docs/plan_format.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,18 @@ from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.settings import PLAN_SETTINGS, STAGE_SETTINGS, add_fields
+
 # the plan's names live in vocabulary.py (shared with constraints.py); imported here too so that
 # `from nest_fx.plan.plan import SCHEDULES, recompute_problem, ...` keeps working
-from nest_fx.plan.vocabulary import (CHUNKED_SCHEDULES, PLACEMENTS, PRECISIONS, RECOMPUTE_FORMS,  # noqa: F401
-                                     SCHEDULES, V_SCHEDULES, recompute_problem)
+from nest_fx.plan.vocabulary import (  # noqa: F401
+    CHUNKED_SCHEDULES,
+    PLACEMENTS,
+    PRECISIONS,
+    RECOMPUTE_FORMS,
+    SCHEDULES,
+    V_SCHEDULES,
+    recompute_problem,
+)
 
 PLAN_FORMAT = "nest-fx-plan/1"
 
@@ -47,10 +56,12 @@ def interleave_problem(stages: List["StagePlan"], virtual_stages: int) -> str:
     chunks, ``nest_fx.apply.pipeline.interleaved_ranges``), else what is wrong and the fix."""
     for i, s in enumerate(stages):
         if s.end - s.start < virtual_stages:
-            return (f"stages[{i}] has {s.end - s.start} layer(s), fewer than virtual_stages={virtual_stages} "
-                    "(the interleaved schedules run v chunks of at least one layer on every device); fix: "
-                    f"lower virtual_stages to at most {min(st.end - st.start for st in stages)} or give every "
-                    "stage more layers")
+            return (
+                f"stages[{i}] has {s.end - s.start} layer(s), fewer than virtual_stages={virtual_stages} "
+                "(the interleaved schedules run v chunks of at least one layer on every device); fix: "
+                f"lower virtual_stages to at most {min(st.end - st.start for st in stages)} or give every "
+                "stage more layers"
+            )
     return ""
 
 
@@ -173,8 +184,9 @@ class Plan:
         expect = 0
         for i, s in enumerate(self.stages):
             if s.start != expect:
-                raise PlanError(f"stages[{i}].start: expected {expect} (stages must cover the layers "
-                                f"contiguously), got {s.start}")
+                raise PlanError(
+                    f"stages[{i}].start: expected {expect} (stages must cover the layers contiguously), got {s.start}"
+                )
             if s.end <= s.start:
                 raise PlanError(f"stages[{i}]: empty layer range [{s.start}, {s.end})")
             for setting in STAGE_SETTINGS:
@@ -185,8 +197,9 @@ class Plan:
         if n and expect != n:
             whose = "the workload has" if num_layers is not None else "num_layers is"
             made_for = f"the plan was made for {brief(self.model)}: " if self.model else ""
-            raise PlanError(f"stages: cover layers [0, {expect}) but {whose} {n} layers "
-                            f"({made_for}a plan for another model?)")
+            raise PlanError(
+                f"stages: cover layers [0, {expect}) but {whose} {n} layers ({made_for}a plan for another model?)"
+            )
         for setting in PLAN_SETTINGS:
             if setting.type in (int, str):
                 problem = setting.range_problem(getattr(self, setting.name))
@@ -195,40 +208,56 @@ class Plan:
         if self.dp % self.ep:
             raise PlanError(f"ep={self.ep} must divide dp={self.dp} (expert groups are carved from replicas)")
         if self.dp_shard and self.dp % self.dp_shard:
-            raise PlanError(f"dp_shard={self.dp_shard} must divide dp={self.dp} (HSDP shards over groups of dp_shard "
-                            "consecutive replicas and replicates across them; 0 = shard over all of dp)")
+            raise PlanError(
+                f"dp_shard={self.dp_shard} must divide dp={self.dp} (HSDP shards over groups of dp_shard "
+                "consecutive replicas and replicates across them; 0 = shard over all of dp)"
+            )
         if self.dp_shard not in (0, self.dp) and self.zero == 0:
-            raise PlanError(f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
-                            "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard")
+            raise PlanError(
+                f"dp_shard={self.dp_shard} needs zero >= 1 (HSDP shards parameters, gradients or "
+                "optimizer states; with zero=0 nothing is sharded): set zero or drop dp_shard"
+            )
         if self.schedule in CHUNKED_SCHEDULES:
             if self.virtual_stages < 2:
                 raise PlanError(f"virtual_stages: the {self.schedule} schedule needs >= 2 chunks per device")
             if self.num_microbatches % self.pp:
-                raise PlanError(f"num_microbatches={self.num_microbatches} must be a multiple of the "
-                                f"{self.pp} stages for the {self.schedule} schedule")
+                raise PlanError(
+                    f"num_microbatches={self.num_microbatches} must be a multiple of the "
+                    f"{self.pp} stages for the {self.schedule} schedule"
+                )
             short = interleave_problem(self.stages, self.virtual_stages)
             if short:
                 raise PlanError(short)
         elif self.schedule in V_SCHEDULES:
             if self.virtual_stages != 2:
-                raise PlanError(f"virtual_stages={self.virtual_stages}: the {self.schedule} schedule runs 2 model chunks "
-                                "per device, laid in a V; set virtual_stages to 2")
+                raise PlanError(
+                    f"virtual_stages={self.virtual_stages}: the {self.schedule} schedule runs 2 model chunks "
+                    "per device, laid in a V; set virtual_stages to 2"
+                )
             if self.num_microbatches < 2 * self.pp:
-                raise PlanError(f"num_microbatches={self.num_microbatches}: the {self.schedule} schedule needs at least "
-                                f"2 x pp = {2 * self.pp} microbatches (one per model chunk) to fill its V; fix: raise "
-                                "num_microbatches or use the 1f1b schedule")
+                raise PlanError(
+                    f"num_microbatches={self.num_microbatches}: the {self.schedule} schedule needs at least "
+                    f"2 x pp = {2 * self.pp} microbatches (one per model chunk) to fill its V; fix: raise "
+                    "num_microbatches or use the 1f1b schedule"
+                )
             short = [i for i, st in enumerate(self.stages) if st.end - st.start < 2]
             if short:
-                raise PlanError(f"stages[{short[0]}] has 1 layer: the {self.schedule} schedule cuts every device's "
-                                "layers into 2 model chunks; fix: give every stage 2 layers or more, or use 1f1b")
+                raise PlanError(
+                    f"stages[{short[0]}] has 1 layer: the {self.schedule} schedule cuts every device's "
+                    "layers into 2 model chunks; fix: give every stage 2 layers or more, or use 1f1b"
+                )
         elif self.virtual_stages != 1:
-            raise PlanError(f"virtual_stages={self.virtual_stages}: model chunks per device belong to the "
-                            f"{', '.join(CHUNKED_SCHEDULES + V_SCHEDULES)} schedules; with schedule "
-                            f"{self.schedule!r} set virtual_stages to 1")
+            raise PlanError(
+                f"virtual_stages={self.virtual_stages}: model chunks per device belong to the "
+                f"{', '.join(CHUNKED_SCHEDULES + V_SCHEDULES)} schedules; with schedule "
+                f"{self.schedule!r} set virtual_stages to 1"
+            )
         ws = world_size if world_size is not None else self.world_size
         if ws and self.devices_used > ws:
-            raise PlanError(f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "
-                            f"per replica) but the world has {ws}")
+            raise PlanError(
+                f"the plan uses {self.devices_used} devices (dp={self.dp} x {self.devices_per_replica} "
+                f"per replica) but the world has {ws}"
+            )
         if self.device_order is not None:
             check_device_order(self.device_order, ws or len(self.device_order), self.devices_used)
 
@@ -240,7 +269,8 @@ class Plan:
             raise PlanError(
                 f"model_fingerprint: the plan was made for {made_for} (layer chain {self.model_fingerprint}) but "
                 f"{what}'s layer chain is {fingerprint}: the layers' kinds or parameter counts differ; fix: plan for "
-                "this model (nest-fx plan --model ...), or delete model_fingerprint from a plan you edited on purpose")
+                "this model (nest-fx plan --model ...), or delete model_fingerprint from a plan you edited on purpose"
+            )
 
     # -- io -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -292,8 +322,9 @@ def _stage_fields(raw: object, i: int) -> StagePlan:
         raise PlanError(f"stages[{i}] needs 'start' and 'end' (layer indices), got {brief(raw)}")
     bad = set(raw) - set(StagePlan.__dataclass_fields__)
     if bad:
-        raise PlanError(f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}; "
-                        f"known: {sorted(StagePlan.__dataclass_fields__)}")
+        raise PlanError(
+            f"stages[{i}] has unknown field(s) {sorted(bad, key=str)}; known: {sorted(StagePlan.__dataclass_fields__)}"
+        )
     recompute = raw.get("recompute", "none")
     if not isinstance(recompute, str):
         raise PlanError(f"stages[{i}].recompute: {recompute_problem(recompute)}")
@@ -314,8 +345,10 @@ def _plan_fields(data: object) -> dict:
         raise PlanError(f"expected a JSON object with format {PLAN_FORMAT!r}, got {type(data).__name__}")
     fmt = data.get("format")
     if fmt != PLAN_FORMAT:
-        raise PlanError(f"format is {brief(fmt)}; this version reads {PLAN_FORMAT!r} "
-                        "(re-plan with this nest-fx, or fix the file's format field)")
+        raise PlanError(
+            f"format is {brief(fmt)}; this version reads {PLAN_FORMAT!r} "
+            "(re-plan with this nest-fx, or fix the file's format field)"
+        )
     known = set(Plan.__dataclass_fields__)
     unknown = set(data) - known - {"format", "mesh", "derived"}
     if unknown:
@@ -337,7 +370,8 @@ def _plan_fields(data: object) -> dict:
             raise PlanError(str(exc)) from None
     predicted = kwargs.get("predicted", {})
     if not isinstance(predicted, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()):
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in predicted.items()
+    ):
         raise PlanError(f"predicted must map names to numbers (what the planner predicted), got {brief(predicted)}")
     return kwargs
 
@@ -345,8 +379,10 @@ def _plan_fields(data: object) -> dict:
 def check_device_order(order: object, world_size: int, devices_used: int = 0) -> List[int]:
     """``order`` as a list when it is a permutation of ``range(world_size)`` (plan rank r runs on
     cluster rank ``order[r]``), else PlanError naming the problem."""
-    fix = (f"list each rank 0..{world_size - 1} exactly once (plan rank r runs on device_order[r]), "
-           "or leave device_order out for the identity")
+    fix = (
+        f"list each rank 0..{world_size - 1} exactly once (plan rank r runs on device_order[r]), "
+        "or leave device_order out for the identity"
+    )
     if not isinstance(order, (list, tuple)):
         raise PlanError(f"device_order: must be a list of ranks, got {type(order).__name__}; {fix}")
     bad = next((x for x in order if isinstance(x, bool) or not isinstance(x, int)), None)

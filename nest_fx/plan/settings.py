@@ -29,6 +29,7 @@ Only the standard library and ``nest_fx.common`` are imported: the command line 
 parser from this module before it imports torch. Adding a setting: docs/architecture.md,
 "Adding a setting".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from nest_fx.common.fileio import brief
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
-from nest_fx.plan.vocabulary import (ANY_INTERLEAVE, KERNELS, OPTIMIZER_NAMES, PLACEMENTS, PRECISIONS, SCHEDULES,
-                                     recompute_problem, schedule_problem)
+from nest_fx.plan.vocabulary import (
+    ANY_INTERLEAVE,
+    KERNELS,
+    OPTIMIZER_NAMES,
+    PLACEMENTS,
+    PRECISIONS,
+    SCHEDULES,
+    recompute_problem,
+    schedule_problem,
+)
 
 ROLES = ("degree", "flag", "choice", "option", "record")
 SCOPES = ("plan", "stage", "derived", "run")
@@ -56,8 +65,7 @@ class _Unsearched:
 UNSEARCHED = _Unsearched()
 # every per-layer policy and a ladder of layer intervals; the search drops those another policy
 # beats in both time and memory (solver.range_classes.undominated_modes)
-SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "full", "every:2", "every:3",
-                      "every:4")
+SEARCHED_RECOMPUTE = ("none", "op:matmuls", "op", "op:attention", "selective", "full", "every:2", "every:3", "every:4")
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,11 @@ class Setting:
         if self.type is int and abs(value) > MAX_COUNT:
             return f"{brief(value)} is larger than nest-fx handles (at most {MAX_COUNT:,})"
         if self.values and value not in self.values:
-            near = close_matches(value, [v for v in self.values if isinstance(v, str) and v]) if isinstance(value, str) else ""
+            near = (
+                close_matches(value, [v for v in self.values if isinstance(v, str) and v])
+                if isinstance(value, str)
+                else ""
+            )
             return f"{brief(value)}{near}, use {_choices_text(self.values)}"
         if self.minimum is not None and value < self.minimum:
             return f"must be >= {self.minimum:g}, got {value}"
@@ -171,8 +183,9 @@ def _choices_text(values: Tuple[Any, ...]) -> str:
 
 def _fraction_check(value: object) -> str:
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value < 1
-    return "" if ok else (f"must be a fraction of device memory in [0, 1) (e.g. 0.1 keeps 10% free), "
-                          f"got {brief(value)}")
+    return (
+        "" if ok else (f"must be a fraction of device memory in [0, 1) (e.g. 0.1 keeps 10% free), got {brief(value)}")
+    )
 
 
 def _zero_check(value: object) -> str:
@@ -195,118 +208,375 @@ def _recompute_check(value: object) -> str:
 
 SETTINGS: Tuple[Setting, ...] = (
     # -- degrees (searched; Constraints fix/min/max) ------------------------------------------
-    Setting("tp", int, 1, "tensor-parallel degree of a stage", "degree", scope="stage", minimum=1,
-            example_flag="--tp", search=(1, 2, 4, 8)),
-    Setting("pp", int, 1, "pipeline stages (the number of stages)", "degree", scope="derived", minimum=1,
-            example_flag="--pp"),
+    Setting(
+        "tp",
+        int,
+        1,
+        "tensor-parallel degree of a stage",
+        "degree",
+        scope="stage",
+        minimum=1,
+        example_flag="--tp",
+        search=(1, 2, 4, 8),
+    ),
+    Setting(
+        "pp",
+        int,
+        1,
+        "pipeline stages (the number of stages)",
+        "degree",
+        scope="derived",
+        minimum=1,
+        example_flag="--pp",
+    ),
     Setting("dp", int, 1, "data-parallel replicas of the pipeline", "degree", minimum=1),
-    Setting("ep", int, 1, "expert-parallel degree: ep consecutive replicas split the experts (divides dp)",
-            "degree", minimum=1, example_flag="--ep", search=None),
-    Setting("cp", int, 1, "context parallel: each stage replica's sequence is split over cp x tp devices",
-            "degree", minimum=1, example_flag="--cp", search=(1, 2, 4, 8)),
-    Setting("zero", int, 0, "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2; e.g. 3)",
-            "choice", values=(0, 1, 2, 3), allowed="zero_stages", flag="--zero", metavar="Z[,Z]",
-            entry_check=_zero_check, example_flag="--zero", search=(0, 1, 2, 3)),
-    Setting("cp_mode", str, "allgather", "how context parallelism exchanges K/V: allgather (gathered before "
-            "attention) or ring (blocks passed around the CP ring, each transfer under the previous block's "
-            "attention); the planner keeps allgather", "record", values=("allgather", "ring")),
-    Setting("dp_shard", int, 0, "HSDP: shard over groups of dp_shard consecutive replicas, replicate across; "
-            "0 = all of dp", "degree", minimum=0, example_flag="--dp-shard"),
+    Setting(
+        "ep",
+        int,
+        1,
+        "expert-parallel degree: ep consecutive replicas split the experts (divides dp)",
+        "degree",
+        minimum=1,
+        example_flag="--ep",
+        search=None,
+    ),
+    Setting(
+        "cp",
+        int,
+        1,
+        "context parallel: each stage replica's sequence is split over cp x tp devices",
+        "degree",
+        minimum=1,
+        example_flag="--cp",
+        search=(1, 2, 4, 8),
+    ),
+    Setting(
+        "zero",
+        int,
+        0,
+        "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP2; e.g. 3)",
+        "choice",
+        values=(0, 1, 2, 3),
+        allowed="zero_stages",
+        flag="--zero",
+        metavar="Z[,Z]",
+        entry_check=_zero_check,
+        example_flag="--zero",
+        search=(0, 1, 2, 3),
+    ),
+    Setting(
+        "cp_mode",
+        str,
+        "allgather",
+        "how context parallelism exchanges K/V: allgather (gathered before "
+        "attention) or ring (blocks passed around the CP ring, each transfer under the previous block's "
+        "attention); the planner keeps allgather",
+        "record",
+        values=("allgather", "ring"),
+    ),
+    Setting(
+        "dp_shard",
+        int,
+        0,
+        "HSDP: shard over groups of dp_shard consecutive replicas, replicate across; 0 = all of dp",
+        "degree",
+        minimum=0,
+        example_flag="--dp-shard",
+    ),
     # -- flags (Constraints fix) ---------------------------------------------------------------
-    Setting("loss_parallel", bool, False, "vocabulary-parallel cross-entropy over the last stage's TP group",
-            "flag", example_flag="--loss-parallel", search=None),
-    Setting("compile", bool, False, "torch.compile each block (costed: fused elementwise ops, fewer launches; "
-            "docs/cost_model.md)", "flag",
-            flag="--compile", example_flag="--compile", search=False),
-    Setting("float8", bool, False, "Float8 linears (torchao) on devices with fp8 tensor cores (costed: fp8 GEMM "
-            "rate, casts, fp8 weight all-gathers; docs/cost_model.md)", "flag", flag="--float8", search=False),
-    Setting("async_tp", bool, False, "async TP: PyTorch's micro-pipelined TP (inductor fuses sequence parallelism's "
-            "all-gather / reduce-scatter with the matmuls over symmetric memory); needs tp > 1, sequence_parallel, "
-            "compile and CUDA (costed: TP collectives under the stage's compute; docs/cost_model.md)", "flag",
-            flag="--async-tp", search=False),
+    Setting(
+        "loss_parallel",
+        bool,
+        False,
+        "vocabulary-parallel cross-entropy over the last stage's TP group",
+        "flag",
+        example_flag="--loss-parallel",
+        search=None,
+    ),
+    Setting(
+        "compile",
+        bool,
+        False,
+        "torch.compile each block (costed: fused elementwise ops, fewer launches; docs/cost_model.md)",
+        "flag",
+        flag="--compile",
+        example_flag="--compile",
+        search=False,
+    ),
+    Setting(
+        "float8",
+        bool,
+        False,
+        "Float8 linears (torchao) on devices with fp8 tensor cores (costed: fp8 GEMM "
+        "rate, casts, fp8 weight all-gathers; docs/cost_model.md)",
+        "flag",
+        flag="--float8",
+        search=False,
+    ),
+    Setting(
+        "async_tp",
+        bool,
+        False,
+        "async TP: PyTorch's micro-pipelined TP (inductor fuses sequence parallelism's "
+        "all-gather / reduce-scatter with the matmuls over symmetric memory); needs tp > 1, sequence_parallel, "
+        "compile and CUDA (costed: TP collectives under the stage's compute; docs/cost_model.md)",
+        "flag",
+        flag="--async-tp",
+        search=False,
+    ),
     # -- training options (costed, never relaxed) ----------------------------------------------
-    Setting("precision", str, "", "fp32 | bf16-mixed (bf16 parameters and compute, fp32 master weights, "
-            "optimizer states and gradient reduction) | bf16-true (everything bf16); '' = not recorded (costed "
-            "as the cost options say; the runtime keeps the model's dtype). Planner default: bf16-mixed on "
-            "devices with bf16 matrix units, fp32 elsewhere", "option", values=("",) + PRECISIONS,
-            flag="--precision", example_flag="--precision", search=None),
-    Setting("kernels", str, "", "the kernel backend the plan is costed with: eager (PyTorch ops one kernel each: "
-            "nest-fx's runtime), compile (torch.compile per block: the runtime with compile), fused (Transformer "
-            "Engine / Megatron-LM fused norm, RoPE, SwiGLU and FlashAttention-3 attention: to predict those "
-            "systems); '' = compile when compile is set, else eager (docs/cost_model.md, Kernel backends)",
-            "option", values=("",) + KERNELS, flag="--kernels", search=None),
+    Setting(
+        "precision",
+        str,
+        "",
+        "fp32 | bf16-mixed (bf16 parameters and compute, fp32 master weights, "
+        "optimizer states and gradient reduction) | bf16-true (everything bf16); '' = not recorded (costed "
+        "as the cost options say; the runtime keeps the model's dtype). Planner default: bf16-mixed on "
+        "devices with bf16 matrix units, fp32 elsewhere",
+        "option",
+        values=("",) + PRECISIONS,
+        flag="--precision",
+        example_flag="--precision",
+        search=None,
+    ),
+    Setting(
+        "kernels",
+        str,
+        "",
+        "the kernel backend the plan is costed with: eager (PyTorch ops one kernel each: "
+        "nest-fx's runtime), compile (torch.compile per block: the runtime with compile), fused (Transformer "
+        "Engine / Megatron-LM fused norm, RoPE, SwiGLU and FlashAttention-3 attention: to predict those "
+        "systems); '' = compile when compile is set, else eager (docs/cost_model.md, Kernel backends)",
+        "option",
+        values=("",) + KERNELS,
+        flag="--kernels",
+        search=None,
+    ),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),
     # -- choices (Constraints lists of allowed values) -----------------------------------------
-    Setting("microbatch_size", int, 1, "sequences per microbatch (e.g. 2)", "choice", minimum=1, allowed="microbatch_sizes",
-            flag="--microbatch", metavar="B[,B]", entry_check=_size_check, search=(1, 2, 4, 8)),
-    Setting("num_microbatches", int, 1, "microbatches per step and replica", "record", minimum=1,
-            example_flag="--microbatches"),
-    Setting("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved or interleaved-zb (the "
-            "planner's interleave factors), interleaved:V, interleaved-zb:V, zbv or dualpipev", "choice",
-            values=SCHEDULES, allowed="schedules",
-            flag="--schedule", metavar="S[,S]", entry_check=schedule_problem, example_flag="--schedule",
-            # dualpipev is searched when named (--schedule): torch runs its paired forward and backward one
-            # after the other, so it costs zbv's time with more memory (cost/schedules.py), never better
-            search=(("1f1b", 1), ("interleaved", ANY_INTERLEAVE), ("interleaved-zb", ANY_INTERLEAVE), ("zbv", 2))),
-    Setting("virtual_stages", int, 1, "model chunks per device (the interleaved schedules' v; 2 for zbv and dualpipev)",
-            "record", minimum=1),
-    Setting("sequence_parallel", bool, False, "shard TP activations on the sequence dim between regions", "flag",
-            example_flag="--sequence-parallel", search=True),
-    Setting("placement", str, "stage-major", "how stages and replicas sit on the rank order", "choice",
-            values=PLACEMENTS, allowed="placements", flag="--placement", metavar="P[,P]",
-            entry_check=_placement_check, search=PLACEMENTS),
-    Setting("recompute", str, "none", "activation recomputation of a stage: none, full, every:K (every K-th "
-            "block), op (torchtitan's op-level selective checkpointing), op:POLICY, selective (attention core "
-            "only); the planner tries all, dropping those never better in time and memory", "choice",
-            scope="stage", allowed="recompute", flag="--recompute", metavar="R[,R]", entry_check=_recompute_check,
-            example_flag="--recompute", search=SEARCHED_RECOMPUTE),
+    Setting(
+        "microbatch_size",
+        int,
+        1,
+        "sequences per microbatch (e.g. 2)",
+        "choice",
+        minimum=1,
+        allowed="microbatch_sizes",
+        flag="--microbatch",
+        metavar="B[,B]",
+        entry_check=_size_check,
+        search=(1, 2, 4, 8),
+    ),
+    Setting(
+        "num_microbatches",
+        int,
+        1,
+        "microbatches per step and replica",
+        "record",
+        minimum=1,
+        example_flag="--microbatches",
+    ),
+    Setting(
+        "schedule",
+        str,
+        "1f1b",
+        "pipeline schedule: 1f1b, gpipe, interleaved or interleaved-zb (the "
+        "planner's interleave factors), interleaved:V, interleaved-zb:V, zbv or dualpipev",
+        "choice",
+        values=SCHEDULES,
+        allowed="schedules",
+        flag="--schedule",
+        metavar="S[,S]",
+        entry_check=schedule_problem,
+        example_flag="--schedule",
+        # dualpipev is searched when named (--schedule): torch runs its paired forward and backward one
+        # after the other, so it costs zbv's time with more memory (cost/schedules.py), never better
+        search=(("1f1b", 1), ("interleaved", ANY_INTERLEAVE), ("interleaved-zb", ANY_INTERLEAVE), ("zbv", 2)),
+    ),
+    Setting(
+        "virtual_stages",
+        int,
+        1,
+        "model chunks per device (the interleaved schedules' v; 2 for zbv and dualpipev)",
+        "record",
+        minimum=1,
+    ),
+    Setting(
+        "sequence_parallel",
+        bool,
+        False,
+        "shard TP activations on the sequence dim between regions",
+        "flag",
+        example_flag="--sequence-parallel",
+        search=True,
+    ),
+    Setting(
+        "placement",
+        str,
+        "stage-major",
+        "how stages and replicas sit on the rank order",
+        "choice",
+        values=PLACEMENTS,
+        allowed="placements",
+        flag="--placement",
+        metavar="P[,P]",
+        entry_check=_placement_check,
+        search=PLACEMENTS,
+    ),
+    Setting(
+        "recompute",
+        str,
+        "none",
+        "activation recomputation of a stage: none, full, every:K (every K-th "
+        "block), op (torchtitan's op-level selective checkpointing), op:POLICY, selective (attention core "
+        "only); the planner tries all, dropping those never better in time and memory",
+        "choice",
+        scope="stage",
+        allowed="recompute",
+        flag="--recompute",
+        metavar="R[,R]",
+        entry_check=_recompute_check,
+        example_flag="--recompute",
+        search=SEARCHED_RECOMPUTE,
+    ),
     # -- records -------------------------------------------------------------------------------
     Setting("model", str, "", "the model the plan was made for", "record"),
-    Setting("model_fingerprint", str, "", "chain_fingerprint of the model's layer chain; '' = not recorded",
-            "record"),
-    Setting("num_layers", int, 0, "length of the workload chain the stage ranges index; 0 = not recorded",
-            "record", minimum=0),
-    Setting("world_size", int, 0, "devices of the cluster it was planned for; 0 = not recorded", "record",
-            minimum=0),
-    Setting("cluster", str, "", "the cluster it was planned for: preset NAME:DEVICES or a cluster file path",
-            "record"),
-    Setting("device_order", list, None, "plan rank r runs on cluster rank device_order[r]; absent = identity",
-            "record", optional=True, annotation="Optional[List[int]]"),
-    Setting("constraints", dict, None, "what the user fixed or bounded when planning (absent: nothing)", "record",
-            optional=True, annotation="Optional[Constraints]"),
-    Setting("predicted", dict, None, "what the planner predicted (step time, memory, ...)", "record",
-            factory=dict, annotation="Dict[str, float]"),
+    Setting("model_fingerprint", str, "", "chain_fingerprint of the model's layer chain; '' = not recorded", "record"),
+    Setting(
+        "num_layers",
+        int,
+        0,
+        "length of the workload chain the stage ranges index; 0 = not recorded",
+        "record",
+        minimum=0,
+    ),
+    Setting("world_size", int, 0, "devices of the cluster it was planned for; 0 = not recorded", "record", minimum=0),
+    Setting("cluster", str, "", "the cluster it was planned for: preset NAME:DEVICES or a cluster file path", "record"),
+    Setting(
+        "device_order",
+        list,
+        None,
+        "plan rank r runs on cluster rank device_order[r]; absent = identity",
+        "record",
+        optional=True,
+        annotation="Optional[List[int]]",
+    ),
+    Setting(
+        "constraints",
+        dict,
+        None,
+        "what the user fixed or bounded when planning (absent: nothing)",
+        "record",
+        optional=True,
+        annotation="Optional[Constraints]",
+    ),
+    Setting(
+        "predicted",
+        dict,
+        None,
+        "what the planner predicted (step time, memory, ...)",
+        "record",
+        factory=dict,
+        annotation="Dict[str, float]",
+    ),
     Setting("notes", str, "", "free text", "record"),
     # -- options recorded in the constraints only ----------------------------------------------
-    Setting("memory_headroom", float, 0.05, "device memory to leave unused, a fraction in [0, 1) or a percentage "
-            "(default 0.05: the CUDA context and allocator fragmentation), e.g. 0.1 or 10%", "option", scope="run",
-            entry_check=_fraction_check,
-            flag="--memory-headroom", metavar="F"),
+    Setting(
+        "memory_headroom",
+        float,
+        0.05,
+        "device memory to leave unused, a fraction in [0, 1) or a percentage "
+        "(default 0.05: the CUDA context and allocator fragmentation), e.g. 0.1 or 10%",
+        "option",
+        scope="run",
+        entry_check=_fraction_check,
+        flag="--memory-headroom",
+        metavar="F",
+    ),
     # overlap of communication with compute, as measured fractions (docs/cost_model.md, "Overlap")
-    Setting("overlap_tp_comm", float, 0.0, "share of the TP collectives hidden under the stage's compute, 0..1 "
-            "(0: DTensor TP, the runtime; 0.25: torchtitan's async TP, measured; 1: all)", "option", scope="run",
-            minimum=0.0, maximum=1.0, flag="--overlap-tp-comm", metavar="F"),
-    Setting("overlap_ep_comm", float, 0.0, "share of the expert all-to-alls hidden under compute, 0..1 (0: the "
-            "runtime, which waits for them)", "option", scope="run", minimum=0.0, maximum=1.0,
-            flag="--overlap-ep-comm", metavar="F"),
-    Setting("overlap_cp_comm", float, 0.0, "share of the context-parallel key/value exchange hidden under "
-            "attention, 0..1 (0: the runtime's all-gather before attention)", "option", scope="run",
-            minimum=0.0, maximum=1.0, flag="--overlap-cp-comm", metavar="F"),
-    Setting("overlap_grad_sync", float, 1.0, "share of the FSDP/ZeRO gradient and parameter traffic that may run "
-            "under the backward (FSDP2's prefetch and asynchronous reduce-scatter: 1), 0..1", "option", scope="run",
-            minimum=0.0, maximum=1.0, flag="--overlap-grad-sync", metavar="F"),
-    Setting("overlap_p2p", float, 1.0, "share of the pipeline sends run under compute (the runtime's asynchronous "
-            "sends: 1), 0..1", "option", scope="run", minimum=0.0, maximum=1.0, flag="--overlap-p2p", metavar="F"),
-    Setting("optimizer", str, "adam", "the optimizer trained with: its state bytes and update traffic are costed "
-            "(sgd is PyTorch's SGD without momentum)", "option", scope="run",
-            values=OPTIMIZER_NAMES, flag="--optimizer"),
+    Setting(
+        "overlap_tp_comm",
+        float,
+        0.0,
+        "share of the TP collectives hidden under the stage's compute, 0..1 "
+        "(0: DTensor TP, the runtime; 0.25: torchtitan's async TP, measured; 1: all)",
+        "option",
+        scope="run",
+        minimum=0.0,
+        maximum=1.0,
+        flag="--overlap-tp-comm",
+        metavar="F",
+    ),
+    Setting(
+        "overlap_ep_comm",
+        float,
+        0.0,
+        "share of the expert all-to-alls hidden under compute, 0..1 (0: the runtime, which waits for them)",
+        "option",
+        scope="run",
+        minimum=0.0,
+        maximum=1.0,
+        flag="--overlap-ep-comm",
+        metavar="F",
+    ),
+    Setting(
+        "overlap_cp_comm",
+        float,
+        0.0,
+        "share of the context-parallel key/value exchange hidden under "
+        "attention, 0..1 (0: the runtime's all-gather before attention)",
+        "option",
+        scope="run",
+        minimum=0.0,
+        maximum=1.0,
+        flag="--overlap-cp-comm",
+        metavar="F",
+    ),
+    Setting(
+        "overlap_grad_sync",
+        float,
+        1.0,
+        "share of the FSDP/ZeRO gradient and parameter traffic that may run "
+        "under the backward (FSDP2's prefetch and asynchronous reduce-scatter: 1), 0..1",
+        "option",
+        scope="run",
+        minimum=0.0,
+        maximum=1.0,
+        flag="--overlap-grad-sync",
+        metavar="F",
+    ),
+    Setting(
+        "overlap_p2p",
+        float,
+        1.0,
+        "share of the pipeline sends run under compute (the runtime's asynchronous sends: 1), 0..1",
+        "option",
+        scope="run",
+        minimum=0.0,
+        maximum=1.0,
+        flag="--overlap-p2p",
+        metavar="F",
+    ),
+    Setting(
+        "optimizer",
+        str,
+        "adam",
+        "the optimizer trained with: its state bytes and update traffic are costed "
+        "(sgd is PyTorch's SGD without momentum)",
+        "option",
+        scope="run",
+        values=OPTIMIZER_NAMES,
+        flag="--optimizer",
+    ),
 )
 
 BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
 PLAN_SETTINGS = tuple(s for s in SETTINGS if s.scope == "plan")
 STAGE_SETTINGS = tuple(s for s in SETTINGS if s.scope == "stage")
 DEGREES = tuple(s.name for s in SETTINGS if s.role == "degree")  # tp, pp, dp, ep, cp, dp_shard
-FLAGS = tuple(s.name for s in SETTINGS if s.role == "flag")  # loss_parallel, compile, float8, async_tp, sequence_parallel
+FLAGS = tuple(
+    s.name for s in SETTINGS if s.role == "flag"
+)  # loss_parallel, compile, float8, async_tp, sequence_parallel
 CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Constraints list
 OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels, optimizer, memory_headroom, overlap_*
 # the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")
@@ -339,13 +609,15 @@ def add_fields(settings: Tuple[Setting, ...], search: bool = False):
     """Class decorator: the declared ``settings`` as annotated class attributes (after those the
     class body declares), ready for ``@dataclass``; ``search``: their planner fields instead
     (:meth:`Setting.search_field`: ``tp_degrees = (1, 2, 4, 8)``, ...)."""
+
     def wrap(cls):
         annotations = dict(cls.__dict__.get("__annotations__", {}))
-        for name, annotation, f in ([s.search_field() for s in settings] if search else fields_of(settings)):
+        for name, annotation, f in [s.search_field() for s in settings] if search else fields_of(settings):
             annotations[name] = annotation
             setattr(cls, name, f)
         cls.__annotations__ = annotations
         return cls
+
     return wrap
 
 
@@ -356,6 +628,7 @@ def value_problem(name: str, value: object) -> str:
 
 
 # -- the command line -------------------------------------------------------------------------
+
 
 def _help(s: Setting) -> str:
     text = s.doc.replace("%", "%%")  # argparse formats help with %
@@ -375,8 +648,12 @@ def _option_default(s: Setting) -> Any:
 def add_constraint_flags(group: argparse._ActionsContainer) -> None:
     """The constraint flags of ``nest-fx plan``: ``--fix/--min/--max`` (degrees and flags), one
     flag per choice (its allowed values) and per option (its value), each from its declaration."""
-    group.add_argument("--fix", metavar="K=V[,K=V]", help=f"fix degrees or flags: {', '.join(DEGREES)}; "
-                       f"{', '.join(FLAGS)} (e.g. --fix tp=8,pp=16; --fix pp=1: no pipeline)")
+    group.add_argument(
+        "--fix",
+        metavar="K=V[,K=V]",
+        help=f"fix degrees or flags: {', '.join(DEGREES)}; "
+        f"{', '.join(FLAGS)} (e.g. --fix tp=8,pp=16; --fix pp=1: no pipeline)",
+    )
     group.add_argument("--min", metavar="K=V[,K=V]", help="lower bounds on degrees (e.g. --min dp=8)")
     group.add_argument("--max", metavar="K=V[,K=V]", help="upper bounds on degrees (e.g. --max tp=4,pp=8)")
     group.add_argument("--max-tp", type=int, help="shorthand for --max tp=N")
@@ -396,8 +673,13 @@ def add_option_flag(parser: argparse._ActionsContainer, name: str, help_prefix: 
     """One option's flag (``--precision``), also on other commands (``simulate``)."""
     s = setting(name)
     shown = _option_default(s)
-    parser.add_argument(s.flag, metavar=s.metavar or None, choices=[v for v in s.values if v != ""] or None,
-                        default=shown, help=f"{help_prefix}{_help(s)}" + (f" (default {shown})" if shown else ""))
+    parser.add_argument(
+        s.flag,
+        metavar=s.metavar or None,
+        choices=[v for v in s.values if v != ""] or None,
+        default=shown,
+        help=f"{help_prefix}{_help(s)}" + (f" (default {shown})" if shown else ""),
+    )
 
 
 def dest(s: Setting) -> str:
@@ -405,8 +687,12 @@ def dest(s: Setting) -> str:
     return s.flag.lstrip("-").replace("-", "_")
 
 
-def constraints_data(args: argparse.Namespace, parse_assignments: Callable[[str, str], dict],
-                     parse_list: Callable[..., list], parse_fraction: Callable[[str], float]) -> Dict[str, Any]:
+def constraints_data(
+    args: argparse.Namespace,
+    parse_assignments: Callable[[str, str], dict],
+    parse_list: Callable[..., list],
+    parse_fraction: Callable[[str], float],
+) -> Dict[str, Any]:
     """The file form of the constraints the command line gave (``Constraints.from_dict`` builds
     them): ``--fix/--min/--max``, the flag shorthands, each choice's list and each option's value."""
     data: Dict[str, Any] = {kind: parse_assignments(getattr(args, kind) or "", kind) for kind in ("fix", "min", "max")}
@@ -439,8 +725,9 @@ def example_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) 
         if s.type is bool:
             parser.add_argument(s.example_flag, action="store_true", help=s.doc)
         elif s.values:
-            parser.add_argument(s.example_flag, type=s.type, default=value,
-                                choices=[v for v in s.values if v != ""] or None, help=s.doc)
+            parser.add_argument(
+                s.example_flag, type=s.type, default=value, choices=[v for v in s.values if v != ""] or None, help=s.doc
+            )
         else:
             parser.add_argument(s.example_flag, type=s.type, default=value, help=s.doc)
 

@@ -2,6 +2,7 @@
 
 Shared by the plan (``plan.py``) and the user constraints on it (``constraints.py``).
 """
+
 from __future__ import annotations
 
 import re
@@ -64,5 +65,7 @@ def schedule_problem(value: object) -> str:
             return ""
         if name in CHUNKED_SCHEDULES and v.isdigit() and 2 <= int(v) <= MAX_COUNT:
             return ""
-    return (f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)}, "
-            "interleaved:V or interleaved-zb:V (V >= 2 model chunks)")
+    return (
+        f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)}, "
+        "interleaved:V or interleaved-zb:V (V >= 2 model chunks)"
+    )

@@ -3,6 +3,7 @@
 ``scripts/bench_planner.py`` and ``scripts/reproduce_nest.py`` tabulate these rows; the
 workload of a (model, cluster type) is traced once and reused across device counts.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,15 @@ CLUSTERS = ["tpuv4-fat-tree", "h100-spine-leaf"]
 DEVICES = [64, 128, 256, 512, 1024]
 
 
-def run_case(model: str, cluster_name: str, devices: int, batch: int, budget: float, mcmc: int,
-             workloads: Dict[Tuple[str, str], Workload]) -> dict:
+def run_case(
+    model: str,
+    cluster_name: str,
+    devices: int,
+    batch: int,
+    budget: float,
+    mcmc: int,
+    workloads: Dict[Tuple[str, str], Workload],
+) -> dict:
     """The planner's plan and throughput on ``model`` over ``cluster_name:devices`` next to each
     baseline's (``<name>_tokens_s``, ``<name>_ratio`` = planner / baseline, search seconds,
     plan, notes) and the best baseline's (``best_baseline``, ``best_ratio``), or ``error`` when
@@ -39,9 +47,15 @@ def run_case(model: str, cluster_name: str, devices: int, batch: int, budget: fl
     except NoFeasiblePlan as exc:
         row["error"] = str(exc)
         return row
-    row.update(plan=report.plan_summary(found.plan), nest_tokens_s=found.result.tokens_per_s,
-               nest_step_s=found.result.step_s, search_s=found.seconds, search_cpu_s=time.process_time() - cpu,
-               complete=found.complete, dp_runs=found.dp_runs)
+    row.update(
+        plan=report.plan_summary(found.plan),
+        nest_tokens_s=found.result.tokens_per_s,
+        nest_step_s=found.result.step_s,
+        search_s=found.seconds,
+        search_cpu_s=time.process_time() - cpu,
+        complete=found.complete,
+        dp_runs=found.dp_runs,
+    )
     baselines = run_baselines(work, cluster, batch, SolverOptions(time_budget=budget), mcmc)
     for b in baselines:
         row[f"{b.name}_tokens_s"] = b.result.tokens_per_s if b.result else None

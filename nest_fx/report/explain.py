@@ -5,6 +5,7 @@ the stages and their layers, memory per device by category as text bars against 
 memory, the step-time breakdown, and the pipeline timeline (an event simulation of the
 schedule from the simulator's stage times; :func:`write_timeline_png` draws it).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,19 +26,33 @@ from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 
 GiB = 2**30
 BAR_WIDTH = 32
-MEMORY_TERMS = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "optimizer states"),
-                ("activations", "activations"), ("buffers", "p2p buffers"),
-                ("fsdp_unsharded", "FSDP unsharded"), ("optimizer_step", "optimizer scratch"))
-TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "TP comm"),
-              ("ep_comm", "EP all-to-all"), ("cp_comm", "CP K/V exchange"), ("p2p", "PP p2p"),
-              ("bubble", "pipeline bubble"),
-              ("dp_sync_exposed", "DP sync (exposed)"), ("tied_grad_sync", "tied-weight grads"),
-              ("optimizer", "optimizer step"))
+MEMORY_TERMS = (
+    ("weights", "weights"),
+    ("grads", "gradients"),
+    ("optimizer", "optimizer states"),
+    ("activations", "activations"),
+    ("buffers", "p2p buffers"),
+    ("fsdp_unsharded", "FSDP unsharded"),
+    ("optimizer_step", "optimizer scratch"),
+)
+TIME_TERMS = (
+    ("compute", "compute"),
+    ("recompute", "recompute"),
+    ("tp_comm", "TP comm"),
+    ("ep_comm", "EP all-to-all"),
+    ("cp_comm", "CP K/V exchange"),
+    ("p2p", "PP p2p"),
+    ("bubble", "pipeline bubble"),
+    ("dp_sync_exposed", "DP sync (exposed)"),
+    ("tied_grad_sync", "tied-weight grads"),
+    ("optimizer", "optimizer step"),
+)
 DETAIL_STAGES = 4  # per-category memory bars for every stage up to this depth, else the peak stage
 MAX_TIMELINE_EVENTS = 1_000_000
 
 
 # -- text bars ------------------------------------------------------------------------------------
+
 
 def text_bar(fraction: float, width: int = BAR_WIDTH) -> str:
     """``█████░░░``: ``fraction`` of ``width`` filled (over 1: full, with a '!' at the end)."""
@@ -59,6 +74,7 @@ def _amount(n: float, capacity: float) -> str:
 
 # -- sections -------------------------------------------------------------------------------------
 
+
 def _title(text: str) -> List[str]:
     return ["", text, "-" * len(text)]
 
@@ -73,7 +89,8 @@ def header_lines(plan, workload, cluster, result) -> List[str]:
         f"cluster {cluster.name}: {cluster.num_devices} x {cluster.device.name} "
         f"({_gib(cluster.device.memory_bytes)} GiB); levels {levels}",
         f"plan: {report.plan_summary(plan)}",
-        f"devices: {plan.devices_used} used" + (f", {idle} idle" if idle else "")
+        f"devices: {plan.devices_used} used"
+        + (f", {idle} idle" if idle else "")
         + f"; global batch {plan.global_batch} x {workload.dims.seq_len} tokens; precision {plan.precision}",
         f"predicted: step {report.fmt_seconds(result.step_s)}, {report.fmt_si(result.tokens_per_s)} tokens/s, "
         f"{report.fmt_si(result.model_flops_per_device, 'FLOP/s')} model FLOPs per device; {status}",
@@ -103,9 +120,11 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
     stages = result.stages
     peak = max(range(len(stages)), key=lambda k: stages[k].memory["total"])
     detail = range(len(stages)) if len(stages) <= DETAIL_STAGES else [peak]
-    lines = [f"device memory {cap}, usable {_gib(usable)} GiB ({options.usable_memory_fraction:.0%}); the caching "
-             f"allocator reserves the live peak x {1 + options.allocator_overhead:.2f}, so a stage fits when its "
-             f"live bytes are at most {_gib(memory.usable_bytes(capacity, options))} GiB"]
+    lines = [
+        f"device memory {cap}, usable {_gib(usable)} GiB ({options.usable_memory_fraction:.0%}); the caching "
+        f"allocator reserves the live peak x {1 + options.allocator_overhead:.2f}, so a stage fits when its "
+        f"live bytes are at most {_gib(memory.usable_bytes(capacity, options))} GiB"
+    ]
     for k in detail:
         s = stages[k]
         head = f"stage {k}: layers {s.layers[0]}-{s.layers[1] - 1}, tp {s.tp}, recompute {s.recompute}"
@@ -113,15 +132,20 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
         for key, name in MEMORY_TERMS:
             amount = s.memory.get(key, 0.0)
             lines.append(f"  {name:<17} {text_bar(amount / capacity)} {_amount(amount, capacity)}")
-        lines.append(f"  {'total (live)':<17} {text_bar(s.memory['total'] / capacity)} "
-                     f"{_amount(s.memory['total'], capacity)}")
-        lines.append(f"  {'reserved':<17} {text_bar(s.reserved / capacity)} {_amount(s.reserved, capacity)}"
-                     + ("" if s.fits else f"  > {_gib(usable)} GiB usable: DOES NOT FIT"))
+        lines.append(
+            f"  {'total (live)':<17} {text_bar(s.memory['total'] / capacity)} {_amount(s.memory['total'], capacity)}"
+        )
+        lines.append(
+            f"  {'reserved':<17} {text_bar(s.reserved / capacity)} {_amount(s.reserved, capacity)}"
+            + ("" if s.fits else f"  > {_gib(usable)} GiB usable: DOES NOT FIT")
+        )
     if len(detail) < len(stages):
         lines.append("totals per stage:")
         for s in stages:
-            lines.append(f"  stage {s.index:<11} {text_bar(s.memory['total'] / capacity)} "
-                         f"{_amount(s.memory['total'], capacity)}" + ("" if s.fits else "  DOES NOT FIT"))
+            lines.append(
+                f"  stage {s.index:<11} {text_bar(s.memory['total'] / capacity)} "
+                f"{_amount(s.memory['total'], capacity)}" + ("" if s.fits else "  DOES NOT FIT")
+            )
     return lines
 
 
@@ -131,21 +155,29 @@ def time_lines(plan, cluster, result, options: CostOptions) -> List[str]:
     v = plan.virtual_stages  # model chunks per device
     times = [s.per_microbatch(v) for s in result.stages]
     slow = max(range(len(times)), key=times.__getitem__)
-    lines = [f"step {report.fmt_seconds(step)}; per-microbatch terms are stage {slow}'s "
-             f"(the slowest: {report.fmt_seconds(times[slow])} per microbatch) x {plan.num_microbatches} microbatches"]
+    lines = [
+        f"step {report.fmt_seconds(step)}; per-microbatch terms are stage {slow}'s "
+        f"(the slowest: {report.fmt_seconds(times[slow])} per microbatch) x {plan.num_microbatches} microbatches"
+    ]
     for key, name in TIME_TERMS:
         value = b.get(key, 0.0)
-        lines.append(f"  {name:<18} {text_bar(value / step if step else 0.0)} {report.fmt_seconds(value):>10} "
-                     f"{100 * value / step if step else 0.0:5.1f}%")
+        lines.append(
+            f"  {name:<18} {text_bar(value / step if step else 0.0)} {report.fmt_seconds(value):>10} "
+            f"{100 * value / step if step else 0.0:5.1f}%"
+        )
     tails = [stage_tail(s, plan, cluster, options) for s in result.stages]
     sync = max(s.dp_sync for s in result.stages)
     if sync > 0:
         exposed = max(t[0] for t in tails)
-        lines.append(f"DP gradient sync: up to {report.fmt_seconds(sync)} per stage per step, "
-                     f"{report.fmt_seconds(exposed)} exposed after the last backward"
-                     + f" (overlap share {float(options.overlap_grad_sync):g})")
-    lines.append(f"kernels {plan.kernels or ('compile' if plan.compile else 'eager')}; "
-                 f"error band of the step time: {band_text(result)}")
+        lines.append(
+            f"DP gradient sync: up to {report.fmt_seconds(sync)} per stage per step, "
+            f"{report.fmt_seconds(exposed)} exposed after the last backward"
+            + f" (overlap share {float(options.overlap_grad_sync):g})"
+        )
+    lines.append(
+        f"kernels {plan.kernels or ('compile' if plan.compile else 'eager')}; "
+        f"error band of the step time: {band_text(result)}"
+    )
     return lines
 
 
@@ -173,21 +205,27 @@ def timeline_lines(plan, result) -> List[str]:
     times = [s.per_microbatch(v) for s in result.stages]
     t_pipe, bubble = pipeline_time(times, plan.num_microbatches, plan.schedule, v, [s.span(v) for s in result.stages])
     sched = plan.schedule + (f" (v={v} chunks per device)" if v > 1 else "")
-    lines = [f"schedule {sched}, {plan.pp} stage(s), {plan.num_microbatches} microbatches of "
-             f"{plan.microbatch_size} sequence(s)",
-             f"cost model: pipeline {report.fmt_seconds(t_pipe)}, bubble {report.fmt_seconds(bubble)} "
-             f"({100 * bubble / result.step_s:.1f}% of the step)"]
+    lines = [
+        f"schedule {sched}, {plan.pp} stage(s), {plan.num_microbatches} microbatches of "
+        f"{plan.microbatch_size} sequence(s)",
+        f"cost model: pipeline {report.fmt_seconds(t_pipe)}, bubble {report.fmt_seconds(bubble)} "
+        f"({100 * bubble / result.step_s:.1f}% of the step)",
+    ]
     if plan.schedule not in timeline.SCHEDULES:
-        lines.append(f"event simulation: the timeline does not draw {plan.schedule}'s split backward (the cost "
-                     "model's bubble for it: docs/cost_model.md, \"Zero-bubble schedules\")")
+        lines.append(
+            f"event simulation: the timeline does not draw {plan.schedule}'s split backward (the cost "
+            'model\'s bubble for it: docs/cost_model.md, "Zero-bubble schedules")'
+        )
         return lines
     if 2 * plan.pp * v * plan.num_microbatches > MAX_TIMELINE_EVENTS:
         lines.append("event simulation skipped (too many microbatches x stages); --png draws a shortened one")
         return lines
     events, _ = step_events(plan, result)
     span = timeline.makespan(events)
-    lines.append(f"event simulation of the schedule: pipeline {report.fmt_seconds(span)} "
-                 f"({round(100 * (span / t_pipe - 1), 1) + 0.0:+.1f}% vs the cost model)")  # no "-0.0"
+    lines.append(
+        f"event simulation of the schedule: pipeline {report.fmt_seconds(span)} "
+        f"({round(100 * (span / t_pipe - 1), 1) + 0.0:+.1f}% vs the cost model)"
+    )  # no "-0.0"
     busy = [0.0] * plan.pp
     for e in events:
         busy[e.stage] += e.end - e.start
@@ -210,23 +248,32 @@ def explain_text(plan, workload, cluster, result, options: Optional[CostOptions]
     return "\n".join(lines)
 
 
-def write_timeline_png(plan, cluster, result, path: str, options: Optional[CostOptions] = None,
-                       max_microbatches: int = 32) -> int:
+def write_timeline_png(
+    plan, cluster, result, path: str, options: Optional[CostOptions] = None, max_microbatches: int = 32
+) -> int:
     """Draw the schedule (at most ``max_microbatches`` microbatches) with each stage's DP-sync
     and optimizer tail; returns the number of microbatches drawn. ImportError without matplotlib."""
     require_pyplot()  # fail before the simulation work
     if plan.schedule not in timeline.SCHEDULES:
-        raise PlanError(f"the timeline draws the {', '.join(timeline.SCHEDULES)} schedules, not {plan.schedule}; "
-                        "fix: leave out --png (the text report prices it)")
+        raise PlanError(
+            f"the timeline draws the {', '.join(timeline.SCHEDULES)} schedules, not {plan.schedule}; "
+            "fix: leave out --png (the text report prices it)"
+        )
     options = priced_options(plan.precision, options or CostOptions())
     events, m = step_events(plan, result, max_microbatches)
     tails: Sequence[Tuple[float, float]] = [stage_tail(s, plan, cluster, options) for s in result.stages]
     v = plan.virtual_stages  # model chunks per device
-    t_pipe, _ = pipeline_time([s.per_microbatch(v) for s in result.stages], m, plan.schedule, v,
-                              [s.span(v) for s in result.stages])
-    shown = f"{m} microbatches" if m == plan.num_microbatches else \
-        f"{m} of {plan.num_microbatches} microbatches (the steady state repeats)"
-    title = (f"{plan.model or 'plan'} on {cluster.name}:{cluster.num_devices}: {report.plan_summary(plan)}\n"
-             f"{shown}; dashed: cost-model pipeline time")
+    t_pipe, _ = pipeline_time(
+        [s.per_microbatch(v) for s in result.stages], m, plan.schedule, v, [s.span(v) for s in result.stages]
+    )
+    shown = (
+        f"{m} microbatches"
+        if m == plan.num_microbatches
+        else f"{m} of {plan.num_microbatches} microbatches (the steady state repeats)"
+    )
+    title = (
+        f"{plan.model or 'plan'} on {cluster.name}:{cluster.num_devices}: {report.plan_summary(plan)}\n"
+        f"{shown}; dashed: cost-model pipeline time"
+    )
     draw_gantt(events, path, num_stages=plan.pp, title=title, tails=tails, marker=t_pipe)
     return m

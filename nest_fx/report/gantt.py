@@ -1,4 +1,5 @@
 """Draw pipeline schedule events as a Gantt chart (PNG). Needs matplotlib (extra ``plot``)."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -16,13 +17,13 @@ SYNC_COLOR, OPT_COLOR = "#8c8c8c", "#55a868"
 
 def _tint(color: str, amount: float = 0.55) -> str:
     """``color`` mixed with ``amount`` white."""
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
     return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in (r, g, b))
 
 
 def _text_color(color: str) -> str:
     """Black on light faces, white on dark ones (relative luminance)."""
-    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
     return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.55 else "white"
 
 
@@ -42,8 +43,15 @@ def _time_unit(span: float) -> Tuple[float, str]:
     return 1e6, "us"
 
 
-def draw_gantt(events: Sequence[Event], path: str, *, num_stages: int, title: str = "",
-               tails: Optional[Sequence[Tuple[float, float]]] = None, marker: Optional[float] = None) -> None:
+def draw_gantt(
+    events: Sequence[Event],
+    path: str,
+    *,
+    num_stages: int,
+    title: str = "",
+    tails: Optional[Sequence[Tuple[float, float]]] = None,
+    marker: Optional[float] = None,
+) -> None:
     """Write a Gantt chart of ``events`` to ``path``: one row per stage (stage 0 on top),
     forward blocks blue, backward orange; interleaved, one hue per model chunk, the forward
     solid and the backward a hatched tint of it, each block labelled with its microbatch.
@@ -65,13 +73,26 @@ def draw_gantt(events: Sequence[Event], path: str, *, num_stages: int, title: st
     for e in events:
         groups.setdefault((e.stage,) + _face(e.phase, e.chunk, interleaved), []).append(e)
     for (stage, color, edge, hatch), evs in groups.items():
-        ax.broken_barh([(e.start * scale, (e.end - e.start) * scale) for e in evs], (stage - 0.4, 0.8),
-                       facecolors=color, edgecolors=edge, linewidth=0.3, hatch=hatch or None)
+        ax.broken_barh(
+            [(e.start * scale, (e.end - e.start) * scale) for e in evs],
+            (stage - 0.4, 0.8),
+            facecolors=color,
+            edgecolors=edge,
+            linewidth=0.3,
+            hatch=hatch or None,
+        )
         if label:
             for e in evs:
                 text = f"{e.chunk}.{e.microbatch}" if len(chunks) > len(CHUNK_COLORS) else str(e.microbatch)
-                ax.text((e.start + e.end) / 2 * scale, stage, text, ha="center", va="center", fontsize=6,
-                        color=_text_color(color))
+                ax.text(
+                    (e.start + e.end) / 2 * scale,
+                    stage,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color=_text_color(color),
+                )
     if tails:
         for i, (sync, opt) in enumerate(tails):
             if sync > 0:
@@ -86,10 +107,13 @@ def draw_gantt(events: Sequence[Event], path: str, *, num_stages: int, title: st
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, fontsize=9)
     if interleaved:  # one hue per model chunk; forward solid, backward light and hatched
-        handles = [Patch(color=CHUNK_COLORS[c % len(CHUNK_COLORS)], label=f"chunk {c}")
-                   for c in chunks[:len(CHUNK_COLORS)]]
-        handles += [Patch(facecolor="#333333", label="forward"),
-                    Patch(facecolor=_tint("#333333"), edgecolor="#333333", hatch="////", label="backward")]
+        handles = [
+            Patch(color=CHUNK_COLORS[c % len(CHUNK_COLORS)], label=f"chunk {c}") for c in chunks[: len(CHUNK_COLORS)]
+        ]
+        handles += [
+            Patch(facecolor="#333333", label="forward"),
+            Patch(facecolor=_tint("#333333"), edgecolor="#333333", hatch="////", label="backward"),
+        ]
     else:
         handles = [Patch(color=FWD_COLORS[0], label="forward"), Patch(color=BWD_COLORS[0], label="backward")]
     if tails:

@@ -5,6 +5,7 @@ A group "lies at" the innermost level one of whose groups holds all its ranks
 (:meth:`Cluster.level_index_of_group`): level 0 means inside one node, level k > 0 that the
 traffic crosses level-(k-1) groups and runs over level k's links.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -88,12 +89,11 @@ def _level_counts(cluster, groups: List[List[int]]) -> Dict[int, int]:
 
 def _stage_groups(plan, i: int) -> Dict[str, List[List[int]]]:
     tp = plan.stages[i].tp
-    out = {"TP": [plan.tp_group(i, r) for r in range(plan.dp)],
-           "DP": [plan.dp_group(i, j) for j in range(tp)]}
+    out = {"TP": [plan.tp_group(i, r) for r in range(plan.dp)], "DP": [plan.dp_group(i, j) for j in range(tp)]}
     if plan.ep > 1:
         out["EP"] = [plan.ep_group(i, r, j) for r in range(0, plan.dp, plan.ep) for j in range(tp)]
         if plan.dp > plan.ep:  # expert gradients are reduced over the replicas holding the same experts
-            out["expert-DP"] = [plan.dp_group(i, j)[k::plan.ep] for k in range(plan.ep) for j in range(tp)]
+            out["expert-DP"] = [plan.dp_group(i, j)[k :: plan.ep] for k in range(plan.ep) for j in range(tp)]
     return out
 
 
@@ -111,8 +111,12 @@ def group_sets(plan, cluster) -> List[GroupSet]:
     for kind in ("TP", "DP", "EP", "expert-DP"):
         for g in (g for g in raw if g.kind == kind):
             prev = merged[-1] if merged and merged[-1].kind == kind else None
-            if prev and prev.stages[1] == g.stages[0] - 1 and (prev.size, prev.levels) == (g.size, g.levels) \
-                    and prev.count == g.count:
+            if (
+                prev
+                and prev.stages[1] == g.stages[0] - 1
+                and (prev.size, prev.levels) == (g.size, g.levels)
+                and prev.count == g.count
+            ):
                 prev.stages = (prev.stages[0], g.stages[1])
             else:
                 merged.append(g)
@@ -155,8 +159,10 @@ def _pp_lines(boundaries: List[GroupSet], cluster, dp: int) -> List[str]:
         more = f", .. ({len(group)} in all)" if len(group) > 8 else ""
         first = group[0]
         noun = "boundary" if len(group) == 1 else "boundaries"
-        lines.append(f"PP {noun} {names}{more}: {first.where(cluster)}; {dp} replica(s) each; "
-                     f"e.g. ranks {first.example[0]} -> {first.example[1]}")
+        lines.append(
+            f"PP {noun} {names}{more}: {first.where(cluster)}; {dp} replica(s) each; "
+            f"e.g. ranks {first.example[0]} -> {first.example[1]}"
+        )
     return lines
 
 

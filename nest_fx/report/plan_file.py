@@ -7,6 +7,7 @@ command line overriding the plan's value with one line saying so; :func:`next_st
 what ``nest-fx plan`` prints last. Torch-free: the command line reads plan files before it
 imports torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,16 @@ def _same_cluster(spec: str, devices: Optional[int], recorded: str) -> bool:
     return spec == recorded
 
 
-def plan_inputs(plan: Plan, *, model: Optional[str], workload: Optional[str], cluster: Optional[str],
-                devices: Optional[int], seq: Optional[int], dtype: Optional[str]) -> PlanInputs:
+def plan_inputs(
+    plan: Plan,
+    *,
+    model: Optional[str],
+    workload: Optional[str],
+    cluster: Optional[str],
+    devices: Optional[int],
+    seq: Optional[int],
+    dtype: Optional[str],
+) -> PlanInputs:
     """The plan's recorded model, cluster, sequence length and precision where the flags leave
     them out (``None``); a note for each flag that differs from a recorded value."""
     spec, count = default_cluster(plan, cluster, devices)
@@ -73,8 +82,14 @@ def plan_inputs(plan: Plan, *, model: Optional[str], workload: Optional[str], cl
     planned = DTYPE_OF_PRECISION.get(plan.precision, "bf16")
     if dtype is not None and dtype != planned:
         notes.append(f"--dtype {dtype} overrides the plan's precision {plan.precision}")
-    return PlanInputs(cluster=spec, devices=count, model=None if workload else (model or plan.model or None),
-                      seq=seq if seq is not None else (plan.seq_len or None), dtype=dtype or planned, notes=notes)
+    return PlanInputs(
+        cluster=spec,
+        devices=count,
+        model=None if workload else (model or plan.model or None),
+        seq=seq if seq is not None else (plan.seq_len or None),
+        dtype=dtype or planned,
+        notes=notes,
+    )
 
 
 def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> List[str]:
@@ -84,19 +99,29 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
     lines = []
     if path is None:
         lines.append("no plan file written: add --json PLAN.json to keep this plan, then")
-    lines += [f"next: nest-fx simulate --plan {shown}            # step time and memory of each stage",
-              f"      nest-fx explain {shown}" + ("                   # rank layout, memory bars, priced bubble"
-                                                  if plan.schedule in SPLIT_BACKWARD_SCHEDULES else  # no timeline drawn
-                                                  " --png timeline.png  # rank layout, memory bars, pipeline timeline")]
+    lines += [
+        f"next: nest-fx simulate --plan {shown}            # step time and memory of each stage",
+        f"      nest-fx explain {shown}"
+        + (
+            "                   # rank layout, memory bars, priced bubble"
+            if plan.schedule in SPLIT_BACKWARD_SCHEDULES
+            # no timeline drawn
+            else " --png timeline.png  # rank layout, memory bars, pipeline timeline"
+        ),
+    ]
     nodes = max(1, -(-plan.world_size // max(1, nproc_per_node)))
-    launch = f"torchrun --nproc_per_node={min(nproc_per_node, plan.world_size)}" + \
-        (f" --nnodes={nodes}" if nodes > 1 else " --standalone") + " train.py"
+    launch = (
+        f"torchrun --nproc_per_node={min(nproc_per_node, plan.world_size)}"
+        + (f" --nnodes={nodes}" if nodes > 1 else " --standalone")
+        + " train.py"
+    )
     made_for = f"{plan.model}, " if plan.model else ""
-    lines += [f"train with it ({launch}):",
-              "    from nest_fx import Plan, auto_parallelize",
-              f"    plan = Plan.load({path or 'PLAN.json'!r})  # {made_for}{plan.global_batch} x {plan.seq_len or '?'} "
-              "tokens per step",
-              "    pm = auto_parallelize(model, batch, plan=plan, global_batch_size=plan.global_batch, "
-              "loss_fn=loss_fn)",
-              "    loss = pm.train_step(inputs, targets); opt.step(); opt.zero_grad()  # opt over pm.parameters()"]
+    lines += [
+        f"train with it ({launch}):",
+        "    from nest_fx import Plan, auto_parallelize",
+        f"    plan = Plan.load({path or 'PLAN.json'!r})  # {made_for}{plan.global_batch} x {plan.seq_len or '?'} "
+        "tokens per step",
+        "    pm = auto_parallelize(model, batch, plan=plan, global_batch_size=plan.global_batch, loss_fn=loss_fn)",
+        "    loss = pm.train_step(inputs, targets); opt.step(); opt.zero_grad()  # opt over pm.parameters()",
+    ]
     return lines

@@ -1,4 +1,5 @@
 """matplotlib, an optional extra (``nest-fx[plot]``), on the headless Agg backend."""
+
 from __future__ import annotations
 
 from typing import Any, Optional

@@ -1,4 +1,5 @@
 """Human-readable tables and unit formatting shared by the CLI commands."""
+
 from __future__ import annotations
 
 from typing import List
@@ -74,18 +75,47 @@ def trace_table(graph: OpGraph, seconds: float, compact: bool = True) -> str:
     for run in runs:
         b = run[0]
         name = b.name if len(run) == 1 else f"{b.name} .. {run[-1].name.rsplit('.', 1)[-1]}"
-        rows.append([name, b.kind + (" (MoE)" if b.is_moe else ""), len(run), fmt_si(b.num_params),
-                     fmt_si(b.flops, "FLOP"), fmt_bytes(b.saved_bytes), fmt_bytes(b.out_bytes),
-                     _pairs_text(graph, b) if b.kind == "block" else "-"])
+        rows.append(
+            [
+                name,
+                b.kind + (" (MoE)" if b.is_moe else ""),
+                len(run),
+                fmt_si(b.num_params),
+                fmt_si(b.flops, "FLOP"),
+                fmt_bytes(b.saved_bytes),
+                fmt_bytes(b.out_bytes),
+                _pairs_text(graph, b) if b.kind == "block" else "-",
+            ]
+        )
     total_saved = sum(b.saved_bytes for b in graph.blocks)
-    rows.append(["total", "", len(graph.blocks), fmt_si(graph.num_params), fmt_si(graph.total_flops, "FLOP"),
-                 fmt_bytes(total_saved), "", ""])
-    headers = ["block", "kind", "count", "params (each)", "fwd FLOPs (each)", "saved act. (each)",
-               "boundary out", "tensor-parallel pairs"]
+    rows.append(
+        [
+            "total",
+            "",
+            len(graph.blocks),
+            fmt_si(graph.num_params),
+            fmt_si(graph.total_flops, "FLOP"),
+            fmt_bytes(total_saved),
+            "",
+            "",
+        ]
+    )
+    headers = [
+        "block",
+        "kind",
+        "count",
+        "params (each)",
+        "fwd FLOPs (each)",
+        "saved act. (each)",
+        "boundary out",
+        "tensor-parallel pairs",
+    ]
     distinct = len(graph.distinct_blocks())
-    head = (f"{graph.model_name}: {len(graph)} ops traced with {graph.method} in {fmt_seconds(seconds)}; "
-            f"input {graph.input_shapes}; {len(graph.layer_blocks)} layers under '{graph.block_container}', "
-            f"{distinct} distinct")
+    head = (
+        f"{graph.model_name}: {len(graph)} ops traced with {graph.method} in {fmt_seconds(seconds)}; "
+        f"input {graph.input_shapes}; {len(graph.layer_blocks)} layers under '{graph.block_container}', "
+        f"{distinct} distinct"
+    )
     return head + "\n" + tabulate(rows, headers=headers, tablefmt="simple")
 
 
@@ -95,11 +125,15 @@ def sim_tables(result, plan, workload) -> str:
     step = b["step"]
     rows = [[k, fmt_seconds(v), f"{100 * v / step:.1f}%"] for k, v in b.items() if k != "step"]
     rows.append(["step", fmt_seconds(step), "100%"])
-    head = (f"plan: {plan_summary(plan)}; {result.devices_used}/{result.world_size} devices; "
-            f"global batch {plan.global_batch}")
-    perf = (f"throughput {fmt_si(result.tokens_per_s)} tokens/s; model {fmt_si(result.model_flops_per_device, 'FLOP/s')} "
-            f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute); step time error band "
-            f"{ErrorBand(result.error_band, result.error_basis or 'not recorded').text()}")
+    head = (
+        f"plan: {plan_summary(plan)}; {result.devices_used}/{result.world_size} devices; "
+        f"global batch {plan.global_batch}"
+    )
+    perf = (
+        f"throughput {fmt_si(result.tokens_per_s)} tokens/s; model {fmt_si(result.model_flops_per_device, 'FLOP/s')} "
+        f"per device ({fmt_si(result.hardware_flops_per_device, 'FLOP/s')} with recompute); step time error band "
+        f"{ErrorBand(result.error_band, result.error_basis or 'not recorded').text()}"
+    )
     # the runtime's working sets get a column when some stage has them (docs/cost_model.md)
     terms = ["weights", "grads", "optimizer", "activations", "buffers"]
     terms += [k for k in ("fsdp_unsharded", "optimizer_step") if any(st.memory.get(k, 0) for st in result.stages)]
@@ -107,16 +141,29 @@ def sim_tables(result, plan, workload) -> str:
     mem_rows = []
     for s in result.stages:
         m = s.memory
-        mem_rows.append([s.index, f"{s.layers[0]}-{s.layers[1] - 1}", s.tp, s.recompute]
-                        + [fmt_bytes(m.get(k, 0.0)) for k in terms]
-                        + [fmt_bytes(m["total"]), fmt_bytes(s.reserved), "yes" if s.fits else f"NO ({s.binding})"])
+        mem_rows.append(
+            [s.index, f"{s.layers[0]}-{s.layers[1] - 1}", s.tp, s.recompute]
+            + [fmt_bytes(m.get(k, 0.0)) for k in terms]
+            + [fmt_bytes(m["total"]), fmt_bytes(s.reserved), "yes" if s.fits else f"NO ({s.binding})"]
+        )
     status = "feasible" if result.feasible else f"INFEASIBLE: {result.binding}"
-    return "\n".join([
-        head, perf, status, "",
-        tabulate(rows, headers=["term", "time", "share"], tablefmt="simple"), "",
-        tabulate(mem_rows, headers=["stage", "layers", "tp", "recompute"] + [names.get(k, k) for k in terms]
-                 + ["total (live)", "reserved", "fits"], tablefmt="simple"),
-    ])
+    return "\n".join(
+        [
+            head,
+            perf,
+            status,
+            "",
+            tabulate(rows, headers=["term", "time", "share"], tablefmt="simple"),
+            "",
+            tabulate(
+                mem_rows,
+                headers=["stage", "layers", "tp", "recompute"]
+                + [names.get(k, k) for k in terms]
+                + ["total (live)", "reserved", "fits"],
+                tablefmt="simple",
+            ),
+        ]
+    )
 
 
 def plan_summary(plan) -> str:
@@ -124,16 +171,29 @@ def plan_summary(plan) -> str:
     tp = plan.uniform_tp if plan.uniform_tp is not None else [s.tp for s in plan.stages]
     extra = f" v={plan.virtual_stages}" if plan.schedule in CHUNKED_SCHEDULES else ""
     modes = sorted({s.recompute for s in plan.stages})
-    flags = [name for name, on in (("sp", plan.sequence_parallel), ("loss-parallel", plan.loss_parallel),
-                                   ("compile", plan.compile), ("float8", plan.float8)) if on]
-    return (f"pp={plan.pp} dp={plan.dp} tp={tp}" + (f" cp={plan.cp}" if plan.cp > 1 else "")
-            + (f" ep={plan.ep}" if plan.ep > 1 else "")
-            + f" zero={plan.zero}" + (f" hsdp={plan.shard_degree}x{plan.replicate_degree}"
-                                       if plan.replicate_degree > 1 else "")
-            + f" mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
-            + "".join(f" {f}" for f in flags) + (f" {plan.precision}" if plan.precision else "")
-            + (f" kernels={plan.kernels}" if plan.kernels else "") + f" {plan.placement}"
-            + (f" rc={'/'.join(modes)}" if modes != ["none"] else ""))
+    flags = [
+        name
+        for name, on in (
+            ("sp", plan.sequence_parallel),
+            ("loss-parallel", plan.loss_parallel),
+            ("compile", plan.compile),
+            ("float8", plan.float8),
+        )
+        if on
+    ]
+    return (
+        f"pp={plan.pp} dp={plan.dp} tp={tp}"
+        + (f" cp={plan.cp}" if plan.cp > 1 else "")
+        + (f" ep={plan.ep}" if plan.ep > 1 else "")
+        + f" zero={plan.zero}"
+        + (f" hsdp={plan.shard_degree}x{plan.replicate_degree}" if plan.replicate_degree > 1 else "")
+        + f" mbs={plan.microbatch_size} m={plan.num_microbatches} {plan.schedule}{extra}"
+        + "".join(f" {f}" for f in flags)
+        + (f" {plan.precision}" if plan.precision else "")
+        + (f" kernels={plan.kernels}" if plan.kernels else "")
+        + f" {plan.placement}"
+        + (f" rc={'/'.join(modes)}" if modes != ["none"] else "")
+    )
 
 
 def stages_table(plan, workload, result) -> str:
@@ -141,18 +201,37 @@ def stages_table(plan, workload, result) -> str:
     rows = []
     for s, sc in zip(plan.stages, result.stages):
         first, last = workload.layers[s.start].name, workload.layers[s.end - 1].name
-        rows.append([sc.index, f"[{s.start}, {s.end})", first if s.end - s.start == 1 else f"{first} .. {last}",
-                     s.tp, s.recompute, fmt_seconds(sc.per_microbatch(plan.virtual_stages)),
-                     fmt_bytes(sc.memory["total"])])
-    return tabulate(rows, headers=["stage", "layers", "names", "tp", "recompute", "time / microbatch",
-                                   "memory / device"], tablefmt="simple")
+        rows.append(
+            [
+                sc.index,
+                f"[{s.start}, {s.end})",
+                first if s.end - s.start == 1 else f"{first} .. {last}",
+                s.tp,
+                s.recompute,
+                fmt_seconds(sc.per_microbatch(plan.virtual_stages)),
+                fmt_bytes(sc.memory["total"]),
+            ]
+        )
+    return tabulate(
+        rows,
+        headers=["stage", "layers", "names", "tp", "recompute", "time / microbatch", "memory / device"],
+        tablefmt="simple",
+    )
 
 
 def baselines_table(nest, nest_seconds: float, baselines) -> str:
     """NEST's plan next to each baseline with speedup ratios (baseline step / NEST step), then
     the speedup over the best baseline and the notes of baselines run other than as written."""
-    rows = [["nest-fx (DP)", plan_summary(nest.plan), fmt_seconds(nest.result.step_s),
-             fmt_si(nest.result.tokens_per_s), "1.00x", f"{nest_seconds:.2f}"]]
+    rows = [
+        [
+            "nest-fx (DP)",
+            plan_summary(nest.plan),
+            fmt_seconds(nest.result.step_s),
+            fmt_si(nest.result.tokens_per_s),
+            "1.00x",
+            f"{nest_seconds:.2f}",
+        ]
+    ]
     notes = []
     for b in baselines:
         name = b.name + (f" [{len(notes) + 1}]" if b.notes else "")
@@ -161,10 +240,21 @@ def baselines_table(nest, nest_seconds: float, baselines) -> str:
         if b.result is None:
             rows.append([name, "no feasible plan", "-", "-", "-", f"{b.seconds:.2f}"])
             continue
-        rows.append([name, plan_summary(b.plan), fmt_seconds(b.result.step_s), fmt_si(b.result.tokens_per_s),
-                     f"{b.result.step_s / nest.result.step_s:.2f}x", f"{b.seconds:.2f}"])
-    lines = [tabulate(rows, headers=["planner", "plan", "step", "tokens/s", "nest-fx speedup", "search s"],
-                      tablefmt="simple")]
+        rows.append(
+            [
+                name,
+                plan_summary(b.plan),
+                fmt_seconds(b.result.step_s),
+                fmt_si(b.result.tokens_per_s),
+                f"{b.result.step_s / nest.result.step_s:.2f}x",
+                f"{b.seconds:.2f}",
+            ]
+        )
+    lines = [
+        tabulate(
+            rows, headers=["planner", "plan", "step", "tokens/s", "nest-fx speedup", "search s"], tablefmt="simple"
+        )
+    ]
     best = best_baseline(baselines)
     if best is not None:
         gain = best.result.step_s / nest.result.step_s
@@ -184,21 +274,45 @@ def profile_table(profile, model: str) -> str:
         if b["kind"] == "step":
             eager = b.get("eager_step_s", float("nan"))
             ratio = b["ops_sum_s"] / eager if eager == eager and eager > 0 else float("nan")
-            rows.append([f"(whole {b['layers']}-layer model)", b["tp"], b["mbs"], "", "",
-                         fmt_seconds(b["ops_sum_s"]), "-" if eager != eager else f"{fmt_seconds(eager)} ({ratio:.2f}x)"])
+            rows.append(
+                [
+                    f"(whole {b['layers']}-layer model)",
+                    b["tp"],
+                    b["mbs"],
+                    "",
+                    "",
+                    fmt_seconds(b["ops_sum_s"]),
+                    "-" if eager != eager else f"{fmt_seconds(eager)} ({ratio:.2f}x)",
+                ]
+            )
         else:
-            rows.append([b["block"], b["tp"], b["mbs"], fmt_seconds(b["fwd_s"]), fmt_seconds(b["bwd_s"]),
-                         fmt_seconds(b["fwd_s"] + b["bwd_s"]), ""])
-    return tabulate(rows, headers=["block", "tp", "mbs", "fwd", "bwd", "sum of ops", "eager step (ops/eager)"],
-                    tablefmt="simple")
+            rows.append(
+                [
+                    b["block"],
+                    b["tp"],
+                    b["mbs"],
+                    fmt_seconds(b["fwd_s"]),
+                    fmt_seconds(b["bwd_s"]),
+                    fmt_seconds(b["fwd_s"] + b["bwd_s"]),
+                    "",
+                ]
+            )
+    return tabulate(
+        rows, headers=["block", "tp", "mbs", "fwd", "bwd", "sum of ops", "eager step (ops/eager)"], tablefmt="simple"
+    )
 
 
 def pairwise_table(fits, base=None) -> str:
     """Fitted bandwidth/latency per measured rank pair, next to the base topology's route alone."""
     rows = []
     for f in fits:
-        row = [f"{f.src} - {f.dst}", fmt_si(f.bandwidth, "B/s"), fmt_seconds(f.latency), f.samples,
-               f"{100 * f.mean_abs_error:.0f}%"]
+        row = [
+            f"{f.src} - {f.dst}",
+            fmt_si(f.bandwidth, "B/s"),
+            fmt_seconds(f.latency),
+            f.samples,
+            f"{100 * f.mean_abs_error:.0f}%",
+        ]
         if base is not None:
             route = router_of(base).route(f.src, f.dst)
             row[1:1] = [fmt_si(route.bandwidth, "B/s")]
@@ -206,16 +320,43 @@ def pairwise_table(fits, base=None) -> str:
         rows.append(row)
     headers = ["pair", "bandwidth (fit)", "latency (fit)", "samples", "mean |error|"]
     if base is not None:
-        headers = ["pair", "bandwidth (model)", "bandwidth (fit)", "latency (model)", "latency (fit)", "samples",
-                   "mean |error|"]
+        headers = [
+            "pair",
+            "bandwidth (model)",
+            "bandwidth (fit)",
+            "latency (model)",
+            "latency (fit)",
+            "samples",
+            "mean |error|",
+        ]
     return tabulate(rows, headers=headers, tablefmt="simple")
 
 
 def calibration_table(cluster, fits) -> str:
     """Fitted bandwidth/latency per measured level next to the cluster's previous figures."""
     before = {lv.name: lv for lv in cluster.levels}
-    rows = [[f.level, fmt_si(before[f.level].bandwidth, "B/s"), fmt_si(f.bandwidth, "B/s"),
-             fmt_seconds(before[f.level].latency), fmt_seconds(f.latency), f.samples, f"{100 * f.mean_abs_error:.0f}%"]
-            for f in fits]
-    return tabulate(rows, headers=["level", "bandwidth (was)", "bandwidth (fit)", "latency (was)", "latency (fit)",
-                                   "samples", "mean |error|"], tablefmt="simple")
+    rows = [
+        [
+            f.level,
+            fmt_si(before[f.level].bandwidth, "B/s"),
+            fmt_si(f.bandwidth, "B/s"),
+            fmt_seconds(before[f.level].latency),
+            fmt_seconds(f.latency),
+            f.samples,
+            f"{100 * f.mean_abs_error:.0f}%",
+        ]
+        for f in fits
+    ]
+    return tabulate(
+        rows,
+        headers=[
+            "level",
+            "bandwidth (was)",
+            "bandwidth (fit)",
+            "latency (was)",
+            "latency (fit)",
+            "samples",
+            "mean |error|",
+        ],
+        tablefmt="simple",
+    )

@@ -23,6 +23,7 @@ and keeps no device busy; otherwise it is part of the stage blocks (``t_i = W_i 
 keeps the stage busy while it receives). Either way, with equal stage times the 1F1B and GPipe
 makespan is :func:`nest_fx.cost.step_time.pipeline_time`'s span.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,8 +92,14 @@ def _check(fwd: Sequence[float], bwd: Sequence[float], m: int, schedule: str, v:
     return p
 
 
-def schedule_events(fwd: Sequence[float], bwd: Sequence[float], m: int, schedule: str = "1f1b",
-                    v: int = 1, delay: Optional[Sequence[float]] = None) -> List[Event]:
+def schedule_events(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    m: int,
+    schedule: str = "1f1b",
+    v: int = 1,
+    delay: Optional[Sequence[float]] = None,
+) -> List[Event]:
     """Events of one step: ``fwd[i]``/``bwd[i]`` are device i's seconds per microbatch over all
     its chunks (each chunk takes 1/v of them); ``m`` microbatches; ``v`` chunks per device
     (interleaved only); ``delay[i]``: seconds a transfer between device i - 1 and i takes when

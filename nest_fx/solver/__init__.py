@@ -1,4 +1,5 @@
 """Planner: the NEST dynamic program and baselines on one cost model."""
+
 from nest_fx.solver.search import NoFeasiblePlan, SolveResult, solve
 from nest_fx.solver.space import GlobalConfig, SolverOptions
 

@@ -1,4 +1,5 @@
 """What a baseline planner returns (:class:`Baseline`), and the helpers every baseline shares."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,6 +14,7 @@ The searching baselines (phaze, mcmc, exhaustive) search the space ``SolverOptio
 constraints included; the recipes are fixed procedures and take only the cost options
 (optimizer, memory headroom) from it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,14 @@ from nest_fx.workload import Workload
 BASELINES = ("megatron", "torchtitan", "phaze", "mcmc")
 
 
-def run_baselines(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-                  mcmc_evaluations: int = 2000, deadline: Optional[float] = None) -> List[Baseline]:
+def run_baselines(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: Optional[SolverOptions] = None,
+    mcmc_evaluations: int = 2000,
+    deadline: Optional[float] = None,
+) -> List[Baseline]:
     """Megatron, torchtitan, Phaze-style and MCMC (:data:`BASELINES`), each timed. With a
     ``deadline`` (a ``time.perf_counter()`` value) each stops there with what it has found, and
     says so in its notes."""
@@ -70,13 +77,19 @@ def flat_network(cluster):
     planner assumes); a graph topology is first seen as its hierarchy hint (a plain Cluster)."""
     cluster = cluster.hierarchy if isinstance(cluster, GraphCluster) else cluster
     inner = cluster.levels[0]
-    levels = [NetworkLevel(lv.name, lv.group_size, float(inner.bandwidth), float(inner.latency))
-              for lv in cluster.levels]
+    levels = [
+        NetworkLevel(lv.name, lv.group_size, float(inner.bandwidth), float(inner.latency)) for lv in cluster.levels
+    ]
     return dataclasses.replace(cluster, levels=levels)
 
 
-def phaze(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-          deadline: Optional[float] = None) -> Baseline:
+def phaze(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: Optional[SolverOptions] = None,
+    deadline: Optional[float] = None,
+) -> Baseline:
     """Network-unaware search over uniform stages (see module docstring); stops at ``deadline``
     (a ``time.perf_counter()`` value) with the best plan so far."""
     options = options or SolverOptions()
@@ -107,9 +120,16 @@ def _random_stages(rng: random.Random, n: int, p: int, tp: int, recompute: Seque
     return [StagePlan(a, b, tp, rng.choice(list(recompute))) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-         evaluations: int = 2000, seed: int = 0, temperature: float = 0.05,
-         deadline: Optional[float] = None) -> Baseline:
+def mcmc(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: Optional[SolverOptions] = None,
+    evaluations: int = 2000,
+    seed: int = 0,
+    temperature: float = 0.05,
+    deadline: Optional[float] = None,
+) -> Baseline:
     """Metropolis search: move one knob (global config, a cut, a stage's recompute) at a time;
     ``evaluations`` of them, fewer when ``deadline`` (a ``time.perf_counter()`` value) passes."""
     options = options or SolverOptions()
@@ -128,8 +148,9 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
         return r.step_s if r.feasible else math.inf
 
     g, p = rng.choice(pairs)
-    current = g.plan(_random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch),
-                        workload, cluster)
+    current = g.plan(
+        _random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch), workload, cluster
+    )
     cur_s = score(current)
     best, best_s = current, cur_s
     done, step = 1, 0.0
@@ -141,8 +162,9 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
         move = rng.random()
         if move < 0.3 or current.pp == 1:
             g, p = rng.choice(pairs)
-            cand = g.plan(_random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch),
-                             workload, cluster)
+            cand = g.plan(
+                _random_stages(rng, n, p, g.tp, options.recompute), g.microbatches(global_batch), workload, cluster
+            )
         else:
             stages = [dataclasses.replace(s) for s in current.stages]
             k = rng.randrange(len(stages))
@@ -156,8 +178,9 @@ def mcmc(workload: Workload, cluster, global_batch: int, options: Optional[Solve
             cand = dataclasses.replace(current, stages=stages)
         s = score(cand)
         step = time.perf_counter() - begin
-        uphill_ok = math.isfinite(s) and (not math.isfinite(cur_s)
-                                          or rng.random() < math.exp(-(s - cur_s) / (temperature * cur_s)))
+        uphill_ok = math.isfinite(s) and (
+            not math.isfinite(cur_s) or rng.random() < math.exp(-(s - cur_s) / (temperature * cur_s))
+        )
         if s < cur_s or uphill_ok:
             current, cur_s = cand, s
         if s < best_s:
@@ -184,8 +207,7 @@ def exhaustive(workload: Workload, cluster, global_batch: int, options: Optional
             if any(b - a < g.virtual_stages for a, b in ranges):
                 continue  # the interleaved and V schedules run v chunks of at least one layer per stage
             for modes in itertools.product(options.recompute, repeat=p):
-                plan = g.plan([StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m,
-                                 workload, cluster)
+                plan = g.plan([StagePlan(a, b, g.tp, r) for (a, b), r in zip(ranges, modes)], m, workload, cluster)
                 evals += 1
                 result = evaluate(plan, workload, cluster, options)
                 if result is not None and result.step_s < best_t:

@@ -1,6 +1,7 @@
 """Tier 0 of the search: every admissible (global config, pipeline depth) pair with a lower bound
 on its step time that needs no network model (``solver.search`` refines it; the baselines
 enumerate the same pairs)."""
+
 from __future__ import annotations
 
 import bisect
@@ -94,8 +95,14 @@ def _fits(prefix: Sequence[float], p: int, cap: float) -> bool:
     return False
 
 
-def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, options: SolverOptions,
-               deadline: Optional[float] = None, expand: bool = False):
+def candidates(
+    workload: Workload,
+    cluster: ClusterModel,
+    global_batch: int,
+    options: SolverOptions,
+    deadline: Optional[float] = None,
+    expand: bool = False,
+):
     """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB (tier 0
     of the module docstring); only those enumerated before ``deadline`` (a
     ``time.perf_counter()`` value) when it passes. An interleaved ``g`` with ``v =
@@ -116,19 +123,28 @@ def candidates(workload: Workload, cluster: ClusterModel, global_batch: int, opt
             works[key] = _replica_work(workload, g)
         work, params, floors = works[key]
         # stage_counts reads only these of g (and the workload, cluster and options, fixed here)
-        depth_key = (g.dp * g.tp * g.cp, g.dp * g.microbatch_size, g.schedule, g.virtual_stages, g.zero, g.compile,
-                     g.placement == options.placements[0])
+        depth_key = (
+            g.dp * g.tp * g.cp,
+            g.dp * g.microbatch_size,
+            g.schedule,
+            g.virtual_stages,
+            g.zero,
+            g.compile,
+            g.placement == options.placements[0],
+        )
         depths = depth_memo.get(depth_key)
         if depths is None:
-            depths = depth_memo[depth_key] = np.array(stage_counts(workload, cluster, g, global_batch, options),
-                                                      dtype=np.intp)
+            depths = depth_memo[depth_key] = np.array(
+                stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp
+            )
         if not depths.size:
             continue
         screen_key = (params, g.zero, g.shard, int(depths[-1]))
         if screen_key not in screens:  # fits[p]: the leanest model states of p stages fit
             every = np.arange(1, int(depths[-1]) + 1, dtype=float)
             screens[screen_key] = np.concatenate(
-                [[False], model_states(params / every, g.zero, g.shard, options.cost)["total"] <= capacity])
+                [[False], model_states(params / every, g.zero, g.shard, options.cost)["total"] <= capacity]
+            )
         depths = depths[screens[screen_key][depths]]
         t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost)[1]
         m = g.microbatches(global_batch)

@@ -26,6 +26,7 @@ network terms barely register), optimizer states and mixed precision in memory, 
 placement per candidate (stage-major or replica-major) instead of a heuristic, and a Pareto DP
 that is exact for its cost model (tests compare it with exhaustive enumeration).
 """
+
 from __future__ import annotations
 
 import time
@@ -63,13 +64,20 @@ def _pareto_insert(front: List[Entry], new: Entry) -> None:
     front.append(new)
 
 
-def undominated_rows(table: StageTable, i: int, cols: np.ndarray,
-                     tails: Dict[str, np.ndarray]) -> Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def undominated_rows(
+    table: StageTable, i: int, cols: np.ndarray, tails: Dict[str, np.ndarray]
+) -> Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Stage i's (t, s, q) per recompute mode over ``cols`` (inf where the mode does not fit, or
     another fitting mode has t, s and q no larger, strictly smaller in one or earlier in
     ``table.modes``: it never gives a better plan); modes left with nothing are dropped."""
-    rows = {r: (np.where(table.fits[r][i], table.t[r][i], np.inf)[cols],
-                np.where(table.fits[r][i], table.s[r][i], np.inf)[cols], tails[r][cols]) for r in table.modes}
+    rows = {
+        r: (
+            np.where(table.fits[r][i], table.t[r][i], np.inf)[cols],
+            np.where(table.fits[r][i], table.s[r][i], np.inf)[cols],
+            tails[r][cols],
+        )
+        for r in table.modes
+    }
     modes = list(rows)
     dropped = {r: np.zeros(cols.shape, dtype=bool) for r in modes}
     for a, ra in enumerate(modes):
@@ -115,8 +123,14 @@ def solve_partition(table: StageTable, best: float, deadline: Optional[float] = 
             for r, (ts, ss, qs) in rows.items():
                 t_row, s_row, q_row = ts[row], ss[row], qs[row]
                 with np.errstate(invalid="ignore"):  # 0 * inf (m = 1, no fit): NaN, screened out
-                    screen = objective(np.maximum(np.maximum(lo_t, t_row), t_next), lo_s + s_row + s_next,
-                                       np.maximum(np.maximum(lo_q, q_row), q_next), m, sched, v)
+                    screen = objective(
+                        np.maximum(np.maximum(lo_t, t_row), t_next),
+                        lo_s + s_row + s_next,
+                        np.maximum(np.maximum(lo_q, q_row), q_next),
+                        m,
+                        sched,
+                        v,
+                    )
                 for j in np.flatnonzero(screen * SLACK < best).tolist():
                     t, s_i, q = float(t_row[j]), float(s_row[j]), float(q_row[j])
                     e = int(e_row[j])

@@ -10,6 +10,7 @@ its placements). On a graph topology
 cluster's own order plus :func:`nest_fx.cluster.topology.candidate_orders` for blocks of t
 (node-major, rail-aligned, slow-link-avoiding); the search is exact over (plan, candidate).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ class Placement:
     cluster: object  # the cluster as plans with this order see it (``cost.placement.placed``)
 
 
-def placements(cluster: ClusterModel, tp_degrees: Iterable[int],
-               search: bool = True) -> Tuple[List[Placement], Dict[int, List[int]]]:
+def placements(
+    cluster: ClusterModel, tp_degrees: Iterable[int], search: bool = True
+) -> Tuple[List[Placement], Dict[int, List[int]]]:
     """(candidate placements, indices of the candidates for each TP degree).
 
     Index 0 is always the cluster's own order (the identity ``device_order``). Without

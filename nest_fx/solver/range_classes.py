@@ -7,6 +7,7 @@ O(L) classes for L layers instead of O(L^2) ranges. Per class and recompute mode
 network-independent layer sums (``cost.stage_terms.compute_terms``) are computed once, on
 arrays; :mod:`nest_fx.solver.stage_table` assembles them into stage costs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -48,14 +49,24 @@ def undominated_modes(costs: List[LayerCost], modes) -> Tuple[str, ...]:
 
     def profile(r: str) -> List[float]:
         key = cost_key(r)
-        return [x for c in costs for x in (c.act_bytes[key], c.recompute_s[key],
-                                           float(sum(forward_repeats(m, r) * m.count for m in c.comms if c.block)))]
+        return [
+            x
+            for c in costs
+            for x in (
+                c.act_bytes[key],
+                c.recompute_s[key],
+                float(sum(forward_repeats(m, r) * m.count for m in c.comms if c.block)),
+            )
+        ]
 
     profiles = {r: profile(r) for r in per_layer}
     keep = []
     for k, r in enumerate(per_layer):
-        beaten = any(all(a <= b for a, b in zip(profiles[o], profiles[r]))
-                     and (profiles[o] != profiles[r] or j < k) for j, o in enumerate(per_layer) if o != r)
+        beaten = any(
+            all(a <= b for a, b in zip(profiles[o], profiles[r])) and (profiles[o] != profiles[r] or j < k)
+            for j, o in enumerate(per_layer)
+            if o != r
+        )
         if not beaten:
             keep.append(r)
     return tuple(r for r in modes if r in keep or parse_recompute(r).kind == "every")
@@ -65,7 +76,9 @@ def costed_modes(workload: Workload, variant: Variant, modes) -> Tuple[str, ...]
     """The modes of ``modes`` the workload costs in a variant (a layer table may give only some
     policies; ``every:<k>`` needs ``none`` and ``full``)."""
     have = set(workload.recompute_policies(variant))
-    return tuple(r for r in modes if ({"none", "full"} if parse_recompute(r).kind == "every" else {cost_key(r)}) <= have)
+    return tuple(
+        r for r in modes if ({"none", "full"} if parse_recompute(r).kind == "every" else {cost_key(r)}) <= have
+    )
 
 
 def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
@@ -85,11 +98,26 @@ def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
     out_bytes = np.array([c.out_bytes for c in costs], dtype=float)[uniq[:, d + 1]] / variant.cp
     searched = undominated_modes(costs, costed_modes(workload, variant, modes))
     terms = {r: compute_terms(list(zip(costs, per_cost)), r) for r in searched}
-    return RangeClasses(costs=costs, cls=cls, counts=per_cost, prev=uniq[:, d].copy(), out_bytes=out_bytes,
-                        length=per_cost.sum(axis=0), terms=terms, modes=searched, tied=costs[index[-1]].tied_params)
+    return RangeClasses(
+        costs=costs,
+        cls=cls,
+        counts=per_cost,
+        prev=uniq[:, d].copy(),
+        out_bytes=out_bytes,
+        length=per_cost.sum(axis=0),
+        terms=terms,
+        modes=searched,
+        tied=costs[index[-1]].tied_params,
+    )
 
 
 def subset_terms(terms: LayerTerms, idx: np.ndarray) -> LayerTerms:
     """``terms`` with every per-class array indexed by ``idx`` (scalars kept)."""
-    return LayerTerms(**{f.name: getattr(terms, f.name)[idx] if isinstance(getattr(terms, f.name), np.ndarray)
-                         else getattr(terms, f.name) for f in fields(LayerTerms)})
+    return LayerTerms(
+        **{
+            f.name: getattr(terms, f.name)[idx]
+            if isinstance(getattr(terms, f.name), np.ndarray)
+            else getattr(terms, f.name)
+            for f in fields(LayerTerms)
+        }
+    )

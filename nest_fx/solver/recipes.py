@@ -33,6 +33,7 @@ Both compute the cross-entropy over vocabulary shards under TP (Megatron-LM's vo
 cross-entropy, torchtitan's loss parallel) where the model allows it, and run torch.compile and
 Float8 when the options ask for them (``SolverOptions.compile``, ``float8``).
 """
+
 from __future__ import annotations
 
 import time
@@ -80,19 +81,54 @@ def _expert_parallel(workload: Workload, tp: int, dp: int) -> int:
     """Megatron's expert parallelism: the largest degree dividing the experts and dp."""
     if not workload.is_moe:
         return 1
-    return max((e for e in divisors(max(workload.dims.num_experts, 1))
-                if dp % e == 0 and workload.supports(Variant(tp, e, sequence_parallel=tp > 1))), default=1)
+    return max(
+        (
+            e
+            for e in divisors(max(workload.dims.num_experts, 1))
+            if dp % e == 0 and workload.supports(Variant(tp, e, sequence_parallel=tp > 1))
+        ),
+        default=1,
+    )
 
 
-def _plan(workload: Workload, cluster, ranges: Sequence[Tuple[int, int]], tp: int, dp: int, ep: int, zero: int,
-          mbs: int, m: int, recompute: str, options: SolverOptions, schedule: str = "1f1b", v: int = 1) -> Plan:
+def _plan(
+    workload: Workload,
+    cluster,
+    ranges: Sequence[Tuple[int, int]],
+    tp: int,
+    dp: int,
+    ep: int,
+    zero: int,
+    mbs: int,
+    m: int,
+    recompute: str,
+    options: SolverOptions,
+    schedule: str = "1f1b",
+    v: int = 1,
+) -> Plan:
     lp = tp > 1 and workload.supports(Variant(tp, ep, sequence_parallel=True, loss_parallel=True))
-    return Plan(stages=[StagePlan(a, b, tp, recompute) for a, b in ranges], dp=dp, ep=ep, zero=zero,
-                loss_parallel=lp, compile=options.compile, float8=options.float8, async_tp=options.async_tp,
-                precision=options.precision or "", kernels=options.kernels or "",
-                microbatch_size=mbs, num_microbatches=m, schedule=schedule, virtual_stages=v,
-                sequence_parallel=tp > 1, placement="stage-major", model=workload.model,
-                model_fingerprint=workload.fingerprint, num_layers=len(workload), world_size=cluster.num_devices)
+    return Plan(
+        stages=[StagePlan(a, b, tp, recompute) for a, b in ranges],
+        dp=dp,
+        ep=ep,
+        zero=zero,
+        loss_parallel=lp,
+        compile=options.compile,
+        float8=options.float8,
+        async_tp=options.async_tp,
+        precision=options.precision or "",
+        kernels=options.kernels or "",
+        microbatch_size=mbs,
+        num_microbatches=m,
+        schedule=schedule,
+        virtual_stages=v,
+        sequence_parallel=tp > 1,
+        placement="stage-major",
+        model=workload.model,
+        model_fingerprint=workload.fingerprint,
+        num_layers=len(workload),
+        world_size=cluster.num_devices,
+    )
 
 
 def interleave_factors(blocks_per_stage: int, p: int, m: int) -> List[int]:
@@ -103,8 +139,9 @@ def interleave_factors(blocks_per_stage: int, p: int, m: int) -> List[int]:
     return [1] + [v for v in divisors(blocks_per_stage) if v >= 2]
 
 
-def fastest(workload: Workload, cluster, options: SolverOptions,
-            plans: Iterator[Plan]) -> Tuple[Optional[Plan], object, int]:
+def fastest(
+    workload: Workload, cluster, options: SolverOptions, plans: Iterator[Plan]
+) -> Tuple[Optional[Plan], object, int]:
     """(plan, result, evaluations) of the fastest plan that fits among ``plans``; the first plan
     is the leanest of a shape: when it does not fit, the shape is skipped."""
     best_plan, best, evals = None, None, 0
@@ -126,8 +163,9 @@ def _batch_splits(global_batch: int, dp: int) -> Iterator[Tuple[int, int]]:
             yield mbs, per_replica // mbs
 
 
-def megatron_plans(workload: Workload, cluster, global_batch: int, tp: int, p: int,
-                   recompute: str, options: SolverOptions) -> Iterator[Plan]:
+def megatron_plans(
+    workload: Workload, cluster, global_batch: int, tp: int, p: int, recompute: str, options: SolverOptions
+) -> Iterator[Plan]:
     """Megatron-LM's plans of one shape (t = ``tp``, p) on every device: its block split, the
     distributed optimizer, sequence parallelism with TP, every microbatch size and legal
     interleave factor, leanest first (microbatch 1, v = 1); nothing when the shape does not
@@ -138,20 +176,40 @@ def megatron_plans(workload: Workload, cluster, global_batch: int, tp: int, p: i
     ep = _expert_parallel(workload, tp, dp)
     for mbs, m in _batch_splits(global_batch, dp):
         for v in interleave_factors(_num_blocks(workload) // p, p, m):
-            yield _plan(workload, cluster, ranges, tp, dp, ep, 1, mbs, m, recompute, options,
-                        "interleaved" if v > 1 else "1f1b", v)
+            yield _plan(
+                workload,
+                cluster,
+                ranges,
+                tp,
+                dp,
+                ep,
+                1,
+                mbs,
+                m,
+                recompute,
+                options,
+                "interleaved" if v > 1 else "1f1b",
+                v,
+            )
 
 
-def megatron(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-             deadline: Optional[float] = None) -> Baseline:
+def megatron(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: Optional[SolverOptions] = None,
+    deadline: Optional[float] = None,
+) -> Baseline:
     """Megatron-LM's recipe (module docstring); no plan when the search for the smallest shape
     that fits passes ``deadline`` (a ``time.perf_counter()`` value)."""
     options = options or SolverOptions()
     node, n = cluster.levels[0].group_size, cluster.num_devices
     blocks = _num_blocks(workload)
     tps = [t for t in TP_DEGREES if t <= node and t <= n and workload.supports(Variant(t, sequence_parallel=t > 1))]
-    shapes = sorted(((t, p) for t in tps for p in (divisors(blocks) if blocks else [1]) if t * p <= n),
-                    key=lambda x: (x[0] * x[1], -x[0]))
+    shapes = sorted(
+        ((t, p) for t in tps for p in (divisors(blocks) if blocks else [1]) if t * p <= n),
+        key=lambda x: (x[0] * x[1], -x[0]),
+    )
     evals = 0
     for recompute in ("selective", "full"):
         for tp, p in shapes:
@@ -159,8 +217,9 @@ def megatron(workload: Workload, cluster, global_batch: int, options: Optional[S
                 return Baseline("megatron", None, None, evals)
             if _data_parallel(global_batch, tp * p, n) is None or block_split(workload, p) is None:
                 continue
-            plan, result, k = fastest(workload, cluster, options,
-                                       megatron_plans(workload, cluster, global_batch, tp, p, recompute, options))
+            plan, result, k = fastest(
+                workload, cluster, options, megatron_plans(workload, cluster, global_batch, tp, p, recompute, options)
+            )
             evals += k
             if plan is not None:
                 return Baseline("megatron", plan, result, evals)
@@ -171,7 +230,10 @@ def _torchtitan_shapes(workload: Workload, cluster) -> Iterator[Tuple[int, int]]
     """(tp, pp) in the order torchtitan's recipes escalate: FSDP alone, + TP 8, + PP; starting
     from the model's size class."""
     node, n = cluster.levels[0].group_size, cluster.num_devices
-    tp = max((t for t in TP_DEGREES if t <= min(node, n) and workload.supports(Variant(t, sequence_parallel=t > 1))), default=1)
+    tp = max(
+        (t for t in TP_DEGREES if t <= min(node, n) and workload.supports(Variant(t, sequence_parallel=t > 1))),
+        default=1,
+    )
     params = workload.num_params
     blocks = _num_blocks(workload)
     steps = [(1, 1), (tp, 1)] + [(tp, p) for p in divisors(blocks) if p >= 2]
@@ -183,8 +245,13 @@ def _torchtitan_shapes(workload: Workload, cluster) -> Iterator[Tuple[int, int]]
             yield shape
 
 
-def torchtitan(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-               deadline: Optional[float] = None) -> Baseline:
+def torchtitan(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: Optional[SolverOptions] = None,
+    deadline: Optional[float] = None,
+) -> Baseline:
     """torchtitan's Llama 3 recipes (module docstring)."""
     options = options or SolverOptions()
     sac = workload.num_params < TORCHTITAN_TP_FROM
@@ -194,12 +261,15 @@ def torchtitan(workload: Workload, cluster, global_batch: int, options: Optional
         ranges = block_split(workload, p) if p > 1 else [(0, len(workload))]
         if dp is None or ranges is None:
             continue
-        for recompute in (("op", "full") if sac and tp == 1 and p == 1 else ("full",)):
+        for recompute in ("op", "full") if sac and tp == 1 and p == 1 else ("full",):
             if deadline is not None and time.perf_counter() > deadline:
                 return Baseline("torchtitan", None, None, evals)
             splits = [(1, global_batch // dp)] if p > 1 else list(_batch_splits(global_batch, dp))
-            plans = (_plan(workload, cluster, ranges, tp, dp, 1, 3 if p == 1 else 1, mbs, m, recompute, options)
-                     for mbs, m in splits if p == 1 or m >= p)
+            plans = (
+                _plan(workload, cluster, ranges, tp, dp, 1, 3 if p == 1 else 1, mbs, m, recompute, options)
+                for mbs, m in splits
+                if p == 1 or m >= p
+            )
             plan, result, k = fastest(workload, cluster, options, plans)
             evals += k
             if plan is not None:

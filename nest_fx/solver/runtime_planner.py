@@ -1,4 +1,5 @@
 """The planner as ``auto_parallelize`` uses it: model + traced graph -> a plan the runtime runs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,11 +46,17 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     loss_parallel = options.loss_parallel
     if any(runs.degree_problem("loss_parallel", t) for t in tps if t > 1):
         loss_parallel = False
-    return dataclasses.replace(options, tp_degrees=tps or (1,), ep_degrees=eps, max_stages=max_stages,
-                               cp_degrees=cps, loss_parallel=loss_parallel,
-                               sequence_parallel=options.sequence_parallel and not any(
-                                   runs.degree_problem("sequence_parallel", t) for t in tps or (1,) if t > 1)
-                               and not runs.degree_problem("sequence_parallel", True))
+    return dataclasses.replace(
+        options,
+        tp_degrees=tps or (1,),
+        ep_degrees=eps,
+        max_stages=max_stages,
+        cp_degrees=cps,
+        loss_parallel=loss_parallel,
+        sequence_parallel=options.sequence_parallel
+        and not any(runs.degree_problem("sequence_parallel", t) for t in tps or (1,) if t > 1)
+        and not runs.degree_problem("sequence_parallel", True),
+    )
 
 
 def check_runtime_constraints(constraints: Optional[Constraints], model: torch.nn.Module, graph) -> None:
@@ -60,9 +67,14 @@ def check_runtime_constraints(constraints: Optional[Constraints], model: torch.n
         raise ConstraintError(f"{found[0]}: {found[1]}")
 
 
-def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
-                constraints: Optional[Constraints] = None, *, one_microbatch: bool = True,
-                loss_parallel: bool = True) -> Callable:
+def planner_for(
+    model: torch.nn.Module,
+    options: Optional[SolverOptions] = None,
+    constraints: Optional[Constraints] = None,
+    *,
+    one_microbatch: bool = True,
+    loss_parallel: bool = True,
+) -> Callable:
     """``planner(graph, cluster, world_size, global_batch) -> Plan`` for ``auto_parallelize``:
     the NEST DP restricted to what the runtime runs (:func:`runtime_options`; every rank used,
     uniform TP, the launched rank order: a device order needs the process group numbered for it
@@ -87,12 +99,16 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
         workload = analytical_workload(graph, dims, cluster, param.dtype)
         # precision: the user's, else bf16-true for a model already in bf16, else the device's default
         # (bf16-mixed on GPUs, fp32 on CPUs: cost.precision.default_precision); the plan records it
-        precision = base.precision or (constraints.precision if constraints else None) or (
-            "bf16-true" if nbytes < 4 else default_precision(cluster.device))
+        precision = (
+            base.precision
+            or (constraints.precision if constraints else None)
+            or ("bf16-true" if nbytes < 4 else default_precision(cluster.device))
+        )
         # the process group exists by now (the world size comes from it) and cannot be renumbered
         # for a device order (apply.distributed.init_distributed): keep the launcher's placement
-        opts = dataclasses.replace(runtime_options(model, graph, base), use_all_devices=True, search_placement=False,
-                                   precision=precision)
+        opts = dataclasses.replace(
+            runtime_options(model, graph, base), use_all_devices=True, search_placement=False, precision=precision
+        )
         if one_microbatch and runs.degree_problem("num_microbatches", 2):
             return _one_microbatch_plan(workload, cluster, world_size, global_batch, opts, constraints)
         return solve_constrained(workload, cluster, global_batch, constraints, opts).plan
@@ -100,8 +116,14 @@ def planner_for(model: torch.nn.Module, options: Optional[SolverOptions] = None,
     return plan
 
 
-def _one_microbatch_plan(workload, cluster, world_size: int, global_batch: int, opts: SolverOptions,
-                         constraints: Optional[Constraints] = None) -> Plan:
+def _one_microbatch_plan(
+    workload,
+    cluster,
+    world_size: int,
+    global_batch: int,
+    opts: SolverOptions,
+    constraints: Optional[Constraints] = None,
+) -> Plan:
     """The fastest plan with one microbatch per step and no pipeline: one search per TP degree, whose
     data-parallel degree (world / tp) fixes the microbatch (global_batch / dp)."""
     found = []
@@ -109,15 +131,22 @@ def _one_microbatch_plan(workload, cluster, world_size: int, global_batch: int, 
         dp = world_size // tp
         if world_size % tp or global_batch % dp:
             continue
-        narrowed = dataclasses.replace(opts, tp_degrees=(tp,), microbatch_sizes=(global_batch // dp,), max_stages=1,
-                                       ep_degrees=tuple(e for e in (opts.ep_degrees or (1,)) if dp % e == 0) or (1,))
+        narrowed = dataclasses.replace(
+            opts,
+            tp_degrees=(tp,),
+            microbatch_sizes=(global_batch // dp,),
+            max_stages=1,
+            ep_degrees=tuple(e for e in (opts.ep_degrees or (1,)) if dp % e == 0) or (1,),
+        )
         try:
             found.append(solve_constrained(workload, cluster, global_batch, constraints, narrowed))
         except (NoFeasiblePlan, ConstraintError):
             continue
     if not found:
-        raise NoFeasiblePlan(f"no plan with one microbatch per step (the model's BatchNorm needs the whole batch "
-                             f"in one forward) fits {world_size} devices with a global batch of {global_batch}; fix: "
-                             "a global batch divisible by the data-parallel degree, more memory, or "
-                             "sync_batchnorm=False")
+        raise NoFeasiblePlan(
+            f"no plan with one microbatch per step (the model's BatchNorm needs the whole batch "
+            f"in one forward) fits {world_size} devices with a global batch of {global_batch}; fix: "
+            "a global batch divisible by the data-parallel degree, more memory, or "
+            "sync_batchnorm=False"
+        )
     return min(found, key=lambda r: r.result.step_s).plan

@@ -39,6 +39,7 @@ heap then refines whichever (pair, order) is most promising, so orders that cann
 dropped at their first network-aware tier. The plan records the winning order in
 ``Plan.device_order``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,7 +62,15 @@ from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_flo
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
-from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, in_space, objective
+from nest_fx.solver.space import (
+    ANY_INTERLEAVE,
+    GlobalConfig,
+    SolverOptions,
+    concrete,
+    global_configs,
+    in_space,
+    objective,
+)
 from nest_fx.solver.stage_bounds import SLACK
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
@@ -86,8 +95,14 @@ class SolveResult:
     placements: List[Placement] = field(default_factory=list)  # the candidates searched
 
 
-def _network_bound(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float = math.inf,
-                   memo: Optional[Dict[tuple, object]] = None) -> float:
+def _network_bound(
+    cache: TableCache,
+    g: GlobalConfig,
+    p: int,
+    m: int,
+    best: float = math.inf,
+    memo: Optional[Dict[tuple, object]] = None,
+) -> float:
     """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
     least T_opt(N / p)) and (W, X) =
     ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
@@ -134,8 +149,9 @@ def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple,
         prefix = memo.get(("prefix", g.variant))
         if prefix is None:
             prefix = memo[("prefix", g.variant)] = layer_prefix(cache.workload, g.variant)
-        busiest = memo[("busiest", g.variant, p)] = max(float(busiest_stage_floor(floors, p)),
-                                                          partition_floor(prefix, p))
+        busiest = memo[("busiest", g.variant, p)] = max(
+            float(busiest_stage_floor(floors, p)), partition_floor(prefix, p)
+        )
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
     rc = cache.classes(g)
     terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
@@ -150,9 +166,16 @@ def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
     that cannot fit would build one per factor)."""
     o = cache.options
     zero = memory.effective_zero_stage(g.zero, p)
-    states = memory.model_state_bytes(cache.replica_params(g) / p, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
-                                      param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
-                                      master_weights=o.master_weights, state_dtype_bytes=o.state_bytes)["total"]
+    states = memory.model_state_bytes(
+        cache.replica_params(g) / p,
+        zero_stage=zero,
+        dp=g.shard,
+        optimizer=o.optimizer,
+        param_dtype_bytes=o.param_bytes,
+        grad_dtype_bytes=o.grad_bytes,
+        master_weights=o.master_weights,
+        state_dtype_bytes=o.state_bytes,
+    )["total"]
     return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
 
 
@@ -207,16 +230,26 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def solve(workload: Workload, cluster, global_batch: int, options: Optional[SolverOptions] = None,
-          progress: Optional[Callable[[int, int], None]] = None) -> SolveResult:
+def solve(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: Optional[SolverOptions] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> SolveResult:
     """The fastest feasible plan for ``global_batch`` sequences per step (see module docstring).
     ``progress(pairs settled, pairs)`` is called after each exact DP run."""
     with _no_cyclic_gc():
         return _solve(workload, cluster, global_batch, options or SolverOptions(), progress)
 
 
-def _solve(workload: Workload, cluster, global_batch: int, options: SolverOptions,
-           progress: Optional[Callable[[int, int], None]]) -> SolveResult:
+def _solve(
+    workload: Workload,
+    cluster,
+    global_batch: int,
+    options: SolverOptions,
+    progress: Optional[Callable[[int, int], None]],
+) -> SolveResult:
     start = time.perf_counter()
     deadline = start + options.time_budget if options.time_budget else None
     options = options.priced()
@@ -227,11 +260,14 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
     pairs = candidates(workload, cluster, global_batch, options, deadline)
     places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
-    best_t, best = _incumbent(workload, cluster, global_batch, options,
-                              None if deadline is None else (start + deadline) / 2)
+    best_t, best = _incumbent(
+        workload, cluster, global_batch, options, None if deadline is None else (start + deadline) / 2
+    )
     first = TableCache(workload, cluster, options.cost, options.recompute)
-    tables = _Tables([first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first)
-                                for pl in places[1:]], global_batch)
+    tables = _Tables(
+        [first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first) for pl in places[1:]],
+        global_batch,
+    )
     bounds: Dict[tuple, object] = {}  # _network_bound's network-independent terms
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
@@ -285,29 +321,48 @@ def _solve(workload: Workload, cluster, global_batch: int, options: SolverOption
         if found is not None and found.step_s < best_t:
             best_t, best = found.step_s, (g, m, found.stages, o)
     if best is None and not complete:
-        raise NoFeasiblePlan(f"no plan found within the time budget of {options.time_budget:g} s (the search "
-                             "stopped before it finished, so one may exist): allow more time (--time-budget)")
+        raise NoFeasiblePlan(
+            f"no plan found within the time budget of {options.time_budget:g} s (the search "
+            "stopped before it finished, so one may exist): allow more time (--time-budget)"
+        )
     if best is None:
         raise NoFeasiblePlan(explain_infeasible(workload, cluster, global_batch, options))
     g, m, stages, o = best
     order = places[o].device_order
-    plan = g.plan(stages, m, workload, cluster, device_order=list(order) if order is not None else None,
-                  constraints=options.constraints or None)
+    plan = g.plan(
+        stages,
+        m,
+        workload,
+        cluster,
+        device_order=list(order) if order is not None else None,
+        constraints=options.constraints or None,
+    )
     # what it was planned for: simulate / explain of the file rebuild the same workload
     plan.seq_len = workload.dims.seq_len  # (plan.precision: options.precision, set by g.plan)
     result = simulate(plan, workload, cluster, options.cost)
-    plan.predicted = {"step_s": result.step_s, "tokens_per_s": result.tokens_per_s,
-                      "model_flops_per_device": result.model_flops_per_device,
-                      "peak_memory_bytes": max(s.memory["total"] for s in result.stages)}
-    return SolveResult(plan=plan, result=result, seconds=time.perf_counter() - start, candidates=total,
-                       dp_runs=runs, stage_evaluations=tables.entries, complete=complete,
-                       stats={"dp_objective": best_t, "tables": tables.built, "heap_pops": pops,
-                              "placements": len(places)},
-                       placement=places[o].name, placements=places)
+    plan.predicted = {
+        "step_s": result.step_s,
+        "tokens_per_s": result.tokens_per_s,
+        "model_flops_per_device": result.model_flops_per_device,
+        "peak_memory_bytes": max(s.memory["total"] for s in result.stages),
+    }
+    return SolveResult(
+        plan=plan,
+        result=result,
+        seconds=time.perf_counter() - start,
+        candidates=total,
+        dp_runs=runs,
+        stage_evaluations=tables.entries,
+        complete=complete,
+        stats={"dp_objective": best_t, "tables": tables.built, "heap_pops": pops, "placements": len(places)},
+        placement=places[o].name,
+        placements=places,
+    )
 
 
-def _incumbent(workload: Workload, cluster, global_batch: int, options: SolverOptions,
-               deadline: Optional[float] = None):
+def _incumbent(
+    workload: Workload, cluster, global_batch: int, options: SolverOptions, deadline: Optional[float] = None
+):
     """The Megatron recipe when it lies in the search space (so the pruning bites from the start
     and the answer is never worse than it): (step seconds, (g, m, stages)), or (inf, None) (also
     when the recipe's search passes ``deadline``, a ``time.perf_counter()`` value)."""
@@ -330,10 +385,12 @@ def states_bound(num_params: float, cluster, cost: CostOptions) -> Optional[str]
     if states <= capacity:
         return None
     gib = 2**30
-    return (f"binding constraint: model states. The {num_params / 1e9:.3g} G parameters' weights, gradients and "
-            f"{cost.optimizer} states take {states * devices / gib:,.1f} GiB: {states / gib:,.1f} GiB per device "
-            f"even spread over all {devices} devices > {capacity / gib:.1f} GiB usable. Smallest change: at least "
-            f"{math.ceil(states * devices / capacity):,} devices (have {devices}), or devices with more memory")
+    return (
+        f"binding constraint: model states. The {num_params / 1e9:.3g} G parameters' weights, gradients and "
+        f"{cost.optimizer} states take {states * devices / gib:,.1f} GiB: {states / gib:,.1f} GiB per device "
+        f"even spread over all {devices} devices > {capacity / gib:.1f} GiB usable. Smallest change: at least "
+        f"{math.ceil(states * devices / capacity):,} devices (have {devices}), or devices with more memory"
+    )
 
 
 def explain_infeasible(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> str:
@@ -342,31 +399,40 @@ def explain_infeasible(workload: Workload, cluster, global_batch: int, options: 
     node = min(cluster.levels[0].group_size, cluster.num_devices)
     tps = [t for t in options.tp_degrees if t <= node and workload.supports(Variant(t, sequence_parallel=t > 1))]
     if not tps:
-        return (f"no tensor-parallel degree in {list(options.tp_degrees)} is both at most {node} (the devices of "
-                f"one {cluster.levels[0].name}) and one the workload has costs for (its shapes must divide by it, "
-                "and a layer table must list it): add tp=1 variants to the table, or allow other degrees")
+        return (
+            f"no tensor-parallel degree in {list(options.tp_degrees)} is both at most {node} (the devices of "
+            f"one {cluster.levels[0].name}) and one the workload has costs for (its shapes must divide by it, "
+            "and a layer table must list it): add tp=1 variants to the table, or allow other degrees"
+        )
     if not any(True for _ in global_configs(workload, cluster, global_batch, options)):
-        return (f"no parallel configuration divides the global batch {global_batch} "
-                f"(with microbatch sizes {list(options.microbatch_sizes)}) over {cluster.num_devices} devices: "
-                "use a global batch with more small factors (e.g. a power of two)")
+        return (
+            f"no parallel configuration divides the global batch {global_batch} "
+            f"(with microbatch sizes {list(options.microbatch_sizes)}) over {cluster.num_devices} devices: "
+            "use a global batch with more small factors (e.g. a power of two)"
+        )
     # The leanest plan: most TP inside a node, deepest pipeline, ZeRO-3, full recompute, microbatch 1.
     tp = max(tps)
     total_params = sum(workload.cost(i, Variant(tp, sequence_parallel=tp > 1)).num_params for i in range(len(workload)))
     zero = max(options.zero_stages)
     p_max = min(len(workload), cluster.num_devices // tp)
     dp_max = max(1, cluster.num_devices // (tp * p_max))
-    per_device = memory.model_state_bytes(total_params / p_max, zero_stage=zero, dp=dp_max,
-                                          optimizer=options.cost.optimizer)["total"]
+    per_device = memory.model_state_bytes(
+        total_params / p_max, zero_stage=zero, dp=dp_max, optimizer=options.cost.optimizer
+    )["total"]
     act = max(workload.cost(i, Variant(tp, sequence_parallel=tp > 1)).act_bytes["full"] for i in range(len(workload)))
     need = per_device + act
     gib = 2**30
     if need > capacity:
         states = memory.model_state_bytes(total_params * tp, zero_stage=zero, dp=1, optimizer=options.cost.optimizer)
         devices = math.ceil(states["total"] / capacity)
-        return (f"binding constraint: model states. Even with tp={tp}, pp={p_max}, ZeRO-{zero}, full recompute "
-                f"and microbatch 1 a device needs {need / gib:.1f} GiB > {capacity / gib:.1f} GiB usable. "
-                f"Smallest change: about {devices} devices or more (have {cluster.num_devices}), "
-                "or devices with more memory")
-    return (f"binding constraint: activations or the batch split. The leanest model-state layout fits "
-            f"({need / gib:.1f} GiB per device) but no plan with the allowed options does: allow full "
-            f"recompute and ZeRO-3, microbatch size 1, or a global batch divisible by more data-parallel degrees")
+        return (
+            f"binding constraint: model states. Even with tp={tp}, pp={p_max}, ZeRO-{zero}, full recompute "
+            f"and microbatch 1 a device needs {need / gib:.1f} GiB > {capacity / gib:.1f} GiB usable. "
+            f"Smallest change: about {devices} devices or more (have {cluster.num_devices}), "
+            "or devices with more memory"
+        )
+    return (
+        f"binding constraint: activations or the batch split. The leanest model-state layout fits "
+        f"({need / gib:.1f} GiB per device) but no plan with the allowed options does: allow full "
+        f"recompute and ZeRO-3, microbatch size 1, or a global batch divisible by more data-parallel degrees"
+    )

@@ -1,4 +1,5 @@
 """The search space: global knobs of a plan and lower bounds used to order and prune them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,7 @@ class SolverOptions:
 
     def runtime_workload(self, workload: Workload) -> Workload:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
-        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""),
-                                    self.kernels or "")
+        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""), self.kernels or "")
 
     def cp_searched(self, seq_len: int) -> Tuple[int, ...]:
         """The CP degrees searched for sequences of ``seq_len`` tokens (0: unknown): ``cp_degrees``,
@@ -95,8 +95,9 @@ class SolverOptions:
 # the plan settings one configuration of the search fixes for every stage (its outer loop): every
 # degree, flag, choice and option of a plan or stage but the per-stage recompute policy, and the
 # interleave factor; a GlobalConfig has one field per setting, named and defaulted as declared
-GLOBAL_SETTINGS = tuple(s for s in SETTINGS if (s.scope == "plan" and s.role != "record") or s.name in
-                        ("tp", "virtual_stages"))
+GLOBAL_SETTINGS = tuple(
+    s for s in SETTINGS if (s.scope == "plan" and s.role != "record") or s.name in ("tp", "virtual_stages")
+)
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,23 @@ class GlobalConfig:
     def plan(self, stages: List[StagePlan], m: int, workload: Workload, cluster, **fields) -> Plan:
         """The plan of this configuration with ``stages`` and ``m`` microbatches."""
         shared = {s.name: getattr(self, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"}
-        return Plan(stages=stages, num_microbatches=m, model=workload.model, model_fingerprint=workload.fingerprint,
-                    num_layers=len(workload), world_size=cluster.num_devices, **shared, **fields)
+        return Plan(
+            stages=stages,
+            num_microbatches=m,
+            model=workload.model,
+            model_fingerprint=workload.fingerprint,
+            num_layers=len(workload),
+            world_size=cluster.num_devices,
+            **shared,
+            **fields,
+        )
 
     @classmethod
     def of(cls, plan: Plan) -> "GlobalConfig":
         """The configuration of a plan with uniform TP."""
-        return cls(tp=plan.stages[0].tp, **{s.name: getattr(plan, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"})
+        return cls(
+            tp=plan.stages[0].tp, **{s.name: getattr(plan, s.name) for s in GLOBAL_SETTINGS if s.scope == "plan"}
+        )
 
 
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
@@ -149,13 +160,19 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
     cps = options.cp_searched(workload.dims.seq_len)
     for tp, ep, cp in ((tp, ep, cp) for tp in options.tp_degrees for ep in eps for cp in cps):
         sp = options.sequence_parallel and tp > 1
-        if (tp * cp > cluster.num_devices or (options.tp_within_node and tp > node)
-                or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
-                or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, sequence_parallel=sp, **runtime)
-                or not workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp))):
+        if (
+            tp * cp > cluster.num_devices
+            or (options.tp_within_node and tp > node)
+            or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
+            or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, sequence_parallel=sp, **runtime)
+            or not workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp))
+        ):
             continue
-        lp = (tp > 1 and options.loss_parallel is not False
-              and workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp, loss_parallel=True)))
+        lp = (
+            tp > 1
+            and options.loss_parallel is not False
+            and workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp, loss_parallel=True))
+        )
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
@@ -170,10 +187,22 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                     for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
                         for schedule, v in options.schedules:
                             for placement in options.placements:
-                                yield GlobalConfig(tp=tp, dp=dp, ep=ep, microbatch_size=mbs, zero=zero,
-                                                   schedule=schedule, placement=placement, sequence_parallel=sp,
-                                                   virtual_stages=model_chunks(schedule, v), cp=cp,
-                                                   dp_shard=dp_shard, loss_parallel=lp, **given, **runtime)
+                                yield GlobalConfig(
+                                    tp=tp,
+                                    dp=dp,
+                                    ep=ep,
+                                    microbatch_size=mbs,
+                                    zero=zero,
+                                    schedule=schedule,
+                                    placement=placement,
+                                    sequence_parallel=sp,
+                                    virtual_stages=model_chunks(schedule, v),
+                                    cp=cp,
+                                    dp_shard=dp_shard,
+                                    loss_parallel=lp,
+                                    **given,
+                                    **runtime,
+                                )
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -193,8 +222,11 @@ def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, opt
         return out
     unit = tp * cp
     for level in cluster.levels:
-        fits = [d for d in divisors(dp) if d < dp and d % ep == 0
-                and d * unit <= level.group_size and level.group_size % (d * unit) == 0]
+        fits = [
+            d
+            for d in divisors(dp)
+            if d < dp and d % ep == 0 and d * unit <= level.group_size and level.group_size % (d * unit) == 0
+        ]
         if fits and fits[-1] > 1 and fits[-1] not in out:
             out.append(fits[-1])
     return out
@@ -204,27 +236,55 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
     """Whether a plan lies in the search space the options define (so the search's optimum is
     never slower than it)."""
     interleaved = plan.schedule in CHUNKED_SCHEDULES
-    schedule_ok = ((plan.schedule, plan.virtual_stages) in options.schedules
-                   or (interleaved and (plan.schedule, ANY_INTERLEAVE) in options.schedules))
-    return ((not options.use_all_devices or plan.devices_used == cluster.num_devices)
-            and plan.placement in options.placements and plan.microbatch_size in options.microbatch_sizes
-            and plan.zero in options.zero_stages and schedule_ok and plan.cp in options.cp_searched(plan.seq_len)
-            and all(getattr(plan, flag) == getattr(options, flag) for flag in COSTED_FLAGS)
-            and (options.precision is None or plan.precision == options.precision)
-            and not unrun_schedule(plan.schedule, pp=plan.pp, zero=plan.zero, compile=plan.compile,
-                                   recompute=[s.recompute for s in plan.stages])
-            and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
-            and (plan.kernels or "") == (options.kernels or "")
-            and not unrun_combination(tp=max(s.tp for s in plan.stages), ep=plan.ep, dp_shard=plan.dp_shard,
-                                      hsdp=plan.replicate_degree > 1, compile=plan.compile, float8=plan.float8,
-                                      async_tp=plan.async_tp, sequence_parallel=plan.sequence_parallel)
-            and (plan.dp_shard == 0 or plan.dp_shard in shard_candidates(
-                cluster, plan.dp, plan.stages[0].tp, plan.cp, plan.ep, plan.zero, options))
-            and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
-            and (not options.max_stages or plan.pp <= options.max_stages)
-            and all(options.allows(name, value) for name, value in (("tp", plan.stages[0].tp), ("pp", plan.pp),
-                                                                    ("dp", plan.dp), ("ep", plan.ep),
-                                                                    ("cp", plan.cp))))
+    schedule_ok = (plan.schedule, plan.virtual_stages) in options.schedules or (
+        interleaved and (plan.schedule, ANY_INTERLEAVE) in options.schedules
+    )
+    return (
+        (not options.use_all_devices or plan.devices_used == cluster.num_devices)
+        and plan.placement in options.placements
+        and plan.microbatch_size in options.microbatch_sizes
+        and plan.zero in options.zero_stages
+        and schedule_ok
+        and plan.cp in options.cp_searched(plan.seq_len)
+        and all(getattr(plan, flag) == getattr(options, flag) for flag in COSTED_FLAGS)
+        and (options.precision is None or plan.precision == options.precision)
+        and not unrun_schedule(
+            plan.schedule,
+            pp=plan.pp,
+            zero=plan.zero,
+            compile=plan.compile,
+            recompute=[s.recompute for s in plan.stages],
+        )
+        and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
+        and (plan.kernels or "") == (options.kernels or "")
+        and not unrun_combination(
+            tp=max(s.tp for s in plan.stages),
+            ep=plan.ep,
+            dp_shard=plan.dp_shard,
+            hsdp=plan.replicate_degree > 1,
+            compile=plan.compile,
+            float8=plan.float8,
+            async_tp=plan.async_tp,
+            sequence_parallel=plan.sequence_parallel,
+        )
+        and (
+            plan.dp_shard == 0
+            or plan.dp_shard
+            in shard_candidates(cluster, plan.dp, plan.stages[0].tp, plan.cp, plan.ep, plan.zero, options)
+        )
+        and all(s.tp in options.tp_degrees and s.recompute in options.recompute for s in plan.stages)
+        and (not options.max_stages or plan.pp <= options.max_stages)
+        and all(
+            options.allows(name, value)
+            for name, value in (
+                ("tp", plan.stages[0].tp),
+                ("pp", plan.pp),
+                ("dp", plan.dp),
+                ("ep", plan.ep),
+                ("cp", plan.cp),
+            )
+        )
+    )
 
 
 def _undominated(zero_stages: Sequence[int]) -> List[int]:
@@ -233,8 +293,7 @@ def _undominated(zero_stages: Sequence[int]) -> List[int]:
     return [z for z in zero_stages if not (z == 0 and 1 in zero_stages)]
 
 
-def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int,
-                 options: SolverOptions) -> List[int]:
+def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int, options: SolverOptions) -> List[int]:
     """Pipeline depths p admissible for g: devices, layers, and the schedule's rules."""
     m = g.microbatches(global_batch)
     most = min(len(workload), cluster.num_devices // (g.dp * g.tp * g.cp))
@@ -247,7 +306,8 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
         if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
             continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
         if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile) or all(
-                unrun_schedule(g.schedule, pp=p, recompute=(r,)) for r in options.recompute):
+            unrun_schedule(g.schedule, pp=p, recompute=(r,)) for r in options.recompute
+        ):
             continue  # the runtime does not run the schedule with these settings, or with any recompute mode
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue

@@ -9,6 +9,7 @@ bounds before it and the suffix bounds after it leave room too. The suffix and p
 are exact single-criterion optima (max t, sum s, max q) over the bands, so together they bound
 every completion from below. ``even_split`` gives the DP a first incumbent.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,13 +60,19 @@ class StageBounds:
         """(p, K + 1): whether stage i holding class c could be part of a plan faster than
         ``best``: some mode fits, and the stage's own time t and span s in their fastest fitting
         modes do not already give ``pipeline_span(t, s) + T_opt >= best``."""
+
         def compute():
             t = self._fastest
             ok = np.isfinite(t)
             if best < INF:
                 with np.errstate(invalid="ignore"):
-                    ok &= objective(t, self._fastest_s, self.t_opt, self.m, self.g.schedule, self.g.virtual_stages) * SLACK < best
+                    ok &= (
+                        objective(t, self._fastest_s, self.t_opt, self.m, self.g.schedule, self.g.virtual_stages)
+                        * SLACK
+                        < best
+                    )
             return ok
+
         return self._memoised(("alive",), best, compute)
 
     def too_short(self, best: float = INF) -> bool:
@@ -80,6 +87,7 @@ class StageBounds:
         where the range is out of stage i's reach (stage 0 starts at layer 0, the last stage
         ends at L, every stage holds a layer) or its class is not :meth:`alive`. kmax is the
         longest alive class, so deep pipelines scan short bands."""
+
         def compute():
             n, p, size = self.n, self.p, self.size
             alive = self.alive(best)
@@ -96,6 +104,7 @@ class StageBounds:
             cols = np.where(reach, self.cls[starts, ends], size)
             live = np.take_along_axis(alive, cols.reshape(p, -1), axis=1).reshape(cols.shape)
             return np.where(live, cols, size), ends
+
         return self._memoised(("bands",), best, compute)
 
     def band(self, i: int, best: float = INF) -> Tuple[int, np.ndarray, np.ndarray]:
@@ -108,23 +117,32 @@ class StageBounds:
         be part of a plan faster than ``best``: the prefix bounds at (i, b), the stage's fastest
         fitting time and optimizer step, and the suffix bounds at (i + 1, e) (both with q bounded
         by the optimizer step) already give a step time >= ``best``."""
+
         def compute():
             b0, cols, ends = self.band(i, best)
             if not cols.size:
                 return cols
-            t_pre, s_pre, q_pre = self.prefix_bounds(best)[i][:, b0:b0 + cols.shape[0], None]
+            t_pre, s_pre, q_pre = self.prefix_bounds(best)[i][:, b0 : b0 + cols.shape[0], None]
             t_suf, s_suf, q_suf = self.suffix_bounds(best, exact_tails=False)[i + 1][:, ends]
             t, s, q = self._fastest[i][cols], self._fastest_s[i][cols], self.t_opt[cols]
             with np.errstate(invalid="ignore"):
-                lb = objective(np.maximum(np.maximum(t_pre, t), t_suf), s_pre + s + s_suf,
-                               np.maximum(np.maximum(q_pre, q), q_suf), self.m, self.g.schedule, self.g.virtual_stages)
+                lb = objective(
+                    np.maximum(np.maximum(t_pre, t), t_suf),
+                    s_pre + s + s_suf,
+                    np.maximum(np.maximum(q_pre, q), q_suf),
+                    self.m,
+                    self.g.schedule,
+                    self.g.virtual_stages,
+                )
             return np.where(lb * SLACK < best, cols, self.size)
+
         return self._memoised(("viable", i), best, compute)
 
     def tails(self, i: int, best: float = INF) -> Dict[str, np.ndarray]:
         """q_i = exposed DP sync + optimizer step per mode, (K + 1,) over classes: exact for the
         classes :meth:`viable` for stage i, inf for the others. The DP sync asks the network, so
         it is computed once per (stage, class), on demand."""
+
         def compute():
             cols = np.unique(self.viable(i, best))
             cols = cols[cols < self.size]
@@ -133,6 +151,7 @@ class StageBounds:
                 out[r] = np.full(self.size + 1, INF)
                 out[r][cols] = q
             return out
+
         return self._memoised(("tails", i), best, compute)
 
     # -- bounds -----------------------------------------------------------------------------
@@ -150,8 +169,12 @@ class StageBounds:
         t_min = self._fastest
         if exact_tails:
             cols = np.array([self.viable(i, best) for i in range(p)]).reshape(cols.shape)
-            q_min = np.array([np.minimum.reduce([np.where(self.fits[r][i], q, INF)
-                                                 for r, q in self.tails(i, best).items()]) for i in range(p)])
+            q_min = np.array(
+                [
+                    np.minimum.reduce([np.where(self.fits[r][i], q, INF) for r, q in self.tails(i, best).items()])
+                    for i in range(p)
+                ]
+            )
         else:
             q_min = np.where(np.isfinite(t_min), self.t_opt, INF)
         out = np.full((p + 1, 3, n + 1), INF)
@@ -167,13 +190,14 @@ class StageBounds:
             np.maximum(t_band[i], after[0], out=after[0])
             after[1] += s_band[i]
             np.maximum(q_band[i], after[2], out=after[2])
-            out[i, :, i:i + width] = after.min(axis=2)
+            out[i, :, i : i + width] = after.min(axis=2)
         return out
 
     def prefix_bounds(self, best: float = INF) -> np.ndarray:
         """(p + 1, 3, L + 1): entry [i, :, b] bounds (max t, sum s, max q) from below over stages
         0..i-1 of any feasible start holding layers [0, b) (q bounded by the optimizer step);
         the mirror image of :meth:`suffix_bounds`."""
+
         def compute():
             n, p = self.n, self.p
             cols, ends = self.bands(best)
@@ -187,11 +211,13 @@ class StageBounds:
             width = cols.shape[1]
             criteria = np.arange(3)[:, None, None]
             for i in range(p):
-                reach = out[i][:, i:i + width, None]  # (3, rows, 1): the best start before each range
-                step = np.stack([np.maximum(reach[0], t_band[i]), reach[1] + s_band[i],
-                                 np.maximum(reach[2], q_band[i])])
+                reach = out[i][:, i : i + width, None]  # (3, rows, 1): the best start before each range
+                step = np.stack(
+                    [np.maximum(reach[0], t_band[i]), reach[1] + s_band[i], np.maximum(reach[2], q_band[i])]
+                )
                 np.minimum.at(out[i + 1], (criteria, ends[i][None]), step)
             return out
+
         return self._memoised(("prefix",), best, compute)
 
     def even_split(self, best: float = INF) -> Optional[Tuple[float, float, float, List[StagePlan]]]:
@@ -207,8 +233,13 @@ class StageBounds:
             return None
         times = [float(self.t[r][i, c]) for i, (r, c) in enumerate(zip(modes, cols))]
         spans = [float(self.s[r][i, c]) for i, (r, c) in enumerate(zip(modes, cols))]
-        if objective(max(times), sum(spans), float(self.t_opt[cols].max()), self.m, self.g.schedule,
-                     self.g.virtual_stages) * SLACK >= best:
+        if (
+            objective(
+                max(times), sum(spans), float(self.t_opt[cols].max()), self.m, self.g.schedule, self.g.virtual_stages
+            )
+            * SLACK
+            >= best
+        ):
             return None
         max_t = sum_s = max_q = 0.0
         for i, (r, c, t, s) in enumerate(zip(modes, cols, times, spans)):

@@ -15,6 +15,7 @@ stage whose forward + backward time t alone gives ``pipeline_span(t, t) + T_opt 
 too slow (max_i t_i >= t, sum_i t_i >= t, max_i q_i >= its optimizer step). The bounds the DP
 prunes with as ``best`` decreases are in :mod:`nest_fx.solver.stage_bounds`.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -67,8 +68,9 @@ class StageTable(StageBounds):
         estates = {key: v[live] for key, v in estates.items()}
         opts = cache.options
         self._fp8 = self.terms[self.modes[0]].fp8_params if g.float8 else 0.0
-        self._tied = [tied_sync_time(cache.cluster, groups, rc.tied, self.zero, g.shard, opts)
-                      for groups in cache.layout(g, p)]
+        self._tied = [
+            tied_sync_time(cache.cluster, groups, rc.tied, self.zero, g.shard, opts) for groups in cache.layout(g, p)
+        ]
         self.t: Dict[str, np.ndarray] = {}
         self.s: Dict[str, np.ndarray] = {}
         self.fits: Dict[str, np.ndarray] = {}
@@ -79,10 +81,23 @@ class StageTable(StageBounds):
             work = stage_work(terms.fwd, terms.bwd, terms.recompute, exposed["tp"], exposed["ep"], exposed["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
             t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
-            held = np.array([memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
-                             for i in range(p)]).reshape(p, k)
-            mem = stage_memory(states, estates, held, terms.layer_peak, rc.out_bytes[live],
-                               gathered[live], unsharded[live], scratch[live], num_microbatches=m)
+            held = np.array(
+                [
+                    memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
+                    for i in range(p)
+                ]
+            ).reshape(p, k)
+            mem = stage_memory(
+                states,
+                estates,
+                held,
+                terms.layer_peak,
+                rc.out_bytes[live],
+                gathered[live],
+                unsharded[live],
+                scratch[live],
+                num_microbatches=m,
+            )
             fits = np.zeros((p, k + 1), dtype=bool)
             fits[:, :k] = mem["total"] <= cache.capacity
             self.t[r], self.s[r], self.fits[r] = t, s, fits
@@ -109,14 +124,32 @@ class StageTable(StageBounds):
         todo = cols[np.isnan(self._sync[i, cols])]
         if todo.size:
             fp8 = self._fp8[todo] if isinstance(self._fp8, np.ndarray) else 0.0
-            self._sync[i, todo] = dp_sync_time(cache.cluster, cache.layout(g, self.p)[i], self._dense[todo],
-                                               self._expert[todo], g.dp * g.cp, g.ep, self.zero, self.m,
-                                               cache.options, self._units[todo], fp8)
+            self._sync[i, todo] = dp_sync_time(
+                cache.cluster,
+                cache.layout(g, self.p)[i],
+                self._dense[todo],
+                self._expert[todo],
+                g.dp * g.cp,
+                g.ep,
+                self.zero,
+                self.m,
+                cache.options,
+                self._units[todo],
+                fp8,
+            )
         out = {}
         for r in self.modes:
             terms = self.terms[r]
-            exposed, t_opt = tail_terms(self._sync[i, cols], terms.bwd[cols], terms.recompute[cols],
-                                        terms.params[cols], g.shard, self.zero, cache.cluster, cache.options,
-                                        self._tied[i])
+            exposed, t_opt = tail_terms(
+                self._sync[i, cols],
+                terms.bwd[cols],
+                terms.recompute[cols],
+                terms.params[cols],
+                g.shard,
+                self.zero,
+                cache.cluster,
+                cache.options,
+                self._tied[i],
+            )
             out[r] = exposed + t_opt
         return out

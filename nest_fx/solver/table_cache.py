@@ -9,6 +9,7 @@ network. The cache also answers the per-pair lower bounds the search prunes with
 builds a table: the recompute memory forces (``forced_recompute``) and one replica's work
 (``replica_work``, ``replica_params``).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,17 +58,22 @@ def _comm_work(comms: Dict[str, np.ndarray], compute: float, options: CostOption
 class TableCache:
     """What stage tables of one search share (see module docstring)."""
 
-    def __init__(self, workload: Workload, cluster, options: CostOptions, modes,
-                 share: Optional["TableCache"] = None):
+    def __init__(self, workload: Workload, cluster, options: CostOptions, modes, share: Optional["TableCache"] = None):
         """``share``: a cache of the same workload and options on another view of the same
         devices (another device order): its network-independent entries (classes, layouts,
         model states, in-flight microbatches) are shared, the network's are not."""
         self.workload, self.cluster, self.options, self.modes = workload, cluster, options, tuple(modes)
         self.capacity = memory.usable_bytes(cluster.device.memory_bytes, options)
-        if share is not None and (share.workload is not workload or share.options is not options
-                                  or share.modes != self.modes or share.cluster.device != cluster.device):
-            raise ValueError("TableCache(share=...): the shared cache must have the same workload, options, "
-                             "recompute modes and device")
+        if share is not None and (
+            share.workload is not workload
+            or share.options is not options
+            or share.modes != self.modes
+            or share.cluster.device != cluster.device
+        ):
+            raise ValueError(
+                "TableCache(share=...): the shared cache must have the same workload, options, "
+                "recompute modes and device"
+            )
         self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
         self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
         self._states: Dict[tuple, tuple] = {} if share is None else share._states
@@ -90,10 +96,15 @@ class TableCache:
         hit = self._comms.get(key)
         if hit is None:
             rc = self.classes(g)
-            out = comm_terms(list(zip(rc.costs, rc.counts)), mode, lambda comm: self.comm_seconds(g, p, comm),
-                             self.options.tp_call_overhead)
-            hit = self._comms[key] = {k: np.broadcast_to(np.asarray(v, dtype=float), (p, rc.size))
-                                      for k, v in out.items()}
+            out = comm_terms(
+                list(zip(rc.costs, rc.counts)),
+                mode,
+                lambda comm: self.comm_seconds(g, p, comm),
+                self.options.tp_call_overhead,
+            )
+            hit = self._comms[key] = {
+                k: np.broadcast_to(np.asarray(v, dtype=float), (p, rc.size)) for k, v in out.items()
+            }
         return hit
 
     def modes_for(self, g: GlobalConfig) -> Tuple[str, ...]:
@@ -101,8 +112,9 @@ class TableCache:
         selective checkpointing under a split backward)."""
         hit = self._modes_for.get(g.schedule)
         if hit is None:
-            hit = self._modes_for[g.schedule] = tuple(r for r in self.modes
-                                                      if not unrun_schedule(g.schedule, pp=2, recompute=(r,)))
+            hit = self._modes_for[g.schedule] = tuple(
+                r for r in self.modes if not unrun_schedule(g.schedule, pp=2, recompute=(r,))
+            )
         return hit
 
     def classes(self, g: GlobalConfig) -> RangeClasses:
@@ -120,9 +132,16 @@ class TableCache:
         """Rank groups of each stage: they depend on placement, tp, dp, ep, cp, dp_shard and p only."""
         key = self._layout_key(g, p)
         if key not in self._layouts:
-            plan = _LayoutPlan(stages=[StagePlan(k, k + 1, g.tp) for k in range(p)], dp=g.dp, ep=g.ep, cp=g.cp,
-                               dp_shard=g.dp_shard, zero=max(g.zero, 1 if g.dp_shard else 0),
-                               placement=g.placement, num_layers=p)
+            plan = _LayoutPlan(
+                stages=[StagePlan(k, k + 1, g.tp) for k in range(p)],
+                dp=g.dp,
+                ep=g.ep,
+                cp=g.cp,
+                dp_shard=g.dp_shard,
+                zero=max(g.zero, 1 if g.dp_shard else 0),
+                placement=g.placement,
+                num_layers=p,
+            )
             self._layouts[key] = [stage_groups(plan, i) for i in range(p)]
         return self._layouts[key]
 
@@ -135,7 +154,8 @@ class TableCache:
             fns = self._group_fns.get((layout, comm.kind, comm.group))
             if fns is None:
                 fns = self._group_fns[(layout, comm.kind, comm.group)] = [
-                    group_comm_fn(self.cluster, comm.kind, getattr(s, comm.group)) for s in self.layout(g, p)]
+                    group_comm_fn(self.cluster, comm.kind, getattr(s, comm.group)) for s in self.layout(g, p)
+                ]
             hit = self._comm_seconds[key] = np.array([[f(comm)] for f in fns], dtype=float)
         return hit
 
@@ -179,10 +199,16 @@ class TableCache:
 
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
         o = self.options
-        per_param = memory.model_state_bytes(1.0, zero_stage=zero, dp=g.shard, optimizer=o.optimizer,
-                                             param_dtype_bytes=o.param_bytes, grad_dtype_bytes=o.grad_bytes,
-                                             master_weights=o.master_weights,
-                                             state_dtype_bytes=o.state_bytes)["total"]
+        per_param = memory.model_state_bytes(
+            1.0,
+            zero_stage=zero,
+            dp=g.shard,
+            optimizer=o.optimizer,
+            param_dtype_bytes=o.param_bytes,
+            grad_dtype_bytes=o.grad_bytes,
+            master_weights=o.master_weights,
+            state_dtype_bytes=o.state_bytes,
+        )["total"]
         inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
@@ -246,8 +272,15 @@ class TableCache:
             total = float(terms.fwd[whole] + terms.bwd[whole])
             # each collective once ("none": no recompute re-runs one), the least of every mode's
             for d, c in enumerate(rc.costs):
-                per_layer = float(np.min(_comm_work(comm_terms([(c, 1)], "none", lambda x: self.comm_seconds(g, p, x)),
-                                                    c.fwd_s + c.bwd_s, self.options)))
+                per_layer = float(
+                    np.min(
+                        _comm_work(
+                            comm_terms([(c, 1)], "none", lambda x: self.comm_seconds(g, p, x)),
+                            c.fwd_s + c.bwd_s,
+                            self.options,
+                        )
+                    )
+                )
                 total += int(rc.counts[d, whole]) * per_layer
             senders = np.unique(rc.prev[rc.prev >= 0])
             boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0
@@ -311,8 +344,22 @@ class TableCache:
             layout, cluster = self.layout(g, p), self.cluster
             affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
             sizes = np.array([1.0, 2.0])
-            at = [dp_sync_time(cluster, groups, d * sizes, e * sizes, g.dp * g.cp, g.ep, zero, m, self.options, 0.0,
-                               d * sizes if g.float8 else 0.0) for groups in layout]
+            at = [
+                dp_sync_time(
+                    cluster,
+                    groups,
+                    d * sizes,
+                    e * sizes,
+                    g.dp * g.cp,
+                    g.ep,
+                    zero,
+                    m,
+                    self.options,
+                    0.0,
+                    d * sizes if g.float8 else 0.0,
+                )
+                for groups in layout
+            ]
             at = [np.broadcast_to(np.asarray(y, dtype=float), (2,)) for y in at]
             least = min(float(y[0]) for y in at)
             slope = min(float(y[1] - y[0]) for y in at) / (d + e) if affine else 0.0
@@ -336,10 +383,14 @@ class TableCache:
             dense = terms.params - terms.expert_params
             opts = self.options
             t_opt = tail_terms(0.0, 0.0, 0.0, terms.params, g.shard, zero, self.cluster, opts)[1]
-            self._states[key] = (model_states(dense, zero, g.shard, opts, p > 1),
-                                 model_states(terms.expert_params, zero, expert_shard_degree(g.dp, g.dp_shard, g.ep, g.cp), opts,
-                                              p > 1),
-                                 dense, terms.expert_params, t_opt, *working_sets(terms, zero, g.shard, opts))
+            self._states[key] = (
+                model_states(dense, zero, g.shard, opts, p > 1),
+                model_states(terms.expert_params, zero, expert_shard_degree(g.dp, g.dp_shard, g.ep, g.cp), opts, p > 1),
+                dense,
+                terms.expert_params,
+                t_opt,
+                *working_sets(terms, zero, g.shard, opts),
+            )
         return self._states[key]
 
 

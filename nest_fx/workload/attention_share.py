@@ -6,6 +6,7 @@ The zoo's windowed attention passes SDPA a band mask made by ``models.layers.sli
 ``window_size``, cuDNN's sliding window) skips the tiles outside the band and keeps no mask, so the
 cost model prices the band's scores and the q, k, v bytes alone.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -47,12 +47,14 @@ Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
   405B (f/h = 3.25, kv/heads = 1/16) and 34 for Llama 3 8B (3.5, 1/4), against 56-59 traced
   eagerly (``tests/unit/workload/test_kernels.py``, ``tests/unit/workload/test_fused_activations.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import networkx as nx
+
 
 @dataclass(frozen=True)
 class KernelBackend:
@@ -71,8 +73,14 @@ class KernelBackend:
 KERNEL_BACKENDS: Dict[str, KernelBackend] = {
     "eager": KernelBackend("eager", fusion=0.0, fused_activations=False, hopper_attention=False, fused_casts=False),
     "compile": KernelBackend("compile", fusion=0.5, fused_activations=True, hopper_attention=False, fused_casts=True),
-    "fused": KernelBackend("fused", fusion=1.0, fused_activations=True, hopper_attention=True, fused_casts=True,
-                           shared_attention_output=True),
+    "fused": KernelBackend(
+        "fused",
+        fusion=1.0,
+        fused_activations=True,
+        hopper_attention=True,
+        fused_casts=True,
+        shared_attention_output=True,
+    ),
 }
 KERNELS = tuple(KERNEL_BACKENDS)  # the plan's vocabulary lists the same names (plan.vocabulary.KERNELS)
 

@@ -5,6 +5,7 @@ arguments), not by model or node name, so a profile taken on one model serves ev
 that runs the same ops at the same shapes (e.g. all Llama-shaped blocks of one width). See
 docs/profiler.md for the fields.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,15 @@ class ProfileError(NestFxError, ValueError):
 
 def op_key(attrs: dict) -> str:
     """Signature of one traced op (OpGraph node attributes): what decides its cost."""
-    return "|".join((str(attrs.get("op", "")), str(attrs.get("in_shapes", [])), str(attrs.get("out_shapes", [])),
-                     ",".join(attrs.get("in_dtypes", []) or attrs.get("out_dtypes", []) or []),
-                     str(attrs.get("consts", ""))))
+    return "|".join(
+        (
+            str(attrs.get("op", "")),
+            str(attrs.get("in_shapes", [])),
+            str(attrs.get("out_shapes", [])),
+            ",".join(attrs.get("in_dtypes", []) or attrs.get("out_dtypes", []) or []),
+            str(attrs.get("consts", "")),
+        )
+    )
 
 
 @dataclass
@@ -82,9 +89,11 @@ def _check_measured(entry: OpEntry, where: str) -> None:
     for name in _MEASURED:
         value = getattr(entry, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ProfileError(f"{where}.{name}: {value} is not a finite non-negative number; a measured entry needs "
-                               "finite times (re-run `nest-fx profile`, or mark an unmeasured op with "
-                               "skipped: <reason>)")
+            raise ProfileError(
+                f"{where}.{name}: {value} is not a finite non-negative number; a measured entry needs "
+                "finite times (re-run `nest-fx profile`, or mark an unmeasured op with "
+                "skipped: <reason>)"
+            )
 
 
 @dataclass
@@ -143,27 +152,42 @@ class Profile:
                 raise ProfileError(f"{w}: expected an object with fwd_s, bwd_s, peak_bytes")
             try:
                 host = {k: float(v[k]) for k in ("fwd_host_s", "bwd_host_s") if v.get(k) is not None}
-                ops[key] = OpEntry(op=str(v.get("op", "")), fwd_s=float(v["fwd_s"]), bwd_s=float(v["bwd_s"]),
-                                   peak_bytes=float(v.get("peak_bytes", 0.0)), flops=float(v.get("flops", 0.0)),
-                                   skipped=str(v.get("skipped", "")), **host)
+                ops[key] = OpEntry(
+                    op=str(v.get("op", "")),
+                    fwd_s=float(v["fwd_s"]),
+                    bwd_s=float(v["bwd_s"]),
+                    peak_bytes=float(v.get("peak_bytes", 0.0)),
+                    flops=float(v.get("flops", 0.0)),
+                    skipped=str(v.get("skipped", "")),
+                    **host,
+                )
             except KeyError as exc:
                 raise ProfileError(f"{w}: missing field {exc.args[0]!r}") from None
             except (TypeError, ValueError):
-                raise ProfileError(f"{w}: fwd_s, bwd_s, fwd_host_s, bwd_host_s, peak_bytes and flops must be "
-                                   "numbers") from None
+                raise ProfileError(
+                    f"{w}: fwd_s, bwd_s, fwd_host_s, bwd_host_s, peak_bytes and flops must be numbers"
+                ) from None
             _check_measured(ops[key], w)
         blocks = data.get("blocks", [])
         if not isinstance(blocks, list):
             raise ProfileError(f"{where}.blocks: expected a list")
-        return cls(device=data["device"], device_name=data["device_name"], dtype=data["dtype"],
-                   torch_version=data["torch_version"], cuda_version=str(data.get("cuda_version", "")),
-                   ops=ops, blocks=blocks, warnings=[str(w) for w in data.get("warnings", [])])
+        return cls(
+            device=data["device"],
+            device_name=data["device_name"],
+            dtype=data["dtype"],
+            torch_version=data["torch_version"],
+            cuda_version=str(data.get("cuda_version", "")),
+            ops=ops,
+            blocks=blocks,
+            warnings=[str(w) for w in data.get("warnings", [])],
+        )
 
     def merge(self, other: "Profile") -> None:
         """Add ``other``'s entries (same device and dtype); existing entries win."""
         if (other.device_name, other.dtype) != (self.device_name, self.dtype):
-            raise ProfileError(f"cannot merge a {other.device_name}/{other.dtype} profile into "
-                               f"{self.device_name}/{self.dtype}")
+            raise ProfileError(
+                f"cannot merge a {other.device_name}/{other.dtype} profile into {self.device_name}/{self.dtype}"
+            )
         for k, v in other.ops.items():
             self.ops.setdefault(k, v)
         self.blocks += other.blocks

@@ -10,6 +10,7 @@ roofline. With sequence parallelism, ops outside the TP regions run on ``1/tp`` 
 sequence; their measured time is divided by ``tp`` (they are elementwise/norm ops, linear in
 size). ``coverage()`` reports how much of the compute time is measured.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,8 +27,17 @@ from nest_fx.workload.types import WorkloadError
 class ProfiledSource(TracedSource):
     """A TracedSource whose node times come from ``profile`` where it has them."""
 
-    def __init__(self, graph, timing, profile: Profile, *, model_name: str, seq: Optional[int],
-                 dtype: torch.dtype, attention: str = "flash"):
+    def __init__(
+        self,
+        graph,
+        timing,
+        profile: Profile,
+        *,
+        model_name: str,
+        seq: Optional[int],
+        dtype: torch.dtype,
+        attention: str = "flash",
+    ):
         super().__init__(graph, timing, attention=attention)
         self.profile = profile
         self.model_name = model_name
@@ -38,21 +48,25 @@ class ProfiledSource(TracedSource):
         self.measured_s: Dict[tuple, Tuple[float, float]] = {}  # (measured, total) fwd+bwd seconds
         self.depth = distinct_depth(graph)
 
-    def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
-                    byte_scale: float = 1.0, kernels: str = "") -> "ProfiledSource":
+    def for_runtime(
+        self, *, compile: bool = False, float8: bool = False, timing=None, byte_scale: float = 1.0, kernels: str = ""
+    ) -> "ProfiledSource":
         """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only."""
         if timing is not None or byte_scale != 1.0:
             other = "--precision fp32" if self.profile.dtype == "fp32" else "--precision bf16-mixed or bf16-true"
-            raise WorkloadError(f"the profile's times were measured in {self.profile.dtype}, not in the plan's "
-                                f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
-                                "--dtype ...)")
+            raise WorkloadError(
+                f"the profile's times were measured in {self.profile.dtype}, not in the plan's "
+                f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
+                "--dtype ...)"
+            )
         return super().for_runtime(compile=compile, float8=float8, kernels=kernels)
 
     def _local_graph(self, tp: int, mbs: int):
         if (tp, mbs) not in self._local:
             try:
-                self._local[(tp, mbs)] = local_graph(self.model_name, tp, mbs, seq=self.seq, dtype=self.dtype,
-                                                     layers=self.depth)[0]
+                self._local[(tp, mbs)] = local_graph(
+                    self.model_name, tp, mbs, seq=self.seq, dtype=self.dtype, layers=self.depth
+                )[0]
             except (LocaliseError, ValueError) as exc:
                 warnings.warn(f"profile not used for tp={tp} mbs={mbs}: {exc}", stacklevel=2)
                 self._local[(tp, mbs)] = None
@@ -76,8 +90,11 @@ class ProfiledSource(TracedSource):
         g, lg = self.graph.graph, (local.graph if local is not None else None)
         if lblock is None or [g.nodes[n]["op"] for n in block.nodes] != [lg.nodes[n]["op"] for n in lblock.nodes]:
             if lblock is not None:
-                warnings.warn(f"profile not used for {block.name}: its ops do not line up with the profiled "
-                              "model's; using the analytical model", stacklevel=2)
+                warnings.warn(
+                    f"profile not used for {block.name}: its ops do not line up with the profiled "
+                    "model's; using the analytical model",
+                    stacklevel=2,
+                )
             times, measured = analytical, 0.0
         else:
             facts = self.facts(block.index).nodes

@@ -16,6 +16,7 @@ Bytes are attributed to the node that created a storage, so the cost model scale
 creator's sharding (a column linear's output is a tensor-parallel shard, a norm's output is
 sharded only under sequence parallelism).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Set, Tuple

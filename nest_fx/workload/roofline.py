@@ -30,6 +30,7 @@ about 75% of an H100's bf16 peak in forward (740 TFLOP/s, Shah et al. 2024, sec.
 head dimension 128, long sequences) and about 55% in backward (1.5-1.75x FlashAttention-2's
 backward, ibid. Fig. 6): :data:`FA3_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -71,9 +72,16 @@ class AnalyticalCompute:
         fa3 = next(((f, b) for part, f, b in FA3_ATTENTION if part in device.name), None)
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
-        fields = dict(peak_flops=device.peak(dtype), mem_bandwidth=device.mem_bandwidth, fp8_flops=fp8,
-                      attention_efficiency=attention, peaks=peaks, vector_share=share, fa3_attention=fa3,
-                      vector_fraction=_vector_fraction(peaks, share, device.peak(dtype)))
+        fields = dict(
+            peak_flops=device.peak(dtype),
+            mem_bandwidth=device.mem_bandwidth,
+            fp8_flops=fp8,
+            attention_efficiency=attention,
+            peaks=peaks,
+            vector_share=share,
+            fa3_attention=fa3,
+            vector_fraction=_vector_fraction(peaks, share, device.peak(dtype)),
+        )
         return cls(**{**fields, **overrides})
 
     def in_dtype(self, dtype: str) -> "AnalyticalCompute":
@@ -100,8 +108,9 @@ class AnalyticalCompute:
             top = self.attention_efficiency
         return top * flops / (flops + self.matmul_half_flops) if flops > 0 else 0.0
 
-    def op_seconds(self, flops: float, bytes_moved: float, matmul: bool, fp8: bool = False,
-                   attention: bool = False) -> float:
+    def op_seconds(
+        self, flops: float, bytes_moved: float, matmul: bool, fp8: bool = False, attention: bool = False
+    ) -> float:
         """Forward time of one op (roofline plus launch overhead); 0 for ops that do nothing.
         ``fp8``: a matmul on fp8 tensor cores (``fp8_flops``, same efficiency curve);
         ``attention``: a fused attention kernel (``attention_efficiency``)."""

@@ -27,6 +27,7 @@ casts, fp8 all-gather); the fp8 peak is the device's (``DeviceSpec.peak_flops["f
 Both are applied to the variant's node times as ratios of the analytical model (fused over
 unfused, fp8 over bf16), so measured op times (a profile) are scaled the same way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,8 +61,9 @@ class RuntimeCosts:
         _, features_in, features_out = n.linear_dims
         return features_in % FP8_MULTIPLE == 0 and features_out % FP8_MULTIPLE == 0
 
-    def apply(self, source, block, nodes: Sequence, times: List[Tuple[float, float]], tp: int, mbs: int, sp: bool,
-              cp: int) -> List[Tuple[float, float]]:
+    def apply(
+        self, source, block, nodes: Sequence, times: List[Tuple[float, float]], tp: int, mbs: int, sp: bool, cp: int
+    ) -> List[Tuple[float, float]]:
         """``times`` (forward, backward per node of ``block``) under torch.compile and Float8."""
         if block.kind != "block" or not (self.fuses or self.float8):
             return times
@@ -71,8 +73,10 @@ class RuntimeCosts:
         if self.fuses:
             realised = self.backend.fusion
             for members, boundary in source.facts(block.index).regions:
-                unfused = sum(timing.op_seconds(nodes[k].flops * shares[k], nodes[k].bytes_moved * shares[k], False)
-                              for k in members)
+                unfused = sum(
+                    timing.op_seconds(nodes[k].flops * shares[k], nodes[k].bytes_moved * shares[k], False)
+                    for k in members
+                )
                 flops = sum(nodes[k].flops * shares[k] for k in members)
                 nbytes = sum(b * shares[k] for k, b in boundary)
                 ratio = timing.op_seconds(flops, nbytes, False) / unfused if unfused > 0 else 1.0

@@ -1,5 +1,6 @@
 """The workload's file form, ``nest-fx-workload/1`` (see docs/workload_format.md): write a
 workload's distinct layer costs as a table, read a table back as a workload."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,18 @@ from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY
 from nest_fx.common.names import close_matches
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
-from nest_fx.workload.types import (COMM_GROUPS, RECOMPUTE_MODES, WORKLOAD_FORMAT, Comm, Layer, LayerCost, ModelDims, Variant,
-                                    Workload, WorkloadError)
+from nest_fx.workload.types import (
+    COMM_GROUPS,
+    RECOMPUTE_MODES,
+    WORKLOAD_FORMAT,
+    Comm,
+    Layer,
+    LayerCost,
+    ModelDims,
+    Variant,
+    Workload,
+    WorkloadError,
+)
 
 _COST_FIELDS = ("fwd_s", "bwd_s", "num_params", "param_bytes", "act_bytes", "out_bytes")
 _OPTIONAL_BYTES = ("expert_params", "bwd_scratch", "fp8_params", "tied_params")  # numbers, default 0
@@ -79,8 +90,10 @@ class TableSource:
         mine = [k for k in self.entries if k[0] == f"{layer.kind}:{layer.signature}"]
         if cp > 1 or lp:
             have = sorted({(t, e, c, bool(p)) for (_k, t, e, _s, c, p) in mine})
-            return (f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}, cp={cp}, lp={str(lp).lower()}; the table "
-                    f"has (tp, ep, cp, lp) in {have}")
+            return (
+                f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}, cp={cp}, lp={str(lp).lower()}; the table "
+                f"has (tp, ep, cp, lp) in {have}"
+            )
         have = sorted({(t, e) for (_k, t, e, _s, _c, _p) in mine})
         return f"layer {layer.name!r} has no cost for tp={tp}, ep={ep}; the table has (tp, ep) in {have}"
 
@@ -96,12 +109,20 @@ class TableSource:
 
 
 def _scaled(c: LayerCost, f: float) -> LayerCost:
-    return LayerCost(fwd_s=c.fwd_s * f, bwd_s=c.bwd_s * f, num_params=c.num_params, param_bytes=c.param_bytes,
-                     act_bytes={k: v * f for k, v in c.act_bytes.items()},
-                     recompute_s={k: v * f for k, v in c.recompute_s.items()}, out_bytes=c.out_bytes * f,
-                     comms=[Comm(x.kind, x.group, x.nbytes * f, x.phase, x.count) for x in c.comms],
-                     expert_params=c.expert_params, bwd_scratch=c.bwd_scratch * f, fp8_params=c.fp8_params,
-                     tied_params=c.tied_params)
+    return LayerCost(
+        fwd_s=c.fwd_s * f,
+        bwd_s=c.bwd_s * f,
+        num_params=c.num_params,
+        param_bytes=c.param_bytes,
+        act_bytes={k: v * f for k, v in c.act_bytes.items()},
+        recompute_s={k: v * f for k, v in c.recompute_s.items()},
+        out_bytes=c.out_bytes * f,
+        comms=[Comm(x.kind, x.group, x.nbytes * f, x.phase, x.count) for x in c.comms],
+        expert_params=c.expert_params,
+        bwd_scratch=c.bwd_scratch * f,
+        fp8_params=c.fp8_params,
+        tied_params=c.tied_params,
+    )
 
 
 def _parse_cost(v: dict, where: str) -> LayerCost:
@@ -120,8 +141,10 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
     for name, given in (("act_bytes", act), ("recompute_s", rec)):
         unknown = set(given) - set(LAYER_POLICIES)
         if unknown:
-            raise WorkloadError(f"{where}.{name}: unknown recompute polic{'ies' if len(unknown) > 1 else 'y'} "
-                                f"{sorted(unknown, key=str)}; known: {list(LAYER_POLICIES)}")
+            raise WorkloadError(
+                f"{where}.{name}: unknown recompute polic{'ies' if len(unknown) > 1 else 'y'} "
+                f"{sorted(unknown, key=str)}; known: {list(LAYER_POLICIES)}"
+            )
     # the three classic modes default (selective and full to what is kept without them); an op
     # policy is costed only where the table gives its bytes
     policies = list(RECOMPUTE_MODES) + [m for m in LAYER_POLICIES if m not in RECOMPUTE_MODES and m in act]
@@ -138,17 +161,34 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
             raise WorkloadError(f"{cw}.group: use one of {COMM_GROUPS}")
         if c.get("phase") not in ("fwd", "bwd"):
             raise WorkloadError(f"{cw}.phase: use 'fwd' or 'bwd'")
-        comms.append(Comm(c["kind"], c["group"], _number(c.get("nbytes"), f"{cw}.nbytes"), c["phase"],
-                          _int(c.get("count", 1), f"{cw}.count")))
+        comms.append(
+            Comm(
+                c["kind"],
+                c["group"],
+                _number(c.get("nbytes"), f"{cw}.nbytes"),
+                c["phase"],
+                _int(c.get("count", 1), f"{cw}.count"),
+            )
+        )
     num_params = _number(v["num_params"], f"{where}.num_params")
     extra = {name: _number(v.get(name, 0.0), f"{where}.{name}") for name in _OPTIONAL_BYTES}
     for name in ("expert_params", "fp8_params"):
         if extra[name] > num_params:
-            raise WorkloadError(f"{where}.{name}: {extra[name]:g} exceeds num_params={num_params:g} "
-                                f"(they are part of the layer's parameters)")
-    return LayerCost(fwd_s=fwd, bwd_s=_number(v["bwd_s"], f"{where}.bwd_s"), num_params=num_params,
-                     param_bytes=_number(v["param_bytes"], f"{where}.param_bytes"), act_bytes=acts,
-                     recompute_s=recs, out_bytes=_number(v["out_bytes"], f"{where}.out_bytes"), comms=comms, **extra)
+            raise WorkloadError(
+                f"{where}.{name}: {extra[name]:g} exceeds num_params={num_params:g} "
+                f"(they are part of the layer's parameters)"
+            )
+    return LayerCost(
+        fwd_s=fwd,
+        bwd_s=_number(v["bwd_s"], f"{where}.bwd_s"),
+        num_params=num_params,
+        param_bytes=_number(v["param_bytes"], f"{where}.param_bytes"),
+        act_bytes=acts,
+        recompute_s=recs,
+        out_bytes=_number(v["out_bytes"], f"{where}.out_bytes"),
+        comms=comms,
+        **extra,
+    )
 
 
 def workload_from_table(data: dict, where: str = "workload") -> Workload:
@@ -163,10 +203,13 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
     allowed = set(ModelDims.__dataclass_fields__)
     bad = set(dims_raw) - allowed
     if bad:
-        raise WorkloadError(f"{where}.dims: unknown field(s) {sorted(bad, key=str)}"
-                            f"{close_matches(sorted(bad, key=str)[0], allowed)}; known: {sorted(allowed)}")
-    dims = ModelDims(**{k: _int(v, f"{where}.dims.{k}", 1 if k in ("seq_len", "dtype_bytes") else 0)
-                        for k, v in dims_raw.items()})
+        raise WorkloadError(
+            f"{where}.dims: unknown field(s) {sorted(bad, key=str)}"
+            f"{close_matches(sorted(bad, key=str)[0], allowed)}; known: {sorted(allowed)}"
+        )
+    dims = ModelDims(
+        **{k: _int(v, f"{where}.dims.{k}", 1 if k in ("seq_len", "dtype_bytes") else 0) for k, v in dims_raw.items()}
+    )
     raw_layers = data.get("layers")
     if not isinstance(raw_layers, list) or not raw_layers:
         raise WorkloadError(f"{where}.layers: expected a non-empty list of layers")
@@ -184,10 +227,16 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
         name = ly.get("name", f"layer{i}")
         if not isinstance(name, str) or not name:
             raise WorkloadError(f"{lw}.name: expected a non-empty string, got {brief(name)}")
-        layers.append(Layer(name=name, kind=kind, signature=sig,
-                            num_params=_number(ly.get("num_params", 0), f"{lw}.num_params"),
-                            flops_per_sample=_number(ly.get("flops_per_sample", 0), f"{lw}.flops_per_sample"),
-                            is_moe=_bool(ly.get("is_moe", False), f"{lw}.is_moe")))
+        layers.append(
+            Layer(
+                name=name,
+                kind=kind,
+                signature=sig,
+                num_params=_number(ly.get("num_params", 0), f"{lw}.num_params"),
+                flops_per_sample=_number(ly.get("flops_per_sample", 0), f"{lw}.flops_per_sample"),
+                is_moe=_bool(ly.get("is_moe", False), f"{lw}.is_moe"),
+            )
+        )
     costs = data.get("costs")
     if not isinstance(costs, dict):
         raise WorkloadError(f"{where}.costs: expected an object mapping 'kind:signature' to variant lists")
@@ -212,9 +261,15 @@ def workload_from_table(data: dict, where: str = "workload") -> Workload:
     return Workload(model, layers, dims, TableSource(entries), provenance=provenance)
 
 
-def workload_to_table(workload: Workload, tps: Sequence[int] = (1, 2, 4, 8), eps: Sequence[int] = (1,),
-                      mbss: Sequence[int] = (1,), sps: Sequence[bool] = (False,), cps: Sequence[int] = (1,),
-                      lps: Sequence[bool] = (False,)) -> dict:
+def workload_to_table(
+    workload: Workload,
+    tps: Sequence[int] = (1, 2, 4, 8),
+    eps: Sequence[int] = (1,),
+    mbss: Sequence[int] = (1,),
+    sps: Sequence[bool] = (False,),
+    cps: Sequence[int] = (1,),
+    lps: Sequence[bool] = (False,),
+) -> dict:
     """Tabulate the variants of each distinct layer into the JSON layer-table format (``cp`` and
     ``lp`` are written where they are not 1 / false, so older readers see the tables they knew)."""
     signatures = {}
@@ -224,7 +279,7 @@ def workload_to_table(workload: Workload, tps: Sequence[int] = (1, 2, 4, 8), eps
         for tp in tps:
             if not workload.dims.tp_ok(tp):
                 continue
-            for ep in (eps if layer.is_moe else (1,)):
+            for ep in eps if layer.is_moe else (1,):
                 if not workload.dims.ep_ok(ep):
                     continue
                 for mbs, sp, cp, lp in itertools.product(mbss, sps, cps, lps if layer.kind == "tail" else (False,)):

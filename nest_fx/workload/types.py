@@ -17,6 +17,7 @@ Costs come from a *source*:
                    see docs/workload_format.md).
 Identical layers (same signature) share one cost entry, so costing is O(distinct layers).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -129,8 +130,11 @@ class ModelDims:
     def tp_problem(self, tp: int) -> str:
         """'' when ``tp`` divides heads, kv heads and FFN width (Megatron's constraint; 0 = unknown,
         no constraint), else which one it does not divide."""
-        for n, what in ((self.heads, "attention heads"), (self.kv_heads, "key/value heads"),
-                        (self.ffn_hidden, "FFN width")):
+        for n, what in (
+            (self.heads, "attention heads"),
+            (self.kv_heads, "key/value heads"),
+            (self.ffn_hidden, "FFN width"),
+        ):
             if n and n % tp:
                 return f"tp={tp} does not divide the model's {n} {what}"
         return ""
@@ -140,8 +144,10 @@ class ModelDims:
         two of ``2 cp`` equal chunks: causal load balancing), else why not."""
         if cp == 1 or self.seq_len % (2 * cp) == 0:
             return ""
-        return (f"cp={cp} does not divide the sequence: {self.seq_len} tokens are not a multiple of 2 x cp = "
-                f"{2 * cp} (each context-parallel rank holds two of 2 x cp equal chunks)")
+        return (
+            f"cp={cp} does not divide the sequence: {self.seq_len} tokens are not a multiple of 2 x cp = "
+            f"{2 * cp} (each context-parallel rank holds two of 2 x cp equal chunks)"
+        )
 
     def ep_problem(self, ep: int) -> str:
         """'' when ``ep`` is 1 or divides the expert count, else why not."""
@@ -242,8 +248,9 @@ class Workload:
             self._policies[key] = tuple(p for p in LAYER_POLICIES if p in have)
         return self._policies[key]
 
-    def for_runtime(self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None,
-                    kernels: str = "") -> "Workload":
+    def for_runtime(
+        self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None, kernels: str = ""
+    ) -> "Workload":
         """This chain costed as the runtime runs it: with the kernel backend ``kernels`` (eager,
         compile, fused; '' = compile when ``compile`` is set, else eager:
         ``nest_fx.workload.kernels``), Float8 linears (``docs/cost_model.md``), and computing in
@@ -262,23 +269,39 @@ class Workload:
             derive = getattr(self.source, "for_runtime", None)
             named = [n for n, on in (("kernels=" + backend, backend != "eager"), ("float8", float8)) if on]
             if derive is None:
-                raise WorkloadError(f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
-                                    f"derive them under {' and '.join(named)} (plan with --model, or without these "
-                                    "options)")
-            changes = [n for n, on in (({"compile": "torch.compile", "fused": "fused kernels"}.get(backend, ""),
-                                        backend != "eager"), ("Float8", float8)) if on]
+                raise WorkloadError(
+                    f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
+                    f"derive them under {' and '.join(named)} (plan with --model, or without these "
+                    "options)"
+                )
+            changes = [
+                n
+                for n, on in (
+                    ({"compile": "torch.compile", "fused": "fused kernels"}.get(backend, ""), backend != "eager"),
+                    ("Float8", float8),
+                )
+                if on
+            ]
             dims, kwargs = self.dims, {}
             if dtype != self.dtype:
                 try:
-                    kwargs = dict(timing=self.source.timing.in_dtype(dtype),
-                                  byte_scale=DTYPE_WIDTH[dtype] / DTYPE_WIDTH[self.dtype])
+                    kwargs = dict(
+                        timing=self.source.timing.in_dtype(dtype),
+                        byte_scale=DTYPE_WIDTH[dtype] / DTYPE_WIDTH[self.dtype],
+                    )
                 except (AttributeError, KeyError, ValueError) as exc:
-                    raise WorkloadError(f"{self.model}: cannot re-cost the workload from {self.dtype} in {dtype} "
-                                        f"({exc})") from None
+                    raise WorkloadError(
+                        f"{self.model}: cannot re-cost the workload from {self.dtype} in {dtype} ({exc})"
+                    ) from None
                 dims = replace(dims, dtype_bytes=DTYPE_WIDTH[dtype])
                 changes.append(f"in {dtype}")
-            w = Workload(self.model, self.layers, dims, derive(float8=float8, kernels=backend, **kwargs),
-                         provenance=f"{self.provenance}; " + " + ".join(changes))
+            w = Workload(
+                self.model,
+                self.layers,
+                dims,
+                derive(float8=float8, kernels=backend, **kwargs),
+                provenance=f"{self.provenance}; " + " + ".join(changes),
+            )
             w.kernels, w.float8, w.dtype, w.base = backend, float8, dtype, self
             w.compile = backend == "compile"
             self._runtime[key] = w
@@ -365,13 +388,17 @@ def chain_fingerprint(layers: Iterable[Tuple[str, float]]) -> str:
 def dims_from_config(cfg, *, seq_len: int, dtype_bytes: int = 2) -> ModelDims:
     """ModelDims from a zoo ``TransformerConfig`` or a HuggingFace config (either's field names);
     fields the config lacks are 0, which means "no constraint"."""
+
     def get(*names: str) -> int:
         return next((int(getattr(cfg, n)) for n in names if getattr(cfg, n, None)), 0)
 
-    return ModelDims(seq_len=seq_len, hidden=get("hidden", "hidden_size", "n_embd"),
-                     heads=get("heads", "num_attention_heads", "n_head"),
-                     kv_heads=get("kv_heads", "num_key_value_heads", "heads", "num_attention_heads", "n_head"),
-                     ffn_hidden=get("ffn_hidden", "intermediate_size", "n_inner"),
-                     num_experts=get("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-                     vocab_size=get("padded_vocab", "vocab_size"),
-                     dtype_bytes=dtype_bytes)
+    return ModelDims(
+        seq_len=seq_len,
+        hidden=get("hidden", "hidden_size", "n_embd"),
+        heads=get("heads", "num_attention_heads", "n_head"),
+        kv_heads=get("kv_heads", "num_key_value_heads", "heads", "num_attention_heads", "n_head"),
+        ffn_hidden=get("ffn_hidden", "intermediate_size", "n_inner"),
+        num_experts=get("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+        vocab_size=get("padded_vocab", "vocab_size"),
+        dtype_bytes=dtype_bytes,
+    )

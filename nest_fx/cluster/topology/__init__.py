@@ -4,6 +4,7 @@ See docs/topology.md. The hierarchical model (:class:`nest_fx.cluster.Cluster`) 
 path; a :class:`GraphCluster` plugs a graph into the same cost model (both are
 :class:`~nest_fx.cluster.protocol.ClusterModel` s).
 """
+
 from nest_fx.cluster.topology.algorithms import (
     CostCurve,
     collective_curve,
@@ -21,9 +22,30 @@ from nest_fx.cluster.topology.orders import candidate_orders
 from nest_fx.cluster.topology.routing import Router, router_of
 
 __all__ = [
-    "CostCurve", "GraphCluster", "Link", "Router", "TOPOLOGY_FORMAT", "Topology", "TopologyError",
-    "calibrate", "candidate_orders", "collective_curve", "collective_time",
-    "concurrent_collective_time", "concurrent_times", "device_islands", "fat_tree", "from_cluster", "from_dict",
-    "load_topology", "p2p_time", "pairwise_figures", "rail_optimized", "router_of", "save_topology", "spine_leaf",
-    "to_dict", "torus",
+    "CostCurve",
+    "GraphCluster",
+    "Link",
+    "Router",
+    "TOPOLOGY_FORMAT",
+    "Topology",
+    "TopologyError",
+    "calibrate",
+    "candidate_orders",
+    "collective_curve",
+    "collective_time",
+    "concurrent_collective_time",
+    "concurrent_times",
+    "device_islands",
+    "fat_tree",
+    "from_cluster",
+    "from_dict",
+    "load_topology",
+    "p2p_time",
+    "pairwise_figures",
+    "rail_optimized",
+    "router_of",
+    "save_topology",
+    "spine_leaf",
+    "to_dict",
+    "torus",
 ]

@@ -30,6 +30,7 @@ device ``d`` is in block ``d // group_size`` of a level):
 * broadcast: per level, outermost first, a ring broadcast among the first device of every
   sub-block.
 """
+
 from __future__ import annotations
 
 import math
@@ -173,8 +174,9 @@ def broadcast_schedule(devices: Sequence[int], nbytes: float, sizes: Sequence[in
     """Hierarchical broadcast, outermost level first, among the first device of each sub-block."""
     steps: Schedule = []
     for level in reversed(split_by_levels(devices, sizes)):
-        rings: List[Task] = [RingBroadcast(tuple(sub[0] for sub in block), nbytes)
-                             for block in level.blocks if len(block) > 1]
+        rings: List[Task] = [
+            RingBroadcast(tuple(sub[0] for sub in block), nbytes) for block in level.blocks if len(block) > 1
+        ]
         if rings:
             steps.append(rings)
     return steps
@@ -189,7 +191,7 @@ def run_schedules(topo: Topology, schedules: Sequence[Schedule]) -> List[float]:
         step = [0.0] * len(schedules)
         pos = 0
         for g, task, flows in tasks:
-            step[g] = max(step[g], task.time(figs[pos:pos + len(flows)]))
+            step[g] = max(step[g], task.time(figs[pos : pos + len(flows)]))
             pos += len(flows)
         totals = [a + b for a, b in zip(totals, step)]
     return totals
@@ -217,8 +219,14 @@ def _candidates(kind: str, devices: List[int], nbytes: float, sizes: List[int], 
     return [hier, [[RingPass(tuple(sorted(devices)), nbytes)]]]
 
 
-def concurrent_times(kind: str, topo: Topology, groups: Sequence[Sequence[int]],
-                     nbytes: Union[float, Sequence[float]], *, all_to_all: str = "staged") -> List[float]:
+def concurrent_times(
+    kind: str,
+    topo: Topology,
+    groups: Sequence[Sequence[int]],
+    nbytes: Union[float, Sequence[float]],
+    *,
+    all_to_all: str = "staged",
+) -> List[float]:
     """Seconds of collective ``kind`` for each device group when all groups run at once.
 
     ``nbytes`` is one size for every group or one per group (the full buffer for
@@ -229,7 +237,7 @@ def concurrent_times(kind: str, topo: Topology, groups: Sequence[Sequence[int]],
         raise TopologyError(f"unknown collective kind {kind!r}; expected one of {sorted(KINDS)}")
     if all_to_all not in ALL_TO_ALL:
         raise TopologyError(f"all_to_all: {all_to_all!r}, use one of {ALL_TO_ALL}")
-    sizes_per_group = ([nbytes] * len(groups) if not isinstance(nbytes, Sequence) else list(nbytes))
+    sizes_per_group = [nbytes] * len(groups) if not isinstance(nbytes, Sequence) else list(nbytes)
     if len(sizes_per_group) != len(groups):
         raise TopologyError(f"nbytes: {len(sizes_per_group)} sizes for {len(groups)} groups")
     seen: set = set()
@@ -238,8 +246,9 @@ def concurrent_times(kind: str, topo: Topology, groups: Sequence[Sequence[int]],
     for i, (group, size) in enumerate(zip(groups, sizes_per_group)):
         devices = topo.check_devices(group, f"groups[{i}]")
         if seen.intersection(devices):
-            raise TopologyError(f"groups[{i}]: shares devices with an earlier group; concurrent groups "
-                                f"must be disjoint")
+            raise TopologyError(
+                f"groups[{i}]: shares devices with an earlier group; concurrent groups must be disjoint"
+            )
         seen.update(devices)
         cands.append(_candidates(kind, devices, _check_bytes(size, f"nbytes[{i}]"), sizes, all_to_all))
     best: List[float] = [0.0] * len(groups)
@@ -250,8 +259,14 @@ def concurrent_times(kind: str, topo: Topology, groups: Sequence[Sequence[int]],
     return [2 * t for t in best] if kind == "all_reduce" else best
 
 
-def concurrent_collective_time(kind: str, topo: Topology, groups: Sequence[Sequence[int]],
-                               nbytes: Union[float, Sequence[float]], *, all_to_all: str = "staged") -> float:
+def concurrent_collective_time(
+    kind: str,
+    topo: Topology,
+    groups: Sequence[Sequence[int]],
+    nbytes: Union[float, Sequence[float]],
+    *,
+    all_to_all: str = "staged",
+) -> float:
     """Seconds until the last of ``groups`` finishes collective ``kind``, all started together."""
     return max(concurrent_times(kind, topo, groups, nbytes, all_to_all=all_to_all), default=0.0)
 
@@ -308,15 +323,16 @@ def collective_curve(kind: str, topo: Topology, devices: Sequence[int], *, all_t
             pieces, pos = [], 0
             for task in step:
                 n = len(task.flows())
-                pieces.append(task.terms(figs[pos:pos + n]))
+                pieces.append(task.terms(figs[pos : pos + n]))
                 pos += n
             steps.append(pieces)
         schedules.append(steps)
     return CostCurve(schedules, 2.0 if kind == "all_reduce" else 1.0)
 
 
-def collective_time(kind: str, topo: Topology, devices: Sequence[int], nbytes: float, *,
-                    all_to_all: str = "staged") -> float:
+def collective_time(
+    kind: str, topo: Topology, devices: Sequence[int], nbytes: float, *, all_to_all: str = "staged"
+) -> float:
     """Seconds of collective ``kind`` over ``devices`` alone on the topology."""
     nbytes = _check_bytes(nbytes, "nbytes")
     return collective_curve(kind, topo, devices, all_to_all=all_to_all)(nbytes)

@@ -13,6 +13,7 @@ a p2p benchmark between ranks reports them. Two ways to use them:
 A measurement given for ``(i, j)`` only is also used for ``(j, i)``. Save the result with
 :func:`nest_fx.cluster.topology.fileformat.save_topology`; the ``measured`` table is part of the file.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Mapping, Optional, Tuple
@@ -35,8 +36,13 @@ def _symmetric(measurements: Measurements) -> Dict[Pair, Figures]:
     return out
 
 
-def calibrate(measurements: Measurements, base: Optional[Topology] = None, *,
-              device: Optional[DeviceSpec] = None, name: Optional[str] = None) -> Topology:
+def calibrate(
+    measurements: Measurements,
+    base: Optional[Topology] = None,
+    *,
+    device: Optional[DeviceSpec] = None,
+    name: Optional[str] = None,
+) -> Topology:
     """A topology carrying ``measurements`` (see module docstring). Without ``base``, ``device``
     is required and the devices are ``0 .. max measured device``."""
     if not measurements:

@@ -9,6 +9,7 @@ with ``cap_f`` the route's measured bandwidth (infinite when not measured). Load
 a flow that finishes early does not hand its share to the others (conservative next to
 max-min fairness, exact when the flows are symmetric, as in the rings of one collective).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple

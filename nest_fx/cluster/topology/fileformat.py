@@ -4,6 +4,7 @@ The device and the optional ``levels`` hint have the cluster file's schema
 (docs/cluster_format.md); quantities may be strings such as ``"300GB/s"`` or ``"5us"``
 (:func:`nest_fx.cluster.parse_quantity`). See docs/topology.md for the fields.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,19 +30,33 @@ def to_dict(topo: Topology) -> dict:
     out: Dict[str, Any] = {
         "format": TOPOLOGY_FORMAT,
         "name": topo.name,
-        "device": {"name": d.name, "memory_bytes": d.memory_bytes, "peak_flops": dict(d.peak_flops),
-                   "mem_bandwidth": d.mem_bandwidth},
-        "nodes": {"devices": topo.num_devices, "device_forwarding": topo.device_forwarding,
-                  "switches": topo.switches},
-        "links": [{"a": ln.a, "b": ln.b, "bandwidth": ln.bandwidth, "latency": ln.latency,
-                   **({"weight": ln.weight} if ln.weight != 1.0 else {})} for ln in topo.links],
+        "device": {
+            "name": d.name,
+            "memory_bytes": d.memory_bytes,
+            "peak_flops": dict(d.peak_flops),
+            "mem_bandwidth": d.mem_bandwidth,
+        },
+        "nodes": {"devices": topo.num_devices, "device_forwarding": topo.device_forwarding, "switches": topo.switches},
+        "links": [
+            {
+                "a": ln.a,
+                "b": ln.b,
+                "bandwidth": ln.bandwidth,
+                "latency": ln.latency,
+                **({"weight": ln.weight} if ln.weight != 1.0 else {}),
+            }
+            for ln in topo.links
+        ],
     }
     if topo.levels is not None:
-        out["levels"] = [{"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth,
-                          "latency": lv.latency} for lv in topo.levels]
+        out["levels"] = [
+            {"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth, "latency": lv.latency}
+            for lv in topo.levels
+        ]
     if topo.measured:
-        out["measured"] = [{"src": s, "dst": t, "bandwidth": bw, "latency": lat}
-                           for (s, t), (bw, lat) in sorted(topo.measured.items())]
+        out["measured"] = [
+            {"src": s, "dst": t, "bandwidth": bw, "latency": lat} for (s, t), (bw, lat) in sorted(topo.measured.items())
+        ]
     return out
 
 
@@ -53,8 +68,10 @@ def _mapping(data: object, path: str, required: Tuple[str, ...], optional: Tuple
         raise TopologyError(f"{path}: missing key(s) {missing}")
     unknown = sorted(set(data) - set(required) - set(optional))
     if unknown:
-        raise TopologyError(f"{path}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
-                            f"expected {list(required + optional)}")
+        raise TopologyError(
+            f"{path}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
+            f"expected {list(required + optional)}"
+        )
     return data
 
 
@@ -83,25 +100,48 @@ def from_dict(data: object) -> Topology:
     # The cluster reader checks the device and the levels hint with the same field paths.
     levels = d.get("levels")
     try:
-        cluster = Cluster.from_dict({"format": CLUSTER_FORMAT, "name": d["name"], "num_devices": nodes["devices"],
-                                     "device": d["device"],
-                                     "levels": levels if levels is not None else
-                                     [{"name": "all", "group_size": nodes["devices"], "bandwidth": 1, "latency": 0}]})
+        cluster = Cluster.from_dict(
+            {
+                "format": CLUSTER_FORMAT,
+                "name": d["name"],
+                "num_devices": nodes["devices"],
+                "device": d["device"],
+                "levels": levels
+                if levels is not None
+                else [{"name": "all", "group_size": nodes["devices"], "bandwidth": 1, "latency": 0}],
+            }
+        )
     except ClusterError as exc:
         raise TopologyError(str(exc).replace("(num_devices)", "(nodes.devices)")) from None
     links: List[Link] = []
     for i, raw in enumerate(_list(d["links"], "links")):
         ln = _mapping(raw, f"links[{i}]", ("a", "b", "bandwidth", "latency"), ("weight",))
-        links.append(Link(ln["a"], ln["b"], _quantity(ln["bandwidth"], "B/s", f"links[{i}].bandwidth"),
-                          _quantity(ln["latency"], "s", f"links[{i}].latency"), ln.get("weight", 1.0)))
+        links.append(
+            Link(
+                ln["a"],
+                ln["b"],
+                _quantity(ln["bandwidth"], "B/s", f"links[{i}].bandwidth"),
+                _quantity(ln["latency"], "s", f"links[{i}].latency"),
+                ln.get("weight", 1.0),
+            )
+        )
     measured = {}
     for i, raw in enumerate(_list(d.get("measured", []), "measured")):
         m = _mapping(raw, f"measured[{i}]", ("src", "dst", "bandwidth", "latency"))
-        measured[(m["src"], m["dst"])] = (_quantity(m["bandwidth"], "B/s", f"measured[{i}].bandwidth"),
-                                          _quantity(m["latency"], "s", f"measured[{i}].latency"))
-    return Topology(d["name"], cluster.device, nodes["devices"], _list(nodes["switches"], "nodes.switches"), links,
-                    levels=cluster.levels if levels is not None else None,
-                    device_forwarding=nodes.get("device_forwarding", False), measured=measured)
+        measured[(m["src"], m["dst"])] = (
+            _quantity(m["bandwidth"], "B/s", f"measured[{i}].bandwidth"),
+            _quantity(m["latency"], "s", f"measured[{i}].latency"),
+        )
+    return Topology(
+        d["name"],
+        cluster.device,
+        nodes["devices"],
+        _list(nodes["switches"], "nodes.switches"),
+        links,
+        levels=cluster.levels if levels is not None else None,
+        device_forwarding=nodes.get("device_forwarding", False),
+        measured=measured,
+    )
 
 
 def topology_from_document(data: object, path: str) -> Topology:

@@ -6,6 +6,7 @@ Bandwidths are bytes/s per direction of a full-duplex link, latencies seconds pe
 Routing weights: a network hop weighs 1 and an NVLink hop 0.5, so traffic between the GPUs of
 one node stays on NVLink (fewest-hop routing alone would tie NVSwitch and leaf switch).
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,10 @@ def from_cluster(cluster: Cluster) -> Topology:
         for g in range(-(-n // lv.group_size)):
             sw = f"{lv.name}{g}" if distinct else f"L{i}-{lv.name}{g}"
             switches.append(sw)
-            links.extend(Link(d, sw, bandwidth, lv.latency / 2, i + 1)
-                         for d in range(g * lv.group_size, min((g + 1) * lv.group_size, n)))
+            links.extend(
+                Link(d, sw, bandwidth, lv.latency / 2, i + 1)
+                for d in range(g * lv.group_size, min((g + 1) * lv.group_size, n))
+            )
     levels = [NetworkLevel(lv.name, lv.group_size, lv.bandwidth, lv.latency) for lv in cluster.levels]
     return Topology(cluster.name, cluster.device, n, switches, links, levels=levels)
 
@@ -78,15 +81,27 @@ def _nvlink_islands(nodes: int, gpus_per_node: int, bandwidth: float, latency: f
     links: List[Link] = []
     for node in range(nodes if gpus_per_node > 1 else 0):
         switches.append(f"nvsw{node}")
-        links.extend(Link(node * gpus_per_node + j, f"nvsw{node}", bandwidth, latency / 2, NVLINK_WEIGHT)
-                     for j in range(gpus_per_node))
+        links.extend(
+            Link(node * gpus_per_node + j, f"nvsw{node}", bandwidth, latency / 2, NVLINK_WEIGHT)
+            for j in range(gpus_per_node)
+        )
     return switches, links
 
 
-def fat_tree(nodes: int, gpus_per_node: int = 8, *, nodes_per_leaf: int = 4, spines: int = 1,
-             oversubscription: float = 1.0, device: Optional[DeviceSpec] = None,
-             nvlink_bandwidth: float = 450e9, nic_bandwidth: float = 50e9, nvlink_latency: float = 5e-6,
-             hop_latency: float = 5e-6, name: str = "fat-tree") -> Topology:
+def fat_tree(
+    nodes: int,
+    gpus_per_node: int = 8,
+    *,
+    nodes_per_leaf: int = 4,
+    spines: int = 1,
+    oversubscription: float = 1.0,
+    device: Optional[DeviceSpec] = None,
+    nvlink_bandwidth: float = 450e9,
+    nic_bandwidth: float = 50e9,
+    nvlink_latency: float = 5e-6,
+    hop_latency: float = 5e-6,
+    name: str = "fat-tree",
+) -> Topology:
     """Two-tier fat tree (spine-leaf): NVSwitch nodes, one NIC per GPU to the node's leaf switch.
 
     Links: GPU - ``nvsw{n}`` (``nvlink_bandwidth``, latency ``nvlink_latency / 2``, so a GPU to
@@ -111,22 +126,37 @@ def fat_tree(nodes: int, gpus_per_node: int = 8, *, nodes_per_leaf: int = 4, spi
     if leaves > 1:
         uplink = nodes_per_leaf * g * nic_bandwidth / (over * spines)
         switches.extend(f"spine{s}" for s in range(spines))
-        links.extend(Link(f"leaf{leaf}", f"spine{s}", uplink, hop_latency)
-                     for leaf in range(leaves) for s in range(spines))
+        links.extend(
+            Link(f"leaf{leaf}", f"spine{s}", uplink, hop_latency) for leaf in range(leaves) for s in range(spines)
+        )
     leaf_size = nodes_per_leaf * g
-    levels = _levels([("node", g, nvlink_bandwidth, nvlink_latency),
-                      ("leaf", leaf_size, nic_bandwidth, 2 * hop_latency),
-                      ("spine", leaves * leaf_size, nic_bandwidth / over, 4 * hop_latency)])
+    levels = _levels(
+        [
+            ("node", g, nvlink_bandwidth, nvlink_latency),
+            ("leaf", leaf_size, nic_bandwidth, 2 * hop_latency),
+            ("spine", leaves * leaf_size, nic_bandwidth / over, 4 * hop_latency),
+        ]
+    )
     return Topology(name, device or _default_device("dgx-h100"), n, switches, links, levels=levels)
 
 
 spine_leaf = fat_tree
 
 
-def rail_optimized(nodes: int, gpus_per_node: int = 8, *, nodes_per_rail_group: Optional[int] = None,
-                   spines: int = 1, oversubscription: float = 1.0, device: Optional[DeviceSpec] = None,
-                   nvlink_bandwidth: float = 450e9, nic_bandwidth: float = 50e9, nvlink_latency: float = 5e-6,
-                   hop_latency: float = 5e-6, name: str = "rail-optimized") -> Topology:
+def rail_optimized(
+    nodes: int,
+    gpus_per_node: int = 8,
+    *,
+    nodes_per_rail_group: Optional[int] = None,
+    spines: int = 1,
+    oversubscription: float = 1.0,
+    device: Optional[DeviceSpec] = None,
+    nvlink_bandwidth: float = 450e9,
+    nic_bandwidth: float = 50e9,
+    nvlink_latency: float = 5e-6,
+    hop_latency: float = 5e-6,
+    name: str = "rail-optimized",
+) -> Topology:
     """Rail-optimized network: GPU j of every node in a rail group plugs into rail switch j.
 
     Nodes are cut into rail groups of ``nodes_per_rail_group`` (default: all nodes, one group).
@@ -138,8 +168,7 @@ def rail_optimized(nodes: int, gpus_per_node: int = 8, *, nodes_per_rail_group: 
     """
     _positive(nodes, "nodes")
     _positive(gpus_per_node, "gpus_per_node")
-    per_group = _positive(nodes_per_rail_group if nodes_per_rail_group is not None else nodes,
-                          "nodes_per_rail_group")
+    per_group = _positive(nodes_per_rail_group if nodes_per_rail_group is not None else nodes, "nodes_per_rail_group")
     _positive(spines, "spines")
     over = _ratio(oversubscription, "oversubscription")
     g, n = gpus_per_node, nodes * gpus_per_node
@@ -153,14 +182,24 @@ def rail_optimized(nodes: int, gpus_per_node: int = 8, *, nodes_per_rail_group: 
         uplink = per_group * nic_bandwidth / (over * spines)
         switches.extend(f"spine{s}" for s in range(spines))
         links.extend(Link(r, f"spine{s}", uplink, hop_latency) for r in rails for s in range(spines))
-    levels = _levels([("node", g, nvlink_bandwidth, nvlink_latency),
-                      ("rail-group", per_group * g, nic_bandwidth, 2 * hop_latency),
-                      ("spine", groups * per_group * g, nic_bandwidth / over, 4 * hop_latency)])
+    levels = _levels(
+        [
+            ("node", g, nvlink_bandwidth, nvlink_latency),
+            ("rail-group", per_group * g, nic_bandwidth, 2 * hop_latency),
+            ("spine", groups * per_group * g, nic_bandwidth / over, 4 * hop_latency),
+        ]
+    )
     return Topology(name, device or _default_device("dgx-h100"), n, switches, links, levels=levels)
 
 
-def torus(dims: Sequence[int], *, device: Optional[DeviceSpec] = None, link_bandwidth: float = 50e9,
-          link_latency: float = 1e-6, name: str = "torus") -> Topology:
+def torus(
+    dims: Sequence[int],
+    *,
+    device: Optional[DeviceSpec] = None,
+    link_bandwidth: float = 50e9,
+    link_latency: float = 1e-6,
+    name: str = "torus",
+) -> Topology:
     """A 1-, 2- or 3-D torus (TPU style): chips relay traffic, links wrap around in every dimension.
 
     Chip ``(c_0, c_1, ...)`` is device ``c_0 + d_0 * (c_1 + d_1 * ...)``. Each chip links to its
@@ -185,7 +224,9 @@ def torus(dims: Sequence[int], *, device: Optional[DeviceSpec] = None, link_band
                 links.append(Link(dev, nxt, link_bandwidth * (2 if size == 2 else 1), link_latency))
     if not links:
         raise TopologyError(f"dims: {list(dims)} is a single chip; a topology needs links")
-    levels = _levels([(f"dim{i}", strides[i] * size, link_bandwidth, link_latency)
-                      for i, size in enumerate(dims) if size > 1])
-    return Topology(name, device or _default_device("tpuv4-fat-tree"), n, [], links, levels=levels,
-                    device_forwarding=True)
+    levels = _levels(
+        [(f"dim{i}", strides[i] * size, link_bandwidth, link_latency) for i, size in enumerate(dims) if size > 1]
+    )
+    return Topology(
+        name, device or _default_device("tpuv4-fat-tree"), n, [], links, levels=levels, device_forwarding=True
+    )

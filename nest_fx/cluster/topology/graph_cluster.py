@@ -13,6 +13,7 @@ Placement: ``order[r]`` is the device that plan rank ``r`` runs on (identity by 
 route cache and its collective cost curves. Its ``cost_key`` names the topology and the
 order, so the cost model's collective memo never mixes orders.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,14 @@ class GraphCluster(DeviceMappedView):
     """A :class:`Topology` seen as a cluster (a :class:`~nest_fx.cluster.protocol.ClusterModel`),
     plan rank ``r`` on device ``order[r]``."""
 
-    def __init__(self, topology: Topology, order: Optional[Sequence[int]] = None, *,
-                 all_to_all: str = "staged", _curves: Optional[Dict[tuple, algorithms.CostCurve]] = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        order: Optional[Sequence[int]] = None,
+        *,
+        all_to_all: str = "staged",
+        _curves: Optional[Dict[tuple, algorithms.CostCurve]] = None,
+    ) -> None:
         if not isinstance(topology, Topology):
             raise TopologyError(f"topology: must be a Topology, got {type(topology).__name__}")
         n = topology.num_devices
@@ -65,7 +72,8 @@ class GraphCluster(DeviceMappedView):
             if len(self._curves) >= CURVE_CACHE_LIMIT:
                 self._curves.clear()
             curve = self._curves[(kind, devices)] = algorithms.collective_curve(
-                kind, self.topology, devices, all_to_all=self.all_to_all)
+                kind, self.topology, devices, all_to_all=self.all_to_all
+            )
         return curve(nbytes)
 
     def p2p_time(self, src: int, dst: int, nbytes: float) -> float:
@@ -85,11 +93,13 @@ class GraphCluster(DeviceMappedView):
         """None: see :meth:`collective_coefficients`."""
         return None
 
-    def concurrent_collective_time(self, kind: str, groups: Sequence[Sequence[int]],
-                                   nbytes: Union[float, Sequence[float]]) -> float:
+    def concurrent_collective_time(
+        self, kind: str, groups: Sequence[Sequence[int]], nbytes: Union[float, Sequence[float]]
+    ) -> float:
         """Seconds until the last of ``groups`` (plan ranks) finishes ``kind``, all started at once."""
-        return algorithms.concurrent_collective_time(kind, self.topology, [self.devices_of(g) for g in groups],
-                                                     nbytes, all_to_all=self.all_to_all)
+        return algorithms.concurrent_collective_time(
+            kind, self.topology, [self.devices_of(g) for g in groups], nbytes, all_to_all=self.all_to_all
+        )
 
     # -- the hierarchy hint's view (for reports and layout tools; costs come from the graph) --
     @property

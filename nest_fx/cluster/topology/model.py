@@ -21,6 +21,7 @@ Optional extras:
 
 A Topology is immutable once built (routes are cached on it). See docs/topology.md.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,9 +73,18 @@ def _is_device_id(node: object) -> bool:
 class Topology:
     """Devices, switches and links (see module docstring); validated on construction."""
 
-    def __init__(self, name: str, device: DeviceSpec, num_devices: int, switches: Sequence[str],
-                 links: Iterable[Link], *, levels: Optional[Sequence[NetworkLevel]] = None,
-                 device_forwarding: bool = False, measured: Optional[Mapping[Pair, Figures]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: DeviceSpec,
+        num_devices: int,
+        switches: Sequence[str],
+        links: Iterable[Link],
+        *,
+        levels: Optional[Sequence[NetworkLevel]] = None,
+        device_forwarding: bool = False,
+        measured: Optional[Mapping[Pair, Figures]] = None,
+    ) -> None:
         if not isinstance(name, str) or not name.strip():
             raise TopologyError(f"name: must be a non-empty string, got {name!r}")
         if not isinstance(device, DeviceSpec):
@@ -106,8 +116,9 @@ class Topology:
             if not isinstance(s, str) or not s.strip():
                 raise TopologyError(f"nodes.switches[{i}]: must be a non-empty name, got {s!r}")
             if s.strip().lstrip("+-").isdigit():
-                raise TopologyError(f"nodes.switches[{i}]: {s!r} looks like a device number; "
-                                    f"switch names must not be numbers")
+                raise TopologyError(
+                    f"nodes.switches[{i}]: {s!r} looks like a device number; switch names must not be numbers"
+                )
             if s in self.graph:
                 raise TopologyError(f"nodes.switches[{i}]: duplicate switch name {s!r}")
             self.graph.add_node(s, kind="switch")
@@ -118,8 +129,10 @@ class Topology:
         except TypeError:  # unhashable, e.g. a list
             known = False
         if not known:
-            raise TopologyError(f"{path}: unknown node {node!r} (devices are 0..{self.num_devices - 1}, "
-                                f"switches are the names under nodes.switches)")
+            raise TopologyError(
+                f"{path}: unknown node {node!r} (devices are 0..{self.num_devices - 1}, "
+                f"switches are the names under nodes.switches)"
+            )
         return node  # type: ignore[return-value]
 
     def _add_link(self, i: int, link: Link) -> None:
@@ -128,8 +141,10 @@ class Topology:
         if a == b:
             raise TopologyError(f"links[{i}]: a link must join two different nodes, got {a!r} twice")
         if self.graph.has_edge(a, b):
-            raise TopologyError(f"links[{i}]: a second link between {a!r} and {b!r}; "
-                                f"merge parallel links into one with the summed bandwidth")
+            raise TopologyError(
+                f"links[{i}]: a second link between {a!r} and {b!r}; "
+                f"merge parallel links into one with the summed bandwidth"
+            )
         bw = _finite(link.bandwidth, f"links[{i}].bandwidth", strict=True)
         lat = _finite(link.latency, f"links[{i}].latency", strict=False)
         weight = _finite(link.weight, f"links[{i}].weight", strict=True)
@@ -142,8 +157,9 @@ class Topology:
             raise TopologyError(f"links: device(s) {lonely[:8]} have no link")
         if not nx.is_connected(self.graph):
             parts = sorted(nx.connected_components(self.graph), key=len)
-            raise TopologyError(f"links: the graph is not connected; e.g. {sorted(map(str, parts[0]))[:8]} "
-                                f"are cut off from the rest")
+            raise TopologyError(
+                f"links: the graph is not connected; e.g. {sorted(map(str, parts[0]))[:8]} are cut off from the rest"
+            )
 
     def _check_levels(self, levels: Optional[Sequence[NetworkLevel]]) -> Optional[List[NetworkLevel]]:
         if levels is None:
@@ -168,8 +184,10 @@ class Topology:
                 raise TopologyError(f"{path}: src and dst must differ")
             if not (isinstance(figures, (tuple, list)) and len(figures) == 2):
                 raise TopologyError(f"{path}: must be a (bandwidth, latency) pair, got {figures!r}")
-            out[(src, dst)] = (_finite(figures[0], f"{path}.bandwidth", strict=True),
-                               _finite(figures[1], f"{path}.latency", strict=False))
+            out[(src, dst)] = (
+                _finite(figures[0], f"{path}.bandwidth", strict=True),
+                _finite(figures[1], f"{path}.latency", strict=False),
+            )
         return out
 
     # -- queries ---------------------------------------------------------------------------
@@ -216,23 +234,40 @@ class Topology:
             d = self.device
             f = float  # files may hold ints where generators hold floats: same figures, same digest
             flops = sorted((k, f(v)) for k, v in d.peak_flops.items())
-            parts = [self.name, d.name, repr(f(d.memory_bytes)), repr(flops), repr(f(d.mem_bandwidth)),
-                     str(self.num_devices), str(self.device_forwarding),
-                     repr(self.switches), repr(self._links),
-                     repr([(lv.name, lv.group_size, f(lv.bandwidth), f(lv.latency)) for lv in self.levels or []]),
-                     repr(sorted(self.measured.items()))]
+            parts = [
+                self.name,
+                d.name,
+                repr(f(d.memory_bytes)),
+                repr(flops),
+                repr(f(d.mem_bandwidth)),
+                str(self.num_devices),
+                str(self.device_forwarding),
+                repr(self.switches),
+                repr(self._links),
+                repr([(lv.name, lv.group_size, f(lv.bandwidth), f(lv.latency)) for lv in self.levels or []]),
+                repr(sorted(self.measured.items())),
+            ]
             self._fingerprint = hashlib.sha1("\n".join(parts).encode()).hexdigest()
         return self._fingerprint
 
     def with_measured(self, measured: Mapping[Pair, Figures], name: Optional[str] = None) -> "Topology":
         """A copy whose ``measured`` table is this one updated with ``measured``."""
-        return Topology(name or self.name, self.device, self.num_devices, self.switches, self._links,
-                        levels=self.levels, device_forwarding=self.device_forwarding,
-                        measured={**self.measured, **measured})
+        return Topology(
+            name or self.name,
+            self.device,
+            self.num_devices,
+            self.switches,
+            self._links,
+            levels=self.levels,
+            device_forwarding=self.device_forwarding,
+            measured={**self.measured, **measured},
+        )
 
     def __repr__(self) -> str:
-        return (f"Topology({self.name!r}, {self.num_devices} devices, {len(self.switches)} switches, "
-                f"{len(self._links)} links)")
+        return (
+            f"Topology({self.name!r}, {self.num_devices} devices, {len(self.switches)} switches, "
+            f"{len(self._links)} links)"
+        )
 
 
 def device_islands(topo: Topology) -> List[List[int]]:

@@ -9,6 +9,7 @@ evaluates a plan under each candidate and keeps the cheapest.
 Islands are the devices joined by their fastest links (:func:`~nest_fx.cluster.topology.model.device_islands`,
 e.g. one NVLink domain).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -39,7 +40,7 @@ def rail_aligned_order(topo: Topology, block: int) -> Optional[List[int]]:
     order = []
     for q in range(topo.num_devices // block):
         island, slot = islands[q % len(islands)], q // len(islands)
-        order.extend(island[slot * block:(slot + 1) * block])
+        order.extend(island[slot * block : (slot + 1) * block])
     return order
 
 
@@ -76,9 +77,11 @@ def candidate_orders(topo: Topology, block: int = 1) -> Dict[str, List[int]]:
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise TopologyError(f"block: must be an integer >= 1, got {block!r}")
     found: Dict[str, List[int]] = {}
-    for name, order in (("node-major", node_major_order(topo)),
-                        ("rail-aligned", rail_aligned_order(topo, block)),
-                        ("slow-link-avoiding", slow_link_avoiding_order(topo, block))):
+    for name, order in (
+        ("node-major", node_major_order(topo)),
+        ("rail-aligned", rail_aligned_order(topo, block)),
+        ("slow-link-avoiding", slow_link_avoiding_order(topo, block)),
+    ):
         if order is not None and order not in found.values():
             found[name] = order
     return found

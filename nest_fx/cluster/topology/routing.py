@@ -14,6 +14,7 @@ Each direction of a link is an *arc* with an integer id; :attr:`Router.capacity`
 bandwidth (bytes/s). A route knows its arcs, its latency (sum of link latencies, or the
 measured one) and its bandwidth alone (bottleneck arc, capped by a measured bandwidth).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -55,8 +56,9 @@ class Router:
                 self._adj[u].append((v, link.weight))
         self._relay_adj = {u: [(v, w) for v, w in nbrs if topo.forwards(v)] for u, nbrs in self._adj.items()}
         self._weight = {u: dict(nbrs) for u, nbrs in self._adj.items()}
-        self._port = {s: {v: i for i, v in enumerate(v for v, _ in self._adj[s] if isinstance(v, int))}
-                      for s in topo.switches}
+        self._port = {
+            s: {v: i for i, v in enumerate(v for v, _ in self._adj[s] if isinstance(v, int))} for s in topo.switches
+        }
         self._from_relay: Dict[Node, Dict[Node, float]] = {}
         self._to_device: Dict[int, Dict[Node, float]] = {}
         self._cache: Dict[Tuple[int, int], Route] = {}
@@ -143,8 +145,10 @@ class Router:
         u: Node = src
         here = min([w + dist(v) for v, w in self._relay_adj[src]] + [self._weight[src].get(dst, math.inf)])
         if here == math.inf:
-            raise TopologyError(f"no route from device {src} to device {dst} (devices relay traffic only "
-                                f"when nodes.device_forwarding is true)")
+            raise TopologyError(
+                f"no route from device {src} to device {dst} (devices relay traffic only "
+                f"when nodes.device_forwarding is true)"
+            )
         while u != dst:
             tol = 1e-9 * max(1.0, here)
             direct = self._weight[u].get(dst)

@@ -13,6 +13,7 @@ Syntax: ``KIND:SHAPE[,KEY=VALUE...]``
 the torus). Link figures are the generators' defaults (docs/topology.md). Errors are one line
 (:class:`TopologyError`) naming the spec, the part that is wrong and an example.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Tuple
@@ -21,12 +22,18 @@ from nest_fx.cluster.spec import Cluster
 from nest_fx.cluster.topology.generators import fat_tree, rail_optimized, torus
 from nest_fx.cluster.topology.model import Topology, TopologyError
 
-_NODE_OPTIONS = {"rail": ("group", "spines", "oversub", "device"),
-                 "fat-tree": ("leaf", "spines", "oversub", "device"),
-                 "spine-leaf": ("leaf", "spines", "oversub", "device"),
-                 "torus": ("device",)}
-EXAMPLES = {"rail": "rail:128x8,oversub=2", "fat-tree": "fat-tree:128x8,oversub=2,spines=4",
-            "spine-leaf": "spine-leaf:32x8", "torus": "torus:8x8x16"}
+_NODE_OPTIONS = {
+    "rail": ("group", "spines", "oversub", "device"),
+    "fat-tree": ("leaf", "spines", "oversub", "device"),
+    "spine-leaf": ("leaf", "spines", "oversub", "device"),
+    "torus": ("device",),
+}
+EXAMPLES = {
+    "rail": "rail:128x8,oversub=2",
+    "fat-tree": "fat-tree:128x8,oversub=2,spines=4",
+    "spine-leaf": "spine-leaf:32x8",
+    "torus": "torus:8x8x16",
+}
 
 
 def is_topology_spec(spec: str) -> bool:
@@ -57,9 +64,13 @@ def _int(spec: str, kind: str, what: str, text: str, most: int = MAX_GRAPH_DEVIC
 
 def _check_size(spec: str, kind: str, devices: int) -> None:
     if devices > MAX_GRAPH_DEVICES:
-        raise _fail(spec, kind, f"{devices:,} devices: a graph topology is built device by device and link by "
-                    f"link, at most {MAX_GRAPH_DEVICES:,}; for larger clusters use a hierarchical preset "
-                    "(e.g. dgx-h100:131072)")
+        raise _fail(
+            spec,
+            kind,
+            f"{devices:,} devices: a graph topology is built device by device and link by "
+            f"link, at most {MAX_GRAPH_DEVICES:,}; for larger clusters use a hierarchical preset "
+            "(e.g. dgx-h100:131072)",
+        )
 
 
 def _options(spec: str, kind: str, parts) -> Dict[str, str]:
@@ -92,8 +103,9 @@ def _node_shape(spec: str, kind: str, shape: str) -> Tuple[int, int]:
 def topology_from_spec(spec: str) -> Topology:
     """The topology a generator spec names (see module docstring)."""
     if not is_topology_spec(spec):
-        raise TopologyError(f"cluster spec {spec!r}: not a topology generator; use one of "
-                            f"{', '.join(EXAMPLES.values())}")
+        raise TopologyError(
+            f"cluster spec {spec!r}: not a topology generator; use one of {', '.join(EXAMPLES.values())}"
+        )
     kind, _, rest = spec.partition(":")
     shape, *parts = [p.strip() for p in rest.split(",")]
     if not shape:

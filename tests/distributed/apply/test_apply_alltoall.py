@@ -5,6 +5,7 @@ shared seed, so each rank can compute the expected output (chunk r of every rank
 for a loss sum(out * w_r), the expected input gradient (the w of the receiving rank, chunk
 by chunk) without communication.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,11 @@ def _worker():
     got_sub = all_to_all(y, sub)
     peer = (rank + 2) % 4
     mine_first = rank < peer
-    rows = [y[0], (torch.arange(4.0).reshape(2, 2) + 10 * peer)[0]] if mine_first else \
-        [(torch.arange(4.0).reshape(2, 2) + 10 * peer)[1], y[1]]
+    rows = (
+        [y[0], (torch.arange(4.0).reshape(2, 2) + 10 * peer)[0]]
+        if mine_first
+        else [(torch.arange(4.0).reshape(2, 2) + 10 * peer)[1], y[1]]
+    )
     # uneven splits (HF experts): rank r sends count(r, i) rows to rank i; a row holds its route
     count = lambda src, dst: (src + dst) % 3 + 1  # noqa: E731
 

@@ -9,6 +9,7 @@
 * one rank with another learning rate fails before the first optimizer step;
 * timeout values are checked.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,19 @@ from nest_fx.testing_faults import torchrun_fault
 
 MODEL = "llama:hidden=32,layers=2,heads=4,seq=16,vocab=64"
 MOE = "moe:hidden=32,layers=2,heads=4,seq=16,vocab=64,experts=4,top_k=2,capacity_factor=2.0"
-COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "broadcast_object_list",
-               "all_to_all_single", "reduce_scatter_tensor", "barrier", "new_group", "send", "recv")
+COLLECTIVES = (
+    "broadcast",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "barrier",
+    "new_group",
+    "send",
+    "recv",
+)
 HANG_TIMEOUT_S = 3  # the job's collective timeout in the SIGSTOP test
 DETECT_SLACK_S = 5  # "timeout + a few seconds"
 
@@ -79,6 +91,7 @@ def _count_collectives_then_parallelize():
         def reached(*args, **kwargs):
             calls.append(name)
             raise _Reached(name)
+
         return reached
 
     for name in COLLECTIVES:
@@ -94,7 +107,7 @@ def _count_collectives_then_parallelize():
         _parallelize(8)  # control: a valid batch does reach the probes
     except _Reached:
         pass
-    return {"error": error, "before": before, "control": calls[len(before):]}
+    return {"error": error, "before": before, "control": calls[len(before) :]}
 
 
 @pytest.mark.dist
@@ -131,13 +144,16 @@ def test_collective_timeout_from_the_environment():
 
 # -- every group gets the job's timeout ------------------------------------------------------------
 
+
 def _group_timeouts():
     from nest_fx.apply.distributed import group_timeout, member_groups
 
     os.environ["NEST_FX_TIMEOUT_S"] = "7"
     pm = _parallelize(8, MOE, pp=2, dp=2, ep=2, microbatch_size=1, num_microbatches=4)
-    return {f"{getattr(g, 'group_desc', '')}:{name}": group_timeout(g).total_seconds()
-            for name, g in member_groups().items()}, pm.plan.ep
+    return {
+        f"{getattr(g, 'group_desc', '')}:{name}": group_timeout(g).total_seconds()
+        for name, g in member_groups().items()
+    }, pm.plan.ep
 
 
 @pytest.mark.dist
@@ -153,6 +169,7 @@ def test_every_group_of_the_runtime_gets_the_job_timeout():
 
 
 # -- a rank that stops (hangs without dying) --------------------------------------------------------
+
 
 @pytest.mark.dist
 @pytest.mark.slow
@@ -173,11 +190,14 @@ def test_a_stopped_rank_ends_every_rank_within_the_timeout(tmp_path, where, stuc
         assert report["after_s"] <= HANG_TIMEOUT_S + DETECT_SLACK_S, (rank, report["after_s"])
         assert report["message"].startswith(f"rank {rank}: ") and "fix:" in report["message"]
         if rank in stuck:
-            assert f"all_reduce on the {stuck[rank]} did not complete within the {HANG_TIMEOUT_S} s timeout" \
-                in report["message"], report["message"]
+            assert (
+                f"all_reduce on the {stuck[rank]} did not complete within the {HANG_TIMEOUT_S} s timeout"
+                in report["message"]
+            ), report["message"]
 
 
 # -- ranks started with different settings ---------------------------------------------------------
+
 
 def _different_settings():
     import torch
@@ -210,8 +230,9 @@ def test_ranks_with_different_settings_fail_before_training():
     results = launch(_different_settings, 2, timeout=80)
     assert results[0] == results[1]
     batch = results[0]["batch"]
-    assert batch.startswith("ranks disagree on global_batch_size: rank 0 8; rank 1 16") or \
-        batch.startswith("ranks disagree on num_microbatches"), batch
+    assert batch.startswith("ranks disagree on global_batch_size: rank 0 8; rank 1 16") or batch.startswith(
+        "ranks disagree on num_microbatches"
+    ), batch
     assert "before building the device mesh" in batch and "fix:" in batch
     assert results[0]["lr"].startswith("ranks disagree on optimizer default lr: rank 0 0.001; rank 1 0.01")
     assert results[0]["unchanged"]  # refused before the step changed anything
@@ -232,6 +253,7 @@ def test_agreement_names_the_field_and_the_ranks():
 
 # -- timeout values ----------------------------------------------------------------------------------
 
+
 def test_timeout_setting(monkeypatch):
     from nest_fx.apply import ApplyError
     from nest_fx.apply.distributed import collective_timeout_s
@@ -241,8 +263,15 @@ def test_timeout_setting(monkeypatch):
     assert collective_timeout_s(30) == 30.0 and collective_timeout_s(1) == 1.0
     monkeypatch.setenv("NEST_FX_TIMEOUT_S", "45")
     assert collective_timeout_s() == 45.0
-    for raw, problem in [("soon", "is not a number of seconds"), ("inf", "got inf"), ("nan", "got nan"),
-                         ("1e-9", "got 1e-09"), ("0.5", "got 0.5"), ("-3", "got -3"), ("1e300", "got 1e+300")]:
+    for raw, problem in [
+        ("soon", "is not a number of seconds"),
+        ("inf", "got inf"),
+        ("nan", "got nan"),
+        ("1e-9", "got 1e-09"),
+        ("0.5", "got 0.5"),
+        ("-3", "got -3"),
+        ("1e300", "got 1e+300"),
+    ]:
         monkeypatch.setenv("NEST_FX_TIMEOUT_S", raw)
         with pytest.raises(ApplyError, match=f"NEST_FX_TIMEOUT_S=.{raw}..*{re.escape(problem)}"):
             collective_timeout_s()
@@ -255,6 +284,7 @@ def test_timeout_setting(monkeypatch):
 
 
 # -- a stopped rank under torchrun --------------------------------------------------------------
+
 
 def _stopped_child():
     """A process of ours, stopped like a hung rank."""
@@ -273,10 +303,15 @@ def test_only_stopped_registered_peers_are_ended(monkeypatch):
         while peers.process_state(stopped.pid) != "T" or peers.process_state(reused.pid) != "T":
             time.sleep(0.01)
         host = socket.gethostname()
-        monkeypatch.setattr(peers, "_PEERS", {
-            1: (host, stopped.pid, peers.process_start(stopped.pid)),
-            2: (host, running.pid, peers.process_start(running.pid)),
-            3: (host, reused.pid, peers.process_start(reused.pid) + 1)})  # the pid now names another process
+        monkeypatch.setattr(
+            peers,
+            "_PEERS",
+            {
+                1: (host, stopped.pid, peers.process_start(stopped.pid)),
+                2: (host, running.pid, peers.process_start(running.pid)),
+                3: (host, reused.pid, peers.process_start(reused.pid) + 1),
+            },
+        )  # the pid now names another process
         monkeypatch.setenv(peers.SWITCH_ENV, "0")
         assert peers.end_stopped_peers() == []  # switched off
         monkeypatch.delenv(peers.SWITCH_ENV)
@@ -316,8 +351,11 @@ def test_several_ranks_without_a_rendezvous_address_are_explained(monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ApplyError, match=r"WORLD_SIZE=4 asks for 4 ranks, but MASTER_ADDR, MASTER_PORT, RANK are not "
-                                         r"set.*fix: launch with torchrun \(e.g. torchrun --nproc_per_node=4"):
+    with pytest.raises(
+        ApplyError,
+        match=r"WORLD_SIZE=4 asks for 4 ranks, but MASTER_ADDR, MASTER_PORT, RANK are not "
+        r"set.*fix: launch with torchrun \(e.g. torchrun --nproc_per_node=4",
+    ):
         init_distributed()
     monkeypatch.setenv("WORLD_SIZE", "four")
     with pytest.raises(ApplyError, match="WORLD_SIZE='four' is not a number of ranks"):

@@ -6,6 +6,7 @@ with ``auto_parallelize`` and, on every rank, the same model on the whole batch;
 every step, the full (unsharded) gradients of every step and the parameters after the third
 step must agree within 1e-5.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,18 @@ def test_dp4():
 
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_tp2_dp2_sequence_parallel_selective_recompute():
-    run(4, LLAMA, {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2,
-                   "sequence_parallel": True, "recompute": "selective"})
+    run(
+        4,
+        LLAMA,
+        {
+            "tp": 2,
+            "dp": 2,
+            "microbatch_size": 2,
+            "num_microbatches": 2,
+            "sequence_parallel": True,
+            "recompute": "selective",
+        },
+    )
 
 
 def _equivalence_recording_fsdp(spec: dict) -> dict:
@@ -47,8 +58,9 @@ def _equivalence_recording_fsdp(spec: dict) -> dict:
 def test_zero1_on_one_replica_shards_nothing_and_warns_nothing():
     """TP2 with zero=1 and dp=1: nothing to shard, so no FSDP2 (whose hooks warned that the TP
     blocks' outputs are views); the numbers equal one device's as with zero=0."""
-    results = run(2, LLAMA, {"tp": 2, "zero": 1, "microbatch_size": 4, "num_microbatches": 2},
-                  fn=_equivalence_recording_fsdp)
+    results = run(
+        2, LLAMA, {"tp": 2, "zero": 1, "microbatch_size": 4, "num_microbatches": 2}, fn=_equivalence_recording_fsdp
+    )
     assert all(r["fsdp_warnings"] == [] for r in results), results[0]["fsdp_warnings"]
 
 
@@ -65,8 +77,13 @@ def _readme_loss(logits, y):
 def test_loss_parallel_with_the_readmes_own_loss():
     """TP2 with loss parallel and the README's lambda loss: accepted (it is the token cross-entropy),
     computed from vocabulary shards, equal to one device."""
-    run(2, LLAMA, {"tp": 2, "loss_parallel": True, "microbatch_size": 4, "num_microbatches": 2},
-        build=_build_llama, loss=_readme_loss)
+    run(
+        2,
+        LLAMA,
+        {"tp": 2, "loss_parallel": True, "microbatch_size": 4, "num_microbatches": 2},
+        build=_build_llama,
+        loss=_readme_loss,
+    )
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
@@ -90,8 +107,12 @@ def test_pp2_tp2_with_a_device_order():
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_pp2_tp2_dp2_eight_ranks():
-    run(8, "llama:hidden=64,layers=2,heads=4,seq=16,vocab=128",
-        {"pp": 2, "tp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "recompute": "full"}, seq=16)
+    run(
+        8,
+        "llama:hidden=64,layers=2,heads=4,seq=16,vocab=128",
+        {"pp": 2, "tp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "recompute": "full"},
+        seq=16,
+    )
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
@@ -113,8 +134,19 @@ def test_hf_llama_tp2():
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_fsdp_zero3_interleaved_pp():
     """ZeRO-3 (FSDP2) inside an interleaved pipeline: 2 stages x 2 chunks, 2 replicas."""
-    run(4, LLAMA, {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "zero": 3,
-                   "schedule": "interleaved", "virtual_stages": 2})
+    run(
+        4,
+        LLAMA,
+        {
+            "pp": 2,
+            "dp": 2,
+            "microbatch_size": 1,
+            "num_microbatches": 4,
+            "zero": 3,
+            "schedule": "interleaved",
+            "virtual_stages": 2,
+        },
+    )
 
 
 @pytest.mark.slow
@@ -122,16 +154,20 @@ def test_fsdp_zero3_interleaved_pp():
 def test_ep2_tp2_moe_with_token_drops():
     """Expert parallel inside tensor parallel (TP-sharded experts, whose gradients are reduced over the
     edp group, not dp), selective recompute, capacity factor 1: dropped tokens are the same too."""
-    run(4, "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=1.0",
-        {"dp": 2, "ep": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "selective"})
+    run(
+        4,
+        "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=1.0",
+        {"dp": 2, "ep": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "selective"},
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_ep2_zero1_moe_pipeline():
     """FSDP (ZeRO-1/2) with experts sharded over their edp group, inside a 2-stage pipeline."""
-    run(4, MOE, {"pp": 2, "dp": 2, "ep": 2, "microbatch_size": 2, "num_microbatches": 2, "zero": 1,
-                 "schedule": "gpipe"})
+    run(
+        4, MOE, {"pp": 2, "dp": 2, "ep": 2, "microbatch_size": 2, "num_microbatches": 2, "zero": 1, "schedule": "gpipe"}
+    )
 
 
 def _fail_on_rank_one():
@@ -184,7 +220,9 @@ def test_vocab_parallel_embedding_and_lm_head_uneven_vocab():
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_tied_embeddings_stay_replicated_under_tp():
-    results = run(2, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128,tie_embeddings=1", {"tp": 2, "microbatch_size": 4})
+    results = run(
+        2, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128,tie_embeddings=1", {"tp": 2, "microbatch_size": 4}
+    )
     for r in results:
         assert "embed.tok.weight" not in r["sharded"] and "lm_head.weight" not in r["sharded"]
         assert "embed.pos.weight" in r["sharded"]

@@ -12,6 +12,7 @@ an uninterrupted single-device run (1e-5, the parity standard of tests/distribut
 Then: a damaged shard one rank checks, and a rank killed during a save. The single-process
 checks (verification, rotation, crash safety, errors) are in tests/unit/apply/test_checkpoint.py.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,8 +38,7 @@ PARITY_TOL = 1e-5
 
 # ZeRO-1 (FSDP2 over dp, 2-D DTensors with TP): its sharded parameters and optimizer state must
 # reload into the replicated zero=0 pipeline
-TP2_DP2_ZERO1 = {"tp": 2, "dp": 2, "zero": 1, "microbatch_size": 2, "num_microbatches": 2,
-                 "sequence_parallel": True}
+TP2_DP2_ZERO1 = {"tp": 2, "dp": 2, "zero": 1, "microbatch_size": 2, "num_microbatches": 2, "sequence_parallel": True}
 PP2_DP2 = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "1f1b"}
 SINGLE = {"microbatch_size": 4, "num_microbatches": 2}
 
@@ -161,6 +161,7 @@ def _plain_resume(spec: str, path: str, want: dict, want_losses, steps: int) -> 
 
 # -- exact resume under other plans ----------------------------------------------------------------
 
+
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(3 * LAUNCH_S)
@@ -168,8 +169,9 @@ def test_resume_mid_epoch_under_other_plans_continues_exactly(tmp_path):
     ck_a, ck_b = str(tmp_path / "a"), str(tmp_path / "b")
     want = uninterrupted(MODEL, 10)
     # TP2 x DP2 (ZeRO-1, SP): 3 steps (mid-epoch), save, and go on without stopping
-    first = launch(_phase, 4, {"model": MODEL, "plan": TP2_DP2_ZERO1, "train": 3, "save": ck_a, "after": 4},
-                   timeout=LAUNCH_S)
+    first = launch(
+        _phase, 4, {"model": MODEL, "plan": TP2_DP2_ZERO1, "train": 3, "save": ck_a, "after": 4}, timeout=LAUNCH_S
+    )
     assert first[0]["saved_to"] == os.path.join(ck_a, "step-00000003")
     with open(os.path.join(first[0]["saved_to"], "nest_fx_checkpoint.json")) as fh:
         meta = json.load(fh)
@@ -177,8 +179,12 @@ def test_resume_mid_epoch_under_other_plans_continues_exactly(tmp_path):
     assert_losses(first[0]["losses"] + first[0]["after"], want[:7], PARITY_TOL)
 
     # PP2 x DP2 resumes from step 3: the same losses as the run that did not stop
-    second = launch(_phase, 4, {"model": MODEL, "plan": PP2_DP2, "seed": 3, "load": ck_a, "train": 4,
-                                "save": ck_b, "after": 3}, timeout=LAUNCH_S)
+    second = launch(
+        _phase,
+        4,
+        {"model": MODEL, "plan": PP2_DP2, "seed": 3, "load": ck_a, "train": 4, "save": ck_b, "after": 3},
+        timeout=LAUNCH_S,
+    )
     assert_same(merge(second, "loaded"), merge(first, "saved"))
     assert all(r["lr"] == LR for r in second)  # warm-up over after 3 steps; not the 0.5 the phase passed
     assert all(r["position"] == (3, 3, 0, 3) for r in second)  # step 3 = batch 3 of epoch 0
@@ -186,8 +192,7 @@ def test_resume_mid_epoch_under_other_plans_continues_exactly(tmp_path):
     assert_losses(second[0]["losses"] + second[0]["after"], want[3:10], PARITY_TOL)  # across the epoch end
 
     # one device (a one-rank group, then a plain module without a process group) from step 7
-    third = launch(_phase, 1, {"model": MODEL, "plan": SINGLE, "seed": 5, "load": ck_b, "train": 3},
-                   timeout=LAUNCH_S)
+    third = launch(_phase, 1, {"model": MODEL, "plan": SINGLE, "seed": 5, "load": ck_b, "train": 3}, timeout=LAUNCH_S)
     assert_same(merge(third, "loaded"), merge(second, "saved"))
     assert_losses(third[0]["losses"], second[0]["after"])
     _plain_resume(MODEL, ck_b, merge(second, "saved"), second[0]["after"], 3)
@@ -198,8 +203,12 @@ def test_resume_mid_epoch_under_other_plans_continues_exactly(tmp_path):
 def test_expert_parallel_to_single_device(tmp_path):
     """Each EP rank saves its experts under their global indices; one device loads all of them."""
     ck = str(tmp_path / "ep")
-    first = launch(_phase, 2, {"model": MOE, "plan": {"dp": 2, "ep": 2, "microbatch_size": 4},
-                               "train": 2, "save": ck, "after": 2}, timeout=LAUNCH_S)
+    first = launch(
+        _phase,
+        2,
+        {"model": MOE, "plan": {"dp": 2, "ep": 2, "microbatch_size": 4}, "train": 2, "save": ck, "after": 2},
+        timeout=LAUNCH_S,
+    )
     saved = merge(first, "saved")
     experts = [{k for k in merge([r], "saved") if ".experts." in k} for r in first]
     assert experts[0] and experts[1] and not experts[0] & experts[1]
@@ -207,6 +216,7 @@ def test_expert_parallel_to_single_device(tmp_path):
 
 
 # -- verification across ranks ---------------------------------------------------------------------
+
 
 def _save_then_load_damaged(path: str) -> dict:
     """DP2: save; rank 0 then writes 1 KiB of garbage into rank 1's shard (which rank 1 hashes
@@ -235,8 +245,11 @@ def _save_then_load_damaged(path: str) -> dict:
         pm.load(path, opt)
         return {"error": None}
     except CheckpointError as e:
-        return {"error": str(e), "shard": shards[1], "unchanged": all(torch.equal(p, before[n])
-                                                                       for n, p in pm.named_parameters())}
+        return {
+            "error": str(e),
+            "shard": shards[1],
+            "unchanged": all(torch.equal(p, before[n]) for n, p in pm.named_parameters()),
+        }
 
 
 @pytest.mark.dist
@@ -251,6 +264,7 @@ def test_a_damaged_shard_that_one_rank_checks_fails_every_rank(tmp_path):
 
 
 # -- crash safety --------------------------------------------------------------------------------
+
 
 def _killed_during_save(path: str) -> None:
     """DP2: save at step 1 (and write its full state next to it), train a step, then rank 1 dies

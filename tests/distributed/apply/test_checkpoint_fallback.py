@@ -1,6 +1,7 @@
 """Which checkpoint a load takes (docs/runtime.md, "Which checkpoint"): never another step than the
 newest one by itself. A damaged or incomplete newest step directory is refused naming it and the
 newest complete one; ``fallback=True`` and ``resume`` take that one and say so on every rank."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,13 @@ import shutil
 import pytest
 import torch
 
-from nest_fx.apply.checkpoint import (CheckpointDamaged, CheckpointError, load_checkpoint, resume_checkpoint,
-                                      save_checkpoint)
+from nest_fx.apply.checkpoint import (
+    CheckpointDamaged,
+    CheckpointError,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from nest_fx.apply.distributed import init_distributed
 from nest_fx.apply.launch import launch
 from nest_fx.models import build_seeded
@@ -49,9 +55,12 @@ def test_a_newest_step_without_its_manifest_is_refused_naming_the_newest_complet
     path = str(tmp_path / "ck")
     two, three = _three_steps(path)
     os.remove(os.path.join(three, "MANIFEST.json"))
-    with pytest.raises(CheckpointDamaged, match=f"its newest checkpoint {three} cannot be loaded \\({three} is not a "
-                                                f"complete nest-fx checkpoint \\(no MANIFEST.json.*the newest complete "
-                                                f"checkpoint is {two}; fix: load it on purpose.*fallback=True"):
+    with pytest.raises(
+        CheckpointDamaged,
+        match=f"its newest checkpoint {three} cannot be loaded \\({three} is not a "
+        f"complete nest-fx checkpoint \\(no MANIFEST.json.*the newest complete "
+        f"checkpoint is {two}; fix: load it on purpose.*fallback=True",
+    ):
         load_checkpoint(_model(), path)
     # on purpose: the older step directory by name, or fallback=True, which says so in one line
     assert _loaded_step(two)[:2] == (2, 2)
@@ -71,14 +80,16 @@ def test_a_damaged_shard_or_a_lost_latest_target_is_refused_too(tmp_path):
     with open(shard, "r+b") as fh:
         fh.seek(100)
         fh.write(b"garbage")
-    with pytest.raises(CheckpointDamaged, match=f"{shard} is damaged: its sha256 differs.*newest complete checkpoint "
-                                                f"is {two}"):
+    with pytest.raises(
+        CheckpointDamaged, match=f"{shard} is damaged: its sha256 differs.*newest complete checkpoint is {two}"
+    ):
         load_checkpoint(_model(), path)
     assert _loaded_step(path, fallback=True)[:2] == (2, 2)
     # the directory `latest` names is gone
     shutil.rmtree(three)
-    with pytest.raises(CheckpointDamaged, match=f"{three} is missing \\(named by .*latest\\).*newest complete "
-                                                f"checkpoint is {two}"):
+    with pytest.raises(
+        CheckpointDamaged, match=f"{three} is missing \\(named by .*latest\\).*newest complete checkpoint is {two}"
+    ):
         load_checkpoint(_model(), path)
 
 
@@ -112,8 +123,11 @@ def test_resume_refuses_a_directory_whose_only_step_is_damaged(tmp_path):
     path = str(tmp_path / "ck")
     save_checkpoint(_model(1.0), path, step=1)
     os.remove(os.path.join(path, "step-00000001", "MANIFEST.json"))
-    with pytest.raises(CheckpointDamaged, match="no MANIFEST.json.*holds no complete checkpoint before step-00000001; "
-                                                "fix: restore the files, or remove that step directory"):
+    with pytest.raises(
+        CheckpointDamaged,
+        match="no MANIFEST.json.*holds no complete checkpoint before step-00000001; "
+        "fix: restore the files, or remove that step directory",
+    ):
         resume_checkpoint(_model(), path)
 
 
@@ -144,8 +158,9 @@ def _damaged_newest(path: str, fallback: bool) -> dict:
 @pytest.mark.timeout(150)
 def test_every_rank_refuses_or_falls_back_alike(tmp_path):
     refused = launch(_damaged_newest, 2, str(tmp_path / "a"), False, timeout=120)
-    assert refused[0] == refused[1] and refused[0]["error"].startswith(f"CheckpointDamaged: {tmp_path / 'a'}: its "
-                                                                        "newest checkpoint")
+    assert refused[0] == refused[1] and refused[0]["error"].startswith(
+        f"CheckpointDamaged: {tmp_path / 'a'}: its newest checkpoint"
+    )
     assert "sha256 differs" in refused[0]["error"] and "step-00000001" in refused[0]["error"]
     taken = launch(_damaged_newest, 2, str(tmp_path / "b"), True, timeout=120)
     assert [r["step"] for r in taken] == [1, 1]

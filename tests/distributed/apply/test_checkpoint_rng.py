@@ -1,6 +1,7 @@
 """Exact resume with random draws inside the model (dropout under TP) and a gradient scaler
 (docs/runtime.md, "Exact resume"): the random generators of every rank, DTensor's RNG tracker and
 the scaler's state are in the checkpoint."""
+
 from __future__ import annotations
 
 import io
@@ -56,8 +57,9 @@ def _tp_dropout_run(spec: dict) -> dict:
     if spec.get("save"):
         pm.save(spec["save"], opt)
     buf = io.BytesIO()
-    torch.save({n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in pm.named_parameters()},
-               buf)
+    torch.save(
+        {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in pm.named_parameters()}, buf
+    )
     return {"losses": losses, "params": buf.getvalue()}
 
 

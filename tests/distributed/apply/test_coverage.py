@@ -1,5 +1,6 @@
 """The coverage suite: the planner offers every model only what the runtime runs (single process),
 and a few cells of the matrix on 4 gloo ranks (the full matrix: scripts/bench_coverage.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,15 @@ from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan.support import parallel_support
 from nest_fx.solver import SolverOptions
 from nest_fx.solver.runtime_planner import runtime_options
-from nest_fx.testing import (COVERAGE_BATCH, COVERAGE_MODELS, COVERAGE_PLANS, COVERAGE_SEQ, LOSSES, cell_status,
-                             coverage_cell)
+from nest_fx.testing import (
+    COVERAGE_BATCH,
+    COVERAGE_MODELS,
+    COVERAGE_PLANS,
+    COVERAGE_SEQ,
+    LOSSES,
+    cell_status,
+    coverage_cell,
+)
 from nest_fx.testing_coverage import offered_plans
 
 pytestmark = pytest.mark.hf
@@ -56,8 +64,14 @@ def test_the_planner_offers_every_coverage_model_only_what_the_runtime_runs():
 
 
 def _cell(model: str, plan: str):
-    spec = {"model": model, "plan": dict(COVERAGE_PLANS[plan]), "batch": COVERAGE_BATCH, "seq": COVERAGE_SEQ,
-            "steps": 3, "lr": 0.5}
+    spec = {
+        "model": model,
+        "plan": dict(COVERAGE_PLANS[plan]),
+        "batch": COVERAGE_BATCH,
+        "seq": COVERAGE_SEQ,
+        "steps": 3,
+        "lr": 0.5,
+    }
     results = launch(coverage_cell, 4, spec, timeout=LAUNCH_S)
     cell = cell_status(results)
     print(f"\n{model} {plan}: {cell}")
@@ -67,14 +81,17 @@ def _cell(model: str, plan: str):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
-@pytest.mark.parametrize("model,plan", [
-    ("hf:t5", "planner"),  # two inputs + labels, the model's own loss
-    ("hf:qwen2_moe", "EP2xDP2"),  # HF stacked experts beside a shared expert
-    ("cnn", "planner"),  # BatchNorm statistics over the data-parallel batch
-    ("hf:deberta-v2", "TP2xDP2"),  # the head count lives on a submodule of the attention region
-    ("hf:mixtral", "PP2xDP2"),  # stand-ins of grouped_mm experts on the meta device
-    ("hf:convnext", "PP2xDP2"),  # a channels-last gradient sent back between stages
-])
+@pytest.mark.parametrize(
+    "model,plan",
+    [
+        ("hf:t5", "planner"),  # two inputs + labels, the model's own loss
+        ("hf:qwen2_moe", "EP2xDP2"),  # HF stacked experts beside a shared expert
+        ("cnn", "planner"),  # BatchNorm statistics over the data-parallel batch
+        ("hf:deberta-v2", "TP2xDP2"),  # the head count lives on a submodule of the attention region
+        ("hf:mixtral", "PP2xDP2"),  # stand-ins of grouped_mm experts on the meta device
+        ("hf:convnext", "PP2xDP2"),  # a channels-last gradient sent back between stages
+    ],
+)
 def test_coverage_cells_match_one_device(model, plan):
     cell, results = _cell(model, plan)
     assert cell["status"] == "ok", cell

@@ -5,6 +5,7 @@ ranks, ``auto_parallelize(elastic=True)`` re-plans for 2 ranks with the same glo
 ``pm.resume`` loads the newest checkpoint. Every step's loss must equal the single-device run of
 ``examples/train_elastic.py`` (1e-5, the parity standard of tests/distributed/apply/test_apply_parallel.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,21 +59,32 @@ def _assert_resumed_on_survivors(log: str, killed_at: int, want) -> None:
 @pytest.mark.timeout(400)
 def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
     ref_log = str(tmp_path / "single.jsonl")
-    single = subprocess.run([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log,
-                             "--steps", str(STEPS)], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        [sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log, "--steps", str(STEPS)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
     want = last_loss_per_step(read_losses(ref_log))
 
     log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
-    cmd = elastic_command(SCRIPT, free_port(), ["--ckpt", ckpt, "--losses", log, "--steps", str(STEPS),
-                                                "--pace", "0.3", "--timeout", "60"])
+    cmd = elastic_command(
+        SCRIPT,
+        free_port(),
+        ["--ckpt", ckpt, "--losses", log, "--steps", str(STEPS), "--pace", "0.3", "--timeout", "60"],
+    )
     with ElasticAgents(cmd, str(tmp_path)) as job:
         first = job.start()
         time.sleep(0.5)
         second = job.start()
-        wait_for(lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_losses(log)), 240,
-                 "4 ranks at step 3", job.agents)
+        wait_for(
+            lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_losses(log)),
+            240,
+            "4 ranks at step 3",
+            job.agents,
+        )
         killed_at = max(r["step"] for r in read_losses(log))
         kill_node(second)
         assert first.wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
@@ -88,22 +100,34 @@ def test_with_an_etcd_rendezvous_losing_the_node_that_started_the_job_is_survive
     workers, and the other node re-plans for 2 ranks and resumes from the newest checkpoint.
     The test installs and starts what it needs (nest_fx.testing_faults.ensure_etcd, EtcdServer)."""
     ref_log = str(tmp_path / "single.jsonl")
-    single = subprocess.run([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log,
-                             "--steps", str(STEPS)], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        [sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log, "--steps", str(STEPS)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
     want = last_loss_per_step(read_losses(ref_log))
 
     log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
     with EtcdServer(str(tmp_path), free_port(), free_port()) as etcd:
-        cmd = elastic_command(SCRIPT, etcd.port, ["--ckpt", ckpt, "--losses", log, "--steps", str(STEPS),
-                                                  "--pace", "0.3", "--timeout", "60"], backend="etcd-v2")
+        cmd = elastic_command(
+            SCRIPT,
+            etcd.port,
+            ["--ckpt", ckpt, "--losses", log, "--steps", str(STEPS), "--pace", "0.3", "--timeout", "60"],
+            backend="etcd-v2",
+        )
         with ElasticAgents(cmd, str(tmp_path)) as job:
             first = job.start()
             time.sleep(0.5)
             second = job.start()
-            wait_for(lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_losses(log)), 300,
-                     "4 ranks at step 3", job.agents)
+            wait_for(
+                lambda: any(r["world"] == 4 and r["step"] >= 3 for r in read_losses(log)),
+                300,
+                "4 ranks at step 3",
+                job.agents,
+            )
             killed_at = max(r["step"] for r in read_losses(log))
             kill_node(first)  # the node that started the job
             assert second.wait(timeout=300) == 0, (tmp_path / "agent1.log").read_text()[-3000:]

@@ -9,6 +9,7 @@ hold the tensors, names and config ``transformers``' own ``save_pretrained`` wri
 model; ``nest-fx export CKPT --to hf`` writes the same tensors from the checkpoint.
 Then the destination rules (refusals) and the single-process export from a checkpoint.
 """
+
 from __future__ import annotations
 
 import io
@@ -34,20 +35,20 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 BATCH, SEQ, VOCAB, LR, TOL = 8, 16, 128, 0.5, 1e-5
 SHARD = "40KB"  # several files for every tiny model
 LAUNCH_S = 240
-MODELS = {"llama": "hf:llama", "qwen2": "hf:qwen2:tie_word_embeddings=true", "mixtral": "hf:mixtral",
-          "gpt2": "hf:gpt2"}
-PLANS = {"TP2xDP2": {"tp": 2, "dp": 2, "microbatch_size": 4},
-         "PP2xDP2": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
-         "ZeRO3-DP4": {"dp": 4, "zero": 3, "microbatch_size": 2},
-         "EP2xDP4": {"dp": 4, "ep": 2, "microbatch_size": 2},
-         "CP2xDP2": {"cp": 2, "dp": 2, "microbatch_size": 4},
-         "HSDP-2x2": {"dp": 4, "zero": 3, "dp_shard": 2, "microbatch_size": 2}}
+MODELS = {"llama": "hf:llama", "qwen2": "hf:qwen2:tie_word_embeddings=true", "mixtral": "hf:mixtral", "gpt2": "hf:gpt2"}
+PLANS = {
+    "TP2xDP2": {"tp": 2, "dp": 2, "microbatch_size": 4},
+    "PP2xDP2": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+    "ZeRO3-DP4": {"dp": 4, "zero": 3, "microbatch_size": 2},
+    "EP2xDP4": {"dp": 4, "ep": 2, "microbatch_size": 2},
+    "CP2xDP2": {"cp": 2, "dp": 2, "microbatch_size": 4},
+    "HSDP-2x2": {"dp": 4, "zero": 3, "dp_shard": 2, "microbatch_size": 2},
+}
 
 
 def _data(step: int):
     gen = torch.Generator().manual_seed(100 + step)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
 
 
 def _portable(obj) -> bytes:
@@ -65,8 +66,7 @@ def _train_and_export(spec: dict) -> bytes:
     disable_dropout(model)  # random masks are not part of what a plan must reproduce
     x, y = _data(0)
     plan = uniform_plan(4, model=spec["model"], **spec["plan"])
-    pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=BATCH, loss_fn=lm_loss, plan=plan,
-                          verbose=False)
+    pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=BATCH, loss_fn=lm_loss, plan=plan, verbose=False)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     pm.train_step({"input_ids": x}, y)
     opt.step()
@@ -101,8 +101,12 @@ def _reference(spec: str):
 def _check_cell(tmp_path, family: str, plan: str) -> None:
     spec = MODELS[family]
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
-    results = [torch.load(io.BytesIO(r)) for r in launch(_train_and_export, 4, {
-        "model": spec, "plan": PLANS[plan], "hf": hf_dir, "ckpt": ckpt}, timeout=LAUNCH_S)]
+    results = [
+        torch.load(io.BytesIO(r))
+        for r in launch(
+            _train_and_export, 4, {"model": spec, "plan": PLANS[plan], "hf": hf_dir, "ckpt": ckpt}, timeout=LAUNCH_S
+        )
+    ]
     trained = {}
     for r in results:
         trained.update(r["params"])
@@ -154,9 +158,19 @@ def test_tied_qwen2_under_pp2_dp2_exports_what_from_pretrained_loads(tmp_path):
     _check_cell(tmp_path, "qwen2", "PP2xDP2")
 
 
-SLOW_CELLS = [("llama", "TP2xDP2"), ("qwen2", "TP2xDP2"), ("gpt2", "TP2xDP2"), ("llama", "PP2xDP2"),
-              ("gpt2", "PP2xDP2"), ("llama", "ZeRO3-DP4"), ("qwen2", "ZeRO3-DP4"), ("mixtral", "EP2xDP4"),
-              ("mixtral", "ZeRO3-DP4"), ("llama", "CP2xDP2"), ("llama", "HSDP-2x2")]
+SLOW_CELLS = [
+    ("llama", "TP2xDP2"),
+    ("qwen2", "TP2xDP2"),
+    ("gpt2", "TP2xDP2"),
+    ("llama", "PP2xDP2"),
+    ("gpt2", "PP2xDP2"),
+    ("llama", "ZeRO3-DP4"),
+    ("qwen2", "ZeRO3-DP4"),
+    ("mixtral", "EP2xDP4"),
+    ("mixtral", "ZeRO3-DP4"),
+    ("llama", "CP2xDP2"),
+    ("llama", "HSDP-2x2"),
+]
 
 
 @pytest.mark.dist
@@ -168,6 +182,7 @@ def test_export_under_plan(tmp_path, family, plan):
 
 
 # -- single process: from a checkpoint, the destination rules ---------------------------------------
+
 
 def _checkpointed(tmp_path, spec: str = MODELS["mixtral"]):
     model, _ = build_seeded(spec, seed=1)
@@ -229,6 +244,7 @@ def test_a_failed_export_leaves_the_destination_as_it_was(tmp_path, monkeypatch)
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(export_hf, "write_config", full_disk)
     with pytest.raises(OSError):
         export_checkpoint(path, str(tmp_path / "hf"), model, max_shard_size=SHARD)
@@ -245,7 +261,7 @@ def test_bad_arguments_are_refused(tmp_path):
     other, _ = build_seeded("hf:llama:num_hidden_layers=3", seed=1)
     with pytest.raises(ExportError, match="another model"):
         export_checkpoint(path, str(tmp_path / "b"), other)
-    assert (parse_size("5GB"), parse_size("2MiB"), parse_size(123)) == (5 * 10 ** 9, 2 << 20, 123)
+    assert (parse_size("5GB"), parse_size("2MiB"), parse_size(123)) == (5 * 10**9, 2 << 20, 123)
 
 
 def test_cli_needs_a_model_spec_when_the_checkpoint_has_none(tmp_path, capsys):
@@ -266,8 +282,15 @@ def _load_exported(spec: dict) -> bytes:
 
     model, _ = build_model(spec["model"], device="meta")
     x, _ = _data(0)
-    pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=BATCH, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(4, **spec["plan"]), weights=spec["weights"])
+    pm = auto_parallelize(
+        model,
+        {"input_ids": x},
+        global_batch_size=BATCH,
+        loss_fn=lm_loss,
+        verbose=False,
+        plan=uniform_plan(4, **spec["plan"]),
+        weights=spec["weights"],
+    )
     return _portable(pm.full_tensors())
 
 
@@ -278,8 +301,9 @@ def test_an_export_starts_a_run_on_meta_exactly(tmp_path):
     """Mixtral exported under HF's per-expert names comes back into stacked experts sharded by EP."""
     model, path = _checkpointed(tmp_path)
     out = export_checkpoint(path, str(tmp_path / "hf"), model, max_shard_size=SHARD)
-    results = launch(_load_exported, 4, {"model": MODELS["mixtral"], "weights": out,
-                                         "plan": PLANS["EP2xDP4"]}, timeout=LAUNCH_S)
+    results = launch(
+        _load_exported, 4, {"model": MODELS["mixtral"], "weights": out, "plan": PLANS["EP2xDP4"]}, timeout=LAUNCH_S
+    )
     own = {n: p.detach() for n, p in model.named_parameters()}
     for r in results:
         got = torch.load(io.BytesIO(r))

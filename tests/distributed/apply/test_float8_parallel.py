@@ -8,6 +8,7 @@ sequence parallelism) equals the single-device Float8 step within 1e-5. Over sev
 1e-7 difference in a weight can move an fp8 rounding by one fp8 step, so later steps are not
 compared to 1e-5 (no parallel Float8 run is: data parallelism scales each replica's activations
 by its own amax)."""
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,10 @@ def _float8_equivalences(cases: List[Dict]) -> List[Dict]:
 @pytest.mark.timeout(600)
 def test_float8_tp2_step_equals_the_single_device_float8_step():
     pytest.importorskip("torchao")
-    cases = [{"model": LLAMA2, "plan": {"tp": 2, "float8": True, "microbatch_size": 8}},
-             {"model": LLAMA2, "plan": {"tp": 2, "float8": True, "microbatch_size": 8, "sequence_parallel": True}}]
+    cases = [
+        {"model": LLAMA2, "plan": {"tp": 2, "float8": True, "microbatch_size": 8}},
+        {"model": LLAMA2, "plan": {"tp": 2, "float8": True, "microbatch_size": 8, "sequence_parallel": True}},
+    ]
     per_rank = launch(_float8_equivalences, 2, cases, timeout=570)
     for k, case in enumerate(cases):
         for r in (rank[k] for rank in per_rank):

@@ -1,4 +1,5 @@
 """Expert parallelism on HuggingFace stacked experts with FSDP, and its checkpoints (4 gloo ranks)."""
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,14 @@ def _train_and_save(path: str) -> bytes:
 
     model, _ = build_seeded(MODEL, seed=3)
     x, y = _data()
-    pm = auto_parallelize(model, {"input_ids": x}, global_batch_size=BATCH, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(4, dp=4, ep=2, zero=1, microbatch_size=2))
+    pm = auto_parallelize(
+        model,
+        {"input_ids": x},
+        global_batch_size=BATCH,
+        loss_fn=lm_loss,
+        verbose=False,
+        plan=uniform_plan(4, dp=4, ep=2, zero=1, microbatch_size=2),
+    )
     opt = torch.optim.SGD(pm.parameters(), lr=0.5)
     loss = pm.train_step({"input_ids": x}, y)
     grads = pm.full_tensors(grads=True)
@@ -39,8 +46,13 @@ def _train_and_save(path: str) -> bytes:
     pm.save(path, step=1)
     experts = dict(pm.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
     local = experts.to_local() if isinstance(experts, DTensor) else experts
-    out = {"loss": float(loss), "grads": grads, "params": pm.full_tensors(), "local_experts": local.shape[0],
-           "global_experts": experts.shape[0]}
+    out = {
+        "loss": float(loss),
+        "grads": grads,
+        "params": pm.full_tensors(),
+        "local_experts": local.shape[0],
+        "global_experts": experts.shape[0],
+    }
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()

@@ -1,6 +1,7 @@
 """A zoo model started on meta (issue 24 item 1): materialised per rank from a torch state dict,
 a nest-fx checkpoint, or its own initialisation; each rank allocates and reads only its share;
 a weights file that does not fit is refused on every rank before the first collective."""
+
 from __future__ import annotations
 
 import io
@@ -21,8 +22,10 @@ BATCH, STEPS, LR, TOL = 8, 2, 0.5, 1e-5
 
 def _data():
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 64, (BATCH, 16), generator=gen), torch.randint(0, 64, (BATCH, 16), generator=gen))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, 64, (BATCH, 16), generator=gen), torch.randint(0, 64, (BATCH, 16), generator=gen))
+        for _ in range(STEPS)
+    ]
 
 
 def _train(model_or_pm, opt, step):
@@ -41,6 +44,7 @@ def _reference(model):
         loss = lm_loss(model(x), y)
         loss.backward()
         return loss.detach()
+
     return _train(model, opt, step), {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -48,6 +52,7 @@ def _meta_reference(spec: str, seed: int):
     """The one-device meta start: the model materialised on the CPU by the same initialisation."""
     model, _ = build_model(spec, device="meta")
     import copy
+
     skeleton = copy.deepcopy(model)
     materialize([model], skeleton, torch.device("cpu"), None, seed)
     return model
@@ -61,16 +66,29 @@ def _ranks(spec: str, plan_kwargs: dict, weights, save_to=None, init_seed: int =
 
     model, _ = build_model(spec, device=device)
     x = _data()[0][0]
-    pm = auto_parallelize(model, x, global_batch_size=BATCH, loss_fn=lm_loss, plan=uniform_plan(4, **plan_kwargs),
-                          weights=weights, init_seed=init_seed, verbose=False)
+    pm = auto_parallelize(
+        model,
+        x,
+        global_batch_size=BATCH,
+        loss_fn=lm_loss,
+        plan=uniform_plan(4, **plan_kwargs),
+        weights=weights,
+        init_seed=init_seed,
+        verbose=False,
+    )
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     start = pm.full_tensors()
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     losses = _train(pm, opt, pm.train_step)
     if save_to:
         pm.save(save_to)
-    out = {"losses": losses, "start": start, "params": pm.full_tensors(), "local_numel": local,
-           "materialized": pm.materialized}
+    out = {
+        "losses": losses,
+        "start": start,
+        "params": pm.full_tensors(),
+        "local_numel": local,
+        "materialized": pm.materialized,
+    }
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -136,8 +154,10 @@ def test_zero3_ranks_read_and_hold_a_quarter_of_a_safetensors_file(tmp_path):
 @pytest.mark.dist
 def test_without_weights_every_plan_initialises_the_same_values_as_one_device():
     ref_losses, ref_params = _reference(_meta_reference(LLAMA, seed=7))
-    for plan in ({"tp": 2, "dp": 2, "microbatch_size": 4}, {"pp": 2, "dp": 2, "microbatch_size": 2,
-                                                           "num_microbatches": 2}):
+    for plan in (
+        {"tp": 2, "dp": 2, "microbatch_size": 4},
+        {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+    ):
         for r in _run(LLAMA, plan, None, None, 7):
             assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) < TOL
             for name, p in r["params"].items():
@@ -187,8 +207,15 @@ def _refused(path: str):
 
     model, _ = build_model(MODEL, device="meta")
     try:
-        auto_parallelize(model, _data()[0][0], global_batch_size=BATCH, loss_fn=lm_loss,
-                         plan=uniform_plan(4, tp=2, dp=2, microbatch_size=4), weights=path, verbose=False)
+        auto_parallelize(
+            model,
+            _data()[0][0],
+            global_batch_size=BATCH,
+            loss_fn=lm_loss,
+            plan=uniform_plan(4, tp=2, dp=2, microbatch_size=4),
+            weights=path,
+            verbose=False,
+        )
     except ApplyError as exc:
         return str(exc)
     return "accepted"
@@ -259,8 +286,15 @@ def test_interleaved_pipeline_under_zero3_on_meta_from_a_state_dict(tmp_path):
     path = str(tmp_path / "llama.pt")
     torch.save(eager.state_dict(), path)
     ref_losses, ref_params = _reference(eager)
-    plan = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "interleaved",
-            "virtual_stages": 2, "zero": 3}
+    plan = {
+        "pp": 2,
+        "dp": 2,
+        "microbatch_size": 1,
+        "num_microbatches": 4,
+        "schedule": "interleaved",
+        "virtual_stages": 2,
+        "zero": 3,
+    }
     for r in _run(LLAMA, plan, path):  # two chunks per rank, each materialised and loaded
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) < TOL
         for name, p in r["params"].items():

@@ -3,6 +3,7 @@
 under a plan on 4 gloo ranks, trained 2 SGD steps: the losses and the trained parameters equal
 the single-device ``from_pretrained`` run (fp32, 1e-5); each rank allocates and reads only its
 share. Plus the zoo GPT on meta, the refusals, and the name/slice machinery on one process."""
+
 from __future__ import annotations
 
 import io
@@ -17,15 +18,35 @@ from nest_fx.apply.losses import lm_loss
 TOL = 1e-5
 BATCH, SEQ, STEPS, LR = 8, 16, 2, 0.5
 
-_COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-               pad_token_id=0)
+_COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=32,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
 CONFIGS = {
     "llama": dict(model_type="llama", **_COMMON),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_COMMON),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **_COMMON),
-    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
-                 eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_embd=32,
+        n_layer=4,
+        n_head=4,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
 }
 PLANS = {
     "TP2xDP2": dict(tp=2, dp=2, microbatch_size=4),
@@ -50,16 +71,19 @@ def save_tiny(family: str, directory: str, seed: int = 0) -> str:
 
 def _data():
     gen = torch.Generator().manual_seed(1234)
-    return [(torch.randint(0, 64, (BATCH, SEQ), generator=gen), torch.randint(0, 64, (BATCH, SEQ), generator=gen))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, 64, (BATCH, SEQ), generator=gen), torch.randint(0, 64, (BATCH, SEQ), generator=gen))
+        for _ in range(STEPS)
+    ]
 
 
 def _reference(directory: str):
     """Losses and trained parameters of the single-device run from ``from_pretrained``."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="sdpa"
+    )
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y in _data():
@@ -90,8 +114,16 @@ def _parallel(directory: str, plan_kwargs: dict, as_loaded: bool):
         model.config._attn_implementation = "sdpa"
     data = _data()
     graph = trace(model, (), {"input_ids": data[0][0]})
-    pm = auto_parallelize(model, {"input_ids": data[0][0]}, global_batch_size=BATCH, loss_fn=lm_loss, graph=graph,
-                          plan=uniform_plan(len(graph.blocks), **plan_kwargs), weights=directory, verbose=False)
+    pm = auto_parallelize(
+        model,
+        {"input_ids": data[0][0]},
+        global_batch_size=BATCH,
+        loss_fn=lm_loss,
+        graph=graph,
+        plan=uniform_plan(len(graph.blocks), **plan_kwargs),
+        weights=directory,
+        verbose=False,
+    )
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pm.parameters())
     meta_left = [n for n, p in pm.named_parameters() if p.device.type == "meta"]
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
@@ -110,8 +142,7 @@ def check_cell(tmp_path, family: str, plan: str, as_loaded: bool = False) -> Non
     directory = save_tiny(family, str(tmp_path / family))
     assert len([f for f in os.listdir(directory) if f.endswith(".safetensors")]) > 1  # several shards
     ref_losses, ref_params = _reference(directory)
-    results = [torch.load(io.BytesIO(r)) for r in launch(_parallel, 4, directory, PLANS[plan], as_loaded,
-                                                          timeout=400)]
+    results = [torch.load(io.BytesIO(r)) for r in launch(_parallel, 4, directory, PLANS[plan], as_loaded, timeout=400)]
     total = sum(p.numel() for p in ref_params.values())
     seen = set()
     for r in results:
@@ -125,6 +156,7 @@ def check_cell(tmp_path, family: str, plan: str, as_loaded: bool = False) -> Non
 
 
 # -- CI cells ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.hf
 @pytest.mark.dist
@@ -140,7 +172,9 @@ def test_mixtral_on_meta_ep2_from_per_expert_safetensors_matches_from_pretrained
 
 # -- the matrix (slow) ------------------------------------------------------------------------------
 
-MATRIX = [(f, p) for f in ("llama", "qwen2", "gpt2", "mixtral") for p in ("TP2xDP2", "PP2xDP2", "ZeRO3-DP4", "CP2xDP2-ZeRO3")]
+MATRIX = [
+    (f, p) for f in ("llama", "qwen2", "gpt2", "mixtral") for p in ("TP2xDP2", "PP2xDP2", "ZeRO3-DP4", "CP2xDP2-ZeRO3")
+]
 MATRIX += [("mixtral", "EP2xDP4"), ("gpt2", "TP2xDP2-ZeRO3"), ("qwen2", "TP2xDP2-ZeRO3")]
 
 
@@ -173,8 +207,14 @@ def _as_loaded(attn: str, return_dict: bool):
     inputs = {"input_ids": x, "return_dict": return_dict}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = auto_parallelize(model, inputs, global_batch_size=BATCH, loss_fn=lm_loss, verbose=False,
-                              plan=uniform_plan(6, tp=2, microbatch_size=BATCH))
+        pm = auto_parallelize(
+            model,
+            inputs,
+            global_batch_size=BATCH,
+            loss_fn=lm_loss,
+            verbose=False,
+            plan=uniform_plan(6, tp=2, microbatch_size=BATCH),
+        )
     told = [str(w.message) for w in caught if "use_cache" in str(w.message)]
     loss = float(pm.train_step(inputs, y))
     out = reference(input_ids=x, return_dict=return_dict, use_cache=False)

@@ -8,6 +8,7 @@ tied into one weight (the zoo GPT and HF GPT-2), which the first and the last st
 Each runs 3 SGD steps under a plan and on one device; losses of every step, full gradients of
 every step and parameters after the last step must agree within 1e-5 (``test_apply_parallel``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,18 +21,52 @@ LAUNCH_S = 150
 
 # 6 layers: PP2 cuts the chain [head, 6 layers, tail] after layer 2, so a stage whose layer list
 # restarted at 0 would swap the sliding and full layers of the second stage
-QWEN2_SLIDING = {"model_type": "qwen2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-                 "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "max_position_embeddings": 64, "use_sliding_window": True, "sliding_window": 6,
-                 "max_window_layers": 0, "layer_types": ["sliding_attention", "full_attention"] * 3,
-                 "tie_word_embeddings": False, "use_cache": False}
-GEMMA2_SOFTCAP = {"model_type": "gemma2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-                  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                  "max_position_embeddings": 64, "sliding_window": 6, "final_logit_softcapping": 2.0,
-                  "tie_word_embeddings": False, "use_cache": False, "attn_implementation": "eager"}
-GPT2_TIED = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 32,
-             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0,
-             "use_cache": False}
+QWEN2_SLIDING = {
+    "model_type": "qwen2",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "use_sliding_window": True,
+    "sliding_window": 6,
+    "max_window_layers": 0,
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "tie_word_embeddings": False,
+    "use_cache": False,
+}
+GEMMA2_SOFTCAP = {
+    "model_type": "gemma2",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "sliding_window": 6,
+    "final_logit_softcapping": 2.0,
+    "tie_word_embeddings": False,
+    "use_cache": False,
+    "attn_implementation": "eager",
+}
+GPT2_TIED = {
+    "model_type": "gpt2",
+    "vocab_size": 128,
+    "n_embd": 64,
+    "n_layer": 4,
+    "n_head": 4,
+    "n_positions": 32,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "use_cache": False,
+}
 ZOO_TIED = "gpt:hidden=64,layers=4,heads=4,seq=32,vocab=128,tie_embeddings=true"
 
 PP2_DP2 = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "1f1b"}
@@ -42,8 +77,7 @@ pytestmark = pytest.mark.dist
 
 
 def run(world: int, plan: dict, *, model: str = "", hf_config: dict = None, batch: int = 8, seq: int = 16):
-    spec = {"model": model or hf_config["model_type"], "plan": plan, "batch": batch, "seq": seq, "steps": 3,
-            "lr": 0.5}
+    spec = {"model": model or hf_config["model_type"], "plan": plan, "batch": batch, "seq": seq, "steps": 3, "lr": 0.5}
     if hf_config is not None:
         spec["hf_config"] = hf_config
     results = launch(equivalence, world, spec, timeout=LAUNCH_S)
@@ -64,8 +98,11 @@ def _stage_names(results, stage):
 @pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.timeout(LAUNCH_S + 30)
-@pytest.mark.parametrize("config, tied", [(QWEN2_SLIDING, ""), (GEMMA2_SOFTCAP, ""), (GPT2_TIED, "transformer.wte.weight")],
-                         ids=["qwen2-sliding-layers", "gemma2-softcap", "gpt2-tied"])
+@pytest.mark.parametrize(
+    "config, tied",
+    [(QWEN2_SLIDING, ""), (GEMMA2_SOFTCAP, ""), (GPT2_TIED, "transformer.wte.weight")],
+    ids=["qwen2-sliding-layers", "gemma2-softcap", "gpt2-tied"],
+)
 @pytest.mark.parametrize("world, plan", [(4, PP2_DP2), (2, PP2)], ids=["pp2_dp2", "pp2"])
 def test_hf_models(config, tied, world, plan):
     pytest.importorskip("transformers")
@@ -76,10 +113,14 @@ def test_hf_models(config, tied, world, plan):
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
-@pytest.mark.parametrize("world, plan", [
-    (4, {**PP2_DP2, "zero": 2}),  # FSDP: each rank sums its shard of the tied gradient with its twin's
-    (2, {**PP2, "schedule": "interleaved", "virtual_stages": 2}),  # the first and last of 4 chunks
-], ids=["pp2_dp2_zero2", "pp2_interleaved"])
+@pytest.mark.parametrize(
+    "world, plan",
+    [
+        (4, {**PP2_DP2, "zero": 2}),  # FSDP: each rank sums its shard of the tied gradient with its twin's
+        (2, {**PP2, "schedule": "interleaved", "virtual_stages": 2}),  # the first and last of 4 chunks
+    ],
+    ids=["pp2_dp2_zero2", "pp2_interleaved"],
+)
 def test_zoo_tied_embeddings(world, plan):
     results = run(world, plan, model=ZOO_TIED)
     assert "embed.tok.weight" in _stage_names(results, 0) & _stage_names(results, 1)
@@ -88,8 +129,7 @@ def test_zoo_tied_embeddings(world, plan):
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_zoo_tied_embeddings_pp2_tp2_sequence_parallel():
-    run(4, {"pp": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 4, "sequence_parallel": True},
-        model=ZOO_TIED)
+    run(4, {"pp": 2, "tp": 2, "microbatch_size": 2, "num_microbatches": 4, "sequence_parallel": True}, model=ZOO_TIED)
 
 
 def _train_and_save(path: str) -> bytes:
@@ -106,10 +146,12 @@ def _train_and_save(path: str) -> bytes:
 
     model, cfg = build_seeded(ZOO_TIED)
     gen = torch.Generator().manual_seed(5)
-    data = [(torch.randint(0, 128, (8, 16), generator=gen), torch.randint(0, 128, (8, 16), generator=gen))
-            for _ in range(2)]
-    pm = auto_parallelize(model, data[0][0], global_batch_size=8, loss_fn=lm_loss,
-                          plan=uniform_plan(cfg.layers + 2, **PP2), verbose=False)
+    data = [
+        (torch.randint(0, 128, (8, 16), generator=gen), torch.randint(0, 128, (8, 16), generator=gen)) for _ in range(2)
+    ]
+    pm = auto_parallelize(
+        model, data[0][0], global_batch_size=8, loss_fn=lm_loss, plan=uniform_plan(cfg.layers + 2, **PP2), verbose=False
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     for x, y in data:
         pm.train_step(x, y)

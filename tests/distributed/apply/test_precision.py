@@ -8,6 +8,7 @@ quantity) and ``m`` the number of bf16 roundings the plan may add where the sing
 rounds once (:func:`rounding_multiplicity`). ``fp32`` stays at 1e-5
 (tests/distributed/apply/test_apply_parallel.py and the rest of the suite).
 """
+
 from __future__ import annotations
 
 import glob
@@ -63,8 +64,10 @@ def run(world: int, cases: List[Dict]) -> List[List[Dict]]:
         m = rounding_multiplicity(plan, results[0]["num_microbatches"])
         worst = {k: max(r[k] for r in results) for k in QUANTITIES}
         tol = {k: (1 + m) * noise[q] for k, q in QUANTITIES.items()}
-        print(f"\n{case['model']} {case['plan']} {case['precision']} m={m}: "
-              + ", ".join(f"{k}={worst[k]:.2e} (tol {tol[k]:.2e})" for k in QUANTITIES))
+        print(
+            f"\n{case['model']} {case['plan']} {case['precision']} m={m}: "
+            + ", ".join(f"{k}={worst[k]:.2e} (tol {tol[k]:.2e})" for k in QUANTITIES)
+        )
         assert all(r["num_grads"] > 0 and r["num_params"] > 0 and len(r["losses"]) == 3 for r in results), case
         for k in QUANTITIES:
             assert worst[k] <= tol[k], (case, k, worst[k], tol[k], noise)
@@ -75,44 +78,74 @@ def run(world: int, cases: List[Dict]) -> List[List[Dict]]:
 
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_bf16_mixed_tp2_dp2_and_zero3_dp4():
-    run(4, [
-        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "microbatch_size": 2,
-                                                             "num_microbatches": 2}},
-        {"model": GPT, "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
-    ])
+    run(
+        4,
+        [
+            {
+                "model": LLAMA,
+                "precision": "bf16-mixed",
+                "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+            },
+            {"model": GPT, "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
+        ],
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_bf16_mixed_pp2_dp2_cp2_ep2():
-    run(4, [
-        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"pp": 2, "dp": 2, "microbatch_size": 1,
-                                                             "num_microbatches": 4}},
-        # tied embeddings on two stages
-        {"model": GPT + ",tie_embeddings=true", "precision": "bf16-mixed",
-         "plan": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}},
-        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"cp": 2, "dp": 2, "microbatch_size": 2,
-                                                             "num_microbatches": 2}},
-        {"model": MOE, "precision": "bf16-mixed", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
-        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "zero": 2, "microbatch_size": 2,
-                                                             "num_microbatches": 2, "recompute": "full"}},
-        # BatchNorm keeps fp32 parameters (its own FSDP2 unit) and normalises over the global batch
-        {"model": "cnn", "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
-        {"model": "cnn", "precision": "bf16-true", "plan": {"dp": 4, "microbatch_size": 2}},
-    ])
+    run(
+        4,
+        [
+            {
+                "model": LLAMA,
+                "precision": "bf16-mixed",
+                "plan": {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4},
+            },
+            # tied embeddings on two stages
+            {
+                "model": GPT + ",tie_embeddings=true",
+                "precision": "bf16-mixed",
+                "plan": {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+            },
+            {
+                "model": LLAMA,
+                "precision": "bf16-mixed",
+                "plan": {"cp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+            },
+            {"model": MOE, "precision": "bf16-mixed", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
+            {
+                "model": LLAMA,
+                "precision": "bf16-mixed",
+                "plan": {"tp": 2, "dp": 2, "zero": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "full"},
+            },
+            # BatchNorm keeps fp32 parameters (its own FSDP2 unit) and normalises over the global batch
+            {"model": "cnn", "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
+            {"model": "cnn", "precision": "bf16-true", "plan": {"dp": 4, "microbatch_size": 2}},
+        ],
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_bf16_true_every_plan():
-    run(4, [
-        {"model": GPT, "precision": "bf16-true", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
-        {"model": LLAMA, "precision": "bf16-true", "plan": {"tp": 2, "dp": 2, "microbatch_size": 2,
-                                                            "num_microbatches": 2}},
-        {"model": LLAMA, "precision": "bf16-true", "plan": {"pp": 2, "dp": 2, "microbatch_size": 1,
-                                                            "num_microbatches": 4}},
-        {"model": MOE, "precision": "bf16-true", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
-    ])
+    run(
+        4,
+        [
+            {"model": GPT, "precision": "bf16-true", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
+            {
+                "model": LLAMA,
+                "precision": "bf16-true",
+                "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+            },
+            {
+                "model": LLAMA,
+                "precision": "bf16-true",
+                "plan": {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4},
+            },
+            {"model": MOE, "precision": "bf16-true", "plan": {"dp": 4, "ep": 2, "microbatch_size": 2}},
+        ],
+    )
 
 
 def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) -> Dict:
@@ -130,13 +163,16 @@ def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) 
     def recording_loss(out, target):
         seen["loss input"].add(str(out.dtype))
         return loss_fn(out, target)
+
     pm.loss_fn = recording_loss
 
     def recording(collective):
         def call(tensor, *args, **kwargs):
             seen["reduced"].add(str(kwargs.get("input", tensor).dtype))
             return collective(tensor, *args, **kwargs)
+
         return call
+
     all_reduce, reduce_scatter = dist.all_reduce, dist.reduce_scatter_single
     if pm.grad_sync is not None:  # replicated: the gradient all-reduce, and only it
         sync = pm.grad_sync
@@ -147,9 +183,12 @@ def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) 
                 sync()
             finally:
                 dist.all_reduce = all_reduce
+
         pm.grad_sync = grad_sync
     dist.reduce_scatter_single = lambda output, input, *a, **k: (  # FSDP2: gradients only
-        seen["reduced"].add(str(input.dtype)), reduce_scatter(output=output, input=input, *a, **k))[1]
+        seen["reduced"].add(str(input.dtype)),
+        reduce_scatter(output=output, input=input, *a, **k),
+    )[1]
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     try:
         pm.train_step(x, x)
@@ -162,35 +201,54 @@ def _dtype_probe(model_name: str, plan_kwargs: Dict, precision: str, ckpt: str) 
     out["grads"] = sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None})
     out["states"] = sorted({str(v.dtype) for s in opt.state.values() for k, v in s.items() if k != "step"})
     # what a pipeline stage hands on (the schedule's metadata of its send buffers)
-    out["stage outputs"] = sorted({str(m.dtype) for s in pm.pipeline_stages if not s.is_last
-                                   for m in s._stage_meta.outputs})
+    out["stage outputs"] = sorted(
+        {str(m.dtype) for s in pm.pipeline_stages if not s.is_last for m in s._stage_meta.outputs}
+    )
     if not ckpt:
         return out
     pm.save(ckpt, opt)
     if dist.get_rank() == 0:
         step_dir = max(glob.glob(f"{ckpt}/*/"))
         meta = FileSystemReader(step_dir).read_metadata().state_dict_metadata
-        out["checkpoint"] = sorted({str(m.properties.dtype) for k, m in meta.items()
-                                    if hasattr(m, "properties") and m.properties.dtype.is_floating_point
-                                    and m.size != torch.Size([])})
+        out["checkpoint"] = sorted(
+            {
+                str(m.properties.dtype)
+                for k, m in meta.items()
+                if hasattr(m, "properties") and m.properties.dtype.is_floating_point and m.size != torch.Size([])
+            }
+        )
     return out
 
 
 EXPECTED = {
-    "bf16-mixed": {"forward weight": ["torch.bfloat16"], "forward output": ["torch.bfloat16"],
-                   "loss input": ["torch.float32"], "reduced": ["torch.float32"], "params": ["torch.float32"],
-                   "grads": ["torch.float32"], "states": ["torch.float32"]},
-    "bf16-true": {"forward weight": ["torch.bfloat16"], "forward output": ["torch.bfloat16"],
-                  "loss input": ["torch.float32"], "reduced": ["torch.bfloat16"], "params": ["torch.bfloat16"],
-                  "grads": ["torch.bfloat16"], "states": ["torch.bfloat16"]},
+    "bf16-mixed": {
+        "forward weight": ["torch.bfloat16"],
+        "forward output": ["torch.bfloat16"],
+        "loss input": ["torch.float32"],
+        "reduced": ["torch.float32"],
+        "params": ["torch.float32"],
+        "grads": ["torch.float32"],
+        "states": ["torch.float32"],
+    },
+    "bf16-true": {
+        "forward weight": ["torch.bfloat16"],
+        "forward output": ["torch.bfloat16"],
+        "loss input": ["torch.float32"],
+        "reduced": ["torch.bfloat16"],
+        "params": ["torch.bfloat16"],
+        "grads": ["torch.bfloat16"],
+        "states": ["torch.bfloat16"],
+    },
 }
 
 
 @pytest.mark.timeout(LAUNCH_S + 60)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-@pytest.mark.parametrize("plan", [{"dp": 4, "zero": 3, "microbatch_size": 2},
-                                  {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}],
-                         ids=["zero3-dp4", "tp2-dp2"])
+@pytest.mark.parametrize(
+    "plan",
+    [{"dp": 4, "zero": 3, "microbatch_size": 2}, {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2}],
+    ids=["zero3-dp4", "tp2-dp2"],
+)
 def test_dtypes_masters_states_and_gradient_reduction(tmp_path, plan, precision):
     results = launch(_dtype_probe, 4, GPT, plan, precision, str(tmp_path / "ckpt"), timeout=LAUNCH_S)
     for r in results:
@@ -203,8 +261,15 @@ def test_dtypes_masters_states_and_gradient_reduction(tmp_path, plan, precision)
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_pipeline_hands_on_bf16_activations():
-    results = launch(_dtype_probe, 4, GPT, {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
-                     "bf16-mixed", "", timeout=LAUNCH_S)
+    results = launch(
+        _dtype_probe,
+        4,
+        GPT,
+        {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},
+        "bf16-mixed",
+        "",
+        timeout=LAUNCH_S,
+    )
     expected = dict(EXPECTED["bf16-mixed"], **{"loss input": []})  # the schedule calls the loss, not pm.loss_fn
     for r in results:
         assert {k: r[k] for k in expected} == expected, r
@@ -217,21 +282,50 @@ def test_pipeline_hands_on_bf16_activations():
 def test_bf16_mixed_hf_llama():
     pytest.importorskip("transformers")
     hf_llama = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
-    run(4, [{"model": hf_llama, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "microbatch_size": 4}},
-            {"model": hf_llama, "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}}])
+    run(
+        4,
+        [
+            {"model": hf_llama, "precision": "bf16-mixed", "plan": {"tp": 2, "dp": 2, "microbatch_size": 4}},
+            {"model": hf_llama, "precision": "bf16-mixed", "plan": {"dp": 4, "zero": 3, "microbatch_size": 2}},
+        ],
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_bf16_mixed_loss_parallel_hsdp_interleaved_and_op_recompute():
-    run(4, [
-        {"model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127", "precision": "bf16-mixed",
-         "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "loss_parallel": True,
-                  "sequence_parallel": True}},
-        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"dp": 4, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
-                                                             "num_microbatches": 2}},
-        {"model": LLAMA, "precision": "bf16-mixed",
-         "plan": {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": 4, "schedule": "interleaved",
-                  "virtual_stages": 2}},
-        {"model": LLAMA, "precision": "bf16-mixed", "plan": {"dp": 4, "microbatch_size": 2, "recompute": "op"}},
-    ])
+    run(
+        4,
+        [
+            {
+                "model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
+                "precision": "bf16-mixed",
+                "plan": {
+                    "tp": 2,
+                    "dp": 2,
+                    "microbatch_size": 2,
+                    "num_microbatches": 2,
+                    "loss_parallel": True,
+                    "sequence_parallel": True,
+                },
+            },
+            {
+                "model": LLAMA,
+                "precision": "bf16-mixed",
+                "plan": {"dp": 4, "dp_shard": 2, "zero": 3, "microbatch_size": 1, "num_microbatches": 2},
+            },
+            {
+                "model": LLAMA,
+                "precision": "bf16-mixed",
+                "plan": {
+                    "pp": 2,
+                    "dp": 2,
+                    "microbatch_size": 1,
+                    "num_microbatches": 4,
+                    "schedule": "interleaved",
+                    "virtual_stages": 2,
+                },
+            },
+            {"model": LLAMA, "precision": "bf16-mixed", "plan": {"dp": 4, "microbatch_size": 2, "recompute": "op"}},
+        ],
+    )

@@ -3,6 +3,7 @@ HSDP (with TP, CP and EP), recompute policies and torch.compile. Each launch run
 the same ranks (one process group, one start-up) and compares every plan with the single-device
 run of the same weights and data: losses of all 3 SGD steps, full gradients of every step and
 the parameters after the last step within 1e-5 (``nest_fx.testing.equivalence``)."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def _equivalences(cases: List[Dict], compile_backend: Optional[str] = None) -> L
     return [equivalence({"batch": 8, "seq": 32, "steps": 3, "lr": 0.5, **case}) for case in cases]
 
 
-def run(world: int, cases: List[Dict], compile_backend: Optional[str] = None,
-        timeout: float = LAUNCH_S) -> List[List[Dict]]:
+def run(
+    world: int, cases: List[Dict], compile_backend: Optional[str] = None, timeout: float = LAUNCH_S
+) -> List[List[Dict]]:
     """Launch ``world`` ranks over ``cases``; assert parity for each; per case, the ranks' results."""
     per_rank = launch(_equivalences, world, cases, compile_backend, timeout=timeout)
     per_case = [[rank[k] for rank in per_rank] for k in range(len(cases))]
@@ -55,8 +57,10 @@ def test_two_ranks_cp_loss_parallel_and_recompute_policies():
         # learned positions (embed.pos) instead of rotary tables
         {"model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=128", "plan": {"cp": 2, "microbatch_size": 8}},
         # vocabulary not divisible by tp: shards of 64 and 63 rows
-        {"model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
-         "plan": {"tp": 2, "microbatch_size": 4, "num_microbatches": 2, "loss_parallel": True}},
+        {
+            "model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
+            "plan": {"tp": 2, "microbatch_size": 4, "num_microbatches": 2, "loss_parallel": True},
+        },
         {"model": LLAMA, "plan": {"dp": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "op"}},
         {"model": LLAMA, "plan": {"dp": 2, "microbatch_size": 4, "recompute": "op:matmuls"}},
         {"model": LLAMA, "plan": {"dp": 2, "microbatch_size": 4, "recompute": "op:attention"}},
@@ -79,28 +83,47 @@ def test_cp2_hf_llama():
 def test_hsdp_with_ep_on_hf_stacked_experts():
     """HSDP x EP where the experts are HF stacked-expert modules (DTensor on the ep dim)."""
     pytest.importorskip("transformers")
-    run(4, [{"model": "hf:mixtral", "seq": 16, "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 3,
-                                                         "microbatch_size": 2}},
-            {"model": "hf:qwen3_moe", "seq": 16, "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 2,
-                                                           "microbatch_size": 2}}])
+    run(
+        4,
+        [
+            {
+                "model": "hf:mixtral",
+                "seq": 16,
+                "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 2},
+            },
+            {
+                "model": "hf:qwen3_moe",
+                "seq": 16,
+                "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 2, "microbatch_size": 2},
+            },
+        ],
+    )
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
     cases = [
-        {"model": LLAMA, "plan": {"cp": 2, "tp": 2, "microbatch_size": 4, "num_microbatches": 2,
-                                  "sequence_parallel": True}},
+        {
+            "model": LLAMA,
+            "plan": {"cp": 2, "tp": 2, "microbatch_size": 4, "num_microbatches": 2, "sequence_parallel": True},
+        },
         {"model": LLAMA, "plan": {"cp": 2, "pp": 2, "microbatch_size": 2, "num_microbatches": 4}},
         {"model": LLAMA, "plan": {"cp": 2, "dp": 2, "zero": 3, "microbatch_size": 2, "num_microbatches": 2}},
-        {"model": MOE, "plan": {"cp": 2, "dp": 2, "ep": 2, "microbatch_size": 2, "num_microbatches": 2,
-                                "recompute": "op"}},
-        {"model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
-         "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "loss_parallel": True}},
+        {
+            "model": MOE,
+            "plan": {"cp": 2, "dp": 2, "ep": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "op"},
+        },
+        {
+            "model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
+            "plan": {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "loss_parallel": True},
+        },
         {"model": LLAMA, "plan": {"dp": 4, "dp_shard": 2, "zero": 2, "microbatch_size": 1, "num_microbatches": 2}},
         {"model": LLAMA, "plan": {"dp": 4, "dp_shard": 2, "zero": 3, "microbatch_size": 1, "num_microbatches": 2}},
         # HSDP x EP: experts on the (dp_replicate, edp_shard) mesh, here (2, 1): replicated, not scattered
-        {"model": MOE, "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
-                                "num_microbatches": 2}},
+        {
+            "model": MOE,
+            "plan": {"dp": 4, "ep": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1, "num_microbatches": 2},
+        },
     ]
     per_case = run(4, cases)
     for r in per_case[4]:  # loss parallel: the LM head is sharded by vocabulary
@@ -111,31 +134,84 @@ def test_four_ranks_cp_with_tp_pp_dp_ep_and_loss_parallel_and_hsdp():
 @pytest.mark.timeout(LAUNCH_S + 30)
 def test_four_ranks_ring_attention():
     """Ring CP with four ranks in the ring (two distinct neighbours), under TP with SP, and compiled."""
-    run(4, [
-        {"model": LLAMA, "plan": {"cp": 4, "cp_mode": "ring", "microbatch_size": 4, "num_microbatches": 2}},
-        {"model": LLAMA, "plan": {"cp": 2, "tp": 2, "cp_mode": "ring", "microbatch_size": 4, "num_microbatches": 2,
-                                  "sequence_parallel": True}},
-        {"model": LLAMA, "plan": {"cp": 2, "dp": 2, "zero": 3, "compile": True, "cp_mode": "ring",
-                                  "microbatch_size": 2, "num_microbatches": 2}},
-    ], compile_backend="aot_eager")
+    run(
+        4,
+        [
+            {"model": LLAMA, "plan": {"cp": 4, "cp_mode": "ring", "microbatch_size": 4, "num_microbatches": 2}},
+            {
+                "model": LLAMA,
+                "plan": {
+                    "cp": 2,
+                    "tp": 2,
+                    "cp_mode": "ring",
+                    "microbatch_size": 4,
+                    "num_microbatches": 2,
+                    "sequence_parallel": True,
+                },
+            },
+            {
+                "model": LLAMA,
+                "plan": {
+                    "cp": 2,
+                    "dp": 2,
+                    "zero": 3,
+                    "compile": True,
+                    "cp_mode": "ring",
+                    "microbatch_size": 2,
+                    "num_microbatches": 2,
+                },
+            },
+        ],
+        compile_backend="aot_eager",
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * LAUNCH_S + 30)
 def test_eight_ranks_hsdp_with_tp_and_with_cp_and_ep():
-    run(8, [
-        {"model": LLAMA2, "plan": {"dp": 4, "tp": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
-                                   "num_microbatches": 2}},
-        {"model": LLAMA2, "plan": {"dp": 4, "cp": 2, "dp_shard": 2, "zero": 2, "microbatch_size": 1,
-                                   "num_microbatches": 2}},
-        # HSDP x EP: experts sharded over edp_shard (2 replicas; with CP, x cp) and replicated across
-        {"model": MOE, "plan": {"dp": 8, "ep": 2, "dp_shard": 4, "zero": 3, "microbatch_size": 1,
-                                "num_microbatches": 1}},
-        {"model": MOE, "plan": {"dp": 4, "cp": 2, "ep": 2, "dp_shard": 2, "zero": 2, "microbatch_size": 1,
-                                "num_microbatches": 2}},
-        {"model": MOE, "plan": {"dp": 4, "tp": 2, "ep": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1,
-                                "num_microbatches": 2}},
-    ], timeout=2 * LAUNCH_S)
+    run(
+        8,
+        [
+            {
+                "model": LLAMA2,
+                "plan": {"dp": 4, "tp": 2, "dp_shard": 2, "zero": 3, "microbatch_size": 1, "num_microbatches": 2},
+            },
+            {
+                "model": LLAMA2,
+                "plan": {"dp": 4, "cp": 2, "dp_shard": 2, "zero": 2, "microbatch_size": 1, "num_microbatches": 2},
+            },
+            # HSDP x EP: experts sharded over edp_shard (2 replicas; with CP, x cp) and replicated across
+            {
+                "model": MOE,
+                "plan": {"dp": 8, "ep": 2, "dp_shard": 4, "zero": 3, "microbatch_size": 1, "num_microbatches": 1},
+            },
+            {
+                "model": MOE,
+                "plan": {
+                    "dp": 4,
+                    "cp": 2,
+                    "ep": 2,
+                    "dp_shard": 2,
+                    "zero": 2,
+                    "microbatch_size": 1,
+                    "num_microbatches": 2,
+                },
+            },
+            {
+                "model": MOE,
+                "plan": {
+                    "dp": 4,
+                    "tp": 2,
+                    "ep": 2,
+                    "dp_shard": 2,
+                    "zero": 3,
+                    "microbatch_size": 1,
+                    "num_microbatches": 2,
+                },
+            },
+        ],
+        timeout=2 * LAUNCH_S,
+    )
 
 
 @pytest.mark.slow
@@ -143,5 +219,8 @@ def test_eight_ranks_hsdp_with_tp_and_with_cp_and_ep():
 def test_compiled_blocks_under_fsdp_and_full_recompute():
     """plan.compile on two ranks; the graphs run through aot_eager here (inductor's C++ code
     generation is tested in one process: tests/unit/apply/test_loss_parallel.py)."""
-    run(2, [{"model": LLAMA2, "plan": {"dp": 2, "zero": 3, "compile": True, "microbatch_size": 4,
-                                       "recompute": "full"}}], compile_backend="aot_eager")
+    run(
+        2,
+        [{"model": LLAMA2, "plan": {"dp": 2, "zero": 3, "compile": True, "microbatch_size": 4, "recompute": "full"}}],
+        compile_backend="aot_eager",
+    )

@@ -5,6 +5,7 @@ single-device run), and the settings they do not run with refused before trainin
 One fast cell (zbv on a GPT with tied embeddings: the V layout puts the embedding and the LM head
 on pipeline rank 0, whose one tied parameter sums both uses) and the other schedules as `slow`.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,15 @@ pytestmark = pytest.mark.dist
 
 
 def _plan(schedule: str, pp: int, dp: int = 1, **extra) -> dict:
-    return {"pp": pp, "dp": dp, "microbatch_size": 1, "num_microbatches": 2 * pp, "schedule": schedule,
-            "virtual_stages": 2, **extra}
+    return {
+        "pp": pp,
+        "dp": dp,
+        "microbatch_size": 1,
+        "num_microbatches": 2 * pp,
+        "schedule": schedule,
+        "virtual_stages": 2,
+        **extra,
+    }
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)

@@ -3,6 +3,7 @@ detection and the support checks make of them (single process), and the rule of 
 suite on 4 gloo ranks: for every style model and every forced plan, the outcome is parity with one
 device or a refusal before the first collective (a representative subset here; every cell under
 ``-m slow``; the table: ``scripts/bench_coverage.py --suite styles``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -58,8 +59,9 @@ def test_tp_refuses_a_region_whose_own_code_fails_on_one_ranks_shard():
     assert "tp=2 cannot shard transformer.h.0.attn (GPTAttention)" in problem
     assert "x.size()" in problem and "fix:" in problem
     with pytest.raises(checks.ApplyError, match="cannot shard transformer.h.0.attn"):
-        checks.run_all(uniform_plan(len(graph.blocks), tp=2, dp=2, microbatch_size=4), model, graph, WORLD, BATCH,
-                       model_loss=True)
+        checks.run_all(
+            uniform_plan(len(graph.blocks), tp=2, dp=2, microbatch_size=4), model, graph, WORLD, BATCH, model_loss=True
+        )
     views, _, views_graph = _traced("nanogpt-views")
     assert parallel_support(views, views_graph).tp_problem(2) == ""
     layout = views_graph.pattern_of(views_graph.layer_blocks[0])
@@ -202,16 +204,19 @@ def _check_cell(name: str, plan_name: str) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.timeout(4 * LAUNCH_S)
-@pytest.mark.parametrize("name,plan_name,status", [
-    ("nanogpt", "planner", "ok"),  # its own loss from forward(idx, targets)
-    ("nanogpt", "PP2xDP2", "ok"),  # its own loss on the last stage, the targets among every stage's inputs
-    ("nanogpt", "TP2xDP2", "refused"),  # crashed in training before: refused by the TP rehearsal
-    ("nanogpt-views", "TP2xDP2", "ok"),  # split(n_embd) sharded by heads
-    ("meta-llama", "TP2xDP2", "ok"),  # complex RoPE
-    ("tv-cnn", "PP2xDP2", "ok"),  # features[i] stages, the stem as the head
-    ("timm-vit-views", "TP2xDP2", "ok"),  # reshape(B, N, 3, H, hd).permute(...).unbind(0) sharded by heads
-    ("timm-vit", "PP2xDP2", "ok"),  # cls_token and pos_embed on the first stage
-])
+@pytest.mark.parametrize(
+    "name,plan_name,status",
+    [
+        ("nanogpt", "planner", "ok"),  # its own loss from forward(idx, targets)
+        ("nanogpt", "PP2xDP2", "ok"),  # its own loss on the last stage, the targets among every stage's inputs
+        ("nanogpt", "TP2xDP2", "refused"),  # crashed in training before: refused by the TP rehearsal
+        ("nanogpt-views", "TP2xDP2", "ok"),  # split(n_embd) sharded by heads
+        ("meta-llama", "TP2xDP2", "ok"),  # complex RoPE
+        ("tv-cnn", "PP2xDP2", "ok"),  # features[i] stages, the stem as the head
+        ("timm-vit-views", "TP2xDP2", "ok"),  # reshape(B, N, 3, H, hd).permute(...).unbind(0) sharded by heads
+        ("timm-vit", "PP2xDP2", "ok"),  # cls_token and pos_embed on the first stage
+    ],
+)
 def test_style_cells(name, plan_name, status):
     assert _check_cell(name, plan_name)["status"] == status
 

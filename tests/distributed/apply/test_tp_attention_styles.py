@@ -10,6 +10,7 @@ tables refused when used beyond their heads' lookup. On gloo ranks: TP2xDP2 pari
 runtime shards exactly those the cost model prices as sharded, and a TP2 checkpoint in torch's
 layout.
 """
+
 from __future__ import annotations
 
 import copy
@@ -134,22 +135,29 @@ class _Custom(nn.Module):
     def __init__(self, reads_weights: bool = False, kdim: int = 16):
         super().__init__()
         self.reads_weights, self.kdim = reads_weights, kdim
-        self.layers = nn.ModuleList(nn.ModuleDict({"attn": nn.MultiheadAttention(16, 4, kdim=kdim, vdim=kdim,
-                                                                                  batch_first=True),
-                                                   "fc1": nn.Linear(16, 32), "fc2": nn.Linear(32, 16)})
-                                    for _ in range(2))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "attn": nn.MultiheadAttention(16, 4, kdim=kdim, vdim=kdim, batch_first=True),
+                    "fc1": nn.Linear(16, 32),
+                    "fc2": nn.Linear(32, 16),
+                }
+            )
+            for _ in range(2)
+        )
 
     def forward(self, x):
         for layer in self.layers:
-            memory = x[..., :self.kdim]
+            memory = x[..., : self.kdim]
             out, weights = layer["attn"](x, memory, memory)  # need_weights=True, torch's default
             x = x + out + (weights.mean() if self.reads_weights else 0)
             x = x + layer["fc2"](torch.relu(layer["fc1"](x)))
         return x
 
 
-@pytest.mark.parametrize("reads_weights,kdim,why", [(True, 16, "need_weights=False"), (False, 8, "kdim/vdim"),
-                                                    (False, 16, "")])
+@pytest.mark.parametrize(
+    "reads_weights,kdim,why", [(True, 16, "need_weights=False"), (False, 8, "kdim/vdim"), (False, 16, "")]
+)
 def test_multihead_attention_it_cannot_shard_stays_whole_reported_and_priced_whole(reads_weights, kdim, why):
     """A call whose attention weights the model reads (the default ``need_weights=True``, used), or
     with keys and values of their own width, stays whole on every rank: named with the reason, and
@@ -184,7 +192,9 @@ def test_swin_bias_table_is_sharded_with_the_heads():
     assert parallel_support(model, graph).tp_problem(2) == ""
     assert "does not divide" in parallel_support(model, graph).tp_problem(4)  # the first stage has 2 heads
     facts = dict(zip(block.nodes, block_facts(graph, block).nodes))
-    lookup = [n for n in block.nodes if (graph.graph.nodes[n].get("input_params") or [None])[0] == block.fqn(table.name)]
+    lookup = [
+        n for n in block.nodes if (graph.graph.nodes[n].get("input_params") or [None])[0] == block.fqn(table.name)
+    ]
     assert lookup and all(facts[n].tp for n in lookup)  # the gather of the table and its views
     assert facts[lookup[0]].tp_params == model.get_parameter(block.fqn(table.name)).numel()
     original, graph = _traced("swin")
@@ -200,11 +210,14 @@ def _priced_sharded(name: str) -> float:
 
 @pytest.mark.dist
 @pytest.mark.timeout(2 * LAUNCH_S)
-@pytest.mark.parametrize("name,sharded,recompute", [
-    ("tv-vit", "encoder.layers.encoder_layer_1.self_attention.in_proj_weight", False),
-    ("swin-views", "layers.1.blocks.1.attn.relative_position_bias_table", False),
-    ("swin-views", "layers.0.blocks.0.attn.relative_position_bias_table", True),
-])
+@pytest.mark.parametrize(
+    "name,sharded,recompute",
+    [
+        ("tv-vit", "encoder.layers.encoder_layer_1.self_attention.in_proj_weight", False),
+        ("swin-views", "layers.1.blocks.1.attn.relative_position_bias_table", False),
+        ("swin-views", "layers.0.blocks.0.attn.relative_position_bias_table", True),
+    ],
+)
 def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded, recompute):
     """TP2xDP2 on 4 gloo ranks: loss, gradients and parameters equal one device's, the attention is
     sharded, and the parameters the runtime shards are, to the element, those the cost model
@@ -216,8 +229,11 @@ def test_tp2_dp2_parity_and_the_priced_shards_are_the_run_ones(name, sharded, re
     spec = style_spec(name, plan, batch=BATCH)
     ranks = launch(equivalence, WORLD, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_excess", "param_excess")}
-    print(name, {k: f"{v:.1e}" for k, v in worst.items()},
-          f"grad_diff={max(r['grad_diff'] for r in ranks):.1e} param_diff={max(r['param_diff'] for r in ranks):.1e}")
+    print(
+        name,
+        {k: f"{v:.1e}" for k, v in worst.items()},
+        f"grad_diff={max(r['grad_diff'] for r in ranks):.1e} param_diff={max(r['param_diff'] for r in ranks):.1e}",
+    )
     assert all(v < TOL for v in worst.values()), worst
     run = set(ranks[0]["sharded"])
     assert sharded in run
@@ -269,12 +285,21 @@ def build_causal_lm(seed: int = 0):
 def test_sequence_first_masked_multihead_attention_tp2_dp2_parity():
     """A sequence-first ``nn.MultiheadAttention`` under a boolean causal mask, its weights returned
     and unread: sharded by heads, at parity with one device on 4 gloo ranks (TP2xDP2)."""
-    spec = {"model": "causal-mha", "build": build_causal_lm, "plan": COVERAGE_PLANS["TP2xDP2"], "batch": BATCH,
-            "seq": 16, "steps": 3, "lr": 0.5}
+    spec = {
+        "model": "causal-mha",
+        "build": build_causal_lm,
+        "plan": COVERAGE_PLANS["TP2xDP2"],
+        "batch": BATCH,
+        "seq": 16,
+        "steps": 3,
+        "lr": 0.5,
+    }
     ranks = launch(equivalence, WORLD, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_excess", "param_excess")}
-    print({k: f"{v:.1e}" for k, v in worst.items()},
-          f"grad_diff={max(r['grad_diff'] for r in ranks):.1e} param_diff={max(r['param_diff'] for r in ranks):.1e}")
+    print(
+        {k: f"{v:.1e}" for k, v in worst.items()},
+        f"grad_diff={max(r['grad_diff'] for r in ranks):.1e} param_diff={max(r['param_diff'] for r in ranks):.1e}",
+    )
     assert all(v < TOL for v in worst.values()), worst
     assert "layers.1.attn.in_proj_weight" in ranks[0]["sharded"]
     assert ranks[0]["plan"]["stages"][0]["tp"] == 2
@@ -309,10 +334,13 @@ class _Windows(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("layer,says", [
-    (lambda: _TableRegularised(16, 4, 2, local_views=True), "also used by op 'sum'"),
-    (_TableReadByParent, "is read outside the forward of its module 'layers.0.attn'"),
-])
+@pytest.mark.parametrize(
+    "layer,says",
+    [
+        (lambda: _TableRegularised(16, 4, 2, local_views=True), "also used by op 'sum'"),
+        (_TableReadByParent, "is read outside the forward of its module 'layers.0.attn'"),
+    ],
+)
 def test_a_bias_table_used_beyond_its_heads_lookup_is_refused(layer, says):
     """A per-head table is sharded only when all its uses carry its heads to the pair, inside its
     own module's forward (where the runtime swaps in the shard): otherwise tp is refused, naming it."""
@@ -329,8 +357,14 @@ def _save_tv_vit_tp2(path: str):
     layout (``full_tensors``), as bytes."""
     model, _ = build_style("tv-vit", seed=1)
     x, y = image_data(torch.Generator().manual_seed(0), 4)
-    pm = auto_parallelize(model, x, global_batch_size=4, loss_fn=nn.functional.cross_entropy, verbose=False,
-                          plan=uniform_plan(4, tp=2, microbatch_size=4))
+    pm = auto_parallelize(
+        model,
+        x,
+        global_batch_size=4,
+        loss_fn=nn.functional.cross_entropy,
+        verbose=False,
+        plan=uniform_plan(4, tp=2, microbatch_size=4),
+    )
     opt = torch.optim.SGD(pm.parameters(), lr=0.5)
     pm.train_step(x, y)
     opt.step()
@@ -352,8 +386,10 @@ def test_a_head_sharded_multihead_attention_checkpoints_in_the_models_layout(tmp
     loaded = dict(model.named_parameters())
     assert sorted(run) == sorted(loaded)
     assert not [k for k in run if not torch.equal(run[k], loaded[k].detach())]
-    assert not torch.equal(run["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"],
-                           build_style("tv-vit", seed=1)[0].encoder.layers.encoder_layer_0.self_attention.in_proj_weight)
+    assert not torch.equal(
+        run["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"],
+        build_style("tv-vit", seed=1)[0].encoder.layers.encoder_layer_0.self_attention.in_proj_weight,
+    )
 
 
 class _FunctionalProjections(nn.Module):
@@ -392,9 +428,14 @@ def test_the_setup_names_attention_left_whole_with_its_reason(reads_weights):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pm = auto_parallelize(_Custom(reads_weights), torch.randn(4, 6, 16), global_batch_size=4,
-                                  loss_fn=lambda out, _: out.mean(), verbose=False,
-                                  plan=uniform_plan(4, tp=2, dp=2, microbatch_size=2))
+            pm = auto_parallelize(
+                _Custom(reads_weights),
+                torch.randn(4, 6, 16),
+                global_batch_size=4,
+                loss_fn=lambda out, _: out.mean(),
+                verbose=False,
+                plan=uniform_plan(4, tp=2, dp=2, microbatch_size=2),
+            )
     finally:
         dist.destroy_process_group()
     said = [str(w.message) for w in caught if "runs whole on every TP rank" in str(w.message)]

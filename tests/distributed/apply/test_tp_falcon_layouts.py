@@ -3,6 +3,7 @@ the classic layout (``[heads, 3, head_dim]``) and the new decoder architecture w
 divisible by tp run at parity (the latter in tests/distributed/apply/test_tp_layouts_dist.py); the multi-query layout
 (one key/value head sliced off the heads dim, ``qkv[..., :-2, :]``) and a single key/value group are
 refused before training, naming the module, the reason and the fix."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,10 @@ def _tp2_problem(name: str) -> str:
 def test_multi_query_falcon_is_refused_naming_the_module_the_layout_and_the_fix():
     problem = _tp2_problem("hf:falcon")  # multi_query=True: 4 query heads, one key and one value head
     assert problem.startswith("tp=2 cannot shard transformer.h.0: attention pair ['self_attention.query_key_value']")
-    assert ("op 'slice' in module 'transformer.h.0.self_attention' slices the sharded heads: it takes 4 of the 6 heads "
-            "a fused projection is viewed as") in problem
+    assert (
+        "op 'slice' in module 'transformer.h.0.self_attention' slices the sharded heads: it takes 4 of the 6 heads "
+        "a fused projection is viewed as"
+    ) in problem
     assert "this one has a single group every rank would need" in problem
     assert "new_decoder_architecture with num_kv_heads divisible by tp runs" in problem
     assert problem.endswith("fix: use tp=1 for this model")
@@ -51,8 +54,14 @@ def _many(specs):
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_classic_falcon_tp2_dp2_equals_one_device():
     pytest.importorskip("transformers")
-    spec = {"model": "hf:falcon:multi_query=False", "plan": {"tp": 2, "dp": 2, "microbatch_size": 4}, "batch": 8,
-            "seq": 16, "steps": 3, "lr": 0.5}
+    spec = {
+        "model": "hf:falcon:multi_query=False",
+        "plan": {"tp": 2, "dp": 2, "microbatch_size": 4},
+        "batch": 8,
+        "seq": 16,
+        "steps": 3,
+        "lr": 0.5,
+    }
     ranks = [r[0] for r in launch(_many, 4, [spec], timeout=LAUNCH_S)]
     worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_diff", "param_diff")}
     print(worst)

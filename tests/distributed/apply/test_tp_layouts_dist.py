@@ -6,6 +6,7 @@ launch); a fused projection sharded by heads checkpoints in the model's own layo
 draw the same dropout masks outside the regions. What the tracer finds in these models and what
 the runtime refuses are tested in one process in tests/unit/graph/test_tp_layouts.py.
 """
+
 from __future__ import annotations
 
 import io
@@ -71,8 +72,12 @@ def test_tp2_dp2_sequence_parallel_and_zero1_recompute_on_four_ranks():
     pytest.importorskip("transformers")
     sp = {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "sequence_parallel": True}
     zero = {"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "zero": 1, "recompute": "full"}
-    specs = [_spec("gpt2", sp, build=hf_builder("gpt2")), _spec("bloom", sp, build=hf_builder("bloom")),
-             _spec("phi3", zero, build=hf_builder("phi3")), _spec("qwen3_moe", zero, build=hf_builder("qwen3_moe"))]
+    specs = [
+        _spec("gpt2", sp, build=hf_builder("gpt2")),
+        _spec("bloom", sp, build=hf_builder("bloom")),
+        _spec("phi3", zero, build=hf_builder("phi3")),
+        _spec("qwen3_moe", zero, build=hf_builder("qwen3_moe")),
+    ]
     _check(launch(_many, 4, specs, timeout=LAUNCH_S), ["gpt2 sp", "bloom sp", "phi3 zero1", "qwen3_moe zero1"])
 
 
@@ -81,8 +86,10 @@ def test_tp2_dp2_sequence_parallel_and_zero1_recompute_on_four_ranks():
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_pipelines_of_sequential_models():
     pp = {"pp": 2, "microbatch_size": 2, "num_microbatches": 4, "schedule": "1f1b"}
-    specs = [_spec("seq-mlp", dict(pp, num_layers=4), build=build_mlp, data=mlp_data, loss=class_loss),
-             _spec("seq-cnn", dict(pp, num_layers=6), build=build_cnn, data=image_data, loss=class_loss)]
+    specs = [
+        _spec("seq-mlp", dict(pp, num_layers=4), build=build_mlp, data=mlp_data, loss=class_loss),
+        _spec("seq-cnn", dict(pp, num_layers=6), build=build_cnn, data=image_data, loss=class_loss),
+    ]
     mlp, cnn = _check(launch(_many, 2, specs, timeout=LAUNCH_S), ["seq-mlp pp2", "seq-cnn pp2"])
     assert [r["stage"] for r in cnn] == [0, 1]
 
@@ -98,8 +105,14 @@ def _fused_checkpoint(spec):
 
     model, cfg = build_hf("phi3", seed=1)
     tokens = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    pm = auto_parallelize(model, tokens, global_batch_size=4, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(4, tp=2, microbatch_size=4))
+    pm = auto_parallelize(
+        model,
+        tokens,
+        global_batch_size=4,
+        loss_fn=lm_loss,
+        verbose=False,
+        plan=uniform_plan(4, tp=2, microbatch_size=4),
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     if spec.get("load"):
         pm.load(spec["load"], opt)
@@ -119,8 +132,11 @@ def _fused_checkpoint(spec):
 
 
 def _plain_state(model, opt):
-    return {f"{n}.{k}": t.detach().clone() for n, p in model.named_parameters()
-            for k, t in [("param", p)] + list(opt.state[p].items())}
+    return {
+        f"{n}.{k}": t.detach().clone()
+        for n, p in model.named_parameters()
+        for k, t in [("param", p)] + list(opt.state[p].items())
+    }
 
 
 @pytest.mark.hf
@@ -162,12 +178,19 @@ def _dropout_replicas(_):
     from nest_fx.plan import uniform_plan
 
     torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=64,
-                                             use_cache=False))
+    model = tf.GPT2LMHeadModel(
+        tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=64, use_cache=False)
+    )
     tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(100 + int(os.environ["RANK"]))
-    pm = auto_parallelize(model, tokens, global_batch_size=4, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(4, tp=2, microbatch_size=4))
+    pm = auto_parallelize(
+        model,
+        tokens,
+        global_batch_size=4,
+        loss_fn=lm_loss,
+        verbose=False,
+        plan=uniform_plan(4, tp=2, microbatch_size=4),
+    )
     opt = torch.optim.SGD(pm.parameters(), lr=0.5)
     for _ in range(2):
         pm.train_step(tokens, tokens)

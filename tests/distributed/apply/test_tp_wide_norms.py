@@ -3,6 +3,7 @@ on the whole projected query, before the heads are viewed): the tracer finds the
 (``graph.tp_wide_norms``), the runtime shards their weights like the projection and all-reduces
 their statistic (``apply.tp_wide_norm``), the cost model prices that all-reduce, and the parallel
 runs equal the single-device runs on 4 gloo ranks."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -65,8 +66,15 @@ class NormedBlock(nn.Module):
 
 
 class NormedLM(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2, functional: bool = False,
-                 affine: bool = True):
+    def __init__(
+        self,
+        vocab: int = 128,
+        dim: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        functional: bool = False,
+        affine: bool = True,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(NormedBlock(dim, heads, functional, affine) for _ in range(layers))
@@ -114,9 +122,13 @@ class MeanRMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(variance + 1e-6).unsqueeze(-1))
 
 
-NORMS = {"nn.LayerNorm": lambda: nn.LayerNorm(64), "nn.RMSNorm": lambda: nn.RMSNorm(64),
-         "nn.RMSNorm without weight": lambda: nn.RMSNorm(64, elementwise_affine=False),
-         "torch.layer_norm": lambda: TorchLayerNorm(64), "hand-written mean": lambda: MeanRMSNorm(64)}
+NORMS = {
+    "nn.LayerNorm": lambda: nn.LayerNorm(64),
+    "nn.RMSNorm": lambda: nn.RMSNorm(64),
+    "nn.RMSNorm without weight": lambda: nn.RMSNorm(64, elementwise_affine=False),
+    "torch.layer_norm": lambda: TorchLayerNorm(64),
+    "hand-written mean": lambda: MeanRMSNorm(64),
+}
 
 
 def _norm_parity(_):
@@ -136,14 +148,16 @@ def _norm_parity(_):
         x = torch.randn(2, 8, 64, requires_grad=True)
         probe = torch.randn(2, 8, 64)
         (whole(x) * probe).sum().backward()
-        local = parallelize_module(copy.deepcopy(whole), mesh,
-                                   WholeWidthNorm({n: TPParam(name=n, dim=0) for n, _ in whole.named_parameters()}))
+        local = parallelize_module(
+            copy.deepcopy(whole), mesh, WholeWidthNorm({n: TPParam(name=n, dim=0) for n, _ in whole.named_parameters()})
+        )
         xl = x.detach()[..., own].clone().requires_grad_()
         y = local(xl)
         (y * probe[..., own]).sum().backward()
         diffs = [(y - whole(x)[..., own]).abs().max(), (xl.grad - x.grad[..., own]).abs().max()]
-        diffs += [(p.grad.to_local() - whole.get_parameter(n).grad[own]).abs().max()
-                  for n, p in local.named_parameters()]
+        diffs += [
+            (p.grad.to_local() - whole.get_parameter(n).grad[own]).abs().max() for n, p in local.named_parameters()
+        ]
         out[name] = float(max(diffs))
     return out
 
@@ -190,7 +204,9 @@ def test_torch_norm_modules_over_the_whole_projection_are_sharded():
     # without a weight to shard, the norm's own normalized_shape is localised all the same
     model, graph = _traced(functools.partial(build_normed, affine=False))
     attn = next(p for p in graph.pattern_of(graph.layer_blocks[0]).tp_pairs if p.kind == "attention")
-    assert attn.wide_norms == ["attn.k_norm", "attn.q_norm"] and "attn.q_norm.weight" not in {p.name for p in attn.params}
+    assert attn.wide_norms == ["attn.k_norm", "attn.q_norm"] and "attn.q_norm.weight" not in {
+        p.name for p in attn.params
+    }
     assert may_run(model, graph).degree_problem("tp", 2) == ""
 
 
@@ -221,8 +237,10 @@ def test_the_cost_model_prices_the_statistic_all_reduces():
     assert not olmo.cost(1, tp=1).comms
     assert not [c for c in qwen.cost(1, tp=2).comms if c.nbytes == tokens * 4]
     # priced: the TP layer costs more communication than the same layer without the norms' statistics
-    assert sum(c.nbytes * c.count for c in olmo.cost(1, tp=2).comms) == \
-        sum(c.nbytes * c.count for c in qwen.cost(1, tp=2).comms) + 4 * tokens * 4
+    assert (
+        sum(c.nbytes * c.count for c in olmo.cost(1, tp=2).comms)
+        == sum(c.nbytes * c.count for c in qwen.cost(1, tp=2).comms) + 4 * tokens * 4
+    )
 
 
 def _many(specs):
@@ -270,9 +288,15 @@ def test_tp2_dp2_with_whole_width_norms_equals_one_device():
 def test_sequence_parallel_moe_and_zero3_with_whole_width_norms():
     pytest.importorskip("transformers")
     sp = dict(TP2_DP2, sequence_parallel=True)
-    _check([_spec("hf:olmo2", sp), _spec("hf:olmoe", TP2_DP2), _spec("normed", sp, build=build_normed),
+    _check(
+        [
+            _spec("hf:olmo2", sp),
+            _spec("hf:olmoe", TP2_DP2),
+            _spec("normed", sp, build=build_normed),
             _spec("normed, no q_norm weight", TP2_DP2, build=functools.partial(build_normed, affine=False)),
-            _spec(OLMO2_GQA, dict(TP2_DP2, zero=3, recompute="full"))])
+            _spec(OLMO2_GQA, dict(TP2_DP2, zero=3, recompute="full")),
+        ]
+    )
 
 
 @pytest.mark.hf
@@ -284,5 +308,4 @@ def test_compiled_blocks_with_whole_width_norms(monkeypatch):
     whose norms gather their statistic inside a torch-function mode."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("NEST_FX_COMPILE_BACKEND", "aot_eager")
-    _check([_spec(OLMO2_GQA, {"tp": 2, "compile": True, "microbatch_size": 8, "sequence_parallel": True})],
-           world=2)
+    _check([_spec(OLMO2_GQA, {"tp": 2, "compile": True, "microbatch_size": 8, "sequence_parallel": True})], world=2)

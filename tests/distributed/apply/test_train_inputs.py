@@ -1,5 +1,6 @@
 """train_step takes what the model takes; the model's own loss; BatchNorm under data parallelism
 (single process: one-rank runs, the checks and the planner's choices)."""
+
 from __future__ import annotations
 
 import copy
@@ -39,10 +40,13 @@ def test_dict_inputs_and_the_models_own_loss_on_one_rank(single_rank):
     model.eval()  # no dropout: the same numbers in both copies
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
-    batch = {name: torch.randint(0, cfg.vocab_size, (4, 8), generator=gen)
-             for name in ("input_ids", "decoder_input_ids", "labels")}
-    pm = auto_parallelize(model, batch, global_batch_size=4, plan=uniform_plan(4, microbatch_size=2,
-                                                                               num_microbatches=2), verbose=False)
+    batch = {
+        name: torch.randint(0, cfg.vocab_size, (4, 8), generator=gen)
+        for name in ("input_ids", "decoder_input_ids", "labels")
+    }
+    pm = auto_parallelize(
+        model, batch, global_batch_size=4, plan=uniform_plan(4, microbatch_size=2, num_microbatches=2), verbose=False
+    )
     loss = pm.train_step(batch)
     ref = reference(**batch).loss
     ref.backward()
@@ -91,8 +95,14 @@ def test_batchnorm_with_several_microbatches_is_refused_and_not_planned():
     graph = trace(model, (torch.randn(8, 3, 8, 8),))
     with pytest.raises(ApplyError, match=r"BatchNorm layers \(1, 4\) normalise with the statistics.*2 microbatches"):
         checks.run_all(uniform_plan(len(graph.blocks), dp=2, microbatch_size=2, num_microbatches=2), model, graph, 2, 8)
-    checks.run_all(uniform_plan(len(graph.blocks), dp=2, microbatch_size=2, num_microbatches=2), model, graph, 2, 8,
-                   batch_statistics=False)  # sync_batchnorm=False accepts per-microbatch statistics
+    checks.run_all(
+        uniform_plan(len(graph.blocks), dp=2, microbatch_size=2, num_microbatches=2),
+        model,
+        graph,
+        2,
+        8,
+        batch_statistics=False,
+    )  # sync_batchnorm=False accepts per-microbatch statistics
     plan = planner_for(model)(graph, Cluster.preset("cpu-gloo", 4), 4, 8)
     assert plan.num_microbatches == 1 and plan.pp == 1 and plan.dp * plan.microbatch_size == 8
 
@@ -103,12 +113,22 @@ def _batchnorm_run(sync: bool) -> bytes:
     y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = auto_parallelize(model, x, global_batch_size=8, loss_fn=F.cross_entropy, sync_batchnorm=sync,
-                              plan=uniform_plan(len(trace(model, (x,)).blocks), dp=2, microbatch_size=4),
-                              verbose=False)
+        pm = auto_parallelize(
+            model,
+            x,
+            global_batch_size=8,
+            loss_fn=F.cross_entropy,
+            sync_batchnorm=sync,
+            plan=uniform_plan(len(trace(model, (x,)).blocks), dp=2, microbatch_size=4),
+            verbose=False,
+        )
     loss = pm.train_step(x, y)
-    out = {"loss": float(loss), "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
-           "running_mean": dict(pm.named_buffers())["1.running_mean"].clone(), "kind": type(pm.module[1]).__name__}
+    out = {
+        "loss": float(loss),
+        "warnings": [str(w.message) for w in caught if "BatchNorm" in str(w.message)],
+        "running_mean": dict(pm.named_buffers())["1.running_mean"].clone(),
+        "kind": type(pm.module[1]).__name__,
+    }
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -129,8 +149,10 @@ def test_batchnorm_statistics_over_the_data_parallel_batch_or_per_replica_with_a
         assert not r["warnings"]
     assert abs(local[0]["loss"] - float(ref_loss)) > 1e-6  # per-replica statistics: another number
     assert not torch.equal(local[0]["running_mean"], local[1]["running_mean"])
-    assert "sync_batchnorm=False: BatchNorm layers ['1', '4'] normalise each microbatch of 4 samples on its own " \
-           "replica" in local[0]["warnings"][0]
+    assert (
+        "sync_batchnorm=False: BatchNorm layers ['1', '4'] normalise each microbatch of 4 samples on its own "
+        "replica" in local[0]["warnings"][0]
+    )
 
 
 class _DictNet(torch.nn.Module):
@@ -155,8 +177,9 @@ def test_dict_outputs_with_the_models_loss_or_a_loss_fn(single_rank):
     reference = copy.deepcopy(model)
     tokens, scale = torch.randint(0, 16, (4, 5)), torch.rand(4, 5, 1)
     inputs = {"tokens": tokens, "scale": scale, "labels": tokens}
-    pm = auto_parallelize(model, inputs, global_batch_size=4, verbose=False,
-                          plan=uniform_plan(1, microbatch_size=2, num_microbatches=2))
+    pm = auto_parallelize(
+        model, inputs, global_batch_size=4, verbose=False, plan=uniform_plan(1, microbatch_size=2, num_microbatches=2)
+    )
     loss = pm.train_step(inputs)
     ref = reference(**inputs)["loss"]
     assert abs(float(loss) - float(ref.detach())) < 1e-6

@@ -3,6 +3,7 @@ sliding windows, hybrid Mamba-2 / attention stacks, gated and ungated MLPs, voca
 
 Parameter counts from ``models.counts`` against published totals and the built modules; the new
 layers against naive references; the cost model's sliding-window attention share."""
+
 from __future__ import annotations
 
 import math
@@ -53,12 +54,22 @@ def test_nemotron_h_matches_transformers_implementation():
     """The Mamba-2 formula against transformers' own NemotronH model with the same pattern (meta)."""
     tf = pytest.importorskip("transformers")
     cfg = NAMED_CONFIGS["nemotron-h-8b"]
-    hf_cfg = tf.NemotronHConfig(hybrid_override_pattern=cfg.layer_pattern, num_hidden_layers=cfg.layers,
-                                hidden_size=cfg.hidden, vocab_size=cfg.vocab_size, intermediate_size=cfg.ffn_hidden,
-                                mamba_num_heads=cfg.mamba_heads, mamba_head_dim=cfg.mamba_head_dim,
-                                ssm_state_size=cfg.mamba_state, n_groups=cfg.mamba_groups, conv_kernel=cfg.mamba_conv,
-                                num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                tie_word_embeddings=False)
+    hf_cfg = tf.NemotronHConfig(
+        hybrid_override_pattern=cfg.layer_pattern,
+        num_hidden_layers=cfg.layers,
+        hidden_size=cfg.hidden,
+        vocab_size=cfg.vocab_size,
+        intermediate_size=cfg.ffn_hidden,
+        mamba_num_heads=cfg.mamba_heads,
+        mamba_head_dim=cfg.mamba_head_dim,
+        ssm_state_size=cfg.mamba_state,
+        n_groups=cfg.mamba_groups,
+        conv_kernel=cfg.mamba_conv,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         hf_model = tf.AutoModelForCausalLM.from_config(hf_cfg)
     assert param_counts(cfg)[0] == sum(p.numel() for p in hf_model.parameters())
@@ -73,7 +84,7 @@ SHAPES = {
     "shared_experts": f"moe:{TINY},experts=4,shared=2,moe_ffn=32,dense_layers=1,moe_every=2",
     "window": f"llama:{TINY},window=8,global_every=2",
     "hybrid": f"llama:{TINY},pattern=M-*E,experts=4,mamba_head_dim=16,mamba_groups=2,mamba_state=8,"
-              "mamba_chunk=16,activation=relu2",
+    "mamba_chunk=16,activation=relu2",
     "geglu_padded": f"gpt:{TINY},activation=geglu,vocab_multiple=128,vocab_tp=2",
     "relu2_tied": f"gpt:{TINY},activation=relu2,tie_embeddings=true",
 }
@@ -133,15 +144,18 @@ def test_sliding_window_attention_equals_naive_band():
 @pytest.mark.parametrize("seq,window", [(8192, 4096), (4096, 4096), (100, 1), (16, 64)])
 def test_window_share_counts_the_band(seq, window):
     band = sum(min(i + 1, window) for i in range(seq))
-    assert window_share(seq, window) == pytest.approx(band / seq ** 2)
+    assert window_share(seq, window) == pytest.approx(band / seq**2)
 
 
 def test_traced_cost_prices_the_window(tmp_path):
     """A windowed layer's attention core costs its band; the global layer's the causal triangle."""
     from nest_fx.cluster import load_cluster
     from nest_fx.workload import workload_for_model
-    work = workload_for_model("llama:hidden=1024,layers=2,heads=8,seq=8192,vocab=128,window=1024,global_every=2",
-                              load_cluster("h100-spine-leaf:8"))
+
+    work = workload_for_model(
+        "llama:hidden=1024,layers=2,heads=8,seq=8192,vocab=128,window=1024,global_every=2",
+        load_cluster("h100-spine-leaf:8"),
+    )
     src = work.source
     found = {}
     for block in src.graph.layer_blocks:
@@ -188,15 +202,18 @@ def test_mamba_parameter_formula():
     assert cfg.layer_kinds(0) == ["mamba"] and cfg.layer_kinds(2) == ["attention"] and cfg.layer_kinds(3) == ["moe"]
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("llama:layer_pattern=MX", "unknown ['X']"),
-    ("llama:layer_pattern=ME", "num_experts=0"),
-    ("llama:q_lora_rank=8", "needs kv_lora_rank"),
-    ("llama:kv_lora_rank=8,rope_head_dim=7", "rope_head_dim=7"),
-    ("gpt:sliding_window=8,causal=false", "needs causal"),
-    ("llama:activation=relu", "activation='relu'"),
-    ("llama:pattern=M,mamba_heads=6,mamba_groups=4", "mamba_heads=6 is not divisible"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("llama:layer_pattern=MX", "unknown ['X']"),
+        ("llama:layer_pattern=ME", "num_experts=0"),
+        ("llama:q_lora_rank=8", "needs kv_lora_rank"),
+        ("llama:kv_lora_rank=8,rope_head_dim=7", "rope_head_dim=7"),
+        ("gpt:sliding_window=8,causal=false", "needs causal"),
+        ("llama:activation=relu", "activation='relu'"),
+        ("llama:pattern=M,mamba_heads=6,mamba_groups=4", "mamba_heads=6 is not divisible"),
+    ],
+)
 def test_bad_shapes_refused(spec, needle):
     with pytest.raises(ModelError, match=re.escape(needle)):
         parse_spec(spec)
@@ -218,8 +235,10 @@ def test_named_shapes_build_on_meta():
 
 # -- the runtime runs them: parallel == single device (fp32, gloo) -----------------------------
 SHARED_MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=2.0,shared=1,moe_ffn=32"
-HYBRID = ("llama:hidden=64,layers=4,heads=4,kv=2,seq=32,vocab=128,pattern=M-*-,mamba_head_dim=16,mamba_groups=2,"
-          "mamba_state=8,mamba_chunk=8,activation=relu2")
+HYBRID = (
+    "llama:hidden=64,layers=4,heads=4,kv=2,seq=32,vocab=128,pattern=M-*-,mamba_head_dim=16,mamba_groups=2,"
+    "mamba_state=8,mamba_chunk=8,activation=relu2"
+)
 WINDOWED = "llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128,window=8,head_dim=24,activation=geglu"
 
 
@@ -232,9 +251,12 @@ def test_shared_experts_under_expert_parallelism():
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model,plan", [
-    (HYBRID, {"pp": 2, "microbatch_size": 2, "num_microbatches": 2, "schedule": "1f1b"}),
-    (WINDOWED, {"tp": 2, "microbatch_size": 2, "sequence_parallel": True}),
-])
+@pytest.mark.parametrize(
+    "model,plan",
+    [
+        (HYBRID, {"pp": 2, "microbatch_size": 2, "num_microbatches": 2, "schedule": "1f1b"}),
+        (WINDOWED, {"tp": 2, "microbatch_size": 2, "sequence_parallel": True}),
+    ],
+)
 def test_hybrid_and_windowed_models_in_parallel(model, plan):
     parity_run(2, model, plan)

@@ -1,4 +1,5 @@
 """Collective calibration: the fit recovers known figures; a real 2-rank gloo run writes a cluster."""
+
 import pytest
 
 from nest_fx.cluster import Cluster

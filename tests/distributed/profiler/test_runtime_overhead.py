@@ -1,4 +1,5 @@
 """The runtime's host work per collective: the fits, and the records of a real run on 2 gloo ranks."""
+
 import math
 
 import pytest

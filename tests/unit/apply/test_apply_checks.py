@@ -1,5 +1,6 @@
 """Single-process tests of the rewriter: checks and their messages, mesh layout, stage split,
 TP regions, checkpointing, and a one-rank ``auto_parallelize`` round trip."""
+
 from __future__ import annotations
 
 import copy
@@ -40,6 +41,7 @@ def _traced(name=LLAMA, batch=2, seq=16):
 
 
 # -- checks -------------------------------------------------------------------------------------
+
 
 def test_world_size_mismatch_names_both_sizes_and_the_fix():
     plan = uniform_plan(6, pp=2, tp=2, dp=2)
@@ -158,6 +160,7 @@ def test_errors_come_before_any_collective(single_rank):
 
 # -- mesh ---------------------------------------------------------------------------------------
 
+
 def test_rank_table_follows_placement():
     plan = uniform_plan(6, pp=2, tp=2, dp=3)
     table = rank_table(plan)
@@ -177,6 +180,7 @@ def test_rank_table_follows_placement():
 
 # -- pipeline split -------------------------------------------------------------------------------
 
+
 def test_layer_subset_keeps_names_and_iterates_in_order():
     layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(5))
     sub = LayerSubset({3: layers[3], 1: layers[1]})
@@ -191,13 +195,22 @@ def test_stage_layout_names_the_modules_of_each_block():
     layout = stage_layout(model, graph)
     assert layout.owned == {"embed": (0,), "norm": (5,), "lm_head": (5,)}
     assert layout.layers == {1: "layers.0", 2: "layers.1", 3: "layers.2", 4: "layers.3"}
-    assert layout.modules_in(0, 2) == ["embed", "layers.0"] and layout.modules_in(4, 6) == ["norm", "lm_head", "layers.3"]
+    assert layout.modules_in(0, 2) == ["embed", "layers.0"] and layout.modules_in(4, 6) == [
+        "norm",
+        "lm_head",
+        "layers.3",
+    ]
     assert layout.first_problem() == "" and not layout.shared
 
 
-@pytest.mark.parametrize("name", [LLAMA, "gpt:hidden=64,layers=3,heads=4,seq=32,vocab=128",
-                                  pytest.param("hf:llama:hidden=64,layers=3,heads=4,seq=32,vocab=128",
-                                               marks=pytest.mark.hf)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        LLAMA,
+        "gpt:hidden=64,layers=3,heads=4,seq=32,vocab=128",
+        pytest.param("hf:llama:hidden=64,layers=3,heads=4,seq=32,vocab=128", marks=pytest.mark.hf),
+    ],
+)
 def test_split_stages_compose_to_the_model(name):
     if name.startswith("hf:"):
         pytest.importorskip("transformers")
@@ -225,8 +238,9 @@ def test_split_stages_chunks_share_nothing():
 
 
 def test_interleaved_ranges_keep_layer_counts():
-    plan = Plan(stages=[StagePlan(0, 5), StagePlan(5, 10)], schedule="interleaved", virtual_stages=2,
-                num_microbatches=2)
+    plan = Plan(
+        stages=[StagePlan(0, 5), StagePlan(5, 10)], schedule="interleaved", virtual_stages=2, num_microbatches=2
+    )
     chunks = interleaved_ranges(plan, 10)
     assert chunks == [[(0, 2), (4, 7)], [(2, 4), (7, 10)]]  # chunk 0 of both devices, then chunk 1
     assert [sum(e - s for s, e in c) for c in chunks] == [5, 5]
@@ -236,6 +250,7 @@ def test_interleaved_ranges_keep_layer_counts():
 
 
 # -- TP regions -----------------------------------------------------------------------------------
+
 
 def test_block_regions_from_traced_pairs():
     _, _, _, graph = _traced()
@@ -249,6 +264,7 @@ def test_block_regions_from_traced_pairs():
 
 
 # -- checkpointing --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointing_keeps_values_and_names(mode):
@@ -266,6 +282,7 @@ def test_checkpointing_keeps_values_and_names(mode):
 
 
 # -- one-rank auto_parallelize ----------------------------------------------------------------------
+
 
 def test_default_plan_is_pure_data_parallel():
     _, _, _, graph = _traced()
@@ -306,8 +323,13 @@ def test_plan_for_another_model_fails_before_any_collective(single_rank):
     model, cfg = build_seeded(LLAMA)
     tokens = torch.randint(0, 128, (8, 32))
     with pytest.raises(ApplyError, match=r"plan\.num_layers=34 but the traced model has 6 layers.*another model"):
-        auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss,
-                         plan=uniform_plan(34, num_microbatches=8, model="llama2-7b"))
+        auto_parallelize(
+            model,
+            tokens,
+            global_batch_size=8,
+            loss_fn=lm_loss,
+            plan=uniform_plan(34, num_microbatches=8, model="llama2-7b"),
+        )
     assert len(model.layers) == 4 and _untouched(model)
 
 

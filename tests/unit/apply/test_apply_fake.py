@@ -5,6 +5,7 @@ pretend to be any rank of a 1,024-rank world: collectives return immediately, so
 ``auto_parallelize`` builds the real DeviceMesh, pipeline split, TP/SP and FSDP rewrites
 without memory or peers, and we check the local shard shapes a real rank would hold.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,7 @@ def _apply(rank: int, graph, **plan_kwargs):
     model, _ = build_model("llama2-7b", device="meta")
     plan = uniform_plan(34, pp=8, tp=8, dp=16, microbatch_size=1, num_microbatches=8, **plan_kwargs)
     tokens = torch.empty(1, 128, dtype=torch.long, device="meta")
-    pm = auto_parallelize(model, tokens, global_batch_size=128, loss_fn=lm_loss, plan=plan, graph=graph,
-                          verbose=False)
+    pm = auto_parallelize(model, tokens, global_batch_size=128, loss_fn=lm_loss, plan=plan, graph=graph, verbose=False)
     return pm
 
 
@@ -59,9 +59,16 @@ def test_first_stage_tp_shards(graph7b, fake_world):
     assert {n.split(".")[1] for n in shapes if n.startswith("layers.")} == {"0", "1", "2"}
     assert shapes["embed.tok.weight"] == (VOCAB // 8, H)  # vocabulary-parallel embedding
     assert "lm_head.weight" not in shapes and "norm.weight" not in shapes
-    for name, shape in [("attn.q_proj", (H // 8, H)), ("attn.k_proj", (H // 8, H)), ("attn.v_proj", (H // 8, H)),
-                        ("attn.o_proj", (H, H // 8)), ("mlp.gate", (FFN // 8, H)), ("mlp.up", (FFN // 8, H)),
-                        ("mlp.down", (H, FFN // 8)), ("attn_norm", (H,))]:
+    for name, shape in [
+        ("attn.q_proj", (H // 8, H)),
+        ("attn.k_proj", (H // 8, H)),
+        ("attn.v_proj", (H // 8, H)),
+        ("attn.o_proj", (H, H // 8)),
+        ("mlp.gate", (FFN // 8, H)),
+        ("mlp.up", (FFN // 8, H)),
+        ("mlp.down", (H, FFN // 8)),
+        ("attn_norm", (H,)),
+    ]:
         assert shapes[f"layers.1.{name}.weight"] == shape, name
     # the TP group is the 8 adjacent ranks, DP replicas are 8 apart, stages 128 apart
     assert pm.mesh["tp"].mesh.tolist() == list(range(8))
@@ -130,8 +137,16 @@ def test_device_order_numbers_the_world_for_the_plan(fake_world):
     info = locate(plan, me)
     assert (info.stage, info.replica, info.tp_rank) == (1, 0, 1)
     tp_group = dist.get_process_group_ranks(dim_group(mesh, "tp"))
-    assert tp_group == sorted(tp_group) and [order[r] for r in tp_group] == [order[plan.rank(1, 0, j)] for j in range(2)]
+    assert tp_group == sorted(tp_group) and [order[r] for r in tp_group] == [
+        order[plan.rank(1, 0, j)] for j in range(2)
+    ]
     model, _ = build_model("llama:hidden=64,layers=4,heads=4,seq=32,vocab=128", device="meta")
     with pytest.raises(ApplyError, match="device_order: .* initialised before auto_parallelize"):
-        auto_parallelize(model, torch.empty(4, 32, dtype=torch.long, device="meta"), global_batch_size=4,
-                         loss_fn=lm_loss, plan=plan, verbose=False)
+        auto_parallelize(
+            model,
+            torch.empty(4, 32, dtype=torch.long, device="meta"),
+            global_batch_size=4,
+            loss_fn=lm_loss,
+            plan=plan,
+            verbose=False,
+        )

@@ -1,5 +1,6 @@
 """``auto_parallelize`` as a list of named steps, and the three objects a ``ParallelModule`` is
 built from (``nest_fx/apply/api.py``, ``steps.py``, ``prepare.py``, ``parts.py``)."""
+
 from __future__ import annotations
 
 import ast
@@ -29,10 +30,14 @@ def _called_steps() -> list:
     tree = ast.parse(inspect.getsource(api.auto_parallelize))
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
     calls.sort(key=lambda node: (node.lineno, node.col_offset))
-    step_names = {name for name, value in vars(api).items()
-                  if inspect.isfunction(value) and value.__module__ in STEP_MODULES}
-    return [f"{getattr(api, c.func.id).__module__.rsplit('.', 1)[1]}.{c.func.id}" for c in calls
-            if c.func.id in step_names and c.func.id != "fsdp_applied"]
+    step_names = {
+        name for name, value in vars(api).items() if inspect.isfunction(value) and value.__module__ in STEP_MODULES
+    }
+    return [
+        f"{getattr(api, c.func.id).__module__.rsplit('.', 1)[1]}.{c.func.id}"
+        for c in calls
+        if c.func.id in step_names and c.func.id != "fsdp_applied"
+    ]
 
 
 def test_auto_parallelize_calls_the_steps_its_docstring_lists_in_that_order():
@@ -43,8 +48,12 @@ def test_auto_parallelize_calls_the_steps_its_docstring_lists_in_that_order():
 
 def test_every_step_is_documented():
     import nest_fx.apply.steps as steps
-    public = [f for name, f in vars(steps).items()
-              if inspect.isfunction(f) and f.__module__ == steps.__name__ and not name.startswith("_")]
+
+    public = [
+        f
+        for name, f in vars(steps).items()
+        if inspect.isfunction(f) and f.__module__ == steps.__name__ and not name.startswith("_")
+    ]
     assert len(public) >= 12
     assert all(f.__doc__ and f.__doc__.strip() for f in public), [f.__name__ for f in public if not f.__doc__]
 
@@ -72,6 +81,7 @@ def test_parallel_module_is_built_from_three_parts(single_rank):
     def recording(out, target):
         seen.append(tuple(out.shape))
         return lm_loss(out, target)
+
     pm.loss_fn = recording  # the two settable attributes write through to their part
     pm.grad_sync = lambda: seen.append("sync")
     assert pm.batching.loss_fn is recording and pm.local.grad_sync is pm.grad_sync
@@ -85,6 +95,7 @@ def test_a_setup_warning_names_the_line_that_called_auto_parallelize(single_rank
     x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     plan = uniform_plan(len(trace(model, (x,)).blocks), microbatch_size=4, num_microbatches=2)
     with pytest.warns(UserWarning, match="sync_batchnorm=False: BatchNorm layers") as caught:
-        auto_parallelize(model, x, global_batch_size=8, loss_fn=F.cross_entropy, plan=plan, sync_batchnorm=False,
-                         verbose=False)
+        auto_parallelize(
+            model, x, global_batch_size=8, loss_fn=F.cross_entropy, plan=plan, sync_batchnorm=False, verbose=False
+        )
     assert {w.filename for w in caught if "BatchNorm" in str(w.message)} == {__file__}

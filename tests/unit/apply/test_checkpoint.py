@@ -2,6 +2,7 @@
 fingerprint, step), rotation, crash safety, the data position and the errors. Saving under one
 plan and loading under another, across processes, is tested in tests/distributed/apply/test_checkpoint_dist.py.
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,8 +39,11 @@ def test_a_full_disk_leaves_nothing_behind_and_the_previous_checkpoints_intact(t
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
-    with pytest.raises(CheckpointError, match="(?s)step-00000002.*failed; nothing was left behind and the previous "
-                                              "checkpoints are intact.*No space left on device"):
+    with pytest.raises(
+        CheckpointError,
+        match="(?s)step-00000002.*failed; nothing was left behind and the previous "
+        "checkpoints are intact.*No space left on device",
+    ):
         save_checkpoint(model, path, opt, step=2)
     monkeypatch.undo()
     # nothing of the failed save; a note of the room it needed, for the next load
@@ -49,11 +53,17 @@ def test_a_full_disk_leaves_nothing_behind_and_the_previous_checkpoints_intact(t
     assert_same(full_state(fresh, fresh_opt), want)
     # while the disk is still full, a (re)started job's load stops before training towards the same failure
     need = json.load(open(os.path.join(path, "SAVE_FAILED.json")))["need_bytes"]
-    assert need >= sum(os.path.getsize(os.path.join(path, "step-00000001", n))
-                       for n in os.listdir(os.path.join(path, "step-00000001")) if n != "MANIFEST.json")
+    assert need >= sum(
+        os.path.getsize(os.path.join(path, "step-00000001", n))
+        for n in os.listdir(os.path.join(path, "step-00000001"))
+        if n != "MANIFEST.json"
+    )
     monkeypatch.setattr(files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, (1 << 30) - 4096, 4096))
-    with pytest.raises(CheckpointError, match=r"the last save into .*ck \(step 2\) failed for lack of space and its "
-                                              r"filesystem still has 0.0 MiB free.*would fail again at the same save"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"the last save into .*ck \(step 2\) failed for lack of space and its "
+        r"filesystem still has 0.0 MiB free.*would fail again at the same save",
+    ):
         load_checkpoint(fresh, path, fresh_opt)
     assert load_checkpoint(fresh, os.path.join(path, "step-00000001"), fresh_opt)["step"] == 1  # reading: allowed
     monkeypatch.undo()
@@ -125,8 +135,11 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     six, _ = build_seeded(MODEL.replace("layers=2", "layers=6"))
     save_checkpoint(six, path, step=0)
     four, _ = build_seeded(MODEL.replace("layers=2", "layers=4"))
-    with pytest.raises(CheckpointError, match=r"holds another model \(\d+ tensors, this model has \d+; only in the "
-                                              r"checkpoint: layers\.4\..*; fix: load a checkpoint of this model"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds another model \(\d+ tensors, this model has \d+; only in the "
+        r"checkpoint: layers\.4\..*; fix: load a checkpoint of this model",
+    ):
         load_checkpoint(four, path)
     wider, _ = build_seeded(MODEL.replace("layers=2", "layers=6").replace("hidden=32", "hidden=48"))
     with pytest.raises(CheckpointError, match=r"other shapes: .*\(64, 32\) saved, \(64, 48\) now"):
@@ -274,8 +287,10 @@ def test_a_checkpoint_of_the_earlier_one_directory_format_still_loads(tmp_path):
     os.remove(os.path.join(legacy, "MANIFEST.json"))
     meta_path = os.path.join(legacy, "nest_fx_checkpoint.json")
     meta = json.load(open(meta_path))
-    json.dump({k: meta[k] for k in ("step", "optimizer", "world_size", "plan")} | {"format": "nest-fx-ckpt/1"},
-              open(meta_path, "w"))
+    json.dump(
+        {k: meta[k] for k in ("step", "optimizer", "world_size", "plan")} | {"format": "nest-fx-ckpt/1"},
+        open(meta_path, "w"),
+    )
     fresh, fresh_opt = fresh_model()
     with pytest.warns(RuntimeWarning, match="without a manifest"):
         assert load_checkpoint(fresh, legacy, fresh_opt)["step"] == 1

@@ -2,6 +2,7 @@
 (``kernels=fused``: Transformer-Engine-style kernels that price other systems for ``nest-fx
 plan/simulate``; ``kernels=compile`` without ``fix.compile``) is refused at once, before it
 traces, plans or joins a collective, by the one function that decides (``plan.may_run``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,12 +38,16 @@ def test_the_one_verdict_on_kernel_constraints():
         check_runtime_constraints(Constraints(kernels="fused"), model, None)
 
 
-@pytest.mark.parametrize("constraints,says", [
-    ({"kernels": "fused"}, r"^constraints= kernels=fused: .*runtime runs eager kernels.*fix: drop kernels"),
-    (Constraints(kernels="compile"), r"^constraints= kernels=compile: .*fix: add fix compile=true"),
-])
-def test_auto_parallelize_refuses_them_before_tracing_planning_or_any_collective(single_rank, monkeypatch,
-                                                                                  constraints, says):
+@pytest.mark.parametrize(
+    "constraints,says",
+    [
+        ({"kernels": "fused"}, r"^constraints= kernels=fused: .*runtime runs eager kernels.*fix: drop kernels"),
+        (Constraints(kernels="compile"), r"^constraints= kernels=compile: .*fix: add fix compile=true"),
+    ],
+)
+def test_auto_parallelize_refuses_them_before_tracing_planning_or_any_collective(
+    single_rank, monkeypatch, constraints, says
+):
     def never(*args, **kwargs):
         raise AssertionError("auto_parallelize traced, planned or started the process group")
 

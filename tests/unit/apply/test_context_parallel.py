@@ -1,6 +1,7 @@
 """Context parallelism in one process: the sharding arithmetic, the attention of one rank's
 chunks, the sites CP rewrites, the verdicts of ``cp_problem`` and the mesh's ``cp`` dim.
 Multi-rank parity runs are in ``tests/distributed/apply/test_runtime_features.py``."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nest_fx.apply import ApplyError, checks
-from nest_fx.apply.context_parallel import (ContextParallel, gathered_order, load_balanced_indices,
-                                            local_causal_attention)
+from nest_fx.apply.context_parallel import (
+    ContextParallel,
+    gathered_order,
+    load_balanced_indices,
+    local_causal_attention,
+)
 from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, rank_table
 from nest_fx.graph import trace
@@ -28,6 +33,7 @@ def _traced(spec: str, seq: int = 32):
 
 
 # -- sharding arithmetic ---------------------------------------------------------------------
+
 
 def test_load_balanced_chunks_cover_the_sequence_with_equal_causal_work():
     assert load_balanced_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
@@ -61,8 +67,9 @@ def test_local_attention_of_every_rank_equals_full_causal_attention(cp):
     kv, vv = k[:, :2], v[:, :2]
     full = F.scaled_dot_product_attention(q, kv, vv, is_causal=True, enable_gqa=True)
     index = load_balanced_indices(16, cp, 1)
-    torch.testing.assert_close(local_causal_attention(q[:, :, index], kv, vv, 1, cp, enable_gqa=True),
-                               full[:, :, index], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        local_causal_attention(q[:, :, index], kv, vv, 1, cp, enable_gqa=True), full[:, :, index], rtol=0, atol=1e-6
+    )
 
 
 def test_positions_and_token_shards_follow_the_layout():
@@ -87,11 +94,14 @@ def test_the_intercept_accepts_only_causal_calls():
 
 # -- what CP rewrites --------------------------------------------------------------------------
 
+
 def test_sites_of_zoo_and_hf_models():
     model, graph = _traced("llama:hidden=32,layers=2,heads=2,seq=32,vocab=64")
     assert [(s.module, s.causal) for s in attention_sites(graph)] == [("layers.0.attn", True), ("layers.1.attn", True)]
     assert [(s.module, s.kind) for s in position_sites(model, graph)] == [
-        ("layers.0.attn.rotary", "rope-table"), ("layers.1.attn.rotary", "rope-table")]
+        ("layers.0.attn.rotary", "rope-table"),
+        ("layers.1.attn.rotary", "rope-table"),
+    ]
     model, graph = _traced("gpt:hidden=32,layers=2,heads=2,seq=32,vocab=64")
     assert [(s.module, s.kind) for s in position_sites(model, graph)] == [("embed.pos", "learned")]
 
@@ -141,20 +151,40 @@ def test_hf_rotary_reads_the_positions_of_the_ranks_tokens():
 
 # -- verdicts ------------------------------------------------------------------------------------
 
+
 def test_cp_problem_accepts_causal_models():
-    for spec in ("llama:hidden=32,layers=2,heads=2,seq=32,vocab=64", "gpt:hidden=32,layers=2,heads=2,seq=32,vocab=64",
-                 "moe:hidden=32,layers=2,heads=2,seq=32,vocab=64,experts=4,top_k=2,capacity_factor=2.0"):
+    for spec in (
+        "llama:hidden=32,layers=2,heads=2,seq=32,vocab=64",
+        "gpt:hidden=32,layers=2,heads=2,seq=32,vocab=64",
+        "moe:hidden=32,layers=2,heads=2,seq=32,vocab=64,experts=4,top_k=2,capacity_factor=2.0",
+    ):
         model, graph = _traced(spec)
         assert parallel_support(model, graph).cp_problem(2) == "", spec
 
 
-@pytest.mark.parametrize("spec,seq,cp,match", [
-    ("gpt:hidden=32,layers=2,heads=2,seq=32,vocab=64,causal=0", 32, 2,
-     "layers.0.attn computes attention without a causal mask"),
-    ("moe:hidden=32,layers=2,heads=2,seq=32,vocab=64,experts=4,top_k=2,capacity_factor=1.0", 32, 2,
-     "which tokens are dropped depends on the part of the sequence"),
-    ("llama:hidden=32,layers=2,heads=2,seq=32,vocab=64", 30, 2, "sequence length 30 is not divisible by 2 x cp = 4"),
-])
+@pytest.mark.parametrize(
+    "spec,seq,cp,match",
+    [
+        (
+            "gpt:hidden=32,layers=2,heads=2,seq=32,vocab=64,causal=0",
+            32,
+            2,
+            "layers.0.attn computes attention without a causal mask",
+        ),
+        (
+            "moe:hidden=32,layers=2,heads=2,seq=32,vocab=64,experts=4,top_k=2,capacity_factor=1.0",
+            32,
+            2,
+            "which tokens are dropped depends on the part of the sequence",
+        ),
+        (
+            "llama:hidden=32,layers=2,heads=2,seq=32,vocab=64",
+            30,
+            2,
+            "sequence length 30 is not divisible by 2 x cp = 4",
+        ),
+    ],
+)
 def test_cp_problem_names_what_it_cannot_shard(spec, seq, cp, match):
     model, graph = _traced(spec, seq)
     problem = parallel_support(model, graph).cp_problem(cp)
@@ -164,9 +194,17 @@ def test_cp_problem_names_what_it_cannot_shard(spec, seq, cp, match):
 @pytest.mark.hf
 def test_cp_problem_refuses_hf_sliding_windows_and_eager_attention():
     transformers = pytest.importorskip("transformers")
-    config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                        max_position_embeddings=32, sliding_window=8, use_cache=False)
+    config = transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=32,
+        sliding_window=8,
+        use_cache=False,
+    )
     model = transformers.MistralForCausalLM(config)
     model.config._attn_implementation = "sdpa"
     tokens = torch.randint(0, 64, (2, 32))
@@ -175,7 +213,9 @@ def test_cp_problem_refuses_hf_sliding_windows_and_eager_attention():
     model, _ = build_seeded("hf:llama:hidden=32,layers=2,heads=2,kv=1,seq=32,vocab=64")
     model.config._attn_implementation = "eager"
     graph = trace(model, (), {"input_ids": tokens})
-    assert "layer model.layers.0 has no scaled_dot_product_attention call" in parallel_support(model, graph).cp_problem(2)
+    assert "layer model.layers.0 has no scaled_dot_product_attention call" in parallel_support(model, graph).cp_problem(
+        2
+    )
 
 
 def test_runtime_refuses_a_loss_that_is_not_a_token_mean():
@@ -186,11 +226,13 @@ def test_runtime_refuses_a_loss_that_is_not_a_token_mean():
 
     def last_token(out, y):
         return F.cross_entropy(out[:, -1], y[:, -1])
+
     with pytest.raises(ApplyError, match="loss_fn is not a mean over tokens"):
         checks.check_context_parallel(plan, model, graph, last_token)
 
 
 # -- mesh ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def fake_world():
@@ -198,6 +240,7 @@ def fake_world():
 
     def init(rank: int, world: int):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -246,8 +289,9 @@ def _apply_on_meta(plan, spec="llama:hidden=64,layers=2,heads=4,seq=32,vocab=128
 
     model, _ = build_model(spec, device="meta")
     tokens = torch.empty(plan.global_batch, 32, dtype=torch.long, device="meta")
-    return auto_parallelize(model, tokens, global_batch_size=plan.global_batch, loss_fn=lm_loss, plan=plan,
-                            verbose=False)
+    return auto_parallelize(
+        model, tokens, global_batch_size=plan.global_batch, loss_fn=lm_loss, plan=plan, verbose=False
+    )
 
 
 def test_fsdp_shards_over_replicas_and_cp_ranks_and_hsdp_replicates(fake_world):
@@ -276,12 +320,22 @@ def test_the_runtime_runs_and_the_cost_model_costs_the_same_plan():
 
     cluster = load_cluster("dgx-h100:16")
     work = workload_for_model("llama:hidden=256,layers=4,heads=8,seq=256,vocab=1024", cluster)
-    plan = uniform_plan(len(work), cp=2, dp=4, dp_shard=2, zero=2, tp=2, sequence_parallel=True, loss_parallel=True,
-                        recompute="op:matmuls")
+    plan = uniform_plan(
+        len(work),
+        cp=2,
+        dp=4,
+        dp_shard=2,
+        zero=2,
+        tp=2,
+        sequence_parallel=True,
+        loss_parallel=True,
+        recompute="op:matmuls",
+    )
     assert unrun_fields(plan) == []
     result = simulate(plan, work, cluster)
     assert result.feasible and result.stages[0].cp_comm > 0 and result.devices_used == 16
     assert unrun_fields(uniform_plan(6, dp=4, ep=2, dp_shard=2, zero=1)) == []  # HSDP x EP runs
     assert unrun_fields(uniform_plan(6, dp=8, ep=4, dp_shard=2, zero=1)) == [
         "dp_shard=2 with ep=4: under HSDP the expert groups must lie inside the shard groups (use a dp_shard "
-        "that is a multiple of ep=4, dp_shard=0, or ep=1)"]
+        "that is a multiple of ep=4, dp_shard=0, or ep=1)"
+    ]

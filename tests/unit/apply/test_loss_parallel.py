@@ -1,6 +1,7 @@
 """Loss parallel, torch.compile and Float8 in one process: the vocabulary-parallel cross-entropy
 against ``F.cross_entropy``, and the refusals before training. Multi-rank parity runs are in
 ``tests/distributed/apply/test_runtime_features.py``."""
+
 from __future__ import annotations
 
 import copy
@@ -15,8 +16,13 @@ from nest_fx.apply import ApplyError, checks
 from nest_fx.apply import compile as compile_mod
 from nest_fx.apply.compile import compile_blocks, compile_problem
 from nest_fx.apply.float8 import apply_float8, float8_linear_filter, float8_problem
-from nest_fx.apply.loss_parallel import (VocabParallelLMLoss, combine_statistics, shard_statistics,
-                                         vocab_parallel_cross_entropy, vocab_shard_sizes)
+from nest_fx.apply.loss_parallel import (
+    VocabParallelLMLoss,
+    combine_statistics,
+    shard_statistics,
+    vocab_parallel_cross_entropy,
+    vocab_shard_sizes,
+)
 from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
 from nest_fx.graph import trace
 from nest_fx.models import build_seeded
@@ -47,7 +53,7 @@ def test_shard_statistics_combine_to_cross_entropy(tp):
     sizes = vocab_shard_sizes(logits.size(-1), tp)
     stats, start = [], 0
     for size in sizes:
-        stats.append(shard_statistics(logits[:, start:start + size], target, start))
+        stats.append(shard_statistics(logits[:, start : start + size], target, start))
         start += size
     per_token = combine_statistics(*(torch.stack(s) for s in zip(*stats)))
     valid = target != -100
@@ -89,8 +95,11 @@ def test_loss_parallel_takes_any_token_cross_entropy_and_refuses_other_losses_sa
     summed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
     smoothed = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), label_smoothing=0.1)
     for loss in (summed, smoothed):
-        with pytest.raises(ApplyError, match=r"loss_parallel: .* but loss_fn .* is not the token-mean cross-entropy"
-                                             r".*constraints=\{'fix': \{'loss_parallel': False\}\}"):
+        with pytest.raises(
+            ApplyError,
+            match=r"loss_parallel: .* but loss_fn .* is not the token-mean cross-entropy"
+            r".*constraints=\{'fix': \{'loss_parallel': False\}\}",
+        ):
             checks.check_loss_parallel(plan, model, graph, loss)
     wrong_grad = lambda logits, y: lm_loss(logits.detach(), y) + 0 * logits.sum()
     assert "another gradient" in token_cross_entropy_problem(wrong_grad, 64)
@@ -111,6 +120,7 @@ def test_the_default_planner_keeps_loss_parallel_for_the_loss_it_can_compute():
 
 
 # -- torch.compile ---------------------------------------------------------------------------------
+
 
 def test_compile_names_a_missing_compiler(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -141,6 +151,7 @@ def test_inductor_compiled_blocks_train_like_eager():
 
 # -- Float8 ------------------------------------------------------------------------------------------
 
+
 def _has_fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
@@ -166,8 +177,9 @@ def test_float8_training_step_on_gpu():
     model = model.cuda().to(torch.bfloat16)
     ref = copy.deepcopy(model)
     converted = apply_float8(model, ["layers.0", "layers.1"])
-    assert "layers.0.mlp.up" in converted and all(type(model.get_submodule(p)).__name__ == "Float8Linear"
-                                                  for p in converted)
+    assert "layers.0.mlp.up" in converted and all(
+        type(model.get_submodule(p)).__name__ == "Float8Linear" for p in converted
+    )
     tokens = torch.randint(0, 128, (4, 32), device="cuda")
     targets = torch.randint(0, 128, (4, 32), device="cuda")
     loss, expected = lm_loss(model(tokens), targets), lm_loss(ref(tokens), targets)

@@ -1,5 +1,6 @@
 """``nest_fx.apply.precision`` on one process: what the casts do to parameters, gradients, inputs
 and outputs (the multi-rank parity is tests/distributed/apply/test_precision.py)."""
+
 from __future__ import annotations
 
 import copy

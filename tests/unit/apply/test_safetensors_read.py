@@ -1,4 +1,5 @@
 """Box reads of safetensors files straight into tensors (nest_fx/apply/safetensors_read.py)."""
+
 import os
 
 import pytest
@@ -15,8 +16,12 @@ from nest_fx.apply.weights_in import open_weights
 @pytest.fixture
 def weights(tmp_path):
     gen = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(37, 11, 5, generator=gen), "b": torch.randn(13, generator=gen).to(torch.bfloat16),
-               "s": torch.tensor(3.5), "i": torch.arange(24, dtype=torch.int64).reshape(4, 6)}
+    tensors = {
+        "w": torch.randn(37, 11, 5, generator=gen),
+        "b": torch.randn(13, generator=gen).to(torch.bfloat16),
+        "s": torch.tensor(3.5),
+        "i": torch.arange(24, dtype=torch.int64).reshape(4, 6),
+    }
     path = str(tmp_path / "model.safetensors")
     save_file(tensors, path)
     return path, tensors
@@ -33,8 +38,16 @@ def test_box_runs_cover_exactly_the_box_in_row_major_order():
     assert run == 72 and list(starts) == [0]
 
 
-@pytest.mark.parametrize("box", [((0, 0, 0), (37, 11, 5)), ((3, 0, 0), (20, 11, 5)), ((0, 4, 0), (37, 3, 5)),
-                                 ((5, 1, 2), (7, 9, 2)), ((36, 10, 4), (1, 1, 1))])
+@pytest.mark.parametrize(
+    "box",
+    [
+        ((0, 0, 0), (37, 11, 5)),
+        ((3, 0, 0), (20, 11, 5)),
+        ((0, 4, 0), (37, 3, 5)),
+        ((5, 1, 2), (7, 9, 2)),
+        ((36, 10, 4), (1, 1, 1)),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_read_into_equals_a_safe_open_slice_converted(weights, box, dtype, monkeypatch):
     monkeypatch.setattr(safetensors_read, "STAGING_BYTES", 200)  # several pieces per box
@@ -49,8 +62,12 @@ def test_read_into_equals_a_safe_open_slice_converted(weights, box, dtype, monke
     assert reader.bytes_read == want.numel() * 4
     # a non-contiguous destination (a column slice of a bigger tensor) is filled in place
     bigger = torch.zeros(sizes[0], sizes[1] + 3, sizes[2], dtype=dtype)
-    reader.read_into("w", offsets, sizes, bigger[:, 2:2 + sizes[1]])
-    assert torch.equal(bigger[:, 2:2 + sizes[1]], want) and not bigger[:, :2].any() and not bigger[:, 2 + sizes[1]:].any()
+    reader.read_into("w", offsets, sizes, bigger[:, 2 : 2 + sizes[1]])
+    assert (
+        torch.equal(bigger[:, 2 : 2 + sizes[1]], want)
+        and not bigger[:, :2].any()
+        and not bigger[:, 2 + sizes[1] :].any()
+    )
 
 
 def test_read_whole_tensors_of_every_kind(weights):
@@ -104,6 +121,7 @@ def test_materialize_reads_into_bf16_parameters_without_mapping_the_file(tmp_pat
 
     def no_mapping(*args, **kwargs):
         raise AssertionError("safe_open maps the file")
+
     monkeypatch.setattr(safetensors, "safe_open", no_mapping)
     counts = materialize([model], skeleton, torch.device("cpu"), loaded)
     want = source.state_dict()

@@ -1,6 +1,7 @@
 """Plans record what they were planned for (model spec, cluster, sequence length, precision,
 optimizer, global batch); ``simulate`` and ``explain`` use it without flags, a differing flag says
 it overrides the plan, and ``plan`` ends with the next step."""
+
 import contextlib
 import io
 import json
@@ -26,8 +27,27 @@ def planned(tmp_path_factory):
     path = str(folder / "plan.json")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = main(["plan", "--model", MODEL, "--cluster", "dgx-a100", "--devices", "8", "--seq", str(SEQ),
-                   "--global-batch", "32", "--optimizer", "sgd", "--no-baselines", "--quiet", "--json", path])
+        rc = main(
+            [
+                "plan",
+                "--model",
+                MODEL,
+                "--cluster",
+                "dgx-a100",
+                "--devices",
+                "8",
+                "--seq",
+                str(SEQ),
+                "--global-batch",
+                "32",
+                "--optimizer",
+                "sgd",
+                "--no-baselines",
+                "--quiet",
+                "--json",
+                path,
+            ]
+        )
     assert rc == 0
     return path, out.getvalue()
 
@@ -89,13 +109,17 @@ def test_a_flag_that_differs_from_the_plan_says_it_overrides_it(planned, tmp_pat
     assert "note:" not in capsys.readouterr().out
     assert main(["explain", path, "--cluster", "dgx-a100:16", "--dtype", "fp32"]) == 0
     notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
-    assert notes == ["note: --cluster dgx-a100:16 overrides the plan's cluster dgx-a100:8",
-                     "note: --dtype fp32 overrides the plan's precision bf16-mixed"]
+    assert notes == [
+        "note: --cluster dgx-a100:16 overrides the plan's cluster dgx-a100:8",
+        "note: --dtype fp32 overrides the plan's precision bf16-mixed",
+    ]
 
 
 def test_plan_says_when_no_file_was_written(capsys):
-    assert main(["plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "16", "--no-baselines",
-                 "--quiet"]) == 0
+    assert (
+        main(["plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "16", "--no-baselines", "--quiet"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "sequence length 128 (the model's; --seq to change)" in printed
     assert "no plan file written: add --json PLAN.json to keep this plan, then" in printed
@@ -105,14 +129,38 @@ def test_plan_says_when_no_file_was_written(capsys):
 def test_hf_models_plan_at_their_configs_sequence_capped(tmp_path, capsys):
     """An hf-config: model takes its positions as the default sequence (at most PLAN_SEQ_CAP),
     `plan` prints it, and `explain` rebuilds the model from the plan alone."""
-    config = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                               max_position_embeddings=4 * PLAN_SEQ_CAP, use_cache=False)
+    config = transformers.AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=4 * PLAN_SEQ_CAP,
+        use_cache=False,
+    )
     config.save_pretrained(tmp_path)
     spec = f"hf-config:{tmp_path}"
     path = str(tmp_path / "plan.json")
-    assert main(["plan", "--model", spec, "--cluster", "dgx-a100:8", "--global-batch", "8", "--no-baselines",
-                 "--quiet", "--json", path]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                spec,
+                "--cluster",
+                "dgx-a100:8",
+                "--global-batch",
+                "8",
+                "--no-baselines",
+                "--quiet",
+                "--json",
+                path,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"sequence length {PLAN_SEQ_CAP} (the model config's positions, at most {PLAN_SEQ_CAP}" in printed
     plan = Plan.load(path)
@@ -125,8 +173,9 @@ def test_hf_default_sequence_is_the_configs_when_shorter():
     cluster = load_cluster("dgx-a100:8")
     short = workload_for_model("hf:qwen2:hidden_size=64,num_hidden_layers=2,max_position_embeddings=256", cluster)
     assert short.dims.seq_len == 256
-    given = workload_for_model("hf:qwen2:hidden_size=64,num_hidden_layers=2,max_position_embeddings=256", cluster,
-                               seq=64)
+    given = workload_for_model(
+        "hf:qwen2:hidden_size=64,num_hidden_layers=2,max_position_embeddings=256", cluster, seq=64
+    )
     assert given.dims.seq_len == 64
 
 
@@ -147,11 +196,16 @@ def test_a_recorded_model_that_cannot_be_built_names_the_way_out(tmp_path, capsy
 
 
 def test_plan_inputs_fill_and_name_overrides():
-    plan = uniform_plan(4, dp=8, model="llama2-7b", cluster="dgx-a100:8", seq_len=2048, precision="fp32",
-                        world_size=8)
+    plan = uniform_plan(4, dp=8, model="llama2-7b", cluster="dgx-a100:8", seq_len=2048, precision="fp32", world_size=8)
     got = plan_inputs(plan, model=None, workload=None, cluster=None, devices=None, seq=None, dtype=None)
-    assert (got.model, got.cluster, got.devices, got.seq, got.dtype, got.notes) == \
-        ("llama2-7b", "dgx-a100:8", None, 2048, "fp32", [])
+    assert (got.model, got.cluster, got.devices, got.seq, got.dtype, got.notes) == (
+        "llama2-7b",
+        "dgx-a100:8",
+        None,
+        2048,
+        "fp32",
+        [],
+    )
     got = plan_inputs(plan, model=None, workload=None, cluster="dgx-a100", devices=8, seq=None, dtype="fp32")
     assert got.notes == []  # the same cluster spelled with --devices
     got = plan_inputs(plan, model=None, workload=None, cluster=None, devices=16, seq=None, dtype=None)

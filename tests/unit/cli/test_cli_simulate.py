@@ -1,4 +1,5 @@
 """nest-fx simulate: tables, JSON and user errors (exit code 2, no traceback)."""
+
 import json
 
 from nest_fx.cli import main
@@ -16,8 +17,9 @@ def write_plan(tmp_path, **kw):
 
 def test_simulate_prints_breakdown_and_memory(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    rc = main(["simulate", "--plan", write_plan(tmp_path), "--model", MODEL, "--cluster", "dgx-a100:8",
-               "--json", str(out)])
+    rc = main(
+        ["simulate", "--plan", write_plan(tmp_path), "--model", MODEL, "--cluster", "dgx-a100:8", "--json", str(out)]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     for word in ("bubble", "tp_comm", "dp_sync_exposed", "activations", "tokens/s", "feasible"):
@@ -44,8 +46,10 @@ def test_simulate_user_errors(tmp_path, capsys):
         (["--model", MODEL, "--cluster", "dgx-a100"], "needs a device count"),
         (["--cluster", "dgx-a100:8"], "the plan does not record its model: give --model NAME or --workload FILE"),
         (["--model", MODEL, "--workload", plan, "--cluster", "dgx-a100:8"], "not both"),
-        (["--model", "llama:hidden=256,layers=6,heads=4,seq=128,vocab=512", "--cluster", "dgx-a100:8"],
-         "workload has 8 layers"),
+        (
+            ["--model", "llama:hidden=256,layers=6,heads=4,seq=128,vocab=512", "--cluster", "dgx-a100:8"],
+            "workload has 8 layers",
+        ),
     ]
     for extra, message in cases:
         rc = main(["simulate", "--plan", plan, *extra])
@@ -74,8 +78,10 @@ def test_compile_and_float8_switches_cost_the_plan_without_changing_the_file(tmp
     wide = "llama:hidden=4096,layers=4,heads=32,seq=2048,vocab=32000"  # GEMMs large enough for fp8 to pay
     for flags in ((), ("--compile",), ("--float8",)):
         out = tmp_path / "sim.json"
-        assert main(["simulate", "--plan", plan, "--model", wide, "--cluster", "dgx-h100:8", "--json", str(out),
-                     *flags]) == 0
+        assert (
+            main(["simulate", "--plan", plan, "--model", wide, "--cluster", "dgx-h100:8", "--json", str(out), *flags])
+            == 0
+        )
         data = json.loads(out.read_text())
         assert data["plan"]["compile"] == ("--compile" in flags) and data["plan"]["float8"] == ("--float8" in flags)
         steps[flags] = data["result"]["step_s"]

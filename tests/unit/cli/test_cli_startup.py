@@ -1,6 +1,7 @@
 """The command line answers at once: ``--help``, argument errors and missing or unreadable input
 files are refused before torch is imported (the times are scripts/bench_cli.py's, not a test's).
 """
+
 import json
 import os
 import subprocess
@@ -32,16 +33,21 @@ print("PROBE" + json.dumps(out))
 
 def _probe(cases, cwd):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(cases)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
     line = next(x for x in done.stdout.splitlines() if x.startswith("PROBE"))
-    return json.loads(line[len("PROBE"):]), done.stderr
+    return json.loads(line[len("PROBE") :]), done.stderr
 
 
 def test_help_argument_errors_and_missing_files_do_not_import_torch(tmp_path):
     missing = str(tmp_path / "missing.json")
     cases = [
-        ["--help"], ["plan", "--help"], ["simulate", "--help"], ["explain", "--help"], ["trace", "--help"],
+        ["--help"],
+        ["plan", "--help"],
+        ["simulate", "--help"],
+        ["explain", "--help"],
+        ["trace", "--help"],
         ["profile", "--help"],
         ["plna", "--model", MODEL],  # a typo in the command
         ["plan", "--model", MODEL, "--cluster", "dgx-a100:8", "--global-batch", "zero"],  # a bad value
@@ -104,16 +110,19 @@ def test_an_impossible_request_is_refused_before_the_trace(monkeypatch, capsys):
 
 def test_package_re_exports_load_on_first_use(tmp_path):
     """`import nest_fx` and `nest_fx.plan` load no torch; their names still import (PEP 562)."""
-    code = ("import sys, nest_fx, nest_fx.plan\n"
-            "assert 'torch' not in sys.modules, 'import nest_fx loaded torch'\n"
-            "from nest_fx.plan import Plan, uniform_plan\n"
-            "assert 'torch' not in sys.modules, 'nest_fx.plan.Plan loaded torch'\n"
-            "from nest_fx import auto_parallelize, trace, solve, simulate, Cluster, Constraints, OpGraph\n"
-            "assert nest_fx.Plan is Plan and 'auto_parallelize' in dir(nest_fx)\n"
-            "try:\n    nest_fx.no_such_name\nexcept AttributeError as e:\n    print('ok', e)\n")
+    code = (
+        "import sys, nest_fx, nest_fx.plan\n"
+        "assert 'torch' not in sys.modules, 'import nest_fx loaded torch'\n"
+        "from nest_fx.plan import Plan, uniform_plan\n"
+        "assert 'torch' not in sys.modules, 'nest_fx.plan.Plan loaded torch'\n"
+        "from nest_fx import auto_parallelize, trace, solve, simulate, Cluster, Constraints, OpGraph\n"
+        "assert nest_fx.Plan is Plan and 'auto_parallelize' in dir(nest_fx)\n"
+        "try:\n    nest_fx.no_such_name\nexcept AttributeError as e:\n    print('ok', e)\n"
+    )
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "ok module 'nest_fx' has no attribute 'no_such_name'" in done.stdout
 

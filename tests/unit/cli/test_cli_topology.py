@@ -1,4 +1,5 @@
 """Graph topologies on the command line: generator specs, topology files, placed plans, pairwise calibration."""
+
 import json
 
 import pytest
@@ -10,8 +11,15 @@ from profiler import pairwise as pairwise_mod
 from nest_fx.cluster import Cluster
 from nest_fx.plan import Plan
 from nest_fx.solver import SolverOptions, solve
-from nest_fx.cluster.topology import (GraphCluster, calibrate, fat_tree, load_topology, pairwise_figures, router_of,
-                                      save_topology)
+from nest_fx.cluster.topology import (
+    GraphCluster,
+    calibrate,
+    fat_tree,
+    load_topology,
+    pairwise_figures,
+    router_of,
+    save_topology,
+)
 
 MODEL = "llama:hidden=512,layers=4,heads=8,seq=256,vocab=2048"
 
@@ -19,8 +27,21 @@ MODEL = "llama:hidden=512,layers=4,heads=8,seq=256,vocab=2048"
 def test_generator_spec_plans_simulates_and_explains(tmp_path, capsys):
     out = tmp_path / "plan.json"
     spec = "fat-tree:2x4,oversub=2"
-    rc = main(["plan", "--model", MODEL, "--cluster", spec, "--global-batch", "32", "--json", str(out),
-               "--no-baselines", "--quiet"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            MODEL,
+            "--cluster",
+            spec,
+            "--global-batch",
+            "32",
+            "--json",
+            str(out),
+            "--no-baselines",
+            "--quiet",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "(config, depth, device order) triples" in text and "device order: " in text and "island 0" in text
@@ -39,16 +60,37 @@ def test_a_placed_plan_file_is_simulated_and_explained_with_its_order(tmp_path, 
     save_topology(slow, str(path))
     cluster = load_cluster(str(path))
     assert isinstance(cluster, GraphCluster) and cluster.topology.measured == slow.measured
-    tp2 = SolverOptions(tp_degrees=(2,), microbatch_sizes=(1, 2), zero_stages=(1,), schedules=(("1f1b", 1),),
-                        recompute=("none",), max_stages=2, use_all_devices=True)  # TP 2: the slow pair matters
+    tp2 = SolverOptions(
+        tp_degrees=(2,),
+        microbatch_sizes=(1, 2),
+        zero_stages=(1,),
+        schedules=(("1f1b", 1),),
+        recompute=("none",),
+        max_stages=2,
+        use_all_devices=True,
+    )  # TP 2: the slow pair matters
     found = solve(workload_for_model(MODEL, cluster), cluster, 32, tp2)
     plan = found.plan
     assert plan.device_order is not None
     plan.cluster = cluster_spec(str(path), cluster)
     plan.save(str(tmp_path / "p.json"))
     assert json.loads((tmp_path / "p.json").read_text())["device_order"] == plan.device_order
-    assert main(["simulate", "--plan", str(tmp_path / "p.json"), "--model", MODEL, "--cluster", str(path),
-                 "--json", str(tmp_path / "sim.json")]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--plan",
+                str(tmp_path / "p.json"),
+                "--model",
+                MODEL,
+                "--cluster",
+                str(path),
+                "--json",
+                str(tmp_path / "sim.json"),
+            ]
+        )
+        == 0
+    )
     sim = json.loads((tmp_path / "sim.json").read_text())
     assert sim["result"]["step_s"] == pytest.approx(found.result.step_s, rel=1e-12)
     capsys.readouterr()
@@ -57,20 +99,23 @@ def test_a_placed_plan_file_is_simulated_and_explained_with_its_order(tmp_path, 
     assert "device order: the plan's device_order" in text and "island 0 (devices 0-3) runs TP groups" in text
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("rail:12y8", "NODES must be a positive integer, got '12y8'"),
-    ("fat-tree:16x8,foo=1", "unknown option 'foo'; fat-tree takes leaf, spines, oversub, device"),
-    ("fat-tree:16x8,oversub=0.5", "oversubscription: must be a number >= 1"),
-    ("torus:4x4x4x4", "a torus has 1 to 3 dimensions, got 4"),
-    ("torus:8x0", "dimension 1 must be a positive integer, got 0"),
-    ("rail:", "the shape is missing"),
-    ("rail:4,spines", "option 'spines' must be KEY=VALUE"),
-    ("rail:4,device=abc", "device=abc: unknown cluster preset"),
-    # sizes a graph cannot hold are refused before anything is built (no hang)
-    ("rail:99999999999x8", "NODES must be at most 65,536"),
-    ("torus:4096x4096", "16,777,216 devices: a graph topology is built device by device"),
-    ("fat-tree:128x8,spines=999999999", "spines must be at most 4,096"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("rail:12y8", "NODES must be a positive integer, got '12y8'"),
+        ("fat-tree:16x8,foo=1", "unknown option 'foo'; fat-tree takes leaf, spines, oversub, device"),
+        ("fat-tree:16x8,oversub=0.5", "oversubscription: must be a number >= 1"),
+        ("torus:4x4x4x4", "a torus has 1 to 3 dimensions, got 4"),
+        ("torus:8x0", "dimension 1 must be a positive integer, got 0"),
+        ("rail:", "the shape is missing"),
+        ("rail:4,spines", "option 'spines' must be KEY=VALUE"),
+        ("rail:4,device=abc", "device=abc: unknown cluster preset"),
+        # sizes a graph cannot hold are refused before anything is built (no hang)
+        ("rail:99999999999x8", "NODES must be at most 65,536"),
+        ("torus:4096x4096", "16,777,216 devices: a graph topology is built device by device"),
+        ("fat-tree:128x8,spines=999999999", "spines must be at most 4,096"),
+    ],
+)
 def test_malformed_generator_specs_are_one_line_errors(spec, message, capsys):
     rc = main(["plan", "--model", MODEL, "--cluster", spec, "--no-baselines", "--quiet"])
     err = capsys.readouterr().err
@@ -102,8 +147,11 @@ def _measured_pairs(fn, nproc, sizes, warmup, repeats, timeout):
     """Stands in for the 3-rank launch of the ping-pong: exact transfers of the figures in PAIRS
     (real measurements on a loaded machine: scripts/bench_calibration.py)."""
     assert nproc == 3 and repeats == 3
-    row = [{"src": a, "dst": b, "nbytes": float(n), "seconds": lat + n / bw}
-           for (a, b), (bw, lat) in PAIRS.items() for n in sizes]
+    row = [
+        {"src": a, "dst": b, "nbytes": float(n), "seconds": lat + n / bw}
+        for (a, b), (bw, lat) in PAIRS.items()
+        for n in sizes
+    ]
     return [row] * nproc
 
 
@@ -111,8 +159,23 @@ def test_pairwise_calibration_writes_a_topology_the_planner_reads(tmp_path, caps
     monkeypatch.setattr(pairwise_mod, "launch", _measured_pairs)
     out = tmp_path / "measured.yaml"
     base = "fat-tree:1x4,device=cpu-gloo"  # the structure the three measured ranks derate
-    rc = main(["profile", "--calibrate", "--pairwise", "--cluster", base, "--out", str(out), "--nproc", "3",
-               "--sizes-kib", "64,8192", "--repeats", "3"])
+    rc = main(
+        [
+            "profile",
+            "--calibrate",
+            "--pairwise",
+            "--cluster",
+            base,
+            "--out",
+            str(out),
+            "--nproc",
+            "3",
+            "--sizes-kib",
+            "64,8192",
+            "--repeats",
+            "3",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0 and "wrote" in captured.out, captured.err
     assert all(f"{a} - {b}" in captured.out for a, b in ((0, 1), (0, 2), (1, 2)))

@@ -1,4 +1,5 @@
 """``nest-fx trace``: table, JSON summary, user errors without tracebacks, the console script."""
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,15 @@ def test_trace_options(capsys):
     assert "[[2, 16]]" in out
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["trace", "no-such-model"], "unknown model 'no-such-model'"),
-    (["trace", "gpt:hidden=64,heads=3"], "not divisible"),
-    (["trace", "gpt:hiden=64"], "'hiden=64'"),
-    (["trace", "gpt2-small", "--seq", "4096"], "learned positions"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["trace", "no-such-model"], "unknown model 'no-such-model'"),
+        (["trace", "gpt:hidden=64,heads=3"], "not divisible"),
+        (["trace", "gpt:hiden=64"], "'hiden=64'"),
+        (["trace", "gpt2-small", "--seq", "4096"], "learned positions"),
+    ],
+)
 def test_user_errors_exit_2_without_traceback(argv, needle, capsys, monkeypatch):
     monkeypatch.delenv("NEST_FX_DEBUG", raising=False)
     assert main(argv) == 2
@@ -69,8 +73,9 @@ def test_console_script():
     assert script.exists(), f"console script not installed next to {sys.executable}"
     env = dict(os.environ)
     env.pop("NEST_FX_DEBUG", None)
-    proc = subprocess.run([str(script), "trace", "gpt2-small", "--seq", "128"], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [str(script), "trace", "gpt2-small", "--seq", "128"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("gpt2-small: ")
     assert "12 layers under 'layers', 1 distinct" in proc.stdout

@@ -1,5 +1,6 @@
 """Bad input from users: each failure is one clear error naming the problem (regressions of the
 crashes ``scripts/bench_fuzz.py`` found), and the CLI turns it into one ``error:`` line, exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -17,22 +18,40 @@ from nest_fx.solver.space import divisors
 from nest_fx.workload import WorkloadError, load_workload, workload_from_table
 
 MODEL = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
-LOADERS = [(Cluster.load, ClusterError, ".yaml"), (Cluster.load, ClusterError, ".json"),
-           (Plan.load, PlanError, ".json"), (load_workload, WorkloadError, ".json")]
+LOADERS = [
+    (Cluster.load, ClusterError, ".yaml"),
+    (Cluster.load, ClusterError, ".json"),
+    (Plan.load, PlanError, ".json"),
+    (load_workload, WorkloadError, ".json"),
+]
 
 
 def _variant(tp: int) -> dict:
-    return {"tp": tp, "fwd_s": 1e-3 / tp, "bwd_s": 2e-3 / tp, "num_params": 1e6 / tp, "param_bytes": 2e6 / tp,
-            "act_bytes": 4e6 / tp, "out_bytes": 1e5}
+    return {
+        "tp": tp,
+        "fwd_s": 1e-3 / tp,
+        "bwd_s": 2e-3 / tp,
+        "num_params": 1e6 / tp,
+        "param_bytes": 2e6 / tp,
+        "act_bytes": 4e6 / tp,
+        "out_bytes": 1e5,
+    }
 
 
 def table(tps=(1, 2), heads: int = 4) -> dict:
     """A 4-layer layer table (head, 2 blocks, tail) with costs for the given TP degrees."""
-    layers = [{"name": "head", "kind": "head", "signature": "e"},
-              *({"name": f"layers.{i}", "kind": "block", "signature": "d"} for i in range(2)),
-              {"name": "tail", "kind": "tail", "signature": "t"}]
-    return {"format": "nest-fx-workload/1", "model": "toy", "dims": {"seq_len": 32, "heads": heads},
-            "layers": layers, "costs": {k: [_variant(tp) for tp in tps] for k in ("head:e", "block:d", "tail:t")}}
+    layers = [
+        {"name": "head", "kind": "head", "signature": "e"},
+        *({"name": f"layers.{i}", "kind": "block", "signature": "d"} for i in range(2)),
+        {"name": "tail", "kind": "tail", "signature": "t"},
+    ]
+    return {
+        "format": "nest-fx-workload/1",
+        "model": "toy",
+        "dims": {"seq_len": 32, "heads": heads},
+        "layers": layers,
+        "costs": {k: [_variant(tp) for tp in tps] for k in ("head:e", "block:d", "tail:t")},
+    }
 
 
 def run_cli(argv, capsys, monkeypatch):
@@ -99,7 +118,8 @@ def test_byte_order_mark_is_accepted(tmp_path):
 
 def test_yaml_alias_bomb_is_quoted_briefly(tmp_path):
     levels = ["&a [x, x, x, x, x, x, x, x, x]"] + [
-        f"&{k} [{', '.join(['*' + p] * 9)}]" for p, k in zip("abcdefgh", "bcdefghi")]
+        f"&{k} [{', '.join(['*' + p] * 9)}]" for p, k in zip("abcdefgh", "bcdefghi")
+    ]
     doc = Cluster.preset("cpu-gloo", 2).to_dict()
     del doc["name"]
     path = tmp_path / "c.yaml"
@@ -122,20 +142,23 @@ def test_brief_cuts_long_and_nested_values():
 # -- documents -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(stages=3), "stages must be a list"),
-    (lambda d: d.update(stages=[{"start": 0, "end": 1.5}]), r"stages\[0\].end must be an integer, got 1.5"),
-    (lambda d: d["stages"][0].update(tp=True), r"stages\[0\].tp must be an integer, got True"),
-    (lambda d: d["stages"][0].update(start=float("inf")), r"stages\[0\].start must be an integer"),
-    (lambda d: d["stages"][0].update(recompute=["full"]), r"stages\[0\].recompute"),
-    (lambda d: d.update(dp=True), "dp must be an integer, got True"),
-    (lambda d: d.update(world_size=-8), "world_size: must be >= 0"),
-    (lambda d: d.update(sequence_parallel="yes"), "sequence_parallel must be true or false"),
-    (lambda d: d.update(schedule=None), "schedule must be a string"),
-    (lambda d: d.update(predicted=[1]), "predicted must map names to numbers"),
-    (lambda d: d.update(num_layers=6), r"cover layers \[0, 4\) but num_layers is 6"),
-    (lambda d: d.update(num_microbatches=10**400), "num_microbatches: 1000.* is larger than nest-fx handles"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(stages=3), "stages must be a list"),
+        (lambda d: d.update(stages=[{"start": 0, "end": 1.5}]), r"stages\[0\].end must be an integer, got 1.5"),
+        (lambda d: d["stages"][0].update(tp=True), r"stages\[0\].tp must be an integer, got True"),
+        (lambda d: d["stages"][0].update(start=float("inf")), r"stages\[0\].start must be an integer"),
+        (lambda d: d["stages"][0].update(recompute=["full"]), r"stages\[0\].recompute"),
+        (lambda d: d.update(dp=True), "dp must be an integer, got True"),
+        (lambda d: d.update(world_size=-8), "world_size: must be >= 0"),
+        (lambda d: d.update(sequence_parallel="yes"), "sequence_parallel must be true or false"),
+        (lambda d: d.update(schedule=None), "schedule must be a string"),
+        (lambda d: d.update(predicted=[1]), "predicted must map names to numbers"),
+        (lambda d: d.update(num_layers=6), r"cover layers \[0, 4\) but num_layers is 6"),
+        (lambda d: d.update(num_microbatches=10**400), "num_microbatches: 1000.* is larger than nest-fx handles"),
+    ],
+)
 def test_plan_fields_are_type_checked(edit, message):
     data = uniform_plan(4, pp=2, dp=2, num_microbatches=4).to_dict()
     edit(data)
@@ -157,20 +180,26 @@ def test_plan_format_version_is_checked_first():
         Plan.from_dict({"format": "nest-fx-plan/2", "stages": "anything"})
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d["costs"]["head:e"][0].update(fwd_s=10**400), r"fwd_s: must be a finite number"),
-    (lambda d: d["costs"]["head:e"][0].update(bwd_s=float("nan")), r"bwd_s: must be a finite number, got nan"),
-    (lambda d: d["costs"]["head:e"][0].update(comms=5), r"comms: expected a list"),
-    (lambda d: d["costs"]["head:e"][0].update(sp="no"), r"\.sp: expected true or false"),
-    (lambda d: d["dims"].update(heads=4.5), r"dims\.heads: expected an integer >= 0, got 4.5"),
-    (lambda d: d["dims"].update(seq_len=0), r"dims\.seq_len: expected a positive integer, got 0"),
-    (lambda d: d["layers"][0].update(is_moe="false"), r"layers\[0\]\.is_moe: expected true or false"),
-    (lambda d: d["layers"][0].update(name=7), r"layers\[0\]\.name: expected a non-empty string"),
-    (lambda d: d.update(model=["x"]), r"workload\.model: expected a string"),
-    (lambda d: d["costs"]["head:e"][0].update(act_bytes=1e300), r"act_bytes\.none: must be at most 1e\+30"),
-    (lambda d: d["costs"]["head:e"][0].update(tp=2**40), r"\.tp: 1099511627776 is larger than nest-fx handles"),
-    (lambda d: d["costs"]["head:e"][0].update(expert_params=2e6), r"expert_params: 2e\+06 exceeds num_params=1e\+06"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["costs"]["head:e"][0].update(fwd_s=10**400), r"fwd_s: must be a finite number"),
+        (lambda d: d["costs"]["head:e"][0].update(bwd_s=float("nan")), r"bwd_s: must be a finite number, got nan"),
+        (lambda d: d["costs"]["head:e"][0].update(comms=5), r"comms: expected a list"),
+        (lambda d: d["costs"]["head:e"][0].update(sp="no"), r"\.sp: expected true or false"),
+        (lambda d: d["dims"].update(heads=4.5), r"dims\.heads: expected an integer >= 0, got 4.5"),
+        (lambda d: d["dims"].update(seq_len=0), r"dims\.seq_len: expected a positive integer, got 0"),
+        (lambda d: d["layers"][0].update(is_moe="false"), r"layers\[0\]\.is_moe: expected true or false"),
+        (lambda d: d["layers"][0].update(name=7), r"layers\[0\]\.name: expected a non-empty string"),
+        (lambda d: d.update(model=["x"]), r"workload\.model: expected a string"),
+        (lambda d: d["costs"]["head:e"][0].update(act_bytes=1e300), r"act_bytes\.none: must be at most 1e\+30"),
+        (lambda d: d["costs"]["head:e"][0].update(tp=2**40), r"\.tp: 1099511627776 is larger than nest-fx handles"),
+        (
+            lambda d: d["costs"]["head:e"][0].update(expert_params=2e6),
+            r"expert_params: 2e\+06 exceeds num_params=1e\+06",
+        ),
+    ],
+)
 def test_workload_values_are_checked(edit, message):
     data = table()
     edit(data)
@@ -191,11 +220,14 @@ def test_absurd_device_counts_are_refused():
         Cluster.from_dict(data)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("bandwidth", 1e-300, r"levels\[0\]\.bandwidth: must be at least 1 \(SI units"),
-    ("bandwidth", "1e40B/s", r"levels\[0\]\.bandwidth: must be at most 1e\+30"),
-    ("latency", 1e31, r"levels\[0\]\.latency: must be at most 1e\+30"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("bandwidth", 1e-300, r"levels\[0\]\.bandwidth: must be at least 1 \(SI units"),
+        ("bandwidth", "1e40B/s", r"levels\[0\]\.bandwidth: must be at most 1e\+30"),
+        ("latency", 1e31, r"levels\[0\]\.latency: must be at most 1e\+30"),
+    ],
+)
 def test_cluster_quantities_have_a_range(field, value, message):
     data = Cluster.preset("cpu-gloo", 2).to_dict()
     data["levels"][0][field] = value
@@ -243,7 +275,9 @@ def test_time_budget_bounds_the_megatron_incumbent_too(fake_clock):
 
     heavy = dict(table(tps=(1, 2, 4, 8), heads=64))
     heavy["layers"] = [{"name": f"layers.{i}", "kind": "block", "signature": "d"} for i in range(80)]
-    heavy["costs"] = {"block:d": [dict(_variant(tp), num_params=1.5e9 / tp, param_bytes=3e9 / tp) for tp in (1, 2, 4, 8)]}
+    heavy["costs"] = {
+        "block:d": [dict(_variant(tp), num_params=1.5e9 / tp, param_bytes=3e9 / tp) for tp in (1, 2, 4, 8)]
+    }
     work, cluster = workload_from_table(heavy), Cluster.preset("h100-spine-leaf", 1024)
     cluster.device.memory_bytes = 4 * 2**30
     assert megatron(work, cluster, 4096).evaluations > 30  # nothing fits: every shape is tried
@@ -273,22 +307,43 @@ def test_simulate_refuses_a_variant_the_workload_lacks():
 def test_cli_plans_a_tp1_only_table_with_tp1(tmp_path, capsys, monkeypatch):
     path, out = tmp_path / "w.json", tmp_path / "plan.json"
     path.write_text(json.dumps(table(tps=(1,))))
-    rc, _, err = run_cli(["plan", "--workload", str(path), "--cluster", "dgx-a100:8", "--global-batch", "8",
-                          "--time-budget", "5", "--no-baselines", "--quiet", "--json", str(out)], capsys, monkeypatch)
+    rc, _, err = run_cli(
+        [
+            "plan",
+            "--workload",
+            str(path),
+            "--cluster",
+            "dgx-a100:8",
+            "--global-batch",
+            "8",
+            "--time-budget",
+            "5",
+            "--no-baselines",
+            "--quiet",
+            "--json",
+            str(out),
+        ],
+        capsys,
+        monkeypatch,
+    )
     assert rc == 0 and err == ""
     assert {s.tp for s in Plan.load(str(out)).stages} == {1}
 
 
-@pytest.mark.parametrize("cluster, needle", [
-    ("dgx-a100:99999999999999999999", "more devices than nest-fx plans for"),
-    ("dgx-a100:1e3", "expected NAME:DEVICES with an integer device count"),
-    ("nope:8", "unknown cluster preset 'nope'"),
-])
+@pytest.mark.parametrize(
+    "cluster, needle",
+    [
+        ("dgx-a100:99999999999999999999", "more devices than nest-fx plans for"),
+        ("dgx-a100:1e3", "expected NAME:DEVICES with an integer device count"),
+        ("nope:8", "unknown cluster preset 'nope'"),
+    ],
+)
 def test_cli_refuses_bad_cluster_specs_in_one_line(tmp_path, capsys, monkeypatch, cluster, needle):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(table()))
-    rc, _, err = run_cli(["plan", "--workload", str(path), "--cluster", cluster, "--no-baselines", "--quiet"],
-                         capsys, monkeypatch)
+    rc, _, err = run_cli(
+        ["plan", "--workload", str(path), "--cluster", cluster, "--no-baselines", "--quiet"], capsys, monkeypatch
+    )
     assert rc == 2
     assert_one_error_line(err, needle)
 
@@ -315,18 +370,24 @@ def test_cli_multi_line_error_is_collapsed(capsys, monkeypatch):
     assert_one_error_line(err, "failed fix: give the op a meta kernel")
 
 
-@pytest.mark.parametrize("plan, work, needle", [
-    (uniform_plan(4, tp=2), table(tps=(1,)), "has no cost for tp=2, ep=1; the table has (tp, ep) in [(1, 1)]"),
-    (uniform_plan(4, tp=8), table(tps=(1, 8)), "tp=8 does not divide the model's 4 attention heads"),
-    (uniform_plan(6, pp=2), table(), "stages: cover layers [0, 6) but the workload has 4 layers"),
-    (uniform_plan(4, dp=16), table(), "the plan uses 16 devices (dp=16 x 1 per replica) but the world has 8"),
-])
+@pytest.mark.parametrize(
+    "plan, work, needle",
+    [
+        (uniform_plan(4, tp=2), table(tps=(1,)), "has no cost for tp=2, ep=1; the table has (tp, ep) in [(1, 1)]"),
+        (uniform_plan(4, tp=8), table(tps=(1, 8)), "tp=8 does not divide the model's 4 attention heads"),
+        (uniform_plan(6, pp=2), table(), "stages: cover layers [0, 6) but the workload has 4 layers"),
+        (uniform_plan(4, dp=16), table(), "the plan uses 16 devices (dp=16 x 1 per replica) but the world has 8"),
+    ],
+)
 def test_cli_simulate_refuses_a_plan_for_another_model_or_world(tmp_path, capsys, monkeypatch, plan, work, needle):
     plan_path, work_path = tmp_path / "p.json", tmp_path / "w.json"
     plan.save(str(plan_path))
     work_path.write_text(json.dumps(work))
-    rc, _, err = run_cli(["simulate", "--plan", str(plan_path), "--workload", str(work_path),
-                          "--cluster", "dgx-a100:8"], capsys, monkeypatch)
+    rc, _, err = run_cli(
+        ["simulate", "--plan", str(plan_path), "--workload", str(work_path), "--cluster", "dgx-a100:8"],
+        capsys,
+        monkeypatch,
+    )
     assert rc == 2
     assert_one_error_line(err, str(plan_path), needle)
 
@@ -336,18 +397,34 @@ def test_cli_unwritable_output_is_a_user_error(tmp_path, capsys, monkeypatch):
     uniform_plan(4).save(str(plan_path))
     work_path.write_text(json.dumps(table()))
     out = tmp_path / "no" / "such" / "dir.json"
-    rc, _, err = run_cli(["simulate", "--plan", str(plan_path), "--workload", str(work_path),
-                          "--cluster", "dgx-a100:8", "--json", str(out)], capsys, monkeypatch)
+    rc, _, err = run_cli(
+        [
+            "simulate",
+            "--plan",
+            str(plan_path),
+            "--workload",
+            str(work_path),
+            "--cluster",
+            "dgx-a100:8",
+            "--json",
+            str(out),
+        ],
+        capsys,
+        monkeypatch,
+    )
     assert rc == 2
     assert_one_error_line(err, f"cannot write {str(out)!r}: No such file or directory")
 
 
-@pytest.mark.parametrize("flag, value, needle", [
-    ("--time-budget", "0", "expected a finite number of seconds > 0"),
-    ("--time-budget", "nan", "expected a finite number of seconds > 0"),
-    ("--global-batch", "99999999999999999999", "larger than nest-fx handles"),
-    ("--seq", "0", "expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "flag, value, needle",
+    [
+        ("--time-budget", "0", "expected a finite number of seconds > 0"),
+        ("--time-budget", "nan", "expected a finite number of seconds > 0"),
+        ("--global-batch", "99999999999999999999", "larger than nest-fx handles"),
+        ("--seq", "0", "expected a positive integer"),
+    ],
+)
 def test_cli_argument_ranges(tmp_path, capsys, flag, value, needle):
     with pytest.raises(SystemExit) as info:
         main(["plan", "--model", MODEL, "--cluster", "dgx-a100:8", flag, value])
@@ -375,8 +452,11 @@ def test_cli_simulate_json_of_a_zero3_plan(tmp_path, capsys, monkeypatch):
     numpy bool, which ``json`` cannot write)."""
     plan_path, out = tmp_path / "p.json", tmp_path / "sim.json"
     uniform_plan(4, tp=2, dp=4, zero=3, recompute="full", sequence_parallel=True).save(str(plan_path))
-    rc, _, err = run_cli(["simulate", "--plan", str(plan_path), "--model", MODEL, "--cluster", "dgx-a100:8",
-                          "--json", str(out)], capsys, monkeypatch)
+    rc, _, err = run_cli(
+        ["simulate", "--plan", str(plan_path), "--model", MODEL, "--cluster", "dgx-a100:8", "--json", str(out)],
+        capsys,
+        monkeypatch,
+    )
     assert rc == 0 and err == ""
     stages = json.loads(out.read_text())["result"]["stages"]
     assert [s["fits"] for s in stages] == [True]

@@ -1,4 +1,5 @@
 """Cluster description: presets, validation, file round-trips, quantity parsing, rank placement."""
+
 import copy
 import json
 import pathlib
@@ -67,13 +68,16 @@ def test_nest_paper_clusters_keep_the_papers_figures():
     assert t.device.mem_bandwidth == 1.2e12
 
 
-@pytest.mark.parametrize("devices, expected", [
-    (4, [8, 32]),          # fewer devices than a node: node and rack kept, spine omitted
-    (32, [8, 32]),         # exactly one rack: spine would equal the rack
-    (33, [8, 32, 64]),     # 33 rounded up to a multiple of 32
-    (100, [8, 32, 128]),
-    (256, [8, 32, 256]),
-])
+@pytest.mark.parametrize(
+    "devices, expected",
+    [
+        (4, [8, 32]),  # fewer devices than a node: node and rack kept, spine omitted
+        (32, [8, 32]),  # exactly one rack: spine would equal the rack
+        (33, [8, 32, 64]),  # 33 rounded up to a multiple of 32
+        (100, [8, 32, 128]),
+        (256, [8, 32, 256]),
+    ],
+)
 def test_spine_size_follows_device_count(devices, expected):
     assert [lv.group_size for lv in Cluster.preset("dgx-a100", devices).levels] == expected
 
@@ -111,28 +115,34 @@ def dgx64():
     return Cluster.preset("dgx-a100", 64)  # node 8, rack 32, spine 64
 
 
-@pytest.mark.parametrize("ranks, index", [
-    ([5], 0),
-    ([0, 7], 0),
-    ([7, 8], 1),         # neighbours across a node boundary
-    ([0, 31], 1),
-    ([31, 32], 2),       # across a rack boundary
-    (range(64), 2),
-])
+@pytest.mark.parametrize(
+    "ranks, index",
+    [
+        ([5], 0),
+        ([0, 7], 0),
+        ([7, 8], 1),  # neighbours across a node boundary
+        ([0, 31], 1),
+        ([31, 32], 2),  # across a rack boundary
+        (range(64), 2),
+    ],
+)
 def test_level_index_of_group(dgx64, ranks, index):
     assert dgx64.level_index_of_group(ranks) == index
 
 
-@pytest.mark.parametrize("ranks, fanouts", [
-    (range(16), [8, 2]),                   # 2 full nodes in one rack
-    ([0, 8, 16, 24], [1, 4]),              # one rank in each of 4 nodes
-    ([0, 1], [2]),
-    ([3], [1]),
-    (range(64), [8, 4, 2]),
-    ([0, 32], [1, 1, 2]),                  # one rank per rack
-    ([0, 1, 2, 8], [3, 2]),                # unbalanced: the fullest node sets the node fan-out
-    ([1, 9, 33, 41], [1, 2, 2]),
-])
+@pytest.mark.parametrize(
+    "ranks, fanouts",
+    [
+        (range(16), [8, 2]),  # 2 full nodes in one rack
+        ([0, 8, 16, 24], [1, 4]),  # one rank in each of 4 nodes
+        ([0, 1], [2]),
+        ([3], [1]),
+        (range(64), [8, 4, 2]),
+        ([0, 32], [1, 1, 2]),  # one rank per rack
+        ([0, 1, 2, 8], [3, 2]),  # unbalanced: the fullest node sets the node fan-out
+        ([1, 9, 33, 41], [1, 2, 2]),
+    ],
+)
 def test_levels_spanned(dgx64, ranks, fanouts):
     spanned = dgx64.levels_spanned(ranks)
     assert [f for _, f in spanned] == fanouts
@@ -179,17 +189,21 @@ def _span_by_definition(cluster, ranks):
 @settings(max_examples=80, deadline=None)
 def test_span_equals_its_definition_in_any_order(ranks):
     c = Cluster.preset("h100-spine-leaf", 256)
-    assert [(sp.level.name, sp.fanout, sp.max_ranks, sp.min_ranks) for sp in c.span(ranks)] == \
-        _span_by_definition(c, ranks)
+    assert [(sp.level.name, sp.fanout, sp.max_ranks, sp.min_ranks) for sp in c.span(ranks)] == _span_by_definition(
+        c, ranks
+    )
 
 
-@pytest.mark.parametrize("ranks, message", [
-    ([], "non-empty"),
-    ([64], "not a rank"),
-    ([-1], "not a rank"),
-    ([1, 1], "duplicate"),
-    ([0.5], "not a rank"),
-])
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        ([], "non-empty"),
+        ([64], "not a rank"),
+        ([-1], "not a rank"),
+        ([1, 1], "duplicate"),
+        ([0.5], "not a rank"),
+    ],
+)
 def test_bad_ranks(dgx64, ranks, message):
     with pytest.raises(ClusterError, match=message):
         dgx64.levels_spanned(ranks)
@@ -204,38 +218,47 @@ def _device(**kw):
     return DeviceSpec(**args)
 
 
-@pytest.mark.parametrize("sizes, message", [
-    ([8, 8], r"levels\[1\]\.group_size: must be greater"),
-    ([8, 4], r"levels\[1\]\.group_size: must be greater"),
-    ([8, 12], r"levels\[1\]\.group_size: must be a multiple"),
-    ([8, 32, 48], r"levels\[2\]\.group_size: must be a multiple"),
-    ([8, 16], r"levels\[1\]\.group_size: the outermost level must hold all 64"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ([8, 8], r"levels\[1\]\.group_size: must be greater"),
+        ([8, 4], r"levels\[1\]\.group_size: must be greater"),
+        ([8, 12], r"levels\[1\]\.group_size: must be a multiple"),
+        ([8, 32, 48], r"levels\[2\]\.group_size: must be a multiple"),
+        ([8, 16], r"levels\[1\]\.group_size: the outermost level must hold all 64"),
+    ],
+)
 def test_hierarchy_validation_names_the_level(sizes, message):
     levels = [NetworkLevel(f"l{i}", s, 1e9, 1e-6) for i, s in enumerate(sizes)]
     with pytest.raises(ClusterError, match=message):
         Cluster("x", _device(), 64, levels)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(memory_bytes=0), "memory_bytes: must be > 0"),
-    (dict(memory_bytes=-1), "memory_bytes: must be > 0"),
-    (dict(mem_bandwidth=float("nan")), "mem_bandwidth: must be a finite number"),
-    (dict(peak_flops={}), "peak_flops: must be a non-empty mapping"),
-    (dict(peak_flops={"bf16": -5}), r"peak_flops\.bf16: must be > 0"),
-    (dict(name=""), "name: must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(memory_bytes=0), "memory_bytes: must be > 0"),
+        (dict(memory_bytes=-1), "memory_bytes: must be > 0"),
+        (dict(mem_bandwidth=float("nan")), "mem_bandwidth: must be a finite number"),
+        (dict(peak_flops={}), "peak_flops: must be a non-empty mapping"),
+        (dict(peak_flops={"bf16": -5}), r"peak_flops\.bf16: must be > 0"),
+        (dict(name=""), "name: must be a non-empty string"),
+    ],
+)
 def test_device_validation_names_the_field(kwargs, message):
     with pytest.raises(ClusterError, match=message):
         _device(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(group_size=0), "group_size: must be >= 1"),
-    (dict(group_size=8.0), "group_size: must be an integer"),
-    (dict(bandwidth=0), "bandwidth: must be > 0"),
-    (dict(latency=-1e-6), "latency: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(group_size=0), "group_size: must be >= 1"),
+        (dict(group_size=8.0), "group_size: must be an integer"),
+        (dict(bandwidth=0), "bandwidth: must be > 0"),
+        (dict(latency=-1e-6), "latency: must be >= 0"),
+    ],
+)
 def test_level_validation_names_the_field(kwargs, message):
     args = dict(name="node", group_size=8, bandwidth=1e9, latency=1e-6)
     args.update(kwargs)
@@ -305,30 +328,34 @@ def _set(path, value):
             d[int(last)] = value
         else:
             d[last] = value
+
     return edit
 
 
 _DELETE = object()
 
 
-@pytest.mark.parametrize("edit, message", [
-    (_set("levels.1.bandwidth", -3), r"levels\[1\]\.bandwidth: must be > 0, got -3"),
-    (_set("levels.0.latency", "5 parsecs"), r"levels\[0\]\.latency: cannot read unit 'parsecs'"),
-    (_set("levels.1.group_size", 12), r"levels\[1\]\.group_size: must be a multiple"),
-    (_set("levels.0.bandwith", 1), r"levels\[0\]: unknown key\(s\) \['bandwith'\]"),
-    (_set("levels.0.name", _DELETE), r"levels\[0\]: missing key\(s\) \['name'\]"),
-    (_set("levels", []), "levels: must be a non-empty list"),
-    (_set("device.memory_bytes", "80G"), r"device\.memory_bytes: cannot read unit 'G'"),
-    (_set("device.memory_bytes", 0), r"device\.memory_bytes: must be > 0"),
-    (_set("device.peak_flops", {"bf16": "fast"}), r"device\.peak_flops\.bf16: expected FLOP/s"),
-    (_set("device.peak_flops", {}), r"device\.peak_flops: must be a non-empty mapping"),
-    (_set("device.mem_bandwidth", "2TB"), r"device\.mem_bandwidth: cannot read unit 'TB'"),
-    (_set("num_devices", 64), r"levels\[1\]\.group_size: the outermost level must hold all 64"),
-    (_set("num_devices", "16"), "num_devices: must be an integer"),
-    (_set("format", "nest-fx-cluster/2"), "format: must be 'nest-fx-cluster/1'"),
-    (_set("format", _DELETE), r"missing key\(s\) \['format'\]"),
-    (_set("extra", 1), r"unknown key\(s\) \['extra'\]"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_set("levels.1.bandwidth", -3), r"levels\[1\]\.bandwidth: must be > 0, got -3"),
+        (_set("levels.0.latency", "5 parsecs"), r"levels\[0\]\.latency: cannot read unit 'parsecs'"),
+        (_set("levels.1.group_size", 12), r"levels\[1\]\.group_size: must be a multiple"),
+        (_set("levels.0.bandwith", 1), r"levels\[0\]: unknown key\(s\) \['bandwith'\]"),
+        (_set("levels.0.name", _DELETE), r"levels\[0\]: missing key\(s\) \['name'\]"),
+        (_set("levels", []), "levels: must be a non-empty list"),
+        (_set("device.memory_bytes", "80G"), r"device\.memory_bytes: cannot read unit 'G'"),
+        (_set("device.memory_bytes", 0), r"device\.memory_bytes: must be > 0"),
+        (_set("device.peak_flops", {"bf16": "fast"}), r"device\.peak_flops\.bf16: expected FLOP/s"),
+        (_set("device.peak_flops", {}), r"device\.peak_flops: must be a non-empty mapping"),
+        (_set("device.mem_bandwidth", "2TB"), r"device\.mem_bandwidth: cannot read unit 'TB'"),
+        (_set("num_devices", 64), r"levels\[1\]\.group_size: the outermost level must hold all 64"),
+        (_set("num_devices", "16"), "num_devices: must be an integer"),
+        (_set("format", "nest-fx-cluster/2"), "format: must be 'nest-fx-cluster/1'"),
+        (_set("format", _DELETE), r"missing key\(s\) \['format'\]"),
+        (_set("extra", 1), r"unknown key\(s\) \['extra'\]"),
+    ],
+)
 def test_from_dict_errors_name_the_field(edit, message):
     d = copy.deepcopy(_good())
     edit(d)
@@ -354,47 +381,53 @@ def test_load_errors_name_the_file(tmp_path):
 # -- quantities ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, unit, value", [
-    (25e9, "B/s", 25e9),
-    ("25e9", "B/s", 25e9),
-    ("80GiB", "B", 80 * 2**30),
-    ("80 GB", "B", 80e9),
-    ("512MiB", "B", 512 * 2**20),
-    ("1.5KB", "B", 1500.0),
-    ("2TiB", "B", 2 * 2**40),
-    ("300GB/s", "B/s", 300e9),
-    ("200Gb/s", "B/s", 200e9 / 8),      # bits
-    ("100Gbps", "B/s", 100e9 / 8),
-    ("1GiB/s", "B/s", 2.0**30),
-    ("5us", "s", 5e-6),
-    ("5µs", "s", 5e-6),
-    ("1.5ms", "s", 1.5e-3),
-    ("100ns", "s", 1e-7),
-    ("2e-6s", "s", 2e-6),
-    ("2", "s", 2.0),
-    ("312T", "FLOP/s", 312e12),
-    ("312e12", "FLOP/s", 312e12),
-    ("312TFLOPS", "FLOP/s", 312e12),
-    ("312 TFLOP/s", "FLOP/s", 312e12),
-    ("19.5 T", "FLOP/s", 19.5e12),
-    ("50G", "FLOP/s", 50e9),
-])
+@pytest.mark.parametrize(
+    "text, unit, value",
+    [
+        (25e9, "B/s", 25e9),
+        ("25e9", "B/s", 25e9),
+        ("80GiB", "B", 80 * 2**30),
+        ("80 GB", "B", 80e9),
+        ("512MiB", "B", 512 * 2**20),
+        ("1.5KB", "B", 1500.0),
+        ("2TiB", "B", 2 * 2**40),
+        ("300GB/s", "B/s", 300e9),
+        ("200Gb/s", "B/s", 200e9 / 8),  # bits
+        ("100Gbps", "B/s", 100e9 / 8),
+        ("1GiB/s", "B/s", 2.0**30),
+        ("5us", "s", 5e-6),
+        ("5µs", "s", 5e-6),
+        ("1.5ms", "s", 1.5e-3),
+        ("100ns", "s", 1e-7),
+        ("2e-6s", "s", 2e-6),
+        ("2", "s", 2.0),
+        ("312T", "FLOP/s", 312e12),
+        ("312e12", "FLOP/s", 312e12),
+        ("312TFLOPS", "FLOP/s", 312e12),
+        ("312 TFLOP/s", "FLOP/s", 312e12),
+        ("19.5 T", "FLOP/s", 19.5e12),
+        ("50G", "FLOP/s", 50e9),
+    ],
+)
 def test_parse_quantity(text, unit, value):
     assert parse_quantity(text, unit) == pytest.approx(value, rel=1e-12)
 
 
-@pytest.mark.parametrize("text, unit", [
-    ("80G", "B"),          # ambiguous: GB or GiB?
-    ("300GB", "B/s"),      # a size where a rate is expected
-    ("5 min", "s"),
-    ("fast", "FLOP/s"),
-    ("312 TB", "FLOP/s"),
-    ("", "B"),
-    (None, "B"),
-    (True, "s"),
-    ("inf", "B"),
-    ("1e999", "B"),
-])
+@pytest.mark.parametrize(
+    "text, unit",
+    [
+        ("80G", "B"),  # ambiguous: GB or GiB?
+        ("300GB", "B/s"),  # a size where a rate is expected
+        ("5 min", "s"),
+        ("fast", "FLOP/s"),
+        ("312 TB", "FLOP/s"),
+        ("", "B"),
+        (None, "B"),
+        (True, "s"),
+        ("inf", "B"),
+        ("1e999", "B"),
+    ],
+)
 def test_parse_quantity_rejects(text, unit):
     with pytest.raises(ClusterError, match="bandwidth"):
         parse_quantity(text, unit, path="bandwidth")

@@ -1,4 +1,5 @@
 """Collective times: hand-computed alpha-beta values, hierarchical cases, invariants, errors."""
+
 import math
 from dataclasses import replace
 
@@ -136,8 +137,7 @@ def test_collective_steps_across_the_spine_use_the_path_bandwidth(slow_leaf):
     assert all_to_all(slow_leaf, heads, S) == pytest.approx(3 / 4 * S / 12.5e9 + 3 * 1.5e-5)
     assert broadcast(slow_leaf, heads, S) == pytest.approx(2 * 3 / 4 * S / 12.5e9 + (2 + 3) * 1.5e-5)
     # all 64 ranks of racks 0-1: node 8 on S, rack 4 on S/8, spine 2 on S/32 (spine step at 12.5 GB/s)
-    expected = (7 / 8 * S / 900e9 + 7 * 5e-6) + (3 / 4 * S / 8 / 12.5e9 + 3 * 1e-5) + (
-        1 / 2 * S / 32 / 12.5e9 + 1.5e-5)
+    expected = (7 / 8 * S / 900e9 + 7 * 5e-6) + (3 / 4 * S / 8 / 12.5e9 + 3 * 1e-5) + (1 / 2 * S / 32 / 12.5e9 + 1.5e-5)
     assert all_gather(slow_leaf, range(64), S) == pytest.approx(expected)
 
 
@@ -205,8 +205,13 @@ def test_unknown_kind_lists_the_kinds(dgx64):
 
 
 def test_dispatch_matches_the_functions(dgx64):
-    for kind, fn in [("all_reduce", all_reduce), ("all_gather", all_gather),
-                     ("reduce_scatter", reduce_scatter), ("all_to_all", all_to_all), ("broadcast", broadcast)]:
+    for kind, fn in [
+        ("all_reduce", all_reduce),
+        ("all_gather", all_gather),
+        ("reduce_scatter", reduce_scatter),
+        ("all_to_all", all_to_all),
+        ("broadcast", broadcast),
+    ]:
         assert collective_time(kind, dgx64, range(12), S) == fn(dgx64, range(12), S)
 
 
@@ -254,5 +259,6 @@ def test_within_a_node_the_hierarchy_is_the_ring(n, nbytes):
     c = Cluster.preset("dgx-a100", 64)
     lv = c.levels[0]
     assert all_reduce(c, range(n), nbytes) == pytest.approx(
-        2 * (n - 1) / n * nbytes / lv.bandwidth + 2 * (n - 1) * lv.latency)
+        2 * (n - 1) / n * nbytes / lv.bandwidth + 2 * (n - 1) * lv.latency
+    )
     assert C.ring_pass(n, nbytes, lv) == pytest.approx(reduce_scatter(c, range(n), nbytes))

@@ -1,5 +1,6 @@
 """Graph topologies: generators, file format, routing, contention, agreement with the hierarchical
 model, the GraphCluster adapter in the step-time model, orderings and calibration."""
+
 import json
 
 import pytest
@@ -115,11 +116,14 @@ def test_save_load_roundtrip(tmp_path, suffix):
 
 def _minimal():
     return {
-        "format": "nest-fx-topology/1", "name": "two",
+        "format": "nest-fx-topology/1",
+        "name": "two",
         "device": {"name": "gpu", "memory_bytes": "80GiB", "peak_flops": {"bf16": "312T"}, "mem_bandwidth": "2TB/s"},
         "nodes": {"devices": 2, "switches": ["sw"]},
-        "links": [{"a": 0, "b": "sw", "bandwidth": "300GB/s", "latency": "2.5us"},
-                  {"a": 1, "b": "sw", "bandwidth": "300GB/s", "latency": "2.5us"}],
+        "links": [
+            {"a": 0, "b": "sw", "bandwidth": "300GB/s", "latency": "2.5us"},
+            {"a": 1, "b": "sw", "bandwidth": "300GB/s", "latency": "2.5us"},
+        ],
     }
 
 
@@ -129,26 +133,31 @@ def test_quantities_in_files():
     assert p2p_time(t, 0, 1, 3e9) == pytest.approx(5e-6 + 0.01)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(format="x"), "format: must be"),
-    (lambda d: d.pop("links"), "missing key(s) ['links']"),
-    (lambda d: d.update(extra=1), "unknown key(s) ['extra']"),
-    (lambda d: d["links"][1].update(bandwidth=-1), "links[1].bandwidth: must be > 0"),
-    (lambda d: d["links"][1].update(bandwidth="fast"), "links[1].bandwidth"),
-    (lambda d: d["links"][0].update(latency="2 parsecs"), "links[0].latency"),
-    (lambda d: d["links"][1].update(b="sw9"), "links[1].b: unknown node 'sw9'"),
-    (lambda d: d["links"][1].update(a=0), "links[1]: a second link between 0 and 'sw'"),
-    (lambda d: d["links"][1].update(b=1), "links[1]: a link must join two different nodes"),
-    (lambda d: d["links"][1].update(bandwith=1), "links[1]: unknown key(s) ['bandwith']"),
-    (lambda d: d["nodes"].update(devices=3), "device(s) [2] have no link"),
-    (lambda d: d["nodes"].update(devices=0), "nodes.devices"),
-    (lambda d: d["nodes"].update(switches=["sw", "7"]), "nodes.switches[1]"),
-    (lambda d: d["nodes"].update(switches=["sw", "sw"]), "nodes.switches[1]: duplicate"),
-    (lambda d: d["device"].update(memory_bytes=0), "device.memory_bytes"),
-    (lambda d: d.update(levels=[{"name": "n", "group_size": 1, "bandwidth": 1, "latency": 0}]),
-     "levels[0].group_size: the outermost level must hold all 2 devices"),
-    (lambda d: d.update(measured=[{"src": 0, "dst": 0, "bandwidth": 1, "latency": 0}]), "src and dst must differ"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(format="x"), "format: must be"),
+        (lambda d: d.pop("links"), "missing key(s) ['links']"),
+        (lambda d: d.update(extra=1), "unknown key(s) ['extra']"),
+        (lambda d: d["links"][1].update(bandwidth=-1), "links[1].bandwidth: must be > 0"),
+        (lambda d: d["links"][1].update(bandwidth="fast"), "links[1].bandwidth"),
+        (lambda d: d["links"][0].update(latency="2 parsecs"), "links[0].latency"),
+        (lambda d: d["links"][1].update(b="sw9"), "links[1].b: unknown node 'sw9'"),
+        (lambda d: d["links"][1].update(a=0), "links[1]: a second link between 0 and 'sw'"),
+        (lambda d: d["links"][1].update(b=1), "links[1]: a link must join two different nodes"),
+        (lambda d: d["links"][1].update(bandwith=1), "links[1]: unknown key(s) ['bandwith']"),
+        (lambda d: d["nodes"].update(devices=3), "device(s) [2] have no link"),
+        (lambda d: d["nodes"].update(devices=0), "nodes.devices"),
+        (lambda d: d["nodes"].update(switches=["sw", "7"]), "nodes.switches[1]"),
+        (lambda d: d["nodes"].update(switches=["sw", "sw"]), "nodes.switches[1]: duplicate"),
+        (lambda d: d["device"].update(memory_bytes=0), "device.memory_bytes"),
+        (
+            lambda d: d.update(levels=[{"name": "n", "group_size": 1, "bandwidth": 1, "latency": 0}]),
+            "levels[0].group_size: the outermost level must hold all 2 devices",
+        ),
+        (lambda d: d.update(measured=[{"src": 0, "dst": 0, "bandwidth": 1, "latency": 0}]), "src and dst must differ"),
+    ],
+)
 def test_validation_errors_name_the_field(edit, message):
     d = _minimal()
     edit(d)
@@ -174,9 +183,17 @@ def test_disconnected_and_bad_files(tmp_path):
 
 PRESET_SIZES = [("dgx-a100", 128), ("dgx-h100", 64), ("h100-spine-leaf", 128), ("tpuv4-fat-tree", 96), ("cpu-gloo", 8)]
 GROUPS = {
-    "pair": [0, 1], "node": list(range(8)), "half-node": [2, 3, 4, 5], "rack-stride": [0, 8, 16, 24],
-    "two-nodes": list(range(16)), "rack": list(range(32)), "cross-rack": [0, 32, 64], "racks": list(range(64)),
-    "node-heads": [8 * i for i in range(12)], "stride-2": list(range(0, 96, 2)), "mixed": [1, 9, 33, 41],
+    "pair": [0, 1],
+    "node": list(range(8)),
+    "half-node": [2, 3, 4, 5],
+    "rack-stride": [0, 8, 16, 24],
+    "two-nodes": list(range(16)),
+    "rack": list(range(32)),
+    "cross-rack": [0, 32, 64],
+    "racks": list(range(64)),
+    "node-heads": [8 * i for i in range(12)],
+    "stride-2": list(range(0, 96, 2)),
+    "mixed": [1, 9, 33, 41],
 }
 
 
@@ -224,7 +241,8 @@ def test_pairwise_all_to_all_is_cheaper_than_staged_across_levels():
     topo = from_cluster(Cluster.preset("dgx-a100", 64))
     one_level = list(range(8))
     assert collective_time("all_to_all", topo, one_level, S, all_to_all="pairwise") == pytest.approx(
-        collective_time("all_to_all", topo, one_level, S), rel=1e-12)
+        collective_time("all_to_all", topo, one_level, S), rel=1e-12
+    )
     staged = collective_time("all_to_all", topo, [8 * i for i in range(8)], S)
     pairwise = collective_time("all_to_all", topo, [8 * i for i in range(8)], S, all_to_all="pairwise")
     assert pairwise < staged
@@ -260,14 +278,16 @@ def test_contention_only_when_rings_share_a_link():
     per_group = concurrent_times("all_reduce", over, cross, S)
     assert max(per_group) == shared
     assert concurrent_collective_time("all_reduce", over, inside, S) == pytest.approx(
-        collective_time("all_reduce", over, inside[0], S), rel=1e-12)
+        collective_time("all_reduce", over, inside[0], S), rel=1e-12
+    )
 
 
 def test_d_mod_k_spreads_over_spines():
     t = fat_tree(4, 2, nodes_per_leaf=2, spines=2, oversubscription=1.0)
     cross = [[i, i + 4] for i in range(4)]
     assert concurrent_collective_time("all_reduce", t, cross, S) == pytest.approx(
-        collective_time("all_reduce", t, cross[0], S), rel=1e-12)
+        collective_time("all_reduce", t, cross[0], S), rel=1e-12
+    )
 
 
 def test_dp_sync_contention_of_a_plan():
@@ -278,8 +298,7 @@ def test_dp_sync_contention_of_a_plan():
     # both DP groups' cross-leaf rings share the 4:1 uplinks: that step runs at half speed
     assert report.slowdown > 1.2
     assert dp_sync_contention(plan, work, GraphCluster(fat_tree(4, 4, nodes_per_leaf=2))).slowdown == pytest.approx(1.0)
-    assert report.isolated[0] == over.collective_time("all_reduce", plan.dp_group(0, 0),
-                                                      _grad_bytes(work, plan))
+    assert report.isolated[0] == over.collective_time("all_reduce", plan.dp_group(0, 0), _grad_bytes(work, plan))
     healthy = dp_sync_contention(plan, work, GraphCluster(from_cluster(Cluster.preset("dgx-a100", 16))))
     assert healthy.slowdown == pytest.approx(1.0)
 
@@ -302,9 +321,15 @@ def _workload():
     return _WORK["w"]
 
 
-@pytest.mark.parametrize("shape", [dict(pp=1, tp=1, dp=64), dict(pp=2, tp=4, dp=8),
-                                   dict(pp=4, tp=2, dp=8, placement="replica-major"),
-                                   dict(pp=2, tp=8, dp=4, zero=3)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(pp=1, tp=1, dp=64),
+        dict(pp=2, tp=4, dp=8),
+        dict(pp=4, tp=2, dp=8, placement="replica-major"),
+        dict(pp=2, tp=8, dp=4, zero=3),
+    ],
+)
 def test_simulate_on_graph_cluster_matches_hierarchical(shape):
     cluster = Cluster.preset("dgx-a100", 64)
     work = _workload()
@@ -335,15 +360,17 @@ def test_slow_link_changes_the_preferred_order():
     plan = uniform_plan(len(work), pp=1, tp=2, dp=4, num_microbatches=4, zero=1)
 
     def costs(topo):
-        return {name: (simulate(plan, work, GraphCluster(topo, perm)).step_s, perm)
-                for name, perm in candidate_orders(topo, block=2).items()}
+        return {
+            name: (simulate(plan, work, GraphCluster(topo, perm)).step_s, perm)
+            for name, perm in candidate_orders(topo, block=2).items()
+        }
 
     base = costs(healthy)
     assert min(base.values())[0] == pytest.approx(base["node-major"][0])
     degraded = costs(slow)
     assert degraded["node-major"][0] > base["node-major"][0] * 1.02  # the TP pair {0, 1} is slow now
     best_time, best_perm = min(degraded.values())
-    tp_groups = [set(best_perm[i:i + 2]) for i in range(0, 8, 2)]
+    tp_groups = [set(best_perm[i : i + 2]) for i in range(0, 8, 2)]
     assert {0, 1} not in tp_groups
     assert best_time == pytest.approx(base["node-major"][0], rel=1e-9)  # the slow pair carries no TP traffic
     # the cost model's cache keeps graph results apart from the hierarchical ones
@@ -404,9 +431,11 @@ def test_measured_route_derates_but_keeps_sharing_links():
 def test_costing_1024_devices():
     """A ring over 1,024 devices and 128 concurrent groups are costed on each kind of topology
     (how long that takes: ``scripts/bench_topology.py``, its costing table)."""
-    for build in (lambda: from_cluster(Cluster.preset("dgx-a100", 1024)),
-                  lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0),
-                  lambda: torus([8, 8, 16])):
+    for build in (
+        lambda: from_cluster(Cluster.preset("dgx-a100", 1024)),
+        lambda: fat_tree(128, 8, nodes_per_leaf=4, spines=4, oversubscription=4.0),
+        lambda: torus([8, 8, 16]),
+    ):
         topo = build()
         ring = collective_time("all_reduce", topo, range(1024), S)
         groups = [[g + 128 * k for k in range(8)] for g in range(128)]

@@ -1,5 +1,6 @@
 """Input limits (docs/runtime.md, "Input files"): only regular files are read, never waited on, at
 most 64 MiB, and each is parsed once; a NaN time in a profile is refused."""
+
 from __future__ import annotations
 
 import math
@@ -55,13 +56,24 @@ def test_a_cluster_or_topology_file_is_parsed_once(tmp_path, monkeypatch):
 
 
 def _profile(**entry) -> dict:
-    return {"format": "nest-fx-profile/1", "device": "cpu", "device_name": "x", "dtype": "float32",
-            "torch_version": "2", "ops": {"k": {"op": "mm", "fwd_s": 1e-3, "bwd_s": 2e-3, "peak_bytes": 0, **entry}}}
+    return {
+        "format": "nest-fx-profile/1",
+        "device": "cpu",
+        "device_name": "x",
+        "dtype": "float32",
+        "torch_version": "2",
+        "ops": {"k": {"op": "mm", "fwd_s": 1e-3, "bwd_s": 2e-3, "peak_bytes": 0, **entry}},
+    }
 
 
 def test_a_nan_time_in_a_profile_is_refused():
-    for field, value in [("fwd_s", math.nan), ("bwd_s", math.inf), ("fwd_host_s", math.nan), ("fwd_s", -1.0),
-                         ("peak_bytes", math.nan)]:
+    for field, value in [
+        ("fwd_s", math.nan),
+        ("bwd_s", math.inf),
+        ("fwd_host_s", math.nan),
+        ("fwd_s", -1.0),
+        ("peak_bytes", math.nan),
+    ]:
         with pytest.raises(ProfileError, match=f"ops\\['k'\\].{field}: {value} is not a finite non-negative number"):
             Profile.from_dict(_profile(**{field: value}))
     # an op that was not measured says so, and may carry NaN
@@ -76,13 +88,24 @@ def test_a_key_given_twice_is_refused_naming_it(tmp_path):
     from nest_fx.workload import WorkloadError
     from nest_fx.workload.table import load_workload
 
-    cases = [("plan.json", '{"format": "nest-fx-plan/1",\n "stages": [{"tp": 2, "dp": 1, "tp": 4}]}', Plan.load,
-              PlanError, "JSON"),
-             ("cluster.yaml", "name: x\ndevices: 8\nlevels: []\ndevices: 16\n", load_cluster, ClusterError,
-              "YAML"),
-             ("workload.json", '{"format": "nest-fx-workload/1", "layers": [], "layers": []}', load_workload,
-              WorkloadError, "JSON"),
-             ("profile.json", json_with_twice("fwd_s"), Profile.load, ProfileError, "JSON")]
+    cases = [
+        (
+            "plan.json",
+            '{"format": "nest-fx-plan/1",\n "stages": [{"tp": 2, "dp": 1, "tp": 4}]}',
+            Plan.load,
+            PlanError,
+            "JSON",
+        ),
+        ("cluster.yaml", "name: x\ndevices: 8\nlevels: []\ndevices: 16\n", load_cluster, ClusterError, "YAML"),
+        (
+            "workload.json",
+            '{"format": "nest-fx-workload/1", "layers": [], "layers": []}',
+            load_workload,
+            WorkloadError,
+            "JSON",
+        ),
+        ("profile.json", json_with_twice("fwd_s"), Profile.load, ProfileError, "JSON"),
+    ]
     for name, text, load, error, kind in cases:
         path = tmp_path / name
         path.write_text(text)
@@ -98,9 +121,11 @@ def test_a_key_given_twice_is_refused_naming_it(tmp_path):
 
 
 def json_with_twice(key: str) -> str:
-    return ('{"format": "nest-fx-profile/1", "device": "cpu", "device_name": "x", "dtype": "float32", '
-            f'"torch_version": "2", "ops": {{"k": {{"op": "mm", "{key}": 1e-3, "bwd_s": 2e-3, "peak_bytes": 0, '
-            f'"{key}": 5e-3}}}}}}')
+    return (
+        '{"format": "nest-fx-profile/1", "device": "cpu", "device_name": "x", "dtype": "float32", '
+        f'"torch_version": "2", "ops": {{"k": {{"op": "mm", "{key}": 1e-3, "bwd_s": 2e-3, "peak_bytes": 0, '
+        f'"{key}": 5e-3}}}}}}'
+    )
 
 
 def test_an_absurd_depth_is_refused_at_once():

@@ -2,6 +2,7 @@
 make it wrong: recompute policies against the CPU autograd measurement, the layer table's
 round trip, the tied copy under PP, CP traffic and causal work, loss parallel, HSDP, interleaved
 in-flight activations per chunk, the allocator's reserved memory (docs/cost_model.md)."""
+
 from __future__ import annotations
 
 import pytest
@@ -58,7 +59,8 @@ def test_backward_scratch_survives_the_layer_table(gpt, tmp_path):
         assert back.cost(tail, tp).bwd_scratch == gpt.cost(tail, tp).bwd_scratch > 0
     plan = uniform_plan(len(gpt), dp=16, num_microbatches=1)
     assert simulate(plan, back, load_cluster("dgx-h100:16")).stages[0].memory["total"] == pytest.approx(
-        simulate(plan, gpt, load_cluster("dgx-h100:16")).stages[0].memory["total"])
+        simulate(plan, gpt, load_cluster("dgx-h100:16")).stages[0].memory["total"]
+    )
 
 
 def test_tied_head_keeps_a_second_copy_on_the_last_stage(h100):
@@ -94,9 +96,9 @@ def test_causal_work_per_rank_counts_the_masked_kernel(seq, cp):
     positions = torch.arange(seq)
     for rank in range(cp):  # chunks rank and 2 cp - 1 - rank, each up to its end under a causal mask
         scores = sum(chunk * (j + 1) * chunk for j in (rank, 2 * cp - 1 - rank))
-        assert attention_work(seq, cp, True) == pytest.approx(scores / seq ** 2)
+        assert attention_work(seq, cp, True) == pytest.approx(scores / seq**2)
     lower = int((positions[:, None] >= positions[None, :]).sum())
-    assert attention_work(seq, 1, True) == pytest.approx(lower / seq ** 2)
+    assert attention_work(seq, 1, True) == pytest.approx(lower / seq**2)
     assert attention_work(seq, 1, False) == 1.0
 
 
@@ -157,7 +159,8 @@ def test_fused_attention_runs_at_flash_attention_2s_rate_per_device(h100):
     assert hopper.attention_efficiency == 0.35 and ampere.attention_efficiency is None
     flops = 1e12
     assert hopper.op_seconds(flops, 0, True, attention=True) == pytest.approx(
-        hopper.op_seconds(flops, 0, True) * 0.75 / 0.35, rel=1e-2)  # + one launch
+        hopper.op_seconds(flops, 0, True) * 0.75 / 0.35, rel=1e-2
+    )  # + one launch
     assert ampere.op_seconds(flops, 0, True, attention=True) == ampere.op_seconds(flops, 0, True)
 
 

@@ -1,5 +1,6 @@
 """Error bands of step-time predictions (nest_fx.cost.error_bands) against the published-run
 benchmark's own results (results/bench_published.json), and how plan/explain show them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,11 @@ RESULTS = os.path.join(ROOT, "results", "bench_published.json")
 
 
 def _features(row: dict) -> set:
-    return {name for name, on in (("float8", row["float8"]), ("cp", row["cp"] > 1), ("pp", row["pp"] > 1),
-                                  ("tp", row["tp"] > 1)) if on}
+    return {
+        name
+        for name, on in (("float8", row["float8"]), ("cp", row["cp"] > 1), ("pp", row["pp"] > 1), ("tp", row["tp"] > 1))
+        if on
+    }
 
 
 def _backend(row: dict) -> str:
@@ -52,7 +56,7 @@ def test_every_band_covers_the_published_rows_it_names():
     order = list(FEATURE_BANDS)
     assert order == ["float8", "cp", "tp", "pp"]
     for k, (name, band) in enumerate(FEATURE_BANDS.items()):
-        rows = [e for row, e in errors if name in _features(row) and not _features(row) & set(order[k + 1:])]
+        rows = [e for row, e in errors if name in _features(row) and not _features(row) & set(order[k + 1 :])]
         assert rows and max(rows) <= band.rel, name
 
 
@@ -60,14 +64,24 @@ def test_a_plans_band_is_the_widest_of_its_backend_and_features():
     plan = uniform_plan(4, dp=8)
     assert error_band(plan) == BACKEND_BANDS["eager"]
     assert error_band(dataclasses.replace(plan, compile=True)) == BACKEND_BANDS["compile"]
-    assert error_band(dataclasses.replace(plan, float8=True)).rel == max(BACKEND_BANDS["eager"].rel,
-                                                                         FEATURE_BANDS["float8"].rel)
+    assert error_band(dataclasses.replace(plan, float8=True)).rel == max(
+        BACKEND_BANDS["eager"].rel, FEATURE_BANDS["float8"].rel
+    )
     assert error_band(dataclasses.replace(plan, kernels="fused")).rel is None  # no published fused run checks it
     assert error_band(uniform_plan(4, pp=2, tp=2, dp=2)).rel == max(FEATURE_BANDS["pp"].rel, FEATURE_BANDS["tp"].rel)
 
 
-@pytest.mark.parametrize("gain, rel, inside", [(1.05, 0.06, True), (1.13, 0.06, False), (1.12, 0.06, True),
-                                               (3.0, None, True), (1.0, 0.0, True), (1.01, 0.0, False)])
+@pytest.mark.parametrize(
+    "gain, rel, inside",
+    [
+        (1.05, 0.06, True),
+        (1.13, 0.06, False),
+        (1.12, 0.06, True),
+        (3.0, None, True),
+        (1.0, 0.0, True),
+        (1.01, 0.0, False),
+    ],
+)
 def test_a_gain_is_within_the_error_when_both_predictions_may_be_off_by_the_band(gain, rel, inside):
     assert within_error(gain, ErrorBand(rel, "x")) is inside
 
@@ -94,5 +108,6 @@ def test_explain_shows_the_backend_and_its_band():
     text = explain_text(plan, work, cluster, simulate(plan, work, cluster))
     assert "kernels eager; error band of the step time: +-6% (torchtitan Llama 3.1 8B eager rows" in text
     fused = dataclasses.replace(plan, kernels="fused")
-    assert "kernels fused; error band of the step time: unchecked (" in explain_text(fused, work, cluster,
-                                                                                   simulate(fused, work, cluster))
+    assert "kernels fused; error band of the step time: unchecked (" in explain_text(
+        fused, work, cluster, simulate(fused, work, cluster)
+    )

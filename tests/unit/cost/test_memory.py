@@ -1,4 +1,5 @@
 """Memory model: ZeRO model states, Korthikanti activations, pipeline in-flight factor, fit check."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,13 +19,16 @@ from nest_fx.cost.memory import (
 # -- model states --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage, weights, grads, optimizer", [
-    # psi = 1e9 params, dp = 8, mixed-precision Adam: 2 + 2 + 12 bytes/param
-    (0, 2e9, 2e9, 12e9),
-    (1, 2e9, 2e9, 12e9 / 8),        # optimizer sharded: 1.5e9
-    (2, 2e9, 2e9 / 8, 12e9 / 8),    # + grads: 0.25e9
-    (3, 2e9 / 8, 2e9 / 8, 12e9 / 8),  # + weights
-])
+@pytest.mark.parametrize(
+    "stage, weights, grads, optimizer",
+    [
+        # psi = 1e9 params, dp = 8, mixed-precision Adam: 2 + 2 + 12 bytes/param
+        (0, 2e9, 2e9, 12e9),
+        (1, 2e9, 2e9, 12e9 / 8),  # optimizer sharded: 1.5e9
+        (2, 2e9, 2e9 / 8, 12e9 / 8),  # + grads: 0.25e9
+        (3, 2e9 / 8, 2e9 / 8, 12e9 / 8),  # + weights
+    ],
+)
 def test_zero_stages_hand_values(stage, weights, grads, optimizer):
     m = model_state_bytes(1e9, zero_stage=stage, dp=8)
     assert (m["weights"], m["grads"], m["optimizer"]) == pytest.approx((weights, grads, optimizer))
@@ -53,8 +57,12 @@ def test_fp32_adam_and_sgd():
     # PyTorch's default SGD (momentum 0) keeps no state: the master copy alone, nothing in fp32
     assert optimizer_bytes_per_param("sgd") == 4
     assert optimizer_bytes_per_param("sgd", master_weights=False) == 0
-    assert model_state_bytes(10, zero_stage=0, dp=1, optimizer="sgd", param_dtype_bytes=4, grad_dtype_bytes=4,
-                             master_weights=False)["optimizer"] == 0
+    assert (
+        model_state_bytes(
+            10, zero_stage=0, dp=1, optimizer="sgd", param_dtype_bytes=4, grad_dtype_bytes=4, master_weights=False
+        )["optimizer"]
+        == 0
+    )
 
 
 @given(psi=st.floats(0, 1e12), dp=st.integers(1, 4096), opt=st.sampled_from(["adam", "adamw", "sgd", "sgd-momentum"]))
@@ -70,18 +78,21 @@ def test_dp_one_makes_zero_a_no_op():
         assert model_state_bytes(3e9, zero_stage=z, dp=1) == base
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(zero_stage=4), "zero_stage"),
-    (dict(zero_stage=-1), "zero_stage"),
-    (dict(zero_stage=True), "zero_stage"),
-    (dict(dp=0), "dp"),
-    (dict(dp=2.0), "dp"),
-    (dict(optimizer="lamb"), "optimizer"),
-    (dict(num_params=-1), "num_params"),
-    (dict(num_params=float("nan")), "num_params"),
-    (dict(param_dtype_bytes=0), "param_dtype_bytes"),
-    (dict(grad_dtype_bytes=-2), "grad_dtype_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(zero_stage=4), "zero_stage"),
+        (dict(zero_stage=-1), "zero_stage"),
+        (dict(zero_stage=True), "zero_stage"),
+        (dict(dp=0), "dp"),
+        (dict(dp=2.0), "dp"),
+        (dict(optimizer="lamb"), "optimizer"),
+        (dict(num_params=-1), "num_params"),
+        (dict(num_params=float("nan")), "num_params"),
+        (dict(param_dtype_bytes=0), "param_dtype_bytes"),
+        (dict(grad_dtype_bytes=-2), "grad_dtype_bytes"),
+    ],
+)
 def test_model_state_validation_names_the_argument(kwargs, message):
     args = dict(num_params=1e9, zero_stage=1, dp=8)
     args.update(kwargs)
@@ -95,16 +106,19 @@ def test_model_state_validation_names_the_argument(kwargs, message):
 SMALL = dict(seq=8, microbatch=2, hidden=16, heads=4)
 
 
-@pytest.mark.parametrize("tp, sp, recompute, expected", [
-    (1, False, "none", 256 * (34 + 10)),              # sbh(34 + 5as/h)
-    (4, False, "none", 256 * (10 + 24 / 4 + 10 / 4)),   # sbh(10 + 24/t + 5as/(ht))
-    (4, True, "none", 256 / 4 * (34 + 10)),           # sbh/t (34 + 5as/h)
-    (4, False, "selective", 256 * (10 + 24 / 4)),     # sbh(10 + 24/t)
-    (4, True, "selective", 256 * 34 / 4),             # sbh 34/t
-    (1, False, "selective", 256 * 34),
-    (4, False, "full", 2 * 256),                      # 2sbh
-    (4, True, "full", 2 * 256 / 4),                   # 2sbh/t
-])
+@pytest.mark.parametrize(
+    "tp, sp, recompute, expected",
+    [
+        (1, False, "none", 256 * (34 + 10)),  # sbh(34 + 5as/h)
+        (4, False, "none", 256 * (10 + 24 / 4 + 10 / 4)),  # sbh(10 + 24/t + 5as/(ht))
+        (4, True, "none", 256 / 4 * (34 + 10)),  # sbh/t (34 + 5as/h)
+        (4, False, "selective", 256 * (10 + 24 / 4)),  # sbh(10 + 24/t)
+        (4, True, "selective", 256 * 34 / 4),  # sbh 34/t
+        (1, False, "selective", 256 * 34),
+        (4, False, "full", 2 * 256),  # 2sbh
+        (4, True, "full", 2 * 256 / 4),  # 2sbh/t
+    ],
+)
 def test_korthikanti_table_2(tp, sp, recompute, expected):
     got = korthikanti_activation_bytes(**SMALL, tp=tp, sequence_parallel=sp, recompute=recompute)
     assert got == pytest.approx(expected)
@@ -116,8 +130,8 @@ def test_dtype_scaling():
     assert korthikanti_activation_bytes(**SMALL, tp=2, dtype_bytes=1) == pytest.approx(two / 2)
 
 
-GPT3 = dict(seq=2048, microbatch=1, hidden=12288, heads=96)        # GPT-3 175B, Table 3
-MTNLG = dict(seq=2048, microbatch=1, hidden=20480, heads=128)      # MT-NLG 530B, Table 3
+GPT3 = dict(seq=2048, microbatch=1, hidden=12288, heads=96)  # GPT-3 175B, Table 3
+MTNLG = dict(seq=2048, microbatch=1, hidden=20480, heads=128)  # MT-NLG 530B, Table 3
 
 
 def test_korthikanti_gpt3_175b_published_figures():
@@ -153,8 +167,14 @@ def test_korthikanti_about_5x_reduction(shape):
     assert 4.5 < baseline / ours < 6.0
 
 
-@given(s=st.integers(1, 8192), b=st.integers(1, 16), h=st.integers(1, 32768), a=st.integers(1, 256),
-       t=st.integers(1, 64), sp=st.booleans())
+@given(
+    s=st.integers(1, 8192),
+    b=st.integers(1, 16),
+    h=st.integers(1, 32768),
+    a=st.integers(1, 256),
+    t=st.integers(1, 64),
+    sp=st.booleans(),
+)
 @settings(max_examples=100, deadline=None)
 def test_recompute_ordering(s, b, h, a, t, sp):
     kw = dict(tp=t, sequence_parallel=sp)
@@ -169,15 +189,18 @@ def test_recompute_ordering(s, b, h, a, t, sp):
         assert with_sp <= without * (1 + 1e-12)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(seq=0), "seq"),
-    (dict(microbatch=-1), "microbatch"),
-    (dict(hidden=1.5), "hidden"),
-    (dict(heads=0), "heads"),
-    (dict(tp=0), "tp"),
-    (dict(recompute="partial"), "recompute"),
-    (dict(dtype_bytes=0), "dtype_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seq=0), "seq"),
+        (dict(microbatch=-1), "microbatch"),
+        (dict(hidden=1.5), "hidden"),
+        (dict(heads=0), "heads"),
+        (dict(tp=0), "tp"),
+        (dict(recompute="partial"), "recompute"),
+        (dict(dtype_bytes=0), "dtype_bytes"),
+    ],
+)
 def test_activation_validation_names_the_argument(kwargs, message):
     args = dict(SMALL)
     args.update(kwargs)
@@ -188,15 +211,18 @@ def test_activation_validation_names_the_argument(kwargs, message):
 # -- pipeline schedules --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule, p, m, v, expected", [
-    ("gpipe", 4, 8, 1, [8, 8, 8, 8]),                 # all m microbatches
-    ("1f1b", 4, 8, 1, [4, 3, 2, 1]),                  # p - stage
-    ("1f1b", 4, 2, 1, [2, 2, 2, 1]),                  # capped at m
-    # interleaved, p=4, v=2: (2(p-stage-1) + (v-1)p + 1) / v = (2*3+4+1)/2, (2*2+5)/2, (2+5)/2, 5/2
-    ("interleaved", 4, 8, 2, [5.5, 4.5, 3.5, 2.5]),
-    ("interleaved", 4, 2, 2, [2, 2, 2, 2]),           # capped at m*v = 4 chunks: 4/2 = 2
-    ("interleaved", 4, 8, 1, [4, 3, 2, 1]),           # v = 1 is plain 1F1B
-])
+@pytest.mark.parametrize(
+    "schedule, p, m, v, expected",
+    [
+        ("gpipe", 4, 8, 1, [8, 8, 8, 8]),  # all m microbatches
+        ("1f1b", 4, 8, 1, [4, 3, 2, 1]),  # p - stage
+        ("1f1b", 4, 2, 1, [2, 2, 2, 1]),  # capped at m
+        # interleaved, p=4, v=2: (2(p-stage-1) + (v-1)p + 1) / v = (2*3+4+1)/2, (2*2+5)/2, (2+5)/2, 5/2
+        ("interleaved", 4, 8, 2, [5.5, 4.5, 3.5, 2.5]),
+        ("interleaved", 4, 2, 2, [2, 2, 2, 2]),  # capped at m*v = 4 chunks: 4/2 = 2
+        ("interleaved", 4, 8, 1, [4, 3, 2, 1]),  # v = 1 is plain 1F1B
+    ],
+)
 def test_inflight_hand_values(schedule, p, m, v, expected):
     got = [pipeline_inflight_microbatches(schedule, i, p, m, v) for i in range(p)]
     assert got == pytest.approx(expected)
@@ -227,14 +253,17 @@ def test_stage_activation_bytes_multiplies():
     assert stage_activation_bytes(1e6, "gpipe", 3, 4, 8) == 8e6
 
 
-@pytest.mark.parametrize("args, message", [
-    (("zb-v", 0, 4, 8, 1), "schedule"),
-    (("1f1b", 4, 4, 8, 1), "stage"),
-    (("1f1b", -1, 4, 8, 1), "stage"),
-    (("1f1b", 0, 0, 8, 1), "num_stages"),
-    (("1f1b", 0, 4, 0, 1), "num_microbatches"),
-    (("interleaved", 0, 4, 8, 0), "virtual_stages"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("zb-v", 0, 4, 8, 1), "schedule"),
+        (("1f1b", 4, 4, 8, 1), "stage"),
+        (("1f1b", -1, 4, 8, 1), "stage"),
+        (("1f1b", 0, 0, 8, 1), "num_stages"),
+        (("1f1b", 0, 4, 0, 1), "num_microbatches"),
+        (("interleaved", 0, 4, 8, 0), "virtual_stages"),
+    ],
+)
 def test_pipeline_validation_names_the_argument(args, message):
     with pytest.raises(ValueError, match=message):
         pipeline_inflight_microbatches(*args)
@@ -289,8 +318,15 @@ def test_fsdp_unsharded_hand_values():
 def test_fsdp_unsharded_accepts_arrays_like_the_solver_tables():
     import numpy as np
 
-    params, grads = fsdp_unsharded_bytes(np.array([100.0, 50.0]), np.array([30.0, 0.0]), np.array([10.0, 10.0]),
-                                         zero_stage=3, dp=4, param_dtype_bytes=2, grad_dtype_bytes=2)
+    params, grads = fsdp_unsharded_bytes(
+        np.array([100.0, 50.0]),
+        np.array([30.0, 0.0]),
+        np.array([10.0, 10.0]),
+        zero_stage=3,
+        dp=4,
+        param_dtype_bytes=2,
+        grad_dtype_bytes=2,
+    )
     assert params.tolist() == [(30 + 20) * 2, 20 * 2] and grads.tolist() == [70 * 2, 20 * 2]
     with pytest.raises(ValueError, match="root_params"):
         fsdp_unsharded_bytes(np.array([1.0]), np.array([-1.0]), np.array([1.0]), zero_stage=3, dp=2)

@@ -1,5 +1,6 @@
 """Overlap of communication with compute as measured shares (docs/cost_model.md, "Overlap"):
 TP, EP and CP collectives, FSDP's gradient traffic and pipeline sends."""
+
 from __future__ import annotations
 
 import dataclasses

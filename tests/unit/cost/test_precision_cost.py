@@ -1,5 +1,6 @@
 """The cost model prices a plan's precision (nest_fx.cost.precision): each term of fp32,
 bf16-mixed and bf16-true by the factor its dtypes give."""
+
 import dataclasses
 
 import pytest
@@ -29,8 +30,9 @@ def runs(request):
 
 
 def test_model_state_bytes_per_parameter():
-    per = {p: memory.model_states(1.0, 0, 1, priced_options(p, CostOptions())) for p in ("fp32", "bf16-mixed",
-                                                                                         "bf16-true")}
+    per = {
+        p: memory.model_states(1.0, 0, 1, priced_options(p, CostOptions())) for p in ("fp32", "bf16-mixed", "bf16-true")
+    }
     assert [per["fp32"][k] for k in ("weights", "grads", "optimizer")] == [4, 4, 8]  # fp32 Adam: no master copy
     assert [per["bf16-mixed"][k] for k in ("weights", "grads", "optimizer")] == [2, 2, 12]  # ZeRO paper's 2+2+12
     assert [per["bf16-true"][k] for k in ("weights", "grads", "optimizer")] == [2, 2, 4]  # bf16 Adam states
@@ -73,8 +75,9 @@ def test_the_roofline_in_another_dtype():
     fp32 = bf16.in_dtype("fp32")
     assert fp32.peak_flops == device.peak("fp32")
     gemm = (1e13, 1e6)  # compute-bound: the matmul rate ratio
-    assert (fp32.op_seconds(*gemm, True) - fp32.launch_s) / (bf16.op_seconds(*gemm, True) - bf16.launch_s) == \
-        pytest.approx(device.peak("bf16") / device.peak("fp32"))
+    assert (fp32.op_seconds(*gemm, True) - fp32.launch_s) / (
+        bf16.op_seconds(*gemm, True) - bf16.launch_s
+    ) == pytest.approx(device.peak("bf16") / device.peak("fp32"))
     # elementwise ops run on the fp32 units (at most the fp32 peak), bf16 at the vector share of its peak
     assert fp32.peak_flops * fp32.vector_fraction == device.peak("fp32")
     assert fp32.in_dtype("bf16") == bf16
@@ -110,9 +113,26 @@ SMALL = "gpt:hidden=256,layers=4,heads=4,seq=256,vocab=4096"
 def test_the_planner_records_the_device_default(tmp_path, cluster, expected):
     from nest_fx.cli import main
     from nest_fx.plan import Plan
+
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", SMALL, "--cluster", cluster, "--global-batch", "16", "--quiet",
-                 "--no-baselines", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                SMALL,
+                "--cluster",
+                cluster,
+                "--global-batch",
+                "16",
+                "--quiet",
+                "--no-baselines",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert Plan.load(str(out)).precision == expected
 
 
@@ -121,16 +141,48 @@ def test_precision_flags_on_plan_and_simulate(tmp_path, capsys):
 
     from nest_fx.cli import main
     from nest_fx.plan import Plan
+
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", SMALL, "--cluster", "dgx-a100:8", "--global-batch", "16", "--quiet",
-                 "--no-baselines", "--precision", "bf16-true", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                SMALL,
+                "--cluster",
+                "dgx-a100:8",
+                "--global-batch",
+                "16",
+                "--quiet",
+                "--no-baselines",
+                "--precision",
+                "bf16-true",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = Plan.load(str(out))
     assert plan.precision == "bf16-true" and plan.constraints.precision == "bf16-true"
     peaks = {}
     for precision in ("bf16-true", "fp32"):
         sim = tmp_path / f"{precision}.json"
-        main(["simulate", "--plan", str(out), "--model", SMALL, "--cluster", "dgx-a100:8", "--precision", precision,
-              "--json", str(sim)])
+        main(
+            [
+                "simulate",
+                "--plan",
+                str(out),
+                "--model",
+                SMALL,
+                "--cluster",
+                "dgx-a100:8",
+                "--precision",
+                precision,
+                "--json",
+                str(sim),
+            ]
+        )
         peaks[precision] = json.loads(sim.read_text())["result"]["stages"][0]["memory"]["weights"]
     assert peaks["fp32"] == pytest.approx(2 * peaks["bf16-true"])
     assert Plan.load(str(out)).precision == "bf16-true"  # --precision costs; the file is not changed
@@ -143,6 +195,7 @@ def test_the_runtime_planner_records_the_device_default(cluster, expected):
     from nest_fx.graph import trace
     from nest_fx.models import build_model
     from nest_fx.solver.runtime_planner import planner_for
+
     model, cfg = build_model("gpt:hidden=32,layers=2,heads=4,seq=16,vocab=64")
     graph = trace(model, (torch.zeros(2, cfg.seq_len, dtype=torch.long),))
     plan = planner_for(model)(graph, load_cluster(cluster), 2, 4)

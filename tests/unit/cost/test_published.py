@@ -17,6 +17,7 @@
   selective recomputation. The paper's constants count dropout masks (2sbh + as^2b); our
   models have no dropout, so we accept the 15% band rather than expect equality.
 """
+
 import dataclasses
 import statistics
 
@@ -43,8 +44,17 @@ def gpt3():
 def test_megatron_gpt3_175b_per_gpu_throughput(gpt3, schedule, v):
     cluster, work = gpt3
     batch, dp = 1536, 1536 // (8 * 16)
-    plan = uniform_plan(len(work), pp=16, tp=8, dp=dp, microbatch_size=1, num_microbatches=batch // dp,
-                        recompute="full", schedule=schedule, virtual_stages=v)
+    plan = uniform_plan(
+        len(work),
+        pp=16,
+        tp=8,
+        dp=dp,
+        microbatch_size=1,
+        num_microbatches=batch // dp,
+        recompute="full",
+        schedule=schedule,
+        virtual_stages=v,
+    )
     result = simulate(plan, work, cluster)
     assert result.feasible
     paper_flops = 96 * batch * S * L * H * H * (1 + S / (6 * H) + V / (16 * L * H))
@@ -59,12 +69,15 @@ def gpt3_traced_attention():
     return workload_for_model(GPT3, load_cluster("dgx-a100:8"), attention="traced")
 
 
-@pytest.mark.parametrize("tp, sp, mode, paper", [
-    (1, False, "none", 34 + 5 * A * S / H),
-    (8, False, "selective", 10 - 2 + 24 / 8),  # our models have no dropout: the two 1-byte masks (2 sbh) go
-    (8, True, "selective", 34 / 8),
-    (8, True, "full", 2 / 8),
-])
+@pytest.mark.parametrize(
+    "tp, sp, mode, paper",
+    [
+        (1, False, "none", 34 + 5 * A * S / H),
+        (8, False, "selective", 10 - 2 + 24 / 8),  # our models have no dropout: the two 1-byte masks (2 sbh) go
+        (8, True, "selective", 34 / 8),
+        (8, True, "full", 2 / 8),
+    ],
+)
 def test_korthikanti_activation_bytes_per_layer(gpt3_traced_attention, tp, sp, mode, paper):
     cost = gpt3_traced_attention.cost(1, tp=tp, mbs=1, sp=sp)
     sbh = S * 1 * H
@@ -72,11 +85,18 @@ def test_korthikanti_activation_bytes_per_layer(gpt3_traced_attention, tp, sp, m
 
 
 # Narayanan et al. 2021, Table 1: (params B, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU)
-TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
 
 
 def _deep(spec_two_layers: str, layers: int, cluster) -> Workload:
@@ -93,8 +113,14 @@ def _table_1_prediction(row) -> float:
     cluster = load_cluster(f"dgx-a100:{gpus}")
     work = _deep(f"gpt:hidden={h},layers=2,heads={heads},seq={S},vocab={V}", layers, cluster)
     dp = gpus // (t * p)
-    plan = Plan(stages=[StagePlan(a, b, t, "full") for a, b in block_split(work, p)], dp=dp, zero=0,
-                microbatch_size=1, num_microbatches=batch // dp, schedule="1f1b")
+    plan = Plan(
+        stages=[StagePlan(a, b, t, "full") for a, b in block_split(work, p)],
+        dp=dp,
+        zero=0,
+        microbatch_size=1,
+        num_microbatches=batch // dp,
+        schedule="1f1b",
+    )
     result = simulate(plan, work, cluster)
     assert result.feasible
     return 96 * batch * S * layers * h * h * (1 + S / (6 * h) + V / (16 * layers * h)) / result.step_s / gpus

@@ -10,6 +10,7 @@
   activation bytes per layer; m1 and m2 differ in their microbatch count (32 vs 16), which caps
   the warm-up at m v chunks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,15 +23,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from nest_fx.cost.memory import held_grad_bytes, interleaved_chunk_states, model_states, \
-    pipeline_inflight_microbatches
+from nest_fx.cost.memory import held_grad_bytes, interleaved_chunk_states, model_states, pipeline_inflight_microbatches
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.types import Workload
 from repo_root import ROOT
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def test_pipelined_fsdp_accumulates_gradients_in_the_reduce_dtype():
@@ -61,20 +61,27 @@ def test_fsdp2_accumulates_unsharded_gradients_in_its_reduce_dtype(single_rank, 
     model.set_requires_gradient_sync(False)
     for _ in range(2):
         model(torch.randn(4, 64)).float().sum().backward()
-    held = [p.unsharded_accumulated_grad for layer in model
-            for p in _get_module_fsdp_state(layer)._fsdp_param_group.fsdp_params]
+    held = [
+        p.unsharded_accumulated_grad
+        for layer in model
+        for p in _get_module_fsdp_state(layer)._fsdp_param_group.fsdp_params
+    ]
     assert held and all(g is not None and g.dtype == torch.float32 for g in held)
-    assert sum(g.numel() * g.element_size() for g in held) == 2 * 64 * 64 * held_grad_bytes(1, True, CostOptions(
-        reduce_bytes=4))
+    assert sum(g.numel() * g.element_size() for g in held) == 2 * 64 * 64 * held_grad_bytes(
+        1, True, CostOptions(reduce_bytes=4)
+    )
 
 
-@pytest.mark.parametrize("m, v, stage, expected", [
-    (32, 8, 0, (7 * 16 + 2 * 15 + 1) / 8),  # m1, first rank: (v-1) p + 2 (p-1) + 1 chunks
-    (32, 8, 1, (7 * 16 + 2 * 14 + 1) / 8),  # m1, second rank: 141 chunks of one layer
-    (16, 8, 1, 16 * 8 / 8),  # m2: the warm-up is capped at m v = 128 chunks (all of them)
-    (32, 2, 0, 47 / 2),  # with 2 chunks, m1's first rank: 23.5 microbatches of its layers
-    (16, 2, 0, 32 / 2),  # ... and m2's: 16 (capped at m v = 32), the 30 GiB between them
-])
+@pytest.mark.parametrize(
+    "m, v, stage, expected",
+    [
+        (32, 8, 0, (7 * 16 + 2 * 15 + 1) / 8),  # m1, first rank: (v-1) p + 2 (p-1) + 1 chunks
+        (32, 8, 1, (7 * 16 + 2 * 14 + 1) / 8),  # m1, second rank: 141 chunks of one layer
+        (16, 8, 1, 16 * 8 / 8),  # m2: the warm-up is capped at m v = 128 chunks (all of them)
+        (32, 2, 0, 47 / 2),  # with 2 chunks, m1's first rank: 23.5 microbatches of its layers
+        (16, 2, 0, 32 / 2),  # ... and m2's: 16 (capped at m v = 32), the 30 GiB between them
+    ],
+)
 def test_meta_rows_in_flight_microbatches(m, v, stage, expected):
     assert pipeline_inflight_microbatches("interleaved", stage, 16, m, v) == pytest.approx(expected)
     assert max(s[0] for s in interleaved_chunk_states(stage, 16, m, v)) == pytest.approx(expected)

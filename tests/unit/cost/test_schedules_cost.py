@@ -5,6 +5,7 @@ The cost model's bubble and in-flight activations of ``interleaved-zb``, ``zbv``
 (``torch.distributed.pipelining``: the order each rank runs, as the schedule class computes it),
 event-simulated with forward = input gradient = weight gradient = 1 per chunk and free transfers.
 """
+
 from __future__ import annotations
 
 import types
@@ -25,8 +26,12 @@ from nest_fx.solver import NoFeasiblePlan, SolverOptions, solve
 from nest_fx.solver.space import GlobalConfig, stage_counts
 from nest_fx.workload import workload_for_model
 
-CLASSES = {"interleaved": S.ScheduleInterleaved1F1B, "interleaved-zb": S.ScheduleInterleavedZeroBubble,
-           "zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}
+CLASSES = {
+    "interleaved": S.ScheduleInterleaved1F1B,
+    "interleaved-zb": S.ScheduleInterleavedZeroBubble,
+    "zbv": S.ScheduleZBVZeroBubble,
+    "dualpipev": S.ScheduleDualPipeV,
+}
 
 
 def torch_orders(schedule: str, p: int, m: int, v: int) -> dict:
@@ -34,8 +39,15 @@ def torch_orders(schedule: str, p: int, m: int, v: int) -> dict:
     function run on a stand-in holding the attributes it reads)."""
     cls = CLASSES[schedule]
     rounds = max(1, m // p)
-    self = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m, n_local_stages=v, num_stages=p * v,
-                                 _num_stages=p * v, number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    self = types.SimpleNamespace(
+        pp_group_size=p,
+        _n_microbatches=m,
+        n_local_stages=v,
+        num_stages=p * v,
+        _num_stages=p * v,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+    )
     orders = {r: cls._calculate_single_rank_operations(self, r) for r in range(p)}
     if cls is S.ScheduleInterleavedZeroBubble:
         self.pipeline_order = orders
@@ -72,7 +84,7 @@ def event_simulation(orders: dict, p: int, v: int):
                 if any(d not in done for d in deps):
                     break
                 clock[r] = max([clock[r]] + [done[d] for d in deps]) + length
-                for k in (("I", "W") if kind == S.B else (kind.value,)):
+                for k in ("I", "W") if kind == S.B else (kind.value,):
                     done[(s, k, mb)] = clock[r]
                 held[r] += 1 if kind == S.F else -1 if kind in (S.W, S.B) else 0
                 peak[r] = max(peak[r], held[r])
@@ -82,11 +94,23 @@ def event_simulation(orders: dict, p: int, v: int):
     return max(clock), peak
 
 
-CASES = [("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
-         ("interleaved-zb", 2, 4, 2), ("interleaved-zb", 4, 8, 2), ("interleaved-zb", 4, 16, 4),
-         ("interleaved-zb", 4, 12, 3), ("interleaved-zb", 8, 16, 2),
-         ("zbv", 2, 4, 2), ("zbv", 4, 8, 2), ("zbv", 4, 16, 2), ("zbv", 8, 16, 2),
-         ("dualpipev", 2, 4, 2), ("dualpipev", 4, 8, 2), ("dualpipev", 4, 12, 2), ("dualpipev", 8, 32, 2)]
+CASES = [
+    ("interleaved", 2, 4, 2),
+    ("interleaved", 4, 8, 2),
+    ("interleaved-zb", 2, 4, 2),
+    ("interleaved-zb", 4, 8, 2),
+    ("interleaved-zb", 4, 16, 4),
+    ("interleaved-zb", 4, 12, 3),
+    ("interleaved-zb", 8, 16, 2),
+    ("zbv", 2, 4, 2),
+    ("zbv", 4, 8, 2),
+    ("zbv", 4, 16, 2),
+    ("zbv", 8, 16, 2),
+    ("dualpipev", 2, 4, 2),
+    ("dualpipev", 4, 8, 2),
+    ("dualpipev", 4, 12, 2),
+    ("dualpipev", 8, 32, 2),
+]
 
 
 @pytest.mark.parametrize("schedule, p, m, v", CASES)
@@ -111,8 +135,11 @@ def test_zero_bubble_schedules_leave_a_third_of_the_1f1b_bubble():
 def test_plan_rules_of_the_new_schedules():
     assert schedule_problem("interleaved-zb:3") == "" and schedule_problem("zbv") == ""
     assert "not a schedule" in schedule_problem("zbv:3")
-    assert schedule_pairs(["zbv", "interleaved-zb:4", "dualpipev"], [0]) == [("zbv", 2), ("interleaved-zb", 4),
-                                                                           ("dualpipev", 2)]
+    assert schedule_pairs(["zbv", "interleaved-zb:4", "dualpipev"], [0]) == [
+        ("zbv", 2),
+        ("interleaved-zb", 4),
+        ("dualpipev", 2),
+    ]
     uniform_plan(8, pp=2, schedule="zbv", virtual_stages=2, num_microbatches=4).validate()
     with pytest.raises(PlanError, match="2 model chunks per device, laid in a V; set virtual_stages to 2"):
         uniform_plan(8, pp=2, schedule="zbv", num_microbatches=4).validate()
@@ -154,8 +181,9 @@ def test_zero3_and_compile_are_refused_before_training_and_never_searched():
 def test_the_search_chooses_a_zero_bubble_schedule_and_prices_it_as_simulate_does():
     cluster = tight_cluster(4.0)
     work = workload_for_model("llama:hidden=512,layers=8,heads=8,seq=256,vocab=1024", cluster)
-    space = dict(microbatch_sizes=(1,), tp_degrees=(1,), zero_stages=(1,), recompute=("none",),
-                 degree_bounds={"pp": (4, 4)})
+    space = dict(
+        microbatch_sizes=(1,), tp_degrees=(1,), zero_stages=(1,), recompute=("none",), degree_bounds={"pp": (4, 4)}
+    )
     plain = solve(work, cluster, 16, SolverOptions(schedules=(("1f1b", 1),), **space))
     found = solve(work, cluster, 16, SolverOptions(schedules=(("1f1b", 1), ("zbv", 2), ("dualpipev", 2)), **space))
     assert found.plan.schedule == "zbv" and found.plan.virtual_stages == 2  # dualpipev: zbv's time, more memory
@@ -171,8 +199,13 @@ def test_selective_recompute_is_refused_and_never_planned_under_a_split_backward
     assert unrun_schedule("zbv", pp=2, recompute=("none", "every:2", "full")) == ""
     cluster = tight_cluster(4.0)
     work = workload_for_model("llama:hidden=512,layers=8,heads=8,seq=256,vocab=1024", cluster)
-    space = dict(microbatch_sizes=(1,), tp_degrees=(1,), zero_stages=(1,), recompute=("selective", "full"),
-                 degree_bounds={"pp": (4, 4)})
+    space = dict(
+        microbatch_sizes=(1,),
+        tp_degrees=(1,),
+        zero_stages=(1,),
+        recompute=("selective", "full"),
+        degree_bounds={"pp": (4, 4)},
+    )
     plain = solve(work, cluster, 16, SolverOptions(schedules=(("1f1b", 1),), **space))
     assert {s.recompute for s in plain.plan.stages} == {"selective"}  # cheaper than full where it may run
     found = solve(work, cluster, 16, SolverOptions(schedules=(("zbv", 2),), **space))

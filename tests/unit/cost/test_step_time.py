@@ -1,4 +1,5 @@
 """Step-time and memory of a plan: formulas by hand and invariants."""
+
 import dataclasses
 
 import pytest
@@ -70,8 +71,10 @@ def test_zero0_sync_runs_after_backward_fsdp_overlaps(work, cluster):
     exposed = {}
     for zero in (0, 1):
         plan = uniform_plan(len(work), pp=1, tp=1, dp=16, num_microbatches=1, zero=zero)
-        exposed[zero] = [simulate(plan, work, cluster, CostOptions(overlap_grad_sync=o)).breakdown["dp_sync_exposed"]
-                         for o in (True, False)]
+        exposed[zero] = [
+            simulate(plan, work, cluster, CostOptions(overlap_grad_sync=o)).breakdown["dp_sync_exposed"]
+            for o in (True, False)
+        ]
     # the runtime's ZeRO-0 all-reduce starts after backward (GradientSync): nothing to overlap
     assert exposed[0][0] == exposed[0][1] > 0
     # FSDP reduces during backward
@@ -93,12 +96,16 @@ def test_runtime_call_overheads_add_per_collective(work, cluster):
     # the host work is per TP region: sequence parallelism's all-gather + reduce-scatter pair
     # costs what plain TP's all-reduce does
     sp_plan = uniform_plan(len(work), pp=1, tp=4, dp=1, num_microbatches=2, sequence_parallel=True)
-    sp_extra = (simulate(sp_plan, work, cluster, CostOptions(tp_call_overhead=(a, b))).breakdown["tp_comm"]
-                - simulate(sp_plan, work, cluster).breakdown["tp_comm"])
+    sp_extra = (
+        simulate(sp_plan, work, cluster, CostOptions(tp_call_overhead=(a, b))).breakdown["tp_comm"]
+        - simulate(sp_plan, work, cluster).breakdown["tp_comm"]
+    )
     assert sp_extra == pytest.approx(2 * per_mb)
     # without TP there is no TP collective to pay for
     one = uniform_plan(len(work), pp=1, tp=1, dp=1, num_microbatches=2)
-    assert simulate(one, work, cluster, CostOptions(tp_call_overhead=(a, b))).step_s == simulate(one, work, cluster).step_s
+    assert (
+        simulate(one, work, cluster, CostOptions(tp_call_overhead=(a, b))).step_s == simulate(one, work, cluster).step_s
+    )
 
     # FSDP: ZeRO-3 with m microbatches issues 2m all-gathers and m reduce-scatters per unit
     m, dp = 2, 8
@@ -109,7 +116,9 @@ def test_runtime_call_overheads_add_per_collective(work, cluster):
     extra = units * 3 * m * a + b * params * (2 * m * 2 + m * 2)  # bf16 parameters and gradients
     assert slow.stages[0].dp_sync - base.stages[0].dp_sync == pytest.approx(extra)
     z0 = uniform_plan(len(work), pp=1, tp=1, dp=dp, num_microbatches=m, zero=0)
-    assert simulate(z0, work, cluster, CostOptions(fsdp_call_overhead=(a, b))).step_s == simulate(z0, work, cluster).step_s
+    assert (
+        simulate(z0, work, cluster, CostOptions(fsdp_call_overhead=(a, b))).step_s == simulate(z0, work, cluster).step_s
+    )
 
 
 def test_tensor_parallel_comm_matches_collectives(work, cluster):
@@ -180,8 +189,11 @@ def test_infeasible_plan_names_binding_term(cluster):
     r = simulate(plan, big, cluster)
     assert not r.feasible
     assert "stage 0" in r.binding and "optimizer" in r.binding  # 16 bytes/param * 6.7B > 80 GiB
-    fits = simulate(uniform_plan(len(big), pp=2, tp=8, dp=1, num_microbatches=4, recompute="selective",
-                                 sequence_parallel=True), big, cluster)
+    fits = simulate(
+        uniform_plan(len(big), pp=2, tp=8, dp=1, num_microbatches=4, recompute="selective", sequence_parallel=True),
+        big,
+        cluster,
+    )
     assert fits.feasible and fits.binding == ""
 
 
@@ -191,8 +203,9 @@ def test_plan_world_size_mismatch_is_refused(work):
         simulate(uniform_plan(len(work), pp=2, tp=4, dp=2), work, small)
 
 
-@pytest.mark.parametrize("optimizer, update, states", [
-    ("adam", 36, 12), ("adamw", 44, 12), ("sgd-momentum", 20, 8), ("sgd", 12, 4)])
+@pytest.mark.parametrize(
+    "optimizer, update, states", [("adam", 36, 12), ("adamw", 44, 12), ("sgd-momentum", 20, 8), ("sgd", 12, 4)]
+)
 def test_optimizer_sets_state_bytes_and_update_traffic(work, cluster, optimizer, update, states):
     plan = uniform_plan(len(work), pp=1, tp=1, dp=4, zero=1, num_microbatches=2)
     r = simulate(plan, work, cluster, CostOptions(optimizer=optimizer))

@@ -1,6 +1,7 @@
 """HuggingFace models (``hf:`` names) through the tracer: totals against FlopCounterMode on real
 CPU tensors, blocks, and tensor-parallel pairs. HF forwards call ``.item()``, so the reference
 runs on CPU with tiny configs rather than on meta."""
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,12 @@ from nest_fx.models.hf import parse_hf_name
 pytestmark = pytest.mark.hf
 
 FAMILIES = ["hf:gpt2", "hf:llama", "hf:mixtral", "hf:bert"]
-CONTAINERS = {"hf:gpt2": "transformer.h", "hf:llama": "model.layers", "hf:mixtral": "model.layers",
-              "hf:bert": "bert.encoder.layer"}
+CONTAINERS = {
+    "hf:gpt2": "transformer.h",
+    "hf:llama": "model.layers",
+    "hf:mixtral": "model.layers",
+    "hf:bert": "bert.encoder.layer",
+}
 
 
 # FlopCounterMode has no formula for the SDPA kernel CPU tensors dispatch to (it counts only the
@@ -125,8 +130,7 @@ def test_hf_gpt2_tp_pairs():
 def test_hf_bert_tp_pairs():
     pairs, routers = _pairs(traced_hf("hf:bert")[3])
     assert pairs == {
-        ("attention", ("attention.self.key", "attention.self.query", "attention.self.value"),
-         "attention.output.dense"),
+        ("attention", ("attention.self.key", "attention.self.query", "attention.self.value"), "attention.output.dense"),
         ("mlp", ("intermediate.dense",), "output.dense"),
     }
     assert routers == []
@@ -150,15 +154,23 @@ def test_hf_exported_graph_matches_eager():
     torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("name,family", [("hf:llama2-7b", "llama"), ("hf:mixtral-8x7b", "mixtral"),
-                                         ("hf:gpt2-small", "gpt2"), ("hf:bert-large", "bert"),
-                                         ("hf:llama:hidden=32,heads=2", "llama")])
+@pytest.mark.parametrize(
+    "name,family",
+    [
+        ("hf:llama2-7b", "llama"),
+        ("hf:mixtral-8x7b", "mixtral"),
+        ("hf:gpt2-small", "gpt2"),
+        ("hf:bert-large", "bert"),
+        ("hf:llama:hidden=32,heads=2", "llama"),
+    ],
+)
 def test_parse_hf_name(name, family):
     assert parse_hf_name(name)[0] == family
 
 
-@pytest.mark.parametrize("name,expected", [("hf:llama2-7b", 6.74e9), ("hf:mixtral-8x7b", 46.7e9),
-                                           ("hf:gpt2-small", 124e6)])
+@pytest.mark.parametrize(
+    "name,expected", [("hf:llama2-7b", 6.74e9), ("hf:mixtral-8x7b", 46.7e9), ("hf:gpt2-small", 124e6)]
+)
 def test_hf_named_parameter_counts_on_meta(name, expected):
     model, cfg, _, kwargs = build_any(name, seq=16)
     assert kwargs["input_ids"].device.type == "meta"

@@ -4,6 +4,7 @@ Stages built from a model and run one after another compute exactly the whole mo
 models a stage boundary cannot cut correctly are refused (``ParallelSupport.pp_problem``, the
 one verdict the planner and the runtime's checks share) naming the module and the fix.
 """
+
 from __future__ import annotations
 
 import copy
@@ -89,11 +90,18 @@ def test_toy_stages_compose_to_the_model():
 def test_a_second_value_crossing_a_cut_is_refused():
     model, tokens, graph = _traced("skip")
     problem = parallel_support(model, graph).pp_problem(2)
-    assert problem.startswith("pp=2: a pipeline cut between head and layers.0: besides layers.0, code after the "
-                              "cut reads the activation entering it (add in <root>")
-    assert stage_layout(model, graph).cut_problems[2].startswith(
-        "a pipeline cut between layers.0 and layers.1 would have to pass 2 values computed by the stage before "
-        "it (embedding in embed [[2, 8, 16]]; add in layers.0 [[2, 8, 16]])")
+    assert problem.startswith(
+        "pp=2: a pipeline cut between head and layers.0: besides layers.0, code after the "
+        "cut reads the activation entering it (add in <root>"
+    )
+    assert (
+        stage_layout(model, graph)
+        .cut_problems[2]
+        .startswith(
+            "a pipeline cut between layers.0 and layers.1 would have to pass 2 values computed by the stage before "
+            "it (embedding in embed [[2, 8, 16]]; add in layers.0 [[2, 8, 16]])"
+        )
+    )
     with pytest.raises(ApplyError) as err:
         checks.check_pipeline(uniform_plan(len(graph.blocks), pp=2), model, graph)
     assert str(err.value) == problem  # the runtime refuses with the planner's words
@@ -102,8 +110,9 @@ def test_a_second_value_crossing_a_cut_is_refused():
 
 def test_a_residual_in_the_models_own_forward_is_refused():
     model, tokens, graph = _traced("root_residual")
-    assert "code after the cut reads the activation entering it (add in <root>" in \
-        parallel_support(model, graph).pp_problem(2)
+    assert "code after the cut reads the activation entering it (add in <root>" in parallel_support(
+        model, graph
+    ).pp_problem(2)
 
 
 def test_a_value_that_slips_through_a_cut_is_nan_not_a_plausible_number():
@@ -120,8 +129,9 @@ def test_a_value_that_slips_through_a_cut_is_nan_not_a_plausible_number():
 def test_a_parameter_shared_by_two_layers_is_refused_with_the_models_own_config_key():
     model, tokens, graph = _traced("shared_layers")
     problem = parallel_support(model, graph).pp_problem(2)
-    assert ("parameter layers.0.linear.weight (also ['layers.2.linear.weight']) is used by blocks layers.0, "
-            "layers.2") in problem
+    assert (
+        "parameter layers.0.linear.weight (also ['layers.2.linear.weight']) is used by blocks layers.0, layers.2"
+    ) in problem
     assert "give each module its own parameter" in problem
     model.config = SimpleNamespace(tie_word_embeddings=True)  # a HuggingFace model names its key
     assert "tie_word_embeddings=False in the HuggingFace config" in parallel_support(model, graph).pp_problem(2)
@@ -163,6 +173,7 @@ def test_the_rehearsal_refuses_a_layer_called_without_its_activation():
 
 # -- HuggingFace models: layer types by index, root-forward post-processing, encoder position bias --
 
+
 def _hf(config_cls: str, task: str = "causal", **fields):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -173,16 +184,34 @@ def _hf(config_cls: str, task: str = "causal", **fields):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
-LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+LLAMA_LIKE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("config_cls, fields", [
-    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0,
-                         layer_types=["sliding_attention", "full_attention"] * 2)),
-    ("Gemma2Config", dict(head_dim=8, sliding_window=4, final_logit_softcapping=1.5)),
-], ids=["qwen2-sliding", "gemma2-softcap"])
+@pytest.mark.parametrize(
+    "config_cls, fields",
+    [
+        (
+            "Qwen2Config",
+            dict(
+                use_sliding_window=True,
+                sliding_window=4,
+                max_window_layers=0,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+        ),
+        ("Gemma2Config", dict(head_dim=8, sliding_window=4, final_logit_softcapping=1.5)),
+    ],
+    ids=["qwen2-sliding", "gemma2-softcap"],
+)
 def test_hf_stages_compute_exactly_the_whole_model(config_cls, fields):
     model = _hf(config_cls, **LLAMA_LIKE, **fields)
     tokens = torch.randint(0, 64, (2, 12))

@@ -1,6 +1,7 @@
 """Recompute policies: their definitions (nest_fx.graph.recompute_policies), how the runtime
 applies them (nest_fx.apply.activation_checkpoint) and the bytes they keep per block
 (profiler.recompute_memory), in one process."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,7 @@ import torch
 from nest_fx.apply import ApplyError, checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.losses import lm_loss
-from nest_fx.graph.recompute_policies import (OP_POLICIES, kept_op_kinds, parse_recompute,
-                                              recompute_policy_problem)
+from nest_fx.graph.recompute_policies import OP_POLICIES, kept_op_kinds, parse_recompute, recompute_policy_problem
 from nest_fx.models import build_seeded
 from nest_fx.plan import uniform_plan
 from profiler.recompute_memory import kept_bytes, packed_bytes
@@ -26,7 +26,9 @@ def test_forms_and_names():
     assert parse_recompute("op:matmuls").policy.matmul_period == 1
     assert parse_recompute("every:3").every == 3
     assert recompute_policy_problem("op:attention") == ""
-    assert "unknown op policy 'fancy'; known: op:default, op:matmuls, op:attention" in recompute_policy_problem("op:fancy")
+    assert "unknown op policy 'fancy'; known: op:default, op:matmuls, op:attention" in recompute_policy_problem(
+        "op:fancy"
+    )
     assert "k >= 2" in recompute_policy_problem("every:1")
     with pytest.raises(ApplyError, match="unknown op policy 'fancy'"):
         checks.check_supported(uniform_plan(6, recompute="op:fancy"))
@@ -34,8 +36,18 @@ def test_forms_and_names():
 
 def test_default_op_policy_is_torchtitans_save_list_with_every_other_matmul():
     policy = OP_POLICIES["default"]
-    kinds = ["mm", "mm", "_scaled_dot_product_flash_attention_for_cpu", "mm", "addmm", "mm", "silu", "mul",
-             "_c10d_functional.reduce_scatter_tensor", "max"]
+    kinds = [
+        "mm",
+        "mm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "mm",
+        "addmm",
+        "mm",
+        "silu",
+        "mul",
+        "_c10d_functional.reduce_scatter_tensor",
+        "max",
+    ]
     # matmuls 1, 3, 5 kept (1st, 3rd, ...); attention, reduce-scatter and amax kept; elementwise ops recomputed
     assert kept_op_kinds(policy, kinds) == [True, False, True, True, False, True, False, False, True, True]
     assert kept_op_kinds(OP_POLICIES["matmuls"], ["mm", "mm", "silu"]) == [True, True, False]

@@ -1,5 +1,6 @@
 """Tracer on the model zoo: totals against FlopCounterMode, blocks, TP pairs, node attributes,
 saved-for-backward bytes against a real autograd run, fx graph == eager, and error messages."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,10 +40,18 @@ def param_totals(model):
 
 
 # -- totals ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,seq", [("gpt2-small", 128), ("bert-large", 128), ("llama2-7b", 128),
-                                      # the largest zoo models: the flop counter runs for a minute on a loaded box
-                                      pytest.param("mixtral-8x7b", 128, marks=pytest.mark.slow),
-                                      pytest.param("gpt3-175b", 128, marks=pytest.mark.slow), (MIXED_MOE, 32)])
+@pytest.mark.parametrize(
+    "name,seq",
+    [
+        ("gpt2-small", 128),
+        ("bert-large", 128),
+        ("llama2-7b", 128),
+        # the largest zoo models: the flop counter runs for a minute on a loaded box
+        pytest.param("mixtral-8x7b", 128, marks=pytest.mark.slow),
+        pytest.param("gpt3-175b", 128, marks=pytest.mark.slow),
+        (MIXED_MOE, 32),
+    ],
+)
 def test_zoo_totals_match_flop_counter_and_parameters(zoo, name, seq):
     model, _, args, graph = zoo(name, seq=seq)
     ref = reference_flops(model, args)  # zoo models run on meta
@@ -114,9 +123,16 @@ def test_llama2_7b_has_32_identical_blocks(zoo):
     assert all(graph.graph.nodes[n]["block"] == b.index for b in graph.blocks for n in b.nodes)
 
 
-@pytest.mark.parametrize("name,layers,moe", [("gpt3-175b", 96, False), ("mixtral-8x7b", 32, True),
-                                             ("llama3-70b", 80, False),
-                                             ("gpt2-small", 12, False), ("bert-large", 24, False)])
+@pytest.mark.parametrize(
+    "name,layers,moe",
+    [
+        ("gpt3-175b", 96, False),
+        ("mixtral-8x7b", 32, True),
+        ("llama3-70b", 80, False),
+        ("gpt2-small", 12, False),
+        ("bert-large", 24, False),
+    ],
+)
 def test_zoo_block_counts(zoo, name, layers, moe):
     _, _, _, graph = zoo(name)
     assert len(graph.layer_blocks) == layers
@@ -135,7 +151,8 @@ def test_mixed_dense_and_moe_layers_give_two_signatures(zoo):
     assert sorted(sigs.values()) == [[1, 3], [2, 4]]
     dense, moe = graph.pattern_of(graph.blocks[1]), graph.pattern_of(graph.blocks[2])
     assert [(p.kind, p.column, p.row) for p in dense.tp_pairs if p.kind == "mlp"] == [
-        ("mlp", ["mlp.gate", "mlp.up"], "mlp.down")]
+        ("mlp", ["mlp.gate", "mlp.up"], "mlp.down")
+    ]
     assert not dense.routers and moe.routers == ["moe.gate"]
 
 
@@ -148,8 +165,10 @@ def _pairs(graph, block_index=1):
 def test_tp_pairs_llama(zoo):
     _, _, _, graph = zoo("llama2-7b")
     pairs, routers = _pairs(graph)
-    assert pairs == {("attention", ("attn.k_proj", "attn.q_proj", "attn.v_proj"), "attn.o_proj"),
-                     ("mlp", ("mlp.gate", "mlp.up"), "mlp.down")}
+    assert pairs == {
+        ("attention", ("attn.k_proj", "attn.q_proj", "attn.v_proj"), "attn.o_proj"),
+        ("mlp", ("mlp.gate", "mlp.up"), "mlp.down"),
+    }
     assert routers == []
     assert len(graph.patterns) == 1  # one pattern per distinct block
 
@@ -157,8 +176,10 @@ def test_tp_pairs_llama(zoo):
 @pytest.mark.parametrize("name", ["gpt2-small", "gpt3-175b"])
 def test_tp_pairs_gpt(zoo, name):
     pairs, routers = _pairs(zoo(name)[3])
-    assert pairs == {("attention", ("attn.k_proj", "attn.q_proj", "attn.v_proj"), "attn.o_proj"),
-                     ("mlp", ("mlp.fc",), "mlp.proj")}
+    assert pairs == {
+        ("attention", ("attn.k_proj", "attn.q_proj", "attn.v_proj"), "attn.o_proj"),
+        ("mlp", ("mlp.fc",), "mlp.proj"),
+    }
     assert routers == []
 
 
@@ -166,8 +187,10 @@ def test_tp_pairs_mixtral_experts_and_router(zoo):
     _, cfg, _, graph = zoo("mixtral-8x7b")
     pairs, routers = _pairs(graph)
     expected = {("attention", ("attn.k_proj", "attn.q_proj", "attn.v_proj"), "attn.o_proj")}
-    expected |= {("expert", (f"moe.experts.{e}.gate", f"moe.experts.{e}.up"), f"moe.experts.{e}.down")
-                 for e in range(cfg.num_experts)}
+    expected |= {
+        ("expert", (f"moe.experts.{e}.gate", f"moe.experts.{e}.up"), f"moe.experts.{e}.down")
+        for e in range(cfg.num_experts)
+    }
     assert pairs == expected
     assert routers == ["moe.gate"]
 
@@ -243,10 +266,13 @@ def measured_saved_bytes(model, tokens):
     def enter(name):
         def hook(module, args):
             current[0] = name
+
         return hook
 
-    handles = [model.embed.register_forward_pre_hook(enter("head")),
-               model.norm.register_forward_pre_hook(enter("tail"))]
+    handles = [
+        model.embed.register_forward_pre_hook(enter("head")),
+        model.norm.register_forward_pre_hook(enter("tail")),
+    ]
     handles += [layer.register_forward_pre_hook(enter(f"layers.{i}")) for i, layer in enumerate(model.layers)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -258,8 +284,15 @@ def measured_saved_bytes(model, tokens):
     return per_block
 
 
-@pytest.mark.parametrize("spec,dtype", [(SMALL_LLAMA, torch.float32), (SMALL_LLAMA, torch.bfloat16),
-                                        (SMALL_GPT, torch.float32), (SMALL_MOE, torch.float32)])
+@pytest.mark.parametrize(
+    "spec,dtype",
+    [
+        (SMALL_LLAMA, torch.float32),
+        (SMALL_LLAMA, torch.bfloat16),
+        (SMALL_GPT, torch.float32),
+        (SMALL_MOE, torch.float32),
+    ],
+)
 def test_saved_bytes_match_real_autograd(spec, dtype):
     torch.manual_seed(0)
     model, cfg = build_model(spec, device="cpu", dtype=dtype)
@@ -276,8 +309,10 @@ def test_saved_bytes_match_real_autograd(spec, dtype):
 
 
 # -- traced graph computes the model -----------------------------------------------------------
-@pytest.mark.parametrize("spec", [SMALL_LLAMA, SMALL_GPT, SMALL_MOE, MIXED_MOE,
-                                  "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=100,causal=false"])
+@pytest.mark.parametrize(
+    "spec",
+    [SMALL_LLAMA, SMALL_GPT, SMALL_MOE, MIXED_MOE, "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=100,causal=false"],
+)
 def test_fx_graph_matches_eager(spec):
     torch.manual_seed(0)
     model, cfg = build_model(spec, device="cpu")

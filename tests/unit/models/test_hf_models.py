@@ -1,5 +1,6 @@
 """``hf:<model_type>`` for any transformers architecture, ``hf-config:PATH``, the plain models, the
 example inputs each takes, and the names kept from before (single process)."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,16 @@ pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name,cls,inputs", [
-    ("hf:qwen2", "Qwen2ForCausalLM", {"input_ids": (2, 32)}),
-    ("hf:t5", "T5ForConditionalGeneration", {"input_ids": (2, 32), "decoder_input_ids": (2, 32)}),
-    ("hf:bert:class=BertForSequenceClassification", "BertForSequenceClassification", {"input_ids": (2, 32)}),
-    ("hf:vit", "ViTForImageClassification", {"pixel_values": (2, 3, 32, 32)}),
-    ("hf:qwen3_moe", "Qwen3MoeForCausalLM", {"input_ids": (2, 32)}),
-])
+@pytest.mark.parametrize(
+    "name,cls,inputs",
+    [
+        ("hf:qwen2", "Qwen2ForCausalLM", {"input_ids": (2, 32)}),
+        ("hf:t5", "T5ForConditionalGeneration", {"input_ids": (2, 32), "decoder_input_ids": (2, 32)}),
+        ("hf:bert:class=BertForSequenceClassification", "BertForSequenceClassification", {"input_ids": (2, 32)}),
+        ("hf:vit", "ViTForImageClassification", {"pixel_values": (2, 3, 32, 32)}),
+        ("hf:qwen3_moe", "Qwen3MoeForCausalLM", {"input_ids": (2, 32)}),
+    ],
+)
 def test_any_model_type_builds_a_tiny_model_with_its_inputs(name, cls, inputs):
     model, cfg, args, kwargs = build_any(name, batch=2)
     assert type(model).__name__ == cls and args == ()
@@ -50,24 +54,34 @@ def test_names_from_before_keep_their_shapes():
     assert (cfg.hidden, cfg.layers) == (4096, 32)
 
 
-@pytest.mark.parametrize("name,message", [
-    ("hf:qwen22", r"unknown HuggingFace model type 'qwen22'.*close matches: qwen2"),
-    ("hf:qwen2:hiden_size=3", r"Qwen2Config has no field 'hiden_size' \(close matches: hidden_size"),
-    ("hf:qwen2:hidden_size=abc", r"cannot parse .*hidden_size=abc': 'abc' is not an integer like its default 4096"),
-    ("hf:qwen2:hidden_size", r"bad override 'hidden_size'.*expected key=value"),
-    ("hf:bert:class=NoSuchModel", r"class=NoSuchModel: transformers has no model class of that name"),
-    ("mlp:layers=1", r"an MLP needs layers >= 2"),
-    ("cnn:depth=2", r"bad field 'depth=2'.*\['blocks', 'channels', 'classes', 'image'\]"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("hf:qwen22", r"unknown HuggingFace model type 'qwen22'.*close matches: qwen2"),
+        ("hf:qwen2:hiden_size=3", r"Qwen2Config has no field 'hiden_size' \(close matches: hidden_size"),
+        ("hf:qwen2:hidden_size=abc", r"cannot parse .*hidden_size=abc': 'abc' is not an integer like its default 4096"),
+        ("hf:qwen2:hidden_size", r"bad override 'hidden_size'.*expected key=value"),
+        ("hf:bert:class=NoSuchModel", r"class=NoSuchModel: transformers has no model class of that name"),
+        ("mlp:layers=1", r"an MLP needs layers >= 2"),
+        ("cnn:depth=2", r"bad field 'depth=2'.*\['blocks', 'channels', 'classes', 'image'\]"),
+    ],
+)
 def test_bad_names_say_what_is_wrong(name, message):
     with pytest.raises(ModelError, match=message):
         build_any(name)
 
 
 def test_hf_config_file_as_given(tmp_path):
-    config = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
-                                               max_position_embeddings=64)
+    config = transformers.AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        max_position_embeddings=64,
+    )
     config.save_pretrained(tmp_path)
     model, cfg, _, kwargs = build_any(f"hf-config:{tmp_path}", batch=2, seq=8)
     assert type(model).__name__ == "LlamaForCausalLM" and cfg.hidden_size == 32 and cfg.vocab_size == 50
@@ -117,12 +131,17 @@ def test_hf_mixtral_8x7b_plans_like_the_zoo_model():
 
 
 def test_cli_trace_any_model_type_and_one_line_errors():
-    ok = subprocess.run([sys.executable, "-m", "nest_fx", "trace", "hf:qwen2:hidden_size=64,num_hidden_layers=2"],
-                        capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [sys.executable, "-m", "nest_fx", "trace", "hf:qwen2:hidden_size=64,num_hidden_layers=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "model.layers.0 .. 1" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "nest_fx", "trace", "hf:qwen22"], capture_output=True, text=True,
-                         timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "nest_fx", "trace", "hf:qwen22"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: unknown HuggingFace model type 'qwen22'")
 
@@ -135,8 +154,9 @@ def test_traced_graph_records_inputs_and_expert_modules():
     graph = trace(model, args, kwargs)
     assert graph.input_names == ["input_ids"]
     assert graph.expert_modules == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    workload = analytical_workload(graph, dims_from_config(cfg, seq_len=8), Cluster.preset("cpu-gloo", 4),
-                                   torch.float32)
+    workload = analytical_workload(
+        graph, dims_from_config(cfg, seq_len=8), Cluster.preset("cpu-gloo", 4), torch.float32
+    )
     block = next(i for i, layer in enumerate(workload.layers) if layer.is_moe)
     stacked = sum(p.numel() for p in model.model.layers[0].mlp.experts.parameters())
     shared = sum(p.numel() for p in model.model.layers[0].mlp.shared_expert.parameters())

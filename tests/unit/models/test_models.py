@@ -1,4 +1,5 @@
 """Model zoo: named configs, the spec parser, the transformer on CPU and the MoE layer."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,16 @@ from nest_fx.models.moe import MoE, expert_capacity
 
 
 # -- named configs -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name,expected", [
-    ("gpt2-small", 124e6), ("llama2-7b", 6.74e9), ("llama3-70b", 70.6e9), ("mixtral-8x7b", 46.7e9),
-    ("gpt3-175b", 175e9),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("gpt2-small", 124e6),
+        ("llama2-7b", 6.74e9),
+        ("llama3-70b", 70.6e9),
+        ("mixtral-8x7b", 46.7e9),
+        ("gpt3-175b", 175e9),
+    ],
+)
 def test_named_parameter_counts(name, expected):
     model, cfg = build_model(name, device="meta")
     assert cfg.name == name
@@ -51,9 +58,21 @@ def test_build_model_dtype_and_overrides():
 def test_parse_spec_families_and_aliases():
     cfg = parse_spec("gpt:hidden=64,layers=2,heads=4,seq=32,vocab=100")
     assert (cfg.hidden, cfg.layers, cfg.heads, cfg.seq_len, cfg.vocab_size) == (64, 2, 4, 32, 100)
-    assert (cfg.norm, cfg.activation, cfg.position, cfg.bias, cfg.ffn_hidden) == ("layernorm", "gelu", "learned", True, 256)
+    assert (cfg.norm, cfg.activation, cfg.position, cfg.bias, cfg.ffn_hidden) == (
+        "layernorm",
+        "gelu",
+        "learned",
+        True,
+        256,
+    )
     cfg = parse_spec("llama:hidden=96,heads=4,kv=2,ffn=200,rope_theta=5e5")
-    assert (cfg.norm, cfg.activation, cfg.kv_heads, cfg.ffn_hidden, cfg.rope_theta) == ("rmsnorm", "swiglu", 2, 200, 5e5)
+    assert (cfg.norm, cfg.activation, cfg.kv_heads, cfg.ffn_hidden, cfg.rope_theta) == (
+        "rmsnorm",
+        "swiglu",
+        2,
+        200,
+        5e5,
+    )
     cfg = parse_spec("moe:experts=4,topk=1,capacity_factor=1.5,moe_every=2,causal=false")
     assert (cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.moe_every, cfg.causal) == (4, 1, 1.5, 2, False)
     assert parse_spec("moe:").num_experts == 8
@@ -65,21 +84,24 @@ def test_swiglu_ffn_default_rule():
     assert TransformerConfig(hidden=768, heads=12, activation="gelu").ffn_hidden == 3072
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("gpt:hidden=abc", "'hidden=abc'"),
-    ("gpt:hiden=64", "'hiden=64'"),
-    ("gpt:hidden", "'hidden'"),
-    ("gpt:name=foo", "'name=foo'"),
-    ("llama:bias=maybe", "'bias=maybe'"),
-    ("moe:capacity_factor=lots", "'capacity_factor=lots'"),
-    ("gpt:hidden=100,heads=3", "hidden=100 is not divisible by heads=3"),
-    ("llama:heads=32,kv=5", "heads=32 is not divisible by kv_heads=5"),
-    ("llama:norm=batchnorm", "norm='batchnorm'"),
-    ("gpt:activation=relu", "activation='relu'"),
-    ("moe:experts=4,topk=5", "top_k=5"),
-    ("gpt:layers=0", "layers must be positive"),
-    ("bloom:hidden=64", "unknown model family 'bloom'"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("gpt:hidden=abc", "'hidden=abc'"),
+        ("gpt:hiden=64", "'hiden=64'"),
+        ("gpt:hidden", "'hidden'"),
+        ("gpt:name=foo", "'name=foo'"),
+        ("llama:bias=maybe", "'bias=maybe'"),
+        ("moe:capacity_factor=lots", "'capacity_factor=lots'"),
+        ("gpt:hidden=100,heads=3", "hidden=100 is not divisible by heads=3"),
+        ("llama:heads=32,kv=5", "heads=32 is not divisible by kv_heads=5"),
+        ("llama:norm=batchnorm", "norm='batchnorm'"),
+        ("gpt:activation=relu", "activation='relu'"),
+        ("moe:experts=4,topk=5", "top_k=5"),
+        ("gpt:layers=0", "layers must be positive"),
+        ("bloom:hidden=64", "unknown model family 'bloom'"),
+    ],
+)
 def test_bad_specs_name_the_field(spec, needle):
     with pytest.raises(ValueError) as info:
         parse_spec(spec)
@@ -100,8 +122,13 @@ def test_build_any_sequence_checks():
 
 
 # -- transformer on CPU ------------------------------------------------------------------------
-@pytest.mark.parametrize("spec,causal", [("llama:hidden=64,layers=2,heads=4,kv=2,seq=16,vocab=50", True),
-                                         ("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=50,causal=false", False)])
+@pytest.mark.parametrize(
+    "spec,causal",
+    [
+        ("llama:hidden=64,layers=2,heads=4,kv=2,seq=16,vocab=50", True),
+        ("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=50,causal=false", False),
+    ],
+)
 def test_transformer_forward_and_causality(spec, causal):
     torch.manual_seed(0)
     model, cfg = build_model(spec, device="cpu")
@@ -117,15 +144,18 @@ def test_transformer_forward_and_causality(spec, causal):
 
 
 # -- mixture of experts ------------------------------------------------------------------------
-@pytest.mark.parametrize("seq,top_k,experts,cf,expected", [
-    (32, 2, 4, 1.0, 16),       # 32*2/4
-    (10, 2, 8, 1.25, 4),       # ceil(3.125)
-    (4096, 2, 8, 1.0, 1024),
-    (7, 1, 2, 1.0, 4),         # ceil(3.5)
-    (100, 2, 8, 1.1, 28),      # ceil(27.5); 1.1 is not exact in binary
-    (16, 2, 8, 4.0, 16),       # cf = experts / top_k: every token fits
-    (3, 1, 4, 0.1, 1),         # ceil(0.075): at least one slot
-])
+@pytest.mark.parametrize(
+    "seq,top_k,experts,cf,expected",
+    [
+        (32, 2, 4, 1.0, 16),  # 32*2/4
+        (10, 2, 8, 1.25, 4),  # ceil(3.125)
+        (4096, 2, 8, 1.0, 1024),
+        (7, 1, 2, 1.0, 4),  # ceil(3.5)
+        (100, 2, 8, 1.1, 28),  # ceil(27.5); 1.1 is not exact in binary
+        (16, 2, 8, 4.0, 16),  # cf = experts / top_k: every token fits
+        (3, 1, 4, 0.1, 1),  # ceil(0.075): at least one slot
+    ],
+)
 def test_expert_capacity(seq, top_k, experts, cf, expected):
     assert expert_capacity(seq, top_k, experts, cf) == expected
 

@@ -1,5 +1,6 @@
 """plan.async_tp (micro-pipelined TP): declared once, priced by the cost model, planned when
 asked for, and refused before training where it cannot run (CPU ranks, no compile, no SP)."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,10 +44,19 @@ def test_async_tp_is_refused_on_cpu_before_training():
 
 def test_async_tp_hides_tp_collectives_under_compute(h100):
     work, cluster = h100
-    plain = uniform_plan(len(work), tp=4, dp=2, sequence_parallel=True, compile=True, microbatch_size=1,
-                         num_microbatches=4)
-    fused = uniform_plan(len(work), tp=4, dp=2, sequence_parallel=True, compile=True, async_tp=True,
-                         microbatch_size=1, num_microbatches=4)
+    plain = uniform_plan(
+        len(work), tp=4, dp=2, sequence_parallel=True, compile=True, microbatch_size=1, num_microbatches=4
+    )
+    fused = uniform_plan(
+        len(work),
+        tp=4,
+        dp=2,
+        sequence_parallel=True,
+        compile=True,
+        async_tp=True,
+        microbatch_size=1,
+        num_microbatches=4,
+    )
     a, b = simulate(plain, work, cluster), simulate(fused, work, cluster)
     assert a.stages[0].tp_comm > 0 and b.stages[0].tp_comm < a.stages[0].tp_comm
     assert b.step_s < a.step_s

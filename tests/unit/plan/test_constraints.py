@@ -1,5 +1,6 @@
 """User constraints on a plan: the vocabulary, the search within them, the binding constraint,
 the plan file, the command line and auto_parallelize(constraints=...)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,9 +30,15 @@ from nest_fx.workload import workload_for_model
 
 MODEL = "llama:hidden=1024,layers=5,heads=8,seq=1024,vocab=8192"
 # context parallelism would make pp=1 fit the tight clusters below: these tests are about constraints
-SPACE = SolverOptions(microbatch_sizes=(1, 2), tp_degrees=(1, 2), zero_stages=(1, 3),
-                      schedules=(("1f1b", 1), ("interleaved", 2)), recompute=("none", "full"), max_stages=4,
-                      cp_degrees=(1,))
+SPACE = SolverOptions(
+    microbatch_sizes=(1, 2),
+    tp_degrees=(1, 2),
+    zero_stages=(1, 3),
+    schedules=(("1f1b", 1), ("interleaved", 2)),
+    recompute=("none", "full"),
+    max_stages=4,
+    cp_degrees=(1,),
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +49,26 @@ def small():
 
 # -- the vocabulary -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(fix={"xp": 2}), "fix: unknown degree 'xp'"),
-    (dict(fix={"tp": 0}), "fix.tp: must be an integer >= 1"),
-    (dict(fix={"compile": 1}), "fix.compile: 1 is not true or false"),
-    (dict(max={"compile": 1}), "max: unknown degree 'compile'"),
-    (dict(min={"tp": 4}, max={"tp": 2}), "min.tp=4 is above max.tp=2"),
-    (dict(fix={"pp": 8}, max={"pp": 4}), "fix.pp=8 is outside"),
-    (dict(schedules=["zigzag"]), "schedules: 'zigzag' is not a schedule"),
-    (dict(schedules=["interleaved:1"]), "interleaved:V"),
-    (dict(recompute=["some"]), "recompute: 'some' is not a recompute policy"),
-    (dict(zero_stages=[4]), "zero_stages: 4 is not a ZeRO stage"),
-    (dict(microbatch_sizes=[]), "microbatch_sizes: must be a non-empty list"),
-    (dict(placements=["diagonal"]), "placements: 'diagonal' is not a placement"),
-    (dict(memory_headroom=1.0), "memory_headroom: must be a fraction"),
-    (dict(optimizer="lamb"), "optimizer: must be one of"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fix={"xp": 2}), "fix: unknown degree 'xp'"),
+        (dict(fix={"tp": 0}), "fix.tp: must be an integer >= 1"),
+        (dict(fix={"compile": 1}), "fix.compile: 1 is not true or false"),
+        (dict(max={"compile": 1}), "max: unknown degree 'compile'"),
+        (dict(min={"tp": 4}, max={"tp": 2}), "min.tp=4 is above max.tp=2"),
+        (dict(fix={"pp": 8}, max={"pp": 4}), "fix.pp=8 is outside"),
+        (dict(schedules=["zigzag"]), "schedules: 'zigzag' is not a schedule"),
+        (dict(schedules=["interleaved:1"]), "interleaved:V"),
+        (dict(recompute=["some"]), "recompute: 'some' is not a recompute policy"),
+        (dict(zero_stages=[4]), "zero_stages: 4 is not a ZeRO stage"),
+        (dict(microbatch_sizes=[]), "microbatch_sizes: must be a non-empty list"),
+        (dict(placements=["diagonal"]), "placements: 'diagonal' is not a placement"),
+        (dict(memory_headroom=1.0), "memory_headroom: must be a fraction"),
+        (dict(optimizer="lamb"), "optimizer: must be one of"),
+    ],
+)
 def test_malformed_constraints_name_the_entry(kwargs, message):
     with pytest.raises(ConstraintError, match=message):
         Constraints(**kwargs)
@@ -69,16 +80,27 @@ def test_optimizer_names_are_the_costed_ones():
 
 def test_command_line_forms():
     assert parse_assignments("tp=8, pp=16", "fix") == {"tp": 8, "pp": 16}
-    assert parse_assignments("compile=false,sequence-parallel=on", "fix") == {"compile": False,
-                                                                               "sequence_parallel": True}
+    assert parse_assignments("compile=false,sequence-parallel=on", "fix") == {
+        "compile": False,
+        "sequence_parallel": True,
+    }
     with pytest.raises(ConstraintError, match="not NAME=VALUE"):
         parse_assignments("tp8", "fix")
     c = Constraints(fix={"tp": 8}, max={"pp": 4}, schedules=["1f1b"], memory_headroom=0.1, optimizer="sgd")
     assert c.describe() == "tp = 8, pp <= 4, schedule 1f1b, memory headroom 10%, optimizer sgd"
-    assert [t for _, t in c.items()] == ["--fix tp=8", "--max pp=4", "--schedule 1f1b", "--memory-headroom 0.1",
-                                         "--optimizer sgd"]
-    assert c.without("fix.tp").to_dict() == {"max": {"pp": 4}, "schedules": ["1f1b"], "memory_headroom": 0.1,
-                                             "optimizer": "sgd"}
+    assert [t for _, t in c.items()] == [
+        "--fix tp=8",
+        "--max pp=4",
+        "--schedule 1f1b",
+        "--memory-headroom 0.1",
+        "--optimizer sgd",
+    ]
+    assert c.without("fix.tp").to_dict() == {
+        "max": {"pp": 4},
+        "schedules": ["1f1b"],
+        "memory_headroom": 0.1,
+        "optimizer": "sgd",
+    }
 
 
 def test_plan_file_records_constraints_and_old_files_load():
@@ -96,14 +118,19 @@ def test_plan_file_records_constraints_and_old_files_load():
 
 # -- the search within them ----------------------------------------------------------------
 
-@pytest.mark.parametrize("constraints", [
-    Constraints(fix={"tp": 2}),
-    Constraints(fix={"pp": 1}),
-    Constraints(max={"pp": 2}, min={"dp": 2}),
-    Constraints(schedules=["1f1b"], zero_stages=[3]),
-    Constraints(recompute=["full"], microbatch_sizes=[1], placements=["replica-major"]),
-    Constraints(memory_headroom=0.3, optimizer="sgd"),
-], ids=lambda c: c.describe())
+
+@pytest.mark.parametrize(
+    "constraints",
+    [
+        Constraints(fix={"tp": 2}),
+        Constraints(fix={"pp": 1}),
+        Constraints(max={"pp": 2}, min={"dp": 2}),
+        Constraints(schedules=["1f1b"], zero_stages=[3]),
+        Constraints(recompute=["full"], microbatch_sizes=[1], placements=["replica-major"]),
+        Constraints(memory_headroom=0.3, optimizer="sgd"),
+    ],
+    ids=lambda c: c.describe(),
+)
 def test_the_plan_is_the_optimum_within_the_constraints(small, constraints):
     work, cluster = small
     found = solve_constrained(work, cluster, 16, constraints, SPACE)
@@ -114,8 +141,11 @@ def test_the_plan_is_the_optimum_within_the_constraints(small, constraints):
         assert lo <= value <= hi
     if constraints.schedules:
         assert plan.schedule in constraints.schedules
-    for name, value in (("zero_stages", plan.zero), ("microbatch_sizes", plan.microbatch_size),
-                        ("placements", plan.placement)):
+    for name, value in (
+        ("zero_stages", plan.zero),
+        ("microbatch_sizes", plan.microbatch_size),
+        ("placements", plan.placement),
+    ):
         assert getattr(constraints, name) is None or value in getattr(constraints, name)
     assert constraints.recompute is None or {s.recompute for s in plan.stages} <= set(constraints.recompute)
     # exact: enumeration over the same narrowed space finds nothing faster
@@ -138,17 +168,20 @@ def test_headroom_and_optimizer_change_what_fits(small):
     assert max(s.memory["total"] for s in roomy.stages) <= 0.5 * cluster.device.memory_bytes
 
 
-@pytest.mark.parametrize("constraints, message", [
-    (Constraints(fix={"tp": 4}), "--fix tp=4: tensor parallelism stays inside one node of 2 devices"),
-    (Constraints(fix={"tp": 2, "pp": 4, "dp": 2}), "needs at least 16 devices, the cluster has 8"),
-    (Constraints(fix={"pp": 9}), "--fix pp=9: the model has 7 layers"),
-    (Constraints(fix={"cp": 3}), "--fix cp=3: cp=3 does not divide the sequence: 1024 tokens"),
-    (Constraints(fix={"float8": True}), "--fix float8=true: the device .* has no fp8 rate"),
-    (Constraints(recompute=["op:fancy"]), "--recompute op:fancy: .*unknown op policy 'fancy'"),
-    (Constraints(microbatch_sizes=[3]), "--microbatch 3: no microbatch size divides the global batch 16"),
-    (Constraints(fix={"dp": 3}), "--fix dp=3: dp=3 does not divide the global batch 16"),
-    (Constraints(fix={"ep": 2}), "--fix ep=2: .* has no experts"),
-])
+@pytest.mark.parametrize(
+    "constraints, message",
+    [
+        (Constraints(fix={"tp": 4}), "--fix tp=4: tensor parallelism stays inside one node of 2 devices"),
+        (Constraints(fix={"tp": 2, "pp": 4, "dp": 2}), "needs at least 16 devices, the cluster has 8"),
+        (Constraints(fix={"pp": 9}), "--fix pp=9: the model has 7 layers"),
+        (Constraints(fix={"cp": 3}), "--fix cp=3: cp=3 does not divide the sequence: 1024 tokens"),
+        (Constraints(fix={"float8": True}), "--fix float8=true: the device .* has no fp8 rate"),
+        (Constraints(recompute=["op:fancy"]), "--recompute op:fancy: .*unknown op policy 'fancy'"),
+        (Constraints(microbatch_sizes=[3]), "--microbatch 3: no microbatch size divides the global batch 16"),
+        (Constraints(fix={"dp": 3}), "--fix dp=3: dp=3 does not divide the global batch 16"),
+        (Constraints(fix={"ep": 2}), "--fix ep=2: .* has no experts"),
+    ],
+)
 def test_what_the_model_or_cluster_rules_out_is_refused_at_once(small, constraints, message):
     work, cluster = small
     with pytest.raises(ConstraintError, match=message):
@@ -184,40 +217,89 @@ def test_constraints_that_bind_only_together_say_so():
     # does not help (a pipeline's stages hold their gradients unsharded: memory.held_grad_bytes)
     cluster = tight_cluster(0.3)
     work = workload_for_model(MODEL, cluster)
-    with pytest.raises(ConstraintError, match=r"no plan meets the constraints together \(--zero 1, "
-                                              r"--recompute none\); leaving out any one"):
+    with pytest.raises(
+        ConstraintError,
+        match=r"no plan meets the constraints together \(--zero 1, "
+        r"--recompute none\); leaving out any one",
+    ):
         solve_constrained(work, cluster, 16, Constraints(recompute=["none"], zero_stages=[1]), SPACE)
 
 
 # -- the command line and the runtime -------------------------------------------------------
 
+
 def test_cli_plan_prints_records_and_simulates_under_the_constraints(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", MODEL, "--cluster", "dgx-a100:16", "--global-batch", "32", "--quiet",
-            "--no-baselines", "--fix", "tp=2", "--max-pp", "2", "--optimizer", "sgd", "--memory-headroom", "20%",
-            "--json", str(out)]
+    argv = [
+        "plan",
+        "--model",
+        MODEL,
+        "--cluster",
+        "dgx-a100:16",
+        "--global-batch",
+        "32",
+        "--quiet",
+        "--no-baselines",
+        "--fix",
+        "tp=2",
+        "--max-pp",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--memory-headroom",
+        "20%",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "constraints: tp = 2, pp <= 2, memory headroom 20%, optimizer sgd" in printed
     plan = Plan.load(str(out))
     assert plan.constraints == Constraints(fix={"tp": 2}, max={"pp": 2}, memory_headroom=0.2, optimizer="sgd")
     assert plan.uniform_tp == 2 and plan.pp <= 2
-    assert main(["simulate", "--plan", str(out), "--model", MODEL, "--cluster", "dgx-a100:16", "--json",
-                 str(tmp_path / "sim.json")]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--plan",
+                str(out),
+                "--model",
+                MODEL,
+                "--cluster",
+                "dgx-a100:16",
+                "--json",
+                str(tmp_path / "sim.json"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     step = json.loads((tmp_path / "sim.json").read_text())["result"]["step_s"]
     assert step == pytest.approx(plan.predicted["step_s"], rel=1e-12)  # costed with SGD, as planned
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--fix", "tp=16"], "error: --fix tp=16: tensor parallelism stays inside one node of 8 devices"),
-    (["--fix", "tp=foo"], "error: --fix tp=foo: tp takes a positive integer"),
-    (["--memory-headroom", "150%"], "error: constraint memory_headroom: must be a fraction"),
-    (["--schedule", "zigzag"], "error: constraint schedules: 'zigzag' is not a schedule"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fix", "tp=16"], "error: --fix tp=16: tensor parallelism stays inside one node of 8 devices"),
+        (["--fix", "tp=foo"], "error: --fix tp=foo: tp takes a positive integer"),
+        (["--memory-headroom", "150%"], "error: constraint memory_headroom: must be a fraction"),
+        (["--schedule", "zigzag"], "error: constraint schedules: 'zigzag' is not a schedule"),
+    ],
+)
 def test_cli_refuses_impossible_constraints_in_one_line(capsys, extra, message):
-    argv = ["plan", "--model", MODEL, "--cluster", "dgx-a100:16", "--global-batch", "32", "--quiet",
-            "--no-baselines", *extra]
+    argv = [
+        "plan",
+        "--model",
+        MODEL,
+        "--cluster",
+        "dgx-a100:16",
+        "--global-batch",
+        "32",
+        "--quiet",
+        "--no-baselines",
+        *extra,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
@@ -235,8 +317,14 @@ def fake_world():
 def test_auto_parallelize_plans_within_constraints(fake_world):
     model, _ = build_model("llama:hidden=64,layers=4,heads=4,kv=2,seq=32,vocab=128", device="meta")
     tokens = torch.empty(8, 32, dtype=torch.long, device="meta")
-    pm = auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, verbose=False,
-                          constraints={"fix": {"tp": 2, "pp": 1}, "optimizer": "sgd"})
+    pm = auto_parallelize(
+        model,
+        tokens,
+        global_batch_size=8,
+        loss_fn=lm_loss,
+        verbose=False,
+        constraints={"fix": {"tp": 2, "pp": 1}, "optimizer": "sgd"},
+    )
     assert pm.plan.uniform_tp == 2 and pm.plan.pp == 1 and pm.plan.dp == 2
     assert pm.plan.constraints == Constraints(fix={"tp": 2, "pp": 1}, optimizer="sgd")
 
@@ -245,11 +333,19 @@ def test_auto_parallelize_refuses_what_the_runtime_cannot_run(fake_world):
     model, _ = build_model("llama:hidden=64,layers=4,heads=4,kv=2,seq=32,vocab=128", device="meta")
     tokens = torch.empty(8, 32, dtype=torch.long, device="meta")
     with pytest.raises(ConstraintError, match="fix tp=4: tp=4 does not divide the model's 2 key/value heads"):
-        auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, verbose=False,
-                         constraints=Constraints(fix={"tp": 4}))
+        auto_parallelize(
+            model, tokens, global_batch_size=8, loss_fn=lm_loss, verbose=False, constraints=Constraints(fix={"tp": 4})
+        )
     with pytest.raises(ApplyError, match="constraints= shape the default planner's search"):
-        auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, verbose=False,
-                         plan=uniform_plan(6, dp=4, num_microbatches=2), constraints=Constraints(fix={"tp": 1}))
+        auto_parallelize(
+            model,
+            tokens,
+            global_batch_size=8,
+            loss_fn=lm_loss,
+            verbose=False,
+            plan=uniform_plan(6, dp=4, num_microbatches=2),
+            constraints=Constraints(fix={"tp": 1}),
+        )
 
 
 def test_cost_options_from_a_plans_constraints():

@@ -1,4 +1,5 @@
 """Plan format: rank layout, validation and JSON round trip."""
+
 import json
 
 import pytest
@@ -25,8 +26,7 @@ def test_stage_major_rank_layout():
 
 
 def test_replica_major_rank_layout():
-    plan = Plan(stages=[StagePlan(0, 2, tp=2), StagePlan(2, 4, tp=2)], dp=2, placement="replica-major",
-                num_layers=4)
+    plan = Plan(stages=[StagePlan(0, 2, tp=2), StagePlan(2, 4, tp=2)], dp=2, placement="replica-major", num_layers=4)
     assert plan.tp_group(1, 0) == [2, 3]
     assert plan.dp_group(0, 1) == [1, 5]
     assert plan.rank(1, 1, 0) == 6
@@ -42,8 +42,9 @@ def test_context_parallel_rank_layout():
     assert plan.mesh() == {"dims": ["pp", "dp", "cp", "tp"], "shape": [2, 2, 2, 2]}
     every = sorted(plan.rank(i, r, j, c) for i in range(2) for r in range(2) for c in range(2) for j in range(2))
     assert every == list(range(16))  # a bijection onto the devices used
-    rm = Plan(stages=[StagePlan(0, 2, tp=2), StagePlan(2, 4, tp=2)], dp=2, cp=2, num_layers=4,
-              placement="replica-major")
+    rm = Plan(
+        stages=[StagePlan(0, 2, tp=2), StagePlan(2, 4, tp=2)], dp=2, cp=2, num_layers=4, placement="replica-major"
+    )
     assert rm.cp_group(1, 1, tp_rank=0) == [12, 14] and rm.tp_group(1, 1, cp_rank=1) == [14, 15]
 
 
@@ -77,8 +78,18 @@ def test_ep_groups_are_consecutive_replicas():
 
 
 def test_json_round_trip(tmp_path):
-    plan = uniform_plan(10, pp=2, tp=4, dp=2, zero=1, microbatch_size=2, num_microbatches=8,
-                        schedule="interleaved", virtual_stages=2, recompute="selective")
+    plan = uniform_plan(
+        10,
+        pp=2,
+        tp=4,
+        dp=2,
+        zero=1,
+        microbatch_size=2,
+        num_microbatches=8,
+        schedule="interleaved",
+        virtual_stages=2,
+        recompute="selective",
+    )
     path = tmp_path / "p.json"
     plan.save(str(path))
     data = json.loads(path.read_text())
@@ -87,17 +98,20 @@ def test_json_round_trip(tmp_path):
     assert again.to_dict() == plan.to_dict()
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(format="nest-fx-plan/0"), "format"),
-    (lambda d: d["stages"][1].update(start=6), "stages[1].start"),
-    (lambda d: d.update(ep=3), "ep=3 must divide dp"),
-    (lambda d: d.update(zero=4), "zero"),
-    (lambda d: d.update(schedule="zigzag"), "schedule"),
-    (lambda d: d.update(dp="two"), "dp must be an integer"),
-    (lambda d: d.update(colour="red"), "unknown field"),
-    (lambda d: d["stages"][0].update(recompute="most"), "recompute"),
-    (lambda d: d.update(schedule="interleaved", virtual_stages=1), "virtual_stages"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format="nest-fx-plan/0"), "format"),
+        (lambda d: d["stages"][1].update(start=6), "stages[1].start"),
+        (lambda d: d.update(ep=3), "ep=3 must divide dp"),
+        (lambda d: d.update(zero=4), "zero"),
+        (lambda d: d.update(schedule="zigzag"), "schedule"),
+        (lambda d: d.update(dp="two"), "dp must be an integer"),
+        (lambda d: d.update(colour="red"), "unknown field"),
+        (lambda d: d["stages"][0].update(recompute="most"), "recompute"),
+        (lambda d: d.update(schedule="interleaved", virtual_stages=1), "virtual_stages"),
+    ],
+)
 def test_malformed_plans_name_the_field(mutate, message):
     data = uniform_plan(10, pp=2, tp=1, dp=2).to_dict()
     mutate(data)
@@ -120,8 +134,11 @@ def test_recompute_policy_forms_are_accepted(good):
 
 @pytest.mark.parametrize("bad", ["all", "every:1", "every:0", "op:", "Full", "every:k"])
 def test_recompute_policy_forms_are_refused(bad):
-    with pytest.raises(PlanError, match=r"stages\[0\].recompute: .* is not a recompute policy"
-                                        r"( \(close matches: [^)]*\))?; use none, selective"):
+    with pytest.raises(
+        PlanError,
+        match=r"stages\[0\].recompute: .* is not a recompute policy"
+        r"( \(close matches: [^)]*\))?; use none, selective",
+    ):
         Plan(stages=[StagePlan(0, 1, recompute=bad)], num_layers=1).validate()
 
 

@@ -1,6 +1,7 @@
 """The settings declaration (nest_fx.plan.settings): one declaration per plan setting, from which
 the plan's fields and checks, the constraints' vocabulary, the planner's options and the
 command-line flags are made."""
+
 import argparse
 import dataclasses
 import os
@@ -11,9 +12,24 @@ import pytest
 
 from nest_fx.plan import Plan, StagePlan, uniform_plan
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
-from nest_fx.plan.settings import (CHOICES, COSTED_FLAGS, DEGREES, FLAGS, OPTIONS, PLAN_SETTINGS, SEARCHED, SETTINGS,
-                                   STAGE_SETTINGS, UNSEARCHED, Setting, add_constraint_flags, add_fields,
-                                   constraints_data, default, setting)
+from nest_fx.plan.settings import (
+    CHOICES,
+    COSTED_FLAGS,
+    DEGREES,
+    FLAGS,
+    OPTIONS,
+    PLAN_SETTINGS,
+    SEARCHED,
+    SETTINGS,
+    STAGE_SETTINGS,
+    UNSEARCHED,
+    Setting,
+    add_constraint_flags,
+    add_fields,
+    constraints_data,
+    default,
+    setting,
+)
 from nest_fx.solver.constraints import NEVER_RELAXED
 from nest_fx.solver.space import SolverOptions
 from repo_root import ROOT
@@ -35,8 +51,17 @@ def test_one_spelling_for_every_setting():
         assert short not in names
     assert set(DEGREES) == {"tp", "pp", "dp", "ep", "cp", "dp_shard"}
     assert set(FLAGS) == {"sequence_parallel", "loss_parallel", "compile", "float8", "async_tp"}
-    assert {s.name for s in OPTIONS} == {"precision", "kernels", "optimizer", "memory_headroom", "overlap_tp_comm",
-                                         "overlap_ep_comm", "overlap_cp_comm", "overlap_grad_sync", "overlap_p2p"}
+    assert {s.name for s in OPTIONS} == {
+        "precision",
+        "kernels",
+        "optimizer",
+        "memory_headroom",
+        "overlap_tp_comm",
+        "overlap_ep_comm",
+        "overlap_cp_comm",
+        "overlap_grad_sync",
+        "overlap_p2p",
+    }
 
 
 def test_constraints_vocabulary_is_made_from_the_declarations():
@@ -49,13 +74,16 @@ def test_constraints_vocabulary_is_made_from_the_declarations():
     assert Constraints.from_dict(c.to_dict()) == c
 
 
-@pytest.mark.parametrize("name, good, bad, message", [
-    ("precision", "bf16-mixed", "fp16", "use one of"),
-    ("zero", 3, 4, "use 0, 1, 2 or 3"),
-    ("dp", 2, 0, "must be >= 1"),
-    ("schedule", "gpipe", "zigzag", "use one of"),
-    ("loss_parallel", True, "yes", "must be true or false"),
-])
+@pytest.mark.parametrize(
+    "name, good, bad, message",
+    [
+        ("precision", "bf16-mixed", "fp16", "use one of"),
+        ("zero", 3, 4, "use 0, 1, 2 or 3"),
+        ("dp", 2, 0, "must be >= 1"),
+        ("schedule", "gpipe", "zigzag", "use one of"),
+        ("loss_parallel", True, "yes", "must be true or false"),
+    ],
+)
 def test_each_setting_checks_its_values(name, good, bad, message):
     assert setting(name).check(good) == ""
     assert message in setting(name).check(bad)
@@ -74,8 +102,23 @@ def test_command_line_flags_come_from_the_declarations():
     for s in SETTINGS:
         if s.flag:
             assert s.flag in flags
-    args = p.parse_args(["--fix", "tp=2", "--zero", "1,2", "--precision", "fp32", "--compile",
-                         "--memory-headroom", "10%", "--optimizer", "sgd", "--schedule", "gpipe"])
+    args = p.parse_args(
+        [
+            "--fix",
+            "tp=2",
+            "--zero",
+            "1,2",
+            "--precision",
+            "fp32",
+            "--compile",
+            "--memory-headroom",
+            "10%",
+            "--optimizer",
+            "sgd",
+            "--schedule",
+            "gpipe",
+        ]
+    )
     data = constraints_data(args, parse_assignments, parse_list, parse_fraction)
     c = Constraints(**data)
     assert c.fix == {"tp": 2, "compile": True} and c.zero_stages == [1, 2] and c.precision == "fp32"
@@ -90,8 +133,22 @@ def test_the_planner_options_are_made_from_the_declarations():
     for s in SEARCHED:
         assert made[s.search_name()] == s.search, s.name
     assert {s.search_name() for s in SEARCHED} == {
-        "tp_degrees", "ep_degrees", "cp_degrees", "zero_stages", "microbatch_sizes", "schedules", "placements",
-        "recompute", "loss_parallel", "sequence_parallel", "compile", "float8", "async_tp", "precision", "kernels"}
+        "tp_degrees",
+        "ep_degrees",
+        "cp_degrees",
+        "zero_stages",
+        "microbatch_sizes",
+        "schedules",
+        "placements",
+        "recompute",
+        "loss_parallel",
+        "sequence_parallel",
+        "compile",
+        "float8",
+        "async_tp",
+        "precision",
+        "kernels",
+    }
     assert {s.name for s in SETTINGS if s.search is UNSEARCHED and s.role == "degree"} == {"pp", "dp", "dp_shard"}
     assert COSTED_FLAGS == ("compile", "float8", "async_tp")  # never searched: costed when the user sets them
     assert {"fix.compile", "fix.float8", "fix.async_tp", "optimizer", "precision"} <= set(NEVER_RELAXED)
@@ -122,11 +179,13 @@ def test_old_plan_files_load():
 
 
 def test_the_declarations_import_no_torch():
-    code = ("import sys, types, os\n"
-            "pkg = types.ModuleType('nest_fx'); pkg.__path__ = [os.path.join(sys.argv[1], 'nest_fx')]\n"
-            "sys.modules['nest_fx'] = pkg  # a lazy nest_fx/__init__.py\n"
-            "import nest_fx.plan, nest_fx.plan.settings, nest_fx.plan.constraints\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'networkx')))\n")
+    code = (
+        "import sys, types, os\n"
+        "pkg = types.ModuleType('nest_fx'); pkg.__path__ = [os.path.join(sys.argv[1], 'nest_fx')]\n"
+        "sys.modules['nest_fx'] = pkg  # a lazy nest_fx/__init__.py\n"
+        "import nest_fx.plan, nest_fx.plan.settings, nest_fx.plan.constraints\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'networkx')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

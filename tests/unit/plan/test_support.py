@@ -1,5 +1,6 @@
 """One decision for the planner and the runtime: ``nest_fx.plan.support`` (issue: the planner never
 offers a plan the runtime refuses)."""
+
 import torch
 
 from nest_fx.graph import trace
@@ -70,6 +71,7 @@ def test_one_entry_point_answers_the_planner_and_the_runtime():
     from nest_fx.cluster import load_cluster
     from nest_fx.plan.constraints import Constraints
     from nest_fx.plan.may_run import may_run
+
     model, graph = _traced("gpt:hidden=48,layers=2,heads=6,seq=16,vocab=64,tie_embeddings=true")
     runs = may_run(model, graph, load_cluster("cpu-gloo:8"))
     reason = runs.degree_problem("tp", 4)

@@ -1,4 +1,5 @@
 """Profiler: timer, TP-local shapes, per-op profile, reuse, profile file, workload from a profile."""
+
 import json
 import math
 import re
@@ -28,8 +29,9 @@ def single_thread():
 
 @pytest.fixture(scope="module")
 def gpt_profile(single_thread):
-    return profile_model(GPT, "cpu", ProfileOptions(tps=(1, 2), mbss=(2,), repeats=7, statistic="min",
-                                                    check_step=False))
+    return profile_model(
+        GPT, "cpu", ProfileOptions(tps=(1, 2), mbss=(2,), repeats=7, statistic="min", check_step=False)
+    )
 
 
 def test_timer_cpu_takes_the_median_or_the_minimum(fake_clock):
@@ -38,6 +40,7 @@ def test_timer_cpu_takes_the_median_or_the_minimum(fake_clock):
 
     def call():
         clock.advance(next(durations))
+
     assert Timer("cpu", warmup=1, repeats=3, flush_bytes=0).measure(call) == pytest.approx(0.02)
     assert Timer("cpu", warmup=0, repeats=3, flush_bytes=0, statistic="min").measure(call) == pytest.approx(0.01)
     with pytest.raises(ValueError, match="repeats"):
@@ -68,6 +71,7 @@ def test_timer_cuda_events():
     def host_bound():  # 200 launches of nothing: the host is the bottleneck
         for _ in range(200):
             x.add_(1.0)
+
     host = timer.measure_host(host_bound)
     assert timer.measure(host_bound) >= 0.8 * host  # the dispatch time counts when it dominates
     y = torch.zeros(1, device="cuda")
@@ -90,12 +94,16 @@ def test_localised_shapes_halve_tp_regions():
 def test_uneven_vocabulary_takes_the_largest_shard():
     """gpt2's 50257-token vocabulary on TP2: the embedding and LM head keep ceil(V/tp) rows, as
     the runtime's vocabulary-parallel Shard(0) gives the first rank."""
-    graph, model, args, _ = local_graph("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=257", 2, 1, seq=None,
-                                        dtype=torch.float32, layers=2, device="cpu")
+    graph, model, args, _ = local_graph(
+        "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=257", 2, 1, seq=None, dtype=torch.float32, layers=2, device="cpu"
+    )
     assert model.embed.tok.num_embeddings == 129 and model.lm_head.out_features == 129
     assert int(args[0].max()) < 129
-    prof, stats = profile_model("gpt:hidden=64,layers=2,heads=4,seq=16,vocab=257", "cpu",
-                                ProfileOptions(tps=(2,), repeats=1, warmup=0, check_step=False))
+    prof, stats = profile_model(
+        "gpt:hidden=64,layers=2,heads=4,seq=16,vocab=257",
+        "cpu",
+        ProfileOptions(tps=(2,), repeats=1, warmup=0, check_step=False),
+    )
     assert not stats.skipped and prof.ops
 
 
@@ -147,6 +155,7 @@ def test_block_pace_is_the_slower_of_device_and_host(gpt_profile):
     costs its host time. Entries with host figures 3x the device's triple the block costs;
     entries without host figures (older files) cost their device time."""
     from nest_fx.workload.profile_file import OpEntry, block_seconds
+
     assert block_seconds([(1.0, 2.0), (1.0, 2.0)], [(3.0, 1.0), (0.5, 1.0)]) == (3.5, 4.0)
     assert OpEntry(op="x", fwd_s=1.0, bwd_s=2.0, peak_bytes=0.0).host == (1.0, 2.0)
     prof, _ = gpt_profile
@@ -180,6 +189,7 @@ def test_oom_op_is_skipped_and_modelled(monkeypatch, single_thread):
         if "fc" in n.name:
             raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB")
         return real(self, n, args, kwargs, cuda, copy_inputs)
+
     monkeypatch.setattr(measure_mod._MeasuringInterpreter, "_measure_with", flaky)
     with pytest.warns(UserWarning, match="oom"):
         prof, stats = profile_model(GPT, "cpu", ProfileOptions(repeats=1, warmup=0, check_step=False))
@@ -210,11 +220,13 @@ def test_profile_file_roundtrip_and_errors(tmp_path, gpt_profile):
     back = Profile.load(str(path))
     assert back.ops.keys() == prof.ops.keys() and back.device_name == prof.device_name
     data = json.loads(path.read_text())
-    for mutate, match in [(lambda d: d.update(format="x"), "format"),
-                          (lambda d: d.pop("dtype"), "dtype"),
-                          (lambda d: d.update(ops=[1]), "ops"),
-                          (lambda d: next(iter(d["ops"].values())).pop("fwd_s"), "fwd_s"),
-                          (lambda d: next(iter(d["ops"].values())).update(bwd_s="fast"), "numbers")]:
+    for mutate, match in [
+        (lambda d: d.update(format="x"), "format"),
+        (lambda d: d.pop("dtype"), "dtype"),
+        (lambda d: d.update(ops=[1]), "ops"),
+        (lambda d: next(iter(d["ops"].values())).pop("fwd_s"), "fwd_s"),
+        (lambda d: next(iter(d["ops"].values())).update(bwd_s="fast"), "numbers"),
+    ]:
         bad = json.loads(json.dumps(data))
         mutate(bad)
         with pytest.raises(ProfileError, match=match):

@@ -11,6 +11,7 @@
   before torch loads), parent packages' ``__init__`` included;
 * scripts and examples import the installed package (no ``sys.path`` edits).
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,8 +26,13 @@ from repo_root import ROOT
 PACKAGES = ("nest_fx", "profiler")
 # the data flow of shared/DESIGN.md: a package may import the packages before it, never after
 LAYERS = ["common", "models", "graph", "workload", "cluster", "plan", "cost", "solver", "apply", "report"]
-TEST_HELPERS = {"nest_fx.testing", "nest_fx.testing_faults", "nest_fx.testing_styles", "nest_fx.testing_vision_styles",
-                "nest_fx.testing_coverage"}
+TEST_HELPERS = {
+    "nest_fx.testing",
+    "nest_fx.testing_faults",
+    "nest_fx.testing_styles",
+    "nest_fx.testing_vision_styles",
+    "nest_fx.testing_coverage",
+}
 TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.cli_profile"} | TEST_HELPERS  # may import any layer
 OPTIONAL = {"matplotlib", "transformers", "torchao"}  # extras: imported where used, inside functions
 # the command line: its handlers import torch and the pipeline when they run (start-up time, the
@@ -54,11 +60,13 @@ def _type_checking_only(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and (
         (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
 
 
 def _imports(tree: ast.Module) -> Iterator[Tuple[ast.stmt, bool]]:
     """(import statement, at module level) of a module, skipping TYPE_CHECKING blocks."""
+
     def walk(node: ast.AST, top: bool) -> Iterator[Tuple[ast.stmt, bool]]:
         for child in ast.iter_child_nodes(node):
             if _type_checking_only(child):
@@ -67,6 +75,7 @@ def _imports(tree: ast.Module) -> Iterator[Tuple[ast.stmt, bool]]:
                 yield child, top
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             yield from walk(child, inner)
+
     yield from walk(tree, True)
 
 
@@ -139,8 +148,11 @@ def test_packages_import_only_earlier_layers():
 
 
 def test_only_the_command_line_imports_the_profiler():
-    offenders = sorted(f"{a} -> {b}" for a, b in GRAPH.edges
-                       if a.startswith("nest_fx") and b.startswith("profiler") and a not in STARTUP)
+    offenders = sorted(
+        f"{a} -> {b}"
+        for a, b in GRAPH.edges
+        if a.startswith("nest_fx") and b.startswith("profiler") and a not in STARTUP
+    )
     assert not offenders, offenders
 
 
@@ -198,8 +210,10 @@ def _module_level_imports(module: str) -> Tuple[Set[str], Set[str]]:
 @pytest.mark.parametrize("module", sorted(STARTUP | {"nest_fx.__main__", "nest_fx.plan.plan"}))
 def test_the_command_line_imports_nothing_heavy_at_start(module):
     modules, external = _module_level_imports(module)
-    assert not external & HEAVY, f"{module} imports {sorted(external & HEAVY)} at module level through " \
+    assert not external & HEAVY, (
+        f"{module} imports {sorted(external & HEAVY)} at module level through "
         f"{sorted(m for m in modules if _module_level_imports(m)[1] & external & HEAVY)}: import it in the handler"
+    )
 
 
 def test_the_startup_check_sees_heavy_imports():

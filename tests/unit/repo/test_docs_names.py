@@ -1,5 +1,6 @@
 """Every Python name the README and docs/ tell a user to import still imports (``from x import y``
 lines in code blocks, and dotted ``nest_fx.`` / ``profiler.`` names in backquotes)."""
+
 import glob
 import importlib
 import os

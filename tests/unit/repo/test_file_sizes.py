@@ -1,5 +1,6 @@
 """Small modules with one job: no Python file of the package, the profiler, the scripts, the
 examples or the tests is over :data:`MAX_LINES` lines (docs/architecture.md, "Files")."""
+
 from __future__ import annotations
 
 import os
@@ -34,5 +35,6 @@ def test_the_walk_sees_every_folder():
 
 def test_no_python_file_is_over_the_limit():
     over = sorted((n, path) for path, n in _line_counts().items() if n > MAX_LINES)
-    assert not over, (f"over {MAX_LINES} lines (split the file by its jobs, docs/architecture.md): "
-                      + ", ".join(f"{path} ({n})" for n, path in reversed(over)))
+    assert not over, f"over {MAX_LINES} lines (split the file by its jobs, docs/architecture.md): " + ", ".join(
+        f"{path} ({n})" for n, path in reversed(over)
+    )

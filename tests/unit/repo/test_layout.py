@@ -14,6 +14,7 @@ the one its name starts with (``test_cli_trace.py``: cli), else the package it i
 the later layer, whose tests build their inputs from the earlier ones), else ``repo``. That is a
 suggestion: a file that tests something else goes under that part instead.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,13 @@ from test_architecture import LAYERS  # the package order of docs/architecture.m
 
 TESTS = os.path.join(ROOT, "tests")
 KINDS = ("unit", "distributed")  # not "dist": pytest does not collect, and .gitignore ignores, dist/
-PACKAGES = tuple(sorted(name for name in os.listdir(os.path.join(ROOT, "nest_fx"))
-                        if os.path.isfile(os.path.join(ROOT, "nest_fx", name, "__init__.py"))))
+PACKAGES = tuple(
+    sorted(
+        name
+        for name in os.listdir(os.path.join(ROOT, "nest_fx"))
+        if os.path.isfile(os.path.join(ROOT, "nest_fx", name, "__init__.py"))
+    )
+)
 PARTS = PACKAGES + ("cli", "profiler", "scripts", "repo")
 ORDER = LAYERS + ["cli", "profiler"]  # tie-break of suggest(): the later part wins
 NAMED = re.compile(r"\btests/[\w/]+\.py\b")  # a test path in prose (a glob such as test_apply_*.py is not one)
@@ -43,9 +49,13 @@ def _tree(path: str) -> ast.Module:
 
 def has_dist_mark(tree: ast.Module) -> bool:
     """Whether the file marks a test (or itself) ``pytest.mark.dist``."""
-    return any(isinstance(node, ast.Attribute) and node.attr == "dist"
-               and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
-               for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "dist"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "mark"
+        for node in ast.walk(tree)
+    )
 
 
 def _part_of(module: str) -> str:
@@ -71,7 +81,7 @@ def suggest(path: str) -> str:
             for alias in node.names:
                 counts[_part_of(alias.name)] += 1
     counts.pop("", None)
-    stem = os.path.basename(path)[len("test_"):-len(".py")]
+    stem = os.path.basename(path)[len("test_") : -len(".py")]
     named = [p for p in PARTS if stem == p or stem.startswith(p + "_")]
     if named:
         part = named[0]
@@ -107,7 +117,7 @@ def _misplaced(path: str) -> str:
 
 def test_every_test_file_sits_in_the_layout():
     problems = [why for why in map(_misplaced, _python_files()) if why]
-    assert not problems, "tests/ mirrors the packages (docs/architecture.md, \"Tests\"):\n" + "\n".join(problems)
+    assert not problems, 'tests/ mirrors the packages (docs/architecture.md, "Tests"):\n' + "\n".join(problems)
 
 
 def test_test_file_names_are_unique():
@@ -137,8 +147,10 @@ def test_pytest_and_git_see_both_kinds(pytestconfig):
 def test_a_flat_file_is_told_its_place(tmp_path):
     """The failure message of a file added flat in tests/ names its destination."""
     flat = tmp_path / "test_new.py"
-    flat.write_text("import pytest\nfrom nest_fx.plan import Plan\nfrom nest_fx.solver import solve\n"
-                    "from nest_fx.solver.space import SolverOptions\n\n@pytest.mark.dist\ndef test_x():\n    pass\n")
+    flat.write_text(
+        "import pytest\nfrom nest_fx.plan import Plan\nfrom nest_fx.solver import solve\n"
+        "from nest_fx.solver.space import SolverOptions\n\n@pytest.mark.dist\ndef test_x():\n    pass\n"
+    )
     assert suggest(str(flat)) == os.path.join("tests", "distributed", "solver", "test_new.py")
     flat.write_text("from nest_fx.plan import Plan\nfrom nest_fx.apply import checks\n\ndef test_x():\n    pass\n")
     assert suggest(str(flat)) == os.path.join("tests", "unit", "apply", "test_new.py")  # tie: the later layer
@@ -170,6 +182,9 @@ def test_test_paths_named_in_the_repository_exist():
     named = _named_paths()
     assert "tests/distributed/apply/test_apply_parallel.py" in named  # README's parity row: the scan reads
     where = {os.path.basename(p): os.path.relpath(p, ROOT) for p in _python_files()}
-    stale = [f"{path} (in {', '.join(sorted(set(files)))}; now {where.get(os.path.basename(path), 'gone')})"
-             for path, files in sorted(named.items()) if not os.path.isfile(os.path.join(ROOT, path))]
+    stale = [
+        f"{path} (in {', '.join(sorted(set(files)))}; now {where.get(os.path.basename(path), 'gone')})"
+        for path, files in sorted(named.items())
+        if not os.path.isfile(os.path.join(ROOT, path))
+    ]
     assert not stale, "test paths that do not exist:\n" + "\n".join(stale)

@@ -1,4 +1,5 @@
 """nest-fx explain: schedule events, rank-layout descriptions, the text report, the PNG and the CLI."""
+
 import itertools
 import json
 
@@ -13,12 +14,15 @@ from nest_fx.plan import Plan, uniform_plan
 
 MODEL = "llama:hidden=256,layers=4,heads=4,seq=128,vocab=512"  # 6 layers: head, 4 blocks, tail
 
-CASES = [("1f1b", 1, p, m) for p, m in ((1, 3), (2, 2), (3, 7), (4, 16))] + \
-        [("gpipe", 1, p, m) for p, m in ((1, 2), (3, 5), (4, 8))] + \
-        [("interleaved", v, p, m) for v, p, m in ((2, 2, 4), (2, 3, 6), (3, 4, 8), (2, 4, 16))]
+CASES = (
+    [("1f1b", 1, p, m) for p, m in ((1, 3), (2, 2), (3, 7), (4, 16))]
+    + [("gpipe", 1, p, m) for p, m in ((1, 2), (3, 5), (4, 8))]
+    + [("interleaved", v, p, m) for v, p, m in ((2, 2, 4), (2, 3, 6), (3, 4, 8), (2, 4, 16))]
+)
 
 
 # -- schedule events ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("schedule,v,p,m", CASES)
 def test_equal_stages_makespan_is_the_cost_model_pipeline_time(schedule, v, p, m):
@@ -73,6 +77,7 @@ def test_schedule_errors():
 
 # -- layout -------------------------------------------------------------------------------------
 
+
 def test_fmt_ranks():
     assert fmt_ranks([3, 0, 1, 2]) == "0-3"
     assert fmt_ranks([0, 8, 16, 24]) == "0, 8, .., 24 (stride 8)"
@@ -108,6 +113,7 @@ def test_expert_groups_listed():
 
 # -- report, PNG, CLI -----------------------------------------------------------------------------
 
+
 def _workload_and_cluster():
     from nest_fx.cluster import load_cluster
     from nest_fx.workload import workload_for_model
@@ -138,10 +144,27 @@ def test_explain_prints_every_section(tmp_path, capsys):
     rc = main(["explain", write_plan(tmp_path)])  # model and cluster come from the plan file
     out = capsys.readouterr().out
     assert rc == 0
-    for text in ("Mesh and rank layout", "mesh (pp, dp, tp) = (2, 2, 2)", "TP groups", "inside one node",
-                 "PP boundary 0->1", "Stages", "Memory per device", "optimizer states", "activations", "/80 GiB",
-                 "█", "Step time", "TP comm", "PP p2p", "pipeline bubble", "DP sync (exposed)", "Pipeline timeline",
-                 "event simulation of the schedule", "(+0.0% vs the cost model)"):
+    for text in (
+        "Mesh and rank layout",
+        "mesh (pp, dp, tp) = (2, 2, 2)",
+        "TP groups",
+        "inside one node",
+        "PP boundary 0->1",
+        "Stages",
+        "Memory per device",
+        "optimizer states",
+        "activations",
+        "/80 GiB",
+        "█",
+        "Step time",
+        "TP comm",
+        "PP p2p",
+        "pipeline bubble",
+        "DP sync (exposed)",
+        "Pipeline timeline",
+        "event simulation of the schedule",
+        "(+0.0% vs the cost model)",
+    ):
         assert text in out, text
 
 
@@ -174,8 +197,10 @@ def test_explain_user_errors(tmp_path, capsys):
         ([write_plan(tmp_path, "a.json", cluster="")], "does not record its cluster"),
         ([write_plan(tmp_path, "b.json", model="my-net")], "the plan's model 'my-net' cannot be built here"),
         ([write_plan(tmp_path, "c.json"), "--cluster", "dgx-a100:2"], "world has 2"),
-        ([write_plan(tmp_path, "d.json"), "--model", "llama:hidden=256,layers=6,heads=4,seq=128,vocab=512"],
-         "workload has 8 layers"),
+        (
+            [write_plan(tmp_path, "d.json"), "--model", "llama:hidden=256,layers=6,heads=4,seq=128,vocab=512"],
+            "workload has 8 layers",
+        ),
         ([str(tmp_path / "missing.json")], "missing.json"),
     ]
     for argv, message in cases:
@@ -196,8 +221,26 @@ def test_infeasible_plan_is_explained_and_exits_1(tmp_path, capsys):
 
 def test_plan_records_its_cluster(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["plan", "--model", MODEL, "--cluster", "dgx-a100", "--devices", "8", "--no-baselines", "--quiet",
-                 "--global-batch", "8", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                MODEL,
+                "--cluster",
+                "dgx-a100",
+                "--devices",
+                "8",
+                "--no-baselines",
+                "--quiet",
+                "--global-batch",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     data = json.loads(out.read_text())
     assert data["cluster"] == "dgx-a100:8"

@@ -1,4 +1,5 @@
 """scripts/reproduce_nest.py on a tiny case: rows, Table 3 reuse, markdown, JSON and figures."""
+
 import importlib.util
 import json
 import os
@@ -25,9 +26,26 @@ def repro():
 
 
 def test_tiny_run_writes_tables_and_figures(repro, tmp_path):
-    args = repro.parse_args(["--quick", "--parts", "fig5", "fig6", "--models", "bert-large", "--clusters",
-                             "h100-spine-leaf", "--devices", "64", "--budget", "1", "--mcmc-evals", "20",
-                             "--out", str(tmp_path)])
+    args = repro.parse_args(
+        [
+            "--quick",
+            "--parts",
+            "fig5",
+            "fig6",
+            "--models",
+            "bert-large",
+            "--clusters",
+            "h100-spine-leaf",
+            "--devices",
+            "64",
+            "--budget",
+            "1",
+            "--mcmc-evals",
+            "20",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     results = repro.run(args, log=lambda s: None)
     (row,) = results["fig5"]
     assert row["nest_tokens_s"] > 0 and row["search_s"] >= 0

@@ -1,4 +1,5 @@
 """scripts/_bench_common.py: one place for a benchmark's environment, its JSON and its tables."""
+
 import importlib.util
 import json
 import os
@@ -30,7 +31,9 @@ def test_write_json_adds_the_environment_and_creates_the_folder(common, tmp_path
     import torch
 
     assert env["torch"] == torch.__version__ and env["command"].startswith("python ")
-    assert re.fullmatch(r".+, \d+ CPUs", env["machine"]) and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", env["utc"])
+    assert re.fullmatch(r".+, \d+ CPUs", env["machine"]) and re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", env["utc"]
+    )
     common.write_json(path, {"when": object()}, default=str, quiet=True)  # what JSON has no type for
     assert capsys.readouterr().out == ""
 
@@ -47,7 +50,8 @@ def test_no_script_builds_its_own_environment_header():
         if name.endswith(".py") and name != "_bench_common.py":
             with open(os.path.join(SCRIPTS, name), encoding="utf-8") as fh:
                 text = fh.read()
-            if re.search(r"torch\.__version__|platform\.(machine|processor|node|python_version)\(|os\.getloadavg",
-                         text):
+            if re.search(
+                r"torch\.__version__|platform\.(machine|processor|node|python_version)\(|os\.getloadavg", text
+            ):
                 own.append(name)
     assert not own, f"use _bench_common.environment() instead in {own}"

@@ -3,6 +3,7 @@
 benchmark) and Llama 3's CP 16 on 131,072-token sequences, shrunk to a small model on 64
 devices. The published plan must lie in the search space (CP 16 included: ``long_context_cp``)
 and ``solve`` must return a plan no slower than ``simulate`` gives it."""
+
 import pytest
 
 from nest_fx.cluster import Cluster
@@ -15,29 +16,53 @@ from nest_fx.workload import workload_for_model
 
 def h100ish(devices: int) -> Cluster:
     """8 devices per node on a fast link, a slower network above; 80 GiB each."""
-    return Cluster.from_dict({
-        "format": "nest-fx-cluster/1", "name": "h100ish", "num_devices": devices,
-        "device": {"name": "h100ish", "memory_bytes": 80 * 2**30, "mem_bandwidth": 3.35e12,
-                   "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}},
-        "levels": [{"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
-                   {"name": "spine", "group_size": devices, "bandwidth": 50e9, "latency": 1.5e-5}]})
+    return Cluster.from_dict(
+        {
+            "format": "nest-fx-cluster/1",
+            "name": "h100ish",
+            "num_devices": devices,
+            "device": {
+                "name": "h100ish",
+                "memory_bytes": 80 * 2**30,
+                "mem_bandwidth": 3.35e12,
+                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+            },
+            "levels": [
+                {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+                {"name": "spine", "group_size": devices, "bandwidth": 50e9, "latency": 1.5e-5},
+            ],
+        }
+    )
 
 
 def _published(work, tp: int, pp: int, cp: int, dp: int, microbatches: int, recompute: str) -> Plan:
     """TP x PP x CP x FSDP as torchtitan writes it: the layers evenly over the stages."""
     n = len(work)
     bounds = [k * n // pp for k in range(pp + 1)]
-    return Plan(stages=[StagePlan(a, b, tp, recompute) for a, b in zip(bounds, bounds[1:])], num_layers=n,
-                dp=dp, cp=cp, zero=1, microbatch_size=1, num_microbatches=microbatches, schedule="1f1b",
-                sequence_parallel=tp > 1, loss_parallel=tp > 1, placement="stage-major",
-                seq_len=work.dims.seq_len)
+    return Plan(
+        stages=[StagePlan(a, b, tp, recompute) for a, b in zip(bounds, bounds[1:])],
+        num_layers=n,
+        dp=dp,
+        cp=cp,
+        zero=1,
+        microbatch_size=1,
+        num_microbatches=microbatches,
+        schedule="1f1b",
+        sequence_parallel=tp > 1,
+        loss_parallel=tp > 1,
+        placement="stage-major",
+        seq_len=work.dims.seq_len,
+    )
 
 
-@pytest.mark.parametrize("seq, tp, pp, cp, dp", [
-    (32768, 8, 2, 2, 2),  # torchtitan t6.2-like: TP 8, PP, CP 2, FSDP
-    (65536, 2, 2, 8, 2),  # t6.4-like: CP 8
-    (16 * LONG_CONTEXT_TOKENS, 2, 2, 16, 1),  # Llama 3's long-context stage: CP 16
-])
+@pytest.mark.parametrize(
+    "seq, tp, pp, cp, dp",
+    [
+        (32768, 8, 2, 2, 2),  # torchtitan t6.2-like: TP 8, PP, CP 2, FSDP
+        (65536, 2, 2, 8, 2),  # t6.4-like: CP 8
+        (16 * LONG_CONTEXT_TOKENS, 2, 2, 16, 1),  # Llama 3's long-context stage: CP 16
+    ],
+)
 def test_planner_never_slower_than_the_published_configuration(seq, tp, pp, cp, dp):
     cluster = h100ish(tp * pp * cp * dp)
     work = workload_for_model(f"llama:hidden=1024,layers=4,heads=16,kv=8,seq={seq},vocab=8192", cluster)

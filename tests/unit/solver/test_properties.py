@@ -7,6 +7,7 @@
 * Cluster / Plan / Workload survive their file form unchanged, and random garbage is refused
   with our own error types only.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,9 @@ from nest_fx.workload import Workload, WorkloadError, workload_from_table, workl
 
 GiB = 2**30
 OUR_ERRORS = (ClusterError, PlanError, WorkloadError)
-SMALL_SPACE = dict(tp_degrees=(1, 2, 4), microbatch_sizes=(1, 2), schedules=(("1f1b", 1), ("interleaved", 2)),
-                   max_stages=4)
+SMALL_SPACE = dict(
+    tp_degrees=(1, 2, 4), microbatch_sizes=(1, 2), schedules=(("1f1b", 1), ("interleaved", 2)), max_stages=4
+)
 
 # -- strategies ----------------------------------------------------------------------------
 
@@ -45,11 +47,14 @@ def clusters(draw, max_devices: int = 64) -> Cluster:
     if len(sizes) > 1 and sizes[0] == 1:
         sizes = sizes[1:]
     devices = draw(st.integers(1, min(sizes[-1], max_devices)))
-    levels = [NetworkLevel(f"l{i}", size, 10 ** draw(st.floats(8, 12)), draw(st.floats(0, 1e-4)))
-              for i, size in enumerate(sizes)]
+    levels = [
+        NetworkLevel(f"l{i}", size, 10 ** draw(st.floats(8, 12)), draw(st.floats(0, 1e-4)))
+        for i, size in enumerate(sizes)
+    ]
     flops = 10 ** draw(st.floats(12, 15))
-    device = DeviceSpec("dev", 2 ** draw(st.floats(-2, 6.4)) * GiB, {"bf16": flops, "fp32": flops / 8},
-                        draw(st.floats(1e11, 4e12)))
+    device = DeviceSpec(
+        "dev", 2 ** draw(st.floats(-2, 6.4)) * GiB, {"bf16": flops, "fp32": flops / 8}, draw(st.floats(1e11, 4e12))
+    )
     return Cluster(draw(st.sampled_from(["c", "my cluster"])), device, devices, levels)
 
 
@@ -57,13 +62,30 @@ def _variant(draw, tp: int, mbs: int, scale: float) -> dict:
     fwd = 10 ** draw(st.floats(-5, -1)) * scale / tp
     params = 10 ** draw(st.floats(5, 8.7)) / tp
     act = 10 ** draw(st.floats(5, 9.5)) * mbs / tp
-    v = {"tp": tp, "ep": 1, "mbs": mbs, "fwd_s": fwd, "bwd_s": fwd * draw(st.floats(1, 3)), "num_params": params,
-         "param_bytes": 2 * params, "act_bytes": {"none": act, "selective": act / 2, "full": act / 20},
-         "recompute_s": {"none": 0.0, "selective": fwd / 4, "full": fwd}, "out_bytes": draw(st.floats(0, 1e8)) * mbs,
-         "comms": []}
+    v = {
+        "tp": tp,
+        "ep": 1,
+        "mbs": mbs,
+        "fwd_s": fwd,
+        "bwd_s": fwd * draw(st.floats(1, 3)),
+        "num_params": params,
+        "param_bytes": 2 * params,
+        "act_bytes": {"none": act, "selective": act / 2, "full": act / 20},
+        "recompute_s": {"none": 0.0, "selective": fwd / 4, "full": fwd},
+        "out_bytes": draw(st.floats(0, 1e8)) * mbs,
+        "comms": [],
+    }
     if tp > 1 and draw(st.booleans()):
-        v["comms"] = [{"kind": "all_reduce", "group": "tp", "nbytes": draw(st.floats(0, 1e8)), "phase": p,
-                       "count": draw(st.integers(1, 2))} for p in ("fwd", "bwd")]
+        v["comms"] = [
+            {
+                "kind": "all_reduce",
+                "group": "tp",
+                "nbytes": draw(st.floats(0, 1e8)),
+                "phase": p,
+                "count": draw(st.integers(1, 2)),
+            }
+            for p in ("fwd", "bwd")
+        ]
     return v
 
 
@@ -72,10 +94,11 @@ def tables(draw, max_blocks: int = 5) -> dict:
     """A ``nest-fx-workload/1`` table: optional head and tail, 1..max_blocks blocks of 1-2
     signatures, costs for a random subset of tp in {1, 2, 4} (not always tp=1) and mbs 1 (and 2)."""
     blocks = draw(st.lists(st.sampled_from(["a", "b"]), min_size=1, max_size=max_blocks))
-    layers = ([{"name": "head", "kind": "head", "signature": "e"}] if draw(st.booleans()) else [])
-    layers += [{"name": f"layers.{i}", "kind": "block", "signature": s, "flops_per_sample": 1e9}
-               for i, s in enumerate(blocks)]
-    layers += ([{"name": "tail", "kind": "tail", "signature": "t"}] if draw(st.booleans()) else [])
+    layers = [{"name": "head", "kind": "head", "signature": "e"}] if draw(st.booleans()) else []
+    layers += [
+        {"name": f"layers.{i}", "kind": "block", "signature": s, "flops_per_sample": 1e9} for i, s in enumerate(blocks)
+    ]
+    layers += [{"name": "tail", "kind": "tail", "signature": "t"}] if draw(st.booleans()) else []
     tps = sorted(draw(st.sets(st.sampled_from([1, 2, 4]), min_size=1)))
     mbss = [1, 2] if draw(st.booleans()) else [1]
     costs = {}
@@ -93,8 +116,10 @@ def _traced(spec: str) -> Workload:
     return workload_for_model(spec, Cluster.preset("dgx-a100", 8))
 
 
-TRACED = ["llama:hidden=64,layers=3,heads=4,kv=2,seq=64,vocab=256",
-          "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4"]
+TRACED = [
+    "llama:hidden=64,layers=3,heads=4,kv=2,seq=64,vocab=256",
+    "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4",
+]
 
 
 @st.composite
@@ -112,19 +137,32 @@ def plans(draw) -> Plan:
     pp = draw(st.integers(1, n))
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=pp - 1, max_size=pp - 1))) if pp > 1 else []
     bounds = [0, *cuts, n]
-    stages = [StagePlan(a, b, draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from(["none", "selective", "full"])))
-              for a, b in zip(bounds[:-1], bounds[1:])]
+    stages = [
+        StagePlan(a, b, draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from(["none", "selective", "full"])))
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     ep = draw(st.sampled_from([1, 2]))
     dp = ep * draw(st.integers(1, 4))
     shortest = min(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     schedule = draw(st.sampled_from(["1f1b", "gpipe"] + (["interleaved"] if shortest >= 2 else [])))
     v = draw(st.integers(2, min(3, shortest))) if schedule == "interleaved" else 1  # a layer per model chunk
     m = pp * draw(st.integers(1, 4)) if schedule == "interleaved" else draw(st.integers(1, 16))
-    plan = Plan(stages=stages, dp=dp, ep=ep, zero=draw(st.integers(0, 3)), microbatch_size=draw(st.integers(1, 4)),
-                num_microbatches=m, schedule=schedule, virtual_stages=v, sequence_parallel=draw(st.booleans()),
-                placement=draw(st.sampled_from(["stage-major", "replica-major"])), model=draw(st.text(max_size=8)),
-                num_layers=n, notes=draw(st.text(max_size=8)),
-                predicted={"step_s": draw(st.floats(0, 10)), "tokens_per_s": draw(st.floats(0, 1e6))})
+    plan = Plan(
+        stages=stages,
+        dp=dp,
+        ep=ep,
+        zero=draw(st.integers(0, 3)),
+        microbatch_size=draw(st.integers(1, 4)),
+        num_microbatches=m,
+        schedule=schedule,
+        virtual_stages=v,
+        sequence_parallel=draw(st.booleans()),
+        placement=draw(st.sampled_from(["stage-major", "replica-major"])),
+        model=draw(st.text(max_size=8)),
+        num_layers=n,
+        notes=draw(st.text(max_size=8)),
+        predicted={"step_s": draw(st.floats(0, 10)), "tokens_per_s": draw(st.floats(0, 1e6))},
+    )
     world = plan.devices_used + draw(st.integers(0, 4))
     if draw(st.booleans()):
         plan.world_size = world
@@ -135,10 +173,14 @@ def plans(draw) -> Plan:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=6),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 
 def _damaged(draw, doc):
@@ -202,8 +244,10 @@ def big_instances(draw):
         v["num_params"] *= heavier
         v["param_bytes"] *= heavier
     memory = draw(st.sampled_from([4, 16, 40, 80]))
-    cluster = Cluster.preset(draw(st.sampled_from(["dgx-a100", "h100-spine-leaf", "tpuv4-fat-tree"])),
-                             draw(st.sampled_from([256, 1024, 4096])))
+    cluster = Cluster.preset(
+        draw(st.sampled_from(["dgx-a100", "h100-spine-leaf", "tpuv4-fat-tree"])),
+        draw(st.sampled_from([256, 1024, 4096])),
+    )
     cluster.device.memory_bytes = memory * GiB
     return workload_from_table(table), cluster, draw(st.sampled_from([256, 1024, 4096]))
 

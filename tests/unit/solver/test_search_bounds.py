@@ -2,6 +2,7 @@
 q_i = exposed DP sync + optimizer step of any plan of its (g, p), checked against every
 partition and recompute choice of small cases, and it bites (it prunes what the optimizer step
 alone would not); the linear-partition floor on the busiest stage's compute."""
+
 import dataclasses
 import itertools
 import math
@@ -19,8 +20,14 @@ from nest_fx.workload import workload_for_model
 
 from test_stage_table import MODELS, _pairs, toy_cluster
 
-OPTIONS = SolverOptions(microbatch_sizes=(1, 2), tp_degrees=(1, 2), zero_stages=(0, 1, 3),
-                        schedules=(("1f1b", 1), ("interleaved", 2)), recompute=("none", "full"), max_stages=3)
+OPTIONS = SolverOptions(
+    microbatch_sizes=(1, 2),
+    tp_degrees=(1, 2),
+    zero_stages=(0, 1, 3),
+    schedules=(("1f1b", 1), ("interleaved", 2)),
+    recompute=("none", "full"),
+    max_stages=3,
+)
 
 
 def _largest_tails(work, cluster, g, p, m, cost):
@@ -65,8 +72,10 @@ def test_partition_floor_is_the_linear_partition_optimum_from_below():
         times = [rng.choice([0.0, rng.uniform(0.01, 1.0), 5.0 * rng.random()]) for _ in range(n)]
         prefix = [0.0, *itertools.accumulate(times)]
         for p in range(1, n + 1):
-            optimum = min(max(prefix[b] - prefix[a] for a, b in zip((0, *cuts), (*cuts, n)))
-                          for cuts in itertools.combinations(range(1, n), p - 1))
+            optimum = min(
+                max(prefix[b] - prefix[a] for a, b in zip((0, *cuts), (*cuts, n)))
+                for cuts in itertools.combinations(range(1, n), p - 1)
+            )
             floor = partition_floor(prefix, p)
             assert floor <= optimum
             if p < n:

@@ -1,4 +1,5 @@
 """The NEST DP planner: exact against enumeration, never worse than baselines, clear failures."""
+
 import dataclasses
 
 import pytest
@@ -12,8 +13,14 @@ from nest_fx.solver.space import in_space
 from nest_fx.solver.baselines import exhaustive, mcmc, phaze
 from nest_fx.solver.recipes import block_split, interleave_factors, megatron, torchtitan
 
-SMALL_SPACE = SolverOptions(microbatch_sizes=(1, 2), tp_degrees=(1, 2), zero_stages=(1, 3),
-                            schedules=(("1f1b", 1),), recompute=("none", "full"), max_stages=4)
+SMALL_SPACE = SolverOptions(
+    microbatch_sizes=(1, 2),
+    tp_degrees=(1, 2),
+    zero_stages=(1, 3),
+    schedules=(("1f1b", 1),),
+    recompute=("none", "full"),
+    max_stages=4,
+)
 
 
 CASES = [
@@ -56,8 +63,12 @@ def test_never_worse_than_baselines(model, gib, batch):
     work = workload_for_model(model, cluster)
     found = solve(work, cluster, batch, SMALL_SPACE)
     compared = 0
-    for base in (megatron(work, cluster, batch, SMALL_SPACE), torchtitan(work, cluster, batch, SMALL_SPACE),
-                 phaze(work, cluster, batch, SMALL_SPACE), mcmc(work, cluster, batch, SMALL_SPACE, evaluations=300)):
+    for base in (
+        megatron(work, cluster, batch, SMALL_SPACE),
+        torchtitan(work, cluster, batch, SMALL_SPACE),
+        phaze(work, cluster, batch, SMALL_SPACE),
+        mcmc(work, cluster, batch, SMALL_SPACE, evaluations=300),
+    ):
         # the recipes may choose what the space leaves out (selective recompute, v > 2): no claim then
         if base.result is not None and in_space(base.plan, SMALL_SPACE, cluster):
             assert found.result.step_s <= base.result.step_s * (1 + 1e-12), base.name
@@ -136,10 +147,13 @@ def test_megatron_recipe_uses_every_device_and_its_split():
         assert plan.virtual_stages in interleave_factors(8 // plan.pp, plan.pp, plan.num_microbatches)
 
 
-@pytest.mark.parametrize("spec, tp, recompute, zero", [
-    (GPT_SMALL, 1, "op", 3),  # below 70B: FSDP alone, op-level SAC
-    ("gpt:hidden=32768,layers=6,heads=64,seq=512,vocab=8192", 8, "full", 3),  # 77B: + TP 8, full AC
-])
+@pytest.mark.parametrize(
+    "spec, tp, recompute, zero",
+    [
+        (GPT_SMALL, 1, "op", 3),  # below 70B: FSDP alone, op-level SAC
+        ("gpt:hidden=32768,layers=6,heads=64,seq=512,vocab=8192", 8, "full", 3),  # 77B: + TP 8, full AC
+    ],
+)
 def test_torchtitan_recipe_by_model_size(spec, tp, recompute, zero):
     cluster = load_cluster("dgx-h100:64")
     work = workload_for_model(spec, cluster)
@@ -171,11 +185,14 @@ def test_the_search_never_returns_a_combination_the_runtime_refuses():
     found = solve(work, cluster, 32, SolverOptions(compile=True, async_tp=True, time_budget=30))
     plan = found.plan
     assert plan.compile and plan.async_tp and unrun_fields(plan) == [] and plan.stages[0].tp > 1
-    with_tp = uniform_plan(len(work), tp=2, dp=8, num_microbatches=4, compile=True, async_tp=True,
-                           sequence_parallel=True)
+    with_tp = uniform_plan(
+        len(work), tp=2, dp=8, num_microbatches=4, compile=True, async_tp=True, sequence_parallel=True
+    )
     options = SolverOptions(compile=True, async_tp=True)
     assert in_space(with_tp, options, cluster)
-    assert not in_space(dataclasses.replace(with_tp, sequence_parallel=False), options, cluster)  # how the incumbent is screened
+    assert not in_space(
+        dataclasses.replace(with_tp, sequence_parallel=False), options, cluster
+    )  # how the incumbent is screened
 
 
 def test_forced_recompute_bounds_what_the_optimum_recomputes():
@@ -196,9 +213,12 @@ def test_forced_recompute_bounds_what_the_optimum_recomputes():
     # without a pipeline the whole model's activations meet one device: memory forces recompute
     assert cache.forced_recompute(GlobalConfig.of(plan), 1, plan.num_microbatches) > 0
     roomy = tight_cluster(64.0)
-    assert TableCache(workload_for_model(CASES[0][0], roomy), roomy, SMALL_SPACE.cost,
-                      SMALL_SPACE.recompute).forced_recompute(GlobalConfig.of(plan), plan.pp,
-                                                              plan.num_microbatches) == 0
+    assert (
+        TableCache(
+            workload_for_model(CASES[0][0], roomy), roomy, SMALL_SPACE.cost, SMALL_SPACE.recompute
+        ).forced_recompute(GlobalConfig.of(plan), plan.pp, plan.num_microbatches)
+        == 0
+    )
 
 
 @pytest.mark.parametrize("model, gib, batch", CASES[::2])

@@ -1,4 +1,5 @@
 """The solver's vectorised stage table equals the simulator; its bounds never exceed the optimum."""
+
 import dataclasses
 import itertools
 import math
@@ -25,19 +26,34 @@ MODELS = {
     "uniform": "llama:hidden=512,layers=4,heads=8,seq=512,vocab=4096",
     "moe-every-2": "moe:hidden=512,layers=4,heads=8,kv=4,seq=512,vocab=4096,experts=4,moe_every=2",
 }
-SPACE = SolverOptions(microbatch_sizes=(1, 2), tp_degrees=(1, 2), zero_stages=(0, 1, 2, 3),
-                      schedules=(("1f1b", 1), ("interleaved", 2), ("gpipe", 1)), max_stages=4)
+SPACE = SolverOptions(
+    microbatch_sizes=(1, 2),
+    tp_degrees=(1, 2),
+    zero_stages=(0, 1, 2, 3),
+    schedules=(("1f1b", 1), ("interleaved", 2), ("gpipe", 1)),
+    max_stages=4,
+)
 
 
 def toy_cluster(memory_gib: float) -> Cluster:
     """8 devices, 2 per node on a fast link, slow links above."""
-    return Cluster.from_dict({
-        "format": "nest-fx-cluster/1", "name": "toy", "num_devices": 8,
-        "device": {"name": "toy", "memory_bytes": memory_gib * 2**30,
-                   "peak_flops": {"bf16": 100e12, "fp32": 20e12}, "mem_bandwidth": 1e12},
-        "levels": [{"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
-                   {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5}],
-    })
+    return Cluster.from_dict(
+        {
+            "format": "nest-fx-cluster/1",
+            "name": "toy",
+            "num_devices": 8,
+            "device": {
+                "name": "toy",
+                "memory_bytes": memory_gib * 2**30,
+                "peak_flops": {"bf16": 100e12, "fp32": 20e12},
+                "mem_bandwidth": 1e12,
+            },
+            "levels": [
+                {"name": "node", "group_size": 2, "bandwidth": 100e9, "latency": 5e-6},
+                {"name": "rack", "group_size": 8, "bandwidth": 2e9, "latency": 2e-5},
+            ],
+        }
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -48,8 +64,11 @@ def case(request):
 
 def _pairs(work, cluster, batch, options, count, seed):
     rng = random.Random(seed)
-    pairs = [(g, p) for g in global_configs(work, cluster, batch, options)
-             for p in stage_counts(work, cluster, g, batch, options)]
+    pairs = [
+        (g, p)
+        for g in global_configs(work, cluster, batch, options)
+        for p in stage_counts(work, cluster, g, batch, options)
+    ]
     rng.shuffle(pairs)
     return pairs[:count]
 
@@ -68,8 +87,9 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
     work, cluster = case
     cost = CostOptions(overlap_grad_sync=overlap)
     if overlap == 0.5:  # measured shares (docs/cost_model.md, "Overlap") of every kind at once
-        cost = CostOptions(overlap_grad_sync=0.5, overlap_tp_comm=0.25, overlap_ep_comm=0.5, overlap_cp_comm=0.5,
-                           overlap_p2p=0.5)
+        cost = CostOptions(
+            overlap_grad_sync=0.5, overlap_tp_comm=0.25, overlap_ep_comm=0.5, overlap_cp_comm=0.5, overlap_p2p=0.5
+        )
     if overheads:  # the runtime's host work per TP and FSDP collective (CPU-like figures)
         cost = CostOptions(tp_call_overhead=(2e-3, 1e-9), fsdp_call_overhead=(5e-3, 2e-9))
     cache = TableCache(work, cluster, cost, SPACE.recompute)
@@ -115,8 +135,14 @@ def _pair_optimum(work, cluster, g, p, m, modes):
 
 def test_bounds_never_exceed_the_pair_optimum_and_the_dp_reaches_it(case):
     work, cluster = case
-    options = SolverOptions(microbatch_sizes=(1, 2), tp_degrees=(1, 2), zero_stages=(1, 3),
-                            schedules=(("1f1b", 1), ("interleaved", 2)), recompute=("none", "full"), max_stages=3)
+    options = SolverOptions(
+        microbatch_sizes=(1, 2),
+        tp_degrees=(1, 2),
+        zero_stages=(1, 3),
+        schedules=(("1f1b", 1), ("interleaved", 2)),
+        recompute=("none", "full"),
+        max_stages=3,
+    )
     lb0 = {(g, p): lb for lb, g, p in candidates(work, cluster, 16, options)}
     cache = TableCache(work, cluster, options.cost, options.recompute)
     feasible = 0
@@ -150,7 +176,8 @@ def test_memoised_collectives_equal_the_model():
         group = sorted(rng.sample(range(1024), size))
         kind = rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
         for nbytes in (0.0, 1e3, rng.uniform(1e6, 1e9)):
-            assert cached_collective(kind, cluster, group, nbytes) == \
-                collectives.collective_time(kind, cluster, group, nbytes)
+            assert cached_collective(kind, cluster, group, nbytes) == collectives.collective_time(
+                kind, cluster, group, nbytes
+            )
         a, b = rng.sample(range(1024), 2)
         assert cached_collective("p2p", cluster, (a, b), 1e6) == collectives.p2p(cluster, a, b, 1e6)

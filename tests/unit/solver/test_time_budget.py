@@ -2,6 +2,7 @@
 the baselines `nest-fx plan` runs after it read their deadline, stop within a few readings of it and
 return the best plan they have. Deterministic on any machine: the wall-clock overrun under load
 (budget + 10% at 65,536 devices) is measured by ``scripts/bench_planner.py --budget-check``."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The planner on graph topologies: cost curves, device orders in plans, placement search, slow links."""
+
 import dataclasses
 import json
 
@@ -26,8 +27,15 @@ from nest_fx.cost.dp_sync_contention import contended_step_s, dp_sync_contention
 
 MODEL = "llama:hidden=512,layers=8,heads=8,seq=256,vocab=1024"
 # a fast search space: TP 2 forced (so a slow TP pair matters), every device used
-TP2 = SolverOptions(tp_degrees=(2,), microbatch_sizes=(1, 2), zero_stages=(1,), schedules=(("1f1b", 1),),
-                    recompute=("none", "full"), max_stages=2, use_all_devices=True)
+TP2 = SolverOptions(
+    tp_degrees=(2,),
+    microbatch_sizes=(1, 2),
+    zero_stages=(1,),
+    schedules=(("1f1b", 1),),
+    recompute=("none", "full"),
+    max_stages=2,
+    use_all_devices=True,
+)
 _CACHE = {}
 
 
@@ -52,11 +60,16 @@ def _derated(topo, pair, factor):
 # -- cost curves: the graph collective model, resolved once per group ------------------------
 
 
-@pytest.mark.parametrize("topo", [fat_tree(4, 4, nodes_per_leaf=2, oversubscription=2.0),
-                                  rail_optimized(4, 4, nodes_per_rail_group=2, oversubscription=2.0),
-                                  torus([4, 4]),
-                                  _derated(from_cluster(_two_nodes_of_four()), (0, 1), 30.0)],
-                         ids=["fat-tree", "rail", "torus", "derated"])
+@pytest.mark.parametrize(
+    "topo",
+    [
+        fat_tree(4, 4, nodes_per_leaf=2, oversubscription=2.0),
+        rail_optimized(4, 4, nodes_per_rail_group=2, oversubscription=2.0),
+        torus([4, 4]),
+        _derated(from_cluster(_two_nodes_of_four()), (0, 1), 30.0),
+    ],
+    ids=["fat-tree", "rail", "torus", "derated"],
+)
 def test_cost_curve_equals_running_the_schedule(topo):
     groups = [[0, 1], [0, 1, 2, 3], [0, 4, 8, 12], [1, 2, 5, 9, 14], list(range(0, 16, 2))]
     groups = [[d for d in g if d < topo.num_devices] for g in groups]
@@ -80,13 +93,16 @@ def test_graph_cluster_shares_curves_across_orders():
 # -- device_order in the plan file -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("order, message", [
-    ([0, 1, 2], "has 3 entries but the world has 4"),
-    ([0, 1, 1, 3], r"device_order\[2\]: rank 1 appears twice"),
-    ([0, 1, 2, 4], r"device_order\[3\]: 4 is out of range 0..3"),
-    ([0, 1, 2, "3"], "entries must be integers"),
-    ("0123", "must be a list"),
-])
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        ([0, 1, 2], "has 3 entries but the world has 4"),
+        ([0, 1, 1, 3], r"device_order\[2\]: rank 1 appears twice"),
+        ([0, 1, 2, 4], r"device_order\[3\]: 4 is out of range 0..3"),
+        ([0, 1, 2, "3"], "entries must be integers"),
+        ("0123", "must be a list"),
+    ],
+)
 def test_device_order_must_be_a_permutation_of_the_world(order, message):
     plan = uniform_plan(4, tp=2, dp=2, world_size=4, device_order=order)
     with pytest.raises(PlanError, match=message) as info:
@@ -168,8 +184,10 @@ def test_solve_is_exact_over_the_placements():
     gcl = GraphCluster(_derated(from_cluster(_two_nodes_of_four()), (0, 1), 30.0))
     found = solve(work, gcl, 32, TP2)
     assert found.complete and len(found.placements) >= 2
-    each = {p.name: solve(work, p.cluster, 32, dataclasses.replace(TP2, search_placement=False)).result.step_s
-            for p in found.placements}
+    each = {
+        p.name: solve(work, p.cluster, 32, dataclasses.replace(TP2, search_placement=False)).result.step_s
+        for p in found.placements
+    }
     assert found.result.step_s == pytest.approx(min(each.values()), rel=1e-12)
     assert found.result.step_s == pytest.approx(each[found.placement], rel=1e-12)
     # the plan carries its order: simulating it again on the same cluster gives the prediction
@@ -202,8 +220,9 @@ def test_contention_stretches_the_exposed_dp_sync():
     plan = uniform_plan(len(work), tp=2, dp=8, num_microbatches=1, zero=1)
     healthy = GraphCluster(fat_tree(4, 4, nodes_per_leaf=2, oversubscription=1.0))
     step, report = contended_step_s(plan, work, healthy)
-    assert report.slowdown == pytest.approx(1.0) and step == pytest.approx(simulate(plan, work, healthy).step_s,
-                                                                             rel=1e-12)
+    assert report.slowdown == pytest.approx(1.0) and step == pytest.approx(
+        simulate(plan, work, healthy).step_s, rel=1e-12
+    )
     over = GraphCluster(fat_tree(4, 4, nodes_per_leaf=2, oversubscription=4.0))
     alone = simulate(plan, work, over)
     step, report = contended_step_s(plan, work, over)

@@ -10,6 +10,7 @@ fp32, so nothing is rounded) equal what autograd keeps, and the same block with 
 returned head-major (the projection's reshape then copies it) keeps exactly the projection's input
 more, the term the fused backend drops.
 """
+
 from __future__ import annotations
 
 import pytest

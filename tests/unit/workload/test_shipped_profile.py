@@ -1,6 +1,7 @@
 """The shipped H100 profile (profiles/h100-bf16.json) loads offline and costs llama2-7b from
 measurements: the planner's per-layer costs equal the profile's own per-block sums, and
 `nest-fx plan --profile` uses it."""
+
 import os
 
 import pytest
@@ -35,8 +36,11 @@ def test_planner_costs_layers_from_the_shipped_profile(shipped):
     wl = workload_for_model("llama2-7b", load_cluster("dgx-h100:64"), dtype=torch.bfloat16, profile=shipped)
     for tp, mbs in ((1, 1), (1, 2), (2, 1), (8, 2)):
         assert wl.source.coverage(tp, mbs) > 0.99
-        record = next(b for b in shipped.blocks if b["model"] == "llama2-7b" and b["block"] == "layers.0"
-                      and b["tp"] == tp and b["mbs"] == mbs)
+        record = next(
+            b
+            for b in shipped.blocks
+            if b["model"] == "llama2-7b" and b["block"] == "layers.0" and b["tp"] == tp and b["mbs"] == mbs
+        )
         layer = next(i for i, layer in enumerate(wl.layers) if layer.kind == "block")
         cost = wl.cost(layer, tp=tp, mbs=mbs)
         assert cost.fwd_s == pytest.approx(record["fwd_s"], rel=1e-6)
@@ -44,7 +48,20 @@ def test_planner_costs_layers_from_the_shipped_profile(shipped):
 
 
 def test_plan_cli_with_the_shipped_profile(capsys):
-    rc = main(["plan", "--model", "llama2-7b", "--cluster", "dgx-h100:64", "--global-batch", "256",
-               "--profile", PATH, "--no-baselines", "--quiet"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama2-7b",
+            "--cluster",
+            "dgx-h100:64",
+            "--global-batch",
+            "256",
+            "--profile",
+            PATH,
+            "--no-baselines",
+            "--quiet",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and "NVIDIA H100" in text and "measured" in text

@@ -1,4 +1,5 @@
 """Workload built from a traced model: how TP/EP/SP/recompute change each layer's cost."""
+
 import json
 
 import pytest
@@ -133,15 +134,18 @@ def test_table_round_trip(tmp_path, small):
         loaded.cost(1, tp=8)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(format="x"), "format"),
-    (lambda d: d["dims"].pop("seq_len"), "seq_len"),
-    (lambda d: d["layers"][1].update(kind="middle"), r"layers\[1\].kind"),
-    (lambda d: d["layers"][1].update(signature="nope"), r"no costs entry"),
-    (lambda d: next(iter(d["costs"].values()))[0].update(fwd_s=-1), "fwd_s"),
-    (lambda d: next(iter(d["costs"].values()))[0].pop("out_bytes"), "out_bytes: missing"),
-    (lambda d: next(iter(d["costs"].values()))[0].update(tp=0), r"\.tp: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format="x"), "format"),
+        (lambda d: d["dims"].pop("seq_len"), "seq_len"),
+        (lambda d: d["layers"][1].update(kind="middle"), r"layers\[1\].kind"),
+        (lambda d: d["layers"][1].update(signature="nope"), r"no costs entry"),
+        (lambda d: next(iter(d["costs"].values()))[0].update(fwd_s=-1), "fwd_s"),
+        (lambda d: next(iter(d["costs"].values()))[0].pop("out_bytes"), "out_bytes: missing"),
+        (lambda d: next(iter(d["costs"].values()))[0].update(tp=0), r"\.tp: expected a positive integer"),
+    ],
+)
 def test_bad_tables_name_the_field(small, mutate, message):
     data = json.loads(json.dumps(workload_to_table(small, tps=(1,))))
     mutate(data)
@@ -150,8 +154,15 @@ def test_bad_tables_name_the_field(small, mutate, message):
 
 
 def test_roofline_formula_by_hand():
-    comp = AnalyticalCompute(peak_flops=100e12, mem_bandwidth=1e12, matmul_efficiency=0.8, matmul_half_flops=1e9,
-                             memory_efficiency=0.5, vector_fraction=0.1, launch_s=1e-6)
+    comp = AnalyticalCompute(
+        peak_flops=100e12,
+        mem_bandwidth=1e12,
+        matmul_efficiency=0.8,
+        matmul_half_flops=1e9,
+        memory_efficiency=0.5,
+        vector_fraction=0.1,
+        launch_s=1e-6,
+    )
     # 1 TFLOP GEMM: efficiency 0.8 * 1e12/(1e12+1e9) -> 1e12/(100e12*0.7992) + 1 us
     assert comp.op_seconds(1e12, 1e6, True) == pytest.approx(1e12 / (100e12 * 0.8 * 1e12 / (1e12 + 1e9)) + 1e-6)
     # elementwise, memory bound: 1 GB moved at 0.5 TB/s
