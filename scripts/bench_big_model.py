@@ -65,7 +65,7 @@ from big_model_memory import (
 )
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
-from validate_cpu import _tensor_peak_bytes as tensor_peak_bytes
+from validate_cpu_rank import _tensor_peak_bytes as tensor_peak_bytes
 
 GB = 10**9
 RANKS, STEPS, LR = 4, 2, 1e-3
