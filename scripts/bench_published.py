@@ -27,13 +27,13 @@ compared with the published one under the same (after) model.
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
 ``fused`` kernel backend; their cluster and what is assumed are in ``published_rows`` and
-``meta_h100``: 8 model chunks of one layer per rank (derived from the paper's stage split, see
-``published_rows``), microbatch 1 (32, 16, 16 microbatches), gradients reduced in fp32 (stated)
-and held as torch's pipelined FSDP2 holds them (unsharded, fp32: ``memory.held_grad_bytes``;
-Meta states it shards them, which the cost model cannot express under pipelining: an
-over-count of 11.5 GiB per GPU on these rows). Every row names its kernel backend
-(``nest_fx.workload.kernels``). Gradients are reduced in fp32 on every row (torchtitan's
-default ``mixed_precision_reduce``; Meta's sec. 3.3.4).
+``meta_h100`` (``_published_rows.py``, with the other rows and clusters): 8 model chunks of one
+layer per rank (derived from the paper's stage split, see ``published_rows``), microbatch 1 (32,
+16, 16 microbatches), gradients reduced in fp32 (stated) and held as torch's pipelined FSDP2 holds
+them (unsharded, fp32: ``memory.held_grad_bytes``; Meta states it shards them, which the cost
+model cannot express under pipelining: an over-count of 11.5 GiB per GPU on these rows). Every row
+names its kernel backend (``nest_fx.workload.kernels``). Gradients are reduced in fp32 on every
+row (torchtitan's default ``mixed_precision_reduce``; Meta's sec. 3.3.4).
 
 Targets (issue 26): bf16 rows within 10% in throughput, all rows 15%; no published configuration
 infeasible; every row expressible; the planner never slower than the published configuration.
@@ -53,10 +53,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from nest_fx.cluster import Cluster
 from nest_fx.common.errors import NestFxError
 import nest_fx.cost.options as cost_options_module
 from nest_fx.cost.options import CostOptions
@@ -68,285 +66,9 @@ from nest_fx.workload import workload_for_model
 
 from _bench_common import write_json
 
-GiB = 2**30
-SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)"
-LLAMA3_SOURCE = "Grattafiori et al. 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B pre-training, H100 80 GB)"
-MODELS = {
-    "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
-    "70b": "llama3-70b",
-    "405b": "llama:hidden=16384,layers=126,heads=128,kv=8,ffn=53248,vocab=128256,rope_theta=500000",
-}
-
-
-@dataclass
-class Row:
-    """One published measurement and the configuration it ran."""
-
-    key: str
-    table: str
-    label: str
-    model: str
-    gpus: int
-    seq: int
-    local_batch: int
-    tps_per_gpu: float
-    memory_gib: float
-    fsdp: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    recompute: str = "op"
-    compile: bool = False
-    float8: bool = False
-    async_tp: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    notes: List[str] = field(default_factory=list)
-    system: str = "torchtitan"  # torchtitan (Grand Teton H100 96 GB, 500 W) or llama3 (Meta's H100 80 GB, 700 W)
-    tflops_per_gpu: float = 0.0  # what the source publishes instead of tokens/s (model TFLOP/s per GPU); 0: tokens/s
-    backend: str = ""  # the kernel backend the system ran, when not torchtitan's eager / compile
-    zero: int = 3
-    loss_parallel: Optional[bool] = None  # None: with TP (torchtitan's default)
-
-    @property
-    def global_batch(self) -> int:
-        return self.local_batch * self.fsdp
-
-    @property
-    def bf16(self) -> bool:
-        return not self.float8
-
-    @property
-    def kernels(self) -> str:
-        """The kernel backend the row's system ran (nest_fx.workload.kernels): torchtitan runs
-        PyTorch's eager ops, or torch.compile'd blocks; Meta's Llama 3 stack fused kernels."""
-        return self.backend or ("compile" if self.compile else "eager")
-
-    @property
-    def published(self) -> float:
-        """The published figure compared: model TFLOP/s per GPU where the source gives that, else
-        tokens/s per GPU."""
-        return self.tflops_per_gpu or self.tps_per_gpu
-
-
-def published_rows() -> List[Row]:
-    """Tables 1-6 of the source, row by row."""
-    rows = []
-    for t, gpus, tps in (
-        ("1", 8, (5762, 82.4, 6667, 77.0, 8532, 76.8)),
-        ("3", 128, (5605, 67.0, 6514, 62.0, 8380, 61.8)),
-    ):
-        for k, (label, comp, f8) in enumerate(
-            (("FSDP", False, False), ("FSDP + compile", True, False), ("FSDP + compile + Float8", True, True))
-        ):
-            rows.append(
-                Row(
-                    f"t{t}.{k + 1}",
-                    t,
-                    f"8B {gpus} GPUs {label}",
-                    "8b",
-                    gpus,
-                    8192,
-                    2,
-                    tps[2 * k],
-                    tps[2 * k + 1],
-                    fsdp=gpus,
-                    compile=comp,
-                    float8=f8,
-                )
-            )
-    for k, (fsdp, cp, seq, tps, mem) in enumerate(
-        ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5))
-    ):
-        rows.append(
-            Row(
-                f"t2.{k + 1}",
-                "2",
-                f"8B 8 GPUs FSDP {fsdp} CP {cp} seq {seq}",
-                "8b",
-                8,
-                seq,
-                1,
-                tps,
-                mem,
-                fsdp=fsdp,
-                cp=cp,
-                recompute="full",
-                compile=True,
-                float8=True,
-            )
-        )
-    for k, (label, atp, tps, mem) in enumerate((("2D", False, 829, 71.9), ("2D + AsyncTP", True, 876, 67.6))):
-        rows.append(
-            Row(
-                f"t4.{k + 1}",
-                "4",
-                f"70B 256 GPUs FSDP 32 TP 8 {label}",
-                "70b",
-                256,
-                8192,
-                16,
-                tps,
-                mem,
-                fsdp=32,
-                tp=8,
-                recompute="full",
-                compile=True,
-                float8=True,
-                async_tp=atp,
-            )
-        )
-    for k, (label, schedule, v, tps, mem) in enumerate(
-        (("1F1B", "1f1b", 1, 100, 82.5), ("Interleaved 1F1B", "interleaved", 2, 128, 72.7))
-    ):
-        rows.append(
-            Row(
-                f"t5.{k + 1}",
-                "5",
-                f"405B 512 GPUs FSDP 8 TP 8 PP 8 {label}",
-                "405b",
-                512,
-                8192,
-                32,
-                tps,
-                mem,
-                fsdp=8,
-                tp=8,
-                pp=8,
-                recompute="full",
-                compile=True,
-                float8=True,
-                async_tp=True,
-                schedule=schedule,
-                virtual_stages=v,
-            )
-        )
-    for k, (fsdp, cp, seq, tps, mem) in enumerate(
-        ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9), (2, 4, 131072, 31, 77.1), (1, 8, 262144, 16, 84.9))
-    ):
-        rows.append(
-            Row(
-                f"t6.{k + 1}",
-                "6",
-                f"405B 512 GPUs FSDP {fsdp} TP 8 PP 8 CP {cp} seq {seq}",
-                "405b",
-                512,
-                seq,
-                8,
-                tps,
-                mem,
-                fsdp=fsdp,
-                tp=8,
-                pp=8,
-                cp=cp,
-                recompute="full",
-                compile=True,
-                float8=True,
-                async_tp=True,
-            )
-        )
-    # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
-    # H100 80 GB (700 W), BF16, TP 8 x CP x PP 16 x DP; batch size per DP replica; TFLOP/s per GPU.
-    # Stated there: interleaved pipeline schedule, FSDP sharding optimizer states and gradients
-    # but not the weights after forward (ZeRO-1/2 memory under PP), asynchronous pipeline sends,
-    # gradients reduce-scattered in fp32 (sec. 3.3.4), "pre-train Llama 3 on 8K sequences without
-    # activation checkpointing". Derived: 8 model chunks per rank, one layer each: "we reduce one
-    # Transformer layer each from the first and the last stages ... the first model chunk on the
-    # first stage has only the embedding, and the last model chunk on the last stage has only
-    # output projection and loss calculation" holds only with one layer per chunk (126 blocks +
-    # embedding + output = 128 = 16 ranks x 8 chunks). Assumed (not stated): microbatch 1 (32 /
-    # 16 / 16 microbatches), no loss parallel, fused kernels, gradients held unsharded until the
-    # step (the cost model's pipelined ZeRO-2, ``memory.effective_zero_stage``: torch's
-    # pipelining; the paper says Meta's FSDP shards them, not expressible under pipelining).
-    # The long-context row's DP is 8 (GPUs / (TP CP PP) = 16,384 / 2,048 and 16M tokens /
-    # (16 x 131,072)).
-    for k, (gpus, cp, dp, seq, per_dp, tflops) in enumerate(
-        ((8192, 1, 64, 8192, 32, 430), (16384, 1, 128, 8192, 16, 400), (16384, 16, 8, 131072, 16, 380))
-    ):
-        rows.append(
-            Row(
-                f"m{k + 1}",
-                "L3",
-                f"405B {gpus} GPUs TP 8 CP {cp} PP 16 DP {dp} seq {seq}",
-                "405b",
-                gpus,
-                seq,
-                per_dp,
-                0.0,
-                0.0,
-                fsdp=dp,
-                tp=8,
-                pp=16,
-                cp=cp,
-                recompute="none",
-                schedule="interleaved",
-                virtual_stages=8,
-                system="llama3",
-                tflops_per_gpu=tflops,
-                backend="fused",
-                zero=1,
-                loss_parallel=False,
-            )
-        )
-    return rows
-
-
-def meta_h100(gpus: int):
-    """Meta's Llama 3 cluster (Grattafiori et al. 2024, sec. 3.3.1): 8 H100 SXM (80 GB HBM3,
-    700 W) per server on NVLink, RoCE at 400 Gb/s (50 GB/s) per GPU inside a 3,072-GPU pod, 1:7
-    oversubscribed between pods; SXM peaks (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
-    levels = [
-        {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
-        {"name": "pod", "group_size": min(3072, gpus), "bandwidth": 50e9, "latency": 1e-5},
-    ]
-    if gpus > 3072:
-        levels.append(
-            {"name": "cluster", "group_size": -(-gpus // 3072) * 3072, "bandwidth": 50e9 / 7, "latency": 2e-5}
-        )
-    return Cluster.from_dict(
-        {
-            "format": "nest-fx-cluster/1",
-            "name": "meta-h100",
-            "num_devices": gpus,
-            "device": {
-                "name": "H100-SXM-80GB",
-                "memory_bytes": 85_031_714_816,
-                "mem_bandwidth": 3.35e12,
-                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
-            },
-            "levels": levels,
-        }
-    )
-
-
-def cluster_of(row: "Row"):
-    """The row's cluster."""
-    return meta_h100(row.gpus) if row.system == "llama3" else grand_teton(row.gpus)
-
-
-def grand_teton(gpus: int):
-    """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction), 400 Gb/s
-    (50 GB/s) per GPU between hosts, 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
-    levels = [
-        {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
-        {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
-    ]
-    if gpus > 32:
-        levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
-    return Cluster.from_dict(
-        {
-            "format": "nest-fx-cluster/1",
-            "name": "grand-teton-h100",
-            "num_devices": gpus,
-            "device": {
-                "name": "H100-96GB-HBM2e-500W",
-                "memory_bytes": 95 * GiB,
-                "mem_bandwidth": 2.4e12,
-                "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12},
-            },
-            "levels": levels,
-        }
-    )
+# the rows and clusters live in _published_rows.py; tests/unit/cost/test_published_memory.py reads
+# published_rows, cluster_of and MODELS from this module
+from _published_rows import GiB, LLAMA3_SOURCE, MODELS, SOURCE, Row, cluster_of, published_rows
 
 
 _WORKLOADS: Dict[tuple, object] = {}
