@@ -27,15 +27,8 @@ from nest_fx.common.fileio import check_readable, one_line, write_with
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
 from nest_fx.plan.plan import Plan
-from nest_fx.plan.settings import (
-    OPTIONS,
-    OVERLAPS,
-    add_constraint_flags,
-    add_option_flag,
-    constraints_data,
-    dest,
-    setting,
-)
+from nest_fx.plan.setting_flags import add_constraint_flags, add_option_flag, constraints_data, dest
+from nest_fx.plan.settings import OPTIONS, OVERLAPS, setting
 from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
