@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nest_fx.apply.losses import lm_loss  # noqa: F401  (the examples' loss, re-exported for them)
 from nest_fx.plan import uniform_plan
-from nest_fx.plan.settings import example_flags, example_values
+from nest_fx.plan.setting_flags import example_flags, example_values
 
 _NAMES = {"microbatches": "num_microbatches"}  # the examples' keyword for a setting
 

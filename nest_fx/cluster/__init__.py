@@ -1,6 +1,7 @@
 """Cluster: the devices and the network a plan runs on.
 
 ``spec`` (a device type on a hierarchy of network levels, ``format: nest-fx-cluster/1``),
+``hardware`` (its device type and network levels), ``fields`` (their field checks),
 ``quantities`` (``"80GiB"``-style values in files), ``presets`` (named clusters),
 ``hierarchical_collectives`` (the levels' network model), ``ordered`` (a cluster seen under a
 plan's device order), ``topology`` (graph networks of devices, switches and links),

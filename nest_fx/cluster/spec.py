@@ -11,130 +11,39 @@ per direction through that level's fabric; ``latency`` is the per-message start-
 alpha of the alpha-beta model). File values may be numbers or strings such as ``"80GiB"``,
 ``"300GB/s"``, ``"200Gb/s"``, ``"5us"`` or ``"312TFLOPS"`` (see :func:`parse_quantity`).
 See docs/cluster_format.md.
+
+This module: :class:`Cluster` (the hierarchy, where rank sets sit on it, its network model and
+its file form); its parts are in ``hardware`` and the field checks in ``fields``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 import yaml
 
 from nest_fx.cluster import hierarchical_collectives
 from nest_fx.cluster.errors import ClusterError
+from nest_fx.cluster.fields import check_keys, check_name, check_positive_int, prefixed
+from nest_fx.cluster.hardware import DeviceSpec, NetworkLevel  # the parts of a Cluster; imported from here too
 from nest_fx.cluster.quantities import parse_quantity
 from nest_fx.common.fileio import brief, read_document
-from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY, MIN_RATE
+from nest_fx.common.limits import MAX_COUNT
 from nest_fx.common.names import close_matches
 
 CLUSTER_FORMAT = "nest-fx-cluster/1"
 GiB = 2**30
 MAX_DEVICES = MAX_COUNT  # 16.7 M devices: far past any cluster built, small enough to plan for
 
-T = TypeVar("T")
 SPAN_MEMO_LIMIT = 65_536  # rank sets whose span a cluster keeps
 SMALL_GROUP = 64  # rank sets up to this size are resolved in Python, larger ones with numpy
 
 PRESETS: Dict[str, Callable[[int], "Cluster"]] = {}
 """Named clusters by their builder (``devices -> Cluster``); ``nest_fx.cluster.presets`` fills it."""
-
-
-def _real(value: object, path: str, *, strict: bool) -> None:
-    """Raise ClusterError unless ``value`` is a finite real number > 0 (``strict``: a rate or a
-    capacity, then also >= MIN_RATE) or >= 0, and at most MAX_QUANTITY (nest_fx.common.limits)."""
-    bound = "> 0" if strict else ">= 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise ClusterError(f"{path}: must be a finite number {bound}, got {brief(value)}")
-    if value < 0 or (strict and value == 0):
-        raise ClusterError(f"{path}: must be {bound}, got {brief(value)}")
-    if strict and value < MIN_RATE:
-        raise ClusterError(
-            f"{path}: must be at least {MIN_RATE:g} (SI units: bytes, bytes/s, FLOP/s), got {brief(value)}"
-        )
-    if value > MAX_QUANTITY:
-        raise ClusterError(f"{path}: must be at most {MAX_QUANTITY:g} (SI units), got {brief(value)}")
-
-
-def _finite(value: float) -> bool:
-    """``math.isfinite`` that also answers for ints beyond the float range (they are not)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _positive_int(value: object, path: str, most: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ClusterError(f"{path}: must be an integer >= 1, got {brief(value)}")
-    if value < 1:
-        raise ClusterError(f"{path}: must be >= 1, got {brief(value)}")
-    if most is not None and value > most:
-        raise ClusterError(f"{path}: {brief(value)} is more devices than nest-fx plans for (at most {most:,})")
-
-
-def _name(value: object, path: str) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise ClusterError(f"{path}: must be a non-empty string, got {brief(value)}")
-
-
-@dataclass
-class DeviceSpec:
-    """One accelerator: memory capacity (bytes), peak FLOP/s per dtype name, HBM bandwidth (bytes/s)."""
-
-    name: str
-    memory_bytes: float
-    peak_flops: Dict[str, float]
-    mem_bandwidth: float
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, prefix: str = "") -> None:
-        """Check every field; errors name the field as ``{prefix}{field}``."""
-        _name(self.name, f"{prefix}name")
-        _real(self.memory_bytes, f"{prefix}memory_bytes", strict=True)
-        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
-            raise ClusterError(
-                f"{prefix}peak_flops: must be a non-empty mapping dtype -> FLOP/s "
-                f"(e.g. {{'bf16': 312e12}}), got {brief(self.peak_flops)}"
-            )
-        for dtype, flops in self.peak_flops.items():
-            _name(dtype, f"{prefix}peak_flops key")
-            _real(flops, f"{prefix}peak_flops.{dtype}", strict=True)
-        _real(self.mem_bandwidth, f"{prefix}mem_bandwidth", strict=True)
-
-    def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype`` (e.g. "bf16"); ClusterError listing the known dtypes otherwise."""
-        try:
-            return float(self.peak_flops[dtype])
-        except KeyError:
-            raise ClusterError(
-                f"device {self.name!r} has no peak_flops entry for dtype {dtype!r}; known: {sorted(self.peak_flops)}"
-            ) from None
-
-
-@dataclass
-class NetworkLevel:
-    """One level of the network hierarchy (see module docstring for ``group_size``)."""
-
-    name: str
-    group_size: int
-    bandwidth: float  # bytes/s per device per direction
-    latency: float  # seconds per message
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, prefix: str = "") -> None:
-        """Check every field; errors name the field as ``{prefix}{field}``."""
-        _name(self.name, f"{prefix}name")
-        _positive_int(self.group_size, f"{prefix}group_size")
-        _real(self.bandwidth, f"{prefix}bandwidth", strict=True)
-        _real(self.latency, f"{prefix}latency", strict=False)
 
 
 class LevelSpan(NamedTuple):
@@ -149,14 +58,6 @@ class LevelSpan(NamedTuple):
     fanout: int
     max_ranks: int
     min_ranks: int
-
-
-def _prefixed(prefix: str, build: Callable[[], T]) -> T:
-    """Run ``build`` and prepend ``prefix`` to the field path of any ClusterError it raises."""
-    try:
-        return build()
-    except ClusterError as exc:
-        raise ClusterError(f"{prefix}{exc}") from None
 
 
 @dataclass
@@ -175,11 +76,11 @@ class Cluster:
     def validate(self) -> None:
         """Check fields and the hierarchy: group sizes strictly increasing, each dividing the next,
         the outermost one >= num_devices. Errors name the field path."""
-        _name(self.name, "name")
+        check_name(self.name, "name")
         if not isinstance(self.device, DeviceSpec):
             raise ClusterError(f"device: must be a DeviceSpec, got {type(self.device).__name__}")
         self.device.validate("device.")
-        _positive_int(self.num_devices, "num_devices", MAX_DEVICES)
+        check_positive_int(self.num_devices, "num_devices", MAX_DEVICES)
         if not isinstance(self.levels, list) or not self.levels:
             raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
         for i, level in enumerate(self.levels):
@@ -378,7 +279,7 @@ class Cluster:
             raise ClusterError(
                 f"unknown cluster preset {brief(name)}{close_matches(name, PRESETS)}; valid names: {sorted(PRESETS)}"
             ) from None
-        _positive_int(devices, "devices", MAX_DEVICES)
+        check_positive_int(devices, "devices", MAX_DEVICES)
         return build(devices)
 
     # -- io --------------------------------------------------------------------------------
@@ -407,7 +308,7 @@ class Cluster:
         ``where`` (e.g. a file name) prefixes error messages.
         """
         pre = f"{where}: " if where else ""
-        return _prefixed(pre, lambda: _cluster_from_dict(data))
+        return prefixed(pre, lambda: _cluster_from_dict(data))
 
     @classmethod
     def load(cls, path: str) -> "Cluster":
@@ -426,32 +327,15 @@ class Cluster:
             fh.write(text)
 
 
-def _check_keys(data: object, path: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> dict:
-    """``data`` must be a mapping with all ``required`` keys and nothing unknown."""
-    where = path or "cluster"
-    if not isinstance(data, dict):
-        raise ClusterError(f"{where}: expected a mapping with keys {list(required)}, got {type(data).__name__}")
-    missing = [k for k in required if k not in data]
-    if missing:
-        raise ClusterError(f"{where}: missing key(s) {missing}")
-    unknown = sorted(set(data) - set(required) - set(optional), key=str)  # YAML keys need not be strings
-    if unknown:
-        raise ClusterError(
-            f"{where}: unknown key(s) {unknown}{close_matches(unknown[0], required + optional)}; "
-            f"expected {list(required + optional)}"
-        )
-    return data
-
-
 def _cluster_from_dict(data: object) -> Cluster:
-    d = _check_keys(data, "", ("format", "name", "num_devices", "device", "levels"))
+    d = check_keys(data, "", ("format", "name", "num_devices", "device", "levels"))
     if d["format"] != CLUSTER_FORMAT:
         raise ClusterError(f"format: must be {CLUSTER_FORMAT!r}, got {brief(d['format'])}")
-    dev = _check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"))
+    dev = check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"))
     flops = dev["peak_flops"]
     if not isinstance(flops, dict) or not flops:
         raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {brief(flops)}")
-    device = _prefixed(
+    device = prefixed(
         "device.",
         lambda: DeviceSpec(
             name=dev["name"],
@@ -464,9 +348,9 @@ def _cluster_from_dict(data: object) -> Cluster:
         raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
     levels = []
     for i, raw in enumerate(d["levels"]):
-        lv = _check_keys(raw, f"levels[{i}]", ("name", "group_size", "bandwidth", "latency"))
+        lv = check_keys(raw, f"levels[{i}]", ("name", "group_size", "bandwidth", "latency"))
         levels.append(
-            _prefixed(
+            prefixed(
                 f"levels[{i}].",
                 lambda lv=lv: NetworkLevel(
                     name=lv["name"],

@@ -1,10 +1,12 @@
-"""The names a plan is written in: schedules, placements, recompute policy forms, optimizers.
+"""The names a plan is written in: schedules, placements, recompute policy forms, optimizers,
+and the checks of one value a setting or a constraint's list may hold (``*_problem``).
 
 Shared by the plan (``plan.py``) and the user constraints on it (``constraints.py``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from nest_fx.common.fileio import brief
@@ -68,4 +70,29 @@ def schedule_problem(value: object) -> str:
     return (
         f"{brief(value)} is not a schedule{close_matches(value, SCHEDULES)}; use {', '.join(SCHEDULES)}, "
         "interleaved:V or interleaved-zb:V (V >= 2 model chunks)"
+    )
+
+
+def placement_problem(value: object) -> str:
+    """'' when ``value`` names a placement, else what is wrong."""
+    return "" if value in PLACEMENTS else f"{brief(value)} is not a placement; use one of {list(PLACEMENTS)}"
+
+
+def zero_problem(value: object) -> str:
+    """'' when ``value`` is a ZeRO stage (0..3), else what is wrong."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3
+    return "" if ok else f"{brief(value)} is not a ZeRO stage; use 0, 1, 2 or 3"
+
+
+def microbatch_size_problem(value: object) -> str:
+    """'' when ``value`` is a microbatch size (an integer 1..MAX_COUNT), else what is wrong."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COUNT
+    return "" if ok else f"{brief(value)} is not a microbatch size (an integer >= 1)"
+
+
+def fraction_problem(value: object) -> str:
+    """'' when ``value`` is a fraction of device memory in [0, 1), else what is wrong."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value < 1
+    return (
+        "" if ok else (f"must be a fraction of device memory in [0, 1) (e.g. 0.1 keeps 10% free), got {brief(value)}")
     )

@@ -24,12 +24,11 @@ from nest_fx.plan.settings import (
     STAGE_SETTINGS,
     UNSEARCHED,
     Setting,
-    add_constraint_flags,
     add_fields,
-    constraints_data,
     default,
     setting,
 )
+from nest_fx.plan.setting_flags import add_constraint_flags, constraints_data
 from nest_fx.solver.constraints import NEVER_RELAXED
 from nest_fx.solver.space import SolverOptions
 from repo_root import ROOT
@@ -183,7 +182,7 @@ def test_the_declarations_import_no_torch():
         "import sys, types, os\n"
         "pkg = types.ModuleType('nest_fx'); pkg.__path__ = [os.path.join(sys.argv[1], 'nest_fx')]\n"
         "sys.modules['nest_fx'] = pkg  # a lazy nest_fx/__init__.py\n"
-        "import nest_fx.plan, nest_fx.plan.settings, nest_fx.plan.constraints\n"
+        "import nest_fx.plan, nest_fx.plan.settings, nest_fx.plan.setting_flags, nest_fx.plan.constraints\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'networkx')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=60)

@@ -33,11 +33,11 @@ TEST_HELPERS = {
     "nest_fx.testing_vision_styles",
     "nest_fx.testing_coverage",
 }
-TOP_LEVEL = {"nest_fx", "nest_fx.__main__", "nest_fx.cli", "nest_fx.cli_profile"} | TEST_HELPERS  # may import any layer
-OPTIONAL = {"matplotlib", "transformers", "torchao"}  # extras: imported where used, inside functions
 # the command line: its handlers import torch and the pipeline when they run (start-up time, the
 # module docstrings say so), so `nest-fx --help` and argument errors answer before torch loads
-STARTUP = {"nest_fx.cli", "nest_fx.cli_profile"}
+STARTUP = {"nest_fx.cli", "nest_fx.cli_parser", "nest_fx.cli_commands", "nest_fx.cli_profile"}
+TOP_LEVEL = {"nest_fx", "nest_fx.__main__"} | STARTUP | TEST_HELPERS  # may import any layer
+OPTIONAL = {"matplotlib", "transformers", "torchao"}  # extras: imported where used, inside functions
 HEAVY = {"torch", "transformers", "matplotlib", "torchao", "networkx", "numpy", "tqdm", "tabulate"}
 
 
