@@ -35,19 +35,48 @@ LAYOUT_ATTR = "_nest_fx_fused_layouts"
 
 @dataclass(frozen=True)
 class FusedLayout:
-    """Parts of sizes ``parts`` along ``dim``, each cut into ``tp`` contiguous chunks."""
+    """Parts of sizes ``parts`` along ``dim``, each cut into ``tp`` contiguous chunks, except the
+    parts listed in ``whole``, which every rank holds entirely (a multi-query projection's shared
+    key/value heads: ``graph/tp_multi_query.py``). With whole parts the DTensor's global tensor
+    holds those rows ``tp`` times (once per rank), so it is longer than the original along ``dim``;
+    every rank's copy is the same (their gradient is summed over the TP group)."""
 
     dim: int
     parts: Tuple[int, ...]
     tp: int
+    whole: Tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """Entries along ``dim`` of the original tensor."""
+        return sum(self.parts)
+
+    def original_shape(self, shape) -> torch.Size:
+        """The original tensor's shape from the DTensor's (global) ``shape``."""
+        out = list(shape)
+        out[self.dim] = self.size
+        return torch.Size(out)
 
     def rank_rows(self, rank: int) -> List[int]:
         """Original indices (along ``dim``) of rank ``rank``'s shard, in its local order."""
         rows, base = [], 0
-        for size in self.parts:
-            per = size // self.tp
-            rows.extend(range(base + rank * per, base + (rank + 1) * per))
+        for k, size in enumerate(self.parts):
+            if k in self.whole:
+                rows.extend(range(base, base + size))
+            else:
+                per = size // self.tp
+                rows.extend(range(base + rank * per, base + (rank + 1) * per))
             base += size
+        return rows
+
+    def whole_rows(self) -> List[int]:
+        """Positions in a rank's local shard (along ``dim``) of the rows every rank holds whole."""
+        rows, pos = [], 0
+        for k, size in enumerate(self.parts):
+            n = size if k in self.whole else size // self.tp
+            if k in self.whole:
+                rows.extend(range(pos, pos + n))
+            pos += n
         return rows
 
     def order(self) -> torch.Tensor:
@@ -57,13 +86,14 @@ class FusedLayout:
     def to_original(self, sharded_full: torch.Tensor) -> torch.Tensor:
         """The full tensor in the model's own layout from the full tensor of the DTensor."""
         order = self.order().to(sharded_full.device)
-        out = torch.empty_like(sharded_full)
+        out = sharded_full.new_empty(self.original_shape(sharded_full.shape))
         out.index_copy_(self.dim, order, sharded_full)
         return out
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of an original (unsharded) tensor."""
-        chunks = [part.chunk(self.tp, self.dim)[rank] for part in tensor.split(list(self.parts), self.dim)]
+        chunks = [part if k in self.whole else part.chunk(self.tp, self.dim)[rank]
+                  for k, part in enumerate(tensor.split(list(self.parts), self.dim))]
         return torch.cat(chunks, self.dim).contiguous()
 
     def runs(self, start: int, length: int) -> List[Tuple[int, int, int]]:
@@ -133,7 +163,8 @@ class FusedCheckpointTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: DTensor, layout: FusedLayout):
-        return torch.Tensor._make_wrapper_subclass(cls, tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        return torch.Tensor._make_wrapper_subclass(cls, layout.original_shape(tensor.shape), dtype=tensor.dtype,
+                                                   device=tensor.device)
 
     def __init__(self, tensor: DTensor, layout: FusedLayout):
         super().__init__()

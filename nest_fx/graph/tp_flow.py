@@ -35,10 +35,11 @@ from nest_fx.graph.opgraph import Block, HeadInput
 from nest_fx.graph.tp_flow_ops import (ACTIVATION_MODULES, ATTENTION, BATCHED_MATMULS, COMPLEX_VIEWS, ELEMENTWISE,
                                        IGNORED, KEEP_FUSED, NORMS, REDUCTIONS, RESHAPES, SELECTS, SPLITS, Flow, PairLayout,
                                        ShapeRules, _arg, _float, _normalises_last, _prod, _Stop)
+from nest_fx.graph.tp_multi_query import MultiQueryRules
 from nest_fx.graph.tp_wide_norms import WideNormRules
 
 
-class _Follower(ShapeRules, WideNormRules):
+class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
     def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
                  units: Set[str], wide: Set[str] = frozenset()):
         self.g = graph
@@ -96,7 +97,7 @@ class _Follower(ShapeRules, WideNormRules):
             for node in order:
                 self.visit(node, core)
             self.check_row()
-            self.finish_parts()
+            self.finish_parts(self.finish_multi_query())
             self.check_wide_norms()
             self.check_contained(core, members)
             self.check_head_params()
@@ -372,7 +373,8 @@ class _Follower(ShapeRules, WideNormRules):
         fused = None
         if len(dims) == 3 and count in (2, 3) and f.source is not None and stride == 1:
             fused = f.source + (dims[-2], out[dims[-2]])  # [.., P, H, hd]: maybe P fused parts (kv, qkv)
-        return Flow(dim=heads_dim, count=count, heads=True, fused=fused)
+        view = (f.source[0], f.source[1], f.count // count) if f.source is not None and stride == 1 else None
+        return Flow(dim=heads_dim, count=count, heads=True, fused=fused, view=view)
 
     def whole_width_norm(self, node: str, ins: List[Optional[Flow]]) -> str:
         """Why an attention's query, key or value is left unsharded, when a norm over its whole
@@ -398,6 +400,8 @@ class _Follower(ShapeRules, WideNormRules):
         d = self.g.nodes[node]
         shapes = d["in_shapes"]
         q = ins[0]
+        if q is not None and any(f is None for f in ins[1:3]) and self.shared_inputs_ok(node, ins, q.dim):
+            ins = [q, q, q] + list(ins[3:])  # one shared key/value head, whole on every rank
         if q is None or any(f is None for f in ins[1:3]):
             raise _Stop(self.whole_width_norm(node, ins)
                         or f"{self.where(node)} mixes sharded and unsharded queries, keys or values")
@@ -456,7 +460,7 @@ class _Follower(ShapeRules, WideNormRules):
         if not f.heads:
             self.terminal(f, 1, self.row)
 
-    def finish_parts(self) -> None:
+    def finish_parts(self, whole: Dict[str, set]) -> None:
         for column, ranges in self.ranges.items():
             d = self.g.nodes[column]
             features = self.column_flow(column).count
@@ -472,6 +476,8 @@ class _Follower(ShapeRules, WideNormRules):
                 raise _Stop(f"only {pos} of the {features} output features of {d.get('weight')} reach the row "
                             f"as whole parts")
             self.layout.parts[column] = parts
+            if column in whole:  # multi-query: the shared key/value heads (graph.tp_multi_query)
+                self.layout.whole[column] = [i for i, (start, _, _) in enumerate(parts) if start in whole[column]]
 
 
 def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,

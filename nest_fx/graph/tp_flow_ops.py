@@ -51,6 +51,9 @@ class Flow:
     # for the heads until an op selects or unbinds along it); ``fused`` = (column, start, size,
     # the dim holding H, H): then each of the P parts is a projection of H heads, sharded by heads
     fused: Optional[Tuple[str, int, int, int, int]] = None
+    # heads viewed straight from a column's features: (column, start, features per head); a
+    # multi-query layout slices its query heads off them and picks the shared key/value heads
+    view: Optional[Tuple[str, int, int]] = None
 
     @property
     def extent(self) -> int:
@@ -73,6 +76,7 @@ class PairLayout:
     head_inputs: List[HeadInput] = field(default_factory=list)
     wide_norms: Dict[str, Tuple[str, int, int]] = field(default_factory=dict)  # module -> (column, start, size)
     wide_params: Dict[str, int] = field(default_factory=dict)  # their parameters -> the dim sharded
+    whole: Dict[str, List[int]] = field(default_factory=dict)  # column -> indices of parts every rank keeps whole
     problem: str = ""
 
 
@@ -216,6 +220,9 @@ class ShapeRules:
             if len(out) == len(shape) and out[:f.dim + 1] == shape[:f.dim + 1]:
                 self.check_unsharded(node, f, len(out), skip={j for j in range(len(ins)) if j != i})
                 return f
+            if f.view is not None and len(out) == len(shape) and out[f.dim] == 1 and f.inner == 1 \
+                    and out[:f.dim] == shape[:f.dim] and out[f.dim + 1:] == shape[f.dim + 1:]:
+                return self.shared_head(node, f)
             raise _Stop(f"{self.where(node)} indexes the sharded dim")
         removed, sliced = dims
         if f.dim in removed and f.fused is not None and f.fused[3] not in removed:
@@ -224,6 +231,8 @@ class ShapeRules:
             raise _Stop(f"{self.where(node)} selects along the sharded heads/features")
         if f.dim in sliced:
             start, size = sliced[f.dim]
+            if f.heads and start == 0 and f.inner == 1 and f.view is not None and not removed:
+                return self.query_heads(node, f, size)
             if f.heads and start >= 0 and f.inner == 1:
                 raise _Stop(f"{self.where(node)} slices the sharded heads: it takes {size} of the {f.count} heads a fused "
                             "projection is viewed as (as a multi-query layout does, e.g. Falcon's `qkv[..., :-2, :]`: "
