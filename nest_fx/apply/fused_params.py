@@ -100,9 +100,15 @@ class FusedLayout:
         """(offset in the sharded layout, offset in the original, length) of the contiguous runs
         covering sharded positions ``[start, start + length)``."""
         order = self.order().tolist()
+        # a whole part is a run of its own, so every rank names its copy by the same offset (the
+        # checkpoint writes it once: DCP drops identical write items)
+        bounds = [0]
+        for size in self.parts:
+            bounds.append(bounds[-1] + size)
+        starts = {bounds[k] for k in self.whole} | {bounds[k + 1] for k in self.whole}
         out: List[Tuple[int, int, int]] = []
         for pos in range(start, start + length):
-            if out and out[-1][1] + out[-1][2] == order[pos]:
+            if out and out[-1][1] + out[-1][2] == order[pos] and order[pos] not in starts:
                 s, o, n = out[-1]
                 out[-1] = (s, o, n + 1)
             else:
@@ -195,6 +201,14 @@ class FusedCheckpointTensor(torch.Tensor):
             if index.offset is None or list(index.offset) == offsets:
                 return self._local.narrow(self.fused_layout.dim, local_start, sizes[self.fused_layout.dim])
         raise ValueError(f"no shard at offset {index.offset} of fused parameter {index.fqn}")
+
+
+def saved_shape(tensor: torch.Tensor, layout: Optional[FusedLayout]) -> torch.Size:
+    """The shape ``tensor`` (a parameter or optimizer state of its shape) has in a checkpoint: the
+    original tensor's (a DTensor holding whole parts is longer along ``layout.dim``)."""
+    if layout is None or not isinstance(tensor, DTensor):
+        return tensor.shape
+    return layout.original_shape(tensor.shape)
 
 
 def checkpoint_view(tensor, layout: Optional[FusedLayout]):

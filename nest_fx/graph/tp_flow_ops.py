@@ -238,8 +238,9 @@ class ShapeRules:
                             "projection is viewed as (as a multi-query layout does, e.g. Falcon's `qkv[..., :-2, :]`: "
                             "the query heads, then one key and one value head they all share); tensor parallelism "
                             "shards a fused projection by whole key/value groups, and this one has a single group "
-                            "every rank would need (replicating it is not implemented; Falcon's "
-                            "new_decoder_architecture with num_kv_heads divisible by tp runs)")
+                            "every rank would need (kept whole on every rank only when the query heads are sliced "
+                            "off first and each shared head is taken by index, as Falcon's multi_query layout does; "
+                            "Falcon's new_decoder_architecture with num_kv_heads divisible by tp runs)")
             if f.heads or f.source is None or f.inner != 1 or start < 0:
                 raise _Stop(f"{self.where(node)} slices the sharded heads")
             column, base, _ = f.source

@@ -71,6 +71,13 @@ class NodeCost:
     # projection): the tensor it saves is the one the attention kernel saved (attention_output_reader)
     reads_attention_output: bool = False
     saved_whole: float = 0.0  # of ``saved``, what every TP rank keeps whole (a sharded call's replicated input)
+    # of its work under TP, the share the ranks divide: a multi-query column's shared key/value rows
+    # (graph/tp_multi_query.py) run whole on every rank
+    tp_work: float = 1.0
+
+    def tp_divisor(self, tp: int) -> float:
+        """What TP divides this node's FLOPs and bytes by (``tp`` unless part of it runs whole)."""
+        return 1.0 / (self.tp_work / tp + 1.0 - self.tp_work)
 
 
 @dataclass
@@ -86,6 +93,9 @@ class BlockFacts:
     # whole-width norms under TP (graph.tp_wide_norms): (kind, bytes, phase) of each statistic's
     # all-reduce, fp32 whatever the model's dtype (not scaled by scaled_facts)
     norm_comms: Tuple[Tuple[str, float, str], ...] = ()
+    # bytes of each gradient all-reduced over TP in every backward, not scaled by tokens (a
+    # multi-query column's shared key/value rows)
+    grad_comms: Tuple[float, ...] = ()
     loss_saved: float = 0.0  # bytes the loss keeps for backward (fp32 log-softmax of the logits)
     loss_flops: float = 0.0
     loss_bytes_moved: float = 0.0
@@ -136,6 +146,9 @@ def block_facts(graph, block) -> BlockFacts:
     sharded = {block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem
                for p in pair.params} | {block.fqn(t) + ".weight" for pair in (pattern.tp_pairs if pattern else [])
                                         if not pair.problem for t in pair.head_tables}
+    # parameter -> share of it every TP rank keeps whole (multi-query shared key/value rows)
+    whole = {block.fqn(p.name): p.whole_size() / sum(p.parts) for pair in (pattern.tp_pairs if pattern else [])
+             if not pair.problem for p in pair.params if p.whole}
     column_nodes: set = set()
     expert_nodes: set = set()
     expert_paths = getattr(graph, "expert_modules", None)
@@ -175,6 +188,7 @@ def block_facts(graph, block) -> BlockFacts:
     else:  # never checkpointed
         kept = recomputed = [{} for _ in block.nodes]
     nodes = []
+    whole_grads: List[float] = []
     for k, n in enumerate(block.nodes):
         d = g.nodes[n]
         in_b = _bytes_of(d.get("in_shapes"), d.get("in_dtypes"))
@@ -195,8 +209,13 @@ def block_facts(graph, block) -> BlockFacts:
             seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
         tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
-            sum(numel for name, numel in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
+            sum(numel * (1 - whole.get(name, 0.0)) for name, numel in zip(d.get("params", []),
+                                                                           d.get("param_numels", [])) if name in sharded)
+        kept_whole = whole.get(d.get("weight") or "", 0.0)  # the matmul of a multi-query column
         bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
+        if any(name in whole for name in d.get("params", [])):
+            whole_grads.append(bytes_per * sum(numel * whole.get(name, 0.0) for name, numel in
+                                               zip(d.get("params", []), d.get("param_numels", []))))
         nodes.append(NodeCost(
             flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
             matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or d.get("op") == MHA_OP or attention,
@@ -207,7 +226,7 @@ def block_facts(graph, block) -> BlockFacts:
             seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, window=window, kept=kept[k], recomputed=recomputed[k],
             linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per,
             reads_attention_output=attention_output_reader(g, n),
-            saved_whole=min(d.get("saved_bytes", 0.0), in_b) if n in leaf_calls else 0.0))
+            saved_whole=min(d.get("saved_bytes", 0.0), in_b) if n in leaf_calls else 0.0, tp_work=1.0 - kept_whole))
     in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
                    {p for n in block.nodes for p in g.predecessors(n) if p not in members})
     dense_rows = [r for k, r in rows if k != "expert"]
@@ -226,6 +245,8 @@ def block_facts(graph, block) -> BlockFacts:
     wide = {block.fqn(m) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem for m in pair.wide_norms}
     norm_comms = tuple((kind, nbytes, phase) for nbytes in statistic_bytes(g, block.nodes, wide)
                        for kind, phase in (("all_reduce", "fwd"), ("all_reduce", "bwd")))
+    # the whole rows' gradient, summed over TP in each backward (apply.tp_styles.SharedHeadsColumn)
+    grad_comms = tuple(whole_grads)
     loss = _loss_facts(g, block)
     if block.kind in ("head", "tail"):
         n_ar = 0
@@ -236,6 +257,7 @@ def block_facts(graph, block) -> BlockFacts:
     saved = [n.saved for n in nodes]
     return BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
                       row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms), norm_comms=norm_comms,
+                      grad_comms=grad_comms,
                       loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
                       recomputed=block.kind == "block", tied_params=tied,
                       regions=regions, region_kept=[region_kept_bytes(g, block.nodes, members, saved)
