@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nest_fx.apply.launch import launch
-from nest_fx.models import build_seeded
+from nest_fx.models import build_model, build_seeded
 from nest_fx.testing import equivalence
 
 pytestmark = [pytest.mark.hf, pytest.mark.dist]
@@ -61,8 +61,9 @@ def test_multi_query_falcon_under_zero1_sequence_parallel_and_tp4():
 
 
 def _checkpoint_worker(spec):
-    """TP2 x DP2 save of multi-query Falcon with AdamW state (or, with ``load``, load a one-device
-    checkpoint); returns the full state in the model's own layout and the local rows of the fused weight."""
+    """TP2 x DP2 save and HF export of multi-query Falcon with AdamW state (or, with ``load``, load a
+    one-device checkpoint; with ``weights``, start on meta from an HF directory); returns the full state
+    in the model's own layout and the local shape of the fused weight."""
     from torch.distributed.tensor import DTensor
 
     from nest_fx.apply import auto_parallelize
@@ -70,17 +71,19 @@ def _checkpoint_worker(spec):
     from nest_fx.apply.losses import lm_loss
     from nest_fx.plan import uniform_plan
 
-    model, cfg = build_seeded("hf:falcon", seed=1)
+    model, cfg = build_model("hf:falcon", device="meta") if spec.get("weights") else build_seeded("hf:falcon", seed=1)
     tokens = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     pm = auto_parallelize(model, tokens, global_batch_size=4, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(cfg.num_hidden_layers + 2, tp=2, dp=2, microbatch_size=2))
+                          plan=uniform_plan(cfg.num_hidden_layers + 2, tp=2, dp=2, microbatch_size=2),
+                          weights=spec.get("weights"))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     if spec.get("load"):
         pm.load(spec["load"], opt)
-    else:
+    elif spec.get("save"):
         pm.train_step(tokens, tokens)
         opt.step()
         pm.save(spec["save"], opt, step=1)
+        pm.save_pretrained(spec["hf"])
     layouts = fused_layouts(pm.chunks)
     params = dict(pm.named_parameters())
     out = {}
@@ -101,11 +104,13 @@ def _plain_state(model, opt):
 @pytest.mark.slow
 @pytest.mark.timeout(2 * LAUNCH_S)
 def test_multi_query_checkpoint_holds_the_fused_weight_in_hf_layout(tmp_path):
-    """TP2 x DP2 -> one device and one device -> TP2 x DP2: bit-identical parameters and AdamW state."""
-    pytest.importorskip("transformers")
+    """TP2 x DP2 -> one device (checkpoint and HF export) and one device -> TP2 x DP2: bit-identical
+    parameters and AdamW state."""
+    transformers = pytest.importorskip("transformers")
     from nest_fx.apply.checkpoint import load_checkpoint, save_checkpoint
 
-    saved = launch(_checkpoint_worker, 4, {"save": str(tmp_path / "tp2")}, timeout=LAUNCH_S)
+    hf = str(tmp_path / "hf")
+    saved = launch(_checkpoint_worker, 4, {"save": str(tmp_path / "tp2"), "hf": hf}, timeout=LAUNCH_S)
     state = torch.load(io.BytesIO(saved[0][0]))
     assert [s[1] for s in saved] == [(64, 64)] * 4  # 2 of the 4 query heads + the key and value head, of 16
     model, _ = build_seeded("hf:falcon", seed=7)
@@ -115,6 +120,14 @@ def test_multi_query_checkpoint_holds_the_fused_weight_in_hf_layout(tmp_path):
     plain = _plain_state(model, opt)
     assert sorted(plain) == sorted(state)
     assert not [k for k in state if not torch.equal(plain[k], state[k])]
+
+    # the HF export holds the fused weight in HF's layout, and starts a TP2 x DP2 run on meta exactly
+    exported = transformers.FalconForCausalLM.from_pretrained(hf)
+    assert all(torch.equal(p, state[f"{n}.param"]) for n, p in exported.named_parameters())
+    started = launch(_checkpoint_worker, 4, {"weights": hf}, timeout=LAUNCH_S)
+    for blob, _ in started:
+        got = torch.load(io.BytesIO(blob))
+        assert not [n for n, p in exported.named_parameters() if not torch.equal(got[f"{n}.param"], p)]
 
     opt.step()  # a different state, saved on one device and loaded under TP2 x DP2
     save_checkpoint(model, str(tmp_path / "one"), opt, step=2)
