@@ -7,6 +7,7 @@ Keys do not depend on the plan: ``model.<fqn>``, ``optim.state.<fqn>.<key>``,
 and ``train.dtensor_rng.<rank>`` (:mod:`nest_fx.apply.train_state`). Also here: the metadata
 file's contents (:func:`meta`, :func:`read_meta`) and the model check.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,15 @@ from nest_fx.apply.agreement import distributed
 from nest_fx.apply.checkpoint_files import META_FILE, CheckpointDamaged, CheckpointError, load_json
 from nest_fx.apply.fingerprint import TensorSpec, difference, fingerprint, persistent_buffers, tensor_specs
 from nest_fx.apply.fused_params import FusedCheckpointTensor, checkpoint_view, fused_layouts, saved_shape
-from nest_fx.apply.train_state import (dtensor_rng_state, pack, rng_state, set_dtensor_rng_state, set_rng_state,
-                                        stateful, unpack)
+from nest_fx.apply.train_state import (
+    dtensor_rng_state,
+    pack,
+    rng_state,
+    set_dtensor_rng_state,
+    set_rng_state,
+    stateful,
+    unpack,
+)
 from nest_fx.plan.summary import plan_summary
 
 FORMAT = "nest-fx-ckpt/2"
@@ -36,6 +44,7 @@ LEGACY_FORMAT = "nest-fx-ckpt/1"  # one directory, no manifest: still loaded (un
 DCP_META_FILE = ".metadata"
 
 # -- what is saved ----------------------------------------------------------------------------
+
 
 def _chunks(target) -> List[nn.Module]:
     """The modules holding this rank's state: a ParallelModule's stage chunks, or the module."""
@@ -61,7 +70,8 @@ def _param_names(target, optimizer) -> Dict[int, str]:
             if id(p) not in names:
                 raise CheckpointError(
                     f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the module's; "
-                    "fix: build the optimizer from pm.parameters() (after auto_parallelize)")
+                    "fix: build the optimizer from pm.parameters() (after auto_parallelize)"
+                )
     return names
 
 
@@ -75,9 +85,9 @@ def _fused_views(target, state: Dict[str, Any]) -> Dict[str, Any]:
     layouts = fused_layouts(_chunks(target))
     for key, value in state.items():
         if key.startswith("model."):
-            name = key[len("model."):]
+            name = key[len("model.") :]
         elif key.startswith("optim.state."):
-            name = key[len("optim.state."):].rpartition(".")[0]
+            name = key[len("optim.state.") :].rpartition(".")[0]
         else:
             continue
         if name in layouts and isinstance(value, DTensor):
@@ -108,6 +118,7 @@ def _state_dict_to_save(target, optimizer) -> Dict[str, Any]:
 
 # -- what is loaded ---------------------------------------------------------------------------
 
+
 def _check_shape(key: str, tensor: torch.Tensor, md, path: str, layout=None) -> None:
     if not isinstance(md, TensorStorageMetadata):
         raise CheckpointError(f"{path}: {key} is not a tensor in the checkpoint; fix: load a checkpoint of this model")
@@ -115,7 +126,8 @@ def _check_shape(key: str, tensor: torch.Tensor, md, path: str, layout=None) -> 
     if tuple(md.size) != shape:
         raise CheckpointError(
             f"{path}: {key} has shape {tuple(md.size)} in the checkpoint but {shape} in the model; "
-            "fix: load a checkpoint saved from the same model configuration")
+            "fix: load a checkpoint saved from the same model configuration"
+        )
 
 
 def _empty_state_tensor(param: torch.Tensor, md: TensorStorageMetadata, group: dict, layout=None) -> torch.Tensor:
@@ -148,16 +160,19 @@ def _state_dict_to_load(target, optimizer, metadata: Dict[str, Any], path: str) 
     if missing:
         raise CheckpointError(
             f"{path} has no {', '.join(missing[:3])}{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}; "
-            "fix: load a checkpoint of this model (keys are the original parameter names)")
+            "fix: load a checkpoint of this model (keys are the original parameter names)"
+        )
     if optimizer is None:
         return state
     if not any(k.startswith("optim.") for k in metadata):
-        raise CheckpointError(f"{path} holds no optimizer state (it was saved without optimizer=); fix: "
-                              "load(path) without an optimizer, or save with save(path, optimizer)")
+        raise CheckpointError(
+            f"{path} holds no optimizer state (it was saved without optimizer=); fix: "
+            "load(path) without an optimizer, or save with save(path, optimizer)"
+        )
     saved: Dict[str, List[str]] = {}
     for key in metadata:
         if key.startswith("optim.state."):
-            name, _, entry = key[len("optim.state."):].rpartition(".")
+            name, _, entry = key[len("optim.state.") :].rpartition(".")
             saved.setdefault(name, []).append(entry)
     names = _param_names(target, optimizer)
     for group in optimizer.param_groups:
@@ -169,8 +184,11 @@ def _state_dict_to_load(target, optimizer, metadata: Dict[str, Any], path: str) 
             for entry in saved.get(name, []):
                 key, md = f"optim.state.{name}.{entry}", metadata[f"optim.state.{name}.{entry}"]
                 old = current.get(entry)
-                if isinstance(old, torch.Tensor) and tuple(saved_shape(old, layouts.get(name))) == tuple(md.size) \
-                        and old.dtype == md.properties.dtype:
+                if (
+                    isinstance(old, torch.Tensor)
+                    and tuple(saved_shape(old, layouts.get(name))) == tuple(md.size)
+                    and old.dtype == md.properties.dtype
+                ):
                     state[key] = old
                 elif isinstance(md, TensorStorageMetadata):
                     state[key] = _empty_state_tensor(p, md, group, layouts.get(name))
@@ -183,7 +201,7 @@ def install_optimizer_state(target, optimizer, state: Dict[str, Any]) -> None:
     per_param: Dict[str, Dict[str, Any]] = {}
     for key, value in state.items():
         if key.startswith("optim.state."):
-            name, _, entry = key[len("optim.state."):].rpartition(".")
+            name, _, entry = key[len("optim.state.") :].rpartition(".")
             per_param.setdefault(name, {})[entry] = value.source if isinstance(value, FusedCheckpointTensor) else value
     names = _param_names(target, optimizer)
     for group in optimizer.param_groups:
@@ -231,11 +249,13 @@ def low_space(root: str) -> str:
 
 def dcp_failures(exc: CheckpointException) -> str:
     """``rank 1: OSError: [Errno 28] No space left on device; ...``: DCP's failures, one line each."""
-    return "; ".join(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())}"
-                     for rank, (e, _) in sorted(exc.failures.items()))
+    return "; ".join(
+        f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())}" for rank, (e, _) in sorted(exc.failures.items())
+    )
 
 
 # -- what the checkpoint says about itself ----------------------------------------------------
+
 
 def model_specs(target) -> Dict[str, TensorSpec]:
     """The whole model's tensors: recorded by ``auto_parallelize`` before the split, or the module's."""
@@ -247,12 +267,20 @@ def checkpoint_meta(target, step: int, sequence: int, optimizer, scheduler, data
     plan = getattr(target, "plan", None)
     summary = plan_summary(plan, getattr(target, "num_microbatches", plan.num_microbatches)) if plan else None
     specs = model_specs(target)
-    return {"format": FORMAT, "step": step, "sequence": sequence, "saved_at": time.time(),
-            "world_size": dist.get_world_size() if distributed() else 1,
-            "model": {"fingerprint": fingerprint(specs), "tensors": {n: [list(s), d] for n, (s, d) in specs.items()}},
-            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "scheduler": scheduler is not None, "data": data is not None,
-            "plan_summary": summary, "plan": plan.to_dict() if plan is not None else None, "torch": torch.__version__}
+    return {
+        "format": FORMAT,
+        "step": step,
+        "sequence": sequence,
+        "saved_at": time.time(),
+        "world_size": dist.get_world_size() if distributed() else 1,
+        "model": {"fingerprint": fingerprint(specs), "tensors": {n: [list(s), d] for n, (s, d) in specs.items()}},
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "scheduler": scheduler is not None,
+        "data": data is not None,
+        "plan_summary": summary,
+        "plan": plan.to_dict() if plan is not None else None,
+        "torch": torch.__version__,
+    }
 
 
 def read_meta(directory: str) -> dict:
@@ -260,8 +288,10 @@ def read_meta(directory: str) -> dict:
     meta = load_json(meta_path, f"{directory} has no {META_FILE}; fix: load another checkpoint")
     fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt not in (FORMAT, LEGACY_FORMAT):
-        raise CheckpointError(f"{meta_path}: format is {fmt!r}, this version reads {FORMAT!r}; fix: load it with the "
-                              "nest-fx version that wrote it")
+        raise CheckpointError(
+            f"{meta_path}: format is {fmt!r}, this version reads {FORMAT!r}; fix: load it with the "
+            "nest-fx version that wrote it"
+        )
     step = meta.get("step")
     if fmt == FORMAT and not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
         raise CheckpointDamaged(f"{meta_path}: step {step!r} is not a non-negative integer; the file is damaged")
@@ -276,9 +306,11 @@ def check_model(target, meta: dict, source: str) -> None:
     saved = {n: (tuple(s), d) for n, (s, d) in saved.items()}
     current = model_specs(target)
     if fingerprint(saved) != fingerprint(current):
-        raise CheckpointError(f"{source} holds another model ({len(saved)} tensors, this model has {len(current)}; "
-                              f"{difference(saved, current)}); fix: load a checkpoint of this model, or build the "
-                              "model with the checkpoint's configuration")
+        raise CheckpointError(
+            f"{source} holds another model ({len(saved)} tensors, this model has {len(current)}; "
+            f"{difference(saved, current)}); fix: load a checkpoint of this model, or build the "
+            "model with the checkpoint's configuration"
+        )
 
 
 # -- besides the tensors: scheduler, data position, gradient scaler, random generators ----------
@@ -308,8 +340,10 @@ def train_state_to_load(scheduler, data, scaler, metadata, meta: dict, rank: int
             continue
         stateful(obj, what)
         if key not in metadata:
-            raise CheckpointError(f"{source} holds no {what} state (it was saved without {what}=); fix: load without "
-                                  f"{what}=, or save with save(path, optimizer, {what}=...)")
+            raise CheckpointError(
+                f"{source} holds no {what} state (it was saved without {what}=); fix: load without "
+                f"{what}=, or save with save(path, optimizer, {what}=...)"
+            )
         state[key] = b""  # replaced by the saved object
     saved_world = int(meta.get("world_size") or 1)
     for prefix in ("train.rng.", "train.dtensor_rng."):

@@ -17,7 +17,14 @@ checkpoint, which writes and reads the rank's rows as the runs of the *original*
 are (:class:`FusedCheckpointTensor`), so checkpoints hold plan-independent tensors in the
 model's own layout and load under any plan or on one device. The permutation depends only on
 the part sizes and ``tp``, recorded per parameter in :func:`register_layout`.
+
+A multi-query projection (Falcon's ``query_key_value``: query heads, then one key and one value
+head all query heads share) keeps its shared parts *whole* on every rank (``FusedLayout.whole``):
+rank ``r`` holds ``[q_r; k; v]``, the global tensor holds the shared rows ``tp`` times, and the
+two places above write each shared part once, at its original offset (:func:`saved_shape` gives
+the original shape the checkpoint compares against).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,8 +99,10 @@ class FusedLayout:
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of an original (unsharded) tensor."""
-        chunks = [part if k in self.whole else part.chunk(self.tp, self.dim)[rank]
-                  for k, part in enumerate(tensor.split(list(self.parts), self.dim))]
+        chunks = [
+            part if k in self.whole else part.chunk(self.tp, self.dim)[rank]
+            for k, part in enumerate(tensor.split(list(self.parts), self.dim))
+        ]
         return torch.cat(chunks, self.dim).contiguous()
 
     def runs(self, start: int, length: int) -> List[Tuple[int, int, int]]:
@@ -144,8 +153,10 @@ def original_boxes(tensor: DTensor, layout: Optional[FusedLayout]) -> List[Tuple
     Used by the checkpoint and by the weights reader (``apply/materialize.py``)."""
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     if list(tensor.to_local().shape) != list(local_shape):
-        raise ValueError(f"unexpected local shape {tuple(tensor.to_local().shape)} of a sharded parameter "
-                         f"(expected {tuple(local_shape)})")
+        raise ValueError(
+            f"unexpected local shape {tuple(tensor.to_local().shape)} of a sharded parameter "
+            f"(expected {tuple(local_shape)})"
+        )
     if layout is None:
         return [(list(offset), list(local_shape), 0)]
     dim = layout.dim
@@ -169,8 +180,9 @@ class FusedCheckpointTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: DTensor, layout: FusedLayout):
-        return torch.Tensor._make_wrapper_subclass(cls, layout.original_shape(tensor.shape), dtype=tensor.dtype,
-                                                   device=tensor.device)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, layout.original_shape(tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
 
     def __init__(self, tensor: DTensor, layout: FusedLayout):
         super().__init__()
@@ -188,10 +200,14 @@ class FusedCheckpointTensor(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
         props = TensorProperties.create_from_tensor(self._local)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=self._chunk(offsets, sizes), properties=props,
-                                                      size=self.shape))
-                for offsets, sizes, _ in self._boxes]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=self._chunk(offsets, sizes), properties=props, size=self.shape),
+            )
+            for offsets, sizes, _ in self._boxes
+        ]
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
         return [self._chunk(offsets, sizes) for offsets, sizes, _ in self._boxes]
@@ -217,4 +233,3 @@ def checkpoint_view(tensor, layout: Optional[FusedLayout]):
     if layout is None or not isinstance(tensor, DTensor):
         return tensor
     return FusedCheckpointTensor(tensor, layout)
-

@@ -28,6 +28,7 @@ the head (embedding) and the tail (final norm, LM head) see full sequences. An M
 (expert pairs plus a router) gathers to a plain local tensor, runs routing and experts
 replicated, and slices its output back.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, List, Sequence
@@ -49,11 +50,13 @@ from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
+
 def _is_under(name: str, prefixes: Iterable[str]) -> bool:
     return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
 
 
 # -- sequence-parallel hooks -----------------------------------------------------------------
+
 
 def _first_tensor_arg(args, kwargs):
     if args and isinstance(args[0], torch.Tensor):
@@ -85,18 +88,21 @@ def _gather_seq_pre_hook(mesh: DeviceMesh, local_output: bool):
         if local_output:
             x = x.to_local()
         return _replace_arg(args, kwargs, where, key, x)
+
     return hook
 
 
 def _scatter_seq_output_hook(mesh: DeviceMesh):
     """Replicated (full-sequence) output -> local sequence shard; backward all-gathers."""
+
     def hook(module, args, output):
         def conv(t):
             if isinstance(t, DTensor):
                 return t.redistribute(mesh, [Shard(1)]).to_local()
-            return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
-                mesh, [Shard(1)]).to_local()
+            return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
         return _map_first_output(output, conv)
+
     return hook
 
 
@@ -111,24 +117,29 @@ def _map_first_output(output, conv):
 
 def _shard_seq_pre_hook(mesh: DeviceMesh):
     """Stage-first block: full sequence in -> local sequence shard."""
+
     def hook(module, args, kwargs):
         where, key, x = _first_tensor_arg(args, kwargs)
         x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
         return _replace_arg(args, kwargs, where, key, x)
+
     return hook
 
 
 def _gather_seq_output_hook(mesh: DeviceMesh):
     """Stage-last block: local sequence shard out -> full sequence."""
+
     def hook(module, args, output):
         def conv(t):
-            return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(
-                mesh, [Replicate()]).to_local()
+            return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
         return _map_first_output(output, conv)
+
     return hook
 
 
 # -- vocabulary parallelism (head and tail) --------------------------------------------------
+
 
 def vocab_parallel_modules(module: nn.Module, graph, start: int, end: int) -> Dict[str, str]:
     """{module FQN: "rowwise" | "colwise"} of the embeddings in the head and the output linears
@@ -164,14 +175,19 @@ def apply_vocab_parallel(module: nn.Module, graph, start: int, end: int, tp_mesh
     if tp_mesh.size() == 1:
         return {}
     targets = vocab_parallel_modules(module, graph, start, end)
-    styles = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) if kind == "rowwise"
-              else ColwiseParallel(output_layouts=Replicate()) for name, kind in targets.items()}
+    styles = {
+        name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if kind == "rowwise"
+        else ColwiseParallel(output_layouts=Replicate())
+        for name, kind in targets.items()
+    }
     if styles:
         parallelize_module(module, tp_mesh, styles, src_data_rank=None)
     return targets
 
 
 # -- random numbers ----------------------------------------------------------------------------
+
 
 def share_rng_state(tp_mesh: DeviceMesh) -> None:
     """Give every rank of the TP group the random-number state of its first rank (CPU and CUDA).
@@ -190,19 +206,20 @@ def share_rng_state(tp_mesh: DeviceMesh) -> None:
 
 # -- main entry ------------------------------------------------------------------------------
 
+
 def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str, object]:
     """{module path (relative to the block): ParallelStyle} sharding one TP pair (see tp_styles)."""
     styles: Dict[str, object] = {}
     if pair.leaf:  # nn.MultiheadAttention: its own parameters, a head-sharded forward (graph.tp_mha)
         if pair.leaf in present:
-            styles[pair.leaf] = MultiheadShard({spec.name[len(pair.leaf) + 1:]: spec for spec in pair.params})
+            styles[pair.leaf] = MultiheadShard({spec.name[len(pair.leaf) + 1 :]: spec for spec in pair.params})
         return styles
     by_owner: Dict[str, Dict[str, TPParam]] = {}
     modules = set(pair.column) | {pair.row}
     for spec in pair.params:
         unit = next((m for m in modules if spec.name.startswith(m + ".")), None)
         owner = unit if unit is not None and unit in present else spec.name.rpartition(".")[0]
-        by_owner.setdefault(owner, {})[spec.name[len(owner) + 1:] if owner else spec.name] = spec
+        by_owner.setdefault(owner, {})[spec.name[len(owner) + 1 :] if owner else spec.name] = spec
     wide: Dict[str, Dict[str, TPParam]] = {norm: {} for norm in pair.wide_norms}
     for owner, params in by_owner.items():
         if owner not in present:
@@ -236,8 +253,12 @@ def _block_modules(root: nn.Module, block) -> Dict[str, nn.Module]:
     if not block.members:
         return dict(root.get_submodule(block.name).named_modules())
     modules = dict(root.named_modules())
-    return {block.rel(f"{m}.{path}" if path else m): sub
-            for m in block.members if m in modules for path, sub in modules[m].named_modules()}
+    return {
+        block.rel(f"{m}.{path}" if path else m): sub
+        for m in block.members
+        if m in modules
+        for path, sub in modules[m].named_modules()
+    }
 
 
 def owned_blocks(graph, names: Sequence[str]) -> List:
@@ -247,8 +268,9 @@ def owned_blocks(graph, names: Sequence[str]) -> List:
     return [b for b in graph.layer_blocks if wanted & set(b.modules) or b.name in wanted]
 
 
-def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *,
-                          sequence_parallel: bool = False) -> Dict[str, str]:
+def apply_tensor_parallel(
+    module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
 
     Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table" | "head_param" |
@@ -260,9 +282,17 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
         return {}
     applied: Dict[str, str] = {}
     owned = owned_blocks(graph, block_names)
-    kinds = {ColumnShard: "colwise", SharedHeadsColumn: "colwise", RowShard: "rowwise", LocalShards: "local", SequenceParallel: "head_norm",
-             ColwiseParallel: "head_table", HeadParams: "head_param", MultiheadShard: "multihead",
-             WholeWidthNorm: "wide_norm"}
+    kinds = {
+        ColumnShard: "colwise",
+        SharedHeadsColumn: "colwise",
+        RowShard: "rowwise",
+        LocalShards: "local",
+        SequenceParallel: "head_norm",
+        ColwiseParallel: "head_table",
+        HeadParams: "head_param",
+        MultiheadShard: "multihead",
+        WholeWidthNorm: "wide_norm",
+    }
     for index, block in enumerate(owned):
         name = block.name
         pattern = graph.patterns.get(block.signature)
@@ -281,12 +311,12 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
             if kind == "attention" and target is not None:
                 localise_head_counts(target, tp)
             if heads and target is not None:
-                target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()),
-                                                 with_kwargs=True)
+                target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()), with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
-            parallelize_module(module, tp_mesh, {block.fqn(p): style for p, style in styles.items()},
-                               src_data_rank=None)
+            parallelize_module(
+                module, tp_mesh, {block.fqn(p): style for p, style in styles.items()}, src_data_rank=None
+            )
             applied.update({block.fqn(p): kinds[type(style)] for p, style in styles.items()})
         if not sequence_parallel:
             continue
@@ -305,7 +335,8 @@ def apply_tensor_parallel(module: nn.Module, graph, block_names: Sequence[str], 
             if not sub_name or _is_under(sub_name, region_paths):
                 continue
             if any(True for _ in sub.parameters(recurse=False)) and not any(
-                    _is_under(sub_name, [k]) for k in sp_modules):
+                _is_under(sub_name, [k]) for k in sp_modules
+            ):
                 sp_modules[sub_name] = SequenceParallel(use_local_output=True)
         if sp_modules:
             parallelize_module(block_mod, tp_mesh, sp_modules, src_data_rank=None)

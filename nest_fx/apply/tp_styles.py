@@ -16,6 +16,7 @@
 * :class:`HeadParams`: per-head parameters of an attention region's own module (Swin's relative
   position bias table), sharded by heads and swapped for their local shards during its forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,16 +50,20 @@ def shard_parameter(module: nn.Module, name: str, spec: TPParam, mesh: DeviceMes
         register_layout(owner, leaf, layout)
     else:
         local = param.detach().chunk(tp, dim)[rank].contiguous()
-    dist_param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], run_check=False),
-                              requires_grad=param.requires_grad)
+    dist_param = nn.Parameter(
+        DTensor.from_local(local, mesh, [Shard(dim)], run_check=False), requires_grad=param.requires_grad
+    )
     owner.register_parameter(leaf, dist_param)
 
 
 def _replicate_parameter(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
     param = module.get_parameter(name)
-    module.register_parameter(name, nn.Parameter(DTensor.from_local(param.detach(), mesh, [Replicate()],
-                                                                    run_check=False),
-                                                 requires_grad=param.requires_grad))
+    module.register_parameter(
+        name,
+        nn.Parameter(
+            DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False), requires_grad=param.requires_grad
+        ),
+    )
 
 
 class ColumnShard(ColwiseParallel):
@@ -74,9 +79,13 @@ class ColumnShard(ColwiseParallel):
                 shard_parameter(module, pname, spec, mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class RowShard(RowwiseParallel):
@@ -105,9 +114,13 @@ class RowShard(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._local_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._local_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -189,8 +202,10 @@ class LocalShards(ParallelStyle):
             if not self.reduce:
                 return output
             if not isinstance(output, torch.Tensor):
-                raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; tensor parallelism on "
-                                "local shards needs a module that returns one tensor")
+                raise TypeError(
+                    f"{type(module).__name__} returned {type(output).__name__}; tensor parallelism on "
+                    "local shards needs a module that returns one tensor"
+                )
             return reduce_from_tp(output, group)
 
         module.forward = forward
@@ -241,8 +256,12 @@ class SharedHeadsColumn(ParallelStyle):
         rows: Dict[str, tuple] = {}
         for name, spec in self.params.items():
             shard_parameter(module, name, spec, device_mesh)
-            layout = FusedLayout(dim=spec.dim % module.get_parameter(name).dim(), parts=tuple(spec.parts),
-                                 tp=device_mesh.size(), whole=tuple(spec.whole))
+            layout = FusedLayout(
+                dim=spec.dim % module.get_parameter(name).dim(),
+                parts=tuple(spec.parts),
+                tp=device_mesh.size(),
+                whole=tuple(spec.whole),
+            )
             rows[name] = (layout.dim, torch.tensor(layout.whole_rows(), dtype=torch.long))
         names = list(self.params)
         inner = module.forward

@@ -18,6 +18,7 @@ A ``networkx.DiGraph`` whose nodes are fx node names with these attributes (SI u
 
 Edges follow data flow (producer -> consumer).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -58,11 +59,11 @@ class Block:
             return fqn
         if self.members:
             prefix, start = self._group()
-            rest = fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else ("" if fqn == prefix else fqn)
+            rest = fqn[len(prefix) + 1 :] if prefix and fqn.startswith(prefix + ".") else ("" if fqn == prefix else fqn)
             head, dot, tail = rest.partition(".")
             return f"{int(head) - start}{dot}{tail}" if head.isdigit() else fqn
         if fqn.startswith(self.name + "."):
-            return fqn[len(self.name) + 1:]
+            return fqn[len(self.name) + 1 :]
         return "" if fqn == self.name else fqn
 
     def fqn(self, rel: str) -> str:
@@ -156,8 +157,15 @@ class BlockPattern:
 class OpGraph:
     """Operator graph plus blocks and tensor-parallel patterns (see module docstring)."""
 
-    def __init__(self, graph: nx.DiGraph, *, model_name: str = "", method: str = "",
-                 input_shapes: Optional[List[list]] = None, block_container: str = ""):
+    def __init__(
+        self,
+        graph: nx.DiGraph,
+        *,
+        model_name: str = "",
+        method: str = "",
+        input_shapes: Optional[List[list]] = None,
+        block_container: str = "",
+    ):
         self.graph = graph
         self.model_name = model_name
         self.method = method

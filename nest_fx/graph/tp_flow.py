@@ -24,6 +24,7 @@ features of a projection that is not a whole-width norm module, a per-head tenso
 the region from the global head count) becomes the pair's ``problem``: the runtime then refuses
 that TP degree instead of guessing.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,16 +33,44 @@ from typing import Dict, List, Optional, Set, Tuple
 import networkx as nx
 
 from nest_fx.graph.opgraph import Block, HeadInput
-from nest_fx.graph.tp_flow_ops import (ACTIVATION_MODULES, ATTENTION, BATCHED_MATMULS, COMPLEX_VIEWS, ELEMENTWISE,
-                                       IGNORED, KEEP_FUSED, NORMS, REDUCTIONS, RESHAPES, SELECTS, SPLITS, Flow, PairLayout,
-                                       ShapeRules, _arg, _float, _normalises_last, _prod, _Stop)
+from nest_fx.graph.tp_flow_ops import (
+    ACTIVATION_MODULES,
+    ATTENTION,
+    BATCHED_MATMULS,
+    COMPLEX_VIEWS,
+    ELEMENTWISE,
+    IGNORED,
+    KEEP_FUSED,
+    NORMS,
+    REDUCTIONS,
+    RESHAPES,
+    SELECTS,
+    SPLITS,
+    Flow,
+    PairLayout,
+    ShapeRules,
+    _arg,
+    _float,
+    _normalises_last,
+    _prod,
+    _Stop,
+)
+from nest_fx.graph.tp_flow_attention import AttentionRules
 from nest_fx.graph.tp_multi_query import MultiQueryRules
 from nest_fx.graph.tp_wide_norms import WideNormRules
 
 
-class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
-    def __init__(self, graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
-                 units: Set[str], wide: Set[str] = frozenset()):
+class _Follower(ShapeRules, WideNormRules, MultiQueryRules, AttentionRules):
+    def __init__(
+        self,
+        graph: nx.DiGraph,
+        block: Block,
+        columns: List[str],
+        row: str,
+        region: str,
+        units: Set[str],
+        wide: Set[str] = frozenset(),
+    ):
         self.g = graph
         self.wide = wide  # candidate whole-width norm modules (tp_wide_norms.projection_norms)
         self.units = units  # the pair's linear-like modules (absolute FQNs)
@@ -81,8 +110,10 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
             return
         column, start, size = flow.source
         if flow.inner != 1 or flow.count != size:
-            raise _Stop(f"{self.where(node)} uses the features of {self.g.nodes[column].get('weight')} in a way "
-                        "tensor parallelism cannot follow")
+            raise _Stop(
+                f"{self.where(node)} uses the features of {self.g.nodes[column].get('weight')} in a way "
+                "tensor parallelism cannot follow"
+            )
         self.ranges[column].add((start, size, unit))
 
     # -- the walk -----------------------------------------------------------------------
@@ -113,8 +144,10 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
         for node in core:
             for user in self.g.successors(node):
                 if user not in core and user != self.row and (user not in members or user in live):
-                    raise _Stop(f"the sharded output of {self.where(node)} is also used by {self.where(user)}, "
-                                "outside the pair's region")
+                    raise _Stop(
+                        f"the sharded output of {self.where(node)} is also used by {self.where(user)}, "
+                        "outside the pair's region"
+                    )
 
     def check_head_params(self) -> None:
         """A per-head parameter is sharded only when every use of it in the block carries its heads
@@ -128,12 +161,16 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
                     continue
                 module = d.get("module", "")
                 if not (module == owner or module.startswith(owner + ".")):
-                    raise _Stop(f"parameter {param} is read outside the forward of its module {owner!r} "
-                                f"({self.where(node)}); tensor parallelism shards such a per-head table only "
-                                "where its own module reads it")
+                    raise _Stop(
+                        f"parameter {param} is read outside the forward of its module {owner!r} "
+                        f"({self.where(node)}); tensor parallelism shards such a per-head table only "
+                        "where its own module reads it"
+                    )
                 if not any(self.flows.get(node) or []):
-                    raise _Stop(f"parameter {param} has one entry per sharded head and is also used by "
-                                f"{self.where(node)}, which does not carry its heads to the pair")
+                    raise _Stop(
+                        f"parameter {param} has one entry per sharded head and is also used by "
+                        f"{self.where(node)}, which does not carry its heads to the pair"
+                    )
 
     def visit(self, node: str, core: Set[str]) -> None:
         d = self.g.nodes[node]
@@ -190,12 +227,24 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
         keeps the heads as its last dim), else ""."""
         d = self.g.nodes[node]
         names, shapes, dtypes = d.get("input_params") or [], d.get("in_shapes") or [], d.get("in_dtypes") or []
-        if d.get("op") not in ("getitem", "index") or len(names) < 2 or len(shapes) < 2 or len(dtypes) < 2 \
-                or not self.inside(node):
+        if (
+            d.get("op") not in ("getitem", "index")
+            or len(names) < 2
+            or len(shapes) < 2
+            or len(dtypes) < 2
+            or not self.inside(node)
+        ):
             return ""
         table, shape, out = names[0], shapes[0], (d.get("out_shapes") or [[]])[0]
-        if not table or names[1] or len(shape) != 2 or shape[1] not in self.head_counts or not out \
-                or out[-1] != shape[1] or not str(dtypes[1]).startswith("int"):
+        if (
+            not table
+            or names[1]
+            or len(shape) != 2
+            or shape[1] not in self.head_counts
+            or not out
+            or out[-1] != shape[1]
+            or not str(dtypes[1]).startswith("int")
+        ):
             return ""
         return table
 
@@ -267,16 +316,19 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
                 if self.wide_param(node, param, at, carries):
                     continue
                 if carries:
-                    raise _Stop(f"parameter {param} has one entry per sharded head/feature ({self.where(node)}); "
-                                "tensor parallelism does not shard such parameters yet")
+                    raise _Stop(
+                        f"parameter {param} has one entry per sharded head/feature ({self.where(node)}); "
+                        "tensor parallelism does not shard such parameters yet"
+                    )
                 self.head_norm(node, param, flow_out.dim)
                 continue
             if not carries or name not in self.g or not _float(self.g.nodes[name]):
                 continue
             for source, source_shape, dim in self.per_head_sources(name, at):
                 if source_shape[dim] % flow_out.extent:
-                    raise _Stop(f"{self.where(node)} broadcasts a tensor of shape {source_shape} against the "
-                                "sharded dim")
+                    raise _Stop(
+                        f"{self.where(node)} broadcasts a tensor of shape {source_shape} against the sharded dim"
+                    )
                 found = HeadInput(shape=list(source_shape), dim=dim, count=flow_out.count, inner=flow_out.inner)
                 if found not in self.layout.head_inputs:
                     self.layout.head_inputs.append(found)
@@ -297,23 +349,29 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
         if d.get("op") in SELECTS | {"getitem", "index"} and len(first) == len(shape) and first[at] == shape[at]:
             return self.per_head_sources(d["inputs"][0], at)  # a slice along other dims (MPT's ALiBi)
         if d.get("op") not in ELEMENTWISE:
-            raise _Stop(f"{self.where(node)} builds a per-head tensor from the global head count inside the "
-                        "region; tensor parallelism cannot shard it")
+            raise _Stop(
+                f"{self.where(node)} builds a per-head tensor from the global head count inside the "
+                "region; tensor parallelism cannot shard it"
+            )
         found = []
         for name, in_shape in zip(d.get("inputs", []), d.get("in_shapes", [])):
             dim = at - (len(shape) - len(in_shape))
             if name in self.g and 0 <= dim < len(in_shape) and in_shape[dim] != 1 and _float(self.g.nodes[name]):
                 found += self.per_head_sources(name, dim)
         if not found:
-            raise _Stop(f"{self.where(node)} builds a per-head tensor from the global head count inside the "
-                        "region; tensor parallelism cannot shard it")
+            raise _Stop(
+                f"{self.where(node)} builds a per-head tensor from the global head count inside the "
+                "region; tensor parallelism cannot shard it"
+            )
         return found
 
     def head_norm(self, node: str, param: str, dim: int) -> None:
         module = param.rpartition(".")[0]
         if module == self.region or not module:
-            raise _Stop(f"parameter {param} is applied to the sharded data by the region module itself "
-                        f"({self.where(node)}); tensor parallelism needs it in its own module (e.g. a norm)")
+            raise _Stop(
+                f"parameter {param} is applied to the sharded data by the region module itself "
+                f"({self.where(node)}); tensor parallelism needs it in its own module (e.g. a norm)"
+            )
         self.layout.head_norms[module] = dim
 
     def elementwise(self, node: str, ins: List[Optional[Flow]]) -> Flow:
@@ -342,7 +400,7 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
         d = self.g.nodes[node]
         _, f = self.single(node, ins)
         shape, out = d["in_shapes"][0], d["out_shapes"][0]
-        stride = f.inner * _prod(shape[f.dim + 1:])
+        stride = f.inner * _prod(shape[f.dim + 1 :])
         extent = f.count * stride
         suffix = 1
         for dim in range(len(out) - 1, -1, -1):
@@ -376,71 +434,6 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
         view = (f.source[0], f.source[1], f.count // count) if f.source is not None and stride == 1 else None
         return Flow(dim=heads_dim, count=count, heads=True, fused=fused, view=view)
 
-    def whole_width_norm(self, node: str, ins: List[Optional[Flow]]) -> str:
-        """Why an attention's query, key or value is left unsharded, when a norm over its whole
-        projection (all heads' features: OLMo2's ``q_norm``/``k_norm``) stands between it and its
-        linear, so that linear is no column of the pair ("" when none does)."""
-        d = self.g.nodes[node]
-        head_dim = d["in_shapes"][0][-1]
-        block = self.g.subgraph(self.block.nodes)
-        for name, flow, what in zip(d.get("inputs", [])[:3], ins[:3], ("query", "key", "value")):
-            if flow is not None or name not in block:
-                continue
-            for source in (n for n in self.block.nodes if n in nx.ancestors(block, name) and self.inside(n)):
-                a = self.g.nodes[source]
-                op, shape = a.get("op", ""), (a.get("in_shapes") or [[]])[0]
-                if (op in NORMS or _normalises_last(op) or op in REDUCTIONS) and shape and shape[-1] > head_dim:
-                    return (f"{self.where(node)} takes its {what} through {a.get('module')!r}, a norm over all the "
-                            f"heads' {shape[-1]} features (not per head of {head_dim}); a TP rank holds only its "
-                            "heads' features, and nest-fx gathers the statistic only for a norm module of the attention "
-                            "applied to the whole output of one projection (OLMo2's q_norm)")
-        return ""
-
-    def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
-        d = self.g.nodes[node]
-        shapes = d["in_shapes"]
-        q = ins[0]
-        if q is not None and any(f is None for f in ins[1:3]) and self.shared_inputs_ok(node, ins, q.dim):
-            ins = [q, q, q] + list(ins[3:])  # one shared key/value head, whole on every rank
-        if q is None or any(f is None for f in ins[1:3]):
-            raise _Stop(self.whole_width_norm(node, ins)
-                        or f"{self.where(node)} mixes sharded and unsharded queries, keys or values")
-        nd = len(shapes[0])
-        if q.dim >= nd - 2 or not all(f.dim == q.dim for f in ins[1:3]):
-            raise _Stop(f"{self.where(node)}: the sharded dim is not the heads dim of the attention")
-        for f in ins[1:3]:
-            if q.count % f.count and f.extent != q.extent:
-                raise _Stop(f"{self.where(node)}: query and key/value heads are sharded differently")
-        if len(ins) > 3 and ins[3] is not None and not ins[3].same_split(q):
-            raise _Stop(f"{self.where(node)}: the attention mask is sharded differently from the heads")
-        self.check_unsharded(node, q, nd, skip={0, 1, 2})
-        return [q] + [replace(q) if len(o) > q.dim and o[q.dim] == shapes[0][q.dim] else None
-                      for o in d["out_shapes"][1:]]
-
-    def batched_matmul(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        shapes, out = d["in_shapes"], d["out_shapes"][0]
-        operands = [1, 2] if op == "baddbmm" else [0, 1]
-        aligned = []
-        for i in operands:
-            f = ins[i] if i < len(ins) else None
-            if f is None:
-                continue
-            if f.dim >= len(shapes[i]) - 2:
-                raise _Stop(f"{self.where(node)} contracts or keeps the sharded dim as a matrix dim")
-            aligned.append(replace(f, dim=f.dim + len(out) - len(shapes[i])))
-        if not aligned:
-            raise _Stop(f"{self.where(node)} combines sharded data in a way tensor parallelism cannot follow")
-        first = aligned[0]
-        if any(not f.same_split(first) for f in aligned[1:]):
-            raise _Stop(f"{self.where(node)} multiplies tensors sharded differently")
-        for i in operands:
-            if i < len(ins) and ins[i] is None and 0 <= first.dim - (len(out) - len(shapes[i])) < len(shapes[i]) \
-                    and shapes[i][first.dim - (len(out) - len(shapes[i]))] != 1:
-                raise _Stop(f"{self.where(node)} multiplies sharded heads with an unsharded per-head tensor")
-        self.check_unsharded(node, first, len(out), skip=set(operands))
-        return replace(first, source=None) if first.source else first
-
     # -- the row and the parts ------------------------------------------------------------
     def check_row(self) -> None:
         d = self.g.nodes[self.row]
@@ -455,8 +448,9 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
         features = wshape[dims[1]]
         contracted = len(shape) - 1 if shape[-1] == features else len(shape) - 2
         if f.dim != contracted or f.extent != features:
-            raise _Stop(f"{d.get('weight')} does not take the sharded features as its input features "
-                        f"({self.where(self.row)})")
+            raise _Stop(
+                f"{d.get('weight')} does not take the sharded features as its input features ({self.where(self.row)})"
+            )
         if not f.heads:
             self.terminal(f, 1, self.row)
 
@@ -468,20 +462,30 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules):
             pos, parts = 0, []
             for start, size, unit in ordered:
                 if start != pos:
-                    raise _Stop(f"the output features of {d.get('weight')} are used in overlapping or missing "
-                                "ranges; tensor parallelism cannot tell how to shard them")
+                    raise _Stop(
+                        f"the output features of {d.get('weight')} are used in overlapping or missing "
+                        "ranges; tensor parallelism cannot tell how to shard them"
+                    )
                 parts.append((start, size, unit))
                 pos = start + size
             if pos != features:
-                raise _Stop(f"only {pos} of the {features} output features of {d.get('weight')} reach the row "
-                            f"as whole parts")
+                raise _Stop(
+                    f"only {pos} of the {features} output features of {d.get('weight')} reach the row as whole parts"
+                )
             self.layout.parts[column] = parts
             if column in whole:  # multi-query: the shared key/value heads (graph.tp_multi_query)
                 self.layout.whole[column] = [i for i, (start, _, _) in enumerate(parts) if start in whole[column]]
 
 
-def follow_pair(graph: nx.DiGraph, block: Block, columns: List[str], row: str, region: str,
-                units: Set[str] = frozenset(), wide: Set[str] = frozenset()) -> PairLayout:
+def follow_pair(
+    graph: nx.DiGraph,
+    block: Block,
+    columns: List[str],
+    row: str,
+    region: str,
+    units: Set[str] = frozenset(),
+    wide: Set[str] = frozenset(),
+) -> PairLayout:
     """Follow the sharded features of ``columns`` (node names) to ``row`` (node name) inside the
     region module ``region`` (an absolute module FQN); ``units``: the pair's linear-like modules,
     whose own parameters are sharded with them; ``wide``: the block's candidate whole-width norm

@@ -4,6 +4,7 @@ from op to op, what it reports (:class:`PairLayout`), and :class:`ShapeRules`, h
 moves through ops that rearrange dims (transpose, permute, complex views), select or split them,
 join tensors, reduce or normalise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -12,28 +13,103 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from nest_fx.graph.opgraph import HeadInput
 
 ELEMENTWISE = {
-    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "neg", "pow", "rsqrt", "sqrt",
-    "exp", "log", "tanh", "sigmoid", "silu", "gelu", "relu", "softmax", "_softmax", "log_softmax", "dropout",
-    "native_dropout", "to", "_to_copy", "type_as", "contiguous", "clone", "alias", "float", "half", "bfloat16",
-    "detach", "where", "masked_fill", "masked_fill_", "clamp", "abs", "erf", "square", "reciprocal",
-    "lift_fresh_copy", "expand", "broadcast_to", "expand_as", "identity", "newgeluactivation", "geluactivation",
-    "iadd", "imul", "truediv", "floordiv", "scaled_dot_product_attention_mask",
+    "add",
+    "add_",
+    "sub",
+    "sub_",
+    "mul",
+    "mul_",
+    "div",
+    "div_",
+    "true_divide",
+    "neg",
+    "pow",
+    "rsqrt",
+    "sqrt",
+    "exp",
+    "log",
+    "tanh",
+    "sigmoid",
+    "silu",
+    "gelu",
+    "relu",
+    "softmax",
+    "_softmax",
+    "log_softmax",
+    "dropout",
+    "native_dropout",
+    "to",
+    "_to_copy",
+    "type_as",
+    "contiguous",
+    "clone",
+    "alias",
+    "float",
+    "half",
+    "bfloat16",
+    "detach",
+    "where",
+    "masked_fill",
+    "masked_fill_",
+    "clamp",
+    "abs",
+    "erf",
+    "square",
+    "reciprocal",
+    "lift_fresh_copy",
+    "expand",
+    "broadcast_to",
+    "expand_as",
+    "identity",
+    "newgeluactivation",
+    "geluactivation",
+    "iadd",
+    "imul",
+    "truediv",
+    "floordiv",
+    "scaled_dot_product_attention_mask",
 }
-ACTIVATION_MODULES = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "identity", "newgeluactivation",
-                      "geluactivation", "gelupytorchtanh", "siluactivation"}
+ACTIVATION_MODULES = {
+    "gelu",
+    "relu",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "dropout",
+    "identity",
+    "newgeluactivation",
+    "geluactivation",
+    "gelupytorchtanh",
+    "siluactivation",
+}
 RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"}
 REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"}
 NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "layernorm", "rmsnorm", "fused_rms_norm"}
 SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split", "unbind", "tensor_split"}
 SELECTS = {"select", "slice", "narrow"}
-ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+ATTENTION = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+}
 BATCHED_MATMULS = {"bmm", "matmul", "baddbmm"}
 IGNORED = {"_assert_tensor_metadata", "size", "sym_size", "dim"}
 COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
 # ops that keep a flow's fused parts (they move or take the dims; any other op forgets them)
-KEEP_FUSED = {"transpose", "swapaxes", "permute", "t", "numpy_T", "contiguous", "clone", "to", "_to_copy", "alias",
-              "detach"}
+KEEP_FUSED = {
+    "transpose",
+    "swapaxes",
+    "permute",
+    "t",
+    "numpy_T",
+    "contiguous",
+    "clone",
+    "to",
+    "_to_copy",
+    "alias",
+    "detach",
+}
 
 
 @dataclass(frozen=True)
@@ -130,7 +206,7 @@ def _indexed_dims(d: dict, op: str, ndim: int):
     items = list(index) if isinstance(index, tuple) else [index]
     if "..." in items:
         at = items.index("...")
-        items = items[:at] + [("slice", None, None, None)] * (ndim - len(items) + 1) + items[at + 1:]
+        items = items[:at] + [("slice", None, None, None)] * (ndim - len(items) + 1) + items[at + 1 :]
     removed, sliced = set(), {}
     for dim, item in enumerate(items):
         if isinstance(item, int):
@@ -148,6 +224,7 @@ def _indexed_dims(d: dict, op: str, ndim: int):
         else:  # None (a new axis) or a tensor index
             return None
     return removed, sliced
+
 
 class ShapeRules:
     """Per-op rules of the follower that only move, cut or check the sharded dim (mixed into
@@ -217,11 +294,17 @@ class ShapeRules:
         shape, out = d["in_shapes"][i], d["out_shapes"][0]
         dims = _indexed_dims(d, op, len(shape))
         if dims is None:  # a tensor index: only the dims after the sharded one may change
-            if len(out) == len(shape) and out[:f.dim + 1] == shape[:f.dim + 1]:
+            if len(out) == len(shape) and out[: f.dim + 1] == shape[: f.dim + 1]:
                 self.check_unsharded(node, f, len(out), skip={j for j in range(len(ins)) if j != i})
                 return f
-            if f.view is not None and len(out) == len(shape) and out[f.dim] == 1 and f.inner == 1 \
-                    and out[:f.dim] == shape[:f.dim] and out[f.dim + 1:] == shape[f.dim + 1:]:
+            if (
+                f.view is not None
+                and len(out) == len(shape)
+                and out[f.dim] == 1
+                and f.inner == 1
+                and out[: f.dim] == shape[: f.dim]
+                and out[f.dim + 1 :] == shape[f.dim + 1 :]
+            ):
                 return self.shared_head(node, f)
             raise _Stop(f"{self.where(node)} indexes the sharded dim")
         removed, sliced = dims
@@ -234,18 +317,21 @@ class ShapeRules:
             if f.heads and start == 0 and f.inner == 1 and f.view is not None and not removed:
                 return self.query_heads(node, f, size)
             if f.heads and start >= 0 and f.inner == 1:
-                raise _Stop(f"{self.where(node)} slices the sharded heads: it takes {size} of the {f.count} heads a fused "
-                            "projection is viewed as (as a multi-query layout does, e.g. Falcon's `qkv[..., :-2, :]`: "
-                            "the query heads, then one key and one value head they all share); tensor parallelism "
-                            "shards a fused projection by whole key/value groups, and this one has a single group "
-                            "every rank would need (kept whole on every rank only when the query heads are sliced "
-                            "off first and each shared head is taken by index, as Falcon's multi_query layout does; "
-                            "Falcon's new_decoder_architecture with num_kv_heads divisible by tp runs)")
+                raise _Stop(
+                    f"{self.where(node)} slices the sharded heads: it takes {size} of the {f.count} heads a fused "
+                    "projection is viewed as (as a multi-query layout does, e.g. Falcon's `qkv[..., :-2, :]`: "
+                    "the query heads, then one key and one value head they all share); tensor parallelism "
+                    "shards a fused projection by whole key/value groups, and this one has a single group "
+                    "every rank would need (kept whole on every rank only when the query heads are sliced "
+                    "off first and each shared head is taken by index, as Falcon's multi_query layout does; "
+                    "Falcon's new_decoder_architecture with num_kv_heads divisible by tp runs)"
+                )
             if f.heads or f.source is None or f.inner != 1 or start < 0:
                 raise _Stop(f"{self.where(node)} slices the sharded heads")
             column, base, _ = f.source
-            return Flow(dim=f.dim - sum(1 for r in removed if r < f.dim), count=size,
-                        source=(column, base + start, size))
+            return Flow(
+                dim=f.dim - sum(1 for r in removed if r < f.dim), count=size, source=(column, base + start, size)
+            )
         return replace(f, dim=f.dim - sum(1 for r in removed if r < f.dim))
 
     def split(self, node: str, op: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
@@ -292,8 +378,10 @@ class ShapeRules:
         dims = [_norm_dim(x, len(shape)) for x in dims]
         if f.dim in dims:
             what = "heads" if f.heads else "features"
-            raise _Stop(f"{self.where(node)} reduces over all the sharded {what} (e.g. a norm over the whole "
-                        "projection); each rank would reduce over its shard alone")
+            raise _Stop(
+                f"{self.where(node)} reduces over all the sharded {what} (e.g. a norm over the whole "
+                "projection); each rank would reduce over its shard alone"
+            )
         if len(out) == len(shape):
             return f
         return replace(f, dim=f.dim - sum(1 for x in dims if x < f.dim))
@@ -305,8 +393,10 @@ class ShapeRules:
         normalized = _arg(d, 1, None)
         count = len(normalized) if isinstance(normalized, (tuple, list)) else 1
         if f.dim >= len(shape) - count:
-            raise _Stop(f"{self.where(node)} normalises over all the sharded features (a norm over the whole "
-                        "projection); each rank would normalise its shard alone")
+            raise _Stop(
+                f"{self.where(node)} normalises over all the sharded features (a norm over the whole "
+                "projection); each rank would normalise its shard alone"
+            )
         if d.get("fx_op") == "call_module" and d.get("params"):
             self.head_norm(node, d["params"][0], f.dim)
         self.check_unsharded(node, f, len(d["out_shapes"][0]))

@@ -18,6 +18,7 @@ values of a tensor index (``[-2]``), so a single-head tensor index of the heads 
 pick one of the heads left over by the query slice; the rule asks that each leftover head is
 picked exactly once and that the picked tensors reach the attention with a heads dim of 1.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -82,9 +83,11 @@ class MultiQueryRules:
             taken = picks.get(column, [])
             if len(taken) != count - size:
                 weight = self.g.nodes[column].get("weight")
-                raise _Stop(f"{self.where(taken[0] if taken else column)} takes {len(taken)} of the {count - size} "
-                            f"heads of {weight} left over by its query slice; tensor parallelism keeps them whole "
-                            "only when each is taken once as a shared key or value head")
+                raise _Stop(
+                    f"{self.where(taken[0] if taken else column)} takes {len(taken)} of the {count - size} "
+                    f"heads of {weight} left over by its query slice; tensor parallelism keeps them whole "
+                    "only when each is taken once as a shared key or value head"
+                )
             self.ranges[column].discard((start, count * unit, unit))
             self.ranges[column].add((start, size * unit, unit))
             for k in range(size, count):

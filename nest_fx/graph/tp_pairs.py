@@ -21,6 +21,7 @@ along which dim (fused parts included), what else runs per head, and what cannot
 
 A router is a parameterised matmul whose output reaches ``topk`` within a few ops.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Set, Tuple
@@ -33,11 +34,28 @@ from nest_fx.graph.tp_flow import follow_pair
 from nest_fx.graph.tp_regions import lowest_common_module
 from nest_fx.graph.tp_wide_norms import projection_norms
 
-NORM_OPS = {"layernorm", "layer_norm", "native_layer_norm", "rmsnorm", "rms_norm", "mean", "var",
-            "var_mean", "groupnorm", "group_norm", "batchnorm", "batch_norm"}
-ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "softmax", "_softmax"}
+NORM_OPS = {
+    "layernorm",
+    "layer_norm",
+    "native_layer_norm",
+    "rmsnorm",
+    "rms_norm",
+    "mean",
+    "var",
+    "var_mean",
+    "groupnorm",
+    "group_norm",
+    "batchnorm",
+    "batch_norm",
+}
+ATTENTION_OPS = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "softmax",
+    "_softmax",
+}
 _FLOAT = ("float", "bfloat16", "half", "complex")
 _STATISTICS = {"mean", "var", "var_mean"}  # what a hand-written norm reduces with
 # ops a linear-like module may run besides its matmul: views of the weight or input, the bias add
@@ -98,8 +116,17 @@ def find_pattern(graph: nx.DiGraph, block: Block) -> BlockPattern:
     return BlockPattern(signature=block.signature, tp_pairs=_dedupe(pairs), routers=routers)
 
 
-def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: List[str], row: str,
-               through_attention: bool, moe: bool, stops: List[str], wide: Set[str] = frozenset()) -> TPPair:
+def _make_pair(
+    graph: nx.DiGraph,
+    block: Block,
+    params: _BlockParams,
+    columns: List[str],
+    row: str,
+    through_attention: bool,
+    moe: bool,
+    stops: List[str],
+    wide: Set[str] = frozenset(),
+) -> TPPair:
     units = {n: _unit(graph, n, params) for n in columns + [row]}
     col_names = sorted({_rel(units[c][0], block) for c in columns})
     row_name = _rel(units[row][0], block)
@@ -111,15 +138,19 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     problem = _unit_problem(graph, block, params, units, columns, row)
     owners = [u if is_module else u.rpartition(".")[0] for u, is_module in units.values()]
     region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
-    layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module},
-                         wide)
+    layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module}, wide)
     pair.problem = problem or layout.problem
-    inside = [graph.nodes[n].get("module", "") for n in stops
-              if graph.nodes[n].get("module", "").startswith(region + ".") and region]
+    inside = [
+        graph.nodes[n].get("module", "")
+        for n in stops
+        if graph.nodes[n].get("module", "").startswith(region + ".") and region
+    ]
     if pair.problem and inside:
-        pair.problem = (f"module {inside[0]} normalises over all the features of a projection between the pair's "
-                        "linears (e.g. a query norm over the whole projection); each rank would normalise its shard "
-                        f"alone ({pair.problem})")
+        pair.problem = (
+            f"module {inside[0]} normalises over all the features of a projection between the pair's "
+            "linears (e.g. a query norm over the whole projection); each rank would normalise its shard "
+            f"alone ({pair.problem})"
+        )
     pair.head_norms = {_rel(m, block): d for m, d in layout.head_norms.items()}
     pair.head_tables = sorted({_rel(m, block) for m in layout.head_tables})
     pair.head_inputs = layout.head_inputs
@@ -128,8 +159,9 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     pair.wide_norms = sorted(_rel(m, block) for m in layout.wide_norms)
     pair.params += [TPParam(name=_rel(p, block), dim=dim) for p, dim in layout.wide_params.items()]
     for c in columns:
-        pair.params += _column_params(graph, block, params, c, units[c], layout.parts.get(c, []),
-                                      layout.whole.get(c, []))
+        pair.params += _column_params(
+            graph, block, params, c, units[c], layout.parts.get(c, []), layout.whole.get(c, [])
+        )
     d = graph.nodes[row]
     in_dim = (d.get("weight_dims") or [None, None])[1]
     pair.params.append(TPParam(name=_rel(d["weight"], block), dim=in_dim if in_dim is not None else -1))
@@ -137,26 +169,41 @@ def _make_pair(graph: nx.DiGraph, block: Block, params: _BlockParams, columns: L
     return pair
 
 
-def _column_params(graph: nx.DiGraph, block: Block, params: _BlockParams, node: str, unit: Tuple[str, bool],
-                   parts: List[Tuple[int, int, int]], whole: List[int] = ()) -> List[TPParam]:
+def _column_params(
+    graph: nx.DiGraph,
+    block: Block,
+    params: _BlockParams,
+    node: str,
+    unit: Tuple[str, bool],
+    parts: List[Tuple[int, int, int]],
+    whole: List[int] = (),
+) -> List[TPParam]:
     d = graph.nodes[node]
     weight = d["weight"]
     out_dim = (d.get("weight_dims") or [None, None])[0]
     sizes = [size for _, size, _ in parts] if len(parts) > 1 else []
     units = [u for _, _, u in parts]
     whole = list(whole)
-    found = [TPParam(name=_rel(weight, block), dim=out_dim if out_dim is not None else -1, parts=sizes, units=units,
-                     whole=whole)]
+    found = [
+        TPParam(
+            name=_rel(weight, block), dim=out_dim if out_dim is not None else -1, parts=sizes, units=units, whole=whole
+        )
+    ]
     bias = unit[0] + ".bias" if unit[1] else weight + "_bias"
     if bias in params.all:
         ndim = len(params.shapes.get(weight, d.get("weight_shape") or []))
-        found.append(TPParam(name=_rel(bias, block), dim=1 if ndim == 3 else 0, parts=sizes, units=units,
-                             whole=whole))
+        found.append(TPParam(name=_rel(bias, block), dim=1 if ndim == 3 else 0, parts=sizes, units=units, whole=whole))
     return found
 
 
-def _unit_problem(graph: nx.DiGraph, block: Block, params: _BlockParams, units: Dict[str, Tuple[str, bool]],
-                  columns: List[str], row: str) -> str:
+def _unit_problem(
+    graph: nx.DiGraph,
+    block: Block,
+    params: _BlockParams,
+    units: Dict[str, Tuple[str, bool]],
+    columns: List[str],
+    row: str,
+) -> str:
     """Why the pair's linear-like modules or expert parameters cannot be sharded as units ("" = they can)."""
     members = block.nodes
     for node, (name, is_module) in units.items():
@@ -164,29 +211,42 @@ def _unit_problem(graph: nx.DiGraph, block: Block, params: _BlockParams, units: 
         if is_module and caller != name:
             # torchvision's Swin: F.linear(x, self.qkv.weight, ...) in the attention's forward; the
             # runtime shards a module through its own forward, which never runs here
-            return (f"the weight of module {name} is used by op {graph.nodes[node].get('op')!r} in the forward of "
-                    f"{caller or '<root>'!r}, not by {name}'s own forward, which tensor parallelism shards it through; "
-                    f"it shards once the forward calls the module (`self.{name.rpartition('.')[2]}(x)`) instead of "
-                    "reading its weight")
+            return (
+                f"the weight of module {name} is used by op {graph.nodes[node].get('op')!r} in the forward of "
+                f"{caller or '<root>'!r}, not by {name}'s own forward, which tensor parallelism shards it through; "
+                f"it shards once the forward calls the module (`self.{name.rpartition('.')[2]}(x)`) instead of "
+                "reading its weight"
+            )
         if is_module:
-            extra = sorted({graph.nodes[n].get("op") for n in members
-                            if graph.nodes[n].get("module") == name and graph.nodes[n].get("op") not in _PROJECTION_OPS})
+            extra = sorted(
+                {
+                    graph.nodes[n].get("op")
+                    for n in members
+                    if graph.nodes[n].get("module") == name and graph.nodes[n].get("op") not in _PROJECTION_OPS
+                }
+            )
             if extra:
-                return (f"module {name} runs {extra} besides its projection; tensor parallelism shards modules that "
-                        "only project (nn.Linear, Conv1D, x @ weight.T)")
+                return (
+                    f"module {name} runs {extra} besides its projection; tensor parallelism shards modules that "
+                    "only project (nn.Linear, Conv1D, x @ weight.T)"
+                )
             continue
         owner = name.rpartition(".")[0]
         pair_params = {graph.nodes[n]["weight"] for n in units}
         others = params.under(owner) - pair_params - {p + "_bias" for p in pair_params if node != row}
         if others:
-            return (f"module {owner} holds {sorted(others)} besides the sharded {sorted(pair_params)}; tensor "
-                    "parallelism runs such a module on its local shards only when it holds nothing else")
+            return (
+                f"module {owner} holds {sorted(others)} besides the sharded {sorted(pair_params)}; tensor "
+                "parallelism runs such a module on its local shards only when it holds nothing else"
+            )
         if name + "_bias" in params.all and node == row:
             return f"the row parameter {name} has a bias ({name}_bias); sharding it is not supported yet"
     owners = {u.rpartition(".")[0] for u, is_module in units.values() if not is_module}
     if len(owners) > 1 or (owners and any(is_module for _, is_module in units.values())):
-        return (f"the pair's parameters live in different modules ({sorted(owners)}); tensor parallelism needs the "
-                "3-D expert weights of one pair in one module")
+        return (
+            f"the pair's parameters live in different modules ({sorted(owners)}); tensor parallelism needs the "
+            "3-D expert weights of one pair in one module"
+        )
     return ""
 
 
@@ -229,21 +289,31 @@ def _last_dim(data: dict) -> Optional[int]:
     return shapes[0][-1] if shapes and shapes[0] else None
 
 
-def _normalises(graph: nx.DiGraph, node: str, width: Optional[int], wide: Set[str] = frozenset(),
-                depth: int = 6) -> bool:
+def _normalises(
+    graph: nx.DiGraph, node: str, width: Optional[int], wide: Set[str] = frozenset(), depth: int = 6
+) -> bool:
     """True when a reduction over the residual stream's features (mean/var/norm) lies a few ops
     upstream of ``node`` with no matmul in between, as in a hand-written RMSNorm
     ``(x * rsqrt(mean(x^2) + eps)) * w``. Per-head norms (over a head's features) do not count."""
+
     def floats(n):
         return {p for p in graph.predecessors(n) if _is_float(graph.nodes[p])}
 
     frontier = floats(node)
     for _ in range(depth):
-        if any(graph.nodes[n].get("op") in _STATISTICS and _last_dim(graph.nodes[n]) == width
-               and graph.nodes[n].get("module", "") not in wide for n in frontier):
+        if any(
+            graph.nodes[n].get("op") in _STATISTICS
+            and _last_dim(graph.nodes[n]) == width
+            and graph.nodes[n].get("module", "") not in wide
+            for n in frontier
+        ):
             return True
-        frontier = {p for n in frontier if not graph.nodes[n].get("weight")
-                    and graph.nodes[n].get("op") not in ATTENTION_OPS | MATMUL_OPS for p in floats(n)}
+        frontier = {
+            p
+            for n in frontier
+            if not graph.nodes[n].get("weight") and graph.nodes[n].get("op") not in ATTENTION_OPS | MATMUL_OPS
+            for p in floats(n)
+        }
     return False
 
 

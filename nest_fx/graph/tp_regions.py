@@ -8,6 +8,7 @@ shrinks a model to one TP rank's shapes by region, so both read them here, and b
 :func:`localise_head_counts` and :func:`slice_head_inputs` to make a region module compute on
 ``heads / tp`` heads.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,10 +23,29 @@ from nest_fx.graph.tp_mha import MHA_OP
 # Attributes of an attention module (and of its config) that count heads or their features; a
 # rank's copy of the module sees them divided by tp. split_size: GPT-2's split of its fused qkv;
 # n_embd: nanoGPT's (``c_attn(x).split(self.n_embd, dim=2)``).
-HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "heads", "kv_heads", "n_head",
-                    "n_heads", "n_kv_heads", "num_kv_heads", "hidden_size", "split_size", "n_embd")
-CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "n_heads", "num_kv_heads",
-                     "n_kv_heads")
+HEAD_COUNT_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "heads",
+    "kv_heads",
+    "n_head",
+    "n_heads",
+    "n_kv_heads",
+    "num_kv_heads",
+    "hidden_size",
+    "split_size",
+    "n_embd",
+)
+CONFIG_HEAD_ATTRS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_head",
+    "num_heads",
+    "n_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+)
 
 
 def lowest_common_module(names: Sequence[str]) -> str:
@@ -187,17 +207,21 @@ def slice_heads(t: torch.Tensor, spec: HeadInput, tp: int, rank: int) -> torch.T
 def slice_head_inputs(args: tuple, kwargs: dict, specs: Sequence[HeadInput], tp: int, rank: int):
     """``(args, kwargs)`` of a region module with every per-head input (:class:`HeadInput`)
     sliced to rank ``rank``'s heads; inputs already holding ``heads / tp`` heads are left alone."""
+
     def fix(value):
         if isinstance(value, torch.Tensor):
             for spec in specs:
                 if _matches(value, spec):
                     return slice_heads(value, spec, tp, rank)
         return value
+
     return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
 
 
 def head_input_hook(specs: Sequence[HeadInput], tp: int, rank: int):
     """A forward pre-hook (``with_kwargs=True``) applying :func:`slice_head_inputs`."""
+
     def hook(module, args, kwargs):
         return slice_head_inputs(args, kwargs, specs, tp, rank)
+
     return hook

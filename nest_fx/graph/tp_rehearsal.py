@@ -15,6 +15,7 @@ parameters shrunk to one rank's shard, its head counts localised and its per-hea
 (what ``apply.tensor_parallel`` does), on fake tensors. A region that fails, or returns another
 shape than the whole region, makes that TP degree a refusal naming the module and the error.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,14 @@ from torch.utils._pytree import tree_map_only
 from nest_fx.graph.stage_modules import traced_inputs
 from nest_fx.graph.stand_in import meta_copy, run_on_fake
 from nest_fx.graph.tp_mha import local_forward
-from nest_fx.graph.tp_regions import (HEAD_COUNT_ATTRS, block_regions, head_input_hook, localise_head_counts,
-                                      localise_wide_norm, shrink_param)
+from nest_fx.graph.tp_regions import (
+    HEAD_COUNT_ATTRS,
+    block_regions,
+    head_input_hook,
+    localise_head_counts,
+    localise_wide_norm,
+    shrink_param,
+)
 
 
 class _AllSeen(Exception):
@@ -107,16 +114,16 @@ def _local_copy(region: nn.Module, path: str, kind: str, block, pairs, tp: int) 
     prefix = path + "." if path else ""
     for pair in pairs:
         for spec in pair.params:
-            shrink_param(local, block.fqn(spec.name)[len(prefix):], spec.dim, tp, spec.whole_size())
+            shrink_param(local, block.fqn(spec.name)[len(prefix) :], spec.dim, tp, spec.whole_size())
         for table in pair.head_tables:
-            shrink_param(local, block.fqn(table)[len(prefix):] + ".weight", 1, tp)
+            shrink_param(local, block.fqn(table)[len(prefix) :] + ".weight", 1, tp)
         for norm in pair.wide_norms:
-            localise_wide_norm(local.get_submodule(block.fqn(norm)[len(prefix):]), tp)
+            localise_wide_norm(local.get_submodule(block.fqn(norm)[len(prefix) :]), tp)
     if kind == "attention":
         localise_head_counts(local, tp)
     for pair in pairs:
         if pair.leaf:  # nn.MultiheadAttention runs nest-fx's head-sharded forward, as the runtime runs it
-            leaf = local.get_submodule(block.fqn(pair.leaf)[len(prefix):])
+            leaf = local.get_submodule(block.fqn(pair.leaf)[len(prefix) :])
             leaf.forward = local_forward(leaf, 0, tp)
     heads = [h for pair in pairs for h in pair.head_inputs]
     if heads:
@@ -155,10 +162,12 @@ def _rehearse(model: nn.Module, graph, tp: int) -> str:
             lines = str(exc).strip().splitlines()
             error = f"it fails with {type(exc).__name__}: {lines[0][:200] if lines else ''}"
         if error:
-            return (f"tp={tp} cannot shard {path} ({type(meta.get_submodule(path)).__name__}): run on one rank's shard "
-                    f"(its linears cut to 1/{tp}, head counts divided) {error}. Its forward reads a size tensor "
-                    "parallelism divides from where nest-fx does not localise it: the input's shape (e.g. "
-                    "`B, T, C = x.size()` then `view(B, T, C)`) or an attribute other than the head counts "
-                    f"({', '.join(HEAD_COUNT_ATTRS)}); fix: size the views of the heads from those "
-                    "attributes or -1 (e.g. `y.view(B, T, -1)`), or use tp=1")
+            return (
+                f"tp={tp} cannot shard {path} ({type(meta.get_submodule(path)).__name__}): run on one rank's shard "
+                f"(its linears cut to 1/{tp}, head counts divided) {error}. Its forward reads a size tensor "
+                "parallelism divides from where nest-fx does not localise it: the input's shape (e.g. "
+                "`B, T, C = x.size()` then `view(B, T, C)`) or an attribute other than the head counts "
+                f"({', '.join(HEAD_COUNT_ATTRS)}); fix: size the views of the heads from those "
+                "attributes or -1 (e.g. `y.view(B, T, -1)`), or use tp=1"
+            )
     return ""

@@ -10,6 +10,7 @@ code, assumed a token-level cross-entropy), a tied LM head, and the regions torc
 (``runtime_costs.fusion_regions``). :func:`scaled_facts` re-costs the same facts in a wider or
 narrower dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,8 +29,10 @@ from nest_fx.workload.attention_share import attention_window
 from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
-_DTYPE_BYTES = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
-                for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")}
+_DTYPE_BYTES = {
+    name: torch.empty((), dtype=getattr(torch, name)).element_size()
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+}
 
 
 def _bytes_of(shapes, dtypes) -> float:
@@ -102,7 +105,9 @@ class BlockFacts:
     loss_tokens: float = 0.0  # rows of the logits (tokens) the loss runs over
     recomputed: bool = True  # activation checkpointing wraps blocks only, never the head or tail
     tied_params: float = 0.0  # the tail's LM head weight when it is the embedding's (counted once, in the head)
-    regions: List[Tuple[List[int], List[Tuple[int, float]]]] = field(default_factory=list)  # runtime_costs.fusion_regions
+    regions: List[Tuple[List[int], List[Tuple[int, float]]]] = field(
+        default_factory=list
+    )  # runtime_costs.fusion_regions
     region_kept: List[float] = field(default_factory=list)  # per region, bytes kept fused (kernels.region_kept_bytes)
 
 
@@ -143,22 +148,38 @@ def block_facts(graph, block) -> BlockFacts:
 
     tp_nodes: set = set()
     leaf_calls: set = set()  # nn.MultiheadAttention calls TP shards: each saves its whole input
-    sharded = {block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem
-               for p in pair.params} | {block.fqn(t) + ".weight" for pair in (pattern.tp_pairs if pattern else [])
-                                        if not pair.problem for t in pair.head_tables}
+    sharded = {
+        block.fqn(p.name) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem for p in pair.params
+    } | {
+        block.fqn(t) + ".weight"
+        for pair in (pattern.tp_pairs if pattern else [])
+        if not pair.problem
+        for t in pair.head_tables
+    }
     # parameter -> share of it every TP rank keeps whole (multi-query shared key/value rows)
-    whole = {block.fqn(p.name): p.whole_size() / sum(p.parts) for pair in (pattern.tp_pairs if pattern else [])
-             if not pair.problem for p in pair.params if p.whole}
+    whole = {
+        block.fqn(p.name): p.whole_size() / sum(p.parts)
+        for pair in (pattern.tp_pairs if pattern else [])
+        if not pair.problem
+        for p in pair.params
+        if p.whole
+    }
     column_nodes: set = set()
     expert_nodes: set = set()
     expert_paths = getattr(graph, "expert_modules", None)
     rows: List[Tuple[str, str]] = []
-    for pair in (pattern.tp_pairs if pattern else []):
+    for pair in pattern.tp_pairs if pattern else []:
         if pair.problem:  # the runtime refuses to shard it (ParallelSupport.tp_problem)
             continue
         if pair.leaf:  # nn.MultiheadAttention: one node computes the pair; its output is all-reduced
-            call = next((n for n in block.nodes if g.nodes[n].get("module") == block.fqn(pair.leaf)
-                         and g.nodes[n].get("fx_op") == "call_module"), None)
+            call = next(
+                (
+                    n
+                    for n in block.nodes
+                    if g.nodes[n].get("module") == block.fqn(pair.leaf) and g.nodes[n].get("fx_op") == "call_module"
+                ),
+                None,
+            )
             if call is not None:
                 tp_nodes.add(call)
                 leaf_calls.add(call)
@@ -208,27 +229,58 @@ def block_facts(graph, block) -> BlockFacts:
             saved_flash = min(saved_flash, in_b + out_b + lse)
             seq = d["in_shapes"][1][-2] if len(d["in_shapes"]) > 1 and len(d["in_shapes"][1]) >= 2 else 0
         scores, score_bytes = _scores(d) if attention else (0.0, 0.0)
-        tp_numel = d.get("num_params", 0) if n in vocab_nodes else \
-            sum(numel * (1 - whole.get(name, 0.0)) for name, numel in zip(d.get("params", []),
-                                                                           d.get("param_numels", [])) if name in sharded)
+        tp_numel = (
+            d.get("num_params", 0)
+            if n in vocab_nodes
+            else sum(
+                numel * (1 - whole.get(name, 0.0))
+                for name, numel in zip(d.get("params", []), d.get("param_numels", []))
+                if name in sharded
+            )
+        )
         kept_whole = whole.get(d.get("weight") or "", 0.0)  # the matmul of a multi-query column
         bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
         if any(name in whole for name in d.get("params", [])):
-            whole_grads.append(bytes_per * sum(numel * whole.get(name, 0.0) for name, numel in
-                                               zip(d.get("params", []), d.get("param_numels", []))))
-        nodes.append(NodeCost(
-            flops=d.get("flops", 0.0), bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
-            matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or d.get("op") == MHA_OP or attention,
-            saved=d.get("saved_bytes", 0.0), saved_flash=saved_flash, attention=attention,
-            tp=n in tp_nodes, column=n in column_nodes, expert=n in expert_nodes,
-            params=float(d.get("num_params", 0)), param_bytes=d.get("param_bytes", 0.0),
-            scores=scores, score_bytes=score_bytes, causal=attention and "is_causal=True" in d.get("consts", ""),
-            seq=seq, q_bytes=q_bytes, kv_bytes=kv_bytes, window=window, kept=kept[k], recomputed=recomputed[k],
-            linear_dims=_linear_dims(d), tp_params=float(tp_numel), tp_param_bytes=tp_numel * bytes_per,
-            reads_attention_output=attention_output_reader(g, n),
-            saved_whole=min(d.get("saved_bytes", 0.0), in_b) if n in leaf_calls else 0.0, tp_work=1.0 - kept_whole))
-    in_bytes = sum(g.nodes[p].get("out_bytes", 0.0) for p in
-                   {p for n in block.nodes for p in g.predecessors(n) if p not in members})
+            whole_grads.append(
+                bytes_per
+                * sum(
+                    numel * whole.get(name, 0.0) for name, numel in zip(d.get("params", []), d.get("param_numels", []))
+                )
+            )
+        nodes.append(
+            NodeCost(
+                flops=d.get("flops", 0.0),
+                bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
+                matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or d.get("op") == MHA_OP or attention,
+                saved=d.get("saved_bytes", 0.0),
+                saved_flash=saved_flash,
+                attention=attention,
+                tp=n in tp_nodes,
+                column=n in column_nodes,
+                expert=n in expert_nodes,
+                params=float(d.get("num_params", 0)),
+                param_bytes=d.get("param_bytes", 0.0),
+                scores=scores,
+                score_bytes=score_bytes,
+                causal=attention and "is_causal=True" in d.get("consts", ""),
+                seq=seq,
+                q_bytes=q_bytes,
+                kv_bytes=kv_bytes,
+                window=window,
+                kept=kept[k],
+                recomputed=recomputed[k],
+                linear_dims=_linear_dims(d),
+                tp_params=float(tp_numel),
+                tp_param_bytes=tp_numel * bytes_per,
+                reads_attention_output=attention_output_reader(g, n),
+                saved_whole=min(d.get("saved_bytes", 0.0), in_b) if n in leaf_calls else 0.0,
+                tp_work=1.0 - kept_whole,
+            )
+        )
+    in_bytes = sum(
+        g.nodes[p].get("out_bytes", 0.0)
+        for p in {p for n in block.nodes for p in g.predecessors(n) if p not in members}
+    )
     dense_rows = [r for k, r in rows if k != "expert"]
     expert_rows = [r for k, r in rows if k == "expert"]
     n_ar = len(dense_rows) + (1 if expert_rows else 0)
@@ -240,44 +292,82 @@ def block_facts(graph, block) -> BlockFacts:
         if kind == "rowwise":  # vocabulary-sharded lookup: partial outputs all-reduced (forward)
             vocab_comms.append(("all_reduce", d.get("out_bytes", 0.0), "fwd"))
         else:  # output linear: input gradient all-reduced (backward), logits all-gathered (forward)
-            vocab_comms += [("all_reduce", _bytes_of(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
-                            ("all_gather", d.get("out_bytes", 0.0), "fwd")]
+            vocab_comms += [
+                ("all_reduce", _bytes_of(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
+                ("all_gather", d.get("out_bytes", 0.0), "fwd"),
+            ]
     wide = {block.fqn(m) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem for m in pair.wide_norms}
-    norm_comms = tuple((kind, nbytes, phase) for nbytes in statistic_bytes(g, block.nodes, wide)
-                       for kind, phase in (("all_reduce", "fwd"), ("all_reduce", "bwd")))
+    norm_comms = tuple(
+        (kind, nbytes, phase)
+        for nbytes in statistic_bytes(g, block.nodes, wide)
+        for kind, phase in (("all_reduce", "fwd"), ("all_reduce", "bwd"))
+    )
     # the whole rows' gradient, summed over TP in each backward (apply.tp_styles.SharedHeadsColumn)
     grad_comms = tuple(whole_grads)
     loss = _loss_facts(g, block)
     if block.kind in ("head", "tail"):
         n_ar = 0
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
-    fusible = [not (n.matmul or n.attention) and (n.flops > 0 or n.bytes_moved > 0)
-               and g.nodes[name].get("fx_op") not in ("placeholder", "output") for n, name in zip(nodes, block.nodes)]
+    fusible = [
+        not (n.matmul or n.attention)
+        and (n.flops > 0 or n.bytes_moved > 0)
+        and g.nodes[name].get("fx_op") not in ("placeholder", "output")
+        for n, name in zip(nodes, block.nodes)
+    ]
     regions = fusion_regions(g, block.nodes, fusible) if block.kind == "block" else []
     saved = [n.saved for n in nodes]
-    return BlockFacts(nodes=nodes, out_bytes=block.out_bytes, in_bytes=in_bytes, tp_allreduces=n_ar,
-                      row_bytes=row_bytes, a2a_bytes=a2a, vocab_comms=tuple(vocab_comms), norm_comms=norm_comms,
-                      grad_comms=grad_comms,
-                      loss_saved=loss[0], loss_flops=loss[1], loss_bytes_moved=loss[2], loss_tokens=loss[3],
-                      recomputed=block.kind == "block", tied_params=tied,
-                      regions=regions, region_kept=[region_kept_bytes(g, block.nodes, members, saved)
-                                                    for members, _ in regions])
+    return BlockFacts(
+        nodes=nodes,
+        out_bytes=block.out_bytes,
+        in_bytes=in_bytes,
+        tp_allreduces=n_ar,
+        row_bytes=row_bytes,
+        a2a_bytes=a2a,
+        vocab_comms=tuple(vocab_comms),
+        norm_comms=norm_comms,
+        grad_comms=grad_comms,
+        loss_saved=loss[0],
+        loss_flops=loss[1],
+        loss_bytes_moved=loss[2],
+        loss_tokens=loss[3],
+        recomputed=block.kind == "block",
+        tied_params=tied,
+        regions=regions,
+        region_kept=[region_kept_bytes(g, block.nodes, members, saved) for members, _ in regions],
+    )
 
 
 def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
     """``facts`` with every activation, weight and message byte count times ``k`` (a trace
     re-costed in a dtype ``k`` times as wide). The loss's figures stay: it computes in fp32
     whatever the model's dtype (``_loss_facts``)."""
-    nodes = [dataclass_replace(n, bytes_moved=n.bytes_moved * k, saved=n.saved * k, saved_flash=n.saved_flash * k,
-                               param_bytes=n.param_bytes * k, score_bytes=n.score_bytes * k, q_bytes=n.q_bytes * k,
-                               kv_bytes=n.kv_bytes * k, tp_param_bytes=n.tp_param_bytes * k,
-                               saved_whole=n.saved_whole * k,
-                               kept={p: b * k for p, b in n.kept.items()}) for n in facts.nodes]
-    return dataclass_replace(facts, nodes=nodes, out_bytes=facts.out_bytes * k, in_bytes=facts.in_bytes * k,
-                             row_bytes=facts.row_bytes * k, a2a_bytes=facts.a2a_bytes * k,
-                             vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
-                             regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
-                             region_kept=[b * k for b in facts.region_kept])
+    nodes = [
+        dataclass_replace(
+            n,
+            bytes_moved=n.bytes_moved * k,
+            saved=n.saved * k,
+            saved_flash=n.saved_flash * k,
+            param_bytes=n.param_bytes * k,
+            score_bytes=n.score_bytes * k,
+            q_bytes=n.q_bytes * k,
+            kv_bytes=n.kv_bytes * k,
+            tp_param_bytes=n.tp_param_bytes * k,
+            saved_whole=n.saved_whole * k,
+            kept={p: b * k for p, b in n.kept.items()},
+        )
+        for n in facts.nodes
+    ]
+    return dataclass_replace(
+        facts,
+        nodes=nodes,
+        out_bytes=facts.out_bytes * k,
+        in_bytes=facts.in_bytes * k,
+        row_bytes=facts.row_bytes * k,
+        a2a_bytes=facts.a2a_bytes * k,
+        vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
+        regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
+        region_kept=[b * k for b in facts.region_kept],
+    )
 
 
 def attention_output_reader(g, node: str) -> bool:
@@ -350,14 +440,19 @@ def vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     if block.kind == "head":
         found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
         tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-        tied = tail is not None and any(g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight")
-                                        and not g.nodes[n].get("num_params") for n in tail.nodes)
+        tied = tail is not None and any(
+            g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and not g.nodes[n].get("num_params")
+            for n in tail.nodes
+        )
         if tied and found:
             found.pop(max(found, key=lambda n: g.nodes[n].get("num_params", 0)))
         return found
     if block.kind == "tail":
-        return {n: "colwise" for n in block.nodes if g.nodes[n].get("op") == "linear"
-                and g.nodes[n].get("weight") and g.nodes[n].get("num_params")}
+        return {
+            n: "colwise"
+            for n in block.nodes
+            if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and g.nodes[n].get("num_params")
+        }
     return {}
 
 

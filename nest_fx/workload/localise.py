@@ -8,6 +8,7 @@ rows (vocabulary parallelism; the largest shard of an uneven split, as ``Shard(0
 since the slowest rank sets the pace). The ops between the linears then run on exactly the shapes a TP rank
 runs; the collectives are costed separately by the network model.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
@@ -18,8 +19,13 @@ import torch.nn as nn
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph import trace
 from nest_fx.graph.tp_mha import local_forward
-from nest_fx.graph.tp_regions import (block_regions, head_input_hook, localise_head_counts, localise_wide_norm,
-                                      shrink_param)
+from nest_fx.graph.tp_regions import (
+    block_regions,
+    head_input_hook,
+    localise_head_counts,
+    localise_wide_norm,
+    shrink_param,
+)
 from nest_fx.models import build_any
 
 
@@ -47,8 +53,13 @@ def _shard_embedding(model: nn.Module, fqn: str, tp: int) -> None:
     parent_name, _, attr = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
-    setattr(parent, attr, nn.Embedding(local_vocab(old.num_embeddings, tp), old.embedding_dim,
-                                       device=old.weight.device, dtype=old.weight.dtype))
+    setattr(
+        parent,
+        attr,
+        nn.Embedding(
+            local_vocab(old.num_embeddings, tp), old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype
+        ),
+    )
 
 
 def _shard(model: nn.Module, fqn: str, dim: int, tp: int, whole: int = 0) -> None:
@@ -128,8 +139,9 @@ def distinct_depth(graph) -> Optional[int]:
     return min(len(blocks), max(2, max(first.values()) + 1))
 
 
-def local_graph(name: str, tp: int, mbs: int, *, seq: Optional[int], dtype: torch.dtype, layers: Optional[int],
-                device="meta"):
+def local_graph(
+    name: str, tp: int, mbs: int, *, seq: Optional[int], dtype: torch.dtype, layers: Optional[int], device="meta"
+):
     """Build ``name`` (``layers`` deep) on ``device``, shrink it to a TP rank's shard, and trace it.
 
     Returns (OpGraph, model, args, kwargs); the token ids fit the local vocabulary shard."""
@@ -139,8 +151,11 @@ def local_graph(name: str, tp: int, mbs: int, *, seq: Optional[int], dtype: torc
         localise_tp(model, trace(model, args, kwargs, name=name), tp, rows)
         if torch.device(device).type != "meta":
             vocab = local_vocab(rows, tp)
-            args = tuple(torch.randint(0, vocab, a.shape, device=device) if isinstance(a, torch.Tensor) else a
-                         for a in args)
-            kwargs = {k: torch.randint(0, vocab, v.shape, device=device) if isinstance(v, torch.Tensor) else v
-                      for k, v in kwargs.items()}
+            args = tuple(
+                torch.randint(0, vocab, a.shape, device=device) if isinstance(a, torch.Tensor) else a for a in args
+            )
+            kwargs = {
+                k: torch.randint(0, vocab, v.shape, device=device) if isinstance(v, torch.Tensor) else v
+                for k, v in kwargs.items()
+            }
     return trace(model, args, kwargs, name=name), model, args, kwargs

@@ -9,6 +9,7 @@ tracer recorded (``recompute_costs``); ``for_runtime`` derives the costs under t
 Float8 linears (``runtime_costs``). ``workload_from_graph`` turns a graph into the
 :class:`Workload` chain.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,14 @@ from typing import Dict, List, Optional, Tuple
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.workload.attention_share import window_share
-from nest_fx.workload.block_facts import (LOSS_BACKWARD_COPIES, LOSS_STATE_BYTES, BlockFacts, block_facts,
-                                          scaled_facts, vocab_parallel_nodes)
+from nest_fx.workload.block_facts import (
+    LOSS_BACKWARD_COPIES,
+    LOSS_STATE_BYTES,
+    BlockFacts,
+    block_facts,
+    scaled_facts,
+    vocab_parallel_nodes,
+)
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
 from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.runtime_costs import RuntimeCosts
@@ -57,8 +64,9 @@ class TracedSource:
             self._facts[block_index] = facts if self.byte_scale == 1.0 else scaled_facts(facts, self.byte_scale)
         return self._facts[block_index]
 
-    def for_runtime(self, *, compile: bool = False, float8: bool = False, timing=None,
-                    byte_scale: float = 1.0, kernels: str = "") -> "TracedSource":
+    def for_runtime(
+        self, *, compile: bool = False, float8: bool = False, timing=None, byte_scale: float = 1.0, kernels: str = ""
+    ) -> "TracedSource":
         """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
         when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
         (``runtime_costs``) and, given ``timing`` and ``byte_scale``, in another dtype: the op
@@ -82,10 +90,14 @@ class TracedSource:
         readers, masks, MoE capacity); this is what the cost model needs to cost it."""
         missing = blocks_without_attention(self.graph)
         if missing:
-            return f"cp={cp}: layer {missing[0]} has no scaled_dot_product_attention call for context parallelism to split"
+            return (
+                f"cp={cp}: layer {missing[0]} has no scaled_dot_product_attention call for context parallelism to split"
+            )
         site = next((s for s in attention_sites(self.graph) if not s.causal), None)
         if site is not None:
-            return f"cp={cp}: {site.module} computes non-causal attention; context parallelism runs causal attention only"
+            return (
+                f"cp={cp}: {site.module} computes non-causal attention; context parallelism runs causal attention only"
+            )
         return ""
 
     def loss_parallel_problem(self) -> str:
@@ -131,11 +143,15 @@ class TracedSource:
                 fp8_params += node_params
         if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
             for (members, _), kept in zip(facts.regions, facts.region_kept):
-                act["none"] += kept * tokens / keeps[members[0]] - sum(facts.nodes[k].saved * tokens / keeps[k]
-                                                                       for k in members)
+                act["none"] += kept * tokens / keeps[members[0]] - sum(
+                    facts.nodes[k].saved * tokens / keeps[k] for k in members
+                )
         if self.runtime.backend.shared_attention_output:  # the projection's input is the kernel's output
-            act["none"] -= sum(n.saved * tokens / keep for n, keep in zip(facts.nodes, keeps)
-                               if n.reads_attention_output and self.attention == "flash")
+            act["none"] -= sum(
+                n.saved * tokens / keep
+                for n, keep in zip(facts.nodes, keeps)
+                if n.reads_attention_output and self.attention == "flash"
+            )
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
@@ -150,10 +166,19 @@ class TracedSource:
             rec = dict.fromkeys(LAYER_POLICIES, 0.0)
         act = {k: min(v, act["none"]) if k == "full" else v for k, v in act.items()}
         return LayerCost(
-            fwd_s=fwd, bwd_s=bwd, num_params=params, param_bytes=param_bytes, act_bytes=act, recompute_s=rec,
-            out_bytes=facts.out_bytes * scale, comms=comms, expert_params=expert_params,
-            bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * loss_share, fp8_params=fp8_params,
-            tied_params=facts.tied_params)
+            fwd_s=fwd,
+            bwd_s=bwd,
+            num_params=params,
+            param_bytes=param_bytes,
+            act_bytes=act,
+            recompute_s=rec,
+            out_bytes=facts.out_bytes * scale,
+            comms=comms,
+            expert_params=expert_params,
+            bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * loss_share,
+            fp8_params=fp8_params,
+            tied_params=facts.tied_params,
+        )
 
     def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
         """The layer's collectives per microbatch (docs/cost_model.md): TP (all-reduce, or
@@ -166,8 +191,10 @@ class TracedSource:
             nbytes = facts.row_bytes * tokens
             if sp:
                 for phase in facts.tp_phases:
-                    comms += [Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
-                              Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces)]
+                    comms += [
+                        Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
+                        Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces),
+                    ]
             else:
                 comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
         if tp > 1:
@@ -179,8 +206,10 @@ class TracedSource:
                 comms.append(Comm(kind, "tp", nbytes * tokens, phase))
             if lp:  # the max, then the sum of exponentials and the target logit, over the vocabulary shards
                 rows = facts.loss_tokens * tokens
-                comms += [Comm("all_reduce", "tp", rows * LOSS_STATE_BYTES, "fwd"),
-                          Comm("all_reduce", "tp", 2 * rows * LOSS_STATE_BYTES, "fwd")]
+                comms += [
+                    Comm("all_reduce", "tp", rows * LOSS_STATE_BYTES, "fwd"),
+                    Comm("all_reduce", "tp", 2 * rows * LOSS_STATE_BYTES, "fwd"),
+                ]
         if ep > 1 and facts.a2a_bytes:
             nbytes = facts.a2a_bytes * tokens / tp
             comms += [Comm("all_to_all", "ep", nbytes, phase, 2) for phase in ("fwd", "bwd")]
@@ -188,8 +217,10 @@ class TracedSource:
             kv = [n.kv_bytes * scale / (tp if n.tp else 1) for n in facts.nodes if n.attention]
             for nbytes in sorted(set(kv)):
                 count = kv.count(nbytes)
-                comms += [Comm("all_gather", "cp", nbytes, "fwd", count),
-                          Comm("reduce_scatter", "cp", nbytes, "bwd", count)]
+                comms += [
+                    Comm("all_gather", "cp", nbytes, "fwd", count),
+                    Comm("reduce_scatter", "cp", nbytes, "bwd", count),
+                ]
         return comms
 
     def variant_times(self, block, tp: int, mbs: int, sp: bool, cp: int = 1) -> List[Tuple[float, float]]:
@@ -216,8 +247,10 @@ class TracedSource:
         fused = self.attention == "flash"
         backward = self.timing.backward_factor
         attention = getattr(self.timing, "attention_backward_factor", backward) if fused else backward
-        return [(t, t * (attention if n.attention else backward))
-                for t, n in zip(self._analytical(block, tp, mbs, sp, 1), self.facts(block.index).nodes)]
+        return [
+            (t, t * (attention if n.attention else backward))
+            for t, n in zip(self._analytical(block, tp, mbs, sp, 1), self.facts(block.index).nodes)
+        ]
 
     def node_shares(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         """Per node, the share of its traced FLOPs and activation bytes one rank runs in a variant
@@ -243,8 +276,9 @@ class TracedSource:
                 work = window_share(n.seq, n.window)
             nbytes = (n.bytes_moved - n.kv_bytes) / cp + n.kv_bytes
             extra = n.score_bytes * SCORE_GEMM_PASSES * work if self.attention == "traced" else 0.0
-            t = self.timing.op_seconds(n.flops * share * work, (nbytes + extra) * share, n.matmul,
-                                       attention=self.attention == "flash")
+            t = self.timing.op_seconds(
+                n.flops * share * work, (nbytes + extra) * share, n.matmul, attention=self.attention == "flash"
+            )
             if extra:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)
@@ -291,8 +325,15 @@ def materialised_score_seconds(timing, scores: float, score_bytes: float) -> flo
     return timing.op_seconds(SOFTMAX_FLOPS_PER_SCORE * scores, SOFTMAX_PASSES * score_bytes, False)
 
 
-def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "flash",
-                        provenance: str = "analytical", source: Optional[TracedSource] = None) -> Workload:
+def workload_from_graph(
+    graph,
+    timing,
+    dims: ModelDims,
+    *,
+    attention: str = "flash",
+    provenance: str = "analytical",
+    source: Optional[TracedSource] = None,
+) -> Workload:
     """Workload over an OpGraph's blocks (head, layers, tail), one layer per block, so a plan's
     layer ranges index the same chain the runtime cuts (a head or tail that computes nothing is
     kept as a layer of no cost: the planner's plan for a model whose forward starts with its layer
@@ -303,7 +344,20 @@ def workload_from_graph(graph, timing, dims: ModelDims, *, attention: str = "fla
     for b in graph.blocks:
         if not b.nodes:
             continue
-        layers.append(Layer(name=b.name, kind=b.kind, signature=b.signature, num_params=float(b.num_params),
-                            flops_per_sample=b.flops / batch, is_moe=b.is_moe))
-    return Workload(graph.model_name, layers, dims, source or TracedSource(graph, timing, attention=attention),
-                    provenance=provenance)
+        layers.append(
+            Layer(
+                name=b.name,
+                kind=b.kind,
+                signature=b.signature,
+                num_params=float(b.num_params),
+                flops_per_sample=b.flops / batch,
+                is_moe=b.is_moe,
+            )
+        )
+    return Workload(
+        graph.model_name,
+        layers,
+        dims,
+        source or TracedSource(graph, timing, attention=attention),
+        provenance=provenance,
+    )

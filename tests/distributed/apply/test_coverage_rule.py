@@ -6,6 +6,7 @@ model, and the harness tells it from a refusal (``nest_fx.testing_coverage``).
 Single process: every offered plan passes the runtime's checks. On gloo ranks: the harness's
 outcomes on models that fail on purpose, a representative subset of offered plans at parity (every
 offered plan of every style model under ``-m slow``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,7 +74,9 @@ def test_sequence_parallelism_needs_an_even_sequence_on_dim_1():
     # sharding propagation): MLP-Mixer's token-mixing MLP runs over the transposed patches,
     # ConvNeXt's linears take channels-last maps
     mixer, mixer_graph = _traced("mixer")
-    assert "blocks.0.mlp_tokens.fc1 takes 32 there" in may_run(mixer, mixer_graph).degree_problem("sequence_parallel", 2)
+    assert "blocks.0.mlp_tokens.fc1 takes 32 there" in may_run(mixer, mixer_graph).degree_problem(
+        "sequence_parallel", 2
+    )
     convnext, convnext_graph = _traced("convnext")
     assert "takes a 4-D input" in may_run(convnext, convnext_graph).degree_problem("sequence_parallel", 2)
     llama, llama_graph = _traced("meta-llama")  # 16 tokens: TP plans keep sequence parallelism
@@ -84,14 +87,20 @@ def test_sequence_parallelism_needs_an_even_sequence_on_dim_1():
 def test_a_failure_is_classified_by_its_outcome():
     """The launch text of a rank's :class:`~nest_fx.testing.CellFailure` gives its outcome; anything
     else is an error with the last line of the traceback."""
-    text = ("rank 1 failed:\nTraceback ...\nnest_fx.testing.CellFailure: crash (training, after 9 collectives): "
-            "ApplyError: boom\n")
-    assert classify_failure(text) == {"status": "crash", "where": "training, after 9 collectives",
-                                      "reason": "ApplyError: boom"}
+    text = (
+        "rank 1 failed:\nTraceback ...\nnest_fx.testing.CellFailure: crash (training, after 9 collectives): "
+        "ApplyError: boom\n"
+    )
+    assert classify_failure(text) == {
+        "status": "crash",
+        "where": "training, after 9 collectives",
+        "reason": "ApplyError: boom",
+    }
     assert classify_failure("rank 0 failed:\nTraceback\nIndexError: list index out of range\n")["status"] == "error"
 
 
 # -- models that fail on purpose, to see the harness tell the outcomes apart --------------------------
+
 
 @dataclass
 class _Config:
@@ -131,8 +140,16 @@ def _mse(out, target):
 
 
 def _spec(error: str, plan: dict) -> dict:
-    return {"model": f"fails-{error}", "build": _Build(error), "data": _data, "loss": _mse, "plan": plan,
-            "batch": BATCH, "steps": 2, "lr": 0.1}
+    return {
+        "model": f"fails-{error}",
+        "build": _Build(error),
+        "data": _data,
+        "loss": _mse,
+        "plan": plan,
+        "batch": BATCH,
+        "steps": 2,
+        "lr": 0.1,
+    }
 
 
 @pytest.mark.dist
@@ -159,11 +176,14 @@ def _offered_cell(name: str, label: str) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.timeout(4 * LAUNCH_S)
-@pytest.mark.parametrize("name,label", [
-    ("timm-vit-views", "planner:tp2pp2"),  # TP by heads of an unbound fused qkv, root parameters on stage 0
-    ("mixer", "planner:tp2pp1"),  # crashed in training with sequence parallelism over its transposed patches
-    ("tv-cnn", "planner:tp1pp4"),  # four stages of a nested-Sequential CNN, ZeRO from the planner
-])
+@pytest.mark.parametrize(
+    "name,label",
+    [
+        ("timm-vit-views", "planner:tp2pp2"),  # TP by heads of an unbound fused qkv, root parameters on stage 0
+        ("mixer", "planner:tp2pp1"),  # crashed in training with sequence parallelism over its transposed patches
+        ("tv-cnn", "planner:tp1pp4"),  # four stages of a nested-Sequential CNN, ZeRO from the planner
+    ],
+)
 def test_offered_plans_run_at_parity(name, label):
     assert _offered_cell(name, label)["status"] == "ok"
 
@@ -183,13 +203,18 @@ def test_every_offered_plan_of_every_style_model_runs_at_parity(name):
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("name,says", [
-    # (OLMo2's whole-width q_norm / k_norm run under TP now: tests/distributed/apply/test_tp_wide_norms.py; a norm of
-    # the attention's own forward over the whole query is refused there, naming it)
-    # (Falcon's multi-query sliced qkv runs under TP now: tests/distributed/apply/test_tp_falcon_multi_query.py)
-    ("hf:deepseek_v3", "cannot follow the sharded heads/features through op 'new_empty' in module "
-                       "'model.layers.0.self_attn'"),
-])
+@pytest.mark.parametrize(
+    "name,says",
+    [
+        # (OLMo2's whole-width q_norm / k_norm run under TP now: tests/distributed/apply/test_tp_wide_norms.py; a norm of
+        # the attention's own forward over the whole query is refused there, naming it)
+        # (Falcon's multi-query sliced qkv runs under TP now: tests/distributed/apply/test_tp_falcon_multi_query.py)
+        (
+            "hf:deepseek_v3",
+            "cannot follow the sharded heads/features through op 'new_empty' in module 'model.layers.0.self_attn'",
+        ),
+    ],
+)
 def test_tp_refusals_name_the_module_the_reason_and_the_fix(name, says):
     pytest.importorskip("transformers")
     model, cfg = build_seeded(name)
@@ -206,11 +231,17 @@ def _hf_model_loss_cell(model: str, plan: dict) -> dict:
 @pytest.mark.hf
 @pytest.mark.dist
 @pytest.mark.timeout(2 * LAUNCH_S)
-@pytest.mark.parametrize("model,plan", [
-    ("hf:vit", {"tp": 2, "pp": 2, "microbatch_size": 4, "num_microbatches": 2}),  # pixel_values + labels
-    pytest.param("hf:gpt2", {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},  # labels, tied head
-                 marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "model,plan",
+    [
+        ("hf:vit", {"tp": 2, "pp": 2, "microbatch_size": 4, "num_microbatches": 2}),  # pixel_values + labels
+        pytest.param(
+            "hf:gpt2",
+            {"pp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2},  # labels, tied head
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_pipelines_with_several_inputs_train_on_the_models_own_loss(model, plan):
     """Several inputs reach every stage (a pipeline used to refuse them: "feeds one tensor to its
     first stage"); the last stage's own loss is backpropagated. HF ViT reads an attribute of its

@@ -4,6 +4,7 @@ divisible by tp (tests/distributed/apply/test_tp_layouts_dist.py) and the defaul
 (query heads, then one key and one value head every query head shares, sliced off the heads dim:
 tests/distributed/apply/test_tp_falcon_multi_query.py) are accepted; a single key/value group of the
 new decoder architecture is refused before training, naming the module, the reason and the fix."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,8 +54,14 @@ def _many(specs):
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_classic_falcon_tp2_dp2_equals_one_device():
     pytest.importorskip("transformers")
-    spec = {"model": "hf:falcon:multi_query=False", "plan": {"tp": 2, "dp": 2, "microbatch_size": 4}, "batch": 8,
-            "seq": 16, "steps": 3, "lr": 0.5}
+    spec = {
+        "model": "hf:falcon:multi_query=False",
+        "plan": {"tp": 2, "dp": 2, "microbatch_size": 4},
+        "batch": 8,
+        "seq": 16,
+        "steps": 3,
+        "lr": 0.5,
+    }
     ranks = [r[0] for r in launch(_many, 4, [spec], timeout=LAUNCH_S)]
     worst = {k: max(r[k] for r in ranks) for k in ("loss_diff", "grad_diff", "param_diff")}
     print(worst)

@@ -6,6 +6,7 @@ kept whole on every rank with their gradient summed over TP (apply.tp_styles.Sha
 The runs equal one device to fp32 tolerance, and the checkpoint holds ``query_key_value.weight``
 (and its AdamW state) in HF's own layout, loadable on one device and back under TP.
 """
+
 from __future__ import annotations
 
 import io
@@ -51,9 +52,11 @@ def test_multi_query_falcon_tp2_dp2_equals_one_device():
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_multi_query_falcon_under_zero1_sequence_parallel_and_tp4():
     pytest.importorskip("transformers")
-    specs = [_spec({"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "zero": 1}),
-             _spec({"tp": 2, "dp": 2, "microbatch_size": 4, "sequence_parallel": True}),
-             _spec({"tp": 4, "microbatch_size": 4, "num_microbatches": 2})]
+    specs = [
+        _spec({"tp": 2, "dp": 2, "microbatch_size": 2, "num_microbatches": 2, "zero": 1}),
+        _spec({"tp": 2, "dp": 2, "microbatch_size": 4, "sequence_parallel": True}),
+        _spec({"tp": 4, "microbatch_size": 4, "num_microbatches": 2}),
+    ]
     results = launch(_many, 4, specs, timeout=LAUNCH_S)
     _check(results, ["tp2 dp2 zero1", "tp2 dp2 sp", "tp4"])
     plans = [results[0][i]["plan"] for i in range(3)]
@@ -73,9 +76,15 @@ def _checkpoint_worker(spec):
 
     model, cfg = build_model("hf:falcon", device="meta") if spec.get("weights") else build_seeded("hf:falcon", seed=1)
     tokens = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    pm = auto_parallelize(model, tokens, global_batch_size=4, loss_fn=lm_loss, verbose=False,
-                          plan=uniform_plan(cfg.num_hidden_layers + 2, tp=2, dp=2, microbatch_size=2),
-                          weights=spec.get("weights"))
+    pm = auto_parallelize(
+        model,
+        tokens,
+        global_batch_size=4,
+        loss_fn=lm_loss,
+        verbose=False,
+        plan=uniform_plan(cfg.num_hidden_layers + 2, tp=2, dp=2, microbatch_size=2),
+        weights=spec.get("weights"),
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     if spec.get("load"):
         pm.load(spec["load"], opt)
@@ -97,8 +106,11 @@ def _checkpoint_worker(spec):
 
 
 def _plain_state(model, opt):
-    return {f"{n}.{k}": t.detach().clone() for n, p in model.named_parameters()
-            for k, t in [("param", p)] + list(opt.state[p].items())}
+    return {
+        f"{n}.{k}": t.detach().clone()
+        for n, p in model.named_parameters()
+        for k, t in [("param", p)] + list(opt.state[p].items())
+    }
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ Single-process: what the tracer finds in tiny HuggingFace models built from conf
 why; the fused-parameter layout; the profiler's one-rank model. The multi-process runs (gloo)
 on these layouts are in tests/distributed/apply/test_tp_layouts_dist.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,6 +48,7 @@ def _params(pair):
 
 # -- what the tracer finds -----------------------------------------------------------------------
 
+
 @pytest.mark.hf
 def test_gpt2_conv1d_fused_qkv_is_sharded_by_parts_along_its_columns():
     pytest.importorskip("transformers")
@@ -54,9 +56,11 @@ def test_gpt2_conv1d_fused_qkv_is_sharded_by_parts_along_its_columns():
     pairs = _pairs(graph)
     attn = pairs[("attention", "attn.c_proj")]
     # Conv1D weights are [in, out]: the column shards dim 1 in three parts of 4 heads x 16, the row dim 0
-    assert _params(attn) == {"attn.c_attn.weight": (1, [64, 64, 64], [16, 16, 16]),
-                             "attn.c_attn.bias": (0, [64, 64, 64], [16, 16, 16]),
-                             "attn.c_proj.weight": (0, [], [])}
+    assert _params(attn) == {
+        "attn.c_attn.weight": (1, [64, 64, 64], [16, 16, 16]),
+        "attn.c_attn.bias": (0, [64, 64, 64], [16, 16, 16]),
+        "attn.c_proj.weight": (0, [], []),
+    }
     assert _params(pairs[("mlp", "mlp.c_proj")])["mlp.c_fc.weight"] == (1, [], [1])
     assert not attn.problem and parallel_support(model, graph).tp_problem(2) == ""
 
@@ -67,8 +71,11 @@ def test_phi3_fused_qkv_gqa_and_gate_up():
     model, graph = _traced_hf("phi3")
     pairs = _pairs(graph)
     # 4 query heads and 2 key/value heads of 16: each part is sharded on its own
-    assert _params(pairs[("attention", "self_attn.o_proj")])["self_attn.qkv_proj.weight"] == \
-        (0, [64, 32, 32], [16, 16, 16])
+    assert _params(pairs[("attention", "self_attn.o_proj")])["self_attn.qkv_proj.weight"] == (
+        0,
+        [64, 32, 32],
+        [16, 16, 16],
+    )
     assert _params(pairs[("mlp", "mlp.down_proj")])["mlp.gate_up_proj.weight"] == (0, [128, 128], [1, 1])
     support = parallel_support(model, graph)
     assert support.tp_problem(2) == ""
@@ -107,13 +114,25 @@ def test_opt_learned_positions_stay_replicated_and_its_layer_wide_mlp_refuses_se
     model, graph = _traced_hf("opt")
     tf = pytest.importorskip("transformers")
     with torch.device("meta"):
-        untied = tf.OPTForCausalLM(tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                                                max_position_embeddings=32, word_embed_proj_dim=64, vocab_size=128,
-                                                tie_word_embeddings=False, use_cache=False))
+        untied = tf.OPTForCausalLM(
+            tf.OPTConfig(
+                hidden_size=64,
+                ffn_dim=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=32,
+                word_embed_proj_dim=64,
+                vocab_size=128,
+                tie_word_embeddings=False,
+                use_cache=False,
+            )
+        )
     untied_graph = trace(untied, (torch.empty(2, 32, dtype=torch.long, device="meta"),))
     # OPTLearnedPositionalEmbedding adds an offset in its own forward: not a plain lookup
     assert vocab_parallel_modules(untied, untied_graph, 0, len(untied_graph.blocks)) == {
-        "model.decoder.embed_tokens": "rowwise", "lm_head": "colwise"}
+        "model.decoder.embed_tokens": "rowwise",
+        "lm_head": "colwise",
+    }
     support = parallel_support(model, graph)
     assert support.tp_problem(2) == ""
     assert "fc2 and its columns ['fc1'] are direct children of the layer" in support.sp_problem()
@@ -125,8 +144,10 @@ def test_falcon_matmul_without_linear_and_grouped_qkv():
     model, graph = _traced_hf("falcon")
     attn = _pairs(graph)[("attention", "self_attention.dense")]
     # x @ weight.T: the weight is [out, in]; the qkv is [kv groups, 2 queries + key + value, head_dim]
-    assert _params(attn) == {"self_attention.query_key_value.weight": (0, [], [64]),
-                             "self_attention.dense.weight": (1, [], [])}
+    assert _params(attn) == {
+        "self_attention.query_key_value.weight": (0, [], [64]),
+        "self_attention.dense.weight": (1, [], []),
+    }
     assert "2 heads" in parallel_support(model, graph).tp_problem(4)
 
 
@@ -137,8 +158,7 @@ def test_qwen3_moe_3d_expert_weights_and_router():
     pattern = graph.pattern_of(graph.blocks[1])
     experts = _pairs(graph)[("expert", "mlp.experts.down_proj")]
     assert pattern.routers == ["mlp.gate"]
-    assert _params(experts) == {"mlp.experts.gate_up_proj": (1, [32, 32], [1, 1]),
-                                "mlp.experts.down_proj": (2, [], [])}
+    assert _params(experts) == {"mlp.experts.gate_up_proj": (1, [32, 32], [1, 1]), "mlp.experts.down_proj": (2, [], [])}
 
 
 @pytest.mark.hf
@@ -184,6 +204,7 @@ def test_cost_model_shards_what_the_runtime_shards(family):
 
 
 # -- refusals --------------------------------------------------------------------------------------
+
 
 class ProjectionNormAttention(nn.Module):
     """Attention with a norm over the whole query projection (as OLMo-2 does): each TP rank would
@@ -255,13 +276,19 @@ class Stack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("make,expected", [
-    (OwnProjectionNormAttention, r"layers.0: attention pair .*takes its query through 'layers.0', a norm over all the "
-                                 r"heads' 32 features"),
-    (HeadScaledAttention, r"parameter layers.0.temperature has one entry per sharded head"),
-    (LeakyAttention, r"the sharded output of op 'linear' in module 'layers.0.q_proj' is also used by op 'add'"),
-    (lambda: nn.Linear(32, 32), r"would shard nothing: no column->row linear pair"),
-])
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (
+            OwnProjectionNormAttention,
+            r"layers.0: attention pair .*takes its query through 'layers.0', a norm over all the "
+            r"heads' 32 features",
+        ),
+        (HeadScaledAttention, r"parameter layers.0.temperature has one entry per sharded head"),
+        (LeakyAttention, r"the sharded output of op 'linear' in module 'layers.0.q_proj' is also used by op 'add'"),
+        (lambda: nn.Linear(32, 32), r"would shard nothing: no column->row linear pair"),
+    ],
+)
 def test_layers_tensor_parallelism_cannot_shard_are_refused_with_the_reason(make, expected):
     model = Stack(make)
     problem = parallel_support(model, trace(model, (torch.randn(2, 8, 32),))).tp_problem(2)
@@ -275,21 +302,27 @@ def test_a_projection_grouped_by_a_constant_of_the_module_is_refused():
     would regroup its shard into 4 again and mix queries with values. 16 heads: refused."""
     tf = pytest.importorskip("transformers")
     with torch.device("meta"):
-        model = tf.CodeGenForCausalLM(tf.CodeGenConfig(n_embd=256, n_layer=2, n_head=16, rotary_dim=8,
-                                                       vocab_size=128, use_cache=False))
+        model = tf.CodeGenForCausalLM(
+            tf.CodeGenConfig(n_embd=256, n_layer=2, n_head=16, rotary_dim=8, vocab_size=128, use_cache=False)
+        )
     graph = trace(model, (torch.empty(2, 32, dtype=torch.long, device="meta"),))
-    assert "attn.qkv_proj.weight is viewed as 4 groups, which are not the model's heads ([16])" in \
-        parallel_support(model, graph).tp_problem(2)
+    assert "attn.qkv_proj.weight is viewed as 4 groups, which are not the model's heads ([16])" in parallel_support(
+        model, graph
+    ).tp_problem(2)
 
 
 # -- nn.Sequential models ----------------------------------------------------------------------------
+
 
 def test_sequential_mlp_layers_are_repeated_units_holding_a_pair():
     model, _ = build_mlp()
     graph = trace(model, (torch.randn(4, 16),))
     assert [(b.kind, b.name, b.members) for b in graph.blocks] == [
-        ("head", "head", []), ("block", "2..5", ["2", "3", "4", "5"]), ("block", "6..9", ["6", "7", "8", "9"]),
-        ("tail", "tail", [])]
+        ("head", "head", []),
+        ("block", "2..5", ["2", "3", "4", "5"]),
+        ("block", "6..9", ["6", "7", "8", "9"]),
+        ("tail", "tail", []),
+    ]
     assert graph.blocks[1].signature == graph.blocks[2].signature
     (pair,) = graph.pattern_of(graph.blocks[1]).tp_pairs
     assert (pair.column, pair.row) == (["0"], "2")  # child indices counted from the layer's first child
@@ -323,8 +356,10 @@ def test_sequential_pipeline_stages_compute_the_whole_model():
         arm_stages(stages)
         # a stage owns its groups' children and the parameterised head/tail children; the
         # parameter-free ones (1: ReLU, 14: pool, 15: Flatten) run on every stage like root code
-        assert [_stand_ins(s) for s in stages] == [[str(i) for i in range(8, 14)] + ["16"],
-                                                   ["0"] + [str(i) for i in range(2, 8)]]
+        assert [_stand_ins(s) for s in stages] == [
+            [str(i) for i in range(8, 14)] + ["16"],
+            ["0"] + [str(i) for i in range(2, 8)],
+        ]
         assert torch.equal(run_stages(stages, (x,), {}), expected)
 
 
@@ -356,13 +391,17 @@ def test_a_sequential_with_its_own_forward_is_not_pipelined():
     model, _ = build_mlp()
     custom = DoubledSequential(*model)
     graph = trace(custom, (torch.randn(4, 16),))
-    assert parallel_support(custom, graph).pp_problem(2).startswith(
-        "pp=2: the model is a DoubledSequential, an nn.Sequential with its own forward")
+    assert (
+        parallel_support(custom, graph)
+        .pp_problem(2)
+        .startswith("pp=2: the model is a DoubledSequential, an nn.Sequential with its own forward")
+    )
     nested = TokenMLP()
     nested.body = DoubledSequential(*nested.body)
     graph = trace(nested, (torch.randint(0, 64, (2, 8)),))
-    assert "body is a DoubledSequential, an nn.Sequential with its own forward" in \
-        parallel_support(nested, graph).pp_problem(2)
+    assert "body is a DoubledSequential, an nn.Sequential with its own forward" in parallel_support(
+        nested, graph
+    ).pp_problem(2)
     with pytest.raises(SplitError, match="DoubledSequential"):
         split_stages(nested, graph, [(0, 2), (2, 4)])
 
@@ -385,20 +424,24 @@ def test_a_sequential_body_splits_into_callable_stages():
     model, tokens = TokenMLP(), torch.randint(0, 64, (2, 8))
     graph = trace(model, (tokens,))
     assert graph.block_container == "body"
-    assert [b.members for b in graph.layer_blocks] == [["body.0", "body.1", "body.2", "body.3"],
-                                                       ["body.4", "body.5", "body.6", "body.7"]]
+    assert [b.members for b in graph.layer_blocks] == [
+        ["body.0", "body.1", "body.2", "body.3"],
+        ["body.4", "body.5", "body.6", "body.7"],
+    ]
     assert parallel_support(model, graph).pp_problem(2) == ""
     with torch.no_grad():
         expected = model(tokens)
         first, second = split_stages(model, graph, [(0, 2), (2, 4)])
         arm_stages([first, second])
-        assert isinstance(first.body, nn.Sequential) and _stand_ins(first) == [f"body.{i}" for i in range(4, 8)] + \
-            ["head"]
+        assert isinstance(first.body, nn.Sequential) and _stand_ins(first) == [f"body.{i}" for i in range(4, 8)] + [
+            "head"
+        ]
         assert _stand_ins(second) == ["embed"] + [f"body.{i}" for i in range(4)]
         assert torch.equal(run_stages([first, second], (tokens,), {}), expected)
 
 
 # -- the fused layout ----------------------------------------------------------------------------------
+
 
 def test_fused_layout_keeps_whole_parts_per_rank_and_round_trips():
     layout = FusedLayout(dim=0, parts=(8, 4, 4), tp=2)  # q: 4 heads of 2, k/v: 2 heads of 2

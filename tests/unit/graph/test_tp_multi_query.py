@@ -1,6 +1,7 @@
 """Falcon's multi-query layout under tensor parallelism, in one process: what the tracer finds
 (query rows sharded by heads, the shared key/value rows kept whole), the fused layout that holds
 them, the local shapes the profiler and the rehearsal use, and what the cost model prices."""
+
 from __future__ import annotations
 
 import functools
