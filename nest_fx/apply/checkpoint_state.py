@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from nest_fx.apply.agreement import distributed
 from nest_fx.apply.checkpoint_files import META_FILE, CheckpointDamaged, CheckpointError, load_json
 from nest_fx.apply.fingerprint import TensorSpec, difference, fingerprint, persistent_buffers, tensor_specs
-from nest_fx.apply.fused_params import FusedCheckpointTensor, checkpoint_view, fused_layouts
+from nest_fx.apply.fused_params import FusedCheckpointTensor, checkpoint_view, fused_layouts, saved_shape
 from nest_fx.apply.train_state import (
     dtensor_rng_state,
     pack,
@@ -119,20 +119,21 @@ def _state_dict_to_save(target, optimizer) -> Dict[str, Any]:
 # -- what is loaded ---------------------------------------------------------------------------
 
 
-def _check_shape(key: str, tensor: torch.Tensor, md, path: str) -> None:
+def _check_shape(key: str, tensor: torch.Tensor, md, path: str, layout=None) -> None:
     if not isinstance(md, TensorStorageMetadata):
         raise CheckpointError(f"{path}: {key} is not a tensor in the checkpoint; fix: load a checkpoint of this model")
-    if tuple(md.size) != tuple(tensor.shape):
+    shape = tuple(saved_shape(tensor, layout))
+    if tuple(md.size) != shape:
         raise CheckpointError(
-            f"{path}: {key} has shape {tuple(md.size)} in the checkpoint but {tuple(tensor.shape)} in the model; "
+            f"{path}: {key} has shape {tuple(md.size)} in the checkpoint but {shape} in the model; "
             "fix: load a checkpoint saved from the same model configuration"
         )
 
 
-def _empty_state_tensor(param: torch.Tensor, md: TensorStorageMetadata, group: dict) -> torch.Tensor:
+def _empty_state_tensor(param: torch.Tensor, md: TensorStorageMetadata, group: dict, layout=None) -> torch.Tensor:
     """A tensor to load an optimizer state entry into: laid out like the parameter (same DTensor
     placements) when it has the parameter's shape, else a plain tensor (e.g. Adam's ``step``)."""
-    if tuple(md.size) == tuple(param.shape):
+    if tuple(md.size) == tuple(saved_shape(param, layout)):
         return torch.zeros_like(param.detach(), dtype=md.properties.dtype)
     on_device = group.get("capturable") or group.get("fused")
     device = param.device if on_device else torch.device("cpu")
@@ -148,12 +149,13 @@ def state_to_load(target, optimizer, metadata: Dict[str, Any], path: str) -> Dic
 def _state_dict_to_load(target, optimizer, metadata: Dict[str, Any], path: str) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
     missing: List[str] = []
+    layouts = fused_layouts(_chunks(target))
     for name, tensor in model_tensors(target).items():
         key = f"model.{name}"
         if key not in metadata:
             missing.append(key)
             continue
-        _check_shape(key, tensor, metadata[key], path)
+        _check_shape(key, tensor, metadata[key], path, layouts.get(name))
         state[key] = tensor
     if missing:
         raise CheckpointError(
@@ -184,12 +186,12 @@ def _state_dict_to_load(target, optimizer, metadata: Dict[str, Any], path: str) 
                 old = current.get(entry)
                 if (
                     isinstance(old, torch.Tensor)
-                    and tuple(old.shape) == tuple(md.size)
+                    and tuple(saved_shape(old, layouts.get(name))) == tuple(md.size)
                     and old.dtype == md.properties.dtype
                 ):
                     state[key] = old
                 elif isinstance(md, TensorStorageMetadata):
-                    state[key] = _empty_state_tensor(p, md, group)
+                    state[key] = _empty_state_tensor(p, md, group, layouts.get(name))
                 else:
                     state[key] = None  # a non-tensor entry, replaced by the saved object
     return state

@@ -17,6 +17,12 @@ checkpoint, which writes and reads the rank's rows as the runs of the *original*
 are (:class:`FusedCheckpointTensor`), so checkpoints hold plan-independent tensors in the
 model's own layout and load under any plan or on one device. The permutation depends only on
 the part sizes and ``tp``, recorded per parameter in :func:`register_layout`.
+
+A multi-query projection (Falcon's ``query_key_value``: query heads, then one key and one value
+head all query heads share) keeps its shared parts *whole* on every rank (``FusedLayout.whole``):
+rank ``r`` holds ``[q_r; k; v]``, the global tensor holds the shared rows ``tp`` times, and the
+two places above write each shared part once, at its original offset (:func:`saved_shape` gives
+the original shape the checkpoint compares against).
 """
 
 from __future__ import annotations
@@ -36,19 +42,48 @@ LAYOUT_ATTR = "_nest_fx_fused_layouts"
 
 @dataclass(frozen=True)
 class FusedLayout:
-    """Parts of sizes ``parts`` along ``dim``, each cut into ``tp`` contiguous chunks."""
+    """Parts of sizes ``parts`` along ``dim``, each cut into ``tp`` contiguous chunks, except the
+    parts listed in ``whole``, which every rank holds entirely (a multi-query projection's shared
+    key/value heads: ``graph/tp_multi_query.py``). With whole parts the DTensor's global tensor
+    holds those rows ``tp`` times (once per rank), so it is longer than the original along ``dim``;
+    every rank's copy is the same (their gradient is summed over the TP group)."""
 
     dim: int
     parts: Tuple[int, ...]
     tp: int
+    whole: Tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """Entries along ``dim`` of the original tensor."""
+        return sum(self.parts)
+
+    def original_shape(self, shape) -> torch.Size:
+        """The original tensor's shape from the DTensor's (global) ``shape``."""
+        out = list(shape)
+        out[self.dim] = self.size
+        return torch.Size(out)
 
     def rank_rows(self, rank: int) -> List[int]:
         """Original indices (along ``dim``) of rank ``rank``'s shard, in its local order."""
         rows, base = [], 0
-        for size in self.parts:
-            per = size // self.tp
-            rows.extend(range(base + rank * per, base + (rank + 1) * per))
+        for k, size in enumerate(self.parts):
+            if k in self.whole:
+                rows.extend(range(base, base + size))
+            else:
+                per = size // self.tp
+                rows.extend(range(base + rank * per, base + (rank + 1) * per))
             base += size
+        return rows
+
+    def whole_rows(self) -> List[int]:
+        """Positions in a rank's local shard (along ``dim``) of the rows every rank holds whole."""
+        rows, pos = [], 0
+        for k, size in enumerate(self.parts):
+            n = size if k in self.whole else size // self.tp
+            if k in self.whole:
+                rows.extend(range(pos, pos + n))
+            pos += n
         return rows
 
     def order(self) -> torch.Tensor:
@@ -58,22 +93,31 @@ class FusedLayout:
     def to_original(self, sharded_full: torch.Tensor) -> torch.Tensor:
         """The full tensor in the model's own layout from the full tensor of the DTensor."""
         order = self.order().to(sharded_full.device)
-        out = torch.empty_like(sharded_full)
+        out = sharded_full.new_empty(self.original_shape(sharded_full.shape))
         out.index_copy_(self.dim, order, sharded_full)
         return out
 
     def local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of an original (unsharded) tensor."""
-        chunks = [part.chunk(self.tp, self.dim)[rank] for part in tensor.split(list(self.parts), self.dim)]
+        chunks = [
+            part if k in self.whole else part.chunk(self.tp, self.dim)[rank]
+            for k, part in enumerate(tensor.split(list(self.parts), self.dim))
+        ]
         return torch.cat(chunks, self.dim).contiguous()
 
     def runs(self, start: int, length: int) -> List[Tuple[int, int, int]]:
         """(offset in the sharded layout, offset in the original, length) of the contiguous runs
         covering sharded positions ``[start, start + length)``."""
         order = self.order().tolist()
+        # a whole part is a run of its own, so every rank names its copy by the same offset (the
+        # checkpoint writes it once: DCP drops identical write items)
+        bounds = [0]
+        for size in self.parts:
+            bounds.append(bounds[-1] + size)
+        starts = {bounds[k] for k in self.whole} | {bounds[k + 1] for k in self.whole}
         out: List[Tuple[int, int, int]] = []
         for pos in range(start, start + length):
-            if out and out[-1][1] + out[-1][2] == order[pos]:
+            if out and out[-1][1] + out[-1][2] == order[pos] and order[pos] not in starts:
                 s, o, n = out[-1]
                 out[-1] = (s, o, n + 1)
             else:
@@ -136,7 +180,9 @@ class FusedCheckpointTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: DTensor, layout: FusedLayout):
-        return torch.Tensor._make_wrapper_subclass(cls, tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, layout.original_shape(tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
 
     def __init__(self, tensor: DTensor, layout: FusedLayout):
         super().__init__()
@@ -171,6 +217,14 @@ class FusedCheckpointTensor(torch.Tensor):
             if index.offset is None or list(index.offset) == offsets:
                 return self._local.narrow(self.fused_layout.dim, local_start, sizes[self.fused_layout.dim])
         raise ValueError(f"no shard at offset {index.offset} of fused parameter {index.fqn}")
+
+
+def saved_shape(tensor: torch.Tensor, layout: Optional[FusedLayout]) -> torch.Size:
+    """The shape ``tensor`` (a parameter or optimizer state of its shape) has in a checkpoint: the
+    original tensor's (a DTensor holding whole parts is longer along ``layout.dim``)."""
+    if layout is None or not isinstance(tensor, DTensor):
+        return tensor.shape
+    return layout.original_shape(tensor.shape)
 
 
 def checkpoint_view(tensor, layout: Optional[FusedLayout]):

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard
+from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard, SharedHeadsColumn
 from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
@@ -232,6 +232,8 @@ def _pair_styles(pair, present: Dict[str, nn.Module], sp_here: bool) -> Dict[str
             styles[owner] = LocalShards(params)
         elif owner == pair.row:
             styles[owner] = RowShard(params, output_layouts=Shard(1)) if sp_here else RowShard(params)
+        elif any(spec.whole for spec in params.values()):  # multi-query: shared key/value rows kept whole
+            styles[owner] = SharedHeadsColumn(params)
         else:
             styles[owner] = ColumnShard(params)
     for norm, params in wide.items():
@@ -282,6 +284,7 @@ def apply_tensor_parallel(
     owned = owned_blocks(graph, block_names)
     kinds = {
         ColumnShard: "colwise",
+        SharedHeadsColumn: "colwise",
         RowShard: "rowwise",
         LocalShards: "local",
         SequenceParallel: "head_norm",

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -45,7 +45,7 @@ def shard_parameter(module: nn.Module, name: str, spec: TPParam, mesh: DeviceMes
     tp, rank = mesh.size(), mesh.get_local_rank()
     dim = spec.dim % param.dim()
     if len(spec.parts) > 1:
-        layout = FusedLayout(dim=dim, parts=tuple(spec.parts), tp=tp)
+        layout = FusedLayout(dim=dim, parts=tuple(spec.parts), tp=tp, whole=tuple(spec.whole))
         local = layout.local(param.detach(), rank)
         register_layout(owner, leaf, layout)
     else:
@@ -220,6 +220,70 @@ class HeadParams(LocalShards):
     left as they are; each shard's gradient comes from its own heads only, as a column's does."""
 
     reduce = False
+
+
+class _SumWholeRows(torch.autograd.Function):
+    """Identity forward; backward sums the gradient's ``rows`` (along ``dim``) over the TP group."""
+
+    @staticmethod
+    def forward(ctx, weight, dim, rows, group):
+        ctx.dim, ctx.rows, ctx.group = dim, rows, group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        part = grad.index_select(ctx.dim, ctx.rows).contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad.index_copy_(ctx.dim, ctx.rows, part)
+        return grad, None, None, None
+
+
+class SharedHeadsColumn(ParallelStyle):
+    """The column of a multi-query projection (Falcon's ``query_key_value``: query heads, then one
+    key and one value head they all share; ``graph/tp_multi_query.py``). Its query rows are sharded
+    by heads and its shared rows kept whole on every rank (``FusedLayout.whole``), and its own
+    forward runs on the local shards: each rank computes its query heads and the whole key and
+    value. The whole rows' gradient on a rank covers its own query heads only, so it is summed
+    over the TP group; the input's gradient is too (Megatron's f), as a column's is."""
+
+    def __init__(self, params: Dict[str, TPParam]):
+        super().__init__()
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        rows: Dict[str, tuple] = {}
+        for name, spec in self.params.items():
+            shard_parameter(module, name, spec, device_mesh)
+            layout = FusedLayout(
+                dim=spec.dim % module.get_parameter(name).dim(),
+                parts=tuple(spec.parts),
+                tp=device_mesh.size(),
+                whole=tuple(spec.whole),
+            )
+            rows[name] = (layout.dim, torch.tensor(layout.whole_rows(), dtype=torch.long))
+        names = list(self.params)
+        inner = module.forward
+
+        def replicated(value):
+            if isinstance(value, DTensor):  # sequence parallel: the region gathered its input
+                return value.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return copy_to_tp(value, group)
+            return value
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            with local_parameters(module, names):
+                for name in names:
+                    dim, index = rows[name]
+                    local = module._parameters[name]
+                    module._parameters[name] = _SumWholeRows.apply(local, dim, index.to(local.device), group)
+                return inner(*(replicated(a) for a in args), **{k: replicated(v) for k, v in kwargs.items()})
+
+        module.forward = forward
+        return module
 
 
 class MultiheadShard(ParallelStyle):

@@ -94,6 +94,13 @@ class TPParam:
     dim: int
     parts: List[int] = field(default_factory=list)
     units: List[int] = field(default_factory=list)  # per part: features per head (1 for an MLP): tp divides size/unit
+    # indices of parts every rank keeps whole (a multi-query projection's shared key/value heads,
+    # graph/tp_multi_query.py): not divided by tp, their gradient summed over the TP group
+    whole: List[int] = field(default_factory=list)
+
+    def whole_size(self) -> int:
+        """Entries along ``dim`` every rank keeps whole (0 when the parameter is sharded evenly)."""
+        return sum(self.parts[i] for i in self.whole)
 
 
 @dataclass

@@ -55,10 +55,12 @@ from nest_fx.graph.tp_flow_ops import (
     _prod,
     _Stop,
 )
+from nest_fx.graph.tp_flow_attention import AttentionRules
+from nest_fx.graph.tp_multi_query import MultiQueryRules
 from nest_fx.graph.tp_wide_norms import WideNormRules
 
 
-class _Follower(ShapeRules, WideNormRules):
+class _Follower(ShapeRules, WideNormRules, MultiQueryRules, AttentionRules):
     def __init__(
         self,
         graph: nx.DiGraph,
@@ -126,7 +128,7 @@ class _Follower(ShapeRules, WideNormRules):
             for node in order:
                 self.visit(node, core)
             self.check_row()
-            self.finish_parts()
+            self.finish_parts(self.finish_multi_query())
             self.check_wide_norms()
             self.check_contained(core, members)
             self.check_head_params()
@@ -429,79 +431,8 @@ class _Follower(ShapeRules, WideNormRules):
         fused = None
         if len(dims) == 3 and count in (2, 3) and f.source is not None and stride == 1:
             fused = f.source + (dims[-2], out[dims[-2]])  # [.., P, H, hd]: maybe P fused parts (kv, qkv)
-        return Flow(dim=heads_dim, count=count, heads=True, fused=fused)
-
-    def whole_width_norm(self, node: str, ins: List[Optional[Flow]]) -> str:
-        """Why an attention's query, key or value is left unsharded, when a norm over its whole
-        projection (all heads' features: OLMo2's ``q_norm``/``k_norm``) stands between it and its
-        linear, so that linear is no column of the pair ("" when none does)."""
-        d = self.g.nodes[node]
-        head_dim = d["in_shapes"][0][-1]
-        block = self.g.subgraph(self.block.nodes)
-        for name, flow, what in zip(d.get("inputs", [])[:3], ins[:3], ("query", "key", "value")):
-            if flow is not None or name not in block:
-                continue
-            for source in (n for n in self.block.nodes if n in nx.ancestors(block, name) and self.inside(n)):
-                a = self.g.nodes[source]
-                op, shape = a.get("op", ""), (a.get("in_shapes") or [[]])[0]
-                if (op in NORMS or _normalises_last(op) or op in REDUCTIONS) and shape and shape[-1] > head_dim:
-                    return (
-                        f"{self.where(node)} takes its {what} through {a.get('module')!r}, a norm over all the "
-                        f"heads' {shape[-1]} features (not per head of {head_dim}); a TP rank holds only its "
-                        "heads' features, and nest-fx gathers the statistic only for a norm module of the attention "
-                        "applied to the whole output of one projection (OLMo2's q_norm)"
-                    )
-        return ""
-
-    def attention(self, node: str, ins: List[Optional[Flow]]) -> List[Optional[Flow]]:
-        d = self.g.nodes[node]
-        shapes = d["in_shapes"]
-        q = ins[0]
-        if q is None or any(f is None for f in ins[1:3]):
-            raise _Stop(
-                self.whole_width_norm(node, ins)
-                or f"{self.where(node)} mixes sharded and unsharded queries, keys or values"
-            )
-        nd = len(shapes[0])
-        if q.dim >= nd - 2 or not all(f.dim == q.dim for f in ins[1:3]):
-            raise _Stop(f"{self.where(node)}: the sharded dim is not the heads dim of the attention")
-        for f in ins[1:3]:
-            if q.count % f.count and f.extent != q.extent:
-                raise _Stop(f"{self.where(node)}: query and key/value heads are sharded differently")
-        if len(ins) > 3 and ins[3] is not None and not ins[3].same_split(q):
-            raise _Stop(f"{self.where(node)}: the attention mask is sharded differently from the heads")
-        self.check_unsharded(node, q, nd, skip={0, 1, 2})
-        return [q] + [
-            replace(q) if len(o) > q.dim and o[q.dim] == shapes[0][q.dim] else None for o in d["out_shapes"][1:]
-        ]
-
-    def batched_matmul(self, node: str, op: str, ins: List[Optional[Flow]]) -> Flow:
-        d = self.g.nodes[node]
-        shapes, out = d["in_shapes"], d["out_shapes"][0]
-        operands = [1, 2] if op == "baddbmm" else [0, 1]
-        aligned = []
-        for i in operands:
-            f = ins[i] if i < len(ins) else None
-            if f is None:
-                continue
-            if f.dim >= len(shapes[i]) - 2:
-                raise _Stop(f"{self.where(node)} contracts or keeps the sharded dim as a matrix dim")
-            aligned.append(replace(f, dim=f.dim + len(out) - len(shapes[i])))
-        if not aligned:
-            raise _Stop(f"{self.where(node)} combines sharded data in a way tensor parallelism cannot follow")
-        first = aligned[0]
-        if any(not f.same_split(first) for f in aligned[1:]):
-            raise _Stop(f"{self.where(node)} multiplies tensors sharded differently")
-        for i in operands:
-            if (
-                i < len(ins)
-                and ins[i] is None
-                and 0 <= first.dim - (len(out) - len(shapes[i])) < len(shapes[i])
-                and shapes[i][first.dim - (len(out) - len(shapes[i]))] != 1
-            ):
-                raise _Stop(f"{self.where(node)} multiplies sharded heads with an unsharded per-head tensor")
-        self.check_unsharded(node, first, len(out), skip=set(operands))
-        return replace(first, source=None) if first.source else first
+        view = (f.source[0], f.source[1], f.count // count) if f.source is not None and stride == 1 else None
+        return Flow(dim=heads_dim, count=count, heads=True, fused=fused, view=view)
 
     # -- the row and the parts ------------------------------------------------------------
     def check_row(self) -> None:
@@ -523,7 +454,7 @@ class _Follower(ShapeRules, WideNormRules):
         if not f.heads:
             self.terminal(f, 1, self.row)
 
-    def finish_parts(self) -> None:
+    def finish_parts(self, whole: Dict[str, set]) -> None:
         for column, ranges in self.ranges.items():
             d = self.g.nodes[column]
             features = self.column_flow(column).count
@@ -542,6 +473,8 @@ class _Follower(ShapeRules, WideNormRules):
                     f"only {pos} of the {features} output features of {d.get('weight')} reach the row as whole parts"
                 )
             self.layout.parts[column] = parts
+            if column in whole:  # multi-query: the shared key/value heads (graph.tp_multi_query)
+                self.layout.whole[column] = [i for i, (start, _, _) in enumerate(parts) if start in whole[column]]
 
 
 def follow_pair(

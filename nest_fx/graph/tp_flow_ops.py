@@ -127,6 +127,9 @@ class Flow:
     # for the heads until an op selects or unbinds along it); ``fused`` = (column, start, size,
     # the dim holding H, H): then each of the P parts is a projection of H heads, sharded by heads
     fused: Optional[Tuple[str, int, int, int, int]] = None
+    # heads viewed straight from a column's features: (column, start, features per head); a
+    # multi-query layout slices its query heads off them and picks the shared key/value heads
+    view: Optional[Tuple[str, int, int]] = None
 
     @property
     def extent(self) -> int:
@@ -149,6 +152,7 @@ class PairLayout:
     head_inputs: List[HeadInput] = field(default_factory=list)
     wide_norms: Dict[str, Tuple[str, int, int]] = field(default_factory=dict)  # module -> (column, start, size)
     wide_params: Dict[str, int] = field(default_factory=dict)  # their parameters -> the dim sharded
+    whole: Dict[str, List[int]] = field(default_factory=dict)  # column -> indices of parts every rank keeps whole
     problem: str = ""
 
 
@@ -293,6 +297,15 @@ class ShapeRules:
             if len(out) == len(shape) and out[: f.dim + 1] == shape[: f.dim + 1]:
                 self.check_unsharded(node, f, len(out), skip={j for j in range(len(ins)) if j != i})
                 return f
+            if (
+                f.view is not None
+                and len(out) == len(shape)
+                and out[f.dim] == 1
+                and f.inner == 1
+                and out[: f.dim] == shape[: f.dim]
+                and out[f.dim + 1 :] == shape[f.dim + 1 :]
+            ):
+                return self.shared_head(node, f)
             raise _Stop(f"{self.where(node)} indexes the sharded dim")
         removed, sliced = dims
         if f.dim in removed and f.fused is not None and f.fused[3] not in removed:
@@ -301,14 +314,17 @@ class ShapeRules:
             raise _Stop(f"{self.where(node)} selects along the sharded heads/features")
         if f.dim in sliced:
             start, size = sliced[f.dim]
+            if f.heads and start == 0 and f.inner == 1 and f.view is not None and not removed:
+                return self.query_heads(node, f, size)
             if f.heads and start >= 0 and f.inner == 1:
                 raise _Stop(
                     f"{self.where(node)} slices the sharded heads: it takes {size} of the {f.count} heads a fused "
                     "projection is viewed as (as a multi-query layout does, e.g. Falcon's `qkv[..., :-2, :]`: "
                     "the query heads, then one key and one value head they all share); tensor parallelism "
                     "shards a fused projection by whole key/value groups, and this one has a single group "
-                    "every rank would need (replicating it is not implemented; Falcon's "
-                    "new_decoder_architecture with num_kv_heads divisible by tp runs)"
+                    "every rank would need (kept whole on every rank only when the query heads are sliced "
+                    "off first and each shared head is taken by index, as Falcon's multi_query layout does; "
+                    "Falcon's new_decoder_architecture with num_kv_heads divisible by tp runs)"
                 )
             if f.heads or f.source is None or f.inner != 1 or start < 0:
                 raise _Stop(f"{self.where(node)} slices the sharded heads")

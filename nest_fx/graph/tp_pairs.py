@@ -159,7 +159,9 @@ def _make_pair(
     pair.wide_norms = sorted(_rel(m, block) for m in layout.wide_norms)
     pair.params += [TPParam(name=_rel(p, block), dim=dim) for p, dim in layout.wide_params.items()]
     for c in columns:
-        pair.params += _column_params(graph, block, params, c, units[c], layout.parts.get(c, []))
+        pair.params += _column_params(
+            graph, block, params, c, units[c], layout.parts.get(c, []), layout.whole.get(c, [])
+        )
     d = graph.nodes[row]
     in_dim = (d.get("weight_dims") or [None, None])[1]
     pair.params.append(TPParam(name=_rel(d["weight"], block), dim=in_dim if in_dim is not None else -1))
@@ -174,17 +176,23 @@ def _column_params(
     node: str,
     unit: Tuple[str, bool],
     parts: List[Tuple[int, int, int]],
+    whole: List[int] = (),
 ) -> List[TPParam]:
     d = graph.nodes[node]
     weight = d["weight"]
     out_dim = (d.get("weight_dims") or [None, None])[0]
     sizes = [size for _, size, _ in parts] if len(parts) > 1 else []
     units = [u for _, _, u in parts]
-    found = [TPParam(name=_rel(weight, block), dim=out_dim if out_dim is not None else -1, parts=sizes, units=units)]
+    whole = list(whole)
+    found = [
+        TPParam(
+            name=_rel(weight, block), dim=out_dim if out_dim is not None else -1, parts=sizes, units=units, whole=whole
+        )
+    ]
     bias = unit[0] + ".bias" if unit[1] else weight + "_bias"
     if bias in params.all:
         ndim = len(params.shapes.get(weight, d.get("weight_shape") or []))
-        found.append(TPParam(name=_rel(bias, block), dim=1 if ndim == 3 else 0, parts=sizes, units=units))
+        found.append(TPParam(name=_rel(bias, block), dim=1 if ndim == 3 else 0, parts=sizes, units=units, whole=whole))
     return found
 
 

@@ -135,17 +135,18 @@ def _localise_own_head_counts(module: nn.Module, tp: int) -> None:
         module.config = local
 
 
-def shrink_param(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
+def shrink_param(model: nn.Module, fqn: str, dim: int, tp: int, whole: int = 0) -> None:
     """Replace parameter ``fqn`` of ``model`` by one of rank-local size along ``dim`` (values do not
     matter: the profiler times it, the TP rehearsal runs it on fake tensors) and keep the owning
-    module's size attributes in line with it; ValueError when ``tp`` does not divide it."""
+    module's size attributes in line with it; ``whole`` entries along ``dim`` stay on every rank
+    (``TPParam.whole_size``); ValueError when ``tp`` does not divide the rest."""
     owner_name, _, leaf = fqn.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     old = owner.get_parameter(leaf)
     shape = list(old.shape)
-    if shape[dim] % tp:
-        raise ValueError(f"{fqn}: {shape[dim]} entries along dim {dim} are not divisible by tp={tp}")
-    shape[dim] //= tp
+    if (shape[dim] - whole) % tp:
+        raise ValueError(f"{fqn}: {shape[dim] - whole} entries along dim {dim} are not divisible by tp={tp}")
+    shape[dim] = (shape[dim] - whole) // tp + whole
     new = torch.empty(shape, dtype=old.dtype, device=old.device)
     if new.device.type != "meta":
         nn.init.normal_(new, std=0.02)

@@ -114,7 +114,7 @@ def _local_copy(region: nn.Module, path: str, kind: str, block, pairs, tp: int) 
     prefix = path + "." if path else ""
     for pair in pairs:
         for spec in pair.params:
-            shrink_param(local, block.fqn(spec.name)[len(prefix) :], spec.dim, tp)
+            shrink_param(local, block.fqn(spec.name)[len(prefix) :], spec.dim, tp, spec.whole_size())
         for table in pair.head_tables:
             shrink_param(local, block.fqn(table)[len(prefix) :] + ".weight", 1, tp)
         for norm in pair.wide_norms:

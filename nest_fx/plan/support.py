@@ -63,7 +63,9 @@ def _pair_problem(model: nn.Module, block, pair, tp: int) -> str:
         return f"tp={tp} cannot shard {where}: {pair.problem}. fix: use tp=1 for this model"
     heads = config_head_counts(model) if pair.kind == "attention" else set()
     for spec in pair.params:
-        for part, unit in zip(spec.parts or [None], spec.units):
+        for k, (part, unit) in enumerate(zip(spec.parts or [None], spec.units)):
+            if k in spec.whole:  # a shared key/value head, kept whole on every rank
+                continue
             size = part or tuple(model.get_parameter(block.fqn(spec.name)).shape)[spec.dim]
             if heads and unit > 1 and size // unit not in heads:
                 # the region groups its projection by a count of its own (CodeGen's mp_num): a rank's
@@ -77,7 +79,9 @@ def _pair_problem(model: nn.Module, block, pair, tp: int) -> str:
         size = shape[spec.dim]
         parts = spec.parts or [size]
         units = spec.units if len(spec.units) == len(parts) else [1] * len(parts)
-        for part, unit in zip(parts, units):
+        for k, (part, unit) in enumerate(zip(parts, units)):
+            if k in spec.whole:
+                continue
             count = part // max(unit, 1)
             if count % tp:
                 what = f"{count} heads" if unit > 1 else f"{count} features"

@@ -74,6 +74,13 @@ class NodeCost:
     # projection): the tensor it saves is the one the attention kernel saved (attention_output_reader)
     reads_attention_output: bool = False
     saved_whole: float = 0.0  # of ``saved``, what every TP rank keeps whole (a sharded call's replicated input)
+    # of its work under TP, the share the ranks divide: a multi-query column's shared key/value rows
+    # (graph/tp_multi_query.py) run whole on every rank
+    tp_work: float = 1.0
+
+    def tp_divisor(self, tp: int) -> float:
+        """What TP divides this node's FLOPs and bytes by (``tp`` unless part of it runs whole)."""
+        return 1.0 / (self.tp_work / tp + 1.0 - self.tp_work)
 
 
 @dataclass
@@ -89,6 +96,9 @@ class BlockFacts:
     # whole-width norms under TP (graph.tp_wide_norms): (kind, bytes, phase) of each statistic's
     # all-reduce, fp32 whatever the model's dtype (not scaled by scaled_facts)
     norm_comms: Tuple[Tuple[str, float, str], ...] = ()
+    # bytes of each gradient all-reduced over TP in every backward, not scaled by tokens (a
+    # multi-query column's shared key/value rows)
+    grad_comms: Tuple[float, ...] = ()
     loss_saved: float = 0.0  # bytes the loss keeps for backward (fp32 log-softmax of the logits)
     loss_flops: float = 0.0
     loss_bytes_moved: float = 0.0
@@ -146,6 +156,14 @@ def block_facts(graph, block) -> BlockFacts:
         if not pair.problem
         for t in pair.head_tables
     }
+    # parameter -> share of it every TP rank keeps whole (multi-query shared key/value rows)
+    whole = {
+        block.fqn(p.name): p.whole_size() / sum(p.parts)
+        for pair in (pattern.tp_pairs if pattern else [])
+        if not pair.problem
+        for p in pair.params
+        if p.whole
+    }
     column_nodes: set = set()
     expert_nodes: set = set()
     expert_paths = getattr(graph, "expert_modules", None)
@@ -191,6 +209,7 @@ def block_facts(graph, block) -> BlockFacts:
     else:  # never checkpointed
         kept = recomputed = [{} for _ in block.nodes]
     nodes = []
+    whole_grads: List[float] = []
     for k, n in enumerate(block.nodes):
         d = g.nodes[n]
         in_b = _bytes_of(d.get("in_shapes"), d.get("in_dtypes"))
@@ -213,9 +232,21 @@ def block_facts(graph, block) -> BlockFacts:
         tp_numel = (
             d.get("num_params", 0)
             if n in vocab_nodes
-            else sum(numel for name, numel in zip(d.get("params", []), d.get("param_numels", [])) if name in sharded)
+            else sum(
+                numel * (1 - whole.get(name, 0.0))
+                for name, numel in zip(d.get("params", []), d.get("param_numels", []))
+                if name in sharded
+            )
         )
+        kept_whole = whole.get(d.get("weight") or "", 0.0)  # the matmul of a multi-query column
         bytes_per = d.get("param_bytes", 0.0) / max(d.get("num_params", 0), 1)
+        if any(name in whole for name in d.get("params", [])):
+            whole_grads.append(
+                bytes_per
+                * sum(
+                    numel * whole.get(name, 0.0) for name, numel in zip(d.get("params", []), d.get("param_numels", []))
+                )
+            )
         nodes.append(
             NodeCost(
                 flops=d.get("flops", 0.0),
@@ -243,6 +274,7 @@ def block_facts(graph, block) -> BlockFacts:
                 tp_param_bytes=tp_numel * bytes_per,
                 reads_attention_output=attention_output_reader(g, n),
                 saved_whole=min(d.get("saved_bytes", 0.0), in_b) if n in leaf_calls else 0.0,
+                tp_work=1.0 - kept_whole,
             )
         )
     in_bytes = sum(
@@ -270,6 +302,8 @@ def block_facts(graph, block) -> BlockFacts:
         for nbytes in statistic_bytes(g, block.nodes, wide)
         for kind, phase in (("all_reduce", "fwd"), ("all_reduce", "bwd"))
     )
+    # the whole rows' gradient, summed over TP in each backward (apply.tp_styles.SharedHeadsColumn)
+    grad_comms = tuple(whole_grads)
     loss = _loss_facts(g, block)
     if block.kind in ("head", "tail"):
         n_ar = 0
@@ -291,6 +325,7 @@ def block_facts(graph, block) -> BlockFacts:
         a2a_bytes=a2a,
         vocab_comms=tuple(vocab_comms),
         norm_comms=norm_comms,
+        grad_comms=grad_comms,
         loss_saved=loss[0],
         loss_flops=loss[1],
         loss_bytes_moved=loss[2],

@@ -62,9 +62,9 @@ def _shard_embedding(model: nn.Module, fqn: str, tp: int) -> None:
     )
 
 
-def _shard(model: nn.Module, fqn: str, dim: int, tp: int) -> None:
+def _shard(model: nn.Module, fqn: str, dim: int, tp: int, whole: int = 0) -> None:
     try:
-        shrink_param(model, fqn, dim, tp)
+        shrink_param(model, fqn, dim, tp, whole)
     except ValueError as exc:
         raise LocaliseError(str(exc)) from None
 
@@ -88,7 +88,7 @@ def localise_tp(model: nn.Module, graph, tp: int, vocab_size: int) -> nn.Module:
                     if pair.problem:
                         raise LocaliseError(f"{block.name}: {pair.problem}; profile it with --tp 1")
                     for spec in pair.params:
-                        _shard(model, block.fqn(spec.name), spec.dim, tp)
+                        _shard(model, block.fqn(spec.name), spec.dim, tp, spec.whole_size())
                     for table in pair.head_tables:
                         _shard(model, block.fqn(table) + ".weight", 1, tp)
                     for norm in pair.wide_norms:

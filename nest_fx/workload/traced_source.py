@@ -198,6 +198,8 @@ class TracedSource:
             else:
                 comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
         if tp > 1:
+            # a multi-query column's shared rows: their gradient summed over TP in each backward
+            comms += [Comm("all_reduce", "tp", nbytes, "bwd") for nbytes in facts.grad_comms]
             for kind, nbytes, phase in facts.vocab_comms + facts.norm_comms:
                 if lp and kind == "all_gather":  # loss parallel: the logits stay sharded
                     continue
@@ -255,7 +257,7 @@ class TracedSource:
         (microbatch over the traced batch, over TP where it shards the node, over CP)."""
         scale = mbs / self.batch
         sp = sp and block.kind == "block"
-        return [scale / (tp if (n.tp or sp) else 1) / cp for n in self.facts(block.index).nodes]
+        return [scale / (n.tp_divisor(tp) if n.tp else (tp if sp else 1)) / cp for n in self.facts(block.index).nodes]
 
     def _analytical(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         """Forward seconds of each node by the analytical model, on a context-parallel rank's
@@ -264,7 +266,7 @@ class TracedSource:
         out = []
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
         for n in self.facts(block.index).nodes:
-            shard = tp if n.tp else (tp if sp else 1)
+            shard = n.tp_divisor(tp) if n.tp else (tp if sp else 1)
             share = scale / shard
             if not n.attention:
                 out.append(self.timing.op_seconds(n.flops * share / cp, n.bytes_moved * share / cp, n.matmul))

@@ -1,8 +1,9 @@
 """Falcon's fused ``query_key_value`` under tensor parallelism, per layout (tiny configs, no download):
-the classic layout (``[heads, 3, head_dim]``) and the new decoder architecture with key/value groups
-divisible by tp run at parity (the latter in tests/distributed/apply/test_tp_layouts_dist.py); the multi-query layout
-(one key/value head sliced off the heads dim, ``qkv[..., :-2, :]``) and a single key/value group are
-refused before training, naming the module, the reason and the fix."""
+the classic layout (``[heads, 3, head_dim]``), the new decoder architecture with key/value groups
+divisible by tp (tests/distributed/apply/test_tp_layouts_dist.py) and the default multi-query layout
+(query heads, then one key and one value head every query head shares, sliced off the heads dim:
+tests/distributed/apply/test_tp_falcon_multi_query.py) are accepted; a single key/value group of the
+new decoder architecture is refused before training, naming the module, the reason and the fix."""
 
 from __future__ import annotations
 
@@ -19,29 +20,28 @@ pytestmark = pytest.mark.hf
 LAUNCH_S = 300
 
 
-def _tp2_problem(name: str) -> str:
+def _tp_problem(name: str, tp: int = 2) -> str:
     pytest.importorskip("transformers")
     model, cfg = build_seeded(name)
     graph = trace(model, (torch.randint(0, cfg.vocab_size, (2, 8)),))
-    return may_run(model, graph).degree_problem("tp", 2)
+    return may_run(model, graph).degree_problem("tp", tp)
 
 
-def test_multi_query_falcon_is_refused_naming_the_module_the_layout_and_the_fix():
-    problem = _tp2_problem("hf:falcon")  # multi_query=True: 4 query heads, one key and one value head
-    assert problem.startswith("tp=2 cannot shard transformer.h.0: attention pair ['self_attention.query_key_value']")
-    assert (
-        "op 'slice' in module 'transformer.h.0.self_attention' slices the sharded heads: it takes 4 of the 6 heads "
-        "a fused projection is viewed as"
-    ) in problem
-    assert "this one has a single group every rank would need" in problem
-    assert "new_decoder_architecture with num_kv_heads divisible by tp runs" in problem
-    assert problem.endswith("fix: use tp=1 for this model")
+def test_falcon_layouts_with_groups_tp_can_divide_or_shared_heads_are_accepted():
+    assert _tp_problem("hf:falcon") == ""  # multi_query=True: 4 query heads, one shared key and value head
+    assert _tp_problem("hf:falcon", 4) == ""
+    assert _tp_problem("hf:falcon:multi_query=False") == ""
+    assert _tp_problem("hf:falcon:new_decoder_architecture=True,num_kv_heads=2") == ""
 
 
-def test_falcon_layouts_with_groups_tp_can_divide_are_accepted():
-    assert _tp2_problem("hf:falcon:multi_query=False") == ""
-    assert _tp2_problem("hf:falcon:new_decoder_architecture=True,num_kv_heads=2") == ""
-    one_group = _tp2_problem("hf:falcon:new_decoder_architecture=True,num_kv_heads=1")
+def test_multi_query_falcon_beyond_its_query_heads_is_refused():
+    problem = _tp_problem("hf:falcon", 8)  # the shared key/value head does not count: 4 query heads
+    assert problem.startswith("tp=8 does not divide the model's 4 attention heads"), problem
+    assert problem.endswith("fix: use tp in [1, 2, 4]"), problem
+
+
+def test_a_single_key_value_group_is_refused():
+    one_group = _tp_problem("hf:falcon:new_decoder_architecture=True,num_kv_heads=1")
     assert "does not divide transformer.h.0.self_attention.query_key_value.weight: 1 heads" in one_group, one_group
 
 

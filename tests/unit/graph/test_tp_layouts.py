@@ -297,25 +297,6 @@ def test_layers_tensor_parallelism_cannot_shard_are_refused_with_the_reason(make
 
 
 @pytest.mark.hf
-def test_multi_query_falcon_is_refused():
-    tf = pytest.importorskip("transformers")
-    cfg = tf.FalconConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        multi_query=True,
-        vocab_size=128,
-        max_position_embeddings=32,
-        use_cache=False,
-    )
-    with torch.device("meta"):
-        model = tf.FalconForCausalLM(cfg)
-    graph = trace(model, (torch.empty(2, 32, dtype=torch.long, device="meta"),))
-    problem = parallel_support(model, graph).tp_problem(2)
-    assert "transformer.h.0" in problem and "slices the sharded heads" in problem
-
-
-@pytest.mark.hf
 def test_a_projection_grouped_by_a_constant_of_the_module_is_refused():
     """CodeGen views its qkv as ``mp_num = 4`` groups, a constant of its forward: a rank's copy
     would regroup its shard into 4 again and mix queries with values. 16 heads: refused."""
