@@ -26,3 +26,8 @@ def per_value(fn: Callable[[float], float], x: Count) -> Count:
 def positive_part(x: Count) -> Count:
     """``max(x, 0)``, elementwise for an array."""
     return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
+
+
+def any_nonzero(x: Count) -> bool:
+    """Whether ``x`` is non-zero; for an array, whether any entry is."""
+    return bool(x.any()) if isinstance(x, np.ndarray) else bool(x)

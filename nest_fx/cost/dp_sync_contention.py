@@ -1,7 +1,7 @@
 """Contention of a plan's data-parallel gradient synchronisation on a graph topology.
 
 The step-time model charges each stage's DP all-reduce as if its group ran alone
-(``step_time._dp_sync_time``, one group per stage). In a real step every DP group of every
+(``dp_sync.dp_sync_time``, one group per stage). In a real step every DP group of every
 stage (one per stage and TP rank) syncs at the same time, after the last backward; on an
 oversubscribed network their rings share uplinks. This module costs both and reports the
 slowdown. Gradients are the stage's dense parameters times ``options.grad_bytes``; expert

@@ -1,60 +1,28 @@
-"""Per-device training memory: model states, transformer activations, pipeline in-flight factor.
+"""Per-device training memory: model states, transformer activations, a stage's memory terms
+and whether they fit (the pipeline's in-flight activations: ``cost/inflight.py``).
 
 Pure functions on numbers (bytes). Sources:
     Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
         Models" (SC'20) -- model states and their sharding over data parallelism.
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
         (MLSys'23) -- activation bytes per transformer layer, Table 2.
-    Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-        Megatron-LM" (SC'21) -- pipeline schedules (GPipe, 1F1B, interleaved 1F1B).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from nest_fx.cost.arg_checks import require_amount, require_choice, require_int, require_number
 from nest_fx.cost.arrays import Count, positive_part
 from nest_fx.cost.optimizers import MASTER_WEIGHT_BYTES, optimizer_cost
 from nest_fx.cost.options import CostOptions
-from nest_fx.cost.schedules import zero_bubble_inflight
 from nest_fx.cost.stage_terms import LayerTerms
-from nest_fx.plan.vocabulary import SCHEDULES as PLAN_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-SCHEDULES = PLAN_SCHEDULES
 Amount = Count  # bytes or parameter counts: a number, or an array of them
-
-
-def _require_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _require_number(value: object, name: str, *, positive: bool = False) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}: must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
-    return float(value)
-
-
-def _require_amount(value: object, name: str) -> Amount:
-    """A finite number >= 0 (as float), or a numpy array of them."""
-    if isinstance(value, np.ndarray):
-        if value.size and not (np.all(np.isfinite(value)) and np.all(value >= 0)):
-            raise ValueError(f"{name}: every entry must be a finite number >= 0")
-        return value
-    return _require_number(value, name)
-
-
-def _choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
-    return value  # type: ignore[return-value]
 
 
 # -- model states ---------------------------------------------------------------------------
@@ -98,12 +66,12 @@ def model_state_bytes(
     ``num_params`` is the parameter count held by this device before ZeRO sharding (i.e. after
     tensor/pipeline partitioning, Narayanan et al. 2021).
     """
-    psi = _require_number(num_params, "num_params")
-    _require_int(dp, "dp", 1)
+    psi = require_number(num_params, "num_params")
+    require_int(dp, "dp", 1)
     if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
         raise ValueError(f"zero_stage: must be one of [0, 1, 2, 3], got {zero_stage!r}")
-    pbytes = _require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
-    gbytes = _require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
+    pbytes = require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
+    gbytes = require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
     k = optimizer_bytes_per_param(optimizer, master_weights, state_dtype_bytes)
     out = {
         "weights": psi * pbytes / (dp if zero_stage >= 3 else 1),
@@ -121,7 +89,7 @@ def effective_zero_stage(zero_stage: int, num_stages: int) -> int:
     gradient reduction off until then), so ZeRO-2 and ZeRO-3 hold what ZeRO-1 holds (and
     communicate as ZeRO-1 does: one all-gather, one reduce-scatter per step). DeepSpeed refuses
     ZeRO-2/3 with pipelining for the same reason."""
-    _require_int(num_stages, "num_stages", 1)
+    require_int(num_stages, "num_stages", 1)
     return min(zero_stage, 1) if num_stages > 1 else zero_stage
 
 
@@ -152,16 +120,16 @@ def fsdp_unsharded_bytes(
                  backward; gradients as ZeRO-2
 
     The gradient bytes build up as backward frees activations and peak at its end, when the
-    root is reduced; ``step_time.stage_memory`` counts the larger of the two. Pass the
+    root is reduced; :func:`stage_memory` counts the larger of the two. Pass the
     :func:`effective_zero_stage`. With ``dp == 1`` nothing is sharded: (0, 0). The parameter
     counts may be numpy arrays (the solver's stage tables); the results are then arrays.
     """
-    psi = _require_amount(num_params, "num_params")
-    root = _require_amount(root_params, "root_params")
-    unit = _require_amount(unit_params, "unit_params")
-    _require_int(dp, "dp", 1)
-    pbytes = _require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
-    gbytes = _require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
+    psi = require_amount(num_params, "num_params")
+    root = require_amount(root_params, "root_params")
+    unit = require_amount(unit_params, "unit_params")
+    require_int(dp, "dp", 1)
+    pbytes = require_number(param_dtype_bytes, "param_dtype_bytes", positive=True)
+    gbytes = require_number(grad_dtype_bytes, "grad_dtype_bytes", positive=True)
     if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
         raise ValueError(f"zero_stage: must be one of [0, 1, 2, 3], got {zero_stage!r}")
     if zero_stage == 0 or dp == 1:
@@ -179,9 +147,9 @@ def optimizer_step_bytes(updated_params: Amount, optimizer: str = "adam") -> Amo
     builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor the size of
     the parameters, 4 bytes each. SGD (with or without momentum) updates in place: 0
     (``OptimizerCost.scratch_bytes``). It is allocated after backward, when activations are gone
-    (see ``step_time.stage_memory``)."""
+    (see :func:`stage_memory`)."""
     scratch = optimizer_cost(optimizer).scratch_bytes
-    updated = _require_amount(updated_params, "updated_params")
+    updated = require_amount(updated_params, "updated_params")
     return scratch * updated
 
 
@@ -215,13 +183,13 @@ def korthikanti_activation_bytes(
     The "10" is the part plain tensor parallelism leaves replicated (layer-norm inputs, dropout
     outputs and masks); sequence parallelism shards it too.
     """
-    s = _require_int(seq, "seq", 1)
-    b = _require_int(microbatch, "microbatch", 1)
-    h = _require_int(hidden, "hidden", 1)
-    a = _require_int(heads, "heads", 1)
-    t = _require_int(tp, "tp", 1)
-    _choice(recompute, "recompute", RECOMPUTE_MODES)
-    scale = _require_number(dtype_bytes, "dtype_bytes", positive=True) / 2
+    s = require_int(seq, "seq", 1)
+    b = require_int(microbatch, "microbatch", 1)
+    h = require_int(hidden, "hidden", 1)
+    a = require_int(heads, "heads", 1)
+    t = require_int(tp, "tp", 1)
+    require_choice(recompute, "recompute", RECOMPUTE_MODES)
+    scale = require_number(dtype_bytes, "dtype_bytes", positive=True) / 2
     sbh = s * b * h
     attention = 5 * a * s / h  # the 5as/h term: attention scores, softmax, its dropout
     if recompute == "full":
@@ -233,142 +201,6 @@ def korthikanti_activation_bytes(
         else:
             per_layer = sbh * (10 + 24 / t + core / t)
     return per_layer * scale
-
-
-# -- pipeline schedules ---------------------------------------------------------------------
-
-
-def pipeline_inflight_microbatches(
-    schedule: str, stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1
-) -> float:
-    """Microbatches whose activations pipeline stage ``stage`` (0-based) holds at its peak.
-
-    The unit is one microbatch's activations of *all* the layers on the stage's device, so
-    stage activation memory = this x per-microbatch activations of those layers. With p =
-    ``num_stages``, m = ``num_microbatches``, v = ``virtual_stages``:
-
-        gpipe        m                     all forwards run before any backward (Huang et al.
-                                           2019, as described in Narayanan et al. 2021 sec. 2.2.1)
-        1f1b         min(p - stage, m)     PipeDream-Flush warm-up depth + 1 (Narayanan 2021 sec. 2.2.1)
-        interleaved  min(2(p - stage - 1) + (v - 1) p + 1, m v) / v
-                                           v model chunks per device, each 1/v of its layers
-                                           (Narayanan 2021 sec. 2.2.2): the warm-up runs
-                                           2(p - stage - 1) + (v - 1) p chunk-forwards, plus
-                                           one in steady state. For stage 0 this is
-                                           p (1 + (p-1)/(p v)), the factor Korthikanti et al.
-                                           2022 sec. 4.2.3 give for the first stage.
-
-        interleaved-zb, zbv, dualpipev   ``cost.schedules.zero_bubble_inflight``
-
-    ``interleaved`` with v = 1 is plain 1F1B. The counts never exceed GPipe's m.
-    """
-    _choice(schedule, "schedule", SCHEDULES)
-    p = _require_int(num_stages, "num_stages", 1)
-    m = _require_int(num_microbatches, "num_microbatches", 1)
-    v = _require_int(virtual_stages, "virtual_stages", 1)
-    _require_int(stage, "stage", 0)
-    if stage >= p:
-        raise ValueError(f"stage: must be < num_stages ({p}), got {stage}")
-    if schedule == "gpipe":
-        return float(m)
-    if schedule in SPLIT_BACKWARD_SCHEDULES:
-        return zero_bubble_inflight(schedule, p, m)
-    if schedule == "1f1b" or v == 1:
-        return float(min(p - stage, m))
-    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-    return chunks / v
-
-
-@functools.lru_cache(maxsize=65536)
-def interleaved_chunk_states(
-    stage: int, num_stages: int, num_microbatches: int, virtual_stages: int
-) -> Tuple[Tuple[float, float, float], ...]:
-    """The in-flight microbatches of device ``stage``'s model chunks over its interleaved 1F1B
-    schedule, as torch's ``ScheduleInterleaved1F1B`` orders it: warm-up of
-    ``min((v - 1) r + 2 (p - 1 - stage), m v)`` chunk-forwards (``r`` microbatches per round, p
-    when p divides m), then one forward and one backward, then the cool-down; forwards walk the
-    chunks 0, 1, ... in groups of ``r`` microbatches, backwards v - 1, v - 2, .... Returns the
-    distinct ``(all chunks / v, chunk 0, chunk v - 1)`` counts after each forward (the peaks).
-
-    Chunk 0 of device 0 holds the head and chunk ``v - 1`` of the last device the tail (the
-    runtime lays chunks round-robin along the chain: ``apply.pipeline.interleaved_ranges``). The
-    output layer and the loss run their backward right after their forward, so the last device
-    holds them for about one microbatch, not the ``(2(p - 1 - stage) + (v - 1) p + 1) / v`` of
-    the stage's blocks (:func:`pipeline_inflight_microbatches`, the largest first entry here).
-    """
-    p = _require_int(num_stages, "num_stages", 1)
-    m = _require_int(num_microbatches, "num_microbatches", 1)
-    v = _require_int(virtual_stages, "virtual_stages", 1)
-    rounds = max(1, m // p)
-    per_round = m // rounds
-    warmup = min((v - 1) * per_round + 2 * (p - 1 - stage), m * v)
-    held = [0] * v
-    total = 0
-    states = set()
-    # after the warm-up the forwards' and the backwards' chunks both repeat every v r ops and
-    # each chunk gains and loses r microbatches per period: the states repeat with that period
-    steady_end = min(m * v, warmup + v * per_round)
-    for op in range(steady_end):
-        held[(op // per_round) % v] += 1
-        total += 1
-        states.add((total / v, float(held[0]), float(held[v - 1])))
-        if op >= warmup:
-            held[v - 1 - ((op - warmup) // per_round) % v] -= 1
-            total -= 1
-    return tuple(sorted(states))
-
-
-def held_activation_bytes(
-    act: Count,
-    act_root: Count,
-    schedule: str,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    virtual_stages: int = 1,
-) -> Count:
-    """Activation bytes a pipeline stage holds at its peak: per-microbatch bytes ``act`` of its
-    layers (``act_root`` of them the head's and tail's) times the in-flight microbatches of the
-    schedule. GPipe and 1F1B hold every layer equally (:func:`pipeline_inflight_microbatches`);
-    the interleaved schedule counts each chunk's own (:func:`interleaved_chunk_states`): the
-    blocks spread evenly over the chunks, the head in chunk 0 of the first device, the tail in
-    the last chunk of the last device. Numbers or arrays (the solver's stage tables)."""
-    if schedule != "interleaved" or virtual_stages == 1 or num_stages == 1:
-        return act * pipeline_inflight_microbatches(schedule, stage, num_stages, num_microbatches, virtual_stages)
-    best: Count = 0.0
-    for spread, root in _chunk_peaks(stage, num_stages, num_microbatches, virtual_stages):
-        held = (act - act_root) * spread + act_root * root
-        best = np.maximum(best, held) if isinstance(held, np.ndarray) else max(best, held)
-    return best
-
-
-@functools.lru_cache(maxsize=65536)
-def _chunk_peaks(
-    stage: int, num_stages: int, num_microbatches: int, virtual_stages: int
-) -> Tuple[Tuple[float, float], ...]:
-    """The (all chunks / v, the root's chunk) in-flight counts of :func:`interleaved_chunk_states`
-    that can be a peak: held bytes grow with both (``act >= act_root >= 0``), so a state another
-    matches or exceeds in both is never the maximum and is dropped."""
-    edge = 1 if stage == 0 else (2 if stage == num_stages - 1 else 0)
-    pairs = {
-        (spread, (first, last)[edge - 1] if edge else spread)
-        for spread, first, last in interleaved_chunk_states(stage, num_stages, num_microbatches, virtual_stages)
-    }
-    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
-
-
-def stage_activation_bytes(
-    per_microbatch_bytes: float,
-    schedule: str,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    virtual_stages: int = 1,
-) -> float:
-    """Peak activation bytes of a pipeline stage: per-microbatch activations of its layers x
-    :func:`pipeline_inflight_microbatches` (Narayanan et al. 2021; Korthikanti et al. 2022 sec. 4.2.3)."""
-    per_mb = _require_number(per_microbatch_bytes, "per_microbatch_bytes")
-    return per_mb * pipeline_inflight_microbatches(schedule, stage, num_stages, num_microbatches, virtual_stages)
 
 
 # -- a stage's memory --------------------------------------------------------------------
@@ -468,7 +300,7 @@ def stage_memory(
     num_microbatches: int,
 ) -> Dict[str, Count]:
     """Per-device memory terms of a stage at its peak (see module docstring) and their total;
-    ``held_act``: the in-flight activations (:func:`held_activation_bytes`).
+    ``held_act``: the in-flight activations (``inflight.held_activation_bytes``).
 
     The peak is model states + the larger of the forward/backward working set (activations,
     buffers, FSDP's unsharded parameters and gradients) and the optimizer step's scratch, which
@@ -528,8 +360,8 @@ def check_fits(breakdown: Mapping[str, float], capacity_bytes: float) -> Tuple[b
     ``breakdown`` maps term names to bytes; a ``"total"`` entry, if present, is not a term and
     must equal the sum of the others (a stale total raises ValueError).
     """
-    capacity = _require_number(capacity_bytes, "capacity_bytes")
-    terms = {k: _require_number(v, f"breakdown[{k!r}]") for k, v in breakdown.items() if k != "total"}
+    capacity = require_number(capacity_bytes, "capacity_bytes")
+    terms = {k: require_number(v, f"breakdown[{k!r}]") for k, v in breakdown.items() if k != "total"}
     if not terms:
         raise ValueError("breakdown: needs at least one term besides 'total'")
     total = sum(terms.values())

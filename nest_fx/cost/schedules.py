@@ -36,7 +36,7 @@ its activations from its forward to its weight gradient):
     dualpipev       min(2p + 1, 2m) / 2  2p + 1 chunk-microbatches (DualPipe's PP + 1)
 
 (counted on torch's orders as above). 1F1B, GPipe and interleaved are in
-``memory.pipeline_inflight_microbatches``.
+``inflight.pipeline_inflight_microbatches``.
 """
 
 from __future__ import annotations

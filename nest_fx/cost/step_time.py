@@ -20,7 +20,7 @@ Pipeline (m microbatches; v model chunks per device):
     zero bubble (interleaved-zb, zbv, dualpipev): the same with the factor of ``cost/schedules.py``
     bubble = T_pipe - m max_i t_i
 
-Data-parallel gradient synchronisation of stage i over its DP x CP group (ZeRO-0/1: one
+Data-parallel gradient synchronisation (``cost/dp_sync.py``) of stage i over its DP x CP group (ZeRO-0/1: one
 all-reduce per step; ZeRO-2: a reduce-scatter per microbatch, since sharded gradients cannot be
 accumulated locally, and one parameter all-gather; ZeRO-3: per microbatch a reduce-scatter
 and two parameter all-gathers, prefetched under compute; HSDP: the same inside the shard group
@@ -38,7 +38,7 @@ needs to be exact).
 
 Memory per device of stage i: model states (``memory.model_state_bytes``, sharded over the DP x
 CP ranks or the HSDP shard group; a tied LM head's second copy on the last stage) + the
-activations the schedule keeps in flight (``memory.held_activation_bytes``) + the largest
+activations the schedule keeps in flight (``inflight.held_activation_bytes``) + the largest
 one-layer backward working set + two boundary buffers + the runtime's working sets; it fits when
 what the caching allocator reserves for it fits (``memory.usable_bytes``).
 """
@@ -52,9 +52,17 @@ import numpy as np
 
 from nest_fx.cluster.ordered import placed
 from nest_fx.cluster.protocol import ClusterModel
-from nest_fx.cost import memory
-from nest_fx.cost.arrays import Count, positive_part
-from nest_fx.cost.collectives import cached_collective, collective_fn, group_comm_time
+from nest_fx.cost import inflight, memory
+from nest_fx.cost.arrays import Count, any_nonzero, positive_part
+from nest_fx.cost.collectives import cached_collective, group_comm_time
+from nest_fx.cost.dp_sync import (
+    dp_sync_time,
+    expert_shard_degree,
+    fsdp_units,
+    shard_degree,
+    tail_terms,
+    tied_sync_time,
+)
 from nest_fx.cost.error_bands import error_band
 from nest_fx.cost.options import CostOptions, with_async_tp
 from nest_fx.cost.precision import compute_dtype, priced_options
@@ -131,15 +139,11 @@ def held_terms(terms: LayerTerms, num_stages: int) -> LayerTerms:
     """A stage's terms with the parameters it holds: under pipelining the last stage keeps its own
     copy of a tied embedding (``apply.tied_weights``; weights, gradients and optimizer states, in
     its root FSDP unit), which the trace counts once, at the head."""
-    if num_stages == 1 or not _any(terms.tied_params):
+    if num_stages == 1 or not any_nonzero(terms.tied_params):
         return terms
     return dataclasses.replace(
         terms, params=terms.params + terms.tied_params, root_params=terms.root_params + terms.tied_params
     )
-
-
-def _any(x: Count) -> bool:
-    return bool(x.any()) if isinstance(x, np.ndarray) else bool(x)
 
 
 def exposed_comms(comms: Dict[str, Count], work: Count, options: CostOptions) -> Dict[str, Count]:
@@ -172,20 +176,6 @@ def exposed_ring(cp_comm: Count, fwd: Count) -> Count:
     the forward gather and the backward reduce-scatter, half each); the forward's block transfers
     run under the stage's forward compute, the backward's reverse shifts are not overlapped."""
     return cp_comm / 2 + positive_part(cp_comm / 2 - fwd)
-
-
-def expert_shard_degree(dp: int, dp_shard: int, ep: int, cp: int) -> int:
-    """Ranks ZeRO/FSDP shards an expert's states over: the replicas of its shard group (HSDP's
-    ``dp_shard`` when it splits ``dp``, else ``dp``) that hold the same experts (one in ``ep``),
-    at least one, times the CP ranks."""
-    replicas = dp_shard if 0 < dp_shard < dp else dp
-    return max(replicas // ep, 1) * cp
-
-
-def shard_degree(plan_or_dp: int, dp_shard: int, cp: int) -> int:
-    """Ranks ZeRO/FSDP shards a stage's states over: the HSDP shard group (``dp_shard``
-    replicas), or all ``dp`` replicas, times the CP ranks (which hold the same parameters)."""
-    return (dp_shard or plan_or_dp) * cp
 
 
 def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, options: CostOptions) -> StageCost:
@@ -238,7 +228,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     )
     sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
-    held = memory.held_activation_bytes(
+    held = inflight.held_activation_bytes(
         terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches, plan.virtual_stages
     )
     piped = plan.pp > 1
@@ -272,18 +262,6 @@ def tied_params(workload: Workload, variant: Variant) -> float:
     return workload.cost(len(workload) - 1, variant).tied_params
 
 
-def tied_sync_time(cluster, groups: StageGroups, params: Count, zero: int, shard: int, options: CostOptions) -> Count:
-    """Seconds of the tied embedding's gradient exchange after backward (``apply.tied_weights``):
-    the first and last stage's ranks at the same coordinates swap their local gradient shards
-    (1/shard of it under FSDP), both directions at once; 0 on other stages, without pipelining or
-    without a tie."""
-    if not groups.tied or not _any(params):
-        return 0.0
-    nbytes = params * options.reduce_dtype_bytes() / (shard if zero >= 1 else 1)
-    times = [collective_fn("p2p", cluster, pair)(nbytes) for pair in groups.tied]
-    return np.maximum.reduce(times) if isinstance(nbytes, np.ndarray) else max(times)
-
-
 def p2p_time(cluster, groups: StageGroups, out_bytes: float, prev_tp: int, tp: int) -> float:
     """P_i: one microbatch's activations (``out_bytes``, one CP rank's full tensor) from stage
     i-1, 1/prev_tp per rank point to point, then all-gathered in stage i's TP group (slowest
@@ -292,114 +270,6 @@ def p2p_time(cluster, groups: StageGroups, out_bytes: float, prev_tp: int, tp: i
     if tp > 1:
         t += max(cached_collective("all_gather", cluster, g, out_bytes) for g in groups.tp)
     return t
-
-
-def fsdp_units(terms: LayerTerms) -> Count:
-    """FSDP units of a stage: one per block, plus the root when it holds parameters."""
-    root = terms.root_params > 0
-    return terms.blocks + (root.astype(float) if isinstance(root, np.ndarray) else float(root))
-
-
-def dp_sync_time(
-    cluster,
-    groups: StageGroups,
-    dense_params: Count,
-    expert_params: Count,
-    dp: int,
-    ep: int,
-    zero: int,
-    num_microbatches: int,
-    options: CostOptions,
-    units: Count = 1.0,
-    fp8_params: Count = 0.0,
-) -> Count:
-    """Seconds of gradient (and ZeRO-2/3 parameter) traffic of a stage per step, not yet
-    overlapped: dense parameters over its DP x CP group (or, under HSDP, inside the shard group
-    and across the replicas), expert parameters over the replicas holding the same experts, plus
-    the runtime's host work per FSDP collective (``options.fsdp_call_overhead``; ``units`` FSDP
-    units each run their own). ``dp``: the ranks holding the stage's parameters (dp x cp);
-    ``fp8_params``: parameters all-gathered in fp8 (Float8 linears). Arrays of parameter counts
-    give an array."""
-    if dp <= 1:
-        return 0.0
-    total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params)
-    if dp // ep > 1 and _any(expert_params):
-        # under HSDP the experts shard inside the shard group and replicate across (apply/mesh.py)
-        experts = dataclasses.replace(
-            groups,
-            dp=groups.expert_dp,
-            shard=groups.expert_shard,
-            replicate=groups.replicate if groups.expert_shard else (),
-        )
-        total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
-    per_call, per_byte = options.fsdp_call_overhead
-    if zero >= 1 and (per_call or per_byte):
-        m, pbytes, gbytes = num_microbatches, options.param_bytes, options.reduce_dtype_bytes()
-        # (all-gathers, reduce-scatters) per unit and step, as the runtime issues them
-        gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[zero]
-        params = dense_params + expert_params
-        total = (
-            total + units * (gathers + scatters) * per_call + per_byte * params * (gathers * pbytes + scatters * gbytes)
-        )
-    return total
-
-
-def _sync_volume_time(
-    cluster, groups: StageGroups, params: Count, zero: int, m: int, options: CostOptions, fp8_params: Count = 0.0
-) -> Count:
-    """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic for ``params``
-    parameters (a number, or an array of them: ``collective_fn`` takes either) over
-    ``groups.dp``, or under HSDP over ``groups.shard`` and ``groups.replicate``."""
-    if len(groups.dp) <= 1:
-        return 0.0
-    gbytes, pbytes = options.reduce_dtype_bytes(), options.param_bytes
-    grads = params * gbytes
-    gathered = (params - fp8_params) * pbytes + fp8_params  # Float8 weights travel in 1 byte
-    if groups.replicate:  # HSDP: reduce-scatter in the shard group, all-reduce the shard across
-        shard = len(groups.shard)
-        rs = collective_fn("reduce_scatter", cluster, groups.shard)(grads)
-        rs = rs + collective_fn("all_reduce", cluster, groups.replicate)(grads / shard)
-        ag = collective_fn("all_gather", cluster, groups.shard)(gathered)
-        if zero <= 1:
-            return rs + ag
-    else:
-        if zero <= 1:
-            return collective_fn("all_reduce", cluster, groups.dp)(grads)
-        rs = collective_fn("reduce_scatter", cluster, groups.dp)(grads)
-        ag = collective_fn("all_gather", cluster, groups.dp)(gathered)
-    if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
-        return m * rs + ag
-    return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
-
-
-def tail_terms(
-    dp_sync: Count,
-    bwd: Count,
-    recompute_s: Count,
-    num_params: Count,
-    dp: int,
-    zero: int,
-    cluster,
-    options: CostOptions,
-    after_backward: Count = 0.0,
-) -> Tuple[Count, Count]:
-    """(exposed DP sync, optimizer step) after a stage's last backward, from its terms; ``dp``:
-    the ranks the optimizer states are sharded over; ``after_backward``: work that runs after the
-    backward and is never overlapped (the tied-gradient exchange), added to the exposed part."""
-    # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps the share
-    # overlap_grad_sync of its own with the backward
-    share = float(options.overlap_grad_sync) if zero >= 1 else 0.0
-    exposed = (
-        np.maximum(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
-        if isinstance(dp_sync, np.ndarray) or isinstance(bwd, np.ndarray)
-        else max(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
-    )
-    exposed = exposed + after_backward
-    updated = num_params / (dp if zero >= 1 else 1)
-    t_opt = (
-        updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
-    )
-    return exposed, t_opt
 
 
 def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:

@@ -11,11 +11,12 @@ storages its outputs live in) and the storages it created (``created``: storage 
 cost model can tell what an op-level recompute policy keeps (``recompute_policies.kept_storages``).
 An attention call counts as one fused kernel whose outputs are the attention output and its fp32
 log-sum-exp, whatever kernel the trace's device picks (on meta tensors SDPA runs the math path).
+Op names: ``op_kinds``; the FLOP formulas FlopCounterMode lacks: ``flop_formulas``; a matmul's
+weight and its feature dims: ``matmul_weights``.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import networkx as nx
@@ -26,141 +27,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
-from nest_fx.graph.capture import clean_fqn
+from nest_fx.graph.flop_formulas import flop_formulas
+from nest_fx.graph.matmul_weights import view_dims, weight_dims, weight_of
+from nest_fx.graph.op_kinds import (  # noqa: F401  MATMUL_OPS, VIEW_OPS: tp_pairs.py imports them from here
+    ATTENTION_CALLS,
+    MATMUL_OPS,
+    VIEW_OPS,
+    module_class_of,
+    module_of,
+    op_kind,
+)
 from nest_fx.graph.recompute_policies import ATTENTION_KERNELS, aten_kind
-
-MATMUL_OPS = {
-    "linear",
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "matmul",
-    "_grouped_mm",
-    "grouped_mm",
-    "grouped_mm_fallback",
-    "einsum",
-}
-# Ops that move or re-type a tensor without computing on it: a parameter seen through them is
-# still "the weight" of the matmul that consumes it.
-VIEW_OPS = {
-    "view",
-    "t",
-    "transpose",
-    "permute",
-    "reshape",
-    "expand",
-    "contiguous",
-    "to",
-    "_to_copy",
-    "unsqueeze",
-    "squeeze",
-    "select",
-    "slice",
-    "index",
-    "getitem",
-    "alias",
-    "type_as",
-    "float",
-    "half",
-    "bfloat16",
-    "detach",
-    "clone",
-    "_unsafe_view",
-    "chunk",
-    "split",
-    "unbind",
-    "numpy_T",
-    "mT",
-    "adjoint",
-    "lift_fresh_copy",
-}
-# Views that keep every dim of the parameter in place (dims follow through unchanged).
-_SAME_DIMS = {
-    "to",
-    "_to_copy",
-    "contiguous",
-    "type_as",
-    "float",
-    "half",
-    "bfloat16",
-    "detach",
-    "clone",
-    "alias",
-    "lift_fresh_copy",
-}
-
-
-def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-# FlopCounterMode has formulas for the CUDA attention kernels but not for the one SDPA picks for
-# CPU tensors, which would count attention as 0 FLOPs when the model's parameters are on CPU
-# (on meta or CUDA the same model counts them). Same formula as the CUDA kernels.
-EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop}
-
-
-def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """A grouped matmul of ``a [S, K]`` with ``b [G, K, N]`` (row groups by offsets; each row meets
-    one group's matrix): 2*S*K*N. Other operand ranks (3-D x 3-D batched groups): 2 * the output
-    numel * K."""
-    k = a_shape[-1]
-    out = 1
-    for d in out_shape or [a_shape[0], b_shape[-1]]:
-        out *= d
-    return 2 * out * k
-
-
-def flop_formulas() -> dict:
-    """FLOP formulas FlopCounterMode lacks: the CPU SDPA kernel, grouped matmuls (``aten._grouped_mm``;
-    HuggingFace MoE experts' ``transformers::grouped_mm_fallback``, registered once transformers'
-    MoE integration is imported), so experts count the FLOPs of the tokens they really compute."""
-    formulas = dict(EXTRA_FLOP_FORMULAS)
-    formulas[torch.ops.aten._grouped_mm] = _grouped_mm_flop
-    fallback = getattr(getattr(torch.ops, "transformers"), "grouped_mm_fallback", None)
-    if fallback is not None:
-        formulas[fallback] = _grouped_mm_flop
-    return formulas
-
-
-def op_kind(node: fx.Node, gm: fx.GraphModule) -> str:
-    """Short, stable op name: module class for call_module, function/method name otherwise."""
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__.lower()
-    if node.op in ("call_method", "get_attr", "placeholder", "output"):
-        return str(node.target) if node.op == "call_method" else node.op
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    if target is operator.getitem:
-        return "getitem"
-    return getattr(target, "__name__", str(target))
-
-
-def module_of(node: fx.Node) -> str:
-    """FQN of the innermost module the node ran in."""
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return clean_fqn(path)
-
-
-def module_class_of(node: fx.Node, gm: fx.GraphModule) -> str:
-    """Qualified class name of the innermost module the node ran in ("" when unknown)."""
-    if node.op == "call_module":
-        cls = type(gm.get_submodule(node.target))
-    else:
-        stack = node.meta.get("nn_module_stack")
-        cls = list(stack.values())[-1][1] if stack else None
-    if isinstance(cls, str):
-        return cls
-    return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else ""
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:
@@ -182,12 +61,6 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
-ATTENTION_CALLS = {
-    "scaled_dot_product_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-}
 LSE_BYTES = 4  # the fused kernels' log-sum-exp is fp32, one value per query row and head
 
 
@@ -394,10 +267,10 @@ def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] =
             fx_op=node.op,
             module_class=module_class_of(node, gm),
         )
-        weight = _weight_of(node, kind, gm, param_source, param_rank)
+        weight = weight_of(node, kind, gm, param_source, param_rank)
         if weight:
             attrs["weight"] = weight
-            attrs["weight_dims"] = _weight_dims(node, kind, gm, param_source, param_dims, weight)
+            attrs["weight_dims"] = weight_dims(node, kind, gm, param_source, param_dims, weight)
             attrs["weight_shape"] = param_shape.get(weight) or list(gm.get_parameter(weight).shape)
         # the parameter behind each entry of in_shapes (None for activations)
         attrs["input_params"] = [param_source.get(name) for name in rec.get("inputs", [])]
@@ -405,84 +278,12 @@ def annotate(gm: fx.GraphModule, args: Tuple, kwargs: Optional[Dict[str, Any]] =
             src = next((a for a in node.all_input_nodes if a.name in param_source), None)
             if src is not None:
                 param_source[node.name] = param_source[src.name]
-                param_dims[node.name] = _view_dims(kind, node, param_dims.get(src.name, []), rec)
+                param_dims[node.name] = view_dims(kind, node, param_dims.get(src.name, []), rec)
         graph.add_node(node.name, **attrs)
         for arg in node.all_input_nodes:
             if arg.name in graph:
                 graph.add_edge(arg.name, node.name)
     return graph
-
-
-def _weight_of(
-    node: fx.Node, kind: str, gm: fx.GraphModule, param_source: Dict[str, str], param_rank: Dict[str, int]
-) -> str:
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-        return f"{node.target}.weight"
-    if kind in MATMUL_OPS:
-        # The weight is the highest-rank parameter input (addmm(bias, x, weight) has two).
-        sources = [param_source[a.name] for a in node.all_input_nodes if a.name in param_source]
-        if sources:
-            return max(sources, key=lambda s: param_rank.get(s, 0))
-    return ""
-
-
-def _view_dims(kind: str, node: fx.Node, dims: List[Optional[int]], rec: dict) -> List[Optional[int]]:
-    """Which parameter dim each dim of a view of a parameter is (None: merged, split or unknown)."""
-    in_shape = rec["in_shapes"][0] if rec.get("in_shapes") else []
-    out_shape = rec["out_shapes"][0] if rec.get("out_shapes") else []
-    n = len(dims)
-    if kind in _SAME_DIMS or (kind in ("view", "reshape", "_unsafe_view", "expand") and in_shape == out_shape):
-        return list(dims)
-    if kind in ("t", "numpy_T"):
-        return list(reversed(dims))
-    if kind in ("mT", "adjoint") and n >= 2:
-        return dims[:-2] + [dims[-1], dims[-2]]
-    if kind == "transpose" and len(node.args) >= 3 and all(isinstance(a, int) for a in node.args[1:3]):
-        a, b = (d % n for d in node.args[1:3])
-        out = list(dims)
-        out[a], out[b] = out[b], out[a]
-        return out
-    if kind == "permute" and len(node.args) >= 2 and isinstance(node.args[1], (list, tuple)):
-        return [dims[d % n] for d in node.args[1]]
-    if kind in ("select", "getitem", "index") and len(out_shape) == n - 1 and list(out_shape) == list(in_shape[1:]):
-        return list(dims[1:])  # one expert's weight of a 3-D parameter
-    if kind == "index" and len(out_shape) == n and list(out_shape[1:]) == list(in_shape[1:]):
-        return [None] + list(dims[1:])  # a gather of experts along dim 0
-    if kind == "unsqueeze" and len(node.args) >= 2 and isinstance(node.args[1], int):
-        out = list(dims)
-        out.insert(node.args[1] % (n + 1), None)
-        return out
-    return [None] * len(out_shape)
-
-
-_OPERANDS = {"addmm": (1, 2), "baddbmm": (1, 2)}  # (A, B) of A @ B; other matmuls take them first
-
-
-def _weight_dims(
-    node: fx.Node,
-    kind: str,
-    gm: fx.GraphModule,
-    param_source: Dict[str, str],
-    param_dims: Dict[str, List[Optional[int]]],
-    weight: str,
-) -> List[Optional[int]]:
-    """[output-feature dim, input-feature dim] of the parameter ``weight`` in this matmul (None
-    when the tracer cannot tell): what tensor parallelism shards for a column and a row."""
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.Linear):
-        return [0, 1]
-    args = [a for a in node.args]
-    if kind == "linear" and len(args) >= 2 and isinstance(args[1], fx.Node) and args[1].name in param_dims:
-        dims = param_dims[args[1].name]
-        return [dims[0], dims[1]] if len(dims) == 2 else [None, None]
-    if kind not in MATMUL_OPS or kind in ("linear", "einsum"):
-        return [None, None]
-    first, second = _OPERANDS.get(kind, (0, 1))
-    for position, (out_at, in_at) in ((second, (-1, -2)), (first, (-2, -1))):
-        arg = args[position] if position < len(args) else None
-        if isinstance(arg, fx.Node) and param_source.get(arg.name) == weight and arg.name in param_dims:
-            dims = param_dims[arg.name]
-            return [dims[out_at], dims[in_at]] if len(dims) >= 2 else [None, None]
-    return [None, None]
 
 
 def _literal(value: Any) -> Any:

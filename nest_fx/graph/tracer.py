@@ -11,10 +11,11 @@ import torch
 
 from torch.utils._pytree import tree_map
 
-from nest_fx.graph.annotate import annotate, module_of
+from nest_fx.graph.annotate import annotate
 from nest_fx.graph.blocks import detect_blocks
 from nest_fx.graph.capture import TraceError, capture
 from nest_fx.graph.moe_modules import expert_module_paths
+from nest_fx.graph.op_kinds import module_of
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.tp_pairs import find_patterns
 from nest_fx.graph.tp_mha import add_multihead_pairs

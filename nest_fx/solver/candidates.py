@@ -12,10 +12,11 @@ import numpy as np
 
 from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import memory
+from nest_fx.cost.dp_sync import tail_terms
 from nest_fx.cost.memory import model_states
 from nest_fx.cost.schedules import bubble_factor
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
-from nest_fx.cost.step_time import pipeline_span, tail_terms
+from nest_fx.cost.step_time import pipeline_span
 from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, stage_counts
 from nest_fx.workload.types import Variant, Workload
 

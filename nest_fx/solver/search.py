@@ -53,9 +53,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.cost import memory
+from nest_fx.cost.dp_sync import tail_terms
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult
-from nest_fx.cost.step_time import pipeline_span, simulate, tail_terms
+from nest_fx.cost.step_time import pipeline_span, simulate
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
 from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors, layer_prefix, partition_floor

@@ -118,7 +118,7 @@ class GlobalConfig:
 
     @property
     def shard(self) -> int:
-        """Ranks ZeRO/FSDP shards over (``step_time.shard_degree``)."""
+        """Ranks ZeRO/FSDP shards over (``dp_sync.shard_degree``)."""
         return (self.dp_shard or self.dp) * self.cp
 
     def plan(self, stages: List[StagePlan], m: int, workload: Workload, cluster, **fields) -> Plan:

@@ -3,9 +3,9 @@ computed with numpy: the table the NEST DP reads.
 
 Stage i's cost depends on its layer range [b, e) only through the range's class
 (:mod:`nest_fx.solver.range_classes`). Per (stage index, class, recompute mode) the table
-assembles the simulator's own terms (``step_time.compute_terms``, ``comm_terms``,
-``microbatch_time``, ``model_states``, ``stage_memory``, ``dp_sync_time``, ``tail_terms``) on
-arrays, so every entry equals ``step_time.stage_cost`` exactly (``tests/unit/solver/test_stage_table.py``).
+assembles the simulator's own terms (``stage_terms.compute_terms``, ``step_time.comm_terms``,
+``microbatch_time``, ``memory.model_states``, ``stage_memory``, ``dp_sync.dp_sync_time``,
+``tail_terms``) on arrays, so every entry equals ``step_time.stage_cost`` exactly (``tests/unit/solver/test_stage_table.py``).
 What the tables of one search share is in :class:`~nest_fx.solver.table_cache.TableCache`.
 
 A table only holds the classes that can be part of a plan faster than the best plan known when
@@ -22,10 +22,11 @@ from typing import Dict
 
 import numpy as np
 
-from nest_fx.cost import memory
+from nest_fx.cost import inflight, memory
+from nest_fx.cost.dp_sync import dp_sync_time, fsdp_units, tail_terms, tied_sync_time
 from nest_fx.cost.memory import stage_memory
 from nest_fx.cost.results import microbatch_time, stage_work
-from nest_fx.cost.step_time import dp_sync_time, exposed_comms, fsdp_units, held_terms, tail_terms, tied_sync_time
+from nest_fx.cost.step_time import exposed_comms, held_terms
 from nest_fx.solver.range_classes import subset_terms
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.solver.stage_bounds import INF, SLACK, StageBounds
@@ -83,7 +84,7 @@ class StageTable(StageBounds):
             t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
             held = np.array(
                 [
-                    memory.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
+                    inflight.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
                     for i in range(p)
                 ]
             ).reshape(p, k)

@@ -19,10 +19,12 @@ import numpy as np
 
 from nest_fx.cost import memory
 from nest_fx.cost.collectives import group_comm_fn
+from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, tail_terms
+from nest_fx.cost.inflight import pipeline_inflight_microbatches
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
-from nest_fx.cost.step_time import comm_terms, dp_sync_time, expert_shard_degree, held_terms, p2p_time, tail_terms
+from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
@@ -184,7 +186,7 @@ class TableCache:
 
         Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
         all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
-        (``memory.pipeline_inflight_microbatches``; other terms only add), so
+        (``inflight.pipeline_inflight_microbatches``; other terms only add), so
         ``A_i <= (C - k P_i) / f_i``; summed over the stages, the blocks' activations per
         microbatch obey ``sum_l a_l <= C sum_i 1 / f_i - k P / max_i f_i``. The cheapest way to
         meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
@@ -209,7 +211,7 @@ class TableCache:
             master_weights=o.master_weights,
             state_dtype_bytes=o.state_bytes,
         )["total"]
-        inflight = [memory.pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
+        inflight = [pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         excess = kept - budget
@@ -291,7 +293,7 @@ class TableCache:
     def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
         """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
 
-        q_i = max((1 - share) y_i, y_i - B_i - R_i) + O_i (``step_time.tail_terms``; the tied
+        q_i = max((1 - share) y_i, y_i - B_i - R_i) + O_i (``dp_sync.tail_terms``; the tied
         exchange only adds) with y_i the stage's DP sync seconds, B_i its backward and R_i its
         recompute seconds per microbatch (R_i <= the replica's most recompute, summed), O_i its
         optimizer step (linear in its parameters). Two bounds:

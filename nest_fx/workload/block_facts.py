@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Tuple
 import networkx as nx
 import torch
 
-from nest_fx.graph.annotate import ATTENTION_CALLS, LSE_BYTES, MATMUL_OPS, VIEW_OPS
+from nest_fx.graph.annotate import LSE_BYTES
+from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.graph.tp_wide_norms import statistic_bytes

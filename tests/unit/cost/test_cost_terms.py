@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nest_fx.cluster import Cluster, load_cluster
-from nest_fx.cost.memory import held_activation_bytes, interleaved_chunk_states, pipeline_inflight_microbatches
+from nest_fx.cost.inflight import held_activation_bytes, interleaved_chunk_states, pipeline_inflight_microbatches
 from nest_fx.cost.options import ALLOCATOR_OVERHEAD, USABLE_MEMORY_FRACTION
 from nest_fx.cost.stage_terms import stage_groups
 from nest_fx.cost.step_time import simulate

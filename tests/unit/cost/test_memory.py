@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nest_fx.cost.inflight import pipeline_inflight_microbatches, stage_activation_bytes
 from nest_fx.cost.memory import (
     check_fits,
     effective_zero_stage,
@@ -12,8 +13,6 @@ from nest_fx.cost.memory import (
     korthikanti_activation_bytes,
     model_state_bytes,
     optimizer_bytes_per_param,
-    pipeline_inflight_microbatches,
-    stage_activation_bytes,
 )
 
 # -- model states --------------------------------------------------------------------------

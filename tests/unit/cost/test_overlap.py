@@ -10,9 +10,10 @@ import pytest
 
 from nest_fx.cli import build_parser
 from nest_fx.cluster import load_cluster
+from nest_fx.cost.dp_sync import tail_terms
 from nest_fx.cost.options import ASYNC_TP_OVERLAP, CostOptions
 from nest_fx.cost.results import microbatch_time
-from nest_fx.cost.step_time import exposed_comms, simulate, tail_terms
+from nest_fx.cost.step_time import exposed_comms, simulate
 from nest_fx.plan import uniform_plan
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.settings import OVERLAPS, default

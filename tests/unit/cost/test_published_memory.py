@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from nest_fx.cost.memory import held_grad_bytes, interleaved_chunk_states, model_states, pipeline_inflight_microbatches
+from nest_fx.cost.inflight import interleaved_chunk_states, pipeline_inflight_microbatches
+from nest_fx.cost.memory import held_grad_bytes, model_states
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate
 from nest_fx.workload import workload_for_model

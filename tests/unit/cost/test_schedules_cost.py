@@ -16,7 +16,7 @@ from torch.distributed.pipelining import schedules as S
 
 from nest_fx.apply.checks import ApplyError, check_supported
 from nest_fx.apply.pipeline import chunk_layout
-from nest_fx.cost import memory
+from nest_fx.cost import inflight
 from nest_fx.cost.step_time import pipeline_span, simulate
 from nest_fx.plan import Plan, PlanError, uniform_plan
 from nest_fx.plan.constraints import schedule_pairs
@@ -119,9 +119,9 @@ def test_bubble_and_memory_match_torchs_own_order(schedule, p, m, v):
     t = 3.0 * v  # a device's forward + backward per microbatch: v chunks of F + I + W
     # equal stages, free transfers: max_i t_i = t, sum_i s_i = p t
     assert pipeline_span(t, p * t, m, schedule, v) == pytest.approx(span)
-    if schedule != "interleaved":  # the interleaved counts are per chunk (memory.interleaved_chunk_states)
+    if schedule != "interleaved":  # the interleaved counts are per chunk (inflight.interleaved_chunk_states)
         for rank in range(p):
-            assert memory.pipeline_inflight_microbatches(schedule, rank, p, m, v) == pytest.approx(peak[rank] / v)
+            assert inflight.pipeline_inflight_microbatches(schedule, rank, p, m, v) == pytest.approx(peak[rank] / v)
 
 
 def test_zero_bubble_schedules_leave_a_third_of_the_1f1b_bubble():

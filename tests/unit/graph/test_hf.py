@@ -11,8 +11,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from nest_fx.graph import trace
-from nest_fx.graph.annotate import flop_formulas
 from nest_fx.graph.capture import export
+from nest_fx.graph.flop_formulas import flop_formulas
 from nest_fx.models import build_any
 from nest_fx.models.hf import parse_hf_name
 
@@ -29,7 +29,7 @@ CONTAINERS = {
 
 # FlopCounterMode has no formula for the SDPA kernel CPU tensors dispatch to (it counts only the
 # CUDA ones) nor for grouped matmuls (HF MoE experts): the reference gets the tracer's formulas for
-# them (nest_fx.graph.annotate.flop_formulas), else it counts them as 0 FLOPs.
+# them (nest_fx.graph.flop_formulas.flop_formulas), else it counts them as 0 FLOPs.
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ import pytest
 
 from nest_fx.report import timeline
 from nest_fx.cli import main
-from nest_fx.cost.memory import pipeline_inflight_microbatches
+from nest_fx.cost.inflight import pipeline_inflight_microbatches
 from nest_fx.cost.step_time import pipeline_time, simulate
 from nest_fx.report.layout import fmt_ranks, group_lines, level_map_lines
 from nest_fx.plan import Plan, uniform_plan
