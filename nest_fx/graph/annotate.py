@@ -31,9 +31,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nest_fx.graph.flop_formulas import flop_formulas
 from nest_fx.graph.matmul_weights import view_dims, weight_dims, weight_of
-from nest_fx.graph.op_kinds import (  # noqa: F401  MATMUL_OPS, VIEW_OPS: tp_pairs.py imports them from here
+from nest_fx.graph.op_kinds import (
     ATTENTION_CALLS,
-    MATMUL_OPS,
     VIEW_OPS,
     module_class_of,
     module_of,

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import networkx as nx
 
-from nest_fx.graph.annotate import MATMUL_OPS, VIEW_OPS
+from nest_fx.graph.op_kinds import MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.opgraph import Block, BlockPattern, TPPair, TPParam
 from nest_fx.graph.tp_flow import follow_pair
 from nest_fx.graph.tp_regions import lowest_common_module
