@@ -339,12 +339,14 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules, AttentionRules):
     def per_head_sources(self, node: str, at: int) -> List[Tuple[str, List[int], int]]:
         """The region inputs that give ``node``'s dim ``at`` (a dim that meets the sharded heads)
         its size: ``node`` itself when it is a region input, else the inputs it is computed from by
-        elementwise ops. A per-head dim created inside the region (from the global head count)
-        cannot be sliced: a problem."""
+        elementwise ops. A per-head dim created inside the region cannot be sliced: a problem,
+        unless it is one value everywhere, built per rank from its head count (``local_fill``)."""
         d = self.g.nodes[node]
         shape = d["out_shapes"][0]
         if self.external(node):
             return [(node, shape, at)]
+        if self.local_fill(node, at):
+            return []  # built per rank from the localised head count: nothing to slice
         first = (d.get("in_shapes") or [[]])[0]
         if d.get("op") in SELECTS | {"getitem", "index"} and len(first) == len(shape) and first[at] == shape[at]:
             return self.per_head_sources(d["inputs"][0], at)  # a slice along other dims (MPT's ALiBi)
@@ -353,12 +355,13 @@ class _Follower(ShapeRules, WideNormRules, MultiQueryRules, AttentionRules):
                 f"{self.where(node)} builds a per-head tensor from the global head count inside the "
                 "region; tensor parallelism cannot shard it"
             )
-        found = []
+        found, local = [], False
         for name, in_shape in zip(d.get("inputs", []), d.get("in_shapes", [])):
             dim = at - (len(shape) - len(in_shape))
             if name in self.g and 0 <= dim < len(in_shape) and in_shape[dim] != 1 and _float(self.g.nodes[name]):
+                local = local or self.local_fill(name, dim)
                 found += self.per_head_sources(name, dim)
-        if not found:
+        if not found and not local:
             raise _Stop(
                 f"{self.where(node)} builds a per-head tensor from the global head count inside the "
                 "region; tensor parallelism cannot shard it"

@@ -10,12 +10,32 @@ from typing import List, Optional
 
 import networkx as nx
 
-from nest_fx.graph.tp_flow_ops import NORMS, REDUCTIONS, Flow, _normalises_last, _Stop
+from nest_fx.graph.tp_flow_ops import FILLS, NORMS, REDUCTIONS, Flow, _normalises_last, _Stop
 
 
 class AttentionRules:
     """Mixed into ``tp_flow._Follower`` (which provides ``g``, ``block``, ``where``, ``inside``,
-    ``check_unsharded`` and ``shared_inputs_ok``)."""
+    ``head_counts``, ``check_unsharded`` and ``shared_inputs_ok``)."""
+
+    def local_fill(self, node: str, at: int) -> bool:
+        """True when ``node`` is a tensor of one value built inside the region with one entry per
+        head along ``at`` (T5's cross-attention without a bias table of its own: ``position_bias =
+        torch.zeros((1, self.n_heads, q, k))``). A rank's copy of the region reads its localised head
+        count and builds its own heads, which equal any rank's slice (one value everywhere); the TP
+        rehearsal refuses a region whose code builds it from a count nest-fx does not localise.
+        Where it leaves the region (T5 passes it to the later layers' cross-attention) it must reach
+        only copies of the same module, which take a tensor of ``heads / tp`` heads as it is."""
+        d = self.g.nodes[node]
+        shape = (d.get("out_shapes") or [[]])[0]
+        if d.get("op") not in FILLS or not self.inside(node) or not (0 <= at < len(shape)):
+            return False
+        if shape[at] not in self.head_counts or any(_is_float_input(self.g, n) for n in d.get("inputs", [])):
+            return False
+        owner = d.get("module_class")
+        return all(
+            self.inside(user) or (owner and self.g.nodes[user].get("module_class") == owner)
+            for user in self.g.successors(node)
+        )
 
     def whole_width_norm(self, node: str, ins: List[Optional[Flow]]) -> str:
         """Why an attention's query, key or value is left unsharded, when a norm over its whole
@@ -90,3 +110,7 @@ class AttentionRules:
                 raise _Stop(f"{self.where(node)} multiplies sharded heads with an unsharded per-head tensor")
         self.check_unsharded(node, first, len(out), skip=set(operands))
         return replace(first, source=None) if first.source else first
+
+
+def _is_float_input(graph: nx.DiGraph, name: str) -> bool:
+    return name in graph and str((graph.nodes[name].get("out_dtypes") or [""])[0]).startswith(("float", "bfloat"))

@@ -96,6 +96,8 @@ ATTENTION = {
 BATCHED_MATMULS = {"bmm", "matmul", "baddbmm"}
 IGNORED = {"_assert_tensor_metadata", "size", "sym_size", "dim"}
 COMPLEX_VIEWS = {"view_as_complex", "view_as_real"}
+# factories of a tensor of one value everywhere (T5's zero position bias of a cross-attention)
+FILLS = {"zeros", "ones", "full", "new_zeros", "new_ones", "new_full"}
 # ops that keep a flow's fused parts (they move or take the dims; any other op forgets them)
 KEEP_FUSED = {
     "transpose",
