@@ -417,7 +417,7 @@ def _shared_layout(plan: Plan, p: int, shift_class) -> List[StageGroups]:
     if shift_class is None or p < 4 or any(plan.stage_offset(i) != i * step for i in range(p)):
         return [stage_groups(plan, i) for i in range(p)]
     first = stage_groups(plan, 1)
-    spans = [(min(grp), max(grp)) for grp in _groups_of(first)]
+    spans = sorted({(min(grp), max(grp)) for grp in _groups_of(first)})  # a class is a function of these
     out = [stage_groups(plan, 0), first]
     seen: Dict[tuple, StageGroups] = {}
     for i in range(1, p - 1):
