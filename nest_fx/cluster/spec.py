@@ -189,6 +189,22 @@ class Cluster:
             self._span_memo[exact] = spans
         return list(spans)
 
+    def shift_class(self, lo: int, hi: int, shift: int) -> Tuple[int, int]:
+        """Which shifts of one rank set the network cannot tell apart: for a set whose least and
+        largest ranks are ``lo`` and ``hi``, the set moved by ``shift`` ranks has class ``(t,
+        shift mod levels[t - 1].group_size)`` (``t``: the moved set's :meth:`level_index_of_group`;
+        mod 1 for t = 0). Two shifts of one set with the same class have the same :meth:`span`
+        (at levels below t every group index moves by the same whole number, since the inner
+        group sizes divide ``levels[t - 1].group_size``; at level t both sets sit in one group and
+        fan out over as many level-(t-1) groups), hence the same collective and point-to-point
+        costs. The solver uses it to cost one stage of each class (a data-parallel group of
+        thousands of ranks is otherwise resolved once per stage)."""
+        a, b = lo + shift, hi + shift
+        for t, level in enumerate(self.levels):
+            if a // level.group_size == b // level.group_size:
+                return t, shift % (self.levels[t - 1].group_size if t else 1)
+        raise AssertionError("unreachable: the outermost level holds every rank (validated)")
+
     def _span(self, rs: np.ndarray, top: int) -> List[LevelSpan]:
         if rs.size <= SMALL_GROUP:
             return self._small_span(rs.tolist(), top)

@@ -115,14 +115,12 @@ def candidates(
     works: Dict[tuple, Tuple[float, float, np.ndarray]] = {}
     screens: Dict[tuple, np.ndarray] = {}
     depth_memo: Dict[tuple, np.ndarray] = {}
+    t_opts: Dict[tuple, np.ndarray] = {}
+    busiest: Dict[tuple, np.ndarray] = {}
     out = []
     for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
         if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
             break
-        key = variant_of(g)
-        if key not in works:
-            works[key] = _replica_work(workload, g)
-        work, params, floors = works[key]
         # stage_counts reads only these of g (and the workload, cluster and options, fixed here)
         depth_key = (
             g.dp * g.tp * g.cp,
@@ -140,6 +138,10 @@ def candidates(
             )
         if not depths.size:
             continue
+        key = variant_of(g)
+        if key not in works:
+            works[key] = _replica_work(workload, g)
+        work, params, floors = works[key]
         screen_key = (params, g.zero, g.shard, int(depths[-1]))
         if screen_key not in screens:  # fits[p]: the leanest model states of p stages fit
             every = np.arange(1, int(depths[-1]) + 1, dtype=float)
@@ -147,15 +149,26 @@ def candidates(
                 [[False], model_states(params / every, g.zero, g.shard, options.cost)["total"] <= capacity]
             )
         depths = depths[screens[screen_key][depths]]
-        t_opt = tail_terms(0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost)[1]
+        # the optimizer step and the busiest stage's floor do not depend on the schedule or placement
+        depths_key = depths.tobytes()
+        t_opt = t_opts.get((screen_key, depths_key))
+        if t_opt is None:
+            t_opt = t_opts[(screen_key, depths_key)] = tail_terms(
+                0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost
+            )[1]
+        max_t = busiest.get((key, depths_key))
+        if max_t is None:
+            max_t = busiest[(key, depths_key)] = np.maximum(work / depths, busiest_stage_floor(floors, depths))
         m = g.microbatches(global_batch)
-        max_t = np.maximum(work / depths, busiest_stage_floor(floors, depths))
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:
             v = len(workload) // depths  # the largest factor gives the least bound of the family
             lbs = m * max_t + (work - max_t) * bubble_factor(g.schedule, 1) / v + t_opt
         else:
             lbs = pipeline_span(max_t, work, m, g.schedule, g.virtual_stages) + t_opt
-        for lb, p in zip(lbs.tolist(), depths.tolist()):
-            out.extend((lb, h, p) for h in (concrete(g, workload, p) if expand else [g]))
+        if expand:
+            for lb, p in zip(lbs.tolist(), depths.tolist()):
+                out.extend((lb, h, p) for h in concrete(g, workload, p))
+        else:
+            out += [(lb, g, p) for lb, p in zip(lbs.tolist(), depths.tolist())]
     out.sort(key=lambda x: x[0])
     return out

@@ -13,6 +13,7 @@ builds a table: the recompute memory forces (``forced_recompute``) and one repli
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -131,7 +132,12 @@ class TableCache:
         return g.placement, g.tp, g.dp, g.ep, p, g.cp, g.dp_shard
 
     def layout(self, g: GlobalConfig, p: int) -> List[StageGroups]:
-        """Rank groups of each stage: they depend on placement, tp, dp, ep, cp, dp_shard and p only."""
+        """Rank groups of each stage, for costing: they depend on placement, tp, dp, ep, cp,
+        dp_shard and p only. A middle stage's groups are stage 1's moved by a multiple of the
+        stage offset (every stage has g's TP degree); where the cluster costs such a move as the
+        unmoved groups (``Cluster.shift_class``: the same class for every group), the entry is
+        the earlier stage's own object: costs asked of it are the stage's, its ranks are not.
+        Loops over the stages cost each distinct object once (``_distinct``)."""
         key = self._layout_key(g, p)
         if key not in self._layouts:
             plan = _LayoutPlan(
@@ -144,7 +150,7 @@ class TableCache:
                 placement=g.placement,
                 num_layers=p,
             )
-            self._layouts[key] = [stage_groups(plan, i) for i in range(p)]
+            self._layouts[key] = _shared_layout(plan, p, getattr(self.cluster, "shift_class", None))
         return self._layouts[key]
 
     def comm_seconds(self, g: GlobalConfig, p: int, comm) -> np.ndarray:
@@ -155,10 +161,12 @@ class TableCache:
         if hit is None:
             fns = self._group_fns.get((layout, comm.kind, comm.group))
             if fns is None:
-                fns = self._group_fns[(layout, comm.kind, comm.group)] = [
-                    group_comm_fn(self.cluster, comm.kind, getattr(s, comm.group)) for s in self.layout(g, p)
-                ]
-            hit = self._comm_seconds[key] = np.array([[f(comm)] for f in fns], dtype=float)
+                objs, where = _distinct(self.layout(g, p))
+                fns = self._group_fns[(layout, comm.kind, comm.group)] = (
+                    [group_comm_fn(self.cluster, comm.kind, getattr(s, comm.group)) for s in objs],
+                    where,
+                )
+            hit = self._comm_seconds[key] = np.array([[f(comm)] for f in fns[0]], dtype=float)[fns[1]]
         return hit
 
     def p2p(self, g: GlobalConfig, p: int) -> np.ndarray:
@@ -171,7 +179,12 @@ class TableCache:
             rc, layout = self.classes(g), self.layout(g, p)
             hit = self._p2p[key] = np.zeros((p, len(rc.costs) + 1))
             senders = np.unique(rc.prev[rc.prev >= 0]).tolist()  # costs some layer follows
+            done: Dict[int, int] = {}  # a shared layout entry's first stage: the same row
             for i in range(1, p):
+                if id(layout[i]) in done:
+                    hit[i] = hit[done[id(layout[i])]]
+                    continue
+                done[id(layout[i])] = i
                 by_bytes: Dict[float, float] = {}
                 for d in senders:
                     nbytes = rc.costs[d].out_bytes / g.cp
@@ -360,7 +373,7 @@ class TableCache:
                     0.0,
                     d * sizes if g.float8 else 0.0,
                 )
-                for groups in layout
+                for groups in _distinct(layout)[0]
             ]
             at = [np.broadcast_to(np.asarray(y, dtype=float), (2,)) for y in at]
             least = min(float(y[0]) for y in at)
@@ -394,6 +407,55 @@ class TableCache:
                 *working_sets(terms, zero, g.shard, opts),
             )
         return self._states[key]
+
+
+def _shared_layout(plan: Plan, p: int, shift_class) -> List[StageGroups]:
+    """``stage_groups`` of each of ``plan``'s p stages, a middle stage (1 <= i < p - 1: no tied
+    exchange) sharing the object of the first middle stage of its class under ``shift_class``
+    (None: every stage its own). Stage i >= 1's groups are stage 1's moved by ``(i - 1) c``
+    with c the stage offset, as ``Plan.rank`` is the stage offset plus a term free of the stage
+    when the TP degrees are equal (tests/unit/solver/test_layout_classes.py checks it)."""
+    step = plan.stage_offset(1) if p > 1 else 0
+    if shift_class is None or p < 4 or any(plan.stage_offset(i) != i * step for i in range(p)):
+        return [stage_groups(plan, i) for i in range(p)]
+    first = stage_groups(plan, 1)
+    spans = sorted({(min(grp), max(grp)) for grp in _groups_of(first)})  # a class is a function of these
+    out = [stage_groups(plan, 0), first]
+    seen: Dict[tuple, StageGroups] = {}
+    for i in range(1, p - 1):
+        cls = tuple(shift_class(lo, hi, (i - 1) * step) for lo, hi in spans)
+        if cls not in seen:
+            seen[cls] = first if i == 1 else stage_groups(plan, i)
+        if i > 1:
+            out.append(seen[cls])
+    out.append(stage_groups(plan, p - 1))
+    return out
+
+
+def _groups_of(groups: StageGroups) -> List[Tuple[int, ...]]:
+    """Every non-empty rank group (pairs included) of ``groups``."""
+    out: List[Tuple[int, ...]] = []
+    for f in fields(groups):
+        value = getattr(groups, f.name)
+        if value and isinstance(value[0], tuple):
+            out += [grp for grp in value if grp]
+        elif value:
+            out.append(value)
+    return out
+
+
+def _distinct(layout: List[StageGroups]) -> Tuple[List[StageGroups], List[int]]:
+    """(the distinct objects of ``layout``, each stage's index among them)."""
+    index: Dict[int, int] = {}
+    objs: List[StageGroups] = []
+    where = []
+    for groups in layout:
+        k = index.get(id(groups))
+        if k is None:
+            k = index[id(groups)] = len(objs)
+            objs.append(groups)
+        where.append(k)
+    return objs, where
 
 
 def _slope(u: Tuple[float, float], w: Tuple[float, float]) -> float:
