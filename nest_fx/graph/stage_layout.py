@@ -73,7 +73,10 @@ class StageLayout:
     block keeps it, the others hold a NaN stand-in tensor (what they compute from it is discarded).
     ``problem``: why the model cannot be cut at all ("" when it can); ``cut_problems``: per cut
     index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible; ``activations``:
-    per possible cut, the traced shape and dtype of the one activation crossing it.
+    per possible cut, the traced shape and dtype of the activation crossing it; ``side_values``:
+    per possible cut, the other values crossing it, each ``(module, shape, dtype)``: a tensor of
+    the output of ``module`` (an encoder's output, the position bias T5's first layer returns),
+    in the order the model computes them.
     """
 
     container: str
@@ -87,6 +90,7 @@ class StageLayout:
     cut_problems: Dict[int, str] = field(default_factory=dict)
     activations: Dict[int, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)
     root_params: Dict[str, int] = field(default_factory=dict)
+    side_values: Dict[int, List[Tuple[str, Tuple[int, ...], str]]] = field(default_factory=dict)
 
     def modules_in(self, start: int, end: int) -> List[str]:
         """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
@@ -278,24 +282,41 @@ class _Reader:
         problems: Dict[int, str] = {}
         last_use = {n: max((g.nodes[s]["block"] for s in g.successors(n)), default=-1) for n in local}
         for c in range(1, layout.num_blocks):
-            carried = [n for n in local if g.nodes[n]["block"] < c <= last_use[n]]
+            carried = sorted((n for n in local if g.nodes[n]["block"] < c <= last_use[n]), key=position.get)
             cut = f"between {self.block_name[c - 1]} and {self.block_name[c]}"
-            if len(carried) != 1:
+            # the activation is the value computed last; the others must be outputs of modules
+            # (an encoder, an earlier layer's extra outputs), which the stage passes beside it
+            sides = carried[:-1]
+            loose = [n for n in sides if self._side_module(layout, n) is None]
+            if not carried or loose:
                 what = "; ".join(
                     f"{g.nodes[n].get('op')} in {g.nodes[n].get('module') or '<root>'} {g.nodes[n].get('out_shapes')}"
-                    for n in sorted(carried, key=position.get)
+                    for n in (loose or carried)
                 )
                 problems[c] = (
-                    f"a pipeline cut {cut} would have to pass {len(carried)} values computed by the "
-                    f"stage before it ({what or 'none'}), but a stage passes exactly one activation. "
-                    "fix: use pp=1"
+                    f"a pipeline cut {cut} would have to pass {len(loose or carried)} values computed by the "
+                    f"stage before it ({what or 'none'}) in the model's own forward code, but a stage passes "
+                    "one activation and the outputs of its modules. fix: use pp=1"
                 )
-            else:
-                problems.update({c: p for p in [self._entry_problem(layout, c, carried[0], cut)] if p})
-                data = g.nodes[carried[0]]
-                if len(data.get("out_shapes") or ()) == 1:
-                    layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
+                continue
+            problems.update({c: p for p in [self._entry_problem(layout, c, carried[-1], cut)] if p})
+            data = g.nodes[carried[-1]]
+            if len(data.get("out_shapes") or ()) == 1:
+                layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
+            layout.side_values[c] = [
+                (self._side_module(layout, n), tuple(g.nodes[n]["out_shapes"][0]), g.nodes[n]["out_dtypes"][0])
+                for n in sides
+            ]
         return problems
+
+    def _side_module(self, layout: StageLayout, node: str) -> Optional[str]:
+        """The module (a parameterised head module or a layer) whose output ``node`` is one tensor
+        of, when ``node`` can be passed beside a cut's activation; None otherwise."""
+        d = self.graph.graph.nodes[node]
+        top = self.top_of(d.get("module", ""))
+        if top is None or len(d.get("out_shapes") or ()) != 1:
+            return None
+        return top if top in layout.owned or top in layout.layer_modules() else None
 
 
 def stage_layout(model: nn.Module, graph) -> StageLayout:

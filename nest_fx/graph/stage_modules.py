@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from nest_fx.graph.stand_in import OutputShapes, SplitError, StandIn, meta_copy, run_on_fake
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
@@ -108,6 +108,13 @@ class StageRoute:
     # what the last stage passes to the schedule's loss function, from the model's output
     last_output: Callable[[Any], torch.Tensor] = tensor_output
     received: Optional[torch.Tensor] = None
+    # the module outputs passed beside the activation (StageLayout.side_values), in the order they
+    # are sent: (module, number of its output tensors passed) at the stage's first and end cut
+    side_in: Tuple[Tuple[str, int], ...] = ()
+    side_out: Tuple[Tuple[str, int], ...] = ()
+    side_layers: Tuple[str, ...] = ()  # those of them that are layers (their first output is the activation)
+    side_received: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    side_captured: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
 
     def take(self, where: str) -> torch.Tensor:
         if self.received is None:
@@ -188,6 +195,47 @@ def _exit_at_output(path: str):
     return hook
 
 
+def _side_leaves(output: Any, count: int, path: str, layer_exit: bool) -> Tuple[List[Any], Any, List[int]]:
+    """The positions, among the tensors of ``output`` (flattened), of the ``count`` that ``path``
+    passes beside the activation: all of them, or all but the first when ``path`` is the layer
+    whose first output is the activation itself. Returns (leaves, spec, positions)."""
+    leaves, spec = tree_flatten(output)
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if len(tensors) == count + 1 and layer_exit:
+        tensors = tensors[1:]
+    if len(tensors) != count:
+        raise SplitError(
+            f"pipeline: a cut passes {count} output tensors of {path} beside the activation, but it returns "
+            f"{len(tensors)}; the stage cannot tell which to pass. fix: use pp=1"
+        )
+    return leaves, spec, tensors
+
+
+def _side_hook(route: StageRoute, path: str, count_in: int, count_out: int, layer_exit: bool):
+    """Forward hook on a module whose outputs cross the stage's cuts: replaces them by the tensors
+    received from the previous stage (the module is a stand-in here), then keeps them to send on."""
+
+    def hook(module, args, output):
+        if count_in:
+            leaves, spec, positions = _side_leaves(output, count_in, path, layer_exit)
+            received = route.side_received.pop(path, None)
+            if received is None:
+                raise SplitError(
+                    f"pipeline stage [{route.start}, {route.end}): {path} ran twice or without the values "
+                    "received for it; the model calls it more than once per forward. fix: use pp=1"
+                )
+            for i, new in zip(positions, received):
+                _same_shape(leaves[i], new, path)
+                leaves[i] = new
+            output = tree_unflatten(leaves, spec)
+        if count_out:
+            leaves, _, positions = _side_leaves(output, count_out, path, layer_exit)
+            route.side_captured[path] = [leaves[i] for i in positions]
+        return output
+
+    return hook
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous: the gradient of a received activation
     goes back to the previous stage by a point-to-point send, which takes contiguous tensors only
@@ -207,12 +255,18 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
 
     def run(*received, **packed):
         args, kwargs = unpack_inputs(packed)
-        if len(received) != (0 if route.first else 1):
+        expected = 0 if route.first else 1 + sum(n for _, n in route.side_in)
+        if len(received) != expected:
             raise SplitError(
-                f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; "
-                f"expected {0 if route.first else 1}"
+                f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; expected {expected}"
             )
-        route.received = _ContiguousGrad.apply(received[0]) if received else None
+        received = tuple(_ContiguousGrad.apply(r) for r in received)
+        route.received = received[0] if received else None
+        at = 1
+        for path, n in route.side_in:
+            route.side_received[path] = list(received[at : at + n])
+            at += n
+        route.side_captured = {}
         try:
             output = forward(*args, **kwargs)
         except _StageExit as stop:
@@ -221,6 +275,8 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             # sent to the next stage: point-to-point sends take contiguous tensors (ConvNeXt's
             # channels-last permutes are not)
             output = stop.hidden.contiguous()
+            if route.side_out:
+                output = (output, *_sent_sides(route))
         else:
             if not route.last:
                 raise SplitError(
@@ -230,14 +286,36 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             output = route.last_output(output)
         finally:
             pending, route.received = route.received, None
-        if pending is not None:
+            unused, route.side_received, route.side_captured = route.side_received, {}, {}
+        if pending is not None or unused:
             raise SplitError(
                 f"pipeline stage [{route.start}, {route.end}): the received activation was never used "
-                "(the stage's first layer did not run). fix: use pp=1"
+                f"(the stage's first layer{' or ' + ', '.join(unused) if unused else ''} did not run). fix: use pp=1"
             )
         return output
 
     return run
+
+
+def _sent_sides(route: StageRoute) -> List[torch.Tensor]:
+    """The module outputs the stage passes beside its activation, contiguous, in the layout's order."""
+    sent = []
+    for path, _ in route.side_out:
+        if path not in route.side_captured:
+            raise SplitError(
+                f"pipeline stage [{route.start}, {route.end}) stopped before {path} ran, whose output the next "
+                "stage needs. fix: use pp=1"
+            )
+        sent.extend(t.contiguous() for t in route.side_captured[path])
+    return sent
+
+
+def _side_groups(layout: StageLayout, cut: int) -> Tuple[Tuple[str, int], ...]:
+    """The modules whose outputs cross ``cut`` beside the activation, each with how many."""
+    counts: Dict[str, int] = {}
+    for path, _, _ in layout.side_values.get(cut, ()):
+        counts[path] = counts.get(path, 0) + 1
+    return tuple(counts.items())
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -268,6 +346,7 @@ def split_stages(
         raise SplitError(problem)
     n = layout.num_blocks
     paths = list(layout.owned) + layout.layer_modules()
+    layer_paths = set(layout.layer_modules())
     originals = {p: model.get_submodule(p) for p in paths}
     shapes = _output_shapes(graph, layout, originals)
     if len(ranges) == 1:
@@ -292,6 +371,15 @@ def split_stages(
             if not start <= block < end:
                 _stand_in_parameter(base, name)
         route = StageRoute(start, end, first=start == 0, last=end == n)
+        route.side_in = () if route.first else _side_groups(layout, start)
+        route.side_out = () if route.last else _side_groups(layout, end)
+        route.side_layers = tuple(p for p, _ in route.side_in + route.side_out if p in layer_paths)
+        kept_sides = [p for p, _ in route.side_in if p in keep]
+        if kept_sides:
+            raise SplitError(
+                f"pipeline stage [{start}, {end}) holds {kept_sides[0]}, whose output it also receives from the "
+                "stage before it. fix: use pp=1"
+            )
         _install_route(base, route, layout)
     return bases
 
@@ -353,6 +441,12 @@ def arm_stages(stages: Sequence[nn.Module], last_output: Optional[Callable[[Any]
         route = stage_route(stage)
         if last_output is not None:
             route.last_output = last_output
+        if not route.armed:
+            side_in, side_out = dict(route.side_in), dict(route.side_out)
+            for path in dict.fromkeys([*side_in, *side_out]):
+                layer_exit = path in route.side_layers
+                hook = _side_hook(route, path, side_in.get(path, 0), side_out.get(path, 0), layer_exit)
+                stage.get_submodule(path).register_forward_hook(hook)
         if route.exit_after and not route.armed:
             stage.get_submodule(route.exit_after).register_forward_hook(_exit_at_output(route.exit_after))
         route.armed = True
@@ -363,7 +457,8 @@ def run_stages(stages: Sequence[nn.Module], args: tuple, kwargs: Dict[str, Any])
     packed = pack_inputs(args, kwargs)
     received: tuple = ()
     for stage in stages:
-        received = (stage(*received, **packed),)
+        out = stage(*received, **packed)
+        received = out if isinstance(out, tuple) else (out,)
     return received[0]
 
 
@@ -460,8 +555,12 @@ def _probe(stage: nn.Module, start: int, end: int, layout: StageLayout, inputs) 
         received = ()
         if start > 0:
             shape, dtype = layout.activations[start]
-            received = (torch.empty(shape, dtype=getattr(torch, dtype), device="meta"),)
+            sides = [s[1:] for s in layout.side_values.get(start, ())]
+            received = tuple(
+                torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in [(shape, dtype), *sides]
+            )
         out = stage(*received, **pack_inputs(args, kwargs))
+        out = out[0] if isinstance(out, tuple) else out
         if end in layout.activations and tuple(out.shape) != layout.activations[end][0]:
             raise SplitError(
                 f"pipeline: stage [{start}, {end}) hands on shape {tuple(out.shape)}, but the "
