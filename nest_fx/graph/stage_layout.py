@@ -74,9 +74,10 @@ class StageLayout:
     ``problem``: why the model cannot be cut at all ("" when it can); ``cut_problems``: per cut
     index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible; ``activations``:
     per possible cut, the traced shape and dtype of the activation crossing it; ``side_values``:
-    per possible cut, the other values crossing it, each ``(module, shape, dtype)``: a tensor of
-    the output of ``module`` (an encoder's output, the position bias T5's first layer returns),
-    in the order the model computes them.
+    per possible cut, the other values crossing it, each ``(module, shape, dtype, passed)``: a
+    tensor of the output of ``module`` (an encoder's output, the position bias T5's first layer
+    returns; ``passed``: a value of an earlier layer that ``module``, the layer before the cut,
+    returns as it got it), in the order the model computes them.
     """
 
     container: str
@@ -90,7 +91,7 @@ class StageLayout:
     cut_problems: Dict[int, str] = field(default_factory=dict)
     activations: Dict[int, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)
     root_params: Dict[str, int] = field(default_factory=dict)
-    side_values: Dict[int, List[Tuple[str, Tuple[int, ...], str]]] = field(default_factory=dict)
+    side_values: Dict[int, List[Tuple[str, Tuple[int, ...], str, bool]]] = field(default_factory=dict)
 
     def modules_in(self, start: int, end: int) -> List[str]:
         """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
@@ -284,9 +285,11 @@ class _Reader:
         for c in range(1, layout.num_blocks):
             carried = sorted((n for n in local if g.nodes[n]["block"] < c <= last_use[n]), key=position.get)
             cut = f"between {self.block_name[c - 1]} and {self.block_name[c]}"
-            # the activation is the value computed last; the others must be outputs of modules
-            # (an encoder, an earlier layer's extra outputs), which the stage passes beside it
-            sides = carried[:-1]
+            # the activation is the value the block after the cut reads first (its hidden state
+            # enters its first op); the others must be outputs of modules (an encoder, an earlier
+            # layer's extra outputs), which the stage passes beside it
+            main = min(carried, key=lambda n: self._first_read(n, c, position), default=None)
+            sides = [n for n in carried if n != main]
             loose = [n for n in sides if self._side_module(layout, n) is None]
             if not carried or loose:
                 what = "; ".join(
@@ -299,15 +302,31 @@ class _Reader:
                     "one activation and the outputs of its modules. fix: use pp=1"
                 )
                 continue
-            problems.update({c: p for p in [self._entry_problem(layout, c, carried[-1], cut)] if p})
-            data = g.nodes[carried[-1]]
+            problems.update({c: p for p in [self._entry_problem(layout, c, main, cut)] if p})
+            data = g.nodes[main]
             if len(data.get("out_shapes") or ()) == 1:
                 layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
-            layout.side_values[c] = [
-                (self._side_module(layout, n), tuple(g.nodes[n]["out_shapes"][0]), g.nodes[n]["out_dtypes"][0])
-                for n in sides
-            ]
+            layout.side_values[c] = [self._side_value(layout, n, c) for n in sides]
         return problems
+
+    def _first_read(self, node: str, c: int, position: Dict[str, int]) -> Tuple[int, int]:
+        """Sort key: where block ``c`` first reads ``node`` (values it does not read last, the
+        latest computed first)."""
+        g = self.graph.graph
+        reads = [position[s] for s in g.successors(node) if g.nodes[s]["block"] == c]
+        return (min(reads), 0) if reads else (len(position), -position[node])
+
+    def _side_value(self, layout: StageLayout, node: str, c: int) -> Tuple[str, Tuple[int, ...], str, bool]:
+        """``(module, shape, dtype, passed)`` of a value crossing cut ``c`` beside the activation. A
+        value an earlier layer computed reaches the layers after the cut as an output of the layer
+        just before it, which passes it on (T5's position bias, returned by every layer): that
+        layer is its module, with ``passed`` (the runtime checks it returns the very tensor it got)."""
+        d = self.graph.graph.nodes[node]
+        module = self._side_module(layout, node)
+        passed = False
+        if module in layout.layer_modules() and c - 1 in layout.layers and module != layout.exit_module(c - 1):
+            module, passed = layout.exit_module(c - 1), True
+        return (module, tuple(d["out_shapes"][0]), d["out_dtypes"][0], passed)
 
     def _side_module(self, layout: StageLayout, node: str) -> Optional[str]:
         """The module (a parameterised head module or a layer) whose output ``node`` is one tensor

@@ -112,6 +112,7 @@ class StageRoute:
     # are sent: (module, number of its output tensors passed) at the stage's first and end cut
     side_in: Tuple[Tuple[str, int], ...] = ()
     side_out: Tuple[Tuple[str, int], ...] = ()
+    side_passed: Tuple[str, ...] = ()  # modules of side_out that return values they were given
     side_layers: Tuple[str, ...] = ()  # those of them that are layers (their first output is the activation)
     side_received: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
     side_captured: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
@@ -213,9 +214,10 @@ def _side_leaves(output: Any, count: int, path: str, layer_exit: bool) -> Tuple[
 
 def _side_hook(route: StageRoute, path: str, count_in: int, count_out: int, layer_exit: bool):
     """Forward hook on a module whose outputs cross the stage's cuts: replaces them by the tensors
-    received from the previous stage (the module is a stand-in here), then keeps them to send on."""
+    received from the previous stage (the module is a stand-in here), then keeps them to send on;
+    a layer that passes on an earlier layer's value must return the very tensor it was given."""
 
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         if count_in:
             leaves, spec, positions = _side_leaves(output, count_in, path, layer_exit)
             received = route.side_received.pop(path, None)
@@ -231,6 +233,13 @@ def _side_hook(route: StageRoute, path: str, count_in: int, count_out: int, laye
         if count_out:
             leaves, _, positions = _side_leaves(output, count_out, path, layer_exit)
             route.side_captured[path] = [leaves[i] for i in positions]
+            given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            if path in route.side_passed and any(id(t) not in given for t in route.side_captured[path]):
+                raise SplitError(
+                    f"pipeline: a cut passes on a value an earlier layer computed as an output of {path}, but "
+                    f"{path} returns another tensor in its place; the next stage would read the wrong one. "
+                    "fix: use pp=1"
+                )
         return output
 
     return hook
@@ -313,9 +322,14 @@ def _sent_sides(route: StageRoute) -> List[torch.Tensor]:
 def _side_groups(layout: StageLayout, cut: int) -> Tuple[Tuple[str, int], ...]:
     """The modules whose outputs cross ``cut`` beside the activation, each with how many."""
     counts: Dict[str, int] = {}
-    for path, _, _ in layout.side_values.get(cut, ()):
+    for path, _, _, _ in layout.side_values.get(cut, ()):
         counts[path] = counts.get(path, 0) + 1
     return tuple(counts.items())
+
+
+def _passed_on(layout: StageLayout, cut: int) -> Tuple[str, ...]:
+    """The layers whose outputs crossing ``cut`` are values they were given (``passed``)."""
+    return tuple(dict.fromkeys(path for path, _, _, passed in layout.side_values.get(cut, ()) if passed))
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -373,6 +387,7 @@ def split_stages(
         route = StageRoute(start, end, first=start == 0, last=end == n)
         route.side_in = () if route.first else _side_groups(layout, start)
         route.side_out = () if route.last else _side_groups(layout, end)
+        route.side_passed = () if route.last else _passed_on(layout, end)
         route.side_layers = tuple(p for p, _ in route.side_in + route.side_out if p in layer_paths)
         kept_sides = [p for p, _ in route.side_in if p in keep]
         if kept_sides:
@@ -446,7 +461,7 @@ def arm_stages(stages: Sequence[nn.Module], last_output: Optional[Callable[[Any]
             for path in dict.fromkeys([*side_in, *side_out]):
                 layer_exit = path in route.side_layers
                 hook = _side_hook(route, path, side_in.get(path, 0), side_out.get(path, 0), layer_exit)
-                stage.get_submodule(path).register_forward_hook(hook)
+                stage.get_submodule(path).register_forward_hook(hook, with_kwargs=True)
         if route.exit_after and not route.armed:
             stage.get_submodule(route.exit_after).register_forward_hook(_exit_at_output(route.exit_after))
         route.armed = True
@@ -555,7 +570,7 @@ def _probe(stage: nn.Module, start: int, end: int, layout: StageLayout, inputs) 
         received = ()
         if start > 0:
             shape, dtype = layout.activations[start]
-            sides = [s[1:] for s in layout.side_values.get(start, ())]
+            sides = [s[1:3] for s in layout.side_values.get(start, ())]
             received = tuple(
                 torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in [(shape, dtype), *sides]
             )
