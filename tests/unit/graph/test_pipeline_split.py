@@ -302,3 +302,14 @@ def test_a_value_of_the_models_own_code_still_cannot_cross_beside_the_activation
         "a pipeline cut between layers.0 and layers.1 would have to pass 1 values computed by the stage before "
         "it (mul in <root> [[2, 8, 16]]) in the model's own forward code"
     ), problem
+
+
+def test_the_cost_of_a_cut_counts_the_values_passed_beside_the_activation():
+    """What a stage boundary sends (``Block.out_bytes``, the pipeline send the cost model prices):
+    the activation, plus the encoder's output every later layer reads, until no layer reads it."""
+    model, tokens, graph = _traced("memory")
+    one = 2 * 8 * HIDDEN * 4  # one [2, 8, 16] fp32 tensor
+    layers = [b for b in graph.blocks if b.kind == "block"]
+    assert [b.out_bytes for b in layers] == [2 * one, 2 * one, one]
+    plain = [b.out_bytes for b in _traced()[2].blocks if b.kind == "block"]
+    assert plain == [one, one, one]  # without it: the activation alone
