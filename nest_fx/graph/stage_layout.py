@@ -65,7 +65,8 @@ class StageLayout:
     (``Block.modules``): the layer (``("model.layers.3",)``) or the group's children
     (``("2", "3", "4", "5")``).
     ``owned``: parameterised module path outside the layer container -> chain blocks using it.
-    ``unused``: parameterised modules no traced op uses (kept on every stage, never trained).
+    ``unused``: parameterised modules no traced op uses (kept on every stage, never trained); one
+    whose parameters are all tied to used modules' is ``owned`` by the blocks using them.
     ``shared``: canonical name -> every name of a parameter the head and the tail both use
     (tied embeddings): the first and the last stage each keep it and sum its gradient.
     ``root_params``: parameter of a container's ancestor (class token, position embedding used by
@@ -159,15 +160,31 @@ class _Reader:
         layout.owned = {
             top: tuple(sorted(bs)) for top, bs in blocks_of.items() if top not in layer_paths and self.has_params(top)
         }
-        layout.unused = [
-            p for p in self._child_tops() if p not in blocks_of and p not in layer_paths and self.has_params(p)
-        ]
         for b, paths in layout.modules.items():
             blocks_of.update({path: {b} for path in paths})
+        idle = [p for p in self._child_tops() if p not in blocks_of and p not in layer_paths and self.has_params(p)]
+        tied = self._tied_holders(idle, blocks_of)
+        layout.owned.update(tied)
+        layout.unused = [p for p in idle if p not in tied]
         layout.problem = self._root_parameters(layout) or self._sharing(layout, blocks_of)
         if not layout.problem:
             layout.cut_problems = self._cuts(layout)
         return layout
+
+    def _tied_holders(self, idle: List[str], blocks_of: Dict[str, Set[int]]) -> Dict[str, Tuple[int, ...]]:
+        """Modules no op uses whose parameters are all tied to those of modules blocks use (BART's
+        ``model.shared``, the embedding its encoder and decoder share): owned by those blocks, so a
+        stage without them holds no stale copy of the weight."""
+        blocks_of_param: Dict[int, Set[int]] = defaultdict(set)
+        for path, blocks in blocks_of.items():
+            for param in self.modules[path].parameters():
+                blocks_of_param[id(param)] |= blocks
+        held = {}
+        for path in idle:
+            params = list(self.modules[path].parameters())
+            if all(id(q) in blocks_of_param for q in params):
+                held[path] = tuple(sorted(set().union(*(blocks_of_param[id(q)] for q in params))))
+        return held
 
     def _container_problem(self) -> str:
         """Why the chain has no layer container a pipeline can cut ("" when it has one)."""

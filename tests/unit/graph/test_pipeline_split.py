@@ -52,6 +52,9 @@ class Toy(nn.Module):
             self.layers[2].linear.weight = self.layers[0].linear.weight
         if variant in ("root_parameter", "root_parameter_twice"):
             self.scale = nn.Parameter(torch.ones(HIDDEN))
+        if variant == "tied_holder":  # BART's model.shared: the embedding's and the head's weight, never called
+            self.shared = nn.Embedding(VOCAB, HIDDEN)
+            self.embed.weight = self.head.weight = self.shared.weight
         if variant == "memory":
             self.encoder = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Sigmoid())
 
@@ -313,3 +316,17 @@ def test_the_cost_of_a_cut_counts_the_values_passed_beside_the_activation():
     assert [b.out_bytes for b in layers] == [2 * one, 2 * one, one]
     plain = [b.out_bytes for b in _traced()[2].blocks if b.kind == "block"]
     assert plain == [one, one, one]  # without it: the activation alone
+
+
+def test_a_module_only_holding_a_tied_weight_stays_off_the_middle_stages():
+    """A module no op uses whose weight is the embedding's and the head's (BART's ``model.shared``)
+    is owned by the first and last blocks: a middle stage holds no stale, never-updated copy."""
+    model, tokens, graph = _traced("tied_holder")
+    n = len(graph.blocks)
+    layout = stage_layout(model, graph)
+    assert layout.owned["shared"] == (0, n - 1) and "shared" not in layout.unused
+    stages = split_stages(copy.deepcopy(model), graph, [(0, 1), (1, n - 1), (n - 1, n)], layout)
+    arm_stages(stages)
+    names = [{name for name, _ in s.named_parameters(remove_duplicate=False)} for s in stages]
+    assert "shared.weight" in names[0] and "shared.weight" in names[2] and "shared.weight" not in names[1]
+    assert torch.equal(run_stages(stages, (tokens,), {}), model(tokens))
