@@ -12,13 +12,14 @@ other module replaced by a stand-in. This module reads, from the traced graph al
   it, and the parameters that blocks on different stages share. A parameter
   used by the head and the tail only (tied input/output embeddings) is kept on the first and
   the last stage, as Megatron-LM does; any other sharing across blocks is a problem.
-* the **cuts**: between blocks ``c-1`` and ``c`` a stage boundary passes exactly one tensor.
-  Every value computed by blocks before the cut and read after it must therefore be either that
-  one activation, or a value the later stage recomputes itself from the model's inputs: root
-  forward code and parameter-free modules (causal and sliding-window masks, rotary tables,
-  position ids) run on every stage. A second value that depends on a stage's modules (T5's
-  position bias computed by its first layer, a skip connection from the embedding to the
-  output) cannot cross, and the cut is refused naming the module that produced it. The one
+* the **cuts**: between blocks ``c-1`` and ``c`` a stage boundary passes one activation (the
+  value block ``c`` reads first) and, beside it, values that are tensor outputs of modules
+  (``side_values``: an encoder's output every decoder layer reads, T5's position biases).
+  Every other value computed by blocks before the cut and read after it must be one the later
+  stage recomputes itself from the model's inputs: root forward code and parameter-free modules
+  (causal and sliding-window masks, rotary tables, position ids) run on every stage. A second
+  value computed by the model's own forward code from a stage's modules (``h * 2`` of the
+  embedding kept for a skip connection) cannot cross, and the cut is refused naming it. The
   activation enters block ``c`` as the input of its first module (a group's first child) and
   nothing else after the cut may read it; before the tail it is the output of the last layer
   block's last module.

@@ -26,6 +26,11 @@ hooks route the activation:
   that tensor is the stage's output. Root code between two layers therefore runs on the stage of
   the layer before it, as the tracer's block assignment says.
 
+Values that cross a cut beside the activation (``StageLayout.side_values``: an encoder's output,
+T5's position biases) travel with it as ``(activation, *side values)``: a forward hook on the
+module they are outputs of keeps them on the sending stage and, on the receiving one (where that
+module is a stand-in), puts the received tensors in place of its NaN outputs.
+
 Everything a stage computes before its "in" point runs on NaN stand-in values and is discarded;
 ``nest_fx.graph.stage_layout`` refuses models where such a value would be needed after a cut.
 Parameter names are the whole model's (a tied weight that a stage uses through one module is
@@ -43,10 +48,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from nest_fx.graph.stand_in import OutputShapes, SplitError, StandIn, meta_copy, run_on_fake
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
+from nest_fx.graph.stage_sides import ContiguousGrad, passed_on, same_shape, sent_sides, side_groups, side_hook
 
 INPUT_PREFIX = "_nest_fx_in_"
 
@@ -149,20 +155,11 @@ def _first_tensor(value, path: str) -> torch.Tensor:
     return found
 
 
-def _same_shape(old: torch.Tensor, new: torch.Tensor, path: str) -> None:
-    if tuple(old.shape) != tuple(new.shape):
-        raise SplitError(
-            f"pipeline: the activation received for {path} has shape {tuple(new.shape)}, but the "
-            f"model gives it {tuple(old.shape)}; the previous stage did not end where this one "
-            "starts. fix: use pp=1"
-        )
-
-
 def _inject_input(route: StageRoute, path: str):
     def hook(module, args, kwargs):
         where, key, old = _hidden_argument(args, kwargs, path)
         new = route.take(f"the input of {path}")
-        _same_shape(old, new, path)
+        same_shape(old, new, path)
         if where == "arg":
             return (new, *args[1:]), kwargs
         return args, {**kwargs, key: new}
@@ -174,7 +171,7 @@ def _inject_output(route: StageRoute, path: str):
     def hook(module, args, output):
         old = _first_tensor(output, path)
         new = route.take(f"the output of {path}")
-        _same_shape(old, new, path)
+        same_shape(old, new, path)
         if isinstance(output, torch.Tensor):
             return new
         return type(output)([new, *output[1:]])
@@ -196,69 +193,6 @@ def _exit_at_output(path: str):
     return hook
 
 
-def _side_leaves(output: Any, count: int, path: str, layer_exit: bool) -> Tuple[List[Any], Any, List[int]]:
-    """The positions, among the tensors of ``output`` (flattened), of the ``count`` that ``path``
-    passes beside the activation: all of them, or all but the first when ``path`` is the layer
-    whose first output is the activation itself. Returns (leaves, spec, positions)."""
-    leaves, spec = tree_flatten(output)
-    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    if len(tensors) == count + 1 and layer_exit:
-        tensors = tensors[1:]
-    if len(tensors) != count:
-        raise SplitError(
-            f"pipeline: a cut passes {count} output tensors of {path} beside the activation, but it returns "
-            f"{len(tensors)}; the stage cannot tell which to pass. fix: use pp=1"
-        )
-    return leaves, spec, tensors
-
-
-def _side_hook(route: StageRoute, path: str, count_in: int, count_out: int, layer_exit: bool):
-    """Forward hook on a module whose outputs cross the stage's cuts: replaces them by the tensors
-    received from the previous stage (the module is a stand-in here), then keeps them to send on;
-    a layer that passes on an earlier layer's value must return the very tensor it was given."""
-
-    def hook(module, args, kwargs, output):
-        if count_in:
-            leaves, spec, positions = _side_leaves(output, count_in, path, layer_exit)
-            received = route.side_received.pop(path, None)
-            if received is None:
-                raise SplitError(
-                    f"pipeline stage [{route.start}, {route.end}): {path} ran twice or without the values "
-                    "received for it; the model calls it more than once per forward. fix: use pp=1"
-                )
-            for i, new in zip(positions, received):
-                _same_shape(leaves[i], new, path)
-                leaves[i] = new
-            output = tree_unflatten(leaves, spec)
-        if count_out:
-            leaves, _, positions = _side_leaves(output, count_out, path, layer_exit)
-            route.side_captured[path] = [leaves[i] for i in positions]
-            given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-            if path in route.side_passed and any(id(t) not in given for t in route.side_captured[path]):
-                raise SplitError(
-                    f"pipeline: a cut passes on a value an earlier layer computed as an output of {path}, but "
-                    f"{path} returns another tensor in its place; the next stage would read the wrong one. "
-                    "fix: use pp=1"
-                )
-        return output
-
-    return hook
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: the gradient of a received activation
-    goes back to the previous stage by a point-to-point send, which takes contiguous tensors only
-    (ConvNeXt's channels-last permute gives a strided one)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
     """The stage's forward: ``stage(*received, **pack_inputs(args, kwargs))``."""
 
@@ -269,7 +203,7 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             raise SplitError(
                 f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; expected {expected}"
             )
-        received = tuple(_ContiguousGrad.apply(r) for r in received)
+        received = tuple(ContiguousGrad.apply(r) for r in received)
         route.received = received[0] if received else None
         at = 1
         for path, n in route.side_in:
@@ -285,7 +219,7 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             # channels-last permutes are not)
             output = stop.hidden.contiguous()
             if route.side_out:
-                output = (output, *_sent_sides(route))
+                output = (output, *sent_sides(route))
         else:
             if not route.last:
                 raise SplitError(
@@ -304,32 +238,6 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
         return output
 
     return run
-
-
-def _sent_sides(route: StageRoute) -> List[torch.Tensor]:
-    """The module outputs the stage passes beside its activation, contiguous, in the layout's order."""
-    sent = []
-    for path, _ in route.side_out:
-        if path not in route.side_captured:
-            raise SplitError(
-                f"pipeline stage [{route.start}, {route.end}) stopped before {path} ran, whose output the next "
-                "stage needs. fix: use pp=1"
-            )
-        sent.extend(t.contiguous() for t in route.side_captured[path])
-    return sent
-
-
-def _side_groups(layout: StageLayout, cut: int) -> Tuple[Tuple[str, int], ...]:
-    """The modules whose outputs cross ``cut`` beside the activation, each with how many."""
-    counts: Dict[str, int] = {}
-    for path, _, _, _ in layout.side_values.get(cut, ()):
-        counts[path] = counts.get(path, 0) + 1
-    return tuple(counts.items())
-
-
-def _passed_on(layout: StageLayout, cut: int) -> Tuple[str, ...]:
-    """The layers whose outputs crossing ``cut`` are values they were given (``passed``)."""
-    return tuple(dict.fromkeys(path for path, _, _, passed in layout.side_values.get(cut, ()) if passed))
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -385,9 +293,9 @@ def split_stages(
             if not start <= block < end:
                 _stand_in_parameter(base, name)
         route = StageRoute(start, end, first=start == 0, last=end == n)
-        route.side_in = () if route.first else _side_groups(layout, start)
-        route.side_out = () if route.last else _side_groups(layout, end)
-        route.side_passed = () if route.last else _passed_on(layout, end)
+        route.side_in = () if route.first else side_groups(layout, start)
+        route.side_out = () if route.last else side_groups(layout, end)
+        route.side_passed = () if route.last else passed_on(layout, end)
         route.side_layers = tuple(p for p, _ in route.side_in + route.side_out if p in layer_paths)
         kept_sides = [p for p, _ in route.side_in if p in keep]
         if kept_sides:
@@ -460,7 +368,7 @@ def arm_stages(stages: Sequence[nn.Module], last_output: Optional[Callable[[Any]
             side_in, side_out = dict(route.side_in), dict(route.side_out)
             for path in dict.fromkeys([*side_in, *side_out]):
                 layer_exit = path in route.side_layers
-                hook = _side_hook(route, path, side_in.get(path, 0), side_out.get(path, 0), layer_exit)
+                hook = side_hook(route, path, side_in.get(path, 0), side_out.get(path, 0), layer_exit)
                 stage.get_submodule(path).register_forward_hook(hook, with_kwargs=True)
         if route.exit_after and not route.armed:
             stage.get_submodule(route.exit_after).register_forward_hook(_exit_at_output(route.exit_after))
