@@ -182,6 +182,8 @@ class _Reader:
                 blocks_of_param[id(param)] |= blocks
         held = {}
         for path in idle:
+            if any(p.startswith(path + ".") for p in blocks_of):  # a holder of used modules (ModuleList)
+                continue
             params = list(self.modules[path].parameters())
             if all(id(q) in blocks_of_param for q in params):
                 held[path] = tuple(sorted(set().union(*(blocks_of_param[id(q)] for q in params))))
