@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import networkx as nx
 
@@ -257,24 +257,43 @@ def _finish(graph: nx.DiGraph, blocks: List[Block], container: str) -> None:
         for name in b.nodes:
             owner[name] = b.index
             graph.nodes[name]["block"] = b.index
+    sent = _boundary_bytes(graph, len(blocks), owner)
     for b in blocks:
         data = [graph.nodes[n] for n in b.nodes]
         b.flops = float(sum(d.get("flops", 0.0) for d in data))
         b.param_bytes = float(sum(d.get("param_bytes", 0.0) for d in data))
         b.num_params = int(sum(d.get("num_params", 0) for d in data))
         b.saved_bytes = float(sum(d.get("saved_bytes", 0.0) for d in data))
-        b.out_bytes = float(_boundary_bytes(graph, b, owner))
+        b.out_bytes = float(sent[b.index])
         b.is_moe = any(d.get("op") == "topk" for d in data)
         b.signature = _signature(graph, b, container)
 
 
-def _boundary_bytes(graph: nx.DiGraph, block: Block, owner: Dict[str, int]) -> float:
-    """Bytes of this block's outputs consumed by later blocks (what a stage boundary sends)."""
-    total = 0.0
-    for name in block.nodes:
-        if any(owner.get(s, -1) > block.index for s in graph.successors(name)):
-            total += graph.nodes[name].get("out_bytes", 0.0)
-    return total
+def _parameter_derived(graph: nx.DiGraph) -> Set[str]:
+    """Nodes whose value depends on a parameter (what a pipeline stage must receive rather than
+    recompute from the model's inputs, as it does masks and rotary tables)."""
+    derived: Set[str] = set()
+    for name in nx.topological_sort(graph):
+        d = graph.nodes[name]
+        if d.get("params") or any(d.get("input_params") or ()) or any(p in derived for p in graph.predecessors(name)):
+            derived.add(name)
+    return derived
+
+
+def _boundary_bytes(graph: nx.DiGraph, num_blocks: int, owner: Dict[str, int]) -> List[float]:
+    """Per block, the bytes a stage boundary after it sends: its outputs consumed by later blocks,
+    and the parameter-derived values of earlier blocks read after it (an encoder's output that
+    every decoder layer reads, passed on from stage to stage)."""
+    learned = _parameter_derived(graph)
+    sent = [0.0] * num_blocks
+    for name, d in graph.nodes(data=True):
+        b = owner.get(name, -1)
+        last = max((owner.get(s, -1) for s in graph.successors(name)), default=-1)
+        if b < 0 or last <= b:
+            continue
+        for k in range(b, last if name in learned else b + 1):
+            sent[k] += d.get("out_bytes", 0.0)
+    return sent
 
 
 def _signature(graph: nx.DiGraph, block: Block, container: str) -> str:

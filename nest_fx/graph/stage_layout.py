@@ -12,13 +12,14 @@ other module replaced by a stand-in. This module reads, from the traced graph al
   it, and the parameters that blocks on different stages share. A parameter
   used by the head and the tail only (tied input/output embeddings) is kept on the first and
   the last stage, as Megatron-LM does; any other sharing across blocks is a problem.
-* the **cuts**: between blocks ``c-1`` and ``c`` a stage boundary passes exactly one tensor.
-  Every value computed by blocks before the cut and read after it must therefore be either that
-  one activation, or a value the later stage recomputes itself from the model's inputs: root
-  forward code and parameter-free modules (causal and sliding-window masks, rotary tables,
-  position ids) run on every stage. A second value that depends on a stage's modules (T5's
-  position bias computed by its first layer, a skip connection from the embedding to the
-  output) cannot cross, and the cut is refused naming the module that produced it. The one
+* the **cuts**: between blocks ``c-1`` and ``c`` a stage boundary passes one activation (the
+  value block ``c`` reads first) and, beside it, values that are tensor outputs of modules
+  (``side_values``: an encoder's output every decoder layer reads, T5's position biases).
+  Every other value computed by blocks before the cut and read after it must be one the later
+  stage recomputes itself from the model's inputs: root forward code and parameter-free modules
+  (causal and sliding-window masks, rotary tables, position ids) run on every stage. A second
+  value computed by the model's own forward code from a stage's modules (``h * 2`` of the
+  embedding kept for a skip connection) cannot cross, and the cut is refused naming it. The
   activation enters block ``c`` as the input of its first module (a group's first child) and
   nothing else after the cut may read it; before the tail it is the output of the last layer
   block's last module.
@@ -65,7 +66,8 @@ class StageLayout:
     (``Block.modules``): the layer (``("model.layers.3",)``) or the group's children
     (``("2", "3", "4", "5")``).
     ``owned``: parameterised module path outside the layer container -> chain blocks using it.
-    ``unused``: parameterised modules no traced op uses (kept on every stage, never trained).
+    ``unused``: parameterised modules no traced op uses (kept on every stage, never trained); one
+    whose parameters are all tied to used modules' is ``owned`` by the blocks using them.
     ``shared``: canonical name -> every name of a parameter the head and the tail both use
     (tied embeddings): the first and the last stage each keep it and sum its gradient.
     ``root_params``: parameter of a container's ancestor (class token, position embedding used by
@@ -73,7 +75,11 @@ class StageLayout:
     block keeps it, the others hold a NaN stand-in tensor (what they compute from it is discarded).
     ``problem``: why the model cannot be cut at all ("" when it can); ``cut_problems``: per cut
     index ``c`` (between blocks ``c-1`` and ``c``), why that cut is impossible; ``activations``:
-    per possible cut, the traced shape and dtype of the one activation crossing it.
+    per possible cut, the traced shape and dtype of the activation crossing it; ``side_values``:
+    per possible cut, the other values crossing it, each ``(module, shape, dtype, passed)``: a
+    tensor of the output of ``module`` (an encoder's output, the position bias T5's first layer
+    returns; ``passed``: a value of an earlier layer that ``module``, the layer before the cut,
+    returns as it got it), in the order the model computes them.
     """
 
     container: str
@@ -87,6 +93,7 @@ class StageLayout:
     cut_problems: Dict[int, str] = field(default_factory=dict)
     activations: Dict[int, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)
     root_params: Dict[str, int] = field(default_factory=dict)
+    side_values: Dict[int, List[Tuple[str, Tuple[int, ...], str, bool]]] = field(default_factory=dict)
 
     def modules_in(self, start: int, end: int) -> List[str]:
         """Module paths (layers and parameterised head/tail modules) blocks ``[start, end)`` use."""
@@ -154,15 +161,33 @@ class _Reader:
         layout.owned = {
             top: tuple(sorted(bs)) for top, bs in blocks_of.items() if top not in layer_paths and self.has_params(top)
         }
-        layout.unused = [
-            p for p in self._child_tops() if p not in blocks_of and p not in layer_paths and self.has_params(p)
-        ]
         for b, paths in layout.modules.items():
             blocks_of.update({path: {b} for path in paths})
+        idle = [p for p in self._child_tops() if p not in blocks_of and p not in layer_paths and self.has_params(p)]
+        tied = self._tied_holders(idle, blocks_of)
+        layout.owned.update(tied)
+        layout.unused = [p for p in idle if p not in tied]
         layout.problem = self._root_parameters(layout) or self._sharing(layout, blocks_of)
         if not layout.problem:
             layout.cut_problems = self._cuts(layout)
         return layout
+
+    def _tied_holders(self, idle: List[str], blocks_of: Dict[str, Set[int]]) -> Dict[str, Tuple[int, ...]]:
+        """Modules no op uses whose parameters are all tied to those of modules blocks use (BART's
+        ``model.shared``, the embedding its encoder and decoder share): owned by those blocks, so a
+        stage without them holds no stale copy of the weight."""
+        blocks_of_param: Dict[int, Set[int]] = defaultdict(set)
+        for path, blocks in blocks_of.items():
+            for param in self.modules[path].parameters():
+                blocks_of_param[id(param)] |= blocks
+        held = {}
+        for path in idle:
+            if any(p.startswith(path + ".") for p in blocks_of):  # a holder of used modules (ModuleList)
+                continue
+            params = list(self.modules[path].parameters())
+            if all(id(q) in blocks_of_param for q in params):
+                held[path] = tuple(sorted(set().union(*(blocks_of_param[id(q)] for q in params))))
+        return held
 
     def _container_problem(self) -> str:
         """Why the chain has no layer container a pipeline can cut ("" when it has one)."""
@@ -278,24 +303,59 @@ class _Reader:
         problems: Dict[int, str] = {}
         last_use = {n: max((g.nodes[s]["block"] for s in g.successors(n)), default=-1) for n in local}
         for c in range(1, layout.num_blocks):
-            carried = [n for n in local if g.nodes[n]["block"] < c <= last_use[n]]
+            carried = sorted((n for n in local if g.nodes[n]["block"] < c <= last_use[n]), key=position.get)
             cut = f"between {self.block_name[c - 1]} and {self.block_name[c]}"
-            if len(carried) != 1:
+            # the activation is the value the block after the cut reads first (its hidden state
+            # enters its first op); the others must be outputs of modules (an encoder, an earlier
+            # layer's extra outputs), which the stage passes beside it
+            main = min(carried, key=lambda n: self._first_read(n, c, position), default=None)
+            sides = [n for n in carried if n != main]
+            loose = [n for n in sides if self._side_module(layout, n) is None]
+            if not carried or loose:
                 what = "; ".join(
                     f"{g.nodes[n].get('op')} in {g.nodes[n].get('module') or '<root>'} {g.nodes[n].get('out_shapes')}"
-                    for n in sorted(carried, key=position.get)
+                    for n in (loose or carried)
                 )
                 problems[c] = (
-                    f"a pipeline cut {cut} would have to pass {len(carried)} values computed by the "
-                    f"stage before it ({what or 'none'}), but a stage passes exactly one activation. "
-                    "fix: use pp=1"
+                    f"a pipeline cut {cut} would have to pass {len(loose or carried)} values computed by the "
+                    f"stage before it ({what or 'none'}) in the model's own forward code, but a stage passes "
+                    "one activation and the outputs of its modules. fix: use pp=1"
                 )
-            else:
-                problems.update({c: p for p in [self._entry_problem(layout, c, carried[0], cut)] if p})
-                data = g.nodes[carried[0]]
-                if len(data.get("out_shapes") or ()) == 1:
-                    layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
+                continue
+            problems.update({c: p for p in [self._entry_problem(layout, c, main, cut)] if p})
+            data = g.nodes[main]
+            if len(data.get("out_shapes") or ()) == 1:
+                layout.activations[c] = (tuple(data["out_shapes"][0]), data["out_dtypes"][0])
+            layout.side_values[c] = [self._side_value(layout, n, c) for n in sides]
         return problems
+
+    def _first_read(self, node: str, c: int, position: Dict[str, int]) -> Tuple[int, int]:
+        """Sort key: where block ``c`` first reads ``node`` (values it does not read last, the
+        latest computed first)."""
+        g = self.graph.graph
+        reads = [position[s] for s in g.successors(node) if g.nodes[s]["block"] == c]
+        return (min(reads), 0) if reads else (len(position), -position[node])
+
+    def _side_value(self, layout: StageLayout, node: str, c: int) -> Tuple[str, Tuple[int, ...], str, bool]:
+        """``(module, shape, dtype, passed)`` of a value crossing cut ``c`` beside the activation. A
+        value an earlier layer computed reaches the layers after the cut as an output of the layer
+        just before it, which passes it on (T5's position bias, returned by every layer): that
+        layer is its module, with ``passed`` (the runtime checks it returns the very tensor it got)."""
+        d = self.graph.graph.nodes[node]
+        module = self._side_module(layout, node)
+        passed = False
+        if module in layout.layer_modules() and c - 1 in layout.layers and module != layout.exit_module(c - 1):
+            module, passed = layout.exit_module(c - 1), True
+        return (module, tuple(d["out_shapes"][0]), d["out_dtypes"][0], passed)
+
+    def _side_module(self, layout: StageLayout, node: str) -> Optional[str]:
+        """The module (a parameterised head module or a layer) whose output ``node`` is one tensor
+        of, when ``node`` can be passed beside a cut's activation; None otherwise."""
+        d = self.graph.graph.nodes[node]
+        top = self.top_of(d.get("module", ""))
+        if top is None or len(d.get("out_shapes") or ()) != 1:
+            return None
+        return top if top in layout.owned or top in layout.layer_modules() else None
 
 
 def stage_layout(model: nn.Module, graph) -> StageLayout:

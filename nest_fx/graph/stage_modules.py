@@ -26,6 +26,11 @@ hooks route the activation:
   that tensor is the stage's output. Root code between two layers therefore runs on the stage of
   the layer before it, as the tracer's block assignment says.
 
+Values that cross a cut beside the activation (``StageLayout.side_values``: an encoder's output,
+T5's position biases) travel with it as ``(activation, *side values)``: a forward hook on the
+module they are outputs of keeps them on the sending stage and, on the receiving one (where that
+module is a stand-in), puts the received tensors in place of its NaN outputs.
+
 Everything a stage computes before its "in" point runs on NaN stand-in values and is discarded;
 ``nest_fx.graph.stage_layout`` refuses models where such a value would be needed after a cut.
 Parameter names are the whole model's (a tied weight that a stage uses through one module is
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,6 +52,7 @@ from torch.utils._pytree import tree_unflatten
 
 from nest_fx.graph.stand_in import OutputShapes, SplitError, StandIn, meta_copy, run_on_fake
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
+from nest_fx.graph.stage_sides import ContiguousGrad, passed_on, same_shape, sent_sides, side_groups, side_hook
 
 INPUT_PREFIX = "_nest_fx_in_"
 
@@ -108,6 +114,14 @@ class StageRoute:
     # what the last stage passes to the schedule's loss function, from the model's output
     last_output: Callable[[Any], torch.Tensor] = tensor_output
     received: Optional[torch.Tensor] = None
+    # the module outputs passed beside the activation (StageLayout.side_values), in the order they
+    # are sent: (module, number of its output tensors passed) at the stage's first and end cut
+    side_in: Tuple[Tuple[str, int], ...] = ()
+    side_out: Tuple[Tuple[str, int], ...] = ()
+    side_passed: Tuple[str, ...] = ()  # modules of side_out that return values they were given
+    side_layers: Tuple[str, ...] = ()  # those of them that are layers (their first output is the activation)
+    side_received: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    side_captured: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
 
     def take(self, where: str) -> torch.Tensor:
         if self.received is None:
@@ -141,20 +155,11 @@ def _first_tensor(value, path: str) -> torch.Tensor:
     return found
 
 
-def _same_shape(old: torch.Tensor, new: torch.Tensor, path: str) -> None:
-    if tuple(old.shape) != tuple(new.shape):
-        raise SplitError(
-            f"pipeline: the activation received for {path} has shape {tuple(new.shape)}, but the "
-            f"model gives it {tuple(old.shape)}; the previous stage did not end where this one "
-            "starts. fix: use pp=1"
-        )
-
-
 def _inject_input(route: StageRoute, path: str):
     def hook(module, args, kwargs):
         where, key, old = _hidden_argument(args, kwargs, path)
         new = route.take(f"the input of {path}")
-        _same_shape(old, new, path)
+        same_shape(old, new, path)
         if where == "arg":
             return (new, *args[1:]), kwargs
         return args, {**kwargs, key: new}
@@ -166,7 +171,7 @@ def _inject_output(route: StageRoute, path: str):
     def hook(module, args, output):
         old = _first_tensor(output, path)
         new = route.take(f"the output of {path}")
-        _same_shape(old, new, path)
+        same_shape(old, new, path)
         if isinstance(output, torch.Tensor):
             return new
         return type(output)([new, *output[1:]])
@@ -188,31 +193,23 @@ def _exit_at_output(path: str):
     return hook
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: the gradient of a received activation
-    goes back to the previous stage by a point-to-point send, which takes contiguous tensors only
-    (ConvNeXt's channels-last permute gives a strided one)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
     """The stage's forward: ``stage(*received, **pack_inputs(args, kwargs))``."""
 
     def run(*received, **packed):
         args, kwargs = unpack_inputs(packed)
-        if len(received) != (0 if route.first else 1):
+        expected = 0 if route.first else 1 + sum(n for _, n in route.side_in)
+        if len(received) != expected:
             raise SplitError(
-                f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; "
-                f"expected {0 if route.first else 1}"
+                f"pipeline stage [{route.start}, {route.end}) got {len(received)} activations; expected {expected}"
             )
-        route.received = _ContiguousGrad.apply(received[0]) if received else None
+        received = tuple(ContiguousGrad.apply(r) for r in received)
+        route.received = received[0] if received else None
+        at = 1
+        for path, n in route.side_in:
+            route.side_received[path] = list(received[at : at + n])
+            at += n
+        route.side_captured = {}
         try:
             output = forward(*args, **kwargs)
         except _StageExit as stop:
@@ -221,6 +218,8 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             # sent to the next stage: point-to-point sends take contiguous tensors (ConvNeXt's
             # channels-last permutes are not)
             output = stop.hidden.contiguous()
+            if route.side_out:
+                output = (output, *sent_sides(route))
         else:
             if not route.last:
                 raise SplitError(
@@ -230,10 +229,11 @@ def _stage_forward(route: StageRoute, forward: Callable) -> Callable:
             output = route.last_output(output)
         finally:
             pending, route.received = route.received, None
-        if pending is not None:
+            unused, route.side_received, route.side_captured = route.side_received, {}, {}
+        if pending is not None or unused:
             raise SplitError(
                 f"pipeline stage [{route.start}, {route.end}): the received activation was never used "
-                "(the stage's first layer did not run). fix: use pp=1"
+                f"(the stage's first layer{' or ' + ', '.join(unused) if unused else ''} did not run). fix: use pp=1"
             )
         return output
 
@@ -268,6 +268,7 @@ def split_stages(
         raise SplitError(problem)
     n = layout.num_blocks
     paths = list(layout.owned) + layout.layer_modules()
+    layer_paths = set(layout.layer_modules())
     originals = {p: model.get_submodule(p) for p in paths}
     shapes = _output_shapes(graph, layout, originals)
     if len(ranges) == 1:
@@ -292,6 +293,16 @@ def split_stages(
             if not start <= block < end:
                 _stand_in_parameter(base, name)
         route = StageRoute(start, end, first=start == 0, last=end == n)
+        route.side_in = () if route.first else side_groups(layout, start)
+        route.side_out = () if route.last else side_groups(layout, end)
+        route.side_passed = () if route.last else passed_on(layout, end)
+        route.side_layers = tuple(p for p, _ in route.side_in + route.side_out if p in layer_paths)
+        kept_sides = [p for p, _ in route.side_in if p in keep]
+        if kept_sides:
+            raise SplitError(
+                f"pipeline stage [{start}, {end}) holds {kept_sides[0]}, whose output it also receives from the "
+                "stage before it. fix: use pp=1"
+            )
         _install_route(base, route, layout)
     return bases
 
@@ -353,6 +364,12 @@ def arm_stages(stages: Sequence[nn.Module], last_output: Optional[Callable[[Any]
         route = stage_route(stage)
         if last_output is not None:
             route.last_output = last_output
+        if not route.armed:
+            side_in, side_out = dict(route.side_in), dict(route.side_out)
+            for path in dict.fromkeys([*side_in, *side_out]):
+                layer_exit = path in route.side_layers
+                hook = side_hook(route, path, side_in.get(path, 0), side_out.get(path, 0), layer_exit)
+                stage.get_submodule(path).register_forward_hook(hook, with_kwargs=True)
         if route.exit_after and not route.armed:
             stage.get_submodule(route.exit_after).register_forward_hook(_exit_at_output(route.exit_after))
         route.armed = True
@@ -363,7 +380,8 @@ def run_stages(stages: Sequence[nn.Module], args: tuple, kwargs: Dict[str, Any])
     packed = pack_inputs(args, kwargs)
     received: tuple = ()
     for stage in stages:
-        received = (stage(*received, **packed),)
+        out = stage(*received, **packed)
+        received = out if isinstance(out, tuple) else (out,)
     return received[0]
 
 
@@ -460,8 +478,12 @@ def _probe(stage: nn.Module, start: int, end: int, layout: StageLayout, inputs) 
         received = ()
         if start > 0:
             shape, dtype = layout.activations[start]
-            received = (torch.empty(shape, dtype=getattr(torch, dtype), device="meta"),)
+            sides = [s[1:3] for s in layout.side_values.get(start, ())]
+            received = tuple(
+                torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in [(shape, dtype), *sides]
+            )
         out = stage(*received, **pack_inputs(args, kwargs))
+        out = out[0] if isinstance(out, tuple) else out
         if end in layout.activations and tuple(out.shape) != layout.activations[end][0]:
             raise SplitError(
                 f"pipeline: stage [{start}, {end}) hands on shape {tuple(out.shape)}, but the "

@@ -234,7 +234,8 @@ class MayRun:
     def degree_problem(self, name: str, value, dp: Optional[int] = None) -> str:
         """Why setting ``name`` cannot take ``value`` on this model ("" when it can): ``tp``,
         ``pp``, ``ep`` (``dp``: the data-parallel degree the fix should also divide), ``cp``,
-        ``sequence_parallel`` (``value``: on/off, or the TP degree it runs under), ``loss_parallel``
+        ``sequence_parallel`` (``value``: on/off, or the TP degree it runs under), ``tp_pp`` (``value``:
+        a TP degree, beside a pipeline cut), ``loss_parallel``
         (``value``: the last stage's TP degree) and
         ``num_microbatches`` (forwards per replica and step: BatchNorm statistics)."""
         s = self.support
@@ -244,6 +245,8 @@ class MayRun:
             return s.tp_problem(value)
         if name == "pp":
             return s.pp_problem(value) if self.graph is not None or value == 1 else ""
+        if name == "tp_pp":
+            return s.tp_pp_problem(value) if self.graph is not None else ""
         if name == "ep":
             return s.ep_problem(value, dp)
         if name == "cp":
@@ -267,7 +270,7 @@ class MayRun:
 
     def model_problems(self, plan: Plan) -> List[str]:
         """Why this model cannot run ``plan``'s degrees: TP of each stage (and sequence
-        parallelism under it), EP, the pipeline cut (with a traced graph)."""
+        parallelism under it), EP, the pipeline cut and TP beside it (with a traced graph)."""
         out = [
             p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p
         ]
@@ -281,6 +284,9 @@ class MayRun:
         out += [p for p in [self.degree_problem("ep", plan.ep, plan.dp)] if p]
         if self.graph is not None:
             out += [p for p in [self.degree_problem("pp", plan.pp)] if p]
+            if plan.pp > 1:
+                tps = sorted({s.tp for s in plan.stages if s.tp > 1})
+                out += [p for tp in tps for p in [self.degree_problem("tp_pp", tp)] if p][:1]
         return out
 
     def plan_problems(self, plan: Plan) -> List[str]:

@@ -279,6 +279,25 @@ class ParallelSupport:
         problem = layout.first_problem() or rehearsal_problem(self.model, self.graph, layout)
         return f"pp={pp}: {problem}" if problem else ""
 
+    def tp_pp_problem(self, tp: int) -> str:
+        """Why TP of degree ``tp`` cannot run beside a pipeline cut ("" when it can): a cut that
+        passes a layer's extra output beside the activation (T5's position biases, returned by
+        every decoder layer) carries a tensor each TP rank builds from its own heads, whose shape
+        the receiving stage cannot check against the traced model's; values of other modules (an
+        encoder's output) are whole on every rank and run."""
+        if tp == 1 or self.graph is None:
+            return ""
+        layout = self.stage_layout()
+        layers = set(layout.layer_modules())
+        for module, shape, _dtype, _passed in (v for c in sorted(layout.side_values) for v in layout.side_values[c]):
+            if module in layers:
+                return (
+                    f"tp={tp} with pp > 1: a pipeline cut passes {module}'s extra output {tuple(shape)} beside the "
+                    "activation, and under tensor parallelism each rank builds it from its own heads. fix: use "
+                    "tp=1 or pp=1"
+                )
+        return ""
+
     def stage_layout(self) -> StageLayout:
         """Which modules each chain block uses and what crosses each cut (``nest_fx.graph.stage_layout``)."""
         if self._layout is None:

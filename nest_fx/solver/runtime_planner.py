@@ -33,8 +33,9 @@ def detect_cluster(world_size: int) -> ClusterModel:
 def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> SolverOptions:
     """``options`` narrowed to what the runtime runs on ``model`` (``nest_fx.plan.may_run``, the
     question the runtime's checks ask too): TP, EP and CP degrees it accepts, pipelining only
-    where the model can be cut into stages, sequence parallelism only where it runs, loss
-    parallelism only where its LM head allows."""
+    where the model can be cut into stages (and, with TP, where no cut carries a value TP
+    shards), sequence parallelism only where it runs, loss parallelism only where its LM head
+    allows."""
     runs = may_run(model, graph)
     tps = runs.allowed("tp", options.tp_degrees)
     experts = runs.num_experts()
@@ -42,7 +43,9 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     if eps is not None or experts:  # ep 1 always runs, so the tuple is never empty
         eps = runs.allowed("ep", eps if eps is not None else divisors(experts))
     cps = runs.allowed("cp", options.cp_degrees) or (1,)
-    max_stages = 1 if runs.degree_problem("pp", 2) else options.max_stages
+    # a model whose pipeline cuts cannot carry TP-sharded values keeps TP and is not pipelined
+    tp_pp = any(runs.degree_problem("tp_pp", t) for t in tps if t > 1)
+    max_stages = 1 if tp_pp or runs.degree_problem("pp", 2) else options.max_stages
     loss_parallel = options.loss_parallel
     if any(runs.degree_problem("loss_parallel", t) for t in tps if t > 1):
         loss_parallel = False

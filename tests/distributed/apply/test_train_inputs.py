@@ -75,14 +75,14 @@ def test_a_loss_fn_needs_targets(single_rank):
 @pytest.mark.hf
 def test_pipelines_take_several_inputs_and_the_models_own_loss():
     """Every stage gets all the model's inputs (labels and targets reach the last stage, whose own
-    loss the schedule backpropagates), so several inputs are no refusal by themselves; T5 is still
-    refused for its cut, which would carry the encoder's output beside the decoder's state."""
+    loss the schedule backpropagates), so several inputs are no refusal by themselves; T5's cuts
+    pass the encoder's output beside the decoder's state (tests/distributed/apply/test_pipeline_side_values.py)."""
     pytest.importorskip("transformers")
     model, cfg = build_seeded("hf:t5")
     tokens = torch.randint(0, cfg.vocab_size, (4, 8))
-    graph = trace(model, (), {"input_ids": tokens, "decoder_input_ids": tokens})
-    problem = parallel_support(model, graph).pp_problem(2)
-    assert "would have to pass 2 values computed by the stage before it" in problem and "fix: use pp=1" in problem
+    graph = trace(model, (), {"input_ids": tokens, "decoder_input_ids": tokens, "labels": tokens})
+    assert parallel_support(model, graph).pp_problem(2) == ""
+    checks.run_all(uniform_plan(len(graph.blocks), pp=2, num_microbatches=2), model, graph, 2, 2, model_loss=True)
     llama, llama_cfg = build_seeded("hf:llama")
     ids = torch.randint(0, llama_cfg.vocab_size, (2, 8))
     one = trace(llama, (), {"input_ids": ids, "labels": ids})
