@@ -57,3 +57,33 @@ def fresh_model():
     """(model, AdamW) of another seed, not trained: what a checkpoint is loaded into."""
     model, _ = build_seeded(MODEL, seed=7)
     return model, torch.optim.AdamW(model.parameters())
+
+
+def model_layout_state_bytes(pm, optimizer) -> bytes:
+    """This rank's full parameters and optimizer state of a ParallelModule, fused projections back in
+    the model's own layout, keyed "<name>.param" / "<name>.<state key>" as :func:`plain_state`, as
+    ``torch.save`` bytes (tensors leave a rank as bytes: shared memory would outlive the rank)."""
+    import io
+
+    from torch.distributed.tensor import DTensor
+
+    from nest_fx.apply.fused_params import fused_layouts, original_layout
+
+    layouts = fused_layouts(pm.chunks)
+    out = {}
+    for name, p in pm.named_parameters():
+        for key, t in [("param", p.detach())] + list(optimizer.state[p].items()):
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            out[f"{name}.{key}"] = original_layout(full, layouts.get(name)) if full.shape == p.shape else full
+    buf = io.BytesIO()
+    torch.save({k: v.clone() for k, v in out.items()}, buf)
+    return buf.getvalue()
+
+
+def plain_state(model, optimizer) -> dict:
+    """{"<name>.param" | "<name>.<state key>": tensor} of a one-device model and its optimizer."""
+    return {
+        f"{n}.{k}": t.detach().clone()
+        for n, p in model.named_parameters()
+        for k, t in [("param", p)] + list(optimizer.state[p].items())
+    }

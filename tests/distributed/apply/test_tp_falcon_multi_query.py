@@ -17,6 +17,7 @@ import torch
 from nest_fx.apply.launch import launch
 from nest_fx.models import build_model, build_seeded
 from nest_fx.testing import equivalence
+from checkpoint_helpers import model_layout_state_bytes, plain_state
 
 pytestmark = [pytest.mark.hf, pytest.mark.dist]
 TOL = 1e-5
@@ -67,10 +68,7 @@ def _checkpoint_worker(spec):
     """TP2 x DP2 save and HF export of multi-query Falcon with AdamW state (or, with ``load``, load a
     one-device checkpoint; with ``weights``, start on meta from an HF directory); returns the full state
     in the model's own layout and the local shape of the fused weight."""
-    from torch.distributed.tensor import DTensor
-
     from nest_fx.apply import auto_parallelize
-    from nest_fx.apply.fused_params import fused_layouts, original_layout
     from nest_fx.apply.losses import lm_loss
     from nest_fx.plan import uniform_plan
 
@@ -93,24 +91,7 @@ def _checkpoint_worker(spec):
         opt.step()
         pm.save(spec["save"], opt, step=1)
         pm.save_pretrained(spec["hf"])
-    layouts = fused_layouts(pm.chunks)
-    params = dict(pm.named_parameters())
-    out = {}
-    for name, p in params.items():
-        for key, t in [("param", p.detach())] + list(opt.state[p].items()):
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            out[f"{name}.{key}"] = original_layout(full, layouts.get(name)) if full.shape == p.shape else full
-    buf = io.BytesIO()  # tensors leave a rank as bytes
-    torch.save({k: v.clone() for k, v in out.items()}, buf)
-    return buf.getvalue(), tuple(params[QKV].to_local().shape)
-
-
-def _plain_state(model, opt):
-    return {
-        f"{n}.{k}": t.detach().clone()
-        for n, p in model.named_parameters()
-        for k, t in [("param", p)] + list(opt.state[p].items())
-    }
+    return model_layout_state_bytes(pm, opt), tuple(dict(pm.named_parameters())[QKV].to_local().shape)
 
 
 @pytest.mark.slow
@@ -129,7 +110,7 @@ def test_multi_query_checkpoint_holds_the_fused_weight_in_hf_layout(tmp_path):
     assert tuple(model.get_parameter(QKV).shape) == (96, 64)  # (4 + 2) heads of 16: HF's layout
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     load_checkpoint(model, str(tmp_path / "tp2"), opt)
-    plain = _plain_state(model, opt)
+    plain = plain_state(model, opt)
     assert sorted(plain) == sorted(state)
     assert not [k for k in state if not torch.equal(plain[k], state[k])]
 
@@ -144,7 +125,7 @@ def test_multi_query_checkpoint_holds_the_fused_weight_in_hf_layout(tmp_path):
     opt.step()  # a different state, saved on one device and loaded under TP2 x DP2
     save_checkpoint(model, str(tmp_path / "one"), opt, step=2)
     loaded = launch(_checkpoint_worker, 4, {"load": str(tmp_path / "one")}, timeout=LAUNCH_S)
-    want = _plain_state(model, opt)
+    want = plain_state(model, opt)
     for blob, _ in loaded:
         got = torch.load(io.BytesIO(blob))
         assert sorted(got) == sorted(want) and not [k for k in want if not torch.equal(got[k], want[k])]

@@ -19,6 +19,7 @@ from nest_fx.apply.launch import launch
 from nest_fx.testing import equivalence
 
 from tiny_models import build_cnn, build_hf, build_mlp, class_loss, hf_builder, image_data, mlp_data
+from checkpoint_helpers import model_layout_state_bytes, plain_state
 
 TOL = 1e-5
 LAUNCH_S = 420
@@ -98,10 +99,9 @@ def _fused_checkpoint(spec):
     """TP2 save of Phi-3 (fused qkv / gate_up) with AdamW state; returns the full state in the
     model's own layout. Or, with ``load``: load a one-device checkpoint and return the same."""
     from nest_fx.apply import auto_parallelize
-    from nest_fx.apply.fused_params import fused_layouts, original_layout
+    from nest_fx.apply.fused_params import fused_layouts
     from nest_fx.apply.losses import lm_loss
     from nest_fx.plan import uniform_plan
-    from torch.distributed.tensor import DTensor
 
     model, cfg = build_hf("phi3", seed=1)
     tokens = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -120,23 +120,7 @@ def _fused_checkpoint(spec):
         pm.train_step(tokens, tokens)
         opt.step()
         pm.save(spec["save"], opt, step=1)
-    layouts = fused_layouts(pm.chunks)
-    out = {}
-    for name, p in pm.named_parameters():
-        for key, t in [("param", p.detach())] + list(opt.state[p].items()):
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            out[f"{name}.{key}"] = original_layout(full, layouts.get(name)) if full.shape == p.shape else full
-    buf = io.BytesIO()  # tensors leave a rank as bytes (shared memory would outlive the rank)
-    torch.save({k: v.clone() for k, v in out.items()}, buf)
-    return buf.getvalue(), sorted(layouts)
-
-
-def _plain_state(model, opt):
-    return {
-        f"{n}.{k}": t.detach().clone()
-        for n, p in model.named_parameters()
-        for k, t in [("param", p)] + list(opt.state[p].items())
-    }
+    return model_layout_state_bytes(pm, opt), sorted(fused_layouts(pm.chunks))
 
 
 @pytest.mark.hf
@@ -154,14 +138,14 @@ def test_fused_projections_checkpoint_in_the_model_layout(tmp_path):
     model, _ = build_hf("phi3", seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     load_checkpoint(model, str(tmp_path / "tp2"), opt)
-    plain = _plain_state(model, opt)
+    plain = plain_state(model, opt)
     assert sorted(plain) == sorted(state)
     assert not [k for k in state if not torch.equal(plain[k], state[k])]
 
     opt.step()  # a different state, saved on one device and loaded under TP2
     save_checkpoint(model, str(tmp_path / "one"), opt, step=2)
     loaded = launch(_fused_checkpoint, 2, {"load": str(tmp_path / "one")}, timeout=LAUNCH_S)
-    want = _plain_state(model, opt)
+    want = plain_state(model, opt)
     for blob, _ in loaded:
         got = torch.load(io.BytesIO(blob))
         assert sorted(got) == sorted(want) and not [k for k in want if not torch.equal(got[k], want[k])]
