@@ -60,6 +60,30 @@ BERT_LIKE = dict(
     task="masked-lm",
 )
 
+# one config each for the tied and the untied form of a family
+GEMMA3 = dict(
+    model_type="gemma3_text",
+    head_dim=16,
+    sliding_window=6,
+    layer_types=SLIDING,
+    attn_implementation="eager",
+    **LLAMA_LIKE,
+)
+GPT2 = dict(
+    model_type="gpt2",
+    vocab_size=128,
+    n_embd=64,
+    n_layer=4,
+    n_head=4,
+    n_positions=64,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+    use_cache=False,
+)
+
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(model_type="llama", **LLAMA_LIKE),
     "mistral (sliding window)": dict(model_type="mistral", sliding_window=6, **LLAMA_LIKE),
@@ -83,23 +107,8 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
         attn_implementation="eager",
         **LLAMA_LIKE,
     ),
-    "gemma3 (untied, sliding/full layers)": dict(
-        model_type="gemma3_text",
-        head_dim=16,
-        sliding_window=6,
-        layer_types=SLIDING,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-        **LLAMA_LIKE,
-    ),
-    "gemma3 (tied, sliding/full layers)": dict(
-        model_type="gemma3_text",
-        head_dim=16,
-        sliding_window=6,
-        layer_types=SLIDING,
-        attn_implementation="eager",
-        **LLAMA_LIKE,
-    ),
+    "gemma3 (untied, sliding/full layers)": dict(GEMMA3, tie_word_embeddings=False),
+    "gemma3 (tied, sliding/full layers)": GEMMA3,
     "cohere2 (untied, sliding/full layers)": dict(
         model_type="cohere2", sliding_window=6, layer_types=SLIDING, tie_word_embeddings=False, **LLAMA_LIKE
     ),
@@ -126,35 +135,8 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
         attn_implementation="eager",
         **LLAMA_LIKE,
     ),
-    "gpt2 (tied)": dict(
-        model_type="gpt2",
-        vocab_size=128,
-        n_embd=64,
-        n_layer=4,
-        n_head=4,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    ),
-    "gpt2 (untied)": dict(
-        model_type="gpt2",
-        vocab_size=128,
-        n_embd=64,
-        n_layer=4,
-        n_head=4,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-        use_cache=False,
-    ),
+    "gpt2 (tied)": GPT2,
+    "gpt2 (untied)": dict(GPT2, tie_word_embeddings=False),
     "gpt_neo (tied, local/global layers)": dict(
         model_type="gpt_neo",
         vocab_size=128,
