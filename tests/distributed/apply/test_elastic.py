@@ -54,10 +54,8 @@ def _assert_resumed_on_survivors(log: str, killed_at: int, want) -> None:
     assert worst <= PARITY_TOL, (worst, got, want)
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
+def _single_device_losses(tmp_path) -> Dict[int, float]:
+    """The last loss of each step of the same training script run on one device (the reference)."""
     ref_log = str(tmp_path / "single.jsonl")
     single = subprocess.run(
         [sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log, "--steps", str(STEPS)],
@@ -67,7 +65,14 @@ def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
         timeout=300,
     )
     assert single.returncode == 0, single.stderr[-2000:]
-    want = last_loss_per_step(read_losses(ref_log))
+    return last_loss_per_step(read_losses(ref_log))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lost_node_means_replan_and_resume_on_the_survivors(tmp_path):
+    want = _single_device_losses(tmp_path)
 
     log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
     cmd = elastic_command(
@@ -99,16 +104,7 @@ def test_with_an_etcd_rendezvous_losing_the_node_that_started_the_job_is_survive
     started the job (with the c10d backend, the host of the rendezvous store) is killed with its
     workers, and the other node re-plans for 2 ranks and resumes from the newest checkpoint.
     The test installs and starts what it needs (nest_fx.testing_faults.ensure_etcd, EtcdServer)."""
-    ref_log = str(tmp_path / "single.jsonl")
-    single = subprocess.run(
-        [sys.executable, SCRIPT, "--ckpt", str(tmp_path / "single"), "--losses", ref_log, "--steps", str(STEPS)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert single.returncode == 0, single.stderr[-2000:]
-    want = last_loss_per_step(read_losses(ref_log))
+    want = _single_device_losses(tmp_path)
 
     log, ckpt = str(tmp_path / "elastic.jsonl"), str(tmp_path / "ckpt")
     with EtcdServer(str(tmp_path), free_port(), free_port()) as etcd:
