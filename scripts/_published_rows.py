@@ -69,6 +69,13 @@ class Row:
         return self.backend or ("compile" if self.compile else "eager")
 
     @property
+    def attention_kernel(self) -> str:
+        """SDPA's attention kernel the row ran: torchtitan's December 2024 runs used a torch nightly
+        whose SDPA picked FlashAttention-2 on H100 (cuDNN's attention was opt-in then: pytorch/pytorch
+        PR #138522, issue #142132 on 2.6.0.dev20241204); Meta's fused stack is priced by ``kernels``."""
+        return "flash" if self.system == "torchtitan" else ""
+
+    @property
     def published(self) -> float:
         """The published figure compared: model TFLOP/s per GPU where the source gives that, else
         tokens/s per GPU."""

@@ -101,6 +101,8 @@ def published_plan(row: Row, work, **overrides):
     )
     if row.backend:
         fields["kernels"] = row.backend
+    if row.attention_kernel and hasattr(Plan, "attention_kernel"):
+        fields["attention_kernel"] = row.attention_kernel
     fields.update(overrides)
     if fields.get("kernels", "") is None or (fields.get("kernels") and not hasattr(Plan, "kernels")):
         fields.pop("kernels")  # a cost model without the kernels setting costs eager kernels
@@ -225,6 +227,7 @@ def run_planner(row: Row, budget: float) -> dict:
         use_all_devices=True,
         cost=cost_options(row),
         kernels=row.backend or None,
+        attention_kernel=row.attention_kernel or None,
     )
     try:
         found = solve(work, cluster, row.global_batch, options)

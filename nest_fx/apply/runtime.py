@@ -38,6 +38,7 @@ from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.parts import BatchSchedule, LocalModel, ParallelLayout, field_of
 from nest_fx.apply.model_loss import model_loss
 from nest_fx.apply.pipeline import schedule_step, tensor_output
+from nest_fx.apply.sdpa_kernel import pinned_attention
 
 
 def _counted_step(method: Callable) -> Callable:
@@ -338,31 +339,35 @@ class ParallelModule:
                 )
             args, kwargs = (self.context_parallel.shard(tensors[0]),), {}
             y = self.context_parallel.shard(y)
-        nmb = self.num_microbatches
-        if self.schedule is not None:
-            local = schedule_step(self.schedule, self.pipeline_stages, args, kwargs, y, nmb)
-            is_last = local is not None
-        else:
-            module = self.module
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
-            for k, (mb_args, mb_kwargs, ys) in enumerate(microbatches(args, kwargs, y, nmb)):
-                if self.fsdp:
-                    # ZeRO-1 accumulates unsharded gradients and reduce-scatters once; ZeRO-2/3
-                    # keep only sharded gradients, so they reduce-scatter every microbatch.
-                    # ZeRO-1/2 keep the gathered parameters until the last backward (one
-                    # all-gather per step); ZeRO-3 gathers them for every forward and backward.
-                    last = k == nmb - 1
-                    module.set_requires_gradient_sync(last or self.plan.zero >= 2)
-                    if self.plan.zero <= 2:
-                        module.set_reshard_after_backward(last)
-                loss = self._loss(module(*mb_args, **mb_kwargs), ys)
-                (loss / nmb).backward()
-                total += loss.detach().float()
-            local = total / nmb
-            is_last = True
+        with pinned_attention(self.plan.attention_kernel, self.device):
+            local, is_last = self._forward_backward(args, kwargs, y)
         if self.grad_sync is not None:
             self.grad_sync()
         return self._global_loss(local if is_last else None)
+
+    def _forward_backward(self, args: tuple, kwargs: dict, y: Optional[torch.Tensor]):
+        """Forward and backward of every microbatch: (this rank's mean loss or None, whether it
+        holds the loss: off the last pipeline stage it does not)."""
+        nmb = self.num_microbatches
+        if self.schedule is not None:
+            local = schedule_step(self.schedule, self.pipeline_stages, args, kwargs, y, nmb)
+            return local, local is not None
+        module = self.module
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for k, (mb_args, mb_kwargs, ys) in enumerate(microbatches(args, kwargs, y, nmb)):
+            if self.fsdp:
+                # ZeRO-1 accumulates unsharded gradients and reduce-scatters once; ZeRO-2/3
+                # keep only sharded gradients, so they reduce-scatter every microbatch.
+                # ZeRO-1/2 keep the gathered parameters until the last backward (one
+                # all-gather per step); ZeRO-3 gathers them for every forward and backward.
+                last = k == nmb - 1
+                module.set_requires_gradient_sync(last or self.plan.zero >= 2)
+                if self.plan.zero <= 2:
+                    module.set_reshard_after_backward(last)
+            loss = self._loss(module(*mb_args, **mb_kwargs), ys)
+            (loss / nmb).backward()
+            total += loss.detach().float()
+        return total / nmb, True
 
     def _global_loss(self, local: Optional[torch.Tensor]) -> torch.Tensor:
         """Mean over replicas (and CP ranks) of the last stage's loss, broadcast to every rank
@@ -387,7 +392,8 @@ class ParallelModule:
                 "part of every sequence; calling it on whole sequences would read wrong positions. "
                 "fix: use train_step, or a plan with cp=1 for inference"
             )
-        return tensor_output(self.module(*args, **kwargs))
+        with pinned_attention(self.plan.attention_kernel, self.device):
+            return tensor_output(self.module(*args, **kwargs))
 
     def __repr__(self) -> str:
         i = self.rank_info

@@ -1,4 +1,4 @@
-"""Named clusters: DGX A100/H100/B200, GB200 NVL72, the NEST paper's H100 spine-leaf and TPUv4 fat tree, and the
+"""Named clusters: DGX A100/H100/H200/B200, GB200 NVL72, the NEST paper's H100 spine-leaf and TPUv4 fat tree, and the
 CPU test machine. Each builder takes a device count; :meth:`Cluster.preset` looks them up in
 :data:`PRESETS`. Hardware figures are from the datasheets and the NEST paper, as each builder's
 docstring says (see docs/cluster_format.md)."""
@@ -44,6 +44,14 @@ H100_SXM = DeviceSpec(
     peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
     mem_bandwidth=3.35e12,
 )
+H200_SXM = DeviceSpec(
+    # H200-SXM datasheet: the H100's compute (dense peaks), 141 GB HBM3e at 4.8 TB/s; memory as
+    # nvidia-smi reports it on the card (143,771 MiB: results/gpu/bench_gpu_kernels_h200.json's run).
+    name="H200-SXM-141GB",
+    memory_bytes=140 * GiB,
+    peak_flops=dict(H100_SXM.peak_flops),
+    mem_bandwidth=4.8e12,
+)
 B200 = DeviceSpec(
     # DGX B200 datasheet, per GPU (system figures / 8), dense peaks (half the sparse figures):
     # FP8 72 PFLOP/s sparse -> 4.5 PFLOP/s dense, BF16/FP16 2.25 PFLOP/s, TF32 1.1 PFLOP/s,
@@ -77,6 +85,14 @@ def _dgx_h100(devices: int) -> Cluster:
     """DGX H100: NVLink4 450 GB/s per GPU per direction; 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
     return Cluster(
         "dgx-h100", _copy(H100_SXM), devices, _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    )
+
+
+def _dgx_h200(devices: int) -> Cluster:
+    """DGX H200: the DGX H100's network (NVLink4 450 GB/s per GPU per direction, 8x NDR 400 Gb/s
+    IB per node) around H200 GPUs."""
+    return Cluster(
+        "dgx-h200", _copy(H200_SXM), devices, _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
     )
 
 
@@ -133,6 +149,7 @@ PRESETS.update(
     {
         "dgx-a100": _dgx_a100,
         "dgx-h100": _dgx_h100,
+        "dgx-h200": _dgx_h200,
         "dgx-b200": _dgx_b200,
         "gb200-nvl72": _gb200_nvl72,
         "h100-spine-leaf": _h100_spine_leaf,

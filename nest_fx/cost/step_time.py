@@ -343,7 +343,9 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
     for problem in device_problems(cluster.device, float8=plan.float8):
         raise PlanError(problem)
     try:
-        workload = workload.for_runtime(plan.compile, plan.float8, compute_dtype(plan.precision), plan.kernels)
+        workload = workload.for_runtime(
+            plan.compile, plan.float8, compute_dtype(plan.precision), plan.kernels, plan.attention_kernel
+        )
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None
     check_variants(plan, workload)

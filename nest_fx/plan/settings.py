@@ -34,6 +34,7 @@ from nest_fx.plan.setting import (  # noqa: F401  (re-exported: plan.py, the pla
 from nest_fx.plan.vocabulary import (
     ANY_INTERLEAVE,
     KERNELS,
+    ATTENTION_KERNELS,
     OPTIMIZER_NAMES,
     PLACEMENTS,
     PRECISIONS,
@@ -194,6 +195,20 @@ SETTINGS: Tuple[Setting, ...] = (
         "option",
         values=("",) + KERNELS,
         flag="--kernels",
+        search=None,
+    ),
+    Setting(
+        "attention_kernel",
+        str,
+        "",
+        "PyTorch SDPA's fused attention kernel on CUDA, which the runtime pins and the cost model prices at its "
+        "measured rate: cudnn (PyTorch's own choice on Hopper/Blackwell since torch 2.11), flash "
+        "(FlashAttention-2: PyTorch's choice before, e.g. torchtitan's 2024 runs); '' = cudnn. Calls that kernel "
+        "cannot run (fp32, some masks) fall back to PyTorch's next choice. Not used by kernels=fused "
+        "(FlashAttention-3 rates) (docs/cost_model.md, Attention kernels)",
+        "option",
+        values=("",) + ATTENTION_KERNELS,
+        flag="--attention-kernel",
         search=None,
     ),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),

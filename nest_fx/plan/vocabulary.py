@@ -30,6 +30,8 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")  # see Plan.precision and docs/
 DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 # kernel backends a plan is costed with (nest_fx.workload.kernels.KERNEL_BACKENDS, the same names)
 KERNELS = ("eager", "compile", "fused")
+# the fused attention kernels of PyTorch's SDPA a plan may pin (nest_fx.workload.roofline.SDPA_ATTENTION)
+ATTENTION_KERNELS = ("cudnn", "flash")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches

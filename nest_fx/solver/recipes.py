@@ -118,6 +118,7 @@ def _plan(
         async_tp=options.async_tp,
         precision=options.precision or "",
         kernels=options.kernels or "",
+        attention_kernel=options.attention_kernel or "",
         microbatch_size=mbs,
         num_microbatches=m,
         schedule=schedule,

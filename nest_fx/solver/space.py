@@ -72,7 +72,13 @@ class SolverOptions:
 
     def runtime_workload(self, workload: Workload) -> Workload:
         """``workload`` costed as plans of these options run (compile, Float8, the precision's dtype)."""
-        return workload.for_runtime(self.compile, self.float8, compute_dtype(self.precision or ""), self.kernels or "")
+        return workload.for_runtime(
+            self.compile,
+            self.float8,
+            compute_dtype(self.precision or ""),
+            self.kernels or "",
+            self.attention_kernel or "",
+        )
 
     def cp_searched(self, seq_len: int) -> Tuple[int, ...]:
         """The CP degrees searched for sequences of ``seq_len`` tokens (0: unknown): ``cp_degrees``,
@@ -257,6 +263,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
         )
         and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
         and (plan.kernels or "") == (options.kernels or "")
+        and (plan.attention_kernel or "") == (options.attention_kernel or "")
         and not unrun_combination(
             tp=max(s.tp for s in plan.stages),
             ep=plan.ep,

@@ -5,8 +5,9 @@ system, not of the model. Three backends, each a row of :data:`KERNEL_BACKENDS`:
 
 ``eager``    PyTorch ops as traced, one kernel each (nest-fx's runtime without ``compile``):
              every elementwise op reads and writes its tensors, an RMSNorm computed in fp32 keeps
-             fp32 copies for backward, attention is PyTorch's SDPA flash kernel
-             (FlashAttention-2: ``roofline.FUSED_ATTENTION_EFFICIENCY``).
+             fp32 copies for backward, attention is the SDPA kernel the plan pins
+             (``attention_kernel``: cuDNN's by default, or FlashAttention-2; measured rates in
+             ``roofline.SDPA_ATTENTION``).
 ``compile``  ``torch.compile`` of each block (the runtime with ``compile``): inductor fuses each
              connected set of elementwise and reduction ops into one kernel
              (``runtime_costs.fusion_regions``); ``fusion`` is the share of the traffic saving

@@ -49,9 +49,18 @@ class ProfiledSource(TracedSource):
         self.depth = distinct_depth(graph)
 
     def for_runtime(
-        self, *, compile: bool = False, float8: bool = False, timing=None, byte_scale: float = 1.0, kernels: str = ""
+        self,
+        *,
+        compile: bool = False,
+        float8: bool = False,
+        timing=None,
+        byte_scale: float = 1.0,
+        kernels: str = "",
+        attention_kernel: str = "",
     ) -> "ProfiledSource":
-        """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only."""
+        """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only
+        (and for the attention kernel that ran when it was taken; ops it did not measure are priced
+        with ``attention_kernel``)."""
         if timing is not None or byte_scale != 1.0:
             other = "--precision fp32" if self.profile.dtype == "fp32" else "--precision bf16-mixed or bf16-true"
             raise WorkloadError(
@@ -59,7 +68,7 @@ class ProfiledSource(TracedSource):
                 f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
                 "--dtype ...)"
             )
-        return super().for_runtime(compile=compile, float8=float8, kernels=kernels)
+        return super().for_runtime(compile=compile, float8=float8, kernels=kernels, attention_kernel=attention_kernel)
 
     def _local_graph(self, tp: int, mbs: int):
         if (tp, mbs) not in self._local:

@@ -16,13 +16,25 @@ assumptions, written down here, and checked end to end against Narayanan et al. 
 175B throughput in ``tests/unit/cost/test_published.py``. Backward ops cost twice their forward
 (two GEMMs per forward GEMM: input gradient and weight gradient).
 
-Fused (flash) attention kernels are costed apart: PyTorch's flash SDPA backend is
-FlashAttention-2, which reaches about 73% of an A100's peak in forward (Dao 2023,
-"FlashAttention-2", sec. 4.1) but only 35% of an H100's, not using Hopper's asynchronous
-tensor-core instructions (Shah et al. 2024, "FlashAttention-3", sec. 1): ``attention_efficiency``
-replaces ``e_max`` for them (:data:`FUSED_ATTENTION_EFFICIENCY` by device family; the GEMM
-figure elsewhere). Their backward runs five GEMMs for the forward's two (the scores are
-recomputed): 2.5 x the forward's FLOPs (Dao 2023, sec. 3.1.2), ``attention_backward_factor``.
+Fused attention kernels are costed apart, at the rate measured for the kernel that runs
+(``attention_efficiency`` replaces ``e_max`` for them; the GEMM figure elsewhere), forward and
+backward apart (the backward runs five GEMMs for the forward's two, the scores recomputed: 2.5 x
+the forward's FLOPs, Dao 2023, sec. 3.1.2; ``attention_backward_factor`` is that 2.5 scaled by the
+forward / backward rates). PyTorch's SDPA has two fused kernels on Hopper, :data:`SDPA_ATTENTION`:
+
+* ``cudnn`` (cuDNN's fused attention): PyTorch's own choice on Hopper and Blackwell once the cuDNN it
+  bundles is newer than 9.15 (torch >= 2.11; before, cuDNN was opt-in after the 2.5 bugs, pytorch
+  PR #138522), and the kernel nest-fx's runtime pins (``plan.attention_kernel``, ``apply/sdpa_kernel.py``);
+* ``flash`` (FlashAttention-2): PyTorch's choice before that (torchtitan's 2024 benchmarks ran it).
+  Dao 2023 gives 73% of an A100's peak forward; on Hopper FlashAttention-2 does not use the
+  asynchronous tensor-core instructions (Shah et al. 2024, "FlashAttention-3", sec. 1): 35% of an
+  H100's peak.
+
+Both rates are measured (``scripts/bench_gpu_kernels.py``, section ``sdpa``, on an H200 with torch
+2.11 / cuDNN 9.x: ``results/gpu/bench_gpu_kernels_h200.json``): causal bf16 attention, head
+dimension 128, 32 heads, 8K-131K tokens, the median over the three lengths: flash forward 0.34,
+backward 0.32 of the bf16 peak; cuDNN forward 0.64, backward 0.52. An H100 has the H200's compute
+(the same SMs and clocks; only the memory differs), so the H200's compute-bound rates are used for both.
 
 Under the ``fused`` kernel backend (``nest_fx.workload.kernels``: Transformer Engine / Megatron-LM
 with cuDNN or FlashAttention-3 attention) attention on Hopper runs at FlashAttention-3's rate:
@@ -36,8 +48,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
-# (device name part, fraction of peak) for fused attention kernels; other devices: e_max
-FUSED_ATTENTION_EFFICIENCY = (("H100", 0.35), ("H200", 0.35))
+# PyTorch SDPA's fused kernels: {kernel: ((device name part, forward, backward fraction of peak), ...)},
+# measured (module docstring); other devices: e_max
+SDPA_ATTENTION = {
+    "cudnn": (("H100", 0.64, 0.52), ("H200", 0.64, 0.52)),
+    "flash": (("H100", 0.34, 0.32), ("H200", 0.34, 0.32)),
+}
+# the kernel a plan that names none is priced with: what the runtime pins (plan.attention_kernel '')
+DEFAULT_ATTENTION_KERNEL = "cudnn"
 # (device name part, forward, backward fraction of peak) of FlashAttention-3 / cuDNN attention
 FA3_ATTENTION = (("H100", 0.75, 0.55), ("H200", 0.75, 0.55))
 ATTENTION_BACKWARD_FACTOR = 2.5
@@ -58,6 +76,8 @@ class AnalyticalCompute:
     fp8_flops: float = 0.0  # FLOP/s of fp8 tensor cores (Float8 linears); 0 = none
     attention_efficiency: Optional[float] = None  # fused attention's e_max; None: matmul_efficiency
     attention_backward_factor: float = ATTENTION_BACKWARD_FACTOR
+    # per SDPA kernel: (forward, backward) e_max on this device (SDPA_ATTENTION); empty: none measured
+    sdpa_attention: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     peaks: Dict[str, float] = field(default_factory=dict)  # the device's peak FLOP/s per dtype (in_dtype)
     vector_share: float = 0.125  # non-matmul FLOP/s as a fraction of the device's fastest rate (for_device)
     fa3_attention: Optional[Tuple[float, float]] = None  # (forward, backward) e_max under kernels=fused
@@ -68,7 +88,7 @@ class AnalyticalCompute:
         ops run at ``vector_fraction`` of the device's fastest (matrix-unit) rate, at most the
         dtype's own peak (fp32 on a GPU: its fp32 rate)."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
-        attention = next((e for part, e in FUSED_ATTENTION_EFFICIENCY if part in device.name), None)
+        sdpa = {kernel: (f, b) for kernel, rows in SDPA_ATTENTION.items() for part, f, b in rows if part in device.name}
         fa3 = next(((f, b) for part, f, b in FA3_ATTENTION if part in device.name), None)
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
@@ -76,13 +96,14 @@ class AnalyticalCompute:
             peak_flops=device.peak(dtype),
             mem_bandwidth=device.mem_bandwidth,
             fp8_flops=fp8,
-            attention_efficiency=attention,
+            sdpa_attention=sdpa,
             peaks=peaks,
             vector_share=share,
             fa3_attention=fa3,
             vector_fraction=_vector_fraction(peaks, share, device.peak(dtype)),
         )
-        return cls(**{**fields, **overrides})
+        timing = cls(**{**fields, **overrides})
+        return timing if "attention_efficiency" in overrides else timing.with_kernels(False)
 
     def in_dtype(self, dtype: str) -> "AnalyticalCompute":
         """The same device computing in ``dtype`` (its peak from :attr:`peaks`); ValueError when
@@ -92,14 +113,22 @@ class AnalyticalCompute:
         peak = self.peaks[dtype]
         return replace(self, peak_flops=peak, vector_fraction=_vector_fraction(self.peaks, self.vector_share, peak))
 
-    def with_kernels(self, hopper_attention: bool) -> "AnalyticalCompute":
+    def with_kernels(self, hopper_attention: bool, attention_kernel: str = "") -> "AnalyticalCompute":
         """This timing under a kernel backend: with ``hopper_attention`` (``kernels=fused``) fused
-        attention at FlashAttention-3's forward rate and its backward at its own (the factor
-        2.5 x forward / backward efficiency), where the device has those figures; else ``self``."""
-        if not hopper_attention or self.fa3_attention is None:
+        attention at FlashAttention-3's rates, else at the measured rates of SDPA's
+        ``attention_kernel`` (cudnn, flash; '' = :data:`DEFAULT_ATTENTION_KERNEL`), where the
+        device has those figures; forward and backward apart (the backward factor 2.5 x forward /
+        backward rate)."""
+        rates = self.fa3_attention if hopper_attention else None
+        if rates is None:
+            rates = self.sdpa_attention.get(attention_kernel or DEFAULT_ATTENTION_KERNEL)
+        if rates is None:
             return self
-        fwd, bwd = self.fa3_attention
-        return replace(self, attention_efficiency=fwd, attention_backward_factor=ATTENTION_BACKWARD_FACTOR * fwd / bwd)
+        fwd, bwd = rates
+        factor = ATTENTION_BACKWARD_FACTOR * fwd / bwd
+        if (self.attention_efficiency, self.attention_backward_factor) == (fwd, factor):
+            return self
+        return replace(self, attention_efficiency=fwd, attention_backward_factor=factor)
 
     def matmul_eff(self, flops: float, attention: bool = False) -> float:
         """e_mm(F) = e_max * F / (F + F_half); ``attention``: a fused attention kernel's e_max."""

@@ -65,20 +65,28 @@ class TracedSource:
         return self._facts[block_index]
 
     def for_runtime(
-        self, *, compile: bool = False, float8: bool = False, timing=None, byte_scale: float = 1.0, kernels: str = ""
+        self,
+        *,
+        compile: bool = False,
+        float8: bool = False,
+        timing=None,
+        byte_scale: float = 1.0,
+        kernels: str = "",
+        attention_kernel: str = "",
     ) -> "TracedSource":
         """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
         when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
         (``runtime_costs``) and, given ``timing`` and ``byte_scale``, in another dtype: the op
         times of ``timing`` (the device's rate for that dtype) on activations ``byte_scale``
-        times the traced bytes (``Workload.for_runtime``). The traced facts are shared."""
+        times the traced bytes (``Workload.for_runtime``); fused attention at the measured rate of
+        ``attention_kernel`` (``roofline.SDPA_ATTENTION``). The traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
         derived.runtime = RuntimeCosts(backend=backend, float8=float8)
         base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
         derived._plain_timing = base
         with_kernels = getattr(base, "with_kernels", None)
-        derived.timing = with_kernels(backend.hopper_attention) if with_kernels else base
+        derived.timing = with_kernels(backend.hopper_attention, attention_kernel) if with_kernels else base
         derived.byte_scale = byte_scale
         derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived

@@ -27,6 +27,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.workload.kernels import kernel_backend
+from nest_fx.workload.roofline import DEFAULT_ATTENTION_KERNEL
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
 DTYPE_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of the dtypes a workload is costed in
@@ -177,9 +178,10 @@ class Workload:
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
-        self._runtime: Dict[Tuple[str, bool, Optional[str]], "Workload"] = {}
+        self._runtime: Dict[Tuple[str, bool, Optional[str], str], "Workload"] = {}
         self.compile = False  # costed with torch.compile on every block (for_runtime)
         self.kernels = "eager"  # the kernel backend it is costed with (for_runtime; nest_fx.workload.kernels)
+        self.attention_kernel = ""  # SDPA's attention kernel it is costed with ('' = the default; for_runtime)
         self.float8 = False  # costed with Float8 linears (for_runtime)
         self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
@@ -249,25 +251,40 @@ class Workload:
         return self._policies[key]
 
     def for_runtime(
-        self, compile: bool = False, float8: bool = False, dtype: Optional[str] = None, kernels: str = ""
+        self,
+        compile: bool = False,
+        float8: bool = False,
+        dtype: Optional[str] = None,
+        kernels: str = "",
+        attention_kernel: str = "",
     ) -> "Workload":
         """This chain costed as the runtime runs it: with the kernel backend ``kernels`` (eager,
         compile, fused; '' = compile when ``compile`` is set, else eager:
-        ``nest_fx.workload.kernels``), Float8 linears (``docs/cost_model.md``), and computing in
+        ``nest_fx.workload.kernels``), SDPA's fused attention kernel ``attention_kernel`` (cudnn,
+        flash; '' = the default: ``roofline.SDPA_ATTENTION``), Float8 linears (``docs/cost_model.md``), and computing in
         ``dtype`` ("fp32", "bf16": the device's rate for it, activations of its width; None or a
         workload of unknown dtype: as built); ``self`` when nothing changes. WorkloadError when
         the cost source cannot derive them (a layer table holds what was measured; a profile, the
         dtype it was measured in)."""
         dtype = dtype if dtype and self.dtype else self.dtype
         backend = kernel_backend(kernels, compile).name
-        if (backend, float8, dtype) == (self.kernels, self.float8, self.dtype):
+        attention = "" if attention_kernel == DEFAULT_ATTENTION_KERNEL else attention_kernel
+        if (backend, float8, dtype, attention) == (self.kernels, self.float8, self.dtype, self.attention_kernel):
             return self
         if self.base is not None:
-            return self.base.for_runtime(False, float8, dtype, backend)
-        key = (backend, float8, dtype)
+            return self.base.for_runtime(False, float8, dtype, backend, attention)
+        key = (backend, float8, dtype, attention)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
-            named = [n for n, on in (("kernels=" + backend, backend != "eager"), ("float8", float8)) if on]
+            named = [
+                n
+                for n, on in (
+                    ("kernels=" + backend, backend != "eager"),
+                    ("float8", float8),
+                    ("attention_kernel=" + attention, bool(attention)),
+                )
+                if on
+            ]
             if derive is None:
                 raise WorkloadError(
                     f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
@@ -279,6 +296,7 @@ class Workload:
                 for n, on in (
                     ({"compile": "torch.compile", "fused": "fused kernels"}.get(backend, ""), backend != "eager"),
                     ("Float8", float8),
+                    (f"{attention} attention", bool(attention)),
                 )
                 if on
             ]
@@ -299,10 +317,11 @@ class Workload:
                 self.model,
                 self.layers,
                 dims,
-                derive(float8=float8, kernels=backend, **kwargs),
+                derive(float8=float8, kernels=backend, attention_kernel=attention, **kwargs),
                 provenance=f"{self.provenance}; " + " + ".join(changes),
             )
             w.kernels, w.float8, w.dtype, w.base = backend, float8, dtype, self
+            w.attention_kernel = attention
             w.compile = backend == "compile"
             self._runtime[key] = w
         return self._runtime[key]

@@ -476,3 +476,11 @@ def test_blackwell_presets_levels_and_rates():
     for c in (b200, racks):
         assert c.device.peak_flops["fp8"] == 2 * c.device.peak_flops["bf16"]  # dense fp8 doubles bf16
         assert c.device.memory_bytes >= 180e9
+
+
+def test_h200_preset_is_an_h100_with_more_and_faster_memory():
+    """DGX H200: the H100's compute and network, 140 GiB at 4.8 TB/s."""
+    h100, h200 = Cluster.preset("dgx-h100", 16), Cluster.preset("dgx-h200", 16)
+    assert h200.device.peak_flops == h100.device.peak_flops
+    assert [lv.bandwidth for lv in h200.levels] == [lv.bandwidth for lv in h100.levels]
+    assert h200.device.mem_bandwidth == 4.8e12 and h200.device.memory_bytes == 140 * 2**30

@@ -151,16 +151,25 @@ def test_reserved_memory_is_what_must_fit(gpt, h100):
     assert tight.stages[0].memory["total"] < between * USABLE_MEMORY_FRACTION and not tight.feasible
 
 
-def test_fused_attention_runs_at_flash_attention_2s_rate_per_device(h100):
+def test_fused_attention_runs_at_the_measured_rate_of_the_pinned_sdpa_kernel(h100):
+    """Hopper: cuDNN's attention by default (what torch >= 2.11 picks and the runtime pins), FlashAttention-2
+    when the plan names flash; forward and backward at their own measured rates; Ampere: the GEMM figure."""
     from nest_fx.workload.roofline import AnalyticalCompute
 
     hopper = AnalyticalCompute.for_device(h100.device)
+    flash = hopper.with_kernels(False, "flash")
     ampere = AnalyticalCompute.for_device(load_cluster("dgx-a100:8").device)
-    assert hopper.attention_efficiency == 0.35 and ampere.attention_efficiency is None
+    assert hopper.attention_efficiency == 0.64 and flash.attention_efficiency == 0.34
+    assert ampere.attention_efficiency is None
+    assert hopper.attention_backward_factor == pytest.approx(2.5 * 0.64 / 0.52)
+    assert flash.attention_backward_factor == pytest.approx(2.5 * 0.34 / 0.32)
     flops = 1e12
     assert hopper.op_seconds(flops, 0, True, attention=True) == pytest.approx(
-        hopper.op_seconds(flops, 0, True) * 0.75 / 0.35, rel=1e-2
+        hopper.op_seconds(flops, 0, True) * 0.75 / 0.64, rel=1e-2
     )  # + one launch
+    assert flash.op_seconds(flops, 0, True, attention=True) == pytest.approx(
+        hopper.op_seconds(flops, 0, True) * 0.75 / 0.34, rel=1e-2
+    )
     assert ampere.op_seconds(flops, 0, True, attention=True) == ampere.op_seconds(flops, 0, True)
 
 

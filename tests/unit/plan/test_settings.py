@@ -53,6 +53,7 @@ def test_one_spelling_for_every_setting():
     assert {s.name for s in OPTIONS} == {
         "precision",
         "kernels",
+        "attention_kernel",
         "optimizer",
         "memory_headroom",
         "overlap_tp_comm",
@@ -147,6 +148,7 @@ def test_the_planner_options_are_made_from_the_declarations():
         "async_tp",
         "precision",
         "kernels",
+        "attention_kernel",
     }
     assert {s.name for s in SETTINGS if s.search is UNSEARCHED and s.role == "degree"} == {"pp", "dp", "dp_shard"}
     assert COSTED_FLAGS == ("compile", "float8", "async_tp")  # never searched: costed when the user sets them

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""The cost model's figures against what ``bench_gpu_kernels.py`` measured on a GPU (any machine).
+
+    python scripts/bench_gpu_vs_model.py                                   # results/gpu/bench_gpu_kernels_h200.json
+    python scripts/bench_gpu_vs_model.py --measured OTHER.json --cluster dgx-h100:1
+
+Compares, for the device the JSON was measured on (``--cluster``: its preset):
+
+* the zoo Llama block of the ``block`` section (Llama 3 8B's layer shape, 8,192 tokens): forward +
+  backward time per layer, eager and compiled, and the bytes it saves for backward per token per
+  hidden unit, against ``Workload.for_runtime(kernels=...).cost`` of the same model (SDPA at the
+  default attention kernel, which PyTorch picked in the measured run);
+* SDPA's measured rates (``sdpa``) against ``roofline.SDPA_ATTENTION``;
+* the bf16 GEMMs (``gemm``) against the roofline's ``e_mm(F)``, and the memory-bound ops
+  (``elementwise``) against ``e_mem``.
+
+Writes ``results/gpu/gpu_vs_model.json`` and ``.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import List, Optional
+
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import workload_for_model
+from nest_fx.workload.roofline import SDPA_ATTENTION, AnalyticalCompute
+from nest_fx.workload.types import Variant
+
+from _bench_common import print_table, write_json
+
+
+def block_rows(measured: dict, cluster) -> List[dict]:
+    """Per-layer time and saved bytes, measured and predicted, per kernel backend."""
+    block = measured["block"]
+    spec = block["model"].format(layers=3)
+    seq, hidden = block["seq"], 4096
+    work = workload_for_model(spec, cluster, seq=seq)
+    rows = []
+    for backend in ("eager", "compile"):
+        w = work.for_runtime(kernels=backend)
+        index = next(i for i, layer in enumerate(w.layers) if layer.kind == "block")
+        cost = w.cost(index, Variant())
+        got = block["per_layer"][backend]
+        predicted_s = cost.fwd_s + cost.bwd_s
+        predicted_b = cost.act_bytes["none"] / (seq * hidden)
+        rows.append(
+            dict(
+                what=f"Llama 3 8B layer, {backend}",
+                measured_ms=got["step_s"] * 1e3,
+                predicted_ms=predicted_s * 1e3,
+                time_err_pct=100 * (predicted_s / got["step_s"] - 1),
+                measured_bytes=got["bytes_per_token_hidden"],
+                predicted_bytes=predicted_b,
+                bytes_err_pct=100 * (predicted_b / got["bytes_per_token_hidden"] - 1),
+            )
+        )
+    return rows
+
+
+def sdpa_rows(measured: dict, device_part: str) -> List[dict]:
+    """Median measured SDPA rates over the lengths >= 8K against the roofline's table."""
+    rows = []
+    for kernel, table in SDPA_ATTENTION.items():
+        model = next(((f, b) for part, f, b in table if part == device_part), None)
+        runs = [r for r in measured["sdpa"]["rows"] if r["backend"] == kernel and r["seq"] >= 8192 and "error" not in r]
+        if not runs or model is None:
+            continue
+        fwd = statistics.median(r["fwd_share"] for r in runs)
+        bwd = statistics.median(r["bwd_share"] for r in runs)
+        rows.append(dict(kernel=kernel, measured_fwd=fwd, model_fwd=model[0], measured_bwd=bwd, model_bwd=model[1]))
+    return rows
+
+
+def gemm_summary(measured: dict, timing: AnalyticalCompute) -> dict:
+    """Mean and largest error of e_mm(F) against the measured GEMM shares."""
+    errs = [100 * (timing.matmul_eff(r["flops"]) / r["share"] - 1) for r in measured["gemm"]["rows"]]
+    large = [100 * (timing.matmul_eff(r["flops"]) / r["share"] - 1) for r in measured["gemm"]["rows"] if r["m"] >= 8192]
+    return dict(
+        gemms=len(errs),
+        mean_abs_err_pct=statistics.mean(abs(e) for e in errs),
+        max_abs_err_pct=max(abs(e) for e in errs),
+        mean_abs_err_pct_8k_tokens_up=statistics.mean(abs(e) for e in large),
+        memory_shares={r["op"]: r["share"] for r in measured["elementwise"]["rows"]},
+        model_memory_efficiency=timing.memory_efficiency,
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measured", default="results/gpu/bench_gpu_kernels_h200.json")
+    parser.add_argument("--cluster", default="dgx-h200:1", help="the preset of the measured device")
+    parser.add_argument("--out", default="results/gpu/gpu_vs_model")
+    args = parser.parse_args(argv)
+    with open(args.measured) as fh:
+        measured = json.load(fh)
+    cluster = load_cluster(args.cluster)
+    part = "H200" if "H200" in measured["device"] else "H100"
+    timing = AnalyticalCompute.for_device(cluster.device, "bf16")
+    result = dict(
+        measured_on=f"{measured['device']}, torch {measured.get('torch') or measured['environment']['torch']}",
+        cluster=args.cluster,
+        block=block_rows(measured, cluster),
+        sdpa=sdpa_rows(measured, part),
+        gemm=gemm_summary(measured, timing),
+    )
+    print(f"measured on {result['measured_on']}; model: {args.cluster}")
+    print_table([list(r.values()) for r in result["block"]], list(result["block"][0]), floatfmt=".2f")
+    print_table([list(r.values()) for r in result["sdpa"]], list(result["sdpa"][0]), floatfmt=".3f")
+    print(json.dumps(result["gemm"], indent=1))
+    write_json(args.out + ".json", result)
+    with open(args.out + ".md", "w") as fh:
+        fh.write(f"# Cost model against one GPU ({result['measured_on']})\n\n")
+        fh.write("Written by `python scripts/bench_gpu_vs_model.py` from `scripts/bench_gpu_kernels.py`'s JSON.\n\n")
+        fh.write("| layer | measured ms | predicted ms | err | measured B/token/hidden | predicted | err |\n")
+        fh.write("|---|---:|---:|---:|---:|---:|---:|\n")
+        for r in result["block"]:
+            fh.write(
+                f"| {r['what']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | {r['time_err_pct']:+.1f}% | "
+                f"{r['measured_bytes']:.2f} | {r['predicted_bytes']:.2f} | {r['bytes_err_pct']:+.2f}% |\n"
+            )
+        fh.write("\n| SDPA kernel | measured fwd | model fwd | measured bwd | model bwd |\n|---|---:|---:|---:|---:|\n")
+        for r in result["sdpa"]:
+            fh.write(
+                f"| {r['kernel']} | {r['measured_fwd']:.3f} | {r['model_fwd']:.2f} | {r['measured_bwd']:.3f} | "
+                f"{r['model_bwd']:.2f} |\n"
+            )
+        g = result["gemm"]
+        fh.write(
+            f"\nbf16 GEMMs ({g['gemms']}, 512-16,384 tokens): e_mm(F) off by {g['mean_abs_err_pct']:.1f}% on average "
+            f"(largest {g['max_abs_err_pct']:.1f}%; {g['mean_abs_err_pct_8k_tokens_up']:.1f}% at >= 8,192 tokens). "
+            f"Memory-bound ops: {', '.join(f'{k} {v:.2f}' for k, v in g['memory_shares'].items())} of the "
+            f"bandwidth (model e_mem {g['model_memory_efficiency']}).\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
