@@ -17,7 +17,7 @@ activation checkpointing = op-level SAC (``op``), "AsyncTP" = TP collectives ove
 
 For each row the published configuration is written as a plan (``nest-fx-plan/1``) and costed
 by the cost model of this tree ("after") and by the cost model as merged before the change
-(``--before-commit``, default 3d94d5a, run from a ``git archive`` of it; "before"). Where the old
+(``--before-commit``, default 9abf3b6, run from a ``git archive`` of it; "before"). Where the old
 model refused a field it did not cost, the nearest form it did cost is used and said so (op-level
 SAC as ``selective``, loss parallel, torch.compile and Float8 dropped); context parallelism had
 no such form: the row was not expressible. Then the planner searches the same model, cluster and

@@ -286,7 +286,9 @@ def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tupl
         cluster,
         options,
         sc.tied_sync,
-        reduce_spread(memory.effective_zero_stage(plan.zero, plan.pp, plan.pp_shard_grads), plan.pp, plan.num_microbatches),
+        reduce_spread(
+            memory.effective_zero_stage(plan.zero, plan.pp, plan.pp_shard_grads), plan.pp, plan.num_microbatches
+        ),
     )
 
 
