@@ -46,8 +46,8 @@ def _counted(spec):
     return out
 
 
-def _run(plan: dict):
-    spec = {"model": LLAMA, "plan": plan, "batch": 8, "seq": 16, "steps": 3, "lr": 0.5}
+def _run(plan: dict, model: str = LLAMA):
+    spec = {"model": model, "plan": plan, "batch": 8, "seq": 16, "steps": 3, "lr": 0.5}
     results = launch(_counted, 4, spec, timeout=LAUNCH_S)
     worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
     print(f"\n{plan}: " + ", ".join(f"{k}={v:.2e}" for k, v in worst.items()))
@@ -75,7 +75,16 @@ def test_sharded_gradients_every_microbatch_match_one_device(zero):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_S + 30)
-def test_sharded_gradients_interleaved():
-    plan = {**PP2_DP2, "schedule": "interleaved", "virtual_stages": 2, "zero": 2, "pp_shard_grads": True}
-    results = _run(plan)
+@pytest.mark.parametrize(
+    "model, plan",
+    [
+        (LLAMA, {**PP2_DP2, "schedule": "interleaved", "virtual_stages": 2, "zero": 2}),
+        (LLAMA, {**PP2_DP2, "schedule": "interleaved", "virtual_stages": 2, "zero": 3}),
+        # the tied embedding's sharded gradients summed with its twin's after the step
+        ("gpt:hidden=64,layers=4,heads=4,seq=32,vocab=128,tie_embeddings=true", {**PP2_DP2, "zero": 2}),
+    ],
+    ids=["interleaved_zero2", "interleaved_zero3", "tied_zero2"],
+)
+def test_sharded_gradients_other_schedules_and_ties(model, plan):
+    results = _run({**plan, "pp_shard_grads": True}, model)
     assert _reductions_per_group_and_step(results) == {M}
