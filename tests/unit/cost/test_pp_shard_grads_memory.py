@@ -6,6 +6,8 @@ searched when the user sets it, never slower than a published plan using it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import stage_groups
 from nest_fx.cost.step_time import simulate, stage_tail
 from nest_fx.plan import Plan, StagePlan
-from nest_fx.plan.may_run import unrun_schedule
+from nest_fx.plan.may_run import unrun_fields, unrun_schedule
 from nest_fx.solver import SolverOptions, solve
 from nest_fx.solver.space import in_space
 from nest_fx.workload import workload_for_model
@@ -149,6 +151,19 @@ def test_split_backward_schedules_refuse_it():
     assert "pp_shard_grads" in unrun_schedule("zbv", pp=2, zero=2, pp_shard_grads=True)
     assert unrun_schedule("interleaved-zb", pp=2, zero=1, pp_shard_grads=True) == ""  # no effect at ZeRO-1
     assert unrun_schedule("interleaved", pp=2, zero=3, pp_shard_grads=True) == ""
+    # the runtime's check asks the same (auto_parallelize refuses before the first collective)
+    plan = Plan(
+        stages=[StagePlan(0, 2, 1, "none"), StagePlan(2, 4, 1, "none")],
+        num_layers=4,
+        dp=2,
+        zero=2,
+        pp_shard_grads=True,
+        num_microbatches=4,
+        schedule="interleaved-zb",
+        virtual_stages=2,
+    )
+    assert any("pp_shard_grads" in p for p in unrun_fields(plan))
+    assert not unrun_fields(dataclasses.replace(plan, schedule="interleaved"))
 
 
 def test_planner_searches_it_when_set_and_is_never_slower(work):
