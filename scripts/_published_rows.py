@@ -53,6 +53,7 @@ class Row:
     backend: str = ""  # the kernel backend the system ran, when not torchtitan's eager / compile
     zero: int = 3
     loss_parallel: Optional[bool] = None  # None: with TP (torchtitan's default)
+    pp_shard_grads: bool = False  # pipelined FSDP reduce-scatters every microbatch (Meta's sharded gradients)
 
     @property
     def global_batch(self) -> int:
@@ -207,10 +208,12 @@ def published_rows() -> List[Row]:
     # Transformer layer each from the first and the last stages ... the first model chunk on the
     # first stage has only the embedding, and the last model chunk on the last stage has only
     # output projection and loss calculation" holds only with one layer per chunk (126 blocks +
-    # embedding + output = 128 = 16 ranks x 8 chunks). Assumed (not stated): microbatch 1 (32 /
-    # 16 / 16 microbatches), no loss parallel, fused kernels, gradients held unsharded until the
-    # step (the cost model's pipelined ZeRO-2, ``memory.effective_zero_stage``: torch's
-    # pipelining; the paper says Meta's FSDP shards them, not expressible under pipelining).
+    # embedding + output = 128 = 16 ranks x 8 chunks). ZeRO-2 with ``pp_shard_grads``: "shards
+    # optimizer states and gradients, but for model shards we do not reshard after forward" (sec.
+    # 3.3.2), the gradients reduce-scattered after each microbatch and accumulated sharded in fp32
+    # (sec. 3.3.4: "FP32 gradient accumulation during backward computation over multiple
+    # micro-batches"). Assumed (not stated): microbatch 1 (32 / 16 / 16 microbatches), no loss
+    # parallel, fused kernels.
     # The long-context row's DP is 8 (GPUs / (TP CP PP) = 16,384 / 2,048 and 16M tokens /
     # (16 x 131,072)).
     for k, (gpus, cp, dp, seq, per_dp, tflops) in enumerate(
@@ -237,7 +240,8 @@ def published_rows() -> List[Row]:
                 system="llama3",
                 tflops_per_gpu=tflops,
                 backend="fused",
-                zero=1,
+                zero=2,
+                pp_shard_grads=True,
                 loss_parallel=False,
             )
         )

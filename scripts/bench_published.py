@@ -17,7 +17,7 @@ activation checkpointing = op-level SAC (``op``), "AsyncTP" = TP collectives ove
 
 For each row the published configuration is written as a plan (``nest-fx-plan/1``) and costed
 by the cost model of this tree ("after") and by the cost model as merged before the change
-(``--before-commit``, default 3d94d5a, run from a ``git archive`` of it; "before"). Where the old
+(``--before-commit``, default 9abf3b6, run from a ``git archive`` of it; "before"). Where the old
 model refused a field it did not cost, the nearest form it did cost is used and said so (op-level
 SAC as ``selective``, loss parallel, torch.compile and Float8 dropped); context parallelism had
 no such form: the row was not expressible. Then the planner searches the same model, cluster and
@@ -29,9 +29,9 @@ per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, c
 ``fused`` kernel backend; their cluster and what is assumed are in ``published_rows`` and
 ``meta_h100`` (``_published_rows.py``, with the other rows and clusters): 8 model chunks of one
 layer per rank (derived from the paper's stage split, see ``published_rows``), microbatch 1 (32,
-16, 16 microbatches), gradients reduced in fp32 (stated) and held as torch's pipelined FSDP2 holds
-them (unsharded, fp32: ``memory.held_grad_bytes``; Meta states it shards them, which the cost
-model cannot express under pipelining: an over-count of 11.5 GiB per GPU on these rows). Every row
+16, 16 microbatches), ZeRO-2 with gradients reduce-scattered in fp32 after every microbatch and
+accumulated sharded (``pp_shard_grads``; stated: "we shard ... gradients", sec. 3.3.2, fp32
+reduction and accumulation, sec. 3.3.4). Every row
 names its kernel backend (``nest_fx.workload.kernels``). Gradients are reduced in fp32 on every
 row (torchtitan's default ``mixed_precision_reduce``; Meta's sec. 3.3.4).
 
@@ -103,6 +103,8 @@ def published_plan(row: Row, work, **overrides):
         fields["kernels"] = row.backend
     if row.attention_kernel and hasattr(Plan, "attention_kernel"):
         fields["attention_kernel"] = row.attention_kernel
+    if row.pp_shard_grads and hasattr(Plan, "pp_shard_grads"):
+        fields["pp_shard_grads"] = True  # a cost model before the setting holds the gradients unsharded
     fields.update(overrides)
     if fields.get("kernels", "") is None or (fields.get("kernels") and not hasattr(Plan, "kernels")):
         fields.pop("kernels")  # a cost model without the kernels setting costs eager kernels
@@ -225,6 +227,7 @@ def run_planner(row: Row, budget: float) -> dict:
         compile=row.compile,
         float8=row.float8,
         use_all_devices=True,
+        **({"pp_shard_grads": True} if row.pp_shard_grads else {}),
         cost=cost_options(row),
         kernels=row.backend or None,
         attention_kernel=row.attention_kernel or None,
@@ -237,6 +240,7 @@ def run_planner(row: Row, budget: float) -> dict:
     what = (
         f"pp={p.pp} dp={p.dp} tp={p.stages[0].tp} cp={p.cp} zero={p.zero}"
         + (f" dp_shard={p.dp_shard}" if p.dp_shard else "")
+        + (" pp_shard_grads" if getattr(p, "pp_shard_grads", False) and p.pp > 1 and p.zero >= 2 else "")
         + f" mbs={p.microbatch_size} {p.schedule}"
         + (f" v={p.virtual_stages}" if p.virtual_stages > 1 else "")
         + f" rc={'/'.join(sorted({s.recompute for s in p.stages}))}"

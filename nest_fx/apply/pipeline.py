@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -27,6 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._backward import stage_backward  # the backward PipelineStage runs
 
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.model_loss import model_loss
@@ -35,6 +37,7 @@ from nest_fx.plan.vocabulary import V_SCHEDULES, model_chunks
 
 __all__ = [
     "LayerSubset",
+    "ShardedGradStage",
     "chunk_layout",
     "interleaved_ranges",
     "make_schedule",
@@ -128,6 +131,32 @@ def chunk_layout(plan, num_layers: int) -> List[Tuple[List[Tuple[int, int]], Lis
     return [(chunks[i], indices[i]) for i in range(p)]
 
 
+class ShardedGradStage(PipelineStage):
+    """A :class:`PipelineStage` whose FSDP2 module keeps its ZeRO stage under pipelining
+    (``plan.pp_shard_grads``): torch's stage turns FSDP's gradient reduction off for every
+    microbatch's backward and reduces once after the last (``perform_reduce_grad``), so FSDP
+    accumulates unsharded gradients in its reduce dtype all step; this stage keeps the reduction
+    on, so each microbatch's gradients are reduce-scattered when its backward ends and added to
+    the sharded gradients (FSDP2's ``foreach_reduce``), and under ZeRO-3 the parameters are
+    resharded after each backward too (``reshard_after_backward``). ``perform_reduce_grad`` then
+    finds nothing left to reduce and only waits for the last reductions. Full backwards only: the
+    split-backward schedules are refused with it (``plan.may_run.unrun_schedule``)."""
+
+    def __init__(self, *args, reshard_after_backward: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reshard_after_backward = reshard_after_backward
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """One microbatch's backward with FSDP's reduction on (torch's own for anything else)."""
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)  # the schedule's perform_reduce_grad finalises
+        self.submod.set_reshard_after_backward(self._reshard_after_backward)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
+
+
 _MULTI = {
     "interleaved": ScheduleInterleaved1F1B,
     "interleaved-zb": ScheduleInterleavedZeroBubble,
@@ -154,7 +183,16 @@ def make_schedule(
     (:func:`~nest_fx.apply.model_loss.model_loss`) and the schedule backpropagates it as is."""
     arm_stages(stage_modules, last_output=model_loss if loss_fn is None else None)
     loss_fn = loss_fn or _the_output
-    stages = [PipelineStage(m, idx, num_stages, device, group=pp_group) for m, idx in zip(stage_modules, stage_indices)]
+    if plan.pp_shard_grads and plan.zero >= 2:
+        sharded = {"reshard_after_backward": plan.zero >= 3}
+        stages = [
+            ShardedGradStage(m, idx, num_stages, device, group=pp_group, **sharded)
+            for m, idx in zip(stage_modules, stage_indices)
+        ]
+    else:
+        stages = [
+            PipelineStage(m, idx, num_stages, device, group=pp_group) for m, idx in zip(stage_modules, stage_indices)
+        ]
     # scale_grads=False: schedule_step divides each gradient by m once; torch scales per stage,
     # twice for a tied embedding whose one parameter sits in both V chunks of rank 0
     if plan.schedule in _MULTI:

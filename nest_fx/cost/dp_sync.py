@@ -125,6 +125,14 @@ def _sync_volume_time(
     return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward
 
 
+def reduce_spread(zero: int, num_stages: int, num_microbatches: int) -> int:
+    """The backward passes a stage's DP traffic runs under: ``num_microbatches`` for a pipelined
+    plan at an effective ZeRO stage >= 2 (``pp_shard_grads``: each microbatch's reduce-scatter is
+    issued during that microbatch's backward, unit by unit, while the schedule goes on computing),
+    else 1 (the reduction of the accumulated gradients starts with the last backward)."""
+    return num_microbatches if num_stages > 1 and zero >= 2 else 1
+
+
 def tail_terms(
     dp_sync: Count,
     bwd: Count,
@@ -135,17 +143,21 @@ def tail_terms(
     cluster,
     options: CostOptions,
     after_backward: Count = 0.0,
+    spread: int = 1,
 ) -> Tuple[Count, Count]:
     """(exposed DP sync, optimizer step) after a stage's last backward, from its terms; ``dp``:
     the ranks the optimizer states are sharded over; ``after_backward``: work that runs after the
-    backward and is never overlapped (the tied-gradient exchange), added to the exposed part."""
+    backward and is never overlapped (the tied-gradient exchange), added to the exposed part;
+    ``spread``: the backward passes (``bwd``, ``recompute_s``: one microbatch's) the sync runs
+    under (:func:`reduce_spread`)."""
     # the runtime syncs ZeRO-0 gradients after backward (GradientSync); FSDP overlaps the share
     # overlap_grad_sync of its own with the backward
     share = float(options.overlap_grad_sync) if zero >= 1 else 0.0
+    window = spread * (bwd + recompute_s)
     exposed = (
-        np.maximum(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
+        np.maximum(dp_sync * (1 - share), dp_sync - window)
         if isinstance(dp_sync, np.ndarray) or isinstance(bwd, np.ndarray)
-        else max(dp_sync * (1 - share), dp_sync - (bwd + recompute_s))
+        else max(dp_sync * (1 - share), dp_sync - window)
     )
     exposed = exposed + after_backward
     updated = num_params / (dp if zero >= 1 else 1)

@@ -82,15 +82,17 @@ def model_state_bytes(
     return out
 
 
-def effective_zero_stage(zero_stage: int, num_stages: int) -> int:
+def effective_zero_stage(zero_stage: int, num_stages: int, pp_shard_grads: bool = False) -> int:
     """The ZeRO stage whose memory a plan really has. Under pipelining, FSDP2 inside
     ``torch.distributed.pipelining`` keeps every stage's gathered parameters and unsharded
     gradients from the first microbatch to the last backward (the schedule turns resharding and
     gradient reduction off until then), so ZeRO-2 and ZeRO-3 hold what ZeRO-1 holds (and
     communicate as ZeRO-1 does: one all-gather, one reduce-scatter per step). DeepSpeed refuses
-    ZeRO-2/3 with pipelining for the same reason."""
+    ZeRO-2/3 with pipelining for the same reason. With ``pp_shard_grads`` the runtime keeps
+    FSDP's gradient reduction on for every microbatch (``apply.pipeline.ShardedGradStage``):
+    the plan's ZeRO stage holds, as it does without pipelining."""
     require_int(num_stages, "num_stages", 1)
-    return min(zero_stage, 1) if num_stages > 1 else zero_stage
+    return min(zero_stage, 1) if num_stages > 1 and not pp_shard_grads else zero_stage
 
 
 def fsdp_unsharded_bytes(
@@ -220,8 +222,13 @@ def held_grad_bytes(zero: int, pipelined: bool, options: CostOptions) -> float:
     :func:`effective_zero_stage`) FSDP2 accumulates each unsharded gradient in its
     ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed`` upcasts the first microbatch's
     gradient to it, PyTorch 2.4+), so a bf16-mixed plan reducing in fp32 holds the stage's
-    gradients in fp32: ``options.reduce_dtype_bytes()`` (4)."""
-    if pipelined and zero == 1:
+    gradients in fp32: ``options.reduce_dtype_bytes()`` (4). A pipelined ZeRO-2/3 plan (possible
+    only with ``pp_shard_grads``) accumulates the reduce-scattered shards over the microbatches in
+    the dtype they were reduced in (FSDP2's ``foreach_reduce`` adds each microbatch's reduced shard
+    to the sharded parameter's fp32 gradient; Grattafiori et al. 2024, sec. 3.3.4: "FP32 gradient
+    accumulation during backward computation over multiple micro-batches"): the same bytes, 1/dp
+    of them."""
+    if pipelined and zero >= 1:
         return float(max(options.grad_bytes, options.reduce_dtype_bytes()))
     return float(options.grad_bytes)
 

@@ -59,6 +59,7 @@ from nest_fx.cost.dp_sync import (
     dp_sync_time,
     expert_shard_degree,
     fsdp_units,
+    reduce_spread,
     shard_degree,
     tail_terms,
     tied_sync_time,
@@ -211,7 +212,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         sc.p2p = p2p_time(cluster, groups, out, prev.tp, stage.tp)
     # -- data-parallel sync -----------------------------------------------------------------
     dense = terms.params - terms.expert_params
-    zero = memory.effective_zero_stage(plan.zero, plan.pp)
+    zero = memory.effective_zero_stage(plan.zero, plan.pp, plan.pp_shard_grads)
     shard = shard_degree(plan.dp, plan.dp_shard, plan.cp)
     sc.dp_sync = dp_sync_time(
         cluster,
@@ -285,6 +286,9 @@ def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tupl
         cluster,
         options,
         sc.tied_sync,
+        reduce_spread(
+            memory.effective_zero_stage(plan.zero, plan.pp, plan.pp_shard_grads), plan.pp, plan.num_microbatches
+        ),
     )
 
 

@@ -84,7 +84,13 @@ def unrun_combination(
 
 
 def unrun_schedule(
-    schedule: str, *, pp: int, zero: int = 0, compile: bool = False, recompute: Sequence[str] = ()
+    schedule: str,
+    *,
+    pp: int,
+    zero: int = 0,
+    compile: bool = False,
+    recompute: Sequence[str] = (),
+    pp_shard_grads: bool = False,
 ) -> str:
     """'' when the runtime runs ``schedule`` on ``pp`` stages with these settings (on any model;
     ``recompute``: the stages' policies), else why not and the fix. The zero-bubble schedules
@@ -93,7 +99,9 @@ def unrun_schedule(
     the input-gradient pass, before the weight gradients exist (wrong gradients on torch 2.13,
     measured on 4 gloo ranks); selective activation checkpointing (``selective``, ``op``) frees
     what it saved at the first of the two passes (torch raises in the second); and torch's
-    pipelining does not split a compiled backward."""
+    pipelining does not split a compiled backward. ``pp_shard_grads`` (ZeRO >= 2) reduce-scatters
+    a chunk's gradients when FSDP's post-backward hook fires, which these schedules run after the
+    input-gradient pass, before the weight gradients exist."""
     if pp < 2 or schedule not in SPLIT_BACKWARD_SCHEDULES:
         return ""
     sac = next((r for r in recompute if parse_recompute(r).kind in ("selective", "op")), None)
@@ -102,6 +110,12 @@ def unrun_schedule(
             f"schedule {schedule} with recompute={sac}: selective activation checkpointing frees what it "
             "saved at the input-gradient pass, before the weight-gradient pass the zero-bubble schedules run "
             "after it; fix: recompute none, full or every:<k>, or schedule 1f1b or interleaved"
+        )
+    if pp_shard_grads and zero >= 2:
+        return (
+            f"schedule {schedule} with pp_shard_grads: FSDP would reduce-scatter each chunk's gradients after "
+            "the input-gradient pass, before the weight gradients exist; fix: pp_shard_grads=false, or "
+            "schedule 1f1b, gpipe or interleaved"
         )
     if zero >= 3:
         return (
@@ -190,6 +204,7 @@ def unrun_fields(plan: Plan) -> List[str]:
                     zero=plan.zero,
                     compile=plan.compile,
                     recompute=[s.recompute for s in plan.stages],
+                    pp_shard_grads=plan.pp_shard_grads,
                 )
             ]
             if p

@@ -169,6 +169,20 @@ SETTINGS: Tuple[Setting, ...] = (
         flag="--async-tp",
         search=False,
     ),
+    Setting(
+        "pp_shard_grads",
+        bool,
+        False,
+        "pipelined FSDP keeps ZeRO-2/3's sharded gradients: every microbatch's gradients are "
+        "reduce-scattered after its backward and accumulated sharded in the reduce dtype, as Llama 3's FSDP "
+        "shards them (costed: m reduce-scatters per step, no unsharded gradients held); off: "
+        "torch.distributed.pipelining's default, unsharded gradients held until the last microbatch (pipelined "
+        "ZeRO-2/3 hold ZeRO-1's memory). No effect without pipelining or below zero 2; not with the split-backward "
+        "schedules (docs/cost_model.md)",
+        "flag",
+        flag="--pp-shard-grads",
+        search=False,
+    ),
     # -- training options (costed, never relaxed) ----------------------------------------------
     Setting(
         "precision",
@@ -435,7 +449,7 @@ STAGE_SETTINGS = tuple(s for s in SETTINGS if s.scope == "stage")
 DEGREES = tuple(s.name for s in SETTINGS if s.role == "degree")  # tp, pp, dp, ep, cp, dp_shard
 FLAGS = tuple(
     s.name for s in SETTINGS if s.role == "flag"
-)  # loss_parallel, compile, float8, async_tp, sequence_parallel
+)  # loss_parallel, compile, float8, async_tp, pp_shard_grads, sequence_parallel
 CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Constraints list
 OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels, optimizer, memory_headroom, overlap_*
 # the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")

@@ -13,7 +13,12 @@ def plan_summary(plan: Plan, num_microbatches: int) -> str:
     )
     extras = [
         name
-        for name, on in (("loss_parallel", plan.loss_parallel), ("compile", plan.compile), ("float8", plan.float8))
+        for name, on in (
+            ("loss_parallel", plan.loss_parallel),
+            ("compile", plan.compile),
+            ("float8", plan.float8),
+            ("pp_shard_grads", plan.pp_shard_grads and plan.pp > 1 and plan.zero >= 2),
+        )
         if on
     ]
     return (

@@ -178,6 +178,7 @@ def plan_summary(plan) -> str:
             ("loss-parallel", plan.loss_parallel),
             ("compile", plan.compile),
             ("float8", plan.float8),
+            ("pp-shard-grads", plan.pp_shard_grads and plan.pp > 1 and plan.zero >= 2),
         )
         if on
     ]

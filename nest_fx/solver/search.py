@@ -166,7 +166,7 @@ def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
     this never drops a feasible pair (it spares building their tables: an interleaved family
     that cannot fit would build one per factor)."""
     o = cache.options
-    zero = memory.effective_zero_stage(g.zero, p)
+    zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
     states = memory.model_state_bytes(
         cache.replica_params(g) / p,
         zero_stage=zero,

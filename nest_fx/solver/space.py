@@ -170,7 +170,16 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
             tp * cp > cluster.num_devices
             or (options.tp_within_node and tp > node)
             or not all(options.allows(k, x) for k, x in (("tp", tp), ("ep", ep), ("cp", cp)))
-            or unrun_combination(tp=tp, ep=ep, dp_shard=0, hsdp=False, sequence_parallel=sp, **runtime)
+            or unrun_combination(
+                tp=tp,
+                ep=ep,
+                dp_shard=0,
+                hsdp=False,
+                sequence_parallel=sp,
+                compile=options.compile,
+                float8=options.float8,
+                async_tp=options.async_tp,
+            )
             or not workload.supports(Variant(tp, ep, sequence_parallel=sp, cp=cp))
         ):
             continue
@@ -260,6 +269,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
             zero=plan.zero,
             compile=plan.compile,
             recompute=[s.recompute for s in plan.stages],
+            pp_shard_grads=plan.pp_shard_grads,
         )
         and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
         and (plan.kernels or "") == (options.kernels or "")
@@ -312,7 +322,7 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue
         if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
             continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
-        if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile) or all(
+        if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile, pp_shard_grads=g.pp_shard_grads) or all(
             unrun_schedule(g.schedule, pp=p, recompute=(r,)) for r in options.recompute
         ):
             continue  # the runtime does not run the schedule with these settings, or with any recompute mode
@@ -320,7 +330,7 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue
         if g.schedule == "1f1b" and schedule_microbatch_problem(g.schedule, p, m):
             continue  # the runtime refuses it (checks.run_all)
-        if p > 1 and g.zero >= 2 and 1 in options.zero_stages:
+        if p > 1 and g.zero >= 2 and 1 in options.zero_stages and not g.pp_shard_grads:
             continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
         if p == 1 and g.placement != options.placements[0]:
             continue  # one stage lays its replicas out the same way under every placement: a duplicate

@@ -23,7 +23,7 @@ from typing import Dict
 import numpy as np
 
 from nest_fx.cost import inflight, memory
-from nest_fx.cost.dp_sync import dp_sync_time, fsdp_units, tail_terms, tied_sync_time
+from nest_fx.cost.dp_sync import dp_sync_time, fsdp_units, reduce_spread, tail_terms, tied_sync_time
 from nest_fx.cost.memory import stage_memory
 from nest_fx.cost.results import microbatch_time, stage_work
 from nest_fx.cost.step_time import exposed_comms, held_terms
@@ -46,7 +46,7 @@ class StageTable(StageBounds):
         rc = cache.classes(g)
         self.modes = rc.modes
         states, estates, dense, expert, t_opt, gathered, unsharded, scratch = cache.states(g, p)
-        self.zero = memory.effective_zero_stage(g.zero, p)
+        self.zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
         base = rc.terms[self.modes[0]]
         compute = base.fwd + base.bwd
         # a stage leaves every other stage a layer, and under the interleaved schedule holds one
@@ -151,6 +151,7 @@ class StageTable(StageBounds):
                 cache.cluster,
                 cache.options,
                 self._tied[i],
+                reduce_spread(self.zero, self.p, self.m),
             )
             out[r] = exposed + t_opt
         return out

@@ -20,7 +20,7 @@ import numpy as np
 
 from nest_fx.cost import memory
 from nest_fx.cost.collectives import group_comm_fn
-from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, tail_terms
+from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, reduce_spread, tail_terms
 from nest_fx.cost.inflight import pipeline_inflight_microbatches
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
@@ -205,7 +205,7 @@ class TableCache:
         meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
         greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
         the recompute time of every plan from below."""
-        zero = memory.effective_zero_stage(g.zero, p)
+        zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
         key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.virtual_stages)
         hit = self._forced.get(key)
         if hit is None:
@@ -306,20 +306,21 @@ class TableCache:
     def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
         """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
 
-        q_i = max((1 - share) y_i, y_i - B_i - R_i) + O_i (``dp_sync.tail_terms``; the tied
+        q_i = max((1 - share) y_i, y_i - k (B_i + R_i)) + O_i (``dp_sync.tail_terms``; the tied
         exchange only adds) with y_i the stage's DP sync seconds, B_i its backward and R_i its
-        recompute seconds per microbatch (R_i <= the replica's most recompute, summed), O_i its
-        optimizer step (linear in its parameters). Two bounds:
+        recompute seconds per microbatch (R_i <= the replica's most recompute, summed), k the
+        backward passes the sync runs under (``dp_sync.reduce_spread``), O_i its optimizer step
+        (linear in its parameters). Two bounds:
 
         * some stage holds at least D / p of the replica's D dense parameters, and y_i grows
           with them (collectives are monotone in their bytes): ``(1 - share) min_i y_i(D / p) +
           O(D / p)``; likewise for the E expert parameters;
         * where the network is affine in the size (``collective_coefficients``: hierarchical
           clusters), y_i >= b_i D_i + c_i E_i with b_i, c_i its slopes, so the stages' mean
-          ``(min b D + min c E - B - R_max) / p + O(N / p)`` bounds the largest q_i.
+          ``(min b D + min c E - k (B + R_max)) / p + O(N / p)`` bounds the largest q_i.
 
         The FSDP per-call overhead is left out (it only adds)."""
-        zero = memory.effective_zero_stage(g.zero, p)
+        zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
         key = (self._layout_key(g, p), variant_of(g), self.modes_for(g), zero, m if zero >= 2 else 0, g.float8)
         hit = self._tail_floor.get(key)
         if hit is None:
@@ -345,7 +346,9 @@ class TableCache:
                 best = max(best, (1 - share) * least + opt(d + e))
                 slopes += slope * (d + e) * p
         if affine:
-            work = float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)
+            work = (float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)) * (
+                reduce_spread(zero, p, m)
+            )
             best = max(best, (slopes - work) / p + opt((total_d + total_e) / p))
         return best
 
@@ -390,7 +393,7 @@ class TableCache:
         """(dense states, expert states, dense params, expert params, optimizer seconds, then
         ``step_time.working_sets``), (K,) each, at the ZeRO stage a depth-p pipeline really has
         (``memory.effective_zero_stage``), with a tied embedding's second copy under pipelining."""
-        zero = memory.effective_zero_stage(g.zero, p)
+        zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
         key = (variant_of(g), zero, g.shard, g.dp // g.ep * g.cp, p > 1)
         if key not in self._states:
             rc = self.classes(g)

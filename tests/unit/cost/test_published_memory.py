@@ -102,7 +102,8 @@ def bench():
 def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations(bench):
     """m1's binding rank: 8 layers, 141 chunk-microbatches of one layer each, 12 + 4/16 + 6 x 3.25
     = 31.75 bytes per token per hidden unit / TP 8 (``workload.kernels``): about 70 GiB of
-    activations; the model states and the rest are the other terms."""
+    activations; the model states and the rest are the other terms, the gradients sharded as
+    Meta's FSDP shards them (``pp_shard_grads``) or, without the setting, held unsharded."""
     row = next(r for r in bench.published_rows() if r.key == "m1")
     assert (row.virtual_stages, row.pp, row.tp, row.local_batch) == (8, 16, 8, 32)
     cluster = bench.cluster_of(row)
@@ -121,4 +122,9 @@ def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations
     assert held == pytest.approx(141 * per_layer, rel=0.03)  # + one layer's backward working set
     weights = stage.num_params * 2
     assert stage.memory["weights"] == pytest.approx(weights)
-    assert stage.memory["grads"] == pytest.approx(2 * weights)  # unsharded fp32 (torch pipelining's FSDP2)
+    # Meta's FSDP shards the gradients (pp_shard_grads): fp32 shards over DP 64
+    assert (plan.zero, plan.pp_shard_grads) == (2, True)
+    assert stage.memory["grads"] == pytest.approx(2 * weights / 64)
+    held = simulate(bench.published_plan(row, work, pp_shard_grads=False), work, cluster, bench.cost_options(row))
+    assert held.stages[1].memory["grads"] == pytest.approx(2 * weights)  # unsharded fp32 (torch pipelining's FSDP2)
+    assert held.stages[1].memory["total"] - stage.memory["total"] == pytest.approx(2 * weights * 63 / 64, rel=0.01)

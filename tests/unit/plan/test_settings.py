@@ -49,7 +49,7 @@ def test_one_spelling_for_every_setting():
     for short in ("lp", "mbs", "sp", "usable_memory_fraction", "headroom"):
         assert short not in names
     assert set(DEGREES) == {"tp", "pp", "dp", "ep", "cp", "dp_shard"}
-    assert set(FLAGS) == {"sequence_parallel", "loss_parallel", "compile", "float8", "async_tp"}
+    assert set(FLAGS) == {"sequence_parallel", "loss_parallel", "compile", "float8", "async_tp", "pp_shard_grads"}
     assert {s.name for s in OPTIONS} == {
         "precision",
         "kernels",
@@ -146,13 +146,17 @@ def test_the_planner_options_are_made_from_the_declarations():
         "compile",
         "float8",
         "async_tp",
+        "pp_shard_grads",
         "precision",
         "kernels",
         "attention_kernel",
     }
     assert {s.name for s in SETTINGS if s.search is UNSEARCHED and s.role == "degree"} == {"pp", "dp", "dp_shard"}
-    assert COSTED_FLAGS == ("compile", "float8", "async_tp")  # never searched: costed when the user sets them
-    assert {"fix.compile", "fix.float8", "fix.async_tp", "optimizer", "precision"} <= set(NEVER_RELAXED)
+    # never searched: costed when the user sets them
+    assert COSTED_FLAGS == ("compile", "float8", "async_tp", "pp_shard_grads")
+    assert {"fix.compile", "fix.float8", "fix.async_tp", "fix.pp_shard_grads", "optimizer", "precision"} <= set(
+        NEVER_RELAXED
+    )
     assert "memory_headroom" not in NEVER_RELAXED and "fix.sequence_parallel" not in NEVER_RELAXED
 
 

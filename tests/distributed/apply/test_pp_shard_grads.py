@@ -1,0 +1,90 @@
+"""``plan.pp_shard_grads``: pipelined FSDP keeps ZeRO-2/3's sharded gradients (multi-process, gloo, CPU).
+
+PP2 x DP2 on 4 ranks, fp32, 3 SGD steps: losses, full gradients and parameters equal the
+one-device run within 1e-5 (the harness of ``test_apply_parallel``), and the runtime runs what
+the cost model prices: FSDP reduces every group's gradients once per microbatch with the
+setting (``m`` reductions a step, ``dp_sync.dp_sync_time``'s ZeRO-2/3 traffic) and once per step
+without it (torch's pipelining: unsharded gradients held until the last microbatch).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from nest_fx.apply.launch import launch
+from nest_fx.testing import equivalence
+
+TOL = 1e-5
+LAUNCH_S = 150
+LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
+M = 4
+PP2_DP2 = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": M, "schedule": "1f1b"}
+
+pytestmark = pytest.mark.dist
+
+
+def _counted(spec):
+    """``equivalence`` with FSDP's gradient reductions counted per parameter group over the run;
+    the counts are returned with the parity figures."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    calls: Counter = Counter()
+    original = group_module.foreach_reduce
+
+    def counting(fsdp_params, *args, **kwargs):
+        calls[id(fsdp_params[0])] += 1  # one FSDP parameter group
+        return original(fsdp_params, *args, **kwargs)
+
+    group_module.foreach_reduce = counting
+    try:
+        out = equivalence(spec)
+    finally:
+        group_module.foreach_reduce = original
+    out["reductions"] = dict(calls)
+    return out
+
+
+def _run(plan: dict, model: str = LLAMA):
+    spec = {"model": model, "plan": plan, "batch": 8, "seq": 16, "steps": 3, "lr": 0.5}
+    results = launch(_counted, 4, spec, timeout=LAUNCH_S)
+    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
+    print(f"\n{plan}: " + ", ".join(f"{k}={v:.2e}" for k, v in worst.items()))
+    for key, value in worst.items():
+        assert value < TOL, (key, worst)
+    for r in results:
+        assert r["num_grads"] > 0 and r["num_params"] > 0 and len(r["losses"]) == 3, r
+    assert len({tuple(round(v, 6) for v in r["losses"]) for r in results}) == 1  # one global loss
+    return results
+
+
+def _reductions_per_group_and_step(results) -> set:
+    # every rank, every FSDP group: how many times its gradients were reduced over the 3 steps, per step
+    return {n / 3 for r in results for n in r["reductions"].values()}
+
+
+@pytest.mark.timeout(2 * LAUNCH_S + 30)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_gradients_every_microbatch_match_one_device(zero):
+    sharded = _run({**PP2_DP2, "zero": zero, "pp_shard_grads": True})
+    assert _reductions_per_group_and_step(sharded) == {M}
+    held = _run({**PP2_DP2, "zero": zero})
+    assert _reductions_per_group_and_step(held) == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 30)
+@pytest.mark.parametrize(
+    "model, plan",
+    [
+        (LLAMA, {**PP2_DP2, "schedule": "interleaved", "virtual_stages": 2, "zero": 2}),
+        (LLAMA, {**PP2_DP2, "schedule": "interleaved", "virtual_stages": 2, "zero": 3}),
+        # the tied embedding's sharded gradients summed with its twin's after the step
+        ("gpt:hidden=64,layers=4,heads=4,seq=32,vocab=128,tie_embeddings=true", {**PP2_DP2, "zero": 2}),
+    ],
+    ids=["interleaved_zero2", "interleaved_zero3", "tied_zero2"],
+)
+def test_sharded_gradients_other_schedules_and_ties(model, plan):
+    results = _run({**plan, "pp_shard_grads": True}, model)
+    assert _reductions_per_group_and_step(results) == {M}
