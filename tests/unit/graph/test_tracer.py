@@ -407,3 +407,19 @@ def test_leaf_that_fails_on_fake_tensors_raises_trace_error():
 def test_bad_method():
     with pytest.raises(ValueError, match="trace method"):
         trace(Outer(ShapeBranch()), (torch.randn(4, 8),), method="jit")
+
+
+def test_tracing_holds_no_reference_to_the_model():
+    """The trace's saved-tensor hook must not keep the traced module (and the parameters it shares
+    with the model) alive once the caller drops them: before the fix a GPU run leaked the whole
+    model per auto_parallelize call (a cycle through the C++ autograd graph)."""
+    import gc
+    import weakref
+
+    model, cfg = build_model(SMALL_LLAMA, device="cpu")
+    params = [weakref.ref(p) for p in model.parameters()]
+    graph = trace(model, (example_tokens(2, cfg.seq_len, cfg.vocab_size, "cpu"),))
+    assert graph.num_params > 0
+    del model, graph
+    gc.collect()
+    assert sum(r() is not None for r in params) == 0
