@@ -6,11 +6,13 @@
 
 The zoo Llama with Llama 3 8B's layer shape (hidden 4096, 32 heads, 8 KV heads, FFN 14,336; 2 layers,
 32K vocabulary, 8,192 tokens, one sequence per step) is parallelised with ``auto_parallelize`` under a
-given one-device plan (bf16-mixed, no recompute) once per SDPA attention kernel (``plan.attention_kernel``:
-'' = cuDNN, flash, then '' again), and trained with AdamW: ``--warmup`` steps, then ``--steps`` timed steps
-(``train_step`` + ``step`` + ``zero_grad``, CUDA-synchronised). Recorded per kernel: the median step
-time, the peak allocated and reserved memory, and the cost model's step time and peak memory for the
-same plan on the measured device's preset (``simulate``). Writes ``<out>/bench_gpu_runtime.json``.
+given one-device plan (bf16-mixed, no recompute) once per SDPA attention kernel
+(``plan.attention_kernel``: '' = cuDNN, flash, then '' again: a later call must not hold more
+memory), then with ``compile`` (on CUDA), and trained with AdamW: ``--warmup`` steps, then
+``--steps`` timed steps (``train_step`` + ``step`` + ``zero_grad``, CUDA-synchronised). Recorded
+per run: the median step time, the peak allocated and reserved memory, and the cost model's step
+time and peak memory for the same plan on the measured device's preset (``simulate``). Writes
+``<out>/bench_gpu_runtime.json``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def one_kernel(spec: str, seq: int, kernel: str, args, device: torch.device, cluster) -> dict:
-    """Train ``spec`` under a one-device plan pinning ``kernel``; measured and priced figures."""
+def one_kernel(spec: str, seq: int, kernel: str, args, device: torch.device, cluster, compile: bool = False) -> dict:
+    """Train ``spec`` under a one-device plan pinning ``kernel`` (and compiling each block when
+    ``compile``); measured and priced figures."""
     torch.manual_seed(0)
     model, cfg = build_model(spec, device=device)
     layers = cfg.layers + 2  # head, blocks, tail as the workload chains them
@@ -53,6 +56,7 @@ def one_kernel(spec: str, seq: int, kernel: str, args, device: torch.device, clu
         num_layers=len(work),
         precision="bf16-mixed" if device.type == "cuda" else "fp32",
         attention_kernel=kernel,
+        compile=compile,
     )
     priced = simulate(plan, work, cluster, CostOptions(optimizer="adamw"))
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), device=device)
@@ -79,6 +83,7 @@ def one_kernel(spec: str, seq: int, kernel: str, args, device: torch.device, clu
         times.append(time.perf_counter() - start)
     row = dict(
         attention_kernel=kernel or "(default)",
+        compile=compile,
         layers_in_workload=len(work),
         blocks=layers - 2,
         measured_step_s=statistics.median(times),
@@ -114,17 +119,20 @@ def main(argv=None) -> int:
         name, cluster = "cpu", load_cluster(args.cluster or "cpu-gloo:1")
     # the default kernel again last: a later run in the same process may differ (allocator state)
     rows = []
-    for kernel in ("", "flash", ""):
-        rows.append(one_kernel(spec, seq, kernel, args, device, cluster))
+    for kernel, compile in (("", False), ("flash", False), ("", False), ("", True)):
+        if compile and not cuda:
+            continue  # inductor on CPU takes minutes; the smoke run checks the eager path
+        rows.append(one_kernel(spec, seq, kernel, args, device, cluster, compile))
         gc.collect()  # the previous model's cycles (module hooks) before the next one allocates
         if cuda:
             torch.cuda.empty_cache()
     for row in rows:
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    if len(rows) == 3:
-        ratio_measured = rows[1]["measured_step_s"] / rows[0]["measured_step_s"]
-        ratio_priced = rows[1]["priced_step_s"] / rows[0]["priced_step_s"]
-        print(f"flash / default: measured {ratio_measured:.3f}x, priced {ratio_priced:.3f}x")
+    for label, i in (("flash", 1), ("compile", 3)):
+        if i < len(rows):
+            ratio_measured = rows[i]["measured_step_s"] / rows[0]["measured_step_s"]
+            ratio_priced = rows[i]["priced_step_s"] / rows[0]["priced_step_s"]
+            print(f"{label} / default: measured {ratio_measured:.3f}x, priced {ratio_priced:.3f}x")
     write_json(
         os.path.join(args.out, "bench_gpu_runtime.json"),
         dict(device=name, model=spec, seq=seq, cluster=cluster.name, rows=rows),
