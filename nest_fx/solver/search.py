@@ -43,6 +43,7 @@ dropped at their first network-aware tier. The plan records the winning order in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import heapq
 import math
@@ -67,9 +68,9 @@ from nest_fx.solver.space import (
     ANY_INTERLEAVE,
     GlobalConfig,
     SolverOptions,
-    concrete,
     global_configs,
     in_space,
+    interleave_factors,
     objective,
 )
 from nest_fx.solver.stage_bounds import SLACK
@@ -115,29 +116,52 @@ def _network_bound(
     dropped either way), that bound is returned and the pair's groups are never resolved; the
     DP groups (the tail floor) are asked before the layers' collectives.
     ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
+    return _network_bounds(cache, g, p, m, [g.virtual_stages], best, memo)[0]
+
+
+def _network_bounds(
+    cache: TableCache,
+    g: GlobalConfig,
+    p: int,
+    m: int,
+    factors: List[int],
+    best: float = math.inf,
+    memo: Optional[Dict[tuple, object]] = None,
+) -> List[float]:
+    """:func:`_network_bound` of g at each interleave factor of ``factors`` (an interleaved
+    family's members: the terms that do not depend on the factor, the tail floor and the
+    replica's work, are looked up once; each factor's bound is the one its own call gives)."""
     memo = {} if memo is None else memo
     key = (id(cache), g.variant, g.zero, g.shard, p)
     if key not in memo:  # (t_opt, the layers' compute, the busiest stage's), or None when states cannot fit
         memo[key] = None if _states_exceed_memory(cache, g, p) else _compute_terms(cache, g, p, memo)
     base = memo[key]
     if base is None:
-        return math.inf
+        return [math.inf] * len(factors)
     t_opt, compute, busiest = base
-    forced = cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
-    if math.isinf(forced):
-        return math.inf
-    compute += forced  # replica_work's W without collectives
-    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages)
-    if (cheap + t_opt) * SLACK >= best:
-        return cheap + t_opt
-    # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
-    tail = max(t_opt, cache.tail_floor(g, p, m))
-    if (cheap + tail) * SLACK >= best:
-        return cheap + tail
-    work, sends = cache.replica_work(g, p)
-    work += forced
-    paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + tail
+    tail = None  # asked of the network only for a factor the cheaper bounds keep
+    out = []
+    for v in factors:
+        forced = cache.forced_recompute(g, p, m, v)  # what memory forces every plan of the pair to re-run
+        if math.isinf(forced):
+            out.append(math.inf)
+            continue
+        least = compute + forced  # replica_work's W without collectives
+        cheap = pipeline_span(max(least / p, busiest), least, m, g.schedule, v)
+        if (cheap + t_opt) * SLACK >= best:
+            out.append(cheap + t_opt)
+            continue
+        # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
+        if tail is None:
+            tail = max(t_opt, cache.tail_floor(g, p, m))
+        if (cheap + tail) * SLACK >= best:
+            out.append(cheap + tail)
+            continue
+        work, sends = cache.replica_work(g, p, v)
+        work += forced
+        paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
+        out.append(pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, v) + tail)
+    return out
 
 
 def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
@@ -154,9 +178,9 @@ def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple,
             float(busiest_stage_floor(floors, p)), partition_floor(prefix, p)
         )
     t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
-    rc = cache.classes(g)
-    terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
-    return t_opt, float(terms.fwd[whole] + terms.bwd[whole]), busiest
+    replica = cache.replica(g)
+    terms = replica.terms[replica.modes[0]]
+    return t_opt, float(terms.fwd + terms.bwd), busiest
 
 
 def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
@@ -283,10 +307,10 @@ def _solve(
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
-            for h in concrete(g, workload, p):
-                lb = _network_bound(tables.caches[o], h, p, m, best_t, bounds)
-                if lb * SLACK < best_t:
-                    pairs.append((lb, h, p))
+            factors = interleave_factors(workload, p)
+            for v, lb in zip(factors, _network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)):
+                if lb * SLACK < best_t:  # only the members kept become configurations
+                    pairs.append((lb, dataclasses.replace(g, virtual_stages=v), p))
                     heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
                     total += 1
             settled += 1

@@ -30,7 +30,7 @@ from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
 from nest_fx.solver.candidates import variant_of
-from nest_fx.solver.range_classes import RangeClasses, range_classes
+from nest_fx.solver.range_classes import RangeClasses, ReplicaTerms, range_classes, replica_terms
 from nest_fx.solver.space import GlobalConfig
 from nest_fx.workload import Workload
 
@@ -78,6 +78,7 @@ class TableCache:
                 "recompute modes and device"
             )
         self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
+        self._replicas: Dict[tuple, ReplicaTerms] = {} if share is None else share._replicas
         self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
         self._states: Dict[tuple, tuple] = {} if share is None else share._states
         self._comm_seconds: Dict[tuple, np.ndarray] = {}
@@ -126,6 +127,16 @@ class TableCache:
         if key not in self._classes:
             self._classes[key] = range_classes(self.workload, key[0], modes)
         return self._classes[key]
+
+    def replica(self, g: GlobalConfig) -> ReplicaTerms:
+        """The whole replica's terms of g's variant (what the per-pair bounds read; the range
+        classes are built only for pairs that build a table)."""
+        modes = self.modes_for(g)
+        key = (variant_of(g), modes)
+        hit = self._replicas.get(key)
+        if hit is None:
+            hit = self._replicas[key] = replica_terms(self.workload, key[0], modes)
+        return hit
 
     @staticmethod
     def _layout_key(g: GlobalConfig, p: int) -> tuple:
@@ -176,9 +187,9 @@ class TableCache:
         key = (self._layout_key(g, p), variant_of(g))
         hit = self._p2p.get(key)
         if hit is None:
-            rc, layout = self.classes(g), self.layout(g, p)
+            rc, layout = self.replica(g), self.layout(g, p)
             hit = self._p2p[key] = np.zeros((p, len(rc.costs) + 1))
-            senders = np.unique(rc.prev[rc.prev >= 0]).tolist()  # costs some layer follows
+            senders = rc.senders.tolist()  # costs some layer follows
             done: Dict[int, int] = {}  # a shared layout entry's first stage: the same row
             for i in range(1, p):
                 if id(layout[i]) in done:
@@ -193,9 +204,10 @@ class TableCache:
                     hit[i, d] = by_bytes[nbytes]
         return hit
 
-    def forced_recompute(self, g: GlobalConfig, p: int, m: int) -> float:
+    def forced_recompute(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
         """A lower bound on the recompute seconds per microbatch that any plan of (g, p) spends to
-        fit in memory (inf when none fits), summed over its stages.
+        fit in memory (inf when none fits), summed over its stages; ``v``: at that interleave
+        factor instead of g's (a family's members share one call's other terms).
 
         Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
         all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
@@ -205,14 +217,14 @@ class TableCache:
         meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
         greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
         the recompute time of every plan from below."""
-        zero = memory.effective_zero_stage(g.zero, p)
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.virtual_stages)
+        zero, v = memory.effective_zero_stage(g.zero, p), g.virtual_stages if v is None else v
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
         hit = self._forced.get(key)
         if hit is None:
-            hit = self._forced[key] = self._forced_recompute(g, p, m, zero)
+            hit = self._forced[key] = self._forced_recompute(g, p, m, zero, v)
         return hit
 
-    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
+    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
         o = self.options
         per_param = memory.model_state_bytes(
             1.0,
@@ -224,7 +236,7 @@ class TableCache:
             master_weights=o.master_weights,
             state_dtype_bytes=o.state_bytes,
         )["total"]
-        inflight = [pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
+        inflight = [pipeline_inflight_microbatches(g.schedule, i, p, m, v) for i in range(p)]
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         excess = kept - budget
@@ -241,20 +253,19 @@ class TableCache:
         """(the replica's parameters, its blocks' activation bytes per microbatch kept without
         recompute, the segments (seconds per byte saved, bytes it can save) of the blocks' lower
         convex hulls, cheapest first): what ``forced_recompute`` reads of g's variant."""
-        rc = self.classes(g)
+        rc = self.replica(g)
         key = (variant_of(g), rc.modes)
         hit = self._hulls.get(key)
         if hit is not None:
             return hit
-        whole = rc.cls[0, len(self.workload)]
-        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
+        params = sum(int(rc.counts[d]) * c.num_params for d, c in enumerate(rc.costs))
         modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
         if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
             modes |= {"none", "full"}
         kept = 0.0
         segments: List[Tuple[float, float]] = []
         for d, c in enumerate(rc.costs):
-            count = int(rc.counts[d, whole])
+            count = int(rc.counts[d])
             if not c.block or not count:
                 continue
             points = {(c.act_bytes[r], c.recompute_s[r]) for r in modes if r in c.act_bytes}
@@ -273,18 +284,18 @@ class TableCache:
         hit = self._hulls[key] = (params, kept, sorted(segments))
         return hit
 
-    def replica_work(self, g: GlobalConfig, p: int) -> Tuple[float, float]:
-        """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p): every layer's forward
+    def replica_work(self, g: GlobalConfig, p: int, v: Optional[int] = None) -> Tuple[float, float]:
+        """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p) (``v``: that interleave
+        factor instead of g's): every layer's forward
         and backward with its collectives on the stage where they are cheapest and in the cheapest
         mode, and each stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per
         microbatch). ``sum_i s_i`` is at least their sum, ``max_i t_i`` at least the first's
         over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``)."""
         key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
         if key not in self._work:
-            rc, n = self.classes(g), len(self.workload)
-            whole = rc.cls[0, n]
+            rc = self.replica(g)
             terms = rc.terms[rc.modes[0]]
-            total = float(terms.fwd[whole] + terms.bwd[whole])
+            total = float(terms.fwd + terms.bwd)
             # each collective once ("none": no recompute re-runs one), the least of every mode's
             for d, c in enumerate(rc.costs):
                 per_layer = float(
@@ -296,12 +307,11 @@ class TableCache:
                         )
                     )
                 )
-                total += int(rc.counts[d, whole]) * per_layer
-            senders = np.unique(rc.prev[rc.prev >= 0])
-            boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0
+                total += int(rc.counts[d]) * per_layer
+            boundaries = float(self.p2p(g, p)[1:, rc.senders].min(axis=1).sum()) if p > 1 else 0.0
             self._work[key] = (total, boundaries)
         total, boundaries = self._work[key]
-        return total, 2 * g.virtual_stages * boundaries
+        return total, 2 * (g.virtual_stages if v is None else v) * boundaries
 
     def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
         """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
@@ -327,11 +337,10 @@ class TableCache:
         return hit
 
     def _tail_floor_of(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
-        rc, o, cluster = self.classes(g), self.options, self.cluster
+        rc, o, cluster = self.replica(g), self.options, self.cluster
         terms = rc.terms[rc.modes[0]]
-        whole = rc.cls[0, len(self.workload)]
-        total_e = float(terms.expert_params[whole])
-        total_d = float(terms.params[whole]) - total_e
+        total_e = float(terms.expert_params)
+        total_d = float(terms.params) - total_e
         share = float(o.overlap_grad_sync) if zero >= 1 else 0.0
 
         def opt(params: float) -> float:
@@ -345,7 +354,7 @@ class TableCache:
                 best = max(best, (1 - share) * least + opt(d + e))
                 slopes += slope * (d + e) * p
         if affine:
-            work = float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)
+            work = float(terms.bwd) + max(float(rc.terms[r].recompute) for r in rc.modes)
             best = max(best, (slopes - work) / p + opt((total_d + total_e) / p))
         return best
 
@@ -383,8 +392,8 @@ class TableCache:
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""
-        rc = self.classes(g)
-        return float(rc.terms[rc.modes[0]].params[rc.cls[0, len(self.workload)]])
+        rc = self.replica(g)
+        return float(rc.terms[rc.modes[0]].params)
 
     def states(self, g: GlobalConfig, p: int) -> tuple:
         """(dense states, expert states, dense params, expert params, optimizer seconds, then
