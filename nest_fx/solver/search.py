@@ -104,6 +104,7 @@ def _network_bound(
     m: int,
     best: float = math.inf,
     memo: Optional[Dict[tuple, object]] = None,
+    stages: bool = False,
 ) -> float:
     """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
     least T_opt(N / p)) and (W, X) =
@@ -116,7 +117,7 @@ def _network_bound(
     dropped either way), that bound is returned and the pair's groups are never resolved; the
     DP groups (the tail floor) are asked before the layers' collectives.
     ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
-    return _network_bounds(cache, g, p, m, [g.virtual_stages], best, memo)[0]
+    return _network_bounds(cache, g, p, m, [g.virtual_stages], best, memo, stages)[0]
 
 
 def _network_bounds(
@@ -127,6 +128,7 @@ def _network_bounds(
     factors: List[int],
     best: float = math.inf,
     memo: Optional[Dict[tuple, object]] = None,
+    stages: bool = False,
 ) -> List[float]:
     """:func:`_network_bound` of g at each interleave factor of ``factors`` (an interleaved
     family's members: the terms that do not depend on the factor, the tail floor and the
@@ -160,8 +162,17 @@ def _network_bounds(
         work, sends = cache.replica_work(g, p, v)
         work += forced
         paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-        out.append(pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, v) + tail)
+        busiest_work = max(busiest, cache.busiest_work(g, p))  # the busiest stage with its collectives
+        if stages:  # the busiest stage with each stage's own memory (its own recompute)
+            busiest_work = max(busiest_work, cache.stage_floor(g, p, m, v))
+        out.append(pipeline_span(max(paced / p, busiest_work), work + sends, m, g.schedule, v) + tail)
     return out
+
+
+def _table_worth(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float, memo: Dict[tuple, object]) -> bool:
+    """Whether a pair tier 1 keeps still may beat ``best`` once its busiest stage also sees each
+    stage's own memory (``TableCache.stage_floor``: asked only here, before a table is built)."""
+    return _network_bound(cache, g, p, m, best, memo, stages=True) * SLACK < best
 
 
 def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
@@ -318,6 +329,9 @@ def _solve(
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
                 lb = _network_bound(tables.caches[o], g, p, m, best_t, bounds)
+            elif tier == 1 and not _table_worth(tables.caches[o], g, p, m, best_t, bounds):
+                settled += 1  # each stage's own memory: no table needed
+                continue
             else:
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:

@@ -29,9 +29,10 @@ from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
-from nest_fx.solver.candidates import variant_of
+from nest_fx.solver.candidates import partition_floor, variant_of
 from nest_fx.solver.range_classes import RangeClasses, ReplicaTerms, range_classes, replica_terms
 from nest_fx.solver.space import GlobalConfig
+from nest_fx.solver.stage_reach import block_hull, busiest_floor, reach_terms
 from nest_fx.workload import Workload
 
 
@@ -90,6 +91,9 @@ class TableCache:
         self._tail_floor: Dict[tuple, float] = {}
         self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
         self._hulls: Dict[tuple, tuple] = {}
+        self._stage_floor: Dict[tuple, float] = {}
+        self._busiest: Dict[tuple, float] = {}
+        self._reach: Dict[tuple, object] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -225,18 +229,7 @@ class TableCache:
         return hit
 
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
-        o = self.options
-        per_param = memory.model_state_bytes(
-            1.0,
-            zero_stage=zero,
-            dp=g.shard,
-            optimizer=o.optimizer,
-            param_dtype_bytes=o.param_bytes,
-            grad_dtype_bytes=o.grad_bytes,
-            master_weights=o.master_weights,
-            state_dtype_bytes=o.state_bytes,
-        )["total"]
-        inflight = [pipeline_inflight_microbatches(g.schedule, i, p, m, v) for i in range(p)]
+        per_param, inflight = self._stage_memory_terms(g, p, m, zero, v)
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         excess = kept - budget
@@ -249,6 +242,43 @@ class TableCache:
             excess -= take
         return seconds if excess <= 0 else math.inf
 
+    def _stage_memory_terms(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, List[float]]:
+        """(k: model-state bytes every stage holds per parameter at least, f_i: each stage's
+        in-flight microbatches of its blocks' activations). With one microbatch the gradients
+        and the activations are never there together (``memory.stage_memory``): k leaves the
+        gradients out."""
+        o = self.options
+        states = memory.model_state_bytes(
+            1.0,
+            zero_stage=zero,
+            dp=g.shard,
+            optimizer=o.optimizer,
+            param_dtype_bytes=o.param_bytes,
+            grad_dtype_bytes=o.grad_bytes,
+            master_weights=o.master_weights,
+            state_dtype_bytes=o.state_bytes,
+        )
+        per_param = states["total"] - (states["grads"] if m == 1 else 0.0)
+        return per_param, [pipeline_inflight_microbatches(g.schedule, i, p, m, v) for i in range(p)]
+
+    def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
+        """A lower bound on max_i t_i of any plan of (g, p) (``v``: at that interleave factor)
+        that sees each stage's own memory (``stage_reach``); inf when no split fits."""
+        zero, v = memory.effective_zero_stage(g.zero, p), g.virtual_stages if v is None else v
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
+        hit = self._stage_floor.get(key)
+        if hit is None:
+            per_param, inflight = self._stage_memory_terms(g, p, m, zero, v)
+            rc = self.replica(g)
+            reach = self._reach.get((variant_of(g), rc.modes))
+            if reach is None:
+                reach = self._reach[(variant_of(g), rc.modes)] = reach_terms(rc.costs, rc.counts, _hull_modes(rc.modes))
+            # a stage leaves every other stage a layer and holds one per model chunk at least (StageTable)
+            hit = self._stage_floor[key] = busiest_floor(
+                reach, inflight, per_param, self.capacity, max(v, 1), len(self.workload) - p + 1
+            )
+        return hit
+
     def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
         """(the replica's parameters, its blocks' activation bytes per microbatch kept without
         recompute, the segments (seconds per byte saved, bytes it can save) of the blocks' lower
@@ -259,28 +289,16 @@ class TableCache:
         if hit is not None:
             return hit
         params = sum(int(rc.counts[d]) * c.num_params for d, c in enumerate(rc.costs))
-        modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
-        if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
-            modes |= {"none", "full"}
+        modes = _hull_modes(rc.modes)
         kept = 0.0
         segments: List[Tuple[float, float]] = []
         for d, c in enumerate(rc.costs):
             count = int(rc.counts[d])
             if not c.block or not count:
                 continue
-            points = {(c.act_bytes[r], c.recompute_s[r]) for r in modes if r in c.act_bytes}
-            start = min(points, key=lambda x: (x[1], x[0]))  # the cheapest in time (none)
+            start, hull = block_hull(c, modes)
             kept += count * start[0]
-            hull = [(0.0, start[1])]  # (bytes saved, seconds): the lower convex hull from the start
-            last = 0.0
-            for saved, t in sorted((start[0] - a, t) for a, t in points if a < start[0]):
-                if saved == last:
-                    continue  # the same bytes at more seconds
-                last = saved
-                while len(hull) >= 2 and _slope(hull[-2], hull[-1]) >= _slope(hull[-1], (saved, t)):
-                    hull.pop()
-                hull.append((saved, t))
-            segments += [(_slope(u, w), count * (w[0] - u[0])) for u, w in zip(hull, hull[1:])]
+            segments += [(rate, count * saved) for rate, saved in hull]
         hit = self._hulls[key] = (params, kept, sorted(segments))
         return hit
 
@@ -297,6 +315,7 @@ class TableCache:
             terms = rc.terms[rc.modes[0]]
             total = float(terms.fwd + terms.bwd)
             # each collective once ("none": no recompute re-runs one), the least of every mode's
+            comms = []
             for d, c in enumerate(rc.costs):
                 per_layer = float(
                     np.min(
@@ -308,10 +327,26 @@ class TableCache:
                     )
                 )
                 total += int(rc.counts[d]) * per_layer
+                comms.append(per_layer)
             boundaries = float(self.p2p(g, p)[1:, rc.senders].min(axis=1).sum()) if p > 1 else 0.0
-            self._work[key] = (total, boundaries)
-        total, boundaries = self._work[key]
+            self._work[key] = (total, boundaries, comms)
+        total, boundaries, _ = self._work[key]
         return total, 2 * (g.virtual_stages if v is None else v) * boundaries
+
+    def busiest_work(self, g: GlobalConfig, p: int) -> float:
+        """A lower bound on max_i t_i of any plan of (g, p): ``candidates.partition_floor`` of the
+        layers' forward + backward with each one's collectives as ``replica_work`` counts them
+        (a stage's exposed collectives are at least the sum of its layers' there, each at least
+        its least over the stages)."""
+        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        hit = self._busiest.get(key)
+        if hit is None:
+            self.replica_work(g, p)
+            comms = self._work[key][2]
+            costs, _, index = self.workload.variant_costs(variant_of(g))
+            times = [costs[d].fwd_s + costs[d].bwd_s + comms[d] for d in index]
+            hit = self._busiest[key] = partition_floor(np.concatenate([[0.0], np.cumsum(times)]).tolist(), p)
+        return hit
 
     def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
         """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
@@ -467,6 +502,9 @@ def _distinct(layout: List[StageGroups]) -> Tuple[List[StageGroups], List[int]]:
     return objs, where
 
 
-def _slope(u: Tuple[float, float], w: Tuple[float, float]) -> float:
-    """Seconds per byte saved from hull point ``u`` to ``w`` (each: bytes saved, seconds)."""
-    return (w[1] - u[1]) / (w[0] - u[0])
+def _hull_modes(modes) -> set:
+    """The per-block cost keys of recompute ``modes`` (every:<k> runs blocks as none or full)."""
+    keys = {cost_key(r) for r in modes if parse_recompute(r).kind != "every"}
+    if len(keys) < len(modes):
+        keys |= {"none", "full"}
+    return keys
