@@ -34,6 +34,10 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from nest_fx.cost import memory
+from nest_fx.cost.inflight import pipeline_inflight_microbatches
+from nest_fx.cost.options import CostOptions
+from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.workload import LayerCost
 
 # the bound is lowered by this relative hair (float rounding of sums taken in another order)
@@ -76,9 +80,58 @@ def _slope(u: Tuple[float, float], w: Tuple[float, float]) -> float:
     return (w[1] - u[1]) / (w[0] - u[0])
 
 
+def hull_modes(modes) -> set:
+    """The per-block cost keys of recompute ``modes`` (every:<k> runs blocks as none or full)."""
+    keys = {cost_key(r) for r in modes if parse_recompute(r).kind != "every"}
+    if len(keys) < len(modes):
+        keys |= {"none", "full"}
+    return keys
+
+
+def recompute_hull(
+    costs: Sequence[LayerCost], counts: Sequence[int], modes
+) -> Tuple[float, float, List[Tuple[float, float]]]:
+    """(the parameters of the distinct layer ``costs`` held ``counts`` times each, their blocks'
+    activation bytes per microbatch kept without recompute, the segments (seconds per byte
+    saved, bytes it can save) of the blocks' lower convex hulls over recompute ``modes``,
+    cheapest first)."""
+    params = sum(int(n) * c.num_params for c, n in zip(costs, counts))
+    keys = hull_modes(modes)
+    kept = 0.0
+    segments: List[Tuple[float, float]] = []
+    for c, n in zip(costs, counts):
+        count = int(n)
+        if not c.block or not count:
+            continue
+        start, hull = block_hull(c, keys)
+        kept += count * start[0]
+        segments += [(rate, count * saved) for rate, saved in hull]
+    return params, kept, sorted(segments)
+
+
+def stage_memory_terms(g, p: int, m: int, zero: int, v: int, options: CostOptions) -> Tuple[float, List[float]]:
+    """(k: model-state bytes every stage of g's depth-p pipeline holds per parameter at least,
+    at ``zero`` (its effective ZeRO stage) over g's shard ranks; f_i: each stage's in-flight
+    microbatches of its blocks' activations at interleave factor v). With one microbatch the
+    gradients and the activations are never there together (``memory.stage_memory``): k leaves
+    the gradients out."""
+    states = memory.model_state_bytes(
+        1.0,
+        zero_stage=zero,
+        dp=g.shard,
+        optimizer=options.optimizer,
+        param_dtype_bytes=options.param_bytes,
+        grad_dtype_bytes=options.grad_bytes,
+        master_weights=options.master_weights,
+        state_dtype_bytes=options.state_bytes,
+    )
+    per_param = states["total"] - (states["grads"] if m == 1 else 0.0)
+    return per_param, [pipeline_inflight_microbatches(g.schedule, i, p, m, v) for i in range(p)]
+
+
 def reach_terms(costs: Sequence[LayerCost], counts: Sequence[int], modes) -> ReachTerms:
     """:class:`ReachTerms` of the distinct layer ``costs`` held ``counts`` times each, recompute
-    ``modes`` (cost keys: every:<k> runs blocks as none or full)."""
+    ``modes`` (cost keys: :func:`hull_modes`)."""
 
     def prefix(values: List[float]) -> np.ndarray:
         return np.concatenate([[0.0], np.cumsum(np.sort(np.asarray(values, dtype=float)))])

@@ -21,18 +21,16 @@ import numpy as np
 from nest_fx.cost import memory
 from nest_fx.cost.collectives import group_comm_fn
 from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, tail_terms
-from nest_fx.cost.inflight import pipeline_inflight_microbatches
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
 from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time
-from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
 from nest_fx.solver.candidates import partition_floor, variant_of
 from nest_fx.solver.range_classes import RangeClasses, ReplicaTerms, range_classes, replica_terms
 from nest_fx.solver.space import GlobalConfig
-from nest_fx.solver.stage_reach import block_hull, busiest_floor, reach_terms
+from nest_fx.solver.stage_reach import busiest_floor, hull_modes, reach_terms, recompute_hull, stage_memory_terms
 from nest_fx.workload import Workload
 
 
@@ -229,7 +227,7 @@ class TableCache:
         return hit
 
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
-        per_param, inflight = self._stage_memory_terms(g, p, m, zero, v)
+        per_param, inflight = stage_memory_terms(g, p, m, zero, v, self.options)
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         excess = kept - budget
@@ -242,25 +240,6 @@ class TableCache:
             excess -= take
         return seconds if excess <= 0 else math.inf
 
-    def _stage_memory_terms(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, List[float]]:
-        """(k: model-state bytes every stage holds per parameter at least, f_i: each stage's
-        in-flight microbatches of its blocks' activations). With one microbatch the gradients
-        and the activations are never there together (``memory.stage_memory``): k leaves the
-        gradients out."""
-        o = self.options
-        states = memory.model_state_bytes(
-            1.0,
-            zero_stage=zero,
-            dp=g.shard,
-            optimizer=o.optimizer,
-            param_dtype_bytes=o.param_bytes,
-            grad_dtype_bytes=o.grad_bytes,
-            master_weights=o.master_weights,
-            state_dtype_bytes=o.state_bytes,
-        )
-        per_param = states["total"] - (states["grads"] if m == 1 else 0.0)
-        return per_param, [pipeline_inflight_microbatches(g.schedule, i, p, m, v) for i in range(p)]
-
     def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
         """A lower bound on max_i t_i of any plan of (g, p) (``v``: at that interleave factor)
         that sees each stage's own memory (``stage_reach``); inf when no split fits."""
@@ -268,11 +247,11 @@ class TableCache:
         key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
         hit = self._stage_floor.get(key)
         if hit is None:
-            per_param, inflight = self._stage_memory_terms(g, p, m, zero, v)
+            per_param, inflight = stage_memory_terms(g, p, m, zero, v, self.options)
             rc = self.replica(g)
             reach = self._reach.get((variant_of(g), rc.modes))
             if reach is None:
-                reach = self._reach[(variant_of(g), rc.modes)] = reach_terms(rc.costs, rc.counts, _hull_modes(rc.modes))
+                reach = self._reach[(variant_of(g), rc.modes)] = reach_terms(rc.costs, rc.counts, hull_modes(rc.modes))
             # a stage leaves every other stage a layer and holds one per model chunk at least (StageTable)
             hit = self._stage_floor[key] = busiest_floor(
                 reach, inflight, per_param, self.capacity, max(v, 1), len(self.workload) - p + 1
@@ -280,26 +259,12 @@ class TableCache:
         return hit
 
     def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
-        """(the replica's parameters, its blocks' activation bytes per microbatch kept without
-        recompute, the segments (seconds per byte saved, bytes it can save) of the blocks' lower
-        convex hulls, cheapest first): what ``forced_recompute`` reads of g's variant."""
+        """``stage_reach.recompute_hull`` of g's variant (what ``forced_recompute`` reads), once."""
         rc = self.replica(g)
         key = (variant_of(g), rc.modes)
         hit = self._hulls.get(key)
-        if hit is not None:
-            return hit
-        params = sum(int(rc.counts[d]) * c.num_params for d, c in enumerate(rc.costs))
-        modes = _hull_modes(rc.modes)
-        kept = 0.0
-        segments: List[Tuple[float, float]] = []
-        for d, c in enumerate(rc.costs):
-            count = int(rc.counts[d])
-            if not c.block or not count:
-                continue
-            start, hull = block_hull(c, modes)
-            kept += count * start[0]
-            segments += [(rate, count * saved) for rate, saved in hull]
-        hit = self._hulls[key] = (params, kept, sorted(segments))
+        if hit is None:
+            hit = self._hulls[key] = recompute_hull(rc.costs, rc.counts, rc.modes)
         return hit
 
     def replica_work(self, g: GlobalConfig, p: int, v: Optional[int] = None) -> Tuple[float, float]:
@@ -500,11 +465,3 @@ def _distinct(layout: List[StageGroups]) -> Tuple[List[StageGroups], List[int]]:
             objs.append(groups)
         where.append(k)
     return objs, where
-
-
-def _hull_modes(modes) -> set:
-    """The per-block cost keys of recompute ``modes`` (every:<k> runs blocks as none or full)."""
-    keys = {cost_key(r) for r in modes if parse_recompute(r).kind != "every"}
-    if len(keys) < len(modes):
-        keys |= {"none", "full"}
-    return keys
