@@ -141,9 +141,13 @@ def _network_bounds(
     if base is None:
         return [math.inf] * len(factors)
     t_opt, compute, busiest = base
-    tail = None  # asked of the network only for a factor the cheaper bounds keep
+    tail = work = None  # asked of the network only for a factor the cheaper bounds keep
     out = []
     for v in factors:
+        cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, v)
+        if (cheap + t_opt) * SLACK >= best:  # without the recompute memory forces (>= 0) either
+            out.append(cheap + t_opt)
+            continue
         forced = cache.forced_recompute(g, p, m, v)  # what memory forces every plan of the pair to re-run
         if math.isinf(forced):
             out.append(math.inf)
@@ -159,13 +163,13 @@ def _network_bounds(
         if (cheap + tail) * SLACK >= best:
             out.append(cheap + tail)
             continue
-        work, sends = cache.replica_work(g, p, v)
-        work += forced
-        paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-        busiest_work = max(busiest, cache.busiest_work(g, p))  # the busiest stage with its collectives
-        if stages:  # the busiest stage with each stage's own memory (its own recompute)
-            busiest_work = max(busiest_work, cache.stage_floor(g, p, m, v))
-        out.append(pipeline_span(max(paced / p, busiest_work), work + sends, m, g.schedule, v) + tail)
+        if work is None:  # the factor's sends are v times one chunk's (2 P_i each)
+            work, sends_one = cache.replica_work(g, p, 1)
+            busiest_work = max(busiest, cache.busiest_work(g, p))  # the busiest stage with its collectives
+        sends = v * sends_one
+        paced = work + forced + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
+        floor = max(busiest_work, cache.stage_floor(g, p, m, v)) if stages else busiest_work
+        out.append(pipeline_span(max(paced / p, floor), work + forced + sends, m, g.schedule, v) + tail)
     return out
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -112,10 +111,9 @@ class GlobalConfig:
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.microbatch_size)
 
-    @functools.cached_property
+    @property
     def variant(self) -> Variant:
-        """The workload variant of this configuration (``Workload.cost``; built once: the search
-        keys its memos by it)."""
+        """The workload variant of this configuration (``Workload.cost``)."""
         return Variant(self.tp, self.ep, self.microbatch_size, self.sequence_parallel, self.cp, self.loss_parallel)
 
     @property
