@@ -16,7 +16,7 @@ from nest_fx.cost.stage_terms import compute_terms
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import StagePlan
 from nest_fx.solver.candidates import busiest_stage_floor, layer_floors
-from nest_fx.solver.search import _network_bound
+from nest_fx.solver.tier_bounds import network_bound
 from nest_fx.solver.space import SolverOptions
 from nest_fx.solver.stage_reach import stage_memory_terms
 from nest_fx.solver.table_cache import TableCache
@@ -63,11 +63,11 @@ def test_busiest_floors_never_exceed_any_fitting_plan(model, memory_gib):
         plans = list(_plans(work, cluster, g, p, m, cost))
         fitting = [(t, step) for t, step, fits in plans if fits]
         assert busiest <= min(t for t, _, _ in plans) * (1 + 1e-9), (g, p)  # every plan: no memory in it
-        bound = _network_bound(cache, g, p, m, math.inf, {}, stages=True)
+        bound = network_bound(cache, g, p, m, math.inf, {}, stages=True)
         if fitting:
             assert floor <= min(t for t, _ in fitting) * (1 + 1e-9), (g, p, floor)
             assert bound <= min(step for _, step in fitting) * (1 + 1e-9), (g, p, bound)
-        proved += math.isinf(floor) and not math.isinf(_network_bound(cache, g, p, m, math.inf, {}))
+        proved += math.isinf(floor) and not math.isinf(network_bound(cache, g, p, m, math.inf, {}))
         raised += floor > float(busiest_stage_floor(layer_floors(work, g.variant), p)) * (1 + 1e-6)
         checked += 1
     assert checked >= 30
@@ -123,6 +123,6 @@ def test_one_microbatch_states_leave_the_gradients_out():
         fitting = [(t, step) for t, step, fits in _plans(work, cluster, g, p, m, cost) if fits]
         if fitting:
             assert cache.stage_floor(g, p, m) <= min(t for t, _ in fitting) * (1 + 1e-9)
-            assert _network_bound(cache, g, p, m, math.inf, {}, stages=True) <= min(s for _, s in fitting) * (1 + 1e-9)
+            assert network_bound(cache, g, p, m, math.inf, {}, stages=True) <= min(s for _, s in fitting) * (1 + 1e-9)
             checked += 1
     assert checked >= 1
