@@ -91,6 +91,7 @@ class TableCache:
         self._hulls: Dict[tuple, tuple] = {}
         self._stage_floor: Dict[tuple, float] = {}
         self._busiest: Dict[tuple, float] = {}
+        self._inflight: Dict[tuple, tuple] = {}
         self._reach: Dict[tuple, object] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
@@ -227,7 +228,7 @@ class TableCache:
         return hit
 
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
-        per_param, inflight = stage_memory_terms(g, p, m, zero, v, self.options)
+        per_param, inflight = self._memory_terms(g, p, m, zero, v)
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         excess = kept - budget
@@ -240,6 +241,15 @@ class TableCache:
             excess -= take
         return seconds if excess <= 0 else math.inf
 
+    def _memory_terms(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, List[float]]:
+        """``stage_reach.stage_memory_terms``, once per (ZeRO, shard, p, m, schedule, v): the
+        variants of a pair share it."""
+        key = (zero, g.shard, p, m, g.schedule, v)
+        hit = self._inflight.get(key)
+        if hit is None:
+            hit = self._inflight[key] = stage_memory_terms(g, p, m, zero, v, self.options)
+        return hit
+
     def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
         """A lower bound on max_i t_i of any plan of (g, p) (``v``: at that interleave factor)
         that sees each stage's own memory (``stage_reach``); inf when no split fits."""
@@ -247,7 +257,7 @@ class TableCache:
         key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
         hit = self._stage_floor.get(key)
         if hit is None:
-            per_param, inflight = stage_memory_terms(g, p, m, zero, v, self.options)
+            per_param, inflight = self._memory_terms(g, p, m, zero, v)
             rc = self.replica(g)
             reach = self._reach.get((variant_of(g), rc.modes))
             if reach is None:
