@@ -28,7 +28,7 @@ OPTIONS = SolverOptions(
     microbatch_sizes=(1, 2),
     tp_degrees=(1, 2),
     zero_stages=(0, 1, 3),
-    schedules=(("1f1b", 1), ("interleaved", 2), ("gpipe", 1)),
+    schedules=(("1f1b", 1), ("interleaved", 2), ("gpipe", 1), ("interleaved-zb", 2), ("zbv", 2)),
     recompute=("none", "selective", "full", "every:2"),
     max_stages=3,
 )
