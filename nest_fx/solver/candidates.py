@@ -17,7 +17,15 @@ from nest_fx.cost.memory import model_states
 from nest_fx.cost.schedules import bubble_factor
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
 from nest_fx.cost.step_time import pipeline_span
-from nest_fx.solver.space import ANY_INTERLEAVE, GlobalConfig, SolverOptions, concrete, global_configs, stage_counts
+from nest_fx.solver.space import (
+    ANY_INTERLEAVE,
+    GlobalConfig,
+    SolverOptions,
+    concrete,
+    config_of,
+    config_rows,
+    stage_counts,
+)
 from nest_fx.workload.types import Variant, Workload
 
 
@@ -118,26 +126,24 @@ def candidates(
     t_opts: Dict[tuple, np.ndarray] = {}
     busiest: Dict[tuple, np.ndarray] = {}
     out = []
-    for k, g in enumerate(global_configs(workload, cluster, global_batch, options)):
+    shared, rows = config_rows(workload, cluster, global_batch, options)
+    first = options.placements[0]
+    for k, row in enumerate(rows):
         if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
             break
-        # stage_counts reads only these of g (and the workload, cluster and options, fixed here)
-        depth_key = (
-            g.dp * g.tp * g.cp,
-            g.dp * g.microbatch_size,
-            g.schedule,
-            g.virtual_stages,
-            g.zero,
-            g.compile,
-            g.placement == options.placements[0],
-        )
+        mbs, dp, tp, _, cp, _, _, zero, _, schedule, v, placement = row  # CONFIG_ROW
+        # stage_counts reads only these of g (and the workload, cluster and options, fixed here;
+        # compile is the options'): most rows have no depth and never build their GlobalConfig
+        depth_key = (dp * tp * cp, dp * mbs, schedule, v, zero, placement == first)
         depths = depth_memo.get(depth_key)
         if depths is None:
+            g = config_of(row, shared)
             depths = depth_memo[depth_key] = np.array(
                 stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp
             )
         if not depths.size:
             continue
+        g = config_of(row, shared)
         key = variant_of(g)
         if key not in works:
             works[key] = _replica_work(workload, g)

@@ -111,6 +111,36 @@ def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
     )
 
 
+@dataclass
+class ReplicaTerms:
+    """The one range the search's per-pair bounds read (all L layers of a :class:`Variant` on one
+    stage): what :class:`RangeClasses` holds of its class ``cls[0, L]``, without the classes of
+    the other ranges (the bounds of the many pairs that never build a table need no more)."""
+
+    costs: List[LayerCost]  # distinct layer costs, in ``Workload.variant_costs`` order
+    counts: np.ndarray  # (D,) layers of each distinct cost
+    senders: np.ndarray  # distinct costs some layer follows (the layer before a stage boundary)
+    terms: Dict[str, LayerTerms]  # per recompute mode: the layers' sums (scalars)
+    modes: Tuple[str, ...] = ()  # the modes worth searching (undominated_modes)
+
+
+def replica_terms(workload: Workload, variant: Variant, modes) -> ReplicaTerms:
+    """:class:`ReplicaTerms` of one layer variant: the same sums, in the same order, as
+    :func:`range_classes` gives the range [0, L)."""
+    costs, prefix, index = workload.variant_costs(variant)
+    n = len(workload)
+    counts = np.array(prefix, dtype=np.int64).reshape(len(costs), n + 1)
+    whole = counts[:, n] - counts[:, 0]
+    searched = undominated_modes(costs, costed_modes(workload, variant, modes))
+    return ReplicaTerms(
+        costs=costs,
+        counts=whole,
+        senders=np.unique(np.array(index[:-1], dtype=np.int64)),
+        terms={r: compute_terms(list(zip(costs, whole)), r) for r in searched},
+        modes=searched,
+    )
+
+
 def subset_terms(terms: LayerTerms, idx: np.ndarray) -> LayerTerms:
     """``terms`` with every per-class array indexed by ``idx`` (scalars kept)."""
     return LayerTerms(

@@ -10,7 +10,7 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
    least that of N / p parameters), after a memory screen (the leanest model states of p
    stages, N / p parameters each, must fit); max_i t_i is also at least the busiest stage's
    compute (``candidates.busiest_stage_floor``: ceil(L / p) layers);
-1. ``_network_bound``: the same with W' >= W adding each layer's collectives on the stage where
+1. ``network_bound``: the same with W' >= W adding each layer's collectives on the stage where
    they are cheapest and each stage boundary's cheapest p2p (``TableCache.replica_work``), the
    busiest stage also at least the linear-partition optimum of the layers in order
    (``candidates.partition_floor``), and the largest tail q_i at least the DP sync floor of an
@@ -43,6 +43,7 @@ dropped at their first network-aware tier. The plan records the winning order in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import heapq
 import math
@@ -53,13 +54,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.cost import memory
-from nest_fx.cost.dp_sync import tail_terms
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.results import SimResult
-from nest_fx.cost.step_time import pipeline_span, simulate
+from nest_fx.cost.step_time import simulate
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import busiest_stage_floor, candidates, layer_floors, layer_prefix, partition_floor
+from nest_fx.solver.candidates import candidates
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -67,15 +67,21 @@ from nest_fx.solver.space import (
     ANY_INTERLEAVE,
     GlobalConfig,
     SolverOptions,
-    concrete,
     global_configs,
     in_space,
+    interleave_factors,
     objective,
 )
 from nest_fx.solver.stage_bounds import SLACK
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
+from nest_fx.solver.tier_bounds import network_bound, network_bounds, table_bound, table_worth
 from nest_fx.workload.types import Variant, Workload
+
+
+# tier-0 pairs whose tier-1 bounds _dive compares for a first incumbent
+DIVE_PAIRS = 64
+DIVE_SOLVES = 4  # of those, the pairs of least tier-1 bound solved exactly
 
 
 class NoFeasiblePlan(NestFxError, ValueError):
@@ -94,103 +100,6 @@ class SolveResult:
     stats: Dict[str, float] = field(default_factory=dict)
     placement: str = "identity"  # name of the chosen device order (solver.placement)
     placements: List[Placement] = field(default_factory=list)  # the candidates searched
-
-
-def _network_bound(
-    cache: TableCache,
-    g: GlobalConfig,
-    p: int,
-    m: int,
-    best: float = math.inf,
-    memo: Optional[Dict[tuple, object]] = None,
-) -> float:
-    """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
-    least T_opt(N / p)) and (W, X) =
-    ``cache.replica_work`` (the stages' work and their sends) plus the recompute memory forces
-    (``cache.forced_recompute``; inf when nothing fits) and T = W, or W + X when sends are not
-    overlapped, and F_p the busiest stage's compute (``candidates.busiest_stage_floor`` and
-    ``partition_floor``). The
-    network is asked last: when the same bound without collectives or sends (W
-    the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
-    dropped either way), that bound is returned and the pair's groups are never resolved; the
-    DP groups (the tail floor) are asked before the layers' collectives.
-    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
-    memo = {} if memo is None else memo
-    key = (id(cache), g.variant, g.zero, g.shard, p)
-    if key not in memo:  # (t_opt, the layers' compute, the busiest stage's), or None when states cannot fit
-        memo[key] = None if _states_exceed_memory(cache, g, p) else _compute_terms(cache, g, p, memo)
-    base = memo[key]
-    if base is None:
-        return math.inf
-    t_opt, compute, busiest = base
-    forced = cache.forced_recompute(g, p, m)  # what memory forces every plan of the pair to re-run
-    if math.isinf(forced):
-        return math.inf
-    compute += forced  # replica_work's W without collectives
-    cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, g.virtual_stages)
-    if (cheap + t_opt) * SLACK >= best:
-        return cheap + t_opt
-    # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
-    tail = max(t_opt, cache.tail_floor(g, p, m))
-    if (cheap + tail) * SLACK >= best:
-        return cheap + tail
-    work, sends = cache.replica_work(g, p)
-    work += forced
-    paced = work + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
-    return pipeline_span(max(paced / p, busiest), work + sends, m, g.schedule, g.virtual_stages) + tail
-
-
-def _compute_terms(cache: TableCache, g: GlobalConfig, p: int, memo: Dict[tuple, object]) -> Tuple[float, float, float]:
-    """(T_opt(N / p), the replica's forward + backward seconds, the busiest stage's floor)."""
-    floors = memo.get(("floors", g.variant))
-    if floors is None:
-        floors = memo[("floors", g.variant)] = layer_floors(cache.workload, g.variant)
-    busiest = memo.get(("busiest", g.variant, p))
-    if busiest is None:  # the busiest stage's compute: by layer count, and by the layers' order
-        prefix = memo.get(("prefix", g.variant))
-        if prefix is None:
-            prefix = memo[("prefix", g.variant)] = layer_prefix(cache.workload, g.variant)
-        busiest = memo[("busiest", g.variant, p)] = max(
-            float(busiest_stage_floor(floors, p)), partition_floor(prefix, p)
-        )
-    t_opt = tail_terms(0.0, 0.0, 0.0, cache.replica_params(g) / p, g.shard, g.zero, cache.cluster, cache.options)[1]
-    rc = cache.classes(g)
-    terms, whole = rc.terms[rc.modes[0]], rc.cls[0, len(cache.workload)]
-    return t_opt, float(terms.fwd[whole] + terms.bwd[whole]), busiest
-
-
-def _states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
-    """Whether no split of (g, p) can fit: the model states of an average stage (the replica's
-    parameters / p, sharded over all of g's ZeRO ranks, experts included) exceed the usable
-    memory. Some stage holds at least the average and its total is at least its states, so
-    this never drops a feasible pair (it spares building their tables: an interleaved family
-    that cannot fit would build one per factor)."""
-    o = cache.options
-    zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
-    states = memory.model_state_bytes(
-        cache.replica_params(g) / p,
-        zero_stage=zero,
-        dp=g.shard,
-        optimizer=o.optimizer,
-        param_dtype_bytes=o.param_bytes,
-        grad_dtype_bytes=o.grad_bytes,
-        master_weights=o.master_weights,
-        state_dtype_bytes=o.state_bytes,
-    )["total"]
-    return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
-
-
-def _table_bound(table: StageTable, best: float, exact_tails: bool) -> float:
-    """Tiers 2 and 3: the pair's bound on plans faster than ``best`` from its suffix bounds
-    (inf when there are none)."""
-    if table.too_short(best):
-        return math.inf
-    t, s, q = (float(a[0]) for a in table.suffix_bounds(best, exact_tails)[0])
-    if not exact_tails:  # q bounded by the optimizer step alone: tier 1's tail floor is a bound too
-        q = max(q, table.cache.tail_floor(table.g, table.p, table.m))
-    if math.isinf(t) or math.isinf(s) or math.isinf(q):
-        return math.inf
-    return objective(t, s, q, table.m, table.g.schedule, table.g.virtual_stages)
 
 
 class _Tables:
@@ -269,7 +178,8 @@ def _solve(
         [first] + [TableCache(workload, pl.cluster, options.cost, options.recompute, share=first) for pl in places[1:]],
         global_batch,
     )
-    bounds: Dict[tuple, object] = {}  # _network_bound's network-independent terms
+    bounds: Dict[tuple, object] = {}  # network_bound's network-independent terms
+    best_t, best = _dive(pairs, by_tp, tables, workload, global_batch, bounds, best_t, best, deadline)
     heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
     total = len(heap)
     runs = pops = settled = 0
@@ -283,17 +193,20 @@ def _solve(
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
-            for h in concrete(g, workload, p):
-                lb = _network_bound(tables.caches[o], h, p, m, best_t, bounds)
-                if lb * SLACK < best_t:
-                    pairs.append((lb, h, p))
+            factors = interleave_factors(workload, p)
+            for v, lb in zip(factors, network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)):
+                if lb * SLACK < best_t:  # only the members kept become configurations
+                    pairs.append((lb, dataclasses.replace(g, virtual_stages=v), p))
                     heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
                     total += 1
             settled += 1
             continue
         if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
             if tier == 0:
-                lb = _network_bound(tables.caches[o], g, p, m, best_t, bounds)
+                lb = network_bound(tables.caches[o], g, p, m, best_t, bounds)
+            elif tier == 1 and not table_worth(tables.caches[o], g, p, m, best_t, bounds):
+                settled += 1  # each stage's own memory: no table needed
+                continue
             else:
                 table = tables.get((k, o), g, p, best_t)
                 if tier == 1:
@@ -301,7 +214,7 @@ def _solve(
                     step = objective(*even[:3], m, g.schedule, g.virtual_stages) if even else math.inf
                     if step < best_t:
                         best_t, best = step, (g, m, even[3], o)
-                lb = _table_bound(table, best_t, exact_tails=tier == 2)
+                lb = table_bound(table, best_t, exact_tails=tier == 2)
             lb = max(bound, lb)  # each tier's bound is valid: keep the largest
             if lb * SLACK < best_t:
                 heapq.heappush(heap, (lb, tier + 1, k, o))
@@ -359,6 +272,38 @@ def _solve(
         placement=places[o].name,
         placements=places,
     )
+
+
+def _dive(
+    pairs, by_tp, tables: "_Tables", workload: Workload, global_batch: int, bounds, best_t: float, best, deadline
+):
+    """A better first incumbent than the recipe's: of the first ``DIVE_PAIRS`` pairs of tier 0
+    (each interleaved family's factors one by one, each on its first device order), the
+    ``DIVE_SOLVES`` with the least tier-1 bounds, solved exactly; (best_t, best) unchanged when
+    none is faster.
+    The search stays exact (an incumbent is a plan; it only prunes what cannot beat it), and a
+    good one early lets the network-free checks of tier 1 drop pairs before the network is asked."""
+    probes = []
+    for lb0, g, p in pairs[:DIVE_PAIRS]:
+        if lb0 * SLACK >= best_t:
+            break
+        o, m = by_tp[g.tp][0], g.microbatches(global_batch)
+        family = g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES
+        factors = interleave_factors(workload, p) if family else [g.virtual_stages]
+        for v, lb in zip(factors, network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)):
+            if lb * SLACK < best_t:
+                probes.append((lb, len(probes), dataclasses.replace(g, virtual_stages=v) if family else g, p, o))
+    for _, _, g, p, o in sorted(probes)[:DIVE_SOLVES]:
+        m = g.microbatches(global_batch)
+        try:
+            found = solve_partition(tables.get(("dive", o), g, p, best_t), best_t, deadline)
+        except BudgetExceeded:
+            break
+        finally:
+            tables.drop(("dive", o))
+        if found is not None and found.step_s < best_t:
+            best_t, best = found.step_s, (g, m, found.stages, o)
+    return best_t, best
 
 
 def _incumbent(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
 from nest_fx.cost.options import CostOptions, with_async_tp
@@ -149,18 +149,55 @@ class GlobalConfig:
         )
 
 
+# the fields of a configuration that vary across :func:`config_rows`, in the order its rows hold them
+CONFIG_ROW = (
+    "microbatch_size",
+    "dp",
+    "tp",
+    "ep",
+    "cp",
+    "loss_parallel",
+    "sequence_parallel",
+    "zero",
+    "dp_shard",
+    "schedule",
+    "virtual_stages",
+    "placement",
+)
+
+
 def global_configs(workload: Workload, cluster, global_batch: int, options: SolverOptions) -> Iterator[GlobalConfig]:
     """Every admissible combination of the global knobs (``docs/solver.md``): TP, EP and CP
     degrees the workload can cost, loss parallelism wherever allowed (never slower), HSDP shard
     groups at the network's levels under ZeRO >= 2, and only combinations the runtime runs
-    (``plan.may_run.unrun_combination``)."""
+    (``plan.may_run.unrun_combination``). The configurations of :func:`config_rows`, in its order."""
+    shared, rows = config_rows(workload, cluster, global_batch, options)
+    return (config_of(row, shared) for row in rows)
+
+
+def config_of(row: tuple, shared: Mapping[str, object]) -> GlobalConfig:
+    """The configuration of one :func:`config_rows` row (fields :data:`CONFIG_ROW`) and the shared fields."""
+    return GlobalConfig(**dict(zip(CONFIG_ROW, row)), **shared)
+
+
+def config_rows(
+    workload: Workload, cluster, global_batch: int, options: SolverOptions
+) -> Tuple[Dict[str, object], Iterator[tuple]]:
+    """(the fields every configuration of :func:`global_configs` shares, an iterator over the
+    others: one tuple per configuration, fields named by :data:`CONFIG_ROW`). The search's
+    tier 0 reads the rows and builds a :class:`GlobalConfig` only for those with admissible
+    depths (most have none)."""
+    runtime = {flag: getattr(options, flag) for flag in COSTED_FLAGS}  # compile, float8, async_tp: as the user set them
+    given = {name: getattr(options, name) or "" for name in SEARCHED_OPTIONS}  # precision, kernels ('' = not recorded)
+    return {**given, **runtime}, _rows(workload, cluster, global_batch, options, runtime)
+
+
+def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions, runtime) -> Iterator[tuple]:
     node = cluster.levels[0].group_size
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
     else:
         eps = [1]
-    runtime = {flag: getattr(options, flag) for flag in COSTED_FLAGS}  # compile, float8, async_tp: as the user set them
-    given = {name: getattr(options, name) or "" for name in SEARCHED_OPTIONS}  # precision, kernels ('' = not recorded)
     # (tp, ep, cp, lp) variants the workload has costs for (a layer table may list only some)
     variants = []
     cps = options.cp_searched(workload.dims.seq_len)
@@ -191,6 +228,7 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
+    schedules = [(schedule, model_chunks(schedule, v)) for schedule, v in options.schedules]
     for mbs in options.microbatch_sizes:
         if global_batch % mbs:
             continue
@@ -200,24 +238,9 @@ def global_configs(workload: Workload, cluster, global_batch: int, options: Solv
                     continue
                 for zero in _undominated(options.zero_stages):
                     for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
-                        for schedule, v in options.schedules:
+                        for schedule, v in schedules:
                             for placement in options.placements:
-                                yield GlobalConfig(
-                                    tp=tp,
-                                    dp=dp,
-                                    ep=ep,
-                                    microbatch_size=mbs,
-                                    zero=zero,
-                                    schedule=schedule,
-                                    placement=placement,
-                                    sequence_parallel=sp,
-                                    virtual_stages=model_chunks(schedule, v),
-                                    cp=cp,
-                                    dp_shard=dp_shard,
-                                    loss_parallel=lp,
-                                    **given,
-                                    **runtime,
-                                )
+                                yield (mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard, schedule, v, placement)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:

@@ -21,17 +21,16 @@ import numpy as np
 from nest_fx.cost import memory
 from nest_fx.cost.collectives import group_comm_fn
 from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, reduce_spread, tail_terms
-from nest_fx.cost.inflight import pipeline_inflight_microbatches
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
 from nest_fx.cost.step_time import comm_terms, held_terms, p2p_time
-from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.plan import Plan, StagePlan
 from nest_fx.plan.may_run import unrun_schedule
-from nest_fx.solver.candidates import variant_of
-from nest_fx.solver.range_classes import RangeClasses, range_classes
+from nest_fx.solver.candidates import partition_floor, variant_of
+from nest_fx.solver.range_classes import RangeClasses, ReplicaTerms, range_classes, replica_terms
 from nest_fx.solver.space import GlobalConfig
+from nest_fx.solver.stage_reach import busiest_floor, hull_modes, reach_terms, recompute_hull, stage_memory_terms
 from nest_fx.workload import Workload
 
 
@@ -78,6 +77,7 @@ class TableCache:
                 "recompute modes and device"
             )
         self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
+        self._replicas: Dict[tuple, ReplicaTerms] = {} if share is None else share._replicas
         self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
         self._states: Dict[tuple, tuple] = {} if share is None else share._states
         self._comm_seconds: Dict[tuple, np.ndarray] = {}
@@ -89,6 +89,10 @@ class TableCache:
         self._tail_floor: Dict[tuple, float] = {}
         self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
         self._hulls: Dict[tuple, tuple] = {}
+        self._stage_floor: Dict[tuple, float] = {}
+        self._busiest: Dict[tuple, float] = {}
+        self._inflight: Dict[tuple, tuple] = {}
+        self._reach: Dict[tuple, object] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -126,6 +130,16 @@ class TableCache:
         if key not in self._classes:
             self._classes[key] = range_classes(self.workload, key[0], modes)
         return self._classes[key]
+
+    def replica(self, g: GlobalConfig) -> ReplicaTerms:
+        """The whole replica's terms of g's variant (what the per-pair bounds read; the range
+        classes are built only for pairs that build a table)."""
+        modes = self.modes_for(g)
+        key = (variant_of(g), modes)
+        hit = self._replicas.get(key)
+        if hit is None:
+            hit = self._replicas[key] = replica_terms(self.workload, key[0], modes)
+        return hit
 
     @staticmethod
     def _layout_key(g: GlobalConfig, p: int) -> tuple:
@@ -176,9 +190,9 @@ class TableCache:
         key = (self._layout_key(g, p), variant_of(g))
         hit = self._p2p.get(key)
         if hit is None:
-            rc, layout = self.classes(g), self.layout(g, p)
+            rc, layout = self.replica(g), self.layout(g, p)
             hit = self._p2p[key] = np.zeros((p, len(rc.costs) + 1))
-            senders = np.unique(rc.prev[rc.prev >= 0]).tolist()  # costs some layer follows
+            senders = rc.senders.tolist()  # costs some layer follows
             done: Dict[int, int] = {}  # a shared layout entry's first stage: the same row
             for i in range(1, p):
                 if id(layout[i]) in done:
@@ -193,9 +207,10 @@ class TableCache:
                     hit[i, d] = by_bytes[nbytes]
         return hit
 
-    def forced_recompute(self, g: GlobalConfig, p: int, m: int) -> float:
+    def forced_recompute(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
         """A lower bound on the recompute seconds per microbatch that any plan of (g, p) spends to
-        fit in memory (inf when none fits), summed over its stages.
+        fit in memory (inf when none fits), summed over its stages; ``v``: at that interleave
+        factor instead of g's (a family's members share one call's other terms).
 
         Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
         all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
@@ -205,26 +220,15 @@ class TableCache:
         meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
         greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
         the recompute time of every plan from below."""
-        zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, g.virtual_stages)
+        zero, v = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads), g.virtual_stages if v is None else v
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
         hit = self._forced.get(key)
         if hit is None:
-            hit = self._forced[key] = self._forced_recompute(g, p, m, zero)
+            hit = self._forced[key] = self._forced_recompute(g, p, m, zero, v)
         return hit
 
-    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
-        o = self.options
-        per_param = memory.model_state_bytes(
-            1.0,
-            zero_stage=zero,
-            dp=g.shard,
-            optimizer=o.optimizer,
-            param_dtype_bytes=o.param_bytes,
-            grad_dtype_bytes=o.grad_bytes,
-            master_weights=o.master_weights,
-            state_dtype_bytes=o.state_bytes,
-        )["total"]
-        inflight = [pipeline_inflight_microbatches(g.schedule, i, p, m, g.virtual_stages) for i in range(p)]
+    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
+        per_param, inflight = self._memory_terms(g, p, m, zero, v)
         params, kept, segments = self._recompute_hull(g)
         budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
         excess = kept - budget
@@ -237,55 +241,56 @@ class TableCache:
             excess -= take
         return seconds if excess <= 0 else math.inf
 
-    def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
-        """(the replica's parameters, its blocks' activation bytes per microbatch kept without
-        recompute, the segments (seconds per byte saved, bytes it can save) of the blocks' lower
-        convex hulls, cheapest first): what ``forced_recompute`` reads of g's variant."""
-        rc = self.classes(g)
-        key = (variant_of(g), rc.modes)
-        hit = self._hulls.get(key)
-        if hit is not None:
-            return hit
-        whole = rc.cls[0, len(self.workload)]
-        params = sum(int(rc.counts[d, whole]) * c.num_params for d, c in enumerate(rc.costs))
-        modes = {cost_key(r) for r in rc.modes if parse_recompute(r).kind != "every"}
-        if len(modes) < len(rc.modes):  # every:<k> runs blocks as none or full
-            modes |= {"none", "full"}
-        kept = 0.0
-        segments: List[Tuple[float, float]] = []
-        for d, c in enumerate(rc.costs):
-            count = int(rc.counts[d, whole])
-            if not c.block or not count:
-                continue
-            points = {(c.act_bytes[r], c.recompute_s[r]) for r in modes if r in c.act_bytes}
-            start = min(points, key=lambda x: (x[1], x[0]))  # the cheapest in time (none)
-            kept += count * start[0]
-            hull = [(0.0, start[1])]  # (bytes saved, seconds): the lower convex hull from the start
-            last = 0.0
-            for saved, t in sorted((start[0] - a, t) for a, t in points if a < start[0]):
-                if saved == last:
-                    continue  # the same bytes at more seconds
-                last = saved
-                while len(hull) >= 2 and _slope(hull[-2], hull[-1]) >= _slope(hull[-1], (saved, t)):
-                    hull.pop()
-                hull.append((saved, t))
-            segments += [(_slope(u, w), count * (w[0] - u[0])) for u, w in zip(hull, hull[1:])]
-        hit = self._hulls[key] = (params, kept, sorted(segments))
+    def _memory_terms(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, List[float]]:
+        """``stage_reach.stage_memory_terms``, once per (ZeRO, shard, p, m, schedule, v): the
+        variants of a pair share it."""
+        key = (zero, g.shard, p, m, g.schedule, v)
+        hit = self._inflight.get(key)
+        if hit is None:
+            hit = self._inflight[key] = stage_memory_terms(g, p, m, zero, v, self.options)
         return hit
 
-    def replica_work(self, g: GlobalConfig, p: int) -> Tuple[float, float]:
-        """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p): every layer's forward
+    def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
+        """A lower bound on max_i t_i of any plan of (g, p) (``v``: at that interleave factor)
+        that sees each stage's own memory (``stage_reach``); inf when no split fits."""
+        zero, v = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads), g.virtual_stages if v is None else v
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
+        hit = self._stage_floor.get(key)
+        if hit is None:
+            per_param, inflight = self._memory_terms(g, p, m, zero, v)
+            rc = self.replica(g)
+            reach = self._reach.get((variant_of(g), rc.modes))
+            if reach is None:
+                reach = self._reach[(variant_of(g), rc.modes)] = reach_terms(rc.costs, rc.counts, hull_modes(rc.modes))
+            # a stage leaves every other stage a layer and holds one per model chunk at least (StageTable)
+            hit = self._stage_floor[key] = busiest_floor(
+                reach, inflight, per_param, self.capacity, max(v, 1), len(self.workload) - p + 1
+            )
+        return hit
+
+    def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
+        """``stage_reach.recompute_hull`` of g's variant (what ``forced_recompute`` reads), once."""
+        rc = self.replica(g)
+        key = (variant_of(g), rc.modes)
+        hit = self._hulls.get(key)
+        if hit is None:
+            hit = self._hulls[key] = recompute_hull(rc.costs, rc.counts, rc.modes)
+        return hit
+
+    def replica_work(self, g: GlobalConfig, p: int, v: Optional[int] = None) -> Tuple[float, float]:
+        """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p) (``v``: that interleave
+        factor instead of g's): every layer's forward
         and backward with its collectives on the stage where they are cheapest and in the cheapest
         mode, and each stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per
         microbatch). ``sum_i s_i`` is at least their sum, ``max_i t_i`` at least the first's
         over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``)."""
         key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
         if key not in self._work:
-            rc, n = self.classes(g), len(self.workload)
-            whole = rc.cls[0, n]
+            rc = self.replica(g)
             terms = rc.terms[rc.modes[0]]
-            total = float(terms.fwd[whole] + terms.bwd[whole])
+            total = float(terms.fwd + terms.bwd)
             # each collective once ("none": no recompute re-runs one), the least of every mode's
+            comms = []
             for d, c in enumerate(rc.costs):
                 per_layer = float(
                     np.min(
@@ -296,12 +301,27 @@ class TableCache:
                         )
                     )
                 )
-                total += int(rc.counts[d, whole]) * per_layer
-            senders = np.unique(rc.prev[rc.prev >= 0])
-            boundaries = float(self.p2p(g, p)[1:, senders].min(axis=1).sum()) if p > 1 else 0.0
-            self._work[key] = (total, boundaries)
-        total, boundaries = self._work[key]
-        return total, 2 * g.virtual_stages * boundaries
+                total += int(rc.counts[d]) * per_layer
+                comms.append(per_layer)
+            boundaries = float(self.p2p(g, p)[1:, rc.senders].min(axis=1).sum()) if p > 1 else 0.0
+            self._work[key] = (total, boundaries, comms)
+        total, boundaries, _ = self._work[key]
+        return total, 2 * (g.virtual_stages if v is None else v) * boundaries
+
+    def busiest_work(self, g: GlobalConfig, p: int) -> float:
+        """A lower bound on max_i t_i of any plan of (g, p): ``candidates.partition_floor`` of the
+        layers' forward + backward with each one's collectives as ``replica_work`` counts them
+        (a stage's exposed collectives are at least the sum of its layers' there, each at least
+        its least over the stages)."""
+        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        hit = self._busiest.get(key)
+        if hit is None:
+            self.replica_work(g, p)
+            comms = self._work[key][2]
+            costs, _, index = self.workload.variant_costs(variant_of(g))
+            times = [costs[d].fwd_s + costs[d].bwd_s + comms[d] for d in index]
+            hit = self._busiest[key] = partition_floor(np.concatenate([[0.0], np.cumsum(times)]).tolist(), p)
+        return hit
 
     def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
         """A lower bound on max_i q_i (exposed DP sync + optimizer step) of any plan of (g, p).
@@ -328,11 +348,10 @@ class TableCache:
         return hit
 
     def _tail_floor_of(self, g: GlobalConfig, p: int, m: int, zero: int) -> float:
-        rc, o, cluster = self.classes(g), self.options, self.cluster
+        rc, o, cluster = self.replica(g), self.options, self.cluster
         terms = rc.terms[rc.modes[0]]
-        whole = rc.cls[0, len(self.workload)]
-        total_e = float(terms.expert_params[whole])
-        total_d = float(terms.params[whole]) - total_e
+        total_e = float(terms.expert_params)
+        total_d = float(terms.params) - total_e
         share = float(o.overlap_grad_sync) if zero >= 1 else 0.0
 
         def opt(params: float) -> float:
@@ -346,9 +365,7 @@ class TableCache:
                 best = max(best, (1 - share) * least + opt(d + e))
                 slopes += slope * (d + e) * p
         if affine:
-            work = (float(terms.bwd[whole]) + max(float(rc.terms[r].recompute[whole]) for r in rc.modes)) * (
-                reduce_spread(zero, p, m)
-            )
+            work = (float(terms.bwd) + max(float(rc.terms[r].recompute) for r in rc.modes)) * reduce_spread(zero, p, m)
             best = max(best, (slopes - work) / p + opt((total_d + total_e) / p))
         return best
 
@@ -386,8 +403,8 @@ class TableCache:
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""
-        rc = self.classes(g)
-        return float(rc.terms[rc.modes[0]].params[rc.cls[0, len(self.workload)]])
+        rc = self.replica(g)
+        return float(rc.terms[rc.modes[0]].params)
 
     def states(self, g: GlobalConfig, p: int) -> tuple:
         """(dense states, expert states, dense params, expert params, optimizer seconds, then
@@ -459,8 +476,3 @@ def _distinct(layout: List[StageGroups]) -> Tuple[List[StageGroups], List[int]]:
             objs.append(groups)
         where.append(k)
     return objs, where
-
-
-def _slope(u: Tuple[float, float], w: Tuple[float, float]) -> float:
-    """Seconds per byte saved from hull point ``u`` to ``w`` (each: bytes saved, seconds)."""
-    return (w[1] - u[1]) / (w[0] - u[0])

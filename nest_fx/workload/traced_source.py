@@ -55,6 +55,7 @@ class TracedSource:
         self.byte_scale = 1.0  # activation bytes relative to the trace's (for_runtime with another dtype)
         self._facts: Dict[int, BlockFacts] = {}
         self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
+        self._cp_reason: Optional[str] = None  # cp_problem's verdict without the degree, once known
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -96,17 +97,20 @@ class TracedSource:
         it (every layer mixes tokens through causal SDPA calls only), else why not. The runtime's
         own verdict on a model (``plan.support.ParallelSupport.cp_problem``) checks more (position
         readers, masks, MoE capacity); this is what the cost model needs to cost it."""
-        missing = blocks_without_attention(self.graph)
-        if missing:
-            return (
-                f"cp={cp}: layer {missing[0]} has no scaled_dot_product_attention call for context parallelism to split"
-            )
-        site = next((s for s in attention_sites(self.graph) if not s.causal), None)
-        if site is not None:
-            return (
-                f"cp={cp}: {site.module} computes non-causal attention; context parallelism runs causal attention only"
-            )
-        return ""
+        if getattr(self, "_cp_reason", None) is None:  # the graph's verdict, the same for every degree
+            missing = blocks_without_attention(self.graph)
+            site = None if missing else next((s for s in attention_sites(self.graph) if not s.causal), None)
+            if missing:
+                self._cp_reason = (
+                    f"layer {missing[0]} has no scaled_dot_product_attention call for context parallelism to split"
+                )
+            elif site is not None:
+                self._cp_reason = (
+                    f"{site.module} computes non-causal attention; context parallelism runs causal attention only"
+                )
+            else:
+                self._cp_reason = ""
+        return f"cp={cp}: {self._cp_reason}" if self._cp_reason else ""
 
     def loss_parallel_problem(self) -> str:
         """'' when the tail's output linear can keep its logits sharded by vocabulary (an untied LM

@@ -17,7 +17,8 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate, stage_cost, stage_tail
 from nest_fx.plan import StagePlan
 from nest_fx.solver.nest_dp import solve_partition
-from nest_fx.solver.search import _network_bound, _table_bound, candidates
+from nest_fx.solver.search import candidates
+from nest_fx.solver.tier_bounds import network_bound, table_bound
 from nest_fx.solver.space import SolverOptions, global_configs, stage_counts
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
@@ -154,11 +155,11 @@ def test_bounds_never_exceed_the_pair_optimum_and_the_dp_reaches_it(case):
         optimum = _pair_optimum(work, cluster, g, p, m, options.recompute)
         tolerance = optimum * (1 + 1e-9)
         assert lb0[(g, p)] <= tolerance
-        assert _network_bound(cache, g, p, m) <= tolerance
+        assert network_bound(cache, g, p, m) <= tolerance
         for best in (math.inf, optimum * 1.5):  # bounds on the plans faster than ``best``
             table = StageTable(cache, g, p, m, best)
-            assert _table_bound(table, best, exact_tails=False) <= tolerance
-            assert _table_bound(table, best, exact_tails=True) <= tolerance
+            assert table_bound(table, best, exact_tails=False) <= tolerance
+            assert table_bound(table, best, exact_tails=True) <= tolerance
             found = solve_partition(table, best)
             if optimum == math.inf:
                 assert found is None
