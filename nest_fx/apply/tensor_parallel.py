@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard, SharedHeadsColumn
 from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
+from nest_fx.graph.tp_inputs import prepares_input_once
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
 
@@ -88,6 +89,21 @@ def _gather_seq_pre_hook(mesh: DeviceMesh, local_output: bool):
         if local_output:
             x = x.to_local()
         return _replace_arg(args, kwargs, where, key, x)
+
+    return hook
+
+
+def _replicated_input_pre_hook(mesh: DeviceMesh):
+    """Megatron's f for a region whose columns all read its input (``graph.tp_inputs``): the
+    input enters as one replicated DTensor, so the columns' partial input gradients add up
+    locally (DTensor keeps their sum partial) and one all-reduce in ``from_local``'s backward
+    completes it, where each column would otherwise all-reduce its own."""
+
+    def hook(module, args, kwargs):
+        where, key, x = _first_tensor_arg(args, kwargs)
+        if isinstance(x, DTensor) or not x.is_floating_point():
+            return None
+        return _replace_arg(args, kwargs, where, key, DTensor.from_local(x, mesh, [Replicate()], run_check=False))
 
     return hook
 
@@ -312,6 +328,8 @@ def apply_tensor_parallel(
                 localise_head_counts(target, tp)
             if heads and target is not None:
                 target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()), with_kwargs=True)
+            if not sequence_parallel and region and target is not None and prepares_input_once(kind, pairs):
+                target.register_forward_pre_hook(_replicated_input_pre_hook(tp_mesh), with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
             parallelize_module(

@@ -31,6 +31,7 @@ import networkx as nx
 from nest_fx.graph.op_kinds import MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.opgraph import Block, BlockPattern, TPPair, TPParam
 from nest_fx.graph.tp_flow import follow_pair
+from nest_fx.graph.tp_inputs import is_float, shared_column_input
 from nest_fx.graph.tp_regions import lowest_common_module
 from nest_fx.graph.tp_wide_norms import projection_norms
 
@@ -56,15 +57,9 @@ ATTENTION_OPS = {
     "softmax",
     "_softmax",
 }
-_FLOAT = ("float", "bfloat16", "half", "complex")
 _STATISTICS = {"mean", "var", "var_mean"}  # what a hand-written norm reduces with
 # ops a linear-like module may run besides its matmul: views of the weight or input, the bias add
 _PROJECTION_OPS = MATMUL_OPS | VIEW_OPS | {"add", "add_", "view", "reshape", "_unsafe_view", "permute"}
-
-
-def _is_float(data: dict) -> bool:
-    dtypes = data.get("out_dtypes") or []
-    return any(str(dt).startswith(_FLOAT) for dt in dtypes)
 
 
 def _rel(fqn: str, block: Block) -> str:
@@ -140,6 +135,9 @@ def _make_pair(
     region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
     layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module}, wide)
     pair.problem = problem or layout.problem
+    # a module of a layer below it (not the layer itself, nor a group of children): the runtime's hook target
+    own_module = not block.members and bool(_rel(region, block))
+    pair.shared_input = own_module and shared_column_input(graph, columns, units, region)
     inside = [
         graph.nodes[n].get("module", "")
         for n in stops
@@ -262,7 +260,7 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str], wide: Set[s
     d = graph.nodes[row]
     dims, shape = d.get("weight_dims") or [None, None], d.get("weight_shape") or []
     width = shape[dims[1]] if dims[1] is not None and shape else None  # features the row reads
-    stack = [p for p in graph.predecessors(row) if _is_float(graph.nodes[p])]
+    stack = [p for p in graph.predecessors(row) if is_float(graph.nodes[p])]
     while stack:
         node = stack.pop()
         if node in seen or node not in members:
@@ -280,7 +278,7 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str], wide: Set[s
             continue
         if op in ATTENTION_OPS or (op in MATMUL_OPS and not data.get("weight")):
             through_attention = True
-        stack.extend(p for p in graph.predecessors(node) if _is_float(graph.nodes[p]))
+        stack.extend(p for p in graph.predecessors(node) if is_float(graph.nodes[p]))
     return columns, through_attention, stops
 
 
@@ -297,7 +295,7 @@ def _normalises(
     ``(x * rsqrt(mean(x^2) + eps)) * w``. Per-head norms (over a head's features) do not count."""
 
     def floats(n):
-        return {p for p in graph.predecessors(n) if _is_float(graph.nodes[p])}
+        return {p for p in graph.predecessors(n) if is_float(graph.nodes[p])}
 
     frontier = floats(node)
     for _ in range(depth):

@@ -195,8 +195,12 @@ class TracedSource:
                         Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
                         Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces),
                     ]
-            else:
-                comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
+            else:  # forward: each row's output; backward: the column inputs' gradients (BlockFacts)
+                comms += [
+                    Comm("all_reduce", "tp", nbytes, phase, _tp_allreduces(facts, phase))
+                    for phase in facts.tp_phases
+                    if _tp_allreduces(facts, phase)
+                ]
         if tp > 1:
             # a multi-query column's shared rows: their gradient summed over TP in each backward
             comms += [Comm("all_reduce", "tp", nbytes, "bwd") for nbytes in facts.grad_comms]
@@ -283,6 +287,14 @@ class TracedSource:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)
         return out
+
+
+def _tp_allreduces(facts: BlockFacts, phase: str) -> int:
+    """TP all-reduces of a layer in one pass without SP: the rows' outputs forward, the column
+    inputs' gradients backward (``graph.tp_inputs.column_input_reduces``)."""
+    if phase == "bwd" and facts.tp_input_reduces >= 0:
+        return facts.tp_input_reduces
+    return facts.tp_allreduces
 
 
 def _ratio(base: float, scaled: float) -> float:

@@ -1,0 +1,71 @@
+"""Which TP regions the runtime prepares once, and the backward all-reduces the cost model prices.
+
+A region whose column linears all read the tensor the region is given, and nothing else in the
+region reads it (q/k/v of an attention, gate/up of a SwiGLU MLP), sums its columns' partial input
+gradients locally and all-reduces once (``graph.tp_inputs``); otherwise each column all-reduces
+its own. The traced cost source prices exactly that per backward, and one all-reduce per row
+forward. The run's count on 2 gloo ranks: tests/distributed/apply/test_tp_input_once.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nest_fx.graph import trace
+from nest_fx.graph.tp_inputs import column_input_reduces, prepares_input_once
+from nest_fx.graph.tp_regions import block_regions
+from nest_fx.workload.roofline import AnalyticalCompute
+from nest_fx.workload.traced_source import TracedSource, workload_from_graph
+from nest_fx.workload.types import ModelDims
+
+from tp_input_models import HIDDEN, Attention, InnerResidualSwiGLU, NormedKeyAttention, Stack, SwiGLU
+
+CASES = [
+    # (attention, MLP, {region: prepared once}, backward all-reduces of the column inputs)
+    (Attention, SwiGLU, {"attn": True, "mlp": True}, 2),
+    (NormedKeyAttention, SwiGLU, {"attn": False, "mlp": True}, 3 + 1),
+    (Attention, InnerResidualSwiGLU, {"attn": True, "mlp": False}, 1 + 2),
+]
+
+
+@pytest.mark.parametrize("attn,mlp,once,reduces", CASES, ids=["llama-like", "normed-kv", "inner-residual"])
+def test_regions_prepared_once_and_the_priced_backward_all_reduces(attn, mlp, once, reduces):
+    model = Stack(attn, mlp)
+    graph = trace(model, (torch.randn(2, 8, HIDDEN),))
+    block = graph.layer_blocks[0]
+    pattern = graph.pattern_of(block)
+    assert not any(p.problem for p in pattern.tp_pairs)
+    assert {region: prepares_input_once(kind, pairs) for region, kind, pairs in block_regions(pattern)} == once
+    assert column_input_reduces(pattern) == reduces
+    timing = AnalyticalCompute(peak_flops=1e12, mem_bandwidth=1e11)
+    layer = next(x for x in workload_from_graph(graph, timing, ModelDims(seq_len=8)).layers if x.name == block.name)
+    cost = TracedSource(graph, timing).cost(layer, 2, 1, 2, False)
+    by_phase = {
+        phase: sum(c.count for c in cost.comms if c.kind == "all_reduce" and c.phase == phase)
+        for phase in ("fwd", "bwd")
+    }
+    assert by_phase == {"fwd": 2, "bwd": reduces}
+    assert cost.collective_counts() == {"all_reduce": 2 + reduces}
+
+
+def test_a_layer_that_is_its_own_region_keeps_one_reduction_per_column():
+    """q/k/v/o directly in the layer module: the region is the layer, whose input the residual
+    outside it also reads; the runtime hooks region modules below the layer only, so each
+    column keeps its own reduction (and is priced so)."""
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Attention() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    graph = trace(Flat(), (torch.randn(2, 8, HIDDEN),))
+    pattern = graph.pattern_of(graph.layer_blocks[0])
+    assert [p.shared_input for p in pattern.tp_pairs] == [False]
+    assert column_input_reduces(pattern) == 3
