@@ -11,7 +11,10 @@ the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, H
 ``HeadParams`` on per-head parameters of the region module itself (Swin's
 ``relative_position_bias_table``) and ``MultiheadShard`` on an ``nn.MultiheadAttention`` (its
 forward replaced by a head-sharded one);
-per-head inputs (ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
+per-head inputs (ALiBi) are sliced on entry to the region; a region whose columns all read its
+input (``graph.tp_inputs.prepares_input_once``) takes it as one replicated DTensor, so its
+columns' input gradients are all-reduced once per region (Megatron's f), not once per column.
+Outputs are local tensors, so the code between the
 linears (attention, activation) runs on the local shard; the region module of an attention pair
 counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
 of a HF config with its head counts divided).
