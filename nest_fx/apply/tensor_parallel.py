@@ -344,13 +344,16 @@ def apply_tensor_parallel(
         block_mod = module.get_submodule(name)  # a layer module: checks refuse sequence parallel for groups
         # Sequence parallel: regions gather their input, norms outside regions run sharded.
         region_paths = [r for r, _, _ in regions]
-        for region, kind, _ in regions:
+        for region, kind, pairs in regions:
             target = present[region] if region else block_mod
             if kind == "expert":
                 target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=True), with_kwargs=True)
                 target.register_forward_hook(_scatter_seq_output_hook(tp_mesh))
             else:
-                target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=False), with_kwargs=True)
+                # a region that cannot take its input once as a DTensor (another reader inside it would
+                # mix a DTensor with plain tensors) gathers to a plain tensor; its columns reduce alone
+                local = not prepares_input_once(kind, pairs)
+                target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=local), with_kwargs=True)
         sp_modules = {}
         for sub_name, sub in block_mod.named_modules():
             if not sub_name or _is_under(sub_name, region_paths):

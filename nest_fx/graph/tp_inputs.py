@@ -16,7 +16,7 @@ whole on every rank, and summing it with the columns' would count it ``tp`` time
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 
@@ -90,18 +90,84 @@ def prepares_input_once(kind: str, pairs: List) -> bool:
     return pair.shared_input and not pair.leaf and not pair.problem and not any(p.whole for p in pair.params)
 
 
-def column_input_reduces(pattern) -> int:
-    """All-reduces of column inputs' gradients in one backward of a block with this pattern under
-    TP without sequence parallelism (expert regions not counted): one per region prepared once
-    (:func:`prepares_input_once`), else one per column module (each sums its own input's
-    gradient), one per ``nn.MultiheadAttention`` pair."""
-    count = 0
+class ColumnInputs(NamedTuple):
+    """How the dense regions of a block reduce their column inputs' gradients in backward."""
+
+    once: int  # regions prepared once: one reduction each (an all-reduce; SP: the gather's reduce-scatter)
+    alone: int  # regions whose columns each reduce their own input
+    column_reduces: int  # ... their all-reduces: one per column module, one per nn.MultiheadAttention
+    experts: int = 0  # expert regions (their experts' inputs are reduced apart: priced one each)
+
+
+def column_inputs(pattern) -> ColumnInputs:
+    """:class:`ColumnInputs` of a block with this pattern under TP (expert regions not counted):
+    a region is prepared once when :func:`prepares_input_once`; in any other region each column
+    module all-reduces its own input's gradient, an ``nn.MultiheadAttention`` pair each distinct
+    input once (one: self-attention). Under sequence parallelism such a region gathers its input
+    to a plain tensor, so its backward has those all-reduces and no reduce-scatter."""
+    once = alone = reduces = experts = 0
     for _, kind, pairs in block_regions(pattern):
         pairs = [p for p in pairs if not p.problem]
         if kind == "expert" or not pairs:
+            experts += bool(pairs)
             continue
         if prepares_input_once(kind, pairs):
-            count += 1
+            once += 1
         else:
-            count += sum(1 if p.leaf else len(p.column) for p in pairs)
-    return count
+            alone += 1
+            reduces += sum(1 if p.leaf else len(p.column) for p in pairs)
+    return ColumnInputs(once, alone, reduces, experts)
+
+
+def column_input_reduces(pattern) -> int:
+    """All-reduces of column inputs' gradients in one backward of a block with this pattern under
+    TP without sequence parallelism (expert regions not counted): one per region prepared once,
+    else one per column module (:func:`column_inputs`)."""
+    counts = column_inputs(pattern)
+    return counts.once + counts.column_reduces
+
+
+def sequence_bypass(graph: nx.DiGraph, block, region: str, pairs: List) -> str:
+    """Under sequence parallelism a region gathers the input its columns read and its row
+    reduce-scatters its output over the sequence, so the gathered input must reach the region's
+    output through a row only: '' when it does, else the op that reads it on another way there (a
+    module adding its own input to its output would add a whole sequence to one rank's share; a
+    residual passed in beside it, sequence-sharded, is fine: Bloom)."""
+    path = block.fqn(region)
+    rows = [block.fqn(p.row) for p in pairs]
+    columns = [block.fqn(c) for p in pairs for c in p.column]
+    inside = {n for n in block.nodes if _under(graph.nodes[n].get("module", ""), path)}
+    gathered = {
+        read
+        for n in inside
+        if graph.nodes[n].get("weight")
+        for unit in columns
+        if _under(graph.nodes[n].get("module", ""), unit)
+        for read in _read_by(graph, n, unit)
+    }
+    row_shapes = [
+        (graph.nodes[n].get("out_shapes") or [None])[0]
+        for n in inside
+        if any(_under(graph.nodes[n].get("module", ""), r) for r in rows)
+    ]
+    stack = [
+        n
+        for n in inside
+        if is_float(graph.nodes[n])
+        and (graph.nodes[n].get("out_shapes") or [None])[0] in row_shapes
+        and any(s not in inside for s in graph.successors(n))
+    ]
+    seen: Set[str] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or any(_under(graph.nodes[node].get("module", ""), r) for r in rows):
+            continue
+        seen.add(node)
+        for p in graph.predecessors(node):
+            if not is_float(graph.nodes[p]) or (p not in inside and p not in gathered):
+                continue
+            if p not in inside:
+                data = graph.nodes[node]
+                return f"op {data.get('op')!r} in module {data.get('module') or '<root>'}"
+            stack.append(p)
+    return ""

@@ -22,7 +22,7 @@ import torch
 
 from nest_fx.graph.annotate import LSE_BYTES
 from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
-from nest_fx.graph.tp_inputs import column_input_reduces
+from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.graph.tp_wide_norms import statistic_bytes
@@ -90,14 +90,13 @@ class BlockFacts:
     nodes: List[NodeCost]
     out_bytes: float
     in_bytes: float
-    tp_allreduces: int  # row linears whose outputs TP must all-reduce (forward; SP: per direction)
+    tp_allreduces: int  # row linears whose outputs TP all-reduces in forward (an expert region: one)
     row_bytes: float  # bytes of one such output
     a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
-    tp_phases: Tuple[str, ...] = ("fwd", "bwd")
-    # without SP, the backward all-reduces of the column inputs' gradients (graph.tp_inputs:
-    # one per region prepared once, else one per column module; an expert region one); -1: as
-    # many as ``tp_allreduces``
-    tp_input_reduces: int = -1
+    # how the dense regions reduce their column inputs' gradients (graph.tp_inputs.column_inputs:
+    # regions prepared once, regions whose columns reduce alone, those columns' all-reduces);
+    # None: one reduction per row, as before the runtime told them apart
+    tp_inputs: Optional[ColumnInputs] = None
     vocab_comms: Tuple[Tuple[str, float, str], ...] = ()  # head/tail under TP: (kind, bytes, phase) each
     # whole-width norms under TP (graph.tp_wide_norms): (kind, bytes, phase) of each statistic's
     # all-reduce, fp32 whatever the model's dtype (not scaled by scaled_facts)
@@ -311,9 +310,9 @@ def block_facts(graph, block) -> BlockFacts:
     # the whole rows' gradient, summed over TP in each backward (apply.tp_styles.SharedHeadsColumn)
     grad_comms = tuple(whole_grads)
     loss = _loss_facts(g, block)
-    input_reduces = column_input_reduces(pattern) + (1 if expert_rows else 0) if pattern else n_ar
+    inputs = column_inputs(pattern) if pattern and block.kind == "block" else None
     if block.kind in ("head", "tail"):
-        n_ar = input_reduces = 0
+        n_ar = 0
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
     fusible = [
         not (n.matmul or n.attention)
@@ -328,7 +327,7 @@ def block_facts(graph, block) -> BlockFacts:
         out_bytes=block.out_bytes,
         in_bytes=in_bytes,
         tp_allreduces=n_ar,
-        tp_input_reduces=input_reduces,
+        tp_inputs=inputs,
         row_bytes=row_bytes,
         a2a_bytes=a2a,
         vocab_comms=tuple(vocab_comms),

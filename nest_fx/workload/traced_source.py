@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.graph.tp_inputs import ColumnInputs
 from nest_fx.workload.attention_share import window_share
 from nest_fx.workload.block_facts import (
     LOSS_BACKWARD_COPIES,
@@ -189,18 +190,11 @@ class TracedSource:
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
             nbytes = facts.row_bytes * tokens
-            if sp:
-                for phase in facts.tp_phases:
-                    comms += [
-                        Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
-                        Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces),
-                    ]
-            else:  # forward: each row's output; backward: the column inputs' gradients (BlockFacts)
-                comms += [
-                    Comm("all_reduce", "tp", nbytes, phase, _tp_allreduces(facts, phase))
-                    for phase in facts.tp_phases
-                    if _tp_allreduces(facts, phase)
-                ]
+            comms += [
+                Comm(kind, "tp", nbytes, phase, count)
+                for (kind, phase), count in tp_region_collectives(facts, sp).items()
+                if count
+            ]
         if tp > 1:
             # a multi-query column's shared rows: their gradient summed over TP in each backward
             comms += [Comm("all_reduce", "tp", nbytes, "bwd") for nbytes in facts.grad_comms]
@@ -289,12 +283,27 @@ class TracedSource:
         return out
 
 
-def _tp_allreduces(facts: BlockFacts, phase: str) -> int:
-    """TP all-reduces of a layer in one pass without SP: the rows' outputs forward, the column
-    inputs' gradients backward (``graph.tp_inputs.column_input_reduces``)."""
-    if phase == "bwd" and facts.tp_input_reduces >= 0:
-        return facts.tp_input_reduces
-    return facts.tp_allreduces
+def tp_region_collectives(facts: BlockFacts, sp: bool) -> Dict[Tuple[str, str], int]:
+    """{(kind, phase): count} of a layer's TP collectives of ``row_bytes`` per token, as the runtime
+    runs them (``docs/cost_model.md``). Forward: an all-reduce after each row (SP: the region's
+    all-gather, the row's reduce-scatter). Backward: per region prepared once one all-reduce of
+    its input's gradient (SP: the gather's reduce-scatter, and the row's all-gather); per other
+    region one all-reduce per column module (``graph.tp_inputs.column_inputs``; SP: those and the
+    row's all-gather); an expert region one, priced as a row."""
+    rows = facts.tp_allreduces
+    inputs = facts.tp_inputs or ColumnInputs(once=rows, alone=0, column_reduces=0)
+    if not sp:
+        return {
+            ("all_reduce", "fwd"): rows,
+            ("all_reduce", "bwd"): inputs.once + inputs.column_reduces + inputs.experts,
+        }
+    return {
+        ("all_gather", "fwd"): rows,
+        ("reduce_scatter", "fwd"): rows,
+        ("all_gather", "bwd"): rows,
+        ("reduce_scatter", "bwd"): rows - inputs.alone,
+        ("all_reduce", "bwd"): inputs.column_reduces,
+    }
 
 
 def _ratio(base: float, scaled: float) -> float:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nest_fx.apply import auto_parallelize
+from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import Cluster
@@ -91,7 +92,8 @@ def test_tp_layer_collectives_are_the_priced_ones():
         _, total2 = _priced(2, sp)
         assert {k: total[k] - total2.get(k, 0) for k in total if total[k] != total2.get(k, 0)} == per_layer
         # outside the layer chain's price: the step's reported loss (one all-reduce over the world),
-        # and under SP the stage's sequence slice (backward: an all-gather) and its final gather
+        # and under SP the stage's final gather and its sequence slice's backward (an all-gather of
+        # the embedding output's gradient)
         extra = {"all_reduce": 1, "all_gather": 2} if sp else {"all_reduce": 1}
         for layers in (2, 3):
             run, priced = counts[layers], _priced(layers, sp)[1]
@@ -99,14 +101,15 @@ def test_tp_layer_collectives_are_the_priced_ones():
             assert {k: n for k, n in unpriced.items() if n} == extra, (sp, layers, run, priced)
 
 
-def _custom_cells(names):
-    """Per model of ``tp_input_models.MODELS``: the parity run against one device, and the
-    collectives of one more train step (TP2, no SP)."""
+def _custom_cells(cells):
+    """Per (model of ``tp_input_models.MODELS``, sequence parallel): the parity run against one
+    device and the collectives of one more train step (TP2), or the refusal before training."""
     out = {}
-    for name in names:
+    for name, sp in cells:
+        plan = {"tp": 2, "microbatch_size": 2, "num_microbatches": 1, "sequence_parallel": sp}
         spec = {
             "model": name,
-            "plan": {"tp": 2, "microbatch_size": 2, "num_microbatches": 1},
+            "plan": plan,
             "batch": 2,
             "seq": SEQ_CUSTOM,
             "steps": 2,
@@ -115,32 +118,52 @@ def _custom_cells(names):
             "data": stack_data,
             "loss": mse_loss,
         }
-        parity = equivalence(spec)
+        try:
+            parity = equivalence(spec)
+        except ApplyError as refusal:
+            out[name, sp] = str(refusal)
+            continue
         model, _ = build_stack(name)
         x, y = stack_data(torch.Generator().manual_seed(0), 2)
         graph = trace(model, (x,))
-        plan = uniform_plan(len(graph.blocks), tp=2, microbatch_size=2, num_microbatches=1)
-        pm = auto_parallelize(model, x, global_batch_size=2, loss_fn=mse_loss, plan=plan, graph=graph, verbose=False)
+        pm = auto_parallelize(
+            model,
+            x,
+            global_batch_size=2,
+            loss_fn=mse_loss,
+            plan=uniform_plan(len(graph.blocks), **plan),
+            graph=graph,
+            verbose=False,
+        )
         pm.train_step(x, y)
         with CollectiveCounter() as counter:
             pm.train_step(x, y)
-        out[name] = ({k: parity[k] for k in ("loss_diff", "grad_diff", "param_diff")}, counter.counts)
+        out[name, sp] = ({k: parity[k] for k in ("loss_diff", "grad_diff", "param_diff")}, counter.counts)
     return out
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_regions_prepared_once_or_per_column_run_what_is_priced_and_match_one_device():
-    names = list(MODELS)
-    ranks = launch(_custom_cells, 2, names, timeout=LAUNCH_S)
-    for name in names:
+    """With and without sequence parallelism: a region prepared once, keys and values reading a
+    norm inside the region (their columns reduce alone), an MLP adding its own input (runs
+    without SP; refused with it, before training)."""
+    cells = [(name, sp) for name in MODELS for sp in (False, True)]
+    ranks = launch(_custom_cells, 2, cells, timeout=LAUNCH_S)
+    for name, sp in cells:
+        if (name, sp) == ("inner-residual", True):
+            assert all("sequence_parallel=false" in r[name, sp] for r in ranks), ranks[0][name, sp]
+            continue
         model, _ = build_stack(name)
         graph = trace(model, (torch.randn(2, SEQ_CUSTOM, HIDDEN),))
         work = analytical_workload(graph, ModelDims(seq_len=SEQ_CUSTOM), Cluster.preset("cpu-gloo", 2), torch.float32)
         priced = {}
         for i in range(len(work)):
-            for kind, n in work.cost(i, tp=2, microbatch_size=2).collective_counts().items():
+            for kind, n in work.cost(i, tp=2, microbatch_size=2, sequence_parallel=sp).collective_counts().items():
                 priced[kind] = priced.get(kind, 0) + n
-        for diffs, counted in (r[name] for r in ranks):
-            assert all(v < TOL for v in diffs.values()), (name, diffs)
-            assert counted == {"all_reduce": priced["all_reduce"] + 1}, (name, counted, priced)  # + the reported loss
+        priced["all_reduce"] = priced.get("all_reduce", 0) + 1  # the reported loss, over the world
+        if sp:  # the stage's final gather (its first slice's backward gathers nothing: the data needs no gradient)
+            priced["all_gather"] += 1
+        for diffs, counted in (r[name, sp] for r in ranks):
+            assert all(v < TOL for v in diffs.values()), (name, sp, diffs)
+            assert counted == priced, (name, sp, counted, priced)

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 
 from nest_fx.graph import trace
-from nest_fx.graph.tp_inputs import column_input_reduces, prepares_input_once
+from nest_fx.graph.tp_inputs import ColumnInputs, column_input_reduces, column_inputs, prepares_input_once
 from nest_fx.graph.tp_regions import block_regions
+from nest_fx.plan.support import parallel_support
 from nest_fx.workload.roofline import AnalyticalCompute
 from nest_fx.workload.traced_source import TracedSource, workload_from_graph
 from nest_fx.workload.types import ModelDims
@@ -23,31 +24,67 @@ from nest_fx.workload.types import ModelDims
 from tp_input_models import HIDDEN, Attention, InnerResidualSwiGLU, NormedKeyAttention, Stack, SwiGLU
 
 CASES = [
-    # (attention, MLP, {region: prepared once}, backward all-reduces of the column inputs)
-    (Attention, SwiGLU, {"attn": True, "mlp": True}, 2),
-    (NormedKeyAttention, SwiGLU, {"attn": False, "mlp": True}, 3 + 1),
-    (Attention, InnerResidualSwiGLU, {"attn": True, "mlp": False}, 1 + 2),
+    # (attention, MLP, {region: prepared once}, ColumnInputs)
+    (Attention, SwiGLU, {"attn": True, "mlp": True}, ColumnInputs(2, 0, 0)),
+    (NormedKeyAttention, SwiGLU, {"attn": False, "mlp": True}, ColumnInputs(1, 1, 3)),
+    (Attention, InnerResidualSwiGLU, {"attn": True, "mlp": False}, ColumnInputs(1, 1, 2)),
 ]
 
 
-@pytest.mark.parametrize("attn,mlp,once,reduces", CASES, ids=["llama-like", "normed-kv", "inner-residual"])
-def test_regions_prepared_once_and_the_priced_backward_all_reduces(attn, mlp, once, reduces):
+def _priced(graph, block, sp: bool):
+    timing = AnalyticalCompute(peak_flops=1e12, mem_bandwidth=1e11)
+    layer = next(x for x in workload_from_graph(graph, timing, ModelDims(seq_len=8)).layers if x.name == block.name)
+    cost = TracedSource(graph, timing).cost(layer, 2, 1, 2, sp)
+    return {(c.kind, c.phase): c.count for c in cost.comms}, cost
+
+
+def _priced(graph, block, sp: bool):
+    timing = AnalyticalCompute(peak_flops=1e12, mem_bandwidth=1e11)
+    layer = next(x for x in workload_from_graph(graph, timing, ModelDims(seq_len=8)).layers if x.name == block.name)
+    cost = TracedSource(graph, timing).cost(layer, 2, 1, 2, sp)
+    return {(c.kind, c.phase): c.count for c in cost.comms}, cost
+
+
+@pytest.mark.parametrize("attn,mlp,once,inputs", CASES, ids=["llama-like", "normed-kv", "inner-residual"])
+def test_regions_prepared_once_and_the_priced_backward_all_reduces(attn, mlp, once, inputs):
     model = Stack(attn, mlp)
     graph = trace(model, (torch.randn(2, 8, HIDDEN),))
     block = graph.layer_blocks[0]
     pattern = graph.pattern_of(block)
     assert not any(p.problem for p in pattern.tp_pairs)
     assert {region: prepares_input_once(kind, pairs) for region, kind, pairs in block_regions(pattern)} == once
-    assert column_input_reduces(pattern) == reduces
-    timing = AnalyticalCompute(peak_flops=1e12, mem_bandwidth=1e11)
-    layer = next(x for x in workload_from_graph(graph, timing, ModelDims(seq_len=8)).layers if x.name == block.name)
-    cost = TracedSource(graph, timing).cost(layer, 2, 1, 2, False)
-    by_phase = {
-        phase: sum(c.count for c in cost.comms if c.kind == "all_reduce" and c.phase == phase)
-        for phase in ("fwd", "bwd")
-    }
-    assert by_phase == {"fwd": 2, "bwd": reduces}
+    assert column_inputs(pattern) == inputs
+    reduces = column_input_reduces(pattern)
+    assert reduces == inputs.once + inputs.column_reduces
+    by_phase, cost = _priced(graph, block, False)
+    assert by_phase == {("all_reduce", "fwd"): 2, ("all_reduce", "bwd"): reduces}
     assert cost.collective_counts() == {"all_reduce": 2 + reduces}
+    # sequence parallel: a region not prepared once gathers to a plain tensor, its columns all-reduce alone
+    by_phase, _ = _priced(graph, block, True)
+    expected = {
+        ("all_gather", "fwd"): 2,
+        ("reduce_scatter", "fwd"): 2,
+        ("all_gather", "bwd"): 2,
+        ("reduce_scatter", "bwd"): 2 - inputs.alone,
+    }
+    if inputs.column_reduces:
+        expected[("all_reduce", "bwd")] = inputs.column_reduces
+    assert by_phase == expected
+
+
+def test_sequence_parallel_refuses_a_region_adding_its_own_input_to_its_output():
+    """The row reduce-scatters the output over the sequence; the gathered input added beside it
+    is a whole sequence: refused before training, naming the op and the row."""
+    model = Stack(Attention, InnerResidualSwiGLU)
+    support = parallel_support(model, trace(model, (torch.randn(2, 8, HIDDEN),)))
+    assert support.sp_problem(2) == (
+        "sequence parallelism reduce-scatters each TP region's output over the sequence at its row linear, but in "
+        "layers.0.mlp op 'add' in module layers.0.mlp reaches the region's output without passing the row "
+        "layers.0.mlp.down (a whole sequence added to one rank's share); fix: sequence_parallel=false"
+    )
+    for attn, mlp in ((Attention, SwiGLU), (NormedKeyAttention, SwiGLU)):
+        model = Stack(attn, mlp)
+        assert parallel_support(model, trace(model, (torch.randn(2, 8, HIDDEN),))).sp_problem(2) == ""
 
 
 def test_a_layer_that_is_its_own_region_keeps_one_reduction_per_column():
