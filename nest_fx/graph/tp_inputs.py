@@ -7,8 +7,9 @@ SwiGLU MLP) and that tensor is what the region module is given, the sum can be t
 of them: their partial gradients add up locally first, then one all-reduce (Megatron's f
 operator, torchtitan's ``PrepareModuleInput``). :func:`shared_column_input` says when the trace
 shows that, :func:`prepares_input_once` when the runtime then does it, and
-:func:`column_input_reduces` how many backward all-reduces the column inputs of a block cost
-(the runtime's count, which the cost model prices).
+:func:`column_inputs` how the regions of a block reduce their column inputs' gradients (the
+runtime's count, which the cost model prices). :func:`sequence_bypass` finds a region that
+sequence parallelism cannot run (its gathered input reaching its output beside the row).
 
 The input must not be read by anything else inside the region: such a reader's gradient is
 whole on every rank, and summing it with the columns' would count it ``tp`` times.
@@ -80,10 +81,11 @@ def shared_column_input(
 
 
 def prepares_input_once(kind: str, pairs: List) -> bool:
-    """Whether the runtime (without sequence parallelism) prepares a region's input once for
-    all its columns: one dense pair whose columns share the region's input (``shared_input``)
-    and are sharded by ``ColumnShard`` (not a multi-query column with whole rows, nor an
-    ``nn.MultiheadAttention`` leaf, which enters each distinct input once by itself)."""
+    """Whether the runtime prepares a region's input once for all its columns (a replicated
+    DTensor; under sequence parallelism the gathered one): one dense pair whose columns share the
+    region's input (``shared_input``) and are sharded by ``ColumnShard`` (not a multi-query column
+    with whole rows, nor an ``nn.MultiheadAttention`` leaf, which enters each distinct input once
+    by itself)."""
     if kind == "expert" or len(pairs) != 1:
         return False
     pair = pairs[0]
@@ -100,11 +102,11 @@ class ColumnInputs(NamedTuple):
 
 
 def column_inputs(pattern) -> ColumnInputs:
-    """:class:`ColumnInputs` of a block with this pattern under TP (expert regions not counted):
-    a region is prepared once when :func:`prepares_input_once`; in any other region each column
-    module all-reduces its own input's gradient, an ``nn.MultiheadAttention`` pair each distinct
-    input once (one: self-attention). Under sequence parallelism such a region gathers its input
-    to a plain tensor, so its backward has those all-reduces and no reduce-scatter."""
+    """:class:`ColumnInputs` of a block with this pattern under TP: a region is prepared once
+    when :func:`prepares_input_once`; in any other region each column module all-reduces its own
+    input's gradient, an ``nn.MultiheadAttention`` pair each distinct input once (one:
+    self-attention). Under sequence parallelism such a region gathers its input to a plain
+    tensor, so its backward has those all-reduces and no reduce-scatter."""
     once = alone = reduces = experts = 0
     for _, kind, pairs in block_regions(pattern):
         pairs = [p for p in pairs if not p.problem]

@@ -182,8 +182,8 @@ class TracedSource:
         )
 
     def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
-        """The layer's collectives per microbatch (docs/cost_model.md): TP (all-reduce, or
-        all-gather + reduce-scatter under SP) after each row linear, the vocabulary-parallel
+        """The layer's collectives per microbatch (docs/cost_model.md): TP's around its regions
+        as the runtime runs them (:func:`tp_region_collectives`), the vocabulary-parallel
         head/tail's, the statistics of whole-width norms, EP's all-to-alls, CP's key/value
         all-gather (backward: reduce-scatter)."""
         tokens = scale / cp
