@@ -8,7 +8,7 @@ The same zoo model (one seed) is parallelised with ``auto_parallelize`` twice on
 (gloo, TP2, no sequence parallelism): ``once``, the runtime as it is (a region whose column
 linears all read its input, ``graph.tp_inputs``, sums their partial input gradients locally and
 all-reduces once: Megatron's f), and ``per-column``, the same run with that switched off
-(``apply.tensor_parallel.prepares_input_once`` patched to False while it is applied: every
+(``apply.tensor_parallel.once_input`` patched to "" while it is applied: every
 column all-reduces its own input's gradient, as the runtime did before and still does where a
 region cannot be prepared once). Both train in the same processes, alternating: ``--warmup``
 steps each, then ``--rounds`` rounds of ``--steps`` steps each (the variant going first
@@ -38,6 +38,7 @@ from nest_fx.apply import auto_parallelize
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import Cluster
+from nest_fx.graph.tp_inputs import once_input as once
 from nest_fx.models import build_seeded
 from nest_fx.plan import uniform_plan
 from nest_fx.workload import analytical_workload, dims_from_config
@@ -56,7 +57,9 @@ def _parallel(model_name: str, mode: str, batch: int):
     model, cfg = build_seeded(model_name)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     plan = uniform_plan(cfg.layers + 2, tp=2, microbatch_size=batch, num_microbatches=1)
-    with mock.patch.object(tensor_parallel, "prepares_input_once", lambda kind, pairs: mode == "once"):
+    with mock.patch.object(
+        tensor_parallel, "once_input", lambda kind, pairs: "" if mode == "per-column" else once(kind, pairs)
+    ):
         pm = auto_parallelize(model, x, global_batch_size=batch, loss_fn=lm_loss, plan=plan, verbose=False)
     return pm, torch.optim.SGD(pm.parameters(), lr=1e-3), x, cfg.layers
 

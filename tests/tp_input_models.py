@@ -47,6 +47,41 @@ class NormedKeyAttention(Attention):
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
 
+class AttentionCore(Attention):
+    """q/k/v and the attention, without the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        del self.o_proj
+
+    def forward(self, x):
+        y = F.scaled_dot_product_attention(
+            _heads(self.q_proj(x), self.heads), _heads(self.k_proj(x), self.heads), _heads(self.v_proj(x), self.heads)
+        )
+        return y.transpose(1, 2).flatten(2)
+
+
+class PostNormOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.o_proj, self.norm = nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN)
+
+    def forward(self, h, x):
+        return self.norm(self.o_proj(h) + x)
+
+
+class PostNormAttention(nn.Module):
+    """BERT's layout: the region adds its own input after the output projection (post-norm), so
+    only the columns' own module (``core``) takes its input once."""
+
+    def __init__(self):
+        super().__init__()
+        self.core, self.out = AttentionCore(), PostNormOutput()
+
+    def forward(self, x):
+        return self.out(self.core(x), x)
+
+
 class SwiGLU(nn.Module):
     def __init__(self):
         super().__init__()
@@ -88,6 +123,7 @@ MODELS = {
     "llama-like": (Attention, SwiGLU),
     "normed-kv": (NormedKeyAttention, SwiGLU),
     "inner-residual": (Attention, InnerResidualSwiGLU),
+    "post-norm": (PostNormAttention, SwiGLU),
 }
 SEQ = 8
 

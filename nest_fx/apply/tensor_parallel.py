@@ -11,9 +11,9 @@ the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, H
 ``HeadParams`` on per-head parameters of the region module itself (Swin's
 ``relative_position_bias_table``) and ``MultiheadShard`` on an ``nn.MultiheadAttention`` (its
 forward replaced by a head-sharded one);
-per-head inputs (ALiBi) are sliced on entry to the region; a region whose columns all read its
-input (``graph.tp_inputs.prepares_input_once``) takes it as one replicated DTensor, so its
-columns' input gradients are all-reduced once per region (Megatron's f), not once per column.
+per-head inputs (ALiBi) are sliced on entry to the region; the module whose input all of a
+region's columns read (``graph.tp_inputs.once_input``) takes it as one replicated DTensor, so
+their input gradients are all-reduced once per region (Megatron's f), not once per column.
 Outputs are local tensors, so the code between the
 linears (attention, activation) runs on the local shard; the region module of an attention pair
 counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard, SharedHeadsColumn
 from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
-from nest_fx.graph.tp_inputs import prepares_input_once
+from nest_fx.graph.tp_inputs import once_input, prepares_input_once
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
 
@@ -97,8 +97,8 @@ def _gather_seq_pre_hook(mesh: DeviceMesh, local_output: bool):
 
 
 def _replicated_input_pre_hook(mesh: DeviceMesh):
-    """Megatron's f for a region whose columns all read its input (``graph.tp_inputs``): the
-    input enters as one replicated DTensor, so the columns' partial input gradients add up
+    """Megatron's f for a module whose input all of a region's columns read (``graph.tp_inputs``):
+    the input enters as one replicated DTensor, so the columns' partial input gradients add up
     locally (DTensor keeps their sum partial) and one all-reduce in ``from_local``'s backward
     completes it, where each column would otherwise all-reduce its own."""
 
@@ -331,8 +331,9 @@ def apply_tensor_parallel(
                 localise_head_counts(target, tp)
             if heads and target is not None:
                 target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()), with_kwargs=True)
-            if not sequence_parallel and region and target is not None and prepares_input_once(kind, pairs):
-                target.register_forward_pre_hook(_replicated_input_pre_hook(tp_mesh), with_kwargs=True)
+            once = once_input(kind, pairs)
+            if not sequence_parallel and once and once in present:
+                present[once].register_forward_pre_hook(_replicated_input_pre_hook(tp_mesh), with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
             parallelize_module(
@@ -352,7 +353,7 @@ def apply_tensor_parallel(
             else:
                 # a region that cannot take its input once as a DTensor (another reader inside it would
                 # mix a DTensor with plain tensors) gathers to a plain tensor; its columns reduce alone
-                local = not prepares_input_once(kind, pairs)
+                local = not prepares_input_once(region, kind, pairs, sequence_parallel=True)
                 target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=local), with_kwargs=True)
         sp_modules = {}
         for sub_name, sub in block_mod.named_modules():

@@ -6,7 +6,8 @@ columns of one region all read the same tensor (q, k and v of an attention, gate
 SwiGLU MLP) and that tensor is what the region module is given, the sum can be taken once for all
 of them: their partial gradients add up locally first, then one all-reduce (Megatron's f
 operator, torchtitan's ``PrepareModuleInput``). :func:`shared_column_input` says when the trace
-shows that, :func:`prepares_input_once` when the runtime then does it, and
+shows that (``TPPair.input_module``), :func:`once_input` and :func:`prepares_input_once` when
+the runtime then does it, and
 :func:`column_inputs` how the regions of a block reduce their column inputs' gradients (the
 runtime's count, which the cost model prices). :func:`sequence_bypass` finds a region that
 sequence parallelism cannot run (its gathered input reaching its output beside the row).
@@ -80,16 +81,26 @@ def shared_column_input(
     return True
 
 
-def prepares_input_once(kind: str, pairs: List) -> bool:
-    """Whether the runtime prepares a region's input once for all its columns (a replicated
-    DTensor; under sequence parallelism the gathered one): one dense pair whose columns share the
-    region's input (``shared_input``) and are sharded by ``ColumnShard`` (not a multi-query column
-    with whole rows, nor an ``nn.MultiheadAttention`` leaf, which enters each distinct input once
-    by itself)."""
+def once_input(kind: str, pairs: List) -> str:
+    """The module (relative to the block) whose input the runtime prepares once for all of a
+    region's columns ("" when none): the region's one dense pair's ``input_module``, its columns
+    sharded by ``ColumnShard`` (not a multi-query column with whole rows, nor an
+    ``nn.MultiheadAttention`` leaf, which enters each distinct input once by itself)."""
     if kind == "expert" or len(pairs) != 1:
-        return False
+        return ""
     pair = pairs[0]
-    return pair.shared_input and not pair.leaf and not pair.problem and not any(p.whole for p in pair.params)
+    if pair.leaf or pair.problem or any(p.whole for p in pair.params):
+        return ""
+    return pair.input_module
+
+
+def prepares_input_once(region: str, kind: str, pairs: List, sequence_parallel: bool = False) -> bool:
+    """Whether the runtime prepares the columns' input of ``region`` once (:func:`once_input`).
+    Under sequence parallelism only where that input is the region's own, which the region
+    gathers on entry as a DTensor (the columns' common module inside a region that also reads
+    the input elsewhere is left to its columns: that reader would meet a DTensor)."""
+    module = once_input(kind, pairs)
+    return bool(module) and (not sequence_parallel or module == region)
 
 
 class ColumnInputs(NamedTuple):
@@ -101,19 +112,19 @@ class ColumnInputs(NamedTuple):
     experts: int = 0  # expert regions (their experts' inputs are reduced apart: priced one each)
 
 
-def column_inputs(pattern) -> ColumnInputs:
+def column_inputs(pattern, sequence_parallel: bool = False) -> ColumnInputs:
     """:class:`ColumnInputs` of a block with this pattern under TP: a region is prepared once
     when :func:`prepares_input_once`; in any other region each column module all-reduces its own
     input's gradient, an ``nn.MultiheadAttention`` pair each distinct input once (one:
     self-attention). Under sequence parallelism such a region gathers its input to a plain
     tensor, so its backward has those all-reduces and no reduce-scatter."""
     once = alone = reduces = experts = 0
-    for _, kind, pairs in block_regions(pattern):
+    for region, kind, pairs in block_regions(pattern):
         pairs = [p for p in pairs if not p.problem]
         if kind == "expert" or not pairs:
             experts += bool(pairs)
             continue
-        if prepares_input_once(kind, pairs):
+        if prepares_input_once(region, kind, pairs, sequence_parallel):
             once += 1
         else:
             alone += 1

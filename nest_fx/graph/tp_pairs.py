@@ -135,9 +135,7 @@ def _make_pair(
     region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
     layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module}, wide)
     pair.problem = problem or layout.problem
-    # a module of a layer below it (not the layer itself, nor a group of children): the runtime's hook target
-    own_module = not block.members and bool(_rel(region, block))
-    pair.shared_input = own_module and shared_column_input(graph, columns, units, region)
+    pair.input_module = _input_module(graph, block, columns, units, region)
     inside = [
         graph.nodes[n].get("module", "")
         for n in stops
@@ -165,6 +163,21 @@ def _make_pair(
     pair.params.append(TPParam(name=_rel(d["weight"], block), dim=in_dim if in_dim is not None else -1))
     pair.params.sort(key=lambda p: p.name)
     return pair
+
+
+def _input_module(
+    graph: nx.DiGraph, block: Block, columns: List[str], units: Dict[str, Tuple[str, bool]], region: str
+) -> str:
+    """The module (relative to the block) whose input the runtime can prepare once for all the
+    columns: the region, else the columns' own common module (BERT's ``attention.self``, whose
+    region ``attention`` also adds its input to its output); a module below the layer only (the
+    runtime's hook target), never a group of children's. "" when neither qualifies."""
+    if block.members:
+        return ""
+    for candidate in (region, lowest_common_module([units[c][0] for c in columns])):
+        if _rel(candidate, block) and shared_column_input(graph, columns, units, candidate):
+            return _rel(candidate, block)
+    return ""
 
 
 def _column_params(

@@ -94,9 +94,9 @@ class BlockFacts:
     row_bytes: float  # bytes of one such output
     a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
     # how the dense regions reduce their column inputs' gradients (graph.tp_inputs.column_inputs:
-    # regions prepared once, regions whose columns reduce alone, those columns' all-reduces);
-    # None: one reduction per row, as before the runtime told them apart
-    tp_inputs: Optional[ColumnInputs] = None
+    # regions prepared once, regions whose columns reduce alone, those columns' all-reduces),
+    # without and with SP; None: one reduction per row, as before the runtime told them apart
+    tp_inputs: Optional[Tuple[ColumnInputs, ColumnInputs]] = None
     vocab_comms: Tuple[Tuple[str, float, str], ...] = ()  # head/tail under TP: (kind, bytes, phase) each
     # whole-width norms under TP (graph.tp_wide_norms): (kind, bytes, phase) of each statistic's
     # all-reduce, fp32 whatever the model's dtype (not scaled by scaled_facts)
@@ -310,7 +310,7 @@ def block_facts(graph, block) -> BlockFacts:
     # the whole rows' gradient, summed over TP in each backward (apply.tp_styles.SharedHeadsColumn)
     grad_comms = tuple(whole_grads)
     loss = _loss_facts(g, block)
-    inputs = column_inputs(pattern) if pattern and block.kind == "block" else None
+    inputs = (column_inputs(pattern), column_inputs(pattern, True)) if pattern and block.kind == "block" else None
     if block.kind in ("head", "tail"):
         n_ar = 0
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0

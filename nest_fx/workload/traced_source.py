@@ -291,7 +291,7 @@ def tp_region_collectives(facts: BlockFacts, sp: bool) -> Dict[Tuple[str, str], 
     region one all-reduce per column module (``graph.tp_inputs.column_inputs``; SP: those and the
     row's all-gather); an expert region one, priced as a row."""
     rows = facts.tp_allreduces
-    inputs = facts.tp_inputs or ColumnInputs(once=rows, alone=0, column_reduces=0)
+    inputs = facts.tp_inputs[sp] if facts.tp_inputs else ColumnInputs(once=rows, alone=0, column_reduces=0)
     if not sp:
         return {
             ("all_reduce", "fwd"): rows,
