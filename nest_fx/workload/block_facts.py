@@ -418,10 +418,10 @@ def _linear_dims(d: dict) -> Tuple[int, int, int]:
 
 def _tied_weight_params(g, node: str) -> float:
     """Parameters of the weight a tail linear shares with an earlier layer (the tracer counts a
-    shared weight once, at its first use: a tied LM head's linear records a weight but no
-    parameters of its own)."""
+    shared weight once, at its first use: a tied LM head's linear records a weight that is not
+    among its parameters)."""
     d = g.nodes[node]
-    if d.get("op") != "linear" or not d.get("weight") or d.get("num_params"):
+    if not _tied_linear(d):
         return 0.0
     inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
     if not inputs or not outputs or not inputs[0] or not outputs[0]:
@@ -447,10 +447,7 @@ def vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     if block.kind == "head":
         found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
         tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-        tied = tail is not None and any(
-            g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and not g.nodes[n].get("num_params")
-            for n in tail.nodes
-        )
+        tied = tail is not None and any(_tied_linear(g.nodes[n]) for n in tail.nodes)
         if tied and found:
             found.pop(max(found, key=lambda n: g.nodes[n].get("num_params", 0)))
         return found
@@ -458,9 +455,15 @@ def vocab_parallel_nodes(graph, block) -> Dict[str, str]:
         return {
             n: "colwise"
             for n in block.nodes
-            if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and g.nodes[n].get("num_params")
+            if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and not _tied_linear(g.nodes[n])
         }
     return {}
+
+
+def _tied_linear(d: dict) -> bool:
+    """A linear whose weight the tracer counted elsewhere (an LM head tied to the embedding; it
+    may hold a bias of its own: BERT's ``cls.predictions``)."""
+    return d.get("op") == "linear" and bool(d.get("weight")) and d["weight"] not in (d.get("params") or [])
 
 
 LOSS_STATE_BYTES = 4  # the loss runs in fp32 (logits upcast), as usual for language-model training

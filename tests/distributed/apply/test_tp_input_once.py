@@ -24,8 +24,10 @@ from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import Cluster
 from nest_fx.graph import trace
 from nest_fx.models import build_model
+from nest_fx.models.build import build_seeded, model_example
+from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan import uniform_plan
-from nest_fx.testing import equivalence
+from nest_fx.testing import LOSSES, equivalence
 from nest_fx.workload import analytical_workload, dims_from_config
 from nest_fx.workload.build import trace_model
 from nest_fx.workload.types import ModelDims
@@ -168,3 +170,52 @@ def test_regions_prepared_once_or_per_column_run_what_is_priced_and_match_one_de
         for diffs, counted in (r[name, sp] for r in ranks):
             assert all(v < TOL for v in diffs.values()), (name, sp, diffs)
             assert counted == priced, (name, sp, counted, priced)
+
+
+def _hf_counted(names):
+    """Per HF model type: the collectives of one train_step (TP2, after a warm-up step) and the
+    sum the cost model prices over the chain for the same plan."""
+    out = {}
+    for name in names:
+        model, cfg = build_seeded(name, 0)
+        example = model_example(name, model, cfg, batch=2, seq=SEQ)
+        if len(example.inputs) == 1:
+            example = with_loss_fn(example)
+        x, y = make_batch(example, "cpu", torch.Generator().manual_seed(0))
+        args, kwargs = call_args(example, x)
+        graph = trace(model, args, kwargs, name=name)
+        plan = uniform_plan(len(graph.blocks), tp=2, microbatch_size=2, num_microbatches=1)
+        pm = auto_parallelize(
+            model,
+            kwargs or (args[0] if len(args) == 1 else args),  # what train_step takes: one tensor or the dict
+            global_batch_size=2,
+            loss_fn=LOSSES.get(example.loss),
+            plan=plan,
+            graph=graph,
+            verbose=False,
+        )
+        pm.train_step(x, y)
+        with CollectiveCounter() as counter:
+            pm.train_step(x, y)
+        work = analytical_workload(graph, ModelDims(seq_len=SEQ), Cluster.preset("cpu-gloo", 2), torch.float32)
+        priced = {}
+        for i in range(len(work)):
+            for kind, n in work.cost(i, tp=2, microbatch_size=2).collective_counts().items():
+                priced[kind] = priced.get(kind, 0) + n
+        out[name] = (counter.counts, priced)
+    return out
+
+
+@pytest.mark.hf
+@pytest.mark.dist
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_hf_models_run_the_priced_tp_collectives():
+    """BERT (post-norm attention: ``attention.self`` takes its input once; its MLM head tied to the
+    embedding, with a bias of its own, stays replicated), BART (cross-attention: the keys and
+    values read the encoder's output, each column reduces alone), GPT-2 (``Conv1D``, fused qkv):
+    the step's collectives are the priced ones plus the reported loss's all-reduce."""
+    pytest.importorskip("transformers")
+    names = ["hf:bert", "hf:bart", "hf:gpt2"]
+    for name, (counted, priced) in launch(_hf_counted, 2, names, timeout=LAUNCH_S)[0].items():
+        priced["all_reduce"] += 1  # the reported loss, over the world
+        assert counted == priced, (name, counted, priced)
