@@ -11,7 +11,10 @@ the columns and ``RowShard`` on the row (any projecting module: ``nn.Linear``, H
 ``HeadParams`` on per-head parameters of the region module itself (Swin's
 ``relative_position_bias_table``) and ``MultiheadShard`` on an ``nn.MultiheadAttention`` (its
 forward replaced by a head-sharded one);
-per-head inputs (ALiBi) are sliced on entry to the region. Outputs are local tensors, so the code between the
+per-head inputs (ALiBi) are sliced on entry to the region; the module whose input all of a
+region's columns read (``graph.tp_inputs.once_input``) takes it as one replicated DTensor, so
+their input gradients are all-reduced once per region (Megatron's f), not once per column.
+Outputs are local tensors, so the code between the
 linears (attention, activation) runs on the local shard; the region module of an attention pair
 counts local heads (``graph.tp_regions.localise_head_counts``: head-count attributes and a copy
 of a HF config with its head counts divided).
@@ -48,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 from nest_fx.apply.tp_styles import ColumnShard, HeadParams, LocalShards, MultiheadShard, RowShard, SharedHeadsColumn
 from nest_fx.apply.tp_wide_norm import WholeWidthNorm
 from nest_fx.graph.opgraph import TPParam
+from nest_fx.graph.tp_inputs import once_input, prepares_input_once
 from nest_fx.graph.tp_regions import block_regions, head_input_hook, localise_head_counts, vocab_parallel_lookup
 
 
@@ -88,6 +92,21 @@ def _gather_seq_pre_hook(mesh: DeviceMesh, local_output: bool):
         if local_output:
             x = x.to_local()
         return _replace_arg(args, kwargs, where, key, x)
+
+    return hook
+
+
+def _replicated_input_pre_hook(mesh: DeviceMesh):
+    """Megatron's f for a module whose input all of a region's columns read (``graph.tp_inputs``):
+    the input enters as one replicated DTensor, so the columns' partial input gradients add up
+    locally (DTensor keeps their sum partial) and one all-reduce in ``from_local``'s backward
+    completes it, where each column would otherwise all-reduce its own."""
+
+    def hook(module, args, kwargs):
+        where, key, x = _first_tensor_arg(args, kwargs)
+        if isinstance(x, DTensor) or not x.is_floating_point():
+            return None
+        return _replace_arg(args, kwargs, where, key, DTensor.from_local(x, mesh, [Replicate()], run_check=False))
 
     return hook
 
@@ -312,6 +331,9 @@ def apply_tensor_parallel(
                 localise_head_counts(target, tp)
             if heads and target is not None:
                 target.register_forward_pre_hook(head_input_hook(heads, tp, tp_mesh.get_local_rank()), with_kwargs=True)
+            once = once_input(kind, pairs)
+            if not sequence_parallel and once and once in present:
+                present[once].register_forward_pre_hook(_replicated_input_pre_hook(tp_mesh), with_kwargs=True)
         if styles:
             # weights are already identical on the TP ranks (broadcast): each keeps its slice, no scatter
             parallelize_module(
@@ -323,13 +345,16 @@ def apply_tensor_parallel(
         block_mod = module.get_submodule(name)  # a layer module: checks refuse sequence parallel for groups
         # Sequence parallel: regions gather their input, norms outside regions run sharded.
         region_paths = [r for r, _, _ in regions]
-        for region, kind, _ in regions:
+        for region, kind, pairs in regions:
             target = present[region] if region else block_mod
             if kind == "expert":
                 target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=True), with_kwargs=True)
                 target.register_forward_hook(_scatter_seq_output_hook(tp_mesh))
             else:
-                target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=False), with_kwargs=True)
+                # a region that cannot take its input once as a DTensor (another reader inside it would
+                # mix a DTensor with plain tensors) gathers to a plain tensor; its columns reduce alone
+                local = not prepares_input_once(region, kind, pairs, sequence_parallel=True)
+                target.register_forward_pre_hook(_gather_seq_pre_hook(tp_mesh, local_output=local), with_kwargs=True)
         sp_modules = {}
         for sub_name, sub in block_mod.named_modules():
             if not sub_name or _is_under(sub_name, region_paths):

@@ -129,6 +129,10 @@ class TPPair:
     ``problem`` is why the pair cannot be sharded exactly ("" when it can). ``leaf``: the module
     (relative to the block) whose one traced call holds the whole pair (``nn.MultiheadAttention``:
     ``graph.tp_mha``); the runtime replaces its forward by a head-sharded one ("" for other pairs).
+    ``input_module``: the module (relative to the block; the region, else the columns' own common
+    module) whose input every column module reads and nothing else inside it reads
+    (``graph.tp_inputs``), so the runtime prepares that input once for all the columns (one
+    backward all-reduce, Megatron's f); "" when there is none.
     """
 
     kind: str
@@ -141,6 +145,7 @@ class TPPair:
     wide_norms: List[str] = field(default_factory=list)  # whole-width norms (graph.tp_wide_norms); params in ``params``
     problem: str = ""
     leaf: str = ""
+    input_module: str = ""
 
 
 @dataclass

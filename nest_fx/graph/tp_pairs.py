@@ -31,6 +31,7 @@ import networkx as nx
 from nest_fx.graph.op_kinds import MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.opgraph import Block, BlockPattern, TPPair, TPParam
 from nest_fx.graph.tp_flow import follow_pair
+from nest_fx.graph.tp_inputs import is_float, shared_column_input
 from nest_fx.graph.tp_regions import lowest_common_module
 from nest_fx.graph.tp_wide_norms import projection_norms
 
@@ -56,15 +57,9 @@ ATTENTION_OPS = {
     "softmax",
     "_softmax",
 }
-_FLOAT = ("float", "bfloat16", "half", "complex")
 _STATISTICS = {"mean", "var", "var_mean"}  # what a hand-written norm reduces with
 # ops a linear-like module may run besides its matmul: views of the weight or input, the bias add
 _PROJECTION_OPS = MATMUL_OPS | VIEW_OPS | {"add", "add_", "view", "reshape", "_unsafe_view", "permute"}
-
-
-def _is_float(data: dict) -> bool:
-    dtypes = data.get("out_dtypes") or []
-    return any(str(dt).startswith(_FLOAT) for dt in dtypes)
 
 
 def _rel(fqn: str, block: Block) -> str:
@@ -140,6 +135,7 @@ def _make_pair(
     region = owners[0] if len(set(owners)) == 1 else lowest_common_module(owners)  # 3-D experts: their module
     layout = follow_pair(graph, block, columns, row, region, {u for u, is_module in units.values() if is_module}, wide)
     pair.problem = problem or layout.problem
+    pair.input_module = _input_module(graph, block, columns, units, region)
     inside = [
         graph.nodes[n].get("module", "")
         for n in stops
@@ -167,6 +163,21 @@ def _make_pair(
     pair.params.append(TPParam(name=_rel(d["weight"], block), dim=in_dim if in_dim is not None else -1))
     pair.params.sort(key=lambda p: p.name)
     return pair
+
+
+def _input_module(
+    graph: nx.DiGraph, block: Block, columns: List[str], units: Dict[str, Tuple[str, bool]], region: str
+) -> str:
+    """The module (relative to the block) whose input the runtime can prepare once for all the
+    columns: the region, else the columns' own common module (BERT's ``attention.self``, whose
+    region ``attention`` also adds its input to its output); a module below the layer only (the
+    runtime's hook target), never a group of children's. "" when neither qualifies."""
+    if block.members:
+        return ""
+    for candidate in (region, lowest_common_module([units[c][0] for c in columns])):
+        if _rel(candidate, block) and shared_column_input(graph, columns, units, candidate):
+            return _rel(candidate, block)
+    return ""
 
 
 def _column_params(
@@ -262,7 +273,7 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str], wide: Set[s
     d = graph.nodes[row]
     dims, shape = d.get("weight_dims") or [None, None], d.get("weight_shape") or []
     width = shape[dims[1]] if dims[1] is not None and shape else None  # features the row reads
-    stack = [p for p in graph.predecessors(row) if _is_float(graph.nodes[p])]
+    stack = [p for p in graph.predecessors(row) if is_float(graph.nodes[p])]
     while stack:
         node = stack.pop()
         if node in seen or node not in members:
@@ -280,7 +291,7 @@ def _columns_feeding(graph: nx.DiGraph, row: str, members: Set[str], wide: Set[s
             continue
         if op in ATTENTION_OPS or (op in MATMUL_OPS and not data.get("weight")):
             through_attention = True
-        stack.extend(p for p in graph.predecessors(node) if _is_float(graph.nodes[p]))
+        stack.extend(p for p in graph.predecessors(node) if is_float(graph.nodes[p]))
     return columns, through_attention, stops
 
 
@@ -297,7 +308,7 @@ def _normalises(
     ``(x * rsqrt(mean(x^2) + eps)) * w``. Per-head norms (over a head's features) do not count."""
 
     def floats(n):
-        return {p for p in graph.predecessors(n) if _is_float(graph.nodes[p])}
+        return {p for p in graph.predecessors(n) if is_float(graph.nodes[p])}
 
     frontier = floats(node)
     for _ in range(depth):

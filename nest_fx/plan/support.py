@@ -24,7 +24,8 @@ from nest_fx.graph.moe_modules import expert_counts, find_moe_modules, unconvert
 from nest_fx.graph.opgraph import OpGraph
 from nest_fx.graph.stage_layout import StageLayout, stage_layout
 from nest_fx.graph.stage_modules import rehearsal_problem
-from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS, lowest_common_module
+from nest_fx.graph.tp_inputs import sequence_bypass
+from nest_fx.graph.tp_regions import CONFIG_HEAD_ATTRS, block_regions, lowest_common_module
 from nest_fx.graph.tp_rehearsal import tp_rehearsal_problem
 from nest_fx.workload.types import dims_from_config
 
@@ -228,6 +229,15 @@ class ParallelSupport:
                     f"pair), but {block.name}.{whole[0].row} and its columns {whole[0].column} are direct children "
                     "of the layer, so the region would be the whole layer; fix: sequence_parallel=false"
                 )
+            for region, kind, pairs in block_regions(pattern) if pattern else []:
+                bypass = "" if kind == "expert" else sequence_bypass(self.graph.graph, block, region, pairs)
+                if bypass:
+                    return (
+                        f"sequence parallelism reduce-scatters each TP region's output over the sequence at its row "
+                        f"linear, but in {block.fqn(region)} {bypass} reaches the region's output without passing "
+                        f"the row {block.fqn(pairs[0].row)} (a whole sequence added to one rank's share); "
+                        "fix: sequence_parallel=false"
+                    )
         return ""
 
     def _uneven_sequence(self, tp: int) -> str:

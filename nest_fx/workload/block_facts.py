@@ -22,6 +22,7 @@ import torch
 
 from nest_fx.graph.annotate import LSE_BYTES
 from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
+from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.graph.tp_wide_norms import statistic_bytes
@@ -89,10 +90,13 @@ class BlockFacts:
     nodes: List[NodeCost]
     out_bytes: float
     in_bytes: float
-    tp_allreduces: int  # row linears whose outputs TP must all-reduce (per direction)
+    tp_allreduces: int  # row linears whose outputs TP all-reduces in forward (an expert region: one)
     row_bytes: float  # bytes of one such output
     a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
-    tp_phases: Tuple[str, ...] = ("fwd", "bwd")
+    # how the dense regions reduce their column inputs' gradients (graph.tp_inputs.column_inputs:
+    # regions prepared once, regions whose columns reduce alone, those columns' all-reduces),
+    # without and with SP; None: one reduction per row, as before the runtime told them apart
+    tp_inputs: Optional[Tuple[ColumnInputs, ColumnInputs]] = None
     vocab_comms: Tuple[Tuple[str, float, str], ...] = ()  # head/tail under TP: (kind, bytes, phase) each
     # whole-width norms under TP (graph.tp_wide_norms): (kind, bytes, phase) of each statistic's
     # all-reduce, fp32 whatever the model's dtype (not scaled by scaled_facts)
@@ -306,6 +310,7 @@ def block_facts(graph, block) -> BlockFacts:
     # the whole rows' gradient, summed over TP in each backward (apply.tp_styles.SharedHeadsColumn)
     grad_comms = tuple(whole_grads)
     loss = _loss_facts(g, block)
+    inputs = (column_inputs(pattern), column_inputs(pattern, True)) if pattern and block.kind == "block" else None
     if block.kind in ("head", "tail"):
         n_ar = 0
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
@@ -322,6 +327,7 @@ def block_facts(graph, block) -> BlockFacts:
         out_bytes=block.out_bytes,
         in_bytes=in_bytes,
         tp_allreduces=n_ar,
+        tp_inputs=inputs,
         row_bytes=row_bytes,
         a2a_bytes=a2a,
         vocab_comms=tuple(vocab_comms),
@@ -412,10 +418,10 @@ def _linear_dims(d: dict) -> Tuple[int, int, int]:
 
 def _tied_weight_params(g, node: str) -> float:
     """Parameters of the weight a tail linear shares with an earlier layer (the tracer counts a
-    shared weight once, at its first use: a tied LM head's linear records a weight but no
-    parameters of its own)."""
+    shared weight once, at its first use: a tied LM head's linear records a weight that is not
+    among its parameters)."""
     d = g.nodes[node]
-    if d.get("op") != "linear" or not d.get("weight") or d.get("num_params"):
+    if not _tied_linear(d):
         return 0.0
     inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
     if not inputs or not outputs or not inputs[0] or not outputs[0]:
@@ -441,10 +447,7 @@ def vocab_parallel_nodes(graph, block) -> Dict[str, str]:
     if block.kind == "head":
         found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
         tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-        tied = tail is not None and any(
-            g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and not g.nodes[n].get("num_params")
-            for n in tail.nodes
-        )
+        tied = tail is not None and any(_tied_linear(g.nodes[n]) for n in tail.nodes)
         if tied and found:
             found.pop(max(found, key=lambda n: g.nodes[n].get("num_params", 0)))
         return found
@@ -452,9 +455,15 @@ def vocab_parallel_nodes(graph, block) -> Dict[str, str]:
         return {
             n: "colwise"
             for n in block.nodes
-            if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and g.nodes[n].get("num_params")
+            if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and not _tied_linear(g.nodes[n])
         }
     return {}
+
+
+def _tied_linear(d: dict) -> bool:
+    """A linear whose weight the tracer counted elsewhere (an LM head tied to the embedding; it
+    may hold a bias of its own: BERT's ``cls.predictions``)."""
+    return d.get("op") == "linear" and bool(d.get("weight")) and d["weight"] not in (d.get("params") or [])
 
 
 LOSS_STATE_BYTES = 4  # the loss runs in fp32 (logits upcast), as usual for language-model training

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.graph.tp_inputs import ColumnInputs
 from nest_fx.workload.attention_share import window_share
 from nest_fx.workload.block_facts import (
     LOSS_BACKWARD_COPIES,
@@ -193,22 +194,19 @@ class TracedSource:
         )
 
     def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
-        """The layer's collectives per microbatch (docs/cost_model.md): TP (all-reduce, or
-        all-gather + reduce-scatter under SP) after each row linear, the vocabulary-parallel
+        """The layer's collectives per microbatch (docs/cost_model.md): TP's around its regions
+        as the runtime runs them (:func:`tp_region_collectives`), the vocabulary-parallel
         head/tail's, the statistics of whole-width norms, EP's all-to-alls, CP's key/value
         all-gather (backward: reduce-scatter)."""
         tokens = scale / cp
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
             nbytes = facts.row_bytes * tokens
-            if sp:
-                for phase in facts.tp_phases:
-                    comms += [
-                        Comm("all_gather", "tp", nbytes, phase, facts.tp_allreduces),
-                        Comm("reduce_scatter", "tp", nbytes, phase, facts.tp_allreduces),
-                    ]
-            else:
-                comms += [Comm("all_reduce", "tp", nbytes, phase, facts.tp_allreduces) for phase in facts.tp_phases]
+            comms += [
+                Comm(kind, "tp", nbytes, phase, count)
+                for (kind, phase), count in tp_region_collectives(facts, sp).items()
+                if count
+            ]
         if tp > 1:
             # a multi-query column's shared rows: their gradient summed over TP in each backward
             comms += [Comm("all_reduce", "tp", nbytes, "bwd") for nbytes in facts.grad_comms]
@@ -295,6 +293,29 @@ class TracedSource:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)
         return out
+
+
+def tp_region_collectives(facts: BlockFacts, sp: bool) -> Dict[Tuple[str, str], int]:
+    """{(kind, phase): count} of a layer's TP collectives of ``row_bytes`` per token, as the runtime
+    runs them (``docs/cost_model.md``). Forward: an all-reduce after each row (SP: the region's
+    all-gather, the row's reduce-scatter). Backward: per region prepared once one all-reduce of
+    its input's gradient (SP: the gather's reduce-scatter, and the row's all-gather); per other
+    region one all-reduce per column module (``graph.tp_inputs.column_inputs``; SP: those and the
+    row's all-gather); an expert region one, priced as a row."""
+    rows = facts.tp_allreduces
+    inputs = facts.tp_inputs[sp] if facts.tp_inputs else ColumnInputs(once=rows, alone=0, column_reduces=0)
+    if not sp:
+        return {
+            ("all_reduce", "fwd"): rows,
+            ("all_reduce", "bwd"): inputs.once + inputs.column_reduces + inputs.experts,
+        }
+    return {
+        ("all_gather", "fwd"): rows,
+        ("reduce_scatter", "fwd"): rows,
+        ("all_gather", "bwd"): rows,
+        ("reduce_scatter", "bwd"): rows - inputs.alone,
+        ("all_reduce", "bwd"): inputs.column_reduces,
+    }
 
 
 def _ratio(base: float, scaled: float) -> float:

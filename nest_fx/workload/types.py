@@ -95,6 +95,15 @@ class LayerCost:
     fp8_params: float = 0.0  # of num_params, those in Float8 linears (FSDP all-gathers them in fp8)
     tied_params: float = 0.0  # of num_params, those tied to another layer (the embedding an LM head shares)
 
+    def collective_counts(self, group: str = "tp") -> Dict[str, int]:
+        """{collective kind: how many} the layer issues over ``group`` per microbatch, forward and
+        backward together: the count the cost model prices (checked against the runtime's)."""
+        counts: Dict[str, int] = {}
+        for c in self.comms:
+            if c.group == group:
+                counts[c.kind] = counts.get(c.kind, 0) + c.count
+        return counts
+
     def to_dict(self) -> dict:
         """The cost as a workload table records it (``block`` comes from the layer's kind)."""
         d = asdict(self)
