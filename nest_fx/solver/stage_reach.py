@@ -115,16 +115,7 @@ def stage_memory_terms(g, p: int, m: int, zero: int, v: int, options: CostOption
     microbatches of its blocks' activations at interleave factor v). With one microbatch the
     gradients and the activations are never there together (``memory.stage_memory``): k leaves
     the gradients out."""
-    states = memory.model_state_bytes(
-        1.0,
-        zero_stage=zero,
-        dp=g.shard,
-        optimizer=options.optimizer,
-        param_dtype_bytes=options.param_bytes,
-        grad_dtype_bytes=options.grad_bytes,
-        master_weights=options.master_weights,
-        state_dtype_bytes=options.state_bytes,
-    )
+    states = memory.model_states(1.0, zero, g.shard, options)
     per_param = states["total"] - (states["grads"] if m == 1 else 0.0)
     return per_param, [pipeline_inflight_microbatches(g.schedule, i, p, m, v) for i in range(p)]
 

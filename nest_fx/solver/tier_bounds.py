@@ -131,16 +131,8 @@ def states_exceed_memory(cache: TableCache, g: GlobalConfig, p: int) -> bool:
     that cannot fit would build one per factor)."""
     o = cache.options
     zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
-    states = memory.model_state_bytes(
-        cache.replica_params(g) / p,
-        zero_stage=zero,
-        dp=g.shard,
-        optimizer=o.optimizer,
-        param_dtype_bytes=o.param_bytes,
-        grad_dtype_bytes=o.grad_bytes,
-        master_weights=o.master_weights,
-        state_dtype_bytes=o.state_bytes,
-    )["total"]
+    # the parameters' dtype for the gradients: no more than a pipelined stage holds (a lower bound)
+    states = memory.model_states(cache.replica_params(g) / p, zero, g.shard, o)["total"]
     return states > memory.usable_bytes(cache.cluster.device.memory_bytes, o)
 
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from nest_fx.cluster import Cluster
 from nest_fx.cost.collectives import collective_fn
 from nest_fx.cost.dp_sync import reduce_spread
 from nest_fx.cost.memory import effective_zero_stage, held_grad_bytes, model_states
@@ -26,6 +25,7 @@ from nest_fx.plan.may_run import unrun_fields, unrun_schedule
 from nest_fx.solver import SolverOptions, solve
 from nest_fx.solver.space import in_space
 from nest_fx.workload import workload_for_model
+from cluster_fixtures import h100ish
 
 FP32_REDUCE = CostOptions(reduce_bytes=4)
 
@@ -74,30 +74,9 @@ def test_fsdp2_accumulates_reduced_shards_in_the_reduce_dtype(single_rank, tmp_p
     )
 
 
-def cluster(devices: int) -> Cluster:
-    """8 devices per node on a fast link, a slower network above; 80 GiB each."""
-    return Cluster.from_dict(
-        {
-            "format": "nest-fx-cluster/1",
-            "name": "h100ish",
-            "num_devices": devices,
-            "device": {
-                "name": "h100ish",
-                "memory_bytes": 80 * 2**30,
-                "mem_bandwidth": 3.35e12,
-                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            },
-            "levels": [
-                {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
-                {"name": "spine", "group_size": devices, "bandwidth": 50e9, "latency": 1.5e-5},
-            ],
-        }
-    )
-
-
 @pytest.fixture(scope="module")
 def work():
-    return workload_for_model("llama:hidden=1024,layers=4,heads=16,kv=8,seq=2048,vocab=8192", cluster(16))
+    return workload_for_model("llama:hidden=1024,layers=4,heads=16,kv=8,seq=2048,vocab=8192", h100ish(16))
 
 
 def _plan(work, zero: int, shard: bool, schedule: str = "1f1b") -> Plan:
@@ -118,7 +97,7 @@ def _plan(work, zero: int, shard: bool, schedule: str = "1f1b") -> Plan:
 
 
 def test_simulate_prices_sharded_gradients_and_m_reduce_scatters(work):
-    c, options = cluster(16), FP32_REDUCE
+    c, options = h100ish(16), FP32_REDUCE
     held = simulate(_plan(work, 2, False), work, c, options)
     sharded = simulate(_plan(work, 2, True), work, c, options)
     for h, s in zip(held.stages, sharded.stages):
@@ -167,7 +146,7 @@ def test_split_backward_schedules_refuse_it():
 
 
 def test_planner_searches_it_when_set_and_is_never_slower(work):
-    c = cluster(16)
+    c = h100ish(16)
     options = SolverOptions(time_budget=None, use_all_devices=True, pp_shard_grads=True, cost=FP32_REDUCE)
     plan = _plan(work, 2, True)
     published = simulate(plan, work, c, options.cost)
