@@ -11,9 +11,13 @@ vector rate ``P * vector_fraction`` for other ops), ``W`` its memory bandwidth, 
 
 a saturating GEMM efficiency: large GEMMs reach ``e_max`` of peak, a GEMM of ``F_half``
 FLOPs reaches half of that. Defaults (``e_max`` 0.75, ``F_half`` 2 GFLOP, ``e_mem`` 0.7,
-5 us per kernel) are the usual figures for A100/H100 cuBLAS and elementwise kernels; they are
+5 us per kernel) are the usual figures for A100 cuBLAS and elementwise kernels; they are
 assumptions, written down here, and checked end to end against Narayanan et al. 2021's GPT-3
-175B throughput in ``tests/unit/cost/test_published.py``. Backward ops cost twice their forward
+175B throughput in ``tests/unit/cost/test_published.py``. On Hopper the GEMM ramp is measured
+(``scripts/bench_gpu_kernels.py``, section ``gemm``: 40 bf16 GEMMs of the Llama 3 linears' shapes at
+512-16,384 tokens on an H200): the least-squares fit keeps ``e_max`` 0.75 and gives ``F_half`` 11
+GFLOP (mean error 6.4%, against 17.2% with 2 GFLOP), i.e. a ramp of 11 us at the bf16 peak:
+:data:`GEMM_RAMP_S`, ``F_half = peak x 11 us`` in the dtype computed in. Backward ops cost twice their forward
 (two GEMMs per forward GEMM: input gradient and weight gradient).
 
 Fused attention kernels are costed apart, at the rate measured for the kernel that runs
@@ -54,6 +58,9 @@ SDPA_ATTENTION = {
     "cudnn": (("H100", 0.64, 0.52), ("H200", 0.64, 0.52)),
     "flash": (("H100", 0.34, 0.32), ("H200", 0.34, 0.32)),
 }
+# the GEMM ramp: a GEMM of F FLOPs reaches e_max F / (F + F_half) of peak with F_half = peak x this
+# time (device name part, seconds), measured (module docstring); other devices: F_half 2 GFLOP
+GEMM_RAMP_S = (("H100", 11e-6), ("H200", 11e-6))
 # the kernel a plan that names none is priced with: what the runtime pins (plan.attention_kernel '')
 DEFAULT_ATTENTION_KERNEL = "cudnn"
 # (device name part, forward, backward fraction of peak) of FlashAttention-3 / cuDNN attention
@@ -69,6 +76,7 @@ class AnalyticalCompute:
     mem_bandwidth: float  # bytes/s
     matmul_efficiency: float = 0.75
     matmul_half_flops: float = 2e9
+    matmul_ramp_s: Optional[float] = None  # F_half = peak x this, where measured (GEMM_RAMP_S); None: as given
     memory_efficiency: float = 0.7
     vector_fraction: float = 0.125  # non-matmul FLOP/s as a fraction of peak (CUDA cores vs tensor cores)
     launch_s: float = 5e-6
@@ -92,8 +100,11 @@ class AnalyticalCompute:
         fa3 = next(((f, b) for part, f, b in FA3_ATTENTION if part in device.name), None)
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
+        ramp = next((t for part, t in GEMM_RAMP_S if part in device.name), None)
         fields = dict(
             peak_flops=device.peak(dtype),
+            matmul_half_flops=ramp * device.peak(dtype) if ramp else cls.matmul_half_flops,
+            matmul_ramp_s=ramp,
             mem_bandwidth=device.mem_bandwidth,
             fp8_flops=fp8,
             sdpa_attention=sdpa,
@@ -111,7 +122,13 @@ class AnalyticalCompute:
         if dtype not in self.peaks:
             raise ValueError(f"the device lists no peak FLOP/s for {dtype!r} (known: {sorted(self.peaks)})")
         peak = self.peaks[dtype]
-        return replace(self, peak_flops=peak, vector_fraction=_vector_fraction(self.peaks, self.vector_share, peak))
+        half = self.matmul_ramp_s * peak if self.matmul_ramp_s else self.matmul_half_flops
+        return replace(
+            self,
+            peak_flops=peak,
+            matmul_half_flops=half,
+            vector_fraction=_vector_fraction(self.peaks, self.vector_share, peak),
+        )
 
     def with_kernels(self, hopper_attention: bool, attention_kernel: str = "") -> "AnalyticalCompute":
         """This timing under a kernel backend: with ``hopper_attention`` (``kernels=fused``) fused
