@@ -153,7 +153,9 @@ def test_traced_cost_prices_the_window(tmp_path):
     from nest_fx.workload import workload_for_model
 
     work = workload_for_model(
-        "llama:hidden=1024,layers=2,heads=8,seq=8192,vocab=128,window=1024,global_every=2",
+        # heads enough that both attention calls run near the GEMM curve's top (the measured ramp,
+        # roofline.GEMM_RAMP_S, slows small calls): the ratio of times is then the ratio of FLOPs priced
+        "llama:hidden=2048,layers=2,heads=16,seq=8192,vocab=128,window=1024,global_every=2",
         load_cluster("h100-spine-leaf:8"),
     )
     src = work.source
