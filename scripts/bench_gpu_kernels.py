@@ -46,6 +46,9 @@ from typing import Callable, Dict
 import torch
 import torch.nn.functional as F
 
+from nest_fx.apply.losses import lm_loss
+from profiler.recompute_memory import packed_bytes
+
 from _bench_common import write_json
 
 # dense peaks of the devices this may run on (datasheets: H100 SXM5 and H200 SXM share the
@@ -304,8 +307,7 @@ def _block_run(ctx, layers: int, compiled: bool) -> dict:
     tokens = torch.randint(0, cfg.vocab_size, (1, ctx.seq), device=ctx.device)
 
     def step():
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+        loss = lm_loss(model(tokens), tokens)
         loss.backward()
         return loss
 
@@ -324,21 +326,8 @@ def _block_run(ctx, layers: int, compiled: bool) -> dict:
         torch.cuda.synchronize()
         saved = torch.cuda.memory_allocated() - before - logits.numel() * logits.element_size()
         del logits
-    else:
-        from torch.autograd.graph import saved_tensors_hooks
-
-        seen: Dict[int, int] = {}
-
-        def pack(x):
-            storage = x.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-            return x
-
-        with saved_tensors_hooks(pack, lambda x: x):
-            logits = model(tokens)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = sum(n for ptr, n in seen.items() if ptr not in params)
-        del logits
+    else:  # no allocator to read: the storages autograd packs (parameters, buffers, inputs left out)
+        saved = packed_bytes(model, [tokens])
     return dict(layers=layers, compiled=compiled, first_step_s=first, step_s=t, saved_bytes=saved)
 
 

@@ -25,9 +25,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from nest_fx.apply import auto_parallelize
+from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import load_cluster
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate
@@ -40,16 +40,11 @@ from _bench_common import write_json
 GiB = 2**30
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def one_kernel(spec: str, seq: int, kernel: str, args, device: torch.device, cluster, compile: bool = False) -> dict:
     """Train ``spec`` under a one-device plan pinning ``kernel`` (and compiling each block when
     ``compile``); measured and priced figures."""
     torch.manual_seed(0)
     model, cfg = build_model(spec, device=device)
-    layers = cfg.layers + 2  # head, blocks, tail as the workload chains them
     work = workload_for_model(spec, cluster, seq=seq)
     plan = Plan(
         stages=[StagePlan(0, len(work), 1, "none")],
@@ -85,7 +80,7 @@ def one_kernel(spec: str, seq: int, kernel: str, args, device: torch.device, clu
         attention_kernel=kernel or "(default)",
         compile=compile,
         layers_in_workload=len(work),
-        blocks=layers - 2,
+        blocks=cfg.layers,
         measured_step_s=statistics.median(times),
         priced_step_s=priced.step_s,
         loss=float(loss),

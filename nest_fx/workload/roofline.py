@@ -101,9 +101,10 @@ class AnalyticalCompute:
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
         ramp = next((t for part, t in GEMM_RAMP_S if part in device.name), None)
+        peak = device.peak(dtype)
         fields = dict(
-            peak_flops=device.peak(dtype),
-            matmul_half_flops=ramp * device.peak(dtype) if ramp else cls.matmul_half_flops,
+            peak_flops=peak,
+            matmul_half_flops=ramp * peak if ramp else cls.matmul_half_flops,
             matmul_ramp_s=ramp,
             mem_bandwidth=device.mem_bandwidth,
             fp8_flops=fp8,
@@ -111,7 +112,7 @@ class AnalyticalCompute:
             peaks=peaks,
             vector_share=share,
             fa3_attention=fa3,
-            vector_fraction=_vector_fraction(peaks, share, device.peak(dtype)),
+            vector_fraction=_vector_fraction(peaks, share, peak),
         )
         timing = cls(**{**fields, **overrides})
         return timing if "attention_efficiency" in overrides else timing.with_kernels(False)

@@ -13,12 +13,9 @@ from collections import Counter
 
 import pytest
 
-from nest_fx.apply.launch import launch
 from nest_fx.testing import equivalence
+from parity_helpers import LAUNCH_S, LLAMA, run
 
-TOL = 1e-5
-LAUNCH_S = 150
-LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 M = 4
 PP2_DP2 = {"pp": 2, "dp": 2, "microbatch_size": 1, "num_microbatches": M, "schedule": "1f1b"}
 
@@ -47,16 +44,8 @@ def _counted(spec):
 
 
 def _run(plan: dict, model: str = LLAMA):
-    spec = {"model": model, "plan": plan, "batch": 8, "seq": 16, "steps": 3, "lr": 0.5}
-    results = launch(_counted, 4, spec, timeout=LAUNCH_S)
-    worst = {k: max(r[k] for r in results) for k in ("loss_diff", "grad_diff", "param_diff")}
-    print(f"\n{plan}: " + ", ".join(f"{k}={v:.2e}" for k, v in worst.items()))
-    for key, value in worst.items():
-        assert value < TOL, (key, worst)
-    for r in results:
-        assert r["num_grads"] > 0 and r["num_params"] > 0 and len(r["losses"]) == 3, r
-    assert len({tuple(round(v, 6) for v in r["losses"]) for r in results}) == 1  # one global loss
-    return results
+    """Parity on 4 ranks (``parity_helpers.run``) with FSDP's reductions counted."""
+    return run(4, model, plan, batch=8, seq=16, fn=_counted)
 
 
 def _reductions_per_group_and_step(results) -> set:

@@ -10,9 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from nest_fx.cost.collectives import collective_fn
 from nest_fx.cost.dp_sync import reduce_spread
@@ -26,6 +23,7 @@ from nest_fx.solver import SolverOptions, solve
 from nest_fx.solver.space import in_space
 from nest_fx.workload import workload_for_model
 from cluster_fixtures import h100ish
+from fsdp_fixtures import bf16_fsdp2_pair
 
 FP32_REDUCE = CostOptions(reduce_bytes=4)
 
@@ -53,13 +51,7 @@ def test_fsdp2_accumulates_reduced_shards_in_the_reduce_dtype(single_rank, tmp_p
     # FSDP2 keeps the accumulated gradient on its internal FSDPParam; no public API shows it
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
-    for layer in model:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    model = bf16_fsdp2_pair(tmp_path)
     model.set_requires_gradient_sync(True)
     model.set_reshard_after_backward(False)
     for _ in range(2):

@@ -19,9 +19,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from nest_fx.cost.inflight import interleaved_chunk_states, pipeline_inflight_microbatches
 from nest_fx.cost.memory import held_grad_bytes, model_states
@@ -29,6 +26,7 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.types import Workload
+from fsdp_fixtures import bf16_fsdp2_pair
 from repo_root import ROOT
 
 GiB = 2**30
@@ -52,13 +50,7 @@ def test_fsdp2_accumulates_unsharded_gradients_in_its_reduce_dtype(single_rank, 
     # FSDP2 keeps the accumulated gradient on its internal FSDPParam; no public API shows it
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
-    for layer in model:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    model = bf16_fsdp2_pair(tmp_path)
     model.set_requires_gradient_sync(False)
     for _ in range(2):
         model(torch.randn(4, 64)).float().sum().backward()
