@@ -60,6 +60,18 @@ class Row:
         return self.local_batch * self.fsdp
 
     @property
+    def pp_microbatches(self) -> int:
+        """How many microbatches a pipelined row splits its local batch into. torchtitan (9dec370,
+        ``build_pipeline_schedule``): ``pipeline_parallel_microbatches`` unset = the total number
+        of stages, PP degree x stages per rank (its tables set no count). Meta's rows: microbatch
+        1 (assumed; the paper states no microbatch size)."""
+        if self.pp == 1:
+            return 1
+        if self.system == "llama3":
+            return self.local_batch
+        return self.pp * self.virtual_stages
+
+    @property
     def bf16(self) -> bool:
         return not self.float8
 

@@ -12,7 +12,8 @@ this script takes the midpoint (bf16 912, fp8 1825 TFLOP/s dense; SXM 989/1979, 
 NVIDIA's datasheets) and 95 GiB of device memory (what PyTorch reports for the 96 GB part).
 The runs use torchtitan's defaults where the table does not say otherwise: sequence length
 8192, AdamW, FSDP2 (ZeRO-3, mixed precision), sequence parallel and loss parallel with TP,
-pipeline microbatch size 1, the interleaved schedule with 2 stages per rank, selective
+as many pipeline microbatches as stages (PP degree x stages per rank: torchtitan's default
+when ``pipeline_parallel_microbatches`` is unset), the interleaved schedule with 2 stages per rank, selective
 activation checkpointing = op-level SAC (``op``), "AsyncTP" = TP collectives overlapped.
 
 For each row the published configuration is written as a plan (``nest-fx-plan/1``) and costed
@@ -31,7 +32,10 @@ per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, c
 layer per rank (derived from the paper's stage split, see ``published_rows``), microbatch 1 (32,
 16, 16 microbatches), ZeRO-2 with gradients reduce-scattered in fp32 after every microbatch and
 accumulated sharded (``pp_shard_grads``; stated: "we shard ... gradients", sec. 3.3.2, fp32
-reduction and accumulation, sec. 3.3.4). Every row
+reduction and accumulation, sec. 3.3.4). Their TFLOP/s are compared with the cost model's model
+FLOPs, which count attention whole (non-causal), as PaLM's MFU does (Chowdhery et al. 2022, app.
+B: 6 N + 12 L H Q T per token); counted as 6 N alone (the paper's 3.8 x 10^25 training FLOPs are
+6 x 405B x 15.6T tokens) m1 / m2 / m3 would be -11.5 / -10.4 / -26.7% instead. Every row
 names its kernel backend (``nest_fx.workload.kernels``). Gradients are reduced in fp32 on every
 row (torchtitan's default ``mixed_precision_reduce``; Meta's sec. 3.3.4).
 
@@ -88,8 +92,8 @@ def published_plan(row: Row, work, **overrides):
     fields = dict(
         dp=row.fsdp,
         zero=row.zero,
-        microbatch_size=1 if row.pp > 1 else row.local_batch,
-        num_microbatches=row.local_batch if row.pp > 1 else 1,
+        microbatch_size=row.local_batch // row.pp_microbatches,
+        num_microbatches=row.pp_microbatches,
         schedule=row.schedule,
         virtual_stages=row.virtual_stages,
         sequence_parallel=row.tp > 1,
@@ -137,13 +141,18 @@ def even_split(work, p: int, lighter_ends: bool = False):
 
 def cost_options(row: Row):
     """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
-    cost model before it had overlap as a switch: on); gradients reduced in fp32 (both systems)."""
+    cost model before it had overlap as a switch: on); gradients reduced in fp32 (both systems);
+    Meta's pipeline frees each stage's output after sending it (torch's keeps it)."""
     fields = dict(optimizer="adamw")
     if "reduce_bytes" in CostOptions.__dataclass_fields__:
         # both systems reduce bf16 gradients in fp32: torchtitan's FSDP2 MixedPrecisionPolicy
         # (mixed_precision_reduce = "float32", its default), Meta's FSDP (Grattafiori et al. 2024,
         # sec. 3.3.4: "reduce-scatter gradients in FP32 across data parallel workers")
         fields["reduce_bytes"] = 4
+    if row.system == "llama3" and "stage_outputs_held" in CostOptions.__dataclass_fields__:
+        # "we proactively deallocate ... the input and output tensors of each pipeline stage"
+        # (Grattafiori et al. 2024, sec. 3.3.2); torchtitan runs torch's PipelineStage, which keeps them
+        fields["stage_outputs_held"] = False
     if row.async_tp and hasattr(CostOptions, "overlap_tp_comm"):
         fields["overlap_tp_comm"] = getattr(cost_options_module, "ASYNC_TP_OVERLAP", True)
     return CostOptions(**fields)

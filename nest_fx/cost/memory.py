@@ -294,6 +294,18 @@ def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) ->
     return params, grads, scratch
 
 
+def held_per_microbatch(act: Count, out_bytes: Count, pp: int, virtual_stages: int, options: CostOptions) -> Count:
+    """Bytes a pipelined stage holds per in-flight microbatch of its layers: their activations
+    ``act`` plus, where the pipeline keeps each chunk's output until that chunk's backward
+    (``options.stage_outputs_held``: torch's ``PipelineStage`` caches it in ``fwd_cache``), the
+    ``virtual_stages`` chunk outputs of ``out_bytes`` each. Without pipelining, or where the
+    runtime frees the output after sending it (Megatron-LM's ``deallocate_output_tensor``; Meta's
+    Llama 3 stack, Grattafiori et al. 2024, sec. 3.3.2), the activations alone."""
+    if pp == 1 or not options.stage_outputs_held:
+        return act
+    return act + virtual_stages * out_bytes
+
+
 def stage_memory(
     states: Dict[str, Count],
     expert_states: Dict[str, Count],

@@ -229,8 +229,10 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     )
     sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
+    out_bytes = workload.cost(stage.end - 1, variant).out_bytes / plan.cp
+    act = memory.held_per_microbatch(terms.act, out_bytes, plan.pp, plan.virtual_stages, options)
     held = inflight.held_activation_bytes(
-        terms.act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches, plan.virtual_stages
+        act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches, plan.virtual_stages
     )
     piped = plan.pp > 1
     mem = sc.memory = memory.stage_memory(
@@ -240,7 +242,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         ),
         held,
         terms.layer_peak,
-        workload.cost(stage.end - 1, variant).out_bytes / plan.cp,
+        out_bytes,
         *memory.working_sets(terms, zero, shard, options),
         num_microbatches=plan.num_microbatches,
     )

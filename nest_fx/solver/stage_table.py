@@ -24,7 +24,7 @@ import numpy as np
 
 from nest_fx.cost import inflight, memory
 from nest_fx.cost.dp_sync import dp_sync_time, fsdp_units, reduce_spread, tail_terms, tied_sync_time
-from nest_fx.cost.memory import stage_memory
+from nest_fx.cost.memory import held_per_microbatch, stage_memory
 from nest_fx.cost.results import microbatch_time, stage_work
 from nest_fx.cost.step_time import exposed_comms, held_terms
 from nest_fx.solver.range_classes import subset_terms
@@ -82,9 +82,10 @@ class StageTable(StageBounds):
             work = stage_work(terms.fwd, terms.bwd, terms.recompute, exposed["tp"], exposed["ep"], exposed["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
             t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
+            held_act = held_per_microbatch(terms.act, rc.out_bytes[live], p, g.virtual_stages, opts)
             held = np.array(
                 [
-                    inflight.held_activation_bytes(terms.act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
+                    inflight.held_activation_bytes(held_act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
                     for i in range(p)
                 ]
             ).reshape(p, k)
