@@ -142,17 +142,19 @@ def even_split(work, p: int, lighter_ends: bool = False):
 def cost_options(row: Row):
     """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
     cost model before it had overlap as a switch: on); gradients reduced in fp32 (both systems);
-    Meta's pipeline frees each stage's output after sending it (torch's keeps it)."""
+    Meta's pipeline frees each stage's output after sending it (torchtitan's keeps its shard)."""
     fields = dict(optimizer="adamw")
     if "reduce_bytes" in CostOptions.__dataclass_fields__:
         # both systems reduce bf16 gradients in fp32: torchtitan's FSDP2 MixedPrecisionPolicy
         # (mixed_precision_reduce = "float32", its default), Meta's FSDP (Grattafiori et al. 2024,
         # sec. 3.3.4: "reduce-scatter gradients in FP32 across data parallel workers")
         fields["reduce_bytes"] = 4
-    if row.system == "llama3" and "stage_outputs_held" in CostOptions.__dataclass_fields__:
-        # "we proactively deallocate ... the input and output tensors of each pipeline stage"
-        # (Grattafiori et al. 2024, sec. 3.3.2); torchtitan runs torch's PipelineStage, which keeps them
-        fields["stage_outputs_held"] = False
+    if "stage_outputs" in CostOptions.__dataclass_fields__:
+        # Meta: "we proactively deallocate ... the input and output tensors of each pipeline stage"
+        # (Grattafiori et al. 2024, sec. 3.3.2); torchtitan runs torch's PipelineStage, which keeps
+        # them, and its sequence-parallel blocks output their sequence shard (RowwiseParallel with
+        # output_layouts=Shard(1), a local tensor)
+        fields["stage_outputs"] = "freed" if row.system == "llama3" else "sharded"
     if row.async_tp and hasattr(CostOptions, "overlap_tp_comm"):
         fields["overlap_tp_comm"] = getattr(cost_options_module, "ASYNC_TP_OVERLAP", True)
     return CostOptions(**fields)

@@ -294,16 +294,26 @@ def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) ->
     return params, grads, scratch
 
 
-def held_per_microbatch(act: Count, out_bytes: Count, pp: int, virtual_stages: int, options: CostOptions) -> Count:
+STAGE_OUTPUTS = ("full", "sharded", "freed")
+
+
+def held_per_microbatch(
+    act: Count, out_bytes: Count, pp: int, virtual_stages: int, options: CostOptions, sp_degree: int = 1
+) -> Count:
     """Bytes a pipelined stage holds per in-flight microbatch of its layers: their activations
-    ``act`` plus, where the pipeline keeps each chunk's output until that chunk's backward
-    (``options.stage_outputs_held``: torch's ``PipelineStage`` caches it in ``fwd_cache``), the
-    ``virtual_stages`` chunk outputs of ``out_bytes`` each. Without pipelining, or where the
-    runtime frees the output after sending it (Megatron-LM's ``deallocate_output_tensor``; Meta's
-    Llama 3 stack, Grattafiori et al. 2024, sec. 3.3.2), the activations alone."""
-    if pp == 1 or not options.stage_outputs_held:
+    ``act`` plus its ``virtual_stages`` chunk outputs of ``out_bytes`` each, as the runtime keeps
+    them until the chunk's backward (``options.stage_outputs``): torch's ``PipelineStage`` caches
+    each output in ``fwd_cache``, a full sequence in nest-fx's runtime ("full"), ``1 /
+    sp_degree`` of it where sequence-parallel blocks hand on their shard (torchtitan, "sharded");
+    nothing where the runtime frees it after the send ("freed": Megatron-LM's
+    ``deallocate_output_tensor``; Meta's Llama 3 stack, Grattafiori et al. 2024, sec. 3.3.2).
+    Without pipelining, the activations alone."""
+    if options.stage_outputs not in STAGE_OUTPUTS:
+        raise ValueError(f"stage_outputs: {options.stage_outputs!r} is not one of {', '.join(STAGE_OUTPUTS)}")
+    if pp == 1 or options.stage_outputs == "freed":
         return act
-    return act + virtual_stages * out_bytes
+    share = 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0
+    return act + virtual_stages * out_bytes * share
 
 
 def stage_memory(

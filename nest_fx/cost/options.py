@@ -46,10 +46,12 @@ class CostOptions:
     optimizer_mem_efficiency: float = 0.7
     memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
     allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
-    # torch.distributed.pipelining's PipelineStage keeps each chunk's output (fwd_cache) from its
-    # forward to its backward: nest-fx's runtime and torchtitan hold it; Megatron-LM and Meta's
-    # Llama 3 stack free it after the send (memory.held_per_microbatch)
-    stage_outputs_held: bool = True
+    # What a pipelined runtime keeps of each chunk's output from its forward to its backward
+    # (memory.held_per_microbatch): "full" (nest-fx: torch's PipelineStage caches it in fwd_cache,
+    # and nest-fx's stages end on full sequences), "sharded" (torchtitan: the same cache, its
+    # sequence-parallel blocks hand on 1/t of the sequence), "freed" (Megatron-LM, Meta's Llama 3
+    # stack: freed after the send)
+    stage_outputs: str = "full"
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
     overlap_p2p: float = setting("overlap_p2p").default

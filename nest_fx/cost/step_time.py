@@ -230,7 +230,8 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     sc.tied_sync = tied_sync_time(cluster, groups, tied_params(workload, variant), zero, shard, options)
     # -- memory -------------------------------------------------------------------------------
     out_bytes = workload.cost(stage.end - 1, variant).out_bytes / plan.cp
-    act = memory.held_per_microbatch(terms.act, out_bytes, plan.pp, plan.virtual_stages, options)
+    sp_degree = stage.tp if plan.sequence_parallel else 1
+    act = memory.held_per_microbatch(terms.act, out_bytes, plan.pp, plan.virtual_stages, options, sp_degree)
     held = inflight.held_activation_bytes(
         act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches, plan.virtual_stages
     )

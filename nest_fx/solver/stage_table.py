@@ -82,7 +82,9 @@ class StageTable(StageBounds):
             work = stage_work(terms.fwd, terms.bwd, terms.recompute, exposed["tp"], exposed["ep"], exposed["cp"])
             t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
             t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
-            held_act = held_per_microbatch(terms.act, rc.out_bytes[live], p, g.virtual_stages, opts)
+            held_act = held_per_microbatch(
+                terms.act, rc.out_bytes[live], p, g.virtual_stages, opts, g.tp if g.sequence_parallel else 1
+            )
             held = np.array(
                 [
                     inflight.held_activation_bytes(held_act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)

@@ -1,11 +1,13 @@
 """The pipeline keeps each chunk's output until that chunk's backward (multi-process, gloo, CPU),
-and the cost model prices it (``CostOptions.stage_outputs_held``, ``memory.held_per_microbatch``).
+and the cost model prices it (``CostOptions.stage_outputs``, ``memory.held_per_microbatch``).
 
 torch's ``PipelineStage`` caches every forward's output in ``fwd_cache`` until the backward of the
 same microbatch pops it. PP2 on 2 ranks, 4 microbatches, fp32: the most output bytes a non-last
 stage holds at once equal the schedule's in-flight chunk-microbatches
 (``inflight.pipeline_inflight_microbatches`` for 1F1B; ``interleaved_chunk_states`` for the
-interleaved schedule) times one chunk output, with loss, gradients and parameters at parity.
+interleaved schedule) times one chunk output, with loss, gradients and parameters at parity;
+under sequence parallelism the output is the full sequence (nest-fx's stages end by gathering
+it: ``stage_outputs="full"``, the cost model's default).
 """
 
 from __future__ import annotations
@@ -57,12 +59,18 @@ def _held_outputs(spec):
 
 
 @pytest.mark.timeout(LAUNCH_S + 30)
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
-def test_a_stage_holds_its_in_flight_chunk_outputs(schedule, v):
+@pytest.mark.parametrize(
+    "schedule, v, tp",
+    [("1f1b", 1, 1), ("interleaved", 2, 1), ("1f1b", 1, 2)],
+    ids=["1f1b", "interleaved", "1f1b_tp2_sp"],
+)
+def test_a_stage_holds_its_in_flight_chunk_outputs(schedule, v, tp):
     plan = {"pp": 2, "microbatch_size": BATCH // M, "num_microbatches": M, "schedule": schedule, "virtual_stages": v}
-    results = run(2, LLAMA, plan, batch=BATCH, seq=SEQ, fn=_held_outputs)
+    if tp > 1:
+        plan.update(tp=tp, sequence_parallel=True)
+    results = run(2 * tp, LLAMA, plan, batch=BATCH, seq=SEQ, fn=_held_outputs)
     rank0 = results[0]["held"]
-    assert rank0["one"] == BATCH // M * SEQ * HIDDEN * 4  # one microbatch's hidden states, fp32
+    assert rank0["one"] == BATCH // M * SEQ * HIDDEN * 4  # one microbatch's hidden states (full sequence), fp32
     if v == 1:
         inflight = pipeline_inflight_microbatches(schedule, 0, 2, M, 1)
     else:
