@@ -169,6 +169,17 @@ def _running_max(current: Count, value: float, count: Count) -> Count:
     return max(current, value) if count > 0 else current
 
 
+def repeated_share(comm: Comm, recompute: str) -> float:
+    """Share of ``comm``'s ``count`` collectives a block's recompute runs again: none unless the
+    policy re-runs it (:func:`forward_repeats`), and never the block's last forward collective
+    when nothing in the block saves what it feeds (``Comm.unrecomputed``: the row output before
+    a pre-norm block's residual add): torch's non-reentrant checkpoint stops once the saved
+    tensors are rebuilt (counted on gloo ranks: ``tests/distributed/apply/test_tp_input_once.py``)."""
+    if not forward_repeats(comm, recompute) or comm.count <= 0:
+        return 0.0
+    return (comm.count - comm.unrecomputed) / comm.count
+
+
 def forward_repeats(comm: Comm, recompute: str) -> bool:
     """Whether a block's forward collective runs again in its recompute (``docs/cost_model.md``):
     under ``full`` every one; under a selective policy those whose outputs the policy does not

@@ -5,7 +5,7 @@ variant (TP degree, EP, microbatch, SP, CP degree, loss parallelism; ``Workload.
 
     W_i = sum_l fwd_s(l) + bwd_s(l) + recompute_s(l, policy) + TP/EP/CP collectives
           (a block's forward collectives again where its recompute re-runs them:
-          ``stage_terms.forward_repeats``; of each, the part its overlap share leaves
+          ``stage_terms.repeated_share``; of each, the part its overlap share leaves
           exposed: ``exposed_comms``)
     P_i = p2p(boundary bytes / (tp_{i-1} cp)) from stage i-1 at the network level the two
           stages span, then an all-gather inside stage i's TP group (scatter/gather
@@ -73,7 +73,7 @@ from nest_fx.cost.stage_terms import (
     LayerTerms,
     StageGroups,
     compute_terms,
-    forward_repeats,
+    repeated_share,
     recomputed_counts,
     stage_groups,
 )
@@ -94,7 +94,7 @@ def comm_terms(
     """TP, EP and CP collective seconds of a stage's layers (keys ``tp``, ``ep``, ``cp``);
     ``seconds(comm)`` is one collective on the stage's slowest group (an array, one entry per
     stage, broadcasts against array counts). A block's forward collectives run again where its
-    recompute re-runs them (``stage_terms.forward_repeats``; ``every:<k>`` for the blocks it
+    recompute re-runs them (``stage_terms.repeated_share``; ``every:<k>`` for the blocks it
     recomputes). ``overhead``: the runtime's host work per call (``CostOptions.tp_call_overhead``),
     added to every collective that runs."""
     out: Dict[str, Count] = dict.fromkeys(COMM_KEYS, 0.0)
@@ -111,9 +111,9 @@ def comm_terms(
             if not c.block:
                 runs = count
             elif full is not None:
-                runs = count + (full[j] if forward_repeats(comm, "full") else 0)
+                runs = count + full[j] * repeated_share(comm, "full")
             else:
-                runs = count * (2 if forward_repeats(comm, recompute) else 1)
+                runs = count * (1 + repeated_share(comm, recompute))
             out[comm.group] = out[comm.group] + t * runs
     return out
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from nest_fx.cost.stage_terms import LayerTerms, compute_terms, forward_repeats
+from nest_fx.cost.stage_terms import LayerTerms, compute_terms, repeated_share
 from nest_fx.graph.recompute_policies import cost_key, parse_recompute
 from nest_fx.workload import LayerCost, Variant, Workload
 
@@ -55,7 +55,7 @@ def undominated_modes(costs: List[LayerCost], modes) -> Tuple[str, ...]:
             for x in (
                 c.act_bytes[key],
                 c.recompute_s[key],
-                float(sum(forward_repeats(m, r) * m.count for m in c.comms if c.block)),
+                float(sum(repeated_share(m, r) * m.count for m in c.comms if c.block)),
             )
         ]
 

@@ -114,6 +114,9 @@ class BlockFacts:
         default_factory=list
     )  # runtime_costs.fusion_regions
     region_kept: List[float] = field(default_factory=list)  # per region, bytes kept fused (kernels.region_kept_bytes)
+    # the last dense TP row's forward collective ends the block's saved tensors: no node it feeds
+    # saves anything (a pre-norm block's residual add), so a recompute never re-runs it
+    tail_unsaved: bool = False
 
 
 def _scores(d: dict) -> Tuple[float, float]:
@@ -338,10 +341,23 @@ def block_facts(graph, block) -> BlockFacts:
         loss_bytes_moved=loss[2],
         loss_tokens=loss[3],
         recomputed=block.kind == "block",
+        tail_unsaved=block.kind == "block" and not expert_rows and _tail_unsaved(g, block.nodes, dense_rows),
         tied_params=tied,
         regions=regions,
         region_kept=[region_kept_bytes(g, block.nodes, members, saved) for members, _ in regions],
     )
+
+
+def _tail_unsaved(g, block_nodes: List[str], dense_rows: List[str]) -> bool:
+    """Whether nothing the block's last TP row feeds (inside the block) saves a tensor for
+    backward: then its forward collective, the row output's all-reduce (SP: reduce-scatter),
+    is the last thing a recompute of the block would run and never needs to."""
+    if not dense_rows:
+        return False
+    order = {n: k for k, n in enumerate(block_nodes)}
+    last = max(dense_rows, key=order.__getitem__)
+    below = nx.descendants(g, last) & set(block_nodes)
+    return all(g.nodes[n].get("saved_bytes", 0.0) == 0 for n in below)
 
 
 def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:

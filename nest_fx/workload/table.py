@@ -117,7 +117,7 @@ def _scaled(c: LayerCost, f: float) -> LayerCost:
         act_bytes={k: v * f for k, v in c.act_bytes.items()},
         recompute_s={k: v * f for k, v in c.recompute_s.items()},
         out_bytes=c.out_bytes * f,
-        comms=[Comm(x.kind, x.group, x.nbytes * f, x.phase, x.count) for x in c.comms],
+        comms=[Comm(x.kind, x.group, x.nbytes * f, x.phase, x.count, x.unrecomputed) for x in c.comms],
         expert_params=c.expert_params,
         bwd_scratch=c.bwd_scratch * f,
         fp8_params=c.fp8_params,
@@ -155,6 +155,8 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
         raise WorkloadError(f"{where}.comms: expected a list of collectives, got {brief(v['comms'])}")
     for k, c in enumerate(v.get("comms", [])):
         cw = f"{where}.comms[{k}]"
+        if isinstance(c, dict) and isinstance(c.get("unrecomputed"), int) and c["unrecomputed"] > c.get("count", 1):
+            raise WorkloadError(f"{cw}.unrecomputed: at most its count ({c.get('count', 1)})")
         if not isinstance(c, dict) or c.get("kind") not in _COMM_KINDS:
             raise WorkloadError(f"{cw}.kind: use one of {_COMM_KINDS}")
         if c.get("group") not in COMM_GROUPS:
@@ -168,6 +170,7 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
                 _number(c.get("nbytes"), f"{cw}.nbytes"),
                 c["phase"],
                 _int(c.get("count", 1), f"{cw}.count"),
+                _int(c.get("unrecomputed", 0), f"{cw}.unrecomputed", least=0),
             )
         )
     num_params = _number(v["num_params"], f"{where}.num_params")

@@ -202,8 +202,10 @@ class TracedSource:
         comms: List[Comm] = []
         if tp > 1 and facts.tp_allreduces:
             nbytes = facts.row_bytes * tokens
+            # the last row's forward collective (SP: its reduce-scatter) ends what the block saves
+            last = ("reduce_scatter" if sp else "all_reduce", "fwd") if facts.tail_unsaved else None
             comms += [
-                Comm(kind, "tp", nbytes, phase, count)
+                Comm(kind, "tp", nbytes, phase, count, int((kind, phase) == last))
                 for (kind, phase), count in tp_region_collectives(facts, sp).items()
                 if count
             ]

@@ -75,6 +75,10 @@ class Comm:
     nbytes: float
     phase: str  # "fwd" | "bwd"
     count: int = 1
+    # of ``count``, the block's last forward collective when no op of the block saves what it
+    # feeds: activation checkpointing never re-runs it (torch's non-reentrant checkpoint stops
+    # once the saved tensors are rebuilt): stage_terms.repeated_share
+    unrecomputed: int = 0
 
 
 @dataclass

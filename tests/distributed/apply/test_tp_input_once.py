@@ -21,6 +21,7 @@ from nest_fx.apply import auto_parallelize
 from nest_fx.apply.checks import ApplyError
 from nest_fx.apply.launch import launch
 from nest_fx.apply.losses import lm_loss
+from nest_fx.cost.stage_terms import repeated_share
 from nest_fx.cluster import Cluster
 from nest_fx.graph import trace
 from nest_fx.models import build_model
@@ -45,7 +46,7 @@ def _spec(layers: int) -> str:
     return f"llama:hidden=64,layers={layers},heads=4,seq={SEQ},vocab={VOCAB}"
 
 
-def _counted(layer_counts, sequence_parallel: bool):
+def _counted(layer_counts, sequence_parallel: bool, recompute: str = "none"):
     """{layers: collectives of one train_step} on this rank (after a first, warm-up step)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (2, SEQ))
@@ -53,7 +54,12 @@ def _counted(layer_counts, sequence_parallel: bool):
     for layers in layer_counts:
         model, _ = build_model(_spec(layers))
         plan = uniform_plan(
-            layers + 2, tp=2, microbatch_size=2, num_microbatches=1, sequence_parallel=sequence_parallel
+            layers + 2,
+            tp=2,
+            microbatch_size=2,
+            num_microbatches=1,
+            sequence_parallel=sequence_parallel,
+            recompute=recompute,
         )
         pm = auto_parallelize(model, tokens, global_batch_size=2, loss_fn=lm_loss, plan=plan, verbose=False)
         pm.train_step(tokens, tokens)
@@ -73,7 +79,7 @@ def _priced(layers: int, sequence_parallel: bool):
         for kind, n in cost.collective_counts().items():
             total[kind] = total.get(kind, 0) + n
     block = next(i for i, layer in enumerate(work.layers) if layer.kind == "block")
-    return costs[block].collective_counts(), total
+    return costs[block].collective_counts(), total, costs[block]
 
 
 def _increment(counts):
@@ -89,9 +95,9 @@ def test_tp_layer_collectives_are_the_priced_ones():
         assert ranks[0] == ranks[1]
         counts = ranks[0]
         assert _increment(counts) == per_layer, (sp, counts)
-        block, total = _priced(3, sp)
+        block, total, _ = _priced(3, sp)
         assert block == per_layer
-        _, total2 = _priced(2, sp)
+        _, total2, _ = _priced(2, sp)
         assert {k: total[k] - total2.get(k, 0) for k in total if total[k] != total2.get(k, 0)} == per_layer
         # outside the layer chain's price: the step's reported loss (one all-reduce over the world),
         # and under SP the stage's final gather and its sequence slice's backward (an all-gather of
@@ -101,6 +107,29 @@ def test_tp_layer_collectives_are_the_priced_ones():
             run, priced = counts[layers], _priced(layers, sp)[1]
             unpriced = {k: run.get(k, 0) - priced.get(k, 0) for k in set(run) | set(priced)}
             assert {k: n for k, n in unpriced.items() if n} == extra, (sp, layers, run, priced)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(2 * LAUNCH_S + 60)
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_recompute_reruns_the_priced_forward_collectives(sp):
+    """Under full and op-level recompute a layer re-runs its forward TP collectives but the last
+    one (its output feeds only the residual add: the checkpoint stops before it), as priced
+    (``stage_terms.repeated_share``): without SP 5 all-reduces a layer (4 + 1), with SP 6
+    all-gathers and 5 reduce-scatters under full, 6 and 4 under op (its reduce-scatters saved)."""
+    block = _priced(3, sp)[2]
+    counted = {}
+    for recompute in ("full", "op"):
+        counted[recompute] = _increment(launch(_counted, 2, (2, 3), sp, recompute, timeout=LAUNCH_S)[0])
+        priced: dict = {}
+        for comm in block.comms:
+            if comm.group == "tp":
+                priced[comm.kind] = priced.get(comm.kind, 0) + comm.count * (1 + repeated_share(comm, recompute))
+        assert counted[recompute] == priced, (sp, recompute, counted, priced)
+    if sp:
+        assert counted == {"full": {"all_gather": 6, "reduce_scatter": 5}, "op": {"all_gather": 6, "reduce_scatter": 4}}
+    else:
+        assert counted == {"full": {"all_reduce": 5}, "op": {"all_reduce": 5}}
 
 
 def _custom_cells(cells):
