@@ -109,7 +109,17 @@ class ColumnInputs(NamedTuple):
     once: int  # regions prepared once: one reduction each (an all-reduce; SP: the gather's reduce-scatter)
     alone: int  # regions whose columns each reduce their own input
     column_reduces: int  # ... their all-reduces: one per column module, one per nn.MultiheadAttention
-    experts: int = 0  # expert regions (their experts' inputs are reduced apart: priced one each)
+    experts: int = 0  # expert regions (gathered whole under SP; their experts reduce apart, below)
+    expert_rows: int = 0  # the experts' row linears: each all-reduces its output (forward)
+    expert_column_reduces: int = 0  # the experts' column modules: each all-reduces its input's gradient
+
+
+def stacked_pair(pair) -> bool:
+    """A pair whose columns and row are parameters of one module (3-D stacked expert weights,
+    transformers 5's ``experts.gate_up_proj``), not modules: the runtime runs that module on its
+    local shards (``apply.tp_styles.LocalShards``)."""
+    names = {spec.name for spec in pair.params}
+    return bool(pair.column) and all(c in names for c in pair.column) and pair.row in names
 
 
 def column_inputs(pattern, sequence_parallel: bool = False) -> ColumnInputs:
@@ -118,18 +128,21 @@ def column_inputs(pattern, sequence_parallel: bool = False) -> ColumnInputs:
     input's gradient, an ``nn.MultiheadAttention`` pair each distinct input once (one:
     self-attention). Under sequence parallelism such a region gathers its input to a plain
     tensor, so its backward has those all-reduces and no reduce-scatter."""
-    once = alone = reduces = experts = 0
+    once = alone = reduces = experts = expert_rows = expert_reduces = 0
     for region, kind, pairs in block_regions(pattern):
         pairs = [p for p in pairs if not p.problem]
         if kind == "expert" or not pairs:
             experts += bool(pairs)
+            modules = [p for p in pairs if not stacked_pair(p)]  # stacked experts: BlockFacts.stacked_experts
+            expert_rows += len(modules)
+            expert_reduces += sum(len(p.column) for p in modules)
             continue
         if prepares_input_once(region, kind, pairs, sequence_parallel):
             once += 1
         else:
             alone += 1
             reduces += sum(1 if p.leaf else len(p.column) for p in pairs)
-    return ColumnInputs(once, alone, reduces, experts)
+    return ColumnInputs(once, alone, reduces, experts, expert_rows, expert_reduces)
 
 
 def column_input_reduces(pattern) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from nest_fx.graph.annotate import LSE_BYTES
 from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
-from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs
+from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs, stacked_pair
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.graph.tp_wide_norms import statistic_bytes
@@ -117,6 +117,11 @@ class BlockFacts:
     # the last dense TP row's forward collective ends the block's saved tensors: no node it feeds
     # saves anything (a pre-norm block's residual add), so a recompute never re-runs it
     tail_unsaved: bool = False
+    # per stacked-expert module run on local shards (graph.tp_inputs.stacked_pair): (bytes of its
+    # output, all-reduced forward; bytes of each floating input it takes, whose gradient is
+    # all-reduced backward; whether nothing after it in the block saves a tensor, so a recompute
+    # never re-runs that all-reduce), at the traced microbatch
+    stacked_experts: Tuple[Tuple[float, Tuple[float, ...], bool], ...] = ()
 
 
 def _scores(d: dict) -> Tuple[float, float]:
@@ -342,10 +347,40 @@ def block_facts(graph, block) -> BlockFacts:
         loss_tokens=loss[3],
         recomputed=block.kind == "block",
         tail_unsaved=block.kind == "block" and not expert_rows and _tail_unsaved(g, block.nodes, dense_rows),
+        stacked_experts=_stacked_experts(g, block, pattern),
         tied_params=tied,
         regions=regions,
         region_kept=[region_kept_bytes(g, block.nodes, members, saved) for members, _ in regions],
     )
+
+
+def _stacked_experts(g, block, pattern) -> Tuple[Tuple[float, Tuple[float, ...], bool], ...]:
+    """(output bytes, floating input bytes, nothing saved after it) of each stacked-expert module
+    of the block: the nodes inside the module that feed nodes outside it, the floating tensors
+    from outside it that its nodes read (what ``apply.tp_styles.LocalShards`` reduces forward and
+    copies to TP), and whether no node of the block below its outputs saves a tensor."""
+    out = []
+    members = set(block.nodes)
+    for pair in pattern.tp_pairs if pattern else []:
+        if pair.problem or pair.kind != "expert" or not stacked_pair(pair):
+            continue
+        owner = block.fqn(pair.row.rpartition(".")[0])
+        inside = {n for n in block.nodes if (g.nodes[n].get("module") or "").startswith(owner)}
+        ends = [n for n in inside if any(s not in inside for s in g.successors(n))]
+        sent = sum(g.nodes[n].get("out_bytes", 0.0) for n in ends)
+        below = set().union(*(nx.descendants(g, n) for n in ends)) & members - inside if ends else set()
+        unsaved = all(g.nodes[n].get("saved_bytes", 0.0) == 0 for n in below)
+        taken = sorted(
+            {p for n in inside for p in g.predecessors(n) if p not in inside and p in members},
+            key=block.nodes.index,
+        )
+        floats = tuple(
+            g.nodes[p].get("out_bytes", 0.0)
+            for p in taken
+            if str((g.nodes[p].get("out_dtypes") or [""])[0]).startswith(("float", "bfloat"))
+        )
+        out.append((sent, floats, unsaved))
+    return tuple(out)
 
 
 def _tail_unsaved(g, block_nodes: List[str], dense_rows: List[str]) -> bool:
@@ -388,6 +423,9 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
         row_bytes=facts.row_bytes * k,
         a2a_bytes=facts.a2a_bytes * k,
         vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
+        stacked_experts=tuple(
+            (sent * k, tuple(b * k for b in taken), unsaved) for sent, taken, unsaved in facts.stacked_experts
+        ),
         regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
         region_kept=[b * k for b in facts.region_kept],
     )

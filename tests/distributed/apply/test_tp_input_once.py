@@ -42,17 +42,21 @@ TOL = 1e-5  # fp32 parity, as tests/distributed/apply/test_tp_layouts_dist.py
 SEQ, VOCAB = 16, 128
 
 
-def _spec(layers: int) -> str:
+def _spec(layers: int, family: str = "llama") -> str:
+    if family == "moe":  # capacity_factor = experts / top_k: no token dropped
+        return f"moe:hidden=64,layers={layers},heads=4,seq={SEQ},vocab={VOCAB},experts=4,top_k=2,capacity_factor=2.0"
+    if family == "hf_mixtral":  # transformers 5: the experts' weights stacked in one module
+        return f"hf:mixtral:hidden=64,layers={layers},heads=4,kv=2,seq={SEQ},vocab={VOCAB},experts=4,top_k=2"
     return f"llama:hidden=64,layers={layers},heads=4,seq={SEQ},vocab={VOCAB}"
 
 
-def _counted(layer_counts, sequence_parallel: bool, recompute: str = "none"):
+def _counted(layer_counts, sequence_parallel: bool, recompute: str = "none", family: str = "llama"):
     """{layers: collectives of one train_step} on this rank (after a first, warm-up step)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     out = {}
     for layers in layer_counts:
-        model, _ = build_model(_spec(layers))
+        model, _ = build_model(_spec(layers, family))
         plan = uniform_plan(
             layers + 2,
             tp=2,
@@ -69,9 +73,10 @@ def _counted(layer_counts, sequence_parallel: bool, recompute: str = "none"):
     return out
 
 
-def _priced(layers: int, sequence_parallel: bool):
-    """({kind: count} of one block, {kind: count} summed over the chain) the cost model prices."""
-    graph, cfg = trace_model(_spec(layers), seq=SEQ, dtype=torch.float32)
+def _priced(layers: int, sequence_parallel: bool, family: str = "llama"):
+    """({kind: count} of one block, {kind: count} summed over the chain, the block's cost) the cost
+    model prices."""
+    graph, cfg = trace_model(_spec(layers, family), seq=SEQ, dtype=torch.float32)
     work = analytical_workload(graph, dims_from_config(cfg, seq_len=SEQ), Cluster.preset("cpu-gloo", 2), torch.float32)
     costs = [work.cost(i, tp=2, microbatch_size=2, sequence_parallel=sequence_parallel) for i in range(len(work))]
     total = {}
@@ -130,6 +135,33 @@ def test_recompute_reruns_the_priced_forward_collectives(sp):
         assert counted == {"full": {"all_gather": 6, "reduce_scatter": 5}, "op": {"all_gather": 6, "reduce_scatter": 4}}
     else:
         assert counted == {"full": {"all_reduce": 5}, "op": {"all_reduce": 5}}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(2 * LAUNCH_S + 60)
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+@pytest.mark.parametrize("family", ["moe", pytest.param("hf_mixtral", marks=pytest.mark.slow)])
+def test_expert_tp_runs_the_priced_collectives(family, sp):
+    """An MoE block under TP2 (``traced_source.expert_tp_collectives``). The zoo's 4 experts are a
+    TP pair each: every expert all-reduces its output and each of its two columns' input
+    gradients, 12 all-reduces a layer besides the attention's; HF Mixtral's stacked experts run
+    on local shards: one all-reduce of the output, one of each floating input's gradient (the
+    hidden states and the routing weights). Under SP the expert region gathers its input whole
+    and slices its output (2 all-gathers, no reduce-scatter); under full recompute the forward
+    all-reduces and the gather run again, but a last one nothing after saves (Mixtral's).
+    Counted == priced."""
+    if family.startswith("hf"):
+        pytest.importorskip("transformers")  # the [hf] extra, installed by the README's commands
+    block = _priced(3, sp, family)[2]
+    for recompute in ("none", "full"):
+        counted = _increment(launch(_counted, 2, (2, 3), sp, recompute, family, timeout=LAUNCH_S)[0])
+        priced: dict = {}
+        for comm in block.comms:
+            if comm.group == "tp":
+                priced[comm.kind] = priced.get(comm.kind, 0) + comm.count * (1 + repeated_share(comm, recompute))
+        assert counted == priced, (sp, recompute, counted, priced)
+        if recompute == "none" and family == "moe":
+            assert counted == ({"all_gather": 4, "reduce_scatter": 2, "all_reduce": 12} if sp else {"all_reduce": 14})
 
 
 def _custom_cells(cells):
