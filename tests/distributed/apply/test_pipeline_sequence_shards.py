@@ -26,7 +26,7 @@ from nest_fx.plan import Plan, uniform_plan
 from nest_fx.testing import equivalence
 from nest_fx.workload import analytical_workload, dims_from_config
 from nest_fx.workload.build import trace_model
-from parity_helpers import LAUNCH_S, LLAMA, run
+from parity_helpers import LAUNCH_S, LLAMA, MOE, run
 
 BATCH, SEQ, M, TP = 8, 32, 4, 2
 BLOCKS = 6  # LLAMA's chain: head, 4 layers, tail
@@ -146,3 +146,18 @@ def test_pipelined_tp_runs_what_is_priced(extra):
         plan.pop("pp")
         plan.pop("tp")
     _check(plan)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_S + 60)
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("hf:gpt2:hidden=64,layers=4,heads=4,seq=32,vocab=128", {"schedule": "interleaved", "virtual_stages": 2}),
+        (MOE, {}),  # an MoE region gathers, routes and slices inside the stage
+        (LLAMA, {"recompute": "full", "schedule": "dualpipev", "virtual_stages": 2}),
+    ],
+    ids=["hf_gpt2_interleaved", "moe", "full_recompute_dualpipev"],
+)
+def test_sequence_shards_cross_other_models_and_schedules(model, extra):
+    run(4, model, {**BASE, "sequence_parallel": True, **extra}, batch=BATCH, seq=SEQ)
