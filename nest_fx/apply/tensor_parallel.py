@@ -142,7 +142,8 @@ def _map_first_output(output, conv):
 
 
 def _shard_seq_pre_hook(mesh: DeviceMesh):
-    """Stage-first block: full sequence in -> local sequence shard."""
+    """A stage's first block that reads full sequences (after the head, or a cut carrying them):
+    full sequence in -> local sequence shard."""
 
     def hook(module, args, kwargs):
         where, key, x = _first_tensor_arg(args, kwargs)
@@ -153,7 +154,8 @@ def _shard_seq_pre_hook(mesh: DeviceMesh):
 
 
 def _gather_seq_output_hook(mesh: DeviceMesh):
-    """Stage-last block: local sequence shard out -> full sequence."""
+    """A stage's last block before the tail or a cut carrying full sequences (and what a
+    tail-only stage receives): local sequence shard out -> full sequence."""
 
     def hook(module, args, output):
         def conv(t):
