@@ -6,13 +6,15 @@ dispatched while it is active: the functional collectives DTensor issues
 (``c10d.allreduce_`` ...), forward and backward alike (autograd runs the backward under the mode
 of the thread that called it). It is how the tests and ``scripts/bench_tp_collectives.py``
 check that the runtime runs the collectives the cost model prices
-(``LayerCost.collective_counts``).
+(``LayerCost.collective_counts``). It also records the bytes of each point-to-point send and
+receive (``c10d.send`` / ``c10d.recv_``: the pipeline's stage boundaries), which
+``cost.step_time.boundary_bytes`` prices.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict
+from typing import Dict, List
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,16 +42,25 @@ def collective_kind(op_name: str) -> str:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: step()`` -> ``c.counts`` ({kind: how many})."""
+    """``with CollectiveCounter() as c: step()`` -> ``c.counts`` ({kind: how many}) and
+    ``c.sent`` / ``c.received`` (the bytes of each point-to-point send / receive: the pipeline's
+    stage boundaries)."""
 
     def __init__(self):
         super().__init__()
         self._counts: Counter = Counter()
+        self.sent: List[int] = []
+        self.received: List[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = collective_kind(str(func))
+        name = str(func)
+        kind = collective_kind(name)
         if kind:
             self._counts[kind] += 1
+        elif name.startswith("c10d.send") or name.startswith("c10d.recv"):
+            into = self.sent if name.startswith("c10d.send") else self.received
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            into.append(sum(t.numel() * t.element_size() for t in tensors))
         return func(*args, **(kwargs or {}))
 
     @property

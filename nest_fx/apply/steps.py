@@ -33,9 +33,16 @@ from nest_fx.apply.parts import BatchSchedule, ParallelLayout
 from nest_fx.apply.pipeline import chunk_layout, make_schedule, split_stages, stage_layer_groups
 from nest_fx.apply.precision import apply_precision, fp32_modules, fsdp_policy, prepare_parameters
 from nest_fx.apply.prepare import Job
-from nest_fx.apply.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel, share_rng_state
+from nest_fx.apply.tensor_parallel import (
+    apply_tensor_parallel,
+    apply_vocab_parallel,
+    gather_received,
+    share_rng_state,
+    sharded_cut,
+)
 from nest_fx.apply.tied_weights import CrossStageTies
 from nest_fx.graph.moe_modules import expert_modules, expert_parameters
+from nest_fx.graph.stage_modules import stage_route
 from nest_fx.plan.plan import Plan
 
 
@@ -175,7 +182,20 @@ def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout, loss_fn: Opt
     if stage_plan.tp == 1:
         return loss_fn
     start, end = chunk.start, chunk.end
-    apply_tensor_parallel(chunk.module, graph, chunk.blocks, mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    shard_in, shard_out = sequence_shards_cross(chunk, job)
+    apply_tensor_parallel(
+        chunk.module,
+        graph,
+        chunk.blocks,
+        mesh["tp"],
+        sequence_parallel=plan.sequence_parallel,
+        shard_in=shard_in,
+        shard_out=shard_out,
+    )
+    if shard_in:
+        stage_route(chunk.module).seq_shards = stage_plan.tp
+        if start not in job.stage_layout.layers:  # the stage holds only the tail: it reads full sequences
+            gather_received(chunk.module, job.stage_layout.exit_module(max(job.stage_layout.layers)), mesh["tp"])
     vocab_end = min(end, len(graph.blocks) - 1) if plan.loss_parallel else end
     apply_vocab_parallel(chunk.module, graph, start, vocab_end, mesh["tp"])
     if vocab_end < end:
@@ -183,6 +203,18 @@ def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout, loss_fn: Opt
         vocab = chunk.module.get_submodule(heads[0]).weight.shape[0]  # the DTensor's global shape
         return VocabParallelLMLoss(mesh["tp"].get_group(), stage_plan.tp, layout.rank_info.tp_rank, vocab)
     return loss_fn
+
+
+def sequence_shards_cross(chunk: Chunk, job: Job) -> Tuple[bool, bool]:
+    """(whether the chunk receives, whether it sends) the TP ranks' sequence shards at its
+    pipeline cuts under sequence parallelism (``tensor_parallel.sharded_cut``); (False, False)
+    without a pipeline or sequence parallelism."""
+    if job.stage_layout is None or not job.plan.sequence_parallel:
+        return False, False
+    route = stage_route(chunk.module)
+    shard_in = not route.first and sharded_cut(job.graph, route.start, route.side_in)
+    shard_out = not route.last and sharded_cut(job.graph, route.end, route.side_out)
+    return shard_in, shard_out
 
 
 def context_parallel(chunk: Chunk, job: Job, cp: Optional[ContextParallel]) -> None:

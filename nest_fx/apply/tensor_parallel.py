@@ -25,9 +25,16 @@ activations between the TP regions are sharded on the sequence dim (dim 1). Each
 its input on entry (a DTensor, so the backward is a reduce-scatter) and its row linear
 reduce-scatters the output (``RowwiseParallel(output_layouts=Shard(1))``). Parameterised
 modules of the block outside every region (the norms) become ``SequenceParallel`` modules
-(their weights are replicated DTensors whose partial gradients DTensor all-reduces). The first
-block of a stage slices the sequence, the last one all-gathers it back, so the stage boundary,
-the head (embedding) and the tail (final norm, LM head) see full sequences. An MoE region
+(their weights are replicated DTensors whose partial gradients DTensor all-reduces). The head
+(embedding) and the tail (final norm, LM head, loss) see full sequences: the first block after
+the head slices the sequence, the last block before the tail all-gathers it back. Under
+pipelining a stage boundary between two layer blocks carries the shard (Megatron-LM's and
+torchtitan's sequence-parallel stages): the sending stage's last block keeps its shard
+(``shard_out``), the receiving stage's first block takes it as is (``shard_in``), so each TP rank
+sends ``1/t`` of the sequence to its peer and no collective runs at the boundary; a stage that
+holds only the tail gathers what it receives (:func:`gather_received`), the all-gather the last
+block would otherwise run. A cut after the head, or one passing values beside the activation
+(``StageLayout.side_values``), carries the full sequence (:func:`sharded_cut`). An MoE region
 (expert pairs plus a router) gathers to a plain local tensor, runs routing and experts
 replicated, and slices its output back.
 """
@@ -135,7 +142,8 @@ def _map_first_output(output, conv):
 
 
 def _shard_seq_pre_hook(mesh: DeviceMesh):
-    """Stage-first block: full sequence in -> local sequence shard."""
+    """A stage's first block that reads full sequences (after the head, or a cut carrying them):
+    full sequence in -> local sequence shard."""
 
     def hook(module, args, kwargs):
         where, key, x = _first_tensor_arg(args, kwargs)
@@ -146,7 +154,8 @@ def _shard_seq_pre_hook(mesh: DeviceMesh):
 
 
 def _gather_seq_output_hook(mesh: DeviceMesh):
-    """Stage-last block: local sequence shard out -> full sequence."""
+    """A stage's last block before the tail or a cut carrying full sequences (and what a
+    tail-only stage receives): local sequence shard out -> full sequence."""
 
     def hook(module, args, output):
         def conv(t):
@@ -155,6 +164,22 @@ def _gather_seq_output_hook(mesh: DeviceMesh):
         return _map_first_output(output, conv)
 
     return hook
+
+
+def sharded_cut(graph, cut: int, side_values) -> bool:
+    """Whether pipeline cut ``cut`` (between chain blocks ``cut - 1`` and ``cut``) carries the
+    sequence shard of each TP rank under sequence parallelism: the block before it is a layer
+    block (its output is a shard; the head's is the full sequence) and the cut passes nothing
+    beside the activation (``side_values``: the route's ``side_in`` / ``side_out`` there). The
+    sending and the receiving stage ask the same question of the same cut."""
+    return 0 < cut < len(graph.blocks) and graph.blocks[cut - 1].kind == "block" and not side_values
+
+
+def gather_received(module: nn.Module, path: str, mesh: DeviceMesh) -> None:
+    """A stage holding only the tail received the last layer's sequence shard at ``path`` (the
+    layer's stand-in, whose output the stage replaces by what it received): all-gather it to the
+    full sequence the tail reads (backward: each rank keeps its part of the gradient)."""
+    module.get_submodule(path).register_forward_hook(_gather_seq_output_hook(mesh))
 
 
 # -- vocabulary parallelism (head and tail) --------------------------------------------------
@@ -288,9 +313,20 @@ def owned_blocks(graph, names: Sequence[str]) -> List:
 
 
 def apply_tensor_parallel(
-    module: nn.Module, graph, block_names: Sequence[str], tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+    module: nn.Module,
+    graph,
+    block_names: Sequence[str],
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    shard_in: bool = False,
+    shard_out: bool = False,
 ) -> Dict[str, str]:
     """Shard the TP pairs of the blocks ``block_names`` (FQNs in ``module``) over ``tp_mesh``.
+
+    Under ``sequence_parallel`` the first block slices the sequence unless ``shard_in`` (a
+    pipeline stage receiving the previous stage's shard) and the last one gathers it unless
+    ``shard_out`` (a stage handing its shard on); see :func:`sharded_cut`.
 
     Returns {module FQN: "colwise" | "rowwise" | "local" | "head_norm" | "head_table" | "head_param" |
     "multihead" | "wide_norm"} of what
@@ -365,8 +401,8 @@ def apply_tensor_parallel(
                 sp_modules[sub_name] = SequenceParallel(use_local_output=True)
         if sp_modules:
             parallelize_module(block_mod, tp_mesh, sp_modules, src_data_rank=None)
-        if index == 0:
+        if index == 0 and not shard_in:
             block_mod.register_forward_pre_hook(_shard_seq_pre_hook(tp_mesh), with_kwargs=True)
-        if index == len(owned) - 1:
+        if index == len(owned) - 1 and not shard_out:
             block_mod.register_forward_hook(_gather_seq_output_hook(tp_mesh))
     return applied

@@ -303,9 +303,9 @@ def held_per_microbatch(
     """Bytes a pipelined stage holds per in-flight microbatch of its layers: their activations
     ``act`` plus its ``virtual_stages`` chunk outputs of ``out_bytes`` each, as the runtime keeps
     them until the chunk's backward (``options.stage_outputs``): torch's ``PipelineStage`` caches
-    each output in ``fwd_cache``, a full sequence in nest-fx's runtime ("full"), ``1 /
-    sp_degree`` of it where sequence-parallel blocks hand on their shard (torchtitan, "sharded");
-    nothing where the runtime frees it after the send ("freed": Megatron-LM's
+    each output in ``fwd_cache``, ``1 / sp_degree`` of it where sequence-parallel blocks hand on
+    their shard (nest-fx's runtime and torchtitan, "sharded"), the whole tensor where stages end
+    on full sequences ("full"); nothing where the runtime frees it after the send ("freed": Megatron-LM's
     ``deallocate_output_tensor``; Meta's Llama 3 stack, Grattafiori et al. 2024, sec. 3.3.2).
     Without pipelining, the activations alone."""
     if options.stage_outputs not in STAGE_OUTPUTS:

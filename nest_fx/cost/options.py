@@ -47,11 +47,11 @@ class CostOptions:
     memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
     allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
     # What a pipelined runtime keeps of each chunk's output from its forward to its backward
-    # (memory.held_per_microbatch): "full" (nest-fx: torch's PipelineStage caches it in fwd_cache,
-    # and nest-fx's stages end on full sequences), "sharded" (torchtitan: the same cache, its
-    # sequence-parallel blocks hand on 1/t of the sequence), "freed" (Megatron-LM, Meta's Llama 3
-    # stack: freed after the send)
-    stage_outputs: str = "full"
+    # (memory.held_per_microbatch): "sharded" (nest-fx and torchtitan: torch's PipelineStage caches
+    # it in fwd_cache, and under sequence parallelism a stage hands on its blocks' 1/t shard:
+    # apply.tensor_parallel.sharded_cut), "full" (a runtime whose stages end on full sequences),
+    # "freed" (Megatron-LM, Meta's Llama 3 stack: freed after the send)
+    stage_outputs: str = "sharded"
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
     overlap_p2p: float = setting("overlap_p2p").default

@@ -7,9 +7,11 @@ variant (TP degree, EP, microbatch, SP, CP degree, loss parallelism; ``Workload.
           (a block's forward collectives again where its recompute re-runs them:
           ``stage_terms.repeated_share``; of each, the part its overlap share leaves
           exposed: ``exposed_comms``)
-    P_i = p2p(boundary bytes / (tp_{i-1} cp)) from stage i-1 at the network level the two
-          stages span, then an all-gather inside stage i's TP group (scatter/gather
-          optimisation, Narayanan et al. 2021, sec. 4.1); P_0 = 0
+    P_i = p2p(boundary bytes / cp) from each TP rank of stage i-1 to its peer in stage i, at
+          the network level the two stages span, as the runtime sends it (``p2p_time``): under
+          sequence parallelism a layer block's output is each rank's sequence shard (1 / tp of
+          it, no collective at the boundary); otherwise (no SP, or the head's output) the whole
+          tensor; P_0 = 0
     (t_i, s_i) = results.microbatch_time(W_i, P_i, v, overlap_p2p)
 
 Pipeline (m microbatches; v model chunks per device):
@@ -208,8 +210,16 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         sc.cp_comm = exposed_ring(comms["cp"], terms.fwd)
     if i > 0:
         prev = plan.stages[i - 1]
-        out = workload.cost(prev.end - 1, variant._replace(tp=prev.tp)).out_bytes / plan.cp
-        sc.p2p = p2p_time(cluster, groups, out, prev.tp, stage.tp)
+        before = workload.cost(prev.end - 1, variant._replace(tp=prev.tp))
+        sc.p2p = p2p_time(
+            cluster,
+            groups,
+            before.out_bytes / plan.cp,
+            prev.tp,
+            stage.tp,
+            plan.sequence_parallel and before.block,
+            stage_groups(plan, i - 1).tp if prev.tp != stage.tp else (),
+        )
     # -- data-parallel sync -----------------------------------------------------------------
     dense = terms.params - terms.expert_params
     zero = memory.effective_zero_stage(plan.zero, plan.pp, plan.pp_shard_grads)
@@ -266,14 +276,46 @@ def tied_params(workload: Workload, variant: Variant) -> float:
     return workload.cost(len(workload) - 1, variant).tied_params
 
 
-def p2p_time(cluster, groups: StageGroups, out_bytes: float, prev_tp: int, tp: int) -> float:
-    """P_i: one microbatch's activations (``out_bytes``, one CP rank's full tensor) from stage
-    i-1, 1/prev_tp per rank point to point, then all-gathered in stage i's TP group (slowest
-    replica checked)."""
-    t = max(cached_collective("p2p", cluster, pair, out_bytes / prev_tp) for pair in groups.p2p)
-    if tp > 1:
-        t += max(cached_collective("all_gather", cluster, g, out_bytes) for g in groups.tp)
-    return t
+def p2p_time(
+    cluster,
+    groups: StageGroups,
+    out_bytes: float,
+    prev_tp: int,
+    tp: int,
+    sequence_shard: bool = False,
+    prev_tp_groups: Sequence[Sequence[int]] = (),
+) -> float:
+    """P_i: one microbatch's activation (``out_bytes``, one CP rank's full tensor) crossing from
+    stage i-1 into stage i, as nest-fx's runtime sends it (slowest replica checked; the TP ranks'
+    sends run side by side). ``sequence_shard``: sequence parallelism and the tensor is a layer
+    block's output: each TP rank sends its ``1 / tp`` shard to its peer and no collective runs
+    at the boundary (the next block's first region all-gathers its input anyway, priced per
+    layer; ``apply.tensor_parallel.sharded_cut``). Otherwise every TP rank sends the whole
+    tensor, which its TP group holds replicated (no SP) or which is the head's full output.
+
+    Stages of different TP degrees (which the runtime refuses: ``apply.mesh.require_uniform_tp``)
+    are priced as the gather/slice boundary such a runtime keeps: the whole tensor per rank and,
+    under sequence parallelism, the sender's all-gather (forward, in ``prev_tp_groups``) and the
+    receiver's slice's backward all-gather (in stage i's groups), split over P_i's two crossings."""
+    if prev_tp != tp:
+        t = max(cached_collective("p2p", cluster, pair, out_bytes) for pair in groups.p2p)
+        if sequence_shard:
+            gathers = [
+                max(cached_collective("all_gather", cluster, g, out_bytes) for g in side)
+                for side in (prev_tp_groups, groups.tp)
+                if side and len(side[0]) > 1
+            ]
+            t += sum(gathers) / 2
+        return t
+    nbytes = boundary_bytes(out_bytes, tp, sequence_shard)
+    return max(cached_collective("p2p", cluster, pair, nbytes) for pair in groups.p2p)
+
+
+def boundary_bytes(out_bytes: float, tp: int, sequence_shard: bool) -> float:
+    """Bytes each TP rank sends across a stage boundary per microbatch and direction (the
+    activation forward, its gradient backward) between stages of TP degree ``tp``: its sequence
+    shard under sequence parallelism after a layer block, else the whole tensor (``p2p_time``)."""
+    return out_bytes / tp if sequence_shard else out_bytes
 
 
 def stage_tail(sc: StageCost, plan: Plan, cluster, options: CostOptions) -> Tuple[float, float]:

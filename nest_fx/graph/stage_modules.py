@@ -114,6 +114,9 @@ class StageRoute:
     # what the last stage passes to the schedule's loss function, from the model's output
     last_output: Callable[[Any], torch.Tensor] = tensor_output
     received: Optional[torch.Tensor] = None
+    # the activation arrives as one rank's part of its sequence (dim 1) split this many ways: the
+    # previous stage's sequence-parallel blocks handed on their shard (apply.tensor_parallel)
+    seq_shards: int = 1
     # the module outputs passed beside the activation (StageLayout.side_values), in the order they
     # are sent: (module, number of its output tensors passed) at the stage's first and end cut
     side_in: Tuple[Tuple[str, int], ...] = ()
@@ -159,7 +162,7 @@ def _inject_input(route: StageRoute, path: str):
     def hook(module, args, kwargs):
         where, key, old = _hidden_argument(args, kwargs, path)
         new = route.take(f"the input of {path}")
-        same_shape(old, new, path)
+        same_shape(old, new, path, route.seq_shards)
         if where == "arg":
             return (new, *args[1:]), kwargs
         return args, {**kwargs, key: new}
@@ -171,7 +174,7 @@ def _inject_output(route: StageRoute, path: str):
     def hook(module, args, output):
         old = _first_tensor(output, path)
         new = route.take(f"the output of {path}")
-        same_shape(old, new, path)
+        same_shape(old, new, path, route.seq_shards)
         if isinstance(output, torch.Tensor):
             return new
         return type(output)([new, *output[1:]])

@@ -17,9 +17,16 @@ if TYPE_CHECKING:  # the route is defined with the stages, which import this mod
     from nest_fx.graph.stage_modules import StageRoute
 
 
-def same_shape(old: torch.Tensor, new: torch.Tensor, path: str) -> None:
-    """Refuse a received tensor whose shape is not the one the model gives ``path`` here."""
-    if tuple(old.shape) != tuple(new.shape):
+def same_shape(old: torch.Tensor, new: torch.Tensor, path: str, seq_shards: int = 1) -> None:
+    """Refuse a received tensor whose shape is not the one the model gives ``path`` here; with
+    ``seq_shards`` > 1 the received tensor is one rank's part of dim 1 split ``seq_shards`` ways
+    (``torch.chunk`` sizes, as a sequence-parallel shard: ``StageRoute.seq_shards``)."""
+    expected = tuple(old.shape)
+    if seq_shards > 1 and old.dim() > 1 and new.dim() == old.dim():
+        sizes = {len(c) for c in torch.arange(old.shape[1]).chunk(seq_shards)} | {0}
+        if new.shape[1] in sizes:
+            expected = (old.shape[0], new.shape[1], *old.shape[2:])
+    if expected != tuple(new.shape):
         raise SplitError(
             f"pipeline: the activation received for {path} has shape {tuple(new.shape)}, but the "
             f"model gives it {tuple(old.shape)}; the previous stage did not end where this one "

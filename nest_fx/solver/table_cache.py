@@ -199,12 +199,12 @@ class TableCache:
                     hit[i] = hit[done[id(layout[i])]]
                     continue
                 done[id(layout[i])] = i
-                by_bytes: Dict[float, float] = {}
+                by_bytes: Dict[Tuple[float, bool], float] = {}
                 for d in senders:
-                    nbytes = rc.costs[d].out_bytes / g.cp
-                    if nbytes not in by_bytes:
-                        by_bytes[nbytes] = p2p_time(self.cluster, layout[i], nbytes, g.tp, g.tp)
-                    hit[i, d] = by_bytes[nbytes]
+                    sent = (rc.costs[d].out_bytes / g.cp, g.sequence_parallel and rc.costs[d].block)
+                    if sent not in by_bytes:
+                        by_bytes[sent] = p2p_time(self.cluster, layout[i], sent[0], g.tp, g.tp, sent[1])
+                    hit[i, d] = by_bytes[sent]
         return hit
 
     def forced_recompute(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:

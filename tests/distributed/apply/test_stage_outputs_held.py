@@ -6,8 +6,8 @@ same microbatch pops it. PP2 on 2 ranks, 4 microbatches, fp32: the most output b
 stage holds at once equal the schedule's in-flight chunk-microbatches
 (``inflight.pipeline_inflight_microbatches`` for 1F1B; ``interleaved_chunk_states`` for the
 interleaved schedule) times one chunk output, with loss, gradients and parameters at parity;
-under sequence parallelism the output is the full sequence (nest-fx's stages end by gathering
-it: ``stage_outputs="full"``, the cost model's default).
+under sequence parallelism the output is each TP rank's sequence shard (nest-fx's stages hand on
+their blocks' shard: ``stage_outputs="sharded"``, the cost model's default).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def test_a_stage_holds_its_in_flight_chunk_outputs(schedule, v, tp):
         plan.update(tp=tp, sequence_parallel=True)
     results = run(2 * tp, LLAMA, plan, batch=BATCH, seq=SEQ, fn=_held_outputs)
     rank0 = results[0]["held"]
-    assert rank0["one"] == BATCH // M * SEQ * HIDDEN * 4  # one microbatch's hidden states (full sequence), fp32
+    # one microbatch's hidden states, fp32; under sequence parallelism 1/tp of the sequence
+    assert rank0["one"] == BATCH // M * (SEQ // tp) * HIDDEN * 4
     if v == 1:
         inflight = pipeline_inflight_microbatches(schedule, 0, 2, M, 1)
     else:

@@ -1,8 +1,9 @@
 """The chunk outputs a pipeline keeps until their backward, priced (``memory.held_per_microbatch``):
 torch's ``PipelineStage`` holds one output per in-flight chunk-microbatch (checked on gloo ranks in
 ``tests/distributed/apply/test_stage_outputs_held.py``); a runtime that frees them after the send
-(``CostOptions(stage_outputs="freed")``: Megatron-LM, Meta's Llama 3 stack) does not; torchtitan
-keeps the sequence shard its sequence-parallel blocks hand on (``"sharded"``)."""
+(``CostOptions(stage_outputs="freed")``: Megatron-LM, Meta's Llama 3 stack) does not; nest-fx and
+torchtitan keep the sequence shard their sequence-parallel blocks hand on (``"sharded"``, the
+default)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def _pp2(work, schedule="1f1b", v=1, m=4):
 
 
 def test_each_in_flight_microbatch_adds_its_chunk_outputs():
-    assert held_per_microbatch(10.0, 3.0, 4, 2, CostOptions(), sp_degree=3) == 16.0  # nest-fx: full sequences
-    assert held_per_microbatch(10.0, 3.0, 4, 2, CostOptions(stage_outputs="sharded"), sp_degree=3) == 12.0
+    assert held_per_microbatch(10.0, 3.0, 4, 2, CostOptions(), sp_degree=3) == 12.0  # nest-fx: SP stages hand on shards
+    assert held_per_microbatch(10.0, 3.0, 4, 2, CostOptions(stage_outputs="full"), sp_degree=3) == 16.0
     assert held_per_microbatch(10.0, 3.0, 4, 2, FREED) == 10.0
     assert held_per_microbatch(10.0, 3.0, 1, 1, CostOptions()) == 10.0  # no pipeline, no stage outputs
     with pytest.raises(ValueError, match="stage_outputs"):
