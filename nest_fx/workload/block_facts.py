@@ -28,6 +28,7 @@ from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.graph.tp_wide_norms import statistic_bytes
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
+from nest_fx.workload.fused_norms import NormGroup, norm_groups
 from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
@@ -114,6 +115,7 @@ class BlockFacts:
         default_factory=list
     )  # runtime_costs.fusion_regions
     region_kept: List[float] = field(default_factory=list)  # per region, bytes kept fused (kernels.region_kept_bytes)
+    norms: List[NormGroup] = field(default_factory=list)  # the RMSNorms F.rms_norm computes (fused_norms.norm_groups)
 
 
 def _scores(d: dict) -> Tuple[float, float]:
@@ -341,6 +343,7 @@ def block_facts(graph, block) -> BlockFacts:
         tied_params=tied,
         regions=regions,
         region_kept=[region_kept_bytes(g, block.nodes, members, saved) for members, _ in regions],
+        norms=norm_groups(g, block.nodes),
     )
 
 
@@ -374,6 +377,7 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
         vocab_comms=tuple((kind, b * k, phase) for kind, b, phase in facts.vocab_comms),
         regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
         region_kept=[b * k for b in facts.region_kept],
+        norms=[grp.scaled(k) for grp in facts.norms],
     )
 
 

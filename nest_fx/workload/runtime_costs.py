@@ -48,6 +48,8 @@ class RuntimeCosts:
 
     backend: KernelBackend = field(default_factory=lambda: KERNEL_BACKENDS["eager"])
     float8: bool = False
+    # the model's own RMSNorms run as F.rms_norm (plan.norm_kernel '' or fused; workload/fused_norms.py)
+    model_norms_fused: bool = True
 
     @property
     def fuses(self) -> bool:
