@@ -6,12 +6,14 @@ runtime swaps, ``apply/fused_norms.py``). With the ``eager`` kernel backend, a n
 runs fused is priced as one op instead of its traced decomposition (:func:`norm_groups` finds
 each module's nodes, :func:`fused_nodes` and :func:`fused_times` re-price them):
 
-* time, a memory-bound pass each way (CUDA's ``_fused_rms_norm`` and its backward): forward
-  reads ``x`` and writes ``y`` and the fp32 ``rstd`` (one value per row); backward reads ``x``,
-  ``dy``, ``rstd`` and the weight, writes ``dx`` and the weight gradient; about
-  :data:`FORWARD_FLOPS` and :data:`BACKWARD_FLOPS` per element at the vector rate. One launch
-  each. Applied to the nodes' times as the analytical model's ratio fused / unfused (as
-  ``runtime_costs`` applies compile), so measured op times are scaled the same way;
+* time, memory-bound passes (CUDA's ``_fused_rms_norm`` and its backward, which shares PyTorch's
+  layer-norm kernels): forward, one kernel reading ``x`` and writing ``y`` and the fp32 ``rstd``
+  (one value per row); backward, two kernels: the input gradient (reads ``x``, ``dy``, ``rstd``
+  and the weight, writes ``dx``), then the weight gradient's reduction over the rows (reads ``x``,
+  ``dy`` and ``rstd`` again, writes the weight-sized gradient); about :data:`FORWARD_FLOPS` and
+  :data:`BACKWARD_FLOPS` per element at the vector rate. Applied to the nodes' times as the
+  analytical model's ratio fused / unfused (as ``runtime_costs`` applies compile), so measured op
+  times are scaled the same way;
 * saved for backward: ``x`` in its dtype and ``rstd`` in fp32, 4 bytes per row (torch's
   ``derivatives.yaml``: ``_fused_rms_norm``'s backward takes ``input``, ``weight``, ``result1``;
   the weight is a parameter, not an activation). Assumed no other op saves ``x`` (true of the
@@ -23,9 +25,11 @@ Which norms run fused in a variant (:func:`fused_groups`): ``native`` ones alway
 when the plan's ``norm_kernel`` is '' or ``fused``; never one tensor parallelism shards (a norm
 under sequence parallelism, whose input is a DTensor, or a per-head norm inside a TP region: the
 runtime keeps the model's code there), never on a device where ``F.rms_norm`` has no fused
-kernel (``roofline.AnalyticalCompute.fused_rms_norm``: torch's CPU backend decomposes it), and
-not under the ``compile`` and ``fused`` backends, which fuse the norm's region already
-(``runtime_costs``; their min cut keeps the same input).
+kernel (``roofline.AnalyticalCompute.fused_rms_norm``: torch's CPU backend decomposes it). The
+``compile`` and ``fused`` backends fuse the norm's whole region already (``runtime_costs``; their
+min cut keeps the norm's input too): their bytes stay; their time saving is reckoned from the
+eager runtime's, the fused norm included (``RuntimeCosts.apply``'s ``base``), so ``compile``
+realises its share of what is left and ``fused`` is unchanged.
 """
 
 from __future__ import annotations
@@ -68,8 +72,9 @@ class NormGroup:
         return (self.x_bytes + self.y_bytes + self.rstd_bytes) * share + self.weight_bytes
 
     def backward_bytes(self, share: float) -> float:
-        """Bytes the fused backward moves: x, dy, rstd read, dx written; the weight read, its gradient written."""
-        return (2 * self.x_bytes + self.y_bytes + self.rstd_bytes) * share + 2 * self.weight_bytes
+        """Bytes the fused backward's two kernels move: x, dy, rstd read and dx written, then x, dy,
+        rstd read again for the weight gradient; the weight read, its gradient written."""
+        return (3 * self.x_bytes + 2 * self.y_bytes + 2 * self.rstd_bytes) * share + 2 * self.weight_bytes
 
 
 def norm_groups(g, nodes: Sequence[str]) -> List[NormGroup]:
@@ -179,7 +184,8 @@ def fused_times(
             continue
         elements = grp.elements * share
         fwd = timing.op_seconds(FORWARD_FLOPS * elements, grp.forward_bytes(share), False)
-        bwd = timing.op_seconds(BACKWARD_FLOPS * elements, grp.backward_bytes(share), False)
+        # two kernels: the input gradient, then the weight gradient (one launch more)
+        bwd = timing.op_seconds(BACKWARD_FLOPS * elements, grp.backward_bytes(share), False) + timing.launch_s
         for k in grp.members:
             out[k] = (out[k][0] * fwd / unfused, out[k][1] * bwd / (backward * unfused))
     return out

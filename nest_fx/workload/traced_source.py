@@ -125,9 +125,9 @@ class TracedSource:
         return ""
 
     def fused_norms(self, block, tp: int, sp: bool) -> List[NormGroup]:
-        """The RMSNorms of ``block`` that run as one fused ``F.rms_norm`` in a variant
-        (``fused_norms.fused_groups``): under the eager backend, on a device with the fused kernel."""
-        if self.runtime.backend.fusion > 0 or not getattr(self.timing, "fused_rms_norm", True):
+        """The RMSNorms of ``block`` the runtime runs as one fused ``F.rms_norm`` in a variant
+        (``fused_norms.fused_groups``), on a device with the fused kernel."""
+        if not getattr(self.timing, "fused_rms_norm", True):
             return []
         facts = self.facts(block.index)
         sharded = tp > 1 and sp and block.kind == "block"
@@ -138,7 +138,8 @@ class TracedSource:
     def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool, cp: int = 1, lp: bool = False) -> LayerCost:
         block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
         facts = self.facts(block.index)
-        nodes = fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
+        # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
+        nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
         scale = mbs / self.batch
         tokens = scale / cp  # a context-parallel rank holds 1/cp of every sequence
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
@@ -261,9 +262,17 @@ class TracedSource:
             split = self._analytical(block, tp, mbs, sp, cp)
             times = [(f * _ratio(b, c), tb * _ratio(b, c)) for (f, tb), b, c in zip(times, base, split)]
         norms = self.fused_norms(block, tp, sp)
-        if norms:  # each F.rms_norm the runtime runs: one fused pass each way (fused_norms)
-            times = fused_times(self.timing, nodes, norms, self.node_shares(block, tp, mbs, sp, cp), times)
-        return self.runtime.apply(self, block, nodes, times, tp, mbs, sp, cp)
+        if not norms or self.runtime.backend.fusion >= 1:  # full fusion: every region at its boundary traffic
+            return self.runtime.apply(self, block, nodes, times, tp, mbs, sp, cp)
+        # each F.rms_norm the runtime runs: one fused op (fused_norms); a fusing backend realises its
+        # share of the saving left over that (runtime_costs: the eager baseline ``base``)
+        shares = self.node_shares(block, tp, mbs, sp, cp)
+        fused = fused_times(self.timing, nodes, norms, shares, times)
+        if not self.runtime.fuses:
+            return self.runtime.apply(self, block, nodes, fused, tp, mbs, sp, cp)
+        plain = [self.timing.op_seconds(n.flops * s, n.bytes_moved * s, False) for n, s in zip(nodes, shares)]
+        base = [f for f, _ in fused_times(self.timing, nodes, norms, shares, [(t, t) for t in plain])]
+        return self.runtime.apply(self, block, nodes, fused, tp, mbs, sp, cp, base=base)
 
     def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node of ``block`` on one device for a variant:
