@@ -14,10 +14,11 @@ A module is taken when
 1. its structure is a norm's: one 1-D parameter ``weight``, no other parameters, no buffers, no
    submodules, and a float epsilon in ``eps`` or ``variance_epsilon`` (``None`` only for
    ``torch.nn.RMSNorm``: ``F.rms_norm``'s default); and
-2. a deep copy of it, given a random weight and random fp32 rows at three scales (mean squares
-   near 1, 1e-4 and 1e-6, so the epsilon shows), returns ``F.rms_norm(x, (d,), weight, eps)``
-   to fp32 rounding. A norm computing anything else (Gemma's ``x * (1 + weight)``, a mean
-   subtracted, another epsilon, a cast to another dtype) fails the probe and keeps its own code.
+2. the forward of a deep copy of it (its hooks left out: the swap replaces the forward only),
+   given a random weight and random fp32 rows at three scales (mean squares near 1, 1e-4 and
+   1e-6, so the epsilon shows), returns ``F.rms_norm(x, (d,), weight, eps)`` to fp32 rounding.
+   A norm computing anything else (Gemma's ``x * (1 + weight)``, a mean subtracted, another
+   epsilon, a cast to another dtype) fails the probe and keeps its own code.
 
 ``torch.nn.RMSNorm`` calls ``F.rms_norm`` itself: it is :data:`NATIVE` (fused whatever the plan
 says); a recognised module of the model's own code is :data:`MODEL`.
@@ -75,7 +76,7 @@ def computes_rms_norm(module: nn.Module, eps: Optional[float]) -> bool:
             probe.weight.copy_(torch.rand(d, generator=gen) + 0.5)
             x = torch.randn(len(PROBE_SCALES), PROBE_ROWS, d, generator=gen)
             x = x * torch.tensor(PROBE_SCALES).view(-1, 1, 1)
-            got = probe(x)
+            got = probe.forward(x)  # what the swap replaces: the forward, not the hooks around it
             want = F.rms_norm(x, (d,), probe.weight, eps)
     except Exception:  # noqa: BLE001 - a module the probe cannot run is not one we can swap
         return False

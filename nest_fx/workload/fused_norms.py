@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 from typing import Dict, List, Sequence, Tuple
 
-NATIVE = "native"  # graph.rms_norms.NATIVE: torch.nn.RMSNorm
+from nest_fx.graph.rms_norms import NATIVE
+
 RSTD_BYTES = 4  # fp32 reciprocal root mean square, one per row
 FORWARD_FLOPS = 4.0  # per element: square, sum, times rstd, times weight
 BACKWARD_FLOPS = 8.0  # per element: the input gradient's terms and the weight gradient's product and sum
@@ -124,7 +125,9 @@ def norm_groups(g, nodes: Sequence[str]) -> List[NormGroup]:
     return [grp for grp in groups if grp.rows > 0 and grp.x_bytes > 0]
 
 
-def fused_groups(groups: Sequence[NormGroup], nodes: Sequence, *, model_norms_fused: bool, sharded: bool, tp: int):
+def fused_groups(
+    groups: Sequence[NormGroup], nodes: Sequence, *, model_norms_fused: bool, sharded: bool, tp: int
+) -> List[NormGroup]:
     """The groups that run as ``F.rms_norm`` in a variant (module docstring): ``sharded`` when
     sequence parallelism shards the block's norms; a group with a node in a TP region under
     ``tp > 1`` is sharded too."""
@@ -145,8 +148,7 @@ def fused_nodes(nodes: List, groups: Sequence[NormGroup]) -> List:
         return nodes
     out = list(nodes)
     for grp in groups:
-        first = nodes[grp.members[0]]
-        policies = first.kept.keys() | set().union(*(nodes[k].kept.keys() for k in grp.members))
+        policies = set().union(*(nodes[k].kept for k in grp.members))
         kept = {
             p: (grp.y_bytes + grp.rstd_bytes) if any(nodes[k].kept.get(p, 0.0) for k in grp.members) else 0.0
             for p in policies
