@@ -89,6 +89,14 @@ class Row:
         return "flash" if self.system == "torchtitan" else ""
 
     @property
+    def norm_kernel(self) -> str:
+        """How the row's RMSNorms ran: torchtitan's December 2024 torch nightly had no fused CUDA
+        RMSNorm (``F.rms_norm`` decomposed into its ops; the fused ``_fused_rms_norm`` came with
+        pytorch/pytorch PR #153666, May 2025), so its eager norms kept their fp32 copies:
+        ``model``; '' for the others (Meta's fused stack is priced by ``kernels``)."""
+        return "model" if self.system == "torchtitan" else ""
+
+    @property
     def published(self) -> float:
         """The published figure compared: model TFLOP/s per GPU where the source gives that, else
         tokens/s per GPU."""

@@ -26,7 +26,9 @@ short keeps what it measured; a section that fails records its error and the nex
 ``block``      the zoo Llama (Llama 3 8B's layer shape: hidden 4096, 32 heads, 8 KV heads,
                FFN 14,336) at 8,192 tokens, eager and ``torch.compile`` per block as the runtime
                compiles it: forward + backward time and the bytes saved for backward per layer
-               (layers=3 minus layers=1, halved), per token per hidden unit; also
+               (layers=3 minus layers=1, halved), per token per hidden unit; the same eager
+               with the norms swapped to ``F.rms_norm`` as nest-fx's runtime runs them by default
+               (``eager_fused_norm``: ``apply/fused_norms.py``, ``plan.norm_kernel``); also
                ``F.rms_norm`` against the zoo's fp32 RMSNorm.
 
 The predictions these figures are compared with are computed on any machine from the JSON
@@ -46,6 +48,7 @@ from typing import Callable, Dict
 import torch
 import torch.nn.functional as F
 
+from nest_fx.apply.fused_norms import use_fused_norms
 from nest_fx.apply.losses import lm_loss
 from profiler.recompute_memory import packed_bytes
 
@@ -296,11 +299,13 @@ def ring(ctx) -> dict:
     return {"rows": rows}
 
 
-def _block_run(ctx, layers: int, compiled: bool) -> dict:
+def _block_run(ctx, layers: int, compiled: bool, fused_norms: bool = False) -> dict:
     from nest_fx.models.zoo import build_model
 
     torch.manual_seed(0)
     model, cfg = build_model(ctx.llama.format(layers=layers), device=ctx.device, dtype=torch.bfloat16)
+    if fused_norms:  # the runtime's default (plan.norm_kernel ''): the RMSNorms run F.rms_norm
+        use_fused_norms(model)
     if compiled:
         for block in model.layers:
             block.forward = torch.compile(block.forward)
@@ -328,16 +333,22 @@ def _block_run(ctx, layers: int, compiled: bool) -> dict:
         del logits
     else:  # no allocator to read: the storages autograd packs (parameters, buffers, inputs left out)
         saved = packed_bytes(model, [tokens])
-    return dict(layers=layers, compiled=compiled, first_step_s=first, step_s=t, saved_bytes=saved)
+    return dict(
+        layers=layers, compiled=compiled, fused_norms=fused_norms, first_step_s=first, step_s=t, saved_bytes=saved
+    )
 
 
 def block(ctx) -> dict:
-    """Per-layer forward + backward time and saved bytes of the zoo Llama, eager and compiled."""
+    """Per-layer forward + backward time and saved bytes of the zoo Llama: eager (the model's own
+    RMSNorm code), compiled, and eager with F.rms_norm (``eager_fused_norm``)."""
     rows, per_layer = [], {}
-    for compiled in (False, True):
-        runs = {n: _block_run(ctx, n, compiled) for n in (1, 3)}
+    for label, compiled, fused_norms in (
+        ("eager", False, False),
+        ("compile", True, False),
+        ("eager_fused_norm", False, True),
+    ):
+        runs = {n: _block_run(ctx, n, compiled, fused_norms) for n in (1, 3)}
         rows.extend(runs.values())
-        label = "compile" if compiled else "eager"
         per_layer[label] = dict(
             step_s=(runs[3]["step_s"] - runs[1]["step_s"]) / 2,
             saved_bytes=(runs[3]["saved_bytes"] - runs[1]["saved_bytes"]) / 2,

@@ -9,7 +9,11 @@ Compares, for the device the JSON was measured on (``--cluster``: its preset):
 * the zoo Llama block of the ``block`` section (Llama 3 8B's layer shape, 8,192 tokens): forward +
   backward time per layer, eager and compiled, and the bytes it saves for backward per token per
   hidden unit, against ``Workload.for_runtime(kernels=...).cost`` of the same model (SDPA at the
-  default attention kernel, which PyTorch picked in the measured run);
+  default attention kernel, which PyTorch picked in the measured run; ``norm_kernel=model``: the
+  measured model ran its own RMSNorm code), and, where the JSON has it (``eager_fused_norm``), the
+  eager layer with ``F.rms_norm`` against the runtime's default price;
+* one RMSNorm's forward + backward at 8,192 x 4,096 (``block.norm``: the zoo's fp32 code and
+  ``F.rms_norm``) against the price of one norm of that layer (``workload/fused_norms.py``);
 * SDPA's measured rates (``sdpa``) against ``roofline.SDPA_ATTENTION``;
 * the bf16 GEMMs (``gemm``) against the roofline's ``e_mm(F)``, and the memory-bound ops
   (``elementwise``) against ``e_mem``.
@@ -39,16 +43,19 @@ def block_rows(measured: dict, cluster) -> List[dict]:
     seq, hidden = block["seq"], 4096
     work = workload_for_model(spec, cluster, seq=seq)
     rows = []
-    for backend in ("eager", "compile"):
-        w = work.for_runtime(kernels=backend)
+    runs = [("eager", "eager", "model"), ("compile", "compile", "model"), ("eager_fused_norm", "eager", "")]
+    for label, backend, norm_kernel in runs:
+        if label not in block["per_layer"]:  # measured before the runtime ran F.rms_norm
+            continue
+        w = work.for_runtime(kernels=backend, norm_kernel=norm_kernel)
         index = next(i for i, layer in enumerate(w.layers) if layer.kind == "block")
         cost = w.cost(index, Variant())
-        got = block["per_layer"][backend]
+        got = block["per_layer"][label]
         predicted_s = cost.fwd_s + cost.bwd_s
         predicted_b = cost.act_bytes["none"] / (seq * hidden)
         rows.append(
             dict(
-                what=f"Llama 3 8B layer, {backend}",
+                what=f"Llama 3 8B layer, {label}",
                 measured_ms=got["step_s"] * 1e3,
                 predicted_ms=predicted_s * 1e3,
                 time_err_pct=100 * (predicted_s / got["step_s"] - 1),
@@ -58,6 +65,30 @@ def block_rows(measured: dict, cluster) -> List[dict]:
             )
         )
     return rows
+
+
+def norm_row(measured: dict, cluster) -> dict:
+    """One RMSNorm's forward + backward (8,192 x 4,096, bf16), measured (the zoo's code, F.rms_norm:
+    a leaf input, so each timed call also accumulates its gradient) and priced (a norm of the layer,
+    as the model's ops and as the fused op)."""
+    block = measured["block"]
+    work = workload_for_model(block["model"].format(layers=3), cluster, seq=block["seq"])
+    priced = {}
+    for norm_kernel in ("model", ""):
+        src = work.for_runtime(norm_kernel=norm_kernel).source
+        graph_block = next(b for b in src.graph.blocks if b.kind == "block")
+        times = src.variant_times(graph_block, 1, 1, False)
+        group = src.facts(graph_block.index).norms[0]
+        priced[norm_kernel or "fused"] = sum(f + b for k, (f, b) in enumerate(times) if k in group.members)
+    got = block["norm"]
+    return dict(
+        zoo_measured_ms=got["zoo_rmsnorm_fwd_bwd_s"] * 1e3,
+        zoo_priced_ms=priced["model"] * 1e3,
+        f_rms_norm_measured_ms=got["f_rms_norm_fwd_bwd_s"] * 1e3,
+        f_rms_norm_priced_ms=priced["fused"] * 1e3,
+        measured_ratio=got["zoo_rmsnorm_fwd_bwd_s"] / got["f_rms_norm_fwd_bwd_s"],
+        priced_ratio=priced["model"] / priced["fused"],
+    )
 
 
 def sdpa_rows(measured: dict, device_part: str) -> List[dict]:
@@ -103,11 +134,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         measured_on=f"{measured['device']}, torch {measured.get('torch') or measured['environment']['torch']}",
         cluster=args.cluster,
         block=block_rows(measured, cluster),
+        norm=norm_row(measured, cluster),
         sdpa=sdpa_rows(measured, part),
         gemm=gemm_summary(measured, timing),
     )
     print(f"measured on {result['measured_on']}; model: {args.cluster}")
     print_table([list(r.values()) for r in result["block"]], list(result["block"][0]), floatfmt=".2f")
+    print_table([list(result["norm"].values())], list(result["norm"]), floatfmt=".3f")
     print_table([list(r.values()) for r in result["sdpa"]], list(result["sdpa"][0]), floatfmt=".3f")
     print(json.dumps(result["gemm"], indent=1))
     write_json(args.out + ".json", result)
@@ -121,6 +154,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"| {r['what']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | {r['time_err_pct']:+.1f}% | "
                 f"{r['measured_bytes']:.2f} | {r['predicted_bytes']:.2f} | {r['bytes_err_pct']:+.2f}% |\n"
             )
+        n = result["norm"]
+        fh.write(
+            "\n| one RMSNorm, 8,192 x 4,096, fwd + bwd | measured ms | priced ms |\n|---|---:|---:|\n"
+            f"| the zoo's fp32 code | {n['zoo_measured_ms']:.3f} | {n['zoo_priced_ms']:.3f} |\n"
+            f"| F.rms_norm | {n['f_rms_norm_measured_ms']:.3f} | {n['f_rms_norm_priced_ms']:.3f} |\n"
+            f"| ratio | {n['measured_ratio']:.2f}x | {n['priced_ratio']:.2f}x |\n"
+        )
         fh.write("\n| SDPA kernel | measured fwd | model fwd | measured bwd | model bwd |\n|---|---:|---:|---:|---:|\n")
         for r in result["sdpa"]:
             fh.write(

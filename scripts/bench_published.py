@@ -107,6 +107,8 @@ def published_plan(row: Row, work, **overrides):
         fields["kernels"] = row.backend
     if row.attention_kernel and hasattr(Plan, "attention_kernel"):
         fields["attention_kernel"] = row.attention_kernel
+    if row.norm_kernel and hasattr(Plan, "norm_kernel"):
+        fields["norm_kernel"] = row.norm_kernel  # a cost model before the setting priced the model's norm code
     if row.pp_shard_grads and hasattr(Plan, "pp_shard_grads"):
         fields["pp_shard_grads"] = True  # a cost model before the setting holds the gradients unsharded
     fields.update(overrides)

@@ -19,6 +19,8 @@ hold one function each; each calls a module of ``nest_fx.apply`` to do the work)
    ``steps.float8_linears``     torchao Float8 linears in the blocks (plan.float8), before TP shards them
 4. ``steps.tensor_parallel``    Colwise/Rowwise on the traced TP pairs (+ sequence parallel);
                                 ``loss_parallel`` keeps the LM head's logits sharded
+   ``steps.fused_norms``        the model's RMSNorms run as F.rms_norm (plan.norm_kernel; not the
+                                norms TP shards)
 5. ``steps.context_parallel``   K/V all-gathered (or passed around a ring: plan.cp_mode) in attention,
                                 positions of the rank's tokens
 6. ``steps.precision``          plan.precision: bf16 casts with fp32 masters, or bf16 parameters
@@ -61,6 +63,7 @@ from nest_fx.apply.steps import (
     expert_parallel,
     float8_linears,
     fsdp_applied,
+    fused_norms,
     gradient_sync,
     materialize_weights,
     pipeline_schedule,
@@ -158,6 +161,7 @@ def auto_parallelize(
         expert_parallel(chunk, job, layout)  # 3.
         float8_linears(chunk, job)  # 3b.
         loss_fn = tensor_parallel(chunk, job, layout, loss_fn)  # 4. (loss parallel: the vocabulary-parallel loss)
+        fused_norms(chunk, job)  # 4b.
         context_parallel(chunk, job, cp)  # 5.
         precision(chunk, job)  # 6.
         recompute(chunk, job, layout)  # 7.

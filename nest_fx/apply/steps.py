@@ -26,6 +26,7 @@ from nest_fx.apply.distributed import apply_job_timeout
 from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.async_tp import enable_async_tp
 from nest_fx.apply.float8 import apply_float8
+from nest_fx.apply.fused_norms import swaps_norms, use_fused_norms
 from nest_fx.apply.loss_parallel import VocabParallelLMLoss, shard_lm_head
 from nest_fx.apply.materialize import materialize
 from nest_fx.apply.mesh import build_mesh, data_parallel_mesh, locate, submesh
@@ -215,6 +216,14 @@ def sequence_shards_cross(chunk: Chunk, job: Job) -> Tuple[bool, bool]:
     shard_in = not route.first and sharded_cut(job.graph, route.start, route.side_in)
     shard_out = not route.last and sharded_cut(job.graph, route.end, route.side_out)
     return shard_in, shard_out
+
+
+def fused_norms(chunk: Chunk, job: Job) -> None:
+    """4b. The model's RMSNorms as PyTorch's fused ``F.rms_norm`` (``plan.norm_kernel`` '' or
+    fused; ``fused_norms``), after tensor parallelism: the norms it shards (DTensor weights)
+    keep the model's code."""
+    if swaps_norms(job.plan.norm_kernel):
+        use_fused_norms(chunk.module)
 
 
 def context_parallel(chunk: Chunk, job: Job, cp: Optional[ContextParallel]) -> None:

@@ -393,7 +393,12 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
         raise PlanError(problem)
     try:
         workload = workload.for_runtime(
-            plan.compile, plan.float8, compute_dtype(plan.precision), plan.kernels, plan.attention_kernel
+            plan.compile,
+            plan.float8,
+            compute_dtype(plan.precision),
+            plan.kernels,
+            plan.attention_kernel,
+            plan.norm_kernel,
         )
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None

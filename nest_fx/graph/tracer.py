@@ -17,6 +17,7 @@ from nest_fx.graph.capture import TraceError, capture
 from nest_fx.graph.moe_modules import expert_module_paths
 from nest_fx.graph.op_kinds import module_of
 from nest_fx.graph.opgraph import OpGraph
+from nest_fx.graph.rms_norms import rms_norm_modules
 from nest_fx.graph.tp_pairs import find_patterns
 from nest_fx.graph.tp_mha import add_multihead_pairs
 from nest_fx.graph.training_mode import training_config
@@ -61,6 +62,7 @@ def trace(
             "  fix: the op needs real data (data-dependent shape or value); rewrite it with "
             "static shapes, or give the op a meta/fake kernel"
         ) from exc
+    mark_rms_norms(graph, rms_norm_modules(model))
     shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
     shapes += [list(t.shape) for t in kwargs.values() if isinstance(t, torch.Tensor)]
     opgraph = OpGraph(graph, model_name=name or type(model).__name__, method=used, input_shapes=shapes)
@@ -71,6 +73,16 @@ def trace(
     opgraph.expert_modules = expert_module_paths(model)
     add_multihead_pairs(opgraph, model)
     return opgraph
+
+
+def mark_rms_norms(graph, norms: Dict[str, str]) -> None:
+    """Tag every node that ran inside an RMSNorm ``F.rms_norm`` computes (``graph.rms_norms``:
+    {module FQN: "native" | "model"}) with ``rms_norm`` = that kind: the cost model prices the
+    nodes of such a module as one fused op (``workload/fused_norms.py``)."""
+    for _, d in graph.nodes(data=True):
+        kind = norms.get(d.get("module", ""))
+        if kind:
+            d["rms_norm"] = kind
 
 
 def input_names(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> List[str]:

@@ -35,6 +35,7 @@ from nest_fx.plan.vocabulary import (
     ANY_INTERLEAVE,
     KERNELS,
     ATTENTION_KERNELS,
+    NORM_KERNELS,
     OPTIMIZER_NAMES,
     PLACEMENTS,
     PRECISIONS,
@@ -223,6 +224,20 @@ SETTINGS: Tuple[Setting, ...] = (
         "option",
         values=("",) + ATTENTION_KERNELS,
         flag="--attention-kernel",
+        search=None,
+    ),
+    Setting(
+        "norm_kernel",
+        str,
+        "",
+        "how the runtime runs the model's RMSNorms that F.rms_norm computes (found by a probe: HF Llama/Qwen/"
+        "Mistral-style, Meta's reference, the zoo's; not Gemma's 1 + weight): fused (PyTorch's F.rms_norm, one "
+        "kernel each way on CUDA, keeping the input and an fp32 statistic per row), model (the model's own code, "
+        "e.g. fp32 op by op with fp32 copies kept); '' = fused. Norms sharded by sequence parallelism keep the "
+        "model's code; torch.nn.RMSNorm is F.rms_norm either way (docs/cost_model.md, Kernel backends)",
+        "option",
+        values=("",) + NORM_KERNELS,
+        flag="--norm-kernel",
         search=None,
     ),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),

@@ -32,6 +32,8 @@ DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 KERNELS = ("eager", "compile", "fused")
 # the fused attention kernels of PyTorch's SDPA a plan may pin (nest_fx.workload.roofline.SDPA_ATTENTION)
 ATTENTION_KERNELS = ("cudnn", "flash")
+# how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, or the model's code
+NORM_KERNELS = ("fused", "model")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches

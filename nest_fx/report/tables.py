@@ -192,6 +192,7 @@ def plan_summary(plan) -> str:
         + "".join(f" {f}" for f in flags)
         + (f" {plan.precision}" if plan.precision else "")
         + (f" kernels={plan.kernels}" if plan.kernels else "")
+        + (f" norm_kernel={plan.norm_kernel}" if plan.norm_kernel else "")
         + f" {plan.placement}"
         + (f" rc={'/'.join(modes)}" if modes != ["none"] else "")
     )

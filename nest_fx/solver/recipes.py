@@ -119,6 +119,7 @@ def _plan(
         precision=options.precision or "",
         kernels=options.kernels or "",
         attention_kernel=options.attention_kernel or "",
+        norm_kernel=options.norm_kernel or "",
         microbatch_size=mbs,
         num_microbatches=m,
         schedule=schedule,

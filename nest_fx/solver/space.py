@@ -78,6 +78,7 @@ class SolverOptions:
             compute_dtype(self.precision or ""),
             self.kernels or "",
             self.attention_kernel or "",
+            self.norm_kernel or "",
         )
 
     def cp_searched(self, seq_len: int) -> Tuple[int, ...]:
@@ -297,6 +298,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
         and not schedule_microbatch_problem(plan.schedule, plan.pp, plan.num_microbatches)
         and (plan.kernels or "") == (options.kernels or "")
         and (plan.attention_kernel or "") == (options.attention_kernel or "")
+        and (plan.norm_kernel or "") == (options.norm_kernel or "")
         and not unrun_combination(
             tp=max(s.tp for s in plan.stages),
             ep=plan.ep,

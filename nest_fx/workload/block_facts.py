@@ -22,12 +22,13 @@ import torch
 
 from nest_fx.graph.annotate import LSE_BYTES
 from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
-from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs, stacked_pair
+from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs
 from nest_fx.graph.tp_mha import MHA_OP
-from nest_fx.graph.tp_regions import vocab_parallel_lookup
 from nest_fx.graph.tp_wide_norms import statistic_bytes
+from nest_fx.workload.block_collectives import stacked_experts, tail_unsaved, tied_linear, vocab_parallel_nodes
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
+from nest_fx.workload.fused_norms import NormGroup, norm_groups
 from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
@@ -122,6 +123,7 @@ class BlockFacts:
     # all-reduced backward; whether nothing after it in the block saves a tensor, so a recompute
     # never re-runs that all-reduce), at the traced microbatch
     stacked_experts: Tuple[Tuple[float, Tuple[float, ...], bool], ...] = ()
+    norms: List[NormGroup] = field(default_factory=list)  # the RMSNorms F.rms_norm computes (fused_norms.norm_groups)
 
 
 def _scores(d: dict) -> Tuple[float, float]:
@@ -346,53 +348,13 @@ def block_facts(graph, block) -> BlockFacts:
         loss_bytes_moved=loss[2],
         loss_tokens=loss[3],
         recomputed=block.kind == "block",
-        tail_unsaved=block.kind == "block" and not expert_rows and _tail_unsaved(g, block.nodes, dense_rows),
-        stacked_experts=_stacked_experts(g, block, pattern),
+        tail_unsaved=block.kind == "block" and not expert_rows and tail_unsaved(g, block.nodes, dense_rows),
+        stacked_experts=stacked_experts(g, block, pattern),
         tied_params=tied,
         regions=regions,
         region_kept=[region_kept_bytes(g, block.nodes, members, saved) for members, _ in regions],
+        norms=norm_groups(g, block.nodes),
     )
-
-
-def _stacked_experts(g, block, pattern) -> Tuple[Tuple[float, Tuple[float, ...], bool], ...]:
-    """(output bytes, floating input bytes, nothing saved after it) of each stacked-expert module
-    of the block: the nodes inside the module that feed nodes outside it, the floating tensors
-    from outside it that its nodes read (what ``apply.tp_styles.LocalShards`` reduces forward and
-    copies to TP), and whether no node of the block below its outputs saves a tensor."""
-    out = []
-    members = set(block.nodes)
-    for pair in pattern.tp_pairs if pattern else []:
-        if pair.problem or pair.kind != "expert" or not stacked_pair(pair):
-            continue
-        owner = block.fqn(pair.row.rpartition(".")[0])
-        inside = {n for n in block.nodes if (g.nodes[n].get("module") or "").startswith(owner)}
-        ends = [n for n in inside if any(s not in inside for s in g.successors(n))]
-        sent = sum(g.nodes[n].get("out_bytes", 0.0) for n in ends)
-        below = set().union(*(nx.descendants(g, n) for n in ends)) & members - inside if ends else set()
-        unsaved = all(g.nodes[n].get("saved_bytes", 0.0) == 0 for n in below)
-        taken = sorted(
-            {p for n in inside for p in g.predecessors(n) if p not in inside and p in members},
-            key=block.nodes.index,
-        )
-        floats = tuple(
-            g.nodes[p].get("out_bytes", 0.0)
-            for p in taken
-            if str((g.nodes[p].get("out_dtypes") or [""])[0]).startswith(("float", "bfloat"))
-        )
-        out.append((sent, floats, unsaved))
-    return tuple(out)
-
-
-def _tail_unsaved(g, block_nodes: List[str], dense_rows: List[str]) -> bool:
-    """Whether nothing the block's last TP row feeds (inside the block) saves a tensor for
-    backward: then its forward collective, the row output's all-reduce (SP: reduce-scatter),
-    is the last thing a recompute of the block would run and never needs to."""
-    if not dense_rows:
-        return False
-    order = {n: k for k, n in enumerate(block_nodes)}
-    last = max(dense_rows, key=order.__getitem__)
-    below = nx.descendants(g, last) & set(block_nodes)
-    return all(g.nodes[n].get("saved_bytes", 0.0) == 0 for n in below)
 
 
 def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
@@ -428,6 +390,7 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
         ),
         regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
         region_kept=[b * k for b in facts.region_kept],
+        norms=[grp.scaled(k) for grp in facts.norms],
     )
 
 
@@ -475,7 +438,7 @@ def _tied_weight_params(g, node: str) -> float:
     shared weight once, at its first use: a tied LM head's linear records a weight that is not
     among its parameters)."""
     d = g.nodes[node]
-    if not _tied_linear(d):
+    if not tied_linear(d):
         return 0.0
     inputs, outputs = d.get("in_shapes") or [], d.get("out_shapes") or []
     if not inputs or not outputs or not inputs[0] or not outputs[0]:
@@ -490,34 +453,6 @@ def _in_experts(module: str, expert_modules: Optional[List[str]]) -> bool:
     if expert_modules is None:
         return "expert" in module
     return any(module == p or module.startswith(p + ".") for p in expert_modules)
-
-
-def vocab_parallel_nodes(graph, block) -> Dict[str, str]:
-    """{node: "rowwise" | "colwise"} that vocabulary parallelism shards in a head or tail block,
-    as the runtime does (``nest_fx.apply.tensor_parallel.vocab_parallel_modules``): the head's
-    embedding lookups and the tail's output linears. A tied LM head (the tracer counts its
-    shared weight once, under the embedding) stays replicated with the largest embedding."""
-    g = graph.graph
-    if block.kind == "head":
-        found = {n: "rowwise" for n in block.nodes if vocab_parallel_lookup(g.nodes[n])}
-        tail = next((b for b in graph.blocks if b.kind == "tail"), None)
-        tied = tail is not None and any(_tied_linear(g.nodes[n]) for n in tail.nodes)
-        if tied and found:
-            found.pop(max(found, key=lambda n: g.nodes[n].get("num_params", 0)))
-        return found
-    if block.kind == "tail":
-        return {
-            n: "colwise"
-            for n in block.nodes
-            if g.nodes[n].get("op") == "linear" and g.nodes[n].get("weight") and not _tied_linear(g.nodes[n])
-        }
-    return {}
-
-
-def _tied_linear(d: dict) -> bool:
-    """A linear whose weight the tracer counted elsewhere (an LM head tied to the embedding; it
-    may hold a bias of its own: BERT's ``cls.predictions``)."""
-    return d.get("op") == "linear" and bool(d.get("weight")) and d["weight"] not in (d.get("params") or [])
 
 
 LOSS_STATE_BYTES = 4  # the loss runs in fp32 (logits upcast), as usual for language-model training

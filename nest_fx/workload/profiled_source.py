@@ -57,6 +57,7 @@ class ProfiledSource(TracedSource):
         byte_scale: float = 1.0,
         kernels: str = "",
         attention_kernel: str = "",
+        norm_kernel: str = "",
     ) -> "ProfiledSource":
         """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only
         (and for the attention kernel that ran when it was taken; ops it did not measure are priced
@@ -68,7 +69,9 @@ class ProfiledSource(TracedSource):
                 f"precision; fix: plan in the profile's ({other}), or re-profile (nest-fx profile "
                 "--dtype ...)"
             )
-        return super().for_runtime(compile=compile, float8=float8, kernels=kernels, attention_kernel=attention_kernel)
+        return super().for_runtime(
+            compile=compile, float8=float8, kernels=kernels, attention_kernel=attention_kernel, norm_kernel=norm_kernel
+        )
 
     def _local_graph(self, tp: int, mbs: int):
         if (tp, mbs) not in self._local:

@@ -66,6 +66,8 @@ DEFAULT_ATTENTION_KERNEL = "cudnn"
 # (device name part, forward, backward fraction of peak) of FlashAttention-3 / cuDNN attention
 FA3_ATTENTION = (("H100", 0.75, 0.55), ("H200", 0.75, 0.55))
 ATTENTION_BACKWARD_FACTOR = 2.5
+# a device named so runs torch's CPU backend, where F.rms_norm decomposes into its ops (workload/fused_norms.py)
+DECOMPOSED_NORM_DEVICE = "cpu"
 
 
 @dataclass
@@ -89,6 +91,8 @@ class AnalyticalCompute:
     peaks: Dict[str, float] = field(default_factory=dict)  # the device's peak FLOP/s per dtype (in_dtype)
     vector_share: float = 0.125  # non-matmul FLOP/s as a fraction of the device's fastest rate (for_device)
     fa3_attention: Optional[Tuple[float, float]] = None  # (forward, backward) e_max under kernels=fused
+    # F.rms_norm runs one fused kernel each way (CUDA's _fused_rms_norm); torch's CPU backend decomposes it
+    fused_rms_norm: bool = True
 
     @classmethod
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
@@ -113,6 +117,7 @@ class AnalyticalCompute:
             vector_share=share,
             fa3_attention=fa3,
             vector_fraction=_vector_fraction(peaks, share, peak),
+            fused_rms_norm=not device.name.lower().startswith(DECOMPOSED_NORM_DEVICE),
         )
         timing = cls(**{**fields, **overrides})
         return timing if "attention_efficiency" in overrides else timing.with_kernels(False)

@@ -31,7 +31,7 @@ unfused, fp8 over bf16), so measured op times (a profile) are scaled the same wa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence, Set, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 from nest_fx.workload.kernels import KERNEL_BACKENDS, KernelBackend
 
@@ -48,6 +48,8 @@ class RuntimeCosts:
 
     backend: KernelBackend = field(default_factory=lambda: KERNEL_BACKENDS["eager"])
     float8: bool = False
+    # the model's own RMSNorms run as F.rms_norm (plan.norm_kernel '' or fused; workload/fused_norms.py)
+    model_norms_fused: bool = True
 
     @property
     def fuses(self) -> bool:
@@ -62,9 +64,21 @@ class RuntimeCosts:
         return features_in % FP8_MULTIPLE == 0 and features_out % FP8_MULTIPLE == 0
 
     def apply(
-        self, source, block, nodes: Sequence, times: List[Tuple[float, float]], tp: int, mbs: int, sp: bool, cp: int
+        self,
+        source,
+        block,
+        nodes: Sequence,
+        times: List[Tuple[float, float]],
+        tp: int,
+        mbs: int,
+        sp: bool,
+        cp: int,
+        base: Optional[Sequence[float]] = None,
     ) -> List[Tuple[float, float]]:
-        """``times`` (forward, backward per node of ``block``) under torch.compile and Float8."""
+        """``times`` (forward, backward per node of ``block``) under torch.compile and Float8.
+        ``base``: the analytical forward time of each node as the eager runtime runs it (its
+        fused RMSNorms: ``fused_norms``), the baseline a region's saving is reckoned from; None:
+        every node's own op time."""
         if block.kind != "block" or not (self.fuses or self.float8):
             return times
         timing = source.timing
@@ -74,7 +88,9 @@ class RuntimeCosts:
             realised = self.backend.fusion
             for members, boundary in source.facts(block.index).regions:
                 unfused = sum(
-                    timing.op_seconds(nodes[k].flops * shares[k], nodes[k].bytes_moved * shares[k], False)
+                    base[k]
+                    if base is not None
+                    else timing.op_seconds(nodes[k].flops * shares[k], nodes[k].bytes_moved * shares[k], False)
                     for k in members
                 )
                 flops = sum(nodes[k].flops * shares[k] for k in members)

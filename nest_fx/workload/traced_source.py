@@ -25,8 +25,9 @@ from nest_fx.workload.block_facts import (
     BlockFacts,
     block_facts,
     scaled_facts,
-    vocab_parallel_nodes,
 )
+from nest_fx.workload.block_collectives import vocab_parallel_nodes
+from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
 from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.runtime_costs import RuntimeCosts
@@ -75,16 +76,18 @@ class TracedSource:
         byte_scale: float = 1.0,
         kernels: str = "",
         attention_kernel: str = "",
+        norm_kernel: str = "",
     ) -> "TracedSource":
         """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
         when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
         (``runtime_costs``) and, given ``timing`` and ``byte_scale``, in another dtype: the op
         times of ``timing`` (the device's rate for that dtype) on activations ``byte_scale``
         times the traced bytes (``Workload.for_runtime``); fused attention at the measured rate of
-        ``attention_kernel`` (``roofline.SDPA_ATTENTION``). The traced facts are shared."""
+        ``attention_kernel`` (``roofline.SDPA_ATTENTION``); the model's RMSNorms as ``F.rms_norm``
+        unless ``norm_kernel`` is ``model`` (``fused_norms``). The traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
-        derived.runtime = RuntimeCosts(backend=backend, float8=float8)
+        derived.runtime = RuntimeCosts(backend=backend, float8=float8, model_norms_fused=norm_kernel != "model")
         base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
         derived._plain_timing = base
         with_kernels = getattr(base, "with_kernels", None)
@@ -121,9 +124,22 @@ class TracedSource:
             return "loss_parallel: the model's tail has no untied output linear whose logits could stay sharded"
         return ""
 
+    def fused_norms(self, block, tp: int, sp: bool) -> List[NormGroup]:
+        """The RMSNorms of ``block`` the runtime runs as one fused ``F.rms_norm`` in a variant
+        (``fused_norms.fused_groups``), on a device with the fused kernel."""
+        if not getattr(self.timing, "fused_rms_norm", True):
+            return []
+        facts = self.facts(block.index)
+        sharded = tp > 1 and sp and block.kind == "block"
+        return fused_groups(
+            facts.norms, facts.nodes, model_norms_fused=self.runtime.model_norms_fused, sharded=sharded, tp=tp
+        )
+
     def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool, cp: int = 1, lp: bool = False) -> LayerCost:
         block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
         facts = self.facts(block.index)
+        # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
+        nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
         scale = mbs / self.batch
         tokens = scale / cp  # a context-parallel rank holds 1/cp of every sequence
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
@@ -134,8 +150,8 @@ class TracedSource:
         act = dict.fromkeys(LAYER_POLICIES, 0.0)
         rec = dict.fromkeys(LAYER_POLICIES, 0.0)
         params = param_bytes = expert_params = fp8_params = 0.0
-        keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in facts.nodes]
-        for n, (t, _), keep in zip(facts.nodes, times, keeps):
+        keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in nodes]
+        for n, (t, _), keep in zip(nodes, times, keeps):
             flash = n.saved_flash if n.attention else n.saved
             whole = n.saved_whole if keep > 1 else 0.0  # a sharded call's input, kept whole on every rank
             none = ((flash if self.attention == "flash" else n.saved) - whole) * tokens / keep + whole * tokens
@@ -162,7 +178,7 @@ class TracedSource:
         if self.runtime.backend.shared_attention_output:  # the projection's input is the kernel's output
             act["none"] -= sum(
                 n.saved * tokens / keep
-                for n, keep in zip(facts.nodes, keeps)
+                for n, keep in zip(nodes, keeps)
                 if n.reads_attention_output and self.attention == "flash"
             )
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
@@ -243,7 +259,8 @@ class TracedSource:
     def variant_times(self, block, tp: int, mbs: int, sp: bool, cp: int = 1) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node for a variant: :meth:`node_times` (the
         analytical model, or measurements in a subclass) at ``cp = 1``, scaled to a context-parallel
-        rank's share by the analytical model's own ratio, then under torch.compile / Float8
+        rank's share by the analytical model's own ratio, the RMSNorms the runtime runs as
+        ``F.rms_norm`` as one fused op each (``fused_norms``), then under torch.compile / Float8
         (``runtime_costs``)."""
         times = self.node_times(block, tp, mbs, sp)
         nodes = self.facts(block.index).nodes
@@ -251,7 +268,18 @@ class TracedSource:
             base = self._analytical(block, tp, mbs, sp, 1)
             split = self._analytical(block, tp, mbs, sp, cp)
             times = [(f * _ratio(b, c), tb * _ratio(b, c)) for (f, tb), b, c in zip(times, base, split)]
-        return self.runtime.apply(self, block, nodes, times, tp, mbs, sp, cp)
+        norms = self.fused_norms(block, tp, sp)
+        if not norms or self.runtime.backend.fusion >= 1:  # full fusion: every region at its boundary traffic
+            return self.runtime.apply(self, block, nodes, times, tp, mbs, sp, cp)
+        # each F.rms_norm the runtime runs: one fused op (fused_norms); a fusing backend realises its
+        # share of the saving left over that (runtime_costs: the eager baseline ``base``)
+        shares = self.node_shares(block, tp, mbs, sp, cp)
+        fused = fused_times(self.timing, nodes, norms, shares, times)
+        if not self.runtime.fuses:
+            return self.runtime.apply(self, block, nodes, fused, tp, mbs, sp, cp)
+        plain = [self.timing.op_seconds(n.flops * s, n.bytes_moved * s, False) for n, s in zip(nodes, shares)]
+        base = [f for f, _ in fused_times(self.timing, nodes, norms, shares, [(t, t) for t in plain])]
+        return self.runtime.apply(self, block, nodes, fused, tp, mbs, sp, cp, base=base)
 
     def node_times(self, block, tp: int, mbs: int, sp: bool) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node of ``block`` on one device for a variant:

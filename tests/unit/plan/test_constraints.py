@@ -197,8 +197,9 @@ def test_compile_no_longer_holds_the_planner_to_tp1(small):
 
 
 def test_the_binding_constraint_is_named():
-    # on 0.4 GiB devices this model needs a pipeline or ZeRO-3: pp=1 with ZeRO-1 fits nowhere
-    cluster = tight_cluster(0.4)
+    # on 0.36 GiB devices this model needs a pipeline or ZeRO-3: pp=1 with ZeRO-1 fits nowhere (0.4 GiB
+    # held it once the runtime's F.rms_norm keeps no fp32 copies)
+    cluster = tight_cluster(0.36)
     work = workload_for_model(MODEL, cluster)
     with pytest.raises(ConstraintError) as info:
         solve_constrained(work, cluster, 16, Constraints(fix={"pp": 1}, zero_stages=[1]), SPACE)

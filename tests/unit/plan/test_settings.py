@@ -54,6 +54,7 @@ def test_one_spelling_for_every_setting():
         "precision",
         "kernels",
         "attention_kernel",
+        "norm_kernel",
         "optimizer",
         "memory_headroom",
         "overlap_tp_comm",
@@ -150,6 +151,7 @@ def test_the_planner_options_are_made_from_the_declarations():
         "precision",
         "kernels",
         "attention_kernel",
+        "norm_kernel",
     }
     assert {s.name for s in SETTINGS if s.search is UNSEARCHED and s.role == "degree"} == {"pp", "dp", "dp_shard"}
     # never searched: costed when the user sets them
