@@ -59,7 +59,7 @@ from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import candidates
+from nest_fx.solver.candidates import tier0
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -167,8 +167,8 @@ def _solve(
     problem = states_bound(workload.num_params, cluster, options.cost)
     if problem:
         raise NoFeasiblePlan(problem)
-    pairs = candidates(workload, cluster, global_batch, options, deadline)
-    places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
+    pairs = tier0(workload, cluster, global_batch, options, deadline)
+    places, by_tp = placements(cluster, set(pairs.tps), options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
     best_t, best = _incumbent(
         workload, cluster, global_batch, options, None if deadline is None else (start + deadline) / 2
@@ -180,15 +180,27 @@ def _solve(
     )
     bounds: Dict[tuple, object] = {}  # network_bound's network-independent terms
     best_t, best = _dive(pairs, by_tp, tables, workload, global_batch, bounds, best_t, best, deadline)
-    heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
-    total = len(heap)
+    # the tier-0 entries (lb, 0, k, o), already sorted, stream in; the heap holds the refined ones:
+    # each pop takes the least of the two heads, as one heap of every entry would
+    stream = _tier0_entries(pairs, by_tp)
+    head = next(stream, None)
+    heap: List[tuple] = []
+    total = sum(len(by_tp[t]) for t in pairs.tps)
     runs = pops = settled = 0
     complete = deadline is None or time.perf_counter() <= deadline  # every pair enumerated
-    while heap and heap[0][0] * SLACK < best_t:
+    while True:
+        from_heap = bool(heap) and (head is None or heap[0] < head)
+        entry = heap[0] if from_heap else head
+        if entry is None or entry[0] * SLACK >= best_t:
+            break
         if deadline is not None and time.perf_counter() > deadline:
             complete = False
             break
-        bound, tier, k, o = heapq.heappop(heap)
+        if from_heap:
+            bound, tier, k, o = heapq.heappop(heap)
+        else:
+            bound, tier, k, o = head
+            head = next(stream, None)
         pops += 1
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
@@ -272,6 +284,15 @@ def _solve(
         placement=places[o].name,
         placements=places,
     )
+
+
+def _tier0_entries(pairs, by_tp):
+    """The heap entries ``(lb, 0, k, o)`` of every tier-0 pair k and device order o of its TP
+    degree, in heap order (the pairs are sorted by bound, ties by k)."""
+    orders = {t: sorted(os) for t, os in by_tp.items()}
+    for k, (lb, t) in enumerate(zip(pairs.lbs, pairs.tps)):
+        for o in orders[t]:
+            yield (lb, 0, k, o)
 
 
 def _dive(
