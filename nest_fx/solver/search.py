@@ -75,9 +75,14 @@ from nest_fx.solver.space import (
 from nest_fx.solver.stage_bounds import SLACK
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
-from nest_fx.solver.tier_bounds import network_bound, network_bounds, table_bound, table_worth
+from nest_fx.solver.tier_bounds import WHOLE, network_bound, network_bounds, table_bound, table_worth
 from nest_fx.workload.types import Variant, Workload
 
+
+# the heap's tiers: 0 (tier 0's bound), 1 to 3 (tier 1's without the network, with the DP groups'
+# tail floor, whole: tier_bounds.NO_NETWORK, TAILS, WHOLE, one more each), then the stage table's
+# suffix bounds (TABLE_TIERS[0]: without, [1]: with the exact tails), then the exact DP
+TABLE_TIERS = (3, 4, 5)
 
 # tier-0 pairs whose tier-1 bounds _dive compares for a first incumbent
 DIVE_PAIRS = 64
@@ -206,27 +211,28 @@ def _solve(
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
             factors = interleave_factors(workload, p)
-            for v, lb in zip(factors, network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)):
+            bounds_of = network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)
+            for v, lb in zip(factors, bounds_of):
                 if lb * SLACK < best_t:  # only the members kept become configurations
                     pairs.append((lb, dataclasses.replace(g, virtual_stages=v), p))
-                    heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
+                    heapq.heappush(heap, (max(bound, lb), WHOLE + 1, len(pairs) - 1, o))
                     total += 1
             settled += 1
             continue
-        if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
-            if tier == 0:
-                lb = network_bound(tables.caches[o], g, p, m, best_t, bounds)
-            elif tier == 1 and not table_worth(tables.caches[o], g, p, m, best_t, bounds):
+        if tier < TABLE_TIERS[-1]:  # refine the bound (to the tier of the module docstring after ``tier``)
+            if tier < TABLE_TIERS[0]:  # tier 1 in three steps: the network asked last, once popped again
+                lb = network_bound(tables.caches[o], g, p, m, best_t, bounds, upto=tier)
+            elif tier == TABLE_TIERS[0] and not table_worth(tables.caches[o], g, p, m, best_t, bounds):
                 settled += 1  # each stage's own memory: no table needed
                 continue
             else:
                 table = tables.get((k, o), g, p, best_t)
-                if tier == 1:
+                if tier == TABLE_TIERS[0]:
                     even = table.even_split(best_t)
                     step = objective(*even[:3], m, g.schedule, g.virtual_stages) if even else math.inf
                     if step < best_t:
                         best_t, best = step, (g, m, even[3], o)
-                lb = table_bound(table, best_t, exact_tails=tier == 2)
+                lb = table_bound(table, best_t, exact_tails=tier == TABLE_TIERS[1])
             lb = max(bound, lb)  # each tier's bound is valid: keep the largest
             if lb * SLACK < best_t:
                 heapq.heappush(heap, (lb, tier + 1, k, o))

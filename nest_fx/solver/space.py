@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
@@ -117,12 +118,12 @@ class GlobalConfig:
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.microbatch_size)
 
-    @property
+    @cached_property  # read many times per pair by the bounds' cache keys
     def variant(self) -> Variant:
         """The workload variant of this configuration (``Workload.cost``)."""
         return Variant(self.tp, self.ep, self.microbatch_size, self.sequence_parallel, self.cp, self.loss_parallel)
 
-    @property
+    @cached_property
     def shard(self) -> int:
         """Ranks ZeRO/FSDP shards over (``dp_sync.shard_degree``)."""
         return (self.dp_shard or self.dp) * self.cp

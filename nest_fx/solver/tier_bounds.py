@@ -20,6 +20,11 @@ from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
 
 
+# how much of the network tier 1 asks (``network_bounds(upto=)``): nothing, the DP groups' tail
+# floor, or also each layer's collectives and the stage boundaries' sends (the whole bound)
+NO_NETWORK, TAILS, WHOLE = 0, 1, 2
+
+
 def network_bound(
     cache: TableCache,
     g: GlobalConfig,
@@ -28,6 +33,7 @@ def network_bound(
     best: float = math.inf,
     memo: Optional[Dict[tuple, object]] = None,
     stages: bool = False,
+    upto: int = WHOLE,
 ) -> float:
     """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
     least T_opt(N / p)) and (W, X) =
@@ -39,8 +45,11 @@ def network_bound(
     the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
     dropped either way), that bound is returned and the pair's groups are never resolved; the
     DP groups (the tail floor) are asked before the layers' collectives.
-    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
-    return network_bounds(cache, g, p, m, [g.virtual_stages], best, memo, stages)[0]
+    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search.
+    ``upto``: ``NO_NETWORK`` stops before the tail floor, ``TAILS`` before the collectives (each
+    a smaller valid bound: the search asks the network only for pairs whose cheaper bound stays
+    below the best plan when they are popped again)."""
+    return network_bounds(cache, g, p, m, [g.virtual_stages], best, memo, stages, upto)[0]
 
 
 def network_bounds(
@@ -52,6 +61,7 @@ def network_bounds(
     best: float = math.inf,
     memo: Optional[Dict[tuple, object]] = None,
     stages: bool = False,
+    upto: int = WHOLE,
 ) -> List[float]:
     """:func:`network_bound` of g at each interleave factor of ``factors`` (an interleaved
     family's members: the terms that do not depend on the factor, the tail floor and the
@@ -77,13 +87,13 @@ def network_bounds(
             continue
         least = compute + forced  # replica_work's W without collectives
         cheap = pipeline_span(max(least / p, busiest), least, m, g.schedule, v)
-        if (cheap + t_opt) * SLACK >= best:
+        if (cheap + t_opt) * SLACK >= best or upto == NO_NETWORK:
             out.append(cheap + t_opt)
             continue
         # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
         if tail is None:
             tail = max(t_opt, cache.tail_floor(g, p, m))
-        if (cheap + tail) * SLACK >= best:
+        if (cheap + tail) * SLACK >= best or upto == TAILS:
             out.append(cheap + tail)
             continue
         if work is None:  # the factor's sends are v times one chunk's (2 P_i each)
