@@ -211,6 +211,13 @@ def _solve(
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
             factors = interleave_factors(workload, p)
+            if tier < WHOLE:  # the family's bound (its least member's) without the network, then with the tails
+                lb = max(bound, min(network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds, upto=tier)))
+                if lb * SLACK < best_t:
+                    heapq.heappush(heap, (lb, tier + 1, k, o))
+                else:
+                    settled += 1
+                continue
             bounds_of = network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)
             for v, lb in zip(factors, bounds_of):
                 if lb * SLACK < best_t:  # only the members kept become configurations
