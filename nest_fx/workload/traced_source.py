@@ -57,6 +57,7 @@ class TracedSource:
         self._facts: Dict[int, BlockFacts] = {}
         self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
         self._cp_reason: Optional[str] = None  # cp_problem's verdict without the degree, once known
+        self._node_seconds: Dict[tuple, List[float]] = {}  # _analytical's, per (block, tp, mbs, sp, cp)
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -90,6 +91,7 @@ class TracedSource:
         with_kernels = getattr(base, "with_kernels", None)
         derived.timing = with_kernels(backend.hopper_attention, attention_kernel) if with_kernels else base
         derived.byte_scale = byte_scale
+        derived._node_seconds = {}  # another timing model or byte scale
         derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived
 
@@ -271,7 +273,16 @@ class TracedSource:
 
     def _analytical(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         """Forward seconds of each node by the analytical model, on a context-parallel rank's
-        tokens (``docs/cost_model.md``: attention under context parallelism)."""
+        tokens (``docs/cost_model.md``: attention under context parallelism); once per
+        (block, tp, mbs, sp, cp): the variants that differ in EP degree or loss parallelism,
+        and a CP variant's own cp = 1 base, share them. Read only."""
+        key = (block.index, tp, mbs, sp, cp)
+        hit = self._node_seconds.get(key)
+        if hit is None:
+            hit = self._node_seconds[key] = self._analytical_of(block, tp, mbs, sp, cp)
+        return hit
+
+    def _analytical_of(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         scale = mbs / self.batch
         out = []
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
