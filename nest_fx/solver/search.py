@@ -48,7 +48,7 @@ import gc
 import heapq
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -190,7 +190,7 @@ def _solve(
     stream = _tier0_entries(pairs, by_tp)
     head = next(stream, None)
     heap: List[tuple] = []
-    total = sum(len(by_tp[t]) for t in pairs.tps)
+    total = sum(len(by_tp[t]) * count for t, count in Counter(pairs.tps).items())
     runs = pops = settled = 0
     complete = deadline is None or time.perf_counter() <= deadline  # every pair enumerated
     while True:

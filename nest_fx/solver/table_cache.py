@@ -372,8 +372,13 @@ class TableCache:
     def _stage_syncs(self, g: GlobalConfig, p: int, m: int, zero: int, d: float, e: float) -> Tuple[float, float, bool]:
         """(least DP sync seconds of d dense and e expert parameters over the stages, least slope in
         seconds per parameter where the network is affine in the size, whether it is), shared by
-        the variants of one layout with the same parameters (microbatch sizes, loss parallel)."""
-        key = (self._layout_key(g, p), d, e, zero, m if zero >= 2 else 0, g.float8)
+        the variants of one layout with the same parameters (microbatch sizes, loss parallel).
+        The dense parameters' (``e == 0``) are shared by the EP degrees too: the DP, shard and
+        replica groups do not depend on it (``Plan.rank``), nor does their traffic without experts."""
+        layout_key = self._layout_key(g, p)
+        if e == 0:
+            layout_key = layout_key[:3] + (1,) + layout_key[4:]  # (placement, tp, dp, ep, ...): any ep
+        key = (layout_key, d, e, zero, m if zero >= 2 else 0, g.float8)
         hit = self._syncs.get(key)
         if hit is None:
             layout, cluster = self.layout(g, p), self.cluster
