@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 from nest_fx.cost import memory
 from nest_fx.cost.dp_sync import tail_terms
+from nest_fx.cost.schedules import bubble_factor
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.solver.candidates import busiest_stage_floor, layer_floors, layer_prefix, partition_floor
 from nest_fx.solver.space import GlobalConfig, objective
@@ -102,8 +103,28 @@ def network_bounds(
         sends = v * sends_one
         paced = work + forced + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
         floor = max(busiest_work, cache.stage_floor(g, p, m, v)) if stages else busiest_work
-        out.append(pipeline_span(max(paced / p, floor), work + forced + sends, m, g.schedule, v) + tail)
+        bound = pipeline_span(max(paced / p, floor), work + forced + sends, m, g.schedule, v) + tail
+        if stages and bound * SLACK < best:
+            bound = _ordered_stages(cache, g, p, m, v, best, tail, work + forced + sends, max(paced / p, floor), bound)
+        out.append(bound)
     return out
+
+
+def _ordered_stages(
+    cache: TableCache, g: GlobalConfig, p: int, m: int, v: int, best: float, tail: float, spans: float, floor, bound
+) -> float:
+    """``bound`` raised when no split of (g, p) can keep its busiest stage at the time that
+    would make the pair's bound reach ``best``: the stages' layers in order with their
+    collectives and the recompute each stage's own memory forces (``TableCache.splits_fit``).
+    Asked at that one time only (the pipeline span is increasing in max_i t_i when m > its
+    bubble factor), so it costs one greedy pass."""
+    share = bubble_factor(g.schedule, v)
+    if m <= share:
+        return bound
+    cap = (best - tail - spans * share) / (m - share) * (1 + 1e-9)  # max_i t_i at which the bound reaches best
+    if cap <= floor or cache.splits_fit(g, p, m, v, cap):
+        return bound
+    return pipeline_span(cap, spans, m, g.schedule, v) + tail  # every split's busiest stage takes more than cap
 
 
 def table_worth(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float, memo: Dict[tuple, object]) -> bool:
