@@ -104,6 +104,25 @@ def _fits(prefix: Sequence[float], p: int, cap: float) -> bool:
     return False
 
 
+def _least_fitting_depth(params: float, zero: int, shard: int, layers: int, capacity: float, options) -> int:
+    """The least depth p <= ``layers`` whose leanest model states, those of ``params / p``
+    parameters, fit in ``capacity`` (``layers + 1`` when none does): they shrink as p grows
+    (each term is a product of the parameters and positive factors, rounded monotonically), so
+    a bisection asks a few depths instead of every one."""
+
+    def fits(p: int) -> bool:
+        return model_states(params / p, zero, shard, options.cost)["total"] <= capacity
+
+    lo, hi = 0, layers + 1  # fits(hi) taken as true, fits(lo) as false
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 class Pairs:
     """Tier 0's pairs, sorted by bound (ties in enumeration order), built lazily: ``self[k]``
     is ``(lb, g, p)``, g's :class:`GlobalConfig` made on first ask (the search asks for a few
@@ -214,7 +233,7 @@ def tier0(
         si = screens.get((params, zero, shard))
         if si is None:  # fits[p]: the leanest model states of p stages fit
             si = screens[(params, zero, shard)] = len(screen_terms)
-            fits = model_states(params / every, zero, shard, options.cost)["total"] <= capacity
+            fits = every >= _least_fitting_depth(params, zero, shard, layers, capacity, options)
             t_opt = tail_terms(0.0, 0.0, 0.0, params / every, shard, zero, cluster, options.cost)[1]
             screen_terms.append((np.concatenate([[False], fits]), np.concatenate([[np.inf], t_opt])))
         sc = schedules.setdefault((schedule, v), len(schedules))
