@@ -21,6 +21,10 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
 3. the same with the exact tails q_i (exposed DP sync + optimizer step);
 4. the exact DP (``nest_dp.solve_partition``).
 
+Tier 0's pairs stream in sorted (``candidates.tier0``); tier 1 is asked in three heap steps
+(``TABLE_TIERS``: without the network, with the tails, whole), so the network is asked only of
+pairs whose cheaper bound is still below the best plan when they come up again.
+
 Before any of it, :func:`states_bound` refuses a model whose states cannot fit on the whole
 cluster (the command line asks it before the trace, from the parameter count alone).
 

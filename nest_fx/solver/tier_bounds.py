@@ -129,7 +129,8 @@ def _ordered_stages(
 
 def table_worth(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float, memo: Dict[tuple, object]) -> bool:
     """Whether a pair tier 1 keeps still may beat ``best`` once its busiest stage also sees each
-    stage's own memory (``TableCache.stage_floor``: asked only here, before a table is built)."""
+    stage's own memory (``TableCache.stage_floor`` by layer count, ``TableCache.splits_fit`` in
+    layer order with the collectives: asked only here, before a table is built)."""
     return network_bound(cache, g, p, m, best, memo, stages=True) * SLACK < best
 
 
