@@ -40,10 +40,12 @@ class MemoryFloors:
         meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
         greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
         the recompute time of every plan from below."""
-        zero, v = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads), g.virtual_stages if v is None else v
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
+        v = g.virtual_stages if v is None else v
+        # keyed by what the effective ZeRO stage is made of: asked it only when missing
+        key = (g.variant, g.zero, g.pp_shard_grads, g.shard, p, m, g.schedule, v)
         hit = self._forced.get(key)
         if hit is None:
+            zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
             hit = self._forced[key] = self._forced_recompute(g, p, m, zero, v)
         return hit
 
