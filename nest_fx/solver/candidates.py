@@ -34,10 +34,10 @@ def variant_of(g: GlobalConfig) -> Variant:
     return g.variant
 
 
-def _replica_work(workload: Workload, g: GlobalConfig) -> Tuple[float, float, np.ndarray]:
+def _replica_work(workload: Workload, variant: Variant) -> Tuple[float, float, np.ndarray]:
     """(per-microbatch fwd + bwd seconds, per-device parameters, :func:`layer_floors`) of one
-    replica at g's variant."""
-    times = [workload.cost(i, g.variant) for i in range(len(workload))]
+    replica at ``variant``."""
+    times = [workload.cost(i, variant) for i in range(len(workload))]
     work = sum(c.fwd_s + c.bwd_s for c in times)
     return work, sum(c.num_params for c in times), _floors([c.fwd_s + c.bwd_s for c in times])
 
@@ -104,6 +104,56 @@ def _fits(prefix: Sequence[float], p: int, cap: float) -> bool:
     return False
 
 
+def _least_fitting_depth(params: float, zero: int, shard: int, layers: int, capacity: float, options) -> int:
+    """The least depth p <= ``layers`` whose leanest model states, those of ``params / p``
+    parameters, fit in ``capacity`` (``layers + 1`` when none does): they shrink as p grows
+    (each term is a product of the parameters and positive factors, rounded monotonically), so
+    a bisection asks a few depths instead of every one."""
+
+    def fits(p: int) -> bool:
+        return model_states(params / p, zero, shard, options.cost)["total"] <= capacity
+
+    lo, hi = 0, layers + 1  # fits(hi) taken as true, fits(lo) as false
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+class Pairs:
+    """Tier 0's pairs, sorted by bound (ties in enumeration order), built lazily: ``self[k]``
+    is ``(lb, g, p)``, g's :class:`GlobalConfig` made on first ask (the search asks for a few
+    thousand of the ~10^5 pairs). Pairs appended later (an interleaved family's members) follow
+    the tier-0 ones. ``lbs`` and ``tps``: every tier-0 pair's bound and TP degree, as lists."""
+
+    def __init__(self, lbs: np.ndarray, depths: np.ndarray, rows: np.ndarray, fields: list, shared: dict):
+        self.lbs, self.depths, self.count = lbs.tolist(), depths.tolist(), len(lbs)
+        self._rows, self._fields, self._shared = rows.tolist(), fields, shared
+        self.tps = [fields[r][2] for r in self._rows]  # CONFIG_ROW: tp is the third field
+        self._configs: Dict[int, GlobalConfig] = {}
+        self._more: list = []
+
+    def __len__(self) -> int:
+        return self.count + len(self._more)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k >= self.count:
+            return self._more[k - self.count]
+        r = self._rows[k]
+        g = self._configs.get(r)
+        if g is None:
+            g = self._configs[r] = config_of(self._fields[r], self._shared)
+        return self.lbs[k], g, self.depths[k]
+
+    def append(self, pair: tuple) -> None:
+        self._more.append(pair)
+
+
 def candidates(
     workload: Workload,
     cluster: ClusterModel,
@@ -111,70 +161,101 @@ def candidates(
     options: SolverOptions,
     deadline: Optional[float] = None,
     expand: bool = False,
-):
+) -> list:
     """(LB, g, p) for every admissible pair that passes the memory screen, sorted by LB (tier 0
     of the module docstring); only those enumerated before ``deadline`` (a
     ``time.perf_counter()`` value) when it passes. An interleaved ``g`` with ``v =
     ANY_INTERLEAVE`` stands for every factor at its depth (its bound: the largest factor's,
     the least); ``expand`` lists the factors one by one instead (the baselines)."""
+    pairs = tier0(workload, cluster, global_batch, options, deadline)
+    if not expand:
+        return pairs[:]
+    workload = options.priced().runtime_workload(workload)
+    return [(lb, h, p) for lb, g, p in pairs[:] for h in concrete(g, workload, p)]
+
+
+def tier0(
+    workload: Workload,
+    cluster: ClusterModel,
+    global_batch: int,
+    options: SolverOptions,
+    deadline: Optional[float] = None,
+) -> Pairs:
+    """:func:`candidates` (not expanded) as :class:`Pairs`. The configurations are read as rows
+    (``space.config_rows``); a row's admissible depths depend on a few of its fields
+    (``stage_counts``, asked once per distinct set), its bounds on its variant, ZeRO stage,
+    shard degree, microbatches and schedule: the per-depth terms are tabulated once per variant
+    and per (parameters, ZeRO, shard), and the bounds of every (row, depth) computed in one pass of
+    array arithmetic, element by element the same operations as per row."""
     options = options.priced()
     workload = options.runtime_workload(workload)
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
-    works: Dict[tuple, Tuple[float, float, np.ndarray]] = {}
-    screens: Dict[tuple, np.ndarray] = {}
-    depth_memo: Dict[tuple, np.ndarray] = {}
-    t_opts: Dict[tuple, np.ndarray] = {}
-    busiest: Dict[tuple, np.ndarray] = {}
-    out = []
+    layers = len(workload)
+    every = np.arange(1, layers + 1)
+    depth_memo: Dict[tuple, int] = {}
+    depth_sets: list = []  # (layers + 1,) bool: depth p admissible
+    variants: Dict[tuple, int] = {}
+    works: list = []  # per variant: (work, params, max_t by depth)
+    screens: Dict[tuple, int] = {}
+    screen_terms: list = []  # per (parameters, ZeRO, shard): (fits by depth, t_opt by depth)
+    schedules: Dict[tuple, int] = {}
+    fields: list = []
+    kept: list = []  # per row with depths: (depth set, screen, variant, microbatches, schedule)
     shared, rows = config_rows(workload, cluster, global_batch, options)
     first = options.placements[0]
     for k, row in enumerate(rows):
         if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
             break
-        mbs, dp, tp, _, cp, _, _, zero, _, schedule, v, placement = row  # CONFIG_ROW
+        mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard, schedule, v, placement = row  # CONFIG_ROW
         # stage_counts reads only these of g (and the workload, cluster and options, fixed here;
         # compile is the options'): most rows have no depth and never build their GlobalConfig
         depth_key = (dp * tp * cp, dp * mbs, schedule, v, zero, placement == first)
-        depths = depth_memo.get(depth_key)
-        if depths is None:
-            g = config_of(row, shared)
-            depths = depth_memo[depth_key] = np.array(
-                stage_counts(workload, cluster, g, global_batch, options), dtype=np.intp
-            )
-        if not depths.size:
+        ds = depth_memo.get(depth_key)
+        if ds is None:
+            depths = stage_counts(workload, cluster, config_of(row, shared), global_batch, options)
+            ds = depth_memo[depth_key] = len(depth_sets) if depths else -1
+            if depths:
+                admissible = np.zeros(layers + 1, dtype=bool)
+                admissible[depths] = True
+                depth_sets.append(admissible)
+        if ds < 0:
             continue
-        g = config_of(row, shared)
-        key = variant_of(g)
-        if key not in works:
-            works[key] = _replica_work(workload, g)
-        work, params, floors = works[key]
-        screen_key = (params, g.zero, g.shard, int(depths[-1]))
-        if screen_key not in screens:  # fits[p]: the leanest model states of p stages fit
-            every = np.arange(1, int(depths[-1]) + 1, dtype=float)
-            screens[screen_key] = np.concatenate(
-                [[False], model_states(params / every, g.zero, g.shard, options.cost)["total"] <= capacity]
-            )
-        depths = depths[screens[screen_key][depths]]
-        # the optimizer step and the busiest stage's floor do not depend on the schedule or placement
-        depths_key = depths.tobytes()
-        t_opt = t_opts.get((screen_key, depths_key))
-        if t_opt is None:
-            t_opt = t_opts[(screen_key, depths_key)] = tail_terms(
-                0.0, 0.0, 0.0, params / depths, g.shard, g.zero, cluster, options.cost
-            )[1]
-        max_t = busiest.get((key, depths_key))
-        if max_t is None:
-            max_t = busiest[(key, depths_key)] = np.maximum(work / depths, busiest_stage_floor(floors, depths))
-        m = g.microbatches(global_batch)
-        if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:
-            v = len(workload) // depths  # the largest factor gives the least bound of the family
-            lbs = m * max_t + (work - max_t) * bubble_factor(g.schedule, 1) / v + t_opt
+        vkey = (tp, ep, mbs, sp, cp, lp)  # Variant's fields, in its order
+        vi = variants.get(vkey)
+        if vi is None:
+            vi = variants[vkey] = len(works)
+            work, params, floors = _replica_work(workload, Variant(*vkey))
+            # the busiest stage's floor does not depend on the schedule or placement
+            max_t = np.maximum(work / every, busiest_stage_floor(floors, every))
+            works.append((work, params, np.concatenate([[np.inf], max_t])))
+        shard = (dp_shard or dp) * cp  # GlobalConfig.shard
+        params = works[vi][1]  # the variants of one parameter count (microbatch sizes) share these
+        si = screens.get((params, zero, shard))
+        if si is None:  # fits[p]: the leanest model states of p stages fit
+            si = screens[(params, zero, shard)] = len(screen_terms)
+            fits = every >= _least_fitting_depth(params, zero, shard, layers, capacity, options)
+            t_opt = tail_terms(0.0, 0.0, 0.0, params / every, shard, zero, cluster, options.cost)[1]
+            screen_terms.append((np.concatenate([[False], fits]), np.concatenate([[np.inf], t_opt])))
+        sc = schedules.setdefault((schedule, v), len(schedules))
+        fields.append(row)
+        kept.append((ds, si, vi, global_batch // (dp * mbs), sc))
+    if not kept:
+        return Pairs(np.zeros(0), np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), [], shared)
+    ds, si, vi, m, sc = (np.array(c) for c in zip(*kept))
+    row, p = np.nonzero(np.array(depth_sets)[ds] & np.array([f for f, _ in screen_terms])[si])  # row-major
+    vi, m, sc = vi[row], m[row], sc[row]
+    work = np.array([w for w, _, _ in works])[vi]
+    max_t = np.array([t for _, _, t in works])[vi, p]
+    t_opt = np.array([t for _, t in screen_terms])[si[row], p]
+    lbs = np.empty(len(row))
+    for (schedule, v), code in schedules.items():
+        at = sc == code
+        if not at.any():
+            continue
+        if v == ANY_INTERLEAVE and schedule in CHUNKED_SCHEDULES:
+            factor = layers // p[at]  # the largest factor gives the least bound of the family
+            lbs[at] = m[at] * max_t[at] + (work[at] - max_t[at]) * bubble_factor(schedule, 1) / factor + t_opt[at]
         else:
-            lbs = pipeline_span(max_t, work, m, g.schedule, g.virtual_stages) + t_opt
-        if expand:
-            for lb, p in zip(lbs.tolist(), depths.tolist()):
-                out.extend((lb, h, p) for h in concrete(g, workload, p))
-        else:
-            out += [(lb, g, p) for lb, p in zip(lbs.tolist(), depths.tolist())]
-    out.sort(key=lambda x: x[0])
-    return out
+            lbs[at] = pipeline_span(max_t[at], work[at], m[at], schedule, v) + t_opt[at]
+    order = np.argsort(lbs, kind="stable")  # ties keep the enumeration order (row, then depth)
+    return Pairs(lbs[order], p[order], row[order], fields, shared)

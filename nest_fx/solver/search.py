@@ -21,6 +21,10 @@ first (each tier's bound is valid on its own; a pair keeps the largest it has se
 3. the same with the exact tails q_i (exposed DP sync + optimizer step);
 4. the exact DP (``nest_dp.solve_partition``).
 
+Tier 0's pairs stream in sorted (``candidates.tier0``); tier 1 is asked in three heap steps
+(``TABLE_TIERS``: without the network, with the tails, whole), so the network is asked only of
+pairs whose cheaper bound is still below the best plan when they come up again.
+
 Before any of it, :func:`states_bound` refuses a model whose states cannot fit on the whole
 cluster (the command line asks it before the trace, from the parameter count alone).
 
@@ -48,7 +52,7 @@ import gc
 import heapq
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -59,7 +63,7 @@ from nest_fx.cost.results import SimResult
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan.plan import Plan
 from nest_fx.solver.recipes import megatron
-from nest_fx.solver.candidates import candidates
+from nest_fx.solver.candidates import tier0
 from nest_fx.solver.nest_dp import BudgetExceeded, solve_partition
 from nest_fx.solver.placement import Placement, placements
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES
@@ -75,9 +79,14 @@ from nest_fx.solver.space import (
 from nest_fx.solver.stage_bounds import SLACK
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
-from nest_fx.solver.tier_bounds import network_bound, network_bounds, table_bound, table_worth
+from nest_fx.solver.tier_bounds import WHOLE, network_bound, network_bounds, table_bound, table_worth
 from nest_fx.workload.types import Variant, Workload
 
+
+# the heap's tiers: 0 (tier 0's bound), 1 to 3 (tier 1's without the network, with the DP groups'
+# tail floor, whole: tier_bounds.NO_NETWORK, TAILS, WHOLE, one more each), then the stage table's
+# suffix bounds (TABLE_TIERS[0]: without, [1]: with the exact tails), then the exact DP
+TABLE_TIERS = (3, 4, 5)
 
 # tier-0 pairs whose tier-1 bounds _dive compares for a first incumbent
 DIVE_PAIRS = 64
@@ -167,8 +176,8 @@ def _solve(
     problem = states_bound(workload.num_params, cluster, options.cost)
     if problem:
         raise NoFeasiblePlan(problem)
-    pairs = candidates(workload, cluster, global_batch, options, deadline)
-    places, by_tp = placements(cluster, {g.tp for _, g, _ in pairs}, options.search_placement)
+    pairs = tier0(workload, cluster, global_batch, options, deadline)
+    places, by_tp = placements(cluster, set(pairs.tps), options.search_placement)
     # placement 0 (the cluster's own order); half the budget at most, the search needs the rest
     best_t, best = _incumbent(
         workload, cluster, global_batch, options, None if deadline is None else (start + deadline) / 2
@@ -180,41 +189,61 @@ def _solve(
     )
     bounds: Dict[tuple, object] = {}  # network_bound's network-independent terms
     best_t, best = _dive(pairs, by_tp, tables, workload, global_batch, bounds, best_t, best, deadline)
-    heap = [(lb, 0, k, o) for k, (lb, g, _) in enumerate(pairs) for o in by_tp[g.tp]]  # sorted, hence a heap
-    total = len(heap)
+    # the tier-0 entries (lb, 0, k, o), already sorted, stream in; the heap holds the refined ones:
+    # each pop takes the least of the two heads, as one heap of every entry would
+    stream = _tier0_entries(pairs, by_tp)
+    head = next(stream, None)
+    heap: List[tuple] = []
+    total = sum(len(by_tp[t]) * count for t, count in Counter(pairs.tps).items())
     runs = pops = settled = 0
     complete = deadline is None or time.perf_counter() <= deadline  # every pair enumerated
-    while heap and heap[0][0] * SLACK < best_t:
+    while True:
+        from_heap = bool(heap) and (head is None or heap[0] < head)
+        entry = heap[0] if from_heap else head
+        if entry is None or entry[0] * SLACK >= best_t:
+            break
         if deadline is not None and time.perf_counter() > deadline:
             complete = False
             break
-        bound, tier, k, o = heapq.heappop(heap)
+        if from_heap:
+            bound, tier, k, o = heapq.heappop(heap)
+        else:
+            bound, tier, k, o = head
+            head = next(stream, None)
         pops += 1
         _, g, p = pairs[k]
         m = g.microbatches(global_batch)
         if g.virtual_stages == ANY_INTERLEAVE and g.schedule in CHUNKED_SCHEDULES:  # a family: one entry per factor
             factors = interleave_factors(workload, p)
-            for v, lb in zip(factors, network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)):
+            if tier < WHOLE:  # the family's bound (its least member's) without the network, then with the tails
+                lb = max(bound, min(network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds, upto=tier)))
+                if lb * SLACK < best_t:
+                    heapq.heappush(heap, (lb, tier + 1, k, o))
+                else:
+                    settled += 1
+                continue
+            bounds_of = network_bounds(tables.caches[o], g, p, m, factors, best_t, bounds)
+            for v, lb in zip(factors, bounds_of):
                 if lb * SLACK < best_t:  # only the members kept become configurations
                     pairs.append((lb, dataclasses.replace(g, virtual_stages=v), p))
-                    heapq.heappush(heap, (max(bound, lb), 1, len(pairs) - 1, o))
+                    heapq.heappush(heap, (max(bound, lb), WHOLE + 1, len(pairs) - 1, o))
                     total += 1
             settled += 1
             continue
-        if tier < 3:  # refine the bound (to the tier of the module docstring after ``tier``)
-            if tier == 0:
-                lb = network_bound(tables.caches[o], g, p, m, best_t, bounds)
-            elif tier == 1 and not table_worth(tables.caches[o], g, p, m, best_t, bounds):
+        if tier < TABLE_TIERS[-1]:  # refine the bound (to the tier of the module docstring after ``tier``)
+            if tier < TABLE_TIERS[0]:  # tier 1 in three steps: the network asked last, once popped again
+                lb = network_bound(tables.caches[o], g, p, m, best_t, bounds, upto=tier)
+            elif tier == TABLE_TIERS[0] and not table_worth(tables.caches[o], g, p, m, best_t, bounds):
                 settled += 1  # each stage's own memory: no table needed
                 continue
             else:
                 table = tables.get((k, o), g, p, best_t)
-                if tier == 1:
+                if tier == TABLE_TIERS[0]:
                     even = table.even_split(best_t)
                     step = objective(*even[:3], m, g.schedule, g.virtual_stages) if even else math.inf
                     if step < best_t:
                         best_t, best = step, (g, m, even[3], o)
-                lb = table_bound(table, best_t, exact_tails=tier == 2)
+                lb = table_bound(table, best_t, exact_tails=tier == TABLE_TIERS[1])
             lb = max(bound, lb)  # each tier's bound is valid: keep the largest
             if lb * SLACK < best_t:
                 heapq.heappush(heap, (lb, tier + 1, k, o))
@@ -272,6 +301,15 @@ def _solve(
         placement=places[o].name,
         placements=places,
     )
+
+
+def _tier0_entries(pairs, by_tp):
+    """The heap entries ``(lb, 0, k, o)`` of every tier-0 pair k and device order o of its TP
+    degree, in heap order (the pairs are sorted by bound, ties by k)."""
+    orders = {t: sorted(os) for t, os in by_tp.items()}
+    for k, (lb, t) in enumerate(zip(pairs.lbs, pairs.tps)):
+        for o in orders[t]:
+            yield (lb, 0, k, o)
 
 
 def _dive(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.common.arith import divisors
@@ -118,12 +120,12 @@ class GlobalConfig:
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.microbatch_size)
 
-    @property
+    @cached_property  # read many times per pair by the bounds' cache keys
     def variant(self) -> Variant:
         """The workload variant of this configuration (``Workload.cost``)."""
         return Variant(self.tp, self.ep, self.microbatch_size, self.sequence_parallel, self.cp, self.loss_parallel)
 
-    @property
+    @cached_property
     def shard(self) -> int:
         """Ranks ZeRO/FSDP shards over (``dp_sync.shard_degree``)."""
         return (self.dp_shard or self.dp) * self.cp
@@ -347,9 +349,7 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue
         if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
             continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
-        if unrun_schedule(g.schedule, pp=p, zero=g.zero, compile=g.compile, pp_shard_grads=g.pp_shard_grads) or all(
-            unrun_schedule(g.schedule, pp=p, recompute=(r,)) for r in options.recompute
-        ):
+        if _unrun_at(g.schedule, p, g.zero, g.compile, g.pp_shard_grads, tuple(options.recompute)):
             continue  # the runtime does not run the schedule with these settings, or with any recompute mode
         if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
             continue
@@ -361,6 +361,17 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
             continue  # one stage lays its replicas out the same way under every placement: a duplicate
         out.append(p)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _unrun_at(
+    schedule: str, p: int, zero: int, compile: bool, pp_shard_grads: bool, recompute: Tuple[str, ...]
+) -> bool:
+    """Whether the runtime refuses ``schedule`` on p stages with these settings, or with every
+    recompute mode (``plan.may_run.unrun_schedule``, a function of its arguments: asked once)."""
+    return bool(unrun_schedule(schedule, pp=p, zero=zero, compile=compile, pp_shard_grads=pp_shard_grads)) or all(
+        unrun_schedule(schedule, pp=p, recompute=(r,)) for r in recompute
+    )
 
 
 def interleave_factors(workload: Workload, p: int) -> List[int]:

@@ -28,6 +28,7 @@ split and recompute choice of small cases.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
@@ -161,12 +162,7 @@ def busiest_floor(
         return math.inf
     ells = np.arange(least, most + 1)
     rows, stages = np.unique(np.asarray(inflight, dtype=float), return_counts=True)
-    need = terms.kept[ells][None, :] - (capacity - per_param * terms.params[ells])[None, :] / rows[:, None]
-    cap = np.minimum(terms.count[None, :], ells[:, None]) * terms.unit[None, :]  # (E, S), cheapest first
-    before = np.cumsum(cap, axis=1) - cap
-    used = np.clip(need[:, :, None] - before[None], 0.0, cap[None])  # (F, E, S) bytes saved per segment
-    seconds = (used * terms.rate).sum(axis=2)
-    fits = need <= cap.sum(axis=1)[None, :] + _ROUNDING * np.abs(terms.kept[ells])[None, :]
+    seconds, fits = _recompute_seconds(terms, rows, per_param, capacity, ells)
     floor = np.where(fits, terms.compute[ells][None, :] + seconds, math.inf)  # (F, E)
     values = np.unique(floor[np.isfinite(floor)])
     if not values.size or not _covers(floor, ells, stages, layers, values[-1]):
@@ -179,6 +175,62 @@ def busiest_floor(
         else:
             lo = mid
     return float(values[hi]) * (1 - _ROUNDING)
+
+
+def _recompute_seconds(
+    terms: ReachTerms, rows: np.ndarray, per_param: float, capacity: float, ells: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
+    """(F, E) each: the least recompute seconds a stage holding ``rows[f]`` in-flight microbatches
+    and ``ells[e]`` layers spends to fit (the LP on the blocks' hulls, module docstring), and
+    whether the hulls' full savings suffice."""
+    need = terms.kept[ells][None, :] - (capacity - per_param * terms.params[ells])[None, :] / rows[:, None]
+    cap = np.minimum(terms.count[None, :], ells[:, None]) * terms.unit[None, :]  # (E, S), cheapest first
+    before = np.cumsum(cap, axis=1) - cap
+    used = np.clip(need[:, :, None] - before[None], 0.0, cap[None])  # (F, E, S) bytes saved per segment
+    seconds = (used * terms.rate).sum(axis=2)
+    fits = need <= cap.sum(axis=1)[None, :] + _ROUNDING * np.abs(terms.kept[ells])[None, :]
+    return seconds, fits
+
+
+def recompute_floors(terms: ReachTerms, inflight: Sequence[float], per_param: float, capacity: float) -> np.ndarray:
+    """(p, L + 1): entry [i, l] a lower bound on the recompute seconds per microbatch of stage i
+    (``inflight[i]`` microbatches) holding l layers, whatever they are (:func:`busiest_floor`'s
+    LP), made non-decreasing in l by taking the least over l and every longer count (still a
+    lower bound); inf where no count from l up fits, 0 for no layer."""
+    layers = len(terms.compute) - 1
+    rows, index = np.unique(np.asarray(inflight, dtype=float), return_inverse=True)
+    seconds, fits = _recompute_seconds(terms, rows, per_param, capacity, np.arange(1, layers + 1))
+    floors = np.minimum.accumulate(np.where(fits, seconds, math.inf)[:, ::-1], axis=1)[:, ::-1]
+    return np.concatenate([np.zeros((len(rows), 1)), floors], axis=1)[index.ravel()]
+
+
+def splits_fit(prefix: Sequence[float], floors: np.ndarray, cap: float) -> bool:
+    """Whether the layers can be cut into ``len(floors)`` contiguous stages (some possibly empty)
+    with every stage's lower bound at most ``cap``: stage i holding layers [b, e) takes at least
+    ``prefix[e] - prefix[b] + floors[i, e - b]`` (``prefix``: prefix sums of each layer's least
+    time, in layer order; ``floors``: :func:`recompute_floors`). Greedy, stage by stage, each
+    reaching as far as its cap allows: from a later start a stage reaches no less (its layers'
+    sum shrinks and ``floors[i]`` grows with the count), so no split fits when the greedy one
+    does not. False proves every split's busiest stage slower than ``cap``."""
+    layers = len(prefix) - 1
+    pos = 0
+    for row in floors:
+        base = prefix[pos]
+        if row[0] > cap:
+            return False
+        # the furthest end within the cap on the layers' sums alone, then back while the floor exceeds it
+        end = bisect.bisect_right(prefix, base + cap, pos) - 1
+        lo, hi = pos, end
+        while lo < hi:  # the largest e in [pos, end] with prefix[e] - base + row[e - pos] <= cap
+            mid = (lo + hi + 1) // 2
+            if prefix[mid] - base + row[mid - pos] <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        pos = lo
+        if pos >= layers:
+            return True
+    return False
 
 
 def _covers(floor: np.ndarray, ells: np.ndarray, stages: np.ndarray, layers: int, cap: float) -> bool:

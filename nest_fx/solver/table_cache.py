@@ -12,7 +12,6 @@ builds a table: the recompute memory forces (``forced_recompute``) and one repli
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields
 from typing import Dict, List, Optional, Tuple
 
@@ -30,7 +29,7 @@ from nest_fx.plan.may_run import unrun_schedule
 from nest_fx.solver.candidates import partition_floor, variant_of
 from nest_fx.solver.range_classes import RangeClasses, ReplicaTerms, range_classes, replica_terms
 from nest_fx.solver.space import GlobalConfig
-from nest_fx.solver.stage_reach import busiest_floor, hull_modes, reach_terms, recompute_hull, stage_memory_terms
+from nest_fx.solver.memory_floors import MemoryFloors
 from nest_fx.workload import Workload
 
 
@@ -57,8 +56,9 @@ def _comm_work(comms: Dict[str, np.ndarray], compute: float, options: CostOption
     return sum(comms[k] * (1 - float(getattr(options, f"overlap_{k}_comm"))) for k in ("tp", "ep", "cp"))
 
 
-class TableCache:
-    """What stage tables of one search share (see module docstring)."""
+class TableCache(MemoryFloors):
+    """What stage tables of one search share (see module docstring); the memory floors of the
+    per-pair bounds are :class:`~nest_fx.solver.memory_floors.MemoryFloors`'."""
 
     def __init__(self, workload: Workload, cluster, options: CostOptions, modes, share: Optional["TableCache"] = None):
         """``share``: a cache of the same workload and options on another view of the same
@@ -91,6 +91,8 @@ class TableCache:
         self._hulls: Dict[tuple, tuple] = {}
         self._stage_floor: Dict[tuple, float] = {}
         self._busiest: Dict[tuple, float] = {}
+        self._prefix: Dict[tuple, List[float]] = {}
+        self._recompute_floors: Dict[tuple, np.ndarray] = {}
         self._inflight: Dict[tuple, tuple] = {}
         self._reach: Dict[tuple, object] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
@@ -207,76 +209,6 @@ class TableCache:
                     hit[i, d] = by_bytes[sent]
         return hit
 
-    def forced_recompute(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
-        """A lower bound on the recompute seconds per microbatch that any plan of (g, p) spends to
-        fit in memory (inf when none fits), summed over its stages; ``v``: at that interleave
-        factor instead of g's (a family's members share one call's other terms).
-
-        Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
-        all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
-        (``inflight.pipeline_inflight_microbatches``; other terms only add), so
-        ``A_i <= (C - k P_i) / f_i``; summed over the stages, the blocks' activations per
-        microbatch obey ``sum_l a_l <= C sum_i 1 / f_i - k P / max_i f_i``. The cheapest way to
-        meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
-        greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
-        the recompute time of every plan from below."""
-        zero, v = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads), g.virtual_stages if v is None else v
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
-        hit = self._forced.get(key)
-        if hit is None:
-            hit = self._forced[key] = self._forced_recompute(g, p, m, zero, v)
-        return hit
-
-    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
-        per_param, inflight = self._memory_terms(g, p, m, zero, v)
-        params, kept, segments = self._recompute_hull(g)
-        budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
-        excess = kept - budget
-        seconds = 0.0
-        for rate, saved in segments:
-            if excess <= 0:
-                break
-            take = min(saved, excess)
-            seconds += rate * take
-            excess -= take
-        return seconds if excess <= 0 else math.inf
-
-    def _memory_terms(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, List[float]]:
-        """``stage_reach.stage_memory_terms``, once per (ZeRO, shard, p, m, schedule, v): the
-        variants of a pair share it."""
-        key = (zero, g.shard, p, m, g.schedule, v)
-        hit = self._inflight.get(key)
-        if hit is None:
-            hit = self._inflight[key] = stage_memory_terms(g, p, m, zero, v, self.options)
-        return hit
-
-    def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
-        """A lower bound on max_i t_i of any plan of (g, p) (``v``: at that interleave factor)
-        that sees each stage's own memory (``stage_reach``); inf when no split fits."""
-        zero, v = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads), g.virtual_stages if v is None else v
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
-        hit = self._stage_floor.get(key)
-        if hit is None:
-            per_param, inflight = self._memory_terms(g, p, m, zero, v)
-            rc = self.replica(g)
-            reach = self._reach.get((variant_of(g), rc.modes))
-            if reach is None:
-                reach = self._reach[(variant_of(g), rc.modes)] = reach_terms(rc.costs, rc.counts, hull_modes(rc.modes))
-            # a stage leaves every other stage a layer and holds one per model chunk at least (StageTable)
-            hit = self._stage_floor[key] = busiest_floor(
-                reach, inflight, per_param, self.capacity, max(v, 1), len(self.workload) - p + 1
-            )
-        return hit
-
-    def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
-        """``stage_reach.recompute_hull`` of g's variant (what ``forced_recompute`` reads), once."""
-        rc = self.replica(g)
-        key = (variant_of(g), rc.modes)
-        hit = self._hulls.get(key)
-        if hit is None:
-            hit = self._hulls[key] = recompute_hull(rc.costs, rc.counts, rc.modes)
-        return hit
-
     def replica_work(self, g: GlobalConfig, p: int, v: Optional[int] = None) -> Tuple[float, float]:
         """Lower bounds on (sum_i W_i, sum_i 2 v P_i) of any plan of (g, p) (``v``: that interleave
         factor instead of g's): every layer's forward
@@ -316,11 +248,20 @@ class TableCache:
         key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
         hit = self._busiest.get(key)
         if hit is None:
+            hit = self._busiest[key] = partition_floor(self.layer_prefix(g, p), p)
+        return hit
+
+    def layer_prefix(self, g: GlobalConfig, p: int) -> List[float]:
+        """(L + 1,) prefix sums, in layer order, of each layer's forward + backward with its
+        collectives as ``replica_work`` counts them (at their least over the stages)."""
+        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        hit = self._prefix.get(key)
+        if hit is None:
             self.replica_work(g, p)
             comms = self._work[key][2]
             costs, _, index = self.workload.variant_costs(variant_of(g))
             times = [costs[d].fwd_s + costs[d].bwd_s + comms[d] for d in index]
-            hit = self._busiest[key] = partition_floor(np.concatenate([[0.0], np.cumsum(times)]).tolist(), p)
+            hit = self._prefix[key] = np.concatenate([[0.0], np.cumsum(times)]).tolist()
         return hit
 
     def tail_floor(self, g: GlobalConfig, p: int, m: int) -> float:
@@ -372,8 +313,13 @@ class TableCache:
     def _stage_syncs(self, g: GlobalConfig, p: int, m: int, zero: int, d: float, e: float) -> Tuple[float, float, bool]:
         """(least DP sync seconds of d dense and e expert parameters over the stages, least slope in
         seconds per parameter where the network is affine in the size, whether it is), shared by
-        the variants of one layout with the same parameters (microbatch sizes, loss parallel)."""
-        key = (self._layout_key(g, p), d, e, zero, m if zero >= 2 else 0, g.float8)
+        the variants of one layout with the same parameters (microbatch sizes, loss parallel).
+        The dense parameters' (``e == 0``) are shared by the EP degrees too: the DP, shard and
+        replica groups do not depend on it (``Plan.rank``), nor does their traffic without experts."""
+        layout_key = self._layout_key(g, p)
+        if e == 0:
+            layout_key = layout_key[:3] + (1,) + layout_key[4:]  # (placement, tp, dp, ep, ...): any ep
+        key = (layout_key, d, e, zero, m if zero >= 2 else 0, g.float8)
         hit = self._syncs.get(key)
         if hit is None:
             layout, cluster = self.layout(g, p), self.cluster

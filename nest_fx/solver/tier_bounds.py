@@ -12,12 +12,18 @@ from typing import Dict, List, Optional, Tuple
 
 from nest_fx.cost import memory
 from nest_fx.cost.dp_sync import tail_terms
+from nest_fx.cost.schedules import bubble_factor
 from nest_fx.cost.step_time import pipeline_span
 from nest_fx.solver.candidates import busiest_stage_floor, layer_floors, layer_prefix, partition_floor
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.solver.stage_bounds import SLACK
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
+
+
+# how much of the network tier 1 asks (``network_bounds(upto=)``): nothing, the DP groups' tail
+# floor, or also each layer's collectives and the stage boundaries' sends (the whole bound)
+NO_NETWORK, TAILS, WHOLE = 0, 1, 2
 
 
 def network_bound(
@@ -28,6 +34,7 @@ def network_bound(
     best: float = math.inf,
     memo: Optional[Dict[tuple, object]] = None,
     stages: bool = False,
+    upto: int = WHOLE,
 ) -> float:
     """Tier 1: ``pipeline_span(max(T / p, F_p), W + X) + Q`` with Q = ``cache.tail_floor`` (at
     least T_opt(N / p)) and (W, X) =
@@ -39,8 +46,11 @@ def network_bound(
     the layers' compute alone, a smaller valid bound) already reaches ``best`` (the pair is
     dropped either way), that bound is returned and the pair's groups are never resolved; the
     DP groups (the tail floor) are asked before the layers' collectives.
-    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search."""
-    return network_bounds(cache, g, p, m, [g.virtual_stages], best, memo, stages)[0]
+    ``memo``: the network-independent terms per (variant, ZeRO, shard degree, p), one dict per search.
+    ``upto``: ``NO_NETWORK`` stops before the tail floor, ``TAILS`` before the collectives (each
+    a smaller valid bound: the search asks the network only for pairs whose cheaper bound stays
+    below the best plan when they are popped again)."""
+    return network_bounds(cache, g, p, m, [g.virtual_stages], best, memo, stages, upto)[0]
 
 
 def network_bounds(
@@ -52,6 +62,7 @@ def network_bounds(
     best: float = math.inf,
     memo: Optional[Dict[tuple, object]] = None,
     stages: bool = False,
+    upto: int = WHOLE,
 ) -> List[float]:
     """:func:`network_bound` of g at each interleave factor of ``factors`` (an interleaved
     family's members: the terms that do not depend on the factor, the tail floor and the
@@ -77,13 +88,13 @@ def network_bounds(
             continue
         least = compute + forced  # replica_work's W without collectives
         cheap = pipeline_span(max(least / p, busiest), least, m, g.schedule, v)
-        if (cheap + t_opt) * SLACK >= best:
+        if (cheap + t_opt) * SLACK >= best or upto == NO_NETWORK:
             out.append(cheap + t_opt)
             continue
         # the tails (their DP groups, shared by the variants of equal parameters), then the collectives
         if tail is None:
             tail = max(t_opt, cache.tail_floor(g, p, m))
-        if (cheap + tail) * SLACK >= best:
+        if (cheap + tail) * SLACK >= best or upto == TAILS:
             out.append(cheap + tail)
             continue
         if work is None:  # the factor's sends are v times one chunk's (2 P_i each)
@@ -92,13 +103,34 @@ def network_bounds(
         sends = v * sends_one
         paced = work + forced + (1 - float(cache.options.overlap_p2p)) * sends  # results.microbatch_time's t_i >= this
         floor = max(busiest_work, cache.stage_floor(g, p, m, v)) if stages else busiest_work
-        out.append(pipeline_span(max(paced / p, floor), work + forced + sends, m, g.schedule, v) + tail)
+        bound = pipeline_span(max(paced / p, floor), work + forced + sends, m, g.schedule, v) + tail
+        if stages and bound * SLACK < best:
+            bound = _ordered_stages(cache, g, p, m, v, best, tail, work + forced + sends, max(paced / p, floor), bound)
+        out.append(bound)
     return out
+
+
+def _ordered_stages(
+    cache: TableCache, g: GlobalConfig, p: int, m: int, v: int, best: float, tail: float, spans: float, floor, bound
+) -> float:
+    """``bound`` raised when no split of (g, p) can keep its busiest stage at the time that
+    would make the pair's bound reach ``best``: the stages' layers in order with their
+    collectives and the recompute each stage's own memory forces (``TableCache.splits_fit``).
+    Asked at that one time only (the pipeline span is increasing in max_i t_i when m > its
+    bubble factor), so it costs one greedy pass."""
+    share = bubble_factor(g.schedule, v)
+    if m <= share:
+        return bound
+    cap = (best - tail - spans * share) / (m - share) * (1 + 1e-9)  # max_i t_i at which the bound reaches best
+    if cap <= floor or cache.splits_fit(g, p, m, v, cap):
+        return bound
+    return pipeline_span(cap, spans, m, g.schedule, v) + tail  # every split's busiest stage takes more than cap
 
 
 def table_worth(cache: TableCache, g: GlobalConfig, p: int, m: int, best: float, memo: Dict[tuple, object]) -> bool:
     """Whether a pair tier 1 keeps still may beat ``best`` once its busiest stage also sees each
-    stage's own memory (``TableCache.stage_floor``: asked only here, before a table is built)."""
+    stage's own memory (``TableCache.stage_floor`` by layer count, ``TableCache.splits_fit`` in
+    layer order with the collectives: asked only here, before a table is built)."""
     return network_bound(cache, g, p, m, best, memo, stages=True) * SLACK < best
 
 

@@ -204,8 +204,13 @@ def block_facts(graph, block) -> BlockFacts:
         row = node_for(pair.row)
         if not cols or not row:
             continue
-        down = set().union(*(nx.descendants(g, c) for c in cols)) & members
-        up = nx.ancestors(g, row) & members
+        # the nodes on a path from a column to the row: every node of such a path is an ancestor
+        # of the row, so the columns' descendants are searched among those alone (the same set;
+        # the whole graph below an early block is the rest of the model)
+        ancestors = nx.ancestors(g, row)
+        up = ancestors & members
+        inner = g.subgraph(ancestors)
+        down = set().union(*(nx.descendants(inner, c) for c in cols if c in ancestors)) & members
         region = (down & up) | set(cols) | {row}
         tp_nodes |= region | _head_table_nodes(g, block, pair, up)
         column_nodes |= set(cols)

@@ -58,6 +58,8 @@ class TracedSource:
         self._facts: Dict[int, BlockFacts] = {}
         self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
         self._cp_reason: Optional[str] = None  # cp_problem's verdict without the degree, once known
+        self._node_seconds: Dict[tuple, List[float]] = {}  # _analytical's, per (block, tp, mbs, sp, cp)
+        self._kept: Dict[tuple, tuple] = {}  # _kept_bytes', per (block, tp, mbs, sp, cp)
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -93,6 +95,8 @@ class TracedSource:
         with_kernels = getattr(base, "with_kernels", None)
         derived.timing = with_kernels(backend.hopper_attention, attention_kernel) if with_kernels else base
         derived.byte_scale = byte_scale
+        derived._node_seconds = {}  # another timing model or byte scale
+        derived._kept = {}
         derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived
 
@@ -147,21 +151,12 @@ class TracedSource:
         times = self.variant_times(block, tp, mbs, sp, cp)
         fwd = sum(t for t, _ in times)
         bwd = sum(tb for _, tb in times)
-        act = dict.fromkeys(LAYER_POLICIES, 0.0)
-        rec = dict.fromkeys(LAYER_POLICIES, 0.0)
+        kept_key = (block.index, tp, mbs, sp, cp)
+        if kept_key not in self._kept:  # the same for every EP degree and loss parallelism
+            self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens)
+        act, rec = (dict(d) for d in self._kept[kept_key])
         params = param_bytes = expert_params = fp8_params = 0.0
-        keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in nodes]
-        for n, (t, _), keep in zip(nodes, times, keeps):
-            flash = n.saved_flash if n.attention else n.saved
-            whole = n.saved_whole if keep > 1 else 0.0  # a sharded call's input, kept whole on every rank
-            none = ((flash if self.attention == "flash" else n.saved) - whole) * tokens / keep + whole * tokens
-            if n.attention and cp > 1:  # the gathered keys and values are whole sequences
-                none += n.kv_bytes * scale / keep * (1 - 1 / cp)
-            act["none"] += none
-            shard = tp if (n.tp or sp) else 1  # a created tensor is a shard in a TP region or under SP
-            for policy in OP_LEVEL_POLICIES:
-                act[policy] += n.kept.get(policy, 0.0) * tokens / shard
-                rec[policy] += t * n.recomputed.get(policy, 0.0)
+        for n in facts.nodes:
             epdiv = ep if n.expert else 1
             node_params = (n.params - n.tp_params + n.tp_params / tp) / epdiv
             params += node_params
@@ -170,17 +165,6 @@ class TracedSource:
                 expert_params += node_params
             if self.runtime.float8_node(block.kind, n):
                 fp8_params += node_params
-        if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
-            for (members, _), kept in zip(facts.regions, facts.region_kept):
-                act["none"] += kept * tokens / keeps[members[0]] - sum(
-                    facts.nodes[k].saved * tokens / keeps[k] for k in members
-                )
-        if self.runtime.backend.shared_attention_output:  # the projection's input is the kernel's output
-            act["none"] -= sum(
-                n.saved * tokens / keep
-                for n, keep in zip(nodes, keeps)
-                if n.reads_attention_output and self.attention == "flash"
-            )
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
@@ -208,6 +192,40 @@ class TracedSource:
             fp8_params=fp8_params,
             tied_params=facts.tied_params,
         )
+
+    def _kept_bytes(
+        self, facts: BlockFacts, nodes, times, tp: int, sp: bool, cp: int, scale: float, tokens: float
+    ) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """(activation bytes kept, recompute seconds) per policy of :meth:`cost`'s ``nodes`` (the
+        block's, with the fused norms the variant runs), before the full-recompute and loss terms:
+        they do not depend on the EP degree or loss parallelism, so :meth:`cost` asks them once
+        per (block, tp, mbs, sp, cp) of this runtime."""
+        act = dict.fromkeys(LAYER_POLICIES, 0.0)
+        rec = dict.fromkeys(LAYER_POLICIES, 0.0)
+        keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in nodes]
+        for n, (t, _), keep in zip(nodes, times, keeps):
+            flash = n.saved_flash if n.attention else n.saved
+            whole = n.saved_whole if keep > 1 else 0.0  # a sharded call's input, kept whole on every rank
+            none = ((flash if self.attention == "flash" else n.saved) - whole) * tokens / keep + whole * tokens
+            if n.attention and cp > 1:  # the gathered keys and values are whole sequences
+                none += n.kv_bytes * scale / keep * (1 - 1 / cp)
+            act["none"] += none
+            shard = tp if (n.tp or sp) else 1  # a created tensor is a shard in a TP region or under SP
+            for policy in OP_LEVEL_POLICIES:
+                act[policy] += n.kept.get(policy, 0.0) * tokens / shard
+                rec[policy] += t * n.recomputed.get(policy, 0.0)
+        if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
+            for (members, _), kept in zip(facts.regions, facts.region_kept):
+                act["none"] += kept * tokens / keeps[members[0]] - sum(
+                    facts.nodes[k].saved * tokens / keeps[k] for k in members
+                )
+        if self.runtime.backend.shared_attention_output:  # the projection's input is the kernel's output
+            act["none"] -= sum(
+                n.saved * tokens / keep
+                for n, keep in zip(nodes, keeps)
+                if n.reads_attention_output and self.attention == "flash"
+            )
+        return act, rec
 
     def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
         """The layer's collectives per microbatch (docs/cost_model.md): TP's around its regions
@@ -306,7 +324,16 @@ class TracedSource:
 
     def _analytical(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         """Forward seconds of each node by the analytical model, on a context-parallel rank's
-        tokens (``docs/cost_model.md``: attention under context parallelism)."""
+        tokens (``docs/cost_model.md``: attention under context parallelism); once per
+        (block, tp, mbs, sp, cp): the variants that differ in EP degree or loss parallelism,
+        and a CP variant's own cp = 1 base, share them. Read only."""
+        key = (block.index, tp, mbs, sp, cp)
+        hit = self._node_seconds.get(key)
+        if hit is None:
+            hit = self._node_seconds[key] = self._analytical_of(block, tp, mbs, sp, cp)
+        return hit
+
+    def _analytical_of(self, block, tp: int, mbs: int, sp: bool, cp: int) -> List[float]:
         scale = mbs / self.batch
         out = []
         sp = sp and block.kind == "block"  # the head and the tail see full sequences

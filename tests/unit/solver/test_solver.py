@@ -239,7 +239,7 @@ def test_states_bound_never_exceeds_what_a_feasible_plan_holds(model, gib, batch
     # a device just too small for the average: refused before any candidate is built
     capacity = 0.99 * average / usable_bytes(1.0, SMALL_SPACE.cost)  # usable bytes per byte of memory
     small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=capacity))
-    monkeypatch.setattr(search, "candidates", lambda *a, **k: pytest.fail("enumerated candidates"))
+    monkeypatch.setattr(search, "tier0", lambda *a, **k: pytest.fail("enumerated candidates"))
     with pytest.raises(NoFeasiblePlan, match=r"binding constraint: model states.* at least \d+ devices"):
         solve(work, small, batch, SMALL_SPACE)
 

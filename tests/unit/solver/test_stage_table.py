@@ -17,7 +17,7 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate, stage_cost, stage_tail
 from nest_fx.plan import StagePlan
 from nest_fx.solver.nest_dp import solve_partition
-from nest_fx.solver.search import candidates
+from nest_fx.solver.candidates import candidates
 from nest_fx.solver.tier_bounds import network_bound, table_bound
 from nest_fx.solver.space import SolverOptions, global_configs, stage_counts
 from nest_fx.solver.stage_table import StageTable

@@ -1,0 +1,121 @@
+"""The per-pair bounds of the search that see memory (:class:`MemoryFloors`, a part of
+``table_cache.TableCache``): the recompute the pooled memory forces on every plan of a pair
+(``forced_recompute``), the busiest stage with each stage's own memory by layer count
+(``stage_floor``) and in layer order with the layers' collectives (``splits_fit``). The
+arguments are in ``solver.stage_reach``; the cache's dicts memoise them per search."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+from nest_fx.cost import memory
+from nest_fx.solver.candidates import variant_of
+from nest_fx.solver.space import GlobalConfig
+from nest_fx.solver.stage_reach import (
+    busiest_floor,
+    hull_modes,
+    reach_terms,
+    recompute_floors,
+    recompute_hull,
+    splits_fit,
+    stage_memory_terms,
+)
+
+
+class MemoryFloors:
+    """Memory-aware lower bounds of :class:`~nest_fx.solver.table_cache.TableCache` (which holds
+    the memo dicts, ``capacity``, ``replica``, ``layer_prefix`` these read)."""
+
+    def forced_recompute(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
+        """A lower bound on the recompute seconds per microbatch that any plan of (g, p) spends to
+        fit in memory (inf when none fits), summed over its stages; ``v``: at that interleave
+        factor instead of g's (a family's members share one call's other terms).
+
+        Stage i holds its parameters' model states (at least ``k`` bytes each: g's ZeRO stage over
+        all its shard ranks) and ``f_i`` in-flight microbatches of its blocks' activations
+        (``inflight.pipeline_inflight_microbatches``; other terms only add), so
+        ``A_i <= (C - k P_i) / f_i``; summed over the stages, the blocks' activations per
+        microbatch obey ``sum_l a_l <= C sum_i 1 / f_i - k P / max_i f_i``. The cheapest way to
+        meet that, choosing per block a recompute mode (fractionally: the LP relaxation, solved
+        greedily on each block's lower convex hull of (kept bytes, recompute seconds)), bounds
+        the recompute time of every plan from below."""
+        v = g.virtual_stages if v is None else v
+        # keyed by what the effective ZeRO stage is made of: asked it only when missing
+        key = (g.variant, g.zero, g.pp_shard_grads, g.shard, p, m, g.schedule, v)
+        hit = self._forced.get(key)
+        if hit is None:
+            zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
+            hit = self._forced[key] = self._forced_recompute(g, p, m, zero, v)
+        return hit
+
+    def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
+        per_param, inflight = self._memory_terms(g, p, m, zero, v)
+        params, kept, segments = self._recompute_hull(g)
+        budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
+        excess = kept - budget
+        seconds = 0.0
+        for rate, saved in segments:
+            if excess <= 0:
+                break
+            take = min(saved, excess)
+            seconds += rate * take
+            excess -= take
+        return seconds if excess <= 0 else math.inf
+
+    def _memory_terms(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, List[float]]:
+        """``stage_reach.stage_memory_terms``, once per (ZeRO, shard, p, m, schedule, v): the
+        variants of a pair share it."""
+        key = (zero, g.shard, p, m, g.schedule, v)
+        hit = self._inflight.get(key)
+        if hit is None:
+            hit = self._inflight[key] = stage_memory_terms(g, p, m, zero, v, self.options)
+        return hit
+
+    def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
+        """A lower bound on max_i t_i of any plan of (g, p) (``v``: at that interleave factor)
+        that sees each stage's own memory (``stage_reach``); inf when no split fits."""
+        zero, v = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads), g.virtual_stages if v is None else v
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
+        hit = self._stage_floor.get(key)
+        if hit is None:
+            per_param, inflight = self._memory_terms(g, p, m, zero, v)
+            reach = self._reach_terms(g)
+            # a stage leaves every other stage a layer and holds one per model chunk at least (StageTable)
+            hit = self._stage_floor[key] = busiest_floor(
+                reach, inflight, per_param, self.capacity, max(v, 1), len(self.workload) - p + 1
+            )
+        return hit
+
+    def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
+        """``stage_reach.recompute_hull`` of g's variant (what ``forced_recompute`` reads), once."""
+        rc = self.replica(g)
+        key = (variant_of(g), rc.modes)
+        hit = self._hulls.get(key)
+        if hit is None:
+            hit = self._hulls[key] = recompute_hull(rc.costs, rc.counts, rc.modes)
+        return hit
+
+    def splits_fit(self, g: GlobalConfig, p: int, m: int, v: int, cap: float) -> bool:
+        """Whether some split of (g, p) at interleave factor v may have every stage's time at most
+        ``cap`` (``stage_reach.splits_fit``): each stage's layers in order with their collectives
+        (``layer_prefix``) and the recompute its own memory forces for its layer count
+        (``stage_reach.recompute_floors``: the blocks' least kept activations and parameters for
+        that count, stage i's in-flight microbatches). False proves max_i t_i > cap."""
+        zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
+        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
+        floors = self._recompute_floors.get(key)
+        if floors is None:
+            per_param, inflight = self._memory_terms(g, p, m, zero, v)
+            floors = self._recompute_floors[key] = recompute_floors(
+                self._reach_terms(g), inflight, per_param, self.capacity
+            )
+        return splits_fit(self.layer_prefix(g, p), floors, cap)
+
+    def _reach_terms(self, g: GlobalConfig):
+        rc = self.replica(g)
+        key = (variant_of(g), rc.modes)
+        hit = self._reach.get(key)
+        if hit is None:
+            hit = self._reach[key] = reach_terms(rc.costs, rc.counts, hull_modes(rc.modes))
+        return hit
