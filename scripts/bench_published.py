@@ -244,6 +244,7 @@ def run_planner(row: Row, budget: float) -> dict:
         cost=cost_options(row),
         kernels=row.backend or None,
         attention_kernel=row.attention_kernel or None,
+        **({"norm_kernel": row.norm_kernel} if row.norm_kernel else {}),
     )
     try:
         found = solve(work, cluster, row.global_batch, options)
