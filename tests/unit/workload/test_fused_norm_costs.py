@@ -28,6 +28,7 @@ from nest_fx.workload.fused_norms import RSTD_BYTES
 from nest_fx.workload.kernels import KERNEL_BACKENDS
 from nest_fx.workload.types import dims_from_config
 from profiler.recompute_memory import kept_bytes
+from fused_reference import FusedRMSNormFn
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 # Llama 3 8B's shape ratios (ffn 3.5 h, 4 query heads per key/value head), small enough to trace fast
@@ -50,27 +51,9 @@ def _norms(work):
     return src, block, src.facts(block.index)
 
 
-class _FusedRMSNormFn(torch.autograd.Function):
-    """What CUDA's _fused_rms_norm keeps for backward: its input and the fp32 rstd per row."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rstd = x.float().pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
-        ctx.save_for_backward(x, weight, rstd)
-        return (x.float() * rstd).type_as(x) * weight
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        xf, g = x.float(), (dy * weight).float()
-        dx = rstd * g - xf * rstd.pow(3) * (g * xf).mean(-1, keepdim=True)
-        dw = (dy.float() * xf * rstd).reshape(-1, x.shape[-1]).sum(0)
-        return dx.type_as(x), dw.type_as(weight), None
-
-
 class _ReferenceFusedNorm(RMSNorm):
     def forward(self, x):
-        return _FusedRMSNormFn.apply(x, self.weight, self.eps)
+        return FusedRMSNormFn.apply(x, self.weight, self.eps)
 
 
 def test_the_default_keeps_the_norms_fp32_copies_less(shaped):

@@ -28,28 +28,11 @@ from nest_fx.workload import workload_for_model
 from nest_fx.workload.kernels import KERNEL_BACKENDS, kernel_backend
 from nest_fx.workload.roofline import AnalyticalCompute
 from profiler.recompute_memory import kept_bytes
+from fused_reference import FusedRMSNormFn
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 # Llama 3 8B's shape ratios (ffn 3.5 h, 4 query heads per key/value head), small enough to trace fast
 LLAMA_SHAPED = "llama:hidden=512,layers=2,heads=8,kv=2,ffn=1792,vocab=1024,seq=1024"
-
-
-class _FusedRMSNormFn(torch.autograd.Function):
-    """RMSNorm keeping what a fused kernel keeps: its input and the per-row 1/rms."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rstd = x.float().pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
-        ctx.save_for_backward(x, weight, rstd)
-        return (x.float() * rstd).type_as(x) * weight
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        xf, g = x.float(), (dy * weight).float()
-        dx = rstd * g - xf * rstd.pow(3) * (g * xf).mean(-1, keepdim=True)
-        dw = (dy.float() * xf * rstd).reshape(-1, x.shape[-1]).sum(0)
-        return dx.type_as(x), dw.type_as(weight), None
 
 
 class _FusedSwiGLUFn(torch.autograd.Function):
@@ -69,7 +52,7 @@ class _FusedSwiGLUFn(torch.autograd.Function):
 
 class _FusedRMSNorm(RMSNorm):
     def forward(self, x):
-        return _FusedRMSNormFn.apply(x, self.weight, self.eps)
+        return FusedRMSNormFn.apply(x, self.weight, self.eps)
 
 
 class _FusedSwiGLU(SwiGLU):
