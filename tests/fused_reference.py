@@ -3,7 +3,11 @@ with (helpers on pytest's pythonpath, not tests themselves)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from nest_fx.workload.kernels import KERNEL_BACKENDS
 
 
 class FusedRMSNormFn(torch.autograd.Function):
@@ -23,3 +27,13 @@ class FusedRMSNormFn(torch.autograd.Function):
         dx = rstd * g - xf * rstd.pow(3) * (g * xf).mean(-1, keepdim=True)
         dw = (dy.float() * xf * rstd).reshape(-1, x.shape[-1]).sum(0)
         return dx.type_as(x), dw.type_as(weight), None
+
+
+def full_fusion_block_seconds(work) -> float:
+    """Forward + backward seconds of ``work``'s first block (microbatch 1, no TP) with every
+    elementwise region fully fused (the compile backend at fusion 1): what compile's measured
+    share is a part of."""
+    src = work.source.for_runtime(kernels="compile")
+    src.runtime = dataclasses.replace(src.runtime, backend=dataclasses.replace(KERNEL_BACKENDS["compile"], fusion=1.0))
+    block = next(b for b in src.graph.blocks if b.kind == "block")
+    return sum(f + b for f, b in src.variant_times(block, 1, 1, False, 1))

@@ -25,10 +25,9 @@ from nest_fx.plan.vocabulary import KERNELS
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.build import analytical_workload
 from nest_fx.workload.fused_norms import RSTD_BYTES
-from nest_fx.workload.kernels import KERNEL_BACKENDS
 from nest_fx.workload.types import dims_from_config
 from profiler.recompute_memory import kept_bytes
-from fused_reference import FusedRMSNormFn
+from fused_reference import FusedRMSNormFn, full_fusion_block_seconds
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 # Llama 3 8B's shape ratios (ffn 3.5 h, 4 query heads per key/value head), small enough to trace fast
@@ -134,11 +133,7 @@ def test_fusing_backends_keep_their_bytes_and_compile_realises_half_of_what_is_l
     t = {k: cost[(k, "")].fwd_s + cost[(k, "")].bwd_s for k in KERNELS}
     assert t["fused"] < t["compile"] < t["eager"]
     assert t["compile"] < cost[("compile", "model")].fwd_s + cost[("compile", "model")].bwd_s
-    full = dataclasses.replace(KERNEL_BACKENDS["compile"], fusion=1.0)
-    src = shaped.source.for_runtime(kernels="compile")
-    src.runtime = dataclasses.replace(src.runtime, backend=full)
-    block = next(b for b in src.graph.blocks if b.kind == "block")
-    t_full = sum(f + b for f, b in src.variant_times(block, 1, 1, False, 1))
+    t_full = full_fusion_block_seconds(shaped)
     assert t["eager"] - t["compile"] == pytest.approx(0.5 * (t["eager"] - t_full), rel=0.02)
 
 

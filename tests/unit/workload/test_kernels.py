@@ -28,7 +28,7 @@ from nest_fx.workload import workload_for_model
 from nest_fx.workload.kernels import KERNEL_BACKENDS, kernel_backend
 from nest_fx.workload.roofline import AnalyticalCompute
 from profiler.recompute_memory import kept_bytes
-from fused_reference import FusedRMSNormFn
+from fused_reference import FusedRMSNormFn, full_fusion_block_seconds
 
 LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
 # Llama 3 8B's shape ratios (ffn 3.5 h, 4 query heads per key/value head), small enough to trace fast
@@ -141,11 +141,7 @@ def test_fused_kernels_are_faster_and_compile_realises_part_of_it(shaped):
     t = {k: c.fwd_s + c.bwd_s for k, c in costs.items()}
     assert t["fused"] < t["compile"] < t["eager"]
     # compile: half the saving full fusion of the same regions would give (attention unchanged)
-    full = dataclasses.replace(KERNEL_BACKENDS["compile"], fusion=1.0)
-    src = shaped.source.for_runtime(kernels="compile")
-    src.runtime = dataclasses.replace(src.runtime, backend=full)
-    block = next(b for b in src.graph.blocks if b.kind == "block")
-    t_full = sum(f + b for f, b in src.variant_times(block, 1, 1, False, 1))
+    t_full = full_fusion_block_seconds(shaped)
     assert t["eager"] - t["compile"] == pytest.approx(0.5 * (t["eager"] - t_full), rel=0.02)
 
 
