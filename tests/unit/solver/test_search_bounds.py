@@ -12,13 +12,13 @@ import pytest
 
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.step_time import simulate, stage_tail
-from nest_fx.plan import StagePlan
 from nest_fx.solver.candidates import partition_floor
 from nest_fx.solver.space import SolverOptions
 from nest_fx.solver.table_cache import TableCache
 from nest_fx.workload import workload_for_model
 
 from test_stage_table import MODELS, _pairs, toy_cluster
+from solver_enumeration import every_plan
 
 OPTIONS = SolverOptions(
     microbatch_sizes=(1, 2),
@@ -33,15 +33,10 @@ OPTIONS = SolverOptions(
 def _largest_tails(work, cluster, g, p, m, cost):
     """(least max_i q_i, least optimizer step of the largest stage) over every partition and
     recompute choice of (g, p), feasible in memory or not."""
-    n, least = len(work), math.inf
-    for cuts in itertools.combinations(range(1, n), p - 1):
-        bounds = [0, *cuts, n]
-        if any(b - a < g.virtual_stages for a, b in zip(bounds, bounds[1:])):
-            continue
-        for chosen in itertools.product(OPTIONS.recompute, repeat=p):
-            plan = g.plan([StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)], m, work, cluster)
-            result = simulate(plan, work, cluster, cost)
-            least = min(least, max(sum(stage_tail(sc, plan, cluster, cost)) for sc in result.stages))
+    least = math.inf
+    for plan in every_plan(work, cluster, g, p, m, OPTIONS.recompute):
+        result = simulate(plan, work, cluster, cost)
+        least = min(least, max(sum(stage_tail(sc, plan, cluster, cost)) for sc in result.stages))
     return least
 
 

@@ -5,7 +5,6 @@ tier-1 bound with them the pair's optimum, checked against every partition and r
 of small cases; and the per-stage floor bites where memory is tight (it proves pairs infeasible
 and raises the busiest stage above the compute-only floor)."""
 
-import itertools
 import math
 
 import pytest
@@ -23,6 +22,7 @@ from nest_fx.solver.table_cache import TableCache
 from nest_fx.workload import workload_for_model
 
 from test_stage_table import MODELS, _pairs, toy_cluster
+from solver_enumeration import every_plan, stage_splits
 
 OPTIONS = SolverOptions(
     microbatch_sizes=(1, 2),
@@ -37,16 +37,10 @@ OPTIONS = SolverOptions(
 def _plans(work, cluster, g, p, m, cost):
     """(max_i t_i, step seconds, whether every stage fits) of every partition and recompute
     choice of (g, p)."""
-    n = len(work)
-    for cuts in itertools.combinations(range(1, n), p - 1):
-        bounds = [0, *cuts, n]
-        if any(b - a < g.virtual_stages for a, b in zip(bounds, bounds[1:])):
-            continue
-        for chosen in itertools.product(OPTIONS.recompute, repeat=p):
-            plan = g.plan([StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)], m, work, cluster)
-            result = simulate(plan, work, cluster, cost)
-            busiest = max(sc.per_microbatch(g.virtual_stages) for sc in result.stages)
-            yield busiest, result.step_s, all(sc.fits for sc in result.stages)
+    for plan in every_plan(work, cluster, g, p, m, OPTIONS.recompute):
+        result = simulate(plan, work, cluster, cost)
+        busiest = max(sc.per_microbatch(g.virtual_stages) for sc in result.stages)
+        yield busiest, result.step_s, all(sc.fits for sc in result.stages)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -92,11 +86,7 @@ def test_each_stage_holds_its_states_and_inflight_activations(model):
             continue
         zero = memory.effective_zero_stage(g.zero, p)
         k, inflight = stage_memory_terms(g, p, m, zero, g.virtual_stages, cost)
-        n = len(work)
-        for cuts in itertools.combinations(range(1, n), p - 1):
-            bounds = [0, *cuts, n]
-            if any(b - a < g.virtual_stages for a, b in zip(bounds, bounds[1:])):
-                continue
+        for bounds in stage_splits(len(work), p, g.virtual_stages):
             for r in OPTIONS.recompute:
                 plan = g.plan([StagePlan(a, b, g.tp, r) for a, b in zip(bounds, bounds[1:])], m, work, cluster)
                 result = simulate(plan, work, cluster, cost)

@@ -1,7 +1,6 @@
 """The solver's vectorised stage table equals the simulator; its bounds never exceed the optimum."""
 
 import dataclasses
-import itertools
 import math
 import random
 
@@ -22,6 +21,7 @@ from nest_fx.solver.tier_bounds import network_bound, table_bound
 from nest_fx.solver.space import SolverOptions, global_configs, stage_counts
 from nest_fx.solver.stage_table import StageTable
 from nest_fx.solver.table_cache import TableCache
+from solver_enumeration import every_plan
 
 MODELS = {
     "uniform": "llama:hidden=512,layers=4,heads=8,seq=512,vocab=4096",
@@ -121,16 +121,11 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
 
 def _pair_optimum(work, cluster, g, p, m, modes):
     """The best feasible plan of one (g, p) by enumeration: every partition, every mode per stage."""
-    n, best = len(work), math.inf
-    for cuts in itertools.combinations(range(1, n), p - 1):
-        bounds = [0, *cuts, n]
-        if any(b - a < g.virtual_stages for a, b in zip(bounds, bounds[1:])):
-            continue  # Plan.validate refuses fewer layers than interleaved model chunks
-        for chosen in itertools.product(modes, repeat=p):
-            plan = g.plan([StagePlan(a, b, g.tp, r) for a, b, r in zip(bounds, bounds[1:], chosen)], m, work, cluster)
-            r = simulate(plan, work, cluster)
-            if r.feasible:
-                best = min(best, r.step_s)
+    best = math.inf
+    for plan in every_plan(work, cluster, g, p, m, modes):
+        r = simulate(plan, work, cluster)
+        if r.feasible:
+            best = min(best, r.step_s)
     return best
 
 
