@@ -294,9 +294,6 @@ def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) ->
     return params, grads, scratch
 
 
-STAGE_OUTPUTS = ("full", "sharded", "freed")
-
-
 def held_per_microbatch(
     act: Count, out_bytes: Count, pp: int, virtual_stages: int, options: CostOptions, sp_degree: int = 1
 ) -> Count:
@@ -308,8 +305,6 @@ def held_per_microbatch(
     on full sequences ("full"); nothing where the runtime frees it after the send ("freed": Megatron-LM's
     ``deallocate_output_tensor``; Meta's Llama 3 stack, Grattafiori et al. 2024, sec. 3.3.2).
     Without pipelining, the activations alone."""
-    if options.stage_outputs not in STAGE_OUTPUTS:
-        raise ValueError(f"stage_outputs: {options.stage_outputs!r} is not one of {', '.join(STAGE_OUTPUTS)}")
     if pp == 1 or options.stage_outputs == "freed":
         return act
     share = 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0

@@ -24,6 +24,8 @@ ALLOCATOR_OVERHEAD = 0.10
 # H100 benchmark (Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8; AsyncTP 876 vs 829 tokens/s/GPU =
 # 1.057x; the cost model reproduces 1.057x with 0.23 and 1.31x with full overlap). docs/cost_model.md
 ASYNC_TP_OVERLAP = 0.25
+# what a pipelined runtime keeps of each chunk's output (CostOptions.stage_outputs)
+STAGE_OUTPUTS = ("full", "sharded", "freed")
 
 
 @dataclass
@@ -74,6 +76,8 @@ class CostOptions:
             value = float(getattr(self, name))
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: a share in [0, 1], got {value!r}")
+        if self.stage_outputs not in STAGE_OUTPUTS:
+            raise ValueError(f"stage_outputs: {self.stage_outputs!r} is not one of {', '.join(STAGE_OUTPUTS)}")
 
     @property
     def usable_memory_fraction(self) -> float:
