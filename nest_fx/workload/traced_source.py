@@ -142,8 +142,6 @@ class TracedSource:
     def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool, cp: int = 1, lp: bool = False) -> LayerCost:
         block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
         facts = self.facts(block.index)
-        # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
-        nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
         scale = mbs / self.batch
         tokens = scale / cp  # a context-parallel rank holds 1/cp of every sequence
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
@@ -153,6 +151,8 @@ class TracedSource:
         bwd = sum(tb for _, tb in times)
         kept_key = (block.index, tp, mbs, sp, cp)
         if kept_key not in self._kept:  # the same for every EP degree and loss parallelism
+            # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
+            nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
             self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens)
         act, rec = (dict(d) for d in self._kept[kept_key])
         params = param_bytes = expert_params = fp8_params = 0.0
