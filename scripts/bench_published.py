@@ -205,7 +205,8 @@ def predict(row: Row) -> dict:
             overrides[step[0]] = step[1]
             notes.append(step[2])
     reserved = getattr(result, "peak_reserved", 0.0)
-    live = max(s.memory["total"] for s in result.stages)
+    # live bytes: the total less the allocator's cached blocks (a term of the total since 2026-11-26)
+    live = max(s.memory["total"] - s.memory.get("allocator_cache", 0.0) for s in result.stages)
     tps = result.tokens_per_s / row.gpus
     return {
         "expressible": True,

@@ -48,6 +48,7 @@ import torch
 
 
 from nest_fx.cluster import load_cluster
+from nest_fx.cost.memory import live_bytes
 from nest_fx.workload import workload_for_model
 from nest_fx.report.plotting import pyplot_or_none
 from nest_fx.cost.step_time import simulate
@@ -148,7 +149,7 @@ def measure(items, ranks: int, args, workload, cluster, options, chosen_name: st
         except RuntimeError as exc:
             print(f"[{k + 1}/{len(items)}] {name}: runtime refused or failed: {str(exc).splitlines()[-1]}")
             continue
-        pred_mem = max(sc.memory["total"] for sc in pred.stages)
+        pred_mem = max(live_bytes(sc.memory) for sc in pred.stages)
         row = dict(
             plan=name,
             ranks=ranks,

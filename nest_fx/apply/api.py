@@ -6,7 +6,8 @@ hold one function each; each calls a module of ``nest_fx.apply`` to do the work)
 0. ``prepare.prepare``          process group, trace, plan (``plan=``, ``planner=`` or the NEST DP;
                                 re-planned under ``elastic=True``), every check (``checks.run_all``),
                                 the weights' start, the ranks' agreement, warnings, the plan summary
-   ``steps.place``              the device mesh (the first groups), the rank's place and device
+   ``steps.place``              the CUDA allocator's costed segments (apply/allocator.py), the device
+                                mesh (the first groups), the rank's place and device
 1. ``steps.split_stage``        keep this rank's layer range(s) of the workload chain (``pipeline``),
                                 on its device, with the plan's parameter dtype (``precision``)
 2. ``steps.replicate``          make the stage identical on its DP x CP x TP ranks (one rank's

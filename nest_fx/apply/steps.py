@@ -17,6 +17,7 @@ import torch.nn as nn
 from nest_fx.apply import checks
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.apply.agreement import agree
+from nest_fx.apply.allocator import use_costed_segments
 from nest_fx.apply.batchnorm import sync_batchnorm
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks
@@ -91,7 +92,9 @@ def _replicas(plan: Plan) -> int:
 
 
 def place(job: Job) -> ParallelLayout:
-    """The device mesh of the plan (the first groups created), this rank's place in it and its device."""
+    """The CUDA allocator's costed segment mode (``apply/allocator.py``), then the device mesh of
+    the plan (the first groups created), this rank's place in it and its device."""
+    use_costed_segments(job.plan, job.mesh_device)
     mesh = build_mesh(job.plan, job.mesh_device)
     device = torch.device("cuda", torch.cuda.current_device()) if job.mesh_device == "cuda" else torch.device("cpu")
     return ParallelLayout(plan=job.plan, mesh=mesh, rank_info=locate(job.plan, job.rank), device=device)

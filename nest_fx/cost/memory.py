@@ -216,19 +216,23 @@ _STATE_KEYS = ("weights", "grads", "optimizer", "total")
 def held_grad_bytes(zero: int, pipelined: bool, options: CostOptions) -> float:
     """Bytes per element of the gradients a stage holds between backward and the optimizer step.
 
-    ``options.grad_bytes`` (the parameters' dtype), except where FSDP2 defers the gradient
-    reduction to the last microbatch: under pipelining (``torch.distributed.pipelining`` turns
-    gradient sync off until the last backward, so ZeRO-2/3 run as ZeRO-1,
-    :func:`effective_zero_stage`) FSDP2 accumulates each unsharded gradient in its
-    ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed`` upcasts the first microbatch's
-    gradient to it, PyTorch 2.4+), so a bf16-mixed plan reducing in fp32 holds the stage's
-    gradients in fp32: ``options.reduce_dtype_bytes()`` (4). A pipelined ZeRO-2/3 plan (possible
-    only with ``pp_shard_grads``) accumulates the reduce-scattered shards over the microbatches in
-    the dtype they were reduced in (FSDP2's ``foreach_reduce`` adds each microbatch's reduced shard
-    to the sharded parameter's fp32 gradient; Grattafiori et al. 2024, sec. 3.3.4: "FP32 gradient
-    accumulation during backward computation over multiple micro-batches"): the same bytes, 1/dp
-    of them."""
-    if pipelined and zero >= 1:
+    With fp32 master weights (``options.master_weights``: bf16-mixed) the gradients are held in
+    fp32 whatever the compute dtype: nest-fx's runtime casts each parameter to bf16 inside
+    autograd, so the gradient of the cast lands, cast back, in the fp32 parameter's ``.grad``
+    (``apply/precision.py``), and FSDP2 under ``MixedPrecisionPolicy(reduce_dtype=fp32)``
+    reduces each bf16 gradient in fp32 into the fp32 sharded parameter's gradient; measured on an
+    H100, 4 microbatches accumulated: 37.32 GiB allocated, 34.55 priced at the parameters' 2 bytes
+    (``results/gpu/bench_gpu_runtime_h100_runtime_default.json``, row ``accumulate``): the
+    larger of ``options.grad_bytes`` and ``options.reduce_dtype_bytes()`` (4). Megatron-LM's
+    fp32 main gradients and Meta's Llama 3 stack (Grattafiori et al. 2024, sec. 3.3.4: "FP32
+    gradient accumulation during backward computation over multiple micro-batches") do the same.
+    Without master weights (fp32, bf16-true): ``options.grad_bytes``. Under pipelining
+    ``torch.distributed.pipelining`` turns gradient sync off until the last backward (ZeRO-2/3
+    run as ZeRO-1, :func:`effective_zero_stage`) and FSDP2 accumulates each unsharded gradient in
+    its ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``); a pipelined ZeRO-2/3 plan
+    (possible only with ``pp_shard_grads``) accumulates the reduce-scattered shards: the same
+    bytes, 1/dp of them."""
+    if options.master_weights or (pipelined and zero >= 1):
         return float(max(options.grad_bytes, options.reduce_dtype_bytes()))
     return float(options.grad_bytes)
 
@@ -273,7 +277,16 @@ def model_states(params: Count, zero: int, dp: int, options: CostOptions, pipeli
     return {k: rows[inverse, c].reshape(params.shape) for c, k in enumerate(_STATE_KEYS)}
 
 
-MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "fsdp_unsharded", "optimizer_step")
+MEMORY_TERMS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "activations",
+    "buffers",
+    "fsdp_unsharded",
+    "optimizer_step",
+    "allocator_cache",
+)
 
 
 def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) -> Tuple[Count, Count, Count]:
@@ -322,6 +335,8 @@ def stage_memory(
     optimizer_scratch: Count = 0.0,
     *,
     num_microbatches: int,
+    cache_share: float = 0.0,
+    cast_weights: bool = False,
 ) -> Dict[str, Count]:
     """Per-device memory terms of a stage at its peak (see module docstring) and their total;
     ``held_act``: the in-flight activations (``inflight.held_activation_bytes``).
@@ -337,7 +352,18 @@ def stage_memory(
     the gradients of the first microbatch are there while the others' activations are. FSDP's
     unsharded gradients build up as a microbatch's backward frees its activations (the root's
     are reduced last): ``fsdp_unsharded`` is the gathered parameters plus what those gradients
-    add beyond the activations."""
+    add beyond the activations.
+
+    ``cast_weights``: the ``weights`` term is bf16 casts of fp32 master weights (bf16-mixed: nest-fx's
+    runtime casts in autograd, FSDP2 gathers in bf16), freed once backward is done, so the optimizer
+    step may use their bytes (measured on an H100 with full recompute, where the step is the peak:
+    44.03 GiB allocated, 43.95 priced without the casts, 48.34 with them;
+    ``results/gpu/bench_gpu_runtime_h100_runtime_default.json``, row ``recompute``).
+
+    ``allocator_cache``: what the CUDA caching allocator keeps cached at the peak besides the
+    live tensors, ``cache_share`` of the largest one-layer working set ``layer_peak``
+    (``CostOptions.allocator_peak_share``, measured: ``nest_fx.cost.allocator``); the other terms
+    sum to the live (allocated) bytes, :func:`live_bytes`."""
     mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
     grads = mem["grads"]  # all there during the optimizer step
     mem["activations"] = held_act + layer_peak
@@ -353,27 +379,37 @@ def stage_memory(
     late = unsharded_grads - mem["activations"]
     mem["fsdp_unsharded"] = unsharded_params + positive_part(late)
     during = mem["grads"] + mem["activations"] + mem["buffers"] + mem["fsdp_unsharded"]
+    if cast_weights:
+        during = during + mem["weights"]
     excess = grads + optimizer_scratch - during
     mem["optimizer_step"] = positive_part(excess)
+    mem["allocator_cache"] = cache_share * layer_peak
     mem["total"] = sum(mem[k] for k in MEMORY_TERMS)
     return mem
+
+
+def live_bytes(breakdown: Mapping[str, Count]) -> Count:
+    """The live (allocated) bytes of a stage's memory breakdown: its total less what the
+    allocator keeps cached (``torch.cuda.max_memory_allocated``'s counterpart)."""
+    return breakdown["total"] - breakdown.get("allocator_cache", 0.0)
 
 
 # -- capacity -------------------------------------------------------------------------------
 
 
 def usable_bytes(device_memory_bytes: float, options: CostOptions) -> float:
-    """Live (allocated) bytes a plan may use on one device: its memory times
-    ``options.usable_memory_fraction`` (the CUDA context, NCCL's buffers and cuBLAS workspaces,
-    outside PyTorch's allocator, take the rest), over the caching allocator's reserved-to-allocated
-    ratio (:func:`reserved_bytes`): a plan fits when what the allocator reserves fits."""
+    """Bytes a stage's memory total (live bytes and ``allocator_cache``) may reach on one device:
+    its memory times ``options.usable_memory_fraction`` (the CUDA context, NCCL's buffers and
+    cuBLAS workspaces, outside PyTorch's allocator, take the rest), over ``1 +
+    options.allocator_overhead`` (:func:`reserved_bytes`): a plan fits when what the allocator
+    reserves fits."""
     return device_memory_bytes * options.usable_memory_fraction / (1.0 + options.allocator_overhead)
 
 
 def reserved_bytes(allocated_bytes: Count, options: CostOptions) -> Count:
     """Bytes PyTorch's caching allocator reserves (``torch.cuda.max_memory_reserved``) at a peak
-    of ``allocated_bytes`` live bytes (``max_memory_allocated``): ``(1 + allocator_overhead)``
-    times, the blocks it keeps cached and the gaps between them (docs/cost_model.md)."""
+    whose memory total is ``allocated_bytes`` (the live bytes and the ``allocator_cache`` term):
+    ``(1 + allocator_overhead)`` times (``nest_fx.cost.allocator``; docs/cost_model.md)."""
     return allocated_bytes * (1.0 + options.allocator_overhead)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from nest_fx.cost.allocator import allocator_slack
 from nest_fx.cost.optimizers import optimizer_cost
 from nest_fx.plan.settings import OVERLAPS, setting
 
@@ -14,11 +15,6 @@ from nest_fx.plan.settings import OVERLAPS, setting
 # default of the memory_headroom setting, nest_fx.plan.settings)
 MEMORY_HEADROOM = setting("memory_headroom").default
 USABLE_MEMORY_FRACTION = 1.0 - MEMORY_HEADROOM  # 0.95
-# PyTorch's caching allocator reserves more than the live tensors: freed blocks stay cached and
-# a request that no cached block fits gets a new segment (docs/cost_model.md, "Memory the
-# allocator sees"). Reserved = allocated x (1 + this); an assumption, checked against published
-# reserved-memory figures by scripts/bench_published.py.
-ALLOCATOR_OVERHEAD = 0.10
 # Async TP (torch's micro-pipelined all-gather/matmul and matmul/reduce-scatter, as torchtitan runs it
 # with torch.compile) hides about a quarter of the TP collectives: measured from torchtitan's published
 # H100 benchmark (Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8; AsyncTP 876 vs 829 tokens/s/GPU =
@@ -47,7 +43,9 @@ class CostOptions:
     bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
     memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
-    allocator_overhead: float = ALLOCATOR_OVERHEAD  # reserved / allocated - 1 (memory.reserved_bytes)
+    # the CUDA caching allocator's segment mode: what it reserves beyond the live tensors
+    # (nest_fx.cost.allocator, measured; the allocator_segments setting: the runtime's default)
+    allocator_segments: str = setting("allocator_segments").default
     # What a pipelined runtime keeps of each chunk's output from its forward to its backward
     # (memory.held_per_microbatch): "sharded" (nest-fx and torchtitan: torch's PipelineStage caches
     # it in fwd_cache, and under sequence parallelism a stage hands on its blocks' 1/t shard:
@@ -76,6 +74,7 @@ class CostOptions:
             value = float(getattr(self, name))
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: a share in [0, 1], got {value!r}")
+        allocator_slack(self.allocator_segments)  # a ValueError naming the modes
         if self.stage_outputs not in STAGE_OUTPUTS:
             raise ValueError(f"stage_outputs: {self.stage_outputs!r} is not one of {', '.join(STAGE_OUTPUTS)}")
 
@@ -83,6 +82,18 @@ class CostOptions:
     def usable_memory_fraction(self) -> float:
         """Device memory the plan may use: 1 - ``memory_headroom``."""
         return 1.0 - self.memory_headroom
+
+    @property
+    def allocator_overhead(self) -> float:
+        """Share of the priced live bytes the caching allocator reserves on top
+        (``nest_fx.cost.allocator``, per ``allocator_segments``)."""
+        return allocator_slack(self.allocator_segments).ratio
+
+    @property
+    def allocator_peak_share(self) -> float:
+        """Share of a stage's largest one-layer backward working set the allocator keeps cached
+        at the peak (``memory.stage_memory``'s ``allocator_cache`` term)."""
+        return allocator_slack(self.allocator_segments).peak_share
 
     def update_bytes_per_param(self) -> float:
         """Bytes one optimizer step moves per updated parameter: ``bytes_per_param_update`` when

@@ -37,6 +37,7 @@ from nest_fx.plan.vocabulary import (
     ATTENTION_KERNELS,
     NORM_KERNELS,
     OPTIMIZER_NAMES,
+    ALLOCATOR_SEGMENTS,
     PLACEMENTS,
     PRECISIONS,
     SCHEDULES,
@@ -380,6 +381,19 @@ SETTINGS: Tuple[Setting, ...] = (
         entry_check=fraction_problem,
         flag="--memory-headroom",
         metavar="F",
+    ),
+    Setting(
+        "allocator_segments",
+        str,
+        "expandable",
+        "the CUDA caching allocator's segments: expandable (PyTorch's expandable_segments:True, which "
+        "nest-fx's runtime turns on unless PYTORCH_CUDA_ALLOC_CONF names expandable_segments) or fixed "
+        "(PyTorch's default); what the allocator reserves beyond the live tensors is costed per mode, as "
+        "measured on an H100 (docs/cost_model.md, Memory the allocator sees)",
+        "option",
+        scope="run",
+        values=ALLOCATOR_SEGMENTS,
+        flag="--allocator-segments",
     ),
     # overlap of communication with compute, as measured fractions (docs/cost_model.md, "Overlap")
     Setting(

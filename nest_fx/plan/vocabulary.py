@@ -34,6 +34,8 @@ KERNELS = ("eager", "compile", "fused")
 ATTENTION_KERNELS = ("cudnn", "flash")
 # how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, or the model's code
 NORM_KERNELS = ("fused", "model")
+# the CUDA caching allocator's segment modes (costed in nest_fx.cost.allocator, set by apply/allocator.py)
+ALLOCATOR_SEGMENTS = ("expandable", "fixed")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches

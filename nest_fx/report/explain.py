@@ -34,6 +34,7 @@ MEMORY_TERMS = (
     ("buffers", "p2p buffers"),
     ("fsdp_unsharded", "FSDP unsharded"),
     ("optimizer_step", "optimizer scratch"),
+    ("allocator_cache", "allocator cache"),
 )
 TIME_TERMS = (
     ("compute", "compute"),
@@ -122,8 +123,9 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
     detail = range(len(stages)) if len(stages) <= DETAIL_STAGES else [peak]
     lines = [
         f"device memory {cap}, usable {_gib(usable)} GiB ({options.usable_memory_fraction:.0%}); the caching "
-        f"allocator reserves the live peak x {1 + options.allocator_overhead:.2f}, so a stage fits when its "
-        f"live bytes are at most {_gib(memory.usable_bytes(capacity, options))} GiB"
+        f"allocator ({options.allocator_segments} segments) keeps {options.allocator_peak_share:.2f} x the largest "
+        f"layer working set cached and reserves the total x {1 + options.allocator_overhead:.2f}, so a stage fits "
+        f"when its total is at most {_gib(memory.usable_bytes(capacity, options))} GiB"
     ]
     for k in detail:
         s = stages[k]
@@ -132,9 +134,7 @@ def memory_lines(plan, cluster, result, options: CostOptions) -> List[str]:
         for key, name in MEMORY_TERMS:
             amount = s.memory.get(key, 0.0)
             lines.append(f"  {name:<17} {text_bar(amount / capacity)} {_amount(amount, capacity)}")
-        lines.append(
-            f"  {'total (live)':<17} {text_bar(s.memory['total'] / capacity)} {_amount(s.memory['total'], capacity)}"
-        )
+        lines.append(f"  {'total':<17} {text_bar(s.memory['total'] / capacity)} {_amount(s.memory['total'], capacity)}")
         lines.append(
             f"  {'reserved':<17} {text_bar(s.reserved / capacity)} {_amount(s.reserved, capacity)}"
             + ("" if s.fits else f"  > {_gib(usable)} GiB usable: DOES NOT FIT")

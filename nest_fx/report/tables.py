@@ -136,8 +136,17 @@ def sim_tables(result, plan, workload) -> str:
     )
     # the runtime's working sets get a column when some stage has them (docs/cost_model.md)
     terms = ["weights", "grads", "optimizer", "activations", "buffers"]
-    terms += [k for k in ("fsdp_unsharded", "optimizer_step") if any(st.memory.get(k, 0) for st in result.stages)]
-    names = {"buffers": "p2p buffers", "fsdp_unsharded": "FSDP unsharded", "optimizer_step": "opt. scratch"}
+    terms += [
+        k
+        for k in ("fsdp_unsharded", "optimizer_step", "allocator_cache")
+        if any(st.memory.get(k, 0) for st in result.stages)
+    ]
+    names = {
+        "buffers": "p2p buffers",
+        "fsdp_unsharded": "FSDP unsharded",
+        "optimizer_step": "opt. scratch",
+        "allocator_cache": "alloc. cache",
+    }
     mem_rows = []
     for s in result.stages:
         m = s.memory
@@ -159,7 +168,7 @@ def sim_tables(result, plan, workload) -> str:
                 mem_rows,
                 headers=["stage", "layers", "tp", "recompute"]
                 + [names.get(k, k) for k in terms]
-                + ["total (live)", "reserved", "fits"],
+                + ["total", "reserved", "fits"],
                 tablefmt="simple",
             ),
         ]

@@ -101,6 +101,8 @@ class StageTable(StageBounds):
                 unsharded[live],
                 scratch[live],
                 num_microbatches=m,
+                cache_share=opts.allocator_peak_share,
+                cast_weights=opts.master_weights,
             )
             fits = np.zeros((p, k + 1), dtype=bool)
             fits[:, :k] = mem["total"] <= cache.capacity

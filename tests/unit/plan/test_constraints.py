@@ -213,17 +213,17 @@ def test_the_binding_constraint_is_named():
 
 
 def test_constraints_that_bind_only_together_say_so():
-    # on 0.3 GiB devices this model fits only with recompute and ZeRO-3 (pp=1 or a pipeline): no
-    # recompute fails with any ZeRO stage, ZeRO-1 with any recompute, so leaving out either alone
-    # does not help (a pipeline's stages hold their gradients unsharded: memory.held_grad_bytes)
+    # on 0.3 GiB devices this model fits only with TP > 1 and recompute: tp=1 fails with any
+    # recompute, no recompute with any TP degree, so leaving out either alone does not help
+    # (its bf16-mixed gradients are held in fp32 on the master weights: memory.held_grad_bytes)
     cluster = tight_cluster(0.3)
     work = workload_for_model(MODEL, cluster)
     with pytest.raises(
         ConstraintError,
-        match=r"no plan meets the constraints together \(--zero 1, "
+        match=r"no plan meets the constraints together \(--fix tp=1, "
         r"--recompute none\); leaving out any one",
     ):
-        solve_constrained(work, cluster, 16, Constraints(recompute=["none"], zero_stages=[1]), SPACE)
+        solve_constrained(work, cluster, 16, Constraints(fix={"tp": 1}, recompute=["none"]), SPACE)
 
 
 # -- the command line and the runtime -------------------------------------------------------
