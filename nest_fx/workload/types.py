@@ -191,6 +191,7 @@ class Workload:
         self.source = source
         self.provenance = provenance
         self._cache: Dict[Tuple, LayerCost] = {}
+        self._edges: Optional[List[Tuple[str, ...]]] = None  # sequence_edge of each layer
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
@@ -215,7 +216,10 @@ class Workload:
         own = self.own_cost(index, v)
         if not (v.sequence_parallel and v.tp > 1):
             return own
-        edges = sequence_edge([x.kind for x in self.layers], [x.num_params for x in self.layers], index)
+        if self._edges is None:  # by position in the chain, once
+            kinds, params = [x.kind for x in self.layers], [x.num_params for x in self.layers]
+            self._edges = [sequence_edge(kinds, params, k) for k in range(len(self.layers))]
+        edges = self._edges[index]
         if not edges:
             return own
         entering = self.own_cost(index - 1, v).out_bytes / v.cp if SLICE in edges else 0.0
