@@ -89,8 +89,12 @@ def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
     layer = np.array(index, dtype=np.int64)
     b, e = np.triu_indices(n + 1, 1)
     held = counts[:, e] - counts[:, b]  # (D, ranges)
-    prev = np.where(b > 0, layer[np.maximum(b - 1, 0)], -1)
-    keys = np.vstack([held, prev[None, :], layer[e - 1][None, :]]).T
+    # the layers before and at the end of a range count through what they send (the boundary
+    # and its buffers): costs that send alike share a class (the first block under sequence
+    # parallelism differs from the others by its slice only: workload.sequence_edges)
+    sends = np.array(_alike_senders(costs), dtype=np.int64)
+    prev = np.where(b > 0, sends[layer[np.maximum(b - 1, 0)]], -1)
+    keys = np.vstack([held, prev[None, :], sends[layer[e - 1]][None, :]]).T
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
     cls = np.full((n + 1, n + 1), len(uniq), dtype=np.intp)
     cls[b, e] = inverse.ravel()
@@ -109,6 +113,14 @@ def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
         modes=searched,
         tied=costs[index[-1]].tied_params,
     )
+
+
+def _alike_senders(costs: List[LayerCost]) -> List[int]:
+    """For each distinct cost, the first distinct cost that hands on what it does (its
+    ``out_bytes`` and whether it is a block: all a pipeline boundary's price and a stage's
+    buffers read of the layer before and at the end of a stage)."""
+    first: Dict[Tuple[float, bool], int] = {}
+    return [first.setdefault((c.out_bytes, c.block), k) for k, c in enumerate(costs)]
 
 
 @dataclass

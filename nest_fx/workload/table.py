@@ -288,7 +288,7 @@ def workload_to_table(
                 for mbs, sp, cp, lp in itertools.product(mbss, sps, cps, lps if layer.kind == "tail" else (False,)):
                     if workload.variant_problem(Variant(tp, ep, sequence_parallel=sp, cp=cp, loss_parallel=lp)):
                         continue
-                    cost = workload.cost(i, Variant(tp, ep, mbs, sp, cp, lp)).to_dict()
+                    cost = workload.own_cost(i, Variant(tp, ep, mbs, sp, cp, lp)).to_dict()  # no edges: Workload.cost
                     extra = {**({"cp": cp} if cp > 1 else {}), **({"lp": True} if lp else {})}
                     variants.append(dict(tp=tp, ep=ep, mbs=mbs, sp=sp, **extra, **cost))
         signatures[f"{layer.kind}:{layer.signature}"] = variants

@@ -15,7 +15,9 @@ Costs come from a *source*:
                    (how TP/EP shard each node follows from the TP pairs the tracer found).
     TableSource    a user-supplied per-layer table (``format: nest-fx-workload/1``, SI units;
                    see docs/workload_format.md).
-Identical layers (same signature) share one cost entry, so costing is O(distinct layers).
+Identical layers (same signature) share one cost entry, so costing is O(distinct layers); under
+sequence parallelism the first block and the tail (the ends of the sequence-parallel span:
+``sequence_edges``) add their slice's and gather's collectives to it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.roofline import DEFAULT_ATTENTION_KERNEL
+from nest_fx.workload.sequence_edges import GATHER, SLICE, edge_collectives, sequence_edge
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
 DTYPE_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of the dtypes a workload is costed in
@@ -188,6 +191,7 @@ class Workload:
         self.source = source
         self.provenance = provenance
         self._cache: Dict[Tuple, LayerCost] = {}
+        self._edges: Optional[List[Tuple[str, ...]]] = None  # sequence_edge of each layer
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
@@ -205,8 +209,35 @@ class Workload:
 
     def cost(self, index: int, *variant, **names) -> LayerCost:
         """The cost of layer ``index`` in a :class:`Variant` (given as one, or as its values:
-        :meth:`Variant.of`); cached per distinct layer. Loss parallelism changes only the tail
-        (where the loss is), expert parallelism only MoE layers."""
+        :meth:`Variant.of`): :meth:`own_cost`, plus under sequence parallelism the collectives at
+        the ends of the sequence-parallel span that this layer's stage runs (``sequence_edges``:
+        the first block's slice, the gather before the tail); cached per distinct layer and edge."""
+        v = Variant.of(*variant, **names)
+        own = self.own_cost(index, v)
+        if not (v.sequence_parallel and v.tp > 1):
+            return own
+        if self._edges is None:  # by position in the chain, once
+            kinds, params = [x.kind for x in self.layers], [x.num_params for x in self.layers]
+            self._edges = [sequence_edge(kinds, params, k) for k in range(len(self.layers))]
+        edges = self._edges[index]
+        if not edges:
+            return own
+        entering = self.own_cost(index - 1, v).out_bytes / v.cp if SLICE in edges else 0.0
+        before = index - 1 if self.layers[index].kind != "block" else index
+        gathered = self.own_cost(before, v).out_bytes / v.cp if GATHER in edges else 0.0
+        key = (id(own), edges, entering, gathered)  # own is held by the cache: its id stays its own
+        if key not in self._cache:
+            added = [
+                Comm(kind, "tp", nbytes, phase, 1, unrecomputed)
+                for kind, phase, nbytes, unrecomputed in edge_collectives(edges, entering, gathered, own.block)
+            ]
+            self._cache[key] = replace(own, comms=[*own.comms, *added])
+        return self._cache[key]
+
+    def own_cost(self, index: int, *variant, **names) -> LayerCost:
+        """The cost of layer ``index`` as its source gives it, shared by every layer of its
+        signature (what a layer table holds); cached per distinct layer. Loss parallelism changes
+        only the tail (where the loss is), expert parallelism only MoE layers."""
         v = Variant.of(*variant, **names)
         layer = self.layers[index]
         ep, lp = (v.ep if layer.is_moe else 1), (v.loss_parallel and layer.kind == "tail")

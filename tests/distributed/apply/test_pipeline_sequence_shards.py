@@ -7,11 +7,13 @@ and no collective runs at the boundary; a cut after the head carries the full em
 and a stage holding only the tail gathers what it receives. Each cell trains the zoo Llama for 3
 SGD steps against one device (``parity_helpers.run``, 1e-5), then counts one more step's
 collectives and point-to-point bytes (``profiler.step_collectives.CollectiveCounter``) on every
-rank and compares them with the price: the layers' collectives (``LayerCost.collective_counts``)
-per microbatch, the sequence-parallel slice after the head (its backward all-gathers the
-embedding output's gradient) and gather before the tail (outside the layer chain's price, as
-``test_tp_input_once.py`` names them), the reported loss's all-reduce, and per boundary crossing
-``cost.step_time.boundary_bytes``. Without sequence parallelism each rank sends the whole tensor.
+rank and compares them with the price: the layers' TP collectives (``LayerCost.comms``) per
+microbatch, the sequence-parallel slice after the head (its backward all-gathers the embedding
+output's gradient) and gather before the tail included (``workload.sequence_edges``, on the
+device holding the first block and the tail), a block's forward ones again where its recompute
+re-runs them (``stage_terms.repeated_share``), plus the reported loss's all-reduce (not part of
+training), and per boundary crossing ``cost.step_time.boundary_bytes``. Without sequence
+parallelism each rank sends the whole tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from nest_fx.apply.pipeline import chunk_layout
 from nest_fx.cluster import Cluster
+from nest_fx.cost.stage_terms import repeated_share
 from nest_fx.cost.step_time import boundary_bytes
 from nest_fx.plan import Plan, uniform_plan
 from nest_fx.testing import equivalence
@@ -59,13 +62,14 @@ def _parity_and_counts(spec):
     pm.train_step(tokens, tokens)
     with CollectiveCounter() as counter:
         pm.train_step(tokens, tokens)
-    out.update(counts=counter.counts, sent=sorted(counter.sent), received=sorted(counter.received))
+    out.update(counts=counter.counts, calls=counter.calls, sent=sorted(counter.sent), received=sorted(counter.received))
     return out
 
 
 def _priced(plan: Plan):
-    """Per pipeline device: ({collective kind: count} of one step, sorted bytes it sends, sorted
-    bytes it receives) as the cost model prices them."""
+    """Per pipeline device: ({collective kind: count} of one step, {(kind, phase, bytes): count}
+    of its calls, sorted bytes it sends, sorted bytes it receives) as the cost model prices them
+    (the calls without recompute: its re-run forward collectives run in the backward pass)."""
     graph, cfg = trace_model(LLAMA, seq=SEQ, dtype=torch.float32)
     work = analytical_workload(graph, dims_from_config(cfg, seq_len=SEQ), Cluster.preset("cpu-gloo", 4), torch.float32)
     n, sp, m = len(work), plan.sequence_parallel, plan.num_microbatches
@@ -82,26 +86,26 @@ def _priced(plan: Plan):
     layout = chunk_layout(plan, n)
     owner = {stage: device for device, (_, indices) in enumerate(layout) for stage in indices}
     last = len(owner) - 1
-    first_layer = next(k for k, c in enumerate(costs) if c.block)
     out = []
     for device, (ranges, indices) in enumerate(layout):
-        counts = {"all_reduce": 1}  # the reported loss, over the world
+        counts = {"all_reduce": 1}  # the reported loss, over the world (one fp32 scalar)
+        calls = {("all_reduce", "fwd", 4): 1}
         sent, received = [], []
         for (start, end), stage in zip(ranges, indices):
-            for k in range(start, end):
-                for kind, count in costs[k].collective_counts().items():
-                    counts[kind] = counts.get(kind, 0) + count * m
-            if sp and start <= first_layer < end:  # the slice after the head: its backward all-gathers
-                counts["all_gather"] += m
-            if sp and end == n:  # the gather before the tail (or of what a tail-only stage receives)
-                counts["all_gather"] += m
+            for k in range(start, end):  # the slice after the head and the gather before the tail included
+                for comm in costs[k].comms:
+                    if comm.group == "tp":
+                        again = repeated_share(comm, plan.stages[device].recompute) if costs[k].block else 0.0
+                        counts[comm.kind] = counts.get(comm.kind, 0) + comm.count * (1 + again) * m
+                        key = (comm.kind, comm.phase, comm.nbytes)
+                        calls[key] = calls.get(key, 0) + comm.count * m
             if stage < last and owner[stage + 1] != device:  # activations out, their gradients back
                 sent += [crossing(end)] * m
                 received += [crossing(end)] * m
             if stage > 0 and owner[stage - 1] != device:
                 received += [crossing(start)] * m
                 sent += [crossing(start)] * m
-        out.append((counts, sorted(sent), sorted(received)))
+        out.append((counts, calls, sorted(sent), sorted(received)))
     return out
 
 
@@ -110,8 +114,10 @@ def _check(plan: dict):
     full = _plan(plan, BLOCKS)
     priced = _priced(full)
     for rank, r in enumerate(results):
-        counts, sent, received = priced[rank // TP]  # stage-major: ranks 0, 1 hold device 0's chunks
+        counts, calls, sent, received = priced[rank // TP]  # stage-major: ranks 0, 1 hold device 0's chunks
         assert r["counts"] == counts, (rank, r["counts"], counts)
+        if full.stages[0].recompute == "none":
+            assert r["calls"] == calls, (rank, r["calls"], calls)
         assert r["sent"] == sent and r["received"] == received, (rank, r["sent"], sent)
     return results
 
@@ -131,6 +137,7 @@ def test_sp_1f1b_stages_hand_on_shards_and_run_what_is_priced():
         {"sequence_parallel": True, "schedule": "interleaved", "virtual_stages": 2},  # a head-only chunk too
         {"sequence_parallel": True, "schedule": "zbv", "virtual_stages": 2},  # V: chunks 1 and 2 pass on one rank
         {"sequence_parallel": True, "loss_parallel": True},
+        {"sequence_parallel": True, "recompute": "full"},  # the slice and the gather are not re-run
         {"sequence_parallel": False},  # plain TP: the whole replicated tensor from every rank
         {"sequence_parallel": False, "loss_parallel": True, "schedule": "interleaved", "virtual_stages": 2},
         {
@@ -138,7 +145,15 @@ def test_sp_1f1b_stages_hand_on_shards_and_run_what_is_priced():
             "stages": [{"start": 0, "end": 5, "tp": TP}, {"start": 5, "end": 6, "tp": TP}],
         },  # a stage holding only the tail gathers the shard it receives
     ],
-    ids=["sp_interleaved", "sp_zbv", "sp_loss_parallel", "tp_1f1b", "tp_loss_parallel_interleaved", "sp_tail_stage"],
+    ids=[
+        "sp_interleaved",
+        "sp_zbv",
+        "sp_loss_parallel",
+        "sp_full_recompute",
+        "tp_1f1b",
+        "tp_loss_parallel_interleaved",
+        "sp_tail_stage",
+    ],
 )
 def test_pipelined_tp_runs_what_is_priced(extra):
     plan = {**BASE, **extra}

@@ -6,8 +6,9 @@ collectives. Without sequence parallelism a layer all-reduces 4 times (Megatron'
 region's row output forward, each region's input gradient once backward, q/k/v and gate/up
 summed locally first), not 7 (one per column module); with it, 4 all-gathers and 4
 reduce-scatters. Both equal the priced count (``LayerCost.collective_counts``) of the same
-model and plan, and the whole step's count equals the priced sum of its layers up to the
-collectives outside the layer chain named below.
+model and plan, and the whole step's count equals the priced sum of its layers (with sequence
+parallelism the first block's slice and the gather before the tail: ``workload.sequence_edges``;
+under recompute a block's re-run forward collectives) plus the reported loss's all-reduce.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _counted(layer_counts, sequence_parallel: bool, recompute: str = "none", fam
         with CollectiveCounter() as counter:
             pm.train_step(tokens, tokens)
         out[layers] = counter.counts
+        out["calls", layers] = counter.calls
     return out
 
 
@@ -83,8 +85,35 @@ def _priced(layers: int, sequence_parallel: bool, family: str = "llama"):
     for cost in costs:
         for kind, n in cost.collective_counts().items():
             total[kind] = total.get(kind, 0) + n
-    block = next(i for i, layer in enumerate(work.layers) if layer.kind == "block")
+    # the last block: under SP the first one also prices the slice after the head (sequence_edges)
+    block = [i for i, layer in enumerate(work.layers) if layer.kind == "block"][-1]
     return costs[block].collective_counts(), total, costs[block]
+
+
+def _priced_calls(layers: int, sp: bool):
+    """{(kind, phase, bytes): count} of the TP collectives the cost model prices for one step."""
+    graph, cfg = trace_model(_spec(layers), seq=SEQ, dtype=torch.float32)
+    work = analytical_workload(graph, dims_from_config(cfg, seq_len=SEQ), Cluster.preset("cpu-gloo", 2), torch.float32)
+    out: dict = {}
+    for i in range(len(work)):
+        for comm in work.cost(i, tp=2, microbatch_size=2, sequence_parallel=sp).comms:
+            key = (comm.kind, comm.phase, comm.nbytes)
+            out[key] = out.get(key, 0) + comm.count
+    return out
+
+
+def _priced_step(layers: int, sp: bool, recompute: str):
+    """{kind: count} of one step as priced: every layer's TP collectives, a block's forward ones
+    again where ``recompute`` re-runs them, and the reported loss's all-reduce."""
+    graph, cfg = trace_model(_spec(layers), seq=SEQ, dtype=torch.float32)
+    work = analytical_workload(graph, dims_from_config(cfg, seq_len=SEQ), Cluster.preset("cpu-gloo", 2), torch.float32)
+    out = {"all_reduce": 1}
+    for i in range(len(work)):
+        cost = work.cost(i, tp=2, microbatch_size=2, sequence_parallel=sp)
+        for comm in cost.comms:
+            again = repeated_share(comm, recompute) if cost.block else 0.0
+            out[comm.kind] = out.get(comm.kind, 0) + comm.count * (1 + again)
+    return out
 
 
 def _increment(counts):
@@ -104,14 +133,17 @@ def test_tp_layer_collectives_are_the_priced_ones():
         assert block == per_layer
         _, total2, _ = _priced(2, sp)
         assert {k: total[k] - total2.get(k, 0) for k in total if total[k] != total2.get(k, 0)} == per_layer
-        # outside the layer chain's price: the step's reported loss (one all-reduce over the world),
-        # and under SP the stage's final gather and its sequence slice's backward (an all-gather of
-        # the embedding output's gradient)
-        extra = {"all_reduce": 1, "all_gather": 2} if sp else {"all_reduce": 1}
+        # outside the price: the step's reported loss (one all-reduce over the world, not training);
+        # under SP the gather before the tail and the slice's backward (an all-gather of the
+        # embedding output's gradient) are priced (workload.sequence_edges)
+        extra = {"all_reduce": 1}
         for layers in (2, 3):
             run, priced = counts[layers], _priced(layers, sp)[1]
             unpriced = {k: run.get(k, 0) - priced.get(k, 0) for k in set(run) | set(priced)}
             assert {k: n for k, n in unpriced.items() if n} == extra, (sp, layers, run, priced)
+            # each call's phase and bytes too (the loss: one fp32 scalar)
+            calls = {**_priced_calls(layers, sp), ("all_reduce", "fwd", 4): 1}
+            assert counts["calls", layers] == calls, (sp, layers, counts["calls", layers], calls)
 
 
 @pytest.mark.dist
@@ -125,12 +157,16 @@ def test_recompute_reruns_the_priced_forward_collectives(sp):
     block = _priced(3, sp)[2]
     counted = {}
     for recompute in ("full", "op"):
-        counted[recompute] = _increment(launch(_counted, 2, (2, 3), sp, recompute, timeout=LAUNCH_S)[0])
+        steps = launch(_counted, 2, (2, 3), sp, recompute, timeout=LAUNCH_S)[0]
+        counted[recompute] = _increment(steps)
         priced: dict = {}
         for comm in block.comms:
             if comm.group == "tp":
                 priced[comm.kind] = priced.get(comm.kind, 0) + comm.count * (1 + repeated_share(comm, recompute))
         assert counted[recompute] == priced, (sp, recompute, counted, priced)
+        for layers in (2, 3):  # the whole step: the slice and the gather (hooks outside the checkpoint) once
+            whole = _priced_step(layers, sp, recompute)
+            assert steps[layers] == whole, (sp, recompute, layers, steps[layers], whole)
     if sp:
         assert counted == {"full": {"all_gather": 6, "reduce_scatter": 5}, "op": {"all_gather": 6, "reduce_scatter": 4}}
     else:
@@ -226,8 +262,6 @@ def test_regions_prepared_once_or_per_column_run_what_is_priced_and_match_one_de
             for kind, n in work.cost(i, tp=2, microbatch_size=2, sequence_parallel=sp).collective_counts().items():
                 priced[kind] = priced.get(kind, 0) + n
         priced["all_reduce"] = priced.get("all_reduce", 0) + 1  # the reported loss, over the world
-        if sp:  # the stage's final gather (its first slice's backward gathers nothing: the data needs no gradient)
-            priced["all_gather"] += 1
         for diffs, counted in (r[name, sp] for r in ranks):
             assert all(v < TOL for v in diffs.values()), (name, sp, diffs)
             assert counted == priced, (name, sp, counted, priced)

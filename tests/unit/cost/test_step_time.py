@@ -94,13 +94,20 @@ def test_runtime_call_overheads_add_per_collective(work, cluster):
     assert slow.stages[0].tp_comm - base.stages[0].tp_comm == pytest.approx(per_mb)
     assert slow.breakdown["tp_comm"] - base.breakdown["tp_comm"] == pytest.approx(2 * per_mb)
     # the host work is per TP region: sequence parallelism's all-gather + reduce-scatter pair
-    # costs what plain TP's all-reduce does
+    # costs what plain TP's all-reduce does; the first block's slice and the gather before the tail
+    # (workload.sequence_edges) are calls of their own
     sp_plan = uniform_plan(len(work), pp=1, tp=4, dp=1, num_microbatches=2, sequence_parallel=True)
     sp_extra = (
         simulate(sp_plan, work, cluster, CostOptions(tp_call_overhead=(a, b))).breakdown["tp_comm"]
         - simulate(sp_plan, work, cluster).breakdown["tp_comm"]
     )
-    assert sp_extra == pytest.approx(2 * per_mb)
+    edges = [
+        c
+        for i in range(len(work))
+        for c in work.cost(i, tp=4, sp=True).comms[len(work.own_cost(i, tp=4, sp=True).comms) :]
+    ]
+    assert len(edges) == 2
+    assert sp_extra == pytest.approx(2 * (per_mb + sum(a + b * c.nbytes for c in edges)))
     # without TP there is no TP collective to pay for
     one = uniform_plan(len(work), pp=1, tp=1, dp=1, num_microbatches=2)
     assert (

@@ -45,11 +45,12 @@ def test_tp_shards_params_compute_and_activations(small):
 
 
 def test_sequence_parallel_swaps_allreduce_and_shards_the_rest(small):
-    plain, sp = small.cost(1, tp=4), small.cost(1, tp=4, sp=True)
+    # a middle block: the first one also slices the sequence (tests/unit/workload/test_sequence_edges.py)
+    plain, sp = small.cost(2, tp=4), small.cost(2, tp=4, sp=True)
     # Korthikanti et al. 2022: with SP every saved activation of the layer is split over TP (the norms
     # SP shards run the model's code: tests/unit/workload/test_fused_norm_costs.py)
     model = small.for_runtime(norm_kernel="model")
-    assert sp.act_bytes["none"] == pytest.approx(model.cost(1, tp=1).act_bytes["none"] / 4)
+    assert sp.act_bytes["none"] == pytest.approx(model.cost(2, tp=1).act_bytes["none"] / 4)
     assert sp.act_bytes["none"] < plain.act_bytes["none"]
     assert {c.kind for c in sp.comms} == {"all_gather", "reduce_scatter"}
     volume = lambda c: sum(x.nbytes * x.count * (2 if x.kind == "all_reduce" else 1) for x in c.comms)  # noqa: E731
