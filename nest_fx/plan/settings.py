@@ -31,22 +31,9 @@ from nest_fx.plan.setting import (  # noqa: F401  (re-exported: plan.py, the pla
     add_fields,
     fields_of,
 )
-from nest_fx.plan.vocabulary import (
-    ANY_INTERLEAVE,
-    KERNELS,
-    ATTENTION_KERNELS,
-    NORM_KERNELS,
-    OPTIMIZER_NAMES,
-    PLACEMENTS,
-    PRECISIONS,
-    SCHEDULES,
-    fraction_problem,
-    microbatch_size_problem,
-    placement_problem,
-    recompute_problem,
-    schedule_problem,
-    zero_problem,
-)
+from nest_fx.plan.vocabulary import ANY_INTERLEAVE, ATTENTION_KERNELS, KERNELS, NORM_KERNELS, PLACEMENTS, PRECISIONS
+from nest_fx.plan.vocabulary import OPTIMIZER_KERNELS, OPTIMIZER_NAMES, SCHEDULES, fraction_problem, zero_problem
+from nest_fx.plan.vocabulary import microbatch_size_problem, placement_problem, recompute_problem, schedule_problem
 
 # every per-layer policy and a ladder of layer intervals; the search drops those another policy
 # beats in both time and memory (solver.range_classes.undominated_modes)
@@ -455,6 +442,17 @@ SETTINGS: Tuple[Setting, ...] = (
         scope="run",
         values=OPTIMIZER_NAMES,
         flag="--optimizer",
+    ),
+    Setting(
+        "optimizer_kernel",
+        str,
+        "",
+        "how torch.optim runs the optimizer's step: for-loop, foreach or fused (one kernel); '' = torch's default: "
+        "foreach on CUDA, for-loop on CPU (costed so per device; docs/cost_model.md, Optimizer step)",
+        "option",
+        scope="run",
+        values=("",) + OPTIMIZER_KERNELS,
+        flag="--optimizer-kernel",
     ),
 )
 

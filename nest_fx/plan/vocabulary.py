@@ -35,6 +35,9 @@ ATTENTION_KERNELS = ("cudnn", "flash")
 # how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, or the model's code
 NORM_KERNELS = ("fused", "model")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
+# how torch.optim runs the optimizer's step (its foreach= / fused= arguments; torchtitan's names):
+# costed in nest_fx.cost.optimizers.KERNEL_FIGURES
+OPTIMIZER_KERNELS = ("for-loop", "foreach", "fused")
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches
 _RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")
