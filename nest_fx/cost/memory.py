@@ -151,8 +151,8 @@ def optimizer_step_bytes(
     ``for-loop``, ``foreach`` or ``fused``; ``nest_fx.cost.optimizers``). PyTorch's foreach
     Adam/AdamW builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor
     the size of the parameters, 4 bytes each. Its for-loop holds two fp32 temporaries of one
-    tensor at a time: 8 bytes per element of ``largest_tensor`` (the largest parameter tensor's
-    local elements). SGD and the fused kernels update in place: 0. It is allocated after
+    tensor and the previous tensor's denominator: at most 12 bytes per element of
+    ``largest_tensor`` (the largest parameter tensor's local elements). SGD and the fused kernels update in place: 0. It is allocated after
     backward, when activations are gone (see :func:`stage_memory`)."""
     cost = step_cost(optimizer, kernel)
     updated = require_amount(updated_params, "updated_params")
