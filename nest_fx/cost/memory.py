@@ -152,8 +152,9 @@ def optimizer_step_bytes(
     Adam/AdamW builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor
     the size of the parameters, 4 bytes each. Its for-loop holds two fp32 temporaries of one
     tensor and the previous tensor's denominator: at most 12 bytes per element of
-    ``largest_tensor`` (the largest parameter tensor's local elements). SGD and the fused kernels update in place: 0. It is allocated after
-    backward, when activations are gone (see :func:`stage_memory`)."""
+    ``largest_tensor`` (the largest parameter tensor's local elements). SGD and the fused
+    kernels update in place: 0. It is allocated after backward, when activations are gone (see
+    :func:`stage_memory`)."""
     cost = step_cost(optimizer, kernel)
     updated = require_amount(updated_params, "updated_params")
     largest = require_amount(largest_tensor, "largest_tensor")
