@@ -108,10 +108,13 @@ def _group_implementation(group: Dict[str, Any]) -> str:
 
 def implementation(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """The implementation ``optimizer``'s step runs (``for-loop``, ``foreach``, ``fused``; groups
-    that differ: their names joined by ``+``), or None for an optimizer without torch's
-    ``foreach``/``fused`` options (it runs its own code)."""
-    groups = optimizer.param_groups
-    if not groups or not all("foreach" in g or "fused" in g for g in groups):
+    that differ: their names joined by ``+``), None for an optimizer without torch's
+    ``foreach``/``fused`` options (it runs its own code), '' when it holds no parameter here
+    (its step runs nothing). Groups without parameters are left out: torch's default on an
+    empty list would say foreach on any device, and a rank whose group is empty (a stage without
+    biases, say) must resolve as the others do."""
+    groups = [g for g in optimizer.param_groups if g["params"]]
+    if not all("foreach" in g or "fused" in g for g in groups):
         return None
     return "+".join(sorted({_group_implementation(g) for g in groups}))
 
@@ -123,7 +126,7 @@ def kernel_problem(optimizer: torch.optim.Optimizer, kernel: str) -> str:
         return ""
     runs = implementation(optimizer)
     name = type(optimizer).__name__
-    if runs == kernel:
+    if runs in (kernel, ""):
         return ""
     if runs is None:
         return (

@@ -269,7 +269,9 @@ class ParallelModule:
         ranks holding the same parameters (replicas and TP shards of a stage)."""
         names = {id(p): n for n, p in self.named_parameters()}
         fields: Dict[str, Any] = {"optimizer": type(optimizer).__name__}
-        fields["optimizer implementation"] = implementation(optimizer)
+        runs = implementation(optimizer)
+        if runs != "":  # '' runs nothing here (no parameter of this rank's): compared among the others
+            fields["optimizer implementation"] = runs
         fields.update({f"optimizer default {k}": v for k, v in sorted(optimizer.defaults.items())})
         for i, group in enumerate(optimizer.param_groups):
             members = sorted(names.get(id(p), "?") for p in group["params"])

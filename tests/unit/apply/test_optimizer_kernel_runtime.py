@@ -125,3 +125,12 @@ def test_build_optimizer_refuses_what_contradicts_the_plan():
         build_optimizer(params, "adamw", "fused", foreach=True)
     opt = build_optimizer(params, "sgd-momentum", "foreach", lr=0.1, momentum=0.9)
     assert opt.param_groups[0]["momentum"] == 0.9 and implementation(opt) == "foreach"
+
+
+def test_a_group_without_parameters_does_not_change_what_the_optimizer_runs():
+    """torch's default on an empty list says foreach on any device: a rank whose group is empty
+    must resolve as the ranks whose group is not."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([{"params": [p]}, {"params": [], "weight_decay": 0.0}])
+    assert implementation(opt) == "for-loop"  # CPU parameters: torch's for-loop
+    assert implementation(torch.optim.AdamW([{"params": []}])) == ""
