@@ -153,7 +153,7 @@ def optimizer_cost(name: object) -> OptimizerCost:
     return OPTIMIZERS[name]
 
 
-def kernel_problem(kernel: object) -> str:
+def kernel_value_problem(kernel: object) -> str:
     """'' when ``kernel`` is an ``optimizer_kernel`` value ('' or one of ``OPTIMIZER_KERNELS``), else why not."""
     if kernel == "" or kernel in OPTIMIZER_KERNELS:
         return ""

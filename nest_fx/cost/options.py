@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from nest_fx.cost.optimizers import kernel_problem, optimizer_cost, step_cost
+from nest_fx.cost.optimizers import kernel_value_problem, optimizer_cost, step_cost
 from nest_fx.plan.settings import OVERLAPS, setting
 
 # device memory left unused: the CUDA context, NCCL buffers and cuBLAS workspaces (the declared
@@ -75,7 +75,7 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         optimizer_cost(self.optimizer)  # a ValueError naming the known optimizers
-        problem = kernel_problem(self.optimizer_kernel)
+        problem = kernel_value_problem(self.optimizer_kernel)
         if problem:
             raise ValueError(problem)
         for name in OVERLAPS:
