@@ -104,21 +104,23 @@ def _simulate_file(path: str, plan: Plan, workload, cluster):
 
 def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     """``plan`` with torch.compile / Float8 switched on where ``--compile`` / ``--float8`` ask, and
-    the precision, kernel backend and overlap shares the flags name (what the plan would cost
-    with them; the file itself is left as it is)."""
+    the precision, kernel backend, overlap shares and optimizer implementation the flags name
+    (what the plan would cost with them; the file itself is left as it is)."""
     changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
     for s in OPTIONS:  # --precision, --kernels: the plan's own options
         if s.scope == "plan" and getattr(args, dest(s), None):
             changes[s.name] = getattr(args, dest(s))
-    overlaps = {
+    recorded = {
         name: parse_fraction(getattr(args, name), setting(name).flag)
         for name in OVERLAPS
         if getattr(args, name, None) is not None
     }
-    if overlaps:  # costed through the plan's constraints, as a plan made with these flags records them
+    if getattr(args, "optimizer_kernel", None):  # --optimizer-kernel: a run option, recorded beside the shares
+        recorded["optimizer_kernel"] = args.optimizer_kernel
+    if recorded:  # costed through the plan's constraints, as a plan made with these flags records them
         data = plan.constraints.to_dict() if plan.constraints else {}
         try:
-            changes["constraints"] = Constraints.from_dict({**data, **overlaps})
+            changes["constraints"] = Constraints.from_dict({**data, **recorded})
         except ConstraintError as exc:
             raise UserError(f"constraint {exc}") from None
     return dataclasses.replace(plan, **changes) if changes else plan

@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
     for name in OVERLAPS:
         add_option_flag(p, name, "cost the plan with this overlap share instead of the plan's: ")
+    add_option_flag(p, "optimizer_kernel", "cost the plan with this optimizer implementation instead of the plan's: ")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser(

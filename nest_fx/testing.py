@@ -23,6 +23,7 @@ re-exported here under their old names (``fault_run``, ``fault_reports``, ``Elas
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any, Dict, Optional
 
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from nest_fx.apply import auto_parallelize
 from nest_fx.apply.float8 import apply_float8
 from nest_fx.apply.losses import lm_loss
+from nest_fx.apply.optimizers import build_optimizer, implementation, plan_optimizer
 from nest_fx.apply.pipeline import stage_blocks, tensor_output
 from nest_fx.apply.precision import prepare_reference
 from nest_fx.apply.runtime import model_loss
@@ -45,6 +47,7 @@ from nest_fx.models import build_seeded
 from nest_fx.models.build import model_example
 from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan import Plan, uniform_plan
+from nest_fx.plan.constraints import Constraints
 from nest_fx.testing_faults import (  # noqa: F401
     FAULT_MODEL,
     FAULT_RANK,
@@ -313,8 +316,10 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
     ``hf_config`` (:func:`hf_model_from_config`) or its own ``build``/``data``/``loss`` callables
     (:func:`_setup_custom`) trains that model instead (``model`` then only labels the run).
     ``precision`` (default: the plan's): sets the plan's precision; the single-device reference
-    always runs in the parallel plan's precision. ``progress`` (a dict) gets ``phase = "training"``
-    once ``auto_parallelize`` has returned (:func:`coverage_cell` tells a refusal from a crash by it)."""
+    always runs in the parallel plan's precision. ``optimizer`` (a dict of the plan's run options
+    ``optimizer``, ``optimizer_kernel``): both sides train with ``build_optimizer`` instead of SGD.
+    ``progress`` (a dict) gets ``phase = "training"`` once ``auto_parallelize`` has returned
+    (:func:`coverage_cell` tells a refusal from a crash by it)."""
     model, example, loss_fn, data = _setup(spec)
     batch, lr = spec["batch"], spec.get("lr", 0.5)
     reference = copy.deepcopy(model)
@@ -323,6 +328,8 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
         args = args + (data[0][1],)
     graph = trace(model, args, kwargs, name=spec["model"])
     plan = _plan(spec.get("plan"), len(graph.blocks), spec.get("precision"))
+    if spec.get("optimizer"):  # {"optimizer": "adamw", "optimizer_kernel": "fused"}: the plan's run options
+        plan = dataclasses.replace(plan, constraints=Constraints.from_dict(spec["optimizer"]))
     pm = auto_parallelize(
         model,
         args if example is None else _model_inputs(example, data[0][0]),
@@ -334,8 +341,12 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
         sync_batchnorm=spec.get("sync_batchnorm", True),
     )
     reference = _reference(reference, graph, pm.plan.precision, pm.plan.float8)  # the planner's, when it chose the plan
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    if spec.get("optimizer"):  # the plan's optimizer and implementation, on both sides
+        opt = pm.build_optimizer(lr=lr)
+        ref_opt = build_optimizer(reference.parameters(), *plan_optimizer(pm.plan), lr=lr)
+    else:
+        opt = torch.optim.SGD(pm.parameters(), lr=lr)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
     out = {
         "loss_diff": 0.0,
@@ -350,6 +361,7 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
         "stage": pm.rank_info.stage,
         "num_params": 0,
         "plan": pm.plan.to_dict(),
+        "optimizer_implementation": implementation(opt),
     }
     per = batch // pm.plan.dp
     lo = pm.rank_info.replica * per

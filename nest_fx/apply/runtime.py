@@ -13,6 +13,7 @@ argument, or None when ``loss_fn`` is None and the model computes its own loss (
 Every tensor is either the global batch (every rank passes the same tensors, as with a seeded
 synthetic loader) or this rank's data-parallel shard of it (``global_batch / dp`` rows, what a
 DistributedSampler would give); each is split into the step's microbatches along dim 0. The caller owns the optimizer:
+``opt = pm.build_optimizer(lr=3e-4)`` (the plan's optimizer and implementation) or
 ``opt = torch.optim.AdamW(pm.parameters())``; ``pm.train_step(x, y); opt.step(); opt.zero_grad()``.
 """
 
@@ -37,6 +38,7 @@ from nest_fx.apply.export_hf import save_pretrained
 from nest_fx.apply.fused_params import fused_layouts, original_layout
 from nest_fx.apply.parts import BatchSchedule, LocalModel, ParallelLayout, field_of
 from nest_fx.apply.model_loss import model_loss
+from nest_fx.apply.optimizers import build_optimizer, check_kernel, implementation, plan_optimizer
 from nest_fx.apply.pipeline import schedule_step, tensor_output
 from nest_fx.apply.sdpa_kernel import pinned_attention
 
@@ -240,13 +242,24 @@ class ParallelModule:
         must call it. See :mod:`nest_fx.apply.export_hf`."""
         return save_pretrained(self, directory, max_shard_size, overwrite=overwrite, dtype=dtype)
 
+    def build_optimizer(self, **hyperparameters: Any) -> torch.optim.Optimizer:
+        """The plan's optimizer (its constraints' ``optimizer``: adam, adamw, sgd, sgd-momentum;
+        default adam) over this rank's parameters, run as its ``optimizer_kernel`` (for-loop,
+        foreach, fused; '' = torch's default), with ``hyperparameters`` (``lr``, ``betas``,
+        ``weight_decay``, ``momentum``...). See :mod:`nest_fx.apply.optimizers`."""
+        return build_optimizer(self.parameters(), *plan_optimizer(self.plan), **hyperparameters)
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Compare the optimizer's type and hyperparameters across ranks (one all-gather):
+        """Refuse an optimizer whose implementation contradicts the plan's explicit
+        ``optimizer_kernel`` (:class:`~nest_fx.apply.optimizers.OptimizerError`, before any
+        collective: every rank resolves it alike), then compare its type, implementation and
+        hyperparameters across ranks (one all-gather):
         :class:`~nest_fx.apply.agreement.AgreementError` naming the field and the ranks when they
         differ. Runs by itself before the first ``optimizer.step()``, and in ``save``/``load``/
         ``resume``; once per optimizer."""
         if optimizer in self._agreed_optimizers:
             return
+        check_kernel(optimizer, self.plan)
         with named_collective_failures("comparing the optimizer's settings across ranks"):
             agree(self._optimizer_fields(optimizer), what="the optimizer, before its first step")
         self._agreed_optimizers.add(optimizer)
@@ -256,6 +269,9 @@ class ParallelModule:
         ranks holding the same parameters (replicas and TP shards of a stage)."""
         names = {id(p): n for n, p in self.named_parameters()}
         fields: Dict[str, Any] = {"optimizer": type(optimizer).__name__}
+        runs = implementation(optimizer)
+        if runs != "":  # '' runs nothing here (no parameter of this rank's): compared among the others
+            fields["optimizer implementation"] = runs
         fields.update({f"optimizer default {k}": v for k, v in sorted(optimizer.defaults.items())})
         for i, group in enumerate(optimizer.param_groups):
             members = sorted(names.get(id(p), "?") for p in group["params"])

@@ -162,6 +162,8 @@ def tail_terms(
     exposed = exposed + after_backward
     updated = num_params / (dp if zero >= 1 else 1)
     t_opt = (
-        updated * options.update_bytes_per_param() / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
+        updated
+        * options.update_bytes_per_param(cluster.device)
+        / (cluster.device.mem_bandwidth * options.optimizer_mem_efficiency)
     )
     return exposed, t_opt

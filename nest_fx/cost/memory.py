@@ -17,7 +17,7 @@ import numpy as np
 
 from nest_fx.cost.arg_checks import require_amount, require_choice, require_int, require_number
 from nest_fx.cost.arrays import Count, positive_part
-from nest_fx.cost.optimizers import MASTER_WEIGHT_BYTES, optimizer_cost
+from nest_fx.cost.optimizers import MASTER_WEIGHT_BYTES, optimizer_cost, resolved_kernel, step_cost
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import LayerTerms
 
@@ -143,16 +143,22 @@ def fsdp_unsharded_bytes(
     return params, grads
 
 
-def optimizer_step_bytes(updated_params: Amount, optimizer: str = "adam") -> Amount:
+def optimizer_step_bytes(
+    updated_params: Amount, optimizer: str = "adam", kernel: str = "foreach", largest_tensor: Amount = 0.0
+) -> Amount:
     """Scratch bytes of one optimizer step on ``updated_params`` (the locally updated
-    parameters: 1/dp of them under ZeRO >= 1). PyTorch's multi-tensor ("foreach") Adam/AdamW
-    builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor the size of
-    the parameters, 4 bytes each. SGD (with or without momentum) updates in place: 0
-    (``OptimizerCost.scratch_bytes``). It is allocated after backward, when activations are gone
-    (see :func:`stage_memory`)."""
-    scratch = optimizer_cost(optimizer).scratch_bytes
+    parameters: 1/dp of them under ZeRO >= 1) run by ``kernel`` (``optimizer_kernel``, resolved:
+    ``for-loop``, ``foreach`` or ``fused``; ``nest_fx.cost.optimizers``). PyTorch's foreach
+    Adam/AdamW builds the denominator sqrt(v) + eps for all parameters at once: one fp32 tensor
+    the size of the parameters, 4 bytes each. Its for-loop holds two fp32 temporaries of one
+    tensor and the previous tensor's denominator: at most 12 bytes per element of
+    ``largest_tensor`` (the largest parameter tensor's local elements). SGD and the fused
+    kernels update in place: 0. It is allocated after backward, when activations are gone (see
+    :func:`stage_memory`)."""
+    cost = step_cost(optimizer, kernel)
     updated = require_amount(updated_params, "updated_params")
-    return scratch * updated
+    largest = require_amount(largest_tensor, "largest_tensor")
+    return cost.scratch_bytes * updated + cost.tensor_scratch_bytes * largest
 
 
 # -- activations ----------------------------------------------------------------------------
@@ -289,10 +295,16 @@ MEMORY_TERMS = (
 )
 
 
-def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) -> Tuple[Count, Count, Count]:
+def working_sets(
+    terms: LayerTerms, zero: int, dp: int, options: CostOptions, device=None
+) -> Tuple[Count, Count, Count]:
     """(FSDP unsharded parameter bytes, FSDP unsharded gradient bytes, optimizer scratch bytes)
     of a stage: ``memory.fsdp_unsharded_bytes`` of its dense parameters at ``zero`` (the
-    effective stage) and ``memory.optimizer_step_bytes`` of the parameters it updates."""
+    effective stage) and ``memory.optimizer_step_bytes`` of the parameters it updates, its step
+    run as ``options.optimizer_kernel`` runs on ``device`` (a ``DeviceSpec``; None: a GPU's).
+    The for-loop's largest tensor is bounded by the stage's largest FSDP unit (its largest block,
+    or its embedding, norm and head: exact where the largest tensor is a layer's only one, as an
+    embedding is), sharded over ``dp`` under ZeRO >= 1 (FSDP2 shards every tensor)."""
     dense = terms.params - terms.expert_params
     params, grads = fsdp_unsharded_bytes(
         dense,
@@ -303,7 +315,13 @@ def working_sets(terms: LayerTerms, zero: int, dp: int, options: CostOptions) ->
         param_dtype_bytes=options.param_bytes,
         grad_dtype_bytes=options.grad_bytes,
     )
-    scratch = optimizer_step_bytes(terms.params / (dp if zero >= 1 else 1), options.optimizer)
+    shard = dp if zero >= 1 else 1
+    scratch = optimizer_step_bytes(
+        terms.params / shard,
+        options.optimizer,
+        resolved_kernel(options.optimizer_kernel, device),
+        np.maximum(terms.unit_params, terms.root_params) / shard,
+    )
     return params, grads, scratch
 
 

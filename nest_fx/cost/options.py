@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from nest_fx.cost.allocator import allocator_slack
-from nest_fx.cost.optimizers import optimizer_cost
+from nest_fx.cost.optimizers import kernel_value_problem, optimizer_cost, step_cost
 from nest_fx.plan.settings import OVERLAPS, setting
 
 # device memory left unused: the CUDA context, NCCL buffers and cuBLAS workspaces (the declared
@@ -29,6 +29,9 @@ class CostOptions:
     """Knobs of the cost model that are not part of the plan."""
 
     optimizer: str = "adam"  # a key of nest_fx.cost.optimizers.OPTIMIZERS: adam, adamw, sgd-momentum, sgd
+    # how torch.optim runs its step: for-loop, foreach, fused; '' = torch's default on the device
+    # (nest_fx.cost.optimizers.resolved_kernel: foreach on GPUs, the for-loop on CPUs)
+    optimizer_kernel: str = ""
     param_bytes: int = 2  # training dtype (bf16)
     grad_bytes: int = 2
     master_weights: bool = True  # mixed precision keeps an fp32 copy of the weights in the optimizer
@@ -40,7 +43,7 @@ class CostOptions:
     # can cover it (docs/cost_model.md, "Overlap"; the declared defaults of the overlap_* settings,
     # nest_fx.plan.settings: what nest-fx's runtime does). True/False read as 1/0.
     overlap_grad_sync: float = setting("overlap_grad_sync").default
-    bytes_per_param_update: Optional[float] = None  # None: the optimizer's (OptimizerCost.update_bytes)
+    bytes_per_param_update: Optional[float] = None  # None: the optimizer's (KernelCost.update_bytes)
     optimizer_mem_efficiency: float = 0.7
     memory_headroom: float = MEMORY_HEADROOM  # the memory_headroom setting (one name everywhere)
     # the CUDA caching allocator's segment mode: what it reserves beyond the live tensors
@@ -70,6 +73,9 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         optimizer_cost(self.optimizer)  # a ValueError naming the known optimizers
+        problem = kernel_value_problem(self.optimizer_kernel)
+        if problem:
+            raise ValueError(problem)
         for name in OVERLAPS:
             value = float(getattr(self, name))
             if not 0.0 <= value <= 1.0:
@@ -95,12 +101,14 @@ class CostOptions:
         at the peak (``memory.stage_memory``'s ``allocator_cache`` term)."""
         return allocator_slack(self.allocator_segments).peak_share
 
-    def update_bytes_per_param(self) -> float:
+    def update_bytes_per_param(self, device=None) -> float:
         """Bytes one optimizer step moves per updated parameter: ``bytes_per_param_update`` when
-        set, else the optimizer's (``nest_fx.cost.optimizers``)."""
+        set, else the optimizer's as ``optimizer_kernel`` runs it on ``device`` (a ``DeviceSpec``;
+        ``nest_fx.cost.optimizers``)."""
         if self.bytes_per_param_update is not None:
             return self.bytes_per_param_update
-        return optimizer_cost(self.optimizer).update_bytes * self.state_bytes / 4  # the table counts fp32
+        update = step_cost(self.optimizer, self.optimizer_kernel, device).update_bytes
+        return update * self.state_bytes / 4  # the table counts fp32
 
     def reduce_dtype_bytes(self) -> int:
         """Bytes per gradient element data parallelism moves: ``reduce_bytes``, else ``grad_bytes``."""

@@ -254,7 +254,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         held,
         terms.layer_peak,
         out_bytes,
-        *memory.working_sets(terms, zero, shard, options),
+        *memory.working_sets(terms, zero, shard, options, cluster.device),
         num_microbatches=plan.num_microbatches,
         cache_share=options.allocator_peak_share,
         cast_weights=options.master_weights,

@@ -20,6 +20,8 @@ entry               values                                 meaning
                                                            context and allocator fragmentation)
 ``optimizer``       ``adam``, ``adamw``, ``sgd``,          the optimizer the plan is costed for
                     ``sgd-momentum``
+``optimizer_kernel`` ``for-loop``, ``foreach``, ``fused``   how torch.optim runs its step (absent: torch's
+                                                           default on the device)
 ``precision``       ``fp32``, ``bf16-mixed``, ``bf16-true`` the precision the plan trains and is costed in
 ==================  =====================================  ==================================================
 

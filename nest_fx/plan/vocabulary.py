@@ -37,6 +37,9 @@ NORM_KERNELS = ("fused", "model")
 # the CUDA caching allocator's segment modes (costed in nest_fx.cost.allocator, set by apply/allocator.py)
 ALLOCATOR_SEGMENTS = ("expandable", "fixed")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
+# how torch.optim runs the optimizer's step (its foreach= / fused= arguments; torchtitan's names):
+# costed in nest_fx.cost.optimizers.KERNEL_FIGURES
+OPTIMIZER_KERNELS = ("for-loop", "foreach", "fused")
 RECOMPUTE_FORMS = "none, selective, full, op (or op:<policy>) or every:<k> (k >= 2)"
 RECOMPUTE_NAMES = ("none", "selective", "full", "op", "every")  # for close matches
 _RECOMPUTE = re.compile(r"^(none|selective|full|op|op:[a-z0-9_-]+|every:([2-9]|[1-9][0-9]+))$")

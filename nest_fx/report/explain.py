@@ -19,6 +19,7 @@ from nest_fx.cluster.ordered import placed
 from nest_fx.cost import memory
 from nest_fx.cost.error_bands import ErrorBand
 from nest_fx.cost.options import CostOptions
+from nest_fx.cost.optimizers import resolved_kernel
 from nest_fx.cost.precision import priced_options
 from nest_fx.cost.step_time import pipeline_time, stage_tail
 from nest_fx.plan.plan import PlanError
@@ -177,6 +178,10 @@ def time_lines(plan, cluster, result, options: CostOptions) -> List[str]:
     lines.append(
         f"kernels {plan.kernels or ('compile' if plan.compile else 'eager')}; "
         f"error band of the step time: {band_text(result)}"
+    )
+    runs = resolved_kernel(options.optimizer_kernel, cluster.device)
+    lines.append(
+        f"optimizer {options.optimizer}, {runs}" + ("" if options.optimizer_kernel else " (torch's default here)")
     )
     return lines
 

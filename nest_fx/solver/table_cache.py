@@ -370,7 +370,7 @@ class TableCache(MemoryFloors):
                 dense,
                 terms.expert_params,
                 t_opt,
-                *working_sets(terms, zero, g.shard, opts),
+                *working_sets(terms, zero, g.shard, opts, self.cluster.device),
             )
         return self._states[key]
 

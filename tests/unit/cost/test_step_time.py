@@ -211,11 +211,21 @@ def test_plan_world_size_mismatch_is_refused(work):
 
 
 @pytest.mark.parametrize(
-    "optimizer, update, states", [("adam", 36, 12), ("adamw", 44, 12), ("sgd-momentum", 20, 8), ("sgd", 12, 4)]
+    "optimizer, kernel, update, states",
+    [
+        # torch's default on a GPU ('') is foreach: the passes of _multi_tensor_adam / _multi_tensor_sgd
+        ("adam", "", 72, 12),
+        ("adamw", "", 80, 12),
+        ("sgd-momentum", "", 32, 8),
+        ("sgd", "", 12, 4),
+        ("adamw", "for-loop", 80, 12),
+        ("adamw", "fused", 28, 12),  # one read of grad, param, m, v; one write of param, m, v
+        ("sgd-momentum", "fused", 20, 8),
+    ],
 )
-def test_optimizer_sets_state_bytes_and_update_traffic(work, cluster, optimizer, update, states):
+def test_optimizer_sets_state_bytes_and_update_traffic(work, cluster, optimizer, kernel, update, states):
     plan = uniform_plan(len(work), pp=1, tp=1, dp=4, zero=1, num_microbatches=2)
-    r = simulate(plan, work, cluster, CostOptions(optimizer=optimizer))
+    r = simulate(plan, work, cluster, CostOptions(optimizer=optimizer, optimizer_kernel=kernel))
     params = sum(work.cost(i).num_params for i in range(len(work)))
     # ZeRO-1: each rank updates 1/dp of the parameters, memory-bound at 70% of HBM bandwidth
     assert r.breakdown["optimizer"] == pytest.approx(params / 4 * update / (cluster.device.mem_bandwidth * 0.7))

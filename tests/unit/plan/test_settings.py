@@ -56,6 +56,7 @@ def test_one_spelling_for_every_setting():
         "attention_kernel",
         "norm_kernel",
         "optimizer",
+        "optimizer_kernel",
         "memory_headroom",
         "overlap_tp_comm",
         "overlap_ep_comm",
