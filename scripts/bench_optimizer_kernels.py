@@ -2,7 +2,7 @@
 """The optimizer step on a GPU under each ``optimizer_kernel``: time and scratch measured, against
 what the cost model prices (``nest_fx/cost/optimizers.py``).
 
-    python scripts/bench_optimizer_kernels.py            # CUDA only; writes results/bench_optimizer_kernels.json
+    python scripts/bench_optimizer_kernels.py            # CUDA only; writes results/gpu/bench_optimizer_kernels_h100.json
 
 AdamW (torch's defaults but lr 1e-4) over 64 fp32 parameters of 4096 x 4096 (1.07 G parameters,
 a block stack's square projections), run as the for-loop (``foreach=False``), foreach, fused and
@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--side", type=int, default=4096)
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM datasheet)")
-    ap.add_argument("--out", default="results/bench_optimizer_kernels.json")
+    ap.add_argument("--out", default="results/gpu/bench_optimizer_kernels_h100.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs CUDA (the implementations differ on a GPU; on a CPU torch's default is the for-loop)")

@@ -33,14 +33,18 @@ GiB = 2**30
 
 
 def test_pipelined_fsdp_accumulates_gradients_in_the_reduce_dtype():
-    fp32_reduce = CostOptions(reduce_bytes=4)
-    assert held_grad_bytes(1, True, fp32_reduce) == 4  # pipelined ZeRO-1 (and 2/3, which run as 1)
-    assert held_grad_bytes(1, False, fp32_reduce) == 2  # no pipeline: as the parameters
-    assert held_grad_bytes(0, True, fp32_reduce) == 2  # replicated: no FSDP2
+    fp32_reduce = CostOptions(reduce_bytes=4)  # bf16-mixed: fp32 master weights hold the gradients
+    assert held_grad_bytes(1, True, fp32_reduce) == 4
+    assert held_grad_bytes(1, False, fp32_reduce) == 4
+    assert held_grad_bytes(0, True, fp32_reduce) == 4
+    no_master = CostOptions(reduce_bytes=4, master_weights=False)
+    assert held_grad_bytes(1, True, no_master) == 4  # pipelined ZeRO-1 (and 2/3, which run as 1)
+    assert held_grad_bytes(1, False, no_master) == 2  # no pipeline: as the parameters
+    assert held_grad_bytes(0, True, no_master) == 2  # replicated: no FSDP2
     assert held_grad_bytes(1, True, CostOptions()) == 2  # reduced in bf16: accumulated in bf16
     states = model_states(1e9, 1, 8, fp32_reduce, pipelined=True)
     assert states["grads"] == 4e9 and states["weights"] == 2e9 and states["optimizer"] == 12e9 / 8
-    assert model_states(1e9, 1, 8, fp32_reduce)["grads"] == 2e9
+    assert model_states(1e9, 1, 8, no_master)["grads"] == 2e9
 
 
 def test_fsdp2_accumulates_unsharded_gradients_in_its_reduce_dtype(single_rank, tmp_path):

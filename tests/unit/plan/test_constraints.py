@@ -254,9 +254,12 @@ def test_cli_plan_prints_records_and_simulates_under_the_constraints(tmp_path, c
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "constraints: tp = 2, pp <= 2, memory headroom 20%, optimizer sgd" in printed
+    # the allocator's segments are always recorded, as the optimizer: the runtime turns them on
+    assert "constraints: tp = 2, pp <= 2, memory headroom 20%, allocator segments expandable, optimizer sgd" in printed
     plan = Plan.load(str(out))
-    assert plan.constraints == Constraints(fix={"tp": 2}, max={"pp": 2}, memory_headroom=0.2, optimizer="sgd")
+    assert plan.constraints == Constraints(
+        fix={"tp": 2}, max={"pp": 2}, memory_headroom=0.2, allocator_segments="expandable", optimizer="sgd"
+    )
     assert plan.uniform_tp == 2 and plan.pp <= 2
     assert (
         main(

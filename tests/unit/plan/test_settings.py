@@ -57,6 +57,7 @@ def test_one_spelling_for_every_setting():
         "norm_kernel",
         "optimizer",
         "optimizer_kernel",
+        "allocator_segments",
         "memory_headroom",
         "overlap_tp_comm",
         "overlap_ep_comm",
