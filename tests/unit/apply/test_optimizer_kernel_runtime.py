@@ -56,13 +56,14 @@ def agreements(monkeypatch):
 def test_build_optimizer_runs_the_plans_implementation(single_rank, agreements, optimizer, kernel, cls):
     pm, x = _pm(optimizer=optimizer, **({"optimizer_kernel": kernel} if kernel else {}))
     opt = pm.build_optimizer(lr=1e-3)
-    # '' is torch's default: on these CPU parameters the for-loop
-    assert type(opt) is cls and implementation(opt) == (kernel or "for-loop")
+    # '' is torch's default: the for-loop on CPU parameters (foreach where the runtime placed them on CUDA)
+    default = "foreach" if next(pm.parameters()).is_cuda else "for-loop"
+    assert type(opt) is cls and implementation(opt) == (kernel or default)
     before = [p.detach().clone() for p in pm.parameters()]
     pm.train_step(x, torch.randint(0, 64, (2, 16)))
     opt.step()
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, pm.parameters()))
-    assert agreements and agreements[0]["optimizer implementation"] == (kernel or "for-loop")
+    assert agreements and agreements[0]["optimizer implementation"] == (kernel or default)
 
 
 def test_a_plan_without_constraints_builds_adam_as_torch_defaults_it(single_rank):
@@ -112,7 +113,8 @@ def test_torchs_default_is_accepted_when_the_plan_names_none(single_rank, agreem
     pm, _ = _pm(optimizer="adamw")
     for kernel in ({"foreach": True}, {"fused": True}, {}):
         pm.check_optimizer(torch.optim.AdamW(pm.parameters(), **kernel))
-    assert [a["optimizer implementation"] for a in agreements] == ["foreach", "fused", "for-loop"]
+    default = "foreach" if next(pm.parameters()).is_cuda else "for-loop"
+    assert [a["optimizer implementation"] for a in agreements] == ["foreach", "fused", default]
 
 
 def test_build_optimizer_refuses_what_contradicts_the_plan():
@@ -134,3 +136,25 @@ def test_a_group_without_parameters_does_not_change_what_the_optimizer_runs():
     opt = torch.optim.AdamW([{"params": [p]}, {"params": [], "weight_decay": 0.0}])
     assert implementation(opt) == "for-loop"  # CPU parameters: torch's for-loop
     assert implementation(torch.optim.AdamW([{"params": []}])) == ""
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch's default there is foreach; the CPU path: above)"
+)
+@pytest.mark.parametrize("kernel, expected", [("", "foreach"), ("fused", "fused")])
+def test_on_cuda_the_plans_implementation_runs(single_rank, kernel, expected):
+    model, _ = build_seeded(LLAMA)
+    model = model.cuda()
+    x = torch.randint(0, 64, (2, 16), device="cuda")
+    recorded = {"optimizer": "adamw", **({"optimizer_kernel": kernel} if kernel else {})}
+    plan = dataclasses.replace(
+        uniform_plan(4, microbatch_size=2, num_microbatches=1), constraints=Constraints.from_dict(recorded)
+    )
+    pm = auto_parallelize(model, x, global_batch_size=2, loss_fn=lm_loss, plan=plan, verbose=False)
+    opt = pm.build_optimizer(lr=1e-3)
+    assert implementation(opt) == expected
+    before = [p.detach().clone() for p in pm.parameters()]
+    pm.train_step(x, torch.randint(0, 64, (2, 16), device="cuda"))
+    opt.step()
+    assert all(p.is_cuda for p in pm.parameters())
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, pm.parameters()))
