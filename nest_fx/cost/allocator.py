@@ -29,9 +29,8 @@ fits the allocator it runs (it over-reserves the recompute run by 3.4 GiB under 
 segments). Reserved = ``(allocated + peak_share x lp) x (1 + ratio)``: ``peak_share`` is the
 envelope over ``1 + ratio`` (``memory.reserved_bytes``).
 
-Not a term here: the 4-microbatch run's live bytes are 7.4% above the price (37.32 against
-34.55 GiB): its accumulated gradients are fp32 on the fp32 master weights, priced at the
-parameters' 2 bytes (docs/cost_model.md, "Memory the allocator sees").
+The live bytes of these runs are priced within 1.8% (``memory.held_grad_bytes``: fp32 gradients on
+the master weights; ``memory.stage_memory``'s ``cast_weights``).
 """
 
 from __future__ import annotations
