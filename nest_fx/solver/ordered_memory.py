@@ -133,8 +133,9 @@ def range_recompute(
     peak = np.where(present[None], terms.peak[:, :, None], 0.0).max(axis=1, initial=0.0)  # (M, E)
     fits = inflight * (terms.kept @ held) + (1.0 + cache_share) * peak <= room + slack
     best = np.where(fits, terms.seconds @ held, math.inf).min(axis=0, initial=math.inf)
-    if terms.every:
-        kept_none = terms.none_kept @ held
+    if not terms.every or not np.any(best > 0):
+        return best  # (a mode that re-runs nothing fits every range: every:<k> cannot do better)
+    kept_none = terms.none_kept @ held
     for k in terms.every:
         kept, seconds, peak = _every(terms, held, k, kept_none)
         ok = inflight * kept + (1.0 + cache_share) * peak <= room + slack
