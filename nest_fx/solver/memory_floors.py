@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Tuple
 
+import numpy as np
+
 from nest_fx.cost import memory
 from nest_fx.solver.candidates import variant_of
+from nest_fx.solver.range_classes import costed_modes
+from nest_fx.solver.ordered_memory import OrderedMemory, ordered_memory, range_recompute
 from nest_fx.solver.space import GlobalConfig
 from nest_fx.solver.stage_reach import (
     busiest_floor,
@@ -101,7 +105,8 @@ class MemoryFloors:
         ``cap`` (``stage_reach.splits_fit``): each stage's layers in order with their collectives
         (``layer_prefix``) and the recompute its own memory forces for its layer count
         (``stage_reach.recompute_floors``: the blocks' least kept activations and parameters for
-        that count, stage i's in-flight microbatches). False proves max_i t_i > cap."""
+        that count, stage i's in-flight microbatches), and what each range's own layers force
+        (``ordered_memory.range_recompute``). False proves max_i t_i > cap."""
         zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
         key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
         floors = self._recompute_floors.get(key)
@@ -110,7 +115,25 @@ class MemoryFloors:
             floors = self._recompute_floors[key] = recompute_floors(
                 self._reach_terms(g), inflight, per_param, self.capacity
             )
-        return splits_fit(self.layer_prefix(g, p), floors, cap)
+        per_param, inflight = self._memory_terms(g, p, m, zero, v)
+        ordered, share = self._ordered_memory(g), self.options.allocator_peak_share
+
+        def ranged(i: int, begin: int, ends: np.ndarray) -> np.ndarray:
+            return range_recompute(ordered, begin, ends, inflight[i], per_param, self.capacity, share)
+
+        return splits_fit(self.layer_prefix(g, p), floors, cap, ranged)
+
+    def _ordered_memory(self, g: GlobalConfig) -> OrderedMemory:
+        """``ordered_memory.ordered_memory`` of g's variant (the layers in order), once."""
+        rc = self.replica(g)
+        key = (variant_of(g), self.modes_for(g))
+        hit = self._ordered.get(key)
+        if hit is None:
+            _, prefix, _ = self.workload.variant_costs(key[0])
+            # every mode the schedule may run (the table searches the undominated ones of these)
+            modes = costed_modes(self.workload, key[0], self.modes_for(g))
+            hit = self._ordered[key] = ordered_memory(rc.costs, prefix, modes)
+        return hit
 
     def _reach_terms(self, g: GlobalConfig):
         rc = self.replica(g)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -204,17 +204,27 @@ def recompute_floors(terms: ReachTerms, inflight: Sequence[float], per_param: fl
     return np.concatenate([np.zeros((len(rows), 1)), floors], axis=1)[index.ravel()]
 
 
-def splits_fit(prefix: Sequence[float], floors: np.ndarray, cap: float) -> bool:
+def splits_fit(
+    prefix: Sequence[float],
+    floors: np.ndarray,
+    cap: float,
+    ranged: Optional[Callable[[int, int, np.ndarray], np.ndarray]] = None,
+) -> bool:
     """Whether the layers can be cut into ``len(floors)`` contiguous stages (some possibly empty)
     with every stage's lower bound at most ``cap``: stage i holding layers [b, e) takes at least
     ``prefix[e] - prefix[b] + floors[i, e - b]`` (``prefix``: prefix sums of each layer's least
     time, in layer order; ``floors``: :func:`recompute_floors`). Greedy, stage by stage, each
     reaching as far as its cap allows: from a later start a stage reaches no less (its layers'
     sum shrinks and ``floors[i]`` grows with the count), so no split fits when the greedy one
-    does not. False proves every split's busiest stage slower than ``cap``."""
+    does not. ``ranged(i, b, ends)``: per end e, a further lower bound on stage i's recompute
+    holding [b, e) that never grows when the range shrinks (``ordered_memory.range_recompute``),
+    asked of the ends the by-count floor keeps. False proves every split's busiest stage slower
+    than ``cap``."""
+    if ranged is not None and not splits_fit(prefix, floors, cap):
+        return False  # each stage reaches no further with its range's floor than without
     layers = len(prefix) - 1
     pos = 0
-    for row in floors:
+    for i, row in enumerate(floors):
         base = prefix[pos]
         if row[0] > cap:
             return False
@@ -227,6 +237,10 @@ def splits_fit(prefix: Sequence[float], floors: np.ndarray, cap: float) -> bool:
                 lo = mid
             else:
                 hi = mid - 1
+        if ranged is not None and lo > pos:  # the furthest of those ends its own range's memory allows
+            ends = np.arange(pos + 1, lo + 1)
+            ok = np.asarray(prefix)[ends] - base + ranged(i, pos, ends) <= cap
+            lo = int(ends[ok].max()) if ok.any() else pos
         pos = lo
         if pos >= layers:
             return True

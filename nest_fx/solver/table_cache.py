@@ -95,6 +95,7 @@ class TableCache(MemoryFloors):
         self._recompute_floors: Dict[tuple, np.ndarray] = {}
         self._inflight: Dict[tuple, tuple] = {}
         self._reach: Dict[tuple, object] = {}
+        self._ordered: Dict[tuple, object] = {}
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
