@@ -385,9 +385,9 @@ def check_device_order(order: object, world_size: int, devices_used: int = 0) ->
     )
     if not isinstance(order, (list, tuple)):
         raise PlanError(f"device_order: must be a list of ranks, got {type(order).__name__}; {fix}")
-    bad = next((x for x in order if isinstance(x, bool) or not isinstance(x, int)), None)
-    if bad is not None:
-        raise PlanError(f"device_order: entries must be integers, got {bad!r}; {fix}")
+    bad = [x for x in order if isinstance(x, bool) or not isinstance(x, int)]
+    if bad:  # a list, not next(..., None): a None entry is itself the bad one
+        raise PlanError(f"device_order: entries must be integers, got {bad[0]!r}; {fix}")
     if len(order) != world_size:
         raise PlanError(f"device_order: has {len(order)} entries but the world has {world_size} ranks; {fix}")
     if world_size < devices_used:

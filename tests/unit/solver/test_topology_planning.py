@@ -100,6 +100,7 @@ def test_graph_cluster_shares_curves_across_orders():
         ([0, 1, 1, 3], r"device_order\[2\]: rank 1 appears twice"),
         ([0, 1, 2, 4], r"device_order\[3\]: 4 is out of range 0..3"),
         ([0, 1, 2, "3"], "entries must be integers"),
+        ([0, None, 2, 3], "entries must be integers, got None"),
         ("0123", "must be a list"),
     ],
 )
