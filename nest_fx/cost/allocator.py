@@ -30,7 +30,7 @@ segments). Reserved = ``(allocated + peak_share x lp) x (1 + ratio)``: ``peak_sh
 envelope over ``1 + ratio`` (``memory.reserved_bytes``).
 
 The live bytes of these runs are priced within 1.8% (``memory.held_grad_bytes``: fp32 gradients on
-the master weights; ``memory.stage_memory``'s ``cast_weights``).
+the master weights; ``memory.stage_memory`` with ``options.master_weights``).
 """
 
 from __future__ import annotations

@@ -353,8 +353,7 @@ def stage_memory(
     optimizer_scratch: Count = 0.0,
     *,
     num_microbatches: int,
-    cache_share: float = 0.0,
-    cast_weights: bool = False,
+    options: Optional[CostOptions] = None,
 ) -> Dict[str, Count]:
     """Per-device memory terms of a stage at its peak (see module docstring) and their total;
     ``held_act``: the in-flight activations (``inflight.held_activation_bytes``).
@@ -372,14 +371,15 @@ def stage_memory(
     are reduced last): ``fsdp_unsharded`` is the gathered parameters plus what those gradients
     add beyond the activations.
 
-    ``cast_weights``: the ``weights`` term is bf16 casts of fp32 master weights (bf16-mixed: nest-fx's
+    ``options`` (None: neither term below): with ``master_weights`` the ``weights`` term is bf16
+    casts of fp32 master weights (bf16-mixed: nest-fx's
     runtime casts in autograd, FSDP2 gathers in bf16), freed once backward is done, so the optimizer
     step may use their bytes (measured on an H100 with full recompute, where the step is the peak:
     44.03 GiB allocated, 43.95 priced without the casts, 48.34 with them;
     ``results/gpu/bench_gpu_runtime_h100_runtime_default.json``, row ``recompute``).
 
     ``allocator_cache``: what the CUDA caching allocator keeps cached at the peak besides the
-    live tensors, ``cache_share`` of the largest one-layer working set ``layer_peak``
+    live tensors, ``options.allocator_peak_share`` of the largest one-layer working set ``layer_peak``
     (``CostOptions.allocator_peak_share``, measured: ``nest_fx.cost.allocator``); the other terms
     sum to the live (allocated) bytes, :func:`live_bytes`."""
     mem = {k: states[k] + expert_states[k] for k in ("weights", "grads", "optimizer")}
@@ -397,11 +397,11 @@ def stage_memory(
     late = unsharded_grads - mem["activations"]
     mem["fsdp_unsharded"] = unsharded_params + positive_part(late)
     during = mem["grads"] + mem["activations"] + mem["buffers"] + mem["fsdp_unsharded"]
-    if cast_weights:
+    if options is not None and options.master_weights:
         during = during + mem["weights"]
     excess = grads + optimizer_scratch - during
     mem["optimizer_step"] = positive_part(excess)
-    mem["allocator_cache"] = cache_share * layer_peak
+    mem["allocator_cache"] = (options.allocator_peak_share if options is not None else 0.0) * layer_peak
     mem["total"] = sum(mem[k] for k in MEMORY_TERMS)
     return mem
 

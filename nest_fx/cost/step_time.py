@@ -256,8 +256,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         out_bytes,
         *memory.working_sets(terms, zero, shard, options, cluster.device),
         num_microbatches=plan.num_microbatches,
-        cache_share=options.allocator_peak_share,
-        cast_weights=options.master_weights,
+        options=options,
     )
     sc.reserved = memory.reserved_bytes(mem["total"], options)
     sc.fits, binding = memory.check_fits(mem, memory.usable_bytes(cluster.device.memory_bytes, options))

@@ -101,8 +101,7 @@ class StageTable(StageBounds):
                 unsharded[live],
                 scratch[live],
                 num_microbatches=m,
-                cache_share=opts.allocator_peak_share,
-                cast_weights=opts.master_weights,
+                options=opts,
             )
             fits = np.zeros((p, k + 1), dtype=bool)
             fits[:, :k] = mem["total"] <= cache.capacity
