@@ -21,16 +21,16 @@ import torch
 
 from nest_fx.apply.checks import ApplyError
 from nest_fx.plan import Plan
-from nest_fx.plan.settings import setting
+from nest_fx.solver.constraints import cost_options
 
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def costed_segments(plan: Plan) -> str:
-    """The segment mode ``plan`` was costed with: its constraints' ``allocator_segments``, else
-    the setting's default (``expandable``)."""
-    recorded = getattr(plan.constraints, "allocator_segments", None) if plan.constraints else None
-    return recorded or setting("allocator_segments").default
+    """The segment mode ``plan`` was costed with: its constraints' ``allocator_segments``, read as
+    the cost model reads them (``solver.constraints.cost_options``), else the setting's default
+    (``expandable``)."""
+    return cost_options(plan.constraints).allocator_segments
 
 
 def configured_expandable(environ: Mapping[str, str]) -> Optional[bool]:

@@ -23,7 +23,8 @@ import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from nest_fx.apply.checks import ApplyError
-from nest_fx.plan.settings import default
+from nest_fx.cost.optimizers import kernel_value_problem
+from nest_fx.solver.constraints import cost_options
 
 # the torch.optim class of each plan optimizer name (nest_fx.plan.vocabulary.OPTIMIZER_NAMES)
 TORCH_OPTIMIZERS = {
@@ -46,11 +47,10 @@ class OptimizerError(ApplyError):
 
 
 def plan_optimizer(plan) -> Tuple[str, str]:
-    """(optimizer, optimizer_kernel) a plan records in its constraints, else the declared defaults."""
-    c = plan.constraints
-    name = getattr(c, "optimizer", None) or default("optimizer")
-    kernel = getattr(c, "optimizer_kernel", None) or default("optimizer_kernel")
-    return name, kernel
+    """(optimizer, optimizer_kernel) the plan was costed with: what its constraints record, read as
+    the cost model reads them (``solver.constraints.cost_options``), else the declared defaults."""
+    costed = cost_options(plan.constraints)
+    return costed.optimizer, costed.optimizer_kernel
 
 
 def _arguments(kernel: str) -> str:
@@ -66,8 +66,9 @@ def build_optimizer(
     :class:`OptimizerError` for what contradicts the plan."""
     if optimizer not in TORCH_OPTIMIZERS:
         raise OptimizerError(f"optimizer: {optimizer!r} is not one of {sorted(TORCH_OPTIMIZERS)}")
-    if kernel not in KERNEL_ARGUMENTS:
-        raise OptimizerError(f"optimizer_kernel: {kernel!r} is not one of {sorted(KERNEL_ARGUMENTS)}")
+    problem = kernel_value_problem(kernel)  # the values the cost model prices
+    if problem:
+        raise OptimizerError(problem)
     chosen = sorted(k for k in ("foreach", "fused") if k in hyperparameters)
     if chosen:
         raise OptimizerError(
