@@ -33,6 +33,7 @@ import time
 import torch
 
 from nest_fx.apply import auto_parallelize
+from nest_fx.apply.allocator import configured_expandable
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import load_cluster
 from nest_fx.cost.memory import live_bytes
@@ -63,11 +64,9 @@ ROWS = {
 
 
 def allocator_segments() -> str:
-    """The segment mode this process runs: the environment's, else the runtime's default."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments:False" in conf:
-        return "fixed"
-    return "expandable" if "expandable_segments:True" in conf or not conf else "fixed"
+    """The segment mode this process runs: the environment's where it names one (read as the
+    runtime reads it), else the one the runtime turns on (expandable)."""
+    return "fixed" if configured_expandable(os.environ) is False else "expandable"
 
 
 def one_kernel(
