@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from nest_fx.cluster import Cluster
+from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH
 
 
 GiB = 2**30
@@ -270,10 +271,11 @@ def published_rows() -> List[Row]:
 
 def meta_h100(gpus: int):
     """Meta's Llama 3 cluster (Grattafiori et al. 2024, sec. 3.3.1): 8 H100 SXM (80 GB HBM3,
-    700 W) per server on NVLink, RoCE at 400 Gb/s (50 GB/s) per GPU inside a 3,072-GPU pod, 1:7
-    oversubscribed between pods; SXM peaks (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
+    700 W) per server on NVLink (at NCCL's bus bandwidth, ``H100_NVLINK_BUS_BANDWIDTH``), RoCE at
+    400 Gb/s (50 GB/s) per GPU inside a 3,072-GPU pod, 1:7 oversubscribed between pods; SXM peaks
+    (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
     levels = [
-        {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+        {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
         {"name": "pod", "group_size": min(3072, gpus), "bandwidth": 50e9, "latency": 1e-5},
     ]
     if gpus > 3072:
@@ -302,10 +304,11 @@ def cluster_of(row: "Row"):
 
 
 def grand_teton(gpus: int):
-    """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction), 400 Gb/s
-    (50 GB/s) per GPU between hosts, 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
+    """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction, of which
+    NCCL reaches ``H100_NVLINK_BUS_BANDWIDTH``), 400 Gb/s (50 GB/s) per GPU between hosts, 95 GiB
+    and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
     levels = [
-        {"name": "node", "group_size": 8, "bandwidth": 450e9, "latency": 5e-6},
+        {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
         {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
     ]
     if gpus > 32:

@@ -27,8 +27,10 @@ collective that crosses level ``i`` and every point-to-point transfer whose inne
 is ``i`` is charged at that bandwidth. A level's ``latency`` is the start-up of one message across
 it, path included (how the presets and a calibration give it), so latencies are not summed.
 
-Sizes are in bytes, results in seconds; no efficiency factor is applied (the figures are ideal
-link rates). A group of one rank, or zero bytes, costs 0.
+Sizes are in bytes, results in seconds; no efficiency factor is applied: a level's bandwidth is
+the bus bandwidth its collectives reach (nccl-tests' ``busbw``; the presets' NVLink levels carry
+NCCL's published figure, not the link rate: docs/cluster_format.md). A group of one rank, or zero
+bytes, costs 0.
 """
 
 from __future__ import annotations

@@ -13,6 +13,16 @@ GiB = 2**30
 
 NODE, RACK = 8, 32  # NEST's hierarchy: 8 devices per node, 4 nodes per rack
 
+# NVLink4 through NVSwitch (DGX H100 / H200): the link rate is 450 GB/s per GPU per direction, but
+# NCCL's ring collectives reach a bus bandwidth of about 360 GB/s on 8 H100s (all-gather and
+# all-reduce; NCCL's maintainer on NVIDIA/nccl-tests issue #326, 2025-06-24: "360 GB/s is exactly
+# what we'd expect on H100"). The ring formulas (hierarchical_collectives) take the bus bandwidth
+# (nccl-tests' busbw), so these presets carry the achieved figure, not the link rate.
+H100_NVLINK_BUS_BANDWIDTH = 360e9
+# NVLink5 (B200, GB200 NVL72) doubles NVLink4's link rate (900 GB/s per GPU per direction); no
+# NCCL figure is published beside it here, so it is assumed to reach the same share (0.8).
+NVLINK5_BUS_BANDWIDTH = 900e9 * H100_NVLINK_BUS_BANDWIDTH / 450e9
+
 
 def _gpu_levels(
     devices: int, node: Tuple[float, float], rack: Tuple[float, float], spine: Tuple[float, float]
@@ -82,32 +92,33 @@ def _dgx_a100(devices: int) -> Cluster:
 
 
 def _dgx_h100(devices: int) -> Cluster:
-    """DGX H100: NVLink4 450 GB/s per GPU per direction; 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
-    return Cluster(
-        "dgx-h100", _copy(H100_SXM), devices, _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
-    )
+    """DGX H100: NVLink4 (450 GB/s per GPU per direction, of which NCCL's collectives reach
+    ``H100_NVLINK_BUS_BANDWIDTH``); 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
+    levels = _gpu_levels(devices, (H100_NVLINK_BUS_BANDWIDTH, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    return Cluster("dgx-h100", _copy(H100_SXM), devices, levels)
 
 
 def _dgx_h200(devices: int) -> Cluster:
-    """DGX H200: the DGX H100's network (NVLink4 450 GB/s per GPU per direction, 8x NDR 400 Gb/s
-    IB per node) around H200 GPUs."""
-    return Cluster(
-        "dgx-h200", _copy(H200_SXM), devices, _gpu_levels(devices, (450e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
-    )
+    """DGX H200: the DGX H100's network (NVLink4 at NCCL's ``H100_NVLINK_BUS_BANDWIDTH``, 8x NDR
+    400 Gb/s IB per node) around H200 GPUs."""
+    levels = _gpu_levels(devices, (H100_NVLINK_BUS_BANDWIDTH, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    return Cluster("dgx-h200", _copy(H200_SXM), devices, levels)
 
 
 def _dgx_b200(devices: int) -> Cluster:
     """DGX B200: NVLink5 1.8 TB/s per GPU bidirectional = 900 GB/s per direction inside a node;
-    8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU across nodes (non-blocking fat tree)."""
-    return Cluster("dgx-b200", _copy(B200), devices, _gpu_levels(devices, (900e9, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5)))
+    8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU across nodes (non-blocking fat tree). The node
+    level carries ``NVLINK5_BUS_BANDWIDTH``."""
+    levels = _gpu_levels(devices, (NVLINK5_BUS_BANDWIDTH, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    return Cluster("dgx-b200", _copy(B200), devices, levels)
 
 
 def _gb200_nvl72(devices: int) -> Cluster:
     """GB200 NVL72: one NVLink5 domain of 72 GPUs at 900 GB/s per GPU per direction (130 TB/s
     per rack bidirectional), then one ConnectX-7 400 Gb/s NIC per GPU (50 GB/s) between racks on
     a non-blocking fabric. Levels: ``nvl72`` (72 devices) and ``fabric`` (all devices, rounded up
-    to whole racks; left out for a single rack)."""
-    levels = [NetworkLevel("nvl72", NVL72, 900e9, 5e-6)]
+    to whole racks; left out for a single rack). The NVLink level carries ``NVLINK5_BUS_BANDWIDTH``."""
+    levels = [NetworkLevel("nvl72", NVL72, NVLINK5_BUS_BANDWIDTH, 5e-6)]
     fabric = max(-(-devices // NVL72) * NVL72, NVL72)
     if fabric > NVL72:
         levels.append(NetworkLevel("fabric", fabric, 50e9, 1.5e-5))

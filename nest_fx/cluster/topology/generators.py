@@ -13,6 +13,7 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from nest_fx.cluster.hierarchical_collectives import path_bandwidth
+from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH
 from nest_fx.cluster.spec import Cluster, DeviceSpec, NetworkLevel
 from nest_fx.cluster.topology.model import Link, Topology, TopologyError
 
@@ -96,7 +97,7 @@ def fat_tree(
     spines: int = 1,
     oversubscription: float = 1.0,
     device: Optional[DeviceSpec] = None,
-    nvlink_bandwidth: float = 450e9,
+    nvlink_bandwidth: float = H100_NVLINK_BUS_BANDWIDTH,
     nic_bandwidth: float = 50e9,
     nvlink_latency: float = 5e-6,
     hop_latency: float = 5e-6,
@@ -151,7 +152,7 @@ def rail_optimized(
     spines: int = 1,
     oversubscription: float = 1.0,
     device: Optional[DeviceSpec] = None,
-    nvlink_bandwidth: float = 450e9,
+    nvlink_bandwidth: float = H100_NVLINK_BUS_BANDWIDTH,
     nic_bandwidth: float = 50e9,
     nvlink_latency: float = 5e-6,
     hop_latency: float = 5e-6,
