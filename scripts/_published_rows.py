@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from nest_fx.cluster import Cluster
-from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH
+
+try:
+    from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH
+except ImportError:  # the cost model before the constant (--before-commit) is costed on the same clusters
+    H100_NVLINK_BUS_BANDWIDTH = 360e9
 
 
 GiB = 2**30
