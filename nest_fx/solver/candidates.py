@@ -22,8 +22,8 @@ from nest_fx.solver.space import (
     GlobalConfig,
     SolverOptions,
     concrete,
+    config_blocks,
     config_of,
-    config_rows,
     stage_counts,
 )
 from nest_fx.workload.types import Variant, Workload
@@ -201,24 +201,34 @@ def tier0(
     schedules: Dict[tuple, int] = {}
     fields: list = []
     kept: list = []  # per row with depths: (depth set, screen, variant, microbatches, schedule)
-    shared, rows = config_rows(workload, cluster, global_batch, options)
+    shared, inner, outer_rows = config_blocks(workload, cluster, global_batch, options)
     first = options.placements[0]
-    for k, row in enumerate(rows):
-        if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
+    codes = [schedules.setdefault((schedule, v), len(schedules)) for schedule, v, _ in inner]
+    # the inner rows (schedule, factor, placement) with admissible depths and their depth sets, per
+    # what stage_counts reads of the outer fields (and the workload, cluster and options, fixed
+    # here; compile is the options'): most rows have no depth and never build their GlobalConfig
+    inner_memo: Dict[tuple, list] = {}
+    for k, outer in enumerate(outer_rows):
+        if deadline is not None and k % 32 == 0 and time.perf_counter() > deadline:
             break
-        mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard, schedule, v, placement = row  # CONFIG_ROW
-        # stage_counts reads only these of g (and the workload, cluster and options, fixed here;
-        # compile is the options'): most rows have no depth and never build their GlobalConfig
-        depth_key = (dp * tp * cp, dp * mbs, schedule, v, zero, placement == first)
-        ds = depth_memo.get(depth_key)
-        if ds is None:
-            depths = stage_counts(workload, cluster, config_of(row, shared), global_batch, options)
-            ds = depth_memo[depth_key] = len(depth_sets) if depths else -1
-            if depths:
-                admissible = np.zeros(layers + 1, dtype=bool)
-                admissible[depths] = True
-                depth_sets.append(admissible)
-        if ds < 0:
+        mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard = outer  # CONFIG_ROW's first nine fields
+        inner_key = (dp * tp * cp, dp * mbs, zero)
+        with_depths = inner_memo.get(inner_key)
+        if with_depths is None:
+            with_depths = inner_memo[inner_key] = []
+            for j, (schedule, v, placement) in enumerate(inner):
+                depth_key = inner_key + (schedule, v, placement == first)
+                ds = depth_memo.get(depth_key)
+                if ds is None:
+                    depths = stage_counts(workload, cluster, config_of(outer + inner[j], shared), global_batch, options)
+                    ds = depth_memo[depth_key] = len(depth_sets) if depths else -1
+                    if depths:
+                        admissible = np.zeros(layers + 1, dtype=bool)
+                        admissible[depths] = True
+                        depth_sets.append(admissible)
+                if ds >= 0:
+                    with_depths.append((j, ds))
+        if not with_depths:
             continue
         vkey = (tp, ep, mbs, sp, cp, lp)  # Variant's fields, in its order
         vi = variants.get(vkey)
@@ -236,9 +246,10 @@ def tier0(
             fits = every >= _least_fitting_depth(params, zero, shard, layers, capacity, options)
             t_opt = tail_terms(0.0, 0.0, 0.0, params / every, shard, zero, cluster, options.cost)[1]
             screen_terms.append((np.concatenate([[False], fits]), np.concatenate([[np.inf], t_opt])))
-        sc = schedules.setdefault((schedule, v), len(schedules))
-        fields.append(row)
-        kept.append((ds, si, vi, global_batch // (dp * mbs), sc))
+        m = global_batch // (dp * mbs)
+        for j, ds in with_depths:
+            fields.append(outer + inner[j])
+            kept.append((ds, si, vi, m, codes[j]))
     if not kept:
         return Pairs(np.zeros(0), np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), [], shared)
     ds, si, vi, m, sc = (np.array(c) for c in zip(*kept))

@@ -196,6 +196,13 @@ def config_rows(
 
 
 def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions, runtime) -> Iterator[tuple]:
+    inner = inner_fields(options)
+    for outer in _outer_rows(workload, cluster, global_batch, options, runtime):
+        for ends in inner:
+            yield outer + ends
+
+
+def _outer_rows(workload: Workload, cluster, global_batch: int, options: SolverOptions, runtime) -> Iterator[tuple]:
     node = cluster.levels[0].group_size
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
@@ -231,7 +238,6 @@ def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
-    schedules = [(schedule, model_chunks(schedule, v)) for schedule, v in options.schedules]
     for mbs in options.microbatch_sizes:
         if global_batch % mbs:
             continue
@@ -241,9 +247,25 @@ def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions
                     continue
                 for zero in _undominated(options.zero_stages):
                     for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
-                        for schedule, v in schedules:
-                            for placement in options.placements:
-                                yield (mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard, schedule, v, placement)
+                        yield (mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard)
+
+
+def inner_fields(options: SolverOptions) -> List[Tuple[str, int, str]]:
+    """The (schedule, virtual_stages, placement) ends of :func:`config_rows`' rows, in its order:
+    every outer row of :func:`config_blocks` takes each of them."""
+    schedules = [(schedule, model_chunks(schedule, v)) for schedule, v in options.schedules]
+    return [(schedule, v, placement) for schedule, v in schedules for placement in options.placements]
+
+
+def config_blocks(
+    workload: Workload, cluster, global_batch: int, options: SolverOptions
+) -> Tuple[Dict[str, object], List[Tuple[str, int, str]], Iterator[tuple]]:
+    """:func:`config_rows` in blocks: (the shared fields, :func:`inner_fields`, an iterator over
+    the first nine fields of :data:`CONFIG_ROW`); the rows are every outer row followed by each
+    inner one, in that order (tier 0 reads what depends on the outer fields once per block)."""
+    shared, _ = config_rows(workload, cluster, global_batch, options)
+    runtime = {flag: shared[flag] for flag in COSTED_FLAGS}
+    return shared, inner_fields(options), _outer_rows(workload, cluster, global_batch, options, runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:

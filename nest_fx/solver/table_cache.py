@@ -96,6 +96,7 @@ class TableCache(MemoryFloors):
         self._inflight: Dict[tuple, tuple] = {}
         self._reach: Dict[tuple, object] = {}
         self._ordered: Dict[tuple, object] = {}
+        self._ranged: Dict[tuple, Dict[tuple, np.ndarray]] = {}  # range_recompute per (variant, modes, states)
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
