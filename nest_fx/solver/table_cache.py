@@ -78,6 +78,7 @@ class TableCache(MemoryFloors):
             )
         self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
         self._replicas: Dict[tuple, ReplicaTerms] = {} if share is None else share._replicas
+        self._replica_modes: Dict[tuple, object] = {} if share is None else share._replica_modes
         self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
         self._states: Dict[tuple, tuple] = {} if share is None else share._states
         self._comm_seconds: Dict[tuple, np.ndarray] = {}
@@ -142,7 +143,7 @@ class TableCache(MemoryFloors):
         key = (variant_of(g), modes)
         hit = self._replicas.get(key)
         if hit is None:
-            hit = self._replicas[key] = replica_terms(self.workload, key[0], modes)
+            hit = self._replicas[key] = replica_terms(self.workload, key[0], modes, self._replica_modes)
         return hit
 
     @staticmethod
@@ -217,8 +218,10 @@ class TableCache(MemoryFloors):
         and backward with its collectives on the stage where they are cheapest and in the cheapest
         mode, and each stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per
         microbatch). ``sum_i s_i`` is at least their sum, ``max_i t_i`` at least the first's
-        over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``)."""
-        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``).
+        The same for every schedule's recompute modes (a stage's forward and backward seconds do
+        not depend on its mode: ``compute_terms``), so not keyed on them."""
+        key = (self._layout_key(g, p), variant_of(g))
         if key not in self._work:
             rc = self.replica(g)
             terms = rc.terms[rc.modes[0]]
@@ -247,7 +250,7 @@ class TableCache(MemoryFloors):
         layers' forward + backward with each one's collectives as ``replica_work`` counts them
         (a stage's exposed collectives are at least the sum of its layers' there, each at least
         its least over the stages)."""
-        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        key = (self._layout_key(g, p), variant_of(g))
         hit = self._busiest.get(key)
         if hit is None:
             hit = self._busiest[key] = partition_floor(self.layer_prefix(g, p), p)
@@ -256,7 +259,7 @@ class TableCache(MemoryFloors):
     def layer_prefix(self, g: GlobalConfig, p: int) -> List[float]:
         """(L + 1,) prefix sums, in layer order, of each layer's forward + backward with its
         collectives as ``replica_work`` counts them (at their least over the stages)."""
-        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        key = (self._layout_key(g, p), variant_of(g))
         hit = self._prefix.get(key)
         if hit is None:
             self.replica_work(g, p)
