@@ -238,6 +238,7 @@ def _outer_rows(workload: Workload, cluster, global_batch: int, options: SolverO
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
+    zeros, shard_memo = _undominated(options.zero_stages), {}
     for mbs in options.microbatch_sizes:
         if global_batch % mbs:
             continue
@@ -245,8 +246,12 @@ def _outer_rows(workload: Workload, cluster, global_batch: int, options: SolverO
             for tp, ep, cp, lp, sp in variants:
                 if dp * tp * cp > cluster.num_devices or dp % ep:
                     continue
-                for zero in _undominated(options.zero_stages):
-                    for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
+                for zero in zeros:
+                    key = (dp, tp, cp, ep, zero)  # the microbatch sizes and lp share them
+                    shards = shard_memo.get(key)
+                    if shards is None:
+                        shards = shard_memo[key] = shard_candidates(cluster, dp, tp, cp, ep, zero, options)
+                    for dp_shard in shards:
                         yield (mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard)
 
 

@@ -89,6 +89,7 @@ class TableCache(MemoryFloors):
         self._forced: Dict[tuple, float] = {}
         self._tail_floor: Dict[tuple, float] = {}
         self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
+        self._affine_dp: Dict[tuple, bool] = {}  # per layout: its DP groups' costs affine in the size
         self._hulls: Dict[tuple, tuple] = {}
         self._stage_floor: Dict[tuple, float] = {}
         self._busiest: Dict[tuple, float] = {}
@@ -328,7 +329,11 @@ class TableCache(MemoryFloors):
         hit = self._syncs.get(key)
         if hit is None:
             layout, cluster = self.layout(g, p), self.cluster
-            affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+            affine = self._affine_dp.get(layout_key)
+            if affine is None:  # the same for every size and parameter split of the layout
+                affine = self._affine_dp[layout_key] = (
+                    len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+                )
             sizes = np.array([1.0, 2.0])
             at = [
                 dp_sync_time(
@@ -346,9 +351,9 @@ class TableCache(MemoryFloors):
                 )
                 for groups in _distinct(layout)[0]
             ]
-            at = [np.broadcast_to(np.asarray(y, dtype=float), (2,)) for y in at]
-            least = min(float(y[0]) for y in at)
-            slope = min(float(y[1] - y[0]) for y in at) / (d + e) if affine else 0.0
+            at = [(float(y[0]), float(y[1])) if isinstance(y, np.ndarray) else (float(y), float(y)) for y in at]
+            least = min(y0 for y0, _ in at)
+            slope = min(y1 - y0 for y0, y1 in at) / (d + e) if affine else 0.0
             hit = self._syncs[key] = (least, slope, affine)
         return hit
 

@@ -64,7 +64,7 @@ class TracedSource:
 
     def _reset_memos(self) -> None:
         """:meth:`cost`'s memos of one timing model and runtime (the solver asks hundreds of variants)."""
-        self._times: Dict[tuple, list] = {}  # variant_times per (block, tp, mbs, sp, cp)
+        self._times: Dict[tuple, tuple] = {}  # (variant_times, their sums) per (block, tp, mbs, sp, cp)
         self._params: Dict[tuple, tuple] = {}  # _param_counts per (block, tp, ep)
         self._blocks: Dict[tuple, object] = {}  # the graph's block per (signature, kind)
 
@@ -159,11 +159,11 @@ class TracedSource:
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
         lp = lp and tp > 1 and block.kind == "tail"
         kept_key = (block.index, tp, mbs, sp, cp)  # the node times and kept bytes: the same for every EP degree and lp
-        times = self._times.get(kept_key)
-        if times is None:  # read only
-            times = self._times[kept_key] = self.variant_times(block, tp, mbs, sp, cp)
-        fwd = sum(t for t, _ in times)
-        bwd = sum(tb for _, tb in times)
+        hit = self._times.get(kept_key)
+        if hit is None:  # (the node times, read only, and their forward and backward sums)
+            times = self.variant_times(block, tp, mbs, sp, cp)
+            hit = self._times[kept_key] = (times, sum(t for t, _ in times), sum(tb for _, tb in times))
+        times, fwd, bwd = hit
         if kept_key not in self._kept:
             # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
             nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
