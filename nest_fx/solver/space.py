@@ -371,21 +371,23 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
     if options.max_stages:
         most = min(most, options.max_stages)
     out = []
+    recompute, layers = tuple(options.recompute), len(workload)
+    chunked, v_shaped = g.schedule in CHUNKED_SCHEDULES, g.schedule in V_SCHEDULES
     for p in range(options.degree_bounds.get("pp", (1, 1))[0], most + 1):
-        if g.schedule in CHUNKED_SCHEDULES and (p < 2 or m % p or len(workload) < p * max(g.virtual_stages, 2)):
+        if chunked and (p < 2 or m % p or layers < p * max(g.virtual_stages, 2)):
             continue
-        if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
+        if v_shaped and (p < 2 or m < 2 * p or layers < 2 * p):
             continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
-        if _unrun_at(g.schedule, p, g.zero, g.compile, g.pp_shard_grads, tuple(options.recompute)):
-            continue  # the runtime does not run the schedule with these settings, or with any recompute mode
-        if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
-            continue
-        if g.schedule == "1f1b" and schedule_microbatch_problem(g.schedule, p, m):
-            continue  # the runtime refuses it (checks.run_all)
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages and not g.pp_shard_grads:
             continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
         if p == 1 and g.placement != options.placements[0]:
             continue  # one stage lays its replicas out the same way under every placement: a duplicate
+        if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
+            continue
+        if _unrun_at(g.schedule, p, g.zero, g.compile, g.pp_shard_grads, recompute):
+            continue  # the runtime does not run the schedule with these settings, or with any recompute mode
+        if g.schedule == "1f1b" and schedule_microbatch_problem(g.schedule, p, m):
+            continue  # the runtime refuses it (checks.run_all)
         out.append(p)
     return out
 
