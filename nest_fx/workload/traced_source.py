@@ -65,8 +65,9 @@ class TracedSource:
     def _reset_memos(self) -> None:
         """:meth:`cost`'s memos of one timing model and runtime (the solver asks hundreds of variants)."""
         self._times: Dict[tuple, tuple] = {}  # (variant_times, their sums) per (block, tp, mbs, sp, cp)
-        self._params: Dict[tuple, tuple] = {}  # _param_counts per (block, tp, ep)
+        self._params: Dict[tuple, tuple] = {}  # RuntimeCosts.param_counts per (block, tp, ep)
         self._blocks: Dict[tuple, object] = {}  # the graph's block per (signature, kind)
+        self._fused: Dict[tuple, list] = {}  # fused_nodes per (block, tp, sp)
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -166,7 +167,9 @@ class TracedSource:
         times, fwd, bwd = hit
         if kept_key not in self._kept:
             # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
-            nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
+            nodes = facts.nodes if self.runtime.fuses else self._fused.get((block.index, tp, sp))
+            if nodes is None:
+                nodes = self._fused[(block.index, tp, sp)] = fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
             self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens)
         act, rec = (dict(d) for d in self._kept[kept_key])
         if (block.index, tp, ep) not in self._params:
