@@ -5,6 +5,7 @@ stages, the solver's stage tables for every layer range at once (arrays; ``cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,14 +43,16 @@ def stage_groups(plan: Plan, i: int, replicas: Optional[Sequence[int]] = None) -
     dp, ep, cp, dp_shard, the placement and i, not on the layer ranges)."""
     replicas = _replicas_to_check(plan.dp) if replicas is None else replicas
     by_cp = [plan.dp_group(i, 0, c) for c in range(plan.cp)]
-    dp = tuple(sorted(r for group in by_cp for r in group))
-    expert = tuple(sorted(r for group in by_cp for r in group[:: plan.ep]))
+    # (chain, not a generator: DP groups hold up to thousands of ranks and layouts are built per pair)
+    dp = tuple(sorted(chain.from_iterable(by_cp)))
+    expert = tuple(sorted(chain.from_iterable(group[:: plan.ep] for group in by_cp)))
     shard = replicate = expert_shard = ()
     if plan.replicate_degree > 1:
-        shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)))
+        shards = [plan.shard_group(i, 0, 0, c) for c in range(plan.cp)]
+        shard = tuple(sorted(chain.from_iterable(shards)))
         replicate = tuple(by_cp[0][:: plan.shard_degree])
         if plan.ep > 1:  # ep divides dp_shard (plan.may_run): the shard group's replicas 0, ep, 2 ep, ...
-            expert_shard = tuple(sorted(r for c in range(plan.cp) for r in plan.shard_group(i, 0, 0, c)[:: plan.ep]))
+            expert_shard = tuple(sorted(chain.from_iterable(group[:: plan.ep] for group in shards)))
     last = plan.pp - 1
     # the V schedules hold the first and the last chunk on device 0: one tied parameter, no exchange
     exchange = i in (0, last) and last and plan.schedule not in V_SCHEDULES

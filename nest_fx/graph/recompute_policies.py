@@ -32,6 +32,7 @@ block (separately in the recompute, so both passes decide alike) and the odd one
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -161,6 +162,17 @@ def recompute_policy_problem(value: str) -> str:
 
 def parse_recompute(value: str) -> Recompute:
     """The :class:`Recompute` of a plan's ``recompute`` value; ValueError naming the known forms."""
+    if isinstance(value, str):  # the cost model parses a few values thousands of times per search
+        return _parse_known(value)
+    return _parse(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_known(value: str) -> Recompute:
+    return _parse(value)  # a Recompute is frozen: one object may serve every caller
+
+
+def _parse(value: str) -> Recompute:
     problem = recompute_policy_problem(value)
     if problem:
         raise ValueError(problem)

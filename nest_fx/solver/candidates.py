@@ -22,8 +22,8 @@ from nest_fx.solver.space import (
     GlobalConfig,
     SolverOptions,
     concrete,
+    config_blocks,
     config_of,
-    config_rows,
     stage_counts,
 )
 from nest_fx.workload.types import Variant, Workload
@@ -129,10 +129,10 @@ class Pairs:
     thousand of the ~10^5 pairs). Pairs appended later (an interleaved family's members) follow
     the tier-0 ones. ``lbs`` and ``tps``: every tier-0 pair's bound and TP degree, as lists."""
 
-    def __init__(self, lbs: np.ndarray, depths: np.ndarray, rows: np.ndarray, fields: list, shared: dict):
+    def __init__(self, lbs: np.ndarray, depths: np.ndarray, rows: np.ndarray, fields: "RowFields", shared: dict):
         self.lbs, self.depths, self.count = lbs.tolist(), depths.tolist(), len(lbs)
         self._rows, self._fields, self._shared = rows.tolist(), fields, shared
-        self.tps = [fields[r][2] for r in self._rows]  # CONFIG_ROW: tp is the third field
+        self.tps = fields.tps[rows].tolist()
         self._configs: Dict[int, GlobalConfig] = {}
         self._more: list = []
 
@@ -147,11 +147,23 @@ class Pairs:
         r = self._rows[k]
         g = self._configs.get(r)
         if g is None:
-            g = self._configs[r] = config_of(self._fields[r], self._shared)
+            g = self._configs[r] = config_of(self._fields.row(r), self._shared)
         return self.lbs[k], g, self.depths[k]
 
     def append(self, pair: tuple) -> None:
         self._more.append(pair)
+
+
+class RowFields:
+    """Tier 0's configuration rows (fields :data:`space.CONFIG_ROW`) as an outer row of
+    ``space.config_blocks`` and an inner one each: row r is ``outer[of[r]] + inner[at[r]]``."""
+
+    def __init__(self, outers: list, inner: list, of: np.ndarray, at: np.ndarray):
+        self.outers, self.inner, self.of, self.at = outers, inner, of, at
+        self.tps = np.array([o[2] for o in outers], dtype=np.intp)[of] if outers else np.zeros(0, np.intp)
+
+    def row(self, r: int) -> tuple:
+        return self.outers[int(self.of[r])] + self.inner[int(self.at[r])]
 
 
 def candidates(
@@ -192,33 +204,41 @@ def tier0(
     capacity = memory.usable_bytes(cluster.device.memory_bytes, options.cost)
     layers = len(workload)
     every = np.arange(1, layers + 1)
-    depth_memo: Dict[tuple, int] = {}
     depth_sets: list = []  # (layers + 1,) bool: depth p admissible
     variants: Dict[tuple, int] = {}
     works: list = []  # per variant: (work, params, max_t by depth)
     screens: Dict[tuple, int] = {}
     screen_terms: list = []  # per (parameters, ZeRO, shard): (fits by depth, t_opt by depth)
     schedules: Dict[tuple, int] = {}
-    fields: list = []
-    kept: list = []  # per row with depths: (depth set, screen, variant, microbatches, schedule)
-    shared, rows = config_rows(workload, cluster, global_batch, options)
-    first = options.placements[0]
-    for k, row in enumerate(rows):
-        if deadline is not None and k % 256 == 0 and time.perf_counter() > deadline:
+    outers: list = []  # the outer rows with admissible depths
+    kept: list = []  # per such outer row: (its inner rows, screen, variant, microbatches)
+    shared, inner, outer_rows = config_blocks(workload, cluster, global_batch, options)
+    codes = np.array([schedules.setdefault((schedule, v), len(schedules)) for schedule, v, _ in inner], dtype=np.intp)
+    # per what stage_counts reads of the outer fields (and the workload, cluster and options,
+    # fixed here; compile is the options'): the inner rows (schedule, factor, placement) with
+    # admissible depths and their depth sets (most rows have none and never build a GlobalConfig)
+    inner_memo: Dict[tuple, int] = {}
+    inner_rows: list = []  # (inner row indices, their depth sets) as arrays
+    for k, outer in enumerate(outer_rows):
+        if deadline is not None and k % 32 == 0 and time.perf_counter() > deadline:
             break
-        mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard, schedule, v, placement = row  # CONFIG_ROW
-        # stage_counts reads only these of g (and the workload, cluster and options, fixed here;
-        # compile is the options'): most rows have no depth and never build their GlobalConfig
-        depth_key = (dp * tp * cp, dp * mbs, schedule, v, zero, placement == first)
-        ds = depth_memo.get(depth_key)
-        if ds is None:
-            depths = stage_counts(workload, cluster, config_of(row, shared), global_batch, options)
-            ds = depth_memo[depth_key] = len(depth_sets) if depths else -1
-            if depths:
-                admissible = np.zeros(layers + 1, dtype=bool)
-                admissible[depths] = True
-                depth_sets.append(admissible)
-        if ds < 0:
+        mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard = outer  # CONFIG_ROW's first nine fields
+        inner_key = (dp * tp * cp, dp * mbs, zero)
+        wi = inner_memo.get(inner_key)
+        if wi is None:
+            js, dss = [], []
+            for j, ends in enumerate(inner):
+                depths = stage_counts(workload, cluster, config_of(outer + ends, shared), global_batch, options)
+                if depths:
+                    admissible = np.zeros(layers + 1, dtype=bool)
+                    admissible[depths] = True
+                    js.append(j)
+                    dss.append(len(depth_sets))
+                    depth_sets.append(admissible)
+            wi = inner_memo[inner_key] = len(inner_rows) if js else -1
+            if js:
+                inner_rows.append((np.array(js, dtype=np.intp), np.array(dss, dtype=np.intp)))
+        if wi < 0:
             continue
         vkey = (tp, ep, mbs, sp, cp, lp)  # Variant's fields, in its order
         vi = variants.get(vkey)
@@ -236,12 +256,18 @@ def tier0(
             fits = every >= _least_fitting_depth(params, zero, shard, layers, capacity, options)
             t_opt = tail_terms(0.0, 0.0, 0.0, params / every, shard, zero, cluster, options.cost)[1]
             screen_terms.append((np.concatenate([[False], fits]), np.concatenate([[np.inf], t_opt])))
-        sc = schedules.setdefault((schedule, v), len(schedules))
-        fields.append(row)
-        kept.append((ds, si, vi, global_batch // (dp * mbs), sc))
+        outers.append(outer)
+        kept.append((wi, si, vi, global_batch // (dp * mbs)))
     if not kept:
-        return Pairs(np.zeros(0), np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), [], shared)
-    ds, si, vi, m, sc = (np.array(c) for c in zip(*kept))
+        empty = np.zeros(0, dtype=np.intp)
+        return Pairs(np.zeros(0), empty, empty, RowFields([], inner, empty, empty), shared)
+    # the rows in enumeration order: each outer row followed by its inner rows with depths
+    wi, si, vi, m = (np.array(c) for c in zip(*kept))
+    sizes = np.array([len(js) for js, _ in inner_rows], dtype=np.intp)[wi]
+    of = np.repeat(np.arange(len(kept)), sizes)
+    at = np.concatenate([inner_rows[w][0] for w in wi.tolist()])
+    ds = np.concatenate([inner_rows[w][1] for w in wi.tolist()])
+    si, vi, m, sc = si[of], vi[of], m[of], codes[at]
     row, p = np.nonzero(np.array(depth_sets)[ds] & np.array([f for f, _ in screen_terms])[si])  # row-major
     vi, m, sc = vi[row], m[row], sc[row]
     work = np.array([w for w, _, _ in works])[vi]
@@ -249,13 +275,17 @@ def tier0(
     t_opt = np.array([t for _, t in screen_terms])[si[row], p]
     lbs = np.empty(len(row))
     for (schedule, v), code in schedules.items():
-        at = sc == code
-        if not at.any():
+        at_code = sc == code
+        if not at_code.any():
             continue
         if v == ANY_INTERLEAVE and schedule in CHUNKED_SCHEDULES:
-            factor = layers // p[at]  # the largest factor gives the least bound of the family
-            lbs[at] = m[at] * max_t[at] + (work[at] - max_t[at]) * bubble_factor(schedule, 1) / factor + t_opt[at]
+            factor = layers // p[at_code]  # the largest factor gives the least bound of the family
+            lbs[at_code] = (
+                m[at_code] * max_t[at_code]
+                + (work[at_code] - max_t[at_code]) * bubble_factor(schedule, 1) / factor
+                + t_opt[at_code]
+            )
         else:
-            lbs[at] = pipeline_span(max_t[at], work[at], m[at], schedule, v) + t_opt[at]
+            lbs[at_code] = pipeline_span(max_t[at_code], work[at_code], m[at_code], schedule, v) + t_opt[at_code]
     order = np.argsort(lbs, kind="stable")  # ties keep the enumeration order (row, then depth)
-    return Pairs(lbs[order], p[order], row[order], fields, shared)
+    return Pairs(lbs[order], p[order], row[order], RowFields(outers, inner, of, at), shared)

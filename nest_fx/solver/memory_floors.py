@@ -117,9 +117,16 @@ class MemoryFloors:
             )
         per_param, inflight = self._memory_terms(g, p, m, zero, v)
         ordered, share = self._ordered_memory(g), self.options.allocator_peak_share
+        memo = self._ranged.setdefault((variant_of(g), self.modes_for(g), per_param), {})
 
         def ranged(i: int, begin: int, ends: np.ndarray) -> np.ndarray:
-            return range_recompute(ordered, begin, ends, inflight[i], per_param, self.capacity, share)
+            # the same (range, in-flight count) recurs across the pairs of one variant and states
+            # (ZeRO stage, shard degree), and the greedy asks consecutive ends: memoised as asked
+            key = (inflight[i], begin, int(ends[0]), int(ends[-1]), len(ends))
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = range_recompute(ordered, begin, ends, inflight[i], per_param, self.capacity, share)
+            return hit
 
         return splits_fit(self.layer_prefix(g, p), floors, cap, ranged)
 

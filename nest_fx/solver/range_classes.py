@@ -11,7 +11,7 @@ arrays; :mod:`nest_fx.solver.stage_table` assembles them into stage costs.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -136,19 +136,26 @@ class ReplicaTerms:
     modes: Tuple[str, ...] = ()  # the modes worth searching (undominated_modes)
 
 
-def replica_terms(workload: Workload, variant: Variant, modes) -> ReplicaTerms:
+def replica_terms(
+    workload: Workload, variant: Variant, modes, memo: Optional[Dict[tuple, LayerTerms]] = None
+) -> ReplicaTerms:
     """:class:`ReplicaTerms` of one layer variant: the same sums, in the same order, as
-    :func:`range_classes` gives the range [0, L)."""
+    :func:`range_classes` gives the range [0, L). ``memo``: the sums per (variant, mode) already
+    made (the schedules' mode sets overlap); read only."""
     costs, prefix, index = workload.variant_costs(variant)
     n = len(workload)
     counts = np.array(prefix, dtype=np.int64).reshape(len(costs), n + 1)
     whole = counts[:, n] - counts[:, 0]
     searched = undominated_modes(costs, costed_modes(workload, variant, modes))
+    memo = {} if memo is None else memo
+    for r in searched:
+        if (variant, r) not in memo:
+            memo[(variant, r)] = compute_terms(list(zip(costs, whole)), r)
     return ReplicaTerms(
         costs=costs,
         counts=whole,
         senders=np.unique(np.array(index[:-1], dtype=np.int64)),
-        terms={r: compute_terms(list(zip(costs, whole)), r) for r in searched},
+        terms={r: memo[(variant, r)] for r in searched},
         modes=searched,
     )
 

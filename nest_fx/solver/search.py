@@ -115,7 +115,7 @@ class _Tables:
     """Stage tables of the (pair, placement) entries in flight: the latest few kept, others
     rebuilt when needed. ``caches[o]`` is placement o's TableCache."""
 
-    def __init__(self, caches: List[TableCache], global_batch: int, keep: int = 16):
+    def __init__(self, caches: List[TableCache], global_batch: int, keep: int = 64):
         self.caches, self.global_batch, self.keep = caches, global_batch, keep
         self.recent: "OrderedDict[Tuple[int, int], StageTable]" = OrderedDict()
         self.built = self.entries = 0

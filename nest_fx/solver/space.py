@@ -196,6 +196,13 @@ def config_rows(
 
 
 def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions, runtime) -> Iterator[tuple]:
+    inner = inner_fields(options)
+    for outer in _outer_rows(workload, cluster, global_batch, options, runtime):
+        for ends in inner:
+            yield outer + ends
+
+
+def _outer_rows(workload: Workload, cluster, global_batch: int, options: SolverOptions, runtime) -> Iterator[tuple]:
     node = cluster.levels[0].group_size
     if workload.is_moe:
         eps = list(options.ep_degrees) if options.ep_degrees else divisors(max(workload.dims.num_experts, 1))
@@ -231,7 +238,7 @@ def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions
         if options.loss_parallel and tp > 1 and not lp:
             continue  # loss parallel required but not possible here
         variants.append((tp, ep, cp, lp, sp))
-    schedules = [(schedule, model_chunks(schedule, v)) for schedule, v in options.schedules]
+    zeros, shard_memo = _undominated(options.zero_stages), {}
     for mbs in options.microbatch_sizes:
         if global_batch % mbs:
             continue
@@ -239,11 +246,31 @@ def _rows(workload: Workload, cluster, global_batch: int, options: SolverOptions
             for tp, ep, cp, lp, sp in variants:
                 if dp * tp * cp > cluster.num_devices or dp % ep:
                     continue
-                for zero in _undominated(options.zero_stages):
-                    for dp_shard in shard_candidates(cluster, dp, tp, cp, ep, zero, options):
-                        for schedule, v in schedules:
-                            for placement in options.placements:
-                                yield (mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard, schedule, v, placement)
+                for zero in zeros:
+                    key = (dp, tp, cp, ep, zero)  # the microbatch sizes and lp share them
+                    shards = shard_memo.get(key)
+                    if shards is None:
+                        shards = shard_memo[key] = shard_candidates(cluster, dp, tp, cp, ep, zero, options)
+                    for dp_shard in shards:
+                        yield (mbs, dp, tp, ep, cp, lp, sp, zero, dp_shard)
+
+
+def inner_fields(options: SolverOptions) -> List[Tuple[str, int, str]]:
+    """The (schedule, virtual_stages, placement) ends of :func:`config_rows`' rows, in its order:
+    every outer row of :func:`config_blocks` takes each of them."""
+    schedules = [(schedule, model_chunks(schedule, v)) for schedule, v in options.schedules]
+    return [(schedule, v, placement) for schedule, v in schedules for placement in options.placements]
+
+
+def config_blocks(
+    workload: Workload, cluster, global_batch: int, options: SolverOptions
+) -> Tuple[Dict[str, object], List[Tuple[str, int, str]], Iterator[tuple]]:
+    """:func:`config_rows` in blocks: (the shared fields, :func:`inner_fields`, an iterator over
+    the first nine fields of :data:`CONFIG_ROW`); the rows are every outer row followed by each
+    inner one, in that order (tier 0 reads what depends on the outer fields once per block)."""
+    shared, _ = config_rows(workload, cluster, global_batch, options)
+    runtime = {flag: shared[flag] for flag in COSTED_FLAGS}
+    return shared, inner_fields(options), _outer_rows(workload, cluster, global_batch, options, runtime)
 
 
 def shard_candidates(cluster, dp: int, tp: int, cp: int, ep: int, zero: int, options: SolverOptions) -> List[int]:
@@ -344,21 +371,23 @@ def stage_counts(workload: Workload, cluster, g: GlobalConfig, global_batch: int
     if options.max_stages:
         most = min(most, options.max_stages)
     out = []
+    recompute, layers = tuple(options.recompute), len(workload)
+    chunked, v_shaped = g.schedule in CHUNKED_SCHEDULES, g.schedule in V_SCHEDULES
     for p in range(options.degree_bounds.get("pp", (1, 1))[0], most + 1):
-        if g.schedule in CHUNKED_SCHEDULES and (p < 2 or m % p or len(workload) < p * max(g.virtual_stages, 2)):
+        if chunked and (p < 2 or m % p or layers < p * max(g.virtual_stages, 2)):
             continue
-        if g.schedule in V_SCHEDULES and (p < 2 or m < 2 * p or len(workload) < 2 * p):
+        if v_shaped and (p < 2 or m < 2 * p or layers < 2 * p):
             continue  # Plan.validate: a V of 2 chunks per device, a microbatch per chunk at least
-        if _unrun_at(g.schedule, p, g.zero, g.compile, g.pp_shard_grads, tuple(options.recompute)):
-            continue  # the runtime does not run the schedule with these settings, or with any recompute mode
-        if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
-            continue
-        if g.schedule == "1f1b" and schedule_microbatch_problem(g.schedule, p, m):
-            continue  # the runtime refuses it (checks.run_all)
         if p > 1 and g.zero >= 2 and 1 in options.zero_stages and not g.pp_shard_grads:
             continue  # pipelined ZeRO-2/3 runs as ZeRO-1 (memory.effective_zero_stage): a duplicate
         if p == 1 and g.placement != options.placements[0]:
             continue  # one stage lays its replicas out the same way under every placement: a duplicate
+        if options.use_all_devices and g.dp * g.tp * g.cp * p != cluster.num_devices:
+            continue
+        if _unrun_at(g.schedule, p, g.zero, g.compile, g.pp_shard_grads, recompute):
+            continue  # the runtime does not run the schedule with these settings, or with any recompute mode
+        if g.schedule == "1f1b" and schedule_microbatch_problem(g.schedule, p, m):
+            continue  # the runtime refuses it (checks.run_all)
         out.append(p)
     return out
 

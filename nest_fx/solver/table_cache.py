@@ -78,6 +78,7 @@ class TableCache(MemoryFloors):
             )
         self._classes: Dict[tuple, RangeClasses] = {} if share is None else share._classes
         self._replicas: Dict[tuple, ReplicaTerms] = {} if share is None else share._replicas
+        self._replica_modes: Dict[tuple, object] = {} if share is None else share._replica_modes
         self._layouts: Dict[tuple, List[StageGroups]] = {} if share is None else share._layouts
         self._states: Dict[tuple, tuple] = {} if share is None else share._states
         self._comm_seconds: Dict[tuple, np.ndarray] = {}
@@ -88,6 +89,7 @@ class TableCache(MemoryFloors):
         self._forced: Dict[tuple, float] = {}
         self._tail_floor: Dict[tuple, float] = {}
         self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
+        self._affine_dp: Dict[tuple, bool] = {}  # per layout: its DP groups' costs affine in the size
         self._hulls: Dict[tuple, tuple] = {}
         self._stage_floor: Dict[tuple, float] = {}
         self._busiest: Dict[tuple, float] = {}
@@ -96,6 +98,7 @@ class TableCache(MemoryFloors):
         self._inflight: Dict[tuple, tuple] = {}
         self._reach: Dict[tuple, object] = {}
         self._ordered: Dict[tuple, object] = {}
+        self._ranged: Dict[tuple, Dict[tuple, np.ndarray]] = {}  # range_recompute per (variant, modes, states)
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
@@ -141,7 +144,7 @@ class TableCache(MemoryFloors):
         key = (variant_of(g), modes)
         hit = self._replicas.get(key)
         if hit is None:
-            hit = self._replicas[key] = replica_terms(self.workload, key[0], modes)
+            hit = self._replicas[key] = replica_terms(self.workload, key[0], modes, self._replica_modes)
         return hit
 
     @staticmethod
@@ -216,8 +219,10 @@ class TableCache(MemoryFloors):
         and backward with its collectives on the stage where they are cheapest and in the cheapest
         mode, and each stage boundary i >= 1 at its cheapest incoming layer (2 v transfers per
         microbatch). ``sum_i s_i`` is at least their sum, ``max_i t_i`` at least the first's
-        over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``)."""
-        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        over p (and the sum's over p when sends are not overlapped: ``results.microbatch_time``).
+        The same for every schedule's recompute modes (a stage's forward and backward seconds do
+        not depend on its mode: ``compute_terms``), so not keyed on them."""
+        key = (self._layout_key(g, p), variant_of(g))
         if key not in self._work:
             rc = self.replica(g)
             terms = rc.terms[rc.modes[0]]
@@ -246,7 +251,7 @@ class TableCache(MemoryFloors):
         layers' forward + backward with each one's collectives as ``replica_work`` counts them
         (a stage's exposed collectives are at least the sum of its layers' there, each at least
         its least over the stages)."""
-        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        key = (self._layout_key(g, p), variant_of(g))
         hit = self._busiest.get(key)
         if hit is None:
             hit = self._busiest[key] = partition_floor(self.layer_prefix(g, p), p)
@@ -255,7 +260,7 @@ class TableCache(MemoryFloors):
     def layer_prefix(self, g: GlobalConfig, p: int) -> List[float]:
         """(L + 1,) prefix sums, in layer order, of each layer's forward + backward with its
         collectives as ``replica_work`` counts them (at their least over the stages)."""
-        key = (self._layout_key(g, p), variant_of(g), self.modes_for(g))
+        key = (self._layout_key(g, p), variant_of(g))
         hit = self._prefix.get(key)
         if hit is None:
             self.replica_work(g, p)
@@ -324,7 +329,11 @@ class TableCache(MemoryFloors):
         hit = self._syncs.get(key)
         if hit is None:
             layout, cluster = self.layout(g, p), self.cluster
-            affine = len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+            affine = self._affine_dp.get(layout_key)
+            if affine is None:  # the same for every size and parameter split of the layout
+                affine = self._affine_dp[layout_key] = (
+                    len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
+                )
             sizes = np.array([1.0, 2.0])
             at = [
                 dp_sync_time(
@@ -342,9 +351,9 @@ class TableCache(MemoryFloors):
                 )
                 for groups in _distinct(layout)[0]
             ]
-            at = [np.broadcast_to(np.asarray(y, dtype=float), (2,)) for y in at]
-            least = min(float(y[0]) for y in at)
-            slope = min(float(y[1] - y[0]) for y in at) / (d + e) if affine else 0.0
+            at = [(float(y[0]), float(y[1])) if isinstance(y, np.ndarray) else (float(y), float(y)) for y in at]
+            least = min(y0 for y0, _ in at)
+            slope = min(y1 - y0 for y0, y1 in at) / (d + e) if affine else 0.0
             hit = self._syncs[key] = (least, slope, affine)
         return hit
 

@@ -63,6 +63,21 @@ class RuntimeCosts:
         _, features_in, features_out = n.linear_dims
         return features_in % FP8_MULTIPLE == 0 and features_out % FP8_MULTIPLE == 0
 
+    def param_counts(self, block_kind: str, nodes: Sequence, tp: int, ep: int) -> Tuple[float, float, float, float]:
+        """(parameters, parameter bytes, expert parameters, Float8 parameters) per device of a
+        block's ``nodes`` at TP degree ``tp`` and EP degree ``ep`` (``TracedSource.cost``)."""
+        params = param_bytes = expert_params = fp8_params = 0.0
+        for n in nodes:
+            epdiv = ep if n.expert else 1
+            node_params = (n.params - n.tp_params + n.tp_params / tp) / epdiv
+            params += node_params
+            param_bytes += (n.param_bytes - n.tp_param_bytes + n.tp_param_bytes / tp) / epdiv
+            if n.expert:
+                expert_params += node_params
+            if self.float8_node(block_kind, n):
+                fp8_params += node_params
+        return params, param_bytes, expert_params, fp8_params
+
     def apply(
         self,
         source,

@@ -60,6 +60,14 @@ class TracedSource:
         self._cp_reason: Optional[str] = None  # cp_problem's verdict without the degree, once known
         self._node_seconds: Dict[tuple, List[float]] = {}  # _analytical's, per (block, tp, mbs, sp, cp)
         self._kept: Dict[tuple, tuple] = {}  # _kept_bytes', per (block, tp, mbs, sp, cp)
+        self._reset_memos()
+
+    def _reset_memos(self) -> None:
+        """:meth:`cost`'s memos of one timing model and runtime (the solver asks hundreds of variants)."""
+        self._times: Dict[tuple, tuple] = {}  # (variant_times, their sums) per (block, tp, mbs, sp, cp)
+        self._params: Dict[tuple, tuple] = {}  # RuntimeCosts.param_counts per (block, tp, ep)
+        self._blocks: Dict[tuple, object] = {}  # the graph's block per (signature, kind)
+        self._fused: Dict[tuple, list] = {}  # fused_nodes per (block, tp, sp)
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -97,6 +105,7 @@ class TracedSource:
         derived.byte_scale = byte_scale
         derived._node_seconds = {}  # another timing model or byte scale
         derived._kept = {}
+        derived._reset_memos()
         derived._facts = self._facts if byte_scale == self.byte_scale else {}
         return derived
 
@@ -140,31 +149,32 @@ class TracedSource:
         )
 
     def cost(self, layer: Layer, tp: int, ep: int, mbs: int, sp: bool, cp: int = 1, lp: bool = False) -> LayerCost:
-        block = next(b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind)
+        block = self._blocks.get((layer.signature, layer.kind))
+        if block is None:
+            block = self._blocks[(layer.signature, layer.kind)] = next(
+                b for b in self.graph.blocks if b.signature == layer.signature and b.kind == layer.kind
+            )
         facts = self.facts(block.index)
         scale = mbs / self.batch
         tokens = scale / cp  # a context-parallel rank holds 1/cp of every sequence
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
         lp = lp and tp > 1 and block.kind == "tail"
-        times = self.variant_times(block, tp, mbs, sp, cp)
-        fwd = sum(t for t, _ in times)
-        bwd = sum(tb for _, tb in times)
-        kept_key = (block.index, tp, mbs, sp, cp)
-        if kept_key not in self._kept:  # the same for every EP degree and loss parallelism
+        kept_key = (block.index, tp, mbs, sp, cp)  # the node times and kept bytes: the same for every EP degree and lp
+        hit = self._times.get(kept_key)
+        if hit is None:  # (the node times, read only, and their forward and backward sums)
+            times = self.variant_times(block, tp, mbs, sp, cp)
+            hit = self._times[kept_key] = (times, sum(t for t, _ in times), sum(tb for _, tb in times))
+        times, fwd, bwd = hit
+        if kept_key not in self._kept:
             # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
-            nodes = facts.nodes if self.runtime.fuses else fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
+            nodes = facts.nodes if self.runtime.fuses else self._fused.get((block.index, tp, sp))
+            if nodes is None:
+                nodes = self._fused[(block.index, tp, sp)] = fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
             self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens)
         act, rec = (dict(d) for d in self._kept[kept_key])
-        params = param_bytes = expert_params = fp8_params = 0.0
-        for n in facts.nodes:
-            epdiv = ep if n.expert else 1
-            node_params = (n.params - n.tp_params + n.tp_params / tp) / epdiv
-            params += node_params
-            param_bytes += (n.param_bytes - n.tp_param_bytes + n.tp_param_bytes / tp) / epdiv
-            if n.expert:
-                expert_params += node_params
-            if self.runtime.float8_node(block.kind, n):
-                fp8_params += node_params
+        if (block.index, tp, ep) not in self._params:
+            self._params[(block.index, tp, ep)] = self.runtime.param_counts(block.kind, facts.nodes, tp, ep)
+        params, param_bytes, expert_params, fp8_params = self._params[(block.index, tp, ep)]
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard

@@ -192,6 +192,7 @@ class Workload:
         self.provenance = provenance
         self._cache: Dict[Tuple, LayerCost] = {}
         self._edges: Optional[List[Tuple[str, ...]]] = None  # sequence_edge of each layer
+        self._by_index: Dict[Tuple[int, Variant], LayerCost] = {}  # cost(index, Variant): what it returned
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
@@ -212,7 +213,16 @@ class Workload:
         :meth:`Variant.of`): :meth:`own_cost`, plus under sequence parallelism the collectives at
         the ends of the sequence-parallel span that this layer's stage runs (``sequence_edges``:
         the first block's slice, the gather before the tail); cached per distinct layer and edge."""
+        if len(variant) == 1 and not names and type(variant[0]) is Variant:  # the solver's form: asked most
+            hit = self._by_index.get((index, variant[0]))
+            if hit is not None:
+                return hit
         v = Variant.of(*variant, **names)
+        out = self._by_index[(index, v)] = self._edged_cost(index, v)
+        return out
+
+    def _edged_cost(self, index: int, v: Variant) -> LayerCost:
+        """:meth:`cost` of a :class:`Variant`, not memoised per index."""
         own = self.own_cost(index, v)
         if not (v.sequence_parallel and v.tp > 1):
             return own
