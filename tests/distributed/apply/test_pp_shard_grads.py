@@ -54,7 +54,9 @@ def _reductions_per_group_and_step(results) -> set:
 
 
 @pytest.mark.timeout(2 * LAUNCH_S + 30)
-@pytest.mark.parametrize("zero", [2, 3])
+# ZeRO-2 differs from ZeRO-3 here by one flag (ShardedGradStage's reshard_after_backward): ZeRO-3,
+# which also reshards, is the CI cell
+@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_sharded_gradients_every_microbatch_match_one_device(zero):
     sharded = _run({**PP2_DP2, "zero": zero, "pp_shard_grads": True})
     assert _reductions_per_group_and_step(sharded) == {M}

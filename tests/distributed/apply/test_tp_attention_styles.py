@@ -214,7 +214,10 @@ def _priced_sharded(name: str) -> float:
     "name,sharded,recompute",
     [
         ("tv-vit", "encoder.layers.encoder_layer_1.self_attention.in_proj_weight", False),
-        ("swin-views", "layers.1.blocks.1.attn.relative_position_bias_table", False),
+        # the same bias-table shard swap as the recompute cell below, which also swaps it in again
+        pytest.param(
+            "swin-views", "layers.1.blocks.1.attn.relative_position_bias_table", False, marks=pytest.mark.slow
+        ),
         ("swin-views", "layers.0.blocks.0.attn.relative_position_bias_table", True),
     ],
 )

@@ -60,6 +60,10 @@ def test_plan_cli_with_the_shipped_profile(capsys):
             "256",
             "--profile",
             PATH,
+            # one microbatch size: each size localises the profile's graphs per TP degree again (half
+            # this test's time); test_planner_costs_layers_from_the_shipped_profile checks sizes 1 and 2
+            "--microbatch",
+            "1",
             "--no-baselines",
             "--quiet",
         ]
