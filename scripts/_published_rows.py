@@ -276,7 +276,8 @@ def published_rows() -> List[Row]:
 def meta_h100(gpus: int):
     """Meta's Llama 3 cluster (Grattafiori et al. 2024, sec. 3.3.1): 8 H100 SXM (80 GB HBM3,
     700 W) per server on NVLink (at NCCL's bus bandwidth, ``H100_NVLINK_BUS_BANDWIDTH``), RoCE at
-    400 Gb/s (50 GB/s) per GPU inside a 3,072-GPU pod, 1:7 oversubscribed between pods; SXM peaks
+    400 Gb/s (50 GB/s: the line rate; NCCL's 47 GB/s figure is InfiniBand NDR's, not stated for RoCE)
+    per GPU inside a 3,072-GPU pod, 1:7 oversubscribed between pods; SXM peaks
     (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
     levels = [
         {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},

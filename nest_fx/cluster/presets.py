@@ -13,14 +13,21 @@ GiB = 2**30
 
 NODE, RACK = 8, 32  # NEST's hierarchy: 8 devices per node, 4 nodes per rack
 
-# NVLink4 through NVSwitch (DGX H100 / H200): the link rate is 450 GB/s per GPU per direction, but
-# NCCL's ring collectives reach a bus bandwidth of about 360 GB/s on 8 H100s (all-gather and
-# all-reduce; NCCL's maintainer on NVIDIA/nccl-tests issue #326, 2025-06-24: "360 GB/s is exactly
-# what we'd expect on H100"). The ring formulas (hierarchical_collectives) take the bus bandwidth
-# (nccl-tests' busbw), so these presets carry the achieved figure, not the link rate.
+# The ring formulas (hierarchical_collectives) take the bus bandwidth a level's collectives reach
+# (nccl-tests' busbw), so the DGX presets carry NCCL's achieved figures, not the link rates; each
+# as NCCL's maintainers state it on the NCCL / nccl-tests issue trackers:
+# NVLink4 through NVSwitch (DGX H100 / H200), link rate 450 GB/s per GPU per direction: "360 GB/s
+# is exactly what we'd expect on H100" (all-gather and all-reduce on 8 GPUs; nccl-tests #326, 2025).
 H100_NVLINK_BUS_BANDWIDTH = 360e9
+# NVLink3 (DGX A100), link rate 300 GB/s: 12 links of ~20 GB/s effective, "~230 GB/s" (nccl-tests #149, 2023).
+A100_NVLINK_BUS_BANDWIDTH = 230e9
+# One NDR 400 Gb/s InfiniBand NIC per GPU (DGX H100 / H200; ConnectX-7 on B200 / GB200), line rate
+# 50 GB/s: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (nccl-tests #290, 2025): the middle.
+NDR_400G_BUS_BANDWIDTH = 47e9
+# One HDR 200 Gb/s NIC per GPU (DGX A100), line rate 25 GB/s: "24GB/s inter-node" (nccl #412, 2023).
+HDR_200G_BUS_BANDWIDTH = 24e9
 # NVLink5 (B200, GB200 NVL72) doubles NVLink4's link rate (900 GB/s per GPU per direction); no
-# NCCL figure is published beside it here, so it is assumed to reach the same share (0.8).
+# NCCL figure is used for it, so it is assumed to reach NVLink4's share (0.8).
 NVLINK5_BUS_BANDWIDTH = 900e9 * H100_NVLINK_BUS_BANDWIDTH / 450e9
 
 
@@ -38,6 +45,12 @@ def _gpu_levels(
     if spine_size > RACK:
         levels.append(NetworkLevel("spine", spine_size, *spine))
     return levels
+
+
+def _nics(bus_bandwidth: float) -> Tuple[Tuple[float, float], Tuple[float, float]]:
+    """The rack and spine levels of a non-blocking fat tree with one NIC per GPU: the NIC's bus
+    bandwidth at both, 10 us through a leaf, 15 us through the spine."""
+    return (bus_bandwidth, 1e-5), (bus_bandwidth, 1.5e-5)
 
 
 A100_80GB = DeviceSpec(
@@ -84,32 +97,37 @@ NVL72 = 72  # GPUs in one GB200 NVLink domain
 
 
 def _dgx_a100(devices: int) -> Cluster:
-    """DGX A100: NVLink3 300 GB/s per GPU per direction inside a node; 8x HDR 200 Gb/s IB per node
-    = 25 GB/s per GPU across nodes on a non-blocking fat tree (same rate at rack and spine)."""
+    """DGX A100: NVLink3 (300 GB/s per GPU per direction) inside a node; 8x HDR 200 Gb/s IB per node
+    (25 GB/s per GPU) across nodes on a non-blocking fat tree (same rate at rack and spine); the
+    levels carry NCCL's figures, ``A100_NVLINK_BUS_BANDWIDTH`` and ``HDR_200G_BUS_BANDWIDTH``."""
     return Cluster(
-        "dgx-a100", _copy(A100_80GB), devices, _gpu_levels(devices, (300e9, 5e-6), (25e9, 1e-5), (25e9, 1.5e-5))
+        "dgx-a100",
+        _copy(A100_80GB),
+        devices,
+        _gpu_levels(devices, (A100_NVLINK_BUS_BANDWIDTH, 5e-6), *_nics(HDR_200G_BUS_BANDWIDTH)),
     )
 
 
 def _dgx_h100(devices: int) -> Cluster:
     """DGX H100: NVLink4 (450 GB/s per GPU per direction, of which NCCL's collectives reach
-    ``H100_NVLINK_BUS_BANDWIDTH``); 8x NDR 400 Gb/s IB per node = 50 GB/s per GPU."""
-    levels = _gpu_levels(devices, (H100_NVLINK_BUS_BANDWIDTH, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    ``H100_NVLINK_BUS_BANDWIDTH``); 8x NDR 400 Gb/s IB per node (50 GB/s per GPU, of which NCCL
+    reaches ``NDR_400G_BUS_BANDWIDTH``)."""
+    levels = _gpu_levels(devices, (H100_NVLINK_BUS_BANDWIDTH, 5e-6), *_nics(NDR_400G_BUS_BANDWIDTH))
     return Cluster("dgx-h100", _copy(H100_SXM), devices, levels)
 
 
 def _dgx_h200(devices: int) -> Cluster:
     """DGX H200: the DGX H100's network (NVLink4 at NCCL's ``H100_NVLINK_BUS_BANDWIDTH``, 8x NDR
     400 Gb/s IB per node) around H200 GPUs."""
-    levels = _gpu_levels(devices, (H100_NVLINK_BUS_BANDWIDTH, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    levels = _gpu_levels(devices, (H100_NVLINK_BUS_BANDWIDTH, 5e-6), *_nics(NDR_400G_BUS_BANDWIDTH))
     return Cluster("dgx-h200", _copy(H200_SXM), devices, levels)
 
 
 def _dgx_b200(devices: int) -> Cluster:
     """DGX B200: NVLink5 1.8 TB/s per GPU bidirectional = 900 GB/s per direction inside a node;
-    8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU across nodes (non-blocking fat tree). The node
-    level carries ``NVLINK5_BUS_BANDWIDTH``."""
-    levels = _gpu_levels(devices, (NVLINK5_BUS_BANDWIDTH, 5e-6), (50e9, 1e-5), (50e9, 1.5e-5))
+    8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU across nodes (non-blocking fat tree). The
+    levels carry ``NVLINK5_BUS_BANDWIDTH`` and ``NDR_400G_BUS_BANDWIDTH``."""
+    levels = _gpu_levels(devices, (NVLINK5_BUS_BANDWIDTH, 5e-6), *_nics(NDR_400G_BUS_BANDWIDTH))
     return Cluster("dgx-b200", _copy(B200), devices, levels)
 
 
@@ -117,11 +135,12 @@ def _gb200_nvl72(devices: int) -> Cluster:
     """GB200 NVL72: one NVLink5 domain of 72 GPUs at 900 GB/s per GPU per direction (130 TB/s
     per rack bidirectional), then one ConnectX-7 400 Gb/s NIC per GPU (50 GB/s) between racks on
     a non-blocking fabric. Levels: ``nvl72`` (72 devices) and ``fabric`` (all devices, rounded up
-    to whole racks; left out for a single rack). The NVLink level carries ``NVLINK5_BUS_BANDWIDTH``."""
+    to whole racks; left out for a single rack), carrying ``NVLINK5_BUS_BANDWIDTH`` and
+    ``NDR_400G_BUS_BANDWIDTH``."""
     levels = [NetworkLevel("nvl72", NVL72, NVLINK5_BUS_BANDWIDTH, 5e-6)]
     fabric = max(-(-devices // NVL72) * NVL72, NVL72)
     if fabric > NVL72:
-        levels.append(NetworkLevel("fabric", fabric, 50e9, 1.5e-5))
+        levels.append(NetworkLevel("fabric", fabric, NDR_400G_BUS_BANDWIDTH, 1.5e-5))
     return Cluster("gb200-nvl72", _copy(GB200), devices, levels)
 
 

@@ -13,7 +13,7 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from nest_fx.cluster.hierarchical_collectives import path_bandwidth
-from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH
+from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH, NDR_400G_BUS_BANDWIDTH
 from nest_fx.cluster.spec import Cluster, DeviceSpec, NetworkLevel
 from nest_fx.cluster.topology.model import Link, Topology, TopologyError
 
@@ -98,7 +98,7 @@ def fat_tree(
     oversubscription: float = 1.0,
     device: Optional[DeviceSpec] = None,
     nvlink_bandwidth: float = H100_NVLINK_BUS_BANDWIDTH,
-    nic_bandwidth: float = 50e9,
+    nic_bandwidth: float = NDR_400G_BUS_BANDWIDTH,
     nvlink_latency: float = 5e-6,
     hop_latency: float = 5e-6,
     name: str = "fat-tree",
@@ -153,7 +153,7 @@ def rail_optimized(
     oversubscription: float = 1.0,
     device: Optional[DeviceSpec] = None,
     nvlink_bandwidth: float = H100_NVLINK_BUS_BANDWIDTH,
-    nic_bandwidth: float = 50e9,
+    nic_bandwidth: float = NDR_400G_BUS_BANDWIDTH,
     nvlink_latency: float = 5e-6,
     hop_latency: float = 5e-6,
     name: str = "rail-optimized",

@@ -30,7 +30,14 @@ def host4():
 
 @pytest.fixture
 def dgx64():
-    return Cluster.preset("dgx-a100", 64)  # node 300e9/5e-6, rack 25e9/1e-5, spine 25e9/1.5e-5
+    """A DGX A100's hierarchy at its link rates (the preset carries NCCL's figures): node
+    300e9/5e-6, rack 25e9/1e-5, spine 25e9/1.5e-5; the formulas below are written on these."""
+    levels = [
+        NetworkLevel("node", 8, 300e9, 5e-6),
+        NetworkLevel("rack", 32, 25e9, 1e-5),
+        NetworkLevel("spine", 64, 25e9, 1.5e-5),
+    ]
+    return Cluster("dgx-a100-link-rates", Cluster.preset("dgx-a100", 64).device, 64, levels)
 
 
 # -- one level (ring formulas) -------------------------------------------------------------

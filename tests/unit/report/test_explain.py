@@ -93,7 +93,7 @@ def test_group_descriptions_name_the_network_level():
     lines = "\n".join(group_lines(stage_major, cluster))
     assert "TP groups (all stages): 2 x 4 ranks per stage (4 in all), inside one node" in lines
     assert "DP groups (all stages): 4 x 2 ranks per stage (8 in all), inside one node" in lines
-    assert "PP boundary 0->1: across nodes, over the rack level (25 GB/s)" in lines
+    assert "PP boundary 0->1: across nodes, over the rack level (24 GB/s)" in lines
     assert "e.g. ranks 0 -> 8" in lines
     replica_major = uniform_plan(6, pp=2, tp=4, dp=2, num_microbatches=4, placement="replica-major")
     lines = "\n".join(group_lines(replica_major, cluster))
