@@ -28,9 +28,9 @@ is ``i`` is charged at that bandwidth. A level's ``latency`` is the start-up of 
 it, path included (how the presets and a calibration give it), so latencies are not summed.
 
 Sizes are in bytes, results in seconds; no efficiency factor is applied: a level's bandwidth is
-the bus bandwidth its collectives reach (nccl-tests' ``busbw``; the presets' NVLink levels carry
-NCCL's published figure, not the link rate: docs/cluster_format.md). A group of one rank, or zero
-bytes, costs 0.
+the bus bandwidth its collectives reach (nccl-tests' ``busbw``; the DGX presets' levels carry
+NCCL's published figures, not the link rates: docs/cluster_format.md). A group of one rank, or
+zero bytes, costs 0.
 """
 
 from __future__ import annotations

@@ -109,8 +109,9 @@ def fat_tree(
     GPU message in a node takes ``nvlink_latency``); GPU - ``leaf{l}`` (``nic_bandwidth``,
     ``hop_latency``); when there are several leaves, every leaf - ``spine{s}`` with bandwidth
     ``nodes_per_leaf * gpus_per_node * nic_bandwidth / (oversubscription * spines)`` (a full
-    leaf's uplinks carry 1/oversubscription of its downlinks). Defaults: DGX H100 figures
-    (NVLink4 450 GB/s and one 400 Gb/s NIC per GPU), 5 us per hop (an assumption).
+    leaf's uplinks carry 1/oversubscription of its downlinks). Defaults: the ``dgx-h100`` preset's
+    figures (what NCCL reaches over NVLink4 and one 400 Gb/s NDR NIC per GPU), 5 us per hop (an
+    assumption).
     """
     _positive(nodes, "nodes")
     _positive(gpus_per_node, "gpus_per_node")
