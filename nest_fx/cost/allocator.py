@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
+from nest_fx.cost.arg_checks import require_choice
+
 
 @dataclass(frozen=True)
 class AllocatorSlack:
@@ -57,9 +59,5 @@ ALLOCATOR_SLACK: Dict[str, AllocatorSlack] = {
 
 def allocator_slack(segments: object) -> AllocatorSlack:
     """The slack of segment mode ``segments``; ValueError naming the modes otherwise."""
-    if not isinstance(segments, str) or segments not in ALLOCATOR_SLACK:
-        raise ValueError(
-            f"allocator_segments: must be one of {list(ALLOCATOR_SLACK)}, got {segments!r} (expandable is "
-            "PyTorch's expandable_segments:True, fixed its default)"
-        )
-    return ALLOCATOR_SLACK[segments]
+    hint = "expandable is PyTorch's expandable_segments:True, fixed its default"
+    return ALLOCATOR_SLACK[require_choice(segments, "allocator_segments", tuple(ALLOCATOR_SLACK), hint)]

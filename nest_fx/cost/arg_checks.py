@@ -33,7 +33,10 @@ def require_amount(value: object, name: str) -> Count:
     return require_number(value, name)
 
 
-def require_choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
+def require_choice(value: object, name: str, choices: Tuple[str, ...], hint: str = "") -> str:
+    """``value`` when it is one of ``choices``; ValueError naming them otherwise (and ``hint``,
+    in brackets, where given)."""
     if value not in choices:
-        raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
+        more = f" ({hint})" if hint else ""
+        raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}{more}")
     return value  # type: ignore[return-value]

@@ -65,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
+from nest_fx.cost.arg_checks import require_choice
 from nest_fx.plan.vocabulary import OPTIMIZER_KERNELS
 from nest_fx.workload.roofline import DECOMPOSED_NORM_DEVICE
 
@@ -145,12 +146,8 @@ MASTER_WEIGHT_BYTES = 4  # the fp32 copy of bf16/fp16 weights the optimizer upda
 
 def optimizer_cost(name: object) -> OptimizerCost:
     """The costs of optimizer ``name``; ValueError listing the known names otherwise."""
-    if not isinstance(name, str) or name not in OPTIMIZERS:
-        raise ValueError(
-            f"optimizer: must be one of {list(OPTIMIZERS)}, got {name!r} (sgd is PyTorch's default "
-            "SGD without momentum; sgd-momentum keeps a momentum buffer)"
-        )
-    return OPTIMIZERS[name]
+    hint = "sgd is PyTorch's default SGD without momentum; sgd-momentum keeps a momentum buffer"
+    return OPTIMIZERS[require_choice(name, "optimizer", tuple(OPTIMIZERS), hint)]
 
 
 def kernel_value_problem(kernel: object) -> str:
