@@ -98,8 +98,15 @@ class Row:
         """How the row's RMSNorms ran: torchtitan's December 2024 torch nightly had no fused CUDA
         RMSNorm (``F.rms_norm`` decomposed into its ops; the fused ``_fused_rms_norm`` came with
         pytorch/pytorch PR #153666, May 2025), so its eager norms kept their fp32 copies:
-        ``model``; '' for the others (Meta's fused stack is priced by ``kernels``)."""
-        return "model" if self.system == "torchtitan" else ""
+        ``model``. Meta's Llama 3 stack: ``memory-efficient`` (each norm keeps its output, which the
+        projections reading it keep anyway, not its input), derived from sec. 3.3.2: "we proactively
+        deallocate tensors that will not be used for future computation, including the input and
+        output tensors of each pipeline stage", and a stage there is one layer whose first op is
+        its attention norm: that stage input is needed by nothing in backward only if the norm keeps
+        its output, as apex's memory-efficient norms do (Megatron-LM's --memory-efficient-layer-norm).
+        Costed with the norms keeping their input instead (``fused``), m1 / m3 need 77.3 / 77.9 GiB
+        of 79.2 (docs/cost_model.md, "Seventh run")."""
+        return "model" if self.system == "torchtitan" else "memory-efficient"
 
     @property
     def published(self) -> float:

@@ -15,7 +15,13 @@ from nest_fx.apply.async_tp import async_tp_problem
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.float8 import float8_problem
 from nest_fx.apply.losses import lm_loss, token_cross_entropy_problem
-from nest_fx.plan.may_run import may_run, schedule_microbatch_problem, unrun_fields, unrun_kernels
+from nest_fx.plan.may_run import (
+    may_run,
+    schedule_microbatch_problem,
+    unrun_fields,
+    unrun_kernels,
+    unrun_norm_kernel,
+)
 from nest_fx.plan.support import model_dims, parallel_support
 from nest_fx.plan.plan import Plan, PlanError
 from nest_fx.workload.types import chain_fingerprint
@@ -169,7 +175,7 @@ def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional
     everything they need, named before any collective."""
     check_context_parallel(plan, model, graph, loss_fn)
     check_loss_parallel(plan, model, graph, loss_fn)
-    _raise_first([unrun_kernels(plan.kernels or "", plan.compile)])
+    _raise_first([unrun_kernels(plan.kernels or "", plan.compile), unrun_norm_kernel(plan.norm_kernel, plan.compile)])
     if plan.compile:
         problem = compile_problem(device_type)
         if problem:

@@ -17,6 +17,7 @@ module or setting and the fix:
 * :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
 * :func:`unrun_kernels`: a kernel backend the runtime does not run for the plan (or for the
   plans ``constraints`` ask for: :func:`unrun_constraints`, asked before planning);
+* :func:`unrun_norm_kernel`: a way of running the RMSNorms the runtime does not combine with compile;
 * :func:`schedule_microbatch_problem`: microbatch counts a pipeline schedule does not run;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
 
@@ -38,6 +39,7 @@ from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.support import ParallelSupport, parallel_support
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from nest_fx.workload.fused_norms import norm_kernel_problem
 
 MODEL_DEGREES = ("tp", "pp", "ep", "cp")  # the degrees whose values depend on the model's modules
 
@@ -156,6 +158,13 @@ def unrun_kernels(kernels: str, compile: bool, constraints: bool = False) -> str
         f"kernels={kernels}: the plan is priced for {kernels} kernels but nest-fx's runtime runs {runs} kernels "
         f"for it (that backend predicts other systems with nest-fx plan/simulate); fix: {fix}"
     )
+
+
+def unrun_norm_kernel(norm_kernel: str, compile: bool) -> str:
+    """'' when the runtime runs the plan's RMSNorms as ``norm_kernel`` says with ``compile``, else why
+    not and the fix (``nest_fx.workload.fused_norms.norm_kernel_problem``, which the cost model asks
+    too)."""
+    return norm_kernel_problem(norm_kernel, "compile" if compile else "eager")
 
 
 def unrun_constraints(constraints: Optional[Constraints]) -> Optional[Tuple[str, str]]:

@@ -221,8 +221,12 @@ SETTINGS: Tuple[Setting, ...] = (
         "how the runtime runs the model's RMSNorms that F.rms_norm computes (found by a probe: HF Llama/Qwen/"
         "Mistral-style, Meta's reference, the zoo's; not Gemma's 1 + weight): fused (PyTorch's F.rms_norm, one "
         "kernel each way on CUDA, keeping the input and an fp32 statistic per row), model (the model's own code, "
-        "e.g. fp32 op by op with fp32 copies kept); '' = fused. Norms sharded by sequence parallelism keep the "
-        "model's code; torch.nn.RMSNorm is F.rms_norm either way (docs/cost_model.md, Kernel backends)",
+        "e.g. fp32 op by op with fp32 copies kept), memory-efficient (as apex's memory_efficient norms and "
+        "Megatron-LM's --memory-efficient-layer-norm: the norm keeps its output, which the projections reading "
+        "it keep anyway, instead of its input: 2 bytes per token per hidden unit less per bf16 norm, torch.nn."
+        "RMSNorm included; not with compile; refused for a weight with zero entries); '' = fused. Norms sharded "
+        "by sequence parallelism keep the model's code; torch.nn.RMSNorm is F.rms_norm unless memory-efficient "
+        "(docs/cost_model.md, Kernel backends)",
         "option",
         values=("",) + NORM_KERNELS,
         flag="--norm-kernel",

@@ -28,7 +28,7 @@ from nest_fx.graph.tp_wide_norms import statistic_bytes
 from nest_fx.workload.block_collectives import stacked_experts, tail_unsaved, tied_linear, vocab_parallel_nodes
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
-from nest_fx.workload.fused_norms import NormGroup, norm_groups
+from nest_fx.workload.fused_norms import NormGroup, norm_groups, region_kept_lean
 from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
@@ -115,6 +115,8 @@ class BlockFacts:
         default_factory=list
     )  # runtime_costs.fusion_regions
     region_kept: List[float] = field(default_factory=list)  # per region, bytes kept fused (kernels.region_kept_bytes)
+    # the same with the region's RMSNorms keeping their output, not their input (fused_norms)
+    region_kept_lean: List[float] = field(default_factory=list)
     # the last dense TP row's forward collective ends the block's saved tensors: no node it feeds
     # saves anything (a pre-norm block's residual add), so a recompute never re-runs it
     tail_unsaved: bool = False
@@ -337,6 +339,7 @@ def block_facts(graph, block) -> BlockFacts:
     ]
     regions = fusion_regions(g, block.nodes, fusible) if block.kind == "block" else []
     saved = [n.saved for n in nodes]
+    norms = norm_groups(g, block.nodes)
     return BlockFacts(
         nodes=nodes,
         out_bytes=block.out_bytes,
@@ -358,7 +361,8 @@ def block_facts(graph, block) -> BlockFacts:
         tied_params=tied,
         regions=regions,
         region_kept=[region_kept_bytes(g, block.nodes, members, saved) for members, _ in regions],
-        norms=norm_groups(g, block.nodes),
+        region_kept_lean=region_kept_lean(g, block.nodes, regions, saved, norms),
+        norms=norms,
     )
 
 
@@ -395,6 +399,7 @@ def scaled_facts(facts: BlockFacts, k: float) -> BlockFacts:
         ),
         regions=[(members, [(j, b * k) for j, b in boundary]) for members, boundary in facts.regions],
         region_kept=[b * k for b in facts.region_kept],
+        region_kept_lean=[b * k for b in facts.region_kept_lean],
         norms=[grp.scaled(k) for grp in facts.norms],
     )
 

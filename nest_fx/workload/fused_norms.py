@@ -21,6 +21,18 @@ each module's nodes, :func:`fused_nodes` and :func:`fused_times` re-price them):
 * kept by an op-level recompute policy: ``y`` and ``rstd`` where the policy saves the norm's ops
   (``selective``: every output but the attention core's), nothing where it recomputes them.
 
+``norm_kernel=memory-efficient`` (``apply/fused_norms.py``: nest-fx's own autograd function, as
+apex's ``FusedRMSNorm(memory_efficient=True)`` and Megatron-LM's ``--memory-efficient-layer-norm``
+run it) keeps the norm's output ``y`` and ``rstd`` instead of ``x``: the backward recovers the
+normalised input as ``y / weight``. ``y`` is what the projections reading it save anyway (the
+trace charges a tensor to the first node saving it: :attr:`NormGroup.y_saved`), so such a norm
+keeps ``rstd`` alone. It swaps ``torch.nn.RMSNorm`` too, and runs on every device (its forward is
+``F.rms_norm`` under no_grad, its backward its own). Under the ``fused`` backend (predicting systems
+that run such norms, e.g. Meta's Llama 3 stack) every norm keeps ``rstd`` (and ``y`` where no reader
+saves it) instead of what its region's min cut would keep for it
+(``block_facts.BlockFacts.region_kept_lean``); with ``compile`` it is not run
+(:func:`norm_kernel_problem`).
+
 Which norms run fused in a variant (:func:`fused_groups`): ``native`` ones always, ``model`` ones
 when the plan's ``norm_kernel`` is '' or ``fused``; never one tensor parallelism shards (a norm
 under sequence parallelism, whose input is a DTensor, or a per-head norm inside a TP region: the
@@ -39,6 +51,7 @@ from dataclasses import replace as dataclass_replace
 from typing import Dict, List, Sequence, Tuple
 
 from nest_fx.graph.rms_norms import NATIVE
+from nest_fx.workload.kernels import region_kept_bytes
 
 RSTD_BYTES = 4  # fp32 reciprocal root mean square, one per row
 FORWARD_FLOPS = 4.0  # per element: square, sum, times rstd, times weight
@@ -57,6 +70,7 @@ class NormGroup:
     rows: float  # rows normalised (one rstd each)
     elements: float  # elements of the input
     weight_bytes: float
+    y_saved: bool = False  # a node reading the output saved it (a projection's input): memory-efficient keeps it free
 
     def scaled(self, k: float) -> "NormGroup":
         """The same norm with activations and weight ``k`` times as wide (``block_facts.scaled_facts``)."""
@@ -67,6 +81,11 @@ class NormGroup:
     @property
     def rstd_bytes(self) -> float:
         return self.rows * RSTD_BYTES
+
+    def output_saving_bytes(self) -> float:
+        """What the norm keeps for backward when it keeps its output (``norm_kernel=memory-efficient``):
+        ``rstd``, and ``y`` unless a reader saved it already."""
+        return self.rstd_bytes + (0.0 if self.y_saved else self.y_bytes)
 
     def forward_bytes(self, share: float) -> float:
         """Bytes the fused forward moves on ``share`` of the traced rows."""
@@ -105,6 +124,9 @@ def norm_groups(g, nodes: Sequence[str]) -> List[NormGroup]:
             if not any(True for _ in g.successors(nodes[k])) or any(s not in inside for s in g.successors(nodes[k]))
         ]
         last = g.nodes[outs[-1]] if outs else g.nodes[nodes[members[-1]]]
+        y_bytes = float(last.get("out_bytes", 0.0))
+        readers = [r for o in outs for r in g.successors(o) if r not in inside]
+        y_saved = any(float(g.nodes[r].get("saved_bytes", 0.0)) >= y_bytes * (1 - 1e-6) > 0 for r in readers)
         shape = (last.get("out_shapes") or [[]])[0]
         width = shape[-1] if shape else 0
         elements = 1.0
@@ -116,10 +138,11 @@ def norm_groups(g, nodes: Sequence[str]) -> List[NormGroup]:
                 kind=g.nodes[nodes[members[0]]]["rms_norm"],
                 members=tuple(members),
                 x_bytes=x_bytes,
-                y_bytes=float(last.get("out_bytes", 0.0)),
+                y_bytes=y_bytes,
                 rows=elements / width if width else 0.0,
                 elements=elements if width else 0.0,
                 weight_bytes=sum(float(g.nodes[nodes[k]].get("param_bytes", 0.0)) for k in members),
+                y_saved=y_saved,
             )
         )
     return [grp for grp in groups if grp.rows > 0 and grp.x_bytes > 0]
@@ -140,10 +163,11 @@ def fused_groups(
     ]
 
 
-def fused_nodes(nodes: List, groups: Sequence[NormGroup]) -> List:
+def fused_nodes(nodes: List, groups: Sequence[NormGroup], keeps_output: bool = False) -> List:
     """``nodes`` (``block_facts.NodeCost``) with each group's saved and kept bytes those of the
     fused op (module docstring), charged to its first node; its recompute share 1 where a policy
-    recomputes it, else 0."""
+    recomputes it, else 0. ``keeps_output``: the norms keep their output, not their input
+    (``norm_kernel=memory-efficient``)."""
     if not groups:
         return nodes
     out = list(nodes)
@@ -155,7 +179,8 @@ def fused_nodes(nodes: List, groups: Sequence[NormGroup]) -> List:
         }
         for k in grp.members:
             is_first = k == grp.members[0]
-            saved = grp.x_bytes + grp.rstd_bytes if is_first else 0.0
+            kept_for_backward = grp.output_saving_bytes() if keeps_output else grp.x_bytes + grp.rstd_bytes
+            saved = kept_for_backward if is_first else 0.0
             out[k] = dataclass_replace(
                 nodes[k],
                 saved=saved,
@@ -190,4 +215,32 @@ def fused_times(
         bwd = timing.op_seconds(BACKWARD_FLOPS * elements, grp.backward_bytes(share), False) + timing.launch_s
         for k in grp.members:
             out[k] = (out[k][0] * fwd / unfused, out[k][1] * bwd / (backward * unfused))
+    return out
+
+
+def norm_kernel_problem(norm_kernel: str, backend: str) -> str:
+    """'' when RMSNorms run as ``norm_kernel`` says under the kernel ``backend`` (eager, compile,
+    fused), else why not and the fix: ``memory-efficient`` norms are an autograd function choosing
+    what backward keeps (the output, not the input), and torch.compile's min-cut partitioner
+    chooses the saved tensors of a compiled block itself, so what is priced would not be what runs."""
+    if norm_kernel == "memory-efficient" and backend == "compile":
+        return (
+            "norm_kernel=memory-efficient with compile: torch.compile's partitioner chooses what a compiled "
+            "block keeps for backward, so the norms would not keep what was priced; fix: norm_kernel '' "
+            "(fused), or compile=false"
+        )
+    return ""
+
+
+def region_kept_lean(g, names, regions, saved: List[float], norms: List[NormGroup]) -> List[float]:
+    """Per region, the bytes it keeps fused when its RMSNorms keep their output instead of their
+    input (``norm_kernel=memory-efficient``): the min cut of what the region's
+    other ops saved, plus each norm's :meth:`NormGroup.output_saving_bytes`."""
+    in_norm = {k for grp in norms for k in grp.members}
+    rest = [0.0 if k in in_norm else b for k, b in enumerate(saved)]
+    out = []
+    for members, _ in regions:
+        inside = set(members)
+        own = sum(grp.output_saving_bytes() for grp in norms if grp.members[0] in inside)
+        out.append(region_kept_bytes(g, names, members, rest) + own)
     return out

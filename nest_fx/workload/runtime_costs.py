@@ -50,6 +50,8 @@ class RuntimeCosts:
     float8: bool = False
     # the model's own RMSNorms run as F.rms_norm (plan.norm_kernel '' or fused; workload/fused_norms.py)
     model_norms_fused: bool = True
+    # every unsharded RMSNorm keeps its output, not its input (plan.norm_kernel memory-efficient)
+    norm_keeps_output: bool = False
 
     @property
     def fuses(self) -> bool:

@@ -27,11 +27,11 @@ from nest_fx.workload.block_facts import (
     scaled_facts,
 )
 from nest_fx.workload.block_collectives import vocab_parallel_nodes
-from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times
+from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times, norm_kernel_problem
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
 from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.runtime_costs import RuntimeCosts
-from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload
+from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload, WorkloadError
 
 
 class TracedSource:
@@ -94,10 +94,13 @@ class TracedSource:
         times of ``timing`` (the device's rate for that dtype) on activations ``byte_scale``
         times the traced bytes (``Workload.for_runtime``); fused attention at the measured rate of
         ``attention_kernel`` (``roofline.SDPA_ATTENTION``); the model's RMSNorms as ``F.rms_norm``
-        unless ``norm_kernel`` is ``model`` (``fused_norms``). The traced facts are shared."""
+        unless ``norm_kernel`` is ``model``, keeping their output with ``memory-efficient``
+        (``fused_norms``; WorkloadError with compile). The traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
-        derived.runtime = RuntimeCosts(backend=backend, float8=float8, model_norms_fused=norm_kernel != "model")
+        if norm_kernel_problem(norm_kernel, backend.name):
+            raise WorkloadError(norm_kernel_problem(norm_kernel, backend.name))
+        derived.runtime = RuntimeCosts(backend, float8, norm_kernel != "model", norm_kernel == "memory-efficient")
         base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
         derived._plain_timing = base
         with_kernels = getattr(base, "with_kernels", None)
@@ -139,8 +142,9 @@ class TracedSource:
 
     def fused_norms(self, block, tp: int, sp: bool) -> List[NormGroup]:
         """The RMSNorms of ``block`` the runtime runs as one fused ``F.rms_norm`` in a variant
-        (``fused_norms.fused_groups``), on a device with the fused kernel."""
-        if not getattr(self.timing, "fused_rms_norm", True):
+        (``fused_norms.fused_groups``), on a device with the fused kernel (memory-efficient norms:
+        on every device, nest-fx's own autograd function)."""
+        if not self.runtime.norm_keeps_output and not getattr(self.timing, "fused_rms_norm", True):
             return []
         facts = self.facts(block.index)
         sharded = tp > 1 and sp and block.kind == "block"
@@ -169,7 +173,10 @@ class TracedSource:
             # the eager backend keeps what the fused op keeps; the others their region's min cut (fused_norms)
             nodes = facts.nodes if self.runtime.fuses else self._fused.get((block.index, tp, sp))
             if nodes is None:
-                nodes = self._fused[(block.index, tp, sp)] = fused_nodes(facts.nodes, self.fused_norms(block, tp, sp))
+                norms = self.fused_norms(block, tp, sp)
+                nodes = self._fused[(block.index, tp, sp)] = fused_nodes(
+                    facts.nodes, norms, self.runtime.norm_keeps_output
+                )
             self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens)
         act, rec = (dict(d) for d in self._kept[kept_key])
         if (block.index, tp, ep) not in self._params:
@@ -225,7 +232,8 @@ class TracedSource:
                 act[policy] += n.kept.get(policy, 0.0) * tokens / shard
                 rec[policy] += t * n.recomputed.get(policy, 0.0)
         if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
-            for (members, _), kept in zip(facts.regions, facts.region_kept):
+            region_kept = facts.region_kept_lean if self.runtime.norm_keeps_output else facts.region_kept
+            for (members, _), kept in zip(facts.regions, region_kept):
                 act["none"] += kept * tokens / keeps[members[0]] - sum(
                     facts.nodes[k].saved * tokens / keeps[k] for k in members
                 )

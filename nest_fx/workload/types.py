@@ -318,8 +318,9 @@ class Workload:
         compile, fused; '' = compile when ``compile`` is set, else eager:
         ``nest_fx.workload.kernels``), SDPA's fused attention kernel ``attention_kernel`` (cudnn,
         flash; '' = the default: ``roofline.SDPA_ATTENTION``), the model's RMSNorms as PyTorch's fused
-        ``F.rms_norm`` (``norm_kernel`` '' or fused) or as its own code (``model``;
-        ``workload/fused_norms.py``), Float8 linears (``docs/cost_model.md``), and computing in
+        ``F.rms_norm`` (``norm_kernel`` '' or fused), as its own code (``model``) or keeping their
+        output for backward (``memory-efficient``; ``workload/fused_norms.py``), Float8 linears
+        (``docs/cost_model.md``), and computing in
         ``dtype`` ("fp32", "bf16": the device's rate for it, activations of its width; None or a
         workload of unknown dtype: as built); ``self`` when nothing changes. WorkloadError when
         the cost source cannot derive them (a layer table holds what was measured; a profile, the
@@ -358,7 +359,10 @@ class Workload:
                     ({"compile": "torch.compile", "fused": "fused kernels"}.get(backend, ""), backend != "eager"),
                     ("Float8", float8),
                     (f"{attention} attention", bool(attention)),
-                    ("the model's own RMSNorm code", bool(norm)),
+                    (
+                        "memory-efficient RMSNorms" if norm == "memory-efficient" else "the model's own RMSNorm code",
+                        bool(norm),
+                    ),
                 )
                 if on
             ]
