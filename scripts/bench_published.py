@@ -32,7 +32,9 @@ per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, c
 layer per rank (derived from the paper's stage split, see ``published_rows``), microbatch 1 (32,
 16, 16 microbatches), ZeRO-2 with gradients reduce-scattered in fp32 after every microbatch and
 accumulated sharded (``pp_shard_grads``; stated: "we shard ... gradients", sec. 3.3.2, fp32
-reduction and accumulation, sec. 3.3.4). Their TFLOP/s are compared with the cost model's model
+reduction and accumulation, sec. 3.3.4), RMSNorms keeping their output, not their input
+(``norm_kernel=memory-efficient``; derived from the stage inputs the paper deallocates, see
+``Row.norm_kernel``). Their TFLOP/s are compared with the cost model's model
 FLOPs, which count attention whole (non-causal), as PaLM's MFU does (Chowdhery et al. 2022, app.
 B: 6 N + 12 L H Q T per token); counted as 6 N alone (the paper's 3.8 x 10^25 training FLOPs are
 6 x 405B x 15.6T tokens) m1 / m2 / m3 would be -11.5 / -10.4 / -26.7% instead. Every row
