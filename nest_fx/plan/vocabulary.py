@@ -33,7 +33,7 @@ KERNELS = ("eager", "compile", "fused")
 # the fused attention kernels of PyTorch's SDPA a plan may pin (nest_fx.workload.roofline.SDPA_ATTENTION)
 ATTENTION_KERNELS = ("cudnn", "flash")
 # how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, or the model's code
-NORM_KERNELS = ("fused", "model")
+NORM_KERNELS = ("fused", "model", "memory-efficient")
 # the CUDA caching allocator's segment modes (costed in nest_fx.cost.allocator, set by apply/allocator.py)
 ALLOCATOR_SEGMENTS = ("expandable", "fixed")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS

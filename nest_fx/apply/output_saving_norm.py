@@ -1,0 +1,94 @@
+"""``plan.norm_kernel=memory-efficient``: an RMSNorm that keeps its output for backward, not its input.
+
+``F.rms_norm``'s autograd keeps the input, the weight and one fp32 ``rstd`` per row. In a pre-norm
+transformer the norm's output is kept anyway by the projections that read it (the q/k/v or
+gate/up linears save their input), so a norm that recovers its normalised input from its output,
+``xhat = y / weight``, costs only its ``rstd`` (4 bytes per row) beyond what is saved already:
+one copy of its input less, 2 bytes per token per hidden unit per norm in bf16. NVIDIA apex's
+``FusedRMSNorm(memory_efficient=True)`` and Megatron-LM's ``--memory-efficient-layer-norm`` keep
+the output the same way.
+
+:class:`OutputSavingRMSNorm` computes ``y`` and ``rstd`` with ``aten._fused_rms_norm`` (the op
+``F.rms_norm`` runs: one kernel on CUDA; its ``y`` equals ``F.rms_norm``'s bitwise) and saves
+only ``(y, rstd, weight)``. Backward, in fp32: ``xhat = y / w``, ``g = dy * w``,
+``c = mean(dy * y)`` over the row (``= mean(g * xhat)``), ``dx = rstd * (g - xhat * c)`` and
+``dw = sum over rows of dy * xhat``.
+
+A weight entry that is exactly 0 makes its output column 0 whatever the input, so ``xhat``
+cannot be recovered there: the runtime refuses such a norm before it swaps it
+(:func:`zero_weight_problem`, :class:`ZeroNormWeightError`). A weight that becomes exactly 0
+during training (an optimizer step landing on 0.0) is not checked on every call (that would be a
+host synchronisation per norm): its backward divides 0 by 0 and the gradients of that norm's
+input and weight turn NaN. nest-fx's training loop has no per-step non-finite check of its own:
+the loss turns NaN with them, and ``ParallelModule.save_checkpoint`` refuses to save a NaN loss
+or parameter (``require_finite``, ``apply/checkpoint.py``), so the previous checkpoint is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from nest_fx.apply.checks import ApplyError
+
+FIX = "fix: norm_kernel '' (fused)"
+
+
+class ZeroNormWeightError(ApplyError):
+    """An RMSNorm's weight has zero entries: ``norm_kernel=memory-efficient`` cannot recover its
+    input from its output there."""
+
+
+class OutputSavingRMSNorm(torch.autograd.Function):
+    """RMSNorm over the last dimension that saves its output, its fp32 ``rstd`` and its weight
+    (not its input) for backward. ``weight`` may be None (no elementwise affine)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float]) -> torch.Tensor:
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(y, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        y, rstd, weight = ctx.saved_tensors
+        yf, dyf = y.float(), dy.float()
+        if weight is None:
+            xhat, g = yf, dyf
+        else:
+            wf = weight.float()
+            xhat, g = yf / wf, dyf * wf
+        c = (dyf * yf).mean(-1, keepdim=True)
+        dx = (rstd * (g - xhat * c)).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = (dyf * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
+def output_saving_rms_norm(
+    x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor], eps: Optional[float] = None
+) -> torch.Tensor:
+    """``F.rms_norm(x, normalized_shape, weight, eps)`` (the same values) through
+    :class:`OutputSavingRMSNorm`; only a normalised shape of the last dimension alone."""
+    if len(normalized_shape) != 1 or int(normalized_shape[0]) != x.shape[-1]:
+        raise ValueError(
+            f"output_saving_rms_norm normalises the last dimension only: normalized_shape={tuple(normalized_shape)} "
+            f"for an input of shape {tuple(x.shape)}"
+        )
+    return OutputSavingRMSNorm.apply(x, weight, eps)
+
+
+def zero_weight_problem(name: str, weight: Optional[torch.Tensor]) -> str:
+    """Why the norm ``name`` cannot keep its output instead of its input ('' when it can): its
+    weight has entries exactly 0. A weight on ``meta`` has no values yet: ''."""
+    if weight is None or weight.is_meta:
+        return ""
+    zeros = int((weight.detach() == 0).sum())  # one host sync per norm, once, at the swap
+    if not zeros:
+        return ""
+    return (
+        f"{name}: norm_kernel=memory-efficient recovers the norm's input from its output divided by the "
+        f"weight, and the weight has zero entries ({zeros} of {weight.numel()}); {FIX}"
+    )
