@@ -16,11 +16,14 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
+from nest_fx.apply import auto_parallelize, prepare
 from nest_fx.apply.fused_norms import check_norm_weights, use_fused_norms
+from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.output_saving_norm import OutputSavingRMSNorm, ZeroNormWeightError, output_saving_rms_norm
 from nest_fx.common.errors import NestFxError
 from nest_fx.models import build_seeded
 from nest_fx.models.layers import RMSNorm
+from nest_fx.plan import uniform_plan
 from norm_helpers import HF_LLAMA, LLAMA, NormCalls, loss_and_grads, saved_bytes
 
 ME = "memory-efficient"
@@ -277,3 +280,31 @@ def test_a_zero_weight_reached_in_training_gives_non_finite_gradients():
         w[2] = 0.0
     dx, dw = torch.autograd.grad(OutputSavingRMSNorm.apply(x, w, 1e-6), (x, w), dy)
     assert not bool(torch.isfinite(dx).all()) and bool(torch.isnan(dw[2]))
+
+
+def test_auto_parallelize_refuses_a_zero_weight_before_the_first_collective(single_rank, monkeypatch):
+    """The check runs in ``prepare`` on the whole model, before the ranks' agreement (the first
+    collective); the model is left as it was. Without the zero, one rank trains the swapped norms."""
+    model, _ = build_seeded(LLAMA)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    plan = uniform_plan(4, norm_kernel=ME)
+    with torch.no_grad():
+        model.norm.weight[0] = 0.0
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the first collective was reached")
+
+    monkeypatch.setattr(prepare, "agree", no_collective)
+    with pytest.raises(ZeroNormWeightError, match=r"^norm: norm_kernel=memory-efficient"):
+        auto_parallelize(model, tokens, global_batch_size=2, loss_fn=lm_loss, plan=plan)
+    assert not any("_nest_fx_model_forward" in m.__dict__ for m in model.modules())
+    monkeypatch.undo()
+    with torch.no_grad():
+        model.norm.weight[0] = 1.0
+    reference = copy.deepcopy(model)
+    pm = auto_parallelize(model, tokens, global_batch_size=2, loss_fn=lm_loss, plan=plan)
+    calls = NormCalls()
+    with calls:
+        loss = pm.train_step(tokens, tokens)
+    assert calls.output_saving == 5 * pm.num_microbatches  # 2 blocks x 2 norms + the final norm
+    torch.testing.assert_close(torch.as_tensor(float(loss)), lm_loss(reference(tokens), tokens).detach())
