@@ -8,11 +8,12 @@ one copy of its input less, 2 bytes per token per hidden unit per norm in bf16. 
 ``FusedRMSNorm(memory_efficient=True)`` and Megatron-LM's ``--memory-efficient-layer-norm`` keep
 the output the same way.
 
-:class:`OutputSavingRMSNorm` computes ``y`` and ``rstd`` with ``aten._fused_rms_norm`` (the op
-``F.rms_norm`` runs: one kernel on CUDA; its ``y`` equals ``F.rms_norm``'s bitwise) and saves
-only ``(y, rstd, weight)``. Backward, in fp32: ``xhat = y / w``, ``g = dy * w``,
-``c = mean(dy * y)`` over the row (``= mean(g * xhat)``), ``dx = rstd * (g - xhat * c)`` and
-``dw = sum over rows of dy * xhat``.
+:class:`OutputSavingRMSNorm` computes ``y`` and ``rstd`` with ``aten._fused_rms_norm`` on CUDA
+(the op ``F.rms_norm`` runs there: one kernel), elsewhere with the same fp32 formula op by op
+(``y`` equals ``F.rms_norm``'s bitwise on CPU), and saves only ``(y, rstd, weight)``. Backward,
+in fp32 (fp64 for fp64 inputs), op by op: ``xhat = y / w``, ``g = dy * w``, ``c = mean(dy * y)``
+over the row (``= mean(g * xhat)``), ``dx = rstd * (g - xhat * c)`` and ``dw = sum over rows of
+dy * xhat``.
 
 A weight entry that is exactly 0 makes its output column 0 whatever the input, so ``xhat``
 cannot be recovered there: the runtime refuses such a norm before it swaps it
@@ -40,24 +41,52 @@ class ZeroNormWeightError(ApplyError):
     input from its output there."""
 
 
+def _rms_norm_and_rstd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float]):
+    """(``F.rms_norm(x, (d,), weight, eps)``, its fp32 rstd with the shape ``x.shape[:-1] + (1,)``).
+    On CUDA one kernel, ``aten._fused_rms_norm`` (what ``F.rms_norm`` runs there). Elsewhere
+    ``_fused_rms_norm`` has no kernel and decomposes into ops, some in place (``add_``, ``rsqrt_``
+    on the mean), which selective activation checkpointing refuses ("Tensor cached during
+    selective activation checkpoint has been mutated"); so the same fp32 formula runs out of place
+    (equal to ``F.rms_norm``'s output bitwise on CPU: ``tests/unit/apply/test_output_saving_norm.py``)."""
+    acc = _opmath(x.dtype)
+    if x.device.type == "cuda":
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        return y, rstd.to(acc).reshape(*x.shape[:-1], 1)
+    if eps is None:
+        eps = torch.finfo(acc).eps  # F.rms_norm's default: its opmath type's epsilon
+    xa = x.to(acc)
+    rstd = torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
+    y = xa * rstd
+    if weight is not None:
+        y = y * weight.to(acc)
+    return y.to(x.dtype), rstd
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    """The dtype F.rms_norm computes in for ``dtype`` (PyTorch's opmath type): fp64 stays fp64,
+    every other floating dtype computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class OutputSavingRMSNorm(torch.autograd.Function):
     """RMSNorm over the last dimension that saves its output, its fp32 ``rstd`` and its weight
     (not its input) for backward. ``weight`` may be None (no elementwise affine)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float]) -> torch.Tensor:
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        y, rstd = _rms_norm_and_rstd(x, weight, eps)
         ctx.save_for_backward(y, rstd, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         y, rstd, weight = ctx.saved_tensors
-        yf, dyf = y.float(), dy.float()
+        acc = _opmath(y.dtype)
+        yf, dyf = y.to(acc), dy.to(acc)
         if weight is None:
             xhat, g = yf, dyf
         else:
-            wf = weight.float()
+            wf = weight.to(acc)
             xhat, g = yf / wf, dyf * wf
         c = (dyf * yf).mean(-1, keepdim=True)
         dx = (rstd * (g - xhat * c)).to(y.dtype) if ctx.needs_input_grad[0] else None
