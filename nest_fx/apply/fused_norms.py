@@ -27,7 +27,7 @@ something else or where nest-fx shards the norm:
 from __future__ import annotations
 
 import types
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -63,26 +63,22 @@ def _swappable(module: nn.Module, kinds: Tuple[str, ...]) -> Iterator[Tuple[str,
             yield name, sub
 
 
-def _zero_weight_problems(found: List[Tuple[str, nn.Module]]) -> List[str]:
-    return [p for p in (zero_weight_problem(name, sub.weight) for name, sub in found) if p]
-
-
-def norm_weight_problems(module: nn.Module, norm_kernel: str) -> List[str]:
-    """Why the norms ``norm_kernel`` would swap in ``module`` cannot run so: under
-    ``memory-efficient``, one line per norm whose weight has zero entries (its output cannot give
-    back its input: ``output_saving_norm.zero_weight_problem``); none under the other values."""
-    if (norm_kernel or "") != MEMORY_EFFICIENT:
-        return []
-    return _zero_weight_problems(list(_swappable(module, _SWAPS[MEMORY_EFFICIENT][0])))
+def _refuse_zero_weights(found: Iterable[Tuple[str, nn.Module]]) -> None:
+    """:class:`ZeroNormWeightError` for the first norm in ``found`` whose weight has zero entries
+    (its output cannot give back its input: ``output_saving_norm.zero_weight_problem``)."""
+    for name, sub in found:
+        problem = zero_weight_problem(name, sub.weight)
+        if problem:
+            raise ZeroNormWeightError(problem)
 
 
 def check_norm_weights(module: nn.Module, norm_kernel: str) -> None:
-    """:class:`ZeroNormWeightError` naming the first of ``norm_weight_problems`` (``prepare`` runs
-    it on the whole model before the first collective). Norms on ``meta`` are not checked: their
-    values arrive later (``weights=``), unchecked."""
-    problems = norm_weight_problems(module, norm_kernel)
-    if problems:
-        raise ZeroNormWeightError(problems[0])
+    """Under ``memory-efficient``, :class:`ZeroNormWeightError` naming the first norm the swap
+    would take whose weight has zero entries; nothing under the other values. ``prepare`` runs it
+    on the whole model before the first collective. Norms on ``meta`` are not checked: their values
+    arrive later (``weights=``), unchecked."""
+    if (norm_kernel or "") == MEMORY_EFFICIENT:
+        _refuse_zero_weights(_swappable(module, _SWAPS[MEMORY_EFFICIENT][0]))
 
 
 def use_fused_norms(module: nn.Module, norm_kernel: str = "") -> List[str]:
@@ -97,9 +93,7 @@ def use_fused_norms(module: nn.Module, norm_kernel: str = "") -> List[str]:
     kinds, fn = _SWAPS[norm_kernel or ""]
     found = list(_swappable(module, kinds))
     if (norm_kernel or "") == MEMORY_EFFICIENT:
-        problems = _zero_weight_problems(found)
-        if problems:
-            raise ZeroNormWeightError(problems[0])
+        _refuse_zero_weights(found)
     for _, sub in found:
         sub._nest_fx_model_forward = sub.forward
         sub._nest_fx_norm_shape = tuple(sub.weight.shape)
