@@ -23,7 +23,7 @@ from nest_fx.apply.losses import lm_loss
 from nest_fx.apply.precision import prepare_reference
 from nest_fx.apply.output_saving_norm import OutputSavingRMSNorm, ZeroNormWeightError, output_saving_rms_norm
 from nest_fx.common.errors import NestFxError
-from nest_fx.models import build_seeded
+from nest_fx.models import build_model, build_seeded
 from nest_fx.models.layers import RMSNorm
 from nest_fx.plan import uniform_plan
 from norm_helpers import HF_LLAMA, LLAMA, NormCalls, loss_and_grads, saved_bytes
@@ -323,6 +323,9 @@ def test_a_zero_weight_entry_is_refused_before_anything_is_swapped():
         check_norm_weights(model, ME)
     check_norm_weights(model, "fused")  # F.rms_norm keeps the input: a zero weight is no problem there
     assert len(use_fused_norms(model, "fused")) == 5
+    on_meta, _ = build_model(LLAMA, device="meta")  # no values yet (weights= fills them later): not checked
+    check_norm_weights(on_meta, ME)
+    assert len(use_fused_norms(on_meta, ME)) == 5
 
 
 def test_a_zero_weight_reached_in_training_gives_non_finite_gradients():
