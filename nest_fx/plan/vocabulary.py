@@ -32,7 +32,8 @@ DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 KERNELS = ("eager", "compile", "fused")
 # the fused attention kernels of PyTorch's SDPA a plan may pin (nest_fx.workload.roofline.SDPA_ATTENTION)
 ATTENTION_KERNELS = ("cudnn", "flash")
-# how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, or the model's code
+# how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, the
+# model's code, or keeping the norm's output for backward instead of its input (nest_fx.apply.fused_norms)
 NORM_KERNELS = ("fused", "model", "memory-efficient")
 # the CUDA caching allocator's segment modes (costed in nest_fx.cost.allocator, set by apply/allocator.py)
 ALLOCATOR_SEGMENTS = ("expandable", "fixed")
