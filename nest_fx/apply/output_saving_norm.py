@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from nest_fx.apply.checks import ApplyError
 
@@ -43,7 +44,7 @@ class ZeroNormWeightError(ApplyError):
 
 
 def _rms_norm_and_rstd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float]):
-    """(``F.rms_norm(x, (d,), weight, eps)``, its fp32 rstd with the shape ``x.shape[:-1] + (1,)``).
+    """(``F.rms_norm(x, (d,), weight, eps)``, its rstd (fp32; fp64 for fp64) shaped ``x.shape[:-1] + (1,)``).
     On CUDA one kernel, ``aten._fused_rms_norm`` (what ``F.rms_norm`` runs there). Elsewhere
     ``_fused_rms_norm`` has no kernel and decomposes into ops, some in place (``add_``, ``rsqrt_``
     on the mean), which selective activation checkpointing refuses ("Tensor cached during
@@ -80,6 +81,7 @@ class OutputSavingRMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # training needs no double backward (its dx is written with out=)
     def backward(ctx, dy: torch.Tensor):
         # dx = rstd (g - xhat c) with xhat = y / w, g = dy w, c = mean(dy y); dw = sum_rows(dy y) / w.
         # Op by op in the opmath dtype, each elementwise pass reading the bf16 tensors directly
