@@ -28,8 +28,10 @@ short keeps what it measured; a section that fails records its error and the nex
                compiles it: forward + backward time and the bytes saved for backward per layer
                (layers=3 minus layers=1, halved), per token per hidden unit; the same eager
                with the norms swapped to ``F.rms_norm`` as nest-fx's runtime runs them by default
-               (``eager_fused_norm``: ``apply/fused_norms.py``, ``plan.norm_kernel``); also
-               ``F.rms_norm`` against the zoo's fp32 RMSNorm.
+               (``eager_fused_norm``: ``apply/fused_norms.py``, ``plan.norm_kernel``) and to
+               norms keeping their output (``eager_memory_efficient_norm``,
+               ``norm_kernel=memory-efficient``); also ``F.rms_norm`` and the output-saving norm
+               against the zoo's fp32 RMSNorm.
 
 The predictions these figures are compared with are computed on any machine from the JSON
 (``docs/cost_model.md``, "Measured on a GPU").
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from nest_fx.apply.fused_norms import use_fused_norms
+from nest_fx.apply.output_saving_norm import output_saving_rms_norm
 from nest_fx.apply.losses import lm_loss
 from profiler.recompute_memory import packed_bytes
 
@@ -299,13 +302,13 @@ def ring(ctx) -> dict:
     return {"rows": rows}
 
 
-def _block_run(ctx, layers: int, compiled: bool, fused_norms: bool = False) -> dict:
+def _block_run(ctx, layers: int, compiled: bool, norm_kernel: str = "model") -> dict:
     from nest_fx.models.zoo import build_model
 
     torch.manual_seed(0)
     model, cfg = build_model(ctx.llama.format(layers=layers), device=ctx.device, dtype=torch.bfloat16)
-    if fused_norms:  # the runtime's default (plan.norm_kernel ''): the RMSNorms run F.rms_norm
-        use_fused_norms(model)
+    if norm_kernel != "model":  # '' (the runtime's default): F.rms_norm; memory-efficient: output-saving norms
+        use_fused_norms(model, norm_kernel)
     if compiled:
         for block in model.layers:
             block.forward = torch.compile(block.forward)
@@ -334,20 +337,28 @@ def _block_run(ctx, layers: int, compiled: bool, fused_norms: bool = False) -> d
     else:  # no allocator to read: the storages autograd packs (parameters, buffers, inputs left out)
         saved = packed_bytes(model, [tokens])
     return dict(
-        layers=layers, compiled=compiled, fused_norms=fused_norms, first_step_s=first, step_s=t, saved_bytes=saved
+        layers=layers,
+        compiled=compiled,
+        fused_norms=norm_kernel == "",
+        norm_kernel=norm_kernel,
+        first_step_s=first,
+        step_s=t,
+        saved_bytes=saved,
     )
 
 
 def block(ctx) -> dict:
     """Per-layer forward + backward time and saved bytes of the zoo Llama: eager (the model's own
-    RMSNorm code), compiled, and eager with F.rms_norm (``eager_fused_norm``)."""
+    RMSNorm code), compiled, eager with F.rms_norm (``eager_fused_norm``) and eager with the norms
+    keeping their output (``eager_memory_efficient_norm``, ``norm_kernel=memory-efficient``)."""
     rows, per_layer = [], {}
-    for label, compiled, fused_norms in (
-        ("eager", False, False),
-        ("compile", True, False),
-        ("eager_fused_norm", False, True),
+    for label, compiled, norm_kernel in (
+        ("eager", False, "model"),
+        ("compile", True, "model"),
+        ("eager_fused_norm", False, ""),
+        ("eager_memory_efficient_norm", False, "memory-efficient"),
     ):
-        runs = {n: _block_run(ctx, n, compiled, fused_norms) for n in (1, 3)}
+        runs = {n: _block_run(ctx, n, compiled, norm_kernel) for n in (1, 3)}
         rows.extend(runs.values())
         per_layer[label] = dict(
             step_s=(runs[3]["step_s"] - runs[1]["step_s"]) / 2,
@@ -371,6 +382,9 @@ def _norms(ctx) -> dict:
     out["zoo_rmsnorm_fwd_bwd_s"] = ctx.timer(lambda: torch.autograd.backward(module(x), g))
     out["f_rms_norm_fwd_bwd_s"] = ctx.timer(
         lambda: torch.autograd.backward(F.rms_norm(x, (ctx.hidden,), weight, 1e-5), g)
+    )
+    out["output_saving_rms_norm_fwd_bwd_s"] = ctx.timer(
+        lambda: torch.autograd.backward(output_saving_rms_norm(x, (ctx.hidden,), weight, 1e-5), g)
     )
     return out
 

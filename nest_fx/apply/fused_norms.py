@@ -5,8 +5,12 @@ A module :func:`nest_fx.graph.rms_norms.rms_norm_kind` recognises as the model's
 ``norm_kernel`` '' or ``fused`` (the default), a forward that calls ``F.rms_norm(x, (d,), weight,
 eps)``: one kernel forward and one backward on CUDA (``aten._fused_rms_norm``), keeping the input
 and an fp32 statistic per row for backward instead of fp32 copies. ``norm_kernel=model`` runs the
-model's code as written. Only the forward changes: the parameter, its name, the state dict and
-checkpoints stay the model's.
+model's code as written. ``norm_kernel=memory-efficient`` swaps those and ``torch.nn.RMSNorm``
+modules to the RMSNorm of ``apply/output_saving_norm.py``, which keeps its output instead of its
+input for backward (the output is kept anyway by the projections reading it) and refuses a norm
+whose weight has zero entries (:class:`~nest_fx.apply.output_saving_norm.ZeroNormWeightError`:
+``check_norm_weights``, run on the whole model before the first collective, and the swap again). Only the forward
+changes: the parameter, its name, the state dict and checkpoints stay the model's.
 
 The swapped forward runs the model's own forward instead where ``F.rms_norm`` would compute
 something else or where nest-fx shards the norm:
@@ -23,43 +27,83 @@ something else or where nest-fx shards the norm:
 from __future__ import annotations
 
 import types
-from typing import List
+from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from nest_fx.graph.rms_norms import MODEL, module_eps, rms_norm_kind
+from nest_fx.apply.output_saving_norm import ZeroNormWeightError, output_saving_rms_norm, zero_weight_problem
+from nest_fx.graph.rms_norms import MODEL, NATIVE, module_eps, rms_norm_kind
 
-FUSED_NORM_KERNELS = ("", "fused")  # plan.norm_kernel values that swap the recognised norms
+FUSED_NORM_KERNELS = ("", "fused")  # plan.norm_kernel values that swap the recognised norms to F.rms_norm
+MEMORY_EFFICIENT = "memory-efficient"  # ... to the output-saving RMSNorm (apply/output_saving_norm.py)
+# per swapping norm_kernel: (the rms_norm_kind values swapped, the function the swapped forward calls)
+_SWAPS: Dict[str, Tuple[Tuple[str, ...], Callable]] = {
+    **{k: ((MODEL,), F.rms_norm) for k in FUSED_NORM_KERNELS},
+    MEMORY_EFFICIENT: ((MODEL, NATIVE), output_saving_rms_norm),
+}
 
 
 def _fused_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     weight = self.weight
     if args or kwargs or isinstance(x, DTensor) or isinstance(weight, DTensor) or x.dtype != weight.dtype:
         return self._nest_fx_model_forward(x, *args, **kwargs)
-    return F.rms_norm(x, self._nest_fx_norm_shape, weight, self._nest_fx_norm_eps)
+    return self._nest_fx_norm_fn(x, self._nest_fx_norm_shape, weight, self._nest_fx_norm_eps)
 
 
-def use_fused_norms(module: nn.Module) -> List[str]:
-    """Swap the forward of every recognised RMSNorm of the model's own code in ``module`` (those
-    whose weight is not a DTensor, i.e. not sharded by tensor parallelism) to ``F.rms_norm``;
-    their names, in ``module``'s order. A module swapped before is left as it is."""
-    swapped = []
+def _swappable(module: nn.Module, kinds: Tuple[str, ...]) -> Iterator[Tuple[str, nn.Module]]:
+    """(name, module) of the norms of ``kinds`` in ``module`` not swapped before and whose weight
+    is not a DTensor (not sharded by tensor parallelism), in ``module``'s order."""
     for name, sub in module.named_modules():
         if "_nest_fx_model_forward" in sub.__dict__ or isinstance(getattr(sub, "weight", None), DTensor):
             continue
-        if rms_norm_kind(sub) != MODEL:
-            continue
+        if rms_norm_kind(sub) in kinds:
+            yield name, sub
+
+
+def _refuse_zero_weights(found: Iterable[Tuple[str, nn.Module]]) -> None:
+    """:class:`ZeroNormWeightError` for the first norm in ``found`` whose weight has zero entries
+    (its output cannot give back its input: ``output_saving_norm.zero_weight_problem``)."""
+    for name, sub in found:
+        problem = zero_weight_problem(name, sub.weight)
+        if problem:
+            raise ZeroNormWeightError(problem)
+
+
+def check_norm_weights(module: nn.Module, norm_kernel: str) -> None:
+    """Under ``memory-efficient``, :class:`ZeroNormWeightError` naming the first norm the swap
+    would take whose weight has zero entries; nothing under the other values. ``prepare`` runs it
+    on the whole model before the first collective. Norms on ``meta`` are not checked: their values
+    arrive later (``weights=``), unchecked."""
+    if (norm_kernel or "") == MEMORY_EFFICIENT:
+        _refuse_zero_weights(_swappable(module, _SWAPS[MEMORY_EFFICIENT][0]))
+
+
+def use_fused_norms(module: nn.Module, norm_kernel: str = "") -> List[str]:
+    """Swap the forward of the recognised RMSNorms in ``module`` whose weight is not a DTensor
+    (not sharded by tensor parallelism); their names, in ``module``'s order. ``norm_kernel`` ''
+    or ``fused``: the model's own code (``MODEL``) to ``F.rms_norm``; ``memory-efficient``: those
+    and ``torch.nn.RMSNorm`` (``NATIVE``) to the output-saving norm, after refusing (a
+    :class:`ZeroNormWeightError` naming the first, nothing swapped) any whose weight has zero
+    entries. A module swapped before is left as it is."""
+    if not swaps_norms(norm_kernel):
+        raise ValueError(f"norm_kernel={norm_kernel!r} swaps no norm (one of {sorted(_SWAPS)})")
+    kinds, fn = _SWAPS[norm_kernel or ""]
+    found = list(_swappable(module, kinds))
+    if (norm_kernel or "") == MEMORY_EFFICIENT:
+        _refuse_zero_weights(found)
+    for _, sub in found:
         sub._nest_fx_model_forward = sub.forward
         sub._nest_fx_norm_shape = tuple(sub.weight.shape)
         sub._nest_fx_norm_eps = module_eps(sub)
+        sub._nest_fx_norm_fn = fn
         sub.forward = types.MethodType(_fused_forward, sub)
-        swapped.append(name)
-    return swapped
+    return [name for name, _ in found]
 
 
 def swaps_norms(norm_kernel: str) -> bool:
-    """Whether a plan with ``norm_kernel`` runs the recognised norms as ``F.rms_norm``."""
-    return (norm_kernel or "") in FUSED_NORM_KERNELS
+    """Whether a plan with ``norm_kernel`` swaps the recognised norms' forward (to ``F.rms_norm``
+    or, ``memory-efficient``, to the output-saving norm)."""
+    return (norm_kernel or "") in _SWAPS

@@ -27,6 +27,7 @@ from nest_fx.apply.agreement import agree
 from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.distributed import init_distributed, job_timeout
 from nest_fx.apply.fingerprint import fingerprint, tensor_specs
+from nest_fx.apply.fused_norms import check_norm_weights
 from nest_fx.apply.losses import token_cross_entropy_problem
 from nest_fx.apply.materialize import LoadedWeights, prepare_weights
 from nest_fx.graph import trace
@@ -269,6 +270,7 @@ def prepare(request: Request) -> Job:
     )
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)  # before the first agreement collective
+    check_norm_weights(model, plan.norm_kernel)  # memory-efficient norms: no zero weight entries
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
     start = weight_start(request)
     settings = agreed_settings(plan, specs, request.global_batch_size, nmb, args, kwargs, loss_fn)

@@ -223,10 +223,10 @@ def sequence_shards_cross(chunk: Chunk, job: Job) -> Tuple[bool, bool]:
 
 def fused_norms(chunk: Chunk, job: Job) -> None:
     """4b. The model's RMSNorms as PyTorch's fused ``F.rms_norm`` (``plan.norm_kernel`` '' or
-    fused; ``fused_norms``), after tensor parallelism: the norms it shards (DTensor weights)
-    keep the model's code."""
+    fused; ``fused_norms``) or as the output-saving norm (``memory-efficient``), after tensor
+    parallelism: the norms it shards (DTensor weights) keep the model's code."""
     if swaps_norms(job.plan.norm_kernel):
-        use_fused_norms(chunk.module)
+        use_fused_norms(chunk.module, job.plan.norm_kernel)
 
 
 def context_parallel(chunk: Chunk, job: Job, cp: Optional[ContextParallel]) -> None:

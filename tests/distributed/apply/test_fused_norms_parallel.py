@@ -7,37 +7,24 @@ only the tail's norm (full sequences) is swapped; norm_kernel=model swaps none."
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply.launch import launch
 from nest_fx.testing import equivalence
 from nest_fx.testing_styles import style_spec
+from norm_helpers import NormCalls
 from parity_helpers import HF_LLAMA, LAUNCH_S, LLAMA, TOL, run
 
 pytestmark = pytest.mark.dist
 STEPS = 3
 
 
-class _Calls(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (F.rms_norm, torch.rms_norm) and torch.is_grad_enabled():  # not the recognizer's probe
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(spec):
     """``equivalence(spec)`` with the number of F.rms_norm calls this rank made (the single-device
     reference runs the model's own code: it makes none)."""
-    calls = _Calls()
+    calls = NormCalls()
     with calls:
         out = equivalence(spec)
-    out["rms_norm_calls"] = calls.count
+    out["rms_norm_calls"] = calls.rms_norm
     return out
 
 

@@ -9,39 +9,13 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
 from nest_fx.apply.compile import compile_problem
 from nest_fx.apply.fused_norms import swaps_norms, use_fused_norms
 from nest_fx.models import build_seeded
 from nest_fx.models.layers import RMSNorm
-
-LLAMA = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
-HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
-
-
-class _Calls(TorchFunctionMode):
-    """Counts the F.rms_norm calls made under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.rms_norm = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (F.rms_norm, torch.rms_norm) and torch.is_grad_enabled():  # not the recognizer's probe
-            self.rms_norm += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _loss_and_grads(model, tokens):
-    model.zero_grad(set_to_none=True)
-    out = model(tokens)
-    logits = out.logits if hasattr(out, "logits") else out
-    loss = logits.float().square().mean()
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+from norm_helpers import HF_LLAMA, LLAMA, NormCalls, loss_and_grads
 
 
 @pytest.mark.parametrize("name", [LLAMA, HF_LLAMA])
@@ -53,10 +27,10 @@ def test_swapped_norms_compute_the_models_loss_and_gradients(name):
     assert list(fused.state_dict()) == list(model.state_dict())
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in model.named_parameters()]
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-    loss, grads = _loss_and_grads(model, tokens)
-    calls = _Calls()
+    loss, grads = loss_and_grads(model, tokens)
+    calls = NormCalls()
     with calls:
-        fused_loss, fused_grads = _loss_and_grads(fused, tokens)
+        fused_loss, fused_grads = loss_and_grads(fused, tokens)
     assert calls.rms_norm == 5
     torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=1e-6)
     for n, g in grads.items():
@@ -72,7 +46,7 @@ def test_mixed_dtypes_run_the_models_code():
     ref = copy.deepcopy(norm)
     assert use_fused_norms(nn.Sequential(norm)) == ["0"]
     x = torch.randn(3, 16).bfloat16()
-    calls = _Calls()
+    calls = NormCalls()
     with calls:
         y = norm(x)
     assert y.dtype == ref(x).dtype == torch.float32 and calls.rms_norm == 0
@@ -89,7 +63,9 @@ def test_only_recognised_norms_are_swapped():
 
 
 def test_norm_kernel_values():
-    assert swaps_norms("") and swaps_norms("fused") and not swaps_norms("model")
+    assert swaps_norms("") and swaps_norms("fused") and swaps_norms("memory-efficient") and not swaps_norms("model")
+    with pytest.raises(ValueError, match="swaps no norm"):
+        use_fused_norms(nn.Sequential(RMSNorm(16)), "model")
 
 
 @pytest.mark.skipif(bool(compile_problem("cpu")), reason="torch.compile has no C++ compiler here")
@@ -100,8 +76,8 @@ def test_compile_traces_the_swapped_forward():
     for block in fused.layers:
         block.compile()
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    loss, grads = _loss_and_grads(model, tokens)
-    fused_loss, fused_grads = _loss_and_grads(fused, tokens)
+    loss, grads = loss_and_grads(model, tokens)
+    fused_loss, fused_grads = loss_and_grads(fused, tokens)
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-6)
     for n, g in grads.items():
         torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-5)
