@@ -24,10 +24,13 @@ each module's nodes, :func:`fused_nodes` and :func:`fused_times` re-price them):
 ``norm_kernel=memory-efficient`` (``apply/fused_norms.py``: nest-fx's own autograd function, as
 apex's ``FusedRMSNorm(memory_efficient=True)`` and Megatron-LM's ``--memory-efficient-layer-norm``
 run it) keeps the norm's output ``y`` and ``rstd`` instead of ``x``: the backward recovers the
-normalised input as ``y / weight``. ``y`` is what the projections reading it save anyway (the
+normalised input as ``y / weight``; nest-fx's backward runs op by op (about 56 bytes per element in
+bf16 against the fused backward's 10: :meth:`NormGroup.output_saving_backward_bytes`), priced so
+under the eager backend. ``y`` is what the projections reading it save anyway (the
 trace charges a tensor to the first node saving it: :attr:`NormGroup.y_saved`), so such a norm
 keeps ``rstd`` alone. It swaps ``torch.nn.RMSNorm`` too, and runs on every device (its forward is
-``F.rms_norm`` under no_grad, its backward its own). Under the ``fused`` backend (predicting systems
+``aten._fused_rms_norm`` on CUDA, the same fp32 formula out of place elsewhere; its backward its
+own). Under the ``fused`` backend (predicting systems
 that run such norms, e.g. Meta's Llama 3 stack) every norm keeps ``rstd`` (and ``y`` where no reader
 saves it) instead of what its region's min cut would keep for it
 (``block_facts.BlockFacts.region_kept_lean``); with ``compile`` it is not run
@@ -56,6 +59,9 @@ from nest_fx.workload.kernels import region_kept_bytes
 RSTD_BYTES = 4  # fp32 reciprocal root mean square, one per row
 FORWARD_FLOPS = 4.0  # per element: square, sum, times rstd, times weight
 BACKWARD_FLOPS = 8.0  # per element: the input gradient's terms and the weight gradient's product and sum
+# kernels of the memory-efficient norm's backward on CUDA (apply/output_saving_norm.py): the upcast,
+# dy * y, its mean, dy * w, y / w, the multiply-subtract, dx, the weight gradient's sum and division
+OUTPUT_SAVING_BACKWARD_KERNELS = 9
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,18 @@ class NormGroup:
     @property
     def rstd_bytes(self) -> float:
         return self.rows * RSTD_BYTES
+
+    def output_saving_backward_bytes(self, share: float) -> float:
+        """Bytes the memory-efficient norm's backward moves as nest-fx runs it
+        (``apply/output_saving_norm.py``: op by op in fp32, :data:`OUTPUT_SAVING_BACKWARD_KERNELS`
+        kernels): per element, with ``e`` the activation width, ``dy`` upcast (``e + 4``, none in
+        fp32), ``dy * y`` (``8 + e``), its row mean (4), ``dy * w`` (8), ``y / w`` (``e + 4``), the
+        fused multiply-subtract (12), ``dx`` written (``4 + e``) and the weight gradient's row sum
+        (4): ``3 e + 44`` plus the upcast, 56 bytes in bf16 where the fused backward moves 10; the
+        weight read and its gradient written."""
+        e = self.x_bytes / self.elements if self.elements else 0.0
+        per_element = 3 * e + 44 + (e + 4 if e < 4 else 0.0)
+        return per_element * self.elements * share + 2 * self.weight_bytes
 
     def output_saving_bytes(self) -> float:
         """What the norm keeps for backward when it keeps its output (``norm_kernel=memory-efficient``):
@@ -193,10 +211,17 @@ def fused_nodes(nodes: List, groups: Sequence[NormGroup], keeps_output: bool = F
 
 
 def fused_times(
-    timing, nodes: Sequence, groups: Sequence[NormGroup], shares: Sequence[float], times: List[Tuple[float, float]]
+    timing,
+    nodes: Sequence,
+    groups: Sequence[NormGroup],
+    shares: Sequence[float],
+    times: List[Tuple[float, float]],
+    output_saving: bool = False,
 ) -> List[Tuple[float, float]]:
     """``times`` (forward, backward per node) with each group's nodes scaled by the analytical
-    model's fused / unfused ratio, forward and backward apart (module docstring)."""
+    model's fused / unfused ratio, forward and backward apart (module docstring).
+    ``output_saving``: the backward is the memory-efficient norm's op-by-op backward
+    (:meth:`NormGroup.output_saving_backward_bytes`), not the fused kernel's."""
     if not groups:
         return times
     out = list(times)
@@ -211,8 +236,11 @@ def fused_times(
             continue
         elements = grp.elements * share
         fwd = timing.op_seconds(FORWARD_FLOPS * elements, grp.forward_bytes(share), False)
-        # two kernels: the input gradient, then the weight gradient (one launch more)
-        bwd = timing.op_seconds(BACKWARD_FLOPS * elements, grp.backward_bytes(share), False) + timing.launch_s
+        if output_saving:
+            moved, launches = grp.output_saving_backward_bytes(share), OUTPUT_SAVING_BACKWARD_KERNELS - 1
+        else:  # two kernels: the input gradient, then the weight gradient (one launch more)
+            moved, launches = grp.backward_bytes(share), 1
+        bwd = timing.op_seconds(BACKWARD_FLOPS * elements, moved, False) + launches * timing.launch_s
         for k in grp.members:
             out[k] = (out[k][0] * fwd / unfused, out[k][1] * bwd / (backward * unfused))
     return out

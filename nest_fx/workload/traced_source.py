@@ -307,10 +307,10 @@ class TracedSource:
         norms = self.fused_norms(block, tp, sp)
         if not norms or self.runtime.backend.fusion >= 1:  # full fusion: every region at its boundary traffic
             return self.runtime.apply(self, block, nodes, times, tp, mbs, sp, cp)
-        # each F.rms_norm the runtime runs: one fused op (fused_norms); a fusing backend realises its
-        # share of the saving left over that (runtime_costs: the eager baseline ``base``)
+        # each F.rms_norm the runtime runs: one fused op (a memory-efficient one: its op-by-op backward; fused_norms);
+        # a fusing backend realises its share of the saving left over that (runtime_costs: the eager baseline ``base``)
         shares = self.node_shares(block, tp, mbs, sp, cp)
-        fused = fused_times(self.timing, nodes, norms, shares, times)
+        fused = fused_times(self.timing, nodes, norms, shares, times, self.runtime.norm_keeps_output)
         if not self.runtime.fuses:
             return self.runtime.apply(self, block, nodes, fused, tp, mbs, sp, cp)
         plain = [self.timing.op_seconds(n.flops * s, n.bytes_moved * s, False) for n, s in zip(nodes, shares)]
