@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
+from nest_fx.apply import fused_norms
 from nest_fx.apply.output_saving_norm import OutputSavingRMSNorm
 
 LLAMA = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
@@ -19,28 +20,43 @@ HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
 
 
 class NormCalls(TorchFunctionMode):
-    """Counts, under it, the ``F.rms_norm`` calls made with autograd on (not the recognizer's
-    probe, which runs without gradients) and the forwards of the output-saving norm
-    (``OutputSavingRMSNorm.forward``, wrapped while the counter is entered)."""
+    """Counts, under it, the ``F.rms_norm`` calls made with autograd on (``rms_norm``; not the
+    recognizer's probe, which runs without gradients), the swapped fused norms' out-of-place
+    formula calls (``out_of_place``: what ``fused_norms.fused_rms_norm`` runs off CUDA instead of
+    ``F.rms_norm``; ``fused`` = both) and the forwards of the output-saving norm
+    (``OutputSavingRMSNorm.forward``). The last two are wrapped while the counter is entered."""
 
     def __init__(self):
         super().__init__()
         self.rms_norm = 0
+        self.out_of_place = 0
         self.output_saving = 0
-        self._forward = None
+        self._forward = self._out_of_place = None
+
+    @property
+    def fused(self) -> int:
+        """The norms run as ``F.rms_norm`` or as its out-of-place formula by the fused swap."""
+        return self.rms_norm + self.out_of_place
 
     def __enter__(self):
         self._forward = forward = OutputSavingRMSNorm.forward
+        self._out_of_place = out_of_place = fused_norms.rms_norm_out_of_place
 
         def counted(ctx, *args):
             self.output_saving += 1
             return forward(ctx, *args)
 
+        def counted_out_of_place(*args, **kwargs):
+            self.out_of_place += 1
+            return out_of_place(*args, **kwargs)
+
         OutputSavingRMSNorm.forward = staticmethod(counted)
+        fused_norms.rms_norm_out_of_place = counted_out_of_place  # fused_rms_norm looks it up per call
         return super().__enter__()
 
     def __exit__(self, *exc):
         OutputSavingRMSNorm.forward = staticmethod(self._forward)
+        fused_norms.rms_norm_out_of_place = self._out_of_place
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
