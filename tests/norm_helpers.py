@@ -1,10 +1,11 @@
 """Shared by the RMSNorm-kernel tests (plan.norm_kernel; nest_fx/apply/fused_norms.py,
-nest_fx/apply/output_saving_norm.py): the tiny Llamas, a counter of the norm calls made, a
-model's loss and gradients, and the bytes autograd saves in a forward."""
+nest_fx/apply/output_saving_norm.py): the tiny Llamas, a counter of the norm calls made (and the
+parity run counting them per rank), a model's loss and gradients, and the bytes autograd saves
+in a forward."""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply import fused_norms
 from nest_fx.apply.output_saving_norm import OutputSavingRMSNorm
+from nest_fx.testing import equivalence
 
 LLAMA = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
 HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
@@ -63,6 +65,26 @@ class NormCalls(TorchFunctionMode):
         if func in (F.rms_norm, torch.rms_norm) and torch.is_grad_enabled():
             self.rms_norm += 1
         return func(*args, **(kwargs or {}))
+
+
+def fused_counted(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``equivalence(spec)`` with the number of fused norm calls this rank made (``rms_norm_calls``:
+    ``F.rms_norm``, off CUDA its out-of-place formula: ``NormCalls.fused``; the single-device
+    reference runs the model's own code: it makes none)."""
+    calls = NormCalls()
+    with calls:
+        out = equivalence(spec)
+    out["rms_norm_calls"] = calls.fused
+    return out
+
+
+def check_fused_calls(results: List[Dict[str, Any]], calls: Optional[int]) -> None:
+    """Every rank of ``fused_counted`` made ``calls`` fused norm calls (None: some)."""
+    for r in results:
+        if calls is None:
+            assert r["rms_norm_calls"] > 0, r["rms_norm_calls"]
+        else:
+            assert r["rms_norm_calls"] == calls, r["rms_norm_calls"]
 
 
 def loss_and_grads(model: nn.Module, tokens: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
