@@ -15,6 +15,8 @@ from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply import fused_norms
 from nest_fx.apply.output_saving_norm import OutputSavingRMSNorm
+from nest_fx.models import build_seeded
+from nest_fx.models.layers import RMSNorm
 from nest_fx.testing import equivalence
 
 LLAMA = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
@@ -67,14 +69,32 @@ class NormCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def build_torch_norm_llama(seed: int = 0) -> Tuple[nn.Module, Any]:
+    """A picklable ``build(seed)`` for ``equivalence``: the zoo :data:`LLAMA` with every RMSNorm
+    replaced by ``torch.nn.RMSNorm`` (not swapped by ``norm_kernel`` ''/fused: it calls
+    ``F.rms_norm`` itself), weights drawn around 1 so the norms' gradients show."""
+    model, cfg = build_seeded(LLAMA, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, RMSNorm):
+            norm = nn.RMSNorm(module.weight.shape[0], eps=module.eps)
+            with torch.no_grad():
+                norm.weight.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, norm)
+    return model, cfg
+
+
 def fused_counted(spec: Dict[str, Any]) -> Dict[str, Any]:
     """``equivalence(spec)`` with the number of fused norm calls this rank made (``rms_norm_calls``:
     ``F.rms_norm``, off CUDA its out-of-place formula: ``NormCalls.fused``; the single-device
-    reference runs the model's own code: it makes none)."""
+    reference runs the model's own code: it makes none unless that is ``torch.nn.RMSNorm``) and of
+    out-of-place ones alone (``out_of_place_calls``)."""
     calls = NormCalls()
     with calls:
         out = equivalence(spec)
     out["rms_norm_calls"] = calls.fused
+    out["out_of_place_calls"] = calls.out_of_place
     return out
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from nest_fx.apply.output_saving_norm import (
     ZeroNormWeightError,
@@ -60,6 +61,26 @@ def fused_rms_norm(
         return F.rms_norm(x, normalized_shape, weight, eps)
     require_last_dim("fused_rms_norm", normalized_shape, x)
     return rms_norm_out_of_place(x, weight, eps)[0]
+
+
+class OutOfPlaceRMSNorms(TorchFunctionMode):
+    """Under it, ``F.rms_norm`` / ``torch.rms_norm`` over the last dimension of a tensor off CUDA
+    (a DTensor's local device included) run :func:`fused_rms_norm`'s out-of-place formula; every
+    other call runs as written. Selective activation checkpointing enters it around the blocks it
+    recomputes off CUDA (``apply/activation_checkpoint.py``): the norms this module does not swap
+    (``torch.nn.RMSNorm``, a norm sharded by sequence parallelism, ``F.rms_norm`` in the model's
+    own forward) would otherwise decompose into in-place ops it refuses."""
+
+    _NAMES = ("input", "normalized_shape", "weight", "eps")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.rms_norm or func is torch.rms_norm:
+            bound = {**dict(zip(self._NAMES, args)), **kwargs}
+            x, shape = bound.get("input"), bound.get("normalized_shape")
+            if isinstance(x, torch.Tensor) and x.device.type != "cuda" and len(shape) == 1 and shape[0] == x.shape[-1]:
+                return rms_norm_out_of_place(x, bound.get("weight"), bound.get("eps"))[0]
+        return func(*args, **kwargs)
 
 
 FUSED_NORM_KERNELS = ("", "fused")  # plan.norm_kernel values that swap the recognised norms to fused_rms_norm

@@ -6,13 +6,18 @@ checkpointing refused them in backward ("Tensor cached during selective activati
 been mutated"); the swapped norms now run its formula out of place there. Each rank's count of
 swapped norm calls shows the recompute re-ran the blocks' norms in backward. CI cell: DP with
 ``recompute=selective``; the others (`-m slow`): op-level policies, a 2-stage pipeline, TP with
-and without sequence parallelism (whose block norms keep the model's code: DTensor inputs)."""
+and without sequence parallelism (whose block norms keep the model's code: DTensor inputs).
+
+The same Llama with ``torch.nn.RMSNorm`` norms (not swapped: ``F.rms_norm`` itself): the
+checkpointed blocks run ``F.rms_norm`` out of place off CUDA (``fused_norms.OutOfPlaceRMSNorms``,
+counted; the final norm, outside the blocks, is ``F.rms_norm``). CI cell:
+DP; `-m slow`: TP + SP, whose norms are DTensors."""
 
 from __future__ import annotations
 
 import pytest
 
-from norm_helpers import LLAMA, check_fused_calls, fused_counted
+from norm_helpers import LLAMA, build_torch_norm_llama, check_fused_calls, fused_counted
 from parity_helpers import run
 
 pytestmark = pytest.mark.dist
@@ -44,3 +49,18 @@ WHOLE = {"microbatch_size": 8}
 )
 def test_fused_norms_under_recompute_keep_parity(plan, calls):
     check_fused_calls(run(2, LLAMA, plan, fn=fused_counted), calls)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"dp": 2, "recompute": "selective", **ONE},
+        pytest.param({"tp": 2, "sequence_parallel": True, "recompute": "selective", **WHOLE}, marks=pytest.mark.slow),
+    ],
+    ids=str,
+)
+def test_torch_rms_norms_under_selective_recompute_keep_parity(plan):
+    results = run(2, "llama with torch.nn.RMSNorm", plan, fn=fused_counted, build=build_torch_norm_llama)
+    # out of place: the blocks' 4 norms per step, again in the recompute (the single-device reference
+    # and the final norm run F.rms_norm)
+    assert [r["out_of_place_calls"] for r in results] == [(4 + 4) * STEPS] * 2
