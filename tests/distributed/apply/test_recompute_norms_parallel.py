@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from norm_helpers import LLAMA, build_torch_norm_llama, check_fused_calls, fused_counted
+from norm_helpers import HF_LLAMA, LLAMA, build_torch_norm_llama, check_fused_calls, fused_counted
 from parity_helpers import run
 
 pytestmark = pytest.mark.dist
@@ -49,6 +49,12 @@ WHOLE = {"microbatch_size": 8}
 )
 def test_fused_norms_under_recompute_keep_parity(plan, calls):
     check_fused_calls(run(2, LLAMA, plan, fn=fused_counted), calls)
+
+
+@pytest.mark.slow
+def test_hf_llama_norms_under_selective_recompute_keep_parity():
+    """HF's LlamaRMSNorm (swapped like the zoo's): 2 blocks x 2 norms + the final norm."""
+    check_fused_calls(run(2, HF_LLAMA, {"dp": 2, "recompute": "selective", **ONE}, fn=fused_counted), RECOMPUTED)
 
 
 @pytest.mark.parametrize(
