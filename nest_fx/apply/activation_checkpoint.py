@@ -23,7 +23,6 @@ import functools
 from typing import Callable, Sequence, Union
 
 import torch
-
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 

@@ -78,7 +78,8 @@ class OutOfPlaceRMSNorms(TorchFunctionMode):
         if func is F.rms_norm or func is torch.rms_norm:
             bound = {**dict(zip(self._NAMES, args)), **kwargs}
             x, shape = bound.get("input"), bound.get("normalized_shape")
-            if isinstance(x, torch.Tensor) and x.device.type != "cuda" and len(shape) == 1 and shape[0] == x.shape[-1]:
+            last_dim = isinstance(shape, (tuple, list)) and len(shape) == 1  # else F.rms_norm's own handling
+            if isinstance(x, torch.Tensor) and x.device.type != "cuda" and last_dim and shape[0] == x.shape[-1]:
                 return rms_norm_out_of_place(x, bound.get("weight"), bound.get("eps"))[0]
         return func(*args, **kwargs)
 

@@ -80,6 +80,8 @@ def test_the_mode_runs_other_calls_as_written():
     calls = NormCalls()
     with calls, OutOfPlaceRMSNorms():
         last = F.rms_norm(x, (16,), w, 1e-6)
+        with pytest.raises(TypeError, match="normalized_shape"):  # torch's own error, not taken by the mode
+            torch.rms_norm(x, 16)
         two = torch.rms_norm(x, [4, 16], None)
         layer = F.layer_norm(x, (16,))
     assert calls.rms_norm == 1  # the norm over two dims only
