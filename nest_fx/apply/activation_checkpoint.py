@@ -8,7 +8,10 @@ them with non-reentrant ``torch.utils.checkpoint``:
 * ``every:<k>``: the same for every k-th block of the stage (``Recompute.recomputed_blocks``);
 * ``selective`` and ``op`` / ``op:<policy>``: the block runs under checkpoint with a
   ``create_selective_checkpoint_contexts`` policy deciding per aten op whether its output is
-  kept (``MUST_SAVE``) or recomputed (``PREFER_RECOMPUTE``).
+  kept (``MUST_SAVE``) or recomputed (``PREFER_RECOMPUTE``). Off CUDA the block runs (and
+  re-runs) under ``fused_norms.OutOfPlaceRMSNorms``: there ``F.rms_norm`` decomposes into ops
+  some of which are in place (``add_``, ``rsqrt_`` on the mean) and selective checkpointing
+  refuses a tensor it cached being mutated.
 
 The block's ``forward`` is replaced on the instance (no wrapper module), so parameter names do
 not change and hooks put on the block by TP/FSDP stay outside the checkpointed region.
@@ -19,9 +22,11 @@ from __future__ import annotations
 import functools
 from typing import Callable, Sequence, Union
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from nest_fx.apply.fused_norms import OutOfPlaceRMSNorms
 from nest_fx.graph.recompute_policies import op_policy_fn, parse_recompute, selective_policy_fn
 
 
@@ -30,6 +35,22 @@ def _context_fn(mode: str, policy) -> Callable:
     if mode == "selective":
         return lambda: create_selective_checkpoint_contexts(selective_policy_fn())
     return lambda: create_selective_checkpoint_contexts(op_policy_fn(policy))
+
+
+def _rms_norms_out_of_place_off_cuda(fn: Callable) -> Callable:
+    """``fn`` run under :class:`OutOfPlaceRMSNorms` unless its first tensor argument is on CUDA
+    (where ``F.rms_norm`` is one kernel: no mode, no per-call cost). The checkpoint re-runs the
+    same function in backward, so the forward and its recompute make the same ops."""
+
+    @functools.wraps(fn)
+    def run(*args, **kw):
+        first = next((a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.device.type == "cuda":
+            return fn(*args, **kw)
+        with OutOfPlaceRMSNorms():
+            return fn(*args, **kw)
+
+    return run
 
 
 def checkpoint_module(module: nn.Module, recompute: str) -> None:
@@ -44,6 +65,7 @@ def checkpoint_module(module: nn.Module, recompute: str) -> None:
     kwargs = {"use_reentrant": False}
     if spec.kind in ("selective", "op"):
         kwargs["context_fn"] = _context_fn(spec.kind, spec.policy)
+        inner = _rms_norms_out_of_place_off_cuda(inner)
 
     @functools.wraps(inner)
     def forward(*args, **kw):

@@ -3,7 +3,7 @@
 A module :func:`nest_fx.graph.rms_norms.rms_norm_kind` recognises as the model's own code for
 ``F.rms_norm`` (HF's ``LlamaRMSNorm``, Meta's reference, the zoo's: fp32 op by op) gets, with
 ``norm_kernel`` '' or ``fused`` (the default), a forward that calls ``F.rms_norm(x, (d,), weight,
-eps)``: one kernel forward and one backward on CUDA (``aten._fused_rms_norm``), keeping the input
+eps)`` (:func:`fused_rms_norm`): one kernel forward and one backward on CUDA (``aten._fused_rms_norm``), keeping the input
 and an fp32 statistic per row for backward instead of fp32 copies. ``norm_kernel=model`` runs the
 model's code as written. ``norm_kernel=memory-efficient`` swaps those and ``torch.nn.RMSNorm``
 modules to the RMSNorm of ``apply/output_saving_norm.py``, which keeps its output instead of its
@@ -11,6 +11,11 @@ input for backward (the output is kept anyway by the projections reading it) and
 whose weight has zero entries (:class:`~nest_fx.apply.output_saving_norm.ZeroNormWeightError`:
 ``check_norm_weights``, run on the whole model before the first collective, and the swap again). Only the forward
 changes: the parameter, its name, the state dict and checkpoints stay the model's.
+
+Off CUDA ``F.rms_norm`` has no fused kernel: it decomposes into ops, some of them in place
+(``add_``, ``rsqrt_`` on the mean), and selective activation checkpointing (``recompute``
+``selective``) refuses a cached tensor mutated later. There the swapped forward runs the same
+fp32 formula out of place (:func:`fused_rms_norm`; equal to ``F.rms_norm`` bitwise on CPU).
 
 The swapped forward runs the model's own forward instead where ``F.rms_norm`` would compute
 something else or where nest-fx shards the norm:
@@ -27,21 +32,63 @@ something else or where nest-fx shards the norm:
 from __future__ import annotations
 
 import types
-from typing import Callable, Dict, Iterable, Iterator, List, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
-from nest_fx.apply.output_saving_norm import ZeroNormWeightError, output_saving_rms_norm, zero_weight_problem
+from nest_fx.apply.output_saving_norm import (
+    ZeroNormWeightError,
+    output_saving_rms_norm,
+    require_last_dim,
+    rms_norm_out_of_place,
+    zero_weight_problem,
+)
 from nest_fx.graph.rms_norms import MODEL, NATIVE, module_eps, rms_norm_kind
 
-FUSED_NORM_KERNELS = ("", "fused")  # plan.norm_kernel values that swap the recognised norms to F.rms_norm
+
+def fused_rms_norm(
+    x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor], eps: Optional[float] = None
+) -> torch.Tensor:
+    """``F.rms_norm(x, normalized_shape, weight, eps)`` over the last dimension: ``F.rms_norm``
+    itself on CUDA (one fused kernel each way), elsewhere the same fp32 formula out of place under
+    autograd (``output_saving_norm.rms_norm_out_of_place``: ``F.rms_norm`` decomposes there into
+    ops some of which are in place, which selective activation checkpointing refuses)."""
+    if x.device.type == "cuda":
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    require_last_dim("fused_rms_norm", normalized_shape, x)
+    return rms_norm_out_of_place(x, weight, eps)[0]
+
+
+class OutOfPlaceRMSNorms(TorchFunctionMode):
+    """Under it, ``F.rms_norm`` / ``torch.rms_norm`` over the last dimension of a tensor off CUDA
+    (a DTensor's local device included) run :func:`fused_rms_norm`'s out-of-place formula; every
+    other call runs as written. Selective activation checkpointing enters it around the blocks it
+    recomputes off CUDA (``apply/activation_checkpoint.py``): the norms this module does not swap
+    (``torch.nn.RMSNorm``, a norm sharded by sequence parallelism, ``F.rms_norm`` in the model's
+    own forward) would otherwise decompose into in-place ops it refuses."""
+
+    _NAMES = ("input", "normalized_shape", "weight", "eps")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.rms_norm or func is torch.rms_norm:
+            bound = {**dict(zip(self._NAMES, args)), **kwargs}
+            x, shape = bound.get("input"), bound.get("normalized_shape")
+            last_dim = isinstance(shape, (tuple, list)) and len(shape) == 1  # else F.rms_norm's own handling
+            if isinstance(x, torch.Tensor) and x.device.type != "cuda" and last_dim and shape[0] == x.shape[-1]:
+                return rms_norm_out_of_place(x, bound.get("weight"), bound.get("eps"))[0]
+        return func(*args, **kwargs)
+
+
+FUSED_NORM_KERNELS = ("", "fused")  # plan.norm_kernel values that swap the recognised norms to fused_rms_norm
 MEMORY_EFFICIENT = "memory-efficient"  # ... to the output-saving RMSNorm (apply/output_saving_norm.py)
 # per swapping norm_kernel: (the rms_norm_kind values swapped, the function the swapped forward calls)
 _SWAPS: Dict[str, Tuple[Tuple[str, ...], Callable]] = {
-    **{k: ((MODEL,), F.rms_norm) for k in FUSED_NORM_KERNELS},
+    **{k: ((MODEL,), fused_rms_norm) for k in FUSED_NORM_KERNELS},
     MEMORY_EFFICIENT: ((MODEL, NATIVE), output_saving_rms_norm),
 }
 

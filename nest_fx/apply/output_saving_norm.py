@@ -45,15 +45,23 @@ class ZeroNormWeightError(ApplyError):
 
 def _rms_norm_and_rstd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float]):
     """(``F.rms_norm(x, (d,), weight, eps)``, its rstd (fp32; fp64 for fp64) shaped ``x.shape[:-1] + (1,)``).
-    On CUDA one kernel, ``aten._fused_rms_norm`` (what ``F.rms_norm`` runs there). Elsewhere
-    ``_fused_rms_norm`` has no kernel and decomposes into ops, some in place (``add_``, ``rsqrt_``
-    on the mean), which selective activation checkpointing refuses ("Tensor cached during
-    selective activation checkpoint has been mutated"); so the same fp32 formula runs out of place
-    (equal to ``F.rms_norm``'s output bitwise on CPU: ``tests/unit/apply/test_output_saving_norm.py``)."""
-    acc = _opmath(x.dtype)
+    On CUDA one kernel, ``aten._fused_rms_norm`` (what ``F.rms_norm`` runs there); elsewhere
+    :func:`rms_norm_out_of_place`."""
     if x.device.type == "cuda":
         y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-        return y, rstd.to(acc).reshape(*x.shape[:-1], 1)
+        return y, rstd.to(_opmath(x.dtype)).reshape(*x.shape[:-1], 1)
+    return rms_norm_out_of_place(x, weight, eps)
+
+
+def rms_norm_out_of_place(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Optional[float] = None):
+    """(``F.rms_norm(x, (d,), weight, eps)``, its rstd shaped ``x.shape[:-1] + (1,)``) computed op
+    by op, out of place, in the opmath dtype (fp32; fp64 for fp64), under autograd when called
+    with it. Off CUDA ``F.rms_norm`` has no fused kernel and decomposes into ops, some in place
+    (``add_``, ``rsqrt_`` on the mean), which selective activation checkpointing refuses ("Tensor
+    cached during selective activation checkpoint has been mutated"); this is the same fp32
+    formula without them (its output equals ``F.rms_norm``'s bitwise on CPU:
+    ``tests/unit/apply/test_output_saving_norm.py``)."""
+    acc = _opmath(x.dtype)
     if eps is None:
         eps = torch.finfo(acc).eps  # F.rms_norm's default: its opmath type's epsilon
     xa = x.to(acc)
@@ -110,12 +118,18 @@ def output_saving_rms_norm(
 ) -> torch.Tensor:
     """``F.rms_norm(x, normalized_shape, weight, eps)`` (the same values) through
     :class:`OutputSavingRMSNorm`; only a normalised shape of the last dimension alone."""
+    require_last_dim("output_saving_rms_norm", normalized_shape, x)
+    return OutputSavingRMSNorm.apply(x, weight, eps)
+
+
+def require_last_dim(fn: str, normalized_shape: Sequence[int], x: torch.Tensor) -> None:
+    """ValueError unless ``normalized_shape`` is ``x``'s last dimension alone (what ``fn``, an
+    RMSNorm of this package, normalises)."""
     if len(normalized_shape) != 1 or int(normalized_shape[0]) != x.shape[-1]:
         raise ValueError(
-            f"output_saving_rms_norm normalises the last dimension only: normalized_shape={tuple(normalized_shape)} "
+            f"{fn} normalises the last dimension only: normalized_shape={tuple(normalized_shape)} "
             f"for an input of shape {tuple(x.shape)}"
         )
-    return OutputSavingRMSNorm.apply(x, weight, eps)
 
 
 def zero_weight_problem(name: str, weight: Optional[torch.Tensor]) -> str:

@@ -9,23 +9,13 @@ from __future__ import annotations
 import pytest
 
 from nest_fx.apply.launch import launch
-from nest_fx.testing import equivalence
 from nest_fx.testing_styles import style_spec
-from norm_helpers import NormCalls
+from norm_helpers import check_fused_calls as _check
+from norm_helpers import fused_counted as _counted
 from parity_helpers import HF_LLAMA, LAUNCH_S, LLAMA, TOL, run
 
 pytestmark = pytest.mark.dist
 STEPS = 3
-
-
-def _counted(spec):
-    """``equivalence(spec)`` with the number of F.rms_norm calls this rank made (the single-device
-    reference runs the model's own code: it makes none)."""
-    calls = NormCalls()
-    with calls:
-        out = equivalence(spec)
-    out["rms_norm_calls"] = calls.rms_norm
-    return out
 
 
 def _style(world: int, name: str, plan: dict):
@@ -53,14 +43,6 @@ SLOW_CELLS = [
     (HF_LLAMA, {"tp": 2, **WHOLE}, 5 * STEPS),
     (HF_LLAMA, {"pp": 2, "num_microbatches": 2, "microbatch_size": 4}, None),
 ]
-
-
-def _check(results, calls):
-    for r in results:
-        if calls is None:
-            assert r["rms_norm_calls"] > 0, r["rms_norm_calls"]
-        else:
-            assert r["rms_norm_calls"] == calls, r["rms_norm_calls"]
 
 
 @pytest.mark.parametrize("model, plan, calls", CELLS, ids=lambda v: str(v))

@@ -1,6 +1,7 @@
 """The runtime's fused RMSNorms (nest_fx/apply/fused_norms.py, plan.norm_kernel): the recognised
-norms run F.rms_norm with the model's own numbers, parameter names and state dict; mixed dtypes
-and calls it cannot take fall back to the model's code; torch.compile traces the swapped forward."""
+norms run F.rms_norm (off CUDA its formula out of place) with the model's own numbers, parameter
+names and state dict; mixed dtypes and calls it cannot take fall back to the model's code;
+selective activation checkpointing and torch.compile take the swapped forward."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
 from nest_fx.apply.compile import compile_problem
-from nest_fx.apply.fused_norms import swaps_norms, use_fused_norms
+from nest_fx.apply.activation_checkpoint import checkpoint_module
+from nest_fx.apply.fused_norms import fused_rms_norm, swaps_norms, use_fused_norms
 from nest_fx.models import build_seeded
 from nest_fx.models.layers import RMSNorm
 from norm_helpers import HF_LLAMA, LLAMA, NormCalls, loss_and_grads
@@ -31,7 +34,7 @@ def test_swapped_norms_compute_the_models_loss_and_gradients(name):
     calls = NormCalls()
     with calls:
         fused_loss, fused_grads = loss_and_grads(fused, tokens)
-    assert calls.rms_norm == 5
+    assert (calls.rms_norm, calls.out_of_place) == (0, 5)  # on CPU: the formula out of place, not F.rms_norm
     torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=1e-6)
     for n, g in grads.items():
         torch.testing.assert_close(fused_grads[n], g, rtol=1e-5, atol=1e-6)
@@ -49,11 +52,50 @@ def test_mixed_dtypes_run_the_models_code():
     calls = NormCalls()
     with calls:
         y = norm(x)
-    assert y.dtype == ref(x).dtype == torch.float32 and calls.rms_norm == 0
+    assert y.dtype == ref(x).dtype == torch.float32 and calls.fused == 0
     torch.testing.assert_close(y, ref(x))
     with calls:
         norm.to(torch.bfloat16)(x)
-    assert calls.rms_norm == 1
+    assert calls.fused == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("eps", [1e-6, None], ids=str)
+def test_fused_rms_norm_is_f_rms_norm_on_cpu(dtype, eps):
+    """Off CUDA the out-of-place formula: F.rms_norm's output bitwise, its gradients to the dtype's
+    rounding (autograd of the same ops in another order)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 16, generator=gen) * 4).to(dtype).requires_grad_()
+    w = (torch.rand(16, generator=gen) + 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(3, 5, 16, generator=gen).to(dtype)
+    y, want = fused_rms_norm(x, (16,), w, eps), F.rms_norm(x, (16,), w, eps)
+    assert y.dtype == want.dtype and torch.equal(y, want)
+    for g, r in zip(torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(want, (x, w), dy)):
+        torch.testing.assert_close(g, r)
+    with pytest.raises(ValueError, match="last dimension only"):
+        fused_rms_norm(x, (5, 16), None, eps)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "op", "full"])
+def test_swapped_norms_under_activation_checkpointing(recompute):
+    """The runtime's recompute policies (activation_checkpoint.checkpoint_module) over blocks with
+    swapped norms give the model's loss and gradients on CPU. Selective checkpointing refuses a
+    cached tensor mutated later: F.rms_norm's CPU decomposition (add_, rsqrt_ on the mean) failed
+    in backward with "Tensor cached during selective activation checkpoint has been mutated"."""
+    model, _ = build_seeded(LLAMA)
+    swapped = copy.deepcopy(model)
+    assert len(use_fused_norms(swapped)) == 5
+    for block in swapped.layers:
+        checkpoint_module(block, recompute)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    loss, grads = loss_and_grads(model, tokens)
+    calls = NormCalls()
+    with calls:
+        got_loss, got_grads = loss_and_grads(swapped, tokens)
+    assert calls.fused == 5 + 4  # the blocks' 4 norms run again in backward
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-6)
+    for n, g in grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=1e-6)
 
 
 def test_only_recognised_norms_are_swapped():
