@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 import re
 import traceback
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -23,13 +24,55 @@ _FX_HINT = (
 )
 
 
+# fx traces an augmented assignment on a tensor (``out += identity``) as ``out = out + identity``:
+# its Proxy has no ``__iadd__``. The graph keeps that out-of-place op (what the cost model and the
+# tensor-parallel flows read), but eager runs ``add_`` on ``out``, which selective activation
+# checkpointing must know of (``graph.recompute_mutations``): the node is marked with this meta key.
+IN_PLACE_META = "nest_fx_in_place"
+_AUGMENTED = {
+    "iadd": operator.add,
+    "isub": operator.sub,
+    "imul": operator.mul,
+    "itruediv": operator.truediv,
+    "ifloordiv": operator.floordiv,
+    "imod": operator.mod,
+    "ipow": operator.pow,
+    "iand": operator.and_,
+    "ior": operator.or_,
+    "ixor": operator.xor,
+    "ilshift": operator.lshift,
+    "irshift": operator.rshift,
+}
+
+
+class _AugmentedProxy(fx.Proxy):
+    """An fx Proxy whose augmented assignments record the out-of-place op marked :data:`IN_PLACE_META`."""
+
+
+def _augmented(fn):
+    def method(self, other):
+        out = self.tracer.create_proxy("call_function", fn, (self, other), {})
+        out.node.meta[IN_PLACE_META] = True
+        return out
+
+    return method
+
+
+for _name, _fn in _AUGMENTED.items():
+    setattr(_AugmentedProxy, f"__{_name}__", _augmented(_fn))
+
+
 class _LeafTracer(fx.Tracer):
-    """fx tracer that also treats user-named module FQNs or classes as leaves."""
+    """fx tracer that also treats user-named module FQNs or classes as leaves, and marks
+    augmented assignments (:data:`IN_PLACE_META`)."""
 
     def __init__(self, leaf_modules: Sequence[Any] = ()):
         super().__init__()
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _AugmentedProxy(node, self)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map
 
 from nest_fx.graph.annotate import annotate
 from nest_fx.graph.blocks import detect_blocks
-from nest_fx.graph.capture import TraceError, capture
+from nest_fx.graph.capture import IN_PLACE_META, TraceError, capture
 from nest_fx.graph.moe_modules import expert_module_paths
 from nest_fx.graph.op_kinds import module_of
 from nest_fx.graph.opgraph import OpGraph
@@ -63,6 +63,7 @@ def trace(
             "static shapes, or give the op a meta/fake kernel"
         ) from exc
     mark_rms_norms(graph, rms_norm_modules(model))
+    mark_augmented_assignments(graph, gm)
     shapes = [list(t.shape) for t in args if isinstance(t, torch.Tensor)]
     shapes += [list(t.shape) for t in kwargs.values() if isinstance(t, torch.Tensor)]
     opgraph = OpGraph(graph, model_name=name or type(model).__name__, method=used, input_shapes=shapes)
@@ -83,6 +84,15 @@ def mark_rms_norms(graph, norms: Dict[str, str]) -> None:
         kind = norms.get(d.get("module", ""))
         if kind:
             d["rms_norm"] = kind
+
+
+def mark_augmented_assignments(graph, gm: torch.fx.GraphModule) -> None:
+    """Tag a node fx recorded for an augmented assignment (``out += x``: ``capture.IN_PLACE_META``)
+    with ``in_place_on`` = the node whose value eager mutates in place (the graph keeps ``out + x``)."""
+    for node in gm.graph.nodes:
+        target = node.args[0] if node.args else None
+        if node.meta.get(IN_PLACE_META) and isinstance(target, torch.fx.Node) and node.name in graph:
+            graph.nodes[node.name]["in_place_on"] = target.name
 
 
 def input_names(model: torch.nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> List[str]:

@@ -10,8 +10,8 @@ module or setting and the fix:
   (``nest_fx.apply.checks`` raises the first);
 * :meth:`MayRun.degree_problem`: one setting's value (``tp``, ``pp``, ``ep``, ``cp``,
   ``sequence_parallel``, ``loss_parallel``) on this model;
-* :meth:`MayRun.allowed`: the values of a degree the planner may search
-  (``nest_fx.solver.runtime_planner.runtime_options``);
+* :meth:`MayRun.allowed`: the values of a degree (or the recompute policies) the planner may
+  search (``nest_fx.solver.runtime_planner.runtime_options``);
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
 * :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from nest_fx.graph.opgraph import OpGraph
+from nest_fx.graph.recompute_mutations import mutated_saved_problem
 from nest_fx.graph.recompute_policies import parse_recompute, recompute_policy_problem
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
@@ -260,8 +261,13 @@ class MayRun:
         ``pp``, ``ep`` (``dp``: the data-parallel degree the fix should also divide), ``cp``,
         ``sequence_parallel`` (``value``: on/off, or the TP degree it runs under), ``tp_pp`` (``value``:
         a TP degree, beside a pipeline cut), ``loss_parallel``
-        (``value``: the last stage's TP degree) and
-        ``num_microbatches`` (forwards per replica and step: BatchNorm statistics)."""
+        (``value``: the last stage's TP degree),
+        ``num_microbatches`` (forwards per replica and step: BatchNorm statistics) and
+        ``recompute`` (a policy: with a traced graph, an op-level policy must save no tensor the
+        model mutates in place: ``graph.recompute_mutations``)."""
+        if name == "recompute":
+            problem = recompute_policy_problem(value)
+            return problem or (mutated_saved_problem(self.graph, value) if self.graph is not None else "")
         s = self.support
         if s is None:
             return ""
@@ -284,8 +290,8 @@ class MayRun:
             return s.microbatch_problem(value)
         return ""
 
-    def allowed(self, name: str, values: Sequence[int]) -> Tuple[int, ...]:
-        """The values of degree ``name`` (of ``values``) that run on this model."""
+    def allowed(self, name: str, values: Sequence) -> Tuple:
+        """The values of degree ``name`` (of ``values``; or of ``recompute``) that run on this model."""
         return tuple(v for v in values if not self.degree_problem(name, v))
 
     def num_experts(self) -> Optional[int]:
@@ -294,7 +300,8 @@ class MayRun:
 
     def model_problems(self, plan: Plan) -> List[str]:
         """Why this model cannot run ``plan``'s degrees: TP of each stage (and sequence
-        parallelism under it), EP, the pipeline cut and TP beside it (with a traced graph)."""
+        parallelism under it), EP, the pipeline cut and TP beside it, and each stage's recompute
+        policy (the last two with a traced graph)."""
         out = [
             p for tp in sorted({s.tp for s in plan.stages if s.tp > 1}) for p in [self.degree_problem("tp", tp)] if p
         ]
@@ -311,6 +318,16 @@ class MayRun:
             if plan.pp > 1:
                 tps = sorted({s.tp for s in plan.stages if s.tp > 1})
                 out += [p for tp in tps for p in [self.degree_problem("tp_pp", tp)] if p][:1]
+            first = {}  # a policy's first stage: one reason per policy
+            for i, stage in enumerate(plan.stages):
+                first.setdefault(stage.recompute, i)
+            out += [
+                f"stages[{i}]: {p}"
+                for value, i in first.items()
+                if not recompute_policy_problem(value)  # unrun_fields names unknown policies
+                for p in [self.degree_problem("recompute", value)]
+                if p
+            ]
         return out
 
     def plan_problems(self, plan: Plan) -> List[str]:
@@ -338,6 +355,10 @@ class MayRun:
             reason = self.degree_problem("loss_parallel", 2)
             if reason:
                 return "fix loss_parallel=true", reason
+        for mode in constraints.recompute or ():
+            reason = self.degree_problem("recompute", mode) if not recompute_policy_problem(mode) else ""
+            if reason:
+                return f"recompute {','.join(constraints.recompute)}", reason
         return None
 
 

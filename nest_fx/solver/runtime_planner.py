@@ -35,7 +35,7 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     question the runtime's checks ask too): TP, EP and CP degrees it accepts, pipelining only
     where the model can be cut into stages (and, with TP, where no cut carries a value TP
     shards), sequence parallelism only where it runs, loss parallelism only where its LM head
-    allows."""
+    allows, recompute policies only where the model mutates in place no tensor they save."""
     runs = may_run(model, graph)
     tps = runs.allowed("tp", options.tp_degrees)
     experts = runs.num_experts()
@@ -55,6 +55,7 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
         ep_degrees=eps,
         max_stages=max_stages,
         cp_degrees=cps,
+        recompute=runs.allowed("recompute", options.recompute),
         loss_parallel=loss_parallel,
         sequence_parallel=options.sequence_parallel
         and not any(runs.degree_problem("sequence_parallel", t) for t in tps or (1,) if t > 1)
