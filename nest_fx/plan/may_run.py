@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from nest_fx.graph.opgraph import OpGraph
-from nest_fx.graph.recompute_mutations import mutated_saved_problem
+from nest_fx.graph.recompute_mutations import recompute_mutation_problem
 from nest_fx.graph.recompute_policies import parse_recompute, recompute_policy_problem
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
@@ -263,11 +263,11 @@ class MayRun:
         a TP degree, beside a pipeline cut), ``loss_parallel``
         (``value``: the last stage's TP degree),
         ``num_microbatches`` (forwards per replica and step: BatchNorm statistics) and
-        ``recompute`` (a policy: with a traced graph, an op-level policy must save no tensor the
-        model mutates in place: ``graph.recompute_mutations``)."""
+        ``recompute`` (a policy: with a traced graph, no in-place op of the model may break it:
+        ``graph.recompute_mutations``)."""
         if name == "recompute":
             problem = recompute_policy_problem(value)
-            return problem or (mutated_saved_problem(self.graph, value) if self.graph is not None else "")
+            return problem or (recompute_mutation_problem(self.graph, value) if self.graph is not None else "")
         s = self.support
         if s is None:
             return ""

@@ -35,7 +35,7 @@ def runtime_options(model: torch.nn.Module, graph, options: SolverOptions) -> So
     question the runtime's checks ask too): TP, EP and CP degrees it accepts, pipelining only
     where the model can be cut into stages (and, with TP, where no cut carries a value TP
     shards), sequence parallelism only where it runs, loss parallelism only where its LM head
-    allows, recompute policies only where the model mutates in place no tensor they save."""
+    allows, recompute policies only where no in-place op of the model breaks them."""
     runs = may_run(model, graph)
     tps = runs.allowed("tp", options.tp_degrees)
     experts = runs.num_experts()

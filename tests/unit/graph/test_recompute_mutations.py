@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from nest_fx.apply.activation_checkpoint import apply_checkpointing
 from nest_fx.graph import trace
-from nest_fx.graph.recompute_mutations import SAC_POLICIES, mutated_saved_problem
+from nest_fx.graph.recompute_mutations import SAC_POLICIES, recompute_mutation_problem
 from nest_fx.models import build_seeded
 from nest_fx.testing_styles import STYLE_MODELS, build_style, image_data, token_data
 
@@ -115,6 +115,26 @@ class ResidualAdd(nn.Module):
         return torch.relu(out)
 
 
+class ScalesItsInput(nn.Module):
+    """``x.mul_(2)`` on the block's own input: every checkpointing policy re-runs it on the mutated tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x) * 1.0
+
+
+class AddsToItsInput(ScalesItsInput):
+    """``x += 1`` on the block's own input (fx traces it out of place)."""
+
+    def forward(self, x):
+        x += 1.0
+        return self.fc(x) * 1.0
+
+
 class Stack(nn.Module):
     """Two copies of ``block`` in a ModuleList (the layer blocks the runtime checkpoints)."""
 
@@ -137,6 +157,8 @@ CASES = {
     "native_rms_norm": (lambda: Stack(NativeRMSNorm), (2, 3, 8)),
     "resnet_basic_block": (lambda: Stack(BasicBlock), (2, 4, 6, 6)),
     "residual_add": (lambda: Stack(ResidualAdd), (2, 3, 8)),
+    "scales_its_input": (lambda: Stack(ScalesItsInput), (2, 3, 8)),
+    "adds_to_its_input": (lambda: Stack(AddsToItsInput), (2, 3, 8)),
 }
 # what torch does (CPU, torch 2.13), measured by run_checkpointed on these models
 CRASHES = {
@@ -148,6 +170,8 @@ CRASHES = {
     "native_rms_norm": set(),
     "resnet_basic_block": {"selective"},
     "residual_add": {"selective"},
+    "scales_its_input": set(POLICIES),
+    "adds_to_its_input": set(POLICIES),
 }
 
 
@@ -155,10 +179,10 @@ def run_checkpointed(model: nn.Module, x: torch.Tensor, graph, recompute: str) -
     """'parity' when training one step with ``recompute`` on the layer blocks gives the gradients of
     the plain model, 'crash' when torch raises, 'wrong' otherwise."""
     ref, ckpt = copy.deepcopy(model), copy.deepcopy(model)
-    ref(x).square().mean().backward()
+    ref(x.clone()).square().mean().backward()
     apply_checkpointing(ckpt, [block.modules for block in graph.layer_blocks], recompute)
     try:
-        ckpt(x).square().mean().backward()
+        ckpt(x.clone()).square().mean().backward()
     except RuntimeError as exc:
         assert "mutated" in str(exc) or "modified by an inplace operation" in str(exc), exc
         return "crash"
@@ -178,7 +202,7 @@ def test_refused_exactly_where_torch_fails(case):
     graph = trace(model, (x,))
     for recompute in POLICIES:
         outcome = run_checkpointed(model, x, graph, recompute)
-        refused = mutated_saved_problem(graph, recompute)
+        refused = recompute_mutation_problem(graph, recompute)
         assert (outcome != "parity") == (recompute in CRASHES[case]), (case, recompute, outcome)
         assert bool(refused) == (outcome != "parity"), (case, recompute, outcome, refused)
 
@@ -196,7 +220,7 @@ def test_message_names_the_module_the_op_the_saver_and_the_fixes():
     torch.manual_seed(0)
     model = Stack(BasicBlock)
     graph = trace(model, (torch.randn(2, 4, 6, 6),))
-    problem = mutated_saved_problem(graph, "selective")
+    problem = recompute_mutation_problem(graph, "selective")
     assert problem.startswith("recompute=selective: module 'layers.0.relu' mutates in place (relu_) the output of ")
     assert "'layers.0.bn1'" in problem and "Tensor cached during selective activation checkpoint" in problem
     assert (
@@ -205,13 +229,25 @@ def test_message_names_the_module_the_op_the_saver_and_the_fixes():
     )
 
 
+def test_input_mutation_is_refused_under_every_checkpointing_policy():
+    torch.manual_seed(0)
+    graph = trace(Stack(AddsToItsInput), (torch.randn(2, 3, 8),))
+    assert recompute_mutation_problem(graph, "none") == ""
+    problem = recompute_mutation_problem(graph, "full")
+    assert problem.startswith(
+        "recompute=full: module 'layers.0' mutates in place (add= (augmented assignment)) a tensor it gets from "
+        "outside its checkpointed block"
+    )
+    assert problem.endswith("fix: recompute none, or make 'layers.0' out of place")
+
+
 def test_augmented_assignment_is_marked_on_the_fx_trace():
     torch.manual_seed(0)
     graph = trace(Stack(ResidualAdd), (torch.randn(2, 3, 8),))
     assert graph.method == "fx"
     marked = {n: d["in_place_on"] for n, d in graph.graph.nodes(data=True) if "in_place_on" in d}
     assert marked == {"add": "layers_0_norm", "add_1": "layers_1_norm"}
-    assert "module 'layers.0' mutates in place (add= (augmented assignment))" in mutated_saved_problem(
+    assert "module 'layers.0' mutates in place (add= (augmented assignment))" in recompute_mutation_problem(
         graph, "selective"
     )
 
@@ -227,7 +263,7 @@ def test_style_models_are_not_refused(name):
     model, _ = build_style(name)
     graph = trace(model, (_style_input(name),))
     assert graph.layer_blocks
-    assert {p: mutated_saved_problem(graph, p) for p in POLICIES} == dict.fromkeys(POLICIES, "")
+    assert {p: recompute_mutation_problem(graph, p) for p in POLICIES} == dict.fromkeys(POLICIES, "")
 
 
 def test_zoo_and_hf_llama_are_not_refused():
@@ -246,4 +282,4 @@ def test_zoo_and_hf_llama_are_not_refused():
     graphs.append(trace(tf.LlamaForCausalLM(config), (torch.randint(0, 128, (2, 32)),)))
     for graph in graphs:
         assert len(graph.layer_blocks) == 2
-        assert {p: mutated_saved_problem(graph, p) for p in POLICIES} == dict.fromkeys(POLICIES, "")
+        assert {p: recompute_mutation_problem(graph, p) for p in POLICIES} == dict.fromkeys(POLICIES, "")
