@@ -15,7 +15,7 @@ from nest_fx.graph import trace
 from nest_fx.plan import uniform_plan
 from nest_fx.plan.constraints import ConstraintError, Constraints
 from nest_fx.plan.may_run import may_run
-from nest_fx.solver.runtime_planner import check_runtime_constraints, runtime_options
+from nest_fx.solver.runtime_planner import check_runtime_constraints, planner_for, runtime_options
 from nest_fx.solver.space import SolverOptions
 
 VOCAB, HIDDEN, SEQ = 64, 16, 8
@@ -85,6 +85,16 @@ def test_planner_never_offers_a_refused_policy():
     assert "op:attention" in offered and "full" in offered
     model, graph = _traced(inplace=False)
     assert runtime_options(model, graph, SolverOptions()).recompute == searched
+
+
+def test_the_planner_plans_with_the_policy_that_runs():
+    """Offered only selective, op:matmuls and op:attention, the planner's plan uses op:attention on the
+    model whose ReLU is in place, and may use any of them on the out-of-place one."""
+    options = SolverOptions(time_budget=10.0, recompute=("selective", "op:matmuls", "op:attention"))
+    model, graph = _traced(inplace=True)
+    plan = planner_for(model, options)(graph, None, 1, 4)
+    assert {s.recompute for s in plan.stages} == {"op:attention"}
+    assert may_run(model, graph).plan_problems(plan) == []
 
 
 def test_constraints_asking_for_a_refused_policy_are_refused_before_planning():
