@@ -9,7 +9,7 @@ module or setting and the fix:
 * :meth:`MayRun.plan_problems`: everything the runtime would refuse in a plan before training
   (``nest_fx.apply.checks`` raises the first);
 * :meth:`MayRun.degree_problem`: one setting's value (``tp``, ``pp``, ``ep``, ``cp``,
-  ``sequence_parallel``, ``loss_parallel``) on this model;
+  ``sequence_parallel``, ``loss_parallel``, ``recompute``) on this model;
 * :meth:`MayRun.allowed`: the values of a degree (or the recompute policies) the planner may
   search (``nest_fx.solver.runtime_planner.runtime_options``);
 * :meth:`MayRun.constraint_problem`: a user's fixed setting the model rules out;
