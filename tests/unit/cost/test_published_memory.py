@@ -97,9 +97,11 @@ def bench():
 
 def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations(bench):
     """m1's binding rank: 8 layers, 141 chunk-microbatches of one layer each, 12 + 4/16 + 6 x 3.25
-    = 31.75 bytes per token per hidden unit / TP 8 (``workload.kernels``): about 70 GiB of
-    activations; the model states and the rest are the other terms, the gradients sharded as
-    Meta's FSDP shards them (``pp_shard_grads``) or, without the setting, held unsharded."""
+    = 31.75 bytes per token per hidden unit / TP 8 with norms keeping their input
+    (``workload.kernels``): about 70 GiB of activations; 4 less (plus two fp32 rstd rows) with the
+    row's memory-efficient norms (``norm_kernel``: about 61 GiB); the model states and the rest are
+    the other terms, the gradients sharded as Meta's FSDP shards them (``pp_shard_grads``) or,
+    without the setting, held unsharded."""
     row = next(r for r in bench.published_rows() if r.key == "m1")
     assert (row.virtual_stages, row.pp, row.tp, row.local_batch) == (8, 16, 8, 32)
     cluster = bench.cluster_of(row)
@@ -113,9 +115,15 @@ def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations
     result = simulate(plan, work, cluster, bench.cost_options(row))
     stage = result.stages[1]
     assert stage.layers[1] - stage.layers[0] == 8
-    per_layer = 31.75 * 8192 * 16384 / 8
+    tokens_h = 8192 * 16384 / 8
+    assert row.norm_kernel == "memory-efficient"
     held = stage.memory["activations"]
-    assert held == pytest.approx(141 * per_layer, rel=0.03)  # + one layer's backward working set
+    assert held == pytest.approx(141 * (31.75 - 4 + 2 * 4 / 16384) * tokens_h, rel=0.03)  # + a backward working set
+    inputs_kept = simulate(bench.published_plan(row, work, norm_kernel=""), work, cluster, bench.cost_options(row))
+    assert inputs_kept.stages[1].memory["activations"] == pytest.approx(141 * 31.75 * tokens_h, rel=0.03)
+    assert inputs_kept.stages[1].memory["activations"] - held == pytest.approx(
+        141 * (4 - 8 / 16384) * tokens_h, rel=1e-6
+    )
     weights = stage.num_params * 2
     assert stage.memory["weights"] == pytest.approx(weights)
     # Meta's FSDP shards the gradients (pp_shard_grads): fp32 shards over DP 64
