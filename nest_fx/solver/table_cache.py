@@ -96,6 +96,7 @@ class TableCache(MemoryFloors):
         self._prefix: Dict[tuple, List[float]] = {}
         self._recompute_floors: Dict[tuple, np.ndarray] = {}
         self._inflight: Dict[tuple, tuple] = {}
+        self._sums: Dict[tuple, Tuple[float, float]] = {}  # per _inflight key: (sum 1 / f_i, max f_i)
         self._reach: Dict[tuple, object] = {}
         self._ordered: Dict[tuple, object] = {}
         self._ranged: Dict[tuple, Dict[tuple, np.ndarray]] = {}  # range_recompute per (variant, modes, states)
@@ -334,24 +335,29 @@ class TableCache(MemoryFloors):
                 affine = self._affine_dp[layout_key] = (
                     len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
                 )
-            sizes = np.array([1.0, 2.0])
+            # each at the sizes d and 2 d (the slope's two points), one number at a time: what
+            # an array [d, 2 d] gives entry by entry, without numpy's per-call overhead on two values
             at = [
-                dp_sync_time(
-                    cluster,
-                    groups,
-                    d * sizes,
-                    e * sizes,
-                    g.dp * g.cp,
-                    g.ep,
-                    zero,
-                    m,
-                    self.options,
-                    0.0,
-                    d * sizes if g.float8 else 0.0,
+                tuple(
+                    float(
+                        dp_sync_time(
+                            cluster,
+                            groups,
+                            d * size,
+                            e * size,
+                            g.dp * g.cp,
+                            g.ep,
+                            zero,
+                            m,
+                            self.options,
+                            0.0,
+                            d * size if g.float8 else 0.0,
+                        )
+                    )
+                    for size in (1.0, 2.0)
                 )
                 for groups in _distinct(layout)[0]
             ]
-            at = [(float(y[0]), float(y[1])) if isinstance(y, np.ndarray) else (float(y), float(y)) for y in at]
             least = min(y0 for y0, _ in at)
             slope = min(y1 - y0 for y0, y1 in at) / (d + e) if affine else 0.0
             hit = self._syncs[key] = (least, slope, affine)
