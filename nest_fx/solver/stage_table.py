@@ -77,9 +77,13 @@ class StageTable(StageBounds):
         modes = self.modes
 
         def per_mode(name: str) -> np.ndarray:  # (M, K): one term of every mode's layer sums
-            return np.stack([np.broadcast_to(getattr(self.terms[r], name), (k,)) for r in modes])
+            values = [getattr(self.terms[r], name) for r in modes]
+            if all(isinstance(x, np.ndarray) and x.shape == (k,) for x in values):
+                return np.stack(values)
+            return np.stack([np.broadcast_to(x, (k,)) for x in values])  # a number: the same for every class
 
         fwd, bwd, rec = (per_mode(name)[:, None, :] for name in ("fwd", "bwd", "recompute"))
+        self._tail_terms = np.stack([bwd[:, 0], rec[:, 0], per_mode("params")])  # (3, M, K): what q_i reads
         comms = {key: np.stack([cache.comms(g, p, r)[key][:, live] for r in modes]) for key in COMM_KEYS}
         exposed = exposed_comms(comms, fwd + bwd + rec, opts)
         work = stage_work(fwd, bwd, rec, exposed["tp"], exposed["ep"], exposed["cp"])
@@ -89,16 +93,9 @@ class StageTable(StageBounds):
             per_mode("act"), rc.out_bytes[live], p, g.virtual_stages, opts, g.tp if g.sequence_parallel else 1
         )
         act_root = per_mode("act_root")
-        held = np.stack(
-            [
-                np.broadcast_to(
-                    inflight.held_activation_bytes(held_act, act_root, g.schedule, i, p, m, g.virtual_stages),
-                    (len(modes), k),
-                )
-                for i in range(p)
-            ],
-            axis=1,
-        )
+        held = np.empty((len(modes), p, k))
+        for i in range(p):
+            held[:, i] = inflight.held_activation_bytes(held_act, act_root, g.schedule, i, p, m, g.virtual_stages)
         mem = stage_memory(
             states,
             estates,
@@ -151,21 +148,20 @@ class StageTable(StageBounds):
                 cache.options,
                 self._units[todo],
                 fp8,
+                cache.collective,
             )
-        out = {}
-        for r in self.modes:
-            terms = self.terms[r]
-            exposed, t_opt = tail_terms(
-                self._sync[i, cols],
-                terms.bwd[cols],
-                terms.recompute[cols],
-                terms.params[cols],
-                g.shard,
-                self.zero,
-                cache.cluster,
-                cache.options,
-                self._tied[i],
-                reduce_spread(self.zero, self.p, self.m),
-            )
-            out[r] = exposed + t_opt
-        return out
+        bwd, recompute, params = self._tail_terms[:, :, cols]  # (M, C) each: every mode at once
+        exposed, t_opt = tail_terms(
+            self._sync[i, cols],
+            bwd,
+            recompute,
+            params,
+            g.shard,
+            self.zero,
+            cache.cluster,
+            cache.options,
+            self._tied[i],
+            reduce_spread(self.zero, self.p, self.m),
+        )
+        q = exposed + t_opt
+        return {r: q[j] for j, r in enumerate(self.modes)}

@@ -13,12 +13,12 @@ builds a table: the recompute memory forces (``forced_recompute``) and one repli
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from nest_fx.cost import memory
-from nest_fx.cost.collectives import group_comm_fn
+from nest_fx.cost.collectives import collective_fn, group_comm_fn
 from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, reduce_spread, tail_terms
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
@@ -101,6 +101,7 @@ class TableCache(MemoryFloors):
         self._ordered: Dict[tuple, object] = {}
         self._ranged: Dict[tuple, Dict[tuple, np.ndarray]] = {}  # range_recompute per (variant, modes, states)
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
+        self._collectives: Dict[tuple, tuple] = {}  # (kind, id(group)) -> (group, its collective_fn)
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
         """``step_time.comm_terms`` of every range class of g's variant under ``mode`` on each
@@ -120,6 +121,18 @@ class TableCache(MemoryFloors):
                 k: np.broadcast_to(np.asarray(v, dtype=float), (p, rc.size)) for k, v in out.items()
             }
         return hit
+
+    def collective(self, kind: str, cluster, group) -> Callable:
+        """``collectives.collective_fn(kind, cluster, group)`` for this cache's cluster, once per
+        rank group object the layouts hold (``dp_sync.dp_sync_time(collective=)``: the memo of
+        ``collective_fn`` is keyed on the whole rank tuple, hashed at each ask)."""
+        if cluster is not self.cluster:
+            return collective_fn(kind, cluster, group)
+        key = (kind, id(group))
+        hit = self._collectives.get(key)
+        if hit is None or hit[0] is not group:  # (the group is held in the entry: its id stays its own)
+            hit = self._collectives[key] = (group, collective_fn(kind, cluster, group))
+        return hit[1]
 
     def modes_for(self, g: GlobalConfig) -> Tuple[str, ...]:
         """The recompute modes g's schedule runs with (``plan.may_run.unrun_schedule``: no
@@ -352,6 +365,7 @@ class TableCache(MemoryFloors):
                             self.options,
                             0.0,
                             d * size if g.float8 else 0.0,
+                            self.collective,
                         )
                     )
                     for size in (1.0, 2.0)
