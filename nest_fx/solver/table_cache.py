@@ -243,15 +243,20 @@ class TableCache(MemoryFloors):
             total = float(terms.fwd + terms.bwd)
             # each collective once ("none": no recompute re-runs one), the least of every mode's
             comms = []
+            # per distinct stage object of the layout (a stage of each): the stages' least is theirs,
+            # each a number (the (p, 1) columns of comm_seconds, entry by entry)
+            _, where = _distinct(self.layout(g, p))
+            rows = sorted({j: i for i, j in reversed(list(enumerate(where)))}.values())
             for d, c in enumerate(rc.costs):
-                per_layer = float(
-                    np.min(
+                per_layer = min(
+                    float(
                         _comm_work(
-                            comm_terms([(c, 1)], "none", lambda x: self.comm_seconds(g, p, x)),
+                            comm_terms([(c, 1)], "none", lambda x, i=i: float(self.comm_seconds(g, p, x)[i, 0])),
                             c.fwd_s + c.bwd_s,
                             self.options,
                         )
                     )
+                    for i in rows
                 )
                 total += int(rc.counts[d]) * per_layer
                 comms.append(per_layer)
