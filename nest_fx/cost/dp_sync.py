@@ -11,7 +11,7 @@ of it stays exposed after the backward, with the optimizer step (``tail_terms``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import Callable, Sequence, Tuple
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from nest_fx.cost.arrays import Count, any_nonzero
 from nest_fx.cost.collectives import collective_fn
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import LayerTerms, StageGroups
+
+# (kind, cluster, group) -> (bytes -> seconds): ``collectives.collective_fn``'s signature
+CollectiveFn = Callable[[str, object, Sequence[int]], Callable[[Count], Count]]
 
 
 def expert_shard_degree(dp: int, dp_shard: int, ep: int, cp: int) -> int:
@@ -65,6 +68,7 @@ def dp_sync_time(
     options: CostOptions,
     units: Count = 1.0,
     fp8_params: Count = 0.0,
+    collective: CollectiveFn = collective_fn,
 ) -> Count:
     """Seconds of gradient (and ZeRO-2/3 parameter) traffic of a stage per step, not yet
     overlapped: dense parameters over its DP x CP group (or, under HSDP, inside the shard group
@@ -72,10 +76,11 @@ def dp_sync_time(
     the runtime's host work per FSDP collective (``options.fsdp_call_overhead``; ``units`` FSDP
     units each run their own). ``dp``: the ranks holding the stage's parameters (dp x cp);
     ``fp8_params``: parameters all-gathered in fp8 (Float8 linears). Arrays of parameter counts
-    give an array."""
+    give an array. ``collective``: ``collectives.collective_fn`` or a memo of it (the solver's,
+    per rank group it holds: the same functions, resolved once)."""
     if dp <= 1:
         return 0.0
-    total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params)
+    total = _sync_volume_time(cluster, groups, dense_params, zero, num_microbatches, options, fp8_params, collective)
     if dp // ep > 1 and any_nonzero(expert_params):
         # under HSDP the experts shard inside the shard group and replicate across (apply/mesh.py)
         experts = dataclasses.replace(
@@ -84,7 +89,9 @@ def dp_sync_time(
             shard=groups.expert_shard,
             replicate=groups.replicate if groups.expert_shard else (),
         )
-        total = total + _sync_volume_time(cluster, experts, expert_params, zero, num_microbatches, options)
+        total = total + _sync_volume_time(
+            cluster, experts, expert_params, zero, num_microbatches, options, collective=collective
+        )
     per_call, per_byte = options.fsdp_call_overhead
     if zero >= 1 and (per_call or per_byte):
         m, pbytes, gbytes = num_microbatches, options.param_bytes, options.reduce_dtype_bytes()
@@ -98,7 +105,14 @@ def dp_sync_time(
 
 
 def _sync_volume_time(
-    cluster, groups: StageGroups, params: Count, zero: int, m: int, options: CostOptions, fp8_params: Count = 0.0
+    cluster,
+    groups: StageGroups,
+    params: Count,
+    zero: int,
+    m: int,
+    options: CostOptions,
+    fp8_params: Count = 0.0,
+    collective: CollectiveFn = collective_fn,
 ) -> Count:
     """Seconds of one stage's gradient (and ZeRO-2/3 parameter) traffic for ``params``
     parameters (a number, or an array of them: ``collective_fn`` takes either) over
@@ -110,16 +124,16 @@ def _sync_volume_time(
     gathered = (params - fp8_params) * pbytes + fp8_params  # Float8 weights travel in 1 byte
     if groups.replicate:  # HSDP: reduce-scatter in the shard group, all-reduce the shard across
         shard = len(groups.shard)
-        rs = collective_fn("reduce_scatter", cluster, groups.shard)(grads)
-        rs = rs + collective_fn("all_reduce", cluster, groups.replicate)(grads / shard)
-        ag = collective_fn("all_gather", cluster, groups.shard)(gathered)
+        rs = collective("reduce_scatter", cluster, groups.shard)(grads)
+        rs = rs + collective("all_reduce", cluster, groups.replicate)(grads / shard)
+        ag = collective("all_gather", cluster, groups.shard)(gathered)
         if zero <= 1:
             return rs + ag
     else:
         if zero <= 1:
-            return collective_fn("all_reduce", cluster, groups.dp)(grads)
-        rs = collective_fn("reduce_scatter", cluster, groups.dp)(grads)
-        ag = collective_fn("all_gather", cluster, groups.dp)(gathered)
+            return collective("all_reduce", cluster, groups.dp)(grads)
+        rs = collective("reduce_scatter", cluster, groups.dp)(grads)
+        ag = collective("all_gather", cluster, groups.dp)(gathered)
     if zero == 2:  # sharded gradients cannot accumulate: one reduce-scatter per microbatch
         return m * rs + ag
     return m * (rs + 2 * ag)  # ZeRO-3 also gathers parameters for each forward and backward

@@ -56,7 +56,8 @@ class MemoryFloors:
     def _forced_recompute(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> float:
         per_param, inflight = self._memory_terms(g, p, m, zero, v)
         params, kept, segments = self._recompute_hull(g)
-        budget = self.capacity * sum(1.0 / f for f in inflight) - per_param * params / max(inflight)
+        share, most = self._inflight_sums(g, p, m, zero, v)
+        budget = self.capacity * share - per_param * params / most
         excess = kept - budget
         seconds = 0.0
         for rate, saved in segments:
@@ -74,6 +75,16 @@ class MemoryFloors:
         hit = self._inflight.get(key)
         if hit is None:
             hit = self._inflight[key] = stage_memory_terms(g, p, m, zero, v, self.options)
+        return hit
+
+    def _inflight_sums(self, g: GlobalConfig, p: int, m: int, zero: int, v: int) -> Tuple[float, float]:
+        """(sum_i 1 / f_i, max_i f_i) of :meth:`_memory_terms`' in-flight microbatches, once per
+        its key (every variant of a pair's memory terms reads them)."""
+        key = (zero, g.shard, p, m, g.schedule, v)
+        hit = self._sums.get(key)
+        if hit is None:
+            inflight = self._memory_terms(g, p, m, zero, v)[1]
+            hit = self._sums[key] = (sum(1.0 / f for f in inflight), max(inflight))
         return hit
 
     def stage_floor(self, g: GlobalConfig, p: int, m: int, v: Optional[int] = None) -> float:
@@ -108,14 +119,15 @@ class MemoryFloors:
         that count, stage i's in-flight microbatches), and what each range's own layers force
         (``ordered_memory.range_recompute``). False proves max_i t_i > cap."""
         zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
-        key = (variant_of(g), zero, g.shard, p, m, g.schedule, v)
+        per_param, inflight = self._memory_terms(g, p, m, zero, v)
+        # what recompute_floors reads: the variant's reach terms, the in-flight counts (shared by
+        # schedules, microbatch counts and factors that give the same ones) and the states per parameter
+        key = (variant_of(g), self.replica(g).modes, per_param, tuple(inflight))
         floors = self._recompute_floors.get(key)
         if floors is None:
-            per_param, inflight = self._memory_terms(g, p, m, zero, v)
             floors = self._recompute_floors[key] = recompute_floors(
                 self._reach_terms(g), inflight, per_param, self.capacity
             )
-        per_param, inflight = self._memory_terms(g, p, m, zero, v)
         ordered, share = self._ordered_memory(g), self.options.allocator_peak_share
         memo = self._ranged.setdefault((variant_of(g), self.modes_for(g), per_param), {})
 

@@ -96,14 +96,15 @@ def _none_full(costs: Sequence[LayerCost]) -> np.ndarray:
     )
 
 
-def _every(terms: OrderedMemory, held: np.ndarray, every: int, kept_none: np.ndarray):
+def _every(terms: OrderedMemory, held: np.ndarray, every: int, kept_none: np.ndarray, blocks=None):
     """(blocks' kept bytes, recompute seconds, one-layer working set) per range of ``held``
     (D, E) under every:<k>: ``stage_terms.recomputed_counts``' blocks under full, the rest under
-    none, as ``compute_terms`` sums them."""
+    none, as ``compute_terms`` sums them. ``blocks``: :func:`_block_counts` of ``held`` when the
+    caller has them (they do not depend on k)."""
     saved, seconds, peak_none, peak_full = terms.full
-    blocks = held[terms.order]  # (B, E)
-    left = np.floor_divide(blocks.sum(axis=0), every)
-    take = np.clip(left[None, :] - (np.cumsum(blocks, axis=0) - blocks), 0.0, blocks)
+    blocks, total, before = _block_counts(terms, held) if blocks is None else blocks
+    left = np.floor_divide(total, every)
+    take = np.clip(left[None, :] - before, 0.0, blocks)
     full = np.zeros_like(held)
     full[terms.order] = take
     kept = kept_none - saved @ full
@@ -112,6 +113,13 @@ def _every(terms: OrderedMemory, held: np.ndarray, every: int, kept_none: np.nda
         np.where(held - full > 0, peak_none[:, None], 0.0).max(axis=0, initial=0.0),
     )
     return kept, seconds @ full, peak
+
+
+def _block_counts(terms: OrderedMemory, held: np.ndarray):
+    """(each block cost's layers per range in ``terms.order`` (B, E), their sum (E,), the blocks
+    before each in that order (B, E)): what :func:`_every` reads for every k."""
+    blocks = held[terms.order]
+    return blocks, blocks.sum(axis=0), np.cumsum(blocks, axis=0) - blocks
 
 
 def range_recompute(
@@ -136,8 +144,9 @@ def range_recompute(
     if not terms.every or not np.any(best > 0):
         return best  # (a mode that re-runs nothing fits every range: every:<k> cannot do better)
     kept_none = terms.none_kept @ held
+    blocks = _block_counts(terms, held)
     for k in terms.every:
-        kept, seconds, peak = _every(terms, held, k, kept_none)
+        kept, seconds, peak = _every(terms, held, k, kept_none, blocks)
         ok = inflight * kept + (1.0 + cache_share) * peak <= room + slack
         best = np.minimum(best, np.where(ok, seconds, math.inf))
     return best

@@ -148,9 +148,11 @@ def replica_terms(
     whole = counts[:, n] - counts[:, 0]
     searched = undominated_modes(costs, costed_modes(workload, variant, modes))
     memo = {} if memo is None else memo
+    # the counts as Python ints: the same sums as numpy's integers give, without numpy scalar arithmetic
+    distinct = list(zip(costs, whole.tolist()))
     for r in searched:
         if (variant, r) not in memo:
-            memo[(variant, r)] = compute_terms(list(zip(costs, whole)), r)
+            memo[(variant, r)] = compute_terms(distinct, r)
     return ReplicaTerms(
         costs=costs,
         counts=whole,
@@ -162,11 +164,11 @@ def replica_terms(
 
 def subset_terms(terms: LayerTerms, idx: np.ndarray) -> LayerTerms:
     """``terms`` with every per-class array indexed by ``idx`` (scalars kept)."""
-    return LayerTerms(
-        **{
-            f.name: getattr(terms, f.name)[idx]
-            if isinstance(getattr(terms, f.name), np.ndarray)
-            else getattr(terms, f.name)
-            for f in fields(LayerTerms)
-        }
-    )
+    values = {}
+    for name in _TERM_FIELDS:
+        value = getattr(terms, name)
+        values[name] = value[idx] if isinstance(value, np.ndarray) else value
+    return LayerTerms(**values)
+
+
+_TERM_FIELDS = tuple(f.name for f in fields(LayerTerms))

@@ -26,7 +26,7 @@ from nest_fx.cost import inflight, memory
 from nest_fx.cost.dp_sync import dp_sync_time, fsdp_units, reduce_spread, tail_terms, tied_sync_time
 from nest_fx.cost.memory import held_per_microbatch, stage_memory
 from nest_fx.cost.results import microbatch_time, stage_work
-from nest_fx.cost.step_time import exposed_comms, held_terms
+from nest_fx.cost.step_time import COMM_KEYS, exposed_comms, held_terms
 from nest_fx.solver.range_classes import subset_terms
 from nest_fx.solver.space import GlobalConfig, objective
 from nest_fx.solver.stage_bounds import INF, SLACK, StageBounds
@@ -72,40 +72,47 @@ class StageTable(StageBounds):
         self._tied = [
             tied_sync_time(cache.cluster, groups, rc.tied, self.zero, g.shard, opts) for groups in cache.layout(g, p)
         ]
-        self.t: Dict[str, np.ndarray] = {}
-        self.s: Dict[str, np.ndarray] = {}
-        self.fits: Dict[str, np.ndarray] = {}
-        for r in self.modes:
-            terms = self.terms[r]
-            comms = {key: v[:, live] for key, v in cache.comms(g, p, r).items()}
-            exposed = exposed_comms(comms, terms.fwd + terms.bwd + terms.recompute, opts)
-            work = stage_work(terms.fwd, terms.bwd, terms.recompute, exposed["tp"], exposed["ep"], exposed["cp"])
-            t, s = np.full((p, k + 1), INF), np.full((p, k + 1), INF)
-            t[:, :k], s[:, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
-            held_act = held_per_microbatch(
-                terms.act, rc.out_bytes[live], p, g.virtual_stages, opts, g.tp if g.sequence_parallel else 1
-            )
-            held = np.array(
-                [
-                    inflight.held_activation_bytes(held_act, terms.act_root, g.schedule, i, p, m, g.virtual_stages)
-                    for i in range(p)
-                ]
-            ).reshape(p, k)
-            mem = stage_memory(
-                states,
-                estates,
-                held,
-                terms.layer_peak,
-                rc.out_bytes[live],
-                gathered[live],
-                unsharded[live],
-                scratch[live],
-                num_microbatches=m,
-                options=opts,
-            )
-            fits = np.zeros((p, k + 1), dtype=bool)
-            fits[:, :k] = mem["total"] <= cache.capacity
-            self.t[r], self.s[r], self.fits[r] = t, s, fits
+        # every recompute mode at once: (M, p, K) arrays, mode first; each entry is the same
+        # elementwise arithmetic one mode's (p, K) table does (a mode's terms are (M, 1, K))
+        modes = self.modes
+
+        def per_mode(name: str) -> np.ndarray:  # (M, K): one term of every mode's layer sums
+            values = [getattr(self.terms[r], name) for r in modes]
+            if all(isinstance(x, np.ndarray) and x.shape == (k,) for x in values):
+                return np.stack(values)
+            return np.stack([np.broadcast_to(x, (k,)) for x in values])  # a number: the same for every class
+
+        fwd, bwd, rec = (per_mode(name)[:, None, :] for name in ("fwd", "bwd", "recompute"))
+        self._tail_terms = np.stack([bwd[:, 0], rec[:, 0], per_mode("params")])  # (3, M, K): what q_i reads
+        comms = {key: np.stack([cache.comms(g, p, r)[key][:, live] for r in modes]) for key in COMM_KEYS}
+        exposed = exposed_comms(comms, fwd + bwd + rec, opts)
+        work = stage_work(fwd, bwd, rec, exposed["tp"], exposed["ep"], exposed["cp"])
+        t, s = np.full((len(modes), p, k + 1), INF), np.full((len(modes), p, k + 1), INF)
+        t[:, :, :k], s[:, :, :k] = microbatch_time(work, p2p, g.virtual_stages, opts.overlap_p2p)
+        held_act = held_per_microbatch(
+            per_mode("act"), rc.out_bytes[live], p, g.virtual_stages, opts, g.tp if g.sequence_parallel else 1
+        )
+        act_root = per_mode("act_root")
+        held = np.empty((len(modes), p, k))
+        for i in range(p):
+            held[:, i] = inflight.held_activation_bytes(held_act, act_root, g.schedule, i, p, m, g.virtual_stages)
+        mem = stage_memory(
+            states,
+            estates,
+            held,
+            per_mode("layer_peak")[:, None, :],
+            rc.out_bytes[live],
+            gathered[live],
+            unsharded[live],
+            scratch[live],
+            num_microbatches=m,
+            options=opts,
+        )
+        fits = np.zeros((len(modes), p, k + 1), dtype=bool)
+        fits[:, :, :k] = mem["total"] <= cache.capacity
+        self.t: Dict[str, np.ndarray] = {r: t[j] for j, r in enumerate(modes)}
+        self.s: Dict[str, np.ndarray] = {r: s[j] for j, r in enumerate(modes)}
+        self.fits: Dict[str, np.ndarray] = {r: fits[j] for j, r in enumerate(modes)}
         self.t_opt = np.append(t_opt[live], INF)
         self.entries = p * k * len(self.modes)
         self._fastest = np.minimum.reduce([self.fitting_times(r) for r in self.modes])
@@ -141,21 +148,20 @@ class StageTable(StageBounds):
                 cache.options,
                 self._units[todo],
                 fp8,
+                cache.collective,
             )
-        out = {}
-        for r in self.modes:
-            terms = self.terms[r]
-            exposed, t_opt = tail_terms(
-                self._sync[i, cols],
-                terms.bwd[cols],
-                terms.recompute[cols],
-                terms.params[cols],
-                g.shard,
-                self.zero,
-                cache.cluster,
-                cache.options,
-                self._tied[i],
-                reduce_spread(self.zero, self.p, self.m),
-            )
-            out[r] = exposed + t_opt
-        return out
+        bwd, recompute, params = self._tail_terms[:, :, cols]  # (M, C) each: every mode at once
+        exposed, t_opt = tail_terms(
+            self._sync[i, cols],
+            bwd,
+            recompute,
+            params,
+            g.shard,
+            self.zero,
+            cache.cluster,
+            cache.options,
+            self._tied[i],
+            reduce_spread(self.zero, self.p, self.m),
+        )
+        q = exposed + t_opt
+        return {r: q[j] for j, r in enumerate(self.modes)}

@@ -13,12 +13,12 @@ builds a table: the recompute memory forces (``forced_recompute``) and one repli
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from nest_fx.cost import memory
-from nest_fx.cost.collectives import group_comm_fn
+from nest_fx.cost.collectives import collective_fn, group_comm_fn
 from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, reduce_spread, tail_terms
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
@@ -96,10 +96,12 @@ class TableCache(MemoryFloors):
         self._prefix: Dict[tuple, List[float]] = {}
         self._recompute_floors: Dict[tuple, np.ndarray] = {}
         self._inflight: Dict[tuple, tuple] = {}
+        self._sums: Dict[tuple, Tuple[float, float]] = {}  # per _inflight key: (sum 1 / f_i, max f_i)
         self._reach: Dict[tuple, object] = {}
         self._ordered: Dict[tuple, object] = {}
         self._ranged: Dict[tuple, Dict[tuple, np.ndarray]] = {}  # range_recompute per (variant, modes, states)
         self._modes_for: Dict[str, Tuple[str, ...]] = {}
+        self._collectives: Dict[tuple, tuple] = {}  # (kind, id(group)) -> (group, its collective_fn)
 
     def comms(self, g: GlobalConfig, p: int, mode: str) -> Dict[str, np.ndarray]:
         """``step_time.comm_terms`` of every range class of g's variant under ``mode`` on each
@@ -119,6 +121,18 @@ class TableCache(MemoryFloors):
                 k: np.broadcast_to(np.asarray(v, dtype=float), (p, rc.size)) for k, v in out.items()
             }
         return hit
+
+    def collective(self, kind: str, cluster, group) -> Callable:
+        """``collectives.collective_fn(kind, cluster, group)`` for this cache's cluster, once per
+        rank group object the layouts hold (``dp_sync.dp_sync_time(collective=)``: the memo of
+        ``collective_fn`` is keyed on the whole rank tuple, hashed at each ask)."""
+        if cluster is not self.cluster:
+            return collective_fn(kind, cluster, group)
+        key = (kind, id(group))
+        hit = self._collectives.get(key)
+        if hit is None or hit[0] is not group:  # (the group is held in the entry: its id stays its own)
+            hit = self._collectives[key] = (group, collective_fn(kind, cluster, group))
+        return hit[1]
 
     def modes_for(self, g: GlobalConfig) -> Tuple[str, ...]:
         """The recompute modes g's schedule runs with (``plan.may_run.unrun_schedule``: no
@@ -229,15 +243,20 @@ class TableCache(MemoryFloors):
             total = float(terms.fwd + terms.bwd)
             # each collective once ("none": no recompute re-runs one), the least of every mode's
             comms = []
+            # per distinct stage object of the layout (a stage of each): the stages' least is theirs,
+            # each a number (the (p, 1) columns of comm_seconds, entry by entry)
+            _, where = _distinct(self.layout(g, p))
+            rows = sorted({j: i for i, j in reversed(list(enumerate(where)))}.values())
             for d, c in enumerate(rc.costs):
-                per_layer = float(
-                    np.min(
+                per_layer = min(
+                    float(
                         _comm_work(
-                            comm_terms([(c, 1)], "none", lambda x: self.comm_seconds(g, p, x)),
+                            comm_terms([(c, 1)], "none", lambda x, i=i: float(self.comm_seconds(g, p, x)[i, 0])),
                             c.fwd_s + c.bwd_s,
                             self.options,
                         )
                     )
+                    for i in rows
                 )
                 total += int(rc.counts[d]) * per_layer
                 comms.append(per_layer)
@@ -334,24 +353,30 @@ class TableCache(MemoryFloors):
                 affine = self._affine_dp[layout_key] = (
                     len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
                 )
-            sizes = np.array([1.0, 2.0])
+            # each at the sizes d and 2 d (the slope's two points), one number at a time: what
+            # an array [d, 2 d] gives entry by entry, without numpy's per-call overhead on two values
             at = [
-                dp_sync_time(
-                    cluster,
-                    groups,
-                    d * sizes,
-                    e * sizes,
-                    g.dp * g.cp,
-                    g.ep,
-                    zero,
-                    m,
-                    self.options,
-                    0.0,
-                    d * sizes if g.float8 else 0.0,
+                tuple(
+                    float(
+                        dp_sync_time(
+                            cluster,
+                            groups,
+                            d * size,
+                            e * size,
+                            g.dp * g.cp,
+                            g.ep,
+                            zero,
+                            m,
+                            self.options,
+                            0.0,
+                            d * size if g.float8 else 0.0,
+                            self.collective,
+                        )
+                    )
+                    for size in (1.0, 2.0)
                 )
                 for groups in _distinct(layout)[0]
             ]
-            at = [(float(y[0]), float(y[1])) if isinstance(y, np.ndarray) else (float(y), float(y)) for y in at]
             least = min(y0 for y0, _ in at)
             slope = min(y1 - y0 for y0, y1 in at) / (d + e) if affine else 0.0
             hit = self._syncs[key] = (least, slope, affine)

@@ -75,19 +75,22 @@ def network_bounds(
     if base is None:
         return [math.inf] * len(factors)
     t_opt, compute, busiest = base
+    # the network-free spans per factor, kept for the pair's next tiers (they do not depend on best)
+    fkey = ("factors", id(cache), g.variant, g.zero, g.pp_shard_grads, g.shard, p, m, g.schedule, tuple(factors))
+    spans = memo.get(fkey)
+    if spans is None:
+        spans = memo[fkey] = _FactorSpans(cache, g, p, m, factors, compute, busiest)
     tail = work = None  # asked of the network only for a factor the cheaper bounds keep
     out = []
-    for v in factors:
-        cheap = pipeline_span(max(compute / p, busiest), compute, m, g.schedule, v)
+    for j, v in enumerate(factors):
+        cheap = spans.cheap[j]
         if (cheap + t_opt) * SLACK >= best:  # without the recompute memory forces (>= 0) either
             out.append(cheap + t_opt)
             continue
-        forced = cache.forced_recompute(g, p, m, v)  # what memory forces every plan of the pair to re-run
+        forced, cheap = spans.forced(j)  # what memory forces every plan of the pair to re-run
         if math.isinf(forced):
             out.append(math.inf)
             continue
-        least = compute + forced  # replica_work's W without collectives
-        cheap = pipeline_span(max(least / p, busiest), least, m, g.schedule, v)
         if (cheap + t_opt) * SLACK >= best or upto == NO_NETWORK:
             out.append(cheap + t_opt)
             continue
@@ -108,6 +111,36 @@ def network_bounds(
             bound = _ordered_stages(cache, g, p, m, v, best, tail, work + forced + sends, max(paced / p, floor), bound)
         out.append(bound)
     return out
+
+
+class _FactorSpans:
+    """What :func:`network_bounds` computes per interleave factor before it asks the network, for
+    one (cache, variant, ZeRO, shard, p, m, schedule, factors): ``cheap[j]``, the span of the
+    layers' compute alone, and :meth:`forced` (the recompute memory forces and the span with it,
+    asked only of the factors whose first bound stays below the incumbent). A pair is asked
+    again at each of its tiers, an interleaved family once per tier for every factor; these do not
+    change in between."""
+
+    def __init__(self, cache: TableCache, g: GlobalConfig, p: int, m: int, factors, compute: float, busiest: float):
+        self.cache, self.g, self.p, self.m, self.factors = cache, g, p, m, factors
+        self.compute, self.busiest = compute, busiest
+        self.cheap = [pipeline_span(max(compute / p, busiest), compute, m, g.schedule, v) for v in factors]
+        self._forced: List[Optional[Tuple[float, float]]] = [None] * len(factors)
+
+    def forced(self, j: int) -> Tuple[float, float]:
+        """(``TableCache.forced_recompute`` at factor j, the span with the layers' compute and it;
+        the span is not computed when the forced recompute is inf)."""
+        hit = self._forced[j]
+        if hit is None:
+            v = self.factors[j]
+            forced = self.cache.forced_recompute(self.g, self.p, self.m, v)
+            if math.isinf(forced):
+                hit = (forced, math.inf)
+            else:
+                least = self.compute + forced  # replica_work's W without collectives
+                hit = (forced, pipeline_span(max(least / self.p, self.busiest), least, self.m, self.g.schedule, v))
+            self._forced[j] = hit
+        return hit
 
 
 def _ordered_stages(

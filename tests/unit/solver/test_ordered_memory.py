@@ -32,7 +32,7 @@ def _ranged(cache, g, p, m):
     per_param, inflight = cache._memory_terms(g, p, m, zero, g.virtual_stages)
     ordered = cache._ordered_memory(g)
     cache.splits_fit(g, p, m, g.virtual_stages, 0.0)  # fills the by-count floors
-    key = next(k for k in cache._recompute_floors if k[3:] == (p, m, g.schedule, g.virtual_stages) and k[1] == zero)
+    key = (g.variant, cache.replica(g).modes, per_param, tuple(inflight))  # TableCache.splits_fit's
 
     def ranged(i, begin, ends):
         share = cache.options.allocator_peak_share
