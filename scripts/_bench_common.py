@@ -85,3 +85,12 @@ def table(rows: Iterable[Sequence[Any]], headers: Sequence[str], **kwargs: Any) 
 def print_table(rows: Iterable[Sequence[Any]], headers: Sequence[str], **kwargs: Any) -> None:
     """Print :func:`table`."""
     print(table(rows, headers, **kwargs))
+
+
+def add_search_case_arguments(ap, models: Sequence[str], clusters: Sequence[str]) -> None:
+    """The planner-search benchmarks' case arguments (``bench_search_time.py``,
+    ``search_trace_digest.py``): models, clusters, device counts and the global batch."""
+    ap.add_argument("--models", nargs="+", default=list(models))
+    ap.add_argument("--clusters", nargs="+", default=list(clusters))
+    ap.add_argument("--devices", nargs="+", type=int, default=[1024, 65536])
+    ap.add_argument("--global-batch", type=int, default=4096)

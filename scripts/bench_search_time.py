@@ -23,15 +23,12 @@ from nest_fx.report.benchmark_case import CLUSTERS, MODELS
 from nest_fx.solver import SolverOptions, solve
 from nest_fx.workload import workload_for_model
 
-from _bench_common import environment_line
+from _bench_common import add_search_case_arguments, environment_line
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=MODELS)
-    ap.add_argument("--clusters", nargs="+", default=CLUSTERS)
-    ap.add_argument("--devices", nargs="+", type=int, default=[1024, 65536])
-    ap.add_argument("--global-batch", type=int, default=4096)
+    add_search_case_arguments(ap, MODELS, CLUSTERS)
     ap.add_argument("--out", default="results/bench_search_time.jsonl")
     ap.add_argument("--before", help="a JSON-lines file of an earlier run: print the side-by-side table")
     args = ap.parse_args()

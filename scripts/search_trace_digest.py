@@ -25,6 +25,8 @@ from nest_fx.report.benchmark_case import CLUSTERS, MODELS
 from nest_fx.solver import SolverOptions
 from nest_fx.workload import workload_for_model
 
+from _bench_common import add_search_case_arguments
+
 
 def _value(x):
     """What a call returned, as text that is equal exactly when the values are (floats by repr)."""
@@ -104,10 +106,7 @@ def compare(a_path: str, b_path: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=MODELS)
-    ap.add_argument("--clusters", nargs="+", default=CLUSTERS)
-    ap.add_argument("--devices", nargs="+", type=int, default=[1024, 65536])
-    ap.add_argument("--global-batch", type=int, default=4096)
+    add_search_case_arguments(ap, MODELS, CLUSTERS)
     ap.add_argument("--out")
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "BRANCH"))
     args = ap.parse_args()

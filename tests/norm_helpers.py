@@ -1,7 +1,8 @@
 """Shared by the RMSNorm-kernel tests (plan.norm_kernel; nest_fx/apply/fused_norms.py,
-nest_fx/apply/output_saving_norm.py): the tiny Llamas, a counter of the norm calls made (and the
-parity run counting them per rank), a model's loss and gradients, and the bytes autograd saves
-in a forward."""
+nest_fx/apply/output_saving_norm.py, nest_fx/workload/fused_norms.py): the tiny Llamas, the
+workload at Llama 3 8B's shape ratios the norm-cost tests price (and a block's norm facts), a
+counter of the norm calls made (and the parity run counting them per rank), a model's loss and
+gradients, and the bytes autograd saves in a forward."""
 
 from __future__ import annotations
 
@@ -17,10 +18,28 @@ from nest_fx.apply import fused_norms
 from nest_fx.apply.output_saving_norm import OutputSavingRMSNorm
 from nest_fx.models import build_seeded
 from nest_fx.models.layers import RMSNorm
+from nest_fx.cluster import load_cluster
 from nest_fx.testing import equivalence
+from nest_fx.workload import workload_for_model
 
 LLAMA = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=128"
 HF_LLAMA = "hf:llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128"
+COST_LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"  # the norm-cost tests' small model
+# Llama 3 8B's shape ratios (ffn 3.5 h, 4 query heads per key/value head), small enough to trace fast
+LLAMA_SHAPED = "llama:hidden=512,layers=2,heads=8,kv=2,ffn=1792,vocab=1024,seq=1024"
+SHAPED_S, SHAPED_H = 1024, 512  # its sequence length and hidden size
+
+
+def shaped_workload():
+    """The workload of :data:`LLAMA_SHAPED` on 8 H100s (bf16)."""
+    return workload_for_model(LLAMA_SHAPED, load_cluster("dgx-h100:8"))
+
+
+def block_norms(work):
+    """(the traced source, its first transformer block, that block's facts) of ``work``."""
+    src = work.source
+    block = next(b for b in src.graph.blocks if b.kind == "block")
+    return src, block, src.facts(block.index)
 
 
 class NormCalls(TorchFunctionMode):

@@ -29,25 +29,20 @@ from nest_fx.workload.types import dims_from_config
 from profiler.recompute_memory import kept_bytes
 from fused_reference import FusedRMSNormFn, full_fusion_block_seconds
 
-LLAMA = "llama:hidden=64,layers=4,heads=4,seq=32,vocab=128"
-# Llama 3 8B's shape ratios (ffn 3.5 h, 4 query heads per key/value head), small enough to trace fast
-LLAMA_SHAPED = "llama:hidden=512,layers=2,heads=8,kv=2,ffn=1792,vocab=1024,seq=1024"
-S, H = 1024, 512
+from norm_helpers import COST_LLAMA as LLAMA
+from norm_helpers import SHAPED_H as H
+from norm_helpers import SHAPED_S as S
+from norm_helpers import block_norms as _norms
+from norm_helpers import shaped_workload
 
 
 @pytest.fixture(scope="module")
 def shaped():
-    return workload_for_model(LLAMA_SHAPED, load_cluster("dgx-h100:8"))
+    return shaped_workload()
 
 
 def _block(work):
     return next(i for i, layer in enumerate(work.layers) if layer.kind == "block")
-
-
-def _norms(work):
-    src = work.source
-    block = next(b for b in src.graph.blocks if b.kind == "block")
-    return src, block, src.facts(block.index)
 
 
 class _ReferenceFusedNorm(RMSNorm):
