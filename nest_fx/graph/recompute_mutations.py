@@ -38,9 +38,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from nest_fx.graph.recompute_policies import LAYER_POLICIES, cost_key, parse_recompute, saved_op_flags
+from nest_fx.graph.rms_norms import NATIVE
 
 SAC_POLICIES: Tuple[str, ...] = tuple(p for p in LAYER_POLICIES if p not in ("none", "full"))
-NATIVE_RMS_NORM = "native"  # graph.rms_norms.NATIVE: a torch.nn.RMSNorm (its forward is F.rms_norm)
 
 
 def _region_of(module: str, regions: Sequence[str]) -> Optional[str]:
@@ -54,7 +54,7 @@ def _region_of(module: str, regions: Sequence[str]) -> Optional[str]:
 def _runs_f_rms_norm(data: dict) -> bool:
     """The node is ``F.rms_norm`` (a functional call, or a ``torch.nn.RMSNorm`` module): the runtime
     runs it without the in-place ops its CPU decomposition traces (module docstring)."""
-    return data.get("op") == "rms_norm" or data.get("rms_norm") == NATIVE_RMS_NORM
+    return data.get("op") == "rms_norm" or data.get("rms_norm") == NATIVE
 
 
 def _where(data: dict, name: str) -> str:

@@ -98,8 +98,8 @@ class TracedSource:
         (``fused_norms``; WorkloadError with compile). The traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
-        if norm_kernel_problem(norm_kernel, backend.name):
-            raise WorkloadError(norm_kernel_problem(norm_kernel, backend.name))
+        if problem := norm_kernel_problem(norm_kernel, backend.name):
+            raise WorkloadError(problem)
         derived.runtime = RuntimeCosts(backend, float8, norm_kernel != "model", norm_kernel == "memory-efficient")
         base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
         derived._plain_timing = base
