@@ -1,6 +1,7 @@
 """The published runs' data for ``bench_published.py``: each row's measurement and configuration
 (``Row``, ``published_rows``), the models they ran (``MODELS``) and the clusters they ran on
-(``grand_teton``: torchtitan's H100 hosts; ``meta_h100``: Meta's Llama 3 cluster).
+(``grand_teton``: torchtitan's H100 hosts; ``meta_h100``: Meta's Llama 3 cluster; the ``dgx-h200``
+preset for Trainy's H200 hosts).
 
 Imported by ``bench_published.py`` (which re-exports these names) and by the tests of the cost
 model's published-run terms; the sources are described in ``bench_published.py``'s docstring.
@@ -21,6 +22,10 @@ except ImportError:  # the cost model before the constant (--before-commit) is c
 
 GiB = 2**30
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)"
+TRAINY_SOURCE = (
+    "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, H200, torchtitan e7c0cae, "
+    "torch 2.8.0a0+5228986c39, June 2025)"
+)
 LLAMA3_SOURCE = "Grattafiori et al. 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B pre-training, H100 80 GB)"
 MODELS = {
     "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
@@ -59,6 +64,9 @@ class Row:
     zero: int = 3
     loss_parallel: Optional[bool] = None  # None: with TP (torchtitan's default)
     pp_shard_grads: bool = False  # pipelined FSDP reduce-scatters every microbatch (Meta's sharded gradients)
+    hardware: str = "grand-teton"  # grand-teton (torchtitan's H100 hosts), meta-h100, or h200 (Trainy's hosts)
+    # torchtitan compiles its loss with --training.compile since PR #1033 (April 2025): the June 2025 rows
+    compiled_loss: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -90,7 +98,9 @@ class Row:
     def attention_kernel(self) -> str:
         """SDPA's attention kernel the row ran: torchtitan's December 2024 runs used a torch nightly
         whose SDPA picked FlashAttention-2 on H100 (cuDNN's attention was opt-in then: pytorch/pytorch
-        PR #138522, issue #142132 on 2.6.0.dev20241204); Meta's fused stack is priced by ``kernels``."""
+        PR #138522, issue #142132 on 2.6.0.dev20241204), and so did Trainy's June 2025 runs on torch
+        2.8.0a0 (cuDNN became SDPA's default on sm90 with PR #162073, September 2025, for 2.9);
+        Meta's fused stack is priced by ``kernels``."""
         return "flash" if self.system == "torchtitan" else ""
 
     @property
@@ -231,6 +241,32 @@ def published_rows() -> List[Row]:
                 async_tp=True,
             )
         )
+    # Trainy's H200 runs (TRAINY_SOURCE): Llama 3.1 8B on 4 and 8 hosts of 8 H200, FSDP over all
+    # GPUs, local batch 2, torch.compile, Float8 tensorwise with the weights all-gathered in fp8
+    # (enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp); what the command
+    # line leaves to torchtitan's llama3_8b.toml: sequence length 8192, selective op-level SAC; the loss
+    # torch.compile'd with the blocks (``--training.compile`` compiles both since torchtitan PR #1033,
+    # April 2025; the December 2024 rows ran it eagerly).
+    # Memory: the max reserved GiB torchtitan logs. Not fitted: held out from every factor.
+    for k, (gpus, tps, mem) in enumerate(((32, 10938, 47.96), (64, 10753, 46.97))):
+        rows.append(
+            Row(
+                f"w{k + 1}",
+                "H200",
+                f"8B {gpus} H200 FSDP + compile + Float8",
+                "8b",
+                gpus,
+                8192,
+                2,
+                tps,
+                mem,
+                fsdp=gpus,
+                compile=True,
+                float8=True,
+                hardware="h200",
+                compiled_loss=True,
+            )
+        )
     # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
     # H100 80 GB (700 W), BF16, TP 8 x CP x PP 16 x DP; batch size per DP replica; TFLOP/s per GPU.
     # Stated there: interleaved pipeline schedule, FSDP sharding optimizer states and gradients
@@ -312,7 +348,11 @@ def meta_h100(gpus: int):
 
 def cluster_of(row: "Row"):
     """The row's cluster."""
-    return meta_h100(row.gpus) if row.system == "llama3" else grand_teton(row.gpus)
+    if row.system == "llama3":
+        return meta_h100(row.gpus)
+    if row.hardware == "h200":
+        return Cluster.preset("dgx-h200", row.gpus)
+    return grand_teton(row.gpus)
 
 
 def grand_teton(gpus: int):

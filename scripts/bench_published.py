@@ -74,14 +74,14 @@ from _bench_common import write_json
 
 # the rows and clusters live in _published_rows.py; tests/unit/cost/test_published_memory.py reads
 # published_rows, cluster_of and MODELS from this module
-from _published_rows import GiB, LLAMA3_SOURCE, MODELS, SOURCE, Row, cluster_of, published_rows
+from _published_rows import GiB, LLAMA3_SOURCE, MODELS, SOURCE, TRAINY_SOURCE, Row, cluster_of, published_rows
 
 
 _WORKLOADS: Dict[tuple, object] = {}
 
 
 def workload(row: Row, cluster):
-    key = (row.model, row.seq, row.system)  # the analytical op times are the system's device's
+    key = (row.model, row.seq, row.system, row.hardware)  # the analytical op times are the device's
     if key not in _WORKLOADS:
         _WORKLOADS[key] = workload_for_model(MODELS[row.model], cluster, seq=row.seq)
     return _WORKLOADS[key]
@@ -111,6 +111,8 @@ def published_plan(row: Row, work, **overrides):
         fields["attention_kernel"] = row.attention_kernel
     if row.norm_kernel and hasattr(Plan, "norm_kernel"):
         fields["norm_kernel"] = row.norm_kernel  # a cost model before the setting priced the model's norm code
+    if row.compiled_loss and hasattr(Plan, "loss_kernel"):
+        fields["loss_kernel"] = "compile"  # a cost model before the setting priced the eager loss
     if row.pp_shard_grads and hasattr(Plan, "pp_shard_grads"):
         fields["pp_shard_grads"] = True  # a cost model before the setting holds the gradients unsharded
     fields.update(overrides)
@@ -248,6 +250,7 @@ def run_planner(row: Row, budget: float) -> dict:
         kernels=row.backend or None,
         attention_kernel=row.attention_kernel or None,
         **({"norm_kernel": row.norm_kernel} if row.norm_kernel else {}),
+        **({"loss_kernel": "compile"} if row.compiled_loss else {}),
     )
     try:
         found = solve(work, cluster, row.global_batch, options)
@@ -306,9 +309,9 @@ def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
 
 def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
     lines = [
-        f"Sources: {SOURCE}; {LLAMA3_SOURCE}. Throughput is tokens/s per GPU (torchtitan) or model TFLOP/s "
-        "per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's figure; Llama 3 publishes none, "
-        "its rows check feasibility). Each row names its kernel backend.",
+        f"Sources: {SOURCE}; {TRAINY_SOURCE} (rows w); {LLAMA3_SOURCE}. Throughput is tokens/s per GPU "
+        "(torchtitan) or model TFLOP/s per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's "
+        "figure; Llama 3 publishes none, its rows check feasibility). Each row names its kernel backend.",
         "",
         "| row | configuration | published | GiB | before | err | before GiB | err | "
         "after | err | after GiB | err | planner tok/s | planner plan |",
@@ -438,7 +441,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     write_json(
         os.path.join(args.out, "bench_published.json"),
         {
-            "source": SOURCE,
+            "source": [SOURCE, TRAINY_SOURCE, LLAMA3_SOURCE],
             "rows": [r.__dict__ for r in rows],
             "before": before,
             "after": after,

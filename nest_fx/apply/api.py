@@ -29,6 +29,7 @@ hold one function each; each calls a module of ``nest_fx.apply`` to do the work)
 8. ``steps.compile_chunk``      torch.compile per block (plan.compile); async TP (plan.async_tp, CUDA)
                                 was switched on for the TP group in step 2
 9. ``steps.shard_data_parallel`` FSDP2 / HSDP (zero>=1; FSDP2's MixedPrecisionPolicy under bf16-mixed)
+   ``steps.compile_loss``       after the chunks: the loss on full logits torch.compile'd (plan.loss_kernel)
    then on the whole stage:
 10. ``steps.materialize_weights`` a model started on ``meta`` (or ``weights=``): each rank's shards
                                 allocated on its device and filled from the file or the model's init
@@ -59,6 +60,7 @@ from nest_fx.apply.prepare import Planner, Request, prepare
 from nest_fx.apply.runtime import ParallelModule
 from nest_fx.apply.steps import (
     compile_chunk,
+    compile_loss,
     context_parallel,
     context_parallel_group,
     expert_parallel,
@@ -168,6 +170,7 @@ def auto_parallelize(
         recompute(chunk, job, layout)  # 7.
         compile_chunk(chunk, job)  # 8.
         shard_data_parallel(chunk, job, layout)  # 9.
+    loss_fn = compile_loss(loss_fn, job)  # 8c. (after every chunk: the loss runs once, on the last stage)
     materialized = materialize_weights(stage, job, layout)  # 10.
     grad_sync = gradient_sync(stage, ties, job, layout)  # 11.
     batching = pipeline_schedule(stage, job, layout, loss_fn, cp)  # 12.

@@ -176,7 +176,12 @@ def check_runtime_options(plan: Plan, model: nn.Module, graph, loss_fn: Optional
     check_context_parallel(plan, model, graph, loss_fn)
     check_loss_parallel(plan, model, graph, loss_fn)
     _raise_first([unrun_kernels(plan.kernels or "", plan.compile), unrun_norm_kernel(plan.norm_kernel, plan.compile)])
-    if plan.compile:
+    if plan.loss_kernel == "compile" and loss_fn is None:
+        raise ApplyError(
+            "loss_kernel=compile compiles loss_fn, but the model computes its own loss (loss_fn=None); fix: "
+            "pass loss_fn (e.g. nest_fx.apply.losses.lm_loss) or set loss_kernel ''"
+        )
+    if plan.compile or plan.loss_kernel == "compile":
         problem = compile_problem(device_type)
         if problem:
             raise ApplyError(problem)

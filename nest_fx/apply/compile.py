@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -81,6 +81,14 @@ def compile_blocks(module: nn.Module, block_names: Sequence[str], backend: Optio
         block = module.get_submodule(name)
         block.forward = _compiled(block.forward, backend)
     return len(block_names)
+
+
+def compiled_loss(loss_fn: Callable, backend: Optional[str] = None) -> Callable:
+    """``loss_fn`` compiled (``plan.loss_kernel=compile``; ``backend``: :func:`compile_backend`
+    when None): inductor fuses a cross entropy into one kernel each way, which keeps the logits
+    instead of fp32 log-probabilities (``nest_fx.workload.loss_terms``). Its inputs are owned as
+    a block's are (module docstring)."""
+    return _compiled(loss_fn, backend or compile_backend())
 
 
 def _compiled(forward, backend: str):

@@ -20,7 +20,7 @@ from nest_fx.apply.agreement import agree
 from nest_fx.apply.allocator import use_costed_segments
 from nest_fx.apply.batchnorm import sync_batchnorm
 from nest_fx.apply.collective_errors import named_collective_failures
-from nest_fx.apply.compile import compile_blocks
+from nest_fx.apply.compile import compile_blocks, compiled_loss
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module, shards_anything
 from nest_fx.apply.distributed import apply_job_timeout
@@ -252,6 +252,14 @@ def compile_chunk(chunk: Chunk, job: Job) -> None:
     """8. ``torch.compile`` per block (``plan.compile``)."""
     if job.plan.compile:
         compile_blocks(chunk.module, chunk.blocks)
+
+
+def compile_loss(loss_fn: Optional[Callable], job: Job) -> Optional[Callable]:
+    """8c. The loss on full logits ``torch.compile``'d (``plan.loss_kernel=compile``); the
+    vocabulary-parallel loss of loss parallelism runs as it is, as the cost model prices it."""
+    if job.plan.loss_kernel != "compile" or loss_fn is None or isinstance(loss_fn, VocabParallelLMLoss):
+        return loss_fn
+    return compiled_loss(loss_fn)
 
 
 def shard_data_parallel(chunk: Chunk, job: Job, layout: ParallelLayout) -> None:

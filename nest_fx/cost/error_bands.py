@@ -47,7 +47,9 @@ BACKEND_BANDS: Dict[str, ErrorBand] = {
     ),
 }
 FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
-    "float8": ErrorBand(0.13, "torchtitan Float8 rows t1.3, t3.3, t2.1 (8B, FSDP, 8K-32K tokens)"),
+    "float8": ErrorBand(
+        0.13, "torchtitan Float8 rows t1.3, t3.3, t2.1, w1, w2 (8B, FSDP, 8K-32K tokens, H100 and H200)"
+    ),
     "cp": ErrorBand(0.52, "torchtitan context-parallel rows t2.2-t2.4 (8B, 64K-262K tokens)"),
     "tp": ErrorBand(0.11, "torchtitan 70B TP rows t4.1, t4.2"),
     "pp": ErrorBand(0.69, "torchtitan 405B pipeline rows t5, t6 and Llama 3 405B rows m1-m3"),

@@ -400,6 +400,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
             plan.kernels,
             plan.attention_kernel,
             plan.norm_kernel,
+            plan.loss_kernel,
         )
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None

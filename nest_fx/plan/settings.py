@@ -31,7 +31,15 @@ from nest_fx.plan.setting import (  # noqa: F401  (re-exported: plan.py, the pla
     add_fields,
     fields_of,
 )
-from nest_fx.plan.vocabulary import ANY_INTERLEAVE, ATTENTION_KERNELS, KERNELS, NORM_KERNELS, PLACEMENTS, PRECISIONS
+from nest_fx.plan.vocabulary import (
+    ANY_INTERLEAVE,
+    ATTENTION_KERNELS,
+    KERNELS,
+    LOSS_KERNELS,
+    NORM_KERNELS,
+    PLACEMENTS,
+    PRECISIONS,
+)
 from nest_fx.plan.vocabulary import SCHEDULES, zero_problem
 from nest_fx.plan.vocabulary import microbatch_size_problem, placement_problem, recompute_problem, schedule_problem
 from nest_fx.plan.run_settings import RUN_OPTIONS
@@ -230,6 +238,21 @@ SETTINGS: Tuple[Setting, ...] = (
         "option",
         values=("",) + NORM_KERNELS,
         flag="--norm-kernel",
+        search=None,
+    ),
+    Setting(
+        "loss_kernel",
+        str,
+        "",
+        "how the runtime runs the loss on full logits: eager (the loss function as given; a token cross "
+        "entropy keeps fp32 log-probabilities and its backward two fp32 logit-sized gradients), compile "
+        "(torch.compile'd, as torchtitan does since April 2025: its fused cross entropy keeps the logits in their "
+        "dtype and its backward writes only their gradient, 12 of 16 bytes per bf16 logit less at the peak); "
+        "'' = eager. Under loss parallelism the vocabulary-parallel loss runs as it is (docs/cost_model.md, "
+        "The loss)",
+        "option",
+        values=("",) + LOSS_KERNELS,
+        flag="--loss-kernel",
         search=None,
     ),
     Setting("seq_len", int, 0, "the sequence length the plan was made for; 0 = not recorded", "record", minimum=0),

@@ -35,6 +35,9 @@ ATTENTION_KERNELS = ("cudnn", "flash")
 # how the runtime runs the RMSNorms F.rms_norm computes (nest_fx.graph.rms_norms): PyTorch's fused op, the
 # model's code, or keeping the norm's output for backward instead of its input (nest_fx.apply.fused_norms)
 NORM_KERNELS = ("fused", "model", "memory-efficient")
+# how the runtime runs the loss on full logits: the loss function as given, or torch.compile'd (its fused
+# cross entropy keeps the logits instead of fp32 log-probabilities; nest_fx.apply.compile.compile_loss)
+LOSS_KERNELS = ("eager", "compile")
 # the CUDA caching allocator's segment modes (costed in nest_fx.cost.allocator, set by apply/allocator.py)
 ALLOCATOR_SEGMENTS = ("expandable", "fixed")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS

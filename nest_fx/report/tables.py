@@ -202,6 +202,7 @@ def plan_summary(plan) -> str:
         + (f" {plan.precision}" if plan.precision else "")
         + (f" kernels={plan.kernels}" if plan.kernels else "")
         + (f" norm_kernel={plan.norm_kernel}" if plan.norm_kernel else "")
+        + (f" loss_kernel={plan.loss_kernel}" if plan.loss_kernel else "")
         + f" {plan.placement}"
         + (f" rc={'/'.join(modes)}" if modes != ["none"] else "")
     )

@@ -120,6 +120,7 @@ def _plan(
         kernels=options.kernels or "",
         attention_kernel=options.attention_kernel or "",
         norm_kernel=options.norm_kernel or "",
+        loss_kernel=options.loss_kernel or "",
         microbatch_size=mbs,
         num_microbatches=m,
         schedule=schedule,

@@ -81,6 +81,7 @@ class SolverOptions:
             self.kernels or "",
             self.attention_kernel or "",
             self.norm_kernel or "",
+            self.loss_kernel or "",
         )
 
     def cp_searched(self, seq_len: int) -> Tuple[int, ...]:
@@ -328,6 +329,7 @@ def in_space(plan, options: SolverOptions, cluster) -> bool:
         and (plan.kernels or "") == (options.kernels or "")
         and (plan.attention_kernel or "") == (options.attention_kernel or "")
         and (plan.norm_kernel or "") == (options.norm_kernel or "")
+        and (plan.loss_kernel or "") == (options.loss_kernel or "")
         and not unrun_combination(
             tp=max(s.tp for s in plan.stages),
             ep=plan.ep,

@@ -58,6 +58,7 @@ class ProfiledSource(TracedSource):
         kernels: str = "",
         attention_kernel: str = "",
         norm_kernel: str = "",
+        loss_kernel: str = "",
     ) -> "ProfiledSource":
         """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only
         (and for the attention kernel that ran when it was taken; ops it did not measure are priced
@@ -70,7 +71,12 @@ class ProfiledSource(TracedSource):
                 "--dtype ...)"
             )
         return super().for_runtime(
-            compile=compile, float8=float8, kernels=kernels, attention_kernel=attention_kernel, norm_kernel=norm_kernel
+            compile=compile,
+            float8=float8,
+            kernels=kernels,
+            attention_kernel=attention_kernel,
+            norm_kernel=norm_kernel,
+            loss_kernel=loss_kernel,
         )
 
     def _local_graph(self, tp: int, mbs: int):

@@ -52,6 +52,8 @@ class RuntimeCosts:
     model_norms_fused: bool = True
     # every unsharded RMSNorm keeps its output, not its input (plan.norm_kernel memory-efficient)
     norm_keeps_output: bool = False
+    # the loss on full logits runs torch.compile'd (plan.loss_kernel compile; workload/loss_terms.py)
+    loss_compiled: bool = False
 
     @property
     def fuses(self) -> bool:

@@ -19,17 +19,12 @@ from nest_fx.graph.context_sites import attention_sites, blocks_without_attentio
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.graph.tp_inputs import ColumnInputs
 from nest_fx.workload.attention_share import window_share
-from nest_fx.workload.block_facts import (
-    LOSS_BACKWARD_COPIES,
-    LOSS_STATE_BYTES,
-    BlockFacts,
-    block_facts,
-    scaled_facts,
-)
+from nest_fx.workload.block_facts import LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
 from nest_fx.workload.block_collectives import vocab_parallel_nodes
 from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times, norm_kernel_problem
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
 from nest_fx.workload.kernels import kernel_backend
+from nest_fx.workload.loss_terms import loss_terms
 from nest_fx.workload.runtime_costs import RuntimeCosts
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload, WorkloadError
 
@@ -87,6 +82,7 @@ class TracedSource:
         kernels: str = "",
         attention_kernel: str = "",
         norm_kernel: str = "",
+        loss_kernel: str = "",
     ) -> "TracedSource":
         """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
         when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
@@ -95,12 +91,15 @@ class TracedSource:
         times the traced bytes (``Workload.for_runtime``); fused attention at the measured rate of
         ``attention_kernel`` (``roofline.SDPA_ATTENTION``); the model's RMSNorms as ``F.rms_norm``
         unless ``norm_kernel`` is ``model``, keeping their output with ``memory-efficient``
-        (``fused_norms``; WorkloadError with compile). The traced facts are shared."""
+        (``fused_norms``; WorkloadError with compile), the loss on full logits torch.compile'd with
+        ``loss_kernel=compile`` (``loss_terms``). The traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
         if problem := norm_kernel_problem(norm_kernel, backend.name):
             raise WorkloadError(problem)
-        derived.runtime = RuntimeCosts(backend, float8, norm_kernel != "model", norm_kernel == "memory-efficient")
+        derived.runtime = RuntimeCosts(
+            backend, float8, norm_kernel != "model", norm_kernel == "memory-efficient", loss_kernel == "compile"
+        )
         base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
         derived._plain_timing = base
         with_kernels = getattr(base, "with_kernels", None)
@@ -184,12 +183,13 @@ class TracedSource:
         params, param_bytes, expert_params, fp8_params = self._params[(block.index, tp, ep)]
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
-        loss_share = tokens / (tp if lp else 1)  # loss parallel: each rank's vocabulary shard
-        if facts.loss_saved:
-            loss_t = self.timing.op_seconds(facts.loss_flops * loss_share, facts.loss_bytes_moved * loss_share, False)
+        # loss parallel: each rank's vocabulary shard, the vocabulary-parallel loss as it is (never compiled)
+        loss = loss_terms(facts, tokens / (tp if lp else 1), self.runtime.loss_compiled and not lp, self.byte_scale)
+        if loss.kept:
+            loss_t = self.timing.op_seconds(loss.flops, loss.bytes_moved, False)
             fwd += loss_t
             bwd += loss_t * self.timing.backward_factor
-            act["none"] += facts.loss_saved * loss_share
+            act["none"] += loss.kept
         comms = self._comms(facts, tp, ep, scale, cp, sp, lp)
         if not facts.recomputed:  # the head and the tail are never checkpointed
             act = dict.fromkeys(LAYER_POLICIES, act["none"])
@@ -205,7 +205,7 @@ class TracedSource:
             out_bytes=facts.out_bytes * scale,
             comms=comms,
             expert_params=expert_params,
-            bwd_scratch=LOSS_BACKWARD_COPIES * facts.loss_saved * loss_share,
+            bwd_scratch=loss.backward_scratch,
             fp8_params=fp8_params,
             tied_params=facts.tied_params,
         )

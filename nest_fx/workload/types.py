@@ -196,11 +196,12 @@ class Workload:
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
-        self._runtime: Dict[Tuple[str, bool, Optional[str], str, str], "Workload"] = {}
+        self._runtime: Dict[Tuple[str, bool, Optional[str], str, str, str], "Workload"] = {}
         self.compile = False  # costed with torch.compile on every block (for_runtime)
         self.kernels = "eager"  # the kernel backend it is costed with (for_runtime; nest_fx.workload.kernels)
         self.attention_kernel = ""  # SDPA's attention kernel it is costed with ('' = the default; for_runtime)
         self.norm_kernel = ""  # how its RMSNorms run: '' = F.rms_norm (fused), "model" = the model's code (for_runtime)
+        self.loss_kernel = ""  # how its loss on full logits runs: '' = as given (eager), "compile" (for_runtime)
         self.float8 = False  # costed with Float8 linears (for_runtime)
         self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
@@ -313,13 +314,15 @@ class Workload:
         kernels: str = "",
         attention_kernel: str = "",
         norm_kernel: str = "",
+        loss_kernel: str = "",
     ) -> "Workload":
         """This chain costed as the runtime runs it: with the kernel backend ``kernels`` (eager,
         compile, fused; '' = compile when ``compile`` is set, else eager:
         ``nest_fx.workload.kernels``), SDPA's fused attention kernel ``attention_kernel`` (cudnn,
         flash; '' = the default: ``roofline.SDPA_ATTENTION``), the model's RMSNorms as PyTorch's fused
         ``F.rms_norm`` (``norm_kernel`` '' or fused), as its own code (``model``) or keeping their
-        output for backward (``memory-efficient``; ``workload/fused_norms.py``), Float8 linears
+        output for backward (``memory-efficient``; ``workload/fused_norms.py``), the loss on full
+        logits as given or torch.compile'd (``loss_kernel`` '' or eager, compile), Float8 linears
         (``docs/cost_model.md``), and computing in
         ``dtype`` ("fp32", "bf16": the device's rate for it, activations of its width; None or a
         workload of unknown dtype: as built); ``self`` when nothing changes. WorkloadError when
@@ -329,12 +332,13 @@ class Workload:
         backend = kernel_backend(kernels, compile).name
         attention = "" if attention_kernel == DEFAULT_ATTENTION_KERNEL else attention_kernel
         norm = "" if norm_kernel in ("", "fused") else norm_kernel
-        now = (self.kernels, self.float8, self.dtype, self.attention_kernel, self.norm_kernel)
-        if (backend, float8, dtype, attention, norm) == now:
+        loss = "" if loss_kernel in ("", "eager") else loss_kernel
+        now = (self.kernels, self.float8, self.dtype, self.attention_kernel, self.norm_kernel, self.loss_kernel)
+        if (backend, float8, dtype, attention, norm, loss) == now:
             return self
         if self.base is not None:
-            return self.base.for_runtime(False, float8, dtype, backend, attention, norm)
-        key = (backend, float8, dtype, attention, norm)
+            return self.base.for_runtime(False, float8, dtype, backend, attention, norm, loss)
+        key = (backend, float8, dtype, attention, norm, loss)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
             named = [
@@ -344,6 +348,7 @@ class Workload:
                     ("float8", float8),
                     ("attention_kernel=" + attention, bool(attention)),
                     ("norm_kernel=" + norm, bool(norm)),
+                    ("loss_kernel=" + loss, bool(loss)),
                 )
                 if on
             ]
@@ -363,6 +368,7 @@ class Workload:
                         "memory-efficient RMSNorms" if norm == "memory-efficient" else "the model's own RMSNorm code",
                         bool(norm),
                     ),
+                    ("the compiled loss", bool(loss)),
                 )
                 if on
             ]
@@ -379,15 +385,18 @@ class Workload:
                     ) from None
                 dims = replace(dims, dtype_bytes=DTYPE_WIDTH[dtype])
                 changes.append(f"in {dtype}")
+            kwargs.update(
+                float8=float8, kernels=backend, attention_kernel=attention, norm_kernel=norm, loss_kernel=loss
+            )
             w = Workload(
                 self.model,
                 self.layers,
                 dims,
-                derive(float8=float8, kernels=backend, attention_kernel=attention, norm_kernel=norm, **kwargs),
+                derive(**kwargs),
                 provenance=f"{self.provenance}; " + " + ".join(changes),
             )
             w.kernels, w.float8, w.dtype, w.base = backend, float8, dtype, self
-            w.attention_kernel, w.norm_kernel = attention, norm
+            w.attention_kernel, w.norm_kernel, w.loss_kernel = attention, norm, loss
             w.compile = backend == "compile"
             self._runtime[key] = w
         return self._runtime[key]

@@ -55,6 +55,7 @@ def test_one_spelling_for_every_setting():
         "kernels",
         "attention_kernel",
         "norm_kernel",
+        "loss_kernel",
         "optimizer",
         "optimizer_kernel",
         "allocator_segments",
@@ -154,6 +155,7 @@ def test_the_planner_options_are_made_from_the_declarations():
         "kernels",
         "attention_kernel",
         "norm_kernel",
+        "loss_kernel",
     }
     assert {s.name for s in SETTINGS if s.search is UNSEARCHED and s.role == "degree"} == {"pp", "dp", "dp_shard"}
     # never searched: costed when the user sets them
