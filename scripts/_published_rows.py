@@ -1,7 +1,7 @@
 """The published runs' data for ``bench_published.py``: each row's measurement and configuration
 (``Row``, ``published_rows``), the models they ran (``MODELS``) and the clusters they ran on
-(``grand_teton``: torchtitan's H100 hosts; ``meta_h100``: Meta's Llama 3 cluster; the ``dgx-h200``
-preset for Trainy's H200 hosts).
+(``grand_teton``: torchtitan's H100 hosts; ``meta_h100``: Meta's Llama 3 cluster; ``trainy_h200``:
+Trainy's H200 hosts).
 
 Imported by ``bench_published.py`` (which re-exports these names) and by the tests of the cost
 model's published-run terms; the sources are described in ``bench_published.py``'s docstring.
@@ -67,6 +67,9 @@ class Row:
     hardware: str = "grand-teton"  # grand-teton (torchtitan's H100 hosts), meta-h100, or h200 (Trainy's hosts)
     # torchtitan compiles its loss with --training.compile since PR #1033 (April 2025): the June 2025 rows
     compiled_loss: bool = False
+    # the CUDA caching allocator's segments (nest_fx.cost.allocator): torchtitan's run_train.sh sets
+    # expandable segments; a run launched with torchrun directly has PyTorch's default, fixed
+    allocator_segments: str = "expandable"
 
     @property
     def global_batch(self) -> int:
@@ -246,7 +249,9 @@ def published_rows() -> List[Row]:
     # (enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp); what the command
     # line leaves to torchtitan's llama3_8b.toml: sequence length 8192, selective op-level SAC; the loss
     # torch.compile'd with the blocks (``--training.compile`` compiles both since torchtitan PR #1033,
-    # April 2025; the December 2024 rows ran it eagerly).
+    # April 2025; the December 2024 rows ran it eagerly). The published command runs torchrun
+    # directly, not torchtitan's run_train.sh, which is what sets expandable segments: PyTorch's default
+    # (fixed) segments are assumed (the environment is not published).
     # Memory: the max reserved GiB torchtitan logs. Not fitted: held out from every factor.
     for k, (gpus, tps, mem) in enumerate(((32, 10938, 47.96), (64, 10753, 46.97))):
         rows.append(
@@ -265,6 +270,7 @@ def published_rows() -> List[Row]:
                 float8=True,
                 hardware="h200",
                 compiled_loss=True,
+                allocator_segments="fixed",
             )
         )
     # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
@@ -350,9 +356,35 @@ def cluster_of(row: "Row"):
     """The row's cluster."""
     if row.system == "llama3":
         return meta_h100(row.gpus)
-    if row.hardware == "h200":
-        return Cluster.preset("dgx-h200", row.gpus)
-    return grand_teton(row.gpus)
+    return trainy_h200(row.gpus) if row.hardware == "h200" else grand_teton(row.gpus)
+
+
+def trainy_h200(gpus: int):
+    """Trainy's hosts (TRAINY_SOURCE): 8 H200 SXM per host on NVLink (NVLink4, at NCCL's
+    ``H100_NVLINK_BUS_BANDWIDTH``), 400 Gb/s (50 GB/s) RDMA per GPU between hosts (ConnectX-7, as
+    ``grand_teton``'s line rate); the H200 SXM datasheet (the H100 SXM's dense peaks, 141 GB HBM3e
+    at 4.8 TB/s; 140 GiB as the dgx-h200 preset reads the card). Written out, not the preset, so
+    that a cost model from before the preset (``--before-commit``) costs the same cluster."""
+    levels = [
+        {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
+        {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
+    ]
+    if gpus > 32:
+        levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
+    return Cluster.from_dict(
+        {
+            "format": "nest-fx-cluster/1",
+            "name": "trainy-h200",
+            "num_devices": gpus,
+            "device": {
+                "name": "H200-SXM-141GB",
+                "memory_bytes": 140 * GiB,
+                "mem_bandwidth": 4.8e12,
+                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+            },
+            "levels": levels,
+        }
+    )
 
 
 def grand_teton(gpus: int):

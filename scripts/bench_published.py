@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Published PyTorch-native training runs against nest-fx's predictions, before and after.
 
-Source of every row: the torchtitan team's H100 benchmark of Llama 3.1 8B / 70B / 405B,
+Source of rows t1-t6: the torchtitan team's H100 benchmark of Llama 3.1 8B / 70B / 405B,
 ``benchmarks/llama3_h100_202412_torchtitan.md`` in github.com/pytorch/torchtitan (torch 1963fc8,
 torchao eab345c, torchtitan 9dec370, December 2024), Tables 1-6: tokens/s per GPU (read at
 iteration 90) and memory in GiB (torchtitan logs the caching allocator's peak *reserved*
@@ -24,6 +24,17 @@ SAC as ``selective``, loss parallel, torch.compile and Float8 dropped); context 
 no such form: the row was not expressible. Then the planner searches the same model, cluster and
 global batch (the same compile / Float8 / AsyncTP options, every device used) and its plan is
 compared with the published one under the same (after) model.
+
+Rows w1, w2 (held out: no factor of the cost model was measured on them): Trainy's Llama 3.1 8B runs
+on 32 and 64 H200 in June 2025, ``benchmarks/llama3_8b_h200_2025-06_torchtitan.md`` in the same
+repository (torch 2.8.0a0+5228986c39, torchtitan e7c0cae; tokens/s per GPU and reserved GiB at
+iteration 100): FSDP over every GPU, local batch 2, torch.compile, Float8 tensorwise with fp8
+all-gathers, as their command line says; sequence length 8192 and op-level SAC from torchtitan's
+``llama3_8b.toml``; the loss compiled with the blocks (``loss_kernel=compile``: torchtitan compiles
+it under ``--training.compile`` since PR #1033, April 2025); PyTorch's default fixed allocator
+segments (their command runs torchrun directly, not ``run_train.sh``, which sets expandable
+segments); SDPA's FlashAttention-2 (cuDNN became SDPA's default on Hopper in torch 2.9, PR #162073);
+their hosts' NVLink and 400 Gb/s per GPU as ``trainy_h200`` writes them.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
@@ -148,8 +159,11 @@ def even_split(work, p: int, lighter_ends: bool = False):
 def cost_options(row: Row):
     """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
     cost model before it had overlap as a switch: on); gradients reduced in fp32 (both systems);
-    Meta's pipeline frees each stage's output after sending it (torchtitan's keeps its shard)."""
+    Meta's pipeline frees each stage's output after sending it (torchtitan's keeps its shard); the
+    allocator's segments the row's launch set (``Row.allocator_segments``)."""
     fields = dict(optimizer="adamw")
+    if "allocator_segments" in CostOptions.__dataclass_fields__:
+        fields["allocator_segments"] = row.allocator_segments  # torchtitan's run_train.sh: expandable
     if "reduce_bytes" in CostOptions.__dataclass_fields__:
         # both systems reduce bf16 gradients in fp32: torchtitan's FSDP2 MixedPrecisionPolicy
         # (mixed_precision_reduce = "float32", its default), Meta's FSDP (Grattafiori et al. 2024,
@@ -434,7 +448,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
         fh.write(
-            "# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100) against nest-fx\n\n"
+            "# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100 and H200; Meta's Llama 3) against nest-fx\n\n"
             "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
             "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n"
         )
