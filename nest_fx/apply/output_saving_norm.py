@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
 
 from nest_fx.apply.checks import ApplyError
 
@@ -132,15 +133,18 @@ def require_last_dim(fn: str, normalized_shape: Sequence[int], x: torch.Tensor) 
         )
 
 
-def zero_weight_problem(name: str, weight: Optional[torch.Tensor]) -> str:
+def zero_weight_problem(name: str, weight: Optional[torch.Tensor], where: str = "") -> str:
     """Why the norm ``name`` cannot keep its output instead of its input ('' when it can): its
-    weight has entries exactly 0. A weight on ``meta`` has no values yet: ''."""
+    weight has entries exactly 0. ``where`` says where the values come from (`` in weights=PATH``);
+    a DTensor is checked on this rank's shard. A weight on ``meta`` has no values yet: ''."""
     if weight is None or weight.is_meta:
         return ""
-    zeros = int((weight.detach() == 0).sum())  # one host sync per norm, once, at the swap
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    zeros = int((local.detach() == 0).sum())  # one host sync per norm, once, before training
     if not zeros:
         return ""
+    of = f"{local.numel()} in this rank's shard" if isinstance(weight, DTensor) else f"{weight.numel()}"
     return (
         f"{name}: norm_kernel=memory-efficient recovers the norm's input from its output divided by the "
-        f"weight, and the weight has zero entries ({zeros} of {weight.numel()}); {FIX}"
+        f"weight, and the weight{where} has zero entries ({zeros} of {of}); {FIX}"
     )
