@@ -63,7 +63,9 @@ def _trains_like(pm, reference) -> None:
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
-def test_a_zero_norm_entry_in_weights_is_refused_before_the_first_collective(single_rank, monkeypatch, tmp_path, device):
+def test_a_zero_norm_entry_in_weights_is_refused_before_the_first_collective(
+    single_rank, monkeypatch, tmp_path, device
+):
     _, path = _safetensors(tmp_path, zero_at=(5, 9))
     model, _ = build_model(LLAMA, device=device)  # on the CPU its own norms are ones: the file's values count
     text = _refused(model, monkeypatch, weights=path)
@@ -80,7 +82,9 @@ def test_the_files_values_are_checked_not_the_models(single_rank, tmp_path):
     model, _ = build_model(LLAMA, device="cpu")
     with torch.no_grad():
         model.get_submodule(NORM).weight[0] = 0.0
-    pm = auto_parallelize(model, TOKENS, global_batch_size=2, loss_fn=lm_loss, plan=_plan(), weights=path, verbose=False)
+    pm = auto_parallelize(
+        model, TOKENS, global_batch_size=2, loss_fn=lm_loss, plan=_plan(), weights=path, verbose=False
+    )
     _trains_like(pm, reference)
 
 
@@ -95,7 +99,9 @@ def test_fused_norms_take_a_file_with_zero_norm_entries(single_rank, tmp_path):
 def test_clean_weights_on_meta_train_to_the_loss_of_the_model_saved(single_rank, tmp_path):
     reference, path = _safetensors(tmp_path)
     model, _ = build_model(LLAMA, device="meta")
-    pm = auto_parallelize(model, TOKENS, global_batch_size=2, loss_fn=lm_loss, plan=_plan(), weights=path, verbose=False)
+    pm = auto_parallelize(
+        model, TOKENS, global_batch_size=2, loss_fn=lm_loss, plan=_plan(), weights=path, verbose=False
+    )
     assert pm.materialized["read"] == len(reference.state_dict())
     _trains_like(pm, reference)
 
