@@ -17,8 +17,10 @@ dy * xhat = (sum over rows of dy * y) / w``. It is not one fused kernel (apex's 
 makes about 8 elementwise passes over the rows where ``F.rms_norm``'s backward makes one.
 
 A weight entry that is exactly 0 makes its output column 0 whatever the input, so ``xhat``
-cannot be recovered there: the runtime refuses such a norm before it swaps it
-(:func:`zero_weight_problem`, :class:`ZeroNormWeightError`). A weight that becomes exactly 0
+cannot be recovered there: the runtime refuses such a norm on every rank, checking the weight
+it starts training from (``apply/norm_weights.py``: the model's, the ``weights=`` file's, the
+initialisation's of a model started on meta, before the first collective; a checkpoint's, after
+the load) with :func:`zero_weight_problem`, :class:`ZeroNormWeightError`. A weight that becomes exactly 0
 during training (an optimizer step landing on 0.0) is not checked on every call (that would be a
 host synchronisation per norm): its backward divides 0 by 0 and the gradients of that norm's
 input and weight turn NaN. nest-fx's training loop has no per-step non-finite check of its own:
