@@ -3,7 +3,8 @@ a safetensors file with a zero entry in a norm weight is refused on both ranks w
 error naming the module and the file, before any collective (no rank waits in one: the launch has
 a timeout), also under a pipeline where only the last stage holds that norm; the same file
 without the zero, read by a model built on meta, trains to the single-device run of the seeded
-model (the parity harness: losses, gradients, parameters to fp32 tolerance)."""
+model (the parity harness: losses, gradients, parameters to fp32 tolerance); a checkpoint holding
+a zero in a norm held by one pipeline stage is refused on both ranks at the load."""
 
 from __future__ import annotations
 
@@ -90,3 +91,37 @@ def test_clean_weights_on_meta_keep_parity_under_zero3(tmp_path):
     run as output-saving norms in each of the 3 steps on both ranks."""
     results = run(2, LLAMA, {"dp": 2, "zero": 3, "microbatch_size": 4, **ME}, fn=_counted, weights=_write(tmp_path))
     assert all(r["output_saving_calls"] == 9 * 3 for r in results), [r["output_saving_calls"] for r in results]
+
+
+def _load_refusal(ckpt: str) -> str:
+    """A PP2 run (no step taken) whose last stage sets 2 entries of the final norm's weight to 0 and
+    saves; then every rank loads that checkpoint: what each raised."""
+    from nest_fx.apply import auto_parallelize
+
+    plan = uniform_plan(BLOCKS, pp=2, num_microbatches=2, microbatch_size=4, **ME)
+    tokens = torch.zeros(8, 32, dtype=torch.long)
+    model, _ = build_seeded(LLAMA)
+    pm = auto_parallelize(model, tokens, global_batch_size=8, loss_fn=lm_loss, plan=plan, verbose=False)
+    params = dict(pm.named_parameters())
+    if "norm.weight" in params:  # the last stage only
+        with torch.no_grad():
+            params["norm.weight"][[2, 40]] = 0.0
+    step_dir = pm.save(ckpt)
+    try:
+        pm.load(ckpt)
+    except ZeroNormWeightError as exc:
+        return f"{step_dir}|{exc}"
+    return "accepted"
+
+
+def test_every_rank_refuses_a_zero_norm_entry_loaded_from_a_checkpoint(tmp_path):
+    """Only the last stage holds the final norm; both ranks raise after the load (one all-gather)."""
+    out = launch(_load_refusal, 2, str(tmp_path / "ckpt"), timeout=120)
+    step_dir = out[0].split("|")[0]
+    messages = [o.split("|", 1)[1] for o in out]
+    own = (
+        "norm: norm_kernel=memory-efficient recovers the norm's input from its output divided by the "
+        f"weight, and the weight loaded from {step_dir} has zero entries (2 of 64)"
+    )
+    assert messages[1].startswith(own), messages
+    assert messages[0].startswith(f"rank 1 failed: ZeroNormWeightError: {own}"), messages
