@@ -125,7 +125,11 @@ def memory_efficient_norms(module: nn.Module, norm_kernel: str) -> List[Tuple[st
     output-saving norm and that have a weight ([] unless ``memory-efficient``), in ``module``'s order."""
     if (norm_kernel or "") != MEMORY_EFFICIENT:
         return []
-    return [(name, sub) for name, sub in _swappable(module, _SWAPS[MEMORY_EFFICIENT][0]) if sub.weight is not None]
+    return [
+        (name, sub)
+        for name, sub in _swappable(module, _SWAPS[MEMORY_EFFICIENT][0])
+        if getattr(sub, "weight", None) is not None
+    ]
 
 
 def check_norm_weights(module: nn.Module, norm_kernel: str) -> None:
