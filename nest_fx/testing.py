@@ -43,7 +43,7 @@ from nest_fx.apply.runtime import model_loss
 from nest_fx.common.errors import NestFxError
 from nest_fx.common.fileio import one_line
 from nest_fx.graph import trace
-from nest_fx.models import build_seeded
+from nest_fx.models import build_model, build_seeded
 from nest_fx.models.build import model_example
 from nest_fx.models.inputs import call_args, make_batch, with_loss_fn
 from nest_fx.plan import Plan, uniform_plan
@@ -318,6 +318,9 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
     ``precision`` (default: the plan's): sets the plan's precision; the single-device reference
     always runs in the parallel plan's precision. ``optimizer`` (a dict of the plan's run options
     ``optimizer``, ``optimizer_kernel``): both sides train with ``build_optimizer`` instead of SGD.
+    ``weights`` (a file of the seeded model's values, e.g. its state dict as safetensors): the
+    parallel run builds the model on ``meta`` and starts from that file (``auto_parallelize(...,
+    weights=)``); the reference is the seeded model.
     ``progress`` (a dict) gets ``phase = "training"`` once ``auto_parallelize`` has returned
     (:func:`coverage_cell` tells a refusal from a crash by it)."""
     model, example, loss_fn, data = _setup(spec)
@@ -330,15 +333,19 @@ def equivalence(spec: Dict[str, Any], progress: Optional[Dict[str, Any]] = None)
     plan = _plan(spec.get("plan"), len(graph.blocks), spec.get("precision"))
     if spec.get("optimizer"):  # {"optimizer": "adamw", "optimizer_kernel": "fused"}: the plan's run options
         plan = dataclasses.replace(plan, constraints=Constraints.from_dict(spec["optimizer"]))
+    if spec.get("weights"):  # the model built on meta takes the values of the weights file
+        model = build_model(spec["model"], device="meta")[0]
+        disable_dropout(model)
     pm = auto_parallelize(
         model,
         args if example is None else _model_inputs(example, data[0][0]),
         global_batch_size=batch,
         loss_fn=loss_fn,
         plan=plan,
-        graph=graph,
+        graph=None if spec.get("weights") else graph,
         verbose=spec.get("verbose", False),
         sync_batchnorm=spec.get("sync_batchnorm", True),
+        weights=spec.get("weights"),
     )
     reference = _reference(reference, graph, pm.plan.precision, pm.plan.float8)  # the planner's, when it chose the plan
     if spec.get("optimizer"):  # the plan's optimizer and implementation, on both sides

@@ -52,6 +52,7 @@ from nest_fx.apply.checkpoint_state import (
     train_state_to_load,
 )
 from nest_fx.apply.collective_errors import named_collective_failures
+from nest_fx.apply.norm_weights import check_loaded_weights
 from nest_fx.common.fileio import one_line
 
 Choice = Tuple[str, Optional[dict], Optional[str]]  # (directory, manifest, why it cannot be loaded)
@@ -166,7 +167,9 @@ def load_checkpoint(
     the sha256 when ``verify``) and the model fingerprint is compared; any failure is a
     :class:`CheckpointError` on every rank. When the newest step directory is incomplete or
     damaged the load is refused naming it and the newest complete one; ``fallback=True`` loads
-    that one instead and says so on every rank. Returns the checkpoint's metadata (``step``,
+    that one instead and says so on every rank. Under ``norm_kernel=memory-efficient`` a loaded
+    norm weight with zero entries is a ``ZeroNormWeightError`` on every rank after the load
+    (``norm_weights.check_loaded_weights``). Returns the checkpoint's metadata (``step``,
     ``directory``, ...).
     """
     root = os.path.abspath(os.fspath(path))
@@ -231,4 +234,5 @@ def load_checkpoint(
     if optimizer is not None:
         install_optimizer_state(target, optimizer, state)
     restore_train_state(target, state, scheduler, data, scaler)
+    check_loaded_weights(target, source)  # memory-efficient norms: no zero weight entries loaded
     return dict(meta, directory=source)

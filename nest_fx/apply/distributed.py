@@ -112,6 +112,12 @@ def apply_job_timeout() -> int:
 _NUMBERED_FOR: list = [None]  # (device order, default group id) of the group init_distributed numbered
 
 
+def rank_device(mesh_device: str) -> torch.device:
+    """The device this rank trains on: its CUDA device (``init_distributed`` set it) when the mesh
+    is on ``cuda``, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if mesh_device == "cuda" else torch.device("cpu")
+
+
 def plan_rank_of(device_order: Optional[Sequence[int]], launched_rank: int) -> int:
     """The plan rank the process launched as global rank ``launched_rank`` plays: r such that
     ``device_order[r] == launched_rank`` (the rank itself without an order)."""

@@ -9,7 +9,8 @@ model's code as written. ``norm_kernel=memory-efficient`` swaps those and ``torc
 modules to the RMSNorm of ``apply/output_saving_norm.py``, which keeps its output instead of its
 input for backward (the output is kept anyway by the projections reading it) and refuses a norm
 whose weight has zero entries (:class:`~nest_fx.apply.output_saving_norm.ZeroNormWeightError`:
-``check_norm_weights``, run on the whole model before the first collective, and the swap again). Only the forward
+the values it starts from are checked on every rank before the first collective,
+``apply/norm_weights.py``; :func:`use_fused_norms` called on its own checks the values it finds). Only the forward
 changes: the parameter, its name, the state dict and checkpoints stay the model's.
 
 Off CUDA ``F.rms_norm`` has no fused kernel: it decomposes into ops, some of them in place
@@ -119,27 +120,47 @@ def _refuse_zero_weights(found: Iterable[Tuple[str, nn.Module]]) -> None:
             raise ZeroNormWeightError(problem)
 
 
+def memory_efficient_norms(module: nn.Module, norm_kernel: str) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of the norms in ``module`` that ``norm_kernel`` would swap to the
+    output-saving norm and that have a weight ([] unless ``memory-efficient``), in ``module``'s order."""
+    if (norm_kernel or "") != MEMORY_EFFICIENT:
+        return []
+    return [
+        (name, sub)
+        for name, sub in _swappable(module, _SWAPS[MEMORY_EFFICIENT][0])
+        if getattr(sub, "weight", None) is not None
+    ]
+
+
 def check_norm_weights(module: nn.Module, norm_kernel: str) -> None:
     """Under ``memory-efficient``, :class:`ZeroNormWeightError` naming the first norm the swap
-    would take whose weight has zero entries; nothing under the other values. ``prepare`` runs it
-    on the whole model before the first collective. Norms on ``meta`` are not checked: their values
-    arrive later (``weights=``), unchecked."""
-    if (norm_kernel or "") == MEMORY_EFFICIENT:
-        _refuse_zero_weights(_swappable(module, _SWAPS[MEMORY_EFFICIENT][0]))
+    would take whose weight (as it is now) has zero entries; nothing under the other values.
+    Weights on ``meta`` have no values yet: ``apply/norm_weights.py`` checks the values they will
+    get (``weights=``, the model's initialisation, a checkpoint)."""
+    _refuse_zero_weights(memory_efficient_norms(module, norm_kernel))
 
 
-def use_fused_norms(module: nn.Module, norm_kernel: str = "") -> List[str]:
+def output_saving_norms(module: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """(name, module) of the norms in ``module`` swapped to the output-saving norm."""
+    for name, sub in module.named_modules():
+        if sub.__dict__.get("_nest_fx_norm_fn") is output_saving_rms_norm:
+            yield name, sub
+
+
+def use_fused_norms(module: nn.Module, norm_kernel: str = "", check_weights: bool = True) -> List[str]:
     """Swap the forward of the recognised RMSNorms in ``module`` whose weight is not a DTensor
     (not sharded by tensor parallelism); their names, in ``module``'s order. ``norm_kernel`` ''
     or ``fused``: the model's own code (``MODEL``) to ``F.rms_norm``; ``memory-efficient``: those
     and ``torch.nn.RMSNorm`` (``NATIVE``) to the output-saving norm, after refusing (a
     :class:`ZeroNormWeightError` naming the first, nothing swapped) any whose weight has zero
-    entries. A module swapped before is left as it is."""
+    entries, unless ``check_weights`` is False (the runtime: ``prepare`` checked the values the
+    norms start from on every rank, which may not be the values they hold now). A module swapped
+    before is left as it is."""
     if not swaps_norms(norm_kernel):
         raise ValueError(f"norm_kernel={norm_kernel!r} swaps no norm (one of {sorted(_SWAPS)})")
     kinds, fn = _SWAPS[norm_kernel or ""]
     found = list(_swappable(module, kinds))
-    if (norm_kernel or "") == MEMORY_EFFICIENT:
+    if check_weights and (norm_kernel or "") == MEMORY_EFFICIENT:
         _refuse_zero_weights(found)
     for _, sub in found:
         sub._nest_fx_model_forward = sub.forward

@@ -89,7 +89,9 @@ def prepare_weights(path: str, model: nn.Module) -> LoadedWeights:
     return LoadedWeights(path, reader, resolution)
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
+    """``name`` under the model's own module names (without the wrappers of activation
+    checkpointing and torch.compile)."""
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
@@ -123,19 +125,19 @@ class _Held:
 def held_tensors(chunks: Sequence[nn.Module]) -> Tuple[Dict[str, _Held], Dict[str, _Held]]:
     """({name: parameter}, {name: buffer}) this rank holds, under the whole model's names, with
     the boxes of the original tensors their local shards cover."""
-    layouts = {_clean(k): v for k, v in fused_layouts(chunks).items()}
+    layouts = {clean_name(k): v for k, v in fused_layouts(chunks).items()}
     params: Dict[str, _Held] = {}
     buffers: Dict[str, _Held] = {}
     seen = set()
     for chunk in chunks:
         for raw, p in chunk.named_parameters():
-            name = _clean(raw)
+            name = clean_name(raw)
             if id(p) in seen or name in params:
                 continue
             seen.add(id(p))
             params[name] = _entry(name, p, layouts.get(name))
         for raw, b in chunk.named_buffers():
-            name = _clean(raw)
+            name = clean_name(raw)
             if id(b) not in seen and name not in buffers:
                 seen.add(id(b))
                 buffers[name] = _entry(name, b, None)
@@ -226,39 +228,66 @@ def _filled(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
+def _initialised_copy(
+    skeleton: nn.Module, path: str, device: torch.device, seed: int, inits: List[Callable[[nn.Module], None]]
+) -> nn.Module:
+    """The skeleton's module ``path`` with its own tensors whole on ``device`` as the model's
+    initialisation sets them: its ``reset_parameters`` and the root's ``_init_weights`` (also on
+    each ancestor) under generators seeded from ``(seed, path)``, so the same values on every
+    rank, plan and call on one kind of device (module docstring)."""
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
+    temp = _whole_copy(skeleton.get_submodule(path), device)
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(module_seed(seed, path))
+        for init in inits:
+            init(temp)
+        if len(inits) > 1:  # the root's _init_weights on each ancestor, as apply() runs it after the children
+            for above, view in _ancestor_views(skeleton, path, temp):
+                torch.manual_seed(module_seed(seed, f"{path}<{above}"))
+                inits[-1](view)
+    return temp
+
+
+def _initialised_tensor(temp: nn.Module, path: str, name: str) -> torch.Tensor:
+    """The tensor ``name`` (its leaf in ``temp``, the initialised copy of module ``path``), an
+    :class:`ApplyError` when the module holds no such tensor or its initialisation left it unset."""
+    leaf = name.rpartition(".")[2]
+    full = temp._parameters.get(leaf) if leaf in temp._parameters else temp._buffers.get(leaf)
+    if full is None:
+        raise ApplyError(f"materialising {name}: the module {path or '<root>'} holds no tensor {leaf}")
+    full = full.detach()
+    if full.is_floating_point() and bool(torch.isnan(full).any()):
+        raise ApplyError(
+            f"starting on meta: {name} is not set by the model's initialisation "
+            f"({type(temp).__name__} has no reset_parameters and _init_weights leaves it); "
+            "fix: pass weights=, or give the module a reset_parameters() that sets it"
+        )
+    return full
+
+
+@torch.no_grad()
+def initial_value(skeleton: nn.Module, name: str, device: torch.device, seed: int) -> torch.Tensor:
+    """The whole tensor ``name`` of the model started on meta (``skeleton``) as :func:`materialize`
+    gives it on ``device`` from ``init_seed=seed``: the same initialisation under the same
+    generators, so the same values (what ``apply/norm_weights.py`` checks before the first collective)."""
+    path = _owner(name)
+    return _initialised_tensor(_initialised_copy(skeleton, path, device, seed, _initializers(skeleton)), path, name)
+
+
 @torch.no_grad()
 def _initialise(skeleton: nn.Module, wanted: Dict[str, List[_Held]], device: torch.device, seed: int) -> None:
     """Run the model's initialisation on each module owning a tensor of ``wanted`` ({module name:
     held tensors}) and copy the rank's boxes out (module docstring)."""
     inits = _initializers(skeleton)
-    devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
-    for path, module in skeleton.named_modules():
+    for path, _ in skeleton.named_modules():
         held = wanted.get(path)
         if not held:
             continue
-        temp = _whole_copy(module, device)
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(module_seed(seed, path))
-            for init in inits:
-                init(temp)
-            if len(inits) > 1:  # the root's _init_weights on each ancestor, as apply() runs it after the children
-                for above, view in _ancestor_views(skeleton, path, temp):
-                    torch.manual_seed(module_seed(seed, f"{path}<{above}"))
-                    inits[-1](view)
+        temp = _initialised_copy(skeleton, path, device, seed, inits)
         for h in held:
-            leaf = h.name.rpartition(".")[2]
-            full = temp._parameters.get(leaf) if leaf in temp._parameters else temp._buffers.get(leaf)
-            if full is None:
-                raise ApplyError(f"materialising {h.name}: the module {path or '<root>'} holds no tensor {leaf}")
-            full = full.detach()
-            if full.is_floating_point() and bool(torch.isnan(full).any()):
-                raise ApplyError(
-                    f"starting on meta: {h.name} is not set by the model's initialisation "
-                    f"({type(module).__name__} has no reset_parameters and _init_weights leaves it); "
-                    "fix: pass weights=, or give the module a reset_parameters() that sets it"
-                )
+            full = _initialised_tensor(temp, path, h.name)
             for i, (offsets, sizes, _) in enumerate(h.boxes):
                 h.write(i, full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
 

@@ -17,8 +17,10 @@ dy * xhat = (sum over rows of dy * y) / w``. It is not one fused kernel (apex's 
 makes about 8 elementwise passes over the rows where ``F.rms_norm``'s backward makes one.
 
 A weight entry that is exactly 0 makes its output column 0 whatever the input, so ``xhat``
-cannot be recovered there: the runtime refuses such a norm before it swaps it
-(:func:`zero_weight_problem`, :class:`ZeroNormWeightError`). A weight that becomes exactly 0
+cannot be recovered there: the runtime refuses such a norm on every rank, checking the weight
+it starts training from (``apply/norm_weights.py``: the model's, the ``weights=`` file's, the
+initialisation's of a model started on meta, before the first collective; a checkpoint's, after
+the load) with :func:`zero_weight_problem`, :class:`ZeroNormWeightError`. A weight that becomes exactly 0
 during training (an optimizer step landing on 0.0) is not checked on every call (that would be a
 host synchronisation per norm): its backward divides 0 by 0 and the gradients of that norm's
 input and weight turn NaN. nest-fx's training loop has no per-step non-finite check of its own:
@@ -32,6 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
 
 from nest_fx.apply.checks import ApplyError
 
@@ -132,15 +135,18 @@ def require_last_dim(fn: str, normalized_shape: Sequence[int], x: torch.Tensor) 
         )
 
 
-def zero_weight_problem(name: str, weight: Optional[torch.Tensor]) -> str:
+def zero_weight_problem(name: str, weight: Optional[torch.Tensor], where: str = "") -> str:
     """Why the norm ``name`` cannot keep its output instead of its input ('' when it can): its
-    weight has entries exactly 0. A weight on ``meta`` has no values yet: ''."""
+    weight has entries exactly 0. ``where`` says where the values come from (`` in weights=PATH``);
+    a DTensor is checked on this rank's shard. A weight on ``meta`` has no values yet: ''."""
     if weight is None or weight.is_meta:
         return ""
-    zeros = int((weight.detach() == 0).sum())  # one host sync per norm, once, at the swap
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    zeros = int((local.detach() == 0).sum())  # one host sync per norm, once, before training
     if not zeros:
         return ""
+    of = f"{local.numel()} in this rank's shard" if isinstance(weight, DTensor) else f"{weight.numel()}"
     return (
         f"{name}: norm_kernel=memory-efficient recovers the norm's input from its output divided by the "
-        f"weight, and the weight has zero entries ({zeros} of {weight.numel()}); {FIX}"
+        f"weight, and the weight{where} has zero entries ({zeros} of {of}); {FIX}"
     )

@@ -2,7 +2,8 @@
 
 ``prepare(request)`` runs, in order: the process group (``init_distributed``), the trace, the
 plan (given, re-planned under ``elastic=True``, or chosen by the planner), every check
-(``checks.run_all``), the weights' start (``meta`` / ``weights=``), the ranks' agreement on their
+(``checks.run_all``), the weights' start (``meta`` / ``weights=``) and the values the
+memory-efficient norms start from (``norm_weights``), the ranks' agreement on their
 settings (``agreement.agree``, one small all-gather on the default group) and the warnings and
 the plan summary. What it returns, a :class:`Job`, is what the rewrites of
 ``nest_fx.apply.steps`` read. Nothing here builds a group or moves a parameter, so a plan that
@@ -25,11 +26,11 @@ import torch.nn as nn
 from nest_fx.apply import checks
 from nest_fx.apply.agreement import agree
 from nest_fx.apply.collective_errors import named_collective_failures
-from nest_fx.apply.distributed import init_distributed, job_timeout
+from nest_fx.apply.distributed import init_distributed, job_timeout, rank_device
 from nest_fx.apply.fingerprint import fingerprint, tensor_specs
-from nest_fx.apply.fused_norms import check_norm_weights
 from nest_fx.apply.losses import token_cross_entropy_problem
 from nest_fx.apply.materialize import LoadedWeights, prepare_weights
+from nest_fx.apply.norm_weights import check_start_weights
 from nest_fx.graph import trace
 from nest_fx.graph.tp_regions import unsharded_attention
 from nest_fx.graph.training_mode import training_config
@@ -270,9 +271,16 @@ def prepare(request: Request) -> Job:
     )
     mesh_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     checks.check_runtime_options(plan, model, graph, loss_fn, mesh_device)  # before the first agreement collective
-    check_norm_weights(model, plan.norm_kernel)  # memory-efficient norms: no zero weight entries
     layout = parallel_support(model, graph).stage_layout() if plan.pp > 1 else None
     start = weight_start(request)
+    check_start_weights(  # memory-efficient norms: no zero entries in the weights they will start from
+        model,
+        plan.norm_kernel,
+        loaded=start.loaded,
+        skeleton=start.skeleton,
+        device=rank_device(mesh_device),
+        init_seed=start.init_seed,
+    )
     settings = agreed_settings(plan, specs, request.global_batch_size, nmb, args, kwargs, loss_fn)
     settings.update({"weights": str(request.weights), "start on meta": start.on_meta, "init_seed": request.init_seed})
     with named_collective_failures("auto_parallelize, comparing the ranks' settings"):

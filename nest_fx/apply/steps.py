@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-import torch
 import torch.nn as nn
 
 from nest_fx.apply import checks
@@ -23,7 +22,7 @@ from nest_fx.apply.collective_errors import named_collective_failures
 from nest_fx.apply.compile import compile_blocks, compiled_loss
 from nest_fx.apply.context_parallel import ContextParallel, apply_context_parallel
 from nest_fx.apply.data_parallel import GradientSync, apply_fsdp, broadcast_module, shards_anything
-from nest_fx.apply.distributed import apply_job_timeout
+from nest_fx.apply.distributed import apply_job_timeout, rank_device
 from nest_fx.apply.expert_parallel import apply_expert_parallel
 from nest_fx.apply.async_tp import enable_async_tp
 from nest_fx.apply.float8 import apply_float8
@@ -96,8 +95,9 @@ def place(job: Job) -> ParallelLayout:
     the plan (the first groups created), this rank's place in it and its device."""
     use_costed_segments(job.plan, job.mesh_device)
     mesh = build_mesh(job.plan, job.mesh_device)
-    device = torch.device("cuda", torch.cuda.current_device()) if job.mesh_device == "cuda" else torch.device("cpu")
-    return ParallelLayout(plan=job.plan, mesh=mesh, rank_info=locate(job.plan, job.rank), device=device)
+    return ParallelLayout(
+        plan=job.plan, mesh=mesh, rank_info=locate(job.plan, job.rank), device=rank_device(job.mesh_device)
+    )
 
 
 def split_stage(job: Job, layout: ParallelLayout) -> LocalStage:
@@ -226,7 +226,9 @@ def fused_norms(chunk: Chunk, job: Job) -> None:
     fused; ``fused_norms``) or as the output-saving norm (``memory-efficient``), after tensor
     parallelism: the norms it shards (DTensor weights) keep the model's code."""
     if swaps_norms(job.plan.norm_kernel):
-        use_fused_norms(chunk.module, job.plan.norm_kernel)
+        # memory-efficient: prepare checked the weights the norms start from (apply/norm_weights.py)
+        # on every rank; the values here may be the model's before weights= replaces them
+        use_fused_norms(chunk.module, job.plan.norm_kernel, check_weights=False)
 
 
 def context_parallel(chunk: Chunk, job: Job, cp: Optional[ContextParallel]) -> None:

@@ -106,6 +106,10 @@ class SafetensorsWeights:
         """{name: (shape, dtype)} of every tensor, from the headers."""
         return dict(self._specs)
 
+    def file_of(self, name: str) -> str:
+        """The file holding tensor ``name``."""
+        return self._where[name].path
+
     def read_into(self, name: str, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor) -> None:
         """Fill ``out`` (shape ``sizes``; converted to its dtype) with the box ``[offsets, offsets +
         sizes)`` of tensor ``name``, reading only the box's bytes and no whole-box copy."""
@@ -151,6 +155,10 @@ class StateDictWeights:
 
     def specs(self) -> Dict[str, Spec]:
         return {name: (tuple(t.shape), t.dtype) for name, t in self._tensors.items()}
+
+    def file_of(self, name: str) -> str:
+        """The file holding tensor ``name``: the state-dict file."""
+        return self.path
 
     def read(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         t = self._tensors[name]
