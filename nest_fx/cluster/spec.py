@@ -210,12 +210,20 @@ class Cluster:
             return self._small_span(rs.tolist(), top)
         spans: List[LevelSpan] = []
         inner_size = 1  # g_{-1}(r) = r // 1 = r
+        # ascending ranks (what placements give) have ascending group indices and pairs: their
+        # distinct values are runs, counted without np.unique's sort
+        ascending = bool((rs[1:] > rs[:-1]).all())
         for level in self.levels[: top + 1]:
             groups = rs // level.group_size
-            _, sizes = np.unique(groups, return_counts=True)
             # distinct (level-i group, level-(i-1) group) pairs, counted per level-i group
-            pairs = np.unique(groups * self.num_devices + rs // inner_size)
-            _, fanouts = np.unique(pairs // self.num_devices, return_counts=True)
+            pairs = groups * self.num_devices + rs // inner_size
+            if ascending:
+                sizes = _run_lengths(groups)
+                pairs = pairs[_run_starts(pairs)]
+                fanouts = _run_lengths(pairs // self.num_devices)
+            else:
+                _, sizes = np.unique(groups, return_counts=True)
+                _, fanouts = np.unique(np.unique(pairs) // self.num_devices, return_counts=True)
             spans.append(LevelSpan(level, int(fanouts.max()), int(sizes.max()), int(sizes.min())))
             inner_size = level.group_size
         return spans
@@ -402,3 +410,13 @@ class DeviceMappedView:
     def level_index_of_group(self, ranks: Sequence[int]) -> int:
         """:meth:`Cluster.level_index_of_group` of the devices ``ranks`` run on."""
         return self.device_hierarchy().level_index_of_group(self.devices_of(ranks))
+
+
+def _run_starts(a: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of a non-decreasing array starts."""
+    return np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
+
+
+def _run_lengths(a: np.ndarray) -> np.ndarray:
+    """The length of each run of equal values of a non-decreasing array (``np.unique``'s counts)."""
+    return np.diff(np.append(_run_starts(a), a.size))

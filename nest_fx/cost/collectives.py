@@ -62,6 +62,13 @@ def _affine(
     return _AFFINE_CACHE[key]
 
 
+def collective_line(kind: str, cluster: ClusterModel, group: Sequence[int]) -> Optional[Tuple[float, float]]:
+    """The (alpha, beta) :func:`collective_fn` costs ``kind`` over ``group`` with (``alpha + beta
+    * nbytes``, 0 for 0 bytes), or None where the cluster's cost is not affine in the size: two
+    groups with the same line cost the same for every size."""
+    return _affine(kind, cluster, tuple(group))
+
+
 def _memo(kind: str, cluster: ClusterModel, ranks: Tuple[int, ...]) -> Dict[float, float]:
     """bytes -> seconds memo of collective ``kind`` over ``ranks`` (clusters without coefficients)."""
     global _cached_entries

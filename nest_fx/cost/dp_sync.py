@@ -11,12 +11,12 @@ of it stays exposed after the backward, with the optimizer step (``tail_terms``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
 from nest_fx.cost.arrays import Count, any_nonzero
-from nest_fx.cost.collectives import collective_fn
+from nest_fx.cost.collectives import collective_fn, collective_line
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import LayerTerms, StageGroups
 
@@ -102,6 +102,35 @@ def dp_sync_time(
             total + units * (gathers + scatters) * per_call + per_byte * params * (gathers * pbytes + scatters * gbytes)
         )
     return total
+
+
+def sync_signature(
+    cluster, groups: StageGroups, zero: int, experts: bool, line: Callable = collective_line
+) -> Optional[tuple]:
+    """What :func:`dp_sync_time` (with ``collectives.collective_fn``) reads of ``groups`` at ZeRO
+    stage ``zero``: the group sizes and branches it takes and the (alpha, beta) line
+    (``collectives.collective_line``) of each collective it asks, the expert parameters' too when
+    ``experts`` (it asks them when ``dp // ep > 1`` and there are expert parameters). Two stage
+    groups with equal signatures give equal seconds for every other argument; None when a
+    collective is not affine in the size (no two groups are then known to cost alike).
+    ``line``: ``collective_line`` or a memo of it."""
+    parts = [_volume_signature(cluster, groups.dp, groups.shard, groups.replicate, zero, line)]
+    if experts:
+        replicate = groups.replicate if groups.expert_shard else ()
+        parts.append(_volume_signature(cluster, groups.expert_dp, groups.expert_shard, replicate, zero, line))
+    return None if None in parts else tuple(parts)
+
+
+def _volume_signature(cluster, dp, shard, replicate, zero: int, line: Callable) -> Optional[tuple]:
+    """:func:`sync_signature` of one :func:`_sync_volume_time` (the collectives it asks, in its branches)."""
+    if len(dp) <= 1:
+        return ()
+    if replicate:
+        asks = [("reduce_scatter", shard), ("all_reduce", replicate), ("all_gather", shard)]
+    else:
+        asks = [("all_reduce", dp)] if zero <= 1 else [("reduce_scatter", dp), ("all_gather", dp)]
+    lines = tuple(line(kind, cluster, group) for kind, group in asks)
+    return None if None in lines else (bool(replicate), len(shard) if replicate else 0, lines)
 
 
 def _sync_volume_time(

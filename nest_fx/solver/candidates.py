@@ -26,6 +26,7 @@ from nest_fx.solver.space import (
     config_of,
     stage_counts,
 )
+from nest_fx.workload.layer_classes import layer_costs
 from nest_fx.workload.types import Variant, Workload
 
 
@@ -37,7 +38,7 @@ def variant_of(g: GlobalConfig) -> Variant:
 def _replica_work(workload: Workload, variant: Variant) -> Tuple[float, float, np.ndarray]:
     """(per-microbatch fwd + bwd seconds, per-device parameters, :func:`layer_floors`) of one
     replica at ``variant``."""
-    times = [workload.cost(i, variant) for i in range(len(workload))]
+    times = layer_costs(workload, variant)
     work = sum(c.fwd_s + c.bwd_s for c in times)
     return work, sum(c.num_params for c in times), _floors([c.fwd_s + c.bwd_s for c in times])
 
@@ -49,13 +50,13 @@ def _floors(times) -> np.ndarray:
 def layer_floors(workload: Workload, variant: Variant) -> np.ndarray:
     """(L + 1,): entry k is the least forward + backward seconds of any k of the L layers (prefix
     sums of the sorted per-layer times)."""
-    return _floors([c.fwd_s + c.bwd_s for c in (workload.cost(i, variant) for i in range(len(workload)))])
+    return _floors([c.fwd_s + c.bwd_s for c in layer_costs(workload, variant)])
 
 
 def layer_prefix(workload: Workload, variant: Variant) -> list:
     """(L + 1,) prefix sums of the layers' forward + backward seconds in layer order (a list, for
     :func:`partition_floor`'s bisection)."""
-    times = [c.fwd_s + c.bwd_s for c in (workload.cost(i, variant) for i in range(len(workload)))]
+    times = [c.fwd_s + c.bwd_s for c in layer_costs(workload, variant)]
     return np.concatenate([[0.0], np.cumsum(times)]).tolist()
 
 

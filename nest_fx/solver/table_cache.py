@@ -19,7 +19,7 @@ import numpy as np
 
 from nest_fx.cost import memory
 from nest_fx.cost.collectives import collective_fn, group_comm_fn
-from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, reduce_spread, tail_terms
+from nest_fx.cost.dp_sync import dp_sync_time, expert_shard_degree, reduce_spread, sync_signature, tail_terms
 from nest_fx.cost.memory import model_states, working_sets
 from nest_fx.cost.options import CostOptions
 from nest_fx.cost.stage_terms import StageGroups, stage_groups
@@ -89,6 +89,9 @@ class TableCache(MemoryFloors):
         self._forced: Dict[tuple, float] = {}
         self._tail_floor: Dict[tuple, float] = {}
         self._syncs: Dict[tuple, Tuple[float, float, bool]] = {}
+        self._opt: Dict[tuple, float] = {}  # the tail floor's optimizer steps per (params, shard, ZeRO)
+        self._sync_sigs: Dict[tuple, tuple] = {}  # (id(groups), zero <= 1, experts) -> (groups, sync_signature)
+        self._sync_values: Dict[tuple, Tuple[float, float]] = {}  # (signature, sizes, ...) -> dp_sync_time at d, 2 d
         self._affine_dp: Dict[tuple, bool] = {}  # per layout: its DP groups' costs affine in the size
         self._hulls: Dict[tuple, tuple] = {}
         self._stage_floor: Dict[tuple, float] = {}
@@ -320,8 +323,13 @@ class TableCache(MemoryFloors):
         total_d = float(terms.params) - total_e
         share = float(o.overlap_grad_sync) if zero >= 1 else 0.0
 
-        def opt(params: float) -> float:
-            return float(tail_terms(0.0, 0.0, 0.0, params, g.shard, zero, cluster, o)[1])
+        def opt(params: float) -> float:  # the optimizer step of params, once per (params, shard, ZeRO)
+            hit = self._opt.get((params, g.shard, zero))
+            if hit is None:
+                hit = self._opt[(params, g.shard, zero)] = float(
+                    tail_terms(0.0, 0.0, 0.0, params, g.shard, zero, cluster, o)[1]
+                )
+            return hit
 
         best = opt((total_d + total_e) / p)
         slopes, affine = 0.0, True
@@ -354,33 +362,48 @@ class TableCache(MemoryFloors):
                     len(layout[0].dp) < 2 or cluster.collective_coefficients("all_reduce", layout[0].dp) is not None
                 )
             # each at the sizes d and 2 d (the slope's two points), one number at a time: what
-            # an array [d, 2 d] gives entry by entry, without numpy's per-call overhead on two values
-            at = [
-                tuple(
-                    float(
-                        dp_sync_time(
-                            cluster,
-                            groups,
-                            d * size,
-                            e * size,
-                            g.dp * g.cp,
-                            g.ep,
-                            zero,
-                            m,
-                            self.options,
-                            0.0,
-                            d * size if g.float8 else 0.0,
-                            self.collective,
+            # an array [d, 2 d] gives entry by entry, without numpy's per-call overhead on two values;
+            # once per what dp_sync_time reads of a stage's groups (sync_signature), over the layouts
+            experts, at = g.dp * g.cp // g.ep > 1 and e != 0, []
+            for groups in _distinct(layout)[0]:
+                sig = self._sync_signature(groups, zero, experts)
+                vkey = (sig, d, e, g.dp * g.cp, g.ep, zero, m if zero >= 2 else 0, g.float8)
+                pair = self._sync_values.get(vkey) if sig is not None else None
+                if pair is None:
+                    pair = tuple(
+                        float(
+                            dp_sync_time(
+                                cluster,
+                                groups,
+                                d * size,
+                                e * size,
+                                g.dp * g.cp,
+                                g.ep,
+                                zero,
+                                m,
+                                self.options,
+                                0.0,
+                                d * size if g.float8 else 0.0,
+                                self.collective,
+                            )
                         )
+                        for size in (1.0, 2.0)
                     )
-                    for size in (1.0, 2.0)
-                )
-                for groups in _distinct(layout)[0]
-            ]
+                    if sig is not None:
+                        self._sync_values[vkey] = pair
+                at.append(pair)
             least = min(y0 for y0, _ in at)
             slope = min(y1 - y0 for y0, y1 in at) / (d + e) if affine else 0.0
             hit = self._syncs[key] = (least, slope, affine)
         return hit
+
+    def _sync_signature(self, groups, zero: int, experts: bool) -> Optional[tuple]:
+        """``dp_sync.sync_signature`` of a stage's groups object of a layout this cache holds, once."""
+        key = (id(groups), zero <= 1, experts)
+        hit = self._sync_sigs.get(key)
+        if hit is None or hit[0] is not groups:  # (the object is held in the entry: its id stays its own)
+            hit = self._sync_sigs[key] = (groups, sync_signature(self.cluster, groups, zero, experts))
+        return hit[1]
 
     def replica_params(self, g: GlobalConfig) -> float:
         """Parameters per device of one whole replica (all layers on one stage)."""

@@ -30,6 +30,7 @@ from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.roofline import DEFAULT_ATTENTION_KERNEL
+from nest_fx.workload.layer_classes import layer_costs
 from nest_fx.workload.sequence_edges import GATHER, SLICE, edge_collectives, sequence_edge
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
@@ -411,8 +412,7 @@ class Workload:
             ids: Dict[int, int] = {}
             costs: List[LayerCost] = []
             index: List[int] = []
-            for i in range(len(self.layers)):
-                c = self.cost(i, key)
+            for c in layer_costs(self, key):  # self.cost(i, key) of every layer i
                 k = ids.setdefault(id(c), len(costs))
                 if k == len(costs):
                     costs.append(c)
