@@ -360,37 +360,35 @@ def cluster_of(row: "Row"):
 
 
 def trainy_h200(gpus: int):
-    """Trainy's hosts (TRAINY_SOURCE): 8 H200 SXM per host on NVLink (NVLink4, at NCCL's
-    ``H100_NVLINK_BUS_BANDWIDTH``), 400 Gb/s (50 GB/s) RDMA per GPU between hosts (ConnectX-7, as
-    ``grand_teton``'s line rate); the H200 SXM datasheet (the H100 SXM's dense peaks, 141 GB HBM3e
-    at 4.8 TB/s; 140 GiB as the dgx-h200 preset reads the card). Written out, not the preset, so
-    that a cost model from before the preset (``--before-commit``) costs the same cluster."""
-    levels = [
-        {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
-        {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
-    ]
-    if gpus > 32:
-        levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
-    return Cluster.from_dict(
-        {
-            "format": "nest-fx-cluster/1",
-            "name": "trainy-h200",
-            "num_devices": gpus,
-            "device": {
-                "name": "H200-SXM-141GB",
-                "memory_bytes": 140 * GiB,
-                "mem_bandwidth": 4.8e12,
-                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
-            },
-            "levels": levels,
-        }
-    )
+    """Trainy's hosts (TRAINY_SOURCE): 8 H200 SXM per host on NVLink, 400 Gb/s (ConnectX-7) per GPU
+    between hosts (``_hosts_of_eight``); the H200 SXM datasheet (the H100 SXM's dense peaks, 141 GB
+    HBM3e at 4.8 TB/s; 140 GiB as the dgx-h200 preset reads the card). Written out, not the preset,
+    so that a cost model from before the preset (``--before-commit``) costs the same cluster."""
+    device = {
+        "name": "H200-SXM-141GB",
+        "memory_bytes": 140 * GiB,
+        "mem_bandwidth": 4.8e12,
+        "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+    }
+    return _hosts_of_eight("trainy-h200", gpus, device)
 
 
 def grand_teton(gpus: int):
-    """The source's cluster: 8 H100 per host on NVLink (450 GB/s per GPU per direction, of which
-    NCCL reaches ``H100_NVLINK_BUS_BANDWIDTH``), 400 Gb/s (50 GB/s) per GPU between hosts, 95 GiB
-    and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
+    """The source's cluster: 8 H100 per host on NVLink, 400 Gb/s per GPU between hosts
+    (``_hosts_of_eight``), 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
+    device = {
+        "name": "H100-96GB-HBM2e-500W",
+        "memory_bytes": 95 * GiB,
+        "mem_bandwidth": 2.4e12,
+        "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12},
+    }
+    return _hosts_of_eight("grand-teton-h100", gpus, device)
+
+
+def _hosts_of_eight(name: str, gpus: int, device: dict):
+    """``gpus`` GPUs in hosts of 8 on NVLink4 (450 GB/s per GPU per direction, of which NCCL reaches
+    ``H100_NVLINK_BUS_BANDWIDTH``), 400 Gb/s (50 GB/s, the line rate) RDMA per GPU between hosts,
+    racks of 32 under a spine at the same rate."""
     levels = [
         {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
         {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
@@ -398,16 +396,5 @@ def grand_teton(gpus: int):
     if gpus > 32:
         levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
     return Cluster.from_dict(
-        {
-            "format": "nest-fx-cluster/1",
-            "name": "grand-teton-h100",
-            "num_devices": gpus,
-            "device": {
-                "name": "H100-96GB-HBM2e-500W",
-                "memory_bytes": 95 * GiB,
-                "mem_bandwidth": 2.4e12,
-                "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12},
-            },
-            "levels": levels,
-        }
+        {"format": "nest-fx-cluster/1", "name": name, "num_devices": gpus, "device": device, "levels": levels}
     )
