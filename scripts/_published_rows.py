@@ -26,11 +26,20 @@ TRAINY_SOURCE = (
     "pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, H200, torchtitan e7c0cae, "
     "torch 2.8.0a0+5228986c39, June 2025)"
 )
+NEMO_SOURCE = (
+    "NVIDIA NeMo Framework 24.12 user guide, Performance Benchmarks, pre-training at FP8 (DGX H100; "
+    "docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_summary.html)"
+)
 LLAMA3_SOURCE = "Grattafiori et al. 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B pre-training, H100 80 GB)"
 MODELS = {
     "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
     "70b": "llama3-70b",
     "405b": "llama:hidden=16384,layers=126,heads=128,kv=8,ffn=53248,vocab=128256,rope_theta=500000",
+    "l2-7b": "llama2-7b",
+    "l2-13b": "llama:hidden=5120,layers=40,heads=40,ffn=13824,vocab=32000",
+    "l2-70b": "llama:hidden=8192,layers=80,heads=64,kv=8,ffn=28672,vocab=32000",
+    "70b-l3": "llama3-70b",
+    "gpt3-175b": "gpt3-175b",
 }
 
 
@@ -58,7 +67,8 @@ class Row:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     notes: List[str] = field(default_factory=list)
-    system: str = "torchtitan"  # torchtitan (Grand Teton H100 96 GB, 500 W) or llama3 (Meta's H100 80 GB, 700 W)
+    # torchtitan (Grand Teton H100 96 GB, 500 W; Trainy H200), nemo (DGX H100) or llama3 (Meta's H100 80 GB, 700 W)
+    system: str = "torchtitan"
     tflops_per_gpu: float = 0.0  # what the source publishes instead of tokens/s (model TFLOP/s per GPU); 0: tokens/s
     backend: str = ""  # the kernel backend the system ran, when not torchtitan's eager / compile
     zero: int = 3
@@ -70,6 +80,8 @@ class Row:
     # the CUDA caching allocator's segments (nest_fx.cost.allocator): torchtitan's run_train.sh sets
     # expandable segments; a run launched with torchrun directly has PyTorch's default, fixed
     allocator_segments: str = "expandable"
+    microbatch: int = 0  # sequences per microbatch where the source states it (NeMo's MBS); 0: derived
+    reduce_bytes: int = 4  # bytes per gradient element held and reduced (NeMo's rows: bf16)
 
     @property
     def global_batch(self) -> int:
@@ -86,6 +98,12 @@ class Row:
         if self.system == "llama3":
             return self.local_batch
         return self.pp * self.virtual_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step and replica: NeMo's rows accumulate GBS / (DP x MBS) of their stated
+        MBS, pipelined or not; the others as ``pp_microbatches``."""
+        return self.local_batch // self.microbatch if self.microbatch else self.pp_microbatches
 
     @property
     def bf16(self) -> bool:
@@ -119,6 +137,8 @@ class Row:
         its output, as apex's memory-efficient norms do (Megatron-LM's --memory-efficient-layer-norm).
         Costed with the norms keeping their input instead (``fused``), m1 / m3 need 77.3 / 77.9 GiB
         of 79.2 (docs/cost_model.md, "Seventh run")."""
+        if self.system == "nemo":
+            return ""  # Transformer Engine's fused RMSNorm keeps its input and rstd, as F.rms_norm does
         return "model" if self.system == "torchtitan" else "memory-efficient"
 
     @property
@@ -273,6 +293,53 @@ def published_rows() -> List[Row]:
                 allocator_segments="fixed",
             )
         )
+    # NeMo's FP8 pre-training table (NEMO_SOURCE), the dense Llama and GPT-3 rows: GPUs, GBS, MBS,
+    # sequence length, TP, PP, CP, VP as stated; tokens/s per GPU; no memory figure (they ran: they
+    # must fit). Megatron-Core with Transformer Engine: fused kernels, fp8 GEMMs, sequence
+    # parallelism with TP, the vocabulary-parallel loss, the distributed optimizer (ZeRO-1), pipeline
+    # outputs freed after their send (Megatron's deallocate_output_tensor), layers split evenly.
+    # Gradients held and reduced in bf16: NeMo's performance script for the Llama 3 8B row sets
+    # grad_reduce_in_fp32 = False ("bf16 grad dtype"; NVIDIA/NeMo scripts/llm/performance/llama3_8b.py),
+    # the launcher's FP8 Llama 2 examples optim.grad_sync_dtype=bf16. Assumed (not stated): no
+    # activation recompute, TP communication not hidden (the share Transformer Engine's userbuffers
+    # overlap hides is not sourced), the DGX H100 preset's network.
+    for key, model, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps in (
+        ("n1", "l2-7b", 8, 128, 1, 4096, 1, 1, 1, 1, 16934),
+        ("n2", "l2-13b", 16, 128, 1, 4096, 1, 4, 1, 10, 8715),
+        ("n3", "l2-70b", 64, 128, 1, 4096, 4, 4, 1, 20, 1728),
+        ("n4", "8b", 8, 128, 1, 8192, 1, 1, 2, 1, 12273),
+        ("n5", "70b-l3", 64, 128, 1, 8192, 4, 4, 2, 5, 1524),
+        ("n6", "gpt3-175b", 128, 256, 1, 2048, 4, 8, 1, 6, 716),
+        ("n7", "gpt3-175b", 512, 2048, 2, 2048, 4, 8, 1, 6, 825),
+    ):
+        dp = gpus // (tp * pp * cp)
+        rows.append(
+            Row(
+                key,
+                "NeMo",
+                f"{model} {gpus} GPUs TP {tp} PP {pp} CP {cp} VP {vp} GBS {gbs} MBS {mbs} seq {seq}",
+                model,
+                gpus,
+                seq,
+                gbs // dp,
+                tps,
+                0.0,
+                fsdp=dp,
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                recompute="none",
+                float8=True,
+                schedule="interleaved" if vp > 1 else "1f1b",
+                virtual_stages=vp,
+                system="nemo",
+                backend="fused",
+                zero=1,
+                hardware="dgx-h100",
+                microbatch=mbs,
+                reduce_bytes=2,
+            )
+        )
     # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
     # H100 80 GB (700 W), BF16, TP 8 x CP x PP 16 x DP; batch size per DP replica; TFLOP/s per GPU.
     # Stated there: interleaved pipeline schedule, FSDP sharding optimizer states and gradients
@@ -356,6 +423,8 @@ def cluster_of(row: "Row"):
     """The row's cluster."""
     if row.system == "llama3":
         return meta_h100(row.gpus)
+    if row.system == "nemo":
+        return Cluster.preset("dgx-h100", row.gpus)
     return trainy_h200(row.gpus) if row.hardware == "h200" else grand_teton(row.gpus)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Published PyTorch-native training runs against nest-fx's predictions, before and after.
+"""Published training runs (torchtitan, NeMo, Meta's Llama 3) against nest-fx's predictions, before and after.
 
 Source of rows t1-t6: the torchtitan team's H100 benchmark of Llama 3.1 8B / 70B / 405B,
 ``benchmarks/llama3_h100_202412_torchtitan.md`` in github.com/pytorch/torchtitan (torch 1963fc8,
@@ -35,6 +35,13 @@ it under ``--training.compile`` since PR #1033, April 2025); PyTorch's default f
 segments (their command runs torchrun directly, not ``run_train.sh``, which sets expandable
 segments); SDPA's FlashAttention-2 (cuDNN became SDPA's default on Hopper in torch 2.9, PR #162073);
 their hosts' NVLink and 400 Gb/s per GPU as ``trainy_h200`` writes them.
+
+Rows n1-n7 (held out): NVIDIA NeMo 24.12's FP8 pre-training table on DGX H100, the dense Llama 2,
+Llama 3 and GPT-3 175B rows (GPUs, GBS, MBS, sequence, TP, PP, CP, VP and tokens/s per GPU stated;
+no memory figure: they ran, so they must fit), costed with the ``fused`` backend and Float8,
+ZeRO-1, bf16 gradients (NeMo's performance script for the Llama 3 8B row:
+``grad_reduce_in_fp32 = False``), pipeline outputs freed after their send, no recompute and TP
+communication exposed (both assumed, not stated); ``published_rows`` has the details.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
@@ -85,7 +92,17 @@ from _bench_common import write_json
 
 # the rows and clusters live in _published_rows.py; tests/unit/cost/test_published_memory.py reads
 # published_rows, cluster_of and MODELS from this module
-from _published_rows import GiB, LLAMA3_SOURCE, MODELS, SOURCE, TRAINY_SOURCE, Row, cluster_of, published_rows
+from _published_rows import (
+    GiB,
+    LLAMA3_SOURCE,
+    MODELS,
+    NEMO_SOURCE,
+    SOURCE,
+    TRAINY_SOURCE,
+    Row,
+    cluster_of,
+    published_rows,
+)
 
 
 _WORKLOADS: Dict[tuple, object] = {}
@@ -105,8 +122,8 @@ def published_plan(row: Row, work, **overrides):
     fields = dict(
         dp=row.fsdp,
         zero=row.zero,
-        microbatch_size=row.local_batch // row.pp_microbatches,
-        num_microbatches=row.pp_microbatches,
+        microbatch_size=row.local_batch // row.num_microbatches,
+        num_microbatches=row.num_microbatches,
         schedule=row.schedule,
         virtual_stages=row.virtual_stages,
         sequence_parallel=row.tp > 1,
@@ -132,6 +149,8 @@ def published_plan(row: Row, work, **overrides):
     recompute = fields.pop("recompute", row.recompute)
     if row.system == "llama3":
         split = even_split(work, row.pp, lighter_ends=True)
+    elif row.system == "nemo":
+        split = even_split(work, row.pp)  # Megatron: the layers evenly, embedding first, output last
     else:
         split = block_split(work, row.pp) or even_split(work, row.pp)
     return Plan(stages=[StagePlan(a, b, row.tp, recompute) for a, b in split], num_layers=len(work), **fields)
@@ -158,7 +177,8 @@ def even_split(work, p: int, lighter_ends: bool = False):
 
 def cost_options(row: Row):
     """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
-    cost model before it had overlap as a switch: on); gradients reduced in fp32 (both systems);
+    cost model before it had overlap as a switch: on); gradients reduced in fp32 (torchtitan, Meta)
+    or bf16 (NeMo: ``Row.reduce_bytes``);
     Meta's pipeline frees each stage's output after sending it (torchtitan's keeps its shard); the
     allocator's segments the row's launch set (``Row.allocator_segments``)."""
     fields = dict(optimizer="adamw")
@@ -168,13 +188,13 @@ def cost_options(row: Row):
         # both systems reduce bf16 gradients in fp32: torchtitan's FSDP2 MixedPrecisionPolicy
         # (mixed_precision_reduce = "float32", its default), Meta's FSDP (Grattafiori et al. 2024,
         # sec. 3.3.4: "reduce-scatter gradients in FP32 across data parallel workers")
-        fields["reduce_bytes"] = 4
+        fields["reduce_bytes"] = row.reduce_bytes
     if "stage_outputs" in CostOptions.__dataclass_fields__:
         # Meta: "we proactively deallocate ... the input and output tensors of each pipeline stage"
         # (Grattafiori et al. 2024, sec. 3.3.2); torchtitan runs torch's PipelineStage, which keeps
         # them, and its sequence-parallel blocks output their sequence shard (RowwiseParallel with
         # output_layouts=Shard(1), a local tensor)
-        fields["stage_outputs"] = "freed" if row.system == "llama3" else "sharded"
+        fields["stage_outputs"] = "sharded" if row.system == "torchtitan" else "freed"
     if row.async_tp and hasattr(CostOptions, "overlap_tp_comm"):
         fields["overlap_tp_comm"] = getattr(cost_options_module, "ASYNC_TP_OVERLAP", True)
     return CostOptions(**fields)
@@ -323,9 +343,9 @@ def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
 
 def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
     lines = [
-        f"Sources: {SOURCE}; {TRAINY_SOURCE} (rows w); {LLAMA3_SOURCE}. Throughput is tokens/s per GPU "
-        "(torchtitan) or model TFLOP/s per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's "
-        "figure; Llama 3 publishes none, its rows check feasibility). Each row names its kernel backend.",
+        f"Sources: {SOURCE}; {TRAINY_SOURCE} (rows w); {NEMO_SOURCE} (rows n); {LLAMA3_SOURCE}. Throughput is tokens/s per GPU "
+        "(torchtitan, NeMo) or model TFLOP/s per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's "
+        "figure; NeMo and Llama 3 publish none, their rows check feasibility). Each row names its kernel backend.",
         "",
         "| row | configuration | published | GiB | before | err | before GiB | err | "
         "after | err | after GiB | err | planner tok/s | planner plan |",
@@ -380,6 +400,7 @@ def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], pl
     out = {}
     groups = [("bf16", [r for r in rows if r.bf16]), ("all", rows)]
     groups += [(f"kernels_{k}", [r for r in rows if r.kernels == k]) for k in ("eager", "compile", "fused")]
+    groups += [(f"system_{s}", [r for r in rows if r.system == s]) for s in ("torchtitan", "nemo", "llama3")]
     for name, subset in groups:
         if not subset:
             continue
@@ -448,14 +469,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
         fh.write(
-            "# Published PyTorch-native runs (torchtitan, Llama 3.1 on H100 and H200; Meta's Llama 3) against nest-fx\n\n"
+            "# Published runs (torchtitan's Llama 3.1 on H100 and H200; NeMo's FP8 runs on DGX H100; Meta's "
+            "Llama 3) against nest-fx\n\n"
             "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
             "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n"
         )
     write_json(
         os.path.join(args.out, "bench_published.json"),
         {
-            "source": [SOURCE, TRAINY_SOURCE, LLAMA3_SOURCE],
+            "source": [SOURCE, TRAINY_SOURCE, NEMO_SOURCE, LLAMA3_SOURCE],
             "rows": [r.__dict__ for r in rows],
             "before": before,
             "after": after,

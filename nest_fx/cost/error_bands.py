@@ -43,16 +43,23 @@ BACKEND_BANDS: Dict[str, ErrorBand] = {
     "eager": ErrorBand(0.04, "torchtitan Llama 3.1 8B eager rows t1.1, t3.1"),
     "compile": ErrorBand(0.04, "torchtitan Llama 3.1 8B compile rows t1.2, t3.2 (compile's factor measured on them)"),
     "fused": ErrorBand(
-        None, "no published fused-kernel run without pipelining checked; Llama 3 rows m1-m3 are in pp's band"
+        None,
+        "no published fused-kernel run without Float8, CP, TP or PP checked; NeMo rows n1-n7 and Llama 3 rows "
+        "m1-m3 are in their features' bands",
     ),
 }
 FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
     "float8": ErrorBand(
-        0.13, "torchtitan Float8 rows t1.3, t3.3, t2.1, w1, w2 (8B, FSDP, 8K-32K tokens, H100 and H200)"
+        0.13,
+        "Float8 rows t1.3, t3.3, t2.1, w1, w2 (torchtitan 8B, FSDP, 8K-32K tokens, H100 and H200), n1 (NeMo Llama 2 7B)",
     ),
-    "cp": ErrorBand(0.52, "torchtitan context-parallel rows t2.2-t2.4 (8B, 64K-262K tokens)"),
+    "cp": ErrorBand(
+        0.52, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
+    ),
     "tp": ErrorBand(0.11, "torchtitan 70B TP rows t4.1, t4.2"),
-    "pp": ErrorBand(0.69, "torchtitan 405B pipeline rows t5, t6 and Llama 3 405B rows m1-m3"),
+    "pp": ErrorBand(
+        0.69, "pipelined rows t5, t6 (torchtitan 405B), m1-m3 (Llama 3 405B), n2, n3, n5-n7 (NeMo Llama, GPT-3)"
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 
 import pytest
@@ -95,6 +96,19 @@ def bench():
     return bench_published
 
 
+def _chain_of(bench, row, cluster):
+    """The row's model as its blocks copied from a trace of two (identical blocks cost the same:
+    as tracing all of them gives, in a fraction of the time; tests/unit/cost/test_published.py
+    does the same)."""
+    spec = bench.MODELS[row.model]
+    layers = int(re.search(r"layers=(\d+)", spec).group(1))
+    short = spec.replace(f"layers={layers}", "layers=2")
+    two = workload_for_model(short, cluster, seq=row.seq)
+    head, block, tail = two.layers[0], two.layers[1], two.layers[-1]
+    chain = [head] + [dataclasses.replace(block, name=f"layers.{i}") for i in range(layers)] + [tail]
+    return Workload(two.model, chain, two.dims, two.source)
+
+
 def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations(bench):
     """m1's binding rank: 8 layers, 141 chunk-microbatches of one layer each, 12 + 4/16 + 6 x 3.25
     = 31.75 bytes per token per hidden unit / TP 8 with norms keeping their input
@@ -105,12 +119,8 @@ def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations
     row = next(r for r in bench.published_rows() if r.key == "m1")
     assert (row.virtual_stages, row.pp, row.tp, row.local_batch) == (8, 16, 8, 32)
     cluster = bench.cluster_of(row)
-    # the 126 identical blocks from a trace of two (identical blocks cost the same: as tracing
-    # all of them gives, in a fraction of the time; tests/unit/cost/test_published.py does the same)
-    two = workload_for_model(bench.MODELS[row.model].replace("layers=126", "layers=2"), cluster, seq=row.seq)
-    head, block, tail = two.layers[0], two.layers[1], two.layers[-1]
-    chain = [head] + [dataclasses.replace(block, name=f"layers.{i}") for i in range(126)] + [tail]
-    work = Workload(two.model, chain, two.dims, two.source)
+    work = _chain_of(bench, row, cluster)
+    assert len(work) == 128
     plan = bench.published_plan(row, work)
     result = simulate(plan, work, cluster, bench.cost_options(row))
     stage = result.stages[1]
@@ -132,3 +142,28 @@ def test_meta_405b_second_rank_holds_141_layer_microbatches_of_fused_activations
     held = simulate(bench.published_plan(row, work, pp_shard_grads=False), work, cluster, bench.cost_options(row))
     assert held.stages[1].memory["grads"] == pytest.approx(2 * weights)  # unsharded fp32 (torch pipelining's FSDP2)
     assert held.stages[1].memory["total"] - stage.memory["total"] == pytest.approx(2 * weights * 63 / 64, rel=0.01)
+
+
+def test_nemo_llama3_8b_cp2_row_fits_with_its_bf16_gradients_and_not_with_fp32(bench):
+    """NeMo's Llama 3 8B row (n4: 8 GPUs, CP 2, GBS 128, MBS 1) ran, so it must fit: its
+    performance script holds and reduces gradients in bf16 (``grad_reduce_in_fp32 = False``).
+    Priced that way the row is feasible; with fp32 gradients held (as torchtitan's and Meta's
+    rows reduce) the 2 extra bytes per parameter push it over the device."""
+    rows = {r.key: r for r in bench.published_rows() if r.system == "nemo"}
+    assert sorted(rows) == [f"n{i}" for i in range(1, 8)]
+    n7 = rows["n7"]
+    assert (n7.local_batch, n7.microbatch, n7.num_microbatches) == (128, 2, 64)  # GBS 2048 over DP 16
+    row = rows["n4"]
+    cluster = bench.cluster_of(row)
+    work = _chain_of(bench, row, cluster)
+    plan = bench.published_plan(row, work)
+    assert (plan.cp, plan.dp, plan.zero, plan.microbatch_size, plan.num_microbatches) == (2, 4, 1, 1, 32)
+    options = bench.cost_options(row)
+    assert options.reduce_dtype_bytes() == 2 and plan.kernels == "fused" and plan.float8
+    result = simulate(plan, work, cluster, options)
+    params = result.stages[0].num_params
+    assert result.stages[0].memory["grads"] == pytest.approx(2 * params)  # ZeRO-1: whole, bf16
+    assert result.feasible
+    fp32 = simulate(plan, work, cluster, dataclasses.replace(options, reduce_bytes=4))
+    assert fp32.stages[0].memory["grads"] == pytest.approx(4 * params)
+    assert not fp32.feasible
