@@ -4,7 +4,9 @@ the score matrix a fused kernel computes over it (``docs/cost_model.md``, "Slidi
 The zoo's windowed attention passes SDPA a band mask made by ``models.layers.sliding_window_mask``
 (a leaf call whose literal argument is the window). A fused kernel with a window (FlashAttention-2's
 ``window_size``, cuDNN's sliding window) skips the tiles outside the band and keeps no mask, so the
-cost model prices the band's scores and the q, k, v bytes alone.
+cost model prices the band's scores and the q, k, v bytes alone. Also: the share of the score
+matrix one rank computes with or without context parallelism (``attention_work``), and the
+softmax of an attention core that materialises its scores (``materialised_score_seconds``).
 """
 
 from __future__ import annotations
@@ -45,3 +47,39 @@ def window_share(seq: int, window: int) -> float:
         return 1.0
     w = min(window, seq)
     return (w * (w + 1) / 2 + (seq - w) * w) / (seq * seq)
+
+
+def attention_work(seq: int, cp: int, causal: bool) -> float:
+    """Share of the full ``seq x seq`` score matrix one rank's attention kernel computes.
+
+    Without context parallelism: all of it for non-causal attention (or the math path), the
+    lower triangle with its diagonal, ``(s + 1) / 2s``, for a causal fused kernel (flash skips
+    the masked tiles). Under ``cp`` ranks, as the runtime runs it (``apply.context_parallel``:
+    chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp``, each attending under an explicit causal mask
+    to the keys up to its end): ``(2 cp + 1) c^2`` scores per rank with ``c = s / 2 cp``, i.e.
+    ``(2 cp + 1) / (4 cp^2)`` of the matrix (the masked kernel computes its diagonal chunks
+    whole)."""
+    if cp > 1:
+        return (2 * cp + 1) / (4 * cp * cp)
+    if causal and seq > 0:
+        return (seq + 1) / (2 * seq)
+    return 1.0
+
+
+# An attention core without a fused kernel (attention="traced": the math path of PyTorch's SDPA,
+# Megatron-LM before flash attention) materialises the score matrix S = QK^T and its softmax P:
+# the QK^T GEMM writes S and the PV GEMM reads P (two passes, added to the GEMMs' bytes), and a
+# separate softmax kernel reads S and writes P (two passes) at about five vector FLOPs per score
+# (scale, mask, max, exp, normalise). Backward costs backward_factor x forward, as for every op.
+SCORE_GEMM_PASSES = 2
+SOFTMAX_PASSES = 2
+SOFTMAX_FLOPS_PER_SCORE = 5.0
+
+
+def materialised_score_seconds(timing, scores: float, score_bytes: float) -> float:
+    """Forward seconds of the softmax kernel over a materialised score matrix of ``scores``
+    elements and ``score_bytes`` bytes (see the constants above); the GEMMs' score traffic is
+    charged on the attention node itself."""
+    if scores <= 0:
+        return 0.0
+    return timing.op_seconds(SOFTMAX_FLOPS_PER_SCORE * scores, SOFTMAX_PASSES * score_bytes, False)

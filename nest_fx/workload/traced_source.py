@@ -18,9 +18,15 @@ from typing import Dict, List, Optional, Tuple
 from nest_fx.graph.context_sites import attention_sites, blocks_without_attention
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.graph.tp_inputs import ColumnInputs
-from nest_fx.workload.attention_share import window_share
+from nest_fx.workload.attention_share import (
+    SCORE_GEMM_PASSES,
+    attention_work,
+    materialised_score_seconds,
+    window_share,
+)
 from nest_fx.workload.block_facts import LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
 from nest_fx.workload.block_collectives import vocab_parallel_nodes
+from nest_fx.workload.expert_gemms import ep_shaped_times, has_expert_matmuls
 from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times, norm_kernel_problem
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
 from nest_fx.workload.kernels import kernel_backend
@@ -54,7 +60,7 @@ class TracedSource:
         self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
         self._cp_reason: Optional[str] = None  # cp_problem's verdict without the degree, once known
         self._node_seconds: Dict[tuple, List[float]] = {}  # _analytical's, per (block, tp, mbs, sp, cp)
-        self._kept: Dict[tuple, tuple] = {}  # _kept_bytes', per (block, tp, mbs, sp, cp)
+        self._kept: Dict[tuple, tuple] = {}  # _kept_bytes', per (block, tp, mbs, sp, cp, ep shape)
         self._reset_memos()
 
     def _reset_memos(self) -> None:
@@ -63,6 +69,7 @@ class TracedSource:
         self._params: Dict[tuple, tuple] = {}  # RuntimeCosts.param_counts per (block, tp, ep)
         self._blocks: Dict[tuple, object] = {}  # the graph's block per (signature, kind)
         self._fused: Dict[tuple, list] = {}  # fused_nodes per (block, tp, sp)
+        self._ep_shaped: Dict[int, bool] = {}  # has_expert_matmuls per block
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -162,10 +169,13 @@ class TracedSource:
         tokens = scale / cp  # a context-parallel rank holds 1/cp of every sequence
         sp = sp and block.kind == "block"  # the head and the tail see full sequences
         lp = lp and tp > 1 and block.kind == "tail"
-        kept_key = (block.index, tp, mbs, sp, cp)  # the node times and kept bytes: the same for every EP degree and lp
+        if block.index not in self._ep_shaped:
+            self._ep_shaped[block.index] = has_expert_matmuls(facts.nodes)
+        ep_shape = ep if self._ep_shaped[block.index] else 1  # the node times: per EP degree where experts are
+        kept_key = (block.index, tp, mbs, sp, cp, ep_shape)  # ... and the kept bytes; the same for every lp
         hit = self._times.get(kept_key)
         if hit is None:  # (the node times, read only, and their forward and backward sums)
-            times = self.variant_times(block, tp, mbs, sp, cp)
+            times = self.variant_times(block, tp, mbs, sp, cp, ep_shape)
             hit = self._times[kept_key] = (times, sum(t for t, _ in times), sum(tb for _, tb in times))
         times, fwd, bwd = hit
         if kept_key not in self._kept:
@@ -292,14 +302,17 @@ class TracedSource:
                 ]
         return comms
 
-    def variant_times(self, block, tp: int, mbs: int, sp: bool, cp: int = 1) -> List[Tuple[float, float]]:
+    def variant_times(self, block, tp: int, mbs: int, sp: bool, cp: int = 1, ep: int = 1) -> List[Tuple[float, float]]:
         """(forward, backward) seconds of each node for a variant: :meth:`node_times` (the
         analytical model, or measurements in a subclass) at ``cp = 1``, scaled to a context-parallel
         rank's share by the analytical model's own ratio, the RMSNorms the runtime runs as
         ``F.rms_norm`` as one fused op each (``fused_norms``), then under torch.compile / Float8
-        (``runtime_costs``)."""
-        times = self.node_times(block, tp, mbs, sp)
+        (``runtime_costs``); expert matmuls at the shape EP ``ep`` runs them (``expert_gemms``)."""
         nodes = self.facts(block.index).nodes
+        if ep > 1:
+            shares = self.node_shares(block, tp, mbs, sp, cp)
+            return ep_shaped_times(self.timing, nodes, self.variant_times(block, tp, mbs, sp, cp), shares, ep)
+        times = self.node_times(block, tp, mbs, sp)
         if cp > 1:
             base = self._analytical(block, tp, mbs, sp, 1)
             split = self._analytical(block, tp, mbs, sp, cp)
@@ -424,42 +437,6 @@ def expert_tp_collectives(facts: BlockFacts, sp: bool, ep: int) -> List[Tuple[st
 
 def _ratio(base: float, scaled: float) -> float:
     return scaled / base if base > 0 else 0.0
-
-
-def attention_work(seq: int, cp: int, causal: bool) -> float:
-    """Share of the full ``seq x seq`` score matrix one rank's attention kernel computes.
-
-    Without context parallelism: all of it for non-causal attention (or the math path), the
-    lower triangle with its diagonal, ``(s + 1) / 2s``, for a causal fused kernel (flash skips
-    the masked tiles). Under ``cp`` ranks, as the runtime runs it (``apply.context_parallel``:
-    chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp``, each attending under an explicit causal mask
-    to the keys up to its end): ``(2 cp + 1) c^2`` scores per rank with ``c = s / 2 cp``, i.e.
-    ``(2 cp + 1) / (4 cp^2)`` of the matrix (the masked kernel computes its diagonal chunks
-    whole)."""
-    if cp > 1:
-        return (2 * cp + 1) / (4 * cp * cp)
-    if causal and seq > 0:
-        return (seq + 1) / (2 * seq)
-    return 1.0
-
-
-# An attention core without a fused kernel (attention="traced": the math path of PyTorch's SDPA,
-# Megatron-LM before flash attention) materialises the score matrix S = QK^T and its softmax P:
-# the QK^T GEMM writes S and the PV GEMM reads P (two passes, added to the GEMMs' bytes), and a
-# separate softmax kernel reads S and writes P (two passes) at about five vector FLOPs per score
-# (scale, mask, max, exp, normalise). Backward costs backward_factor x forward, as for every op.
-SCORE_GEMM_PASSES = 2
-SOFTMAX_PASSES = 2
-SOFTMAX_FLOPS_PER_SCORE = 5.0
-
-
-def materialised_score_seconds(timing, scores: float, score_bytes: float) -> float:
-    """Forward seconds of the softmax kernel over a materialised score matrix of ``scores``
-    elements and ``score_bytes`` bytes (see the constants above); the GEMMs' score traffic is
-    charged on the attention node itself."""
-    if scores <= 0:
-        return 0.0
-    return timing.op_seconds(SOFTMAX_FLOPS_PER_SCORE * scores, SOFTMAX_PASSES * score_bytes, False)
 
 
 def workload_from_graph(
