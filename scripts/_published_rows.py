@@ -1,7 +1,6 @@
 """The published runs' data for ``bench_published.py``: each row's measurement and configuration
-(``Row``, ``published_rows``), the models they ran (``MODELS``) and the clusters they ran on
-(``grand_teton``: torchtitan's H100 hosts; ``meta_h100``: Meta's Llama 3 cluster; ``trainy_h200``:
-Trainy's H200 hosts).
+(``Row``, ``published_rows``) and the models they ran (``MODELS``); the clusters they ran on are in
+``_published_clusters.py``.
 
 Imported by ``bench_published.py`` (which re-exports these names) and by the tests of the cost
 model's published-run terms; the sources are described in ``bench_published.py``'s docstring.
@@ -11,14 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional
-
-from nest_fx.cluster import Cluster
-
-try:
-    from nest_fx.cluster.presets import H100_NVLINK_BUS_BANDWIDTH
-except ImportError:  # the cost model before the constant (--before-commit) is costed on the same clusters
-    H100_NVLINK_BUS_BANDWIDTH = 360e9
-
 
 GiB = 2**30
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)"
@@ -30,6 +21,10 @@ NEMO_SOURCE = (
     "NVIDIA NeMo Framework 24.12 user guide, Performance Benchmarks, pre-training at FP8 (DGX H100; "
     "docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_summary.html)"
 )
+AUTOMODEL_SOURCE = (
+    "NVIDIA NeMo AutoModel performance summary, pre-training on DGX-H100 in BF16 (NVIDIA-NeMo/Automodel "
+    "docs/performance-summary.md) with its config examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml"
+)
 LLAMA3_SOURCE = "Grattafiori et al. 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B pre-training, H100 80 GB)"
 MODELS = {
     "8b": "llama:hidden=4096,layers=32,heads=32,kv=8,ffn=14336,vocab=128256,rope_theta=500000",
@@ -40,6 +35,9 @@ MODELS = {
     "l2-70b": "llama:hidden=8192,layers=80,heads=64,kv=8,ffn=28672,vocab=32000",
     "70b-l3": "llama3-70b",
     "gpt3-175b": "gpt3-175b",
+    # Qwen3-30B-A3B (its HF config): the per-head q/k RMSNorms are not modelled (2 x 128 weights a layer)
+    "qwen3-30b-a3b": "llama:hidden=2048,layers=48,heads=32,kv=4,head_dim=128,vocab=151936,experts=128,topk=8,"
+    "moe_ffn=768,rope_theta=1000000,norm_eps=0.000001",
 }
 
 
@@ -82,6 +80,8 @@ class Row:
     allocator_segments: str = "expandable"
     microbatch: int = 0  # sequences per microbatch where the source states it (NeMo's MBS); 0: derived
     reduce_bytes: int = 4  # bytes per gradient element held and reduced (NeMo's rows: bf16)
+    ep: int = 1  # expert-parallel degree (inside the data-parallel ranks)
+    precision: str = ""  # the plan's precision where the row's dtypes are that setting's; '': the cost options'
 
     @property
     def global_batch(self) -> int:
@@ -137,7 +137,7 @@ class Row:
         its output, as apex's memory-efficient norms do (Megatron-LM's --memory-efficient-layer-norm).
         Costed with the norms keeping their input instead (``fused``), m1 / m3 need 77.3 / 77.9 GiB
         of 79.2 (docs/cost_model.md, "Seventh run")."""
-        if self.system == "nemo":
+        if self.system in ("nemo", "automodel"):
             return ""  # Transformer Engine's fused RMSNorm keeps its input and rstd, as F.rms_norm does
         return "model" if self.system == "torchtitan" else "memory-efficient"
 
@@ -340,6 +340,38 @@ def published_rows() -> List[Row]:
                 reduce_bytes=2,
             )
         )
+    # AutoModel's MoE row (AUTOMODEL_SOURCE): Qwen3-30B-A3B on one DGX H100, BF16, 12,040 tokens/s
+    # per GPU (21.77 s a step). Stated in the table and its config: GBS 512, local batch 4 (16
+    # accumulation steps), sequence 4096, EP 8 inside FSDP 8, no TP / PP / CP; Transformer Engine
+    # attention, linears and RMSNorm (``fused``), DeepEP's dispatch, activation checkpointing of
+    # whole blocks (``full``), torch.optim.Adam; FSDP2 with reshard_after_forward=False (its MoE
+    # parallelizer's default: ZeRO-2); a balanced stand-in gate (``fake_balanced_gate``: every
+    # expert gets its share, the zoo MoE at capacity 1). Assumed (not stated): parameters in the HF
+    # config's bf16, so Adam's states are bf16 too (``bf16-true``); the loss as nest-fx's eager one
+    # (their MaskedCrossEntropy without fp32 upcast keeps less); the all-to-all as nest-fx's runtime
+    # sends its capacity buffer (DeepEP sends a token once per destination rank).
+    rows.append(
+        Row(
+            "a1",
+            "AutoModel",
+            "qwen3-30b-a3b 8 GPUs EP 8 FSDP 8 GBS 512 MBS 4 seq 4096",
+            "qwen3-30b-a3b",
+            8,
+            4096,
+            64,
+            12040,
+            0.0,
+            fsdp=8,
+            recompute="full",
+            system="automodel",
+            backend="fused",
+            zero=2,
+            hardware="dgx-h100",
+            microbatch=4,
+            ep=8,
+            precision="bf16-true",
+        )
+    )
     # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on
     # H100 80 GB (700 W), BF16, TP 8 x CP x PP 16 x DP; batch size per DP replica; TFLOP/s per GPU.
     # Stated there: interleaved pipeline schedule, FSDP sharding optimizer states and gradients
@@ -387,83 +419,3 @@ def published_rows() -> List[Row]:
             )
         )
     return rows
-
-
-def meta_h100(gpus: int):
-    """Meta's Llama 3 cluster (Grattafiori et al. 2024, sec. 3.3.1): 8 H100 SXM (80 GB HBM3,
-    700 W) per server on NVLink (at NCCL's bus bandwidth, ``H100_NVLINK_BUS_BANDWIDTH``), RoCE at
-    400 Gb/s (50 GB/s: the line rate; NCCL's 47 GB/s figure is InfiniBand NDR's, not stated for RoCE)
-    per GPU inside a 3,072-GPU pod, 1:7 oversubscribed between pods; SXM peaks
-    (NVIDIA's datasheet), 79.2 GiB as PyTorch reports it."""
-    levels = [
-        {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
-        {"name": "pod", "group_size": min(3072, gpus), "bandwidth": 50e9, "latency": 1e-5},
-    ]
-    if gpus > 3072:
-        levels.append(
-            {"name": "cluster", "group_size": -(-gpus // 3072) * 3072, "bandwidth": 50e9 / 7, "latency": 2e-5}
-        )
-    return Cluster.from_dict(
-        {
-            "format": "nest-fx-cluster/1",
-            "name": "meta-h100",
-            "num_devices": gpus,
-            "device": {
-                "name": "H100-SXM-80GB",
-                "memory_bytes": 85_031_714_816,
-                "mem_bandwidth": 3.35e12,
-                "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
-            },
-            "levels": levels,
-        }
-    )
-
-
-def cluster_of(row: "Row"):
-    """The row's cluster."""
-    if row.system == "llama3":
-        return meta_h100(row.gpus)
-    if row.system == "nemo":
-        return Cluster.preset("dgx-h100", row.gpus)
-    return trainy_h200(row.gpus) if row.hardware == "h200" else grand_teton(row.gpus)
-
-
-def trainy_h200(gpus: int):
-    """Trainy's hosts (TRAINY_SOURCE): 8 H200 SXM per host on NVLink, 400 Gb/s (ConnectX-7) per GPU
-    between hosts (``_hosts_of_eight``); the H200 SXM datasheet (the H100 SXM's dense peaks, 141 GB
-    HBM3e at 4.8 TB/s; 140 GiB as the dgx-h200 preset reads the card). Written out, not the preset,
-    so that a cost model from before the preset (``--before-commit``) costs the same cluster."""
-    device = {
-        "name": "H200-SXM-141GB",
-        "memory_bytes": 140 * GiB,
-        "mem_bandwidth": 4.8e12,
-        "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
-    }
-    return _hosts_of_eight("trainy-h200", gpus, device)
-
-
-def grand_teton(gpus: int):
-    """The source's cluster: 8 H100 per host on NVLink, 400 Gb/s per GPU between hosts
-    (``_hosts_of_eight``), 95 GiB and 2.4 TB/s per GPU, the SXM/NVL midpoint peaks."""
-    device = {
-        "name": "H100-96GB-HBM2e-500W",
-        "memory_bytes": 95 * GiB,
-        "mem_bandwidth": 2.4e12,
-        "peak_flops": {"bf16": 912e12, "fp16": 912e12, "fp32": 62e12, "fp8": 1825e12},
-    }
-    return _hosts_of_eight("grand-teton-h100", gpus, device)
-
-
-def _hosts_of_eight(name: str, gpus: int, device: dict):
-    """``gpus`` GPUs in hosts of 8 on NVLink4 (450 GB/s per GPU per direction, of which NCCL reaches
-    ``H100_NVLINK_BUS_BANDWIDTH``), 400 Gb/s (50 GB/s, the line rate) RDMA per GPU between hosts,
-    racks of 32 under a spine at the same rate."""
-    levels = [
-        {"name": "node", "group_size": 8, "bandwidth": H100_NVLINK_BUS_BANDWIDTH, "latency": 5e-6},
-        {"name": "rack", "group_size": 32, "bandwidth": 50e9, "latency": 1e-5},
-    ]
-    if gpus > 32:
-        levels.append({"name": "spine", "group_size": -(-gpus // 32) * 32, "bandwidth": 50e9, "latency": 1.5e-5})
-    return Cluster.from_dict(
-        {"format": "nest-fx-cluster/1", "name": name, "num_devices": gpus, "device": device, "levels": levels}
-    )

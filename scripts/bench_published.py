@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Published training runs (torchtitan, NeMo, Meta's Llama 3) against nest-fx's predictions, before and after.
+"""Published training runs (torchtitan, NeMo, AutoModel, Meta's Llama 3) against nest-fx's predictions, before and after.
 
 Source of rows t1-t6: the torchtitan team's H100 benchmark of Llama 3.1 8B / 70B / 405B,
 ``benchmarks/llama3_h100_202412_torchtitan.md`` in github.com/pytorch/torchtitan (torch 1963fc8,
@@ -36,28 +36,26 @@ segments (their command runs torchrun directly, not ``run_train.sh``, which sets
 segments); SDPA's FlashAttention-2 (cuDNN became SDPA's default on Hopper in torch 2.9, PR #162073);
 their hosts' NVLink and 400 Gb/s per GPU as ``trainy_h200`` writes them.
 
-Rows n1-n7 (held out): NVIDIA NeMo 24.12's FP8 pre-training table on DGX H100, the dense Llama 2,
-Llama 3 and GPT-3 175B rows (GPUs, GBS, MBS, sequence, TP, PP, CP, VP and tokens/s per GPU stated;
-no memory figure: they ran, so they must fit), costed with the ``fused`` backend and Float8,
-ZeRO-1, bf16 gradients (NeMo's performance script for the Llama 3 8B row:
-``grad_reduce_in_fp32 = False``), pipeline outputs freed after their send, no recompute and TP
-communication exposed (both assumed, not stated); ``published_rows`` has the details.
+Held out too, with no memory figure (they ran, so they must fit): rows n1-n7, NeMo 24.12's dense FP8
+rows on DGX H100 (``fused``, Float8, ZeRO-1, bf16 gradients as NeMo's llama3_8b.py script sets them;
+no recompute and TP communication exposed assumed), and row a1, AutoModel's BF16 Qwen3-30B-A3B run
+with EP 8 (its config's settings; bf16 parameters and Adam states assumed). ``published_rows`` has
+what is stated and what is assumed for each.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
-``fused`` kernel backend; their cluster and what is assumed are in ``published_rows`` and
-``meta_h100`` (``_published_rows.py``, with the other rows and clusters): 8 model chunks of one
-layer per rank (derived from the paper's stage split, see ``published_rows``), microbatch 1 (32,
-16, 16 microbatches), ZeRO-2 with gradients reduce-scattered in fp32 after every microbatch and
-accumulated sharded (``pp_shard_grads``; stated: "we shard ... gradients", sec. 3.3.2, fp32
-reduction and accumulation, sec. 3.3.4), RMSNorms keeping their output, not their input
-(``norm_kernel=memory-efficient``; derived from the stage inputs the paper deallocates, see
-``Row.norm_kernel``). Their TFLOP/s are compared with the cost model's model
-FLOPs, which count attention whole (non-causal), as PaLM's MFU does (Chowdhery et al. 2022, app.
+``fused`` kernel backend; what is assumed is in ``published_rows``, their cluster in ``meta_h100``
+(``_published_clusters.py``): 8 model chunks of one layer per rank (derived from the paper's stage
+split, see ``published_rows``), microbatch 1 (32, 16, 16 microbatches), ZeRO-2 with gradients
+reduce-scattered in fp32 after every microbatch and accumulated sharded (``pp_shard_grads``;
+stated: "we shard ... gradients", sec. 3.3.2, fp32 reduction and accumulation, sec. 3.3.4),
+RMSNorms keeping their output, not their input (``norm_kernel=memory-efficient``; derived from the
+stage inputs the paper deallocates, see ``Row.norm_kernel``). Their TFLOP/s are compared with the
+cost model's model FLOPs, which count attention whole (non-causal), as PaLM's MFU does (Chowdhery et al. 2022, app.
 B: 6 N + 12 L H Q T per token); counted as 6 N alone (the paper's 3.8 x 10^25 training FLOPs are
 6 x 405B x 15.6T tokens) m1 / m2 / m3 would be -11.5 / -10.4 / -26.7% instead. Every row
 names its kernel backend (``nest_fx.workload.kernels``). Gradients are reduced in fp32 on every
-row (torchtitan's default ``mixed_precision_reduce``; Meta's sec. 3.3.4).
+row but NeMo's (torchtitan's default ``mixed_precision_reduce``; Meta's sec. 3.3.4).
 
 Targets (issue 26): bf16 rows within 10% in throughput, all rows 15%; no published configuration
 infeasible; every row expressible; the planner never slower than the published configuration.
@@ -90,9 +88,9 @@ from nest_fx.workload import workload_for_model
 
 from _bench_common import write_json
 
-# the rows and clusters live in _published_rows.py; tests/unit/cost/test_published_memory.py reads
-# published_rows, cluster_of and MODELS from this module
+# the rows and clusters live in _published_rows.py, _published_clusters.py; the tests read them from here
 from _published_rows import (
+    AUTOMODEL_SOURCE,
     GiB,
     LLAMA3_SOURCE,
     MODELS,
@@ -100,9 +98,9 @@ from _published_rows import (
     SOURCE,
     TRAINY_SOURCE,
     Row,
-    cluster_of,
     published_rows,
 )
+from _published_clusters import cluster_of
 
 
 _WORKLOADS: Dict[tuple, object] = {}
@@ -133,6 +131,10 @@ def published_plan(row: Row, work, **overrides):
         compile=row.compile,
         float8=row.float8,
     )
+    if row.ep > 1:
+        fields["ep"] = row.ep
+    if row.precision and hasattr(Plan, "precision"):
+        fields["precision"] = row.precision  # a cost model before the setting costs the cost options' bytes
     if row.backend:
         fields["kernels"] = row.backend
     if row.attention_kernel and hasattr(Plan, "attention_kernel"):
@@ -149,7 +151,7 @@ def published_plan(row: Row, work, **overrides):
     recompute = fields.pop("recompute", row.recompute)
     if row.system == "llama3":
         split = even_split(work, row.pp, lighter_ends=True)
-    elif row.system == "nemo":
+    elif row.system in ("nemo", "automodel"):
         split = even_split(work, row.pp)  # Megatron: the layers evenly, embedding first, output last
     else:
         split = block_split(work, row.pp) or even_split(work, row.pp)
@@ -280,6 +282,7 @@ def run_planner(row: Row, budget: float) -> dict:
         float8=row.float8,
         use_all_devices=True,
         **({"pp_shard_grads": True} if row.pp_shard_grads else {}),
+        **({"precision": row.precision} if row.precision else {}),
         cost=cost_options(row),
         kernels=row.backend or None,
         attention_kernel=row.attention_kernel or None,
@@ -293,6 +296,7 @@ def run_planner(row: Row, budget: float) -> dict:
     p = found.plan
     what = (
         f"pp={p.pp} dp={p.dp} tp={p.stages[0].tp} cp={p.cp} zero={p.zero}"
+        + (f" ep={p.ep}" if p.ep > 1 else "")
         + (f" dp_shard={p.dp_shard}" if p.dp_shard else "")
         + (" pp_shard_grads" if getattr(p, "pp_shard_grads", False) and p.pp > 1 and p.zero >= 2 else "")
         + f" mbs={p.microbatch_size} {p.schedule}"
@@ -343,9 +347,10 @@ def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
 
 def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
     lines = [
-        f"Sources: {SOURCE}; {TRAINY_SOURCE} (rows w); {NEMO_SOURCE} (rows n); {LLAMA3_SOURCE}. Throughput is tokens/s per GPU "
-        "(torchtitan, NeMo) or model TFLOP/s per GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's "
-        "figure; NeMo and Llama 3 publish none, their rows check feasibility). Each row names its kernel backend.",
+        f"Sources: {SOURCE}; {TRAINY_SOURCE} (rows w); {NEMO_SOURCE} (rows n); {AUTOMODEL_SOURCE} (row a); "
+        f"{LLAMA3_SOURCE}. Throughput is tokens/s per GPU (torchtitan, NeMo, AutoModel) or model TFLOP/s per "
+        "GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's figure; NeMo, AutoModel and Llama 3 "
+        "publish none, their rows check feasibility). Each row names its kernel backend.",
         "",
         "| row | configuration | published | GiB | before | err | before GiB | err | "
         "after | err | after GiB | err | planner tok/s | planner plan |",
@@ -400,7 +405,9 @@ def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], pl
     out = {}
     groups = [("bf16", [r for r in rows if r.bf16]), ("all", rows)]
     groups += [(f"kernels_{k}", [r for r in rows if r.kernels == k]) for k in ("eager", "compile", "fused")]
-    groups += [(f"system_{s}", [r for r in rows if r.system == s]) for s in ("torchtitan", "nemo", "llama3")]
+    groups += [
+        (f"system_{s}", [r for r in rows if r.system == s]) for s in ("torchtitan", "nemo", "automodel", "llama3")
+    ]
     for name, subset in groups:
         if not subset:
             continue
@@ -469,15 +476,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
         fh.write(
-            "# Published runs (torchtitan's Llama 3.1 on H100 and H200; NeMo's FP8 runs on DGX H100; Meta's "
-            "Llama 3) against nest-fx\n\n"
+            "# Published runs (torchtitan's Llama 3.1 on H100 and H200; NeMo's FP8 and AutoModel's MoE runs on "
+            "DGX H100; Meta's Llama 3) against nest-fx\n\n"
             "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
             "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n"
         )
     write_json(
         os.path.join(args.out, "bench_published.json"),
         {
-            "source": [SOURCE, TRAINY_SOURCE, NEMO_SOURCE, LLAMA3_SOURCE],
+            "source": [SOURCE, TRAINY_SOURCE, NEMO_SOURCE, AUTOMODEL_SOURCE, LLAMA3_SOURCE],
             "rows": [r.__dict__ for r in rows],
             "before": before,
             "after": after,

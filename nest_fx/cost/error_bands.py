@@ -4,7 +4,7 @@ the published runs ``scripts/bench_published.py`` checks (``results/bench_publis
 A band is the largest relative error of the predicted throughput against the published one over
 a set of rows (rounded up to a whole percent): a backend's over its rows that use none of the
 features below; a feature's (in the order ``float8``, context parallelism ``cp``, tensor
-parallelism ``tp``, pipelining ``pp``) over the rows that use it and no feature later in that
+parallelism ``tp``, expert parallelism ``ep``, pipelining ``pp``) over the rows that use it and no feature later in that
 order, so every published row is covered by the band of its last feature. A plan's band is the
 widest of its backend's and of each feature it uses. A backend no published run checks has no
 band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/unit/cost/test_error_bands.py``
@@ -57,6 +57,7 @@ FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it
         0.52, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
     ),
     "tp": ErrorBand(0.11, "torchtitan 70B TP rows t4.1, t4.2"),
+    "ep": ErrorBand(0.21, "AutoModel Qwen3-30B-A3B row a1 (EP 8 x FSDP 8, DGX H100, bf16)"),
     "pp": ErrorBand(
         0.69, "pipelined rows t5, t6 (torchtitan 405B), m1-m3 (Llama 3 405B), n2, n3, n5-n7 (NeMo Llama, GPT-3)"
     ),
@@ -65,7 +66,8 @@ FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it
 
 def plan_features(plan) -> List[str]:
     """The features of ``plan`` that have bands of their own (FEATURE_BANDS keys)."""
-    used = {"float8": plan.float8, "cp": plan.cp > 1, "tp": max(s.tp for s in plan.stages) > 1, "pp": plan.pp > 1}
+    tp = max(s.tp for s in plan.stages) > 1
+    used = {"float8": plan.float8, "cp": plan.cp > 1, "tp": tp, "ep": plan.ep > 1, "pp": plan.pp > 1}
     return [name for name, on in used.items() if on]
 
 

@@ -24,7 +24,13 @@ RESULTS = os.path.join(ROOT, "results", "bench_published.json")
 def _features(row: dict) -> set:
     return {
         name
-        for name, on in (("float8", row["float8"]), ("cp", row["cp"] > 1), ("pp", row["pp"] > 1), ("tp", row["tp"] > 1))
+        for name, on in (
+            ("float8", row["float8"]),
+            ("cp", row["cp"] > 1),
+            ("pp", row["pp"] > 1),
+            ("tp", row["tp"] > 1),
+            ("ep", row.get("ep", 1) > 1),
+        )
         if on
     }
 
@@ -54,7 +60,7 @@ def test_every_band_covers_the_published_rows_it_names():
             continue
         assert rows and max(rows) <= band.rel, name
     order = list(FEATURE_BANDS)
-    assert order == ["float8", "cp", "tp", "pp"]
+    assert order == ["float8", "cp", "tp", "ep", "pp"]
     for k, (name, band) in enumerate(FEATURE_BANDS.items()):
         rows = [e for row, e in errors if name in _features(row) and not _features(row) & set(order[k + 1 :])]
         assert rows and max(rows) <= band.rel, name
@@ -69,6 +75,7 @@ def test_a_plans_band_is_the_widest_of_its_backend_and_features():
     )
     assert error_band(dataclasses.replace(plan, kernels="fused")).rel is None  # no published fused run checks it
     assert error_band(uniform_plan(4, pp=2, tp=2, dp=2)).rel == max(FEATURE_BANDS["pp"].rel, FEATURE_BANDS["tp"].rel)
+    assert error_band(uniform_plan(4, dp=8, ep=8)).rel == FEATURE_BANDS["ep"].rel  # wider than eager's
 
 
 @pytest.mark.parametrize(

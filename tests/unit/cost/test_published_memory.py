@@ -167,3 +167,22 @@ def test_nemo_llama3_8b_cp2_row_fits_with_its_bf16_gradients_and_not_with_fp32(b
     fp32 = simulate(plan, work, cluster, dataclasses.replace(options, reduce_bytes=4))
     assert fp32.stages[0].memory["grads"] == pytest.approx(4 * params)
     assert not fp32.feasible
+
+
+def test_automodel_moe_row_fits_only_with_its_assumed_bf16_states(bench):
+    """AutoModel's Qwen3-30B-A3B row (a1) ran on 8 H100s, EP 8 inside FSDP 8, and publishes no
+    memory: priced with bf16 parameters and Adam states (its HF config's dtype: ``bf16-true``, the
+    row's stated assumption) it fits; with fp32 masters and states (``bf16-mixed``) the 30.5 B
+    parameters' 12 bytes over 8 ranks alone are 42.7 GiB and it does not."""
+    row = next(r for r in bench.published_rows() if r.key == "a1")
+    cluster = bench.cluster_of(row)
+    work = _chain_of(bench, row, cluster)
+    plan = bench.published_plan(row, work)
+    assert (plan.ep, plan.dp, plan.zero, plan.precision, plan.kernels) == (8, 8, 2, "bf16-true", "fused")
+    assert (plan.microbatch_size, plan.num_microbatches, plan.stages[0].recompute) == (4, 16, "full")
+    fits = simulate(plan, work, cluster, bench.cost_options(row))
+    assert fits.feasible
+    assert fits.stages[0].memory["optimizer"] == pytest.approx(4 * work.num_params / 8, rel=0.01)
+    mixed = simulate(dataclasses.replace(plan, precision="bf16-mixed"), work, cluster, bench.cost_options(row))
+    assert mixed.stages[0].memory["optimizer"] == pytest.approx(12 * work.num_params / 8, rel=0.01)
+    assert not mixed.feasible
