@@ -1,7 +1,8 @@
 """Cluster: the devices and the network a plan runs on.
 
 ``spec`` (a device type on a hierarchy of network levels, ``format: nest-fx-cluster/1``),
-``hardware`` (its device type and network levels), ``fields`` (their field checks),
+``hardware`` (its device type and network levels), ``kernel_rates`` (a device's measured kernel
+rates), ``fields`` (their field checks),
 ``quantities`` (``"80GiB"``-style values in files), ``presets`` (named clusters),
 ``hierarchical_collectives`` (the levels' network model), ``ordered`` (a cluster seen under a
 plan's device order), ``topology`` (graph networks of devices, switches and links),
@@ -11,6 +12,7 @@ plan's device order), ``topology`` (graph networks of devices, switches and link
 
 from nest_fx.cluster import presets  # noqa: F401  (fills spec.PRESETS, which Cluster.preset reads)
 from nest_fx.cluster.errors import ClusterError
+from nest_fx.cluster.kernel_rates import KernelRates
 from nest_fx.cluster.load import cluster_spec, load_cluster
 from nest_fx.cluster.ordered import OrderedCluster, is_identity, placed
 from nest_fx.cluster.presets import A100_80GB, H100_SXM
@@ -28,6 +30,7 @@ __all__ = [
     "DeviceSpec",
     "GraphCluster",
     "H100_SXM",
+    "KernelRates",
     "LevelSpan",
     "MAX_DEVICES",
     "NetworkLevel",

@@ -4,21 +4,24 @@ level of the network hierarchy (:class:`NetworkLevel`), each checking its fields
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.fields import check_name, check_positive_int, check_real
+from nest_fx.cluster.kernel_rates import KernelRates
 from nest_fx.common.fileio import brief
 
 
 @dataclass
 class DeviceSpec:
-    """One accelerator: memory capacity (bytes), peak FLOP/s per dtype name, HBM bandwidth (bytes/s)."""
+    """One accelerator: memory capacity (bytes), peak FLOP/s per dtype name, HBM bandwidth (bytes/s),
+    and optionally its measured kernel rates (:class:`KernelRates`; None: the roofline's tables)."""
 
     name: str
     memory_bytes: float
     peak_flops: Dict[str, float]
     mem_bandwidth: float
+    kernel_rates: Optional[KernelRates] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -36,6 +39,22 @@ class DeviceSpec:
             check_name(dtype, f"{prefix}peak_flops key")
             check_real(flops, f"{prefix}peak_flops.{dtype}", strict=True)
         check_real(self.mem_bandwidth, f"{prefix}mem_bandwidth", strict=True)
+        if self.kernel_rates is not None:
+            if not isinstance(self.kernel_rates, KernelRates):
+                raise ClusterError(f"{prefix}kernel_rates: must be a KernelRates, got {brief(self.kernel_rates)}")
+            self.kernel_rates.validate(f"{prefix}kernel_rates.")
+
+    def to_dict(self) -> dict:
+        """The file form (``device`` of a cluster or topology file), numbers in SI units."""
+        out = {
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "mem_bandwidth": self.mem_bandwidth,
+        }
+        if self.kernel_rates is not None:
+            out["kernel_rates"] = self.kernel_rates.to_dict()
+        return out
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (e.g. "bf16"); ClusterError listing the known dtypes otherwise."""

@@ -172,7 +172,9 @@ def _cpu_gloo(devices: int) -> Cluster:
 
 
 def _copy(device: DeviceSpec) -> DeviceSpec:
-    return DeviceSpec(device.name, device.memory_bytes, dict(device.peak_flops), device.mem_bandwidth)
+    return DeviceSpec(
+        device.name, device.memory_bytes, dict(device.peak_flops), device.mem_bandwidth, device.kernel_rates
+    )
 
 
 PRESETS.update(

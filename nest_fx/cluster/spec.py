@@ -30,6 +30,7 @@ from nest_fx.cluster import hierarchical_collectives
 from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.fields import check_keys, check_name, check_positive_int, prefixed
 from nest_fx.cluster.hardware import DeviceSpec, NetworkLevel  # the parts of a Cluster; imported from here too
+from nest_fx.cluster.kernel_rates import KernelRates
 from nest_fx.cluster.quantities import parse_quantity
 from nest_fx.common.fileio import brief, read_document
 from nest_fx.common.limits import MAX_COUNT
@@ -313,12 +314,7 @@ class Cluster:
             "format": CLUSTER_FORMAT,
             "name": self.name,
             "num_devices": self.num_devices,
-            "device": {
-                "name": self.device.name,
-                "memory_bytes": self.device.memory_bytes,
-                "peak_flops": dict(self.device.peak_flops),
-                "mem_bandwidth": self.device.mem_bandwidth,
-            },
+            "device": self.device.to_dict(),
             "levels": [
                 {"name": lv.name, "group_size": lv.group_size, "bandwidth": lv.bandwidth, "latency": lv.latency}
                 for lv in self.levels
@@ -355,7 +351,7 @@ def _cluster_from_dict(data: object) -> Cluster:
     d = check_keys(data, "", ("format", "name", "num_devices", "device", "levels"))
     if d["format"] != CLUSTER_FORMAT:
         raise ClusterError(f"format: must be {CLUSTER_FORMAT!r}, got {brief(d['format'])}")
-    dev = check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"))
+    dev = check_keys(d["device"], "device", ("name", "memory_bytes", "peak_flops", "mem_bandwidth"), ("kernel_rates",))
     flops = dev["peak_flops"]
     if not isinstance(flops, dict) or not flops:
         raise ClusterError(f"device.peak_flops: must be a non-empty mapping dtype -> FLOP/s, got {brief(flops)}")
@@ -368,6 +364,8 @@ def _cluster_from_dict(data: object) -> Cluster:
             mem_bandwidth=parse_quantity(dev["mem_bandwidth"], "B/s", "mem_bandwidth"),
         ),
     )
+    if "kernel_rates" in dev:
+        device.kernel_rates = KernelRates.from_dict(dev["kernel_rates"], "device.kernel_rates")
     if not isinstance(d["levels"], list) or not d["levels"]:
         raise ClusterError("levels: must be a non-empty list of network levels, innermost first")
     levels = []

@@ -98,13 +98,19 @@ class AnalyticalCompute:
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
         """Defaults for a ``DeviceSpec`` (from ``nest_fx.cluster``) and a dtype name. Non-matmul
         ops run at ``vector_fraction`` of the device's fastest (matrix-unit) rate, at most the
-        dtype's own peak (fp32 on a GPU: its fp32 rate)."""
+        dtype's own peak (fp32 on a GPU: its fp32 rate). Attention rates and the GEMM ramp: the
+        device's ``kernel_rates`` where its cluster file sets them, else this module's tables."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
         sdpa = {kernel: (f, b) for kernel, rows in SDPA_ATTENTION.items() for part, f, b in rows if part in device.name}
         fa3 = next(((f, b) for part, f, b in FA3_ATTENTION if part in device.name), None)
+        ramp = next((t for part, t in GEMM_RAMP_S if part in device.name), None)
+        rates = getattr(device, "kernel_rates", None)  # the device's own measured rates replace the tables'
+        if rates is not None:
+            sdpa.update({k: tuple(v) for k, v in rates.attention.items() if k != "fused"})
+            fa3 = tuple(rates.attention["fused"]) if "fused" in rates.attention else fa3
+            ramp = rates.gemm_ramp if rates.gemm_ramp is not None else ramp
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
-        ramp = next((t for part, t in GEMM_RAMP_S if part in device.name), None)
         peak = device.peak(dtype)
         fields = dict(
             peak_flops=peak,

@@ -26,16 +26,10 @@ _TOP_OPTIONAL = ("levels", "measured")
 
 def to_dict(topo: Topology) -> dict:
     """The file form, numbers in SI units; ``weight`` only where it is not 1."""
-    d = topo.device
     out: Dict[str, Any] = {
         "format": TOPOLOGY_FORMAT,
         "name": topo.name,
-        "device": {
-            "name": d.name,
-            "memory_bytes": d.memory_bytes,
-            "peak_flops": dict(d.peak_flops),
-            "mem_bandwidth": d.mem_bandwidth,
-        },
+        "device": topo.device.to_dict(),
         "nodes": {"devices": topo.num_devices, "device_forwarding": topo.device_forwarding, "switches": topo.switches},
         "links": [
             {
