@@ -31,6 +31,8 @@ class TransformerConfig:
     ``head_dim`` (no position) + ``rope_head_dim`` (rotary, shared across heads) for q.k and
     ``v_head_dim`` for values. ``sliding_window > 0``: causal attention over the last
     ``sliding_window`` keys, on every layer or (``global_every = k``) all but every k-th layer.
+    ``rope_fraction < 1``: partial RoPE, rotary positions on the first ``rotary_dim`` dims of each
+    head only (GPT-NeoX / Pythia 0.25, Phi-2 0.4, ChatGLM 0.5).
     ``layer_pattern`` (Nemotron-H's hybrid pattern, repeated to ``layers``): one residual sublayer per
     character, ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` mixture of experts; empty: every
     layer is attention + MLP. ``vocab_multiple`` / ``vocab_tp``: pad the vocabulary to a multiple of
@@ -52,6 +54,7 @@ class TransformerConfig:
     causal: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # share of each head's dims rotary positions rotate (partial RoPE)
     num_experts: int = 0
     top_k: int = 2
     moe_every: int = 1
@@ -153,6 +156,12 @@ class TransformerConfig:
             problems.append(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
         if self.position == "rope" and not self.mla and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for rotary positions")
+        if not 0 < self.rope_fraction <= 1:
+            problems.append(
+                f"rope_fraction must be in (0, 1] (the share of each head rotated), got {self.rope_fraction}"
+            )
+        elif self.position == "rope" and not self.mla and self.head_dim > 0 and self.rotary_dim < 2:
+            problems.append(f"rope_fraction={self.rope_fraction} rotates no pair of head_dim={self.head_dim}")
         if self.mla and (self.rope_head_dim <= 0 or self.rope_head_dim % 2):
             problems.append(f"rope_head_dim={self.rope_head_dim} must be a positive even number with kv_lora_rank > 0")
         if self.q_lora_rank and not self.mla:
@@ -209,6 +218,12 @@ class TransformerConfig:
             and (index - self.dense_layers) % self.moe_every == self.moe_every - 1
         )
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head rotary positions rotate: ``rope_fraction`` of ``head_dim``, rounded
+        down to an even number (GPT-NeoX's ``rotary_pct``, Phi's ``partial_rotary_factor``)."""
+        return 2 * int(self.head_dim * self.rope_fraction // 2)
+
     def window_of(self, index: int) -> int:
         """Sliding window of layer ``index``'s attention (0: full causal attention)."""
         if not self.sliding_window or (self.global_every and index % self.global_every == self.global_every - 1):
@@ -228,6 +243,7 @@ class TransformerConfig:
             "layer_pattern": bool(self.layer_pattern),
             f"activation={self.activation}": self.activation in ("geglu", "relu2"),
             "vocab_multiple/vocab_tp (vocabulary padding)": self.padded_vocab != self.vocab_size,
+            "rope_fraction (partial RoPE)": self.rope_fraction < 1,
         }
         return [name for name, used in checks.items() if used]
 

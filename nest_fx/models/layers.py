@@ -7,6 +7,8 @@ flow); see ``transformer.py`` for the module names they get in a model.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,10 +47,15 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor, seq: int, dtype: torch.dty
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021) with precomputed cos/sin tables."""
+    """Rotary position embedding (Su et al. 2021) with precomputed cos/sin tables, on the first
+    ``rotary_dim`` dims of each head (all of them by default; fewer: partial RoPE, the rest pass
+    through unchanged)."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float):
+    def __init__(self, head_dim: int, max_len: int, theta: float, rotary_dim: Optional[int] = None):
         super().__init__()
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.passed_dim = head_dim - self.rotary_dim  # left unrotated (partial RoPE)
+        head_dim = self.rotary_dim  # the tables and frequencies span the rotated dims
         self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
         self.register_buffer("cos", torch.empty(max_len, (head_dim + 1) // 2, dtype=torch.float32), persistent=False)
         self.register_buffer("sin", torch.empty(max_len, (head_dim + 1) // 2, dtype=torch.float32), persistent=False)
@@ -71,9 +78,10 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [batch, heads, seq, head_dim]
         cos, sin = rope_tables(self.cos, self.sin, x.size(2), x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return rotated.flatten(-2)
+        rot, rest = x.split([self.rotary_dim, self.passed_dim], -1) if self.passed_dim else (x, None)
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        return rotated if rest is None else torch.cat((rotated, rest), dim=-1)
 
 
 @torch.fx.wrap
@@ -107,7 +115,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
-        self.rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.position == "rope" else None
+        self.rotary = (
+            Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rotary_dim) if cfg.position == "rope" else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq = x.size(0), x.size(1)

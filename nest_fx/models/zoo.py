@@ -215,6 +215,7 @@ SPEC_ALIASES = {
     "moe_ffn": "moe_ffn_hidden",
     "q_lora": "q_lora_rank",
     "kv_lora": "kv_lora_rank",
+    "rotary_pct": "rope_fraction",
 }
 
 
@@ -224,7 +225,7 @@ def parse_spec(spec: str) -> TransformerConfig:
     ``gpt:`` starts from GPT-2 style defaults (LayerNorm, GELU, learned positions), ``llama:``
     from Llama defaults (RMSNorm, SwiGLU, RoPE), ``moe:`` from Llama defaults with 8 experts.
     Any ``TransformerConfig`` field may be given; short aliases: vocab, seq, ffn, experts, kv, topk,
-    window, pattern, shared, moe_ffn, q_lora, kv_lora (``llama:...,pattern=M-M*-,...`` builds a hybrid
+    window, pattern, shared, moe_ffn, q_lora, kv_lora, rotary_pct (``llama:...,pattern=M-M*-,...`` builds a hybrid
     Mamba-2 / attention stack, ``kv_lora=512`` multi-head latent attention, ``window=4096`` sliding windows).
     """
     family, _, body = spec.partition(":")

@@ -87,6 +87,7 @@ SHAPES = {
     "mamba_chunk=16,activation=relu2",
     "geglu_padded": f"gpt:{TINY},activation=geglu,vocab_multiple=128,vocab_tp=2",
     "relu2_tied": f"gpt:{TINY},activation=relu2,tie_embeddings=true",
+    "partial_rope": f"llama:{TINY},rotary_pct=0.25,kv=2",
 }
 
 
@@ -213,6 +214,8 @@ def test_mamba_parameter_formula():
         ("llama:kv_lora_rank=8,rope_head_dim=7", "rope_head_dim=7"),
         ("gpt:sliding_window=8,causal=false", "needs causal"),
         ("llama:activation=relu", "activation='relu'"),
+        ("llama:rotary_pct=0", "rope_fraction must be in (0, 1]"),
+        ("llama:hidden=64,heads=16,rotary_pct=0.2", "rope_fraction=0.2 rotates no pair of head_dim=4"),
         ("llama:pattern=M,mamba_heads=6,mamba_groups=4", "mamba_heads=6 is not divisible"),
     ],
 )
@@ -235,6 +238,22 @@ def test_named_shapes_build_on_meta():
     assert get_config("deepseek-v3").is_moe_layer(3) and not get_config("deepseek-v3").is_moe_layer(2)
 
 
+def test_partial_rope_rotates_the_first_dims_and_passes_the_rest():
+    """rope_fraction=0.25 of a 16-dim head: the first 4 dims rotated exactly as a 4-dim rotary
+    would (its own frequencies, GPT-NeoX's rotary_pct), the other 12 unchanged."""
+    from nest_fx.models.layers import Rotary
+
+    torch.manual_seed(0)
+    cfg = parse_spec("llama:hidden=64,heads=4,seq=10,rotary_pct=0.25")
+    assert cfg.rotary_dim == 4 and "rope_fraction (partial RoPE)" in cfg.zoo_only_fields()
+    x = torch.randn(2, 4, 10, 16)
+    partial, whole = Rotary(16, 10, cfg.rope_theta, cfg.rotary_dim), Rotary(4, 10, cfg.rope_theta)
+    out = partial(x)
+    torch.testing.assert_close(out[..., :4], whole(x[..., :4]))
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    assert not torch.allclose(out[..., :4], x[..., :4])
+
+
 # -- the runtime runs them: parallel == single device (fp32, gloo) -----------------------------
 SHARED_MOE = "moe:hidden=64,layers=2,heads=4,seq=32,vocab=128,experts=4,top_k=2,capacity_factor=2.0,shared=1,moe_ffn=32"
 HYBRID = (
@@ -242,6 +261,7 @@ HYBRID = (
     "mamba_state=8,mamba_chunk=8,activation=relu2"
 )
 WINDOWED = "llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128,window=8,head_dim=24,activation=geglu"
+PARTIAL_ROPE = "llama:hidden=64,layers=2,heads=4,kv=2,seq=32,vocab=128,rotary_pct=0.5"
 
 
 @pytest.mark.dist
@@ -262,3 +282,16 @@ def test_shared_experts_under_expert_parallelism():
 )
 def test_hybrid_and_windowed_models_in_parallel(model, plan):
     parity_run(2, model, plan)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "plan",
+    [{"tp": 2, "microbatch_size": 2, "sequence_parallel": True}, {"cp": 2, "microbatch_size": 2}],
+    ids=["tp2-sp", "cp2"],
+)
+def test_partial_rope_in_parallel(plan):
+    """Partial RoPE under TP (heads split, each rotating its first dims) and CP (each rank's
+    positions' rows of the tables): the single-device run's loss and parameters."""
+    parity_run(2, PARTIAL_ROPE, plan)
