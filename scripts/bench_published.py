@@ -63,7 +63,7 @@ infeasible; every row expressible; the planner never slower than the published c
     python scripts/bench_published.py                    # all rows, before and after (~5 min)
     python scripts/bench_published.py --rows t1 --no-before --no-planner
 
-Writes ``OUT/bench_published.{md,json}``.
+Writes ``OUT/bench_published.{md,json,png}`` (the figure: ``plot_published.py``).
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ from _published_rows import (
     published_rows,
 )
 from _published_clusters import cluster_of
+from plot_published import plot as plot_published
 
 
 _WORKLOADS: Dict[tuple, object] = {}
@@ -471,8 +472,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     before = {} if args.no_before else predictions_of(args.before_commit, [r.key for r in rows])
     text = table(rows, before, after, planner)
     stats = summary(rows, before, after, planner)
-    print(text)
-    print(json.dumps(stats, indent=1))
+    print(text + "\n" + json.dumps(stats, indent=1))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
         fh.write(
@@ -481,18 +481,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
             "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n"
         )
-    write_json(
-        os.path.join(args.out, "bench_published.json"),
-        {
-            "source": [SOURCE, TRAINY_SOURCE, NEMO_SOURCE, AUTOMODEL_SOURCE, LLAMA3_SOURCE],
-            "rows": [r.__dict__ for r in rows],
-            "before": before,
-            "after": after,
-            "planner": planner,
-            "summary": stats,
-            "before_commit": args.before_commit,
-        },
-    )
+    data = {
+        "source": [SOURCE, TRAINY_SOURCE, NEMO_SOURCE, AUTOMODEL_SOURCE, LLAMA3_SOURCE],
+        "rows": [r.__dict__ for r in rows],
+        "before": before,
+        "after": after,
+        "planner": planner,
+        "summary": stats,
+        "before_commit": args.before_commit,
+    }
+    write_json(os.path.join(args.out, "bench_published.json"), data)
+    plot_published(data, os.path.join(args.out, "bench_published.png"))  # predicted vs published, log axes
     return 0
 
 
