@@ -4,8 +4,8 @@ the published runs ``scripts/bench_published.py`` checks (``results/bench_publis
 A band is the largest relative error of the predicted throughput against the published one over
 a set of rows (rounded up to a whole percent): a backend's over its rows that use none of the
 features below; a feature's (in the order ``float8``, context parallelism ``cp``, tensor
-parallelism ``tp``, expert parallelism ``ep``, pipelining ``pp``) over the rows that use it and no feature later in that
-order, so every published row is covered by the band of its last feature. A plan's band is the
+parallelism ``tp``, expert parallelism ``ep``, pipelining ``pp``) over the rows that use it and
+no feature later in that order, so every published row is covered by the band of its last feature. A plan's band is the
 widest of its backend's and of each feature it uses. A backend no published run checks has no
 band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/unit/cost/test_error_bands.py``
 checks every band against the benchmark's JSON, so a cost-model change that moves the errors

@@ -53,12 +53,11 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_len: int, theta: float, rotary_dim: Optional[int] = None):
         super().__init__()
-        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        self.passed_dim = head_dim - self.rotary_dim  # left unrotated (partial RoPE)
-        head_dim = self.rotary_dim  # the tables and frequencies span the rotated dims
         self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
-        self.register_buffer("cos", torch.empty(max_len, (head_dim + 1) // 2, dtype=torch.float32), persistent=False)
-        self.register_buffer("sin", torch.empty(max_len, (head_dim + 1) // 2, dtype=torch.float32), persistent=False)
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim  # the tables and frequencies span these
+        half = (self.rotary_dim + 1) // 2
+        self.register_buffer("cos", torch.empty(max_len, half, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, half, dtype=torch.float32), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -69,7 +68,7 @@ class Rotary(nn.Module):
             return
         device = self.cos.device
         inv_freq = 1.0 / (
-            self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
+            self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim)
         )
         angles = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=device), inv_freq)
         self.cos.copy_(angles.cos())
@@ -78,7 +77,8 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [batch, heads, seq, head_dim]
         cos, sin = rope_tables(self.cos, self.sin, x.size(2), x.dtype)
-        rot, rest = x.split([self.rotary_dim, self.passed_dim], -1) if self.passed_dim else (x, None)
+        passed = self.head_dim - self.rotary_dim  # left unrotated (partial RoPE)
+        rot, rest = x.split([self.rotary_dim, passed], -1) if passed else (x, None)
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return rotated if rest is None else torch.cat((rotated, rest), dim=-1)
