@@ -104,7 +104,7 @@ def _simulate_file(path: str, plan: Plan, workload, cluster):
 
 def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
     """``plan`` with torch.compile / Float8 switched on where ``--compile`` / ``--float8`` ask, and
-    the precision, kernel backend, overlap shares and optimizer implementation the flags name
+    the precision, kernel backend, overlap shares, optimizer implementation and expert dispatch the flags name
     (what the plan would cost with them; the file itself is left as it is)."""
     changes = {flag: True for flag in ("compile", "float8") if getattr(args, flag)}
     for s in OPTIONS:  # --precision, --kernels: the plan's own options
@@ -115,8 +115,9 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
         for name in OVERLAPS
         if getattr(args, name, None) is not None
     }
-    if getattr(args, "optimizer_kernel", None):  # --optimizer-kernel: a run option, recorded beside the shares
-        recorded["optimizer_kernel"] = args.optimizer_kernel
+    for name in ("optimizer_kernel", "expert_dispatch", "expert_routing"):  # run options, recorded beside the shares
+        if getattr(args, name, None):
+            recorded[name] = getattr(args, name)
     if recorded:  # costed through the plan's constraints, as a plan made with these flags records them
         data = plan.constraints.to_dict() if plan.constraints else {}
         try:

@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in OVERLAPS:
         add_option_flag(p, name, "cost the plan with this overlap share instead of the plan's: ")
     add_option_flag(p, "optimizer_kernel", "cost the plan with this optimizer implementation instead of the plan's: ")
+    for name in ("expert_dispatch", "expert_routing"):
+        add_option_flag(p, name, "cost the plan's expert all-to-alls so instead of as the plan records: ")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser(

@@ -82,6 +82,8 @@ class Row:
     reduce_bytes: int = 4  # bytes per gradient element held and reduced (NeMo's rows: bf16)
     ep: int = 1  # expert-parallel degree (inside the data-parallel ranks)
     precision: str = ""  # the plan's precision where the row's dtypes are that setting's; '': the cost options'
+    expert_dispatch: str = ""  # what the expert all-to-alls send (DeepEP: per-rank); '': nest-fx's runtime
+    expert_routing: str = ""  # how a token's experts spread over them (the expert_routing setting)
 
     @property
     def global_batch(self) -> int:
@@ -343,13 +345,15 @@ def published_rows() -> List[Row]:
     # AutoModel's MoE row (AUTOMODEL_SOURCE): Qwen3-30B-A3B on one DGX H100, BF16, 12,040 tokens/s
     # per GPU (21.77 s a step). Stated in the table and its config: GBS 512, local batch 4 (16
     # accumulation steps), sequence 4096, EP 8 inside FSDP 8, no TP / PP / CP; Transformer Engine
-    # attention, linears and RMSNorm (``fused``), DeepEP's dispatch, activation checkpointing of
-    # whole blocks (``full``), torch.optim.Adam; FSDP2 with reshard_after_forward=False (its MoE
-    # parallelizer's default: ZeRO-2); a balanced stand-in gate (``fake_balanced_gate``: every
-    # expert gets its share, the zoo MoE at capacity 1). Assumed (not stated): parameters in the HF
-    # config's bf16, so Adam's states are bf16 too (``bf16-true``); the loss as nest-fx's eager one
-    # (their MaskedCrossEntropy without fp32 upcast keeps less); the all-to-all as nest-fx's runtime
-    # sends its capacity buffer (DeepEP sends a token once per destination rank).
+    # attention, linears and RMSNorm (``fused``), DeepEP's dispatch (``enable_deepep``: a token sent
+    # once to each rank owning one of its experts, ``expert_dispatch=per-rank``), activation
+    # checkpointing of whole blocks (``full``), torch.optim.Adam; FSDP2 with
+    # reshard_after_forward=False (its MoE parallelizer's default: ZeRO-2); a balanced stand-in gate
+    # (``fake_balanced_gate``: every expert gets its share, the zoo MoE at capacity 1; without noise,
+    # its FakeBalancedGate gives token t experts 8t ... 8t + 7 mod 128, all on one of the 8 ranks:
+    # ``expert_routing=contiguous``). Assumed (not stated): parameters in the HF config's bf16, so
+    # Adam's states are bf16 too (``bf16-true``); the loss as nest-fx's eager one (their
+    # MaskedCrossEntropy without fp32 upcast keeps less).
     rows.append(
         Row(
             "a1",
@@ -370,6 +374,8 @@ def published_rows() -> List[Row]:
             microbatch=4,
             ep=8,
             precision="bf16-true",
+            expert_dispatch="per-rank",
+            expert_routing="contiguous",
         )
     )
     # Grattafiori et al. 2024 ("The Llama 3 Herd of Models"), Table 4 and sec. 3.3: Llama 3 405B on

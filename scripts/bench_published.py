@@ -39,8 +39,8 @@ their hosts' NVLink and 400 Gb/s per GPU as ``trainy_h200`` writes them.
 Held out too, with no memory figure (they ran, so they must fit): rows n1-n7, NeMo 24.12's dense FP8
 rows on DGX H100 (``fused``, Float8, ZeRO-1, bf16 gradients as NeMo's llama3_8b.py script sets them;
 no recompute and TP communication exposed assumed), and row a1, AutoModel's BF16 Qwen3-30B-A3B run
-with EP 8 (its config's settings; bf16 parameters and Adam states assumed). ``published_rows`` has
-what is stated and what is assumed for each.
+with EP 8 (its config's settings: DeepEP's per-rank dispatch, its balanced gate's contiguous routing;
+bf16 parameters and Adam states assumed). ``published_rows`` has what is stated and assumed for each.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
@@ -181,23 +181,23 @@ def even_split(work, p: int, lighter_ends: bool = False):
 def cost_options(row: Row):
     """AdamW; async TP as the measured share of TP collectives it hides (``ASYNC_TP_OVERLAP``; a
     cost model before it had overlap as a switch: on); gradients reduced in fp32 (torchtitan, Meta)
-    or bf16 (NeMo: ``Row.reduce_bytes``);
-    Meta's pipeline frees each stage's output after sending it (torchtitan's keeps its shard); the
-    allocator's segments the row's launch set (``Row.allocator_segments``)."""
-    fields = dict(optimizer="adamw")
-    if "allocator_segments" in CostOptions.__dataclass_fields__:
-        fields["allocator_segments"] = row.allocator_segments  # torchtitan's run_train.sh: expandable
-    if "reduce_bytes" in CostOptions.__dataclass_fields__:
-        # both systems reduce bf16 gradients in fp32: torchtitan's FSDP2 MixedPrecisionPolicy
-        # (mixed_precision_reduce = "float32", its default), Meta's FSDP (Grattafiori et al. 2024,
-        # sec. 3.3.4: "reduce-scatter gradients in FP32 across data parallel workers")
-        fields["reduce_bytes"] = row.reduce_bytes
-    if "stage_outputs" in CostOptions.__dataclass_fields__:
-        # Meta: "we proactively deallocate ... the input and output tensors of each pipeline stage"
-        # (Grattafiori et al. 2024, sec. 3.3.2); torchtitan runs torch's PipelineStage, which keeps
-        # them, and its sequence-parallel blocks output their sequence shard (RowwiseParallel with
-        # output_layouts=Shard(1), a local tensor)
-        fields["stage_outputs"] = "sharded" if row.system == "torchtitan" else "freed"
+    or bf16 (NeMo: ``Row.reduce_bytes``); Meta's pipeline frees each stage's output after sending it
+    (torchtitan's keeps its shard); the allocator's segments the row's launch set; its expert dispatch."""
+    # both systems reduce bf16 gradients in fp32: torchtitan's FSDP2 MixedPrecisionPolicy
+    # (mixed_precision_reduce = "float32", its default), Meta's FSDP (Grattafiori et al. 2024,
+    # sec. 3.3.4: "reduce-scatter gradients in FP32 across data parallel workers"). Meta: "we
+    # proactively deallocate ... the input and output tensors of each pipeline stage" (sec. 3.3.2);
+    # torchtitan runs torch's PipelineStage, which keeps them, and its sequence-parallel blocks
+    # output their sequence shard (RowwiseParallel with output_layouts=Shard(1), a local tensor)
+    wanted = dict(
+        allocator_segments=row.allocator_segments,  # torchtitan's run_train.sh: expandable
+        reduce_bytes=row.reduce_bytes,
+        stage_outputs="sharded" if row.system == "torchtitan" else "freed",
+        expert_dispatch=row.expert_dispatch,  # DeepEP's all-to-all (a1)
+        expert_routing=row.expert_routing,
+    )
+    # a cost model before a setting costs without it
+    fields = dict(optimizer="adamw", **{k: v for k, v in wanted.items() if k in CostOptions.__dataclass_fields__})
     if row.async_tp and hasattr(CostOptions, "overlap_tp_comm"):
         fields["overlap_tp_comm"] = getattr(cost_options_module, "ASYNC_TP_OVERLAP", True)
     return CostOptions(**fields)

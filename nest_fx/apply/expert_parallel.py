@@ -21,14 +21,17 @@ top_k_weights [T, k])``. Each stacked parameter becomes a DTensor sharded ``Shar
 ``full_tensors`` see the whole ``[E, ...]`` tensor under its original name), and ``forward``
 becomes a token exchange of variable size (no capacity, no drops, as in the single-device model):
 
-    the T*k (token, choice) pairs, sorted by expert, go to the rank owning that expert with their
-    weight (all_to_all with split sizes exchanged first); the owner runs the module's own
-    implementation (eager / grouped_mm / batched_mm) on its local experts with the received
-    pairs as T'=pairs, k=1; the weighted outputs come back by the reverse all_to_all and each
-    token sums its k choices in choice order.
+    each token goes once to each rank that owns at least one of its k experts (``per-rank``
+    dispatch, as DeepEP's: a token whose experts share a rank is not sent twice), with its k
+    choices' local expert ids (-1 where another rank owns the expert) and weights (0 there);
+    all_to_all with split sizes exchanged first. The owner runs the module's own implementation
+    (eager / grouped_mm / batched_mm) on its local experts with its (row, choice) pairs as
+    T'=pairs, k=1, sums each row's weighted outputs, and sends one row per (token, rank) back by
+    the reverse all_to_all; each token sums its rows.
 
 HF experts compute ``sum_j w_j * expert_{e_j}(h)`` per token, so this is the single-device result
-(the same products; only the order of the k-term sum over choices is fixed).
+(the same products; only the order of the k-term sum is fixed: by owner rank, then choice).
+``nest_fx.workload.expert_dispatch`` prices the rows this sends.
 
 ``all_to_all`` is an autograd function: its backward is the reverse exchange of the gradient.
 
@@ -144,23 +147,31 @@ def _run_local_experts(
 def _ep_stacked_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """forward of a HF stacked-experts module under expert parallelism (see the module docstring)."""
+    """forward of a HF stacked-experts module under expert parallelism (see the module docstring):
+    each token goes once to each rank owning one of its experts (``per-rank`` dispatch)."""
     ep, group, local = self._ep_size, self._ep_group, self.num_experts
     tokens, k = top_k_index.shape
-    expert = top_k_index.reshape(-1)
-    order = torch.argsort(expert, stable=True)  # pairs grouped by expert, hence by owner rank
-    owner = torch.div(expert[order], local, rounding_mode="floor")
-    send_counts = torch.bincount(owner, minlength=ep)
+    owner = torch.div(top_k_index, local, rounding_mode="floor")  # [T, k]
+    hit = torch.zeros(tokens, ep, dtype=torch.bool, device=owner.device)
+    hit[torch.arange(tokens, device=owner.device).unsqueeze(1), owner] = True
+    rank, token = hit.t().nonzero(as_tuple=True)  # one row per (owner rank, token), grouped by rank
+    send_counts = torch.bincount(rank, minlength=ep)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send, recv = send_counts.tolist(), recv_counts.tolist()
-    pair_hidden = all_to_all(hidden_states[torch.div(order, k, rounding_mode="floor")], group, send, recv)
-    pair_weight = all_to_all(top_k_weights.reshape(-1)[order].unsqueeze(-1), group, send, recv)
-    pair_expert = all_to_all((expert[order] - owner * local).unsqueeze(-1), group, send, recv)
-    out = _run_local_experts(self, pair_hidden, pair_expert, pair_weight)  # [pairs here, H], weighted
-    back = all_to_all(out, group, recv, send)  # this rank's pairs, in `order`
-    unsorted = back.index_select(0, torch.argsort(order))  # back to (token, choice) order
-    return unsorted.reshape(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    owned = owner[token] == rank.unsqueeze(1)  # [rows, k]: the row's choices its destination runs
+    choice_expert = torch.where(owned, top_k_index[token] - rank.unsqueeze(1) * local, -1)
+    row_hidden = all_to_all(hidden_states[token], group, send, recv)
+    row_expert = all_to_all(choice_expert, group, send, recv)
+    row_weight = all_to_all(top_k_weights[token] * owned, group, send, recv)
+    row, choice = (row_expert >= 0).nonzero(as_tuple=True)  # this rank's (row, choice) pairs
+    pair_expert = row_expert[row, choice].unsqueeze(-1)
+    pair_weight = row_weight[row, choice].unsqueeze(-1)
+    out = _run_local_experts(self, row_hidden[row], pair_expert, pair_weight)  # [pairs here, H], weighted
+    summed = out.new_zeros(row_hidden.shape[0], out.shape[-1]).index_add(0, row, out)  # one row per (token, rank)
+    back = all_to_all(summed, group, recv, send)  # this rank's rows, each summed over its owner's choices
+    combined = back.new_zeros(tokens, back.shape[-1]).index_add(0, token, back)
+    return combined.to(hidden_states.dtype)
 
 
 def _convert_stacked(name: str, module: nn.Module, ep: int, ep_rank: int, ep_mesh) -> None:

@@ -62,6 +62,10 @@ class CostOptions:
     # share); the runtime's DTensor TP does not overlap them (step_time.exposed_comms).
     overlap_tp_comm: float = setting("overlap_tp_comm").default
     overlap_ep_comm: float = setting("overlap_ep_comm").default  # expert all-to-alls
+    # how a token's experts spread over them: the ranks a per-rank expert dispatch sends it to
+    # (nest_fx.workload.expert_dispatch; the expert_routing setting)
+    expert_routing: str = setting("expert_routing").default
+    expert_dispatch: str = setting("expert_dispatch").default  # '': what the runtime sends
     overlap_cp_comm: float = setting("overlap_cp_comm").default  # context-parallel key/value exchange
     # Host-side work the runtime adds to each collective call, as (seconds per call, seconds per
     # byte of the collective's buffer): DTensor dispatch and copies around a TP/EP collective,
@@ -81,6 +85,9 @@ class CostOptions:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: a share in [0, 1], got {value!r}")
         allocator_slack(self.allocator_segments)  # a ValueError naming the modes
+        for name in ("expert_routing", "expert_dispatch"):
+            if problem := setting(name).check(getattr(self, name)):
+                raise ValueError(f"{name}: {problem}")
         if self.stage_outputs not in STAGE_OUTPUTS:
             raise ValueError(f"stage_outputs: {self.stage_outputs!r} is not one of {', '.join(STAGE_OUTPUTS)}")
 

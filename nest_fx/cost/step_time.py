@@ -57,6 +57,7 @@ from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import inflight, memory
 from nest_fx.cost.arrays import Count, any_nonzero, positive_part
 from nest_fx.cost.collectives import cached_collective, group_comm_time
+from nest_fx.workload.expert_dispatch import dispatched_comm
 from nest_fx.cost.dp_sync import (
     dp_sync_time,
     expert_shard_degree,
@@ -200,7 +201,9 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
     comms = comm_terms(
         distinct,
         stage.recompute,
-        lambda comm: group_comm_time(cluster, comm, by_group[comm.group]),
+        lambda comm: group_comm_time(
+            cluster, dispatched_comm(comm, options.expert_dispatch, options.expert_routing), by_group[comm.group]
+        ),
         options.tp_call_overhead,
     )
     sc.fwd_compute, sc.bwd_compute, sc.recompute_s, sc.num_params = terms.fwd, terms.bwd, terms.recompute, terms.params

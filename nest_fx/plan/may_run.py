@@ -171,13 +171,30 @@ def unrun_norm_kernel(norm_kernel: str, compile: bool) -> str:
 def unrun_constraints(constraints: Optional[Constraints]) -> Optional[Tuple[str, str]]:
     """(the constraint as the command line writes it, why not and the fix) when planner
     ``constraints`` ask for what nest-fx's runtime does not run on any model: kernels it does not
-    run (:func:`unrun_kernels`; compile is a user's choice, ``fix.compile``, never searched); None
-    when it runs them. ``auto_parallelize`` asks before it traces, plans or joins a collective;
+    run (:func:`unrun_kernels`; compile is a user's choice, ``fix.compile``, never searched), an
+    expert dispatch it does not send (:func:`unrun_expert_dispatch`); None when it runs them.
+    ``auto_parallelize`` asks before it traces, plans or joins a collective;
     :meth:`MayRun.constraint_problem` asks it first, then the model-level verdicts."""
-    if not constraints or not constraints.kernels:
+    if not constraints:
+        return None
+    if constraints.expert_dispatch:
+        return f"expert_dispatch={constraints.expert_dispatch}", unrun_expert_dispatch(constraints.expert_dispatch)
+    if not constraints.kernels:
         return None
     reason = unrun_kernels(constraints.kernels, bool(constraints.fix.get("compile", False)), constraints=True)
     return (f"kernels={constraints.kernels}", reason) if reason else None
+
+
+def unrun_expert_dispatch(dispatch: str) -> str:
+    """'' for ``expert_dispatch=''`` (what nest-fx's runtime sends), else why a plan priced with
+    another system's expert dispatch (``workload.expert_dispatch``) does not run, and the fix."""
+    if not dispatch:
+        return ""
+    return (
+        f"the plan is priced with expert_dispatch={dispatch}, another system's expert all-to-all (for nest-fx "
+        "plan/simulate); nest-fx's runtime sends the zoo MoE's capacity slots and HF stacked experts once per "
+        "owner rank, whatever the setting says; fix: drop expert_dispatch (or set it to '') and plan again"
+    )
 
 
 def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
@@ -197,7 +214,8 @@ def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -
 
 def unrun_fields(plan: Plan) -> List[str]:
     """Combinations of plan fields the runtime refuses on any model, each with the reason:
-    unknown recompute policies, :func:`unrun_schedule` and :func:`unrun_combination`."""
+    unknown recompute policies, :func:`unrun_schedule` and :func:`unrun_combination`, and a plan
+    priced with an expert dispatch the runtime does not send (its constraints' ``expert_dispatch``)."""
     out = [
         f"stages[{i}]: {problem}"
         for i, s in enumerate(plan.stages)
@@ -219,6 +237,8 @@ def unrun_fields(plan: Plan) -> List[str]:
             ]
             if p
         ]
+    if plan.constraints and plan.constraints.expert_dispatch:
+        out.append(f"constraints: {unrun_expert_dispatch(plan.constraints.expert_dispatch)}")
     return out + unrun_combination(
         tp=max(s.tp for s in plan.stages),
         ep=plan.ep,

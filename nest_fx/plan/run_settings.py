@@ -8,7 +8,14 @@ from __future__ import annotations
 from typing import Tuple
 
 from nest_fx.plan.setting import Setting
-from nest_fx.plan.vocabulary import ALLOCATOR_SEGMENTS, OPTIMIZER_KERNELS, OPTIMIZER_NAMES, fraction_problem
+from nest_fx.plan.vocabulary import (
+    ALLOCATOR_SEGMENTS,
+    EXPERT_DISPATCHES,
+    EXPERT_ROUTINGS,
+    OPTIMIZER_KERNELS,
+    OPTIMIZER_NAMES,
+    fraction_problem,
+)
 
 RUN_OPTIONS: Tuple[Setting, ...] = (
     # -- options recorded in the constraints only ----------------------------------------------
@@ -62,6 +69,33 @@ RUN_OPTIONS: Tuple[Setting, ...] = (
         maximum=1.0,
         flag="--overlap-ep-comm",
         metavar="F",
+    ),
+    Setting(
+        "expert_dispatch",
+        str,
+        "",
+        "what the expert all-to-alls send, to price another system's: slots (a row per routed "
+        "(token, expert) pair or capacity slot: Megatron-LM's all-to-all dispatcher), per-rank (each token "
+        "once per rank owning one of its experts: DeepEP's); '' = what nest-fx's runtime sends (the zoo MoE "
+        "its capacity slots, HF stacked experts per rank), which it refuses to run otherwise "
+        "(docs/cost_model.md, Expert dispatch)",
+        "option",
+        scope="run",
+        values=("",) + EXPERT_DISPATCHES,
+        flag="--expert-dispatch",
+    ),
+    Setting(
+        "expert_routing",
+        str,
+        "",
+        "how each token's k experts spread over the experts, which sets how many expert-parallel ranks a "
+        "token is sent to where the runtime sends it once per rank (HF stacked experts): uniform (a learned "
+        "router: the k experts anywhere), contiguous (k consecutive experts from a multiple of k, as NeMo "
+        "AutoModel's balanced benchmark gate routes); '' = uniform (docs/cost_model.md, Expert dispatch)",
+        "option",
+        scope="run",
+        values=("",) + EXPERT_ROUTINGS,
+        flag="--expert-routing",
     ),
     Setting(
         "overlap_cp_comm",

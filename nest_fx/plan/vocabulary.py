@@ -40,6 +40,11 @@ NORM_KERNELS = ("fused", "model", "memory-efficient")
 LOSS_KERNELS = ("eager", "compile")
 # the CUDA caching allocator's segment modes (costed in nest_fx.cost.allocator, set by apply/allocator.py)
 ALLOCATOR_SEGMENTS = ("expandable", "fixed")
+# how a token's k experts spread over the experts (costed in nest_fx.workload.expert_dispatch)
+EXPERT_ROUTINGS = ("uniform", "contiguous")
+# what an expert all-to-all sends (nest_fx.workload.expert_dispatch): a row per routed pair or
+# capacity slot, or a token once per rank owning one of its experts (DeepEP's)
+EXPERT_DISPATCHES = ("slots", "per-rank")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 # how torch.optim runs the optimizer's step (its foreach= / fused= arguments; torchtitan's names):
 # costed in nest_fx.cost.optimizers.KERNEL_FIGURES

@@ -31,6 +31,7 @@ from nest_fx.solver.range_classes import RangeClasses, ReplicaTerms, range_class
 from nest_fx.solver.space import GlobalConfig
 from nest_fx.solver.memory_floors import MemoryFloors
 from nest_fx.workload import Workload
+from nest_fx.workload.expert_dispatch import dispatched_comm
 
 
 class _LayoutPlan(Plan):
@@ -191,7 +192,9 @@ class TableCache(MemoryFloors):
         return self._layouts[key]
 
     def comm_seconds(self, g: GlobalConfig, p: int, comm) -> np.ndarray:
-        """(p, 1): one in-layer collective on each stage's slowest group."""
+        """(p, 1): one in-layer collective on each stage's slowest group (an expert all-to-all's bytes
+        under the options' dispatch and routing: ``expert_dispatch.dispatched_comm``)."""
+        comm = dispatched_comm(comm, self.options.expert_dispatch, self.options.expert_routing)
         layout = self._layout_key(g, p)
         key = (layout, comm.kind, comm.group, comm.nbytes, comm.count)
         hit = self._comm_seconds.get(key)

@@ -25,6 +25,7 @@ from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
 from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_wide_norms import statistic_bytes
+from nest_fx.workload.expert_dispatch import routed_top_k
 from nest_fx.workload.block_collectives import stacked_experts, tail_unsaved, tied_linear, vocab_parallel_nodes
 from nest_fx.workload.recompute_costs import block_policy_costs
 from nest_fx.workload.attention_share import attention_window
@@ -93,7 +94,8 @@ class BlockFacts:
     in_bytes: float
     tp_allreduces: int  # row linears whose outputs TP all-reduces in forward (an expert region: one)
     row_bytes: float  # bytes of one such output
-    a2a_bytes: float  # expert-parallel dispatch bytes (one direction)
+    a2a_bytes: float  # expert-parallel dispatch bytes (one direction), one row per routed pair or slot
+    top_k: int = 0  # experts each token is routed to (expert_dispatch.routed_top_k; 0: no router traced)
     # how the dense regions reduce their column inputs' gradients (graph.tp_inputs.column_inputs:
     # regions prepared once, regions whose columns reduce alone, those columns' all-reduces),
     # without and with SP; None: one reduction per row, as before the runtime told them apart
@@ -348,6 +350,7 @@ def block_facts(graph, block) -> BlockFacts:
         tp_inputs=inputs,
         row_bytes=row_bytes,
         a2a_bytes=a2a,
+        top_k=routed_top_k(g, block.nodes) if block.is_moe else 0,
         vocab_comms=tuple(vocab_comms),
         norm_comms=norm_comms,
         grad_comms=grad_comms,

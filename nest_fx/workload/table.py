@@ -6,13 +6,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Dict, List, Sequence, Tuple
 
 from nest_fx.common.fileio import brief, read_json
 from nest_fx.common.limits import MAX_COUNT, MAX_QUANTITY
 from nest_fx.common.names import close_matches
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
+from nest_fx.workload.expert_dispatch import EXPERT_ROUTINGS
 from nest_fx.workload.types import (
     COMM_GROUPS,
     RECOMPUTE_MODES,
@@ -117,7 +118,10 @@ def _scaled(c: LayerCost, f: float) -> LayerCost:
         act_bytes={k: v * f for k, v in c.act_bytes.items()},
         recompute_s={k: v * f for k, v in c.recompute_s.items()},
         out_bytes=c.out_bytes * f,
-        comms=[Comm(x.kind, x.group, x.nbytes * f, x.phase, x.count, x.unrecomputed) for x in c.comms],
+        comms=[
+            replace(x, nbytes=x.nbytes * f, dispatched=tuple((d, r, b * f) for d, r, b in x.dispatched))
+            for x in c.comms
+        ],
         expert_params=c.expert_params,
         bwd_scratch=c.bwd_scratch * f,
         fp8_params=c.fp8_params,
@@ -163,6 +167,13 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
             raise WorkloadError(f"{cw}.group: use one of {COMM_GROUPS}")
         if c.get("phase") not in ("fwd", "bwd"):
             raise WorkloadError(f"{cw}.phase: use 'fwd' or 'bwd'")
+        dispatched = c.get("dispatched", [])
+        if not isinstance(dispatched, list) or any(
+            not isinstance(e, (list, tuple)) or len(e) != 3 or e[1] not in EXPERT_ROUTINGS for e in dispatched
+        ):
+            raise WorkloadError(
+                f"{cw}.dispatched: a list of [dispatch, routing, bytes] entries, routing one of {EXPERT_ROUTINGS}"
+            )
         comms.append(
             Comm(
                 c["kind"],
@@ -171,6 +182,7 @@ def _parse_cost(v: dict, where: str) -> LayerCost:
                 c["phase"],
                 _int(c.get("count", 1), f"{cw}.count"),
                 _int(c.get("unrecomputed", 0), f"{cw}.unrecomputed", least=0),
+                tuple((str(d), r, _number(b, f"{cw}.dispatched.{d}.{r}")) for d, r, b in dispatched),
             )
         )
     num_params = _number(v["num_params"], f"{where}.num_params")

@@ -26,6 +26,7 @@ from nest_fx.workload.attention_share import (
 )
 from nest_fx.workload.block_facts import LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
 from nest_fx.workload.block_collectives import vocab_parallel_nodes
+from nest_fx.workload.expert_dispatch import dispatch_bytes
 from nest_fx.workload.expert_gemms import ep_shaped_times, has_expert_matmuls
 from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times, norm_kernel_problem
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
@@ -56,6 +57,7 @@ class TracedSource:
         self.runtime = runtime or RuntimeCosts()
         self.batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
         self.byte_scale = 1.0  # activation bytes relative to the trace's (for_runtime with another dtype)
+        self.num_experts = 0  # experts per MoE layer (the model's dims; workload_from_graph sets it)
         self._facts: Dict[int, BlockFacts] = {}
         self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
         self._cp_reason: Optional[str] = None  # cp_problem's verdict without the degree, once known
@@ -290,8 +292,11 @@ class TracedSource:
                     Comm("all_reduce", "tp", 2 * rows * LOSS_STATE_BYTES, "fwd"),
                 ]
         if ep > 1 and facts.a2a_bytes:
-            nbytes = facts.a2a_bytes * tokens / tp
-            comms += [Comm("all_to_all", "ep", nbytes, phase, 2) for phase in ("fwd", "bwd")]
+            # stacked experts: each token once per owner rank (expert_dispatch); the zoo's buffer: its slots
+            runs = "per-rank" if facts.stacked_experts else "slots"
+            slots, rows = facts.a2a_bytes * tokens / tp, facts.row_bytes * tokens / tp  # rows: a token each
+            nbytes, each = dispatch_bytes(slots, rows, runs, self.num_experts, facts.top_k, ep)
+            comms += [Comm("all_to_all", "ep", nbytes, phase, 2, dispatched=each) for phase in ("fwd", "bwd")]
         if cp > 1:
             kv = [n.kv_bytes * scale / (tp if n.tp else 1) for n in facts.nodes if n.attention]
             for nbytes in sorted(set(kv)):
@@ -468,10 +473,6 @@ def workload_from_graph(
                 is_moe=b.is_moe,
             )
         )
-    return Workload(
-        graph.model_name,
-        layers,
-        dims,
-        source or TracedSource(graph, timing, attention=attention),
-        provenance=provenance,
-    )
+    source = source or TracedSource(graph, timing, attention=attention)
+    source.num_experts = dims.num_experts
+    return Workload(graph.model_name, layers, dims, source, provenance=provenance)

@@ -83,6 +83,8 @@ class Comm:
     # feeds: activation checkpointing never re-runs it (torch's non-reentrant checkpoint stops
     # once the saved tensors are rebuilt): stage_terms.repeated_share
     unrecomputed: int = 0
+    # an expert all-to-all's (dispatch, routing, bytes) for each setting (workload.expert_dispatch)
+    dispatched: Tuple[Tuple[str, str, float], ...] = ()
 
 
 @dataclass

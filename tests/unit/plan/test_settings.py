@@ -62,6 +62,8 @@ def test_one_spelling_for_every_setting():
         "memory_headroom",
         "overlap_tp_comm",
         "overlap_ep_comm",
+        "expert_routing",
+        "expert_dispatch",
         "overlap_cp_comm",
         "overlap_grad_sync",
         "overlap_p2p",

@@ -83,10 +83,15 @@ def _slot_plan(work, cluster, g, p, m, i, start, end, mode, n):
     return plan
 
 
-@pytest.mark.parametrize("overlap, overheads", [(True, False), (False, False), (True, True), (0.5, False)])
+@pytest.mark.parametrize(
+    "overlap, overheads", [(True, False), (False, False), (True, True), (0.5, False), ("dispatch", False)]
+)
 def test_table_equals_stage_cost_exactly(case, overlap, overheads):
     work, cluster = case
-    cost = CostOptions(overlap_grad_sync=overlap)
+    if overlap == "dispatch":  # another system's expert all-to-all: each token once per owner rank
+        cost = CostOptions(expert_dispatch="per-rank", expert_routing="contiguous")
+    else:
+        cost = CostOptions(overlap_grad_sync=overlap)
     if overlap == 0.5:  # measured shares (docs/cost_model.md, "Overlap") of every kind at once
         cost = CostOptions(
             overlap_grad_sync=0.5, overlap_tp_comm=0.25, overlap_ep_comm=0.5, overlap_cp_comm=0.5, overlap_p2p=0.5
@@ -95,7 +100,8 @@ def test_table_equals_stage_cost_exactly(case, overlap, overheads):
         cost = CostOptions(tp_call_overhead=(2e-3, 1e-9), fsdp_call_overhead=(5e-3, 2e-9))
     cache = TableCache(work, cluster, cost, SPACE.recompute)
     n, checked = len(work), 0
-    for g, p in _pairs(work, cluster, 16, SPACE, 150, seed=int(overlap) + 2 * int(overheads)):
+    seed = 5 if overlap == "dispatch" else int(overlap) + 2 * int(overheads)
+    for g, p in _pairs(work, cluster, 16, SPACE, 150, seed=seed):
         m = g.microbatches(16)
         table = StageTable(cache, g, p, m)
         for i in range(p):
