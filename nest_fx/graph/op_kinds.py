@@ -100,3 +100,11 @@ def module_class_of(node: fx.Node, gm: fx.GraphModule) -> str:
     if isinstance(cls, str):
         return cls
     return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else ""
+
+
+def is_weight_view(d: dict) -> bool:
+    """Whether a traced node is a view of a parameter that allocates nothing (HF's stacked experts
+    hand ``weight.transpose(-2, -1)`` and a no-op ``.to(dtype)`` to ``grouped_mm``): no kernel runs
+    and the matmul reading it reads the weight once, so it moves no bytes. Views of activations
+    keep their in + out bytes, as the eager rows of docs/cost_model.md were checked with."""
+    return d.get("op") in VIEW_OPS and not d.get("created") and any(d.get("input_params") or ())

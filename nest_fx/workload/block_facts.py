@@ -21,7 +21,7 @@ import networkx as nx
 import torch
 
 from nest_fx.graph.annotate import LSE_BYTES
-from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS
+from nest_fx.graph.op_kinds import ATTENTION_CALLS, MATMUL_OPS, VIEW_OPS, is_weight_view
 from nest_fx.graph.tp_inputs import ColumnInputs, column_inputs
 from nest_fx.graph.tp_mha import MHA_OP
 from nest_fx.graph.tp_wide_norms import statistic_bytes
@@ -274,7 +274,7 @@ def block_facts(graph, block) -> BlockFacts:
         nodes.append(
             NodeCost(
                 flops=d.get("flops", 0.0),
-                bytes_moved=in_b + out_b + d.get("param_bytes", 0.0),
+                bytes_moved=0.0 if is_weight_view(d) else in_b + out_b + d.get("param_bytes", 0.0),
                 matmul=bool(d.get("weight")) or d.get("op") in MATMUL_OPS or d.get("op") == MHA_OP or attention,
                 saved=d.get("saved_bytes", 0.0),
                 saved_flash=saved_flash,
@@ -335,7 +335,7 @@ def block_facts(graph, block) -> BlockFacts:
     tied = sum(_tied_weight_params(g, n) for n in block.nodes) if block.kind == "tail" else 0.0
     fusible = [
         not (n.matmul or n.attention)
-        and (n.flops > 0 or n.bytes_moved > 0)
+        and (n.flops > 0 or n.bytes_moved > 0 or is_weight_view(g.nodes[name]))
         and g.nodes[name].get("fx_op") not in ("placeholder", "output")
         for n, name in zip(nodes, block.nodes)
     ]
