@@ -41,10 +41,11 @@ backward 0.32 of the bf16 peak; cuDNN forward 0.64, backward 0.52. An H100 has t
 (the same SMs and clocks; only the memory differs), so the H200's compute-bound rates are used for both.
 
 Under the ``fused`` kernel backend (``nest_fx.workload.kernels``: Transformer Engine / Megatron-LM
-with cuDNN or FlashAttention-3 attention) attention on Hopper runs at FlashAttention-3's rate:
-about 75% of an H100's bf16 peak in forward (740 TFLOP/s, Shah et al. 2024, sec. 4.1, Fig. 5,
-head dimension 128, long sequences) and about 55% in backward (1.5-1.75x FlashAttention-2's
-backward, ibid. Fig. 6): :data:`FA3_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`.
+with cuDNN or FlashAttention-3 attention) attention on Hopper runs at the measured causal rate of
+cuDNN's fused attention above (forward 0.64, backward 0.52: Transformer Engine's fused attention
+is cuDNN's), :data:`FA3_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`. Until
+2026-11-27 it was FlashAttention-3's headline figure, 0.75 / 0.55 (740 TFLOP/s, Shah et al. 2024,
+sec. 4.1), which is its best forward without a causal mask; training attention is causal.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ SDPA_ATTENTION = {
 GEMM_RAMP_S = (("H100", 11e-6), ("H200", 11e-6))
 # the kernel a plan that names none is priced with: what the runtime pins (plan.attention_kernel '')
 DEFAULT_ATTENTION_KERNEL = "cudnn"
-# (device name part, forward, backward fraction of peak) of FlashAttention-3 / cuDNN attention
-FA3_ATTENTION = (("H100", 0.75, 0.55), ("H200", 0.75, 0.55))
+# (device name part, forward, backward fraction of peak) of fused attention under kernels=fused:
+# cuDNN's measured causal rates (module docstring)
+FA3_ATTENTION = SDPA_ATTENTION["cudnn"]
 ATTENTION_BACKWARD_FACTOR = 2.5
 # a device named so runs torch's CPU backend, where F.rms_norm decomposes into its ops (workload/fused_norms.py)
 DECOMPOSED_NORM_DEVICE = "cpu"
