@@ -82,6 +82,8 @@ def dispatched_comm(comm, dispatch: str = "", routing: str = ""):
     """``comm`` with the bytes it sends under ``dispatch`` ('' = the runtime's) and ``routing``
     ('' = uniform) (``Comm.dispatched``); a collective that depends on neither: as it is."""
     routing = routing or EXPERT_ROUTINGS[0]
+    if not comm.dispatched or (not dispatch and routing == EXPERT_ROUTINGS[0]):  # nbytes is that one
+        return comm
     for name, how, nbytes in comm.dispatched:
         if (name, how) == (dispatch, routing):
             return dataclasses.replace(comm, nbytes=nbytes, dispatched=())
