@@ -354,6 +354,7 @@ def stage_memory(
     *,
     num_microbatches: int,
     options: Optional[CostOptions] = None,
+    buffers: Optional[Count] = None,
 ) -> Dict[str, Count]:
     """Per-device memory terms of a stage at its peak (see module docstring) and their total;
     ``held_act``: the in-flight activations (``inflight.held_activation_bytes``).
@@ -378,6 +379,9 @@ def stage_memory(
     44.03 GiB allocated, 43.95 priced without the casts, 48.34 with them;
     ``results/gpu/bench_gpu_runtime_h100_runtime_default.json``, row ``recompute``).
 
+    ``buffers``: the pipeline's receive buffers (``cost.recv_buffers``); None: one ``out_bytes``
+    each way.
+
     ``allocator_cache``: what the CUDA caching allocator keeps cached at the peak besides the
     live tensors, ``options.allocator_peak_share`` of the largest one-layer working set ``layer_peak``
     (``CostOptions.allocator_peak_share``, measured: ``nest_fx.cost.allocator``); the other terms
@@ -393,7 +397,7 @@ def stage_memory(
         )
         if not isinstance(grads_later, np.ndarray):
             mem["activations"], mem["grads"] = float(mem["activations"]), float(mem["grads"])
-    mem["buffers"] = 2 * out_bytes
+    mem["buffers"] = 2 * out_bytes if buffers is None else buffers  # cost.recv_buffers: the pipeline's
     late = unsharded_grads - mem["activations"]
     mem["fsdp_unsharded"] = unsharded_params + positive_part(late)
     during = mem["grads"] + mem["activations"] + mem["buffers"] + mem["fsdp_unsharded"]

@@ -57,6 +57,7 @@ from nest_fx.cluster.protocol import ClusterModel
 from nest_fx.cost import inflight, memory
 from nest_fx.cost.arrays import Count, any_nonzero, positive_part
 from nest_fx.cost.collectives import cached_collective, group_comm_time
+from nest_fx.cost.recv_buffers import recv_buffer_bytes
 from nest_fx.workload.expert_dispatch import dispatched_comm
 from nest_fx.cost.dp_sync import (
     dp_sync_time,
@@ -249,6 +250,10 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         act, terms.act_root, plan.schedule, i, plan.pp, plan.num_microbatches, plan.virtual_stages
     )
     piped = plan.pp > 1
+    in_bytes = workload.cost(stage.start - 1, variant).out_bytes / plan.cp if stage.start > 0 else 0.0
+    buffers = recv_buffer_bytes(
+        out_bytes, in_bytes, i, plan.pp, plan.num_microbatches, plan.virtual_stages, plan.schedule, options, sp_degree
+    )
     mem = sc.memory = memory.stage_memory(
         memory.model_states(dense, zero, shard, options, piped),
         memory.model_states(
@@ -260,6 +265,7 @@ def stage_cost(workload: Workload, cluster: ClusterModel, plan: Plan, i: int, op
         *memory.working_sets(terms, zero, shard, options, cluster.device),
         num_microbatches=plan.num_microbatches,
         options=options,
+        buffers=buffers,
     )
     sc.reserved = memory.reserved_bytes(mem["total"], options)
     sc.fits, binding = memory.check_fits(mem, memory.usable_bytes(cluster.device.memory_bytes, options))

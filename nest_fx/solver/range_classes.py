@@ -29,6 +29,7 @@ class RangeClasses:
     counts: np.ndarray  # (D, K): layers of each distinct cost in the class
     prev: np.ndarray  # (K,) distinct cost of the layer before the range; -1 when it starts at 0
     out_bytes: np.ndarray  # (K,) bytes the range's last layer hands on (the stage's buffers)
+    in_bytes: np.ndarray  # (K,) bytes the layer before the range hands on (0 when it starts at 0)
     length: np.ndarray  # (K,) layers in the class's ranges
     terms: Dict[str, LayerTerms]  # per recompute mode: network-independent sums, (K,) each
     modes: Tuple[str, ...] = ()  # the modes worth searching (undominated_modes)
@@ -99,7 +100,8 @@ def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
     cls = np.full((n + 1, n + 1), len(uniq), dtype=np.intp)
     cls[b, e] = inverse.ravel()
     per_cost = np.ascontiguousarray(uniq[:, :d].T)
-    out_bytes = np.array([c.out_bytes for c in costs], dtype=float)[uniq[:, d + 1]] / variant.cp
+    sent = np.array([c.out_bytes for c in costs] + [0.0], dtype=float) / variant.cp  # [-1]: no layer before
+    out_bytes = sent[uniq[:, d + 1]]
     searched = undominated_modes(costs, costed_modes(workload, variant, modes))
     terms = {r: compute_terms(list(zip(costs, per_cost)), r) for r in searched}
     return RangeClasses(
@@ -108,6 +110,7 @@ def range_classes(workload: Workload, variant: Variant, modes) -> RangeClasses:
         counts=per_cost,
         prev=uniq[:, d].copy(),
         out_bytes=out_bytes,
+        in_bytes=sent[uniq[:, d]],
         length=per_cost.sum(axis=0),
         terms=terms,
         modes=searched,

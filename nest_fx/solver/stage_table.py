@@ -22,6 +22,7 @@ from typing import Dict
 
 import numpy as np
 
+from nest_fx.cost.recv_buffers import recv_buffer_bytes
 from nest_fx.cost import inflight, memory
 from nest_fx.cost.dp_sync import dp_sync_time, fsdp_units, reduce_spread, tail_terms, tied_sync_time
 from nest_fx.cost.memory import held_per_microbatch, stage_memory
@@ -96,6 +97,11 @@ class StageTable(StageBounds):
         held = np.empty((len(modes), p, k))
         for i in range(p):
             held[:, i] = inflight.held_activation_bytes(held_act, act_root, g.schedule, i, p, m, g.virtual_stages)
+        sp = g.tp if g.sequence_parallel else 1
+        out_b, in_b = rc.out_bytes[live], rc.in_bytes[live]
+        buffers = np.stack(
+            [recv_buffer_bytes(out_b, in_b, i, p, m, g.virtual_stages, g.schedule, opts, sp) for i in range(p)]
+        )
         mem = stage_memory(
             states,
             estates,
@@ -107,6 +113,7 @@ class StageTable(StageBounds):
             scratch[live],
             num_microbatches=m,
             options=opts,
+            buffers=buffers,
         )
         fits = np.zeros((len(modes), p, k + 1), dtype=bool)
         fits[:, :, :k] = mem["total"] <= cache.capacity

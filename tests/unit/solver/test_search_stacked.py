@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from nest_fx.cost.recv_buffers import recv_buffer_bytes
 from nest_fx.cost import inflight, memory
 from nest_fx.cost.collectives import collective_fn
 from nest_fx.cost.dp_sync import dp_sync_time, reduce_spread, tail_terms
@@ -87,9 +88,18 @@ def _table_per_mode(table: StageTable, cache: TableCache, g, p, m):
                 for i in range(p)
             ]
         ).reshape(p, k)
+        sp = g.tp if g.sequence_parallel else 1
+        buffers = np.array(
+            [
+                recv_buffer_bytes(
+                    rc.out_bytes[live], rc.in_bytes[live], i, p, m, g.virtual_stages, g.schedule, opts, sp
+                )
+                for i in range(p)
+            ]
+        ).reshape(p, k)
         mem = stage_memory(
             states, estates, held, terms.layer_peak, rc.out_bytes[live], gathered[live], unsharded[live],
-            scratch[live], num_microbatches=m, options=opts,
+            scratch[live], num_microbatches=m, options=opts, buffers=buffers,
         )  # fmt: skip
         out[r] = (t, s, mem["total"] <= cache.capacity)
     return out

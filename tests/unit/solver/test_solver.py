@@ -44,7 +44,7 @@ def test_dp_equals_exhaustive_optimum(model, gib, batch):
 
 
 def test_tight_memory_forces_a_pipeline_with_per_stage_choices():
-    cluster = tight_cluster(0.28)
+    cluster = tight_cluster(0.3)  # 0.28 before the pipeline's receive buffers were priced per microbatch
     work = workload_for_model(CASES[0][0], cluster)
     found = solve(work, cluster, 16, SMALL_SPACE)
     modes = [s.recompute for s in found.plan.stages]

@@ -1,0 +1,53 @@
+"""The receive buffers a pipelined stage holds (docs/cost_model.md, "Pipeline receive buffers").
+
+torch's ``PipelineStage`` (nest-fx's runtime and torchtitan) allocates, the first time a schedule
+runs, one receive buffer per microbatch and direction: each model chunk that is not the first
+stage gets ``num_microbatches`` activation buffers (``_setup_forward_recv_info``), each that is
+not the last ``num_microbatches`` gradient buffers (``_setup_backward_recv_info``), and keeps them
+for the schedule's life. A buffer holds what crosses the boundary: one microbatch's hidden states,
+the sequence shard under sequence parallelism. Counted on gloo ranks by
+``tests/distributed/apply/test_pipeline_recv_buffers.py``.
+
+A runtime that frees each stage output after its send (``stage_outputs="freed"``: Megatron-LM,
+Meta's Llama 3 stack) allocates a receive buffer per transfer: one each way at a time.
+
+The activation buffer of an in-flight microbatch is also the input the stage's first block keeps
+for its backward, so up to the in-flight count of them are counted twice (under a block's
+activations too): a few boundary tensors against the ``2 m`` counted here.
+"""
+
+from __future__ import annotations
+
+from nest_fx.cost.arrays import Count
+from nest_fx.cost.options import CostOptions
+from nest_fx.plan.vocabulary import V_SCHEDULES
+
+
+def recv_buffer_bytes(
+    out_bytes: Count,
+    in_bytes: Count,
+    stage: int,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    schedule: str,
+    options: CostOptions,
+    sp_degree: int = 1,
+) -> Count:
+    """Bytes of the receive buffers pipeline rank ``stage`` of ``pp`` holds: ``num_microbatches``
+    per direction for each of its ``virtual_stages`` chunks that receives in that direction (the
+    first stage receives no activation, the last no gradient; a V schedule puts both on rank 0),
+    each the boundary tensor: ``in_bytes`` (what the layer before the stage hands on) on ranks
+    after the first, ``out_bytes`` on the first; ``1 / sp_degree`` of it where sequence-parallel
+    blocks hand on their shard (``stage_outputs="sharded"``). 0 without pipelining; ``2 out_bytes``
+    where the runtime frees stage outputs (one buffer each way)."""
+    if pp == 1:
+        return 0.0 * out_bytes
+    if options.stage_outputs == "freed":
+        return 2 * out_bytes
+    share = 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0
+    first = stage == 0
+    last = stage == 0 if schedule in V_SCHEDULES else stage == pp - 1
+    chunks = 2 * virtual_stages - int(first) - int(last)
+    boundary = out_bytes if first else in_bytes
+    return num_microbatches * chunks * share * boundary
