@@ -116,6 +116,13 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
         + " train.py"
     )
     made_for = f"{plan.model}, " if plan.model else ""
+    from nest_fx.plan.may_run import unrun_expert_dispatch, unrun_kernels  # imports torch: this module must not
+
+    priced_only = unrun_kernels(plan.kernels, plan.compile) or (
+        plan.constraints and unrun_expert_dispatch(plan.constraints.expert_dispatch)
+    )
+    if priced_only:  # a prediction of another system: the runtime refuses it before training
+        return lines + [f"not for training with nest-fx: {priced_only}"]
     lines += [
         f"train with it ({launch}):",
         "    from nest_fx import Plan, auto_parallelize",

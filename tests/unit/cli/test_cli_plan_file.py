@@ -3,6 +3,7 @@ optimizer, global batch); ``simulate`` and ``explain`` use it without flags, a d
 it overrides the plan, and ``plan`` ends with the next step."""
 
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -13,6 +14,7 @@ from nest_fx.cli import main
 from nest_fx.cluster import load_cluster
 from nest_fx.models.inputs import PLAN_SEQ_CAP
 from nest_fx.plan import Plan, uniform_plan
+from nest_fx.plan.constraints import Constraints
 from nest_fx.report.plan_file import next_step_lines, plan_inputs
 from nest_fx.workload import workload_for_model
 
@@ -224,3 +226,15 @@ def test_next_step_names_the_launch_for_the_plans_world():
     assert lines[0].startswith("next: nest-fx simulate --plan 'runs/my plan.json'  ")  # quoted for the shell
     assert lines[2] == "train with it (torchrun --nproc_per_node=8 --nnodes=2 train.py):"
     assert "32 x 4096 tokens per step" in lines[4]
+
+
+def test_a_plan_priced_for_another_system_is_not_offered_for_training():
+    plan = uniform_plan(4, dp=16, model="llama2-7b", seq_len=4096, world_size=16, microbatch_size=2)
+    for priced in (
+        dataclasses.replace(plan, kernels="fused"),
+        dataclasses.replace(plan, constraints=Constraints(expert_dispatch="per-rank")),
+    ):
+        lines = next_step_lines("p.json", priced, nproc_per_node=8)
+        assert not any(line.startswith("train with it") for line in lines), lines
+        assert lines[-1].startswith("not for training with nest-fx: ") and "fix:" in lines[-1]
+    assert any(line.startswith("train with it") for line in next_step_lines("p.json", plan, nproc_per_node=8))
