@@ -51,3 +51,24 @@ def recv_buffer_bytes(
     chunks = 2 * virtual_stages - int(first) - int(last)
     boundary = out_bytes if first else in_bytes
     return num_microbatches * chunks * share * boundary
+
+
+def least_recv_buffer_bytes(
+    boundary: float,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    schedule: str,
+    options: CostOptions,
+    sp_degree: int = 1,
+) -> float:
+    """A lower bound on :func:`recv_buffer_bytes` over the ranks of a pipeline whose boundary
+    tensors are at least ``boundary`` bytes (the planner's memory floors): the rank with the
+    fewest receiving chunk directions, ``2 v - 1`` (the first or the last), ``2 v - 2`` under a
+    V schedule (rank 0 holds both); 0 without pipelining or where outputs are freed (one
+    buffer each way, not bounded here)."""
+    if pp == 1 or options.stage_outputs == "freed":
+        return 0.0
+    share = 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0
+    chunks = 2 * virtual_stages - (2 if schedule in V_SCHEDULES else 1)
+    return num_microbatches * chunks * share * boundary

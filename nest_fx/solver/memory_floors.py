@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from nest_fx.cost import memory
+from nest_fx.cost.recv_buffers import least_recv_buffer_bytes
 from nest_fx.solver.candidates import variant_of
 from nest_fx.solver.range_classes import costed_modes
 from nest_fx.solver.ordered_memory import OrderedMemory, ordered_memory, range_recompute
@@ -57,7 +58,7 @@ class MemoryFloors:
         per_param, inflight = self._memory_terms(g, p, m, zero, v)
         params, kept, segments = self._recompute_hull(g)
         share, most = self._inflight_sums(g, p, m, zero, v)
-        budget = self.capacity * share - per_param * params / most
+        budget = self._room_left(g, p, m, v) * share - per_param * params / most
         excess = kept - budget
         seconds = 0.0
         for rate, saved in segments:
@@ -98,8 +99,24 @@ class MemoryFloors:
             reach = self._reach_terms(g)
             # a stage leaves every other stage a layer and holds one per model chunk at least (StageTable)
             hit = self._stage_floor[key] = busiest_floor(
-                reach, inflight, per_param, self.capacity, max(v, 1), len(self.workload) - p + 1
+                reach, inflight, per_param, self._room_left(g, p, m, v), max(v, 1), len(self.workload) - p + 1
             )
+        return hit
+
+    def _room_left(self, g: GlobalConfig, p: int, m: int, v: int) -> float:
+        """The usable bytes less the receive buffers every stage of a plan of (g, p) holds at least
+        (``cost.recv_buffers``: ``m`` per direction and receiving chunk, at least ``2 v - 1`` of
+        them per rank, ``2 v - 2`` under a V schedule, each at least the smallest tensor a layer
+        other than the last hands on); the capacity itself without pipelining."""
+        key = (variant_of(g), p, m, g.schedule, v)
+        hit = self._room.get(key)
+        if hit is None:
+            costs, _, index = self.workload.variant_costs(variant_of(g))
+            sent = [c.out_bytes / g.cp for k, c in enumerate(costs) if k != index[-1] and c.out_bytes > 0]
+            least = min(sent, default=0.0)
+            sp = g.tp if g.sequence_parallel else 1
+            buffers = least_recv_buffer_bytes(least, p, m, max(v, 1), g.schedule, self.options, sp)
+            hit = self._room[key] = self.capacity - buffers
         return hit
 
     def _recompute_hull(self, g: GlobalConfig) -> Tuple[float, float, List[Tuple[float, float]]]:
@@ -122,14 +139,13 @@ class MemoryFloors:
         per_param, inflight = self._memory_terms(g, p, m, zero, v)
         # what recompute_floors reads: the variant's reach terms, the in-flight counts (shared by
         # schedules, microbatch counts and factors that give the same ones) and the states per parameter
-        key = (variant_of(g), self.replica(g).modes, per_param, tuple(inflight))
+        room = self._room_left(g, p, m, v)
+        key = (variant_of(g), self.replica(g).modes, per_param, tuple(inflight), room)
         floors = self._recompute_floors.get(key)
         if floors is None:
-            floors = self._recompute_floors[key] = recompute_floors(
-                self._reach_terms(g), inflight, per_param, self.capacity
-            )
+            floors = self._recompute_floors[key] = recompute_floors(self._reach_terms(g), inflight, per_param, room)
         ordered, share = self._ordered_memory(g), self.options.allocator_peak_share
-        memo = self._ranged.setdefault((variant_of(g), self.modes_for(g), per_param), {})
+        memo = self._ranged.setdefault((variant_of(g), self.modes_for(g), per_param, room), {})
 
         def ranged(i: int, begin: int, ends: np.ndarray) -> np.ndarray:
             # the same (range, in-flight count) recurs across the pairs of one variant and states
@@ -137,7 +153,7 @@ class MemoryFloors:
             key = (inflight[i], begin, int(ends[0]), int(ends[-1]), len(ends))
             hit = memo.get(key)
             if hit is None:
-                hit = memo[key] = range_recompute(ordered, begin, ends, inflight[i], per_param, self.capacity, share)
+                hit = memo[key] = range_recompute(ordered, begin, ends, inflight[i], per_param, room, share)
             return hit
 
         return splits_fit(self.layer_prefix(g, p), floors, cap, ranged)

@@ -96,6 +96,7 @@ class TableCache(MemoryFloors):
         self._affine_dp: Dict[tuple, bool] = {}  # per layout: its DP groups' costs affine in the size
         self._hulls: Dict[tuple, tuple] = {}
         self._stage_floor: Dict[tuple, float] = {}
+        self._room: Dict[tuple, float] = {}  # capacity less every stage's least receive buffers
         self._busiest: Dict[tuple, float] = {}
         self._prefix: Dict[tuple, List[float]] = {}
         self._recompute_floors: Dict[tuple, np.ndarray] = {}

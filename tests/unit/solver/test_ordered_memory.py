@@ -32,11 +32,12 @@ def _ranged(cache, g, p, m):
     per_param, inflight = cache._memory_terms(g, p, m, zero, g.virtual_stages)
     ordered = cache._ordered_memory(g)
     cache.splits_fit(g, p, m, g.virtual_stages, 0.0)  # fills the by-count floors
-    key = (g.variant, cache.replica(g).modes, per_param, tuple(inflight))  # TableCache.splits_fit's
+    room = cache._room_left(g, p, m, g.virtual_stages)  # the capacity less every stage's receive buffers
+    key = (g.variant, cache.replica(g).modes, per_param, tuple(inflight), room)  # TableCache.splits_fit's
 
     def ranged(i, begin, ends):
         share = cache.options.allocator_peak_share
-        return range_recompute(ordered, begin, np.asarray(ends), inflight[i], per_param, cache.capacity, share)
+        return range_recompute(ordered, begin, np.asarray(ends), inflight[i], per_param, room, share)
 
     return ranged, cache._recompute_floors[key]
 

@@ -75,10 +75,11 @@ def test_memoised_range_floor_equals_range_recompute(model):
             cache.splits_fit(g, p, m, v, cap)
         zero = memory.effective_zero_stage(g.zero, p, g.pp_shard_grads)
         per_param, inflight = cache._memory_terms(g, p, m, zero, v)
-        memo = cache._ranged.get((g.variant, cache.modes_for(g), per_param), {})
+        room = cache._room_left(g, p, m, v)
+        memo = cache._ranged.get((g.variant, cache.modes_for(g), per_param, room), {})
         ordered, share = cache._ordered_memory(g), cache.options.allocator_peak_share
         for (f, begin, lo, hi, n), got in memo.items():
-            want = range_recompute(ordered, begin, np.arange(lo, hi + 1), f, per_param, cache.capacity, share)
+            want = range_recompute(ordered, begin, np.arange(lo, hi + 1), f, per_param, room, share)
             assert n == hi - lo + 1 and np.array_equal(got, want)
             asked += 1
     assert asked
