@@ -34,7 +34,10 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 from math import comb, gcd
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Tuple
+
+if TYPE_CHECKING:
+    from nest_fx.workload.types import Comm
 
 # the settings' values (the plan's vocabulary lists the same names: plan.vocabulary)
 EXPERT_ROUTINGS = ("uniform", "contiguous")
@@ -58,7 +61,9 @@ def owner_ranks_per_token(experts: int, top_k: int, ep: int, routing: str = "uni
     return sum(len({(s + j) % experts // local for j in range(k)}) for s in starts) / len(starts)
 
 
-def dispatch_bytes(slot_bytes: float, token_bytes: float, runtime: str, experts: int, top_k: int, ep: int):
+def dispatch_bytes(
+    slot_bytes: float, token_bytes: float, runtime: str, experts: int, top_k: int, ep: int
+) -> Tuple[float, Tuple[Tuple[str, str, float], ...]]:
     """(bytes as the runtime sends them under the default routing, ((dispatch, routing, bytes) for
     every dispatch and routing, dispatch '' being the runtime's ``runtime``)) of an expert all-to-all:
     ``slots`` sends ``slot_bytes`` (the traced pairs or capacity slots), ``per-rank`` the tokens'
@@ -78,7 +83,7 @@ def dispatch_bytes(slot_bytes: float, token_bytes: float, runtime: str, experts:
     return out[0][2], out
 
 
-def dispatched_comm(comm, dispatch: str = "", routing: str = ""):
+def dispatched_comm(comm: "Comm", dispatch: str = "", routing: str = "") -> "Comm":
     """``comm`` with the bytes it sends under ``dispatch`` ('' = the runtime's) and ``routing``
     ('' = uniform) (``Comm.dispatched``); a collective that depends on neither: as it is."""
     routing = routing or EXPERT_ROUTINGS[0]
