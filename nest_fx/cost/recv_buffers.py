@@ -23,6 +23,21 @@ from nest_fx.cost.options import CostOptions
 from nest_fx.plan.vocabulary import V_SCHEDULES
 
 
+def _boundary_share(options: CostOptions, sp_degree: int) -> float:
+    """The share of a boundary tensor a buffer holds: its sequence shard where sequence-parallel
+    blocks hand on their shard (``stage_outputs="sharded"``), else all of it."""
+    return 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0
+
+
+def _receiving_directions(stage: int, pp: int, virtual_stages: int, schedule: str) -> int:
+    """Chunk directions pipeline rank ``stage`` receives in: both for each of its chunks, less the
+    first stage's activations and the last stage's gradients (a V schedule puts both on rank 0,
+    so rank 0 always has the fewest)."""
+    first = stage == 0
+    last = stage == 0 if schedule in V_SCHEDULES else stage == pp - 1
+    return 2 * virtual_stages - int(first) - int(last)
+
+
 def recv_buffer_bytes(
     out_bytes: Count,
     in_bytes: Count,
@@ -35,22 +50,18 @@ def recv_buffer_bytes(
     sp_degree: int = 1,
 ) -> Count:
     """Bytes of the receive buffers pipeline rank ``stage`` of ``pp`` holds: ``num_microbatches``
-    per direction for each of its ``virtual_stages`` chunks that receives in that direction (the
-    first stage receives no activation, the last no gradient; a V schedule puts both on rank 0),
-    each the boundary tensor: ``in_bytes`` (what the layer before the stage hands on) on ranks
-    after the first, ``out_bytes`` on the first; ``1 / sp_degree`` of it where sequence-parallel
-    blocks hand on their shard (``stage_outputs="sharded"``). 0 without pipelining; ``2 out_bytes``
-    where the runtime frees stage outputs (one buffer each way)."""
+    per receiving chunk direction (:func:`_receiving_directions`), each the boundary tensor:
+    ``in_bytes`` (what the layer before the stage hands on) on ranks after the first,
+    ``out_bytes`` on the first; ``1 / sp_degree`` of it where sequence-parallel blocks hand on
+    their shard (``stage_outputs="sharded"``). 0 without pipelining; ``2 out_bytes`` where the
+    runtime frees stage outputs (one buffer each way)."""
     if pp == 1:
         return 0.0 * out_bytes
     if options.stage_outputs == "freed":
         return 2 * out_bytes
-    share = 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0
-    first = stage == 0
-    last = stage == 0 if schedule in V_SCHEDULES else stage == pp - 1
-    chunks = 2 * virtual_stages - int(first) - int(last)
-    boundary = out_bytes if first else in_bytes
-    return num_microbatches * chunks * share * boundary
+    boundary = out_bytes if stage == 0 else in_bytes
+    directions = _receiving_directions(stage, pp, virtual_stages, schedule)
+    return num_microbatches * directions * _boundary_share(options, sp_degree) * boundary
 
 
 def least_recv_buffer_bytes(
@@ -63,12 +74,10 @@ def least_recv_buffer_bytes(
     sp_degree: int = 1,
 ) -> float:
     """A lower bound on :func:`recv_buffer_bytes` over the ranks of a pipeline whose boundary
-    tensors are at least ``boundary`` bytes (the planner's memory floors): the rank with the
-    fewest receiving chunk directions, ``2 v - 1`` (the first or the last), ``2 v - 2`` under a
-    V schedule (rank 0 holds both); 0 without pipelining or where outputs are freed (one
-    buffer each way, not bounded here)."""
+    tensors are at least ``boundary`` bytes (the planner's memory floors): rank 0's receiving
+    directions, the fewest; 0 without pipelining or where outputs are freed (one buffer each way,
+    not bounded here)."""
     if pp == 1 or options.stage_outputs == "freed":
         return 0.0
-    share = 1.0 / sp_degree if options.stage_outputs == "sharded" else 1.0
-    chunks = 2 * virtual_stages - (2 if schedule in V_SCHEDULES else 1)
-    return num_microbatches * chunks * share * boundary
+    directions = _receiving_directions(0, pp, virtual_stages, schedule)
+    return num_microbatches * directions * _boundary_share(options, sp_degree) * boundary
