@@ -23,7 +23,7 @@ from nest_fx.common.fileio import write_with
 from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignments, parse_fraction, parse_list
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.setting_flags import constraints_data, dest
-from nest_fx.plan.settings import OPTIONS, OVERLAPS, setting
+from nest_fx.plan.settings import OPTIONS, OVERLAPS, SIMULATED_RUN_OPTIONS, setting
 from nest_fx.report.plan_file import next_step_lines, plan_inputs
 
 
@@ -115,7 +115,7 @@ def _with_runtime_switches(plan: Plan, args: argparse.Namespace) -> Plan:
         for name in OVERLAPS
         if getattr(args, name, None) is not None
     }
-    for name in ("optimizer_kernel", "expert_dispatch", "expert_routing"):  # run options, recorded beside the shares
+    for name in SIMULATED_RUN_OPTIONS:  # run options, recorded beside the shares
         if getattr(args, name, None):
             recorded[name] = getattr(args, name)
     if recorded:  # costed through the plan's constraints, as a plan made with these flags records them

@@ -13,7 +13,7 @@ from nest_fx.cli_commands import cmd_explain, cmd_export, cmd_plan, cmd_simulate
 from nest_fx.cli_profile import cmd_profile, int_list
 from nest_fx.common.limits import MAX_COUNT
 from nest_fx.plan.setting_flags import add_constraint_flags, add_option_flag
-from nest_fx.plan.settings import OPTIONS, OVERLAPS
+from nest_fx.plan.settings import OPTIONS, OVERLAPS, SIMULATED_RUN_OPTIONS
 
 DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 
@@ -191,9 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
             )
     for name in OVERLAPS:
         add_option_flag(p, name, "cost the plan with this overlap share instead of the plan's: ")
-    add_option_flag(p, "optimizer_kernel", "cost the plan with this optimizer implementation instead of the plan's: ")
-    for name in ("expert_dispatch", "expert_routing"):
-        add_option_flag(p, name, "cost the plan's expert all-to-alls so instead of as the plan records: ")
+    for name in SIMULATED_RUN_OPTIONS:  # optimizer_kernel, expert_dispatch, expert_routing
+        add_option_flag(p, name, f"cost the plan with this {name.replace('_', ' ')} instead of the plan's: ")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser(

@@ -396,6 +396,8 @@ CHOICES = tuple(s for s in SETTINGS if s.role == "choice")  # each with its Cons
 OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels, optimizer, memory_headroom, overlap_*
 # the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")
 OVERLAPS = tuple(s.name for s in SETTINGS if s.name.startswith("overlap_"))
+# the other run options ``simulate`` takes as flags, recorded in the plan's constraints beside the shares
+SIMULATED_RUN_OPTIONS = ("optimizer_kernel", "expert_dispatch", "expert_routing")
 SEARCHED = tuple(s for s in SETTINGS if s.search is not UNSEARCHED)  # each a field of the planner's options
 # flags the planner never turns on: the user's choice of how to train, costed when set (compile, float8, async_tp)
 COSTED_FLAGS = tuple(s.name for s in SEARCHED if s.role == "flag" and s.search is False)
