@@ -144,6 +144,16 @@ class Row:
         return "model" if self.system == "torchtitan" else "memory-efficient"
 
     @property
+    def loss_kernel(self) -> str:
+        """How the row's loss ran (``plan.loss_kernel``): torchtitan's compiled loss (rows w), else
+        torchtitan's under loss parallelism is PyTorch's DTensor ``loss_parallel``, an op-by-op
+        cross-entropy on the sharded logits (``eager``: two fp32 gradients in backward);
+        Megatron's vocabulary-parallel loss (NeMo) works in place, as nest-fx's does ('')."""
+        if self.compiled_loss:
+            return "compile"
+        return "eager" if self.system == "torchtitan" else ""
+
+    @property
     def published(self) -> float:
         """The published figure compared: model TFLOP/s per GPU where the source gives that, else
         tokens/s per GPU."""

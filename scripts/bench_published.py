@@ -142,8 +142,8 @@ def published_plan(row: Row, work, **overrides):
         fields["attention_kernel"] = row.attention_kernel
     if row.norm_kernel and hasattr(Plan, "norm_kernel"):
         fields["norm_kernel"] = row.norm_kernel  # a cost model before the setting priced the model's norm code
-    if row.compiled_loss and hasattr(Plan, "loss_kernel"):
-        fields["loss_kernel"] = "compile"  # a cost model before the setting priced the eager loss
+    if row.loss_kernel and hasattr(Plan, "loss_kernel"):
+        fields["loss_kernel"] = row.loss_kernel  # a cost model before the setting priced the eager loss
     if row.pp_shard_grads and hasattr(Plan, "pp_shard_grads"):
         fields["pp_shard_grads"] = True  # a cost model before the setting holds the gradients unsharded
     fields.update(overrides)
@@ -288,7 +288,7 @@ def run_planner(row: Row, budget: float) -> dict:
         kernels=row.backend or None,
         attention_kernel=row.attention_kernel or None,
         **({"norm_kernel": row.norm_kernel} if row.norm_kernel else {}),
-        **({"loss_kernel": "compile"} if row.compiled_loss else {}),
+        **({"loss_kernel": row.loss_kernel} if row.loss_kernel else {}),
     )
     try:
         found = solve(work, cluster, row.global_batch, options)

@@ -69,52 +69,82 @@ def combine_statistics(maxes: torch.Tensor, sumexps: torch.Tensor, picked: torch
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The loss on one fp32 logit buffer, reused in place (as Megatron-LM's vocabulary-parallel
+    cross-entropy does): the upcast copy becomes the shifted logits, their exponentials, the
+    softmax kept for backward, and in backward (``in_place``) the gradient. Against separate
+    tensors for each step this holds ``4 N`` bytes (``N`` local logits) in forward instead of
+    ``16 N``, and no fp32 buffer in backward instead of two (``docs/cost_model.md``, "Loss
+    parallel"). ``in_place=False`` (``plan.loss_kernel=eager``): the backward computes the
+    gradient in new tensors, as an op-by-op cross-entropy (PyTorch's DTensor ``loss_parallel``) does."""
+
     @staticmethod
-    def forward(ctx, logits, target, start, group, ignore_index):
-        logits = logits.float()
-        m = logits.max(dim=-1).values
+    def forward(ctx, logits, target, start, group, ignore_index, in_place=True):
+        work = logits.float()
+        if work.data_ptr() == logits.data_ptr():
+            work = work.clone()  # fp32 logits: the caller's tensor is never overwritten
+        m = work.max(dim=-1).values
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - m.unsqueeze(-1)
-        exp = shifted.exp()
-        picked, held = _target_logit(shifted, target, start, ignore_index)
-        both = torch.stack([exp.sum(-1), picked])
+        work.sub_(m.unsqueeze(-1))
+        picked, held = _target_logit(work, target, start, ignore_index)
+        work.exp_()
+        both = torch.stack([work.sum(-1), picked])
         if group is not None:
             dist.all_reduce(both, group=group)
         sumexp, picked = both[0], both[1]
         valid = target != ignore_index
         count = valid.sum().clamp(min=1)
         losses = torch.where(valid, sumexp.log() - picked, torch.zeros_like(picked))
-        ctx.save_for_backward(exp / sumexp.unsqueeze(-1), target - start, held, valid, count)
+        work.div_(sumexp.unsqueeze(-1))  # the softmax
+        ctx.save_for_backward(work, target - start, held, valid, count)
+        ctx.in_place, ctx.spent = in_place, False
         return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.spent and ctx.in_place:
+            raise RuntimeError(
+                "vocabulary-parallel cross-entropy: backward ran a second time through the same loss; its "
+                "first backward overwrote the saved softmax with the gradient. Fix: one backward per forward "
+                "(no retain_graph=True through the loss), or run with loss_parallel=false"
+            )
+        ctx.spent = True
         softmax, local, held, valid, count = ctx.saved_tensors
-        grad_logits = softmax * valid.unsqueeze(-1)
+        if ctx.in_place:  # the softmax is not read again
+            grad_logits = softmax.mul_(valid.unsqueeze(-1))
+        else:
+            grad_logits = softmax * valid.unsqueeze(-1)
         rows = held.nonzero().squeeze(-1)
         grad_logits[rows, local[rows]] -= 1.0
-        return grad_logits * (grad / count), None, None, None, None
+        scale = grad / count
+        return grad_logits.mul_(scale) if ctx.in_place else grad_logits * scale, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, start: int, group, ignore_index: int = -100
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    group,
+    ignore_index: int = -100,
+    in_place: bool = True,
 ) -> torch.Tensor:
     """Mean cross-entropy over tokens from this rank's vocabulary shard ``logits`` [N, V_j]
     (rows ``[start, start + V_j)``) and the full ``target`` [N] (the same on every rank of
     ``group``); the same value on every rank. ``group=None``: one shard holds the whole
-    vocabulary (no collective)."""
-    return _VocabParallelCrossEntropy.apply(logits, target, start, group, ignore_index)
+    vocabulary (no collective). ``in_place``: backward overwrites the kept softmax with the
+    gradient (one backward per forward); False: new tensors, as an op-by-op loss."""
+    return _VocabParallelCrossEntropy.apply(logits, target, start, group, ignore_index, in_place)
 
 
 class VocabParallelLMLoss:
     """``lm_loss`` on vocabulary-sharded logits [B, S, V_j] over the TP ``group`` (rank ``tp_rank``
-    of ``tp``, full vocabulary ``vocab``): what the runtime uses for ``plan.loss_parallel``."""
+    of ``tp``, full vocabulary ``vocab``): what the runtime uses for ``plan.loss_parallel``;
+    ``in_place``: :func:`vocab_parallel_cross_entropy`'s (``plan.loss_kernel`` other than eager)."""
 
-    def __init__(self, group, tp: int, tp_rank: int, vocab: int):
+    def __init__(self, group, tp: int, tp_rank: int, vocab: int, in_place: bool = True):
         sizes = vocab_shard_sizes(vocab, tp)
         self.group, self.width, self.start = group, sizes[tp_rank], sum(sizes[:tp_rank])
-        self.vocab = vocab
+        self.vocab, self.in_place = vocab, in_place
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.size(-1) != self.width:
@@ -122,7 +152,9 @@ class VocabParallelLMLoss:
                 f"loss parallel: logits have {logits.size(-1)} vocabulary rows, expected this rank's "
                 f"shard of {self.width} of {self.vocab}"
             )
-        return vocab_parallel_cross_entropy(logits.reshape(-1, self.width), targets.reshape(-1), self.start, self.group)
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, self.width), targets.reshape(-1), self.start, self.group, in_place=self.in_place
+        )
 
 
 def shard_lm_head(module: nn.Module, graph, start: int, end: int, tp_mesh: DeviceMesh) -> List[str]:

@@ -205,7 +205,8 @@ def tensor_parallel(chunk: Chunk, job: Job, layout: ParallelLayout, loss_fn: Opt
     if vocab_end < end:
         heads = shard_lm_head(chunk.module, graph, vocab_end, end, mesh["tp"])
         vocab = chunk.module.get_submodule(heads[0]).weight.shape[0]  # the DTensor's global shape
-        return VocabParallelLMLoss(mesh["tp"].get_group(), stage_plan.tp, layout.rank_info.tp_rank, vocab)
+        in_place = plan.loss_kernel != "eager"  # eager: the op-by-op backward (docs/cost_model.md, Loss parallel)
+        return VocabParallelLMLoss(mesh["tp"].get_group(), stage_plan.tp, layout.rank_info.tp_rank, vocab, in_place)
     return loss_fn
 
 

@@ -248,8 +248,9 @@ SETTINGS: Tuple[Setting, ...] = (
         "entropy keeps fp32 log-probabilities and its backward two fp32 logit-sized gradients), compile "
         "(torch.compile'd, as torchtitan does since April 2025: its fused cross entropy keeps the logits in their "
         "dtype and its backward writes only their gradient, 12 of 16 bytes per bf16 logit less at the peak); "
-        "'' = eager. Under loss parallelism the vocabulary-parallel loss runs as it is (docs/cost_model.md, "
-        "The loss)",
+        "'' = eager. Under loss parallelism the vocabulary-parallel loss runs: in place (its backward turns the "
+        "kept softmax into the gradient) unless eager, which computes the gradient in new tensors as an op-by-op "
+        "loss such as PyTorch's DTensor loss_parallel does (docs/cost_model.md, The loss; Loss parallel)",
         "option",
         values=("",) + LOSS_KERNELS,
         flag="--loss-kernel",

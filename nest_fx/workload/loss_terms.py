@@ -7,6 +7,16 @@ The loss is assumed to be a token-level cross entropy on the LM head's logits, c
     loss_kernel    kept for backward          backward holds         bytes moved (forward)
     eager          4 N (fp32 log-probs)       2 x 4 N (fp32 grads)   logits + 8 N
     compile        logits + 8 per row         logits (their grad)    logits + 8 per row
+    vocabulary-    4 N (fp32 softmax)         logits if narrower     logits + 8 N
+    parallel                                  than fp32, else 0
+
+Under loss parallelism (each rank's vocabulary shard) the runtime's vocabulary-parallel
+cross-entropy (``apply/loss_parallel.py``) works in one fp32 buffer: the softmax it keeps becomes
+the gradient in place, so its backward allocates only the cast of that gradient to the logits'
+dtype (none for fp32 logits). Megatron-LM's vocabulary-parallel cross-entropy does the same. With
+``loss_kernel=eager`` it computes the gradient in new tensors (two fp32 gradients, the eager row),
+as PyTorch's DTensor ``loss_parallel`` (an op-by-op ``F.cross_entropy`` on sharded logits) does.
+Counted on CPU by the new storages each pass allocates (``tests/unit/workload/test_loss_terms.py``).
 
 Eager: ``F.cross_entropy(logits.float(), y)`` op by op; log-softmax keeps its fp32 output and
 the backward holds the log-probabilities' and the logits' fp32 gradients at once. Compiled
@@ -38,19 +48,26 @@ class LossTerms:
     backward_scratch: float = 0.0
 
 
-def loss_terms(facts: BlockFacts, share: float, compiled: bool, byte_scale: float = 1.0) -> LossTerms:
+def loss_terms(
+    facts: BlockFacts, share: float, compiled: bool, byte_scale: float = 1.0, in_place: bool = False
+) -> LossTerms:
     """The loss's terms for ``share`` of the traced batch (module docstring); ``compiled``: run by
     ``torch.compile`` (``loss_kernel=compile`` without loss parallelism); ``byte_scale``: the
-    run's activation width over the trace's (the logits' dtype)."""
+    run's activation width over the trace's (the logits' dtype); ``in_place``: the
+    vocabulary-parallel loss (loss parallelism)."""
     if not facts.loss_saved:
         return LossTerms()
+    logits = (facts.loss_bytes_moved - 2 * facts.loss_saved) * byte_scale  # the logits in the run's dtype
     if not compiled:
+        if in_place:
+            scratch = logits if logits < facts.loss_saved else 0.0  # the gradient cast back to the logits' dtype
+        else:
+            scratch = LOSS_BACKWARD_COPIES * facts.loss_saved
         return LossTerms(
             facts.loss_flops * share,
             facts.loss_bytes_moved * share,
             facts.loss_saved * share,
-            LOSS_BACKWARD_COPIES * facts.loss_saved * share,
+            scratch * share,
         )
-    logits = (facts.loss_bytes_moved - 2 * facts.loss_saved) * byte_scale  # the logits in the run's dtype
     kept = logits + ROW_STATISTICS_BYTES * facts.loss_tokens
     return LossTerms(facts.loss_flops * share, kept * share, kept * share, logits * share)

@@ -54,6 +54,8 @@ class RuntimeCosts:
     norm_keeps_output: bool = False
     # the loss on full logits runs torch.compile'd (plan.loss_kernel compile; workload/loss_terms.py)
     loss_compiled: bool = False
+    # the vocabulary-parallel loss computes its gradient in place (plan.loss_kernel other than eager)
+    loss_in_place: bool = True
 
     @property
     def fuses(self) -> bool:

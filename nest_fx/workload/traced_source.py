@@ -101,13 +101,19 @@ class TracedSource:
         ``attention_kernel`` (``roofline.SDPA_ATTENTION``); the model's RMSNorms as ``F.rms_norm``
         unless ``norm_kernel`` is ``model``, keeping their output with ``memory-efficient``
         (``fused_norms``; WorkloadError with compile), the loss on full logits torch.compile'd with
-        ``loss_kernel=compile`` (``loss_terms``). The traced facts are shared."""
+        ``loss_kernel=compile`` and the vocabulary-parallel loss's backward op by op with
+        ``loss_kernel=eager`` (``loss_terms``). The traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
         if problem := norm_kernel_problem(norm_kernel, backend.name):
             raise WorkloadError(problem)
         derived.runtime = RuntimeCosts(
-            backend, float8, norm_kernel != "model", norm_kernel == "memory-efficient", loss_kernel == "compile"
+            backend,
+            float8,
+            norm_kernel != "model",
+            norm_kernel == "memory-efficient",
+            loss_kernel == "compile",
+            loss_kernel != "eager",
         )
         base = timing if timing is not None else getattr(self, "_plain_timing", self.timing)
         derived._plain_timing = base
@@ -196,7 +202,13 @@ class TracedSource:
         act["full"] = facts.in_bytes * tokens / (tp if sp else 1)
         rec["full"] = fwd
         # loss parallel: each rank's vocabulary shard, the vocabulary-parallel loss as it is (never compiled)
-        loss = loss_terms(facts, tokens / (tp if lp else 1), self.runtime.loss_compiled and not lp, self.byte_scale)
+        loss = loss_terms(
+            facts,
+            tokens / (tp if lp else 1),
+            self.runtime.loss_compiled and not lp,
+            self.byte_scale,
+            in_place=lp and self.runtime.loss_in_place,
+        )
         if loss.kept:
             loss_t = self.timing.op_seconds(loss.flops, loss.bytes_moved, False)
             fwd += loss_t

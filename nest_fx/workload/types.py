@@ -204,7 +204,7 @@ class Workload:
         self.kernels = "eager"  # the kernel backend it is costed with (for_runtime; nest_fx.workload.kernels)
         self.attention_kernel = ""  # SDPA's attention kernel it is costed with ('' = the default; for_runtime)
         self.norm_kernel = ""  # how its RMSNorms run: '' = F.rms_norm (fused), "model" = the model's code (for_runtime)
-        self.loss_kernel = ""  # how its loss on full logits runs: '' = as given (eager), "compile" (for_runtime)
+        self.loss_kernel = ""  # '' = as given (in place under loss parallel), eager, compile (for_runtime)
         self.float8 = False  # costed with Float8 linears (for_runtime)
         self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
@@ -335,7 +335,7 @@ class Workload:
         backend = kernel_backend(kernels, compile).name
         attention = "" if attention_kernel == DEFAULT_ATTENTION_KERNEL else attention_kernel
         norm = "" if norm_kernel in ("", "fused") else norm_kernel
-        loss = "" if loss_kernel in ("", "eager") else loss_kernel
+        loss = loss_kernel  # eager is '' without loss parallelism; under it, the op-by-op vocabulary-parallel loss
         now = (self.kernels, self.float8, self.dtype, self.attention_kernel, self.norm_kernel, self.loss_kernel)
         if (backend, float8, dtype, attention, norm, loss) == now:
             return self
@@ -344,17 +344,16 @@ class Workload:
         key = (backend, float8, dtype, attention, norm, loss)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
-            named = [
-                n
-                for n, on in (
-                    ("kernels=" + backend, backend != "eager"),
-                    ("float8", float8),
-                    ("attention_kernel=" + attention, bool(attention)),
-                    ("norm_kernel=" + norm, bool(norm)),
-                    ("loss_kernel=" + loss, bool(loss)),
-                )
-                if on
-            ]
+            settings = (
+                ("kernels=" + backend, backend != "eager"),
+                ("float8", float8),
+                ("attention_kernel=" + attention, bool(attention)),
+                ("norm_kernel=" + norm, bool(norm)),
+                ("loss_kernel=" + loss, bool(loss) and loss != "eager"),
+            )
+            named = [n for n, on in settings if on]
+            if derive is None and not named and dtype == self.dtype:
+                return self  # a layer table with loss_kernel=eager: its loss as measured
             if derive is None:
                 raise WorkloadError(
                     f"{self.model}: the layer table's costs are what was measured; nest-fx cannot "
@@ -371,7 +370,7 @@ class Workload:
                         "memory-efficient RMSNorms" if norm == "memory-efficient" else "the model's own RMSNorm code",
                         bool(norm),
                     ),
-                    ("the compiled loss", bool(loss)),
+                    ({"compile": "the compiled loss", "eager": "the loss op by op"}.get(loss, ""), bool(loss)),
                 )
                 if on
             ]

@@ -31,6 +31,7 @@ from nest_fx.plan import uniform_plan
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.support import parallel_support
 from nest_fx.solver.runtime_planner import planner_for
+from allocation_counting import FreshBytes
 
 
 def _logits(n=24, vocab=127, seed=0):
@@ -71,6 +72,46 @@ def test_one_shard_equals_cross_entropy_in_value_and_gradient():
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(mine.grad, ref.grad, rtol=0, atol=1e-7)
+
+
+def test_the_loss_reuses_one_fp32_buffer_in_forward_and_backward():
+    """bf16 logits [N, V]: forward allocates one fp32 copy (4 N bytes) plus per-token vectors, backward
+    only the logits' bf16 gradient (2 N): the softmax buffer becomes the gradient. The loss and the
+    gradient equal F.cross_entropy's on the upcast logits."""
+    logits, target = _logits(n=64, vocab=1000)
+    mine = logits.bfloat16().requires_grad_()
+    ref = logits.bfloat16().float().requires_grad_()
+    n = mine.numel()
+    with FreshBytes() as fwd:
+        loss = vocab_parallel_cross_entropy(mine, target, 0, group=None)
+    with FreshBytes() as bwd:
+        loss.backward()
+    expected = F.cross_entropy(ref, target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    assert mine.grad.dtype == torch.bfloat16
+    # the fp32 gradients round to bf16 alike but where they straddle a rounding boundary: one bf16 ulp
+    torch.testing.assert_close(mine.grad.float(), ref.grad.to(torch.bfloat16).float(), rtol=2**-7, atol=0)
+    per_token = 16 * 8 * 64  # up to 16 int64 or fp32 vectors of one entry per token (64 tokens)
+    assert 4 * n <= fwd.bytes <= 4 * n + per_token, fwd.bytes  # separate tensors per step: 16 N
+    assert 2 * n <= bwd.bytes <= 2 * n + per_token, bwd.bytes  # two fp32 gradients before: 10 N
+
+
+def test_fp32_logits_are_not_overwritten():
+    logits, target = _logits()
+    mine = logits.clone().requires_grad_()
+    before = mine.detach().clone()
+    vocab_parallel_cross_entropy(mine, target, 0, group=None).backward()
+    assert torch.equal(mine.detach(), before)
+
+
+def test_a_second_backward_through_the_loss_is_refused():
+    """Its first backward overwrote the saved softmax: a second one would give a wrong gradient."""
+    logits, target = _logits()
+    loss = vocab_parallel_cross_entropy(logits.clone().requires_grad_(), target, 0, group=None)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran a second time.*loss_parallel=false"):
+        loss.backward()
 
 
 def test_lm_loss_wrapper_checks_the_shard_width():

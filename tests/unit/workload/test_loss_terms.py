@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from nest_fx.apply.compile import compiled_loss
+from nest_fx.apply.loss_parallel import vocab_parallel_cross_entropy
 from nest_fx.apply.losses import lm_loss
 from nest_fx.cluster import load_cluster
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.block_facts import LOSS_BACKWARD_COPIES, LOSS_STATE_BYTES
 from nest_fx.workload.loss_terms import ROW_STATISTICS_BYTES, loss_terms
 from nest_fx.workload.types import Variant
+
+from allocation_counting import FreshBytes
 
 ROWS, VOCAB = 64, 1000
 MODEL = "llama:hidden=64,layers=2,heads=4,seq=32,vocab=1024"
@@ -65,6 +68,35 @@ def test_priced_kept_bytes_are_what_autograd_keeps(dtype):
     assert measured == compiled.kept == ROWS * (VOCAB * logits.element_size() + ROW_STATISTICS_BYTES)
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "op-by-op"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_priced_vocab_parallel_loss_is_what_it_keeps_and_allocates_in_backward(dtype, in_place):
+    """Loss parallelism's loss (one vocabulary shard: all of it here): the fp32 softmax kept; in
+    backward only the gradient's cast to the logits' dtype (none for fp32) when in place, two fp32
+    gradients op by op (``loss_kernel=eager``), as priced."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(ROWS, VOCAB, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    priced = loss_terms(_facts(logits.element_size()), 1.0, compiled=False, in_place=in_place)
+
+    def loss_fn(x, y):
+        return vocab_parallel_cross_entropy(x, y, 0, group=None, in_place=in_place)
+
+    per_row = 8 + 1 + 1  # the shard-local targets (int64), which rows the shard holds, which count (bool)
+    assert _kept_by_loss(loss_fn, logits, targets) - per_row * ROWS == priced.kept == ROWS * VOCAB * 4
+    loss = loss_fn(logits, targets)
+    with FreshBytes() as backward:
+        loss.backward()
+    cast = ROWS * VOCAB * 2 if dtype == torch.bfloat16 else 0  # the gradient back in the logits' dtype
+    slack = 16 * 8 * ROWS  # vectors of one entry per token
+    if in_place:
+        assert priced.backward_scratch == cast
+        assert cast <= backward.bytes <= cast + slack
+    else:  # the two fp32 gradients are held at once; the cast comes after the first is freed
+        assert priced.backward_scratch == LOSS_BACKWARD_COPIES * priced.kept
+        assert priced.backward_scratch + cast <= backward.bytes <= priced.backward_scratch + cast + slack
+
+
 def test_compiled_loss_gradient_and_value_equal_the_eager_loss():
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(2, 16, VOCAB, generator=gen)
@@ -91,7 +123,7 @@ def test_a_workload_prices_its_tail_with_the_plans_loss_kernel():
     work = workload_for_model(MODEL, load_cluster("dgx-h100:8"))
     compiled = work.for_runtime(loss_kernel="compile")
     assert compiled is not work and compiled.loss_kernel == "compile"
-    assert work.for_runtime(loss_kernel="eager") is work
+    eager = work.for_runtime(loss_kernel="eager")  # the default without loss parallelism
     tail = len(work) - 1
     variant = Variant(microbatch_size=2)
     plain, fused = work.cost(tail, variant), compiled.cost(tail, variant)
@@ -104,6 +136,9 @@ def test_a_workload_prices_its_tail_with_the_plans_loss_kernel():
     assert fused.bwd_scratch == logits * width
     block = 1
     assert compiled.cost(block, variant) == work.cost(block, variant)  # only the tail changes
-    # loss parallel: the vocabulary-parallel loss runs as it is, compiled or not
+    assert eager.cost(tail, variant) == plain
+    # loss parallel: the vocabulary-parallel loss, compiled or not; in place unless eager
     lp = Variant(tp=2, microbatch_size=2, loss_parallel=True)
     assert compiled.cost(tail, lp).bwd_scratch == work.cost(tail, lp).bwd_scratch
+    assert work.cost(tail, lp).bwd_scratch == (logits / 2 * width if width < LOSS_STATE_BYTES else 0)
+    assert eager.cost(tail, lp).bwd_scratch == logits / 2 * LOSS_BACKWARD_COPIES * LOSS_STATE_BYTES
