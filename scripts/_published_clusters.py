@@ -1,6 +1,7 @@
 """The clusters the published runs of ``bench_published.py`` ran on (``cluster_of``):
 ``grand_teton`` (torchtitan's H100 hosts), ``meta_h100`` (Meta's Llama 3 cluster), ``trainy_h200``
-(Trainy's H200 hosts) and the ``dgx-h100`` preset (NVIDIA's DGX H100 runs: NeMo, AutoModel).
+(Trainy's H200 hosts) and the presets of NVIDIA's systems (``dgx-h100``, ``dgx-b200``,
+``gb200-nvl72``: NeMo, Megatron-Bridge, AutoModel).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def cluster_of(row):
     if row.system == "llama3":
         return meta_h100(row.gpus)
     if row.system in ("nemo", "automodel"):
-        return Cluster.preset("dgx-h100", row.gpus)
+        return Cluster.preset(row.hardware, row.gpus)  # NVIDIA's systems: dgx-h100, dgx-b200, gb200-nvl72
     return trainy_h200(row.gpus) if row.hardware == "h200" else grand_teton(row.gpus)
 
 

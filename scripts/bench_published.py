@@ -36,11 +36,11 @@ segments (their command runs torchrun directly, not ``run_train.sh``, which sets
 segments); SDPA's FlashAttention-2 (cuDNN became SDPA's default on Hopper in torch 2.9, PR #162073);
 their hosts' NVLink and 400 Gb/s per GPU as ``trainy_h200`` writes them.
 
-Held out too, with no memory figure (they ran, so they must fit): rows n1-n7, NeMo 24.12's dense FP8
-rows on DGX H100 (``fused``, Float8, ZeRO-1, bf16 gradients as NeMo's llama3_8b.py script sets them;
-no recompute and TP communication exposed assumed), and row a1, AutoModel's BF16 Qwen3-30B-A3B run
-with EP 8 (its config's settings: DeepEP's per-rank dispatch, its balanced gate's contiguous routing;
-bf16 parameters and Adam states assumed). ``published_rows`` has what is stated and assumed for each.
+Held out too, with no memory figure (they ran, so they must fit): NVIDIA's rows
+(``_published_nvidia_rows.py``, with what is stated and assumed for each): n1-n7 and n8-n10, NeMo
+24.12's and 24.07's dense FP8 rows on DGX H100 (``fused``, Float8, ZeRO-1, bf16 gradients, no
+recompute and TP communication exposed assumed); r1-r4, Megatron-Bridge 25.11's on DGX H100, DGX
+B200 and GB200 NVL72 (the same stack); a1, AutoModel's BF16 Qwen3-30B-A3B run with EP 8.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
@@ -89,17 +89,7 @@ from nest_fx.workload import workload_for_model
 from _bench_common import write_json
 
 # the rows and clusters live in _published_rows.py, _published_clusters.py; the tests read them from here
-from _published_rows import (
-    AUTOMODEL_SOURCE,
-    GiB,
-    LLAMA3_SOURCE,
-    MODELS,
-    NEMO_SOURCE,
-    SOURCE,
-    TRAINY_SOURCE,
-    Row,
-    published_rows,
-)
+from _published_rows import MODELS, SOURCES, GiB, Row, published_rows
 from _published_clusters import cluster_of
 from plot_published import plot as plot_published
 
@@ -217,8 +207,8 @@ def predict(row: Row) -> dict:
     """The published configuration costed by the nest_fx this process imports (the installed
     tree, or the archive of the before commit): tokens/s per GPU and peak memory (reserved
     where the model has it)."""
-    cluster = cluster_of(row)
     try:
+        cluster = cluster_of(row)  # a cost model before a device preset does not have it
         work = workload(row, cluster)
     except NestFxError as exc:
         return {"expressible": False, "why": str(exc)}
@@ -308,6 +298,7 @@ def run_planner(row: Row, budget: float) -> dict:
         "found": True,
         "plan": what,
         "tps_per_gpu": found.result.tokens_per_s / row.gpus,
+        "tflops_per_gpu": found.result.model_flops_per_device / 1e12,
         "memory_gib": found.result.peak_reserved / GiB,
         "search_s": found.seconds,
     }
@@ -348,13 +339,13 @@ def _fmt(x: Optional[float], spec: str = ".0f", pct: bool = False) -> str:
 
 def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], planner: Dict[str, dict]) -> str:
     lines = [
-        f"Sources: {SOURCE}; {TRAINY_SOURCE} (rows w); {NEMO_SOURCE} (rows n); {AUTOMODEL_SOURCE} (row a); "
-        f"{LLAMA3_SOURCE}. Throughput is tokens/s per GPU (torchtitan, NeMo, AutoModel) or model TFLOP/s per "
-        "GPU (Llama 3: marked TF); memory is reserved GiB (torchtitan's figure; NeMo, AutoModel and Llama 3 "
-        "publish none, their rows check feasibility). Each row names its kernel backend.",
+        f"Sources: {'; '.join(SOURCES)}. Rows w: Trainy; n1-n7: NeMo 24.12; n8-n10: NeMo 24.07; r: Megatron-Bridge; "
+        "a: AutoModel; m: Llama 3. Throughput is tokens/s per GPU or model TFLOP/s per GPU (Llama 3: marked TF); "
+        "memory is reserved GiB (torchtitan's figure; NVIDIA's systems and Llama 3 publish none, their rows "
+        "check feasibility). Each row names its kernel backend; the planner's column is in the row's unit.",
         "",
         "| row | configuration | published | GiB | before | err | before GiB | err | "
-        "after | err | after GiB | err | planner tok/s | planner plan |",
+        "after | err | after GiB | err | planner | planner plan |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -372,7 +363,7 @@ def table(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], plan
             f"{_fmt(_err(bm, r.memory_gib), pct=True)} | {_fmt(_value(r, a))} | "
             f"{_fmt(_err(_value(r, a), r.published), pct=True)} | {_fmt(a.get('memory_gib'), '.1f')} | "
             f"{_fmt(_err(a.get('memory_gib'), r.memory_gib), pct=True)}{'' if a.get('feasible', True) else ' INFEASIBLE'} | "
-            f"{_fmt(p.get('tps_per_gpu'))} | "
+            f"{_fmt(p.get('tflops_per_gpu') if r.tflops_per_gpu else p.get('tps_per_gpu'))} | "
             f"{p.get('plan', p.get('why', '-'))} |"
         )
     return "\n".join(lines)
@@ -409,6 +400,9 @@ def summary(rows: List[Row], before: Dict[str, dict], after: Dict[str, dict], pl
     groups += [
         (f"system_{s}", [r for r in rows if r.system == s]) for s in ("torchtitan", "nemo", "automodel", "llama3")
     ]
+    blackwell = ("dgx-b200", "gb200-nvl72")  # the device presets' own check (error_bands.DEVICE_BANDS)
+    groups += [("hopper", [r for r in rows if r.hardware not in blackwell])]
+    groups += [("blackwell", [r for r in rows if r.hardware in blackwell])]
     for name, subset in groups:
         if not subset:
             continue
@@ -476,13 +470,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_published.md"), "w", encoding="utf-8") as fh:
         fh.write(
-            "# Published runs (torchtitan's Llama 3.1 on H100 and H200; NeMo's FP8 and AutoModel's MoE runs on "
-            "DGX H100; Meta's Llama 3) against nest-fx\n\n"
+            "# Published runs (torchtitan's Llama 3.1 on H100 and H200; NVIDIA's NeMo, Megatron-Bridge and "
+            "AutoModel runs on DGX H100, DGX B200 and GB200; Meta's Llama 3) against nest-fx\n\n"
             "Written by `python scripts/bench_published.py`; see its docstring for the source and the "
             "assumptions.\n\n" + text + "\n\n```\n" + json.dumps(stats, indent=1) + "\n```\n"
         )
     data = {
-        "source": [SOURCE, TRAINY_SOURCE, NEMO_SOURCE, AUTOMODEL_SOURCE, LLAMA3_SOURCE],
+        "source": list(SOURCES),
         "rows": [r.__dict__ for r in rows],
         "before": before,
         "after": after,

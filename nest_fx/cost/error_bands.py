@@ -5,8 +5,10 @@ A band is the largest relative error of the predicted throughput against the pub
 a set of rows (rounded up to a whole percent): a backend's over its rows that use none of the
 features below; a feature's (in the order ``float8``, context parallelism ``cp``, tensor
 parallelism ``tp``, expert parallelism ``ep``, pipelining ``pp``) over the rows that use it and
-no feature later in that order, so every published row is covered by the band of its last feature. A plan's band is the
-widest of its backend's and of each feature it uses. A backend no published run checks has no
+no feature later in that order, so every published row is covered by the band of its last feature. Those
+come from the Hopper rows (H100, H200); a device with published runs of its own has a band from
+them (``DEVICE_BANDS``, by the device's name before its first dash). A plan's band is the widest
+of its backend's, each feature's it uses and its device's. A backend no published run checks has no
 band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/unit/cost/test_error_bands.py``
 checks every band against the benchmark's JSON, so a cost-model change that moves the errors
 outside the bands fails until they are measured again.
@@ -50,19 +52,28 @@ BACKEND_BANDS: Dict[str, ErrorBand] = {
 }
 FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
     "float8": ErrorBand(
-        0.13,
-        "Float8 rows t1.3, t3.3, t2.1, w1, w2 (torchtitan 8B, FSDP, 8K-32K tokens, H100 and H200), n1 (NeMo Llama 2 7B)",
+        0.23,
+        "Float8 rows t1.3, t3.3, t2.1, w1, w2 (torchtitan 8B, FSDP, 8K-32K tokens, H100 and H200), n1, n8 (NeMo "
+        "Llama 2 7B, GPT-3 5B)",
     ),
     "cp": ErrorBand(
         0.52, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
     ),
-    "tp": ErrorBand(0.11, "torchtitan 70B TP rows t4.1, t4.2"),
+    "tp": ErrorBand(0.15, "TP rows t4.1, t4.2 (torchtitan 70B), n9, n10 (NeMo GPT-3 20B, Nemotron-3 8B)"),
     "ep": ErrorBand(
         0.03, "AutoModel Qwen3-30B-A3B row a1 alone (EP 8 x FSDP 8, DGX H100, bf16, DeepEP, a balanced stand-in gate)"
     ),
     "pp": ErrorBand(
-        0.69, "pipelined rows t5, t6 (torchtitan 405B), m1-m3 (Llama 3 405B), n2, n3, n5-n7 (NeMo Llama, GPT-3)"
+        0.63,
+        "pipelined rows t5, t6 (torchtitan 405B), m1-m3 (Llama 3 405B), n2, n3, n5-n7 (NeMo Llama, GPT-3), r1, r2 "
+        "(Megatron-Bridge Llama 3 70B, 405B)",
     ),
+}
+
+
+DEVICE_BANDS: Dict[str, ErrorBand] = {  # the datasheet peaks of the Blackwell presets against runs on them
+    "B200": ErrorBand(0.27, "Megatron-Bridge Llama 3 8B row r3 (DGX B200, FP8, DP 8)"),
+    "GB200": ErrorBand(0.33, "Megatron-Bridge Llama 3 8B row r4 (GB200 NVL72, FP8, DP 8)"),
 }
 
 
@@ -73,11 +84,14 @@ def plan_features(plan) -> List[str]:
     return [name for name, on in used.items() if on]
 
 
-def error_band(plan) -> ErrorBand:
-    """The band of ``plan``'s step time: the widest of its kernel backend's and its features'
-    (module docstring); unchecked when any of them is."""
+def error_band(plan, device: str = "") -> ErrorBand:
+    """The band of ``plan``'s step time on the device named ``device`` (a ``DeviceSpec`` name; ''
+    none): the widest of its kernel backend's, its features' and the device's (module docstring);
+    unchecked when any of them is."""
     backend = plan.kernels or ("compile" if plan.compile else "eager")
     bands = [BACKEND_BANDS[backend]] + [FEATURE_BANDS[f] for f in plan_features(plan)]
+    if device.split("-")[0] in DEVICE_BANDS:
+        bands.append(DEVICE_BANDS[device.split("-")[0]])
     unchecked = [b for b in bands if b.rel is None]
     if unchecked:
         return unchecked[0]

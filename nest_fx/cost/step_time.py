@@ -456,7 +456,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
             f"{memory.usable_bytes(cluster.device.memory_bytes, options) / 2**30:.1f} GiB usable "
             f"(largest term: {worst.binding})"
         )
-    band = error_band(plan)
+    band = error_band(plan, cluster.device.name)
     return SimResult(
         error_band=band.rel,
         error_basis=band.basis,

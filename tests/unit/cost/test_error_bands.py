@@ -10,7 +10,14 @@ import os
 import pytest
 
 from nest_fx.cluster import load_cluster
-from nest_fx.cost.error_bands import BACKEND_BANDS, FEATURE_BANDS, ErrorBand, error_band, within_error
+from nest_fx.cost.error_bands import (
+    BACKEND_BANDS,
+    DEVICE_BANDS,
+    FEATURE_BANDS,
+    ErrorBand,
+    error_band,
+    within_error,
+)
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import uniform_plan
 from nest_fx.report.tables import baselines_table
@@ -51,8 +58,15 @@ def _errors():
     return out
 
 
+DEVICES = {"dgx-b200": "B200", "gb200-nvl72": "GB200"}  # the rows' hardware with bands of their own
+
+
 def test_every_band_covers_the_published_rows_it_names():
-    errors = _errors()
+    everything = _errors()
+    for name, band in DEVICE_BANDS.items():
+        rows = [e for row, e in everything if DEVICES.get(row["hardware"]) == name]
+        assert rows and max(rows) <= band.rel, name
+    errors = [(row, e) for row, e in everything if row["hardware"] not in DEVICES]
     for name, band in BACKEND_BANDS.items():
         rows = [e for row, e in errors if _backend(row) == name and not _features(row)]
         if band.rel is None:
@@ -76,6 +90,9 @@ def test_a_plans_band_is_the_widest_of_its_backend_and_features():
     assert error_band(dataclasses.replace(plan, kernels="fused")).rel is None  # no published fused run checks it
     assert error_band(uniform_plan(4, pp=2, tp=2, dp=2)).rel == max(FEATURE_BANDS["pp"].rel, FEATURE_BANDS["tp"].rel)
     assert error_band(uniform_plan(4, dp=8, ep=8)).rel == max(BACKEND_BANDS["eager"].rel, FEATURE_BANDS["ep"].rel)
+    # on a Blackwell preset its device's band joins in; a Hopper device has none of its own
+    assert error_band(plan, "GB200-186GB") == DEVICE_BANDS["GB200"]
+    assert error_band(plan, "H100-SXM5-80GB") == BACKEND_BANDS["eager"]
 
 
 @pytest.mark.parametrize(
