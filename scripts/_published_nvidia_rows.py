@@ -1,5 +1,5 @@
 """NVIDIA's published runs for ``bench_published.py``: NeMo's FP8 pre-training tables (24.12 rows
-n1-n7, 24.07 rows n8-n10), Megatron-Bridge's (25.11, rows r1-r4: DGX H100, DGX B200, GB200 NVL72)
+n1-n7, 24.07 rows n8-n10), Megatron-Bridge's (25.11, rows r1-r5: DGX H100, DGX B200, GB200 NVL72)
 and AutoModel's MoE run (row a1); the sources are described in ``bench_published.py``'s docstring."""
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def nvidia_rows() -> List[Row]:
     # NeMo's FP8 pre-training table (NEMO_SOURCE), the dense Llama and GPT-3 rows: GPUs, GBS, MBS,
     # sequence length, TP, PP, CP, VP as stated; tokens/s per GPU; no memory figure (they ran: they
     # must fit). Megatron-Core with Transformer Engine: fused kernels, fp8 GEMMs, sequence
-    # parallelism with TP, the vocabulary-parallel loss, the distributed optimizer (ZeRO-1), pipeline
-    # outputs freed after their send (Megatron's deallocate_output_tensor), layers split evenly.
+    # parallelism with TP, the vocabulary-parallel loss (in place), the distributed optimizer (ZeRO-1
+    # with whole bf16 parameter and gradient buffers: ``state_buffers``), pipeline outputs freed after
+    # their send (Megatron's deallocate_output_tensor), layers split evenly.
     # Gradients held and reduced in bf16: NeMo's performance script for the Llama 3 8B row sets
     # grad_reduce_in_fp32 = False ("bf16 grad dtype"; NVIDIA/NeMo scripts/llm/performance/llama3_8b.py),
     # the launcher's FP8 Llama 2 examples optim.grad_sync_dtype=bf16. Assumed (not stated): no
@@ -83,7 +84,7 @@ def nvidia_rows() -> List[Row]:
     # NeMo 24.07's table (NEMO_2407_SOURCE), the rows of models the 24.12 table has not: the same
     # stack, settings and assumptions as above (its Llama rows are within 1% of 24.12's). Left out:
     # Nemotron-22B (no published configuration of its shape) and Nemotron-4 340B (TP 8 PP 8 VP 12,
-    # DP 2: costed at 85 GiB on its first stage without recompute, 76 usable; its recompute and
+    # DP 2: costed at 79.7 GiB on its first stage without recompute, 76 usable; its recompute and
     # fp8-weight settings are not stated, and they decide whether it fits).
     for key, model, gpus, gbs, mbs, seq, tp, tps in (
         ("n8", "gpt3-5b", 64, 2048, 4, 2048, 1, 22521),
@@ -93,15 +94,17 @@ def nvidia_rows() -> List[Row]:
         rows.append(_megatron_row(key, "NeMo 24.07", model, "dgx-h100", gpus, gbs, mbs, seq, tp, 1, 1, 1, tps))
     # Megatron-Bridge 25.11's table (BRIDGE_SOURCE), FP8 with current scaling (torchao's tensorwise
     # Float8 is that recipe), the dense Llama rows whose configuration it states whole: the stack and
-    # assumptions as NeMo's (no recompute: none is set in their presets for these rows). Left out:
-    # the 8B DGX H100 row (recompute of 5 of 32 layers, not a per-stage policy), the 405B DGX B200 and
-    # GB200 rows (costed at 164 / 206 GiB against 159 / 165 usable; the presets in that repository
-    # state no recompute or offloading for them), the MoE rows (GPT-OSS: attention sinks; Qwen3-235B: its row misses a column).
+    # assumptions as NeMo's (no recompute: none is set in their presets for these rows), Megatron-Core's
+    # distributed optimizer holding whole bf16 buffers (``state_buffers``). Left out: the 8B DGX H100
+    # row (recompute of 5 of 32 layers, not a per-stage policy), the 405B GB200 row (TP 4 PP 16 VP 4,
+    # DP 4: costed at 202 GiB against 165 usable; the presets in that repository state no recompute
+    # or offloading for it), the MoE rows (GPT-OSS: attention sinks; Qwen3-235B: its row misses a column).
     for key, model, hardware, gpus, gbs, mbs, tp, pp, cp, vp, tps in (
         ("r1", "70b", "dgx-h100", 64, 128, 1, 4, 8, 1, 5, 1602),
         ("r2", "405b", "dgx-h100", 1024, 512, 1, 8, 8, 2, 8, 292),
         ("r3", "8b", "dgx-b200", 8, 128, 2, 1, 1, 1, 1, 30624),
         ("r4", "8b", "gb200-nvl72", 8, 128, 2, 1, 1, 1, 1, 31508),
+        ("r5", "405b", "dgx-b200", 128, 64, 1, 4, 8, 2, 8, 661),
     ):
         rows.append(_megatron_row(key, "Megatron-Bridge", model, hardware, gpus, gbs, mbs, 8192, tp, pp, cp, vp, tps))
     # AutoModel's MoE row (AUTOMODEL_SOURCE): Qwen3-30B-A3B on one DGX H100, BF16, 12,040 tokens/s

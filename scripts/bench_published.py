@@ -38,9 +38,10 @@ their hosts' NVLink and 400 Gb/s per GPU as ``trainy_h200`` writes them.
 
 Held out too, with no memory figure (they ran, so they must fit): NVIDIA's rows
 (``_published_nvidia_rows.py``, with what is stated and assumed for each): n1-n7 and n8-n10, NeMo
-24.12's and 24.07's dense FP8 rows on DGX H100 (``fused``, Float8, ZeRO-1, bf16 gradients, no
-recompute and TP communication exposed assumed); r1-r4, Megatron-Bridge 25.11's on DGX H100, DGX
-B200 and GB200 NVL72 (the same stack); a1, AutoModel's BF16 Qwen3-30B-A3B run with EP 8.
+24.12's and 24.07's dense FP8 rows on DGX H100 (``fused``, Float8, ZeRO-1 as Megatron-Core's
+distributed optimizer holds it, bf16 gradients, no recompute and TP communication exposed
+assumed); r1-r5, Megatron-Bridge 25.11's on DGX H100, DGX B200 and GB200 NVL72 (the same stack);
+a1, AutoModel's BF16 Qwen3-30B-A3B run with EP 8.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s
 per GPU, no memory figure: they ran, so they must be feasible) are rows m1-m3, costed with the
@@ -183,6 +184,8 @@ def cost_options(row: Row):
         allocator_segments=row.allocator_segments,  # torchtitan's run_train.sh: expandable
         reduce_bytes=row.reduce_bytes,
         stage_outputs="sharded" if row.system == "torchtitan" else "freed",
+        # Megatron-Core's distributed optimizer (NeMo, Megatron-Bridge): whole bf16 buffers, no FSDP shard copy
+        state_buffers="distributed-optimizer" if row.system == "nemo" else "fsdp",
         expert_dispatch=row.expert_dispatch,  # DeepEP's all-to-all (a1)
         expert_routing=row.expert_routing,
     )

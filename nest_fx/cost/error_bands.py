@@ -72,7 +72,9 @@ FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it
 
 
 DEVICE_BANDS: Dict[str, ErrorBand] = {  # the datasheet peaks of the Blackwell presets against runs on them
-    "B200": ErrorBand(0.27, "Megatron-Bridge Llama 3 8B row r3 (DGX B200, FP8, DP 8)"),
+    "B200": ErrorBand(
+        0.27, "Megatron-Bridge rows r3, r5 (DGX B200, FP8: Llama 3 8B DP 8, Llama 3.1 405B TP 4 PP 8 CP 2)"
+    ),
     "GB200": ErrorBand(0.33, "Megatron-Bridge Llama 3 8B row r4 (GB200 NVL72, FP8, DP 8)"),
 }
 

@@ -304,7 +304,9 @@ def working_sets(
     run as ``options.optimizer_kernel`` runs on ``device`` (a ``DeviceSpec``; None: a GPU's).
     The for-loop's largest tensor is bounded by the stage's largest FSDP unit (its largest block,
     or its embedding, norm and head: exact where the largest tensor is a layer's only one, as an
-    embedding is), sharded over ``dp`` under ZeRO >= 1 (FSDP2 shards every tensor)."""
+    embedding is), sharded over ``dp`` under ZeRO >= 1 (FSDP2 shards every tensor). Megatron-LM's
+    distributed optimizer (``options.state_buffers``) holds no FSDP working set under ZeRO-1: its
+    parameter shard is a view of the whole bf16 buffer."""
     dense = terms.params - terms.expert_params
     params, grads = fsdp_unsharded_bytes(
         dense,
@@ -315,6 +317,8 @@ def working_sets(
         param_dtype_bytes=options.param_bytes,
         grad_dtype_bytes=options.grad_bytes,
     )
+    if options.state_buffers == "distributed-optimizer" and zero <= 1:
+        params, grads = 0.0 * params, 0.0 * grads
     shard = dp if zero >= 1 else 1
     scratch = optimizer_step_bytes(
         terms.params / shard,

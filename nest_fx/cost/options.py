@@ -22,6 +22,8 @@ USABLE_MEMORY_FRACTION = 1.0 - MEMORY_HEADROOM  # 0.95
 ASYNC_TP_OVERLAP = 0.25
 # what a pipelined runtime keeps of each chunk's output (CostOptions.stage_outputs)
 STAGE_OUTPUTS = ("full", "sharded", "freed")
+# how data parallelism holds the model states it shards (CostOptions.state_buffers)
+STATE_BUFFERS = ("fsdp", "distributed-optimizer")
 
 
 @dataclass
@@ -55,6 +57,11 @@ class CostOptions:
     # apply.tensor_parallel.sharded_cut), "full" (a runtime whose stages end on full sequences),
     # "freed" (Megatron-LM, Meta's Llama 3 stack: freed after the send)
     stage_outputs: str = "sharded"
+    # How data parallelism holds the model states under ZeRO-1 (memory.working_sets): "fsdp"
+    # (nest-fx, torchtitan: FSDP2 keeps each unit's local shard next to its gathered copy) or
+    # "distributed-optimizer" (Megatron-LM: whole bf16 parameter and gradient buffers, only the fp32
+    # master weights and the optimizer states sharded; the shard is a view of the buffer)
+    state_buffers: str = "fsdp"
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
     overlap_p2p: float = setting("overlap_p2p").default
@@ -88,8 +95,9 @@ class CostOptions:
         for name in ("expert_routing", "expert_dispatch"):
             if problem := setting(name).check(getattr(self, name)):
                 raise ValueError(f"{name}: {problem}")
-        if self.stage_outputs not in STAGE_OUTPUTS:
-            raise ValueError(f"stage_outputs: {self.stage_outputs!r} is not one of {', '.join(STAGE_OUTPUTS)}")
+        for name, values in (("stage_outputs", STAGE_OUTPUTS), ("state_buffers", STATE_BUFFERS)):
+            if getattr(self, name) not in values:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(values)}")
 
     @property
     def usable_memory_fraction(self) -> float:

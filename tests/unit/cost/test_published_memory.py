@@ -151,7 +151,7 @@ def test_nemo_llama3_8b_cp2_row_fits_with_its_bf16_gradients_and_not_with_fp32(b
     rows reduce) the 2 extra bytes per parameter push it over the device."""
     rows = {r.key: r for r in bench.published_rows() if r.system == "nemo"}  # NeMo's and Megatron-Bridge's
     assert sorted(rows, key=lambda k: (k[0], int(k[1:]))) == [f"n{i}" for i in range(1, 11)] + [
-        f"r{i}" for i in range(1, 5)
+        f"r{i}" for i in range(1, 6)
     ]
     n7 = rows["n7"]
     assert (n7.local_batch, n7.microbatch, n7.num_microbatches) == (128, 2, 64)  # GBS 2048 over DP 16
