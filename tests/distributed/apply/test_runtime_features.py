@@ -61,6 +61,11 @@ def test_two_ranks_cp_loss_parallel_and_recompute_policies():
             "model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
             "plan": {"tp": 2, "microbatch_size": 4, "num_microbatches": 2, "loss_parallel": True},
         },
+        # the vocabulary-parallel loss's op-by-op backward (loss_kernel=eager) instead of the in-place one
+        {
+            "model": "gpt:hidden=64,layers=2,heads=4,seq=32,vocab=127",
+            "plan": {"tp": 2, "microbatch_size": 4, "loss_parallel": True, "loss_kernel": "eager"},
+        },
         {"model": LLAMA, "plan": {"dp": 2, "microbatch_size": 2, "num_microbatches": 2, "recompute": "op"}},
         {"model": LLAMA, "plan": {"dp": 2, "microbatch_size": 4, "recompute": "op:matmuls"}},
         {"model": LLAMA, "plan": {"dp": 2, "microbatch_size": 4, "recompute": "op:attention"}},
