@@ -86,6 +86,8 @@ def nvidia_rows() -> List[Row]:
     # Nemotron-22B (no published configuration of its shape) and Nemotron-4 340B (TP 8 PP 8 VP 12,
     # DP 2: costed at 79.7 GiB on its first stage without recompute, 76 usable; its recompute and
     # fp8-weight settings are not stated, and they decide whether it fits).
+    # Not modelled: their GPT-3 configurations' dropout 0.1 (hidden and attention; the launcher's
+    # gpt3/5b.yaml, 20b.yaml) and vocabulary padded to 50,304.
     for key, model, gpus, gbs, mbs, seq, tp, tps in (
         ("n8", "gpt3-5b", 64, 2048, 4, 2048, 1, 22521),
         ("n9", "gpt3-20b", 64, 256, 2, 2048, 2, 5851),
