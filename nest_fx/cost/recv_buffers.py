@@ -77,7 +77,6 @@ def least_recv_buffer_bytes(
     tensors are at least ``boundary`` bytes (the planner's memory floors): rank 0's receiving
     directions, the fewest; 0 without pipelining or where outputs are freed (one buffer each way,
     not bounded here)."""
-    if pp == 1 or options.stage_outputs == "freed":
+    if options.stage_outputs == "freed":
         return 0.0
-    directions = _receiving_directions(0, pp, virtual_stages, schedule)
-    return num_microbatches * directions * _boundary_share(options, sp_degree) * boundary
+    return recv_buffer_bytes(boundary, boundary, 0, pp, num_microbatches, virtual_stages, schedule, options, sp_degree)
