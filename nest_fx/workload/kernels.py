@@ -22,7 +22,7 @@ system, not of the model. Three backends, each a row of :data:`KERNEL_BACKENDS`:
              saves the attention kernel's own output (Megatron-LM's core attention writes it as
              ``[s, b, heads x head_dim]``, which ``linear_proj`` reads without a copy: one
              tensor, not two); attention at cuDNN's measured causal rate on Hopper
-             (``roofline.FA3_ATTENTION``). For predicting those systems
+             (``roofline.FUSED_ATTENTION``). For predicting those systems
              (``--kernels fused``); nest-fx's runtime does not run them.
 
 Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
@@ -64,7 +64,7 @@ class KernelBackend:
     name: str
     fusion: float  # share of the full-fusion time saving of each elementwise region realised (0: none)
     fused_activations: bool  # an elementwise region keeps only the min-cut tensors of its backward
-    hopper_attention: bool  # attention at the fused rate on Hopper (roofline.FA3_ATTENTION: cuDNN's, measured)
+    hopper_attention: bool  # attention at the fused rate on Hopper (roofline.FUSED_ATTENTION: cuDNN's, measured)
     fused_casts: bool  # Float8 casts fused into their producers (one pass, no extra launch)
     # the attention output projection reads the attention kernel's output in place, so the
     # tensor its weight gradient needs is the one the kernel saved (counted once)

@@ -43,7 +43,7 @@ backward 0.32 of the bf16 peak; cuDNN forward 0.64, backward 0.52. An H100 has t
 Under the ``fused`` kernel backend (``nest_fx.workload.kernels``: Transformer Engine / Megatron-LM
 with cuDNN or FlashAttention-3 attention) attention on Hopper runs at the measured causal rate of
 cuDNN's fused attention above (forward 0.64, backward 0.52: Transformer Engine's fused attention
-is cuDNN's), :data:`FA3_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`. Until
+is cuDNN's), :data:`FUSED_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`. Until
 2026-11-27 it was FlashAttention-3's headline figure, 0.75 / 0.55 (740 TFLOP/s, Shah et al. 2024,
 sec. 4.1), which is its best forward without a causal mask; training attention is causal.
 """
@@ -66,7 +66,7 @@ GEMM_RAMP_S = (("H100", 11e-6), ("H200", 11e-6))
 DEFAULT_ATTENTION_KERNEL = "cudnn"
 # (device name part, forward, backward fraction of peak) of fused attention under kernels=fused:
 # cuDNN's measured causal rates (module docstring)
-FA3_ATTENTION = SDPA_ATTENTION["cudnn"]
+FUSED_ATTENTION = SDPA_ATTENTION["cudnn"]
 ATTENTION_BACKWARD_FACTOR = 2.5
 # a device named so runs torch's CPU backend, where F.rms_norm decomposes into its ops (workload/fused_norms.py)
 DECOMPOSED_NORM_DEVICE = "cpu"
@@ -104,7 +104,7 @@ class AnalyticalCompute:
         device's ``kernel_rates`` where its cluster file sets them, else this module's tables."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
         sdpa = {kernel: (f, b) for kernel, rows in SDPA_ATTENTION.items() for part, f, b in rows if part in device.name}
-        fa3 = next(((f, b) for part, f, b in FA3_ATTENTION if part in device.name), None)
+        fa3 = next(((f, b) for part, f, b in FUSED_ATTENTION if part in device.name), None)
         ramp = next((t for part, t in GEMM_RAMP_S if part in device.name), None)
         rates = getattr(device, "kernel_rates", None)  # the device's own measured rates replace the tables'
         if rates is not None:

@@ -14,7 +14,7 @@ from nest_fx.cluster import Cluster, ClusterError, KernelRates
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import uniform_plan
 from nest_fx.workload import AnalyticalCompute, workload_for_model
-from nest_fx.workload.roofline import FA3_ATTENTION, GEMM_RAMP_S, SDPA_ATTENTION
+from nest_fx.workload.roofline import FUSED_ATTENTION, GEMM_RAMP_S, SDPA_ATTENTION
 from repo_root import ROOT
 
 
@@ -87,7 +87,7 @@ def test_the_roofline_prices_the_files_rates_in_place_of_its_tables():
     tables = AnalyticalCompute.for_device(h100, "bf16")
     assert tables.sdpa_attention["flash"] == (0.3, 0.3)
     assert tables.sdpa_attention["cudnn"] == next(r[1:] for r in SDPA_ATTENTION["cudnn"] if r[0] == "H100")
-    assert tables.fa3_attention == next(r[1:] for r in FA3_ATTENTION if r[0] == "H100")
+    assert tables.fa3_attention == next(r[1:] for r in FUSED_ATTENTION if r[0] == "H100")
     assert tables.matmul_ramp_s == next(t for part, t in GEMM_RAMP_S if part == "H100")
 
 
