@@ -92,8 +92,8 @@ def error_band(plan, device: str = "") -> ErrorBand:
     unchecked when any of them is."""
     backend = plan.kernels or ("compile" if plan.compile else "eager")
     bands = [BACKEND_BANDS[backend]] + [FEATURE_BANDS[f] for f in plan_features(plan)]
-    if device.split("-")[0] in DEVICE_BANDS:
-        bands.append(DEVICE_BANDS[device.split("-")[0]])
+    if (family := device.split("-")[0]) in DEVICE_BANDS:
+        bands.append(DEVICE_BANDS[family])
     unchecked = [b for b in bands if b.rel is None]
     if unchecked:
         return unchecked[0]
