@@ -20,10 +20,6 @@ USABLE_MEMORY_FRACTION = 1.0 - MEMORY_HEADROOM  # 0.95
 # H100 benchmark (Table 4: Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8; AsyncTP 876 vs 829 tokens/s/GPU =
 # 1.057x; the cost model reproduces 1.057x with 0.23 and 1.31x with full overlap). docs/cost_model.md
 ASYNC_TP_OVERLAP = 0.25
-# what a pipelined runtime keeps of each chunk's output (CostOptions.stage_outputs)
-STAGE_OUTPUTS = ("full", "sharded", "freed")
-# how data parallelism holds the model states it shards (CostOptions.state_buffers)
-STATE_BUFFERS = ("fsdp", "distributed-optimizer")
 
 
 @dataclass
@@ -56,12 +52,12 @@ class CostOptions:
     # it in fwd_cache, and under sequence parallelism a stage hands on its blocks' 1/t shard:
     # apply.tensor_parallel.sharded_cut), "full" (a runtime whose stages end on full sequences),
     # "freed" (Megatron-LM, Meta's Llama 3 stack: freed after the send)
-    stage_outputs: str = "sharded"
+    stage_outputs: str = setting("stage_outputs").default
     # How data parallelism holds the model states under ZeRO-1 (memory.working_sets): "fsdp"
     # (nest-fx, torchtitan: FSDP2 keeps each unit's local shard next to its gathered copy) or
     # "distributed-optimizer" (Megatron-LM: whole bf16 parameter and gradient buffers, only the fp32
     # master weights and the optimizer states sharded; the shard is a view of the buffer)
-    state_buffers: str = "fsdp"
+    state_buffers: str = setting("state_buffers").default
     # Pipeline sends run under compute: torch.distributed.pipelining issues them asynchronously
     # and waits only before the data is needed (results.microbatch_time).
     overlap_p2p: float = setting("overlap_p2p").default
@@ -92,12 +88,9 @@ class CostOptions:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: a share in [0, 1], got {value!r}")
         allocator_slack(self.allocator_segments)  # a ValueError naming the modes
-        for name in ("expert_routing", "expert_dispatch"):
+        for name in ("expert_routing", "expert_dispatch", "stage_outputs", "state_buffers"):
             if problem := setting(name).check(getattr(self, name)):
                 raise ValueError(f"{name}: {problem}")
-        for name, values in (("stage_outputs", STAGE_OUTPUTS), ("state_buffers", STATE_BUFFERS)):
-            if getattr(self, name) not in values:
-                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(values)}")
 
     @property
     def usable_memory_fraction(self) -> float:

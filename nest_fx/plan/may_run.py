@@ -16,7 +16,8 @@ module or setting and the fix:
 * :func:`unrun_combination`: settings the runtime does not combine (on any model);
 * :func:`unrun_schedule`: a pipeline schedule with settings it does not run with;
 * :func:`unrun_kernels`: a kernel backend the runtime does not run for the plan (or for the
-  plans ``constraints`` ask for: :func:`unrun_constraints`, asked before planning);
+  plans ``constraints`` ask for: :func:`unrun_constraints`, asked before planning, which also
+  refuses options that price another system's runtime: ``nest_fx.plan.priced_only``);
 * :func:`unrun_norm_kernel`: a way of running the RMSNorms the runtime does not combine with compile;
 * :func:`schedule_microbatch_problem`: microbatch counts a pipeline schedule does not run;
 * :meth:`MayRun.device_problems`: settings the device cannot run (Float8 without fp8 units).
@@ -38,6 +39,7 @@ from nest_fx.graph.recompute_mutations import recompute_mutation_problem
 from nest_fx.graph.recompute_policies import parse_recompute, recompute_policy_problem
 from nest_fx.plan.constraints import Constraints
 from nest_fx.plan.plan import Plan
+from nest_fx.plan.priced_only import priced_only_constraints
 from nest_fx.plan.support import ParallelSupport, parallel_support
 from nest_fx.plan.vocabulary import CHUNKED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from nest_fx.workload.fused_norms import norm_kernel_problem
@@ -170,31 +172,21 @@ def unrun_norm_kernel(norm_kernel: str, compile: bool) -> str:
 
 def unrun_constraints(constraints: Optional[Constraints]) -> Optional[Tuple[str, str]]:
     """(the constraint as the command line writes it, why not and the fix) when planner
-    ``constraints`` ask for what nest-fx's runtime does not run on any model: kernels it does not
-    run (:func:`unrun_kernels`; compile is a user's choice, ``fix.compile``, never searched), an
-    expert dispatch it does not send (:func:`unrun_expert_dispatch`); None when it runs them.
-    ``auto_parallelize`` asks before it traces, plans or joins a collective;
-    :meth:`MayRun.constraint_problem` asks it first, then the model-level verdicts."""
+    ``constraints`` ask for what nest-fx's runtime does not run on any model: an option that prices
+    another system's runtime (``nest_fx.plan.priced_only``: expert dispatch, stage outputs, state
+    buffers), kernels it does not run (:func:`unrun_kernels`; compile is a user's choice,
+    ``fix.compile``, never searched); None when it runs them. ``auto_parallelize`` asks before it
+    traces, plans or joins a collective; :meth:`MayRun.constraint_problem` asks it first, then the
+    model-level verdicts."""
     if not constraints:
         return None
-    if constraints.expert_dispatch:
-        return f"expert_dispatch={constraints.expert_dispatch}", unrun_expert_dispatch(constraints.expert_dispatch)
+    priced = priced_only_constraints(constraints)
+    if priced:
+        return priced[0]
     if not constraints.kernels:
         return None
     reason = unrun_kernels(constraints.kernels, bool(constraints.fix.get("compile", False)), constraints=True)
     return (f"kernels={constraints.kernels}", reason) if reason else None
-
-
-def unrun_expert_dispatch(dispatch: str) -> str:
-    """'' for ``expert_dispatch=''`` (what nest-fx's runtime sends), else why a plan priced with
-    another system's expert dispatch (``workload.expert_dispatch``) does not run, and the fix."""
-    if not dispatch:
-        return ""
-    return (
-        f"the plan is priced with expert_dispatch={dispatch}, another system's expert all-to-all (for nest-fx "
-        "plan/simulate); nest-fx's runtime sends the zoo MoE's capacity slots and HF stacked experts once per "
-        "owner rank, whatever the setting says; fix: drop expert_dispatch (or set it to '') and plan again"
-    )
 
 
 def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -> str:
@@ -215,7 +207,8 @@ def schedule_microbatch_problem(schedule: str, pp: int, num_microbatches: int) -
 def unrun_fields(plan: Plan) -> List[str]:
     """Combinations of plan fields the runtime refuses on any model, each with the reason:
     unknown recompute policies, :func:`unrun_schedule` and :func:`unrun_combination`, and a plan
-    priced with an expert dispatch the runtime does not send (its constraints' ``expert_dispatch``)."""
+    priced with another system's runtime options (its constraints' ``expert_dispatch``,
+    ``stage_outputs``, ``state_buffers``: ``nest_fx.plan.priced_only``)."""
     out = [
         f"stages[{i}]: {problem}"
         for i, s in enumerate(plan.stages)
@@ -237,8 +230,7 @@ def unrun_fields(plan: Plan) -> List[str]:
             ]
             if p
         ]
-    if plan.constraints and plan.constraints.expert_dispatch:
-        out.append(f"constraints: {unrun_expert_dispatch(plan.constraints.expert_dispatch)}")
+    out += [f"constraints: {problem}" for _, problem in priced_only_constraints(plan.constraints)]
     return out + unrun_combination(
         tp=max(s.tp for s in plan.stages),
         ep=plan.ep,

@@ -14,6 +14,8 @@ from nest_fx.plan.vocabulary import (
     EXPERT_ROUTINGS,
     OPTIMIZER_KERNELS,
     OPTIMIZER_NAMES,
+    STAGE_OUTPUTS,
+    STATE_BUFFERS,
     fraction_problem,
 )
 
@@ -96,6 +98,32 @@ RUN_OPTIONS: Tuple[Setting, ...] = (
         scope="run",
         values=("",) + EXPERT_ROUTINGS,
         flag="--expert-routing",
+    ),
+    Setting(
+        "stage_outputs",
+        str,
+        "sharded",
+        "what a pipelined runtime keeps of each chunk's output until the chunk's backward, to price another "
+        "system's: sharded (its sequence shard where the stage ends on sequence-parallel blocks, else all of it: "
+        "nest-fx's runtime and torchtitan), full (all of it), freed (nothing after the send: Megatron-LM); the "
+        "runtime refuses a plan priced otherwise (docs/cost_model.md, Memory)",
+        "option",
+        scope="run",
+        values=STAGE_OUTPUTS,
+        flag="--stage-outputs",
+    ),
+    Setting(
+        "state_buffers",
+        str,
+        "fsdp",
+        "how data parallelism holds the model states it shards, to price another system's: fsdp (FSDP2: each "
+        "unit's local shard beside its gathered copy, nest-fx's runtime and torchtitan), distributed-optimizer "
+        "(Megatron-LM: whole bf16 parameter and gradient buffers, the fp32 states sharded); the runtime "
+        "refuses a plan priced otherwise (docs/cost_model.md, Memory)",
+        "option",
+        scope="run",
+        values=STATE_BUFFERS,
+        flag="--state-buffers",
     ),
     Setting(
         "overlap_cp_comm",

@@ -13,7 +13,7 @@ import argparse
 from typing import Any, Callable, Dict, Mapping
 
 from nest_fx.plan.setting import Setting
-from nest_fx.plan.settings import DEGREES, FLAGS, SETTINGS, default, setting
+from nest_fx.plan.settings import DEGREES, FLAGS, PRICED_ONLY_OPTIONS, SETTINGS, default, setting
 
 
 def _help(s: Setting) -> str:
@@ -27,7 +27,10 @@ def _help(s: Setting) -> str:
 
 def _option_default(s: Setting) -> Any:
     """An option's flag default: its declared default when it is one of a closed set (the
-    optimizer, always recorded), else None (given only: the precision defaults per device)."""
+    optimizer, always recorded), else None (given only: the precision defaults per device, and
+    the options that price another system, whose default is what the runtime runs)."""
+    if s.name in PRICED_ONLY_OPTIONS:
+        return None
     return s.default if s.values and s.default not in ("", None) else None
 
 

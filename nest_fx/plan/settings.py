@@ -398,7 +398,10 @@ OPTIONS = tuple(s for s in SETTINGS if s.role == "option")  # precision, kernels
 # the overlap shares (CostOptions fields of the same names; docs/cost_model.md, "Overlap")
 OVERLAPS = tuple(s.name for s in SETTINGS if s.name.startswith("overlap_"))
 # the other run options ``simulate`` takes as flags, recorded in the plan's constraints beside the shares
-SIMULATED_RUN_OPTIONS = ("optimizer_kernel", "expert_dispatch", "expert_routing")
+SIMULATED_RUN_OPTIONS = ("optimizer_kernel", "expert_dispatch", "expert_routing", "stage_outputs", "state_buffers")
+# run options that price another system's runtime: nest-fx's runtime runs only their defaults and refuses a
+# plan priced with any other value (nest_fx.plan.priced_only); recorded in a plan only when given
+PRICED_ONLY_OPTIONS = ("expert_dispatch", "stage_outputs", "state_buffers")
 SEARCHED = tuple(s for s in SETTINGS if s.search is not UNSEARCHED)  # each a field of the planner's options
 # flags the planner never turns on: the user's choice of how to train, costed when set (compile, float8, async_tp)
 COSTED_FLAGS = tuple(s.name for s in SEARCHED if s.role == "flag" and s.search is False)

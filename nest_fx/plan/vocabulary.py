@@ -45,6 +45,12 @@ EXPERT_ROUTINGS = ("uniform", "contiguous")
 # what an expert all-to-all sends (nest_fx.workload.expert_dispatch): a row per routed pair or
 # capacity slot, or a token once per rank owning one of its experts (DeepEP's)
 EXPERT_DISPATCHES = ("slots", "per-rank")
+# what a pipelined runtime keeps of each chunk's output until its backward (costed in nest_fx.cost.memory):
+# all of it, its sequence shard under sequence parallelism (nest-fx, torchtitan), or nothing (Megatron-LM)
+STAGE_OUTPUTS = ("full", "sharded", "freed")
+# how data parallelism holds the model states it shards (costed in nest_fx.cost.memory): FSDP2's units
+# (nest-fx, torchtitan) or Megatron-LM's distributed optimizer (whole bf16 buffers, sharded fp32 states)
+STATE_BUFFERS = ("fsdp", "distributed-optimizer")
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum")  # costed in nest_fx.cost.optimizers.OPTIMIZERS
 # how torch.optim runs the optimizer's step (its foreach= / fused= arguments; torchtitan's names):
 # costed in nest_fx.cost.optimizers.KERNEL_FIGURES

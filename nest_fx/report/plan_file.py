@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from nest_fx.plan.plan import Plan, PlanError
+from nest_fx.plan.priced_only import priced_only_constraints
 from nest_fx.plan.vocabulary import DTYPE_OF_PRECISION, SPLIT_BACKWARD_SCHEDULES
 
 
@@ -116,10 +117,10 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
         + " train.py"
     )
     made_for = f"{plan.model}, " if plan.model else ""
-    from nest_fx.plan.may_run import unrun_expert_dispatch, unrun_kernels  # imports torch: this module must not
+    from nest_fx.plan.may_run import unrun_kernels  # imports torch: this module must not
 
-    priced_only = unrun_kernels(plan.kernels, plan.compile) or (
-        plan.constraints and unrun_expert_dispatch(plan.constraints.expert_dispatch)
+    priced_only = unrun_kernels(plan.kernels, plan.compile) or next(
+        (problem for _, problem in priced_only_constraints(plan.constraints)), ""
     )
     if priced_only:  # a prediction of another system: the runtime refuses it before training
         return lines + [f"not for training with nest-fx: {priced_only}"]

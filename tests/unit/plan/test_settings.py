@@ -64,6 +64,8 @@ def test_one_spelling_for_every_setting():
         "overlap_ep_comm",
         "expert_routing",
         "expert_dispatch",
+        "stage_outputs",
+        "state_buffers",
         "overlap_cp_comm",
         "overlap_grad_sync",
         "overlap_p2p",
