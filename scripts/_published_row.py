@@ -62,14 +62,17 @@ class Row:
     @property
     def pp_microbatches(self) -> int:
         """How many microbatches a pipelined row splits its local batch into. torchtitan (9dec370,
-        ``build_pipeline_schedule``): ``pipeline_parallel_microbatches`` unset = the total number
-        of stages, PP degree x stages per rank (its tables set no count). Meta's rows: microbatch
-        1 (assumed; the paper states no microbatch size)."""
+        ``build_pipeline_schedule``): ``pipeline_parallel_microbatches`` unset = the PP degree, for
+        the interleaved schedule too (its tables set no count); PP degree x stages per rank only
+        since pytorch/torchtitan PR #781 (2025-01-07, "PP is using the pipeline_parallel_degree as
+        the default number of microbatches when it should be pipeline_parallel_degree *
+        len(stages)"), after the benchmark's commit. Meta's rows: microbatch 1 (assumed; the paper
+        states no microbatch size)."""
         if self.pp == 1:
             return 1
         if self.system == "llama3":
             return self.local_batch
-        return self.pp * self.virtual_stages
+        return self.pp
 
     @property
     def num_microbatches(self) -> int:

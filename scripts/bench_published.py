@@ -12,8 +12,9 @@ this script takes the midpoint (bf16 912, fp8 1825 TFLOP/s dense; SXM 989/1979, 
 NVIDIA's datasheets) and 95 GiB of device memory (what PyTorch reports for the 96 GB part).
 The runs use torchtitan's defaults where the table does not say otherwise: sequence length
 8192, AdamW, FSDP2 (ZeRO-3, mixed precision), sequence parallel and loss parallel with TP,
-as many pipeline microbatches as stages (PP degree x stages per rank: torchtitan's default
-when ``pipeline_parallel_microbatches`` is unset), the interleaved schedule with 2 stages per rank, selective
+as many pipeline microbatches as the PP degree (torchtitan's default at 9dec370 when
+``pipeline_parallel_microbatches`` is unset, for the interleaved schedule too: ``Row.pp_microbatches``),
+the interleaved schedule with 2 stages per rank, selective
 activation checkpointing = op-level SAC (``op``), "AsyncTP" = TP collectives overlapped.
 
 For each row the published configuration is written as a plan (``nest-fx-plan/1``) and costed
