@@ -6,12 +6,14 @@ a set of rows (rounded up to a whole percent): a backend's over its rows that us
 features below; a feature's (in the order ``float8``, context parallelism ``cp``, tensor
 parallelism ``tp``, expert parallelism ``ep``, pipelining ``pp``) over the rows that use it and
 no feature later in that order, so every published row is covered by the band of its last feature. Those
-come from the Hopper rows (H100, H200); a device with published runs of its own has a band from
-them (``DEVICE_BANDS``, by the device's name before its first dash). A plan's band is the widest
-of its backend's, each feature's it uses and its device's. A backend no published run checks has no
-band (``None``: "unchecked"), and neither has a plan that uses it. ``tests/unit/cost/test_error_bands.py``
-checks every band against the benchmark's JSON, so a cost-model change that moves the errors
-outside the bands fails until they are measured again.
+come from the Hopper rows (H100, H200: ``BANDED_FAMILIES``); a device with published runs of its own
+has a band from them (``DEVICE_BANDS``, by the device family its name names: :func:`device_family`).
+A plan's band is the widest of its backend's, each feature's it uses and its device's. A backend
+no published run checks has no band (``None``: "unchecked"), and neither has a plan that uses it,
+nor one on a device no published run checks (a TPU, a CPU, an unnamed part): the Hopper rows say
+nothing about its rates. ``tests/unit/cost/test_error_bands.py`` checks every band against the
+benchmark's JSON (A100's against Narayanan et al.'s rows, ``tests/unit/cost/test_published.py``),
+so a cost-model change that moves the errors outside the bands fails until they are measured again.
 
 A plan's predicted gain over another (``g = T_other / T_plan``) is inside the model's error when
 both step times may be off by the band ``e`` in opposite directions: ``g <= (1 + e) / (1 - e)``
@@ -20,6 +22,7 @@ both step times may be off by the band ``e`` in opposite directions: ``g <= (1 +
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -71,7 +74,13 @@ FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it
 }
 
 
-DEVICE_BANDS: Dict[str, ErrorBand] = {  # the datasheet peaks of the Blackwell presets against runs on them
+# the device families the backend and feature bands come from: their published rows ran on them
+BANDED_FAMILIES = ("H100", "H200")
+DEVICE_BANDS: Dict[str, ErrorBand] = {  # devices with published runs of their own, against those runs
+    "A100": ErrorBand(
+        0.11,
+        "Narayanan et al. 2021: 12 Megatron-LM GPT runs, 1.7B-1T on 32-3,072 A100; tests/unit/cost/test_published.py",
+    ),
     "B200": ErrorBand(
         0.27, "Megatron-Bridge rows r3, r5 (DGX B200, FP8: Llama 3 8B DP 8, Llama 3.1 405B TP 4 PP 8 CP 2)"
     ),
@@ -86,13 +95,28 @@ def plan_features(plan) -> List[str]:
     return [name for name, on in used.items() if on]
 
 
+_FAMILY = re.compile(r"(?<![A-Za-z0-9])(GB|[ABH])(\d{3})(?!\d)", re.IGNORECASE)
+
+
+def device_family(name: str) -> str:
+    """The GPU family a device name names (``H100-SXM5-80GB``, ``NVIDIA H100 80GB HBM3``: ``H100``;
+    ``GB200-186GB``: ``GB200``); '' when it names none (``TPUv4``, ``cpu``)."""
+    found = _FAMILY.search(name)
+    return (found.group(1) + found.group(2)).upper() if found else ""
+
+
 def error_band(plan, device: str = "") -> ErrorBand:
     """The band of ``plan``'s step time on the device named ``device`` (a ``DeviceSpec`` name; ''
     none): the widest of its kernel backend's, its features' and the device's (module docstring);
-    unchecked when any of them is."""
+    unchecked when any of them is, or when no published run checks the device."""
+    family = device_family(device)
+    if device and family not in BANDED_FAMILIES and family not in DEVICE_BANDS:
+        return ErrorBand(
+            None, f"no published run on {device} checked; the bands come from runs on {', '.join(BANDED_FAMILIES)}"
+        )
     backend = plan.kernels or ("compile" if plan.compile else "eager")
     bands = [BACKEND_BANDS[backend]] + [FEATURE_BANDS[f] for f in plan_features(plan)]
-    if (family := device.split("-")[0]) in DEVICE_BANDS:
+    if family in DEVICE_BANDS:
         bands.append(DEVICE_BANDS[family])
     unchecked = [b for b in bands if b.rel is None]
     if unchecked:
