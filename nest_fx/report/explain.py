@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 from nest_fx.report import layout, timeline
 from nest_fx.report import tables as report
 from nest_fx.report.gantt import draw_gantt
+from nest_fx.report.plan_file import not_for_training
 from nest_fx.report.plotting import require_pyplot
 from nest_fx.cluster.ordered import placed
 from nest_fx.cost import memory
@@ -96,7 +97,7 @@ def header_lines(plan, workload, cluster, result) -> List[str]:
         + f"; global batch {plan.global_batch} x {workload.dims.seq_len} tokens; precision {plan.precision}",
         f"predicted: step {report.fmt_seconds(result.step_s)}, {report.fmt_si(result.tokens_per_s)} tokens/s, "
         f"{report.fmt_si(result.model_flops_per_device, 'FLOP/s')} model FLOPs per device; {status}",
-    ]
+    ] + [f"not for training with nest-fx: {why}" for why in [not_for_training(plan)] if why]
 
 
 def layout_lines(plan, cluster) -> List[str]:

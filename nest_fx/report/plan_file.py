@@ -117,11 +117,7 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
         + " train.py"
     )
     made_for = f"{plan.model}, " if plan.model else ""
-    from nest_fx.plan.may_run import unrun_kernels  # imports torch: this module must not
-
-    priced_only = unrun_kernels(plan.kernels, plan.compile) or next(
-        (problem for _, problem in priced_only_constraints(plan.constraints)), ""
-    )
+    priced_only = not_for_training(plan)
     if priced_only:  # a prediction of another system: the runtime refuses it before training
         return lines + [f"not for training with nest-fx: {priced_only}"]
     lines += [
@@ -133,3 +129,13 @@ def next_step_lines(path: Optional[str], plan: Plan, nproc_per_node: int) -> Lis
         "    loss = pm.train_step(inputs, targets); opt.step(); opt.zero_grad()  # opt over pm.parameters()",
     ]
     return lines
+
+
+def not_for_training(plan: Plan) -> str:
+    """Why ``plan`` predicts another system and nest-fx's runtime refuses it before training (kernels
+    it does not run, an option that prices another runtime: ``plan.priced_only``); '' when it runs."""
+    from nest_fx.plan.may_run import unrun_kernels  # imports torch: this module must not
+
+    return unrun_kernels(plan.kernels, plan.compile) or next(
+        (problem for _, problem in priced_only_constraints(plan.constraints)), ""
+    )

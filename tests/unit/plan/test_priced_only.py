@@ -99,3 +99,25 @@ def test_auto_parallelize_refuses_a_plan_priced_for_another_runtime_before_any_c
     priced = Constraints(state_buffers="distributed-optimizer")
     with pytest.raises(ConstraintError, match="^constraints= state_buffers=distributed-optimizer: .*fix: drop"):
         auto_parallelize(model, tokens, constraints=priced, **run)
+
+
+def test_explain_says_a_plan_priced_for_another_runtime_is_not_for_training():
+    from nest_fx.cluster import load_cluster
+    from nest_fx.cost.step_time import simulate
+    from nest_fx.report.explain import explain_text
+    from nest_fx.solver.constraints import cost_options
+    from nest_fx.workload import workload_for_model
+
+    cluster = load_cluster("dgx-h100:8")
+    work = workload_for_model("gpt:hidden=256,layers=4,heads=8,seq=256,vocab=4096", cluster)
+    plan = uniform_plan(len(work), dp=8, zero=1)
+    for priced, says in (
+        (dataclasses.replace(plan, constraints=Constraints(state_buffers="distributed-optimizer")), "state_buffers"),
+        (dataclasses.replace(plan, kernels="fused"), "fused kernels"),
+        (plan, None),
+    ):
+        result = simulate(priced, work, cluster, cost_options(priced.constraints))
+        lines = [
+            line for line in explain_text(priced, work, cluster, result).splitlines() if "not for training" in line
+        ]
+        assert (lines and says in lines[0]) if says else not lines, lines
