@@ -69,8 +69,10 @@ def nvidia_rows() -> List[Row]:
     # Gradients held and reduced in bf16: NeMo's performance script for the Llama 3 8B row sets
     # grad_reduce_in_fp32 = False ("bf16 grad dtype"; NVIDIA/NeMo scripts/llm/performance/llama3_8b.py),
     # the launcher's FP8 Llama 2 examples optim.grad_sync_dtype=bf16. Assumed (not stated): no
-    # activation recompute, TP communication not hidden (the share Transformer Engine's userbuffers
-    # overlap hides is not sourced), the DGX H100 preset's network.
+    # activation recompute, TP communication not hidden (the recipes turn on Transformer Engine's
+    # userbuffers TP overlap, Megatron-Bridge's COMM_OVERLAP_CONFIG_MAP, but no source gives the share
+    # it hides: scripts/bench_published_sensitivity.py prices the rows with each share), the DGX
+    # H100 preset's network.
     for key, model, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps in (
         ("n1", "l2-7b", 8, 128, 1, 4096, 1, 1, 1, 1, 16934),
         ("n2", "l2-13b", 16, 128, 1, 4096, 1, 4, 1, 10, 8715),

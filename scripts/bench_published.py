@@ -71,6 +71,7 @@ Writes ``OUT/bench_published.{md,json,png}`` (the figure: ``plot_published.py``)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -207,10 +208,10 @@ FALLBACKS = (
 )
 
 
-def predict(row: Row) -> dict:
+def predict(row: Row, **option_overrides) -> dict:
     """The published configuration costed by the nest_fx this process imports (the installed
     tree, or the archive of the before commit): tokens/s per GPU and peak memory (reserved
-    where the model has it)."""
+    where the model has it); ``option_overrides``: cost options in place of the row's."""
     try:
         cluster = cluster_of(row)  # a cost model before a device preset does not have it
         work = workload(row, cluster)
@@ -223,7 +224,7 @@ def predict(row: Row) -> dict:
     while True:
         try:
             plan = published_plan(row, work, **overrides)
-            result = simulate(plan, work, cluster, cost_options(row))
+            result = simulate(plan, work, cluster, dataclasses.replace(cost_options(row), **option_overrides))
             break
         except NestFxError as exc:
             message = str(exc)

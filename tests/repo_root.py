@@ -5,3 +5,16 @@ not matter (pytest.ini puts ``tests/`` on the import path)."""
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_script(name: str):
+    """The module ``scripts/<name>.py`` (the scripts are not a package; they import their siblings
+    by name, so ``scripts/`` is on the path while it loads)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

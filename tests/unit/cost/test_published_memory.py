@@ -14,9 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import sys
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from nest_fx.cost.step_time import simulate
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.types import Workload
 from fsdp_fixtures import bf16_fsdp2_pair
-from repo_root import ROOT
+from repo_root import import_script
 
 GiB = 2**30
 
@@ -87,13 +85,7 @@ def test_meta_rows_in_flight_microbatches(m, v, stage, expected):
 
 @pytest.fixture(scope="module")
 def bench():
-    # the rows are defined once, in the benchmark script (not a package): import it from there
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import bench_published
-    finally:
-        sys.path.pop(0)
-    return bench_published
+    return import_script("bench_published")  # the rows are defined once, in the benchmark script
 
 
 def _chain_of(bench, row, cluster):
