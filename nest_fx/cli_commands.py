@@ -24,7 +24,7 @@ from nest_fx.plan.constraints import ConstraintError, Constraints, parse_assignm
 from nest_fx.plan.plan import Plan
 from nest_fx.plan.setting_flags import constraints_data, dest
 from nest_fx.plan.settings import OPTIONS, OVERLAPS, SIMULATED_RUN_OPTIONS, setting
-from nest_fx.report.plan_file import next_step_lines, plan_inputs
+from nest_fx.report.plan_file import next_step_lines, not_for_training, plan_inputs
 
 
 def _torch_dtype(name: Optional[str]):
@@ -173,6 +173,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _note_table_seq(args, plan, workload)
     result = _simulate_file(args.plan, plan, workload, cluster)
     print(report.sim_tables(result, plan, workload))
+    if why := not_for_training(plan):
+        print(f"not for training with nest-fx: {why}")
     if args.json:
         write_with(
             args.json, lambda path: _dump_json({"plan": plan.to_dict(), "result": result.to_dict()}, path), UserError

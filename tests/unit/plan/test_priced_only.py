@@ -65,7 +65,7 @@ def test_the_plan_records_the_layout_it_was_priced_with_and_simulate_reproduces_
     assert Plan.load(str(plain)).constraints.state_buffers is None  # not given: not recorded
     recorded = Plan.load(str(megatron))
     assert recorded.constraints.state_buffers == "distributed-optimizer"
-    figures = {}
+    figures, says = {}, {}
     for name, path, extra in (
         ("fsdp", plain, []),
         ("megatron", megatron, []),
@@ -74,7 +74,8 @@ def test_the_plan_records_the_layout_it_was_priced_with_and_simulate_reproduces_
         out = tmp_path / f"{name}.sim.json"
         assert main(["simulate", "--plan", str(path), "--json", str(out), *extra]) == 0
         figures[name] = json.loads(out.read_text())
-    capsys.readouterr()
+        says[name] = "not for training with nest-fx" in capsys.readouterr().out
+    assert says == {"fsdp": False, "megatron": True, "megatron as fsdp": False}
     memory = {k: max(s["memory"]["total"] for s in v["result"]["stages"]) for k, v in figures.items()}
     # Megatron-LM's distributed optimizer keeps no FSDP2 local shard beside the gathered copy
     assert memory["megatron"] < memory["fsdp"]
