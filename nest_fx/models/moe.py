@@ -76,11 +76,17 @@ class MoE(nn.Module):
         return torch.stack([expert(buffer[:, e]) for e, expert in enumerate(self.experts)], dim=1)
 
     def combine(self, out: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, seq: int) -> torch.Tensor:
-        """Gather expert outputs back to token order and sum the k weighted choices."""
+        """Gather expert outputs back to token order and sum the k weighted choices.
+
+        The rows are picked with ``index_select`` (its backward keeps only the index), not
+        ``gather``, whose backward keeps its whole input: the ``[B, E x C + 1, H]`` expert outputs,
+        as many bytes as the dispatched tokens (``k`` rows of ``H`` per token)."""
         bsz, hidden = out.size(0), out.size(-1)
         flat = torch.cat([out.reshape(bsz, -1, hidden), out.new_zeros(bsz, 1, hidden)], dim=1)
-        picked = flat.gather(1, slot.unsqueeze(-1).expand(bsz, seq * self.top_k, hidden)) * weight
-        return picked.reshape(bsz, seq, self.top_k, hidden).sum(dim=2)
+        rows = flat.size(1)
+        index = (slot + torch.arange(bsz, device=slot.device).unsqueeze(-1) * rows).reshape(-1)
+        picked = flat.reshape(bsz * rows, hidden).index_select(0, index).reshape(bsz, seq * self.top_k, hidden)
+        return (picked * weight).reshape(bsz, seq, self.top_k, hidden).sum(dim=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slot, weight, capacity = self.route(x)

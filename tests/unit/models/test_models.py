@@ -231,3 +231,32 @@ def test_moe_model_forward_backward_on_cpu():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     assert model.layers[0].moe.gate.weight.grad.abs().sum() > 0  # the router learns
     assert all(e.down.weight.grad.abs().sum() > 0 for e in model.layers[0].moe.experts)
+
+
+def test_moe_combine_keeps_only_its_index_for_backward():
+    """combine picks the expert rows with index_select, whose backward keeps the index, not the
+    expert outputs (gather's backward keeps its whole input: k rows of H per token, as many bytes
+    as the dispatch buffer). Same values and gradients as the gather it replaced, dropped slots
+    included."""
+    moe = _moe(experts=4, top_k=2, cf=0.5)  # half the choices dropped to the spare slot
+    x = torch.randn(2, 16, 32)
+    slot, weight, capacity = moe.route(x)
+    out = torch.randn(2, moe.num_experts, capacity, 32, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = moe.combine(out, slot, weight, 16)
+    rows = moe.num_experts * capacity + 1
+    assert not {(2, rows, 32), (2 * rows, 32)} & set(saved), saved
+    flat = torch.cat([out.reshape(2, -1, 32), out.new_zeros(2, 1, 32)], dim=1)
+    gathered = flat.gather(1, slot.unsqueeze(-1).expand(2, 32, 32)) * weight  # the former combine
+    expected = gathered.reshape(2, 16, 2, 32).sum(dim=2)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    grad = torch.randn_like(got)
+    (new,) = torch.autograd.grad(got, out, grad)
+    (old,) = torch.autograd.grad(expected, out, grad)
+    torch.testing.assert_close(new, old, rtol=0, atol=0)
