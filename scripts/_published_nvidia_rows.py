@@ -104,8 +104,8 @@ def nvidia_rows() -> List[Row]:
     # DP 4: costed at 202 GiB against 165 usable; the presets in that repository state no recompute
     # or offloading for it), the MoE rows (GPT-OSS: attention sinks; Qwen3-235B: its row misses a column;
     # Qwen3-30B-A3B on 16 H100, FP8, PP 2 VP 24 EP 8, 5,275 tokens/s: costed as ``_megatron_row`` with
-    # ep=8 it is 98 GiB on its second stage, 63 GiB of it activations at 1.46 GiB per layer and microbatch
-    # of 8,192 tokens as the zoo's capacity-slot MoE keeps them, and 2.0x the published throughput:
+    # ep=8 it is 98 GiB on its second stage, 63 GiB of it activations at 1.05 GiB per layer and microbatch
+    # of 8,192 tokens (the zoo's capacity-slot MoE under fused FP8 pricing), and 2.0x the published throughput:
     # Megatron-Core's MoE layer keeps other tensors, and pricing another system's MoE memory is not built).
     for key, model, hardware, gpus, gbs, mbs, tp, pp, cp, vp, tps in (
         ("r1", "70b", "dgx-h100", 64, 128, 1, 4, 8, 1, 5, 1602),
