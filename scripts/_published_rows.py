@@ -9,7 +9,7 @@ model's published-run terms; the sources are described in ``bench_published.py``
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from _published_nvidia_rows import AUTOMODEL_SOURCE, BRIDGE_SOURCE, NEMO_2407_SOURCE, NEMO_SOURCE, nvidia_rows
 from _published_row import GiB, Row
@@ -27,6 +27,7 @@ __all__ = [
     "SOURCES",
     "TRAINY_SOURCE",
     "published_rows",
+    "rows_named",
 ]
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)"
 TRAINY_SOURCE = (
@@ -249,3 +250,9 @@ def published_rows() -> List[Row]:
             )
         )
     return rows
+
+
+def rows_named(keys: Optional[List[str]]) -> List[Row]:
+    """The rows whose key is one of ``keys`` or starts with one (``t5``: t5.1, t5.2; ``n1``: n1
+    and n10); all of them when ``keys`` is empty or None."""
+    return [r for r in published_rows() if not keys or any(r.key.startswith(k) for k in keys)]

@@ -92,7 +92,7 @@ from nest_fx.workload import workload_for_model
 from _bench_common import write_json
 
 # the rows and clusters live in _published_rows.py, _published_clusters.py; the tests read them from here
-from _published_rows import MODELS, SOURCES, GiB, Row, published_rows
+from _published_rows import MODELS, SOURCES, GiB, Row, published_rows, rows_named  # noqa: F401 (published_rows: re-exported)
 from _published_clusters import cluster_of
 from plot_published import plot as plot_published
 
@@ -452,11 +452,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budget", type=float, default=30.0, help="planner seconds per row (default 30)")
     parser.add_argument("--predict-only", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    rows = [
-        r
-        for r in published_rows()
-        if not args.rows or any(r.key == k or r.key.startswith(k + ".") or r.key.startswith(k) for k in args.rows)
-    ]
+    rows = rows_named(args.rows)
     if args.predict_only:
         with open(args.predict_only, "w", encoding="utf-8") as fh:
             json.dump({r.key: predict(r) for r in rows}, fh)

@@ -24,16 +24,14 @@ from nest_fx.plan.settings import setting
 
 from _bench_common import write_json
 from bench_published import predict
-from _published_rows import published_rows
+from _published_rows import rows_named
 
 
 def sensitivity(keys: List[str], option: str, values: list) -> List[dict]:
     """One entry per chosen row: its key, tensor-parallel degree, published figure and, per
     value, the predicted figure and its error in percent."""
     out = []
-    for row in published_rows():
-        if not any(row.key == k or row.key.startswith(k) for k in keys):
-            continue
+    for row in rows_named(keys):
         entry = {"key": row.key, "tp": row.tp, "published": row.published, "predicted": {}, "error_pct": {}}
         for value in values:
             found = predict(row, **{option: value})

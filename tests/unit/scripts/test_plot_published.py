@@ -1,22 +1,17 @@
 """scripts/plot_published.py: the published-runs benchmark's figure, drawn from its JSON."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-from repo_root import ROOT
+from repo_root import ROOT, import_script
 
 
 @pytest.fixture(scope="module")
 def plotter():
     pytest.importorskip("matplotlib")  # the [plot] extra; the benchmark still writes its tables without it
-    path = os.path.join(ROOT, "scripts", "plot_published.py")
-    spec = importlib.util.spec_from_file_location("plot_published", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script("plot_published")
 
 
 def test_the_committed_results_draw(plotter, tmp_path):
