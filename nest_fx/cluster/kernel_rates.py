@@ -8,11 +8,13 @@ device, not derived from its peak:
   cuDNN attention and FlashAttention-2, ``plan.attention_kernel``) and ``fused`` (the attention of
   ``kernels=fused``: Transformer Engine / FlashAttention-3);
 * ``gemm_ramp``: the GEMM efficiency ramp, the time at peak of the GEMM that reaches half of the
-  top efficiency (``F_half = peak x gemm_ramp``).
+  top efficiency (``F_half = peak x gemm_ramp``);
+* ``gemm_efficiency``: that top efficiency (``e_max``), the share of peak large GEMMs reach.
 
-The roofline's tables hold them for the devices measured (H100, H200, by name); a device named
-otherwise has none, and its attention runs at the top GEMM efficiency. Rates given here replace the
-tables' figures for that device, kernel by kernel (``scripts/bench_gpu_kernels.py`` measures them).
+The roofline's tables hold them for the devices measured (H100, H200) and for those priced from
+published measurements (B200, GB200), by name; a device named otherwise has none: ``e_max`` 0.75,
+a 2 GFLOP ramp, its attention at ``e_max``. Rates given here replace the tables' figures for that
+device, kernel by kernel (``scripts/bench_gpu_kernels.py`` measures them).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ RATED_ATTENTION_KERNELS = ("cudnn", "flash", "fused")
 @dataclass(frozen=True)
 class KernelRates:
     """``attention``: kernel -> (forward, backward) fraction of peak, each in (0, 1];
-    ``gemm_ramp``: seconds > 0, or None (the roofline's figure for the device)."""
+    ``gemm_ramp``: seconds > 0, or None (the roofline's figure for the device);
+    ``gemm_efficiency``: a fraction of peak in (0, 1], or None (likewise)."""
 
     attention: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     gemm_ramp: Optional[float] = None
+    gemm_efficiency: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,14 +56,13 @@ class KernelRates:
             if not isinstance(rates, (list, tuple)) or len(rates) != 2:
                 raise ClusterError(f"{where}: must be [forward, backward] fractions of peak, got {brief(rates)}")
             for name, value in zip(("forward", "backward"), rates):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
-                    raise ClusterError(f"{where} {name}: must be a number in (0, 1], got {brief(value)}")
-                if not 0 < value <= 1:
-                    raise ClusterError(f"{where} {name}: must be a fraction of peak in (0, 1], got {brief(value)}")
+                _check_fraction(value, f"{where} {name}")
         if self.gemm_ramp is not None:
             check_real(self.gemm_ramp, f"{prefix}gemm_ramp", strict=False)
             if self.gemm_ramp == 0:
                 raise ClusterError(f"{prefix}gemm_ramp: must be > 0 seconds, got 0")
+        if self.gemm_efficiency is not None:
+            _check_fraction(self.gemm_efficiency, f"{prefix}gemm_efficiency")
 
     def to_dict(self) -> dict:
         """The file form: only what is set."""
@@ -68,12 +71,14 @@ class KernelRates:
             out["attention"] = {k: list(v) for k, v in self.attention.items()}
         if self.gemm_ramp is not None:
             out["gemm_ramp"] = self.gemm_ramp
+        if self.gemm_efficiency is not None:
+            out["gemm_efficiency"] = self.gemm_efficiency
         return out
 
     @classmethod
     def from_dict(cls, data: object, path: str = "device.kernel_rates") -> "KernelRates":
         """From the file form; ``gemm_ramp`` may carry a unit (``11us``)."""
-        d = check_keys(data, path, (), ("attention", "gemm_ramp"))
+        d = check_keys(data, path, (), ("attention", "gemm_ramp", "gemm_efficiency"))
         attention = d.get("attention", {})
         if not isinstance(attention, dict):
             raise ClusterError(
@@ -84,6 +89,14 @@ class KernelRates:
             ramp = parse_quantity(ramp, "s", f"{path}.gemm_ramp")
         rates = {str(k): tuple(v) if isinstance(v, list) else v for k, v in attention.items()}
         try:
-            return cls(attention=rates, gemm_ramp=ramp)
+            return cls(attention=rates, gemm_ramp=ramp, gemm_efficiency=d.get("gemm_efficiency"))
         except ClusterError as exc:
             raise ClusterError(f"{path}.{exc}") from None
+
+
+def _check_fraction(value: object, where: str) -> None:
+    """ClusterError unless ``value`` is a real number in (0, 1] (a fraction of peak)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
+        raise ClusterError(f"{where}: must be a number in (0, 1], got {brief(value)}")
+    if not 0 < value <= 1:
+        raise ClusterError(f"{where}: must be a fraction of peak in (0, 1], got {brief(value)}")

@@ -84,9 +84,9 @@ DEVICE_BANDS: Dict[str, ErrorBand] = {  # devices with published runs of their o
         "Narayanan et al. 2021: 12 Megatron-LM GPT runs, 1.7B-1T on 32-3,072 A100; tests/unit/cost/test_published.py",
     ),
     "B200": ErrorBand(
-        0.27, "Megatron-Bridge rows r3, r5 (DGX B200, FP8: Llama 3 8B DP 8, Llama 3.1 405B TP 4 PP 8 CP 2)"
+        0.12, "Megatron-Bridge rows r3, r5 (DGX B200, FP8: Llama 3 8B DP 8, Llama 3.1 405B TP 4 PP 8 CP 2)"
     ),
-    "GB200": ErrorBand(0.33, "Megatron-Bridge Llama 3 8B row r4 (GB200 NVL72, FP8, DP 8)"),
+    "GB200": ErrorBand(0.12, "Megatron-Bridge Llama 3 8B row r4 (GB200 NVL72, FP8, DP 8)"),
 }
 
 

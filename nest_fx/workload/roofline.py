@@ -46,6 +46,29 @@ cuDNN's fused attention above (forward 0.64, backward 0.52: Transformer Engine's
 is cuDNN's), :data:`FUSED_ATTENTION`, applied by :meth:`AnalyticalCompute.with_kernels`. Until
 2026-11-27 it was FlashAttention-3's headline figure, 0.75 / 0.55 (740 TFLOP/s, Shah et al. 2024,
 sec. 4.1), which is its best forward without a causal mask; training attention is causal.
+
+Blackwell (B200, GB200) has no rate measured here; its rates come from published measurements
+(:data:`GEMM_EFFICIENCY`, :data:`GEMM_RAMP_S`, :data:`DERIVED_ATTENTION`). Its datasheet peaks
+with the A100-era defaults (``e_max`` 0.75, ``F_half`` 2 GFLOP, attention at ``e_max``) priced
+NVIDIA's B200 / GB200 runs 17-32% too fast:
+
+* GEMMs: vLLM's kernel benchmark (``benchmarks/kernels/bench_fp8_gemm.py``, its ``torch-bf16``
+  column: cuBLAS through torch) on a B200, in vllm-project/vllm PRs #18778 and #19566 (2025): six
+  bf16 GEMMs of Llama 3.1 8B's linears (N x K = 6144 x 4096 and 4096 x 4096) at 512-16,384 tokens,
+  1,336-1,513 TFLOP/s. The fit of ``e_max F / (F + F_half)`` (least mean relative error, as the
+  Hopper fit) gives ``e_max`` 0.674 and ``F_half`` 3.4 GFLOP (a ramp of 1.5 us at 2.25 PFLOP/s),
+  mean error 1.3% (the defaults: 14.2%). The best shape of all reaches 77.6% (Bekman's "Maximum
+  Achievable Matmul FLOPS" table, stas00/ml-engineering: B200 1,745 of 2,250 TFLOP/s; H100 80.3%).
+* GB200 runs B200's kernels with a higher datasheet peak (2.5 PFLOP/s bf16) that its measured best
+  matmul does not follow: 1,822 TFLOP/s (72.9%) in the same table, 1.044 x the B200's. Its rates are
+  the B200's as fractions of its own peak scaled by 0.940 = (1,822 / 2,500) / (1,745 / 2,250).
+* Attention: "FlashAttention-4" (arXiv 2603.05451, 2026): on Blackwell the
+  exponential units and shared-memory bandwidth did not grow with the tensor cores, so the forward
+  is bound by the softmax's exponentials and the backward by shared-memory traffic; the fastest
+  kernel reaches at best 71.7% of the B200's bf16 peak (1,613 TFLOP/s), and cuDNN 9.13 is up to 1.3x
+  slower. FlashAttention-3's best on an H100 is 74.8% (740 TFLOP/s). The Hopper fractions measured
+  here (cuDNN causal 0.64 / 0.52, FlashAttention-2 0.34 / 0.32) are scaled by 0.958 = 71.7 / 74.8
+  on a B200 (x 0.940 on a GB200): derived, not measured on Blackwell.
 """
 
 from __future__ import annotations
@@ -54,14 +77,21 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
 # PyTorch SDPA's fused kernels: {kernel: ((device name part, forward, backward fraction of peak), ...)},
-# measured (module docstring); other devices: e_max
+# measured (module docstring); other devices: DERIVED_ATTENTION, else e_max
 SDPA_ATTENTION = {
     "cudnn": (("H100", 0.64, 0.52), ("H200", 0.64, 0.52)),
     "flash": (("H100", 0.34, 0.32), ("H200", 0.34, 0.32)),
 }
+# devices whose attention rates are a measured device's scaled (module docstring, "Blackwell"):
+# (device name part, measured device name part, scale of its fractions of peak)
+B200_ATTENTION_SCALE = round((1613 / 2250) / (740 / 989), 3)  # FlashAttention-4's best / FlashAttention-3's
+GB200_RATE_SCALE = round((1822 / 2500) / (1745 / 2250), 3)  # the GB200's best matmul share / the B200's
+DERIVED_ATTENTION = (("B200", "H100", B200_ATTENTION_SCALE), ("GB200", "H100", B200_ATTENTION_SCALE * GB200_RATE_SCALE))
 # the GEMM ramp: a GEMM of F FLOPs reaches e_max F / (F + F_half) of peak with F_half = peak x this
-# time (device name part, seconds), measured (module docstring); other devices: F_half 2 GFLOP
-GEMM_RAMP_S = (("H100", 11e-6), ("H200", 11e-6))
+# time (device name part, seconds), measured or sourced (module docstring); other devices: F_half 2 GFLOP
+GEMM_RAMP_S = (("H100", 11e-6), ("H200", 11e-6), ("B200", 1.5e-6), ("GB200", 1.5e-6))
+# e_max where it is not the default 0.75 (device name part, e_max), sourced (module docstring)
+GEMM_EFFICIENCY = (("B200", 0.674), ("GB200", round(0.674 * GB200_RATE_SCALE, 3)))
 # the kernel a plan that names none is priced with: what the runtime pins (plan.attention_kernel '')
 DEFAULT_ATTENTION_KERNEL = "cudnn"
 # (device name part, forward, backward fraction of peak) of fused attention under kernels=fused:
@@ -103,19 +133,37 @@ class AnalyticalCompute:
         dtype's own peak (fp32 on a GPU: its fp32 rate). Attention rates and the GEMM ramp: the
         device's ``kernel_rates`` where its cluster file sets them, else this module's tables."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
-        sdpa = {kernel: (f, b) for kernel, rows in SDPA_ATTENTION.items() for part, f, b in rows if part in device.name}
-        fa3 = next(((f, b) for part, f, b in FUSED_ATTENTION if part in device.name), None)
-        ramp = next((t for part, t in GEMM_RAMP_S if part in device.name), None)
+        name = device.name
+        sdpa = {}
+        for kernel, table in SDPA_ATTENTION.items():
+            entry = device_entry(table, name)
+            if entry:
+                sdpa[kernel] = entry[1:]
+        fa3 = (device_entry(FUSED_ATTENTION, name) or (None,))[1:] or None
+        derived = device_entry(DERIVED_ATTENTION, name)
+        if derived and not sdpa:
+            _, measured, scale = derived
+            sdpa = {
+                kernel: (round(f * scale, 3), round(b * scale, 3))
+                for kernel, table in SDPA_ATTENTION.items()
+                for part, f, b in table
+                if part == measured
+            }
+            fa3 = sdpa.get("cudnn")  # Transformer Engine's fused attention is cuDNN's
+        ramp = (device_entry(GEMM_RAMP_S, name) or (None, None))[1]
+        top = (device_entry(GEMM_EFFICIENCY, name) or (None, cls.matmul_efficiency))[1]
         rates = getattr(device, "kernel_rates", None)  # the device's own measured rates replace the tables'
         if rates is not None:
             sdpa.update({k: tuple(v) for k, v in rates.attention.items() if k != "fused"})
             fa3 = tuple(rates.attention["fused"]) if "fused" in rates.attention else fa3
             ramp = rates.gemm_ramp if rates.gemm_ramp is not None else ramp
+            top = rates.gemm_efficiency if rates.gemm_efficiency is not None else top
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
         peak = device.peak(dtype)
         fields = dict(
             peak_flops=peak,
+            matmul_efficiency=top,
             matmul_half_flops=ramp * peak if ramp else cls.matmul_half_flops,
             matmul_ramp_s=ramp,
             mem_bandwidth=device.mem_bandwidth,
@@ -125,7 +173,7 @@ class AnalyticalCompute:
             vector_share=share,
             fa3_attention=fa3,
             vector_fraction=_vector_fraction(peaks, share, peak),
-            fused_rms_norm=not device.name.lower().startswith(DECOMPOSED_NORM_DEVICE),
+            fused_rms_norm=not name.lower().startswith(DECOMPOSED_NORM_DEVICE),
         )
         timing = cls(**{**fields, **overrides})
         return timing if "attention_efficiency" in overrides else timing.with_kernels(False)
@@ -190,6 +238,13 @@ class AnalyticalCompute:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def device_entry(table, name: str) -> Optional[tuple]:
+    """The row of ``table`` (rows of (device name part, ...)) whose part ``name`` contains, the
+    longest such part first (``GB200-186GB`` is a GB200, not a B200); None when none is."""
+    rows = [row for row in table if row[0] in name]
+    return max(rows, key=lambda row: len(row[0])) if rows else None
 
 
 def _vector_fraction(peaks: Dict[str, float], share: float, peak: float) -> float:

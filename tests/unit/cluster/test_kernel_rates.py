@@ -36,13 +36,13 @@ def _file(name: str = "MyGPU", rates=None) -> dict:
     }
 
 
-RATES = {"attention": {"cudnn": [0.5, 0.4], "fused": [0.7, 0.6]}, "gemm_ramp": "8us"}
+RATES = {"attention": {"cudnn": [0.5, 0.4], "fused": [0.7, 0.6]}, "gemm_ramp": "8us", "gemm_efficiency": 0.7}
 
 
 def test_kernel_rates_load_and_round_trip(tmp_path):
     cluster = Cluster.from_dict(_file(rates=RATES))
     rates = cluster.device.kernel_rates
-    assert rates == KernelRates({"cudnn": (0.5, 0.4), "fused": (0.7, 0.6)}, 8e-6)
+    assert rates == KernelRates({"cudnn": (0.5, 0.4), "fused": (0.7, 0.6)}, 8e-6, 0.7)
     for suffix in (".yaml", ".json"):
         path = str(tmp_path / f"c{suffix}")
         cluster.save(path)
@@ -64,6 +64,9 @@ def test_kernel_rates_load_and_round_trip(tmp_path):
         ({"gemm_ramp": "-3us"}, "device.kernel_rates.gemm_ramp"),
         ({"gemm_ramp": 0}, "device.kernel_rates.gemm_ramp: must be > 0"),
         ({"gemm_rampp": "8us"}, "device.kernel_rates: unknown key(s) ['gemm_rampp']"),
+        ({"gemm_efficiency": 1.2}, "device.kernel_rates.gemm_efficiency: must be a fraction of peak in (0, 1]"),
+        ({"gemm_efficiency": 0}, "device.kernel_rates.gemm_efficiency: must be a fraction of peak"),
+        ({"gemm_efficiency": "75%"}, "device.kernel_rates.gemm_efficiency: must be a number in (0, 1]"),
     ],
 )
 def test_bad_kernel_rates_are_refused_naming_the_field(rates, message):
@@ -81,6 +84,7 @@ def test_the_roofline_prices_the_files_rates_in_place_of_its_tables():
     assert timing.attention_backward_factor == pytest.approx(2.5 * 0.5 / 0.4)
     assert timing.with_kernels(True).attention_efficiency == 0.7  # kernels=fused
     assert timing.matmul_half_flops == pytest.approx(1000e12 * 8e-6)
+    assert (plain.matmul_efficiency, timing.matmul_efficiency) == (0.75, 0.7)
     # an H100 keeps its measured tables where the file sets nothing
     h100 = copy.deepcopy(Cluster.preset("dgx-h100", 8).device)
     h100.kernel_rates = KernelRates({"flash": (0.3, 0.3)})
