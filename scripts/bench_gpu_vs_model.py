@@ -91,11 +91,12 @@ def norm_row(measured: dict, cluster) -> dict:
     )
 
 
-def sdpa_rows(measured: dict, device_part: str) -> List[dict]:
-    """Median measured SDPA rates over the lengths >= 8K against the roofline's table."""
+def sdpa_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
+    """Median measured SDPA rates over the lengths >= 8K against the rates the roofline prices
+    for the model's device (its measured or derived table row, or its cluster file's)."""
     rows = []
-    for kernel, table in SDPA_ATTENTION.items():
-        model = next(((f, b) for part, f, b in table if part == device_part), None)
+    for kernel in SDPA_ATTENTION:
+        model = timing.sdpa_attention.get(kernel)
         runs = [r for r in measured["sdpa"]["rows"] if r["backend"] == kernel and r["seq"] >= 8192 and "error" not in r]
         if not runs or model is None:
             continue
@@ -128,14 +129,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.measured) as fh:
         measured = json.load(fh)
     cluster = load_cluster(args.cluster)
-    part = "H200" if "H200" in measured["device"] else "H100"
     timing = AnalyticalCompute.for_device(cluster.device, "bf16")
     result = dict(
         measured_on=f"{measured['device']}, torch {measured.get('torch') or measured['environment']['torch']}",
         cluster=args.cluster,
         block=block_rows(measured, cluster),
         norm=norm_row(measured, cluster),
-        sdpa=sdpa_rows(measured, part),
+        sdpa=sdpa_rows(measured, timing),
         gemm=gemm_summary(measured, timing),
     )
     print(f"measured on {result['measured_on']}; model: {args.cluster}")

@@ -1,0 +1,33 @@
+"""scripts/bench_gpu_vs_model.py: a GPU run's measured kernel rates against what the cost model
+prices for the device the run is compared with (on any machine, from the committed JSON)."""
+
+import json
+import os
+
+import pytest
+
+from repo_root import ROOT, import_script
+
+MEASURED = os.path.join(ROOT, "results", "gpu", "bench_gpu_kernels_h200.json")
+
+
+@pytest.fixture(scope="module")
+def script():
+    return import_script("bench_gpu_vs_model")
+
+
+def _sdpa(script, tmp_path, cluster: str) -> dict:
+    out = str(tmp_path / cluster.replace(":", "_"))
+    assert script.main(["--measured", MEASURED, "--cluster", cluster, "--out", out]) == 0
+    with open(out + ".json") as fh:
+        return {row["kernel"]: row for row in json.load(fh)["sdpa"]}
+
+
+def test_the_sdpa_rows_compare_with_the_compared_devices_rates(script, tmp_path):
+    h200 = _sdpa(script, tmp_path, "dgx-h200:1")
+    assert (h200["cudnn"]["model_fwd"], h200["cudnn"]["model_bwd"]) == (0.64, 0.52)
+    assert h200["cudnn"]["measured_fwd"] == pytest.approx(0.64, abs=0.006)  # the table is the measurement
+    # the same measurement against a B200's priced (derived) rates, not the Hopper table's
+    b200 = _sdpa(script, tmp_path, "dgx-b200:1")
+    assert b200["cudnn"]["model_fwd"] == pytest.approx(0.613, abs=1e-3)
+    assert b200["flash"]["measured_fwd"] == h200["flash"]["measured_fwd"]
