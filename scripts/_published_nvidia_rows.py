@@ -107,6 +107,8 @@ def nvidia_rows() -> List[Row]:
     # ep=8 it is 98 GiB on its second stage, 63 GiB of it activations at 1.05 GiB per layer and microbatch
     # of 8,192 tokens (the zoo's capacity-slot MoE under fused FP8 pricing), and 2.0x the published throughput:
     # Megatron-Core's MoE layer keeps other tensors, and pricing another system's MoE memory is not built).
+    # Not modelled: the B200 / GB200 8B rows' full-iteration CUDA graphs (the repository's presets; the
+    # launches they save are priced, about 2% of r3 / r4: docs/cost_model.md, "Fourteenth run").
     for key, model, hardware, gpus, gbs, mbs, tp, pp, cp, vp, tps in (
         ("r1", "70b", "dgx-h100", 64, 128, 1, 4, 8, 1, 5, 1602),
         ("r2", "405b", "dgx-h100", 1024, 512, 1, 8, 8, 2, 8, 292),
