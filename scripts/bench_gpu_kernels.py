@@ -3,6 +3,14 @@
 
     python scripts/bench_gpu_kernels.py --out results/gpu           # one CUDA device, ~5 min
     python scripts/bench_gpu_kernels.py --smoke --out /tmp/k        # tiny shapes on CPU (a check of the script)
+    python scripts/bench_gpu_kernels.py --rates-from RUN.json --out /tmp/k   # any machine: fit a run's rates
+
+A GPU run (and ``--rates-from``) ends with the device's fitted kernel rates, the block a cluster
+file takes under ``device:`` (``<out>/kernel_rates.yaml``; ``nest_fx.cluster.kernel_fit``: the
+GEMM curve and the attention medians the roofline's tables were made with), so a device no table
+measures (or one whose table is derived, as Blackwell's) gets its own rates. Shares are of the
+datasheet peaks of the device's preset (A100, H100, H200, B200, GB200, by name); another GPU
+needs ``--peak-bf16``, ``--peak-fp8`` and ``--hbm``.
 
 Sections (each one written to ``<out>/bench_gpu_kernels.json`` as soon as it ends, so a run cut
 short keeps what it measured; a section that fails records its error and the next one runs):
@@ -40,29 +48,32 @@ The predictions these figures are compared with are computed on any machine from
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from nest_fx.apply.fused_norms import use_fused_norms
+from nest_fx.cluster import ClusterError
+from nest_fx.cluster.kernel_fit import kernel_rates_from_run
+from nest_fx.cluster.presets import A100_80GB, B200, GB200, H100_SXM, H200_SXM
+from nest_fx.workload.roofline import device_entry
 from nest_fx.apply.output_saving_norm import output_saving_rms_norm
 from nest_fx.apply.losses import lm_loss
 from profiler.recompute_memory import packed_bytes
 
 from _bench_common import write_json
 
-# dense peaks of the devices this may run on (datasheets: H100 SXM5 and H200 SXM share the
-# compute: 989 TFLOP/s bf16, 1,979 fp8; HBM 3.35 vs 4.8 TB/s)
-PEAKS = {
-    "H100": {"bf16": 989e12, "fp8": 1979e12, "hbm": 3.35e12},
-    "H200": {"bf16": 989e12, "fp8": 1979e12, "hbm": 4.8e12},
-}
+# the presets whose datasheet peaks a run's shares are of, by the device name's longest part
+# (nest_fx.cluster.presets: dense bf16 / fp8 peaks and HBM bandwidth)
+PRESET_DEVICES = (("A100", A100_80GB), ("H100", H100_SXM), ("H200", H200_SXM), ("B200", B200), ("GB200", GB200))
 
 
 class Timer:
@@ -90,14 +101,27 @@ class Timer:
         return statistics.median(times)
 
 
-def peaks_of(device: torch.device) -> Dict[str, float]:
+def preset_peaks(name: str, override: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """bf16 and fp8 peak FLOP/s and HBM bytes/s of the GPU called ``name``: its family's preset
+    (``PRESET_DEVICES``), each replaced by ``override`` where given; a GPU no preset names needs
+    all three (SystemExit naming the flags)."""
+    override = {k: v for k, v in (override or {}).items() if v}
+    entry = device_entry(PRESET_DEVICES, name)
+    if entry is None:
+        if set(override) >= {"bf16", "fp8", "hbm"}:
+            return override
+        raise SystemExit(
+            f"no preset names {name!r}: give its dense peaks, e.g. --peak-bf16 989e12 --peak-fp8 1979e12 --hbm 3.35e12"
+        )
+    spec = entry[1]
+    return {"bf16": spec.peak("bf16"), "fp8": spec.peak_flops.get("fp8", 0.0), "hbm": spec.mem_bandwidth, **override}
+
+
+def peaks_of(device: torch.device, override: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """The peaks the shares are of: :func:`preset_peaks` of the CUDA device; placeholders on CPU."""
     if device.type != "cuda":
         return {"bf16": 1e12, "fp8": 2e12, "hbm": 1e11}  # placeholders: the smoke run checks code paths only
-    name = torch.cuda.get_device_name(device)
-    for key, peak in PEAKS.items():
-        if key in name:
-            return peak
-    return PEAKS["H100"]
+    return preset_peaks(torch.cuda.get_device_name(device), override)
 
 
 def gemm(ctx) -> dict:
@@ -395,9 +419,9 @@ SECTIONS = {"gemm": gemm, "fp8": fp8, "elementwise": elementwise, "sdpa": sdpa, 
 class Context:
     """Shapes and timing for a full GPU run or a CPU smoke run."""
 
-    def __init__(self, smoke: bool, device: torch.device):
+    def __init__(self, smoke: bool, device: torch.device, peaks: Optional[Dict[str, float]] = None):
         self.smoke, self.device = smoke, device
-        self.peak = peaks_of(device)
+        self.peak = peaks_of(device, peaks)
         if smoke:
             self.timer = Timer(device, warmup=1, repeats=2)
             self.tokens = [64, 128]
@@ -432,17 +456,46 @@ class Context:
             self.seq, self.hidden = 8192, 4096
 
 
+def write_kernel_rates(run: dict, out: str) -> str:
+    """The run's fitted rates as a ``device.kernel_rates`` block (docs/cluster_format.md), written
+    to ``<out>/kernel_rates.yaml`` and printed; the path."""
+    rates = kernel_rates_from_run(run)
+    text = yaml.safe_dump({"kernel_rates": rates.to_dict()}, sort_keys=False, default_flow_style=None)
+    path = os.path.join(out, "kernel_rates.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(f"# {run.get('device', 'the device')}: paste under device: in a cluster file\n{text}")
+    print(f"kernel rates of {run.get('device')} (device.kernel_rates):\n{text}wrote {path}")
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/gpu", help="folder for bench_gpu_kernels.json")
+    parser.add_argument("--out", default="results/gpu", help="folder for bench_gpu_kernels.json and kernel_rates.yaml")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (on CPU when no GPU): checks the code paths")
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument(
+        "--rates-from", metavar="JSON", help="no run: fit the kernel rates of an earlier run's JSON (any machine)"
+    )
+    for flag, what in (
+        ("--peak-bf16", "dense bf16 FLOP/s"),
+        ("--peak-fp8", "dense fp8 FLOP/s"),
+        ("--hbm", "HBM bytes/s"),
+    ):
+        parser.add_argument(
+            flag, type=float, help=f"the GPU's {what} (default: its preset's; needed where none names it)"
+        )
     args = parser.parse_args(argv)
+    if args.rates_from:
+        with open(args.rates_from, encoding="utf-8") as fh:
+            run = json.load(fh)
+        os.makedirs(args.out, exist_ok=True)
+        write_kernel_rates(run, args.out)
+        return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         print("no CUDA device: this benchmark measures a GPU (use --smoke to check the script on CPU)")
         return 2
-    ctx = Context(args.smoke, device)
+    ctx = Context(args.smoke, device, {"bf16": args.peak_bf16, "fp8": args.peak_fp8, "hbm": args.hbm})
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_gpu_kernels.json")
     result = {
@@ -467,6 +520,11 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"wrote {path}")
+    if not args.smoke and ("gemm" in args.sections or "sdpa" in args.sections):
+        try:
+            write_kernel_rates(result, args.out)
+        except ClusterError as exc:  # both sections failed: the JSON says why
+            print(f"no kernel rates: {exc}")
     return 0
 
 
