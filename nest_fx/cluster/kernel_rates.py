@@ -6,7 +6,7 @@ device, not derived from its peak:
 * ``attention``: a fused attention kernel's forward and backward rate as fractions of the
   device's peak in the dtype computed in, per kernel: ``cudnn`` and ``flash`` (PyTorch SDPA's
   cuDNN attention and FlashAttention-2, ``plan.attention_kernel``) and ``fused`` (the attention of
-  ``kernels=fused``: Transformer Engine / FlashAttention-3);
+  ``kernels=fused``: Transformer Engine's, which is cuDNN's);
 * ``gemm_ramp``: the GEMM efficiency ramp, the time at peak of the GEMM that reaches half of the
   top efficiency (``F_half = peak x gemm_ramp``);
 * ``gemm_efficiency``: that top efficiency (``e_max``), the share of peak large GEMMs reach.
