@@ -109,7 +109,11 @@ def analytical_workload(
     if attention is None:
         attention = "traced" if cluster.device.name.startswith("cpu") else "flash"
     work = workload_from_graph(
-        graph, timing, dims, attention=attention, provenance=f"analytical roofline for {cluster.device.name}"
+        graph,
+        timing,
+        dims,
+        attention=attention,
+        provenance=f"analytical roofline for {cluster.device.name}, {timing.rates_source}",
     )
     work.dtype = DTYPE_NAMES.get(dtype, "fp32")
     return work

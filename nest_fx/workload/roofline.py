@@ -125,6 +125,7 @@ class AnalyticalCompute:
     fa3_attention: Optional[Tuple[float, float]] = None  # (forward, backward) e_max under kernels=fused
     # F.rms_norm runs one fused kernel each way (CUDA's _fused_rms_norm); torch's CPU backend decomposes it
     fused_rms_norm: bool = True
+    rates_source: str = ""  # where the kernel rates come from (for_device: rates_source)
 
     @classmethod
     def for_device(cls, device, dtype: str = "bf16", **overrides) -> "AnalyticalCompute":
@@ -153,6 +154,7 @@ class AnalyticalCompute:
         ramp = (device_entry(GEMM_RAMP_S, name) or (None, None))[1]
         top = (device_entry(GEMM_EFFICIENCY, name) or (None, cls.matmul_efficiency))[1]
         rates = getattr(device, "kernel_rates", None)  # the device's own measured rates replace the tables'
+        source = rates_source(name, rates is not None)
         if rates is not None:
             sdpa.update({k: tuple(v) for k, v in rates.attention.items() if k != "fused"})
             fa3 = tuple(rates.attention["fused"]) if "fused" in rates.attention else fa3
@@ -174,6 +176,7 @@ class AnalyticalCompute:
             fa3_attention=fa3,
             vector_fraction=_vector_fraction(peaks, share, peak),
             fused_rms_norm=not name.lower().startswith(DECOMPOSED_NORM_DEVICE),
+            rates_source=source,
         )
         timing = cls(**{**fields, **overrides})
         return timing if "attention_efficiency" in overrides else timing.with_kernels(False)
@@ -238,6 +241,18 @@ class AnalyticalCompute:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def rates_source(name: str, cluster_file: bool = False) -> str:
+    """Where the kernel rates of a device called ``name`` come from, in words: its cluster file's
+    ``device.kernel_rates``, the tables' measured or derived rows, or the defaults."""
+    if cluster_file:
+        return "kernel rates from the cluster file (device.kernel_rates; the tables for the rest)"
+    if device_entry(SDPA_ATTENTION["cudnn"], name):
+        return "kernel rates measured on this GPU type (results/gpu/)"
+    if device_entry(DERIVED_ATTENTION, name):
+        return "kernel rates derived from published measurements (docs/cost_model.md, Blackwell)"
+    return "no kernel rates measured for this device: e_max 0.75 (docs/cluster_format.md, device.kernel_rates)"
 
 
 def device_entry(table, name: str) -> Optional[tuple]:

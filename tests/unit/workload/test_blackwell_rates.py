@@ -125,3 +125,24 @@ def test_a_b200_step_is_priced_slower_than_its_datasheet_alone_would_price_it():
     plan = uniform_plan(len(work), dp=8, microbatch_size=1, num_microbatches=1)
     datasheet_only = simulate(plan, work, b200).step_s
     assert datasheet_only < times["dgx-b200:8"] < times["dgx-h100:8"]
+
+
+def test_the_workload_says_where_its_kernel_rates_come_from():
+    """The provenance `plan` prints in its first line: measured, derived, a cluster file's, or none."""
+    import copy
+
+    from nest_fx.cluster import KernelRates
+    from nest_fx.workload import workload_for_model
+
+    said = {}
+    for preset in ("dgx-h100:8", "dgx-b200:8", "gb200-nvl72:8", "dgx-a100:8"):
+        said[preset] = _timing(preset).rates_source
+    assert "measured" in said["dgx-h100:8"]
+    assert "derived from published" in said["dgx-b200:8"] == said["gb200-nvl72:8"]
+    assert "no kernel rates measured" in said["dgx-a100:8"]
+    a100 = load_cluster("dgx-a100:8")
+    a100.device = copy.deepcopy(a100.device)
+    a100.device.kernel_rates = KernelRates(gemm_efficiency=0.8)
+    assert "cluster file" in AnalyticalCompute.for_device(a100.device).rates_source
+    work = workload_for_model("llama:hidden=256,layers=2,heads=4,vocab=512", load_cluster("dgx-b200:8"), seq=512)
+    assert work.provenance.endswith(said["dgx-b200:8"])
