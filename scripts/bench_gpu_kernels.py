@@ -30,7 +30,7 @@ short keeps what it measured; a section that fails records its error and the nex
                (rank i holds chunks i and 2cp-1-i; step 0 causal over its own block, then cp-1
                non-causal half-block calls and the log-sum-exp merges), computed on this one
                GPU without communication: its time against the ideal (the whole causal
-               attention divided by cp).
+               attention through the same kernel, divided by cp).
 ``block``      the zoo Llama (Llama 3 8B's layer shape: hidden 4096, 32 heads, 8 KV heads,
                FFN 14,336) at 8,192 tokens, eager and ``torch.compile`` per block as the runtime
                compiles it: forward + backward time and the bytes saved for backward per layer
@@ -284,16 +284,21 @@ def ring_rank_work(q, k, v, cp: int, rank: int, with_lse: bool):
 
 
 def ring(ctx) -> dict:
-    """A CP rank's chunked attention time against the whole causal attention / cp."""
+    """A CP rank's chunked attention time against the whole causal attention / cp, both through
+    the same kernel (FlashAttention-2, the one the ring steps call), so the ratio is the cost of
+    the split alone. (Until 2026-11-27 the whole attention went through ``F.scaled_dot_product_attention``,
+    which picks cuDNN on torch 2.11: the committed H100/H200 runs' ``efficiency_*`` mix the two
+    kernels; ``bench_gpu_vs_model.py`` compares their ring times with the ``sdpa`` section's
+    FlashAttention-2 row instead.)"""
     rows = []
     with_lse = ctx.device.type == "cuda"
     h, d = ctx.heads, 128 if not ctx.smoke else 16
     for s in ctx.ring_seqs:
         full = [torch.randn(1, h, s, d, device=ctx.device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
-        ideal_f = ctx.timer(lambda: F.scaled_dot_product_attention(*full, is_causal=True), repeats=ctx.long_repeats)
+        ideal_f = ctx.timer(lambda: _attend(*full, True, with_lse)[0], repeats=ctx.long_repeats)
         g = torch.randn_like(full[0])
         ideal_fb = ctx.timer(
-            lambda: torch.autograd.backward(F.scaled_dot_product_attention(*full, is_causal=True), g),
+            lambda: torch.autograd.backward(_attend(*full, True, with_lse)[0], g),
             repeats=ctx.long_repeats,
         )
         for cp in ctx.ring_cps:

@@ -14,7 +14,9 @@ Compares, for the device the JSON was measured on (``--cluster``: its preset):
   eager layer with ``F.rms_norm`` against the runtime's default price;
 * one RMSNorm's forward + backward at 8,192 x 4,096 (``block.norm``: the zoo's fp32 code and
   ``F.rms_norm``) against the price of one norm of that layer (``workload/fused_norms.py``);
-* SDPA's measured rates (``sdpa``) against ``roofline.SDPA_ATTENTION``;
+* SDPA's measured rates (``sdpa``) against the rates the roofline prices for the device;
+* ring attention's cost of splitting (``ring`` against the ``sdpa`` section's FlashAttention-2
+  row): a CP rank's chunked attention against the whole attention / cp, which the model prices as 1;
 * the bf16 GEMMs (``gemm``) against the roofline's ``e_mm(F)``, and the memory-bound ops
   (``elementwise``) against ``e_mem``.
 
@@ -106,6 +108,36 @@ def sdpa_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
     return rows
 
 
+def ring_rows(measured: dict) -> List[dict]:
+    """Ring attention's cost of splitting, per (tokens, cp): a CP rank's chunked attention (the
+    ``ring`` section, mean of the first and last rank) against FlashAttention-2 over the whole
+    sequence / cp (the ``sdpa`` section's batch-1 flash row of that length: the ring steps run
+    that kernel), forward and forward + backward; the cost model prices 1 (no split cost)."""
+    flash = {
+        r["seq"]: r
+        for r in measured.get("sdpa", {}).get("rows", [])
+        if r.get("backend") == "flash" and r.get("batch") == 1 and "error" not in r
+    }
+    groups: dict = {}
+    for r in measured.get("ring", {}).get("rows", []):
+        if r["seq"] in flash:
+            groups.setdefault((r["seq"], r["cp"]), []).append(r)
+    rows = []
+    for (seq, cp), ranks in sorted(groups.items()):
+        whole = flash[seq]
+        rows.append(
+            dict(
+                tokens=seq,
+                cp=cp,
+                chunk_tokens=seq // (2 * cp),
+                efficiency_fwd=statistics.mean(whole["fwd_s"] / cp / r["fwd_s"] for r in ranks),
+                efficiency_fwd_bwd=statistics.mean(whole["fwd_bwd_s"] / cp / r["fwd_bwd_s"] for r in ranks),
+                model=1.0,
+            )
+        )
+    return rows
+
+
 def gemm_summary(measured: dict, timing: AnalyticalCompute) -> dict:
     """Mean and largest error of e_mm(F) against the measured GEMM shares."""
     errs = [100 * (timing.matmul_eff(r["flops"]) / r["share"] - 1) for r in measured["gemm"]["rows"]]
@@ -136,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         block=block_rows(measured, cluster),
         norm=norm_row(measured, cluster),
         sdpa=sdpa_rows(measured, timing),
+        ring=ring_rows(measured),
         gemm=gemm_summary(measured, timing),
     )
     print(f"measured on {result['measured_on']}; model: {args.cluster}")
@@ -167,6 +200,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"| {r['kernel']} | {r['measured_fwd']:.3f} | {r['model_fwd']:.2f} | {r['measured_bwd']:.3f} | "
                 f"{r['model_bwd']:.2f} |\n"
             )
+        if result["ring"]:
+            fh.write(
+                "\n| ring attention, tokens | cp | chunk tokens | fwd vs whole / cp | fwd + bwd | model |\n"
+                "|---:|---:|---:|---:|---:|---:|\n"
+            )
+            for r in result["ring"]:
+                fh.write(
+                    f"| {r['tokens']:,} | {r['cp']} | {r['chunk_tokens']:,} | {r['efficiency_fwd']:.2f} | "
+                    f"{r['efficiency_fwd_bwd']:.2f} | {r['model']:.2f} |\n"
+                )
         g = result["gemm"]
         fh.write(
             f"\nbf16 GEMMs ({g['gemms']}, 512-16,384 tokens): e_mm(F) off by {g['mean_abs_err_pct']:.1f}% on average "
