@@ -31,3 +31,13 @@ def test_the_sdpa_rows_compare_with_the_compared_devices_rates(script, tmp_path)
     b200 = _sdpa(script, tmp_path, "dgx-b200:1")
     assert b200["cudnn"]["model_fwd"] == pytest.approx(0.613, abs=1e-3)
     assert b200["flash"]["measured_fwd"] == h200["flash"]["measured_fwd"]
+
+
+def test_the_ring_rows_compare_with_the_same_kernel_over_the_whole_sequence(script):
+    with open(MEASURED) as fh:
+        rows = {(r["tokens"], r["cp"]): r for r in script.ring_rows(json.load(fh))}
+    assert rows[(131072, 2)]["efficiency_fwd_bwd"] == pytest.approx(1.0, abs=0.05)  # long chunks: no split cost
+    assert rows[(32768, 8)]["efficiency_fwd_bwd"] < 0.7  # 2K-token chunks: a third slower
+    assert rows[(32768, 8)]["chunk_tokens"] == 2048 and all(r["model"] == 1.0 for r in rows.values())
+    shrinking = [rows[(32768, cp)]["efficiency_fwd_bwd"] for cp in (2, 4, 8)]
+    assert shrinking == sorted(shrinking, reverse=True)
