@@ -87,8 +87,8 @@ def test_the_scripts_peaks_are_the_presets_by_name():
 def test_a_smoke_run_on_cpu_measures_the_sections_but_fits_nothing(tmp_path):
     """The script's CPU path (the GPU run is the same code at full shapes)."""
     script = import_script("bench_gpu_kernels")
-    assert script.main(["--smoke", "--out", str(tmp_path), "--sections", "gemm", "sdpa"]) == 0
+    assert script.main(["--smoke", "--out", str(tmp_path), "--sections", "gemm", "sdpa", "ring"]) == 0
     with open(tmp_path / "bench_gpu_kernels.json") as fh:
         run = json.load(fh)
-    assert run["smoke"] and run["gemm"]["rows"] and run["sdpa"]["rows"]
+    assert run["smoke"] and run["gemm"]["rows"] and run["sdpa"]["rows"] and run["ring"]["rows"]
     assert not (tmp_path / "kernel_rates.yaml").exists()  # tiny CPU shapes are no device's rates
