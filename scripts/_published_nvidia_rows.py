@@ -54,6 +54,7 @@ def _megatron_row(key, table, model, hardware, gpus, gbs, mbs, seq, tp, pp, cp, 
         hardware=hardware,
         microbatch=mbs,
         reduce_bytes=2,
+        cp_mode="ring",  # Transformer Engine's context parallelism: cp_comm_type p2p, its default
     )
 
 

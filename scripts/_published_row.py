@@ -54,6 +54,10 @@ class Row:
     precision: str = ""  # the plan's precision where the row's dtypes are that setting's; '': the cost options'
     expert_dispatch: str = ""  # what the expert all-to-alls send (DeepEP: per-rank); '': nest-fx's runtime
     expert_routing: str = ""  # how a token's experts spread over them (the expert_routing setting)
+    # how the system's context parallelism runs attention (plan.cp_mode): "ring", chunk-pair calls
+    # merged by log-sum-exp (torch's context_parallel, Transformer Engine's P2P ring); '': the keys
+    # gathered whole (nest-fx's default, Meta's all-gather CP)
+    cp_mode: str = ""
 
     @property
     def global_batch(self) -> int:

@@ -137,6 +137,8 @@ def published_plan(row: Row, work, **overrides):
         fields["norm_kernel"] = row.norm_kernel  # a cost model before the setting priced the model's norm code
     if row.loss_kernel and hasattr(Plan, "loss_kernel"):
         fields["loss_kernel"] = row.loss_kernel  # a cost model before the setting priced the eager loss
+    if row.cp > 1 and row.cp_mode and hasattr(Plan, "cp_mode"):
+        fields["cp_mode"] = row.cp_mode  # a cost model before the setting prices the gathered keys
     if row.pp_shard_grads and hasattr(Plan, "pp_shard_grads"):
         fields["pp_shard_grads"] = True  # a cost model before the setting holds the gradients unsharded
     fields.update(overrides)

@@ -60,7 +60,7 @@ FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it
         "Llama 2 7B, GPT-3 5B)",
     ),
     "cp": ErrorBand(
-        0.52, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
+        0.45, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
     ),
     "tp": ErrorBand(0.15, "TP rows t4.1, t4.2 (torchtitan 70B), n9, n10 (NeMo GPT-3 20B, Nemotron-3 8B)"),
     "ep": ErrorBand(

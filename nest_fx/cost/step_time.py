@@ -410,6 +410,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterModel, options: Opt
             plan.attention_kernel,
             plan.norm_kernel,
             plan.loss_kernel,
+            plan.cp_mode if plan.cp > 1 else "",
         )
     except WorkloadError as exc:
         raise PlanError(str(exc)) from None

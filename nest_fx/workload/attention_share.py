@@ -66,6 +66,23 @@ def attention_work(seq: int, cp: int, causal: bool) -> float:
     return 1.0
 
 
+# Ring attention's cost of splitting: a CP rank's attention run as chunk-pair calls and their
+# log-sum-exp merges (torch's context parallel, Transformer Engine's P2P ring, nest-fx's
+# cp_mode=ring) reaches c / (c + RING_SPLIT_HALF_TOKENS) of the whole-sequence rate with chunks of
+# c = seq / 2cp tokens: the fit (least mean relative error, 2.3%) of the fwd + bwd shares measured
+# on an H100 and an H200 at 2K-32K-token chunks (scripts/bench_gpu_kernels.py, section ring;
+# results/gpu/gpu_vs_model*.md: 0.65-0.67 at 2K, 0.95 at 16K, 0.99 at 32K).
+RING_SPLIT_HALF_TOKENS = 960
+
+
+def ring_split_share(chunk_tokens: float) -> float:
+    """The share of the whole-sequence attention rate ring attention's chunked calls reach with
+    chunks of ``chunk_tokens`` (``RING_SPLIT_HALF_TOKENS``); 1 for an empty chunk."""
+    if chunk_tokens <= 0:
+        return 1.0
+    return chunk_tokens / (chunk_tokens + RING_SPLIT_HALF_TOKENS)
+
+
 # An attention core without a fused kernel (attention="traced": the math path of PyTorch's SDPA,
 # Megatron-LM before flash attention) materialises the score matrix S = QK^T and its softmax P:
 # the QK^T GEMM writes S and the PV GEMM reads P (two passes, added to the GEMMs' bytes), and a

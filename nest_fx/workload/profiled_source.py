@@ -59,6 +59,7 @@ class ProfiledSource(TracedSource):
         attention_kernel: str = "",
         norm_kernel: str = "",
         loss_kernel: str = "",
+        cp_mode: str = "",
     ) -> "ProfiledSource":
         """As :meth:`TracedSource.for_runtime`; the measured times hold for the profile's dtype only
         (and for the attention kernel that ran when it was taken; ops it did not measure are priced
@@ -77,6 +78,7 @@ class ProfiledSource(TracedSource):
             attention_kernel=attention_kernel,
             norm_kernel=norm_kernel,
             loss_kernel=loss_kernel,
+            cp_mode=cp_mode,
         )
 
     def _local_graph(self, tp: int, mbs: int):

@@ -22,6 +22,7 @@ from nest_fx.workload.attention_share import (
     SCORE_GEMM_PASSES,
     attention_work,
     materialised_score_seconds,
+    ring_split_share,
     window_share,
 )
 from nest_fx.workload.block_facts import LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
@@ -57,6 +58,7 @@ class TracedSource:
         self.runtime = runtime or RuntimeCosts()
         self.batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
         self.byte_scale = 1.0  # activation bytes relative to the trace's (for_runtime with another dtype)
+        self.ring_split = False  # attention under CP as ring attention's chunked calls (for_runtime cp_mode=ring)
         self.num_experts = 0  # experts per MoE layer (the model's dims; workload_from_graph sets it)
         self._facts: Dict[int, BlockFacts] = {}
         self._traced: Dict[int, BlockFacts] = self._facts  # the facts at the trace's dtype
@@ -92,6 +94,7 @@ class TracedSource:
         attention_kernel: str = "",
         norm_kernel: str = "",
         loss_kernel: str = "",
+        cp_mode: str = "",
     ) -> "TracedSource":
         """This source with a kernel backend (``kernels``: eager, compile, fused; '' = compile
         when ``compile``, else eager: ``nest_fx.workload.kernels``) and/or Float8 linears costed
@@ -102,7 +105,9 @@ class TracedSource:
         unless ``norm_kernel`` is ``model``, keeping their output with ``memory-efficient``
         (``fused_norms``; WorkloadError with compile), the loss on full logits torch.compile'd with
         ``loss_kernel=compile`` and the vocabulary-parallel loss's backward op by op with
-        ``loss_kernel=eager`` (``loss_terms``). The traced facts are shared."""
+        ``loss_kernel=eager`` (``loss_terms``); under context parallelism with ``cp_mode=ring`` the
+        attention at the rate its chunked calls reach (``attention_share.ring_split_share``). The
+        traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
         if problem := norm_kernel_problem(norm_kernel, backend.name):
@@ -120,6 +125,7 @@ class TracedSource:
         with_kernels = getattr(base, "with_kernels", None)
         derived.timing = with_kernels(backend.hopper_attention, attention_kernel) if with_kernels else base
         derived.byte_scale = byte_scale
+        derived.ring_split = cp_mode == "ring"
         derived._node_seconds = {}  # another timing model or byte scale
         derived._kept = {}
         derived._reset_memos()
@@ -399,6 +405,8 @@ class TracedSource:
             t = self.timing.op_seconds(
                 n.flops * share * work, (nbytes + extra) * share, n.matmul, attention=self.attention == "flash"
             )
+            if cp > 1 and self.ring_split:  # chunk-pair calls and their merges (ring_split_share)
+                t /= ring_split_share(n.seq / (2 * cp))
             if extra:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)

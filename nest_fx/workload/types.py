@@ -199,12 +199,13 @@ class Workload:
         self._problems: Dict[Tuple[int, int, bool], str] = {}
         self._prefix: Dict[Tuple, Tuple[List[LayerCost], List[List[int]], List[int]]] = {}
         self._policies: Dict[Tuple, Tuple[str, ...]] = {}
-        self._runtime: Dict[Tuple[str, bool, Optional[str], str, str, str], "Workload"] = {}
+        self._runtime: Dict[Tuple[str, bool, Optional[str], str, str, str, str], "Workload"] = {}
         self.compile = False  # costed with torch.compile on every block (for_runtime)
         self.kernels = "eager"  # the kernel backend it is costed with (for_runtime; nest_fx.workload.kernels)
         self.attention_kernel = ""  # SDPA's attention kernel it is costed with ('' = the default; for_runtime)
         self.norm_kernel = ""  # how its RMSNorms run: '' = F.rms_norm (fused), "model" = the model's code (for_runtime)
         self.loss_kernel = ""  # '' = as given (in place under loss parallel), eager, compile (for_runtime)
+        self.cp_mode = ""  # '' = attention under CP as traced (all-gather), "ring": chunked (for_runtime)
         self.float8 = False  # costed with Float8 linears (for_runtime)
         self.dtype: Optional[str] = None  # the dtype its costs are for ("bf16", "fp32"); None: unknown (a layer table)
         self.base: Optional["Workload"] = None  # the workload this one was derived from (for_runtime)
@@ -318,6 +319,7 @@ class Workload:
         attention_kernel: str = "",
         norm_kernel: str = "",
         loss_kernel: str = "",
+        cp_mode: str = "",
     ) -> "Workload":
         """This chain costed as the runtime runs it: with the kernel backend ``kernels`` (eager,
         compile, fused; '' = compile when ``compile`` is set, else eager:
@@ -326,7 +328,8 @@ class Workload:
         ``F.rms_norm`` (``norm_kernel`` '' or fused), as its own code (``model``) or keeping their
         output for backward (``memory-efficient``; ``workload/fused_norms.py``), the loss on full
         logits as given or torch.compile'd (``loss_kernel`` '' or eager, compile), Float8 linears
-        (``docs/cost_model.md``), and computing in
+        (``docs/cost_model.md``), context parallelism's attention as ``cp_mode`` runs it (``ring``:
+        chunk-pair calls, ``attention_share.ring_split_share``; '' or allgather: as traced), and computing in
         ``dtype`` ("fp32", "bf16": the device's rate for it, activations of its width; None or a
         workload of unknown dtype: as built); ``self`` when nothing changes. WorkloadError when
         the cost source cannot derive them (a layer table holds what was measured; a profile, the
@@ -336,12 +339,13 @@ class Workload:
         attention = "" if attention_kernel == DEFAULT_ATTENTION_KERNEL else attention_kernel
         norm = "" if norm_kernel in ("", "fused") else norm_kernel
         loss = loss_kernel  # eager is '' without loss parallelism; under it, the op-by-op vocabulary-parallel loss
+        ring = "ring" if cp_mode == "ring" else ""
         now = (self.kernels, self.float8, self.dtype, self.attention_kernel, self.norm_kernel, self.loss_kernel)
-        if (backend, float8, dtype, attention, norm, loss) == now:
+        if (backend, float8, dtype, attention, norm, loss, ring) == (*now, self.cp_mode):
             return self
         if self.base is not None:
-            return self.base.for_runtime(False, float8, dtype, backend, attention, norm, loss)
-        key = (backend, float8, dtype, attention, norm, loss)
+            return self.base.for_runtime(False, float8, dtype, backend, attention, norm, loss, ring)
+        key = (backend, float8, dtype, attention, norm, loss, ring)
         if key not in self._runtime:
             derive = getattr(self.source, "for_runtime", None)
             settings = (
@@ -350,6 +354,7 @@ class Workload:
                 ("attention_kernel=" + attention, bool(attention)),
                 ("norm_kernel=" + norm, bool(norm)),
                 ("loss_kernel=" + loss, bool(loss) and loss != "eager"),
+                ("cp_mode=ring", bool(ring)),
             )
             named = [n for n, on in settings if on]
             if derive is None and not named and dtype == self.dtype:
@@ -371,6 +376,7 @@ class Workload:
                         bool(norm),
                     ),
                     ({"compile": "the compiled loss", "eager": "the loss op by op"}.get(loss, ""), bool(loss)),
+                    ("ring attention under CP", bool(ring)),
                 )
                 if on
             ]
@@ -388,7 +394,12 @@ class Workload:
                 dims = replace(dims, dtype_bytes=DTYPE_WIDTH[dtype])
                 changes.append(f"in {dtype}")
             kwargs.update(
-                float8=float8, kernels=backend, attention_kernel=attention, norm_kernel=norm, loss_kernel=loss
+                float8=float8,
+                kernels=backend,
+                attention_kernel=attention,
+                norm_kernel=norm,
+                loss_kernel=loss,
+                cp_mode=ring,
             )
             w = Workload(
                 self.model,
@@ -398,7 +409,7 @@ class Workload:
                 provenance=f"{self.provenance}; " + " + ".join(changes),
             )
             w.kernels, w.float8, w.dtype, w.base = backend, float8, dtype, self
-            w.attention_kernel, w.norm_kernel, w.loss_kernel = attention, norm, loss
+            w.attention_kernel, w.norm_kernel, w.loss_kernel, w.cp_mode = attention, norm, loss, ring
             w.compile = backend == "compile"
             self._runtime[key] = w
         return self._runtime[key]
