@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from nest_fx.common.errors import NestFxError
 from nest_fx.graph.recompute_policies import LAYER_POLICIES
@@ -32,38 +32,12 @@ from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.roofline import DEFAULT_ATTENTION_KERNEL
 from nest_fx.workload.layer_classes import layer_costs
 from nest_fx.workload.sequence_edges import GATHER, SLICE, edge_collectives, sequence_edge
+from nest_fx.workload.variant import Variant, sized_variant
 
 WORKLOAD_FORMAT = "nest-fx-workload/1"
 DTYPE_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of the dtypes a workload is costed in
 RECOMPUTE_MODES = ("none", "selective", "full")  # the policies every layer table has (defaults for the others)
 COMM_GROUPS = ("tp", "ep", "cp")
-
-
-class Variant(NamedTuple):
-    """What a layer's cost depends on besides the layer: the plan settings of the same names
-    (``nest_fx.plan.settings``). A tuple (hashable, cheap as a cache key)."""
-
-    tp: int = 1
-    ep: int = 1
-    microbatch_size: int = 1
-    sequence_parallel: bool = False
-    cp: int = 1
-    loss_parallel: bool = False
-
-    @classmethod
-    def of(cls, *values, **names) -> "Variant":
-        """A Variant from a Variant, from its values in field order, or by name; the short names
-        ``mbs``, ``sp``, ``lp`` of earlier versions are accepted for ``microbatch_size``,
-        ``sequence_parallel`` and ``loss_parallel``."""
-        if len(values) == 1 and not names and type(values[0]) is cls:
-            return values[0]
-        for short, name in _SHORT_NAMES.items():
-            if short in names:
-                names[name] = names.pop(short)
-        return cls(*values, **names)
-
-
-_SHORT_NAMES = {"mbs": "microbatch_size", "sp": "sequence_parallel", "lp": "loss_parallel"}
 
 
 class WorkloadError(NestFxError, ValueError):
@@ -267,7 +241,7 @@ class Workload:
         not: the model's shapes do not divide by ``tp``/``ep``/``cp`` (:class:`ModelDims`), or
         the cost source lacks it (a layer table lists only some variants; a traced source derives
         every one it can run). Positional values: tp, ep, sequence_parallel, cp, loss_parallel."""
-        v = _sized(variant, names)
+        v = sized_variant(variant, names)
         key = (v.tp, v.ep, v.sequence_parallel, v.cp, v.loss_parallel)
         if key not in self._problems:
             self._problems[key] = self._find_problem(*key)
@@ -472,15 +446,6 @@ class Workload:
                 seen.add((layer.kind, layer.signature))
                 out.append(i)
         return out
-
-
-def _sized(values: tuple, names: dict) -> Variant:
-    """:meth:`Workload.variant_problem`'s arguments (a Variant, or tp, ep, sequence_parallel, cp,
-    loss_parallel: no microbatch size, which every variant has) as a Variant."""
-    if len(values) == 1 and not names and type(values[0]) is Variant:
-        return values[0]
-    fields = ("tp", "ep", "sequence_parallel", "cp", "loss_parallel")
-    return Variant.of(**dict(zip(fields, values)), **names)
 
 
 def chain_fingerprint(layers: Iterable[Tuple[str, float]]) -> str:
