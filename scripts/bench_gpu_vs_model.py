@@ -31,6 +31,7 @@ import statistics
 from typing import List, Optional
 
 from nest_fx.cluster import load_cluster
+from nest_fx.cluster.kernel_fit import attention_shares
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.roofline import SDPA_ATTENTION, AnalyticalCompute
 from nest_fx.workload.types import Variant
@@ -94,16 +95,16 @@ def norm_row(measured: dict, cluster) -> dict:
 
 
 def sdpa_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
-    """Median measured SDPA rates over the lengths >= 8K against the rates the roofline prices
-    for the model's device (its measured or derived table row, or its cluster file's)."""
+    """Median measured SDPA rates over the lengths >= 8K (``kernel_fit.attention_shares``, the
+    medians a run's fitted rates take) against the rates the roofline prices for the model's device
+    (its measured or derived table row, or its cluster file's)."""
+    shares = attention_shares(measured["sdpa"]["rows"])
     rows = []
     for kernel in SDPA_ATTENTION:
         model = timing.sdpa_attention.get(kernel)
-        runs = [r for r in measured["sdpa"]["rows"] if r["backend"] == kernel and r["seq"] >= 8192 and "error" not in r]
-        if not runs or model is None:
+        if kernel not in shares or model is None:
             continue
-        fwd = statistics.median(r["fwd_share"] for r in runs)
-        bwd = statistics.median(r["bwd_share"] for r in runs)
+        fwd, bwd = shares[kernel]
         rows.append(dict(kernel=kernel, measured_fwd=fwd, model_fwd=model[0], measured_bwd=bwd, model_bwd=model[1]))
     return rows
 

@@ -67,10 +67,7 @@ def attention_shares(rows: Iterable[Mapping], min_tokens: int = MIN_ATTENTION_TO
         if "error" not in row and row.get("seq", 0) >= min_tokens:
             runs.setdefault(row["backend"], []).append(row)
     return {
-        backend: (
-            round(statistics.median(r["fwd_share"] for r in picked), 3),
-            round(statistics.median(r["bwd_share"] for r in picked), 3),
-        )
+        backend: (statistics.median(r["fwd_share"] for r in picked), statistics.median(r["bwd_share"] for r in picked))
         for backend, picked in runs.items()
     }
 
@@ -90,7 +87,9 @@ def kernel_rates_from_run(run: Mapping) -> KernelRates:
         top, ramp, _ = fit_gemm_curve(((r["flops"], r["share"]) for r in gemm["rows"]), peak)
         curve = (round(top, 3), float(f"{ramp:.2g}"))
     attention = {
-        k: v for k, v in attention_shares(run.get("sdpa", {}).get("rows", [])).items() if k in ("cudnn", "flash")
+        k: (round(fwd, 3), round(bwd, 3))
+        for k, (fwd, bwd) in attention_shares(run.get("sdpa", {}).get("rows", [])).items()
+        if k in ("cudnn", "flash")
     }
     if "cudnn" in attention:
         attention["fused"] = attention["cudnn"]

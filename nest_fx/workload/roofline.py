@@ -135,24 +135,18 @@ class AnalyticalCompute:
         device's ``kernel_rates`` where its cluster file sets them, else this module's tables."""
         fp8 = float(device.peak_flops.get("fp8", 0.0))
         name = device.name
-        sdpa = {}
-        for kernel, table in SDPA_ATTENTION.items():
-            entry = device_entry(table, name)
-            if entry:
-                sdpa[kernel] = entry[1:]
-        fa3 = (device_entry(FUSED_ATTENTION, name) or (None,))[1:] or None
-        derived = device_entry(DERIVED_ATTENTION, name)
+        sdpa = {k: row for k, table in SDPA_ATTENTION.items() if (row := _values(table, name)) is not None}
+        fa3 = _values(FUSED_ATTENTION, name)
+        derived = _values(DERIVED_ATTENTION, name)
         if derived and not sdpa:
-            _, measured, scale = derived
+            measured, scale = derived
             sdpa = {
-                kernel: (round(f * scale, 3), round(b * scale, 3))
+                kernel: tuple(round(r * scale, 3) for r in _values(table, measured))
                 for kernel, table in SDPA_ATTENTION.items()
-                for part, f, b in table
-                if part == measured
             }
             fa3 = sdpa.get("cudnn")  # Transformer Engine's fused attention is cuDNN's
-        ramp = (device_entry(GEMM_RAMP_S, name) or (None, None))[1]
-        top = (device_entry(GEMM_EFFICIENCY, name) or (None, cls.matmul_efficiency))[1]
+        ramp = (_values(GEMM_RAMP_S, name) or (None,))[0]
+        top = (_values(GEMM_EFFICIENCY, name) or (cls.matmul_efficiency,))[0]
         rates = getattr(device, "kernel_rates", None)  # the device's own measured rates replace the tables'
         source = rates_source(name, rates is not None)
         if rates is not None:
@@ -253,6 +247,13 @@ def rates_source(name: str, cluster_file: bool = False) -> str:
     if device_entry(DERIVED_ATTENTION, name):
         return "kernel rates derived from published measurements (docs/cost_model.md, Blackwell)"
     return "no kernel rates measured for this device: e_max 0.75 (docs/cluster_format.md, device.kernel_rates)"
+
+
+def _values(table, name: str) -> Optional[tuple]:
+    """The values of ``table``'s row for the device called ``name`` (:func:`device_entry` less its
+    name part); None when no row is its."""
+    entry = device_entry(table, name)
+    return entry[1:] if entry else None
 
 
 def device_entry(table, name: str) -> Optional[tuple]:

@@ -314,8 +314,16 @@ class Workload:
         norm = "" if norm_kernel in ("", "fused") else norm_kernel
         loss = loss_kernel  # eager is '' without loss parallelism; under it, the op-by-op vocabulary-parallel loss
         ring = "ring" if cp_mode == "ring" else ""
-        now = (self.kernels, self.float8, self.dtype, self.attention_kernel, self.norm_kernel, self.loss_kernel)
-        if (backend, float8, dtype, attention, norm, loss, ring) == (*now, self.cp_mode):
+        now = (
+            self.kernels,
+            self.float8,
+            self.dtype,
+            self.attention_kernel,
+            self.norm_kernel,
+            self.loss_kernel,
+            self.cp_mode,
+        )
+        if (backend, float8, dtype, attention, norm, loss, ring) == now:
             return self
         if self.base is not None:
             return self.base.for_runtime(False, float8, dtype, backend, attention, norm, loss, ring)
