@@ -64,7 +64,7 @@ from nest_fx.apply.fused_norms import use_fused_norms
 from nest_fx.cluster import ClusterError
 from nest_fx.cluster.kernel_fit import kernel_rates_from_run
 from nest_fx.cluster.presets import A100_80GB, B200, GB200, H100_SXM, H200_SXM
-from nest_fx.workload.roofline import device_entry
+from nest_fx.common.device_family import device_entry
 from nest_fx.apply.output_saving_norm import output_saving_rms_norm
 from nest_fx.apply.losses import lm_loss
 from profiler.recompute_memory import packed_bytes

@@ -15,8 +15,10 @@ Compares, for the device the JSON was measured on (``--cluster``: its preset):
 * one RMSNorm's forward + backward at 8,192 x 4,096 (``block.norm``: the zoo's fp32 code and
   ``F.rms_norm``) against the price of one norm of that layer (``workload/fused_norms.py``);
 * SDPA's measured rates (``sdpa``) against the rates the roofline prices for the device;
-* ring attention's cost of splitting (``ring`` against the ``sdpa`` section's FlashAttention-2
-  row): a CP rank's chunked attention against the whole attention / cp, which the model prices as 1;
+* fused attention's rate by call length (``attention_share.attention_length_share``): SDPA over
+  each length against its median over >= 8K tokens (``sdpa``), and ring attention's cost of
+  splitting (``ring`` against the ``sdpa`` section's FlashAttention-2 row: a CP rank's chunked
+  attention against the whole attention / cp);
 * the bf16 GEMMs (``gemm``) against the roofline's ``e_mm(F)``, and the memory-bound ops
   (``elementwise``) against ``e_mem``.
 
@@ -31,8 +33,9 @@ import statistics
 from typing import List, Optional
 
 from nest_fx.cluster import load_cluster
-from nest_fx.cluster.kernel_fit import attention_shares
+from nest_fx.cluster.kernel_fit import MIN_ATTENTION_TOKENS, attention_shares
 from nest_fx.workload import workload_for_model
+from nest_fx.workload.attention_share import attention_length_share, call_length_rate
 from nest_fx.workload.roofline import SDPA_ATTENTION, AnalyticalCompute
 from nest_fx.workload.types import Variant
 
@@ -109,11 +112,38 @@ def sdpa_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
     return rows
 
 
+def length_rows(measured: dict) -> List[dict]:
+    """SDPA's forward + backward rate per (kernel, tokens) against the kernel's median over the
+    lengths >= 8K (the rate the tables hold), and the share the model prices
+    (``attention_length_share``)."""
+    runs: dict = {}
+    for r in measured.get("sdpa", {}).get("rows", []):
+        if "error" not in r:
+            runs.setdefault(r["backend"], []).append(r)
+    rows = []
+    for kernel, picked in sorted(runs.items()):
+        long = [r["fwd_bwd_share"] for r in picked if r["seq"] >= MIN_ATTENTION_TOKENS]
+        if not long:
+            continue
+        median = statistics.median(long)
+        for r in sorted(picked, key=lambda r: r["seq"]):
+            rows.append(
+                dict(
+                    kernel=kernel,
+                    tokens=r["seq"],
+                    measured=r["fwd_bwd_share"] / median,
+                    model=attention_length_share(r["seq"]),
+                )
+            )
+    return rows
+
+
 def ring_rows(measured: dict) -> List[dict]:
     """Ring attention's cost of splitting, per (tokens, cp): a CP rank's chunked attention (the
     ``ring`` section, mean of the first and last rank) against FlashAttention-2 over the whole
     sequence / cp (the ``sdpa`` section's batch-1 flash row of that length: the ring steps run
-    that kernel), forward and forward + backward; the cost model prices 1 (no split cost)."""
+    that kernel), forward and forward + backward; the model prices the chunk's rate over the
+    sequence's (``call_length_rate``)."""
     flash = {
         r["seq"]: r
         for r in measured.get("sdpa", {}).get("rows", [])
@@ -126,14 +156,15 @@ def ring_rows(measured: dict) -> List[dict]:
     rows = []
     for (seq, cp), ranks in sorted(groups.items()):
         whole = flash[seq]
+        chunk = seq // (2 * cp)
         rows.append(
             dict(
                 tokens=seq,
                 cp=cp,
-                chunk_tokens=seq // (2 * cp),
+                chunk_tokens=chunk,
                 efficiency_fwd=statistics.mean(whole["fwd_s"] / cp / r["fwd_s"] for r in ranks),
                 efficiency_fwd_bwd=statistics.mean(whole["fwd_bwd_s"] / cp / r["fwd_bwd_s"] for r in ranks),
-                model=1.0,
+                model=call_length_rate(chunk) / call_length_rate(seq),
             )
         )
     return rows
@@ -169,6 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         block=block_rows(measured, cluster),
         norm=norm_row(measured, cluster),
         sdpa=sdpa_rows(measured, timing),
+        length=length_rows(measured),
         ring=ring_rows(measured),
         gemm=gemm_summary(measured, timing),
     )
@@ -201,6 +233,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"| {r['kernel']} | {r['measured_fwd']:.3f} | {r['model_fwd']:.2f} | {r['measured_bwd']:.3f} | "
                 f"{r['model_bwd']:.2f} |\n"
             )
+        if result["length"]:
+            fh.write("\n| SDPA kernel | tokens | fwd + bwd rate / its median >= 8K | model |\n|---|---:|---:|---:|\n")
+            for r in result["length"]:
+                fh.write(f"| {r['kernel']} | {r['tokens']:,} | {r['measured']:.2f} | {r['model']:.2f} |\n")
         if result["ring"]:
             fh.write(
                 "\n| ring attention, tokens | cp | chunk tokens | fwd vs whole / cp | fwd + bwd | model |\n"

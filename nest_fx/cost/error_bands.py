@@ -22,9 +22,10 @@ both step times may be off by the band ``e`` in opposite directions: ``g <= (1 +
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
+
+from nest_fx.common.device_family import device_family
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class ErrorBand:
 SOURCE = "scripts/bench_published.py, results/bench_published.json"
 
 BACKEND_BANDS: Dict[str, ErrorBand] = {
-    "eager": ErrorBand(0.04, "torchtitan Llama 3.1 8B eager rows t1.1, t3.1"),
-    "compile": ErrorBand(0.04, "torchtitan Llama 3.1 8B compile rows t1.2, t3.2 (compile's factor measured on them)"),
+    "eager": ErrorBand(0.03, "torchtitan Llama 3.1 8B eager rows t1.1, t3.1"),
+    "compile": ErrorBand(0.03, "torchtitan Llama 3.1 8B compile rows t1.2, t3.2 (compile's factor measured on them)"),
     "fused": ErrorBand(
         None,
         "no published fused-kernel run without Float8, CP, TP or PP checked; NeMo rows n1-n7 and Llama 3 rows "
@@ -55,21 +56,21 @@ BACKEND_BANDS: Dict[str, ErrorBand] = {
 }
 FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
     "float8": ErrorBand(
-        0.23,
+        0.18,
         "Float8 rows t1.3, t3.3, t2.1, w1, w2 (torchtitan 8B, FSDP, 8K-32K tokens, H100 and H200), n1, n8 (NeMo "
         "Llama 2 7B, GPT-3 5B)",
     ),
     "cp": ErrorBand(
-        0.45, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
+        0.48, "context-parallel rows t2.2-t2.4 (torchtitan 8B, 64K-262K tokens), n4 (NeMo Llama 3 8B, CP 2)"
     ),
-    "tp": ErrorBand(0.15, "TP rows t4.1, t4.2 (torchtitan 70B), n9, n10 (NeMo GPT-3 20B, Nemotron-3 8B)"),
+    "tp": ErrorBand(0.13, "TP rows t4.1, t4.2 (torchtitan 70B), n9, n10 (NeMo GPT-3 20B, Nemotron-3 8B)"),
     "ep": ErrorBand(
-        0.03,
+        0.06,
         "AutoModel Qwen3-30B-A3B row a1 alone (EP 8 x FSDP 8, DGX H100, bf16, DeepEP, a balanced stand-in gate); "
         "Megatron-Core's MoE layer is not priced (docs/cost_model.md, Thirteenth run)",
     ),
     "pp": ErrorBand(
-        0.63,
+        0.65,
         "pipelined rows t5, t6 (torchtitan 405B), m1-m3 (Llama 3 405B), n2, n3, n5-n7 (NeMo Llama, GPT-3), r1, r2 "
         "(Megatron-Bridge Llama 3 70B, 405B)",
     ),
@@ -84,9 +85,9 @@ DEVICE_BANDS: Dict[str, ErrorBand] = {  # devices with published runs of their o
         "Narayanan et al. 2021: 12 Megatron-LM GPT runs, 1.7B-1T on 32-3,072 A100; tests/unit/cost/test_published.py",
     ),
     "B200": ErrorBand(
-        0.12, "Megatron-Bridge rows r3, r5 (DGX B200, FP8: Llama 3 8B DP 8, Llama 3.1 405B TP 4 PP 8 CP 2)"
+        0.09, "Megatron-Bridge rows r3, r5 (DGX B200, FP8: Llama 3 8B DP 8, Llama 3.1 405B TP 4 PP 8 CP 2)"
     ),
-    "GB200": ErrorBand(0.12, "Megatron-Bridge Llama 3 8B row r4 (GB200 NVL72, FP8, DP 8)"),
+    "GB200": ErrorBand(0.10, "Megatron-Bridge Llama 3 8B row r4 (GB200 NVL72, FP8, DP 8)"),
 }
 
 
@@ -95,16 +96,6 @@ def plan_features(plan) -> List[str]:
     tp = max(s.tp for s in plan.stages) > 1
     used = {"float8": plan.float8, "cp": plan.cp > 1, "tp": tp, "ep": plan.ep > 1, "pp": plan.pp > 1}
     return [name for name, on in used.items() if on]
-
-
-_FAMILY = re.compile(r"(?<![A-Za-z0-9])(GB|[ABH])(\d{3})(?!\d)", re.IGNORECASE)
-
-
-def device_family(name: str) -> str:
-    """The GPU family a device name names (``H100-SXM5-80GB``, ``NVIDIA H100 80GB HBM3``: ``H100``;
-    ``GB200-186GB``: ``GB200``); '' when it names none (``TPUv4``, ``cpu``)."""
-    found = _FAMILY.search(name)
-    return (found.group(1) + found.group(2)).upper() if found else ""
 
 
 def error_band(plan, device: str = "") -> ErrorBand:

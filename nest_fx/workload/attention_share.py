@@ -5,8 +5,9 @@ The zoo's windowed attention passes SDPA a band mask made by ``models.layers.sli
 (a leaf call whose literal argument is the window). A fused kernel with a window (FlashAttention-2's
 ``window_size``, cuDNN's sliding window) skips the tiles outside the band and keeps no mask, so the
 cost model prices the band's scores and the q, k, v bytes alone. Also: the share of the score
-matrix one rank computes with or without context parallelism (``attention_work``), and the
-softmax of an attention core that materialises its scores (``materialised_score_seconds``).
+matrix one rank computes with or without context parallelism (``attention_work``), the rate a
+fused call reaches by its length (``attention_length_share``), and the softmax of an attention core
+that materialises its scores (``materialised_score_seconds``).
 """
 
 from __future__ import annotations
@@ -66,21 +67,45 @@ def attention_work(seq: int, cp: int, causal: bool) -> float:
     return 1.0
 
 
-# Ring attention's cost of splitting: a CP rank's attention run as chunk-pair calls and their
-# log-sum-exp merges (torch's context parallel, Transformer Engine's P2P ring, nest-fx's
-# cp_mode=ring) reaches c / (c + RING_SPLIT_HALF_TOKENS) of the whole-sequence rate with chunks of
-# c = seq / 2cp tokens: the fit (least mean relative error, 2.3%) of the fwd + bwd shares measured
-# on an H100 and an H200 at 2K-32K-token chunks (scripts/bench_gpu_kernels.py, section ring;
-# results/gpu/gpu_vs_model*.md: 0.65-0.67 at 2K, 0.95 at 16K, 0.99 at 32K).
-RING_SPLIT_HALF_TOKENS = 960
+# Fused attention's rate by call length. A flash-style kernel (FlashAttention-2, cuDNN) loops over
+# the key tiles of each query tile; what it does once per query tile (loading it, rescaling and
+# writing its output) is spread over the keys the call sees, so a call over k keys reaches
+# k / (k + ATTENTION_HALF_RATE_TOKENS) of the long-call rate. One law fits both measurements of it
+# on an H100 and an H200 (scripts/bench_gpu_kernels.py; least mean relative error 2.4% over 28
+# ratios, results/gpu/gpu_vs_model*.md): SDPA over whole sequences of 2K-131K tokens (flash and
+# cuDNN, each against its median over >= 8K tokens, the rate the tables hold: 0.67-0.72 at 2K) and
+# ring attention's chunk-pair calls on 2K-32K-token chunks against the whole sequence (0.65-0.67 at
+# 2K, 0.95 at 16K).
+ATTENTION_HALF_RATE_TOKENS = 1050
+# The tabled rates (roofline.SDPA_ATTENTION, a cluster file's kernel_rates, kernel_fit's fit) are
+# medians over calls of 8K, 32K and 131K tokens: for a rate that rises with length, the middle one's.
+ATTENTION_RATE_REF_TOKENS = 32768
+# The shortest calls measured: shorter ones are priced at its rate (the law is not checked below it).
+ATTENTION_LENGTH_FLOOR_TOKENS = 2048
 
 
-def ring_split_share(chunk_tokens: float) -> float:
-    """The share of the whole-sequence attention rate ring attention's chunked calls reach with
-    chunks of ``chunk_tokens`` (``RING_SPLIT_HALF_TOKENS``); 1 for an empty chunk."""
-    if chunk_tokens <= 0:
-        return 1.0
-    return chunk_tokens / (chunk_tokens + RING_SPLIT_HALF_TOKENS)
+def call_length_rate(key_tokens: float) -> float:
+    """``k / (k + ATTENTION_HALF_RATE_TOKENS)``: the share of the long-call rate a fused attention
+    call over ``key_tokens`` keys reaches, ``k`` at least ``ATTENTION_LENGTH_FLOOR_TOKENS``."""
+    k = max(float(key_tokens), ATTENTION_LENGTH_FLOOR_TOKENS)
+    return k / (k + ATTENTION_HALF_RATE_TOKENS)
+
+
+def attention_length_share(key_tokens: float) -> float:
+    """The share of the tabled fused-attention rate (measured at ``ATTENTION_RATE_REF_TOKENS``)
+    a call over ``key_tokens`` keys reaches: 0.68 at 2K and below, 0.92 at 8K, 1.02 at 131K."""
+    return call_length_rate(key_tokens) / call_length_rate(ATTENTION_RATE_REF_TOKENS)
+
+
+def fused_call_keys(seq: int, cp: int, ring: bool, window: int = 0) -> float:
+    """The keys one fused attention call of a ``seq``-token layer runs over: the ``window`` of a
+    windowed kernel; under ``cp`` ranks run as ring attention, the chunk ``seq / 2cp`` of its
+    chunk-pair calls; else the sequence (the all-gather mode's query chunks see the gathered keys)."""
+    if window and window < seq:
+        return window
+    if cp > 1 and ring:
+        return seq / (2 * cp)
+    return seq
 
 
 # An attention core without a fused kernel (attention="traced": the math path of PyTorch's SDPA,

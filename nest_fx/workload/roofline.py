@@ -76,25 +76,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
-# PyTorch SDPA's fused kernels: {kernel: ((device name part, forward, backward fraction of peak), ...)},
+from nest_fx.common.device_family import device_entry
+
+# PyTorch SDPA's fused kernels: {kernel: ((device family, forward, backward fraction of peak), ...)},
 # measured (module docstring); other devices: DERIVED_ATTENTION, else e_max
 SDPA_ATTENTION = {
     "cudnn": (("H100", 0.64, 0.52), ("H200", 0.64, 0.52)),
     "flash": (("H100", 0.34, 0.32), ("H200", 0.34, 0.32)),
 }
 # devices whose attention rates are a measured device's scaled (module docstring, "Blackwell"):
-# (device name part, measured device name part, scale of its fractions of peak)
+# (device family, measured device family, scale of its fractions of peak)
 B200_ATTENTION_SCALE = round((1613 / 2250) / (740 / 989), 3)  # FlashAttention-4's best / FlashAttention-3's
 GB200_RATE_SCALE = round((1822 / 2500) / (1745 / 2250), 3)  # the GB200's best matmul share / the B200's
 DERIVED_ATTENTION = (("B200", "H100", B200_ATTENTION_SCALE), ("GB200", "H100", B200_ATTENTION_SCALE * GB200_RATE_SCALE))
 # the GEMM ramp: a GEMM of F FLOPs reaches e_max F / (F + F_half) of peak with F_half = peak x this
-# time (device name part, seconds), measured or sourced (module docstring); other devices: F_half 2 GFLOP
+# time (device family, seconds), measured or sourced (module docstring); other devices: F_half 2 GFLOP
 GEMM_RAMP_S = (("H100", 11e-6), ("H200", 11e-6), ("B200", 1.5e-6), ("GB200", 1.5e-6))
-# e_max where it is not the default 0.75 (device name part, e_max), sourced (module docstring)
+# e_max where it is not the default 0.75 (device family, e_max), sourced (module docstring)
 GEMM_EFFICIENCY = (("B200", 0.674), ("GB200", round(0.674 * GB200_RATE_SCALE, 3)))
 # the kernel a plan that names none is priced with: what the runtime pins (plan.attention_kernel '')
 DEFAULT_ATTENTION_KERNEL = "cudnn"
-# (device name part, forward, backward fraction of peak) of fused attention under kernels=fused:
+# (device family, forward, backward fraction of peak) of fused attention under kernels=fused:
 # cuDNN's measured causal rates (module docstring)
 FUSED_ATTENTION = SDPA_ATTENTION["cudnn"]
 ATTENTION_BACKWARD_FACTOR = 2.5
@@ -254,13 +256,6 @@ def _values(table, name: str) -> Optional[tuple]:
     name part); None when no row is its."""
     entry = device_entry(table, name)
     return entry[1:] if entry else None
-
-
-def device_entry(table, name: str) -> Optional[tuple]:
-    """The row of ``table`` (rows of (device name part, ...)) whose part ``name`` contains, the
-    longest such part first (``GB200-186GB`` is a GB200, not a B200); None when none is."""
-    rows = [row for row in table if row[0] in name]
-    return max(rows, key=lambda row: len(row[0])) if rows else None
 
 
 def _vector_fraction(peaks: Dict[str, float], share: float, peak: float) -> float:

@@ -20,9 +20,10 @@ from nest_fx.graph.recompute_policies import LAYER_POLICIES
 from nest_fx.graph.tp_inputs import ColumnInputs
 from nest_fx.workload.attention_share import (
     SCORE_GEMM_PASSES,
+    attention_length_share,
     attention_work,
+    fused_call_keys,
     materialised_score_seconds,
-    ring_split_share,
     window_share,
 )
 from nest_fx.workload.block_facts import LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
@@ -106,7 +107,7 @@ class TracedSource:
         (``fused_norms``; WorkloadError with compile), the loss on full logits torch.compile'd with
         ``loss_kernel=compile`` and the vocabulary-parallel loss's backward op by op with
         ``loss_kernel=eager`` (``loss_terms``); under context parallelism with ``cp_mode=ring`` the
-        attention at the rate its chunked calls reach (``attention_share.ring_split_share``). The
+        attention at the rate its chunked calls reach (``attention_share.fused_call_keys``). The
         traced facts are shared."""
         derived = copy.copy(self)
         backend = kernel_backend(kernels, compile)
@@ -405,8 +406,8 @@ class TracedSource:
             t = self.timing.op_seconds(
                 n.flops * share * work, (nbytes + extra) * share, n.matmul, attention=self.attention == "flash"
             )
-            if cp > 1 and self.ring_split:  # chunk-pair calls and their merges (ring_split_share)
-                t /= ring_split_share(n.seq / (2 * cp))
+            if self.attention == "flash":  # the rate by call length (ring: chunk-pair calls, merged)
+                t /= attention_length_share(fused_call_keys(n.seq, cp, self.ring_split, n.window))
             if extra:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)

@@ -303,7 +303,7 @@ class Workload:
         output for backward (``memory-efficient``; ``workload/fused_norms.py``), the loss on full
         logits as given or torch.compile'd (``loss_kernel`` '' or eager, compile), Float8 linears
         (``docs/cost_model.md``), context parallelism's attention as ``cp_mode`` runs it (``ring``:
-        chunk-pair calls, ``attention_share.ring_split_share``; '' or allgather: as traced), and computing in
+        chunk-pair calls at their chunk's rate, ``attention_share.fused_call_keys``; '' or allgather: as traced), and computing in
         ``dtype`` ("fp32", "bf16": the device's rate for it, activations of its width; None or a
         workload of unknown dtype: as built); ``self`` when nothing changes. WorkloadError when
         the cost source cannot derive them (a layer table holds what was measured; a profile, the

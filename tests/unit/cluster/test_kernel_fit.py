@@ -14,7 +14,8 @@ import yaml
 from nest_fx.cluster import Cluster, ClusterError, KernelRates, load_cluster
 from nest_fx.cluster.kernel_fit import attention_shares, fit_gemm_curve, kernel_rates_from_run
 from nest_fx.workload import AnalyticalCompute
-from nest_fx.workload.roofline import GEMM_RAMP_S, SDPA_ATTENTION, device_entry
+from nest_fx.common.device_family import device_entry
+from nest_fx.workload.roofline import GEMM_RAMP_S, SDPA_ATTENTION
 from repo_root import ROOT, import_script
 
 GPU = os.path.join(ROOT, "results", "gpu")

@@ -10,12 +10,12 @@ import os
 import pytest
 
 from nest_fx.cluster import load_cluster
+from nest_fx.common.device_family import device_family
 from nest_fx.cost.error_bands import (
     BACKEND_BANDS,
     DEVICE_BANDS,
     FEATURE_BANDS,
     ErrorBand,
-    device_family,
     error_band,
     within_error,
 )

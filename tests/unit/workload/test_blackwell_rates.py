@@ -19,8 +19,11 @@ from nest_fx.workload.roofline import (
     GB200_RATE_SCALE,
     SDPA_ATTENTION,
     AnalyticalCompute,
-    device_entry,
+    rates_source,
 )
+from nest_fx.common.device_family import device_entry, device_family
+from nest_fx.cost.error_bands import BANDED_FAMILIES, DEVICE_BANDS, error_band
+from nest_fx.plan import uniform_plan
 from repo_root import ROOT
 
 SOURCED = os.path.join(ROOT, "results", "sourced", "b200_bf16_gemm_vllm.json")
@@ -84,9 +87,11 @@ def test_blackwell_attention_is_hoppers_measured_share_scaled_by_the_best_kernel
         ("NVIDIA B200", "B200"),
         ("NVIDIA H100 80GB HBM3", "H100"),
         ("A100-SXM4-80GB", None),
+        ("NVIDIA GH200 480GB", None),  # a Grace Hopper superchip: no preset, not an H200
+        ("h100", "H100"),
     ],
 )
-def test_each_device_gets_its_own_row_the_longest_name_first(name, family):
+def test_each_device_gets_its_own_family_row(name, family):
     from nest_fx.workload.roofline import GEMM_RAMP_S
 
     rows = (("B200", 1), ("GB200", 2), ("H100", 3))
@@ -95,6 +100,20 @@ def test_each_device_gets_its_own_row_the_longest_name_first(name, family):
     assert device_entry(tuple(reversed(rows)), name) == entry  # not the table's order
     if family:
         assert device_entry(GEMM_RAMP_S, name)[0] == family
+
+
+@pytest.mark.parametrize(
+    "name", ["NVIDIA GH200 480GB", "h100", "NVIDIA H200", "GB200-186GB", "TPUv4", "A100-SXM4-80GB"]
+)
+def test_a_device_gets_measured_rates_exactly_when_it_gets_a_band(name):
+    """One reading of device names (``common.device_family``): the kernel rates and the error band
+    of a name never disagree about which GPU it is."""
+    plan = uniform_plan(4, dp=1, microbatch_size=1, num_microbatches=1)
+    rated = not rates_source(name).startswith("no kernel rates")
+    banded = error_band(plan, name).rel is not None
+    assert rated <= banded  # rates from published or measured runs only where runs check them
+    if rated:
+        assert device_family(name) in set(BANDED_FAMILIES) | set(DEVICE_BANDS)
 
 
 def test_unmeasured_devices_keep_the_documented_defaults():
