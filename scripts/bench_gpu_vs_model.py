@@ -33,7 +33,7 @@ import statistics
 from typing import List, Optional
 
 from nest_fx.cluster import load_cluster
-from nest_fx.cluster.kernel_fit import MIN_ATTENTION_TOKENS, attention_shares
+from nest_fx.cluster.kernel_fit import attention_shares, length_ratios, ring_ratios
 from nest_fx.workload import workload_for_model
 from nest_fx.workload.attention_share import attention_length_share, call_length_rate
 from nest_fx.workload.roofline import SDPA_ATTENTION, AnalyticalCompute
@@ -112,62 +112,24 @@ def sdpa_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
     return rows
 
 
-def length_rows(measured: dict) -> List[dict]:
+def length_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
     """SDPA's forward + backward rate per (kernel, tokens) against the kernel's median over the
-    lengths >= 8K (the rate the tables hold), and the share the model prices
-    (``attention_length_share``)."""
-    runs: dict = {}
-    for r in measured.get("sdpa", {}).get("rows", []):
-        if "error" not in r:
-            runs.setdefault(r["backend"], []).append(r)
-    rows = []
-    for kernel, picked in sorted(runs.items()):
-        long = [r["fwd_bwd_share"] for r in picked if r["seq"] >= MIN_ATTENTION_TOKENS]
-        if not long:
-            continue
-        median = statistics.median(long)
-        for r in sorted(picked, key=lambda r: r["seq"]):
-            rows.append(
-                dict(
-                    kernel=kernel,
-                    tokens=r["seq"],
-                    measured=r["fwd_bwd_share"] / median,
-                    model=attention_length_share(r["seq"]),
-                )
-            )
-    return rows
+    lengths >= 8K (``kernel_fit.length_ratios``), and the share the model prices for the compared
+    device (``attention_length_share``)."""
+    return [
+        dict(r, model=attention_length_share(r["tokens"], timing.attention_half_tokens))
+        for r in length_ratios(measured["sdpa"]["rows"])
+    ]
 
 
-def ring_rows(measured: dict) -> List[dict]:
-    """Ring attention's cost of splitting, per (tokens, cp): a CP rank's chunked attention (the
-    ``ring`` section, mean of the first and last rank) against FlashAttention-2 over the whole
-    sequence / cp (the ``sdpa`` section's batch-1 flash row of that length: the ring steps run
-    that kernel), forward and forward + backward; the model prices the chunk's rate over the
-    sequence's (``call_length_rate``)."""
-    flash = {
-        r["seq"]: r
-        for r in measured.get("sdpa", {}).get("rows", [])
-        if r.get("backend") == "flash" and r.get("batch") == 1 and "error" not in r
-    }
-    groups: dict = {}
-    for r in measured.get("ring", {}).get("rows", []):
-        if r["seq"] in flash:
-            groups.setdefault((r["seq"], r["cp"]), []).append(r)
-    rows = []
-    for (seq, cp), ranks in sorted(groups.items()):
-        whole = flash[seq]
-        chunk = seq // (2 * cp)
-        rows.append(
-            dict(
-                tokens=seq,
-                cp=cp,
-                chunk_tokens=chunk,
-                efficiency_fwd=statistics.mean(whole["fwd_s"] / cp / r["fwd_s"] for r in ranks),
-                efficiency_fwd_bwd=statistics.mean(whole["fwd_bwd_s"] / cp / r["fwd_bwd_s"] for r in ranks),
-                model=call_length_rate(chunk) / call_length_rate(seq),
-            )
-        )
-    return rows
+def ring_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
+    """Ring attention's cost of splitting per (tokens, cp) (``kernel_fit.ring_ratios``), and the
+    model's price: the chunk's rate over the sequence's (``call_length_rate``)."""
+    half = timing.attention_half_tokens
+    return [
+        dict(r, model=call_length_rate(r["chunk_tokens"], half) / call_length_rate(r["tokens"], half))
+        for r in ring_ratios(measured)
+    ]
 
 
 def gemm_summary(measured: dict, timing: AnalyticalCompute) -> dict:
@@ -200,8 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         block=block_rows(measured, cluster),
         norm=norm_row(measured, cluster),
         sdpa=sdpa_rows(measured, timing),
-        length=length_rows(measured),
-        ring=ring_rows(measured),
+        length=length_rows(measured, timing),
+        ring=ring_rows(measured, timing),
         gemm=gemm_summary(measured, timing),
     )
     print(f"measured on {result['measured_on']}; model: {args.cluster}")

@@ -9,11 +9,14 @@ device, not derived from its peak:
   ``kernels=fused``: Transformer Engine's, which is cuDNN's);
 * ``gemm_ramp``: the GEMM efficiency ramp, the time at peak of the GEMM that reaches half of the
   top efficiency (``F_half = peak x gemm_ramp``);
-* ``gemm_efficiency``: that top efficiency (``e_max``), the share of peak large GEMMs reach.
+* ``gemm_efficiency``: that top efficiency (``e_max``), the share of peak large GEMMs reach;
+* ``attention_half_tokens``: fused attention's rate by call length, ``k / (k + this)`` of the
+  long-call rate for a call over ``k`` keys (``workload.attention_share``).
 
 The roofline's tables hold them for the devices measured (H100, H200) and for those priced from
 published measurements (B200, GB200), by name; a device named otherwise has none: ``e_max`` 0.75,
-a 2 GFLOP ramp, its attention at ``e_max``. Rates given here replace the tables' figures for that
+a 2 GFLOP ramp, its attention at ``e_max``. The length law's constant is the Hopper fit for every
+device unless set here. Rates given here replace the tables' figures for that
 device, kernel by kernel (``scripts/bench_gpu_kernels.py`` measures them).
 """
 
@@ -34,11 +37,13 @@ RATED_ATTENTION_KERNELS = ("cudnn", "flash", "fused")
 class KernelRates:
     """``attention``: kernel -> (forward, backward) fraction of peak, each in (0, 1];
     ``gemm_ramp``: seconds > 0, or None (the roofline's figure for the device);
-    ``gemm_efficiency``: a fraction of peak in (0, 1], or None (likewise)."""
+    ``gemm_efficiency``: a fraction of peak in (0, 1], or None (likewise);
+    ``attention_half_tokens``: tokens >= 0, or None (the Hopper fit)."""
 
     attention: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     gemm_ramp: Optional[float] = None
     gemm_efficiency: Optional[float] = None
+    attention_half_tokens: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,6 +68,8 @@ class KernelRates:
                 raise ClusterError(f"{prefix}gemm_ramp: must be > 0 seconds, got 0")
         if self.gemm_efficiency is not None:
             _check_fraction(self.gemm_efficiency, f"{prefix}gemm_efficiency")
+        if self.attention_half_tokens is not None:
+            check_real(self.attention_half_tokens, f"{prefix}attention_half_tokens", strict=False)
 
     def to_dict(self) -> dict:
         """The file form: only what is set."""
@@ -73,12 +80,14 @@ class KernelRates:
             out["gemm_ramp"] = self.gemm_ramp
         if self.gemm_efficiency is not None:
             out["gemm_efficiency"] = self.gemm_efficiency
+        if self.attention_half_tokens is not None:
+            out["attention_half_tokens"] = self.attention_half_tokens
         return out
 
     @classmethod
     def from_dict(cls, data: object, path: str = "device.kernel_rates") -> "KernelRates":
         """From the file form; ``gemm_ramp`` may carry a unit (``11us``)."""
-        d = check_keys(data, path, (), ("attention", "gemm_ramp", "gemm_efficiency"))
+        d = check_keys(data, path, (), ("attention", "gemm_ramp", "gemm_efficiency", "attention_half_tokens"))
         attention = d.get("attention", {})
         if not isinstance(attention, dict):
             raise ClusterError(
@@ -89,7 +98,12 @@ class KernelRates:
             ramp = parse_quantity(ramp, "s", f"{path}.gemm_ramp")
         rates = {str(k): tuple(v) if isinstance(v, list) else v for k, v in attention.items()}
         try:
-            return cls(attention=rates, gemm_ramp=ramp, gemm_efficiency=d.get("gemm_efficiency"))
+            return cls(
+                attention=rates,
+                gemm_ramp=ramp,
+                gemm_efficiency=d.get("gemm_efficiency"),
+                attention_half_tokens=d.get("attention_half_tokens"),
+            )
         except ClusterError as exc:
             raise ClusterError(f"{path}.{exc}") from None
 

@@ -84,17 +84,19 @@ ATTENTION_RATE_REF_TOKENS = 32768
 ATTENTION_LENGTH_FLOOR_TOKENS = 2048
 
 
-def call_length_rate(key_tokens: float) -> float:
-    """``k / (k + ATTENTION_HALF_RATE_TOKENS)``: the share of the long-call rate a fused attention
-    call over ``key_tokens`` keys reaches, ``k`` at least ``ATTENTION_LENGTH_FLOOR_TOKENS``."""
+def call_length_rate(key_tokens: float, half_tokens: float = ATTENTION_HALF_RATE_TOKENS) -> float:
+    """``k / (k + half_tokens)``: the share of the long-call rate a fused attention call over
+    ``key_tokens`` keys reaches, ``k`` at least ``ATTENTION_LENGTH_FLOOR_TOKENS``."""
     k = max(float(key_tokens), ATTENTION_LENGTH_FLOOR_TOKENS)
-    return k / (k + ATTENTION_HALF_RATE_TOKENS)
+    return k / (k + half_tokens)
 
 
-def attention_length_share(key_tokens: float) -> float:
+def attention_length_share(key_tokens: float, half_tokens: float = ATTENTION_HALF_RATE_TOKENS) -> float:
     """The share of the tabled fused-attention rate (measured at ``ATTENTION_RATE_REF_TOKENS``)
-    a call over ``key_tokens`` keys reaches: 0.68 at 2K and below, 0.92 at 8K, 1.02 at 131K."""
-    return call_length_rate(key_tokens) / call_length_rate(ATTENTION_RATE_REF_TOKENS)
+    a call over ``key_tokens`` keys reaches under the law of ``half_tokens`` (a device's
+    ``kernel_rates.attention_half_tokens``, else the Hopper fit): 0.68 at 2K and below, 0.92 at 8K,
+    1.02 at 131K with the Hopper fit."""
+    return call_length_rate(key_tokens, half_tokens) / call_length_rate(ATTENTION_RATE_REF_TOKENS, half_tokens)
 
 
 def fused_call_keys(seq: int, cp: int, ring: bool, window: int = 0) -> float:

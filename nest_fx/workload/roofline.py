@@ -77,6 +77,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
 from nest_fx.common.device_family import device_entry
+from nest_fx.workload.attention_share import ATTENTION_HALF_RATE_TOKENS
 
 # PyTorch SDPA's fused kernels: {kernel: ((device family, forward, backward fraction of peak), ...)},
 # measured (module docstring); other devices: DERIVED_ATTENTION, else e_max
@@ -125,6 +126,8 @@ class AnalyticalCompute:
     peaks: Dict[str, float] = field(default_factory=dict)  # the device's peak FLOP/s per dtype (in_dtype)
     vector_share: float = 0.125  # non-matmul FLOP/s as a fraction of the device's fastest rate (for_device)
     fa3_attention: Optional[Tuple[float, float]] = None  # (forward, backward) e_max under kernels=fused
+    # fused attention's rate by call length: k / (k + this) of the long-call rate (attention_share)
+    attention_half_tokens: float = ATTENTION_HALF_RATE_TOKENS
     # F.rms_norm runs one fused kernel each way (CUDA's _fused_rms_norm); torch's CPU backend decomposes it
     fused_rms_norm: bool = True
     rates_source: str = ""  # where the kernel rates come from (for_device: rates_source)
@@ -149,6 +152,7 @@ class AnalyticalCompute:
             fa3 = sdpa.get("cudnn")  # Transformer Engine's fused attention is cuDNN's
         ramp = (_values(GEMM_RAMP_S, name) or (None,))[0]
         top = (_values(GEMM_EFFICIENCY, name) or (cls.matmul_efficiency,))[0]
+        half_tokens = cls.attention_half_tokens
         rates = getattr(device, "kernel_rates", None)  # the device's own measured rates replace the tables'
         source = rates_source(name, rates is not None)
         if rates is not None:
@@ -156,6 +160,7 @@ class AnalyticalCompute:
             fa3 = tuple(rates.attention["fused"]) if "fused" in rates.attention else fa3
             ramp = rates.gemm_ramp if rates.gemm_ramp is not None else ramp
             top = rates.gemm_efficiency if rates.gemm_efficiency is not None else top
+            half_tokens = rates.attention_half_tokens if rates.attention_half_tokens is not None else half_tokens
         peaks = {str(k): float(v) for k, v in device.peak_flops.items()}
         share = overrides.pop("vector_fraction", cls.vector_fraction)
         peak = device.peak(dtype)
@@ -170,6 +175,7 @@ class AnalyticalCompute:
             peaks=peaks,
             vector_share=share,
             fa3_attention=fa3,
+            attention_half_tokens=half_tokens,
             vector_fraction=_vector_fraction(peaks, share, peak),
             fused_rms_norm=not name.lower().startswith(DECOMPOSED_NORM_DEVICE),
             rates_source=source,

@@ -41,8 +41,8 @@ from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload, 
 class TracedSource:
     """Layer costs derived from an OpGraph and a per-op timing model.
 
-    ``timing`` has ``op_seconds(flops, bytes, matmul)`` and ``backward_factor`` (the
-    analytical model in ``nest_fx.workload.roofline``; a measured profile later). ``attention``:
+    ``timing`` has ``op_seconds(flops, bytes, matmul)``, ``backward_factor`` and
+    ``attention_half_tokens`` (the analytical model in ``nest_fx.workload.roofline``). ``attention``:
     "flash" keeps O(s) bytes for fused attention (q, k, v, out, log-sum-exp) as flash
     attention does on GPUs, and a causal call computes the lower triangle only; "traced" keeps
     what the traced kernel saved and computes every score (the math path).
@@ -407,7 +407,8 @@ class TracedSource:
                 n.flops * share * work, (nbytes + extra) * share, n.matmul, attention=self.attention == "flash"
             )
             if self.attention == "flash":  # the rate by call length (ring: chunk-pair calls, merged)
-                t /= attention_length_share(fused_call_keys(n.seq, cp, self.ring_split, n.window))
+                keys = fused_call_keys(n.seq, cp, self.ring_split, n.window)
+                t /= attention_length_share(keys, self.timing.attention_half_tokens)
             if extra:
                 t += materialised_score_seconds(self.timing, n.scores * share * work, n.score_bytes * share * work)
             out.append(t)

@@ -14,6 +14,7 @@ import yaml
 from nest_fx.cluster import Cluster, ClusterError, KernelRates, load_cluster
 from nest_fx.cluster.kernel_fit import attention_shares, fit_gemm_curve, kernel_rates_from_run
 from nest_fx.workload import AnalyticalCompute
+from nest_fx.workload.attention_share import ATTENTION_HALF_RATE_TOKENS
 from nest_fx.common.device_family import device_entry
 from nest_fx.workload.roofline import GEMM_RAMP_S, SDPA_ATTENTION
 from repo_root import ROOT, import_script
@@ -56,6 +57,8 @@ def test_a_runs_rates_load_as_a_cluster_file_and_price_the_device(tmp_path):
     assert timing.matmul_efficiency == rates.gemm_efficiency
     assert timing.matmul_ramp_s == rates.gemm_ramp
     assert timing.sdpa_attention["cudnn"] == rates.attention["cudnn"]  # measured replaces derived
+    assert timing.attention_half_tokens == rates.attention_half_tokens  # the H100 run's own length law
+    assert rates.attention_half_tokens == pytest.approx(ATTENTION_HALF_RATE_TOKENS, rel=0.2)
 
 
 def test_runs_that_measured_nothing_are_refused():
@@ -71,7 +74,7 @@ def test_runs_that_measured_nothing_are_refused():
             "sdpa": {"rows": [{"backend": "flash", "seq": 8192, "fwd_share": 0.3, "bwd_share": 0.2}]},
         }
     )
-    assert only_sdpa == KernelRates({"flash": (0.3, 0.2)})  # the GEMM curve left to the tables
+    assert only_sdpa == KernelRates({"flash": (0.3, 0.2)})  # the GEMM curve and the length law left to the tables
 
 
 def test_the_scripts_peaks_are_the_presets_by_name():

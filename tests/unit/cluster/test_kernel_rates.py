@@ -14,6 +14,7 @@ from nest_fx.cluster import Cluster, ClusterError, KernelRates
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import uniform_plan
 from nest_fx.workload import AnalyticalCompute, workload_for_model
+from nest_fx.workload.attention_share import ATTENTION_HALF_RATE_TOKENS
 from nest_fx.workload.roofline import FUSED_ATTENTION, GEMM_RAMP_S, SDPA_ATTENTION
 from repo_root import ROOT
 
@@ -36,13 +37,18 @@ def _file(name: str = "MyGPU", rates=None) -> dict:
     }
 
 
-RATES = {"attention": {"cudnn": [0.5, 0.4], "fused": [0.7, 0.6]}, "gemm_ramp": "8us", "gemm_efficiency": 0.7}
+RATES = {
+    "attention": {"cudnn": [0.5, 0.4], "fused": [0.7, 0.6]},
+    "gemm_ramp": "8us",
+    "gemm_efficiency": 0.7,
+    "attention_half_tokens": 400,
+}
 
 
 def test_kernel_rates_load_and_round_trip(tmp_path):
     cluster = Cluster.from_dict(_file(rates=RATES))
     rates = cluster.device.kernel_rates
-    assert rates == KernelRates({"cudnn": (0.5, 0.4), "fused": (0.7, 0.6)}, 8e-6, 0.7)
+    assert rates == KernelRates({"cudnn": (0.5, 0.4), "fused": (0.7, 0.6)}, 8e-6, 0.7, 400)
     for suffix in (".yaml", ".json"):
         path = str(tmp_path / f"c{suffix}")
         cluster.save(path)
@@ -67,6 +73,8 @@ def test_kernel_rates_load_and_round_trip(tmp_path):
         ({"gemm_efficiency": 1.2}, "device.kernel_rates.gemm_efficiency: must be a fraction of peak in (0, 1]"),
         ({"gemm_efficiency": 0}, "device.kernel_rates.gemm_efficiency: must be a fraction of peak"),
         ({"gemm_efficiency": "75%"}, "device.kernel_rates.gemm_efficiency: must be a number in (0, 1]"),
+        ({"attention_half_tokens": -5}, "device.kernel_rates.attention_half_tokens: must be >= 0"),
+        ({"attention_half_tokens": "1K"}, "device.kernel_rates.attention_half_tokens: must be a finite number"),
     ],
 )
 def test_bad_kernel_rates_are_refused_naming_the_field(rates, message):
@@ -85,6 +93,7 @@ def test_the_roofline_prices_the_files_rates_in_place_of_its_tables():
     assert timing.with_kernels(True).attention_efficiency == 0.7  # kernels=fused
     assert timing.matmul_half_flops == pytest.approx(1000e12 * 8e-6)
     assert (plain.matmul_efficiency, timing.matmul_efficiency) == (0.75, 0.7)
+    assert (plain.attention_half_tokens, timing.attention_half_tokens) == (ATTENTION_HALF_RATE_TOKENS, 400)
     # an H100 keeps its measured tables where the file sets nothing
     h100 = copy.deepcopy(Cluster.preset("dgx-h100", 8).device)
     h100.kernel_rates = KernelRates({"flash": (0.3, 0.3)})

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from nest_fx.cluster import load_cluster
+from nest_fx.workload import AnalyticalCompute
 from repo_root import ROOT, import_script
 
 MEASURED = os.path.join(ROOT, "results", "gpu", "bench_gpu_kernels_h200.json")
@@ -34,8 +36,9 @@ def test_the_sdpa_rows_compare_with_the_compared_devices_rates(script, tmp_path)
 
 
 def test_the_ring_rows_compare_with_the_same_kernel_over_the_whole_sequence(script):
+    timing = AnalyticalCompute.for_device(load_cluster("dgx-h200:1").device)
     with open(MEASURED) as fh:
-        rows = {(r["tokens"], r["cp"]): r for r in script.ring_rows(json.load(fh))}
+        rows = {(r["tokens"], r["cp"]): r for r in script.ring_rows(json.load(fh), timing)}
     assert rows[(131072, 2)]["efficiency_fwd_bwd"] == pytest.approx(1.0, abs=0.05)  # long chunks: no split cost
     assert rows[(32768, 8)]["efficiency_fwd_bwd"] < 0.7  # 2K-token chunks: a third slower
     assert rows[(32768, 8)]["chunk_tokens"] == 2048

@@ -12,6 +12,7 @@ import statistics
 import pytest
 
 from nest_fx.cluster import load_cluster
+from nest_fx.cluster.kernel_fit import fit_attention_half_tokens, length_law_errors, length_ratios, ring_ratios
 from nest_fx.cost.step_time import simulate
 from nest_fx.plan import uniform_plan
 from nest_fx.workload import Variant, workload_for_model
@@ -22,56 +23,37 @@ from nest_fx.workload.attention_share import (
     call_length_rate,
     fused_call_keys,
 )
-from repo_root import ROOT, import_script
+from repo_root import ROOT
 
 GPU = os.path.join(ROOT, "results", "gpu")
 MODEL = "llama:hidden=512,layers=2,heads=8,kv=2,ffn=1408,vocab=1024"
 
 
 def _measured_ratios():
-    """(kind, predicted share under half-rate h, measured share) of both GPUs' runs."""
-    script = import_script("bench_gpu_vs_model")
-    ring, length = [], []
+    """The length and ring ratios of both GPUs' runs (``kernel_fit``)."""
+    length, ring = [], []
     for run in ("bench_gpu_kernels_h200.json", "bench_gpu_kernels_h100.json"):
         with open(os.path.join(GPU, run)) as fh:
             measured = json.load(fh)
-        ring += script.ring_rows(measured)
-        length += script.length_rows(measured)
-    return ring, length
-
-
-def _law(keys: float, half: float) -> float:
-    return keys / (keys + half)
+        length += length_ratios(measured["sdpa"]["rows"])
+        ring += ring_ratios(measured)
+    return length, ring
 
 
 def test_the_half_rate_length_is_the_fit_of_both_gpus_sdpa_and_ring_runs():
-    ring, length = _measured_ratios()
+    length, ring = _measured_ratios()
     assert len(ring) == 12 and len(length) == 24  # 3 kernels x 4 lengths x 2 GPUs
-    length = [r for r in length if r["kernel"] in ("flash", "cudnn")]  # the kernels the model prices
-
-    def errors(half: float):
-        ring_err = [
-            abs(_law(r["chunk_tokens"], half) / _law(r["tokens"], half) / r["efficiency_fwd_bwd"] - 1) for r in ring
-        ]
-        length_err = [
-            abs(_law(r["tokens"], half) / _law(ATTENTION_RATE_REF_TOKENS, half) / r["measured"] - 1) for r in length
-        ]
-        return ring_err, length_err
-
-    def error(half: float) -> float:
-        ring_err, length_err = errors(half)
-        return statistics.mean(ring_err + length_err)
-
-    best = min(range(0, 3001, 10), key=error)
-    assert ATTENTION_HALF_RATE_TOKENS == pytest.approx(best, abs=20)
-    assert error(ATTENTION_HALF_RATE_TOKENS) < 0.03 < error(0)  # pricing every length alike misses by more
-    ring_err, length_err = errors(ATTENTION_HALF_RATE_TOKENS)
-    assert statistics.mean(ring_err) < 0.03 and statistics.mean(length_err) < 0.035  # each measurement alone
-    # what the model prices is the law: the script's model columns
-    assert all(
-        r["model"] == pytest.approx(_law(r["chunk_tokens"], best) / _law(r["tokens"], best), rel=0.02) for r in ring
-    )
-    assert all(r["model"] == attention_length_share(r["tokens"]) for r in length)
+    half, error = fit_attention_half_tokens(length, ring)
+    assert ATTENTION_HALF_RATE_TOKENS == half == 1050
+    assert error < 0.03 < statistics.mean(length_law_errors(length, ring, 0))  # every length alike misses more
+    ring_alone = statistics.mean(length_law_errors([], ring, half))
+    length_alone = statistics.mean(length_law_errors(length, [], half))
+    assert ring_alone < 0.03 and length_alone < 0.035  # each measurement alone
+    # the grid's neighbours fit worse: the constant is the minimum, not a pick
+    for other in (half - 100, half + 100):
+        assert statistics.mean(length_law_errors(length, ring, other)) > error
+    # the runs without short lengths or ring rows show no law
+    assert fit_attention_half_tokens([r for r in length if r["tokens"] >= 8192], []) is None
 
 
 def test_the_length_share_is_one_at_the_tabled_length_and_held_below_the_measured_range():
@@ -93,7 +75,7 @@ def test_a_short_sequence_prices_its_attention_at_the_length_share(monkeypatch):
     fwd = {}
     for law in (True, False):
         if not law:
-            monkeypatch.setattr(traced_source, "attention_length_share", lambda keys: 1.0)
+            monkeypatch.setattr(traced_source, "attention_length_share", lambda keys, half: 1.0)
         for seq in (2048, ATTENTION_RATE_REF_TOKENS):
             work = workload_for_model(MODEL, cluster, seq=seq)
             block = next(i for i, layer in enumerate(work.layers) if layer.kind == "block")
