@@ -83,9 +83,9 @@ def attention_shares(rows: Iterable[Mapping], min_tokens: int = MIN_ATTENTION_TO
 
 
 def length_ratios(rows: Iterable[Mapping]) -> List[dict]:
-    """Per ``sdpa`` row that timed forward + backward, ``{kernel, tokens, measured}``: its forward + backward share
-    over its kernel's median over the lengths of at least ``MIN_ATTENTION_TOKENS`` (the rate the
-    tables hold); kernels with no such length are left out."""
+    """Per ``sdpa`` row that timed forward + backward, ``{kernel, tokens, measured}``: its
+    forward + backward share over its kernel's median over the lengths of at least
+    ``MIN_ATTENTION_TOKENS`` (the rate the tables hold); kernels with no such length are left out."""
     runs: Dict[str, List[Mapping]] = {}
     for row in rows:
         if "error" not in row and "fwd_bwd_share" in row:
@@ -169,9 +169,9 @@ def kernel_rates_from_run(run: Mapping) -> KernelRates:
     """The ``device.kernel_rates`` a ``bench_gpu_kernels.py`` run measured: its GEMM curve (section
     ``gemm``), the shares of SDPA's cuDNN and FlashAttention-2 kernels (section ``sdpa``; the
     ``fused`` backend's attention is cuDNN's, Transformer Engine's fused attention) and the
-    attention length law (sections ``sdpa`` and ``ring``: :func:`fit_attention_half_tokens`). Sections
-    missing or failed are left to the roofline's tables. ClusterError for a smoke run (its tiny
-    shapes on CPU measure nothing) or a run with neither section."""
+    attention length law (sections ``sdpa`` and ``ring``: :func:`fit_attention_half_tokens`).
+    Sections missing or failed are left to the roofline's tables. ClusterError for a smoke run
+    (its tiny shapes on CPU measure nothing) or a run with neither section."""
     if run.get("smoke"):
         raise ClusterError("a --smoke run measures no kernel rates: run scripts/bench_gpu_kernels.py on the GPU")
     peak = float(run.get("peak", {}).get("bf16", 0.0))

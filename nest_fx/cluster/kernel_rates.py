@@ -15,9 +15,9 @@ device, not derived from its peak:
 
 The roofline's tables hold them for the devices measured (H100, H200) and for those priced from
 published measurements (B200, GB200), by name; a device named otherwise has none: ``e_max`` 0.75,
-a 2 GFLOP ramp, its attention at ``e_max``. The length law's constant is the Hopper fit for every
-device unless set here. Rates given here replace the tables' figures for that
-device, kernel by kernel (``scripts/bench_gpu_kernels.py`` measures them).
+a 2 GFLOP ramp, its attention at ``e_max``; the length law's constant is the Hopper fit on every
+device. Rates given here replace the tables' figures for that device, kernel by kernel
+(``scripts/bench_gpu_kernels.py`` measures them).
 """
 
 from __future__ import annotations
