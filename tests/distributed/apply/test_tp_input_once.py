@@ -178,7 +178,7 @@ def test_recompute_reruns_the_priced_forward_collectives(sp):
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 @pytest.mark.parametrize("family", ["moe", pytest.param("hf_mixtral", marks=pytest.mark.slow)])
 def test_expert_tp_runs_the_priced_collectives(family, sp):
-    """An MoE block under TP2 (``traced_source.expert_tp_collectives``). The zoo's 4 experts are a
+    """An MoE block under TP2 (``tp_collective_counts.expert_tp_collectives``). The zoo's 4 experts are a
     TP pair each: every expert all-reduces its output and each of its two columns' input
     gradients, 12 all-reduces a layer besides the attention's; HF Mixtral's stacked experts run
     on local shards: one all-reduce of the output, one of each floating input's gradient (the
