@@ -72,8 +72,8 @@ from profiler.recompute_memory import packed_bytes
 from _bench_common import write_json
 from _ring_attention_bench import ring
 
-# the presets whose datasheet peaks a run's shares are of, by the device name's longest part
-# (nest_fx.cluster.presets: dense bf16 / fp8 peaks and HBM bandwidth)
+# the presets whose datasheet peaks a run's shares are of, by the device name's family
+# (common.device_family; nest_fx.cluster.presets: dense bf16 / fp8 peaks and HBM bandwidth)
 PRESET_DEVICES = (("A100", A100_80GB), ("H100", H100_SXM), ("H200", H200_SXM), ("B200", B200), ("GB200", GB200))
 
 

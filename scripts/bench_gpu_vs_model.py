@@ -35,7 +35,7 @@ from typing import List, Optional
 from nest_fx.cluster import load_cluster
 from nest_fx.cluster.kernel_fit import attention_shares, length_ratios, ring_ratios
 from nest_fx.workload import workload_for_model
-from nest_fx.workload.attention_share import attention_length_share, call_length_rate
+from nest_fx.workload.attention_share import attention_length_share, ring_chunk_share
 from nest_fx.workload.roofline import SDPA_ATTENTION, AnalyticalCompute
 from nest_fx.workload.types import Variant
 
@@ -124,12 +124,9 @@ def length_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
 
 def ring_rows(measured: dict, timing: AnalyticalCompute) -> List[dict]:
     """Ring attention's cost of splitting per (tokens, cp) (``kernel_fit.ring_ratios``), and the
-    model's price: the chunk's rate over the sequence's (``call_length_rate``)."""
+    model's price: the chunk's rate over the sequence's (``ring_chunk_share``)."""
     half = timing.attention_half_tokens
-    return [
-        dict(r, model=call_length_rate(r["chunk_tokens"], half) / call_length_rate(r["tokens"], half))
-        for r in ring_ratios(measured)
-    ]
+    return [dict(r, model=ring_chunk_share(r["chunk_tokens"], r["tokens"], half)) for r in ring_ratios(measured)]
 
 
 def gemm_summary(measured: dict, timing: AnalyticalCompute) -> dict:

@@ -17,7 +17,7 @@ import json
 from typing import List, Optional, Sequence
 
 from nest_fx.report.plotting import pyplot_or_none
-from nest_fx.workload.attention_share import ATTENTION_HALF_RATE_TOKENS, attention_length_share, call_length_rate
+from nest_fx.workload.attention_share import ATTENTION_HALF_RATE_TOKENS, attention_length_share, ring_chunk_share
 
 MARKERS = {"flash": "o", "cudnn": "s", "efficient": "^"}
 
@@ -56,7 +56,7 @@ def plot(results: Sequence[dict], out: str, half_tokens: float = ATTENTION_HALF_
     chunks = sorted({(r["chunk_tokens"], r["tokens"]) for result in results for r in result.get("ring", [])})
     for seq in sorted({s for _, s in chunks}):
         xs = [c for c, s in chunks if s == seq]
-        law = [call_length_rate(c, half_tokens) / call_length_rate(seq, half_tokens) for c in xs]
+        law = [ring_chunk_share(c, seq, half_tokens) for c in xs]
         ring.plot(xs, law, "k--" if seq == chunks[0][1] else "k:", label=f"law, {seq:,}-token sequence")
     for ax, title, xlabel in (
         (whole, "SDPA over the whole sequence (fwd + bwd)", "tokens (keys per call)"),

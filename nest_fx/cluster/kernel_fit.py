@@ -28,7 +28,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from nest_fx.cluster.errors import ClusterError
 from nest_fx.cluster.kernel_rates import KernelRates
-from nest_fx.workload.attention_share import ATTENTION_RATE_REF_TOKENS, call_length_rate
+from nest_fx.workload.attention_share import attention_length_share, ring_chunk_share
 
 # the F_half grid: 0.01 to 1,000 GFLOP, 200 points per decade
 _HALF_GRID = [1e7 * 10 ** (i / 200) for i in range(1001)]
@@ -134,22 +134,14 @@ def ring_ratios(run: Mapping) -> List[dict]:
 
 def length_law_errors(length: Iterable[Mapping], ring: Iterable[Mapping], half_tokens: float) -> List[float]:
     """The relative errors of the length law with ``half_tokens`` on ``length`` ratios (of the
-    ``LENGTH_LAW_KERNELS``; the law against ``ATTENTION_RATE_REF_TOKENS``) and ``ring`` ratios (the
-    chunk's rate against the sequence's)."""
-    ref = call_length_rate(ATTENTION_RATE_REF_TOKENS, half_tokens)
+    ``LENGTH_LAW_KERNELS``: ``attention_length_share``) and ``ring`` ratios (``ring_chunk_share``)."""
     errors = [
-        abs(call_length_rate(r["tokens"], half_tokens) / ref / r["measured"] - 1)
+        abs(attention_length_share(r["tokens"], half_tokens) / r["measured"] - 1)
         for r in length
         if r["kernel"] in LENGTH_LAW_KERNELS
     ]
     errors += [
-        abs(
-            call_length_rate(r["chunk_tokens"], half_tokens)
-            / call_length_rate(r["tokens"], half_tokens)
-            / r["efficiency_fwd_bwd"]
-            - 1
-        )
-        for r in ring
+        abs(ring_chunk_share(r["chunk_tokens"], r["tokens"], half_tokens) / r["efficiency_fwd_bwd"] - 1) for r in ring
     ]
     return errors
 

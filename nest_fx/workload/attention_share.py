@@ -99,6 +99,13 @@ def attention_length_share(key_tokens: float, half_tokens: float = ATTENTION_HAL
     return call_length_rate(key_tokens, half_tokens) / call_length_rate(ATTENTION_RATE_REF_TOKENS, half_tokens)
 
 
+def ring_chunk_share(chunk_tokens: float, seq_tokens: float, half_tokens: float = ATTENTION_HALF_RATE_TOKENS) -> float:
+    """The share of the whole-sequence rate ring attention's chunk-pair calls over ``chunk_tokens``
+    keys reach, against one call over ``seq_tokens``: the chunk's length rate over the sequence's
+    (what ``bench_gpu_kernels.py``'s ``ring`` section measures)."""
+    return call_length_rate(chunk_tokens, half_tokens) / call_length_rate(seq_tokens, half_tokens)
+
+
 def fused_call_keys(seq: int, cp: int, ring: bool, window: int = 0) -> float:
     """The keys one fused attention call of a ``seq``-token layer runs over: the ``window`` of a
     windowed kernel; under ``cp`` ranks run as ring attention, the chunk ``seq / 2cp`` of its

@@ -21,6 +21,7 @@ from nest_fx.workload.attention_share import (
     ATTENTION_RATE_REF_TOKENS,
     attention_length_share,
     call_length_rate,
+    ring_chunk_share,
     fused_call_keys,
 )
 from repo_root import ROOT
@@ -62,6 +63,9 @@ def test_the_length_share_is_one_at_the_tabled_length_and_held_below_the_measure
     assert attention_length_share(64) == attention_length_share(2048)  # not measured below 2K
     assert attention_length_share(8192) < 1 < attention_length_share(131072)
     assert call_length_rate(0) == call_length_rate(2048)
+    # a ring chunk's rate against one call over the whole sequence
+    assert ring_chunk_share(8192, 8192) == 1.0
+    assert ring_chunk_share(2048, 32768) == pytest.approx(attention_length_share(2048), rel=1e-12)
     # the keys of a call: a window's band, a ring chunk, else the sequence
     assert fused_call_keys(8192, 1, False) == 8192 and fused_call_keys(8192, 4, False) == 8192
     assert fused_call_keys(8192, 4, True) == 1024 and fused_call_keys(8192, 1, True, window=512) == 512
@@ -104,5 +108,5 @@ def test_a_ring_plan_prices_its_cp_attention_at_the_split_share():
         plan = uniform_plan(len(work), dp=4, microbatch_size=1, num_microbatches=1, cp=2, cp_mode=mode)
         steps[mode] = simulate(plan, work, cluster).stages[0]
     assert steps["ring"].fwd_compute > steps["allgather"].fwd_compute
-    chunk_share = attention_length_share(8192 / 4) / attention_length_share(8192)
+    chunk_share = ring_chunk_share(8192 / 4, 8192)
     assert steps["ring"].fwd_compute < steps["allgather"].fwd_compute / chunk_share  # attention is a part only
