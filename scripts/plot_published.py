@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional
 
 from nest_fx.report.plotting import pyplot_or_none
 
+from _published_report import predicted_value, published_value
+
 COLORS = {"torchtitan": "tab:blue", "nemo": "tab:green", "automodel": "tab:purple", "llama3": "tab:red"}
-
-
-def _published(row: dict) -> float:
-    return row.get("tflops_per_gpu") or row["tps_per_gpu"]
-
-
-def _predicted(row: dict, pred: Optional[dict]) -> Optional[float]:
-    if not pred or not pred.get("expressible"):
-        return None
-    return pred["tflops_per_gpu"] if row.get("tflops_per_gpu") else pred["tps_per_gpu"]
 
 
 def plot(data: dict, out: str) -> bool:
@@ -37,10 +28,10 @@ def plot(data: dict, out: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 6))
     values = []
     for row in data["rows"]:
-        pub = _published(row)
+        pub = published_value(row)
         color = COLORS.get(row.get("system", "torchtitan"), "tab:gray")
         for label, filled in (("before", False), ("after", True)):
-            pred = _predicted(row, data.get(label, {}).get(row["key"]))
+            pred = predicted_value(row, data.get(label, {}).get(row["key"]))
             if pred is None:
                 continue
             values += [pub, pred]

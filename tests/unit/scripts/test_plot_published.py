@@ -26,9 +26,9 @@ def test_the_committed_results_draw(plotter, tmp_path):
 
 def test_rows_not_expressible_have_no_point(plotter):
     row = {"key": "x", "tps_per_gpu": 100.0}
-    assert plotter._predicted(row, {"expressible": False}) is None
-    assert plotter._predicted(row, None) is None
-    assert plotter._predicted(row, {"expressible": True, "tps_per_gpu": 90.0}) == 90.0
+    assert plotter.predicted_value(row, {"expressible": False}) is None
+    assert plotter.predicted_value(row, None) is None
+    assert plotter.predicted_value(row, {"expressible": True, "tps_per_gpu": 90.0}) == 90.0
     tf = {"key": "m", "tps_per_gpu": 0.0, "tflops_per_gpu": 400.0}
-    assert plotter._published(tf) == 400.0
-    assert plotter._predicted(tf, {"expressible": True, "tps_per_gpu": 150.0, "tflops_per_gpu": 380.0}) == 380.0
+    assert plotter.published_value(tf) == 400.0
+    assert plotter.predicted_value(tf, {"expressible": True, "tps_per_gpu": 150.0, "tflops_per_gpu": 380.0}) == 380.0
