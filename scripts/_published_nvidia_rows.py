@@ -1,9 +1,10 @@
 """NVIDIA's published runs for ``bench_published.py``: NeMo's FP8 pre-training tables (24.12 rows
-n1-n7, 24.07 rows n8-n10), Megatron-Bridge's (25.11, rows r1-r5: DGX H100, DGX B200, GB200 NVL72)
-and AutoModel's MoE run (row a1); the sources are described in ``bench_published.py``'s docstring."""
+n1-n7, 24.07 rows n8-n10), Megatron-Bridge's (25.11, rows r1-r5: DGX H100, DGX B200, GB200 NVL72;
+25.09, MoE row r6) and AutoModel's MoE run (row a1); the sources are described in ``bench_published.py``'s docstring."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 from _published_row import Row
@@ -17,7 +18,7 @@ NEMO_2407_SOURCE = (
     "(NVIDIA/NeMo docs/source/performance/performance_summary.md)"
 )
 BRIDGE_SOURCE = (
-    "NVIDIA Megatron-Bridge performance summary, 25.11 NeMo container, pre-training "
+    "NVIDIA Megatron-Bridge performance summary, 25.11 and 25.09 NeMo containers, pre-training "
     "(NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md)"
 )
 AUTOMODEL_SOURCE = (
@@ -104,10 +105,9 @@ def nvidia_rows() -> List[Row]:
     # row (recompute of 5 of 32 layers, not a per-stage policy), the 405B GB200 row (TP 4 PP 16 VP 4,
     # DP 4: costed at 202 GiB against 165 usable; the presets in that repository state no recompute
     # or offloading for it), the MoE rows (GPT-OSS: attention sinks; Qwen3-235B: its row misses a column;
-    # Qwen3-30B-A3B on 16 H100, FP8, PP 2 VP 24 EP 8, 5,275 tokens/s: costed as ``_megatron_row`` with
-    # ep=8 it is 98 GiB on its second stage, 63 GiB of it activations at 1.05 GiB per layer and microbatch
-    # of 8,192 tokens (the zoo's capacity-slot MoE under fused FP8 pricing), and 2.0x the published throughput:
-    # Megatron-Core's MoE layer keeps other tensors, and pricing another system's MoE memory is not built).
+    # Qwen3-30B-A3B on 16 H100, 5,275 tokens/s: token-dropless, half the throughput of the same
+    # configuration's token-drop run in the 25.09 table, row r6, which nest-fx's capacity-slot MoE computes;
+    # what slows the dropless run, on H100 and B200 but not GB200, is not stated).
     # Not modelled: the B200 / GB200 8B rows' full-iteration CUDA graphs (the repository's presets; the
     # launches they save are priced, about 2% of r3 / r4: docs/cost_model.md, "Fourteenth run").
     for key, model, hardware, gpus, gbs, mbs, tp, pp, cp, vp, tps in (
@@ -118,6 +118,17 @@ def nvidia_rows() -> List[Row]:
         ("r5", "405b", "dgx-b200", 128, 64, 1, 4, 8, 2, 8, 661),
     ):
         rows.append(_megatron_row(key, "Megatron-Bridge", model, hardware, gpus, gbs, mbs, 8192, tp, pp, cp, vp, tps))
+    # Megatron-Bridge 25.09's table (BRIDGE_SOURCE), DGX H100: Qwen3-30B-A3B "(tokendrop)", 16 GPUs, GBS 512,
+    # MBS 2, sequence 4096, PP 2, VP 24, EP 8, no TP / CP / FSDP, 10,494 tokens/s per GPU; the table's FP8
+    # (its note gives the H100 FP8 recipes). Stated in its performance scripts (scripts/performance/configs/
+    # qwen3/qwen3_llm_pretrain.py): no recompute, bf16 gradients (grad_reduce_in_fp32 False), routing forced
+    # balanced. Token drop at Megatron's capacity factor 1 under balanced routing is the zoo MoE's capacity
+    # buffer at capacity 1; Megatron-Core's alltoall dispatcher sends one row per routed pair (``slots``).
+    # Priced as Megatron-Core's MoE layer (the ``fused`` backend: router weights in the experts' activation,
+    # FP8 linear inputs kept quantized, the loss in place). Assumed: the expert all-to-all exposed (the
+    # recipes' ``moe_a2a_overlap`` hides some of it; no share of it is measured), the DGX H100 network.
+    row = _megatron_row("r6", "Megatron-Bridge", "qwen3-30b-a3b", "dgx-h100", 16, 512, 2, 4096, 1, 2, 1, 24, 10494)
+    rows.append(dataclasses.replace(row, ep=8))
     # AutoModel's MoE row (AUTOMODEL_SOURCE): Qwen3-30B-A3B on one DGX H100, BF16, 12,040 tokens/s
     # per GPU (21.77 s a step). Stated in the table and its config: GBS 512, local batch 4 (16
     # accumulation steps), sequence 4096, EP 8 inside FSDP 8, no TP / PP / CP; Transformer Engine

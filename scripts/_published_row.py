@@ -125,10 +125,13 @@ class Row:
         """How the row's loss ran (``plan.loss_kernel``): torchtitan's compiled loss (rows w), else
         torchtitan's under loss parallelism is PyTorch's DTensor ``loss_parallel``, an op-by-op
         cross-entropy on the sharded logits (``eager``: two fp32 gradients in backward);
-        Megatron's vocabulary-parallel loss (NeMo) works in place, as nest-fx's does ('')."""
+        AutoModel's ``MaskedCrossEntropy`` is an op-by-op loss too, and Meta's stack states none
+        (``eager``, as priced before the ``fused`` backend's in-place loss); Megatron's
+        vocabulary-parallel loss (NeMo, Megatron-Bridge) works in place at every TP degree, as the
+        ``fused`` backend prices it ('')."""
         if self.compiled_loss:
             return "compile"
-        return "eager" if self.system == "torchtitan" else ""
+        return "eager" if self.system in ("torchtitan", "automodel", "llama3") else ""
 
     @property
     def published(self) -> float:

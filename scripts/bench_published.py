@@ -42,6 +42,7 @@ Held out too, with no memory figure (they ran, so they must fit): NVIDIA's rows
 24.12's and 24.07's dense FP8 rows on DGX H100 (``fused``, Float8, ZeRO-1 as Megatron-Core's
 distributed optimizer holds it, bf16 gradients, no recompute and TP communication exposed
 assumed); r1-r5, Megatron-Bridge 25.11's on DGX H100, DGX B200 and GB200 NVL72 (the same stack);
+r6, Megatron-Bridge 25.09's FP8 Qwen3-30B-A3B token-drop run on 16 H100 (PP 2, VP 24, EP 8);
 a1, AutoModel's BF16 Qwen3-30B-A3B run with EP 8.
 
 Meta's Llama 3 405B pre-training configurations (Grattafiori et al. 2024, Table 4: model TFLOP/s

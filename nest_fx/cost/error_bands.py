@@ -66,13 +66,13 @@ FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it
     "tp": ErrorBand(0.13, "TP rows t4.1, t4.2 (torchtitan 70B), n9, n10 (NeMo GPT-3 20B, Nemotron-3 8B)"),
     "ep": ErrorBand(
         0.06,
-        "AutoModel Qwen3-30B-A3B row a1 alone (EP 8 x FSDP 8, DGX H100, bf16, DeepEP, a balanced stand-in gate); "
-        "Megatron-Core's MoE layer is not priced (docs/cost_model.md, Thirteenth run)",
+        "AutoModel Qwen3-30B-A3B row a1 (EP 8 x FSDP 8, DGX H100, bf16, DeepEP, a balanced stand-in gate); "
+        "Megatron-Bridge's EP 8 row r6 pipelines too: in the PP band",
     ),
     "pp": ErrorBand(
         0.22,
         "pipelined rows without CP: t5, t6.1 (torchtitan 405B), m1, m2 (Llama 3 405B, 8K), n2, n3, n6, n7 (NeMo "
-        "Llama, GPT-3), r1 (Megatron-Bridge Llama 3 70B)",
+        "Llama, GPT-3), r1 (Megatron-Bridge Llama 3 70B), r6 (Megatron-Bridge Qwen3-30B-A3B, EP 8, PP 2 VP 24)",
     ),
     "cp": ErrorBand(
         0.65,

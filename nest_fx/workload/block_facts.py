@@ -33,19 +33,20 @@ from nest_fx.workload.fused_norms import NormGroup, norm_groups, region_kept_lea
 from nest_fx.workload.kernels import region_kept_bytes
 from nest_fx.workload.runtime_costs import fusion_regions
 
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     name: torch.empty((), dtype=getattr(torch, name)).element_size()
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
 }
 
 
-def _bytes_of(shapes, dtypes) -> float:
+def tensor_bytes(shapes, dtypes) -> float:
+    """Bytes of the tensors of ``shapes`` and ``dtypes`` (a node's ``in_shapes`` / ``in_dtypes``)."""
     total = 0.0
     for shape, dtype in zip(shapes or [], dtypes or []):
         n = 1
         for d in shape:
             n *= d
-        total += n * _DTYPE_BYTES.get(dtype, 4)
+        total += n * DTYPE_BYTES.get(dtype, 4)
     return total
 
 
@@ -140,7 +141,7 @@ def _scores(d: dict) -> Tuple[float, float]:
     for k in shapes[0][:-1]:
         rows *= k
     elements = float(rows * shapes[1][-2])
-    return elements, elements * _DTYPE_BYTES.get((d.get("out_dtypes") or ["bfloat16"])[0], 2)
+    return elements, elements * DTYPE_BYTES.get((d.get("out_dtypes") or ["bfloat16"])[0], 2)
 
 
 def _head_table_nodes(g, block, pair, up: set) -> set:
@@ -236,7 +237,7 @@ def block_facts(graph, block) -> BlockFacts:
     whole_grads: List[float] = []
     for k, n in enumerate(block.nodes):
         d = g.nodes[n]
-        in_b = _bytes_of(d.get("in_shapes"), d.get("in_dtypes"))
+        in_b = tensor_bytes(d.get("in_shapes"), d.get("in_dtypes"))
         out_b = d.get("out_bytes", 0.0)
         attention = d.get("op") in ATTENTION_CALLS
         saved_flash = d.get("saved_bytes", 0.0)
@@ -244,9 +245,9 @@ def block_facts(graph, block) -> BlockFacts:
         seq = window = 0
         if attention and d.get("out_shapes"):
             shape = d["out_shapes"][0]
-            lse = out_b / max(shape[-1], 1) * LSE_BYTES / max(_DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
-            q_bytes = _bytes_of(d["in_shapes"][:1], d["in_dtypes"][:1])
-            kv_bytes = _bytes_of(d["in_shapes"][1:3], d["in_dtypes"][1:3])
+            lse = out_b / max(shape[-1], 1) * LSE_BYTES / max(DTYPE_BYTES.get(d["out_dtypes"][0], 2), 1)
+            q_bytes = tensor_bytes(d["in_shapes"][:1], d["in_dtypes"][:1])
+            kv_bytes = tensor_bytes(d["in_shapes"][1:3], d["in_dtypes"][1:3])
             window = attention_window(g, n)
             if window:  # a windowed fused kernel reads and keeps no mask
                 in_b = q_bytes + kv_bytes
@@ -317,7 +318,7 @@ def block_facts(graph, block) -> BlockFacts:
             vocab_comms.append(("all_reduce", d.get("out_bytes", 0.0), "fwd"))
         else:  # output linear: input gradient all-reduced (backward), logits all-gathered (forward)
             vocab_comms += [
-                ("all_reduce", _bytes_of(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
+                ("all_reduce", tensor_bytes(d.get("in_shapes"), d.get("in_dtypes")), "bwd"),
                 ("all_gather", d.get("out_bytes", 0.0), "fwd"),
             ]
     wide = {block.fqn(m) for pair in (pattern.tp_pairs if pattern else []) if not pair.problem for m in pair.wide_norms}
@@ -491,6 +492,6 @@ def _loss_facts(g, block) -> Tuple[float, float, float, float]:
     numel = 1
     for k in shapes[0]:
         numel *= k
-    logits = numel * _DTYPE_BYTES.get(dtypes[0] if dtypes else "float32", 4)
+    logits = numel * DTYPE_BYTES.get(dtypes[0] if dtypes else "float32", 4)
     rows = numel / max(shapes[0][-1], 1)
     return numel * LOSS_STATE_BYTES, 5.0 * numel, logits + 2 * numel * LOSS_STATE_BYTES, rows

@@ -22,8 +22,17 @@ system, not of the model. Three backends, each a row of :data:`KERNEL_BACKENDS`:
              saves the attention kernel's own output (Megatron-LM's core attention writes it as
              ``[s, b, heads x head_dim]``, which ``linear_proj`` reads without a copy: one
              tensor, not two); attention at cuDNN's measured causal rate on Hopper
-             (``roofline.FUSED_ATTENTION``). For predicting those systems
-             (``--kernels fused``); nest-fx's runtime does not run them.
+             (``roofline.FUSED_ATTENTION``). Under FP8 a linear keeps its input for the weight
+             gradient as the quantized copy (Transformer Engine's ``Linear`` saves the FP8
+             tensor it multiplied), one byte an element, and the attention output is then kept
+             twice (bf16 by the kernel, FP8 by the projection). A MoE layer's experts multiply
+             the router weights into their activation before their second GEMM (Megatron-Core's
+             ``GroupedMLP`` / ``TEGroupedMLP``: ``activation_func_with_probs``), so the sum of the
+             expert outputs keeps none of them (``routed_weighting``). The loss on full logits is
+             Megatron-LM's vocabulary-parallel cross entropy at every TP degree, its softmax turned
+             into the gradient in place (``loss_terms``; ``loss_kernel=eager`` prices an op-by-op
+             loss instead). For predicting those systems (``--kernels fused``); nest-fx's runtime
+             does not run them.
 
 Sources of the factors (``docs/cost_model.md``, "Kernel backends"):
 
@@ -69,6 +78,16 @@ class KernelBackend:
     # the attention output projection reads the attention kernel's output in place, so the
     # tensor its weight gradient needs is the one the kernel saved (counted once)
     shared_attention_output: bool = False
+    # a Float8 linear keeps its input for the weight gradient as the quantized copy, one byte an
+    # element (Transformer Engine's Linear saves the FP8 tensor it multiplied; torchao, nest-fx's
+    # runtime, keeps the bf16 input and quantizes it again in backward)
+    fp8_saved_inputs: bool = False
+    # the router weights multiply the experts' activation before their second GEMM (Megatron-Core's
+    # grouped experts), not the expert outputs: nothing of those is kept (workload/routed_weighting.py)
+    expert_probs_in_activation: bool = False
+    # the loss on full logits is a vocabulary-parallel cross entropy at every TP degree, its kept
+    # softmax turned into the gradient in place (Megatron-LM computes every loss so: workload/loss_terms.py)
+    loss_in_place_always: bool = False
 
 
 KERNEL_BACKENDS: Dict[str, KernelBackend] = {
@@ -81,6 +100,9 @@ KERNEL_BACKENDS: Dict[str, KernelBackend] = {
         hopper_attention=True,
         fused_casts=True,
         shared_attention_output=True,
+        fp8_saved_inputs=True,
+        expert_probs_in_activation=True,
+        loss_in_place_always=True,
     ),
 }
 KERNELS = tuple(KERNEL_BACKENDS)  # the plan's vocabulary lists the same names (plan.vocabulary.KERNELS)
