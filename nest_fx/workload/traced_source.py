@@ -25,16 +25,17 @@ from nest_fx.workload.attention_share import (
     materialised_score_seconds,
     window_share,
 )
-from nest_fx.workload.block_facts import DTYPE_BYTES, LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
+from nest_fx.workload.block_facts import LOSS_STATE_BYTES, BlockFacts, block_facts, scaled_facts
 from nest_fx.workload.block_collectives import vocab_parallel_nodes
 from nest_fx.workload.expert_dispatch import dispatch_bytes
 from nest_fx.workload.expert_gemms import ep_shaped_times, has_expert_matmuls
+from nest_fx.workload.fp8_kept import fp8_input_shares
 from nest_fx.workload.fused_norms import NormGroup, fused_groups, fused_nodes, fused_times, norm_kernel_problem
 from nest_fx.workload.recompute_costs import OP_LEVEL_POLICIES
 from nest_fx.workload.kernels import kernel_backend
 from nest_fx.workload.loss_terms import loss_terms
 from nest_fx.workload.routed_weighting import routed_weighting_bytes
-from nest_fx.workload.runtime_costs import FP8_BYTES, RuntimeCosts
+from nest_fx.workload.runtime_costs import RuntimeCosts
 from nest_fx.workload.tp_collective_counts import expert_tp_collectives, tp_region_collectives
 from nest_fx.workload.types import Comm, Layer, LayerCost, ModelDims, Workload, WorkloadError
 
@@ -206,7 +207,7 @@ class TracedSource:
             if self.runtime.backend.expert_probs_in_activation:
                 g = self.graph.graph
                 routed = [b * self.byte_scale for b in routed_weighting_bytes(g, block.nodes, block.is_moe)]
-            shares = self._fp8_input_shares(block, nodes)
+            shares = fp8_input_shares(self.graph.graph, block, nodes, self.runtime, self.byte_scale, self.num_experts)
             self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens, shares, routed)
         act, rec = (dict(d) for d in self._kept[kept_key])
         if (block.index, tp, ep) not in self._params:
@@ -264,7 +265,7 @@ class TracedSource:
         block's, with the fused norms the variant runs), before the full-recompute and loss terms:
         they do not depend on the EP degree or loss parallelism, so :meth:`cost` asks them once
         per (block, tp, mbs, sp, cp) of this runtime. ``fp8_shares``: per node, the share of its
-        saved bytes a quantized input keeps (:meth:`_fp8_input_shares`); ``routed``: per node, the
+        saved bytes a quantized input keeps (``fp8_kept.fp8_input_shares``); ``routed``: per node, the
         expert outputs a router-weighting multiply keeps that the backend's experts do not
         (``routed_weighting``)."""
         act = dict.fromkeys(LAYER_POLICIES, 0.0)
@@ -272,16 +273,17 @@ class TracedSource:
         keeps = [tp if (sp or (n.tp and not n.column)) else 1 for n in nodes]
         shares = fp8_shares or [None] * len(nodes)
         for n, (t, _), keep, share in zip(nodes, times, keeps, shares):
-            saved = n.saved if share is None else n.saved * share
+            f = 1.0 if share is None else share
+            saved = n.saved * f
             flash = n.saved_flash if n.attention else saved
-            whole = n.saved_whole * (1.0 if share is None else share) if keep > 1 else 0.0  # kept whole on every rank
+            whole = n.saved_whole * f if keep > 1 else 0.0  # a sharded call's input, kept whole on every rank
             none = ((flash if self.attention == "flash" else saved) - whole) * tokens / keep + whole * tokens
             if n.attention and cp > 1:  # the gathered keys and values are whole sequences
                 none += n.kv_bytes * scale / keep * (1 - 1 / cp)
             act["none"] += none
             shard = tp if (n.tp or sp) else 1  # a created tensor is a shard in a TP region or under SP
             for policy in OP_LEVEL_POLICIES:
-                act[policy] += n.kept.get(policy, 0.0) * (1.0 if share is None else share) * tokens / shard
+                act[policy] += n.kept.get(policy, 0.0) * f * tokens / shard
                 rec[policy] += t * n.recomputed.get(policy, 0.0)
         if self.runtime.backend.fused_activations:  # each fused region keeps its min-cut tensors instead
             region_kept = facts.region_kept_lean if self.runtime.norm_keeps_output else facts.region_kept
@@ -298,21 +300,6 @@ class TracedSource:
         if routed:  # the router weights multiply the experts' activation: no expert output kept for them
             act["none"] -= sum(b * tokens / keep for b, keep in zip(routed, keeps))
         return act, rec
-
-    def _fp8_input_shares(self, block, nodes) -> List[Optional[float]]:
-        """Per node of ``block``: the share of its saved bytes a Float8 linear keeps when the
-        backend keeps its input quantized (one byte an element; ``KernelBackend.fp8_saved_inputs``),
-        None for every other node and backend. The traced input's dtype gives its width."""
-        if not (self.runtime.backend.fp8_saved_inputs and self.runtime.float8):
-            return [None] * len(nodes)
-        g = self.graph.graph
-        out: List[Optional[float]] = []
-        for name, n in zip(block.nodes, nodes):
-            dtypes = g.nodes[name].get("in_dtypes") or []
-            width = DTYPE_BYTES.get(dtypes[0], 2) * self.byte_scale if dtypes else 0.0
-            fp8 = width > 0 and self.runtime.float8_node(block.kind, n)
-            out.append(min(1.0, FP8_BYTES / width) if fp8 else None)
-        return out
 
     def _comms(self, facts: BlockFacts, tp: int, ep: int, scale: float, cp: int, sp: bool, lp: bool) -> List[Comm]:
         """The layer's collectives per microbatch (docs/cost_model.md): TP's around its regions

@@ -10,6 +10,7 @@ import pytest
 
 from nest_fx.cluster import load_cluster
 from nest_fx.workload import workload_for_model
+from nest_fx.workload.fp8_kept import fp8_input_shares
 from nest_fx.workload.kernels import KERNEL_BACKENDS
 from nest_fx.workload.routed_weighting import routed_weighting_bytes
 
@@ -84,3 +85,21 @@ def test_the_fused_backend_runs_the_loss_in_place_without_tensor_parallelism(sha
     assert scratch(kernels="fused") == pytest.approx(2.0)
     assert scratch(kernels="fused", loss_kernel="eager") == pytest.approx(8.0)
     assert scratch(kernels="eager") == pytest.approx(8.0)
+
+
+def test_a_moe_router_keeps_its_input_unquantized():
+    """Megatron-Core runs the router's linear unquantized: under FP8 its saved input keeps its
+    width while the experts' linears keep one byte an element."""
+    sixteen = MOE.replace("experts=4", "experts=16")  # a router Float8 would take (16 outputs)
+    work = workload_for_model(sixteen, load_cluster("dgx-h100:8")).for_runtime(kernels="fused", float8=True)
+    source = work.source
+    block = next(b for b in source.graph.blocks if b.kind == "block")
+    nodes = source.facts(block.index).nodes
+    shares = fp8_input_shares(source.graph.graph, block, nodes, source.runtime, source.byte_scale, 16)
+    shares = dict(zip(block.nodes, shares))
+    modules = {name: source.graph.graph.nodes[name].get("module", "") for name in block.nodes}
+    gate = next(n for n in block.nodes if modules[n] == "layers.0.moe.gate")
+    router = [shares[gate]]
+    experts = [shares[n] for n in block.nodes if ".experts." in modules[n] and shares[n] is not None]
+    assert router == [None] and source.runtime.float8_node("block", nodes[block.nodes.index(gate)])
+    assert experts and set(experts) == {0.5}  # bf16 inputs kept as FP8
