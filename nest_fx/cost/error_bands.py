@@ -53,8 +53,8 @@ BACKEND_BANDS: Dict[str, ErrorBand] = {
     "compile": ErrorBand(0.03, "torchtitan Llama 3.1 8B compile rows t1.2, t3.2 (compile's factor measured on them)"),
     "fused": ErrorBand(
         None,
-        "no published fused-kernel run without Float8, CP, TP or PP checked; NeMo rows n1-n7 and Llama 3 rows "
-        "m1-m3 are in their features' bands",
+        "no published fused-kernel run without Float8, TP, EP, PP or CP checked; NeMo's and Megatron-Bridge's "
+        "rows n1-n10, r1-r6, AutoModel's a1 and Llama 3's m1-m3 are in their features' bands",
     ),
 }
 FEATURE_BANDS: Dict[str, ErrorBand] = {  # in order: each from the rows using it and none later
