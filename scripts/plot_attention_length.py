@@ -3,8 +3,8 @@
 (one per GPU) against the law the cost model prices (``attention_share``). Left: SDPA over whole
 sequences, each length's forward + backward rate over its kernel's median over >= 8K tokens, with
 the law's share of the tabled rate; right: ring attention's chunked calls against the whole
-sequence, with the law's chunk-over-sequence ratio. Written by ``bench_gpu_vs_model.py`` next to
-its JSON; run alone to draw several GPUs on one figure:
+sequence, with the law's chunk-over-sequence ratio. Run on one or more of those JSONs (several
+GPUs on one figure):
 
     python scripts/plot_attention_length.py results/gpu/attention_length.png \\
         results/gpu/gpu_vs_model.json results/gpu/gpu_vs_model_h100.json

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from nest_fx.cost.error_bands import BACKEND_BANDS, DEVICE_BANDS, FEATURE_BANDS
+from nest_fx.cost.error_bands import BACKEND_BANDS, DEVICE_BANDS, FEATURE_BANDS, features_used
 
 from _published_report import predicted_value, published_value
 
@@ -42,14 +42,7 @@ class DerivedBand:
 
 def row_features(row: dict) -> List[str]:
     """The banded features a benchmark row uses, in ``FEATURE_BANDS``' order."""
-    used = {
-        "float8": bool(row["float8"]),
-        "tp": row["tp"] > 1,
-        "ep": row.get("ep", 1) > 1,
-        "pp": row["pp"] > 1,
-        "cp": row["cp"] > 1,
-    }
-    return [name for name in FEATURE_BANDS if used[name]]
+    return features_used(row["float8"], row["tp"], row.get("ep", 1), row["pp"], row["cp"])
 
 
 def row_band(row: dict) -> str:

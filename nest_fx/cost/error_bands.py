@@ -96,11 +96,15 @@ DEVICE_BANDS: Dict[str, ErrorBand] = {  # devices with published runs of their o
 }
 
 
+def features_used(float8: bool, tp: int, ep: int, pp: int, cp: int) -> List[str]:
+    """The banded features (FEATURE_BANDS keys, in their order) a run of these degrees uses."""
+    used = {"float8": bool(float8), "tp": tp > 1, "ep": ep > 1, "pp": pp > 1, "cp": cp > 1}
+    return [name for name in FEATURE_BANDS if used[name]]
+
+
 def plan_features(plan) -> List[str]:
     """The features of ``plan`` that have bands of their own (FEATURE_BANDS keys)."""
-    tp = max(s.tp for s in plan.stages) > 1
-    used = {"float8": plan.float8, "tp": tp, "ep": plan.ep > 1, "pp": plan.pp > 1, "cp": plan.cp > 1}
-    return [name for name in FEATURE_BANDS if used[name]]
+    return features_used(plan.float8, max(s.tp for s in plan.stages), plan.ep, plan.pp, plan.cp)
 
 
 def error_band(plan, device: str = "") -> ErrorBand:
