@@ -77,6 +77,7 @@ class TracedSource:
         self._blocks: Dict[tuple, object] = {}  # the graph's block per (signature, kind)
         self._fused: Dict[tuple, list] = {}  # fused_nodes per (block, tp, sp)
         self._ep_shaped: Dict[int, bool] = {}  # has_expert_matmuls per block
+        self._backend_inputs: Dict[int, tuple] = {}  # _backend_kept per block
 
     def facts(self, block_index: int) -> BlockFacts:
         if block_index not in self._facts:
@@ -203,11 +204,7 @@ class TracedSource:
                 nodes = self._fused[(block.index, tp, sp)] = fused_nodes(
                     facts.nodes, norms, self.runtime.norm_keeps_output
                 )
-            routed = None
-            if self.runtime.backend.expert_probs_in_activation:
-                g = self.graph.graph
-                routed = [b * self.byte_scale for b in routed_weighting_bytes(g, block.nodes, block.is_moe)]
-            shares = fp8_input_shares(self.graph.graph, block, nodes, self.runtime, self.byte_scale, self.num_experts)
+            shares, routed = self._backend_kept(block, facts)
             self._kept[kept_key] = self._kept_bytes(facts, nodes, times, tp, sp, cp, scale, tokens, shares, routed)
         act, rec = (dict(d) for d in self._kept[kept_key])
         if (block.index, tp, ep) not in self._params:
@@ -247,6 +244,18 @@ class TracedSource:
             fp8_params=fp8_params,
             tied_params=facts.tied_params,
         )
+
+    def _backend_kept(self, block, facts: BlockFacts) -> tuple:
+        """(``fp8_kept.fp8_input_shares``, ``routed_weighting_bytes`` at the run's width or None) of
+        ``block`` under this runtime's backend: per block, the same for every variant."""
+        if block.index not in self._backend_inputs:
+            g = self.graph.graph
+            shares = fp8_input_shares(g, block, facts.nodes, self.runtime, self.byte_scale, self.num_experts)
+            routed = None
+            if self.runtime.backend.expert_probs_in_activation:
+                routed = [b * self.byte_scale for b in routed_weighting_bytes(g, block.nodes, block.is_moe)]
+            self._backend_inputs[block.index] = (shares, routed)
+        return self._backend_inputs[block.index]
 
     def _kept_bytes(
         self,
